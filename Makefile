@@ -1,0 +1,54 @@
+# Every target installs what it needs (apt and pip) on a fresh Debian machine.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SG := $(VENV)/bin/sbatch-gen
+PYTEST_ARGS ?=
+APT_PACKAGES := shellcheck slurmctld slurmd slurm-client munge openssh-server iproute2 procps psmisc
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
+
+$(VENV)/.installed: pyproject.toml constraints-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints-dev.txt -e '.[dev,train,s3,report]'
+	touch $@
+
+install: $(VENV)/.installed  ## create .venv, install the package editable with dev extras
+
+system-deps:  ## apt packages the tests use (shellcheck, Slurm, munge, sshd); no-op once present
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
+render: install  ## render every site to out/
+	$(SG) render --all
+
+check: install  ## fail (exit 1, with a diff) if out/ differs from a fresh render
+	$(SG) validate
+	$(SG) check
+
+lint: install system-deps  ## ruff, plus bash -n and shellcheck on every rendered script
+	$(VENV)/bin/ruff check sbatch_gen tests bench
+	for f in out/*.sbatch out/*.sh; do [ -e "$$f" ] || continue; bash -n "$$f"; shellcheck -x "$$f"; done
+	shellcheck scripts/*.sh
+
+test: install system-deps  ## the whole test suite: unit, multi-process (torchrun/gloo), end to end on local Slurm
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: install  ## render the sites, then train two regions with DiLoCo over the fs mailbox and summarise
+	$(SG) render --all
+	$(PY) -m sbatch_gen.demo
+
+bench: install system-deps  ## benchmarks: Markdown table + PNG plots in bench/results/
+	$(PY) -m bench
+
+.PHONY: help install system-deps render check lint test demo bench
