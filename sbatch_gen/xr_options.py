@@ -1,0 +1,245 @@
+"""Cross-region settings: one typed model shared by the site profile, the renderer and the trainer.
+
+Torch-free. The site profile's ``cross_region`` section *is* :class:`CrossRegion`; the renderer turns it
+into ``--xr-*`` trainer flags with :func:`to_argv`; the trainer parses them back with
+:func:`add_arguments` / :func:`from_namespace`. So a setting exists exactly once.
+
+Credentials are referenced, never given: an AWS profile name, or the *names* of environment variables
+that hold the keys. There is no field that could carry a secret value.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+ENV_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+_name = Annotated[str, Field(pattern=NAME_RE)]
+_env_name = Annotated[str, Field(pattern=ENV_NAME_RE)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FsTransport(_Strict):
+    """A directory as the mailbox: a shared filesystem, or a local one for demos and tests."""
+
+    kind: Literal["fs"] = "fs"
+    root: str = Field(
+        min_length=1,
+        description="Mailbox directory. Every region of the run must see the same directory.",
+    )
+
+    @field_validator("root")
+    @classmethod
+    def _no_control_chars(cls, v: str) -> str:
+        if any(ord(c) < 32 for c in v):
+            raise ValueError("must not contain control characters (newline, tab, ...)")
+        return v
+
+
+class S3Credentials(_Strict):
+    """Where the S3 credentials come from. Values are never written here: only names.
+
+    Leave everything unset to use boto3's default chain (environment, instance role, ...).
+    """
+
+    profile: _env_name | None = Field(
+        default=None, description="Name of an AWS profile (~/.aws/config) to use."
+    )
+    access_key_id_env: _env_name | None = Field(
+        default=None, description="Name of the environment variable holding the access key id."
+    )
+    secret_access_key_env: _env_name | None = Field(
+        default=None, description="Name of the environment variable holding the secret access key."
+    )
+    session_token_env: _env_name | None = Field(
+        default=None, description="Name of the environment variable holding a session token (optional)."
+    )
+
+    @model_validator(mode="after")
+    def _pairs(self) -> S3Credentials:
+        if (self.access_key_id_env is None) != (self.secret_access_key_env is None):
+            raise ValueError("set both access_key_id_env and secret_access_key_env, or neither")
+        if self.profile and self.access_key_id_env:
+            raise ValueError("use either profile or access_key_id_env/secret_access_key_env, not both")
+        return self
+
+
+class S3Transport(_Strict):
+    """An S3 (or S3-compatible) bucket as the mailbox, through one persistent boto3 client."""
+
+    kind: Literal["s3"] = "s3"
+    bucket: str = Field(pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$", description="Bucket name.")
+    prefix: str = Field(
+        default="",
+        pattern=r"^[A-Za-z0-9._/-]*$",
+        description="Key prefix under which the run's rounds live (no leading slash needed).",
+    )
+    endpoint_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://[A-Za-z0-9.:\[\]_-]+(/[A-Za-z0-9._/-]*)?$",
+        description="Endpoint of an S3-compatible store; unset for AWS.",
+    )
+    addressing_style: Literal["auto", "path", "virtual"] = Field(
+        default="auto", description="S3 addressing style; most S3-compatible stores want 'path'."
+    )
+    region_name: _name | None = Field(default=None, description="Bucket's region, e.g. eu-central-1.")
+    credentials: S3Credentials = Field(default_factory=S3Credentials)
+
+
+Transport = Annotated[FsTransport | S3Transport, Field(discriminator="kind")]
+
+
+class CrossRegion(_Strict):
+    """Cross-region training: DDP inside this region, DiLoCo or per-step gradient averaging across regions
+    through an object-store mailbox. All regions of one run must agree on every field except ``region``
+    (``sbatch-gen validate`` checks it)."""
+
+    enabled: bool = Field(default=False, description="Pass --xr-enabled to the trainer.")
+    run_id: _name = Field(
+        default="run", description="Identifies the run across regions; the mailbox is keyed by it."
+    )
+    region: _name = Field(default="local", description="This site's region name.")
+    regions: list[_name] = Field(
+        default_factory=lambda: ["local"], min_length=1, description="Every region of the run."
+    )
+    sync: Literal["diloco", "grad"] = Field(
+        default="diloco",
+        description="diloco: outer Nesterov step every inner_steps; grad: average gradients every step.",
+    )
+    inner_steps: int = Field(default=100, ge=1, le=1_000_000, description="H: inner steps per outer round.")
+    outer_lr: float = Field(default=0.7, gt=0, le=10, description="Outer SGD learning rate.")
+    outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="Outer Nesterov momentum.")
+    transport: Transport = Field(
+        default_factory=lambda: FsTransport(root="xr-mailbox"), description="Mailbox backend."
+    )
+    timeout_s: float = Field(
+        default=1800, gt=0, le=86_400, description="Seconds to wait for peers in one round, then fail."
+    )
+    keep_rounds: int = Field(default=4, ge=1, le=1000, description="Delete rounds older than this many.")
+    payload_dtype: Literal["bf16", "fp32"] = Field(
+        default="bf16", description="Wire dtype of deltas/gradients; outer state stays fp32."
+    )
+    shard_mb: float = Field(
+        default=16, ge=0, le=4096, description="Target shard object size in MiB; 0 = one object per region."
+    )
+    threads: int = Field(default=16, ge=1, le=256, description="Concurrent uploads/downloads per process.")
+
+    @model_validator(mode="after")
+    def _region_in_regions(self) -> CrossRegion:
+        if len(set(self.regions)) != len(self.regions):
+            raise ValueError(f"regions has duplicates: {self.regions}")
+        if self.region not in self.regions:
+            raise ValueError(f"region {self.region!r} is not in regions {self.regions}")
+        return self
+
+    def shared_view(self) -> dict:
+        """The fields every region of one run must agree on (everything but ``region``/``enabled``)."""
+        return self.model_dump(mode="json", exclude={"region", "enabled"})
+
+
+# ---------------------------------------------------------------------------------------------------
+# Trainer flags. Each field maps to --xr-<field-with-dashes>; nested transport fields are flattened.
+
+_FLAT = {
+    "run_id": "--xr-run-id",
+    "region": "--xr-region",
+    "regions": "--xr-regions",
+    "sync": "--xr-sync",
+    "inner_steps": "--xr-inner-steps",
+    "outer_lr": "--xr-outer-lr",
+    "outer_momentum": "--xr-outer-momentum",
+    "timeout_s": "--xr-timeout-s",
+    "keep_rounds": "--xr-keep-rounds",
+    "payload_dtype": "--xr-payload-dtype",
+    "shard_mb": "--xr-shard-mb",
+    "threads": "--xr-threads",
+}
+_TRANSPORT = {
+    "kind": "--xr-transport",
+    "root": "--xr-root",
+    "bucket": "--xr-bucket",
+    "prefix": "--xr-prefix",
+    "endpoint_url": "--xr-endpoint-url",
+    "addressing_style": "--xr-addressing-style",
+    "region_name": "--xr-s3-region",
+}
+_CREDS = {
+    "profile": "--xr-aws-profile",
+    "access_key_id_env": "--xr-access-key-id-env",
+    "secret_access_key_env": "--xr-secret-access-key-env",
+    "session_token_env": "--xr-session-token-env",
+}
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, list):
+        return ",".join(v)
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+def to_argv(xr: CrossRegion) -> list[str]:
+    """Trainer flags for ``xr`` (empty when disabled). Every field is spelled out: a render never depends
+    on the trainer's defaults."""
+    if not xr.enabled:
+        return []
+    argv = ["--xr-enabled"]
+    for field, flag in _FLAT.items():
+        argv += [flag, _fmt(getattr(xr, field))]
+    t = xr.transport
+    for field, flag in _TRANSPORT.items():
+        v = getattr(t, field, None)
+        if v is not None:
+            argv += [flag, _fmt(v)]
+    if isinstance(t, S3Transport):
+        for field, flag in _CREDS.items():
+            v = getattr(t.credentials, field)
+            if v is not None:
+                argv += [flag, v]
+    return argv
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the --xr-* flags on the trainer's parser (all optional; validated by from_namespace)."""
+    g = parser.add_argument_group("cross-region sync")
+    g.add_argument("--xr-enabled", action="store_true", help="synchronise with other regions")
+    for flag in [*_FLAT.values(), *_TRANSPORT.values(), *_CREDS.values()]:
+        g.add_argument(flag, dest=_dest(flag), default=None)
+
+
+def _dest(flag: str) -> str:
+    return "xr_" + flag[len("--xr-") :].replace("-", "_")
+
+
+def from_namespace(ns: argparse.Namespace) -> CrossRegion:
+    """Build a validated CrossRegion from parsed flags (raises pydantic.ValidationError)."""
+    data: dict = {"enabled": bool(ns.xr_enabled)}
+    for field, flag in _FLAT.items():
+        v = getattr(ns, _dest(flag))
+        if v is not None:
+            data[field] = [x for x in v.split(",") if x] if field == "regions" else v
+    transport: dict = {}
+    for field, flag in _TRANSPORT.items():
+        v = getattr(ns, _dest(flag))
+        if v is not None:
+            transport[field] = v
+    creds = {f: getattr(ns, _dest(flag)) for f, flag in _CREDS.items() if getattr(ns, _dest(flag)) is not None}
+    if creds:
+        transport["credentials"] = creds
+    if transport:
+        transport.setdefault("kind", "fs")
+        data["transport"] = transport
+    return CrossRegion.model_validate(data)
+
+
+def flag_names() -> list[str]:
+    return ["--xr-enabled", *_FLAT.values(), *_TRANSPORT.values(), *_CREDS.values()]
+
+
