@@ -126,7 +126,7 @@ class CrossRegion(_Strict):
         default="bf16", description="Wire dtype of deltas/gradients; outer state stays fp32."
     )
     shard_mb: float = Field(
-        default=16, ge=0, le=4096, description="Target shard object size in MiB; 0 = one object per region."
+        default=16.0, ge=0, le=4096, description="Target shard object size in MiB; 0 = one object per region."
     )
     threads: int = Field(default=16, ge=1, le=256, description="Concurrent uploads/downloads per process.")
 

@@ -1,0 +1,31 @@
+"""Shared test helpers. Each area keeps its own fixtures in tests/<area>/conftest.py."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def venv_bin() -> Path:
+    """bin/ of the interpreter running the tests (the project's .venv under make test)."""
+    return Path(sys.executable).parent
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """An environment without the caller's SLURM_*/torchrun variables leaking into subprocesses."""
+    for k in list(os.environ):
+        if k.startswith(("SLURM_", "TORCHELASTIC_", "SBATCH_GEN_")) or k in (
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE",
+        ):
+            monkeypatch.delenv(k, raising=False)
+    return os.environ
