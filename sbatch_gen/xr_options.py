@@ -129,6 +129,18 @@ class CrossRegion(_Strict):
         default=16.0, ge=0, le=4096, description="Target shard object size in MiB; 0 = one object per region."
     )
     threads: int = Field(default=16, ge=1, le=256, description="Concurrent uploads/downloads per process.")
+    # Switches for benchmarks: each optimisation can be turned off on its own to measure it.
+    node_leaders: bool = Field(
+        default=True,
+        description="Shards owned round-robin by node leaders (each node uploads its part); "
+        "false: the region's rank 0 moves every shard.",
+    )
+    serialization: Literal["raw", "torch_save"] = Field(
+        default="raw", description="Shard object encoding: raw contiguous bytes, or torch.save (slower)."
+    )
+    outer_device: Literal["auto", "cpu"] = Field(
+        default="auto", description="Where the outer step runs: the training device (auto), or the CPU."
+    )
 
     @model_validator(mode="after")
     def _region_in_regions(self) -> CrossRegion:
@@ -159,6 +171,9 @@ _FLAT = {
     "payload_dtype": "--xr-payload-dtype",
     "shard_mb": "--xr-shard-mb",
     "threads": "--xr-threads",
+    "node_leaders": "--xr-node-leaders",
+    "serialization": "--xr-serialization",
+    "outer_device": "--xr-outer-device",
 }
 _TRANSPORT = {
     "kind": "--xr-transport",
