@@ -193,6 +193,8 @@ _CREDS = {
 
 
 def _fmt(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
     if isinstance(v, list):
         return ",".join(v)
     if isinstance(v, float):
