@@ -1,0 +1,30 @@
+"""Errors of the cross-region mailbox. Torch-free.
+
+Every message names what a person needs to act on: the round tag, the region and the mailbox location.
+"""
+
+from __future__ import annotations
+
+
+class XRError(RuntimeError):
+    """Base class: cross-region synchronisation failed (nothing was committed)."""
+
+
+class XRTimeout(XRError):
+    """A peer region did not publish its part of a round in time."""
+
+
+class XRChecksumError(XRError):
+    """A shard object does not match the checksum or size its manifest promises."""
+
+
+class XRLayoutError(XRError):
+    """A peer published a payload with a different layout, dtype, run id or shard plan."""
+
+
+class XRMissingRound(XRError):
+    """A round needed to catch up (after a resume) was already deleted from the mailbox."""
+
+
+class StoreError(XRError):
+    """The object store failed (after its retries)."""

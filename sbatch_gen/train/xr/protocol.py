@@ -1,0 +1,378 @@
+"""The mailbox protocol: rounds, shard objects, manifests, polling, verification, cleanup. Torch-free.
+
+Layout in the store (``<run>`` is the run id, ``<tag>`` a round tag such as ``r000042`` or ``init``)::
+
+    <run>/<tag>/<region>/s00000.bin    shard objects: raw contiguous bytes of one slice of the payload
+    <run>/<tag>/<region>/s00001.bin
+    <run>/<tag>/<region>.done          the manifest, JSON, written LAST (after every shard is stored)
+
+A reader that sees ``<region>.done`` may fetch every shard it lists: the manifest is the commit point.
+It carries the run id, round, step, wire dtype, element count, a layout fingerprint of the model, the
+shard plan with a sha256 per shard, and the region's token count (the averaging weight).
+
+The payload is a flat vector of ``numel`` elements; :class:`ShardPlan` cuts it into contiguous element
+ranges of about ``shard_mb`` MiB each. Every region derives the same plan from the same inputs, so a
+shard index means the same slice everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from .errors import XRChecksumError, XRLayoutError, XRMissingRound, XRTimeout
+from .store import Store
+
+FORMAT = 1
+ITEMSIZE = {"bf16": 2, "fp32": 4}
+TAG_INIT = "init"
+_ROUND_RE = re.compile(r"^r(\d{6,})$")
+
+
+def round_tag(r: int) -> str:
+    if r < 0:
+        raise ValueError(f"round must be >= 0, got {r}")
+    return f"r{r:06d}"
+
+
+def parse_tag(tag: str) -> int | None:
+    m = _ROUND_RE.match(tag)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Contiguous element ranges ``[start, end)`` covering ``numel`` elements."""
+
+    numel: int
+    bounds: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def make(cls, numel: int, itemsize: int, shard_mb: float) -> ShardPlan:
+        if numel <= 0:
+            raise ValueError(f"numel must be > 0, got {numel}")
+        if shard_mb <= 0:
+            return cls(numel, ((0, numel),))
+        per = max(1, int(shard_mb * (1 << 20)) // itemsize)
+        n = math.ceil(numel / per)
+        return cls(numel, tuple((i * per, min(numel, (i + 1) * per)) for i in range(n)))
+
+    def __len__(self) -> int:
+        return len(self.bounds)
+
+    def owned(self, owner: int, owners: int) -> list[int]:
+        """Shards owned by ``owner`` of ``owners`` (round-robin: shard s belongs to s mod owners)."""
+        return [s for s in range(len(self.bounds)) if s % owners == owner]
+
+
+@dataclass
+class ShardInfo:
+    index: int
+    start: int
+    numel: int
+    nbytes: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    run_id: str
+    region: str
+    tag: str
+    kind: str  # "init" | "delta" | "grad"
+    step: int
+    dtype: str  # wire dtype: "bf16" | "fp32"
+    numel: int
+    layout: str  # fingerprint of parameter names/shapes/dtypes
+    serialization: str  # "raw" | "torch_save"
+    tokens: int
+    shards: list[ShardInfo]
+    extra: dict = field(default_factory=dict)
+    format: int = FORMAT
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, where: str) -> Manifest:
+        try:
+            d = json.loads(raw)
+            if d.get("format") != FORMAT:
+                raise ValueError(f"format {d.get('format')!r}, this version reads {FORMAT}")
+            d["shards"] = [ShardInfo(**s) for s in d["shards"]]
+            return cls(**d)
+        except (ValueError, TypeError, KeyError) as e:
+            raise XRLayoutError(f"unreadable manifest {where}: {e}") from e
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What this region expects every manifest of a round to agree on."""
+
+    kind: str
+    dtype: str
+    numel: int
+    layout: str
+    serialization: str
+    plan: ShardPlan
+
+    def check(self, m: Manifest, run_id: str, tag: str, region: str, where: str) -> None:
+        problems = []
+        for name, got, want in (
+            ("run_id", m.run_id, run_id),
+            ("tag", m.tag, tag),
+            ("region", m.region, region),
+            ("kind", m.kind, self.kind),
+            ("dtype", m.dtype, self.dtype),
+            ("numel", m.numel, self.numel),
+            ("layout", m.layout, self.layout),
+            ("serialization", m.serialization, self.serialization),
+            ("shard count", len(m.shards), len(self.plan)),
+        ):
+            if got != want:
+                problems.append(f"{name} is {got!r}, expected {want!r}")
+        if not problems:
+            for s, (lo, hi) in zip(m.shards, self.plan.bounds, strict=True):
+                if (s.start, s.numel) != (lo, hi - lo):
+                    problems.append(f"shard {s.index} covers [{s.start}, {s.start + s.numel}), expected [{lo}, {hi})")
+                    break
+                if self.serialization == "raw" and s.nbytes != s.numel * ITEMSIZE[self.dtype]:
+                    problems.append(f"shard {s.index} has {s.nbytes} bytes, expected {s.numel * ITEMSIZE[self.dtype]}")
+                    break
+        if problems:
+            hint = " (a different model or config in that region?)" if "layout" in problems[0] else ""
+            raise XRLayoutError(f"round {tag}: region {region!r} published a mismatched payload at {where}: "
+                                + "; ".join(problems) + hint)
+
+
+def sha256(buf) -> str:
+    return hashlib.sha256(buf).hexdigest()  # hashlib drops the GIL for large buffers: threads help
+
+
+class Mailbox:
+    """One region's view of the mailbox of a run. Thread pool and store client are created once."""
+
+    def __init__(
+        self,
+        store: Store,
+        run_id: str,
+        region: str,
+        regions: Iterable[str],
+        *,
+        timeout_s: float = 1800.0,
+        keep_rounds: int = 4,
+        threads: int = 16,
+        poll_min_s: float = 0.02,
+        poll_max_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.region = region
+        self.regions = list(regions)
+        if region not in self.regions:
+            raise ValueError(f"region {region!r} is not in regions {self.regions}")
+        self.timeout_s = timeout_s
+        self.keep_rounds = keep_rounds
+        self.poll_min_s, self.poll_max_s = poll_min_s, poll_max_s
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="xr-io")
+        self._clock = clock
+        self._swept = False
+
+    # -- keys --------------------------------------------------------------------------------------
+    def shard_key(self, tag: str, region: str, index: int) -> str:
+        return f"{self.run_id}/{tag}/{region}/s{index:05d}.bin"
+
+    def manifest_key(self, tag: str, region: str) -> str:
+        return f"{self.run_id}/{tag}/{region}.done"
+
+    # -- writing -----------------------------------------------------------------------------------
+    def upload_shards(self, tag: str, shards: Mapping[int, bytes | bytearray | memoryview]) -> dict[int, tuple[int, str]]:
+        """Upload this process's shards concurrently; returns ``{index: (nbytes, sha256)}``."""
+
+        def one(item):
+            idx, buf = item
+            digest = sha256(buf)
+            self.store.put(self.shard_key(tag, self.region, idx), buf)
+            return idx, (memoryview(buf).nbytes, digest)
+
+        return dict(self.pool.map(one, shards.items()))
+
+    def publish_manifest(self, m: Manifest) -> None:
+        if m.region != self.region or m.run_id != self.run_id:
+            raise ValueError("a region publishes only its own manifests")
+        self.store.put(self.manifest_key(m.tag, m.region), m.to_json())
+
+    # -- reading -----------------------------------------------------------------------------------
+    def read_manifest(self, tag: str, region: str) -> Manifest | None:
+        key = self.manifest_key(tag, region)
+        raw = self.store.get(key)
+        return None if raw is None else Manifest.from_json(raw, self.store.describe(key))
+
+    def wait(
+        self,
+        tag: str,
+        regions: Iterable[str],
+        expect: Expect,
+        *,
+        step: int | None = None,
+        started: float | None = None,
+        slice_s: float | None = None,
+    ) -> dict[str, Manifest] | None:
+        """Poll (with backoff) until every region in ``regions`` has published ``tag``; verify each
+        manifest against ``expect``. Raises :class:`XRTimeout` naming the regions still missing once
+        ``timeout_s`` has passed since ``started`` (default: now). With ``slice_s``, returns ``None``
+        after that many seconds without giving up (callers keep other ranks informed in between)."""
+        want = list(regions)
+        got: dict[str, Manifest] = {}
+        now0 = self._clock()
+        t0 = now0 if started is None else started
+        delay = self.poll_min_s
+        next_diag = now0
+        while True:
+            for r in want:
+                if r in got:
+                    continue
+                m = self.read_manifest(tag, r)
+                if m is not None:
+                    expect.check(m, self.run_id, tag, r, self.store.describe(self.manifest_key(tag, r)))
+                    got[r] = m
+            missing = [r for r in want if r not in got]
+            if not missing:
+                return got
+            now = self._clock()
+            if now >= next_diag:  # cheap most of the time; a listing only now and then
+                self._check_not_deleted(tag, missing)
+                next_diag = now + 10.0
+            if now - t0 >= self.timeout_s:
+                at = f" (step {step})" if step is not None else ""
+                locs = ", ".join(self.store.describe(self.manifest_key(tag, r)) for r in missing)
+                seen = ", ".join(sorted(got)) or "none"
+                raise XRTimeout(
+                    f"round {tag}{at}: no manifest from region(s) {', '.join(map(repr, missing))} after "
+                    f"{self.timeout_s:g} s (looked for {locs}; arrived: {seen}). Is that region running, "
+                    f"with run id {self.run_id!r} and the same mailbox?"
+                )
+            if slice_s is not None and now - now0 >= slice_s:
+                return None
+            time.sleep(min(delay, max(0.0, self.timeout_s - (now - t0)) + 1e-3))
+            delay = min(self.poll_max_s, delay * 1.5)
+
+    def _check_not_deleted(self, tag: str, missing: list[str]) -> None:
+        """A peer whose manifest for ``tag`` is missing although it has published a LATER round has moved
+        on and deleted ``tag`` (keep_rounds): waiting cannot help."""
+        r = parse_tag(tag)
+        if r is None:
+            return
+        latest = self.latest_rounds()
+        gone = [p for p in missing if latest.get(p, -1) > r]
+        if gone:
+            raise XRMissingRound(
+                f"round {tag}: region(s) {', '.join(map(repr, gone))} already published round "
+                f"{round_tag(max(latest[p] for p in gone))} and deleted {tag} (keep_rounds={self.keep_rounds}). "
+                "This region resumed from a checkpoint older than the mailbox keeps: checkpoint at least "
+                "every keep_rounds outer rounds, or raise keep_rounds."
+            )
+
+    def latest_rounds(self) -> dict[str, int]:
+        """Highest round with a manifest, per region (one listing of the run's prefix)."""
+        latest: dict[str, int] = {}
+        for key in self.store.list(f"{self.run_id}/"):
+            parts = key.split("/")
+            if len(parts) == 3 and parts[2].endswith(".done"):
+                r = parse_tag(parts[1])
+                reg = parts[2][: -len(".done")]
+                if r is not None and r > latest.get(reg, -1):
+                    latest[reg] = r
+        return latest
+
+    def download(self, tag: str, wants: Iterable[tuple[str, ShardInfo]]) -> dict[tuple[str, int], bytearray]:
+        """Fetch shards concurrently into fresh buffers and verify each against its manifest entry."""
+
+        def one(item):
+            region, info = item
+            key = self.shard_key(tag, region, info.index)
+            buf = bytearray(info.nbytes)
+            self.store.get_into(key, memoryview(buf))
+            if sha256(buf) != info.sha256:
+                raise XRChecksumError(
+                    f"round {tag}: shard {info.index} of region {region!r} is corrupted: sha256 differs "
+                    f"from its manifest ({self.store.describe(key)})"
+                )
+            return (region, info.index), buf
+
+        return dict(self.pool.map(one, list(wants)))
+
+    # -- housekeeping ------------------------------------------------------------------------------
+    def cleanup(self, current_round: int, shard_count: int) -> None:
+        """Delete this region's rounds older than ``keep_rounds`` (manifest first, so nobody sees a
+        manifest whose shards are gone). Only this region's own objects: regions never race on deletes."""
+        old = current_round - self.keep_rounds
+        if old < 0:
+            return
+        if not self._swept:  # the first time, sweep everything old (left over from a crash)
+            self._swept = True
+            doomed: set[int] = set()
+            for key in self.store.list(f"{self.run_id}/"):
+                parts = key.split("/")
+                r = parse_tag(parts[1]) if len(parts) >= 3 else None
+                if r is not None and r <= old and (parts[2] == f"{self.region}.done" or parts[2] == self.region):
+                    doomed.add(r)
+            for r in sorted(doomed):
+                self._delete_round(r, shard_count)
+        else:
+            self._delete_round(old, shard_count)
+
+    def _delete_round(self, r: int, shard_count: int) -> None:
+        tag = round_tag(r)
+        self.store.delete([self.manifest_key(tag, self.region)])
+        self.store.delete([self.shard_key(tag, self.region, i) for i in range(shard_count)])
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    # -- one-process convenience -------------------------------------------------------------------
+    def exchange(
+        self,
+        tag: str,
+        payload: bytes | bytearray | memoryview,
+        *,
+        kind: str,
+        dtype: str,
+        layout: str,
+        step: int,
+        tokens: int,
+        shard_mb: float,
+        extra: dict | None = None,
+    ) -> dict[str, tuple[Manifest, bytes]]:
+        """Publish ``payload`` (raw bytes of ``dtype`` elements) for ``tag`` and return every region's
+        payload, this one's included: ``{region: (manifest, bytes)}``. If this region already published
+        ``tag`` (a requeued job re-entering the round), the published payload stands and is returned."""
+        view = memoryview(payload).cast("B")
+        size = ITEMSIZE[dtype]
+        if view.nbytes % size:
+            raise ValueError(f"payload of {view.nbytes} bytes is not a whole number of {dtype} elements")
+        plan = ShardPlan.make(view.nbytes // size, size, shard_mb)
+        expect = Expect(kind, dtype, plan.numel, layout, "raw", plan)
+        own = self.read_manifest(tag, self.region)
+        if own is None:
+            shards = {i: view[lo * size : hi * size] for i, (lo, hi) in enumerate(plan.bounds)}
+            sums = self.upload_shards(tag, shards)
+            self.publish_manifest(
+                Manifest(self.run_id, self.region, tag, kind, step, dtype, plan.numel, layout, "raw", tokens,
+                         [ShardInfo(i, lo, hi - lo, *sums[i]) for i, (lo, hi) in enumerate(plan.bounds)],
+                         extra or {})
+            )
+        manifests = self.wait(tag, self.regions, expect, step=step)
+        bufs = self.download(tag, [(r, s) for r, m in manifests.items() for s in m.shards])
+        out = {}
+        for r, m in manifests.items():
+            out[r] = (m, b"".join(bytes(bufs[(r, s.index)]) for s in m.shards))
+        return out
+

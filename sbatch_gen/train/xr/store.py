@@ -1,0 +1,296 @@
+"""Object stores behind the mailbox: a directory (``fs``) or an S3(-compatible) bucket (``s3``). Torch-free.
+
+A store moves opaque bytes under ``/``-separated keys. It knows nothing about rounds or payloads; the
+protocol (:mod:`.protocol`) does. Both backends give the same guarantees the protocol relies on:
+
+* ``put`` is atomic: a reader sees either nothing or the whole object (fs: temp file + rename; S3: a
+  single PUT is atomic by itself);
+* ``get`` of a missing key returns ``None`` (that is how readers poll for a peer's manifest);
+* ``get_into`` reads an object into a caller-provided buffer and fails if the size differs, so a
+  payload is never copied more than once on the way in.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from .errors import StoreError, XRChecksumError
+
+
+class Store(ABC):
+    @abstractmethod
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> None: ...
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None: ...
+
+    @abstractmethod
+    def get_into(self, key: str, out: memoryview) -> None:
+        """Read object ``key`` into ``out``; raise if it is missing or its size is not ``len(out)``."""
+
+    @abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """Keys that start with ``prefix`` (a folder-like prefix ending in ``/``), any order."""
+
+    @abstractmethod
+    def delete(self, keys: list[str]) -> None:
+        """Delete ``keys``; missing keys are not an error."""
+
+    @abstractmethod
+    def describe(self, key: str = "") -> str:
+        """Human-readable location of ``key`` for error messages (``fs:/dir/key``, ``s3://b/p/key``)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+class FsStore(Store):
+    """A directory: a shared filesystem for real runs, a local one for demos and tests."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root).absolute()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        if not key or key.startswith("/") or ".." in key.split("/"):
+            raise ValueError(f"bad mailbox key {key!r}")
+        return self.root / key
+
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)  # atomic: readers see the old object, or the complete new one
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def get_into(self, key: str, out: memoryview) -> None:
+        path = self._path(key)
+        try:
+            f = open(path, "rb")  # noqa: SIM115
+        except FileNotFoundError:
+            raise StoreError(f"object missing: {self.describe(key)}") from None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size != len(out):
+                raise XRChecksumError(f"{self.describe(key)}: {size} bytes, the manifest says {len(out)}")
+            view = memoryview(out).cast("B")
+            got = 0
+            while got < size:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise XRChecksumError(f"{self.describe(key)}: short read ({got} of {size} bytes)")
+                got += n
+
+    def list(self, prefix: str) -> list[str]:
+        base = self.root / prefix if prefix else self.root
+        if not base.is_dir():
+            return []
+        keys = []
+        for dirpath, _dirs, files in os.walk(base):
+            for name in files:
+                if name.startswith("."):  # temp files of writers in flight
+                    continue
+                keys.append(os.path.relpath(os.path.join(dirpath, name), self.root).replace(os.sep, "/"))
+        return keys
+
+    def delete(self, keys: list[str]) -> None:
+        parents = set()
+        for key in keys:
+            p = self._path(key)
+            p.unlink(missing_ok=True)
+            parents.add(p.parent)
+        # Remove directories left empty (deepest first); a concurrent writer may refill one: fine.
+        for d in sorted(parents, key=lambda p: len(p.parts), reverse=True):
+            while d != self.root and self.root in d.parents:
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
+                d = d.parent
+
+    def describe(self, key: str = "") -> str:
+        return f"fs:{self.root / key if key else self.root}"
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def _lean_config(threads: int, addressing_style: str, retries: int):
+    from botocore.config import Config
+
+    return Config(
+        # One connection per worker thread (plus headroom for the poller), so no thread waits for a
+        # connection and no connection is opened twice.
+        max_pool_connections=max(10, threads + 4),
+        retries={"max_attempts": retries, "mode": "standard"},  # exponential backoff with jitter
+        s3={"addressing_style": addressing_style, "payload_signing_enabled": False},
+        # The protocol carries its own sha256 per shard: skip botocore's extra body checksums.
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        connect_timeout=10,
+        read_timeout=300,
+        tcp_keepalive=True,
+    )
+
+
+class S3Store(Store):
+    """An S3 or S3-compatible bucket through ONE boto3 client, created here and reused for every request
+    (boto3 clients are thread-safe; the connection pool is sized to the thread pool)."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        addressing_style: str = "auto",
+        region_name: str | None = None,
+        profile: str | None = None,
+        access_key_id_env: str | None = None,
+        secret_access_key_env: str | None = None,
+        session_token_env: str | None = None,
+        threads: int = 16,
+        retries: int = 6,
+    ) -> None:
+        import boto3
+
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        kwargs: dict = {}
+        if access_key_id_env:
+            kwargs = {
+                "aws_access_key_id": _env(access_key_id_env),
+                "aws_secret_access_key": _env(secret_access_key_env or ""),
+            }
+            if session_token_env:
+                kwargs["aws_session_token"] = _env(session_token_env)
+        try:
+            session = boto3.session.Session(profile_name=profile, region_name=region_name, **kwargs)
+        except Exception as e:  # ProfileNotFound and friends
+            raise StoreError(f"S3 credentials: {e}") from e
+        self.client = session.client(
+            "s3", endpoint_url=endpoint_url, config=_lean_config(threads, addressing_style, retries)
+        )
+        self._errors = self.client.exceptions
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        body = data if isinstance(data, bytes | bytearray) else bytes(data)
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=body)
+        except Exception as e:
+            raise StoreError(f"upload to {self.describe(key)} failed: {e}") from e
+
+    def _get_object(self, key: str):
+        from botocore.exceptions import ClientError
+
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+        except self._errors.NoSuchKey:
+            return None
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise StoreError(f"download of {self.describe(key)} failed: {e}") from e
+        except Exception as e:
+            raise StoreError(f"download of {self.describe(key)} failed: {e}") from e
+
+    def get(self, key: str) -> bytes | None:
+        resp = self._get_object(key)
+        if resp is None:
+            return None
+        with resp["Body"] as body:
+            return body.read()
+
+    def get_into(self, key: str, out: memoryview) -> None:
+        # A plain GET (not download_fileobj): one request, no ranged re-reads.
+        resp = self._get_object(key)
+        if resp is None:
+            raise StoreError(f"object missing: {self.describe(key)}")
+        size = int(resp["ContentLength"])
+        view = memoryview(out).cast("B")
+        with resp["Body"] as body:
+            if size != len(view):
+                raise XRChecksumError(f"{self.describe(key)}: {size} bytes, the manifest says {len(view)}")
+            got = 0
+            for chunk in body.iter_chunks(chunk_size=1 << 20):
+                n = len(chunk)
+                if got + n > size:
+                    raise XRChecksumError(f"{self.describe(key)}: more bytes than announced")
+                view[got : got + n] = chunk
+                got += n
+        if got != size:
+            raise XRChecksumError(f"{self.describe(key)}: short read ({got} of {size} bytes)")
+
+    def list(self, prefix: str) -> list[str]:
+        full = self._key(prefix)
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        keys: list[str] = []
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
+                keys += [o["Key"][strip:] for o in page.get("Contents", [])]
+        except Exception as e:
+            raise StoreError(f"listing {self.describe(prefix)} failed: {e}") from e
+        return keys
+
+    def delete(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), 1000):
+            batch = [{"Key": self._key(k)} for k in keys[i : i + 1000]]
+            try:
+                resp = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+            except Exception as e:
+                raise StoreError(f"delete under {self.describe()} failed: {e}") from e
+            if resp.get("Errors"):
+                raise StoreError(f"delete under {self.describe()} failed: {resp['Errors'][:3]}")
+
+    def describe(self, key: str = "") -> str:
+        path = "/".join(p for p in (self.prefix, key) if p)
+        return f"s3://{self.bucket}/{path}"
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _env(name: str) -> str:
+    v = os.environ.get(name)
+    if not v:
+        raise StoreError(f"S3 credentials: environment variable {name} is not set (named by the site profile)")
+    return v
+
+
+def make_store(transport, threads: int = 16) -> Store:
+    """The store for a :class:`sbatch_gen.xr_options.FsTransport` / ``S3Transport``."""
+    if transport.kind == "fs":
+        return FsStore(transport.root)
+    c = transport.credentials
+    return S3Store(
+        transport.bucket,
+        transport.prefix,
+        endpoint_url=transport.endpoint_url,
+        addressing_style=transport.addressing_style,
+        region_name=transport.region_name,
+        profile=c.profile,
+        access_key_id_env=c.access_key_id_env,
+        secret_access_key_env=c.secret_access_key_env,
+        session_token_env=c.session_token_env,
+        threads=threads,
+    )
