@@ -1,0 +1,287 @@
+"""Checkpoints: torch.distributed.checkpoint (DCP) directories, all or nothing.
+
+Layout: ``<run-dir>/checkpoints/step-<N>/`` holds DCP's shard files and ``.metadata``; rank 0 writes
+``COMPLETE.json`` last (atomically, with every file's size). A directory without a valid marker, or
+whose files no longer match the sizes the marker lists (truncated, deleted), is never loaded.
+Rank 0 keeps the newest ``keep_last`` complete checkpoints.
+
+The selection helpers at the top are plain filesystem code; torch is imported where it is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("sbatch_gen.train")
+
+MARKER = "COMPLETE.json"
+FORMAT = 1
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(Exception):
+    pass
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f"step-{step}"
+
+
+def list_step_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Every ``step-N`` directory, oldest first (complete or not)."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir():
+            out.append((int(m.group(1)), p))
+    out.sort()
+    return out
+
+
+def read_marker(path: str | Path) -> dict | None:
+    try:
+        return json.loads((Path(path) / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def check_complete(path: str | Path) -> str | None:
+    """None when ``path`` is a complete checkpoint, else why it is not."""
+    p = Path(path)
+    if not (p / MARKER).is_file():
+        return f"no {MARKER} (incomplete: the save did not finish)"
+    m = read_marker(p)
+    if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("files"), dict):
+        return f"{MARKER} is unreadable or of an unknown format"
+    if not m["files"]:
+        return f"{MARKER} lists no files"
+    for name, size in m["files"].items():
+        f = p / name
+        try:
+            actual = f.stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if actual != size:
+            return f"{name} has {actual} bytes, the marker says {size} (truncated or overwritten)"
+    return None
+
+
+def newest_complete(run_dir: str | Path) -> Path | None:
+    """The newest checkpoint that passes :func:`check_complete`; logs each one it skips."""
+    for _step, p in reversed(list_step_dirs(run_dir)):
+        why = check_complete(p)
+        if why is None:
+            return p
+        log.warning("checkpoint %s ignored: %s", p, why)
+    return None
+
+
+def marker_step(path: str | Path) -> int:
+    m = read_marker(path)
+    if m is None:
+        raise CheckpointError(f"{path}: no readable {MARKER}")
+    return int(m["step"])
+
+
+def write_marker(path: str | Path, step: int, extra: dict[str, Any] | None = None) -> dict:
+    """Write the completion marker (atomically, last). Lists every file's size."""
+    p = Path(path)
+    files = {}
+    for f in sorted(p.iterdir()):
+        if f.is_file() and f.name != MARKER and not f.name.startswith(f".{MARKER}"):
+            files[f.name] = f.stat().st_size
+    marker = {"format": FORMAT, "step": step, "time": time.time(), "files": files, **(extra or {})}
+    tmp = p / f".{MARKER}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(marker, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, p / MARKER)
+    dfd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return marker
+
+
+def prune(run_dir: str | Path, keep_last: int, protect: set[Path] | None = None) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints, and incomplete directories older
+    than the newest complete one (leftovers of crashed saves). Newer incomplete ones are left alone:
+    a save may be in flight there. Returns what was deleted."""
+    dirs = list_step_dirs(run_dir)
+    complete = [(s, p) for s, p in dirs if check_complete(p) is None]
+    if not complete:
+        return []
+    newest = complete[-1][0]
+    keep = {p for _, p in complete[-keep_last:]} | (protect or set())
+    removed = []
+    for s, p in dirs:
+        if p in keep:
+            continue
+        is_complete = any(p == q for _, q in complete)
+        if is_complete or s < newest:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------------
+# DCP save / load
+
+def _tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = FileSystemReader(str(path)).read_metadata()
+    return {
+        k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
+    }
+
+
+def checkpoint_keys(path: str | Path) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def check_model_shapes(path: Path, model_state: dict[str, Any], model_cfg: dict | None = None) -> None:
+    """Raise CheckpointError naming the first tensor whose shape differs (or is missing)."""
+    shapes = _tensor_shapes(path)
+    saved_cfg = (read_marker(path) or {}).get("model")
+    problems = []
+    for name, t in model_state.items():
+        key = f"model.{name}"
+        if key not in shapes:
+            problems.append(f"{name} is not in the checkpoint")
+        elif tuple(shapes[key]) != tuple(t.shape):
+            problems.append(f"{name} has shape {list(shapes[key])} in the checkpoint, {list(t.shape)} in this model")
+    extra = sorted(k[len("model."):] for k in shapes if k.startswith("model.") and k[len("model."):] not in model_state)
+    problems += [f"{k} is in the checkpoint but not in this model" for k in extra]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        cfgs = ""
+        if saved_cfg is not None and model_cfg is not None and saved_cfg != model_cfg:
+            diff = {k: (saved_cfg.get(k), model_cfg.get(k)) for k in model_cfg if saved_cfg.get(k) != model_cfg.get(k)}
+            cfgs = "; model config differs (checkpoint, now): " + ", ".join(f"{k}={a}->{b}" for k, (a, b) in diff.items())
+        raise CheckpointError(
+            f"checkpoint {path} was saved for a different model: " + "; ".join(problems[:3]) + more + cfgs
+        )
+
+
+@dataclass
+class SaveResult:
+    step: int
+    path: Path
+    seconds: float
+    blocking_seconds: float
+
+
+class Checkpointer:
+    """Saves and loads DCP checkpoints for one run; every rank calls every method (collectives).
+
+    With ``async_save`` the tensors are staged to CPU and written in a background thread over a
+    dedicated gloo group; rank 0 writes the marker once the save's future reports success (which
+    implies every rank's files and the metadata are written).
+    """
+
+    def __init__(self, run_dir: Path, dist_info, device, keep_last: int, async_save: bool, marker_extra: dict):
+        import torch.distributed as dist
+
+        self.run_dir = Path(run_dir)
+        self.info = dist_info
+        self.device = device
+        self.keep_last = keep_last
+        self.marker_extra = marker_extra
+        self.async_save = async_save and dist_info.is_distributed
+        if async_save and not dist_info.is_distributed:
+            log.info("checkpoint.async_save needs a process group; saving synchronously in a single process")
+        self._pg = dist.new_group(backend="gloo") if self.async_save else None
+        self._pending = None  # (future, step, path, t0, blocking)
+        self.save_times: list[float] = []
+        self.last_saved: SaveResult | None = None
+
+    # -- helpers
+    def _barrier(self) -> None:
+        from .dist import barrier
+
+        barrier(self.info, self.device)
+
+    def _finish(self, step: int, path: Path, t0: float, blocking: float) -> SaveResult:
+        if self.info.is_main:
+            write_marker(path, step, self.marker_extra)
+            removed = prune(self.run_dir, self.keep_last, protect={path})
+            for p in removed:
+                log.info("checkpoint %s pruned (keep_last=%d)", p, self.keep_last)
+        res = SaveResult(step, path, time.perf_counter() - t0, blocking)
+        self.save_times.append(res.seconds)
+        self.last_saved = res
+        if self.info.is_main:
+            log.info("checkpoint step %d saved to %s in %.2fs (blocking %.2fs)", step, path, res.seconds, blocking)
+        return res
+
+    def poll(self) -> SaveResult | None:
+        """Finish a background save if it is done (never blocks)."""
+        if self._pending is None or not self._pending[0].done():
+            return None
+        return self.wait()
+
+    def wait(self) -> SaveResult | None:
+        """Block until a background save is complete and marked."""
+        if self._pending is None:
+            return None
+        fut, step, path, t0, blocking = self._pending
+        self._pending = None
+        fut.result()  # raises if any rank failed to write
+        return self._finish(step, path, t0, blocking)
+
+    # -- save / load
+    def save(self, step: int, state: dict, block: bool = False) -> SaveResult | None:
+        """Save ``state`` as step ``step``. Returns the result when the save is complete (sync)."""
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        path = step_dir(self.run_dir, step)
+        if check_complete(path) is None:
+            log.info("checkpoint step %d already complete at %s; not saving again", step, path)
+            self.last_saved = SaveResult(step, path, 0.0, 0.0)
+            return self.last_saved
+        t0 = time.perf_counter()
+        if self.info.is_main:
+            if path.exists():
+                log.warning("removing incomplete checkpoint %s before saving over it", path)
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
+        self._barrier()
+        if self.async_save and not block:
+            fut = dcp.async_save(state, checkpoint_id=str(path), process_group=self._pg)
+            self._pending = (fut, step, path, t0, time.perf_counter() - t0)
+            return None
+        dcp.save(state, checkpoint_id=str(path))
+        blocking = time.perf_counter() - t0
+        return self._finish(step, path, t0, blocking)
+
+    def load(self, path: Path, state: dict) -> None:
+        """Load ``path`` into ``state`` in place (DCP resharding; non-tensor leaves replaced)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(state, checkpoint_id=str(path))
+
+    def close(self) -> None:
+        self.wait()

@@ -1,0 +1,234 @@
+"""Training data: text that ships with every machine, byte-tokenized, one shard file per region.
+
+Preparing is deterministic: the source files are read in sorted order, each document ends with a 0
+byte, and file number i goes to region ``regions[i % len(regions)]``. A shard is raw uint8 tokens
+(``<region>.bin``) with a JSON sidecar (``<region>.json``: source, file count, size, sha256).
+Each region reads only its own shard.
+
+The sampler is deterministic and resumable: every epoch is a seeded permutation of the shard's
+non-overlapping windows; one global cursor advances by ``batch_size * world_size`` per micro-batch and
+rank r takes its slice. Its position is part of the checkpoint, so a resumed run sees exactly the
+batches an uninterrupted one would have seen.
+
+``python -m sbatch_gen.train.data prepare --out data --regions eu,us`` prepares shards ahead of time;
+the trainer prepares a missing shard on demand when ``data.path`` is a directory. Torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+DOC_END = b"\x00"
+SOURCES = ("python-stdlib", "common-licenses")
+
+
+def _source_root(source: str) -> Path:
+    if source == "python-stdlib":
+        return Path(sysconfig.get_paths()["stdlib"])
+    if source == "common-licenses":
+        return Path("/usr/share/common-licenses")
+    raise ValueError(f"unknown data source {source!r} (known: {', '.join(SOURCES)})")
+
+
+def source_files(source: str) -> tuple[Path, list[str]]:
+    """The source's files as sorted POSIX paths relative to its root."""
+    root = _source_root(source)
+    if not root.is_dir():
+        raise FileNotFoundError(f"data source {source!r}: {root} does not exist on this machine")
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__")]
+        for name in filenames:
+            if source == "python-stdlib" and not name.endswith(".py"):
+                continue
+            p = Path(dirpath, name)
+            if p.is_file() and not p.is_symlink():
+                out.append(p.relative_to(root).as_posix())
+    out.sort()
+    return root, out
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def prepare(out_dir: str | Path, regions: list[str], source: str = "python-stdlib", max_bytes: int = 0) -> dict:
+    """Write ``<out_dir>/<region>.bin`` + ``.json`` for every region, and ``manifest.json``."""
+    if not regions or len(set(regions)) != len(regions):
+        raise ValueError(f"regions must be non-empty and distinct: {regions}")
+    root, files = source_files(source)
+    parts: list[list[bytes]] = [[] for _ in regions]
+    counts = [0] * len(regions)
+    total = 0
+    used = 0
+    for i, rel in enumerate(files):
+        if max_bytes and total >= max_bytes:
+            break
+        doc = (root / rel).read_bytes() + DOC_END
+        parts[i % len(regions)].append(doc)
+        counts[i % len(regions)] += 1
+        total += len(doc)
+        used += 1
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = {
+        "source": source,
+        "source_root": str(root),
+        "python": sys.version.split()[0],
+        "files": used,
+        "bytes": total,
+        "max_bytes": max_bytes,
+        "regions": {},
+    }
+    for region, chunks, n in zip(regions, parts, counts, strict=True):
+        blob = b"".join(chunks)
+        info = {
+            "region": region,
+            "regions": regions,
+            "source": source,
+            "python": manifest["python"],
+            "files": n,
+            "tokens": len(blob),
+            "sha256": hashlib.sha256(blob).hexdigest(),
+        }
+        _atomic_write(out / f"{region}.bin", blob)
+        _atomic_write(out / f"{region}.json", (json.dumps(info, indent=2) + "\n").encode())
+        manifest["regions"][region] = {k: info[k] for k in ("files", "tokens", "sha256")}
+    _atomic_write(out / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
+    return manifest
+
+
+def shard_path(path: str | Path, region: str) -> Path:
+    """``path`` itself when it names a file (or ends in .bin); else ``<path>/<region>.bin``."""
+    p = Path(path)
+    if p.is_file() or p.suffix == ".bin":
+        return p
+    return p / f"{region}.bin"
+
+
+def ensure_shard(path: str | Path, region: str, regions: list[str], source: str, max_bytes: int) -> Path:
+    """Return this region's shard, preparing the directory's shards if it is missing."""
+    p = shard_path(path, region)
+    if p.is_file():
+        return p
+    if Path(path).suffix == ".bin":
+        raise FileNotFoundError(f"data shard {p} does not exist (prepare it with "
+                                f"`python -m sbatch_gen.train.data prepare --out DIR --regions ...`)")
+    if region not in regions:
+        raise ValueError(f"region {region!r} is not in {regions}")
+    prepare(p.parent, regions, source=source, max_bytes=max_bytes)
+    return p
+
+
+@dataclass
+class Shard:
+    path: Path
+    tokens: np.ndarray  # uint8
+    sha256: str
+
+    @classmethod
+    def open(cls, path: str | Path) -> Shard:
+        p = Path(path)
+        tokens = np.fromfile(p, dtype=np.uint8)
+        return cls(path=p, tokens=tokens, sha256=hashlib.sha256(tokens.tobytes()).hexdigest())
+
+
+class Sampler:
+    """Deterministic, resumable batches of (input, target) windows for one rank."""
+
+    def __init__(self, n_tokens: int, seq_len: int, batch_size: int, rank: int, world_size: int, seed: int):
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.n_windows = (n_tokens - 1) // seq_len
+        need = batch_size * world_size
+        if self.n_windows < need:
+            raise ValueError(
+                f"the shard has {n_tokens} tokens = {self.n_windows} windows of {seq_len}, "
+                f"fewer than one global micro-batch ({batch_size} x {world_size} ranks)"
+            )
+        self.epoch = 0
+        self.cursor = 0
+        self._perm_epoch = -1
+        self._perm: np.ndarray | None = None
+
+    def _permutation(self) -> np.ndarray:
+        if self._perm_epoch != self.epoch:
+            rng = np.random.default_rng([self.seed, self.epoch])
+            self._perm = rng.permutation(self.n_windows)
+            self._perm_epoch = self.epoch
+        assert self._perm is not None
+        return self._perm
+
+    def next_offsets(self) -> np.ndarray:
+        """Token offsets of this rank's next micro-batch; advances the global cursor."""
+        need = self.batch_size * self.world_size
+        if self.cursor + need > self.n_windows:
+            self.epoch += 1
+            self.cursor = 0
+        perm = self._permutation()
+        lo = self.cursor + self.rank * self.batch_size
+        idx = perm[lo : lo + self.batch_size]
+        self.cursor += need
+        return idx.astype(np.int64) * self.seq_len
+
+    def batch(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        offs = self.next_offsets()
+        win = np.stack([tokens[o : o + self.seq_len + 1] for o in offs]).astype(np.int64)
+        return win[:, :-1], win[:, 1:]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "n_windows": self.n_windows,
+                "seq_len": self.seq_len, "seed": self.seed}
+
+    def load_state_dict(self, s: dict) -> None:
+        if int(s["n_windows"]) != self.n_windows or int(s["seq_len"]) != self.seq_len:
+            raise ValueError(
+                f"the checkpoint's data position is for {s['n_windows']} windows of {s['seq_len']} tokens, "
+                f"this shard has {self.n_windows} windows of {self.seq_len}: the data changed"
+            )
+        self.epoch = int(s["epoch"])
+        self.cursor = int(s["cursor"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sbatch_gen.train.data", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    pp = sub.add_parser("prepare", help="write one shard per region")
+    pp.add_argument("--out", required=True, help="output directory")
+    pp.add_argument("--regions", default="local", help="comma-separated region names (default: local)")
+    pp.add_argument("--source", default="python-stdlib", choices=SOURCES)
+    pp.add_argument("--max-bytes", type=int, default=0, help="cap on the corpus size (0 = all)")
+    ip = sub.add_parser("info", help="print a shard's sidecar and token count")
+    ip.add_argument("shard")
+    a = ap.parse_args(argv)
+    if a.cmd == "prepare":
+        regions = [r for r in a.regions.split(",") if r]
+        m = prepare(a.out, regions, source=a.source, max_bytes=a.max_bytes)
+        for r, info in m["regions"].items():
+            print(f"{Path(a.out) / (r + '.bin')}: {info['tokens']} tokens from {info['files']} files "
+                  f"sha256 {info['sha256'][:16]}")
+        return 0
+    sh = Shard.open(a.shard)
+    print(json.dumps({"path": str(sh.path), "tokens": int(sh.tokens.size), "sha256": sh.sha256}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

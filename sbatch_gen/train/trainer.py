@@ -1,0 +1,511 @@
+"""The training loop: DDP inside a region, checkpoints, auto-resume, graceful stop, metrics.
+
+One step, in order: data -> forward/backward (DDP averages gradients in-region) ->
+``sync.before_optimizer_step`` (cross-region grad mode) -> clip -> optimizer step ->
+``sync.after_optimizer_step`` (DiLoCo outer round) -> one small all_gather (loss, stop request, and
+this rank's timings: every rank agrees on stopping at this step and rank 0 sees stragglers) ->
+metrics -> checkpoint when due or stopping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from .. import xr_options
+from ..contract import EXIT_REQUEUE
+from .config import ConfigError, TrainConfig, load_config
+from .signals import StopRequest, resolve_stop_file, write_ack
+
+log = logging.getLogger("sbatch_gen.train")
+
+EXIT_CONFIG = 2
+# For tests and demos of preemption: sleep this long at the end of every step.
+ENV_STEP_SLEEP = "SBATCH_GEN_STEP_SLEEP_S"
+
+
+def _setup_logging() -> None:
+    rank = os.environ.get("RANK", "0")
+    world = os.environ.get("WORLD_SIZE", "1")
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s [rank {rank}/{world}] %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up to optim.lr, then cosine decay to optim.min_lr at train.steps. ``step`` is 1-based."""
+    o, total = cfg.optim, cfg.train.steps
+    if o.warmup_steps and step <= o.warmup_steps:
+        return o.lr * step / o.warmup_steps
+    progress = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+class _CommTimer:
+    """DDP comm hook state: span from the first bucket's all-reduce launch to the last one's completion."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def span(self) -> float:
+        if self.first is None or self.last is None:
+            return 0.0
+        return max(0.0, self.last - self.first)
+
+
+def _timed_allreduce_hook(state: _CommTimer, bucket):
+    import torch.distributed as dist
+
+    now = time.perf_counter()
+    if state.first is None:
+        state.first = now
+    tensor = bucket.buffer()
+    tensor.div_(dist.get_world_size())
+    fut = dist.all_reduce(tensor, async_op=True).get_future()
+
+    def _done(f):
+        state.last = time.perf_counter()
+        return f.value()[0]
+
+    return fut.then(_done)
+
+
+def run(args: argparse.Namespace, process_start: float | None = None) -> int:
+    process_start = process_start or time.time()
+    _setup_logging()
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"config error:\n{e}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        xr = xr_options.from_namespace(args)
+    except ValidationError as e:
+        probs = [f"--xr-{'.'.join(str(x) for x in err['loc']).replace('_', '-')}: {err['msg']}"
+                 for err in e.errors(include_url=False)]
+        print("cross-region flag error:\n" + "\n".join(probs), file=sys.stderr)
+        return EXIT_CONFIG
+    end_step = cfg.train.steps if args.max_steps is None else min(cfg.train.steps, args.max_steps)
+    stop = StopRequest(resolve_stop_file(args.stop_file))
+    stop.install()  # before anything slow: a signal during start-up is a stop request, not a crash
+
+    from . import dist as dist_mod
+
+    info, device = dist_mod.init(cfg.dist.backend, cfg.dist.timeout_s)
+    try:
+        return Trainer(cfg, args, xr, info, device, stop, end_step, process_start).train()
+    except _Fatal as e:
+        log.error("%s", e)
+        return EXIT_CONFIG
+    finally:
+        stop.uninstall()
+        dist_mod.shutdown(info)
+
+
+class _Fatal(Exception):
+    """A clear, expected error (bad checkpoint choice, wrong model shape): exit 2 with one message."""
+
+
+class Trainer:
+    def __init__(self, cfg, args, xr, info, device, stop: StopRequest, end_step: int, process_start: float):
+        import numpy as np
+        import torch
+
+        from .checkpoint import Checkpointer
+        from .data import Sampler, Shard, ensure_shard
+        from .metrics import MetricsWriter, peak_flops
+        from .model import GPT, flops_per_token
+
+        self.cfg, self.args, self.xr, self.info, self.device = cfg, args, xr, info, device
+        self.stop, self.end_step, self.process_start = stop, end_step, process_start
+        self.torch = torch
+        self.run_dir = Path(args.run_dir or cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        t = cfg.train
+        self.deterministic = t.deterministic == "on" or (t.deterministic == "auto" and device.type == "cpu")
+        if self.deterministic:
+            if device.type == "cuda":
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+        use_bf16 = t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda")
+        self.amp_dtype = torch.bfloat16 if use_bf16 else None
+        log.info("run dir %s; steps %d (end at %d); device %s; precision %s; deterministic %s",
+                 self.run_dir, t.steps, end_step, device, "bf16 autocast" if use_bf16 else "fp32",
+                 self.deterministic)
+
+        # Model: identical initialisation on every rank, then per-rank RNG streams (dropout).
+        torch.manual_seed(t.seed)
+        self.model = GPT(cfg.model).to(device)
+        n_params = self.model.num_params()
+        self.flops_model, self.flops_hw = flops_per_token(cfg.model, self.model.num_params(exclude_embeddings=True))
+        torch.manual_seed(t.seed + 1 + info.rank)
+        np.random.seed((t.seed + 1 + info.rank) % 2**32)
+        self.peak = t.peak_tflops * 1e12 if t.peak_tflops else None
+        if device.type == "cuda" and self.peak is None:
+            name = torch.cuda.get_device_name(device)
+            self.peak = peak_flops(name)
+            if self.peak is None:
+                log.warning("no BF16 peak known for %r: MFU not reported (set train.peak_tflops)", name)
+        log.info("model: %d layers, d_model %d, %d heads, seq %d: %.2fM parameters, %.3g FLOP/token",
+                 cfg.model.n_layers, cfg.model.d_model, cfg.model.n_heads, cfg.model.seq_len,
+                 n_params / 1e6, self.flops_model)
+
+        self.comm = _CommTimer()
+        if info.is_distributed:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.ddp = DDP(
+                self.model,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                gradient_as_bucket_view=True,
+            )
+            self.ddp.register_comm_hook(self.comm, _timed_allreduce_hook)
+        else:
+            self.ddp = self.model
+
+        decay, no_decay = [], []
+        for p in self.model.parameters():
+            (decay if p.dim() >= 2 else no_decay).append(p)
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=lr_at(cfg, 1), betas=(o.beta1, o.beta2), eps=o.eps,
+            **({"fused": True} if device.type == "cuda" else {"foreach": True}),
+        )
+
+        # Data: this region's shard only. A node's local rank 0 prepares a missing shard.
+        data_path = self.args.data_path or cfg.data.path
+        if info.local_rank == 0:
+            shard_file = ensure_shard(data_path, xr.region, list(xr.regions), cfg.data.source, cfg.data.max_bytes)
+        self._barrier()
+        if info.local_rank != 0:
+            shard_file = ensure_shard(data_path, xr.region, list(xr.regions), cfg.data.source, cfg.data.max_bytes)
+        self.shard = Shard.open(shard_file)
+        self.sampler = Sampler(self.shard.tokens.size, cfg.model.seq_len, t.batch_size, info.rank,
+                               info.world_size, t.seed)
+        log.info("data: region %s shard %s: %d tokens, %d windows, sha256 %s", xr.region, shard_file,
+                 self.shard.tokens.size, self.sampler.n_windows, self.shard.sha256[:16])
+        self.tokens_per_step = t.batch_size * cfg.model.seq_len * t.grad_accum * info.world_size
+
+        self.ckpt = Checkpointer(
+            self.run_dir, info, device, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
+            marker_extra={"model": cfg.model.model_dump(), "world_size": info.world_size,
+                          "region": xr.region, "data_sha256": self.shard.sha256},
+        )
+        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl" if info.is_main else None)
+        self.sync = None
+        if xr.enabled:
+            from .xr import build_outer_sync
+
+            self.sync = build_outer_sync(xr=xr, model=self.model, device=device, dist=info,
+                                         run_dir=self.run_dir, log=self._log_record)
+        self.step = 0
+        self.tokens_seen = 0
+
+    # -- small helpers
+    def _barrier(self) -> None:
+        from .dist import barrier
+
+        barrier(self.info, self.device)
+
+    def _log_record(self, rec: dict) -> None:
+        if self.info.is_main:
+            self.metrics.write({"time": time.time(), **rec})
+
+    def _rng_key(self) -> str:
+        return f"rank{self.info.rank}"
+
+    def _rng_state(self) -> dict:
+        torch = self.torch
+        s = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            s["cuda"] = torch.cuda.get_rng_state(self.device)
+        return s
+
+    def _state(self, include_rng: bool = True, include_outer: bool = True) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        state = {
+            "model": msd,
+            "optim": osd,
+            "train": {
+                "step": self.step,
+                "tokens_seen": self.tokens_seen,
+                "sampler": self.sampler.state_dict(),
+                "data_sha256": self.shard.sha256,
+            },
+        }
+        if include_rng:
+            state["rng"] = {self._rng_key(): self._rng_state()}
+        if self.sync is not None and include_outer:
+            state["outer"] = self.sync.state_dict()
+        return state
+
+    # -- resume
+    def _choose_checkpoint(self) -> Path | None:
+        from .checkpoint import check_complete, newest_complete
+
+        mode = self.args.resume
+        if mode == "none":
+            return None
+        if mode == "auto":
+            return newest_complete(self.run_dir)
+        p = Path(mode)
+        why = check_complete(p)
+        if why is not None:
+            raise _Fatal(f"--resume {p}: not a complete checkpoint: {why}")
+        return p
+
+    def resume(self) -> tuple[int | None, float | None]:
+        """Load the chosen checkpoint. Returns (step resumed from or None, load seconds)."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from .checkpoint import CheckpointError, check_model_shapes, checkpoint_keys
+
+        chosen: str | None = None
+        error: str | None = None
+        if self.info.is_main:
+            try:
+                p = self._choose_checkpoint()
+                chosen = str(p) if p is not None else None
+            except _Fatal as e:
+                error = str(e)
+        if self.info.is_distributed:
+            import torch.distributed as dist
+
+            box = [chosen, error]
+            dist.broadcast_object_list(box, src=0)
+            chosen, error = box
+        if error is not None:
+            raise _Fatal(error)
+        path = Path(chosen) if chosen is not None else None
+        if path is None:
+            log.info("starting fresh (--resume %s, no complete checkpoint in %s)", self.args.resume,
+                     self.run_dir / "checkpoints")
+            return None, None
+        t0 = time.perf_counter()
+        try:
+            check_model_shapes(path, self.model.state_dict(), self.cfg.model.model_dump())
+        except CheckpointError as e:
+            raise _Fatal(str(e)) from None
+        keys = checkpoint_keys(path)
+        has_rng = any(k.startswith(f"rng.{self._rng_key()}.") for k in keys)
+        has_outer = any(k.startswith("outer.") for k in keys)
+        state = self._state(include_rng=has_rng, include_outer=has_outer)
+        self.ckpt.load(path, state)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        tr = state["train"]
+        self.step = int(tr["step"])
+        self.tokens_seen = int(tr["tokens_seen"])
+        try:
+            self.sampler.load_state_dict(tr["sampler"])
+        except ValueError as e:
+            raise _Fatal(f"checkpoint {path}: {e}") from None
+        if tr.get("data_sha256") != self.shard.sha256:
+            log.warning("checkpoint %s was trained on data with sha256 %s, this shard is %s",
+                        path, str(tr.get("data_sha256"))[:16], self.shard.sha256[:16])
+        if has_rng:
+            rng = state["rng"][self._rng_key()]
+            self.torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and self.device.type == "cuda":
+                self.torch.cuda.set_rng_state(rng["cuda"], self.device)
+        else:
+            log.warning("checkpoint %s has no RNG state for %s (world size changed?): RNG reseeded",
+                        path, self._rng_key())
+        if self.sync is not None and has_outer:
+            self.sync.load_state_dict(state["outer"])
+        load_s = time.perf_counter() - t0
+        log.info("resumed from %s at step %d in %.2fs", path, self.step, load_s)
+        return self.step, load_s
+
+    # -- the loop
+    def train(self) -> int:
+        import torch
+        import torch.distributed as dist
+
+        from .metrics import format_summary, max_rss_bytes, summarize, write_json_atomic
+
+        cfg, info, device = self.cfg, self.info, self.device
+        resumed_from, load_s = self.resume()
+        if self.sync is not None:
+            self.sync.align(self.step)
+        first_step = self.step + 1
+        step_times: list[float] = []
+        mfus: list[float] = []
+        first_step_done = None
+        sleep_s = float(os.environ.get(ENV_STEP_SLEEP, "0") or 0)
+        accum = cfg.train.grad_accum
+        autocast = (torch.autocast(device_type=device.type, dtype=self.amp_dtype)
+                    if self.amp_dtype is not None else contextlib.nullcontext())
+        params = [p for p in self.model.parameters()]
+        exit_reason = "completed"
+        self.ddp.train()
+        if self.step < self.end_step:
+            log.info("training steps %d..%d (%d tokens per step)", first_step, self.end_step, self.tokens_per_step)
+        while self.step < self.end_step:
+            t0 = time.perf_counter()
+            step = self.step + 1
+            lr = lr_at(cfg, step)
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            self.comm.reset()
+            data_s = 0.0
+            loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+            for micro in range(accum):
+                td = time.perf_counter()
+                x, y = self.sampler.batch(self.shard.tokens)
+                x = torch.from_numpy(x).to(device, non_blocking=True)
+                y = torch.from_numpy(y).to(device, non_blocking=True)
+                data_s += time.perf_counter() - td
+                skip_sync = info.is_distributed and micro < accum - 1
+                with (self.ddp.no_sync() if skip_sync else contextlib.nullcontext()), autocast:
+                    loss = self.ddp(x, y)
+                (loss / accum).backward()
+                loss_sum += loss.detach()
+            if self.sync is not None:
+                self.sync.before_optimizer_step(step, self.tokens_per_step)
+            grad_norm = None
+            if cfg.optim.grad_clip > 0:
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip, foreach=True)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step = step
+            self.tokens_seen += self.tokens_per_step
+            xr_timings = self.sync.after_optimizer_step(step, self.tokens_per_step) if self.sync is not None else None
+            if sleep_s:
+                time.sleep(sleep_s)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            compute_s = time.perf_counter() - t0
+            # The one per-step collective: loss, stop request and this rank's timings from every rank.
+            mine = torch.tensor(
+                [0.0, float(self.stop.local()), compute_s, data_s, self.comm.span()],
+                dtype=torch.float64, device=device,
+            )
+            mine[0] = (loss_sum / accum).to(torch.float64)
+            tc = time.perf_counter()
+            if info.is_distributed:
+                parts = [torch.empty_like(mine) for _ in range(info.world_size)]
+                dist.all_gather(parts, mine)
+                every = torch.stack(parts)
+            else:
+                every = mine.unsqueeze(0)
+            every = every.cpu()
+            sync_s = time.perf_counter() - tc
+            step_s = time.perf_counter() - t0
+            step_times.append(step_s)
+            if first_step_done is None:
+                first_step_done = time.time()
+            stop_now = bool(every[:, 1].sum().item() > 0)
+            loss_mean = float(every[:, 0].mean().item())
+            ckpt_done = self.ckpt.poll()
+            tok_s = self.tokens_per_step / step_s
+            mfu = hfu = None
+            if self.peak and device.type == "cuda":
+                per_dev = tok_s / info.world_size
+                mfu = per_dev * self.flops_model / self.peak
+                hfu = per_dev * self.flops_hw / self.peak
+                mfus.append(mfu)
+            if info.is_main and (step % cfg.train.log_every == 0 or step == self.end_step or stop_now
+                                 or xr_timings or step == first_step):
+                rank_steps = [float(v) for v in every[:, 2]]
+                rec = {
+                    "step": step,
+                    "loss": loss_mean,
+                    "lr": lr,
+                    "tokens": self.tokens_seen,
+                    "tokens_per_s": tok_s,
+                    "step_time_s": step_s,
+                    "data_time_s": data_s,
+                    "compute_time_s": compute_s,
+                    "comm_time_s": self.comm.span() + sync_s,
+                    "ddp_allreduce_s": self.comm.span() if (info.is_distributed and device.type == "cpu") else None,
+                    "sync_wait_s": sync_s,
+                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                    "mem_bytes": (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else max_rss_bytes()),
+                    "mem_kind": "cuda_max_allocated" if device.type == "cuda" else "max_rss",
+                    "mfu": mfu,
+                    "hfu": hfu,
+                    "rank_losses": [float(v) for v in every[:, 0]],
+                    "rank_step_time_s": rank_steps,
+                    "rank_data_time_s": [float(v) for v in every[:, 3]],
+                    "slowest_rank": int(max(range(len(rank_steps)), key=lambda i: rank_steps[i])),
+                    "world_size": info.world_size,
+                }
+                if ckpt_done is not None:
+                    rec["checkpoint_save_s"] = ckpt_done.seconds
+                if xr_timings:
+                    rec.update(xr_timings)
+                self.metrics.write(rec)
+                log.info("step %d loss %.4f lr %.3g %.0f tok/s step %.3fs data %.3fs comm %.3fs%s", step,
+                         loss_mean, lr, tok_s, step_s, data_s, rec["comm_time_s"],
+                         f" mfu {mfu:.3f}" if mfu is not None else "")
+            if stop_now:
+                exit_reason = "stopped"
+                log.info("stop requested (%s): all ranks stop after step %d", self.stop.reason(), step)
+                break
+            if step % cfg.checkpoint.every == 0 or step == self.end_step:
+                self.ckpt.save(step, self._state(), block=step == self.end_step)
+
+        # The end: a complete checkpoint of where we are, then hand-off or export.
+        if exit_reason == "stopped":
+            res = self.ckpt.save(self.step, self._state(), block=True)
+            if self.info.is_main and self.stop.stop_file is not None:
+                ack = write_ack(self.stop.stop_file, self.step, res.path, self.stop.reason())
+                log.info("wrote %s", ack)
+        else:
+            self.ckpt.close()
+            last = self.ckpt.last_saved
+            if self.step > 0 and (last is None or last.step != self.step):
+                self.ckpt.save(self.step, self._state(), block=True)
+            if info.is_main and cfg.checkpoint.export_safetensors and self.step > 0:
+                self._export()
+        self.ckpt.close()
+        self._barrier()
+        if info.is_main:
+            extra = {"model_flops_per_token": self.flops_model, "hardware_flops_per_token": self.flops_hw,
+                     "world_size": info.world_size, "device": str(device), "region": self.xr.region,
+                     "stop_reason": self.stop.reason() if exit_reason == "stopped" else None,
+                     "mfu": (sum(mfus) / len(mfus)) if mfus else None,
+                     "hfu": (sum(mfus) / len(mfus)) * self.flops_hw / self.flops_model if mfus else None,
+                     "peak_flops": self.peak}
+            s = summarize(step_times=step_times, tokens_per_step=self.tokens_per_step, first_step=first_step,
+                          last_step=self.step, resumed_from=resumed_from, process_start=self.process_start,
+                          first_step_done=first_step_done, checkpoint_save_s=self.ckpt.save_times,
+                          load_s=load_s, exit_reason=exit_reason, extra=extra)
+            write_json_atomic(self.run_dir / "summary.json", s)
+            if step_times:
+                print(format_summary(s), file=sys.stderr, flush=True)
+        self.metrics.close()
+        if exit_reason == "stopped":
+            log.info("exiting %d: checkpointed at step %d, requeue me", EXIT_REQUEUE, self.step)
+            return EXIT_REQUEUE
+        return 0
+
+    def _export(self) -> None:
+        from safetensors.torch import save_file
+
+        out = self.run_dir / "model.safetensors"
+        tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in self.model.state_dict().items()}
+        meta = {"step": str(self.step), "model": json.dumps(self.cfg.model.model_dump(), sort_keys=True)}
+        tmp = out.with_name(f".{out.name}.tmp")
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, out)
+        log.info("exported %d tensors to %s", len(tensors), out)
