@@ -257,7 +257,7 @@ class Mailbox:
                 raise XRTimeout(
                     f"round {tag}{at}: no manifest from region(s) {', '.join(map(repr, missing))} after "
                     f"{self.timeout_s:g} s (looked for {locs}; arrived: {seen}). Is that region running, "
-                    f"with run id {self.run_id!r} and the same mailbox?"
+                    f"with run id {self.run_id!r} and the same mailbox?" + self._other_runs(tag, missing)
                 )
             if slice_s is not None and now - now0 >= slice_s:
                 return None
@@ -279,6 +279,20 @@ class Mailbox:
                 "This region resumed from a checkpoint older than the mailbox keeps: checkpoint at least "
                 "every keep_rounds outer rounds, or raise keep_rounds."
             )
+
+    def _other_runs(self, tag: str, missing: list[str]) -> str:
+        """Diagnosis for a timeout: do the missing regions publish under a different run id?"""
+        try:
+            keys = self.store.list("")
+        except Exception:  # noqa: BLE001 - only a hint
+            return ""
+        others = sorted({k.split("/")[0] for k in keys
+                         if k.count("/") == 2 and k.split("/")[0] != self.run_id
+                         and k.rsplit("/", 1)[1] in {f"{r}.done" for r in missing}})
+        if not others:
+            return ""
+        return f" The mailbox has manifests from {', '.join(map(repr, missing))} under run id(s) " \
+               f"{', '.join(map(repr, others))}: the regions disagree on the run id."
 
     def latest_rounds(self) -> dict[str, int]:
         """Highest round with a manifest, per region (one listing of the run's prefix)."""
@@ -338,7 +352,7 @@ class Mailbox:
         self.pool.shutdown(wait=True)
 
     # -- one-process convenience -------------------------------------------------------------------
-    def exchange(
+    def publish(
         self,
         tag: str,
         payload: bytes | bytearray | memoryview,
@@ -350,10 +364,10 @@ class Mailbox:
         tokens: int,
         shard_mb: float,
         extra: dict | None = None,
-    ) -> dict[str, tuple[Manifest, bytes]]:
-        """Publish ``payload`` (raw bytes of ``dtype`` elements) for ``tag`` and return every region's
-        payload, this one's included: ``{region: (manifest, bytes)}``. If this region already published
-        ``tag`` (a requeued job re-entering the round), the published payload stands and is returned."""
+    ) -> tuple[Manifest, Expect]:
+        """Publish ``payload`` (raw bytes of ``dtype`` elements) as round ``tag``: shards, then the
+        manifest. If this region already published ``tag`` (a requeued job re-entering the round), the
+        published round stands and its manifest is returned."""
         view = memoryview(payload).cast("B")
         size = ITEMSIZE[dtype]
         if view.nbytes % size:
@@ -361,18 +375,19 @@ class Mailbox:
         plan = ShardPlan.make(view.nbytes // size, size, shard_mb)
         expect = Expect(kind, dtype, plan.numel, layout, "raw", plan)
         own = self.read_manifest(tag, self.region)
-        if own is None:
-            shards = {i: view[lo * size : hi * size] for i, (lo, hi) in enumerate(plan.bounds)}
-            sums = self.upload_shards(tag, shards)
-            self.publish_manifest(
-                Manifest(self.run_id, self.region, tag, kind, step, dtype, plan.numel, layout, "raw", tokens,
-                         [ShardInfo(i, lo, hi - lo, *sums[i]) for i, (lo, hi) in enumerate(plan.bounds)],
-                         extra or {})
-            )
-        manifests = self.wait(tag, self.regions, expect, step=step)
-        bufs = self.download(tag, [(r, s) for r, m in manifests.items() for s in m.shards])
-        out = {}
-        for r, m in manifests.items():
-            out[r] = (m, b"".join(bytes(bufs[(r, s.index)]) for s in m.shards))
-        return out
+        if own is not None:
+            expect.check(own, self.run_id, tag, self.region, self.store.describe(self.manifest_key(tag, self.region)))
+            return own, expect
+        sums = self.upload_shards(tag, {i: view[lo * size : hi * size] for i, (lo, hi) in enumerate(plan.bounds)})
+        m = Manifest(self.run_id, self.region, tag, kind, step, dtype, plan.numel, layout, "raw", tokens,
+                     [ShardInfo(i, lo, hi - lo, *sums[i]) for i, (lo, hi) in enumerate(plan.bounds)], extra or {})
+        self.publish_manifest(m)
+        return m, expect
 
+    def exchange(self, tag: str, payload: bytes | bytearray | memoryview, **kw) -> dict[str, tuple[Manifest, bytes]]:
+        """``exchange(tag, payload) -> {region: (manifest, payload)}`` for every region, this one's
+        included. Keyword arguments as for :meth:`publish`."""
+        _, expect = self.publish(tag, payload, **kw)
+        manifests = self.wait(tag, self.regions, expect, step=kw.get("step"))
+        bufs = self.download(tag, [(r, s) for r, m in manifests.items() for s in m.shards])
+        return {r: (m, b"".join(bytes(bufs[(r, s.index)]) for s in m.shards)) for r, m in manifests.items()}

@@ -218,8 +218,11 @@ class S3Store(Store):
         resp = self._get_object(key)
         if resp is None:
             return None
-        with resp["Body"] as body:
+        body = resp["Body"]
+        try:
             return body.read()
+        finally:
+            body.close()
 
     def get_into(self, key: str, out: memoryview) -> None:
         # A plain GET (not download_fileobj): one request, no ranged re-reads.
@@ -228,7 +231,8 @@ class S3Store(Store):
             raise StoreError(f"object missing: {self.describe(key)}")
         size = int(resp["ContentLength"])
         view = memoryview(out).cast("B")
-        with resp["Body"] as body:
+        body = resp["Body"]
+        try:
             if size != len(view):
                 raise XRChecksumError(f"{self.describe(key)}: {size} bytes, the manifest says {len(view)}")
             got = 0
@@ -238,6 +242,8 @@ class S3Store(Store):
                     raise XRChecksumError(f"{self.describe(key)}: more bytes than announced")
                 view[got : got + n] = chunk
                 got += n
+        finally:
+            body.close()
         if got != size:
             raise XRChecksumError(f"{self.describe(key)}: short read ({got} of {size} bytes)")
 

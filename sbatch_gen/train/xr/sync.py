@@ -492,14 +492,14 @@ class OuterSync:
         src = self._gather_grads(self.work) if self.my_owner is not None else None
         avg = self.avg
         self._round(round_tag(step), "grad", step, src, avg, t)
-        t5 = self._now()
+        t5 = t["t_end"]
         self._scatter_grads(avg)
         t6 = self._now()
-        t["outer_step_s"] = t6 - t5
-        t["t_end"] = t6
         self.round = step
         self.tokens = 0
         self._cleanup(step)
+        t7 = self._now()
+        t.update(outer_step_s=t6 - t5, cleanup_s=t7 - t6, t_end=t7)
         self._pending = self._timings(step, t)
 
     def after_optimizer_step(self, step: int, tokens: int) -> dict | None:
@@ -521,7 +521,7 @@ class OuterSync:
             delta = torch.sub(self.theta_outer, self._gather_params(self.work), out=self.work)
         avg = self.avg
         self._round(round_tag(r), "delta", step, delta, avg, t)
-        t5 = self._now()
+        t5 = t["t_end"]
         # Outer Nesterov SGD, computed into temporaries and committed only when all of it succeeded.
         lr, mu = self.xr.outer_lr, self.xr.outer_momentum
         m_new = torch.mul(self.momentum, mu).add_(avg)  # m = mu*m + g
@@ -533,9 +533,9 @@ class OuterSync:
         self.round = r
         self.tokens = 0
         t6 = self._now()
-        t["outer_step_s"] = t6 - t5
-        t["t_end"] = t6
         self._cleanup(r)
+        t7 = self._now()
+        t.update(outer_step_s=t6 - t5, cleanup_s=t7 - t6, t_end=t7)
         return self._timings(step, t)
 
     def _cleanup(self, r: int) -> None:
@@ -547,7 +547,7 @@ class OuterSync:
             self._log({"event": "xr_cleanup_failed", "round": r, "error": str(e)})
 
     def _timings(self, step: int, t: dict) -> dict:
-        parts = ("upload_s", "wait_s", "download_s", "reduce_s", "broadcast_s", "outer_step_s")
+        parts = ("upload_s", "wait_s", "download_s", "reduce_s", "broadcast_s", "outer_step_s", "cleanup_s")
         total = t["t_end"] - t["t_start"]
         out = {"xr_round": self.round, "xr_step": step}
         for k in parts:

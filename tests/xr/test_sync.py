@@ -1,0 +1,323 @@
+"""OuterSync in one process per region (regions run as threads, no process group): the algorithms
+against references computed here, independently, in float64."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from sbatch_gen.train.dist import DistInfo
+from sbatch_gen.train.xr.errors import XRLayoutError, XRTimeout
+from sbatch_gen.train.xr.sync import OuterSync
+from sbatch_gen.xr_options import CrossRegion, FsTransport
+
+REGIONS = ["eu", "us"]
+W_TRUE = torch.tensor([[1.0], [-2.0], [0.5], [3.0], [-1.0], [0.25]])
+
+
+def model(seed: int, hidden: int = 12) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+
+
+def batch(region: str, step: int, n: int = 32):
+    g = torch.Generator().manual_seed(hash((region, step)) % (2**31))
+    shift = 0.5 if region == "eu" else -0.5  # the regions see different data
+    x = torch.randn(n, 6, generator=g) + shift
+    return x, x @ W_TRUE
+
+
+def flat(m: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()]).clone()
+
+
+def global_loss(m: nn.Module) -> float:
+    with torch.no_grad():
+        return sum(((m(x) - y) ** 2).mean().item() for x, y in (batch(r, 10_000, 512) for r in REGIONS)) / 2
+
+
+def xr_for(region, root, **kw) -> CrossRegion:
+    base = dict(enabled=True, run_id="t", region=region, regions=REGIONS, inner_steps=4,
+                transport=FsTransport(root=str(root)), timeout_s=30, shard_mb=0.001, threads=4)
+    base.update(kw)
+    return CrossRegion(**base)
+
+
+def make(region, root, seed=None, log=None, **kw):
+    m = model(seed if seed is not None else (1 if region == "eu" else 2))
+    s = OuterSync(xr_for(region, root, **kw), m, torch.device("cpu"), DistInfo(), None, log,
+                  poll_min_s=0.005, poll_max_s=0.05)
+    return m, s
+
+
+def in_threads(fn, regions=REGIONS):
+    out, errs = {}, []
+
+    def go(r):
+        try:
+            out[r] = fn(r)
+        except BaseException as e:  # noqa: BLE001
+            errs.append(e)
+
+    ts = [threading.Thread(target=go, args=(r,)) for r in regions]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    if errs:
+        raise errs[0]
+    return out
+
+
+def inner_steps(m, opt, region, steps):
+    for step in steps:
+        x, y = batch(region, step)
+        opt.zero_grad()
+        ((m(x) - y) ** 2).mean().backward()
+        opt.step()
+
+
+def train(region, root, rounds, *, tokens=None, hooks=None, lr=0.05, **kw):
+    """Hand-written inner loop (SGD) with the sync; returns a record per round."""
+    m, s = make(region, root, **kw)
+    s.align(0)
+    opt = torch.optim.SGD(m.parameters(), lr=lr)
+    H = s.xr.inner_steps
+    rec = {"theta0": flat(m), "rounds": []}
+    for step in range(1, rounds * H + 1):
+        inner_steps(m, opt, region, [step])
+        before = flat(m)
+        theta_before = s.theta_outer.clone()
+        t = s.after_optimizer_step(step, (tokens or {}).get(region, 32))
+        if t is not None:
+            rec["rounds"].append(dict(local=before, theta_before=theta_before, after=flat(m), timings=t,
+                                      theta_outer=s.theta_outer.clone(), momentum=s.momentum.clone(),
+                                      loss=global_loss(m)))
+            if hooks:
+                hooks(region, step, m, s)
+    rec["model"], rec["sync"] = m, s
+    return rec
+
+
+def test_align_makes_regions_identical_and_writes_the_model(tmp_path):
+    events = []
+    ms = in_threads(lambda r: make(r, tmp_path, log=events.append))
+    assert not torch.equal(flat(ms["eu"][0]), flat(ms["us"][0]))
+    in_threads(lambda r: ms[r][1].align(0))
+    assert torch.equal(flat(ms["eu"][0]), flat(ms["us"][0]))
+    assert torch.equal(ms["us"][1].theta_outer, flat(ms["eu"][0]))
+    assert sorted(e["action"] for e in events) == ["adopted", "published"]
+    assert len({e["sha256"] for e in events}) == 1
+    # the first region restarted from scratch (different init) adopts the theta0 already published
+    m2, s2 = make("eu", tmp_path, seed=99)
+    s2.align(0)
+    assert torch.equal(flat(m2), flat(ms["eu"][0]))
+    # aligned (e.g. resumed): a no-op, even with no peer around
+    before = flat(m2)
+    s2.align(5)
+    assert torch.equal(flat(m2), before)
+
+
+def test_layout_mismatch_is_a_clear_error(tmp_path):
+    def go(r):
+        m = model(1, hidden=12 if r == "eu" else 13)
+        s = OuterSync(xr_for(r, tmp_path, timeout_s=5), m, torch.device("cpu"), DistInfo(), None, None,
+                      poll_min_s=0.005, poll_max_s=0.05)
+        s.align(0)
+
+    with pytest.raises(XRLayoutError, match=r"region 'eu' published a mismatched payload.*numel"):
+        in_threads(go)
+
+
+def test_lr1_momentum0_equals_parameter_averaging(tmp_path):
+    recs = in_threads(lambda r: train(r, tmp_path, 3, outer_lr=1.0, outer_momentum=0.0, payload_dtype="fp32"))
+    for k in range(3):
+        eu, us = recs["eu"]["rounds"][k], recs["us"]["rounds"][k]
+        avg = (eu["local"].double() + us["local"].double()) / 2  # reference: plain parameter averaging
+        torch.testing.assert_close(eu["after"].double(), avg, rtol=0, atol=2e-6)
+        assert torch.equal(eu["after"], us["after"])  # bitwise identical regions
+
+
+def test_nesterov_matches_the_formula_with_token_weights(tmp_path):
+    lr, mu, tokens = 0.7, 0.9, {"eu": 100, "us": 300}
+    recs = in_threads(lambda r: train(r, tmp_path, 3, tokens=tokens, outer_lr=lr, outer_momentum=mu,
+                                      payload_dtype="fp32"))
+    theta = recs["eu"]["theta0"].double()
+    m = torch.zeros_like(theta)
+    w = {"eu": 100 * 4 / (400 * 4), "us": 300 * 4 / (400 * 4)}  # tokens over the round's 4 steps
+    for k in range(3):
+        g = sum(w[r] * (theta - recs[r]["rounds"][k]["local"].double()) for r in REGIONS)
+        m = mu * m + g
+        theta = theta - lr * (g + mu * m)
+        for r in REGIONS:
+            got = recs[r]["rounds"][k]
+            torch.testing.assert_close(got["theta_outer"].double(), theta, rtol=0, atol=1e-5)
+            torch.testing.assert_close(got["momentum"].double(), m, rtol=0, atol=1e-5)
+            assert torch.equal(got["after"], got["theta_outer"])  # the model took theta_outer
+        assert torch.equal(recs["eu"]["rounds"][k]["after"], recs["us"]["rounds"][k]["after"])
+        assert recs["eu"]["rounds"][k]["timings"]["xr_tokens"] == 1600
+
+
+def test_outer_step_decreases_the_loss_and_regions_stay_bitwise_equal(tmp_path):
+    # defaults: bf16 payloads, lr 0.7, momentum 0.9
+    recs = in_threads(lambda r: train(r, tmp_path, 4, lr=0.02))
+    losses = [r["loss"] for r in recs["eu"]["rounds"]]
+    ref = model(1)  # the loss at theta0
+    with torch.no_grad():
+        for p, v in zip(ref.parameters(), recs["eu"]["theta0"].split([p.numel() for p in ref.parameters()]),
+                        strict=True):
+            p.copy_(v.view_as(p))
+    assert losses[0] < global_loss(ref)
+    assert losses[-1] < losses[0] * 0.7, losses
+    for a, b in zip(recs["eu"]["rounds"], recs["us"]["rounds"], strict=True):
+        assert torch.equal(a["after"], b["after"])
+        assert torch.equal(a["momentum"], b["momentum"])
+
+
+def test_timings_add_up_and_bytes_are_counted(tmp_path):
+    recs = in_threads(lambda r: train(r, tmp_path, 1))
+    t = recs["eu"]["rounds"][0]["timings"]
+    parts = ["xr_upload_s", "xr_wait_s", "xr_download_s", "xr_reduce_s", "xr_broadcast_s", "xr_outer_step_s",
+             "xr_cleanup_s"]
+    assert all(t[k] >= 0 for k in parts)
+    assert abs(sum(t[k] for k in parts) - t["xr_total_s"]) < 1e-9
+    numel = recs["eu"]["sync"].numel
+    assert t["xr_bytes_up"] == numel * 2 and t["xr_bytes_down"] == numel * 2  # bf16, one peer
+    assert t["xr_round"] == 1 and t["xr_step"] == 4 and t["xr_reused"] is False
+
+
+@pytest.mark.parametrize("dtype,itemsize", [("bf16", 2), ("fp32", 4)])
+def test_shard_objects_are_exactly_numel_times_itemsize(tmp_path, dtype, itemsize):
+    recs = in_threads(lambda r: train(r, tmp_path, 1, payload_dtype=dtype, shard_mb=0.00005))
+    s = recs["eu"]["sync"]
+    files = sorted((tmp_path / "t" / "r000001" / "eu").iterdir())
+    assert len(files) == len(s.plan) > 1
+    for f, (lo, hi) in zip(files, s.plan.bounds, strict=True):
+        assert f.stat().st_size == (hi - lo) * itemsize
+
+
+def test_failed_exchange_changes_nothing(tmp_path):
+    m, s = make("eu", tmp_path, timeout_s=0.3, regions=["eu", "us"])
+    s.align(0)  # eu is the first region: publishes theta0 without waiting
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    inner_steps(m, opt, "eu", range(1, 5))
+    local, theta, mom = flat(m), s.theta_outer.clone(), s.momentum.clone()
+    with pytest.raises(XRTimeout, match=r"round r000001 \(step 4\): no manifest from region\(s\) 'us'"):
+        s.after_optimizer_step(4, 32)
+    assert torch.equal(flat(m), local) and torch.equal(s.theta_outer, theta) and torch.equal(s.momentum, mom)
+    assert s.round == 0
+
+
+def test_resume_replays_a_published_round_and_matches_the_peer(tmp_path):
+    """us crashes after round 2 and resumes from its round-1 checkpoint; its re-run of round 2 sees other
+    data (as after a non-deterministic restart), but it uses what it published, so it computes exactly
+    the update eu computed. Then both go on to round 3 and end it bitwise equal."""
+    ckpt = {}
+
+    def save(region, step, m, s):
+        if region == "us" and s.round == 1:
+            ckpt["model"] = {k: v.clone() for k, v in m.state_dict().items()}
+            ckpt["outer"] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.state_dict().items()}
+
+    recs = in_threads(lambda r: train(r, tmp_path, 2, hooks=save, keep_rounds=2))
+    eu_m, eu_s = recs["eu"]["model"], recs["eu"]["sync"]
+    after_r2 = recs["eu"]["rounds"][1]["after"]
+
+    def eu_round3():
+        opt = torch.optim.SGD(eu_m.parameters(), lr=0.05)
+        inner_steps(eu_m, opt, "eu", range(9, 13))
+        return eu_s.after_optimizer_step(12, 32)
+
+    def us_resumed():
+        m, s = make("us", tmp_path, seed=123, keep_rounds=2)
+        m.load_state_dict(ckpt["model"])
+        s.load_state_dict(ckpt["outer"])
+        assert s.round == 1 and s.aligned
+        s.align(4)  # no-op: aligned
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        inner_steps(m, opt, "eu", range(5, 9))  # other data than the first time
+        t2 = s.after_optimizer_step(8, 32)
+        got2 = flat(m)
+        inner_steps(m, opt, "us", range(9, 13))
+        s.after_optimizer_step(12, 32)
+        return t2, got2, m
+
+    out = {}
+    th = threading.Thread(target=lambda: out.setdefault("eu", eu_round3()))
+    th.start()
+    t2, got2, us_m = us_resumed()
+    th.join(60)
+    assert t2["xr_reused"] is True and t2["xr_bytes_up"] == 0
+    assert torch.equal(got2, after_r2)
+    assert torch.equal(flat(us_m), flat(eu_m))
+
+
+def test_grad_mode_averages_gradients_by_tokens(tmp_path):
+    tokens = {"eu": 10, "us": 30}
+
+    def go(r):
+        m, s = make(r, tmp_path, sync="grad", payload_dtype="fp32", keep_rounds=2)
+        s.align(0)
+        x, y = batch(r, 1)
+        ((m(x) - y) ** 2).mean().backward()
+        own = torch.cat([p.grad.reshape(-1) for p in m.parameters()]).clone()
+        s.before_optimizer_step(1, tokens[r])
+        avg = torch.cat([p.grad.reshape(-1) for p in m.parameters()]).clone()
+        t = s.after_optimizer_step(1, tokens[r])
+        return own, avg, t
+
+    res = in_threads(go)
+    ref = 0.25 * res["eu"][0].double() + 0.75 * res["us"][0].double()
+    for r in REGIONS:
+        torch.testing.assert_close(res[r][1].double(), ref, rtol=0, atol=1e-6)
+        assert res[r][2]["xr_round"] == 1 and res[r][2]["xr_tokens"] == 40
+    assert torch.equal(res["eu"][1], res["us"][1])
+
+
+def test_grad_mode_matches_one_process_over_both_regions_data(tmp_path):
+    def go(r):
+        m, s = make(r, tmp_path, sync="grad", payload_dtype="fp32", keep_rounds=2)
+        s.align(0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        for step in range(1, 7):
+            x, y = batch(r, step)
+            opt.zero_grad()
+            ((m(x) - y) ** 2).mean().backward()
+            s.before_optimizer_step(step, 32)
+            opt.step()
+            s.after_optimizer_step(step, 32)
+        return flat(m)
+
+    res = in_threads(go)
+    ref = model(1)  # eu's init is theta0
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(1, 7):
+        xs, ys = zip(*(batch(r, step) for r in REGIONS), strict=True)
+        opt.zero_grad()
+        ((ref(torch.cat(xs)) - torch.cat(ys)) ** 2).mean().backward()
+        opt.step()
+    torch.testing.assert_close(res["eu"], flat(ref), rtol=0, atol=1e-5)
+    assert torch.equal(res["eu"], res["us"])
+
+
+def test_torch_save_and_rank0_only_switches_give_the_same_result(tmp_path):
+    a = in_threads(lambda r: train(r, tmp_path / "a", 2, payload_dtype="fp32"))
+    b = in_threads(lambda r: train(r, tmp_path / "b", 2, payload_dtype="fp32", serialization="torch_save",
+                                   node_leaders=False, threads=1, shard_mb=0))
+    assert torch.equal(a["eu"]["rounds"][-1]["after"], b["eu"]["rounds"][-1]["after"])
+
+
+def test_state_dict_roundtrip(tmp_path):
+    recs = in_threads(lambda r: train(r, tmp_path, 1))
+    s = recs["eu"]["sync"]
+    sd = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.state_dict().items()}
+    assert set(sd) == {"theta_outer", "momentum", "round", "aligned", "tokens"} and sd["round"] == 1
+    _, s2 = make("eu", tmp_path)
+    s2.load_state_dict({**sd, "round": torch.tensor(1)})
+    assert torch.equal(s2.theta_outer, s.theta_outer) and torch.equal(s2.momentum, s.momentum)
+    assert s2.round == 1 and s2.aligned
+    with pytest.raises(XRLayoutError, match="has 3 elements"):
+        s2.load_state_dict({**sd, "momentum": torch.zeros(3)})
