@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,17 @@ def read_marker(path: str | Path) -> dict | None:
         return None
 
 
-def check_complete(path: str | Path) -> str | None:
-    """None when ``path`` is a complete checkpoint, else why it is not."""
+def file_crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def check_complete(path: str | Path, verify_crc: bool = True) -> str | None:
+    """None when ``path`` is a complete checkpoint, else why it is not. Checks every file's size, and
+    its CRC32 when the marker has one (``checkpoint.verify: crc32``) and ``verify_crc``."""
     p = Path(path)
     if not (p / MARKER).is_file():
         return f"no {MARKER} (incomplete: the save did not finish)"
@@ -78,6 +88,11 @@ def check_complete(path: str | Path) -> str | None:
             return f"{name} is missing"
         if actual != size:
             return f"{name} has {actual} bytes, the marker says {size} (truncated or overwritten)"
+    crcs = m.get("crc32") or {}
+    if verify_crc:
+        for name, crc in crcs.items():
+            if file_crc32(p / name) != crc:
+                return f"{name} fails its CRC32 check (corrupted)"
     return None
 
 
@@ -98,14 +113,16 @@ def marker_step(path: str | Path) -> int:
     return int(m["step"])
 
 
-def write_marker(path: str | Path, step: int, extra: dict[str, Any] | None = None) -> dict:
-    """Write the completion marker (atomically, last). Lists every file's size."""
+def write_marker(path: str | Path, step: int, extra: dict[str, Any] | None = None, crc: bool = False) -> dict:
+    """Write the completion marker (atomically, last). Lists every file's size (and CRC32)."""
     p = Path(path)
     files = {}
     for f in sorted(p.iterdir()):
         if f.is_file() and f.name != MARKER and not f.name.startswith(f".{MARKER}"):
             files[f.name] = f.stat().st_size
     marker = {"format": FORMAT, "step": step, "time": time.time(), "files": files, **(extra or {})}
+    if crc:
+        marker["crc32"] = {name: file_crc32(p / name) for name in files}
     tmp = p / f".{MARKER}.tmp"
     with open(tmp, "w") as fh:
         json.dump(marker, fh, indent=2, sort_keys=True)
@@ -126,7 +143,7 @@ def prune(run_dir: str | Path, keep_last: int, protect: set[Path] | None = None)
     than the newest complete one (leftovers of crashed saves). Newer incomplete ones are left alone:
     a save may be in flight there. Returns what was deleted."""
     dirs = list_step_dirs(run_dir)
-    complete = [(s, p) for s, p in dirs if check_complete(p) is None]
+    complete = [(s, p) for s, p in dirs if check_complete(p, verify_crc=False) is None]
     if not complete:
         return []
     newest = complete[-1][0]
@@ -201,7 +218,8 @@ class Checkpointer:
     implies every rank's files and the metadata are written).
     """
 
-    def __init__(self, run_dir: Path, dist_info, device, keep_last: int, async_save: bool, marker_extra: dict):
+    def __init__(self, run_dir: Path, dist_info, device, keep_last: int, async_save: bool, marker_extra: dict,
+                 crc: bool = False):
         import torch.distributed as dist
 
         self.run_dir = Path(run_dir)
@@ -209,6 +227,7 @@ class Checkpointer:
         self.device = device
         self.keep_last = keep_last
         self.marker_extra = marker_extra
+        self.crc = crc
         self.async_save = async_save and dist_info.is_distributed
         if async_save and not dist_info.is_distributed:
             log.info("checkpoint.async_save needs a process group; saving synchronously in a single process")
@@ -225,7 +244,7 @@ class Checkpointer:
 
     def _finish(self, step: int, path: Path, t0: float, blocking: float) -> SaveResult:
         if self.info.is_main:
-            write_marker(path, step, self.marker_extra)
+            write_marker(path, step, self.marker_extra, crc=self.crc)
             removed = prune(self.run_dir, self.keep_last, protect={path})
             for p in removed:
                 log.info("checkpoint %s pruned (keep_last=%d)", p, self.keep_last)
@@ -258,7 +277,7 @@ class Checkpointer:
 
         self.wait()
         path = step_dir(self.run_dir, step)
-        if check_complete(path) is None:
+        if check_complete(path, verify_crc=False) is None:
             log.info("checkpoint step %d already complete at %s; not saving again", step, path)
             self.last_saved = SaveResult(step, path, 0.0, 0.0)
             return self.last_saved

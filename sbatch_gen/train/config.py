@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from .yamlconf import ConfigError, load_model
 
@@ -34,11 +34,13 @@ class ModelConfig(_Strict):
         default=False, description="Recompute each block's forward during backward (HFU > MFU)."
     )
 
-    @model_validator(mode="after")
-    def _heads_divide(self) -> ModelConfig:
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
-        return self
+    @field_validator("n_heads")
+    @classmethod
+    def _heads_divide(cls, v: int, info: ValidationInfo) -> int:
+        d = info.data.get("d_model")
+        if d is not None and d % v:
+            raise ValueError(f"d_model {d} is not divisible by n_heads {v}")
+        return v
 
 
 class DataConfig(_Strict):
@@ -95,6 +97,11 @@ class CheckpointConfig(_Strict):
     keep_last: int = Field(default=3, ge=1, le=10_000, description="Complete checkpoints to keep.")
     async_save: bool = Field(
         default=False, description="Save in the background (torch.distributed.checkpoint.async_save)."
+    )
+    verify: Literal["size", "crc32"] = Field(
+        default="size",
+        description="What the completion marker records to detect damaged files: sizes, or sizes and CRC32 "
+        "(rank 0 reads the checkpoint back once after saving and before resuming).",
     )
     export_safetensors: bool = Field(
         default=True, description="Write <run-dir>/model.safetensors from rank 0 at the end."

@@ -207,6 +207,7 @@ class Trainer:
             self.run_dir, info, device, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
             marker_extra={"model": cfg.model.model_dump(), "world_size": info.world_size,
                           "region": xr.region, "data_sha256": self.shard.sha256},
+            crc=cfg.checkpoint.verify == "crc32",
         )
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl" if info.is_main else None)
         self.sync = None
@@ -259,31 +260,34 @@ class Trainer:
         return state
 
     # -- resume
-    def _choose_checkpoint(self) -> Path | None:
-        from .checkpoint import check_complete, newest_complete
+    def _choose_checkpoint(self, skip: set[str]) -> Path | None:
+        from .checkpoint import check_complete, list_step_dirs
 
         mode = self.args.resume
         if mode == "none":
             return None
         if mode == "auto":
-            return newest_complete(self.run_dir)
+            for _step, p in reversed(list_step_dirs(self.run_dir)):
+                if str(p) in skip:
+                    continue
+                why = check_complete(p)
+                if why is None:
+                    return p
+                log.warning("checkpoint %s ignored: %s", p, why)
+            return None
         p = Path(mode)
         why = check_complete(p)
         if why is not None:
             raise _Fatal(f"--resume {p}: not a complete checkpoint: {why}")
         return p
 
-    def resume(self) -> tuple[int | None, float | None]:
-        """Load the chosen checkpoint. Returns (step resumed from or None, load seconds)."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        from .checkpoint import CheckpointError, check_model_shapes, checkpoint_keys
-
+    def _agree_on_checkpoint(self, skip: set[str]) -> Path | None:
+        """rank 0 picks; every rank gets the same answer (or the same error)."""
         chosen: str | None = None
         error: str | None = None
         if self.info.is_main:
             try:
-                p = self._choose_checkpoint()
+                p = self._choose_checkpoint(skip)
                 chosen = str(p) if p is not None else None
             except _Fatal as e:
                 error = str(e)
@@ -295,11 +299,36 @@ class Trainer:
             chosen, error = box
         if error is not None:
             raise _Fatal(error)
-        path = Path(chosen) if chosen is not None else None
-        if path is None:
-            log.info("starting fresh (--resume %s, no complete checkpoint in %s)", self.args.resume,
-                     self.run_dir / "checkpoints")
-            return None, None
+        return Path(chosen) if chosen is not None else None
+
+    def resume(self) -> tuple[int | None, float | None]:
+        """Load the chosen checkpoint. Returns (step resumed from or None, load seconds).
+
+        With ``--resume auto`` a checkpoint that fails to load (DCP reports a failure on any rank to
+        every rank) is skipped for the next older complete one; a different model shape is fatal."""
+        skip: set[str] = set()
+        while True:
+            path = self._agree_on_checkpoint(skip)
+            if path is None:
+                log.info("starting fresh (--resume %s, no loadable checkpoint in %s)", self.args.resume,
+                         self.run_dir / "checkpoints")
+                return None, None
+            try:
+                return self._load(path)
+            except _Fatal:
+                raise
+            except Exception as e:  # noqa: BLE001 - reported, then the next older checkpoint
+                if self.args.resume != "auto":
+                    raise _Fatal(f"checkpoint {path} failed to load: {type(e).__name__}: {e}") from e
+                log.error("checkpoint %s failed to load (%s: %s); trying an older one", path,
+                          type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                skip.add(str(path))
+
+    def _load(self, path: Path) -> tuple[int, float]:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from .checkpoint import CheckpointError, check_model_shapes, checkpoint_keys
+
         t0 = time.perf_counter()
         try:
             check_model_shapes(path, self.model.state_dict(), self.cfg.model.model_dump())

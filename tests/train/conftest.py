@@ -1,0 +1,159 @@
+"""Fixtures for the trainer's tests: a prepared data shard, tiny configs, torchrun launches."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+def write_config(path: Path, **sections) -> Path:
+    """configs/tiny.yaml with ``section={key: value}`` overrides merged in."""
+    cfg = yaml.safe_load(TINY.read_text())
+    for sec, vals in sections.items():
+        if isinstance(vals, dict):
+            cfg.setdefault(sec, {}).update(vals)
+        else:
+            cfg[sec] = vals
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def read_metrics(run_dir: Path) -> dict[int, dict]:
+    """Step records of metrics.jsonl; a step logged twice (re-run after a crash) keeps the last one."""
+    out = {}
+    p = Path(run_dir) / "metrics.jsonl"
+    if not p.exists():
+        return out
+    for line in p.read_text().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if "step" in rec and "loss" in rec:
+            out[rec["step"]] = rec
+    return out
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {s: r["loss"] for s, r in read_metrics(run_dir).items()}
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    """One prepared shard (region 'local') shared by every test: 300 kB of the Python stdlib."""
+    from sbatch_gen.train.data import prepare
+
+    d = tmp_path_factory.mktemp("data")
+    prepare(d, ["local"], source="python-stdlib", max_bytes=300_000)
+    return d
+
+
+def train_env(extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_", "SBATCH_GEN_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE",
+                         "GROUP_RANK", "GROUP_WORLD_SIZE")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def torchrun_cmd(config: Path, run_dir: Path, data: Path, *extra: str, nproc: int = 2,
+                 max_restarts: int = 0) -> list[str]:
+    return [
+        str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(nproc),
+        "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
+        "-m", "sbatch_gen.train", "--config", str(config), "--run-dir", str(run_dir), "--data-path", str(data),
+        *extra,
+    ]
+
+
+class Launch:
+    """A torchrun process group (own session, so the test can clean it up) logging to a file."""
+
+    def __init__(self, cmd: list[str], log: Path, env: dict | None = None):
+        self.log = log
+        self._fh = open(log, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, cwd=REPO,
+                                     env=train_env(env), start_new_session=True)
+
+    def wait(self, timeout: float = 180) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self._fh.close()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def workers(self) -> dict[int, int]:
+        """{rank: pid} of the trainer processes torchrun started (its direct children)."""
+        out = {}
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                stat = (d / "stat").read_text()
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])
+                if ppid != self.proc.pid:
+                    continue
+                env = (d / "environ").read_bytes().split(b"\0")
+            except (OSError, ValueError, IndexError):
+                continue
+            for kv in env:
+                if kv.startswith(b"RANK="):
+                    out[int(kv[5:])] = int(d.name)
+        return out
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            # torchrun starts each worker in its own session: kill them by pid, then torchrun's group.
+            for pid in self.workers().values():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+        if not self._fh.closed:
+            self._fh.close()
+
+
+@pytest.fixture
+def launches():
+    started: list[Launch] = []
+
+    def start(cmd, log, env=None) -> Launch:
+        la = Launch(cmd, log, env)
+        started.append(la)
+        return la
+
+    yield start
+    for la in started:
+        la.kill()
+
+
+def wait_for(pred, timeout: float, what: str, proc: Launch | None = None, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        if proc is not None and proc.proc.poll() is not None:
+            raise AssertionError(f"torchrun exited ({proc.proc.returncode}) before {what}:\n{proc.output()[-4000:]}")
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -1,0 +1,94 @@
+"""Train config validation: every error names file:line: field."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sbatch_gen.train.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["tiny", "demo", "gpt-125m"])
+def test_shipped_configs_validate(name):
+    cfg = load_config(REPO / "configs" / f"{name}.yaml")
+    assert cfg.model.d_model % cfg.model.n_heads == 0
+
+
+GOOD = """\
+model:
+  n_layers: 2
+  d_model: 64
+  n_heads: 4
+  seq_len: 32
+train:
+  steps: 10
+  batch_size: 2
+optim:
+  lr: 1.0e-3
+"""
+
+
+def _err(tmp_path, text: str) -> str:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    return str(ei.value)
+
+
+def test_good_minimal(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(GOOD)
+    cfg = load_config(p)
+    assert cfg.checkpoint.keep_last == 3 and cfg.data.source == "python-stdlib"
+
+
+def test_unknown_key_names_line_and_valid_keys(tmp_path):
+    msg = _err(tmp_path, GOOD.replace("  seq_len: 32\n", "  seq_len: 32\n  n_head: 4\n"))
+    assert msg.startswith(f"{tmp_path / 'c.yaml'}:6: model.n_head: unknown field (valid: ")
+    assert "n_heads" in msg
+
+
+def test_wrong_type_and_range(tmp_path):
+    msg = _err(tmp_path, GOOD.replace("batch_size: 2", "batch_size: two").replace("steps: 10", "steps: -1"))
+    lines = msg.splitlines()
+    assert any(line.startswith(f"{tmp_path / 'c.yaml'}:7: train.steps: ") and "-1" in line for line in lines)
+    assert any(line.startswith(f"{tmp_path / 'c.yaml'}:8: train.batch_size: ") and "'two'" in line for line in lines)
+
+
+def test_cross_field_rule(tmp_path):
+    msg = _err(tmp_path, GOOD.replace("n_heads: 4", "n_heads: 5"))
+    assert msg == f"{tmp_path / 'c.yaml'}:4: model.n_heads: Value error, d_model 64 is not divisible by n_heads 5 (got 5)"
+
+
+def test_missing_section_points_at_top(tmp_path):
+    msg = _err(tmp_path, GOOD.replace("optim:\n  lr: 1.0e-3\n", ""))
+    assert msg == f"{tmp_path / 'c.yaml'}:1: optim: Field required"
+
+
+def test_duplicate_key(tmp_path):
+    msg = _err(tmp_path, GOOD + "train:\n  steps: 3\n")
+    assert ":11: train: duplicate key (first at line 6)" in msg
+
+
+def test_yaml_syntax_error(tmp_path):
+    msg = _err(tmp_path, GOOD.replace("  seq_len: 32", "  seq_len: [32"))
+    assert msg.startswith(f"{tmp_path / 'c.yaml'}:") and "(yaml)" in msg
+
+
+def test_not_a_mapping(tmp_path):
+    assert ":1: (top level): expected a mapping" in _err(tmp_path, "- a\n- b\n")
+
+
+def test_cli_exits_2_before_importing_torch(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text(GOOD.replace("lr: 1.0e-3", "lr: 0"))
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "sbatch_gen.train", "--config", str(p)],
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 2
+    assert f"{p}:10: optim.lr: Input should be greater than 0 (got 0)" in r.stderr
+    imported = [line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")]
+    assert "pydantic" in imported and "torch" not in imported

@@ -1,0 +1,90 @@
+"""Data preparation and the resumable sampler."""
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+from sbatch_gen.train.data import DOC_END, Sampler, ensure_shard, main, prepare, source_files
+
+
+def test_prepare_is_deterministic_and_splits_by_file(tmp_path):
+    a = prepare(tmp_path / "a", ["eu", "us"], max_bytes=200_000)
+    b = prepare(tmp_path / "b", ["eu", "us"], max_bytes=200_000)
+    for r in ("eu", "us"):
+        assert (tmp_path / "a" / f"{r}.bin").read_bytes() == (tmp_path / "b" / f"{r}.bin").read_bytes()
+        assert a["regions"][r] == b["regions"][r]
+        meta = json.loads((tmp_path / "a" / f"{r}.json").read_text())
+        assert meta["sha256"] == hashlib.sha256((tmp_path / "a" / f"{r}.bin").read_bytes()).hexdigest()
+    # Round-robin by file in sorted order: eu has files 0, 2, 4...; us has 1, 3, 5...
+    root, files = source_files("python-stdlib")
+    used = a["files"]
+    eu = (tmp_path / "a" / "eu.bin").read_bytes()
+    us = (tmp_path / "a" / "us.bin").read_bytes()
+    assert eu == b"".join((root / f).read_bytes() + DOC_END for f in files[0:used:2])
+    assert us == b"".join((root / f).read_bytes() + DOC_END for f in files[1:used:2])
+    # The two shards together hold exactly the one-region corpus.
+    one = prepare(tmp_path / "one", ["local"], max_bytes=200_000)
+    assert one["regions"]["local"]["tokens"] == len(eu) + len(us)
+
+
+def test_ensure_shard_prepares_a_missing_directory_shard(tmp_path):
+    p = ensure_shard(tmp_path / "d", "us", ["eu", "us"], "common-licenses", 0)
+    assert p == tmp_path / "d" / "us.bin" and p.stat().st_size > 0
+    assert (tmp_path / "d" / "eu.bin").exists()
+    with pytest.raises(FileNotFoundError, match="prepare it with"):
+        ensure_shard(tmp_path / "nope.bin", "eu", ["eu"], "python-stdlib", 0)
+
+
+def test_cli_prepare(tmp_path, capsys):
+    assert main(["prepare", "--out", str(tmp_path), "--regions", "eu,us", "--max-bytes", "50000"]) == 0
+    out = capsys.readouterr().out
+    assert "eu.bin" in out and "us.bin" in out
+
+
+def _run(sampler, n, tokens):
+    return [sampler.batch(tokens) for _ in range(n)]
+
+
+def test_sampler_resume_sees_the_same_batches():
+    tokens = np.arange(10_000, dtype=np.int64).astype(np.uint8)
+    full = Sampler(tokens.size, 16, 3, rank=1, world_size=2, seed=7)
+    ref = _run(full, 400, tokens)  # several epochs (624 windows / 6 per step)
+    part = Sampler(tokens.size, 16, 3, rank=1, world_size=2, seed=7)
+    _run(part, 150, tokens)
+    state = json.loads(json.dumps(part.state_dict()))
+    resumed = Sampler(tokens.size, 16, 3, rank=1, world_size=2, seed=7)
+    resumed.load_state_dict(state)
+    for (x1, y1), (x2, y2) in zip(ref[150:], _run(resumed, 250, tokens), strict=True):
+        assert np.array_equal(x1, x2) and np.array_equal(y1, y2)
+
+
+def test_sampler_ranks_disjoint_and_epoch_covers_each_window_once():
+    n_tokens, seq, bs, world = 6_401, 16, 4, 2  # 400 windows, 8 per step -> 50 steps per epoch
+    offs = {r: [] for r in range(world)}
+    samplers = [Sampler(n_tokens, seq, bs, r, world, seed=3) for r in range(world)]
+    for _ in range(50):
+        for r, s in enumerate(samplers):
+            offs[r].extend(s.next_offsets().tolist())
+    seen = offs[0] + offs[1]
+    assert sorted(seen) == [i * seq for i in range(400)]
+    assert set(offs[0]).isdisjoint(offs[1])
+    assert samplers[0].epoch == 0
+    nxt = samplers[0].next_offsets()
+    assert samplers[0].epoch == 1 and len(nxt) == bs
+
+
+def test_sampler_targets_are_inputs_shifted():
+    tokens = (np.arange(1000) % 251).astype(np.uint8)
+    x, y = Sampler(tokens.size, 8, 2, 0, 1, seed=0).batch(tokens)
+    assert x.shape == (2, 8) and np.array_equal(x[:, 1:], y[:, :-1])
+
+
+def test_sampler_refuses_changed_data():
+    s = Sampler(10_000, 16, 2, 0, 1, seed=0)
+    other = Sampler(9_000, 16, 2, 0, 1, seed=0)
+    with pytest.raises(ValueError, match="the data changed"):
+        other.load_state_dict(s.state_dict())
+    with pytest.raises(ValueError, match="fewer than one global micro-batch"):
+        Sampler(100, 16, 4, 0, 2, seed=0)
