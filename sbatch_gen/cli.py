@@ -1,0 +1,298 @@
+"""The ``sbatch-gen`` command line. Torch-free: it must never import torch, directly or indirectly.
+
+Exit status: 0 ok, 1 drift found by ``check``/``diff``, 2 bad input (profile, override, usage).
+Errors go to stderr as ``file:line: field: message``, without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import click
+import yaml
+
+from sbatch_gen.consistency import check_cross_region
+from sbatch_gen.loader import LoadedSite, UserError, display_path, list_sites, load_site
+from sbatch_gen.profile import PROFILE_KINDS, SlurmProfile
+from sbatch_gen.render import Rendered, render_site, unified_diff, write_atomic
+
+EXIT_DRIFT = 1
+EXIT_BAD_INPUT = 2
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except UserError as e:
+            for m in e.messages:
+                click.echo(f"sbatch-gen: {m}", err=True)
+            ctx.exit(EXIT_BAD_INPUT)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Render Slurm job scripts for (cross-region) training from site profiles in sites/*.yaml.
+
+    Workflow: edit a profile, `sbatch-gen render --site NAME`, review `git diff out/`, commit;
+    CI runs `sbatch-gen validate` and `sbatch-gen check`.
+    """
+
+
+def _sites_dir_option(f: Callable) -> Callable:
+    return click.option(
+        "--sites-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("sites"),
+        show_default=True, help="Directory with the site profiles (<name>.yaml).",
+    )(f)
+
+
+def _templates_option(f: Callable) -> Callable:
+    return click.option(
+        "--templates-dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
+        help="Jinja templates (default: templates/ of the checkout, or the copy inside the installed package).",
+    )(f)
+
+
+def _out_option(f: Callable) -> Callable:
+    return click.option(
+        "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("out"),
+        show_default=True, help="Directory of the rendered scripts.",
+    )(f)
+
+
+def _set_option(f: Callable) -> Callable:
+    return click.option(
+        "--set", "overrides", multiple=True, metavar="KEY=VALUE",
+        help="Override a profile value, e.g. --set slurm.partition=debug (repeatable; VALUE is YAML).",
+    )(f)
+
+
+def _load_many(sites_dir: Path, names: Iterable[str], overrides: Iterable[str] = ()) -> list[LoadedSite]:
+    """Load sites, collecting every site's errors before failing."""
+    loaded, errors = [], []
+    for n in names:
+        try:
+            loaded.append(load_site(sites_dir, n, overrides))
+        except UserError as e:
+            errors += e.messages
+    if errors:
+        raise UserError(errors)
+    return loaded
+
+
+def _select(sites_dir: Path, names: tuple[str, ...], all_: bool, required: bool = True) -> list[str]:
+    if names and all_:
+        raise click.UsageError("give --site NAME or --all, not both")
+    if all_ or (not names and not required):
+        return list_sites(sites_dir)
+    if not names:
+        raise click.UsageError("give --site NAME (repeatable) or --all")
+    return list(names)
+
+
+def _render_all(loaded: list[LoadedSite], templates_dir: Path | None) -> list[tuple[LoadedSite, Rendered]]:
+    return [(s, r) for s in loaded for r in render_site(s, templates_dir)]
+
+
+def _output_suffixes() -> list[str]:
+    return sorted({pat.replace("{site}", "") for cls in PROFILE_KINDS.values() for _, pat in cls.OUTPUTS})
+
+
+def _drift(pairs: list[tuple[LoadedSite, Rendered]], out_dir: Path, stale_check: bool) -> list[str]:
+    diffs = []
+    expected = set()
+    for _, r in pairs:
+        path = out_dir / r.filename
+        expected.add(r.filename)
+        old = path.read_text(encoding="utf-8") if path.is_file() else None
+        if old != r.text:
+            diffs.append(unified_diff(path, old, r.text))
+    if stale_check and out_dir.is_dir():
+        suffixes = _output_suffixes()
+        for f in sorted(out_dir.iterdir()):
+            if f.is_file() and f.name not in expected and any(f.name.endswith(s) for s in suffixes):
+                diffs.append(
+                    f"# {display_path(f)}: no site renders this file any more (delete it)\n"
+                    + unified_diff(f, f.read_text(encoding="utf-8"), None)
+                )
+    return diffs
+
+
+@cli.command()
+@click.option("--site", "names", multiple=True, metavar="NAME", help="Site to render (repeatable).")
+@click.option("--all", "all_", is_flag=True, help="Render every site in the sites directory.")
+@_out_option
+@_set_option
+@_sites_dir_option
+@_templates_option
+def render(names, all_, out_dir, overrides, sites_dir, templates_dir) -> None:
+    """Validate profiles and write out/<site>.sbatch and out/<site>.setup.sbatch (atomically, mode 0755).
+
+    \b
+    sbatch-gen render --site eu
+    sbatch-gen render --all
+    sbatch-gen render --site local --set slurm.partition=debug --set paths.run_dir=runs/t1 --out /tmp/r
+    """
+    selected = _select(sites_dir, names, all_)
+    loaded = _load_many(sites_dir, selected, overrides)
+    if all_:
+        errors = check_cross_region(loaded)
+        if errors:
+            raise UserError(errors)
+    pairs = _render_all(loaded, templates_dir)
+    for _, r in pairs:
+        path = out_dir / r.filename
+        unchanged = path.is_file() and path.read_text(encoding="utf-8") == r.text
+        write_atomic(path, r.text)
+        click.echo(f"{'unchanged' if unchanged else 'wrote'} {display_path(path)}")
+
+
+@cli.command()
+@_out_option
+@_sites_dir_option
+@_templates_option
+def check(out_dir, sites_dir, templates_dir) -> None:
+    """Exit 1 with a unified diff if any file in out/ differs from a fresh render (for CI, pre-commit).
+
+    \b
+    sbatch-gen check
+    """
+    loaded = _load_many(sites_dir, list_sites(sites_dir))
+    pairs = _render_all(loaded, templates_dir)
+    diffs = _drift(pairs, out_dir, stale_check=True)
+    if diffs:
+        click.echo("".join(diffs), nl=False)
+        click.echo(
+            f"sbatch-gen: {len(diffs)} file(s) in {display_path(out_dir)} differ from a fresh render; "
+            "run `sbatch-gen render --all` and review the diff", err=True,
+        )
+        sys.exit(EXIT_DRIFT)
+    click.echo(f"{display_path(out_dir)} is up to date ({len(pairs)} files from {len(loaded)} sites)")
+
+
+@cli.command()
+@click.option("--site", "names", multiple=True, metavar="NAME", required=True, help="Site (repeatable).")
+@_out_option
+@_set_option
+@_sites_dir_option
+@_templates_option
+def diff(names, out_dir, overrides, sites_dir, templates_dir) -> None:
+    """Show what `render` would change for one site (exit 1 if anything differs).
+
+    \b
+    sbatch-gen diff --site eu
+    """
+    loaded = _load_many(sites_dir, names, overrides)
+    diffs = _drift(_render_all(loaded, templates_dir), out_dir, stale_check=False)
+    if diffs:
+        click.echo("".join(diffs), nl=False)
+        sys.exit(EXIT_DRIFT)
+    click.echo(f"no changes for {', '.join(names)}")
+
+
+@cli.command()
+@click.option("--site", "names", multiple=True, metavar="NAME", help="Only these sites (default: all).")
+@_sites_dir_option
+def validate(names, sites_dir) -> None:
+    """Validate every profile, then check that the sites of each cross-region run agree.
+
+    \b
+    sbatch-gen validate
+    """
+    loaded = _load_many(sites_dir, _select(sites_dir, names, False, required=False))
+    errors = check_cross_region(loaded)
+    if errors:
+        raise UserError(errors)
+    runs: dict[str, list[str]] = {}
+    for s in loaded:
+        if s.profile.cross_region.enabled:
+            runs.setdefault(s.profile.cross_region.run_id, []).append(s.name)
+    for s in loaded:
+        click.echo(f"ok  {s.display}")
+    for run_id, members in sorted(runs.items()):
+        click.echo(f"ok  cross-region run {run_id!r}: {', '.join(members)} agree")
+
+
+@cli.command()
+@click.option("--site", "name", required=True, metavar="NAME", help="Site to show.")
+@_set_option
+@_sites_dir_option
+def show(name, overrides, sites_dir) -> None:
+    """Print the resolved profile (extends: merged, overrides and defaults applied) as YAML.
+
+    \b
+    sbatch-gen show --site us
+    """
+    site = load_site(sites_dir, name, overrides)
+    data = site.profile.model_dump(mode="json")
+    chain = ", ".join(display_path(f) for f in site.files)
+    click.echo(f"# site {name}: resolved from {chain}" + "".join(f" --set {o}" for o in overrides))
+    click.echo(yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True), nl=False)
+
+
+@cli.command()
+@click.option("--kind", type=click.Choice(sorted(PROFILE_KINDS)), default=None,
+              help="Only this kind (default: all kinds, discriminated by `kind`).")
+def schema(kind) -> None:
+    """Print the JSON schema of a site profile (for editor completion and validation).
+
+    \b
+    sbatch-gen schema > profile.schema.json
+    """
+    from pydantic import Field, TypeAdapter
+
+    if kind is not None or len(PROFILE_KINDS) == 1:
+        model = PROFILE_KINDS[kind or next(iter(PROFILE_KINDS))]
+        doc = model.model_json_schema()
+    else:
+        from typing import Annotated, Union
+
+        union = Union[tuple(PROFILE_KINDS.values())]  # noqa: UP007
+        doc = TypeAdapter(Annotated[union, Field(discriminator="kind")]).json_schema()
+    extends = {
+        "description": "Base profile file(s), relative to this file, merged first (mappings merge; "
+        "other values replace).",
+        "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
+    }
+    targets = [doc] if "properties" in doc else [d for d in doc.get("$defs", {}).values()
+                                                  if d.get("title") in {c.__name__ for c in PROFILE_KINDS.values()}]
+    for t in targets:
+        t.setdefault("properties", {})["extends"] = extends
+    doc.setdefault("title", "sbatch-gen site profile")
+    click.echo(json.dumps(doc, indent=2, sort_keys=False))
+
+
+@cli.command("sites")
+@_sites_dir_option
+def sites_cmd(sites_dir) -> None:
+    """List the site profiles.
+
+    \b
+    sbatch-gen sites
+    """
+    for name in list_sites(sites_dir):
+        try:
+            p = load_site(sites_dir, name).profile
+        except UserError as e:
+            click.echo(f"{name:12} invalid: {e.messages[0]}")
+            continue
+        if isinstance(p, SlurmProfile):
+            res = f"{p.slurm.nodes} node(s) x " + (
+                f"{p.slurm.gpus_per_node} GPU" if p.uses_gpus() else f"{p.nproc_per_node()} CPU procs"
+            )
+        else:
+            res = f"{p.nproc_per_node()} procs/node"
+        xr = p.cross_region
+        region = f"region {xr.region} of run {xr.run_id}" if xr.enabled else "single region"
+        click.echo(f"{name:12} {p.kind:6} {res:22} {region}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli.main(args=argv, prog_name="sbatch-gen")
+
+
+if __name__ == "__main__":
+    main()

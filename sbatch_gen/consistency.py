@@ -1,0 +1,75 @@
+"""Cross-region consistency: the sites of one run must agree on everything they share. Torch-free.
+
+Sites whose ``cross_region.enabled`` is true are grouped by ``cross_region.run_id``. Within a group every
+site must have the same :meth:`CrossRegion.shared_view` (regions, sync mode, H, outer optimizer,
+transport location, ...), its own distinct ``region``, and the ``regions`` list must be exactly the set of
+the group's regions. Each problem is reported with both files and the differing field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from sbatch_gen.loader import LoadedSite, format_path
+
+
+def _flatten(d: object, prefix: tuple = ()) -> dict[tuple, object]:
+    if isinstance(d, dict):
+        out: dict[tuple, object] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, (*prefix, k)))
+        return out
+    return {prefix: d}
+
+
+def check_cross_region(sites: Iterable[LoadedSite]) -> list[str]:
+    """Return one message per inconsistency (empty when the runs are consistent)."""
+    runs: dict[str, list[LoadedSite]] = {}
+    for s in sites:
+        xr = s.profile.cross_region
+        if xr.enabled:
+            runs.setdefault(xr.run_id, []).append(s)
+    errors: list[str] = []
+    for run_id, group in sorted(runs.items()):
+        group = sorted(group, key=lambda s: s.name)
+        ref = group[0]
+        ref_view = _flatten(ref.profile.cross_region.shared_view())
+        for other in group[1:]:
+            view = _flatten(other.profile.cross_region.shared_view())
+            for key in sorted(set(ref_view) | set(view), key=lambda k: [str(x) for x in k]):
+                a, b = ref_view.get(key, "(unset)"), view.get(key, "(unset)")
+                if a != b:
+                    path = ("cross_region", *key)
+                    field = format_path(path)
+                    errors.append(
+                        f"{other.at(*path)}: {field}: {b!r} differs from {a!r} in {ref.at(*path)} "
+                        f"(sites {ref.name!r} and {other.name!r} are both in run {run_id!r} and must agree)"
+                    )
+        # Each site is one region; the regions list is exactly the run's sites' regions.
+        by_region: dict[str, LoadedSite] = {}
+        for s in group:
+            r = s.profile.cross_region.region
+            if r in by_region:
+                errors.append(
+                    f"{s.at('cross_region', 'region')}: cross_region.region: {r!r} is also the region of "
+                    f"{by_region[r].at('cross_region', 'region')} (run {run_id!r}): each site is one region"
+                )
+            by_region.setdefault(r, s)
+        # (A site whose list differs from the first one's is already reported above.)
+        for s in group[:1]:
+            listed = set(s.profile.cross_region.regions)
+            have = set(by_region)
+            if listed != have:
+                missing = sorted(listed - have)
+                extra = sorted(have - listed)
+                parts = []
+                if missing:
+                    parts.append(f"no site of run {run_id!r} has region {', '.join(map(repr, missing))}")
+                if extra:
+                    where = ", ".join(f"{by_region[r].at('cross_region', 'region')}" for r in extra)
+                    parts.append(f"region {', '.join(map(repr, extra))} ({where}) is not listed")
+                errors.append(
+                    f"{s.at('cross_region', 'regions')}: cross_region.regions: {sorted(listed)} does not match "
+                    f"the regions of run {run_id!r}'s sites {sorted(have)}: {'; '.join(parts)}"
+                )
+    return list(dict.fromkeys(errors))
