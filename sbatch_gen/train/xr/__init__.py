@@ -20,8 +20,8 @@ The trainer's side (fixed)::
     state["outer"] = sync.state_dict()
 
 ``step`` is the 1-based number of the optimizer step being taken (the same on every rank);
-``tokens`` is the number of tokens THIS RANK consumed for that step (the sync sums them over the region
-and weights each region's contribution by its share of all tokens).
+``tokens`` is the number of tokens the REGION consumed in that step (all its ranks together, the same
+value on every rank). Each region's contribution is weighted by its share of all regions' tokens.
 
 Importing this package does not import torch; :func:`build_outer_sync` does.
 """

@@ -178,7 +178,7 @@ class OuterSync:
             self.momentum = torch.zeros(self.numel, **f32)
         self.round = 0
         self.aligned = False
-        self.tokens = 0  # this rank's tokens since the last round
+        self.tokens = 0  # the region's tokens since the last round (the trainer passes region-wide counts)
         self._pending: dict | None = None  # grad mode: timings of this step, returned after the step
 
     # ---------------------------------------------------------------------------------------------
@@ -291,7 +291,7 @@ class OuterSync:
             all_sums: dict[int, tuple[int, str]] = {}
             for _, s, _ in gathered:
                 all_sums.update(s)
-            region_tokens = sum(int(tok) for _, _, tok in gathered)
+            region_tokens = int(gathered[0][2])  # region-wide count, the same on every rank: rank 0's
             plan = expect.plan
             shards = [ShardInfo(i, lo, hi - lo, *all_sums[i]) for i, (lo, hi) in enumerate(plan.bounds)]
             extra = {"sha256": _hash_of(shards)} if kind == "init" else {}
