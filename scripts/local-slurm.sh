@@ -1,0 +1,458 @@
+#!/usr/bin/env bash
+# A real two-node Slurm cluster on this one machine, for the end-to-end tests and for trying renders.
+#
+#   scripts/local-slurm.sh start    install Slurm + munge if missing, write the config, start munged,
+#                                   slurmctld and one slurmd per node (n1, n2), wait until both are idle
+#   scripts/local-slurm.sh stop     cancel every job, stop the daemons this script started (by PID), kill
+#                                   what is left in the node namespaces, remove namespaces, bridge and
+#                                   the /etc/hosts lines this script added
+#   scripts/local-slurm.sh status   exit 0 when the cluster is up and both nodes answer, 3 when it is
+#                                   stopped, 1 when it is half up (run stop, then start)
+#   scripts/local-slurm.sh env      print the variables a client needs (SLURM_CONF=...), one per line
+#
+# Both start and stop are idempotent. Run as root.
+#
+# Layout (SBATCH_GEN_SLURM_LAYOUT):
+#   netns     (default) every node is its own network namespace with its own address and hostname on a
+#             bridge that exists only inside this machine: n1=10.200.0.11, n2=10.200.0.12, the
+#             controller "slurmctl" on the bridge address 10.200.0.1. Closer to a real cluster: the c10d
+#             store lives on one node only and MASTER_ADDR really names a different host.
+#   loopback  both slurmd on 127.0.0.1 on different ports (Debian builds Slurm with MULTIPLE_SLURMD).
+#
+# Settings (environment): SBATCH_GEN_SLURM_STATE (state dir, default /tmp/sbatch-gen-slurm),
+# SBATCH_GEN_SLURM_LAYOUT, SBATCH_GEN_SLURM_SUBNET (first three octets, default 10.200.0),
+# SBATCH_GEN_SLURM_PORT (slurmctld port, default 6817), SBATCH_GEN_SLURM_CPUS (CPUs each node
+# advertises, default 8), SBATCH_GEN_SLURM_MEM_MB (memory each node advertises, default 16000).
+#
+# The processes live in the same mount namespace as the caller, so every path (the repository, its
+# .venv) is the same on the nodes as here.
+
+set -euo pipefail
+
+STATE=${SBATCH_GEN_SLURM_STATE:-/tmp/sbatch-gen-slurm}
+LAYOUT=${SBATCH_GEN_SLURM_LAYOUT:-netns}
+SUBNET=${SBATCH_GEN_SLURM_SUBNET:-10.200.0}
+CTLD_PORT=${SBATCH_GEN_SLURM_PORT:-6817}
+NODE_CPUS=${SBATCH_GEN_SLURM_CPUS:-8}
+NODE_MEM_MB=${SBATCH_GEN_SLURM_MEM_MB:-16000}
+
+NODES=(n1 n2)
+CTLD_HOST=slurmctl
+PARTITION=debug
+BRIDGE=br-sbgen
+NS_PREFIX=sbgen-
+VETH_PREFIX=sbgen-v
+HOSTS_MARK="# sbatch-gen local-slurm"
+PACKAGES=(slurmctld slurmd slurm-client munge)
+
+CONF=$STATE/etc/slurm.conf
+LOG=$STATE/log
+OURS=$STATE/started   # one line per daemon this script started: "<name> <pid>"
+
+log() { printf 'local-slurm: %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+case $LAYOUT in
+  netns | loopback) ;;
+  *) die "SBATCH_GEN_SLURM_LAYOUT must be netns or loopback, not '$LAYOUT'" ;;
+esac
+[[ $SUBNET =~ ^[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}$ ]] || die "SBATCH_GEN_SLURM_SUBNET must look like 10.200.0, not '$SUBNET'"
+[[ $STATE == /* ]] || die "SBATCH_GEN_SLURM_STATE must be an absolute path, not '$STATE'"
+
+node_addr() {  # node index (1-based) -> address
+  if [[ $LAYOUT == netns ]]; then echo "$SUBNET.$((10 + $1))"; else echo 127.0.0.1; fi
+}
+ctld_addr() { if [[ $LAYOUT == netns ]]; then echo "$SUBNET.1"; else echo 127.0.0.1; fi; }
+
+slurm() { SLURM_CONF=$CONF "$@"; }
+
+# --- processes --------------------------------------------------------------------------------------
+
+alive() {  # pid -> 0 if it runs (zombies count as gone)
+  local pid=$1 st
+  [[ -n $pid && -r /proc/$pid/stat ]] || return 1
+  st=$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) || return 1
+  [[ $st != Z && $st != X ]]
+}
+
+comm_of() { cat "/proc/$1/comm" 2>/dev/null || true; }
+
+pid_from_file() {  # pidfile expected-comm -> pid if the file names a live process of that name
+  local f=$1 want=$2 pid
+  [[ -s $f ]] || return 1
+  pid=$(tr -dc '0-9' <"$f")
+  alive "$pid" && [[ $(comm_of "$pid") == "$want" ]] && echo "$pid"
+}
+
+stop_pid() {  # pid [seconds]: TERM, wait, then KILL
+  local pid=$1 wait_s=${2:-10} i
+  alive "$pid" || return 0
+  kill -TERM "$pid" 2>/dev/null || true
+  for ((i = 0; i < wait_s * 10; i++)); do alive "$pid" || return 0; sleep 0.1; done
+  log "pid $pid ($(comm_of "$pid")) ignored SIGTERM for ${wait_s}s: SIGKILL"
+  kill -KILL "$pid" 2>/dev/null || true
+  for ((i = 0; i < 50; i++)); do alive "$pid" || return 0; sleep 0.1; done
+  log "warning: pid $pid still there after SIGKILL"
+}
+
+wait_for() {  # seconds description command...: poll until the command succeeds
+  local secs=$1 what=$2 i
+  shift 2
+  for ((i = 0; i < secs * 10; i++)); do
+    if "$@" >/dev/null 2>&1; then return 0; fi
+    sleep 0.1
+  done
+  log "timed out after ${secs}s waiting for $what"
+  return 1
+}
+
+# --- packages and munge -----------------------------------------------------------------------------
+
+ensure_packages() {
+  local missing=() p
+  for p in "${PACKAGES[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  for p in ip nsenter unshare flock; do command -v "$p" >/dev/null || die "'$p' not found (iproute2, util-linux)"; done
+  ((${#missing[@]} == 0)) && return 0
+  log "installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+munge_works() { munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; }
+
+start_munge() {
+  if munge_works; then return 0; fi
+  [[ -s /etc/munge/munge.key ]] || {
+    log "creating /etc/munge/munge.key"
+    if command -v mungekey >/dev/null; then mungekey --create --keyfile=/etc/munge/munge.key
+    else dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none; fi
+    chown munge:munge /etc/munge/munge.key
+    chmod 400 /etc/munge/munge.key
+  }
+  mkdir -p /run/munge /var/log/munge /var/lib/munge
+  chown munge:munge /run/munge /var/log/munge /var/lib/munge
+  # a pid file left by a munged that died would make the new one refuse to start
+  if [[ -e /run/munge/munged.pid ]] && ! pid_from_file /run/munge/munged.pid munged >/dev/null; then
+    rm -f /run/munge/munged.pid
+  fi
+  runuser -u munge -- /usr/sbin/munged 9>&-
+  wait_for 10 "munged" munge_works || die "munged did not come up (see /var/log/munge/munged.log)"
+  local pid
+  pid=$(pid_from_file /run/munge/munged.pid munged) || die "munged runs but /run/munge/munged.pid names no munged"
+  echo "munged $pid" >>"$OURS"
+}
+
+# --- network ----------------------------------------------------------------------------------------
+
+ns_of() { echo "$NS_PREFIX$1"; }
+
+net_up() {
+  [[ $LAYOUT == netns ]] || return 0
+  if ip -4 route show | grep -q "^$SUBNET\.0/24 " && ! ip link show "$BRIDGE" >/dev/null 2>&1; then
+    die "$SUBNET.0/24 is already routed on this machine; choose another SBATCH_GEN_SLURM_SUBNET"
+  fi
+  ip link show "$BRIDGE" >/dev/null 2>&1 || ip link add "$BRIDGE" type bridge
+  ip addr replace "$(ctld_addr)/24" dev "$BRIDGE"
+  ip link set "$BRIDGE" up
+  local i node ns veth
+  for i in "${!NODES[@]}"; do
+    node=${NODES[$i]}
+    ns=$(ns_of "$node")
+    veth=$VETH_PREFIX$((i + 1))
+    [[ -e /run/netns/$ns ]] || ip netns add "$ns"
+    if ! ip link show "$veth" >/dev/null 2>&1; then
+      ip link add "$veth" type veth peer name eth0 netns "$ns"
+    fi
+    ip link set "$veth" master "$BRIDGE" up
+    ip -n "$ns" link set lo up
+    ip -n "$ns" addr replace "$(node_addr $((i + 1)))/24" dev eth0
+    ip -n "$ns" link set eth0 up
+  done
+}
+
+net_down() {
+  local node ns pid i
+  for node in "${NODES[@]}"; do
+    ns=$(ns_of "$node")
+    [[ -e /run/netns/$ns ]] || continue
+    # whatever still runs in a node's namespace was started by this cluster (job steps, orphans)
+    for i in 1 2 3; do
+      mapfile -t pids < <(ip netns pids "$ns" 2>/dev/null)
+      ((${#pids[@]} == 0)) && break
+      log "killing ${#pids[@]} leftover process(es) in $ns: ${pids[*]}"
+      for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+      sleep 0.5
+    done
+    ip netns del "$ns" 2>/dev/null || log "warning: could not delete netns $ns"
+  done
+  for ((i = 1; i <= ${#NODES[@]}; i++)); do
+    if ip link show "$VETH_PREFIX$i" >/dev/null 2>&1; then ip link del "$VETH_PREFIX$i" 2>/dev/null || true; fi
+  done
+  if ip link show "$BRIDGE" >/dev/null 2>&1; then ip link del "$BRIDGE"; fi
+}
+
+# /etc/hosts may be a bind mount (containers): rewrite it in place, never replace the file.
+hosts_remove() {
+  grep -qF "$HOSTS_MARK" /etc/hosts 2>/dev/null || return 0
+  local tmp
+  tmp=$(mktemp)
+  grep -vF "$HOSTS_MARK" /etc/hosts >"$tmp" || true
+  cat "$tmp" >/etc/hosts
+  rm -f "$tmp"
+}
+
+hosts_add() {
+  hosts_remove
+  local i name lines=()
+  for name in "$CTLD_HOST" "${NODES[@]}"; do
+    # an existing mapping for one of our names that we did not write would make the cluster ambiguous
+    if grep -vF "$HOSTS_MARK" /etc/hosts | sed 's/#.*//' | awk '{for (i = 2; i <= NF; i++) print $i}' | grep -qx "$name"; then
+      die "/etc/hosts already maps '$name'; remove that line or use a machine without it"
+    fi
+  done
+  lines+=("$(ctld_addr) $CTLD_HOST $HOSTS_MARK")
+  for i in "${!NODES[@]}"; do lines+=("$(node_addr $((i + 1))) ${NODES[$i]} $HOSTS_MARK"); done
+  printf '%s\n' "${lines[@]}" >>/etc/hosts
+}
+
+# --- config -----------------------------------------------------------------------------------------
+
+write_conf() {
+  mkdir -p "$STATE/etc" "$LOG" "$STATE/state" "$STATE/spool"
+  local tmp=$CONF.tmp i
+  {
+    echo "# Written by scripts/local-slurm.sh ($LAYOUT layout). Regenerated on every start."
+    echo "ClusterName=sbgenlocal"
+    echo "SlurmctldHost=$CTLD_HOST($(ctld_addr))"
+    cat <<EOF
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# short credential life and a fast scheduler: requeue-to-running in seconds instead of minutes
+AuthInfo=cred_expire=5
+SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1,sched_interval=2
+MpiDefault=none
+# pgid: linuxproc left orphaned background processes after a job
+ProctrackType=proctrack/pgid
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/filetxt
+JobCompLoc=$LOG/jobcomp.txt
+StateSaveLocation=$STATE/state
+SlurmdSpoolDir=$STATE/spool/%n
+SlurmctldPidFile=$STATE/slurmctld.pid
+SlurmdPidFile=$STATE/slurmd-%n.pid
+SlurmctldLogFile=$LOG/slurmctld.log
+SlurmdLogFile=$LOG/slurmd-%n.log
+SlurmctldPort=$CTLD_PORT
+SlurmdPort=6818
+# the nodes advertise more CPUs than this machine has
+SlurmdParameters=config_overrides
+ReturnToService=2
+InactiveLimit=0
+KillWait=5
+MinJobAge=3600
+Waittime=0
+MailProg=/bin/true
+EOF
+    for i in "${!NODES[@]}"; do
+      if [[ $LAYOUT == netns ]]; then
+        echo "NodeName=${NODES[$i]} NodeHostname=${NODES[$i]} NodeAddr=$(node_addr $((i + 1))) CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB State=UNKNOWN"
+      else
+        echo "NodeName=${NODES[$i]} NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((17001 + i)) CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB State=UNKNOWN"
+      fi
+    done
+    echo "PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
+  } >"$tmp"
+  mv -f "$tmp" "$CONF"
+}
+
+# --- daemons ----------------------------------------------------------------------------------------
+
+ctld_pid() { pid_from_file "$STATE/slurmctld.pid" slurmctld; }
+slurmd_pid() { pid_from_file "$STATE/slurmd-$1.pid" slurmd; }
+
+ctld_up() { slurm scontrol ping 2>/dev/null | grep -q 'is UP'; }
+
+nodes_idle() {  # every node idle (or running something): the cluster answers
+  local out n
+  out=$(slurm sinfo -h -N -o '%N %t' 2>/dev/null) || return 1
+  for n in "${NODES[@]}"; do
+    grep -Eq "^$n (idle|alloc|mix|comp)\$" <<<"$out" || return 1
+  done
+}
+
+nodes_really_idle() {
+  local out n
+  out=$(slurm sinfo -h -N -o '%N %t' 2>/dev/null) || return 1
+  for n in "${NODES[@]}"; do grep -q "^$n idle\$" <<<"$out" || return 1; done
+}
+
+start_ctld() {
+  local -a cmd=(/usr/sbin/slurmctld -i -f "$CONF")
+  if [[ $LAYOUT == netns ]]; then
+    # slurmctld only serves when the host name equals SlurmctldHost
+    unshare --uts sh -c "hostname $CTLD_HOST && exec \"\$@\"" sh "${cmd[@]}" 9>&-
+  else
+    "${cmd[@]}" 9>&-
+  fi
+  wait_for 15 "slurmctld pid file" ctld_pid || { tail -n 20 "$LOG/slurmctld.log" >&2 || true; die "slurmctld did not start"; }
+  echo "slurmctld $(ctld_pid)" >>"$OURS"
+  wait_for 15 "slurmctld to answer" ctld_up || { tail -n 20 "$LOG/slurmctld.log" >&2 || true; die "slurmctld does not answer"; }
+}
+
+start_slurmd() {
+  local node=$1
+  local -a cmd=(/usr/sbin/slurmd -f "$CONF" -N "$node")
+  if [[ $LAYOUT == netns ]]; then
+    nsenter --net="/run/netns/$(ns_of "$node")" unshare --uts sh -c "hostname $node && exec \"\$@\"" sh "${cmd[@]}" 9>&-
+  else
+    "${cmd[@]}" 9>&-
+  fi
+  wait_for 15 "slurmd $node" slurmd_pid "$node" || { tail -n 20 "$LOG/slurmd-$node.log" >&2 || true; die "slurmd $node did not start"; }
+  echo "slurmd-$node $(slurmd_pid "$node")" >>"$OURS"
+}
+
+# --- commands ---------------------------------------------------------------------------------------
+
+status_code() {  # 0 up, 3 stopped, 1 partial
+  local any=0 all=1 n
+  if ctld_pid >/dev/null; then any=1; else all=0; fi
+  for n in "${NODES[@]}"; do if slurmd_pid "$n" >/dev/null; then any=1; else all=0; fi; done
+  if [[ $LAYOUT == netns ]]; then
+    for n in "${NODES[@]}"; do [[ -e /run/netns/$(ns_of "$n") ]] && any=1; done
+    ip link show "$BRIDGE" >/dev/null 2>&1 && any=1
+  fi
+  grep -qF "$HOSTS_MARK" /etc/hosts 2>/dev/null && any=1
+  if ((all)) && ctld_up && nodes_idle; then return 0; fi
+  if ((any)); then return 1; fi
+  return 3
+}
+
+cmd_status() {
+  local rc=0
+  status_code || rc=$?
+  case $rc in
+    0) echo "running ($LAYOUT layout, state $STATE)"
+       slurm sinfo -N -o '%N %t %c %m %P' || true
+       slurm squeue -o '%i %j %T %r %N' || true ;;
+    3) echo "stopped" ;;
+    *) echo "partial: some pieces run, others do not (run '$0 stop', then '$0 start'); state $STATE"
+       [[ -f $OURS ]] && sed 's/^/  started: /' "$OURS" ;;
+  esac
+  return "$rc"
+}
+
+cmd_env() {
+  echo "SLURM_CONF=$CONF"
+  echo "SBATCH_GEN_SLURM_STATE=$STATE"
+  echo "SBATCH_GEN_SLURM_LAYOUT=$LAYOUT"
+  echo "SBATCH_GEN_SLURM_HOST_ADDR=$(ctld_addr)"
+  echo "SBATCH_GEN_SLURM_NODES=$(IFS=,; echo "${NODES[*]}")"
+  echo "SBATCH_GEN_SLURM_PARTITION=$PARTITION"
+}
+
+cmd_start() {
+  ensure_packages
+  mkdir -p "$STATE"
+  local rc=0
+  status_code || rc=$?
+  if ((rc == 0)); then log "already running ($STATE)"; return 0; fi
+  if ((rc == 1)); then log "found a half-started cluster: stopping it first"; do_stop; fi
+  : >"$OURS"
+  # whatever makes start fail (die, a failing command under set -e): take down what was started
+  trap 'start_failed' EXIT
+  # a fresh cluster: job ids restart at 1, so the spool (job credentials) must go with the state
+  rm -rf "$STATE/state" "$STATE/spool" "$STATE/slurmctld.pid" "$STATE"/slurmd-*.pid
+  # keep the previous cluster's logs one start longer (log.prev/), for a look after a failed run
+  if [[ -d $LOG ]]; then rm -rf "$STATE/log.prev"; mv "$LOG" "$STATE/log.prev"; fi
+  write_conf
+  start_munge
+  net_up
+  hosts_add
+  start_ctld
+  local n
+  for n in "${NODES[@]}"; do start_slurmd "$n"; done
+  if ! wait_for 30 "nodes ${NODES[*]} to be idle" nodes_really_idle; then
+    slurm sinfo -N >&2 || true
+    tail -n 20 "$LOG"/slurmd-*.log >&2 || true
+    die "nodes did not become idle"
+  fi
+  trap - EXIT
+  log "up: nodes ${NODES[*]} idle ($LAYOUT layout); export SLURM_CONF=$CONF"
+}
+
+start_failed() {
+  local rc=$?
+  trap - EXIT
+  log "start failed (exit $rc): stopping what was started; logs stay in $LOG"
+  do_stop || true
+  exit "$rc"
+}
+
+cancel_jobs() {
+  ctld_up || return 0
+  local ids
+  ids=$(slurm squeue -h -o '%i' 2>/dev/null | tr '\n' ' ')
+  [[ -n ${ids// /} ]] || return 0
+  log "cancelling jobs: $ids"
+  # shellcheck disable=SC2086  # one argument per job id
+  slurm scancel $ids 2>/dev/null || true
+  # wait until no job has processes on a node (COMPLETING clears after slurmstepd has killed the steps)
+  wait_for 30 "jobs to end" sh -c "[ -z \"\$(SLURM_CONF='$CONF' squeue -h -t R,CG,S,CF -o %i)\" ]" ||
+    log "warning: jobs still running after scancel; their processes are killed below"
+}
+
+do_stop() {
+  cancel_jobs
+  local n pid name
+  for n in "${NODES[@]}"; do
+    pid=$(slurmd_pid "$n") && stop_pid "$pid" 10
+  done
+  pid=$(ctld_pid) && stop_pid "$pid" 10
+  # munged only if this script started it
+  if [[ -f $OURS ]]; then
+    while read -r name pid; do
+      [[ $name == munged ]] || continue
+      alive "$pid" && [[ $(comm_of "$pid") == munged ]] && stop_pid "$pid" 5
+    done <"$OURS"
+  fi
+  net_down
+  hosts_remove
+  rm -f "$OURS" "$STATE/slurmctld.pid" "$STATE"/slurmd-*.pid
+  rm -rf "$STATE/state" "$STATE/spool"
+}
+
+cmd_stop() {
+  [[ -d $STATE ]] || mkdir -p "$STATE"
+  do_stop
+  local rc=0
+  status_code || rc=$?
+  ((rc == 3)) || die "something is still there after stop (status $rc); see '$0 status'"
+  log "stopped"
+}
+
+main() {
+  local action=${1:-}
+  case $action in
+    start | stop) ;;
+    status) cmd_status; return ;;
+    env) cmd_env; return ;;
+    -h | --help | help) sed -n '2,/^$/p' "$0" | sed 's/^# \{0,1\}//'; return 0 ;;
+    *) echo "usage: $0 start|stop|status|env" >&2; return 2 ;;
+  esac
+  ((EUID == 0)) || die "must run as root (it starts daemons, network namespaces and edits /etc/hosts)"
+  mkdir -p "$STATE"
+  # one start/stop at a time
+  exec 9>"$STATE/.lock"
+  flock -w 120 9 || die "another $0 holds $STATE/.lock"
+  "cmd_$action"
+}
+
+main "$@"
