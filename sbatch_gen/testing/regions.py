@@ -1,0 +1,147 @@
+"""Run several regions of one cross-region job on this machine: each region is its own torchrun (its own
+rendezvous port, its own process group) running ``python -m sbatch_gen.train``; they meet only in the
+mailbox. Used by the tests, ``make demo`` and the benchmarks. Torch-free.
+
+Processes are tracked by PID: :meth:`RegionRun.kill` SIGKILLs the torchrun agent and its workers (which
+torchrun starts in sessions of their own), never anything found by name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sbatch_gen.xr_options import CrossRegion, to_argv
+
+from .s3server import free_port
+
+_SCRUB = ("SLURM_", "TORCHELASTIC_", "SBATCH_GEN_")
+_SCRUB_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "GROUP_RANK", "GROUP_WORLD_SIZE")
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB) and k not in _SCRUB_NAMES}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(x) for x in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+@dataclass
+class RegionRun:
+    region: str
+    run_dir: Path
+    procs: list[subprocess.Popen]
+    logs: list[Path]
+    cmd: list[str] = field(default_factory=list)
+
+    def poll(self) -> list[int | None]:
+        return [p.poll() for p in self.procs]
+
+    def wait(self, timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        rcs = []
+        for p in self.procs:
+            try:
+                rcs.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise TimeoutError(f"region {self.region} did not finish in {timeout:g} s; log:\n{self.tail()}") from None
+        return rcs
+
+    def worker_pids(self) -> list[int]:
+        return [c for p in self.procs if p.poll() is None for c in _children(p.pid)]
+
+    def kill(self) -> None:
+        """SIGKILL the agents and their workers (a crash, as far as the other region can tell)."""
+        workers = self.worker_pids()
+        for p in self.procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+        for w in workers:
+            try:
+                os.kill(w, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in self.procs:
+            p.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(os.path.exists(f"/proc/{w}") and _state(w) not in ("Z", "X") for w in workers):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+
+    def tail(self, n: int = 60) -> str:
+        out = []
+        for log in self.logs:
+            try:
+                lines = log.read_text(errors="replace").splitlines()
+            except OSError:
+                continue
+            out.append(f"--- {log} ---\n" + "\n".join(lines[-n:]))
+        return "\n".join(out)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "X"
+
+
+def launch_region(
+    xr: CrossRegion,
+    *,
+    config: str | os.PathLike,
+    run_dir: str | os.PathLike,
+    data_path: str | os.PathLike | None = None,
+    nproc: int = 2,
+    nnodes: int = 1,
+    max_steps: int | None = None,
+    resume: str = "auto",
+    env: dict[str, str] | None = None,
+    log_dir: str | os.PathLike | None = None,
+    extra_args: list[str] | None = None,
+    python: str = sys.executable,
+) -> RegionRun:
+    """Start one region: ``nnodes`` torchrun agents (a multi-node job on one machine) of ``nproc``
+    workers each, sharing a fresh c10d rendezvous port."""
+    run_dir = Path(run_dir)
+    log_dir = Path(log_dir) if log_dir else run_dir.parent
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    train = ["-m", "sbatch_gen.train", "--config", str(config), "--run-dir", str(run_dir), "--resume", resume]
+    if data_path is not None:
+        train += ["--data-path", str(data_path)]
+    if max_steps is not None:
+        train += ["--max-steps", str(max_steps)]
+    train += to_argv(xr) + list(extra_args or [])
+    procs, logs = [], []
+    for node in range(nnodes):
+        cmd = [python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={xr.region}",
+               "--max-restarts=0", *train]
+        log = log_dir / (f"{xr.region}.log" if nnodes == 1 else f"{xr.region}.node{node}.log")
+        with open(log, "ab") as f:
+            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=clean_env(env),
+                                          start_new_session=True))
+        logs.append(log)
+    return RegionRun(xr.region, run_dir, procs, logs, cmd)
