@@ -44,8 +44,32 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
     return out
 
 
+def same_weights(a: Path, b: Path) -> bool:
+    """Bitwise-equal tensors in two model.safetensors exports (the header's metadata order may differ)."""
+    import torch
+    from safetensors.torch import load_file
+
+    ta, tb = load_file(str(a)), load_file(str(b))
+    return ta.keys() == tb.keys() and all(
+        ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape
+        and torch.equal(ta[k].contiguous().view(torch.uint8), tb[k].contiguous().view(torch.uint8))
+        for k in ta
+    )
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     return {s: r["loss"] for s, r in read_metrics(run_dir).items()}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    """In-process runs share 2 busy cores with other tests: oversubscribed OpenMP threads are slow."""
+    import torch
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
 
 
 @pytest.fixture(scope="session")
