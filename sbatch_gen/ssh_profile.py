@@ -1,0 +1,224 @@
+"""``kind: ssh`` site profiles: plain machines reached over SSH, no Slurm. Torch-free.
+
+Renders ``out/<site>.sh``, a launcher run on the first host: preflight on every host, torchrun (c10d)
+on every host (the first one locally, the others over ssh), a process tag on everything it starts,
+cleanup by that tag on every host, and whole-job relaunches with ``--resume auto`` after a cool-down.
+The sections that do not depend on how the job is launched (paths, python_env, network, nccl,
+extra_env, trainer, torchrun, topology, cross_region) are the shared ones from :mod:`sbatch_gen.profile`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+
+from sbatch_gen.profile import (
+    PROFILE_KINDS,
+    FieldError,
+    PathStr,
+    ProfileBase,
+    Text,
+    _check,
+    _no_control,
+    _Strict,
+)
+
+# An ssh destination as written in the profile: a host name, an alias from ~/.ssh/config or an IPv4
+# address. Never starts with '-' (ssh would read it as an option); user and port go in `ssh:`.
+HostName = Annotated[
+    str,
+    AfterValidator(_check(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}", "host name (letters, digits, . _ -)")),
+]
+
+# ssh options the launcher sets itself from typed fields (or must not be changed for it to work).
+_MANAGED_SSH_OPTIONS = {
+    "batchmode": "always yes: the launcher cannot answer prompts",
+    "connecttimeout": "set ssh.connect_timeout_s",
+    "serveraliveinterval": "set ssh.server_alive_interval_s",
+    "serveralivecountmax": "set ssh.server_alive_count_max",
+    "port": "set ssh.port",
+    "user": "set ssh.user",
+    "identityfile": "set ssh.identity_file",
+    "requesttty": "the launcher needs no terminal",
+    "remotecommand": "the launcher sends its own commands",
+}
+
+
+def _ssh_option(v: str) -> str:
+    _no_control(v)
+    m = re.fullmatch(r"([A-Za-z][A-Za-z0-9]*)=(\S.*)", v)
+    if m is None:
+        raise ValueError(f"ssh option {v!r}: expected Key=Value, as for ssh -o (e.g. StrictHostKeyChecking=yes)")
+    why = _MANAGED_SSH_OPTIONS.get(m.group(1).lower())
+    if why:
+        raise ValueError(f"ssh option {m.group(1)}: {why}")
+    return v
+
+
+def _host_shorthand(v: object) -> object:
+    return {"name": v} if isinstance(v, str) else v
+
+
+class SshHost(_Strict):
+    """One machine. Position in the list = node rank among the enabled hosts."""
+
+    name: HostName = Field(description="ssh destination: host name, ~/.ssh/config alias or IPv4 address.")
+    enabled: bool = Field(default=True, description="false leaves the host out of the job (kept for the record).")
+    note: Text | None = Field(default=None, description="Why the host is left out; shown in the script.")
+
+
+class SshConnection(_Strict):
+    """How the launcher reaches the other hosts. Unset fields fall back to ssh's own config."""
+
+    user: Annotated[str, AfterValidator(_check(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}", "user name"))] | None = Field(
+        default=None, description="Remote user (ssh -l); unset: ssh's default."
+    )
+    port: int | None = Field(default=None, ge=1, le=65535, description="sshd port (ssh -p); unset: ssh's default.")
+    identity_file: PathStr | None = Field(
+        default=None, description="Private key (ssh -i, with IdentitiesOnly=yes); relative to the launch directory."
+    )
+    connect_timeout_s: int = Field(default=10, ge=1, le=600, description="ConnectTimeout.")
+    server_alive_interval_s: int = Field(
+        default=15, ge=1, le=3600, description="ServerAliveInterval: probe a silent connection this often."
+    )
+    server_alive_count_max: int = Field(
+        default=4, ge=1, le=100, description="ServerAliveCountMax: drop the connection after this many lost probes."
+    )
+    options: list[Annotated[str, AfterValidator(_ssh_option)]] = Field(
+        default_factory=list,
+        description="More ssh -o Key=Value options, e.g. StrictHostKeyChecking=yes, UserKnownHostsFile=..., "
+        "ProxyJump=bastion.",
+    )
+
+    def argv_lines(self) -> list[list[str]]:
+        """ssh arguments, one option (flag and value) per line."""
+        lines = [
+            ["-o", "BatchMode=yes"],
+            ["-o", f"ConnectTimeout={self.connect_timeout_s}"],
+            ["-o", f"ServerAliveInterval={self.server_alive_interval_s}"],
+            ["-o", f"ServerAliveCountMax={self.server_alive_count_max}"],
+        ]
+        if self.port is not None:
+            lines.append(["-p", str(self.port)])
+        if self.user is not None:
+            lines.append(["-l", self.user])
+        if self.identity_file is not None:
+            lines += [["-i", self.identity_file], ["-o", "IdentitiesOnly=yes"]]
+        lines += [["-o", o] for o in self.options]
+        return lines
+
+
+class SshLaunch(_Strict):
+    """Attempts: wait for every node, clean up, relaunch the whole job with --resume auto."""
+
+    max_attempts: int = Field(default=5, ge=1, le=1000, description="Launches in total, the first one included.")
+    cooldown_s: int = Field(
+        default=900, ge=0, le=86400, description="Pause before a relaunch (the default 15 minutes lets a node recover)."
+    )
+    stop_file: PathStr = Field(
+        default="STOP",
+        description="Sentinel file (relative to the launch directory): when it exists the launcher stops after "
+        "the current attempt. Checked between attempts and during the cool-down, never mid-attempt.",
+    )
+    kill_grace_s: int = Field(
+        default=30, ge=1, le=3600,
+        description="Cleanup: seconds between SIGTERM (the trainer checkpoints on it) and SIGKILL.",
+    )
+    failure_grace_s: int = Field(
+        default=120, ge=0, le=86400,
+        description="After one node fails, how long the others may take to end on their own before cleanup kills them.",
+    )
+    preflight_timeout_s: int = Field(default=120, ge=5, le=3600, description="Preflight limit per host.")
+    shared_run_dir: bool = Field(
+        default=True,
+        description="Preflight checks that every host sees node 0's paths.run_dir (sharded checkpoints need it).",
+    )
+
+
+class SshNode(_Strict):
+    """What every host has (the hosts of one site are alike)."""
+
+    gpus: int = Field(ge=0, le=64, description="GPUs per host, one process each; 0 for a CPU site "
+                      "(then set torchrun.procs_per_node).")
+    cpus: int = Field(ge=1, le=4096, description="CPU cores per host; OMP_NUM_THREADS = cpus / processes.")
+
+
+class SshProfile(ProfileBase):
+    """Plain machines over SSH: renders out/<site>.sh, a launcher to run on the first host."""
+
+    kind: Literal["ssh"] = "ssh"
+    hosts: list[Annotated[SshHost, BeforeValidator(_host_shorthand)]] = Field(
+        min_length=1,
+        description="The machines, in node-rank order; the first one runs the launcher (and node 0). "
+        "A plain string is a host name.",
+    )
+    node: SshNode
+    ssh: SshConnection = Field(default_factory=SshConnection)
+    launch: SshLaunch = Field(default_factory=SshLaunch)
+
+    OUTPUTS: ClassVar[tuple[tuple[str, str], ...]] = (("ssh-launcher.sh.j2", "{site}.sh"),)
+
+    def gpus_per_node(self) -> int:
+        return self.node.gpus
+
+    @property
+    def cpus_per_node(self) -> int:
+        return self.node.cpus
+
+    def enabled_hosts(self) -> list[str]:
+        return [h.name for h in self.hosts if h.enabled]
+
+    def trainer_argv_lines(self) -> list[list[str]]:
+        """The trainer's arguments before --resume and the --xr-* flags, one option per line."""
+        t, paths = self.trainer, self.paths
+        lines = [["--config", t.config], ["--run-dir", paths.run_dir]]
+        if paths.data is not None:
+            lines.append(["--data-path", paths.data])
+        if t.max_steps is not None:
+            lines.append(["--max-steps", str(t.max_steps)])
+        lines += [[a] for a in t.extra_args]
+        return lines
+
+    def env_spec(self) -> tuple[str, str, str]:
+        """(kind, path, name) of python_env for the node-side activation."""
+        e = self.python_env
+        if e.kind == "venv":
+            return "venv", e.path, ""
+        if e.kind == "conda":
+            return "conda", e.conda_sh, e.name if e.name is not None else e.prefix
+        return "none", "", ""
+
+    @model_validator(mode="after")
+    def _checks(self) -> SshProfile:
+        names = [h.name for h in self.hosts]
+        for i, n in enumerate(names):
+            if n in names[:i]:
+                raise FieldError(("hosts", i, "name"), f"host {n!r} is listed twice")
+        if not self.hosts[0].enabled:
+            raise FieldError(
+                ("hosts", 0, "enabled"),
+                "the first host runs the launcher and node 0, so it cannot be left out: move another host first",
+            )
+        if not self.network.socket_ifname:
+            raise FieldError(
+                ("network", "socket_ifname"),
+                "required for kind ssh: MASTER_ADDR is this interface's IPv4 address on the first host, and NCCL/Gloo "
+                "sockets are pinned to it (e.g. ib0, eth0; lo for a single machine)",
+            )
+        gpus = self.node.gpus
+        if gpus > 0 and self.torchrun.procs_per_node not in (None, gpus):
+            raise FieldError(
+                ("torchrun", "procs_per_node"),
+                f"torchrun.procs_per_node ({self.torchrun.procs_per_node}) differs from node.gpus ({gpus}); "
+                "on GPU sites it is derived from the GPU count: remove it",
+            )
+        if gpus == 0 and self.torchrun.procs_per_node is None:
+            raise FieldError(("torchrun", "procs_per_node"), "required on a CPU site (node.gpus is 0)")
+        if gpus == 0 and "nccl" in self.model_fields_set:
+            raise FieldError(("nccl",), "this site has no GPUs, so NCCL settings would be ignored: remove the section")
+        return self
+
+
+PROFILE_KINDS.setdefault("ssh", SshProfile)

@@ -1,0 +1,261 @@
+"""Helpers for the SSH launcher tests: a real sshd on 127.0.0.1, rendering ssh-local for a test, and
+watching the launcher and the processes it tagged (/proc/<pid>/environ, as the launcher's cleanup does)."""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SSHD = "/usr/sbin/sshd"
+
+
+@dataclass
+class Sshd:
+    """A running sshd: connect with ``ssh_argv()``; ``proxy`` is a ProxyCommand when it lives in another
+    network namespace."""
+
+    port: int
+    user: str
+    identity: Path
+    known_hosts: Path
+    log: Path
+    proc: subprocess.Popen
+    proxy: str | None = None
+
+    def options(self) -> list[str]:
+        """ssh -o options for the launcher's profile (ssh.options)."""
+        opts = ["StrictHostKeyChecking=yes", f"UserKnownHostsFile={self.known_hosts}"]
+        if self.proxy:
+            opts.append(f"ProxyCommand={self.proxy}")
+        return opts
+
+    def ssh_argv(self, host: str = "127.0.0.1") -> list[str]:
+        argv = ["ssh", "-p", str(self.port), "-l", self.user, "-i", str(self.identity), "-o", "BatchMode=yes",
+                "-o", "ConnectTimeout=10"]
+        for o in self.options():
+            argv += ["-o", o]
+        return [*argv, host]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _keygen(path: Path) -> None:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "sbatch-gen-test", "-f", str(path)],
+                   check=True)
+
+
+def start_sshd(d: Path, names: tuple[str, ...] = ("127.0.0.1", "localhost"), wrap: tuple[str, ...] = (),
+               setup: str = "", netns: bool = False) -> Sshd:
+    """Start ``sshd -D`` on 127.0.0.1 at a free port with keys generated in ``d``.
+
+    ``wrap`` prefixes the command (e.g. ``unshare --mount``), ``setup`` runs first in that shell (then
+    sshd is exec'd, so the PID is sshd's). With ``netns`` sshd is in its own network namespace and is
+    reached through a ProxyCommand that enters it. ``names``: host names pinned in known_hosts.
+    """
+    if not (os.path.exists(SSHD) and shutil.which("ssh")):
+        raise AssertionError("openssh-server and openssh-client are required (make system-deps installs them)")
+    d.mkdir(parents=True, exist_ok=True)
+    if not (d / "hostkey").exists():
+        _keygen(d / "hostkey")
+        _keygen(d / "userkey")
+        shutil.copy(d / "userkey.pub", d / "authorized_keys")
+        (d / "authorized_keys").chmod(0o600)
+    os.makedirs("/run/sshd", exist_ok=True)  # privilege separation directory sshd insists on
+    key_type, key = (d / "hostkey.pub").read_text().split()[:2]
+    log = d / "sshd.log"
+    for _ in range(5):  # the free port can be taken between probing and binding: retry
+        port = _free_port()
+        known = d / "known_hosts"
+        known.write_text("".join(f"[{h}]:{port} {key_type} {key}\n" for h in names))
+        sshd_argv = [
+            SSHD, "-D", "-p", str(port), "-h", str(d / "hostkey"), "-o", "ListenAddress=127.0.0.1",
+            "-o", f"AuthorizedKeysFile={d / 'authorized_keys'}", "-o", "StrictModes=no",
+            "-o", f"PidFile={d / 'sshd.pid'}", "-o", "MaxStartups=64:30:128", "-o", "MaxSessions=64",
+            "-E", str(log),
+        ]
+        if wrap or setup:
+            cmd = [*wrap, "bash", "-c", f'{setup or ":"}; exec "$@"', "sshd-wrap", *sshd_argv]
+        else:
+            cmd = sshd_argv
+        proc = subprocess.Popen(cmd)
+        proxy = None
+        if netns:
+            script = d / "proxy.sh"
+            script.write_text(
+                "#!/bin/bash\n"
+                "# ssh ProxyCommand: a TCP connection to 127.0.0.1:$1 inside sshd's network namespace\n"
+                f"exec nsenter --net=/proc/{proc.pid}/ns/net bash -c "
+                "'exec 3<>/dev/tcp/127.0.0.1/$1; cat <&3 & exec cat >&3' proxy \"$1\"\n"
+            )
+            script.chmod(0o755)
+            proxy = f"{script} %p"
+        server = Sshd(port, getpass.getuser(), d / "userkey", known, log, proc, proxy)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and proc.poll() is None:
+            r = subprocess.run([*server.ssh_argv(names[-1]), "true"], capture_output=True, timeout=30)
+            if r.returncode == 0:
+                return server
+            time.sleep(0.2)
+        stop_sshd(server)
+    raise AssertionError(f"sshd did not start: {log.read_text() if log.exists() else ''}")
+
+
+def stop_sshd(server: Sshd) -> None:
+    """Stop sshd by its own PID (sessions it started keep running: the tests clean those up by tag)."""
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launching rendered launchers against that sshd
+
+SITE = "ssh-local"
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """PIDs of the processes whose environment holds SBATCH_GEN_TAG=<tag> (what the launcher's cleanup
+    looks for), read the same way: /proc/<pid>/environ."""
+    want = f"SBATCH_GEN_TAG={tag}".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes()
+        except OSError:
+            continue
+        if want in env.split(b"\0"):
+            out.append(int(d.name))
+    return sorted(out)
+
+
+def pids_with_env(tag: str, **env: str) -> list[int]:
+    """Tagged PIDs whose environment also holds every KEY=VALUE in ``env``."""
+    out = []
+    for pid in tagged_pids(tag):
+        try:
+            items = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if all(f"{k}={v}".encode() in items for k, v in env.items()):
+            out.append(pid)
+    return out
+
+
+@dataclass
+class Launch:
+    proc: subprocess.Popen
+    dir: Path
+    script: Path
+    tag: str
+    out_file: Path
+
+    @property
+    def run_dir(self) -> Path:
+        return self.dir / "runs" / SITE
+
+    @property
+    def logs(self) -> Path:
+        return self.run_dir / "logs" / f"{SITE}.{self.tag}"
+
+    def output(self) -> str:
+        return self.out_file.read_text(errors="replace")
+
+    def exits(self) -> list[tuple[int, int, str, int]]:
+        f = self.logs / "exits.tsv"
+        if not f.exists():
+            return []
+        rows = [line.split("\t") for line in f.read_text().splitlines()]
+        return [(int(a), int(r), h, int(rc)) for a, r, h, rc in rows]
+
+    def wait(self, timeout: float = 240) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"launcher still running after {timeout}s:\n{self.output()}") from None
+
+    def metrics_steps(self) -> list[int]:
+        f = self.run_dir / "metrics.jsonl"
+        if not f.exists():
+            return []
+        steps = []
+        for line in f.read_text().splitlines():
+            with contextlib.suppress(ValueError, KeyError):
+                steps.append(int(json.loads(line)["step"]))
+        return steps
+
+    def wait_for_step(self, step: int, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.metrics_steps() and max(self.metrics_steps()) >= step:
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"launcher exited ({self.proc.returncode}) before step {step}:\n{self.output()}")
+            time.sleep(0.2)
+        raise AssertionError(f"no step {step} within {timeout}s:\n{self.output()}")
+
+    def node_log(self, attempt: int, rank: int) -> str:
+        (f,) = self.logs.glob(f"attempt-{attempt}.node-{rank}.*.log")
+        return f.read_text(errors="replace")
+
+
+def free_port() -> int:
+    return _free_port()
+
+
+def render_site(repo: Path, out_dir: Path, overrides: list[str], site: str = SITE) -> Path:
+    argv = [str(repo / ".venv" / "bin" / "sbatch-gen"), "render", "--site", site, "--out", str(out_dir)]
+    for o in overrides:
+        argv += ["--set", o]
+    r = subprocess.run(argv, cwd=repo, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return out_dir / f"{site}.sh"
+
+
+
+
+def tiny_config(path: Path, **train) -> Path:
+    """configs/tiny.yaml with train.* overrides, written to ``path``."""
+    import yaml
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml").read_text())
+    for k, v in train.items():
+        section, key = k.split("__")
+        cfg[section][key] = v
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def base_overrides(repo: Path, sshd: Sshd, data_dir: Path, config: Path, rdzv_port: int) -> list[str]:
+    """ssh-local with this test's sshd, the checkout's venv and code, and short timings."""
+    return [
+        f"ssh.port={sshd.port}",
+        f"ssh.identity_file={sshd.identity}",
+        "ssh.options=" + json.dumps(sshd.options()),
+        f"python_env.path={repo / '.venv'}",
+        f"paths.code_dir={repo}",
+        f"paths.data={data_dir}",
+        f"trainer.config={config}",
+        f"torchrun.rdzv_port={rdzv_port}",
+        "launch.cooldown_s=1",
+        "launch.kill_grace_s=8",
+        "launch.failure_grace_s=20",
+    ]

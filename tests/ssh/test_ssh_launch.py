@@ -1,0 +1,118 @@
+"""The rendered SSH launcher, run for real: sshd on 127.0.0.1, two host entries (127.0.0.1 runs node 0
+locally, localhost is reached over ssh), torchrun + the real trainer (tiny config, gloo on lo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from sshkit import pids_with_env, tagged_pids, tiny_config
+
+pytestmark = pytest.mark.slow
+
+
+def _summary(launch) -> dict:
+    return json.loads((launch.run_dir / "summary.json").read_text())
+
+
+def _assert_no_tagged(launch) -> None:
+    left = tagged_pids(launch.tag)
+    assert not left, f"tagged processes left behind: {left}\n{launch.output()}"
+
+
+def _remote_worker(launch, timeout: float = 60) -> int:
+    """PID of node 1's worker (started over ssh): tagged, node rank 1, and a torchrun worker (LOCAL_RANK)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = pids_with_env(launch.tag, SBATCH_GEN_NODE_RANK="1", LOCAL_RANK="0")
+        if pids:
+            return pids[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no worker of node 1 found:\n{launch.output()}")
+
+
+def test_two_hosts_train_to_completion(ssh_launch, tmp_path):
+    launch = ssh_launch(config=tiny_config(tmp_path / "tiny.yaml", train__steps=12))
+    assert launch.wait() == 0, launch.output()
+    s = _summary(launch)
+    assert s["exit"] == "completed" and s["last_step"] == 12 and s["world_size"] == 2
+    assert launch.exits() == [(1, 0, "127.0.0.1", 0), (1, 1, "localhost", 0)]
+    out = launch.output()
+    assert "preflight passed on every node" in out and "training complete" in out
+    node1 = launch.node_log(1, 1)
+    # node 1 ran over ssh with the pinned interface, the rendezvous on node 0's lo address, the tag
+    assert f"node 1 host {os.uname().nodename} addr 127.0.0.1 rendezvous 127.0.0.1:" in node1
+    assert f"tag {launch.tag}" in node1 and "GLOO_SOCKET_IFNAME=lo" in node1
+    _assert_no_tagged(launch)
+
+
+def test_sigkill_of_remote_worker_relaunches_with_resume_auto(ssh_launch, tmp_path):
+    cfg = tiny_config(tmp_path / "tiny.yaml", train__steps=24, checkpoint__every=4)
+    launch = ssh_launch("trainer.resume=none", config=cfg)
+    launch.wait_for_step(6)
+    victim = _remote_worker(launch)
+    os.kill(victim, signal.SIGKILL)
+    assert launch.wait() == 0, launch.output()
+    exits = launch.exits()
+    assert [e for e in exits if e[0] == 1 and e[3] != 0], exits  # attempt 1 failed somewhere
+    assert [e for e in exits if e[0] == 2] == [(2, 0, "127.0.0.1", 0), (2, 1, "localhost", 0)], exits
+    out = launch.output()
+    assert "attempt 1 failed: relaunching with --resume auto" in out
+    assert "attempt 2: started 2 nodes (resume auto)" in out
+    # the first attempt used the profile's resume mode, the relaunch auto, and it resumed
+    assert "--resume none" not in launch.node_log(2, 0)
+    s = _summary(launch)
+    assert s["exit"] == "completed" and s["last_step"] == 24
+    assert s["resumed_from_step"] is not None and s["resumed_from_step"] >= 4
+    # cleanup ran on both hosts after each attempt
+    cleanup = (launch.logs / "cleanup.log").read_text()
+    assert cleanup.count(launch.tag) >= 4, cleanup
+    _assert_no_tagged(launch)
+
+
+def test_sigint_cleans_up_every_host_and_nothing_else(ssh_launch, tmp_path):
+    cfg = tiny_config(tmp_path / "tiny.yaml", train__steps=400)
+    launch = ssh_launch(config=cfg)
+    # Decoys that cleanup must leave alone: a near-identical tag in the environment, the exact tag in argv.
+    decoys = [
+        subprocess.Popen(["sleep", "300"], env={**os.environ, "SBATCH_GEN_TAG": launch.tag + "0"}),
+        subprocess.Popen(["bash", "-c", "sleep 300; : SBATCH_GEN_TAG=" + launch.tag]),
+    ]
+    try:
+        launch.wait_for_step(2)
+        node1 = pids_with_env(launch.tag, SBATCH_GEN_NODE_RANK="1")
+        assert node1, "node 1's processes (started over ssh) should be running"
+        launch.proc.send_signal(signal.SIGINT)
+        assert launch.wait(timeout=120) == 130, launch.output()
+        assert "caught SIGINT: stopping every node" in launch.output()
+        _assert_no_tagged(launch)
+        assert all(d.poll() is None for d in decoys), "cleanup killed an unrelated process"
+    finally:
+        for d in decoys:
+            d.kill()
+            d.wait()
+
+
+def test_stop_file_ends_the_run_after_the_current_attempt(ssh_launch, tmp_path):
+    cfg = tiny_config(tmp_path / "tiny.yaml", train__steps=400)
+    launch = ssh_launch(config=cfg)
+    launch.wait_for_step(2)
+    stop = launch.run_dir / "STOP"
+    stop.touch()
+    # The stop file is checked between attempts only: the running attempt goes on training.
+    reached = max(launch.metrics_steps())
+    launch.wait_for_step(reached + 3)
+    os.kill(_remote_worker(launch), signal.SIGKILL)
+    assert launch.wait() == 4, launch.output()
+    out = launch.output()
+    assert "STOP exists: not relaunching" in out
+    assert {e[0] for e in launch.exits()} == {1}, "no second attempt"
+    _assert_no_tagged(launch)
+    # and a stop file left from before makes the next launch refuse to start
+    again = ssh_launch(config=cfg)
+    assert again.wait(timeout=60) == 2
+    assert "remove it to launch" in again.output()
