@@ -505,3 +505,6 @@ class SlurmProfile(ProfileBase):
 # Registry of profile kinds: the loader picks the model by the top-level `kind` (default "slurm").
 PROFILE_KINDS: dict[str, type[ProfileBase]] = {"slurm": SlurmProfile}
 DEFAULT_KIND = "slurm"
+
+# kind: ssh (sbatch_gen/ssh_profile.py) builds on the shared sections above and registers itself here.
+import sbatch_gen.ssh_profile  # noqa: E402,F401
