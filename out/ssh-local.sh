@@ -1,0 +1,421 @@
+#!/usr/bin/env bash
+# SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
+# (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
+#   profile: sites/ssh-local.yaml
+#   inputs sha256: b891fa3dd8d6729cb16b124dc82639091be73bab2edd511bad0f942a8d76ab3d
+#
+# Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
+# every host must have that directory at the same path (shared filesystem or identical checkout).
+#   bash out/ssh-local.sh
+#       launch; Ctrl-C (SIGINT, SIGTERM, SIGHUP) stops and cleans up every node at once
+#   touch runs/ssh-local/STOP
+#       stop after the current attempt: the file is checked between attempts, never mid-attempt
+# Exit codes: 0 trained to completion; 1 failed after launch.max_attempts; 2 cannot start (stop file
+# present, no IPv4 address on the interface here); 3 preflight failed on a host; 4 stopped by the
+# stop file after a failed attempt; 128+N interrupted by signal N.
+set -euo pipefail
+
+# ---- hosts: node rank = position among the enabled hosts; node 0 runs here, the others over ssh --
+HOSTS=(
+  127.0.0.1  # node 0 (this host, local)
+  localhost  # node 1
+)
+NPROC_PER_NODE=1  # torchrun.procs_per_node
+GPUS_PER_NODE=0  # node.gpus (the preflight counts nvidia-smi's GPUs)
+IFNAME=lo  # network.socket_ifname: MASTER_ADDR and NCCL/Gloo sockets
+
+# ---- ssh: options for every connection to the other hosts ----------------------------------------
+SSH_OPTS=(
+  -o 'BatchMode=yes'
+  -o 'ConnectTimeout=5'
+  -o 'ServerAliveInterval=5'
+  -o 'ServerAliveCountMax=3'
+  -p 2222
+  -i .state/ssh/id_ed25519
+  -o 'IdentitiesOnly=yes'
+  -o 'StrictHostKeyChecking=yes'
+  -o 'UserKnownHostsFile=.state/ssh/known_hosts'
+)
+
+# ---- torchrun: c10d rendezvous hosted by node 0's torchrun ---------------------------------------
+RDZV_PORT=29510  # torchrun.rdzv_port
+RDZV_TIMEOUT_S=120  # torchrun.rdzv_timeout_s
+TORCHRUN_MAX_RESTARTS=0  # torchrun.max_restarts (inside one attempt)
+NUMA_BINDING=''  # topology.numa_binding
+LOG_TOPOLOGY=0  # topology.log_topology
+
+# ---- python_env: activated on every node ---------------------------------------------------------
+ENV_KIND=venv
+ENV_PATH=.venv  # python_env.path
+ENV_NAME=''  # (conda only)
+MODULES=()  # python_env.modules
+CODE_DIR=.  # paths.code_dir: first on PYTHONPATH
+
+# ---- environment exported on every node before torchrun ------------------------------------------
+NODE_ENV=(
+  # network.socket_ifname
+  'GLOO_SOCKET_IFNAME=lo'
+  # derived: CPUs per node / processes per node; unbuffered output for the logs
+  'OMP_NUM_THREADS=2'
+  'PYTHONUNBUFFERED=1'
+)
+
+# ---- trainer: the same flags as the Slurm scripts ------------------------------------------------
+TRAINER_MODULE=sbatch_gen.train  # trainer.module
+TRAINER_ARGS=(
+  --config configs/tiny.yaml
+  --run-dir runs/ssh-local
+)
+XR_ARGS=(  # cross_region (disabled)
+)
+FIRST_RESUME=auto  # trainer.resume (every relaunch uses auto)
+RUN_DIR=runs/ssh-local  # paths.run_dir
+LOG_DIR=runs/ssh-local/logs  # paths.log_dir
+
+# ---- launch: attempts, cool-down, cleanup ---------------------------------------------------------
+MAX_ATTEMPTS=3  # launch.max_attempts
+COOLDOWN_S=5  # launch.cooldown_s
+STOP_FILE=runs/ssh-local/STOP  # launch.stop_file
+KILL_GRACE_S=10  # launch.kill_grace_s
+FAILURE_GRACE_S=30  # launch.failure_grace_s
+PREFLIGHT_TIMEOUT_S=60  # launch.preflight_timeout_s
+SHARED_RUN_DIR=1  # launch.shared_run_dir
+SITE=ssh-local
+
+# ===============================================================================================
+# Below: fixed logic, the same for every site.
+# ===============================================================================================
+LAUNCH_DIR=$(pwd -P)
+NNODES=${#HOSTS[@]}
+USER_NAME=$(id -un)
+# The process tag: every process started for this launch carries SBATCH_GEN_TAG=$TAG in its
+# environment (torchrun's workers inherit it), and cleanup kills exactly those processes.
+TAG="sbg-${USER_NAME//[^A-Za-z0-9_.-]/_}-${RDZV_PORT}-$$"
+LOGS="$LOG_DIR/$SITE.$TAG"
+
+log() { printf '[sbatch-gen %s] %s\n' "$(date -u +%H:%M:%S)" "$*" | tee -a "$LOGS/launcher.log" >&2; }
+die() { local code=$1; shift; printf '[sbatch-gen] error: %s\n' "$*" >&2; exit "$code"; }
+
+# ---- functions shipped to every node (node 0 runs them locally, the others over ssh) ----------
+
+# IPv4 address of an interface; returns 1 if it has none.
+iface_ipv4() {
+  local addr
+  addr=$(ip -4 -o addr show dev "$1" 2>/dev/null | awk '{ split($4, a, "/"); print a[1]; exit }') || true
+  [[ -n $addr ]] || return 1
+  printf '%s\n' "$addr"
+}
+
+# cd to the launch directory, load modules, activate the Python environment, put CODE_DIR first on
+# PYTHONPATH. Prints a FAIL line and returns 1 when something is missing.
+node_setup() {
+  local f
+  cd -- "$LAUNCH_DIR" 2>/dev/null || { echo "FAIL launch directory $LAUNCH_DIR does not exist"; return 1; }
+  if ((${#MODULES[@]})); then
+    if ! type module >/dev/null 2>&1; then
+      for f in /etc/profile.d/lmod.sh /etc/profile.d/modules.sh; do
+        # shellcheck disable=SC1090
+        if [[ -r $f ]]; then set +u; source "$f"; set -u; break; fi
+      done
+    fi
+    set +u  # module scripts read unset variables
+    if ! module load "${MODULES[@]}"; then set -u; echo "FAIL module load ${MODULES[*]} failed"; return 1; fi
+    set -u
+  fi
+  case $ENV_KIND in
+    venv)
+      if [[ ! -x $ENV_PATH/bin/python ]]; then echo "FAIL no venv at $ENV_PATH ($ENV_PATH/bin/python missing)"; return 1; fi
+      VIRTUAL_ENV=$(cd -- "$ENV_PATH" && pwd -P)
+      export VIRTUAL_ENV PATH="$VIRTUAL_ENV/bin:$PATH"
+      ;;
+    conda)
+      if [[ ! -r $ENV_PATH ]]; then echo "FAIL no conda at $ENV_PATH (python_env.conda_sh)"; return 1; fi
+      set +u  # conda's shell functions read unset variables
+      # shellcheck disable=SC1090
+      source "$ENV_PATH"
+      if ! conda activate "$ENV_NAME"; then set -u; echo "FAIL conda activate $ENV_NAME failed"; return 1; fi
+      set -u
+      ;;
+  esac
+  if ! f=$(cd -- "$CODE_DIR" 2>/dev/null && pwd -P); then echo "FAIL code directory $CODE_DIR does not exist"; return 1; fi
+  export PYTHONPATH="$f${PYTHONPATH:+:$PYTHONPATH}"
+}
+
+# Preflight on one node: one line per check, returns 1 if any failed. Starts nothing.
+preflight_main() {
+  local rank=$1 fails=0 torchrun_path addr n m
+  fail() { printf 'FAIL %s\n' "$*"; fails=$((fails + 1)); }
+  printf 'host %s (node %s)\n' "$(hostname)" "$rank"
+  node_setup || return 1
+  if ! command -v python >/dev/null; then fail "python not found (environment: $ENV_KIND $ENV_PATH)"; return 1; fi
+  printf 'ok   python %s\n' "$(command -v python)"
+  torchrun_path=$(command -v torchrun || true)
+  if [[ -n $torchrun_path && -x $torchrun_path ]]; then
+    printf 'ok   torchrun %s\n' "$torchrun_path"
+  else
+    fail "torchrun not found or not executable in the environment (PATH=$PATH)"
+  fi
+  for m in "$TRAINER_MODULE" torch; do
+    if python -c '
+import importlib.util, sys
+try:
+    found = importlib.util.find_spec(sys.argv[1]) is not None
+except Exception:  # a missing parent package raises
+    found = False
+sys.exit(0 if found else 1)' "$m"; then
+      printf 'ok   module %s importable\n' "$m"
+    else
+      fail "module $m not importable with $(command -v python) from $PWD"
+    fi
+  done
+  if addr=$(iface_ipv4 "$IFNAME"); then
+    printf 'ok   interface %s %s\n' "$IFNAME" "$addr"
+  else
+    fail "network interface $IFNAME does not exist or has no IPv4 address"
+  fi
+  if ((GPUS_PER_NODE > 0)); then
+    n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+    if ((n >= GPUS_PER_NODE)); then printf 'ok   %s GPUs\n' "$n"
+    else fail "expected $GPUS_PER_NODE GPUs, nvidia-smi lists ${n:-0}"
+    fi
+  fi
+  if mkdir -p -- "$RUN_DIR" 2>/dev/null && [[ -w $RUN_DIR ]]; then
+    printf 'ok   run dir %s writable\n' "$RUN_DIR"
+  else
+    fail "run dir $RUN_DIR cannot be created or is not writable"
+  fi
+  if ((SHARED_RUN_DIR && rank > 0)); then
+    if [[ -e $RUN_DIR/.sbatch-gen-shared.$TAG ]]; then printf 'ok   run dir shared with node 0\n'
+    else fail "run dir $RUN_DIR is not the one node 0 sees (checkpoints need a filesystem all hosts share)"
+    fi
+  fi
+  if ((rank == 0)) && command -v ss >/dev/null && [[ -n $(ss -Hltn "sport = :$RDZV_PORT") ]]; then
+    fail "rendezvous port $RDZV_PORT is already in use on node 0 (another launch?)"
+  fi
+  ((fails == 0))
+}
+
+# Start torchrun on one node; it replaces this shell.
+node_main() {
+  local rank=$1 master_addr=$2 attempt=$3 resume=$4 node_addr is_host=0 numa=()
+  node_setup
+  node_addr=$(iface_ipv4 "$IFNAME") || { echo "interface $IFNAME has no IPv4 address"; return 1; }
+  if ((rank == 0)); then is_host=1; fi
+  if [[ -n $NUMA_BINDING ]]; then numa=(--numa-binding="$NUMA_BINDING"); fi
+  if ((${#NODE_ENV[@]})); then export "${NODE_ENV[@]}"; fi
+  export SBATCH_GEN_TAG="$TAG" SBATCH_GEN_NODE_RANK="$rank" SBATCH_GEN_ATTEMPT="$attempt"
+  printf 'node %s host %s addr %s rendezvous %s:%s attempt %s resume %s tag %s\n' \
+    "$rank" "$(hostname)" "$node_addr" "$master_addr" "$RDZV_PORT" "$attempt" "$resume" "$TAG"
+  env | grep -E '^(NCCL|GLOO|TORCH|CUDA|OMP)_' | sort || true
+  if ((LOG_TOPOLOGY)); then nvidia-smi topo -m || true; fi
+  exec torchrun \
+    --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
+    --rdzv-backend=c10d --rdzv-endpoint="$master_addr:$RDZV_PORT" --rdzv-id="$TAG.$attempt" \
+    --rdzv-conf="is_host=$is_host,join_timeout=$RDZV_TIMEOUT_S" --local-addr="$node_addr" \
+    --max-restarts="$TORCHRUN_MAX_RESTARTS" "${numa[@]}" \
+    -m "$TRAINER_MODULE" "${TRAINER_ARGS[@]}" --resume "$resume" "${XR_ARGS[@]}"
+}
+
+# Kill exactly the processes whose environment holds SBATCH_GEN_TAG=<tag> on this host: SIGTERM,
+# up to <grace> seconds, then SIGKILL. The shell running this never carries the tag itself.
+cleanup_main() {
+  local tag=$1 grace=$2 deadline pids=() _
+  tagged() {
+    grep -lzxFs -e "SBATCH_GEN_TAG=$tag" /proc/[0-9]*/environ 2>/dev/null \
+      | sed -n 's#^/proc/\([0-9][0-9]*\)/environ$#\1#p' | grep -vxF -e "$$" -e "$BASHPID" || true
+  }
+  mapfile -t pids < <(tagged)
+  if ((${#pids[@]} == 0)); then printf 'host %s: no process tagged %s\n' "$(hostname)" "$tag"; return 0; fi
+  printf 'host %s: SIGTERM to %s processes tagged %s: %s\n' "$(hostname)" "${#pids[@]}" "$tag" "${pids[*]}"
+  kill -TERM "${pids[@]}" 2>/dev/null || true
+  deadline=$((SECONDS + grace))
+  while ((SECONDS < deadline)); do
+    sleep 0.5
+    mapfile -t pids < <(tagged)
+    ((${#pids[@]})) || break
+  done
+  for _ in 1 2 3 4 5 6 7 8 9 10; do
+    mapfile -t pids < <(tagged)
+    if ((${#pids[@]} == 0)); then printf 'host %s: every process tagged %s is gone\n' "$(hostname)" "$tag"; return 0; fi
+    printf 'host %s: SIGKILL to %s\n' "$(hostname)" "${pids[*]}"
+    kill -KILL "${pids[@]}" 2>/dev/null || true
+    sleep 0.5
+  done
+  printf 'host %s: tagged processes survive SIGKILL: %s\n' "$(hostname)" "${pids[*]}"
+  return 1
+}
+
+# ---- launcher side -----------------------------------------------------------------------------
+
+# The program a node runs: strict mode, the settings and functions above, then "$@".
+NODE_PROGRAM="set -euo pipefail
+$(declare -p LAUNCH_DIR NNODES TAG NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT RDZV_TIMEOUT_S \
+  TORCHRUN_MAX_RESTARTS NUMA_BINDING LOG_TOPOLOGY ENV_KIND ENV_PATH ENV_NAME MODULES CODE_DIR NODE_ENV \
+  TRAINER_MODULE TRAINER_ARGS XR_ARGS RUN_DIR SHARED_RUN_DIR)
+$(declare -f iface_ipv4 node_setup preflight_main node_main cleanup_main)
+\"\$@\""
+
+# POSIX single quoting, for the remote login shell.
+sq() { printf "'%s'" "${1//\'/\'\\\'\'}"; }
+
+# run_on RANK LIMIT FUNCTION ARGS...: run a shipped function on node RANK with stdin closed, for at
+# most LIMIT seconds (0: no limit). Exit status 255: ssh could not reach the host; 124: timed out.
+run_on() {
+  local rank=$1 limit=() cmd a
+  if (($2 > 0)); then limit=(timeout "$2"); fi
+  shift 2
+  if ((rank == 0)); then
+    "${limit[@]}" bash -c "$NODE_PROGRAM" sbatch-gen-node "$@" </dev/null
+  else
+    cmd="bash -c $(sq "$NODE_PROGRAM") sbatch-gen-node"
+    for a in "$@"; do cmd+=" $(sq "$a")"; done
+    "${limit[@]}" ssh "${SSH_OPTS[@]}" -- "${HOSTS[rank]}" "$cmd" </dev/null
+  fi
+}
+
+node_label() { printf 'node %s (%s)' "$1" "${HOSTS[$1]}"; }
+
+# Preflight on every node in parallel; on any failure say what failed where and return 1.
+preflight_all() {
+  local r rc failed=0 pids=() out marker="$RUN_DIR/.sbatch-gen-shared.$TAG"
+  if ((SHARED_RUN_DIR)); then mkdir -p -- "$RUN_DIR" && : >"$marker"; fi
+  for r in "${!HOSTS[@]}"; do
+    run_on "$r" "$PREFLIGHT_TIMEOUT_S" preflight_main "$r" >"$LOGS/preflight.attempt-$ATTEMPT.node-$r.log" 2>&1 &
+    pids[r]=$!
+  done
+  for r in "${!HOSTS[@]}"; do
+    out="$LOGS/preflight.attempt-$ATTEMPT.node-$r.log"
+    rc=0
+    wait "${pids[r]}" || rc=$?
+    if ((rc == 0)); then continue; fi
+    failed=1
+    case $rc in
+      124) log "preflight FAILED on $(node_label "$r"): no answer within ${PREFLIGHT_TIMEOUT_S}s" ;;
+      255) log "preflight FAILED on $(node_label "$r"): ssh cannot reach it: $(tail -n 2 "$out" | paste -sd ' ' -)" ;;
+      *) log "preflight FAILED on $(node_label "$r"): $(sed -n 's/^FAIL //p' "$out" | paste -sd ';' -)" ;;
+    esac
+  done
+  rm -f -- "$marker"
+  ((failed == 0))
+}
+
+# Kill every tagged process on every node, in parallel; returns 1 if a node could not be cleaned.
+cleanup_all() {
+  local r rc=0 pids=()
+  for r in "${!HOSTS[@]}"; do
+    run_on "$r" $((KILL_GRACE_S + 60)) cleanup_main "$TAG" "$KILL_GRACE_S" >>"$LOGS/cleanup.log" 2>&1 &
+    pids[r]=$!
+  done
+  for r in "${!HOSTS[@]}"; do
+    wait "${pids[r]}" || { rc=1; log "cleanup FAILED on $(node_label "$r"): see $LOGS/cleanup.log"; }
+  done
+  return "$rc"
+}
+
+NODE_PIDS=()
+NODE_RCS=()
+SLEEP_PID=""
+ATTEMPT=0
+
+# Sleep in the background and wait for it, so that a signal's trap runs at once.
+nap() { sleep "$1" & SLEEP_PID=$!; wait "$SLEEP_PID" || true; SLEEP_PID=""; }
+
+launch_all() {
+  local r resume=$1
+  for r in "${!HOSTS[@]}"; do
+    run_on "$r" 0 node_main "$r" "$MASTER_ADDR" "$ATTEMPT" "$resume" \
+      >"$LOGS/attempt-$ATTEMPT.node-$r.${HOSTS[r]}.log" 2>&1 &
+    NODE_PIDS[r]=$!
+    NODE_RCS[r]=""
+  done
+  log "attempt $ATTEMPT: started $NNODES nodes (resume $resume); logs $LOGS/attempt-$ATTEMPT.node-*.log"
+}
+
+# Wait for every node. Once one has failed, the others get FAILURE_GRACE_S to end on their own, then
+# every node is cleaned up; a local ssh client still hanging 15 s after that is killed.
+wait_all() {
+  local r rc running failed_at="" killed_at=""
+  while true; do
+    running=0
+    for r in "${!HOSTS[@]}"; do
+      [[ -n ${NODE_PIDS[r]} ]] || continue
+      if kill -0 "${NODE_PIDS[r]}" 2>/dev/null; then running=$((running + 1)); continue; fi
+      rc=0
+      wait "${NODE_PIDS[r]}" || rc=$?
+      NODE_PIDS[r]=""
+      NODE_RCS[r]=$rc
+      printf '%s\t%s\t%s\t%s\n' "$ATTEMPT" "$r" "${HOSTS[r]}" "$rc" >>"$LOGS/exits.tsv"
+      if ((rc == 0)); then
+        log "attempt $ATTEMPT: $(node_label "$r") finished"
+      else
+        log "attempt $ATTEMPT: $(node_label "$r") exited with $rc"
+        if [[ -z $failed_at ]]; then
+          failed_at=$SECONDS
+          log "attempt $ATTEMPT: the other nodes get ${FAILURE_GRACE_S}s to end before they are killed"
+        fi
+      fi
+    done
+    ((running > 0)) || return 0
+    if [[ -n $failed_at && -z $killed_at ]] && ((SECONDS - failed_at >= FAILURE_GRACE_S)); then
+      log "attempt $ATTEMPT: killing the remaining nodes"
+      cleanup_all || true
+      killed_at=$SECONDS
+    elif [[ -n $killed_at ]] && ((SECONDS - killed_at >= 15)); then
+      for r in "${!HOSTS[@]}"; do
+        if [[ -n ${NODE_PIDS[r]} ]]; then kill -KILL "${NODE_PIDS[r]}" 2>/dev/null || true; fi
+      done
+    fi
+    nap 1
+  done
+}
+
+on_signal() {
+  local sig=$1 code=$2 pids=()
+  trap '' INT TERM HUP
+  log "caught SIG$sig: stopping every node"
+  if [[ -n $SLEEP_PID ]]; then kill "$SLEEP_PID" 2>/dev/null || true; fi
+  cleanup_all || true
+  mapfile -t pids < <(jobs -p)
+  if ((${#pids[@]})); then kill -TERM "${pids[@]}" 2>/dev/null || true; fi
+  wait || true
+  log "stopped by SIG$sig"
+  exit "$code"
+}
+
+main() {
+  local r ok resume=$FIRST_RESUME waited
+  if [[ -e $STOP_FILE ]]; then die 2 "stop file $STOP_FILE exists: remove it to launch"; fi
+  mkdir -p -- "$LOGS"
+  ln -sfn -- "$SITE.$TAG" "$LOG_DIR/$SITE.latest"
+  MASTER_ADDR=$(iface_ipv4 "$IFNAME") || die 2 "interface $IFNAME has no IPv4 address on this host (node 0)"
+  trap 'on_signal INT 130' INT
+  trap 'on_signal TERM 143' TERM
+  trap 'on_signal HUP 129' HUP
+  log "site $SITE: $NNODES nodes x $NPROC_PER_NODE processes, rendezvous $MASTER_ADDR:$RDZV_PORT ($IFNAME), tag $TAG"
+  log "hosts: ${HOSTS[*]}; logs in $LOGS; touch $STOP_FILE to stop after the current attempt"
+  for ((ATTEMPT = 1; ; ATTEMPT++)); do
+    if ! preflight_all; then
+      log "aborting: preflight failed, nothing was started (details: $LOGS/preflight.attempt-$ATTEMPT.node-*.log)"
+      exit 3
+    fi
+    log "attempt $ATTEMPT/$MAX_ATTEMPTS: preflight passed on every node"
+    launch_all "$resume"
+    wait_all
+    cleanup_all || log "warning: cleanup did not complete on every node"
+    ok=1
+    for r in "${!HOSTS[@]}"; do
+      if [[ ${NODE_RCS[r]} != 0 ]]; then ok=0; fi
+    done
+    if ((ok)); then log "attempt $ATTEMPT: every node finished: training complete"; exit 0; fi
+    if ((ATTEMPT >= MAX_ATTEMPTS)); then log "attempt $ATTEMPT failed and no attempts are left (max $MAX_ATTEMPTS)"; exit 1; fi
+    if [[ -e $STOP_FILE ]]; then log "attempt $ATTEMPT failed; $STOP_FILE exists: not relaunching"; exit 4; fi
+    log "attempt $ATTEMPT failed: relaunching with --resume auto in ${COOLDOWN_S}s (touch $STOP_FILE to stop instead)"
+    for ((waited = 0; waited < COOLDOWN_S; waited++)); do
+      if [[ -e $STOP_FILE ]]; then log "$STOP_FILE exists: not relaunching"; exit 4; fi
+      nap 1
+    done
+    resume=auto
+  done
+}
+
+main "$@"
