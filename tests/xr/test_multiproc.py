@@ -203,3 +203,17 @@ def test_kill_one_region_then_resume(tmp_path, repo, data_dir):
     assert rounds == [(1, False), (2, False), (3, False), (3, True), (4, False), (5, False), (6, False)], rounds
     eu_rounds = [x["xr_round"] for x in metrics(tmp_path / "eu") if "xr_round" in x]
     assert eu_rounds == [1, 2, 3, 4, 5, 6]
+
+
+def test_region_that_never_arrives_fails_every_rank_with_its_name(tmp_path, repo, data_dir):
+    """Only eu runs: its first round times out; both of its ranks exit (nobody hangs in a collective)
+    and the error names the missing region."""
+    cfg = write_config(tmp_path, repo)
+    eu = launch_region(xr("eu", FsTransport(root=str(tmp_path / "mailbox")), timeout_s=3), config=cfg,
+                       run_dir=tmp_path / "eu", data_path=data_dir, max_steps=8)
+    rcs = eu.wait(TIMEOUT)
+    assert rcs != [0]
+    log = eu.tail(400)
+    assert "XRTimeout" in log and "no manifest from region(s) 'us'" in log
+    assert log.count("no manifest from region(s) 'us'") >= 2  # rank 0 and rank 1 both raised it
+    assert not (tmp_path / "mailbox" / "mp" / "r000001" / "us.done").exists()
