@@ -325,7 +325,7 @@ def format_validation_error(
     top_level_extra: Iterable[str] = (),
 ) -> list[str]:
     """One ``file:line: field.path: message`` line per pydantic error (reusable for other YAML configs)."""
-    lines: list[str] = []
+    lines: list[tuple[tuple[str, int], str]] = []
     for err in exc.errors(include_url=False):
         loc = tuple(err["loc"])
         ctx_error = (err.get("ctx") or {}).get("error")
@@ -351,8 +351,10 @@ def format_validation_error(
             inp = err.get("input")
             if isinstance(inp, str | int | float | bool) or inp is None:
                 msg += f" (got {inp!r})"
-        lines.append(f"{lookup_where(where, path, default)}: {format_path(path)}: {msg}")
-    return sorted(set(lines), key=lines.index)
+        w = lookup_where(where, path, default)
+        lines.append(((w.file, w.line or 0), f"{w}: {format_path(path)}: {msg}"))
+    # In file order; the same message once.
+    return list(dict.fromkeys(text for _, text in sorted(lines, key=lambda x: x[0])))
 
 
 # ---------------------------------------------------------------------------------------------------

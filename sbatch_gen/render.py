@@ -40,7 +40,8 @@ def default_templates_dir() -> Path:
     raise UserError("templates not found: neither sbatch_gen/templates nor templates/ exists (use --templates-dir)")
 
 
-def _shq(value: object) -> str:
+def shell_quote(value: object) -> str:
+    """Quote one value as one shell word (like shlex.quote, but ',' and '=' are quoted too)."""
     if value is None or isinstance(value, list | dict | tuple):
         raise jinja2.TemplateRuntimeError(f"shq: cannot quote {type(value).__name__} {value!r}")
     if isinstance(value, bool):
@@ -49,6 +50,11 @@ def _shq(value: object) -> str:
     if _SHELL_SAFE.fullmatch(s):
         return s
     return "'" + s.replace("'", "'\"'\"'") + "'"
+
+
+# Put after the shebang when a quoted value holds a literal $ or backtick: shellcheck would otherwise
+# suspect a forgotten expansion (SC2016); here the single quotes are the point.
+_SC2016 = "# shellcheck disable=SC2016  # literal $ or ` in profile values: single-quoted on purpose\n"
 
 
 def _sbatch(value: object) -> str:
@@ -72,7 +78,16 @@ def make_env(templates_dir: Path) -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters["shq"] = _shq
+    literal_dollar: list[bool] = []
+
+    def shq(value: object) -> str:
+        q = shell_quote(value)
+        if q.startswith("'") and ("$" in q or "`" in q):
+            literal_dollar.append(True)
+        return q
+
+    env.filters["shq"] = shq
+    env.globals["_literal_dollar"] = literal_dollar
     env.filters["sbatch"] = _sbatch
     env.filters["comment"] = _comment
     return env
@@ -245,9 +260,9 @@ class Rendered:
 
 def render_site(site: LoadedSite, templates_dir: Path | None = None) -> list[Rendered]:
     tdir = templates_dir or default_templates_dir()
-    env = make_env(tdir)
     out = []
     for template, pattern in type(site.profile).OUTPUTS:
+        env = make_env(tdir)
         try:
             names = _template_closure(env, template)
             sha = inputs_sha256(site, env, names)
@@ -256,6 +271,9 @@ def render_site(site: LoadedSite, templates_dir: Path | None = None) -> list[Ren
             raise UserError(f"{display_path(tdir)}: template {e.name!r} not found") from None
         except jinja2.TemplateSyntaxError as e:
             raise UserError(f"{e.filename or template}:{e.lineno}: template syntax error: {e.message}") from None
+        if env.globals["_literal_dollar"] and text.startswith("#!"):
+            shebang, rest = text.split("\n", 1)
+            text = f"{shebang}\n{_SC2016}{rest}"
         out.append(Rendered(pattern.format(site=site.name), text.rstrip("\n") + "\n", template))
     return out
 

@@ -1,0 +1,138 @@
+"""Hostile values (spaces, quotes, $, backticks, newlines, globs, ...) are either rejected with a clear
+error naming file, line and field, or reach the job exactly as written: render, run the rendered
+settings/environment block under bash, and compare."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from .conftest import REPO, sg
+
+_PIECES = list(" '\"$`\\\n\t*?[]{}~!#;&|<>()%,=:@+-_./aZ0é") + ["$(id)", "${X}", "'\"'", "runs", "--x"]
+HOSTILE = st.lists(st.sampled_from(_PIECES), min_size=1, max_size=12).map("".join)
+
+# Field -> how the rendered script exposes it (a bash expression evaluated after the settings block).
+SHELL_FIELDS = {
+    ("paths", "run_dir"): '"$RUN_DIR"',
+    ("paths", "data"): '"$DATA_PATH"',
+    ("paths", "code_dir"): '"$CODE_DIR"',
+    ("paths", "log_dir"): '"$LOG_DIR"',
+    ("trainer", "config"): '"$TRAIN_CONFIG"',
+    ("trainer", "resume"): '"$RESUME"',
+    ("extra_env", "MY_SETTING"): '"$MY_SETTING"',
+}
+# Fields that go into #SBATCH lines: the value must appear there verbatim (or be rejected).
+SBATCH_FIELDS = {
+    ("slurm", "partition"): "#SBATCH --partition=",
+    ("slurm", "account"): "#SBATCH --account=",
+    ("slurm", "constraint"): "#SBATCH --constraint=",
+}
+BASE = yaml.safe_load((REPO / "sites" / "local.yaml").read_text())
+
+
+def _settings_block(script: str) -> str:
+    start = script.index("# ---- settings from the profile")
+    end = script.index("# ---- python_env")
+    return script[start:end]
+
+
+def _bash_values(script: str, exprs: list[str]) -> list[str]:
+    code = _settings_block(script) + "\nprintf '%s\\0' " + " ".join(exprs) + "\n"
+    r = subprocess.run(["bash", "-c", code], capture_output=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr.decode()
+    return r.stdout.decode().split("\0")[:-1]
+
+
+def _render(data: dict) -> tuple[int, str, str]:
+    d = Path(tempfile.mkdtemp(prefix="sg-hostile-"))
+    try:
+        (d / "sites").mkdir()
+        path = d / "sites" / "local.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+        r = sg("render", "--site", "local", "--sites-dir", str(d / "sites"), "--out", str(d / "out"))
+        script = (d / "out" / "local.sbatch").read_text() if r.code == 0 else ""
+        return r.code, r.err, script
+    finally:
+        shutil.rmtree(d)
+
+
+def _line_of_key(data: dict, path: tuple[str, ...]) -> int:
+    """The line `yaml.safe_dump` wrote the key on (what the error must point at)."""
+    text = yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+    node = yaml.compose(text)
+    for i, key in enumerate(path):
+        for k, v in node.value:
+            if k.value == key:
+                if i == len(path) - 1:
+                    return k.start_mark.line + 1
+                node = v
+                break
+    raise AssertionError(path)
+
+
+def _check(field: tuple[str, ...], value, script_expr=None, sbatch_prefix=None):
+    data = yaml.safe_load(yaml.safe_dump(BASE))
+    cur = data
+    for k in field[:-1]:
+        cur = cur.setdefault(k, {})
+    cur[field[-1]] = value
+    code, err, script = _render(data)
+    dotted = ".".join(field)
+    if code != 0:
+        assert code == 2, err
+        assert "Traceback" not in err
+        line = _line_of_key(data, field)
+        assert re.search(rf"local\.yaml:{line}: {re.escape(dotted)}(\[\d+\])?: \S", err), err
+        return "rejected"
+    if script_expr is not None:
+        assert _bash_values(script, [script_expr]) == [value]
+    if sbatch_prefix is not None:
+        lines = [line for line in script.splitlines() if line.startswith(sbatch_prefix)]
+        assert lines == [sbatch_prefix + value]
+    return "accepted"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(field=st.sampled_from(sorted(SHELL_FIELDS)), value=HOSTILE)
+def test_shell_values_reach_the_job_exactly_or_are_rejected(field, value):
+    _check(field, value, script_expr=SHELL_FIELDS[field])
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(field=st.sampled_from(sorted(SBATCH_FIELDS)), value=HOSTILE)
+def test_sbatch_values_appear_verbatim_or_are_rejected(field, value):
+    outcome = _check(field, value, sbatch_prefix=SBATCH_FIELDS[field])
+    if outcome == "accepted":
+        assert re.fullmatch(r"[A-Za-z0-9_./+:=@,%&|\[\]()*!-]+", value)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(args=st.lists(HOSTILE, min_size=1, max_size=4))
+def test_trainer_extra_args_reach_the_job_exactly(args):
+    data = yaml.safe_load(yaml.safe_dump(BASE))
+    data["trainer"]["extra_args"] = args
+    code, err, script = _render(data)
+    if code != 0:
+        assert code == 2 and "trainer.extra_args[" in err and "control characters" in err, err
+        assert any(any(ord(c) < 32 for c in a) for a in args)
+        return
+    assert _bash_values(script, ['"${EXTRA_TRAINER_ARGS[@]}"']) == args
+
+
+def test_known_hostile_examples():
+    # A few fixed cases, so the behaviour is pinned even if hypothesis draws differently.
+    assert _check(("paths", "run_dir"), "runs/it's a \"test\" `date` *", '"$RUN_DIR"') == "accepted"
+    assert _check(("paths", "run_dir"), "runs/$HOME", '"$RUN_DIR"') == "rejected"
+    assert _check(("paths", "run_dir"), "runs/a\nb", '"$RUN_DIR"') == "rejected"
+    assert _check(("paths", "run_dir"), "~/runs", '"$RUN_DIR"') == "rejected"
+    assert _check(("extra_env", "MY_SETTING"), "$(touch /tmp/pwned) `id` ; rm -rf *", '"$MY_SETTING"') == "accepted"
+    assert _check(("slurm", "partition"), "debug --exclusive", sbatch_prefix="#SBATCH --partition=") == "rejected"
+    assert _check(("paths", "log_dir"), "logs dir", '"$LOG_DIR"') == "rejected"

@@ -1,0 +1,142 @@
+"""Every rendered script passes bash -n and shellcheck (no findings at any severity), including renders
+that use every optional feature; the preflight function behaves as documented when run for real."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO, edit_site, sg
+
+OUT_FILES = sorted(p for p in (REPO / "out").iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+def lint(path: Path) -> None:
+    r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, f"bash -n {path}:\n{r.stderr}"
+    assert shutil.which("shellcheck"), "shellcheck is not installed (make system-deps installs it)"
+    r = subprocess.run(["shellcheck", "-x", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, f"shellcheck {path}:\n{r.stdout}{r.stderr}"
+
+
+def test_out_is_not_empty():
+    assert {"eu.sbatch", "us.sbatch", "local.sbatch", "eu.setup.sbatch"} <= {p.name for p in OUT_FILES}
+
+
+@pytest.mark.parametrize("path", OUT_FILES, ids=[p.name for p in OUT_FILES])
+def test_committed_render_passes_bash_n_and_shellcheck(path):
+    lint(path)
+
+
+def test_every_option_renders_lint_clean(work):
+    eu = work / "sites" / "eu.yaml"
+    edit_site(
+        eu,
+        **{
+            "slurm.reservation": "maint-window",
+            "slurm.gpu_request": "gpus-per-node",
+            "slurm.extra_directives": ["--mail-type=FAIL", "--comment=xr"],
+            "python_env": {"kind": "none", "modules": ["cuda/12.4", "nccl/2.21"]},
+            "container": {"image": "nvcr.io#nvidia/pytorch:24.10-py3", "mounts": ["/lustre/eu:/lustre/eu:ro"],
+                          "mount_home": False},
+            "trainer.extra_args": ["--note", "it's a \"test\" with $HOME and `date` *"],
+            "trainer.max_steps": 100,
+            "extra_env": {"FI_PROVIDER": "efa", "WEIRD": "a b;c|d'e\"f$g`h`"},
+            "nccl.ib_gid_index": 3,
+            "nccl.debug_subsys": "INIT,NET",
+        },
+    )
+    us = work / "sites" / "us.yaml"
+    edit_site(us, python_env={"kind": "conda", "conda_sh": "/opt/conda/etc/profile.d/conda.sh",
+                              "name": "xr", "modules": ["cuda/12.4"]})
+    local = work / "sites" / "local.yaml"
+    edit_site(local, **{"python_env": {"kind": "conda", "conda_sh": "/opt/conda/etc/profile.d/conda.sh",
+                                       "prefix": "/opt/envs/x y"},
+                        "preflight.enabled": False, "network.socket_ifname": "lo"})
+    r = sg("render", "--site", "eu", "--site", "us", "--site", "local", "--out", "o")
+    assert r.code == 0, r.err
+    eu_text = (work / "o" / "eu.sbatch").read_text()
+    assert "--container-image='nvcr.io#nvidia/pytorch:24.10-py3'" in eu_text
+    assert "#SBATCH --gpus-per-node=h200:8" in eu_text
+    assert "#SBATCH --reservation=maint-window" in eu_text
+    assert "module load cuda/12.4" in eu_text
+    env_line = next(line for line in eu_text.splitlines() if line.startswith("  --container-env="))
+    for name in ("NCCL_IB_HCA", "NCCL_DEBUG_SUBSYS", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "FI_PROVIDER", "WEIRD",
+                 "MASTER_ADDR", "MASTER_PORT", "SBATCH_GEN_STOP_FILE", "OMP_NUM_THREADS", "PYTHONPATH"):
+        assert name in env_line
+    for p in sorted((work / "o").iterdir()):
+        lint(p)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The preflight function, run for real on this machine (no Slurm needed: it is plain bash + python).
+
+
+def _preflight_script(text: str) -> str:
+    start = text.index("preflight() {")
+    end = text.index("export -f preflight")
+    return text[start:end]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_preflight(tmp_path, *, module="sbatch_gen.train", config=None, ifname="lo", gpus="0",
+                   node_id="0", nnodes="1", port=None, timeout="5", background=False):
+    text = (REPO / "out" / "local.sbatch").read_text()
+    config = config or str(REPO / "configs" / "tiny.yaml")
+    port = str(port or _free_port())
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    env.update(PATH=f"{Path(sys.executable).parent}:{env['PATH']}", SLURMD_NODENAME=f"node{node_id}",
+               SLURM_NODEID=node_id, SLURM_NNODES=nnodes, PYTHONPATH=str(REPO))
+    args = [module, config, "", ifname, gpus, str(run_dir), "127.0.0.1", port, timeout, "0"]
+    cmd = ["bash", "-c", _preflight_script(text) + '\npreflight "$@"', "preflight", *args]
+    if background:
+        return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def test_preflight_ok_on_one_node(tmp_path):
+    r = _run_preflight(tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "preflight ok on node0" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        ({"module": "no_such_trainer_module"}, "trainer module no_such_trainer_module not importable"),
+        ({"ifname": "nosuchif0"}, "network interface nosuchif0 does not exist"),
+        ({"config": "/nonexistent/train.yaml"}, "train config /nonexistent/train.yaml not readable"),
+        ({"gpus": "8"}, ""),  # nvidia-smi missing here, or a GPU count mismatch where there is one
+        ({"node_id": "1", "nnodes": "2", "timeout": "1"}, "rendezvous endpoint 127.0.0.1:"),
+    ],
+    ids=["module", "interface", "config", "gpus", "rendezvous"],
+)
+def test_preflight_fails_fast_naming_the_node(tmp_path, kwargs, reason):
+    t0 = time.monotonic()
+    r = _run_preflight(tmp_path, **kwargs)
+    assert r.returncode != 0
+    node = f"node{kwargs.get('node_id', '0')}"
+    assert f"preflight FAILED on {node}: {reason}" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 30
+
+
+def test_preflight_rendezvous_between_two_nodes(tmp_path):
+    port = _free_port()
+    server = _run_preflight(tmp_path, node_id="0", nnodes="2", port=port, timeout="20", background=True)
+    client = _run_preflight(tmp_path, node_id="1", nnodes="2", port=port, timeout="20")
+    out, err = server.communicate(timeout=60)
+    assert client.returncode == 0, client.stderr
+    assert server.returncode == 0, err
+    assert "preflight ok on node0" in out and "preflight ok on node1" in client.stdout
