@@ -70,14 +70,19 @@ def _set_option(f: Callable) -> Callable:
     )(f)
 
 
-def _load_many(sites_dir: Path, names: Iterable[str], overrides: Iterable[str] = ()) -> list[LoadedSite]:
-    """Load sites, collecting every site's errors before failing."""
+def _load_many(
+    sites_dir: Path, names: Iterable[str], overrides: Iterable[str] = (), cross_region: bool = False
+) -> list[LoadedSite]:
+    """Load sites (and check cross-region consistency among those that load), collecting every
+    problem before failing."""
     loaded, errors = [], []
     for n in names:
         try:
             loaded.append(load_site(sites_dir, n, overrides))
         except UserError as e:
             errors += e.messages
+    if cross_region and not errors:  # (with a site missing, its run would look incomplete)
+        errors += check_cross_region(loaded)
     if errors:
         raise UserError(errors)
     return loaded
@@ -137,11 +142,7 @@ def render(names, all_, out_dir, overrides, sites_dir, templates_dir) -> None:
     sbatch-gen render --site local --set slurm.partition=debug --set paths.run_dir=runs/t1 --out /tmp/r
     """
     selected = _select(sites_dir, names, all_)
-    loaded = _load_many(sites_dir, selected, overrides)
-    if all_:
-        errors = check_cross_region(loaded)
-        if errors:
-            raise UserError(errors)
+    loaded = _load_many(sites_dir, selected, overrides, cross_region=all_)
     pairs = _render_all(loaded, templates_dir)
     for _, r in pairs:
         path = out_dir / r.filename
@@ -202,10 +203,7 @@ def validate(names, sites_dir) -> None:
     \b
     sbatch-gen validate
     """
-    loaded = _load_many(sites_dir, _select(sites_dir, names, False, required=False))
-    errors = check_cross_region(loaded)
-    if errors:
-        raise UserError(errors)
+    loaded = _load_many(sites_dir, _select(sites_dir, names, False, required=False), cross_region=True)
     runs: dict[str, list[str]] = {}
     for s in loaded:
         if s.profile.cross_region.enabled:
