@@ -126,6 +126,13 @@ def init(backend: str = "auto", timeout_s: float = 600.0) -> tuple[DistInfo, tor
     if info.is_main:
         for k, v in relevant_env().items():
             log.info("env %s=%s", k, v)
+    if (info.is_main and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and _env_int("TORCHELASTIC_MAX_RESTARTS", 0) > 0):
+        log.warning(
+            "torchrun shares its rendezvous store with the process group and may restart workers: a restarted "
+            "worker can read the previous attempt's peer addresses and fail to connect (pytorch#135712). "
+            "Export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun to get a fresh store per attempt."
+        )
     if info.is_distributed:
         t0 = time.perf_counter()
         log.info("init_process_group(%s) waiting for %d ranks (timeout %.0fs)", backend, info.world_size, timeout_s)

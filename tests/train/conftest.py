@@ -89,6 +89,9 @@ def train_env(extra: dict | None = None) -> dict:
                          "GROUP_RANK", "GROUP_WORLD_SIZE")}
     env["PYTHONUNBUFFERED"] = "1"
     env["OMP_NUM_THREADS"] = "1"
+    # torchrun's shared rendezvous store keeps the previous attempt's keys: restarted workers can read
+    # a dead peer's address (pytorch#135712). A fresh store per attempt avoids it, as in the rendered scripts.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env.update(extra or {})
     return env
 
