@@ -33,11 +33,13 @@ from sbatch_gen.xr_options import CrossRegion
 
 
 def _check(pattern: str, what: str):
+    """A validator: `what` is "thing" or "thing (what is allowed)"."""
     rx = re.compile(pattern)
+    name, _, hint = what.partition(" (")
 
     def check(v: str) -> str:
         if not rx.fullmatch(v):
-            raise ValueError(f"invalid {what} {v!r}")
+            raise ValueError(f"invalid {name} {v!r}" + (f" ({hint}" if hint else ""))
         return v
 
     return check

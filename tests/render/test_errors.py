@@ -161,3 +161,34 @@ def test_real_process_exit_code_and_no_traceback(work):
     assert "Traceback" not in r.err
     r = sg_proc("render", "--bogus-option", cwd=REPO)
     assert r.code == 2
+
+
+def test_unknown_kind(work):
+    local = work / "sites" / "local.yaml"
+    local.write_text("kind: pbs\n" + local.read_text())
+    err = _fails("render", "--site", "local")
+    assert "sites/local.yaml:1: kind: unknown kind 'pbs' (valid kinds: slurm" in err
+
+
+def test_extends_list_merges_in_order_and_keeps_lines(work):
+    base = work / "sites" / "_base"
+    (base / "slurm-eu.yaml").write_text("slurm:\n  account: other\n  qos: high\n")
+    eu = work / "sites" / "eu.yaml"
+    _replace(eu, "extends: _base/llm-xr-1.yaml", "extends: [_base/llm-xr-1.yaml, _base/slurm-eu.yaml]")
+    _replace(eu, "  qos: normal\n", "")
+    r = sg("show", "--site", "eu")
+    assert r.code == 0, r.err
+    assert "account: llm-xr" in r.out  # the site file wins over its bases
+    assert "qos: high" in r.out  # the second base fills what the site leaves out
+    (base / "slurm-eu.yaml").write_text("slurm:\n  account: other\n  qos: 'bad qos'\n")
+    err = _fails("render", "--site", "eu")
+    assert "sites/_base/slurm-eu.yaml:3: slurm.qos: invalid name 'bad qos'" in err
+
+
+def test_override_values_are_yaml(work):
+    r = sg("show", "--site", "local", "--set", "slurm.extra_directives=[--mail-type=FAIL]",
+           "--set", "slurm.extra_directives.1=--comment=x", "--set", "paths.data=null")
+    assert r.code == 0, r.err
+    assert "- --mail-type=FAIL\n  - --comment=x" in r.out
+    err = _fails("render", "--site", "local", "--set", "slurm.extra_directives=[--output=x]")
+    assert "--set slurm.extra_directives=[--output=x]: slurm.extra_directives[0]: '--output=x' is rendered" in err
