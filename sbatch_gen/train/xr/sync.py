@@ -522,13 +522,9 @@ class OuterSync:
         avg = self.avg
         self._round(round_tag(r), "delta", step, delta, avg, t)
         t5 = t["t_end"]
-        # Outer Nesterov SGD, computed into temporaries and committed only when all of it succeeded.
-        lr, mu = self.xr.outer_lr, self.xr.outer_momentum
-        m_new = torch.mul(self.momentum, mu).add_(avg)  # m = mu*m + g
-        update = torch.mul(m_new, mu).add_(avg) if mu > 0 else avg  # Nesterov: g + mu*m
-        theta_new = torch.sub(self.theta_outer, torch.mul(update, lr))
-        self.theta_outer.copy_(theta_new)
-        self.momentum.copy_(m_new)
+        # Outer Nesterov SGD. Everything that can fail (the exchange) is behind us and only wrote into
+        # `avg`, so the step runs in place without temporaries; `work` is free scratch by now.
+        self._outer_step(avg)
         self._scatter_params(self.theta_outer)
         self.round = r
         self.tokens = 0
@@ -537,6 +533,19 @@ class OuterSync:
         t7 = self._now()
         t.update(outer_step_s=t6 - t5, cleanup_s=t7 - t6, t_end=t7)
         return self._timings(step, t)
+
+    @torch.no_grad()
+    def _outer_step(self, g: torch.Tensor) -> None:
+        """m = mu*m + g; theta_outer -= lr * (g + mu*m). One rounding per elementwise op, no fused
+        multiply-add: the same bits on CPU and GPU, so regions on different hardware stay identical."""
+        lr, mu = self.xr.outer_lr, self.xr.outer_momentum
+        m, upd = self.momentum, self.work
+        m.mul_(mu).add_(g)
+        if mu > 0:
+            torch.mul(m, mu, out=upd).add_(g)  # Nesterov look-ahead: g + mu*m
+        else:
+            upd.copy_(g)
+        self.theta_outer.sub_(upd.mul_(lr))
 
     def _cleanup(self, r: int) -> None:
         if self.group.rank != 0:
