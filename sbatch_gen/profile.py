@@ -299,9 +299,17 @@ class Torchrun(_Strict):
 
 
 class Topology(_Strict):
+    """CPU/NUMA placement of the local ranks and the GPU-NIC affinity NCCL uses."""
+
     numa_binding: Literal["node", "socket", "exclusive", "core-complex"] | None = Field(
-        default=None, description="torchrun --numa-binding: bind each local rank to its GPU's NUMA node "
-        "(torch >= 2.8). NCCL picks the GPU-local NIC itself from nccl.ib_hca."
+        default=None, description="torchrun --numa-binding: bind each local rank's CPUs and memory to its "
+        "GPU's NUMA node (torch >= 2.8)."
+    )
+    nccl_topo_file: PathStr | None = Field(
+        default=None,
+        description="NCCL_TOPO_FILE: the PCI/NUMA topology XML for NCCL where it cannot see it (VMs). NCCL "
+        "gives each GPU the nearest HCA of nccl.ib_hca from the topology, so this is how the GPU-local "
+        "NIC is chosen when autodetection is wrong.",
     )
     log_topology: bool = Field(default=True, description="Preflight logs `nvidia-smi topo -m` on every node.")
 
@@ -344,6 +352,7 @@ _RESERVED_ENV = {
     "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE",
     "NCCL_NVLS_ENABLE", "NCCL_IB_GID_INDEX", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "SBATCH_GEN_STOP_FILE",
+    "NCCL_TOPO_FILE",
 }
 
 
@@ -395,6 +404,8 @@ class ProfileBase(_Strict):
             )
         if not self.uses_gpus() and self.torchrun.procs_per_node is None:
             raise FieldError(("torchrun", "procs_per_node"), "required on a CPU site (slurm.gpus_per_node is 0)")
+        if not self.uses_gpus() and self.topology.nccl_topo_file is not None:
+            raise FieldError(("topology", "nccl_topo_file"), "this site has no GPUs: remove it")
         if not self.uses_gpus() and "nccl" in self.model_fields_set:
             raise FieldError(("nccl",), "this site has no GPUs, so NCCL settings would be ignored: remove the section")
 

@@ -161,6 +161,8 @@ def job_environment(p: ProfileBase) -> list[EnvBlock]:
         if n.debug_subsys is not None:
             v.append(("NCCL_DEBUG_SUBSYS", n.debug_subsys))
         blocks.append(EnvBlock("nccl", tuple(v)))
+        if p.topology.nccl_topo_file is not None:
+            blocks.append(EnvBlock("topology.nccl_topo_file", (("NCCL_TOPO_FILE", p.topology.nccl_topo_file),)))
     threads = max(1, cpus_per_node(p) // p.nproc_per_node())
     blocks.append(
         EnvBlock(

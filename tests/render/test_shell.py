@@ -49,6 +49,7 @@ def test_every_option_renders_lint_clean(work):
             "extra_env": {"FI_PROVIDER": "efa", "WEIRD": "a b;c|d'e\"f$g`h`"},
             "nccl.ib_gid_index": 3,
             "nccl.debug_subsys": "INIT,NET",
+            "topology.nccl_topo_file": "/etc/nccl/topo h200.xml",
         },
     )
     us = work / "sites" / "us.yaml"
@@ -66,7 +67,8 @@ def test_every_option_renders_lint_clean(work):
     assert "#SBATCH --reservation=maint-window" in eu_text
     assert "module load cuda/12.4" in eu_text
     env_line = next(line for line in eu_text.splitlines() if line.startswith("  --container-env="))
-    for name in ("NCCL_IB_HCA", "NCCL_DEBUG_SUBSYS", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "FI_PROVIDER", "WEIRD",
+    assert "export NCCL_TOPO_FILE='/etc/nccl/topo h200.xml'" in eu_text
+    for name in ("NCCL_TOPO_FILE", "NCCL_IB_HCA", "NCCL_DEBUG_SUBSYS", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "FI_PROVIDER", "WEIRD",
                  "MASTER_ADDR", "MASTER_PORT", "SBATCH_GEN_STOP_FILE", "OMP_NUM_THREADS", "PYTHONPATH"):
         assert name in env_line
     for p in sorted((work / "o").iterdir()):
