@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: ff48cb962dc9063ce53bf865b9d3fac394867bffd24eb41c2044e4db919fdc2b
+#   inputs sha256: 0166a9d37c0f0c183c5fe3865866d4448596a0d406d4498839d3b44e85420580
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -259,11 +259,13 @@ cleanup_main() {
 
 # ---- launcher side -----------------------------------------------------------------------------
 
-# The program a node runs: strict mode, the settings and functions above, then "$@".
-NODE_PROGRAM="set -euo pipefail
-$(declare -p LAUNCH_DIR NNODES TAG NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT RDZV_TIMEOUT_S \
-  TORCHRUN_MAX_RESTARTS NUMA_BINDING LOG_TOPOLOGY ENV_KIND ENV_PATH ENV_NAME MODULES CODE_DIR NODE_ENV \
+# The program a node runs: strict mode, the settings and functions above (declare -p/-f print them
+# as bash code, every value quoted), then "$@".
+NODE_VARS=(LAUNCH_DIR NNODES TAG NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT RDZV_TIMEOUT_S
+  TORCHRUN_MAX_RESTARTS NUMA_BINDING LOG_TOPOLOGY ENV_KIND ENV_PATH ENV_NAME MODULES CODE_DIR NODE_ENV
   TRAINER_MODULE TRAINER_ARGS XR_ARGS RUN_DIR SHARED_RUN_DIR)
+NODE_PROGRAM="set -euo pipefail
+$(declare -p "${NODE_VARS[@]}")
 $(declare -f iface_ipv4 node_setup preflight_main node_main cleanup_main)
 \"\$@\""
 

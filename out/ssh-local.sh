@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: b891fa3dd8d6729cb16b124dc82639091be73bab2edd511bad0f942a8d76ab3d
+#   inputs sha256: 7c32b4e317a07ca242e054a2269855a4bec708196282603c6b0da30377fda2a2
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -247,11 +247,13 @@ cleanup_main() {
 
 # ---- launcher side -----------------------------------------------------------------------------
 
-# The program a node runs: strict mode, the settings and functions above, then "$@".
-NODE_PROGRAM="set -euo pipefail
-$(declare -p LAUNCH_DIR NNODES TAG NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT RDZV_TIMEOUT_S \
-  TORCHRUN_MAX_RESTARTS NUMA_BINDING LOG_TOPOLOGY ENV_KIND ENV_PATH ENV_NAME MODULES CODE_DIR NODE_ENV \
+# The program a node runs: strict mode, the settings and functions above (declare -p/-f print them
+# as bash code, every value quoted), then "$@".
+NODE_VARS=(LAUNCH_DIR NNODES TAG NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT RDZV_TIMEOUT_S
+  TORCHRUN_MAX_RESTARTS NUMA_BINDING LOG_TOPOLOGY ENV_KIND ENV_PATH ENV_NAME MODULES CODE_DIR NODE_ENV
   TRAINER_MODULE TRAINER_ARGS XR_ARGS RUN_DIR SHARED_RUN_DIR)
+NODE_PROGRAM="set -euo pipefail
+$(declare -p "${NODE_VARS[@]}")
 $(declare -f iface_ipv4 node_setup preflight_main node_main cleanup_main)
 \"\$@\""
 

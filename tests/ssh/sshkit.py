@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,27 @@ def _keygen(path: Path) -> None:
                    check=True)
 
 
+# ssh ProxyCommand body: relay stdin/stdout to 127.0.0.1:PORT (run inside sshd's network namespace),
+# passing the end of input on as a TCP half-close so both sides see the session end.
+_RELAY = """import socket, sys, threading
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+def up():
+    while True:
+        b = sys.stdin.buffer.read1(65536)
+        if not b:
+            s.shutdown(socket.SHUT_WR)
+            return
+        s.sendall(b)
+threading.Thread(target=up, daemon=True).start()
+while True:
+    b = s.recv(65536)
+    if not b:
+        break
+    sys.stdout.buffer.write(b)
+    sys.stdout.buffer.flush()
+"""
+
+
 def start_sshd(d: Path, names: tuple[str, ...] = ("127.0.0.1", "localhost"), wrap: tuple[str, ...] = (),
                setup: str = "", netns: bool = False) -> Sshd:
     """Start ``sshd -D`` on 127.0.0.1 at a free port with keys generated in ``d``.
@@ -93,15 +115,9 @@ def start_sshd(d: Path, names: tuple[str, ...] = ("127.0.0.1", "localhost"), wra
         proc = subprocess.Popen(cmd)
         proxy = None
         if netns:
-            script = d / "proxy.sh"
-            script.write_text(
-                "#!/bin/bash\n"
-                "# ssh ProxyCommand: a TCP connection to 127.0.0.1:$1 inside sshd's network namespace\n"
-                f"exec nsenter --net=/proc/{proc.pid}/ns/net bash -c "
-                "'exec 3<>/dev/tcp/127.0.0.1/$1; cat <&3 & exec cat >&3' proxy \"$1\"\n"
-            )
-            script.chmod(0o755)
-            proxy = f"{script} %p"
+            relay = d / "relay.py"
+            relay.write_text(_RELAY)
+            proxy = f"nsenter --net=/proc/{proc.pid}/ns/net {sys.executable} {relay} %p"
         server = Sshd(port, getpass.getuser(), d / "userkey", known, log, proc, proxy)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and proc.poll() is None:
