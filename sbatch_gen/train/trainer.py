@@ -464,7 +464,8 @@ class Trainer:
                     "step_time_s": step_s,
                     "data_time_s": data_s,
                     "compute_time_s": compute_s,
-                    "comm_time_s": self.comm.span() + sync_s,
+                    # DDP's all-reduce overlaps backward; its span is measurable with gloo (CPU) only.
+                    "comm_time_s": (self.comm.span() if device.type == "cpu" else 0.0) + sync_s,
                     "ddp_allreduce_s": self.comm.span() if (info.is_distributed and device.type == "cpu") else None,
                     "sync_wait_s": sync_s,
                     "grad_norm": float(grad_norm) if grad_norm is not None else None,
@@ -486,7 +487,7 @@ class Trainer:
                 log.info("step %d loss %.4f lr %.3g %.0f tok/s step %.3fs data %.3fs comm %.3fs%s", step,
                          loss_mean, lr, tok_s, step_s, data_s, rec["comm_time_s"],
                          f" mfu {mfu:.3f}" if mfu is not None else "")
-            if stop_now:
+            if stop_now and step < self.end_step:
                 exit_reason = "stopped"
                 log.info("stop requested (%s): all ranks stop after step %d", self.stop.reason(), step)
                 break
