@@ -36,7 +36,24 @@ CTLD_PORT=${SBATCH_GEN_SLURM_PORT:-6817}
 NODE_CPUS=${SBATCH_GEN_SLURM_CPUS:-8}
 NODE_MEM_MB=${SBATCH_GEN_SLURM_MEM_MB:-16000}
 
-NODES=(n1 n2)
+# Compute nodes that run jobs: small, CPU only, partition "debug" (the default).
+CPU_NODES=(n1 n2)
+# Nodes shaped like the production sites, in partition "gpu", so that `sbatch --test-only` can check
+# every #SBATCH line of their renders (GPU gres with types, constraints, --mem=0, --exclusive) with only
+# the partition overridden. Their GPUs are character devices cloned from /dev/null. Jobs can run there
+# too, but nothing here needs that. SBATCH_GEN_SLURM_GPU_SHAPES=0 leaves them out.
+#   g1, g2  like the EU site: 2 nodes x 8 H200, 224 CPUs, InfiniBand (feature ib), x86_64
+#   gh1     like the US site: 1 GH200, 72 CPUs, aarch64
+SHAPE_NODES=(g1 g2 gh1)
+declare -A SHAPE_SPEC=(
+  [g1]="CPUs=224 RealMemory=2000000 Gres=gpu:h200:8 Features=ib,x86_64,h200"
+  [g2]="CPUs=224 RealMemory=2000000 Gres=gpu:h200:8 Features=ib,x86_64,h200"
+  [gh1]="CPUs=72 RealMemory=480000 Gres=gpu:gh200:1 Features=aarch64,gh200"
+)
+declare -A SHAPE_GPUS=([g1]="h200 8" [g2]="h200 8" [gh1]="gh200 1")
+GPU_PARTITION=gpu
+NODES=("${CPU_NODES[@]}")
+[[ ${SBATCH_GEN_SLURM_GPU_SHAPES:-1} == 0 ]] || NODES+=("${SHAPE_NODES[@]}")
 CTLD_HOST=slurmctl
 PARTITION=debug
 BRIDGE=br-sbgen
@@ -218,9 +235,33 @@ hosts_add() {
 
 # --- config -----------------------------------------------------------------------------------------
 
+is_shape() { [[ -n ${SHAPE_SPEC[$1]:-} ]]; }
+
+write_gres() {  # fake GPU devices and gres.conf for the shape nodes
+  local tmp=$STATE/etc/gres.conf.tmp node type count i max=0
+  mkdir -p "$STATE/dev"
+  for node in "${NODES[@]}"; do
+    is_shape "$node" || continue
+    read -r type count <<<"${SHAPE_GPUS[$node]}"
+    ((count > max)) && max=$count
+  done
+  for ((i = 0; i < max; i++)); do
+    [[ -c $STATE/dev/nvidia$i ]] || mknod "$STATE/dev/nvidia$i" c 1 3
+  done
+  {
+    echo "# Written by scripts/local-slurm.sh: fake GPUs (clones of /dev/null) for the shape nodes."
+    for node in "${NODES[@]}"; do
+      is_shape "$node" || continue
+      read -r type count <<<"${SHAPE_GPUS[$node]}"
+      echo "NodeName=$node Name=gpu Type=$type File=$STATE/dev/nvidia[0-$((count - 1))]"
+    done
+  } >"$tmp"
+  mv -f "$tmp" "$STATE/etc/gres.conf"
+}
+
 write_conf() {
   mkdir -p "$STATE/etc" "$LOG" "$STATE/state" "$STATE/spool"
-  local tmp=$CONF.tmp i
+  local tmp=$CONF.tmp i spec cpu_list shape_list
   {
     echo "# Written by scripts/local-slurm.sh ($LAYOUT layout). Regenerated on every start."
     echo "ClusterName=sbgenlocal"
@@ -261,14 +302,27 @@ MinJobAge=3600
 Waittime=0
 MailProg=/bin/true
 EOF
+    for i in "${NODES[@]}"; do if is_shape "$i"; then echo "GresTypes=gpu"; break; fi; done
+    shape_list=()
+    cpu_list=()
     for i in "${!NODES[@]}"; do
-      if [[ $LAYOUT == netns ]]; then
-        echo "NodeName=${NODES[$i]} NodeHostname=${NODES[$i]} NodeAddr=$(node_addr $((i + 1))) CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB State=UNKNOWN"
+      if is_shape "${NODES[$i]}"; then
+        spec=${SHAPE_SPEC[${NODES[$i]}]}
+        shape_list+=("${NODES[$i]}")
       else
-        echo "NodeName=${NODES[$i]} NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((17001 + i)) CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB State=UNKNOWN"
+        spec="CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB"
+        cpu_list+=("${NODES[$i]}")
+      fi
+      if [[ $LAYOUT == netns ]]; then
+        echo "NodeName=${NODES[$i]} NodeHostname=${NODES[$i]} NodeAddr=$(node_addr $((i + 1))) $spec State=UNKNOWN"
+      else
+        echo "NodeName=${NODES[$i]} NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((17001 + i)) $spec State=UNKNOWN"
       fi
     done
-    echo "PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
+    echo "PartitionName=$PARTITION Nodes=$(IFS=,; echo "${cpu_list[*]}") Default=YES MaxTime=INFINITE State=UP"
+    if ((${#shape_list[@]})); then
+      echo "PartitionName=$GPU_PARTITION Nodes=$(IFS=,; echo "${shape_list[*]}") MaxTime=INFINITE State=UP"
+    fi
   } >"$tmp"
   mv -f "$tmp" "$CONF"
 }
@@ -354,8 +408,12 @@ cmd_env() {
   echo "SBATCH_GEN_SLURM_STATE=$STATE"
   echo "SBATCH_GEN_SLURM_LAYOUT=$LAYOUT"
   echo "SBATCH_GEN_SLURM_HOST_ADDR=$(ctld_addr)"
-  echo "SBATCH_GEN_SLURM_NODES=$(IFS=,; echo "${NODES[*]}")"
+  echo "SBATCH_GEN_SLURM_NODES=$(IFS=,; echo "${CPU_NODES[*]}")"
   echo "SBATCH_GEN_SLURM_PARTITION=$PARTITION"
+  if [[ ${SBATCH_GEN_SLURM_GPU_SHAPES:-1} != 0 ]]; then
+    echo "SBATCH_GEN_SLURM_GPU_NODES=$(IFS=,; echo "${SHAPE_NODES[*]}")"
+    echo "SBATCH_GEN_SLURM_GPU_PARTITION=$GPU_PARTITION"
+  fi
 }
 
 cmd_start() {
@@ -373,6 +431,7 @@ cmd_start() {
   # keep the previous cluster's logs one start longer (log.prev/), for a look after a failed run
   if [[ -d $LOG ]]; then rm -rf "$STATE/log.prev"; mv "$LOG" "$STATE/log.prev"; fi
   write_conf
+  write_gres
   start_munge
   net_up
   hosts_add

@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 def _daemon_pids(cluster) -> dict[str, str]:
     pids = {}
-    for name in ["slurmctld", *(f"slurmd-{n}" for n in cluster.nodes)]:
+    nodes = cluster.nodes + cluster.info["SBATCH_GEN_SLURM_GPU_NODES"].split(",")
+    for name in ["slurmctld", *(f"slurmd-{n}" for n in nodes)]:
         pids[name] = (cluster.state / f"{name}.pid").read_text().strip()
     return pids
 
@@ -31,7 +32,7 @@ def test_start_twice_is_harmless(cluster):
     assert _daemon_pids(cluster) == before
     st = subprocess.run(["bash", str(SCRIPT), "status"], capture_output=True, text=True, timeout=60)
     assert st.returncode == 0, st.stdout + st.stderr
-    sinfo = cluster.run("sinfo", "-h", "-N", "-o", "%N %t").stdout.split("\n")
+    sinfo = cluster.run("sinfo", "-h", "-N", "-p", cluster.partition, "-o", "%N %t").stdout.split("\n")
     assert sorted(line for line in sinfo if line) == [f"{n} idle" for n in cluster.nodes]
 
 

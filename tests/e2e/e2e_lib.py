@@ -1,0 +1,347 @@
+"""Helpers of the end-to-end tests: the local Slurm cluster (scripts/local-slurm.sh) and rendered jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "local-slurm.sh"
+
+# Slurm job states after which nothing of the job runs any more
+TERMINAL = {
+    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+    "DEADLINE", "PREEMPTED",
+}
+
+
+def run(cmd: list[str], env: dict | None = None, timeout: float = 120, check: bool = True, **kw):
+    p = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True, **kw)
+    if check and p.returncode != 0:
+        raise AssertionError(
+            f"{shlex.join(map(str, cmd))} exited {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+        )
+    return p
+
+
+@dataclass
+class Cluster:
+    """A handle on the running local cluster plus the few client calls the tests need."""
+
+    env: dict[str, str]  # an environment for Slurm clients and for what jobs inherit (--export=ALL)
+    info: dict[str, str] = field(default_factory=dict)  # `local-slurm.sh env`
+
+    @property
+    def nodes(self) -> list[str]:
+        return self.info["SBATCH_GEN_SLURM_NODES"].split(",")
+
+    @property
+    def partition(self) -> str:
+        return self.info["SBATCH_GEN_SLURM_PARTITION"]
+
+    @property
+    def host_addr(self) -> str:
+        """The address under which the nodes reach this machine (for servers a test starts)."""
+        return self.info["SBATCH_GEN_SLURM_HOST_ADDR"]
+
+    @property
+    def layout(self) -> str:
+        return self.info["SBATCH_GEN_SLURM_LAYOUT"]
+
+    @property
+    def state(self) -> Path:
+        return Path(self.info["SBATCH_GEN_SLURM_STATE"])
+
+    def run(self, *cmd: str, timeout: float = 60, check: bool = True, cwd: Path | None = None):
+        return run(list(cmd), env=self.env, timeout=timeout, check=check, cwd=cwd)
+
+    def sbatch(self, script: Path, *args: str, cwd: Path | None = None, env: dict | None = None) -> int:
+        """Submit with plain sbatch (from ``cwd``, so $SLURM_SUBMIT_DIR is cwd); return the job id."""
+        e = dict(self.env)
+        if env:
+            e.update(env)
+        p = run(["sbatch", "--parsable", *args, str(script)], env=e, cwd=cwd or script.parent)
+        return int(p.stdout.strip().split(";")[0])
+
+    def job(self, job_id: int) -> dict[str, str]:
+        """`scontrol -o show job` as a dict (JobState, ExitCode, Restarts, NodeList, ...)."""
+        out = self.run("scontrol", "-o", "show", "job", str(job_id)).stdout.strip()
+        info: dict[str, str] = {}
+        for tok in re.findall(r"(\w+)=(\S*)", out):
+            info.setdefault(tok[0], tok[1])
+        return info
+
+    def wait_state(self, job_id: int, states: set[str], timeout: float) -> dict[str, str]:
+        """Poll until the job's state is one of ``states`` (or terminal); return its info."""
+        deadline = time.monotonic() + timeout
+        info = self.job(job_id)
+        while time.monotonic() < deadline:
+            info = self.job(job_id)
+            if info.get("JobState") in states or info.get("JobState") in TERMINAL:
+                return info
+            time.sleep(0.5)
+        raise AssertionError(f"job {job_id} not in {sorted(states)} after {timeout}s: {info}")
+
+    def wait_done(self, job_id: int, timeout: float = 240) -> dict[str, str]:
+        return self.wait_state(job_id, TERMINAL, timeout)
+
+    def jobs(self) -> list[tuple[int, str]]:
+        out = self.run("squeue", "-h", "-o", "%i|%T").stdout.split()
+        return [(int(line.split("|")[0]), line.split("|")[1]) for line in out if line]
+
+    def cancel_all(self, timeout: float = 60) -> None:
+        ids = [str(j) for j, _ in self.jobs()]
+        if not ids:
+            return
+        self.run("scancel", *ids, check=False)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.jobs():
+            time.sleep(0.5)
+
+    def node_pids(self, node: str) -> list[int]:
+        """Processes running "on" a node: in its network namespace (netns layout only)."""
+        if self.layout != "netns":
+            return []
+        p = run(["ip", "netns", "pids", f"sbgen-{node}"], check=False)
+        return [int(x) for x in p.stdout.split()]
+
+    def job_processes(self, node: str) -> list[str]:
+        """Command lines of the job processes on ``node`` (everything in its namespace but slurmd)."""
+        cmds = []
+        for pid in self.node_pids(node):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            except OSError:
+                continue
+            if cmd and not cmd.startswith("/usr/sbin/slurmd"):
+                cmds.append(f"{pid} {cmd}")
+        return cmds
+
+    def wait_no_job_processes(self, timeout: float = 30) -> None:
+        """Assert that no job process is left on any node (slurmstepd exits a moment after the job)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            left = {n: self.job_processes(n) for n in self.nodes}
+            if not any(left.values()):
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"processes left on the nodes: {left}")
+
+
+def script(action: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return run(["bash", str(SCRIPT), action], timeout=timeout, check=False)
+
+
+def leftovers() -> list[str]:
+    """Everything local-slurm.sh may create, if it is still there."""
+    left = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        if comm in ("slurmctld", "slurmd", "slurmstepd") and stat.rsplit(")", 1)[1].split()[0] not in "ZX":
+            left.append(f"process {pid} {comm}")
+    ns = run(["ip", "netns", "list"], check=False).stdout
+    left += [f"netns {line.split()[0]}" for line in ns.splitlines() if line.startswith("sbgen-")]
+    links = run(["ip", "-o", "link", "show"], check=False).stdout
+    left += [f"link {m}" for m in re.findall(r"^\d+: (br-sbgen|sbgen-v\d+)", links, re.M)]
+    left += [f"/etc/hosts: {line}" for line in Path("/etc/hosts").read_text().splitlines() if "sbatch-gen local-slurm" in line]
+    return left
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rendered jobs of the `local` site
+
+
+_ports = iter(range(29600, 29900, 7))
+
+
+def next_port() -> int:
+    """A rendezvous port no other test of this session uses (jobs may overlap on a node)."""
+    return next(_ports)
+
+
+def render(out_dir: Path, site: str = "local", sets: dict | None = None) -> Path:
+    """`sbatch-gen render --site SITE --set k=v ... --out OUT_DIR` from the checkout; return the script."""
+    cmd = [str(REPO / ".venv" / "bin" / "sbatch-gen"), "render", "--site", site, "--out", str(out_dir)]
+    for k, v in (sets or {}).items():
+        cmd += ["--set", f"{k}={json.dumps(v)}"]  # VALUE is YAML; JSON is YAML
+    run(cmd, cwd=REPO, timeout=60)
+    return out_dir / f"{site}.sbatch"
+
+
+@dataclass
+class LocalJob:
+    """One rendered `local` job: its directories, and what it wrote."""
+
+    cluster: Cluster
+    root: Path
+    script: Path
+    name: str
+    job_id: int = 0
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / "run"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.root / "logs"
+
+    def submit(self, env: dict | None = None, *args: str) -> int:
+        # Submitted from the checkout, like a user would: relative paths (.venv, configs/) resolve there.
+        self.job_id = self.cluster.sbatch(self.script, *args, cwd=REPO, env=env)
+        return self.job_id
+
+    def batch_log(self) -> str:
+        p = self.log_dir / f"{self.name}-{self.job_id}.out"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    def train_log(self, attempt: int, node: str) -> Path:
+        return self.log_dir / f"{self.name}-{self.job_id}.attempt-{attempt}.{node}.log"
+
+    def metrics(self) -> list[dict]:
+        p = self.run_dir / "metrics.jsonl"
+        if not p.exists():
+            return []
+        out = []
+        for line in p.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line being written
+                pass
+        return out
+
+    def losses(self) -> dict[int, float]:
+        """Loss per step; a step logged twice (redone after a crash) keeps its last value."""
+        return {r["step"]: r["loss"] for r in self.metrics() if "loss" in r and "step" in r}
+
+    def last_step(self) -> int:
+        return max(self.losses(), default=0)
+
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+    def wait_step(self, step: int, timeout: float = 180) -> int:
+        """Wait until the trainer has logged ``step`` (or later) while the job runs; return that step."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            last = self.last_step()
+            if last >= step:
+                return last
+            state = self.cluster.job(self.job_id).get("JobState")
+            if state in TERMINAL:
+                raise AssertionError(f"job {self.job_id} ended ({state}) before step {step}:\n{self.batch_log()}")
+            time.sleep(0.1)
+        raise AssertionError(f"no step {step} within {timeout}s (last {self.last_step()}):\n{self.batch_log()}")
+
+    def describe(self) -> str:
+        """Everything useful when an assertion fails."""
+        parts = [f"job {self.job_id}: {self.cluster.job(self.job_id)}", "--- batch log ---", self.batch_log()]
+        for p in sorted(self.log_dir.glob(f"{self.name}-{self.job_id}.attempt-*.log")):
+            lines = p.read_text(errors="replace").splitlines()
+            parts += [f"--- {p.name} (last 25 lines) ---", *lines[-25:]]
+        return "\n".join(parts)
+
+
+def local_job(cluster: Cluster, root: Path, name: str, sets: dict | None = None, *, config: Path,
+              data: Path) -> LocalJob:
+    """Render the `local` site for a job of its own (run dir, logs, rendezvous port) and return it."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "logs").mkdir(exist_ok=True)
+    base = {
+        "slurm.job_name": name,
+        "paths.run_dir": str(root / "run"),
+        "paths.log_dir": str(root / "logs"),
+        "paths.data": str(data),
+        "trainer.config": str(config),
+        "torchrun.rdzv_port": next_port(),
+    }
+    base.update(sets or {})
+    script = render(root / "out", "local", base)
+    return LocalJob(cluster=cluster, root=root, script=script, name=name)
+
+
+def trainer_workers(cluster: Cluster, node: str, module: str = "sbatch_gen.train") -> list[int]:
+    """PIDs of the training worker processes on ``node`` (not torchrun's agent, not srun/slurmstepd)."""
+    pids = []
+    for pid in cluster.node_pids(node):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [a.decode(errors="replace") for a in argv if a]
+        if "-m" in args and module in args and not any(a.endswith("torchrun") for a in args):
+            pids.append(pid)
+    return pids
+
+
+@contextmanager
+def moto_server(host: str, log: Path):
+    """A real S3-compatible server (moto) on ``host``, the address under which the nodes reach this
+    machine (the bridge address with one network namespace per node; 127.0.0.1 on loopback).
+    Started by absolute path, stopped by its own PID. Yields the endpoint URL."""
+    exe = Path(sys.executable).parent / "moto_server"
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([str(exe), "-H", host, "-p", str(port)], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    url = f"http://{host}:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        while True:
+            assert proc.poll() is None, f"moto_server exited {proc.returncode}: {log.read_text()[-2000:]}"
+            try:
+                opener.open(f"{url}/moto-api/", timeout=2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def assert_resumed_losses_match(losses: dict[int, float], ref: dict[int, float], resumed: int, last: int) -> None:
+    """A run resumed from the checkpoint of step ``resumed`` against the uninterrupted run:
+
+    - every step up to the checkpoint, and the first step after it, bitwise equal: the checkpoint restored
+      parameters, optimizer, data position and RNG exactly (that step's loss is computed before any new
+      gradient exchange);
+    - later steps equal within float32 rounding (relative 1e-4). They are not always bitwise equal with 4
+      gloo ranks: the resumed process's first DDP step reduces gradients in DDP's initial bucket layout
+      (the uninterrupted run had already rebuilt its buckets), and gloo's ring sums an element's 4 values
+      in an order that depends on its position in the bucket; a wrong data position, RNG state or optimizer
+      state shows as differences of 1e-2 and more.
+    """
+    assert sorted(losses) == list(range(1, last + 1)), sorted(losses)
+    exact = list(range(1, resumed + 2))
+    assert [losses[s] for s in exact] == [ref[s] for s in exact], [
+        (s, losses[s], ref[s]) for s in exact if losses[s] != ref[s]
+    ]
+    far = [(s, losses[s], ref[s]) for s in range(resumed + 2, last + 1)
+           if abs(losses[s] - ref[s]) > 1e-4 * abs(ref[s])]
+    assert not far, f"resumed from step {resumed}; losses differ from the uninterrupted run: {far[:5]}"

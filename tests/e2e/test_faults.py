@@ -1,0 +1,122 @@
+"""Faults on the real cluster: a node's training processes killed mid-run, a broken profile or entry point
+caught by the preflight, and a job that keeps failing running out of its requeue budget."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+import yaml
+from e2e_lib import assert_resumed_losses_match, local_job, trainer_workers
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def test_node_failure_recovers_from_last_checkpoint(cluster, reference_run, e2e_root, train_config, data_dir):
+    """(4) SIGKILL the training processes on one node mid-run: the step fails, nothing is left running on
+    either node, the batch script requeues within the budget, the job resumes from the last complete
+    checkpoint and finishes with the uninterrupted run's losses. Prints the downtime."""
+    ref = reference_run.losses()
+    job = local_job(cluster, e2e_root / "nodefail", "nodefail", config=train_config, data=data_dir)
+    job.submit()
+    job.wait_step(7)  # past the checkpoint at step 5
+    victims = trainer_workers(cluster, "n2")
+    assert len(victims) == 2, f"expected 2 workers on n2, found {victims}\n{job.describe()}"
+    step_at_kill = job.last_step()
+    t_kill = time.monotonic()
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+
+    # detected: the attempt ends; while the job waits to run again nothing of it runs on any node
+    detected = None
+    checked_idle = False
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        info = cluster.job(job.job_id)
+        if detected is None and info["JobState"] != "RUNNING":
+            detected = time.monotonic() - t_kill
+        if info["JobState"] == "PENDING" and info["Restarts"] == "1":
+            left = {n: cluster.job_processes(n) for n in cluster.nodes}
+            if cluster.job(job.job_id)["JobState"] == "PENDING":  # still between attempts: a fair look
+                assert not any(left.values()), f"left running after the failure: {left}"
+                checked_idle = True
+                break
+        if info["Restarts"] == "1" and info["JobState"] == "RUNNING" and detected is not None:
+            break  # requeued and restarted between two polls
+        time.sleep(0.1)
+    assert detected is not None, f"the kill was not detected within 120 s\n{job.describe()}"
+
+    # recovered: the requeued attempt resumes and the first new step appears
+    n_before = len(job.metrics())
+    while time.monotonic() < deadline + 180 and len(job.metrics()) <= n_before:
+        if cluster.job(job.job_id)["JobState"] in ("FAILED", "CANCELLED", "COMPLETED"):
+            break
+        time.sleep(0.1)
+    downtime = time.monotonic() - t_kill
+    info = cluster.wait_done(job.job_id, timeout=300)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
+    summary = job.summary()
+    resumed = summary["resumed_from_step"]
+    assert resumed is not None and resumed % 5 == 0 and 5 <= resumed <= step_at_kill, summary
+    log = job.batch_log()
+    assert re.search(r"training step exited with status [1-9]", log), log
+    assert "requeueing job" in log and "training step failed" in log, log
+    assert_resumed_losses_match(job.losses(), ref, resumed, 40)
+    lost = step_at_kill - resumed
+    print(f"\nnode failure: killed {len(victims)} workers on n2 at step {step_at_kill}; failure detected after "
+          f"{detected:.1f} s; first new step {downtime:.1f} s after the kill (requeue, restart, resume from "
+          f"step {resumed}; {lost} steps redone); nodes idle between attempts: {checked_idle}")
+
+
+@pytest.mark.parametrize(
+    "case,sets,message",
+    [
+        ("missing-entry-point", {"trainer.module": "sbatch_gen.no_such_trainer"},
+         r"trainer module sbatch_gen\.no_such_trainer not importable"),
+        ("missing-interface", {"network.socket_ifname": "ib0"},
+         r"network interface ib0 does not exist \(network\.socket_ifname\); have: .*eth0"),
+        ("missing-train-config", {"trainer.config": "configs/no-such-config.yaml"},
+         r"train config configs/no-such-config\.yaml not readable"),
+    ],
+)
+def test_preflight_fails_fast_with_clear_message(cluster, e2e_root, train_config, data_dir, case, sets, message):
+    """(5) A broken profile or entry point fails in the preflight with a message naming the node and the
+    profile field, before torchrun starts (no rendezvous hang), and is not requeued."""
+    job = local_job(cluster, e2e_root / f"preflight-{case}", f"pf-{case}", sets, config=train_config,
+                    data=data_dir)
+    job.submit()
+    info = cluster.wait_done(job.job_id, timeout=120)
+    log = job.batch_log()
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", job.describe()
+    # each node that got to report names itself and the cause (--kill-on-bad-exit ends the other node's
+    # preflight as soon as one fails, so that one may not get to say it)
+    failed = re.findall(r"^preflight FAILED on (\S+): (.*)$", log, re.M)
+    assert failed and all(n in ("n1", "n2") and re.match(message, m) for n, m in failed), log
+    assert "preflight failed" in log and "not requeueing" in log
+    assert "training; per-node logs" not in log  # torchrun never started
+    start, end = (time.mktime(time.strptime(info[k], "%Y-%m-%dT%H:%M:%S")) for k in ("StartTime", "EndTime"))
+    print(f"\npreflight ({case}) failed the job {end - start:.0f} s after it started")
+    assert end - start < 60  # the rendezvous would have waited 120 s (torchrun.rdzv_timeout_s)
+
+
+def test_requeue_budget_stops_a_job_that_keeps_failing(cluster, e2e_root, train_config, data_dir):
+    """(6) A job that fails on every attempt is requeued preemption.max_requeues times, then no more."""
+    bad = yaml.safe_load(train_config.read_text())
+    bad["optim"]["warmup_steps"] = bad["train"]["steps"]  # the trainer rejects this at start-up
+    cfg = e2e_root / "bad-train-config.yaml"
+    cfg.write_text(yaml.safe_dump(bad, sort_keys=False))
+    job = local_job(cluster, e2e_root / "budget", "budget", {"preemption.max_requeues": 2}, config=cfg,
+                    data=data_dir)
+    job.submit()
+    info = cluster.wait_done(job.job_id, timeout=240)
+    log = job.batch_log()
+    assert info["JobState"] == "FAILED", job.describe()
+    assert info["Restarts"] == "2", job.describe()
+    attempts = re.findall(rf"job {job.job_id}, attempt (\d)", log)
+    assert attempts == ["0", "1", "2"], log
+    assert len(re.findall(r"requeueing job", log)) == 2
+    assert "not requeueing: budget of 2 requeues used up (preemption.max_requeues)" in log
+    assert "warmup_steps" in job.train_log(0, "n1").read_text()  # the cause is in the per-node log

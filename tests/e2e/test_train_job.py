@@ -1,0 +1,82 @@
+"""Rendered `local` jobs on the real cluster: a whole training run, and a preemption with requeue and
+resume that reproduces the uninterrupted run's losses."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from e2e_lib import assert_resumed_losses_match, local_job
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def test_rendered_job_trains_two_nodes_to_completion(cluster, reference_run, train_config):
+    """(1) sbatch-gen render + plain sbatch: 2 nodes x 2 processes (torchrun c10d, gloo) train to the
+    end; the preflight ran on both nodes before training."""
+    job = reference_run
+    info = cluster.job(job.job_id)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job.describe()
+    assert info["Restarts"] == "0"
+    assert info["NodeList"] == "n[1-2]"
+    log = job.batch_log()
+    # the preflight step ran on every node, before the training step started
+    ok = re.findall(r"^preflight ok on (\S+):", log, re.M)
+    assert sorted(ok) == ["n1", "n2"], log
+    assert log.index("preflight ok on") < log.index("training; per-node logs")
+    assert "training finished" in log
+    # torchrun's ranks: 4 of them, 2 per node, every step's loss seen from all 4
+    metrics = job.metrics()
+    assert [r["step"] for r in metrics] == list(range(1, 41))
+    assert {r["world_size"] for r in metrics} == {4}
+    assert all(len(r["rank_losses"]) == 4 for r in metrics)
+    for node in ("n1", "n2"):
+        text = job.train_log(0, node).read_text()
+        ranks = sorted(set(re.findall(r"rank (\d)/4 local_rank (\d)/2 node (\d)/2 .* host (\S+)", text)))
+        assert len(ranks) == 2 and {r[3] for r in ranks} == {node}, text[:2000]
+    summary = job.summary()
+    assert summary["exit"] == "completed" and summary["last_step"] == 40 and summary["world_size"] == 4
+    assert (job.run_dir / "model.safetensors").stat().st_size > 0
+    # the loss went down
+    losses = job.losses()
+    assert sum(losses[s] for s in range(36, 41)) < sum(losses[s] for s in range(1, 6))
+
+
+def test_preempt_requeue_resume_matches_uninterrupted(cluster, reference_run, e2e_root, train_config, data_dir):
+    """(3) `scancel --signal=USR1 --batch` mid-run: the trainer checkpoints at a step all ranks agree on,
+    the batch script requeues, attempt 2 runs with SLURM_RESTART_COUNT=1, resumes from that checkpoint
+    and finishes; its losses match the uninterrupted run's; attempt 1's log is still there."""
+    ref = reference_run.losses()
+    assert sorted(ref) == list(range(1, 41)), reference_run.describe()
+    job = local_job(cluster, e2e_root / "preempt", "preempt", config=train_config, data=data_dir)
+    job.submit()
+    job.wait_step(3)
+    cluster.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
+    info = cluster.wait_done(job.job_id, timeout=300)
+    assert info["JobState"] == "COMPLETED", job.describe()
+    assert info["Restarts"] == "1", job.describe()
+
+    # the stop was handed over, the trainer checkpointed at the agreed step and acknowledged it
+    ack_file = job.run_dir / "stop" / f"{job.job_id}.attempt-0.ack"
+    assert ack_file.exists(), job.describe()
+    ack = json.loads(ack_file.read_text())
+    stop_step = ack["step"]
+    assert 3 <= stop_step < 40, ack
+    assert (job.run_dir / "checkpoints" / f"step-{stop_step}").is_dir() or stop_step <= 40 - 3 * 5
+
+    log = job.batch_log()
+    # attempt 0 (SLURM_RESTART_COUNT unset) and attempt 1 (=1) both wrote to the one appended log
+    a0 = log.index(f"job {job.job_id}, attempt 0")
+    req = log.index("requeueing job")
+    a1 = log.index(f"job {job.job_id}, attempt 1")
+    assert a0 < log.index("SIGUSR1 received") < req < a1, log
+    assert "trainer checkpointed" in log[:a1] and "training finished" in log[a1:], log
+    for node in ("n1", "n2"):
+        assert job.train_log(0, node).exists() and job.train_log(1, node).exists()
+
+    # attempt 1 resumed from the stop checkpoint and reproduced the uninterrupted run
+    summary = job.summary()
+    assert summary["resumed_from_step"] == stop_step, summary
+    assert summary["last_step"] == 40
+    assert_resumed_losses_match(job.losses(), ref, stop_step, 40)
