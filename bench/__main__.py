@@ -1,0 +1,97 @@
+"""``python -m bench [NAME ...] [--quick] [--out DIR]``: run benchmarks, write Markdown/JSON/PNG results.
+
+Names: mailbox, outer, ddp, diloco, render (default: all, in that order). ``--quick`` runs tiny sizes in
+seconds (for the tests); results of a quick run go to a temporary directory unless ``--out`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from .common import RESULTS, machine, md_table, now_utc, write_atomic
+
+BENCHES = {
+    "mailbox": "mailbox exchange throughput (fs, s3, emulated WAN): ours vs naive vs ceiling",
+    "outer": "outer step (weighted average + Nesterov) vs memory bandwidth",
+    "ddp": "DDP (gloo, 1/2/4 ranks): compute vs all-reduce, straggler slope",
+    "diloco": "DiLoCo (H = 10/50/100) vs per-step gradient averaging, same tokens",
+    "render": "sbatch-gen render --all over 20 sites, as a whole process (no torch)",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    ap.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run: {', '.join(BENCHES)}")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, seconds (for tests)")
+    ap.add_argument("--out", type=Path, default=None, help="results directory (default: bench/results)")
+    ap.add_argument("--server", choices=["nanio", "moto"], default="nanio", help="S3 server for `mailbox`")
+    ap.add_argument("--no-wan", action="store_true", help="mailbox: skip the emulated WAN")
+    ap.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    a = ap.parse_args(argv)
+    if a.list:
+        for k, v in BENCHES.items():
+            print(f"{k:8} {v}")
+        return 0
+    names = a.names or list(BENCHES)
+    bad = [n for n in names if n not in BENCHES]
+    if bad:
+        ap.error(f"unknown benchmark(s) {', '.join(bad)}; known: {', '.join(BENCHES)}")
+    out = a.out or (Path(tempfile.mkdtemp(prefix="sbgen-bench-quick-")) if a.quick else RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for n in names:
+        t0 = time.time()
+        print(f"== bench {n}{' (quick)' if a.quick else ''}", flush=True)
+        mod = importlib.import_module(f"bench.{n}")
+        kw = {"server_kind": a.server, "wan": not a.no_wan} if n == "mailbox" else {}
+        try:
+            res = mod.run(out, quick=a.quick, **kw)
+        except Exception:  # noqa: BLE001 - report it, run the others, exit non-zero
+            traceback.print_exc()
+            failed.append(n)
+            continue
+        path = res.write(out)
+        print(f"== bench {n}: {time.time() - t0:.0f} s -> {path}", flush=True)
+        for g, m, ok in res.goals:
+            print(f"   goal {'met' if ok else 'NOT met' if ok is not None else '-'}: {g}: {m}")
+    _summary(out)
+    print(f"results in {out}")
+    if failed:
+        print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _summary(out: Path) -> None:
+    """bench/results/README.md: every benchmark's goals and headline numbers, from their JSON files."""
+    rows, goals = [], []
+    for n in BENCHES:
+        f = out / f"{n}.json"
+        if not f.is_file():
+            continue
+        d = json.loads(f.read_text())
+        when = f"{d['date']}{' (quick)' if d.get('quick') else ''}"
+        for k, v in d.get("headline", {}).items():
+            rows.append([f"[{n}]({n}.md)", k, v, when])
+        for g in d.get("goals", []):
+            goals.append([f"[{n}]({n}.md)", g["goal"], g["measured"],
+                          "-" if g["met"] is None else ("yes" if g["met"] else "NO")])
+    text = ["# Benchmark results", "",
+            f"Summary written {now_utc()} on {machine()}. Each benchmark's page has its setup, tables and plots. "
+            "Reproduce everything with `make bench` (or `python -m bench NAME`).", ""]
+    if goals:
+        text += ["## Goals", "", md_table(["bench", "goal", "measured", "met"], goals), ""]
+    if rows:
+        text += ["## Headline numbers", "", md_table(["bench", "what", "value", "measured"], rows), ""]
+    write_atomic(out / "README.md", "\n".join(text))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,259 @@
+"""Benchmark 1: mailbox exchange throughput, 2 regions, ours vs naive vs the ceiling; fs, s3, emulated WAN.
+
+One round = both regions publish their payload and fetch the other's (plus averaging). Region processes
+start every round together (file barrier); a round's time is the slower region's.
+
+* ours / ceiling = ceiling time / ours time, where the ceiling is the best single-client raw transfer of
+  the bytes ours puts on the wire (both regions' uploads, then both downloads).
+* ours vs naive = naive time / ours time, for the same parameters (naive sends fp32, ours bf16).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from .common import PY, Result, bench_env, median, mem_available
+from .servers import make_server, s3_client
+from .wan import Wan, available
+
+MiB = 1 << 20
+ABLATIONS = [
+    ("ours", {}),
+    ("fp32 payload", {"payload_dtype": "fp32"}),
+    ("one object per region (shard_mb 0)", {"shard_mb": 0.0}),
+    ("one thread", {"threads": 1}),
+    ("torch.save shards", {"serialization": "torch_save"}),
+]
+
+
+class Env:
+    """Where the workers run and how they reach the store."""
+
+    def __init__(self, name: str, work: Path, server=None, endpoint: str | None = None, prefix: list[str] | None = None):
+        self.name, self.work, self.server, self.endpoint = name, work, server, endpoint
+        self.prefix = prefix or []
+        self.transport = "fs" if server is None else "s3"
+        self.n = 0
+        aws_cfg = work / "aws-config"
+        # one stream: no multipart (a single PUT takes up to 5 GB), one request at a time
+        aws_cfg.write_text("[default]\nregion = us-east-1\ns3 =\n    multipart_threshold = 5GB\n"
+                           "    max_concurrent_requests = 1\n")
+        self.aws_cfg = aws_cfg
+        self.env = bench_env(server.env() if server is not None else None)
+
+    def args(self) -> list[str]:
+        self.n += 1
+        a = ["--transport", self.transport, "--run-id", f"run{self.n}", "--prefix", f"p{self.n}",
+             "--barrier-dir", str(self.work / f"barrier{self.n}"), "--work", str(self.work / "naive-tmp"),
+             "--aws-config", str(self.aws_cfg)]
+        if self.transport == "fs":
+            a += ["--root", str(self.work / f"mailbox{self.n}")]
+        else:
+            a += ["--endpoint", self.endpoint, "--bucket", "bench"]
+        return a
+
+    def run(self, mode: str, regions: list[str], extra: list[str], timeout: float = 900) -> list[list[dict]]:
+        common = self.args()
+        procs, outs = [], []
+        for r in regions:
+            out = self.work / f"out{self.n}-{r}.json"
+            cmd = [*self.prefix, PY, "-m", "bench.mailbox_worker", mode, "--region", r, "--regions",
+                   ",".join(regions), *common, *extra, "--out", str(out)]
+            procs.append(subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+            outs.append(out)
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+        for p, log in zip(procs, logs, strict=True):
+            if p.returncode != 0:
+                raise RuntimeError(f"{mode} worker failed ({p.returncode}) in {self.name}:\n{log[-4000:]}")
+        if self.transport == "fs":
+            shutil.rmtree(self.work / f"mailbox{self.n}", ignore_errors=True)
+        return [json.loads(o.read_text()) for o in outs]
+
+
+def _round_times(per_region: list[list[dict]]) -> list[float]:
+    return [max(rounds[i]["exchange_s"] for rounds in per_region) for i in range(len(per_region[0]))]
+
+
+def measure(env: Env, mib: int, rounds: tuple[int, int, int], switches: dict | None = None,
+            do_naive: bool = True) -> dict:
+    numel = mib * MiB // 4
+    sw = {"payload_dtype": "bf16", "shard_mb": 16.0, "threads": 16, "serialization": "raw", **(switches or {})}
+    extra = ["--numel", str(numel), "--payload-dtype", sw["payload_dtype"], "--shard-mb", str(sw["shard_mb"]),
+             "--threads", str(sw["threads"]), "--serialization", sw["serialization"]]
+    wire = numel * (2 if sw["payload_dtype"] == "bf16" else 4)
+    r_ours, r_naive, r_ceil = rounds
+    row: dict = {"mib": mib, "wire_per_region": wire}
+    ceil = env.run("ceiling", ["c"], ["--nbytes", str(2 * wire), "--rounds", str(r_ceil)])[0]
+    best = min(ceil, key=lambda x: x["exchange_s"])
+    row.update(ceiling_s=best["exchange_s"], ceiling_mode=f"up: {best['mode_up']}; down: {best['mode_down']}",
+               ceiling_up_MBps=2 * wire / best["up_s"] / 1e6, ceiling_down_MBps=2 * wire / best["down_s"] / 1e6)
+    ours = env.run("ours", ["a", "b"], extra + ["--rounds", str(r_ours)])
+    times = _round_times(ours)
+    row["ours_s"] = median(times)
+    i = times.index(sorted(times)[len(times) // 2])
+    a = ours[0][i]
+    row["ours_split"] = {k: a[f"xr_{k}"] for k in ("upload_s", "wait_s", "download_s", "reduce_s")}
+    if do_naive:
+        naive = env.run("naive", ["a", "b"], ["--numel", str(numel), "--rounds", str(r_naive)])
+        row["naive_s"] = median(_round_times(naive))
+    return row
+
+
+def _rows(env: Env, sizes: list[int], quick: bool, res: Result, label: str, per_region_factor: float) -> list[dict]:
+    rows = []
+    for mib in sizes:
+        need = int(per_region_factor * mib * MiB)
+        if mem_available() < need:
+            res.notes.append(f"{label} {mib} MiB skipped: needs ~{need / 2**30:.1f} GiB of memory, "
+                             f"{mem_available() / 2**30:.1f} GiB available")
+            continue
+        big = mib >= 256
+        rounds = (1, 1, 1) if quick else ((2, 1, 1) if big else (3, 2, 2))
+        rows.append(measure(env, mib, rounds))
+        print(f"  {label} {mib} MiB: {rows[-1]}", flush=True)
+    return rows
+
+
+def _table(res: Result, caption: str, key: str, rows: list[dict]) -> None:
+    out = []
+    for r in rows:
+        naive = r.get("naive_s")
+        out.append([r["mib"], r["wire_per_region"] / MiB, r["ceiling_s"], r["ours_s"], naive,
+                    f"{r['ceiling_s'] / r['ours_s']:.0%}", f"{naive / r['ours_s']:.1f}x" if naive else "-",
+                    4 * r["wire_per_region"] / r["ours_s"] / 1e6, r["ceiling_mode"]])
+    res.table(caption, ["params MiB (fp32)", "wire MiB/region", "ceiling s", "ours s", "naive s",
+                        "ours/ceiling", "ours vs naive", "ours wire MB/s", "ceiling mode"], out, key)
+
+
+def run(out_dir: Path, quick: bool = False, server_kind: str = "nanio", wan: bool = True) -> Result:
+    res = Result("mailbox", "Mailbox exchange throughput: 2 regions, ours vs naive vs ceiling", quick)
+    sizes = [1] if quick else [16, 64, 256, 1024]
+    wan_sizes = [1] if quick else [16, 64, 256]
+    res.setup += [
+        "Two regions = two processes on this machine, each one plain process running the trainer's cross-region "
+        "code (`OuterSync`, exchange round of `--xr-sync grad`); sizes are fp32 parameter bytes.",
+        "**ours**: bf16 wire payload, 16 MiB shards, 16 threads, raw bytes, one persistent lean boto3 client "
+        "(CrossRegion defaults). Time = upload + wait + download + decode/average of one round (`xr_*` timings).",
+        "**naive**: fp32, `torch.save` of the whole vector into one object, one `aws s3 cp` process per transfer "
+        "(awscli configured for one stream: no multipart, 1 request), poll with `head_object`, `torch.load`, average. "
+        "On fs: `torch.save` to the directory, poll, `torch.load`.",
+        "**ceiling**: one client moving the bytes ours puts on the wire (2 regions' uploads, then downloads): "
+        "the faster of one object or 16 MiB objects x 16 threads (lean client), per direction; on fs one file "
+        "write + read (page cache, no fsync, like the fs mailbox).",
+        f"S3 server: {server_kind} on 127.0.0.1 (nanio 0.1.7 stores files on disk; single process). "
+        "The 2 CPU cores are shared by both regions, the server and the client.",
+        "Memory: a region holds ~5 fp32 copies of the parameters (model, .grad, work, avg, download), so "
+        "1 GiB of parameters needs ~12 GiB for two regions; sizes that do not fit are skipped (noted below).",
+    ]
+    work = Path(tempfile.mkdtemp(prefix="sbgen-bench-mailbox-"))
+    all_rows: dict[str, list[dict]] = {}
+    try:
+        print("mailbox: fs", flush=True)
+        env = Env("fs", work)
+        all_rows["fs"] = _rows(env, sizes, quick, res, "fs", 11)
+        print(f"mailbox: s3 ({server_kind})", flush=True)
+        srv = make_server(server_kind).start()
+        try:
+            s3_client(srv.endpoint_url).create_bucket(Bucket="bench")
+            env = Env("s3", work, srv, srv.endpoint_url)
+            all_rows["s3"] = _rows(env, sizes, quick, res, "s3", 11)
+            if not quick:
+                abl = []
+                for name, sw in ABLATIONS:
+                    r = measure(env, 256, (2, 1, 1), sw, do_naive=False)
+                    abl.append([name, r["wire_per_region"] / MiB, r["ours_s"], f"{r['ceiling_s'] / r['ours_s']:.0%}"])
+                    print(f"  ablation {name}: {r['ours_s']:.2f}s", flush=True)
+                base = abl[0][2]
+                for row in abl:
+                    row.append(f"{row[2] / base:.2f}x")
+                res.table("Each optimisation on its own: s3 loopback, 256 MiB of parameters (one switch off at a time)",
+                          ["variant", "wire MiB/region", "round s", "vs its ceiling", "time vs ours"], abl, "ablation_s3")
+        finally:
+            srv.stop()
+        why = available()
+        if wan and why is None:
+            w = Wan(rate_mbit=400, rtt_ms=80, window_kb=1024)
+            print(f"mailbox: WAN ({w.describe()})", flush=True)
+            res.setup.append(f"**WAN**: store in its own network namespace behind a veth pair: {w.describe()}. "
+                             "Clients run in the other namespace and reach the store through the proxy.")
+            with w:
+                srv = make_server("nanio", host="10.201.7.2", netns=w.server_ns) if server_kind == "nanio" else None
+                if srv is None:
+                    raise RuntimeError("the WAN emulation runs nanio (moto cannot be started in a namespace here)")
+                srv.start()
+                try:
+                    endpoint = w.start_proxy(srv.port)
+                    subprocess.run([*w.exec_prefix(), PY, "-m", "bench.mailbox_worker", "mkbucket", "--endpoint",
+                                    endpoint, "--bucket", "bench", "--out", "-"], env=bench_env(srv.env()), check=True)
+                    env = Env("wan", work, srv, endpoint, w.exec_prefix())
+                    all_rows["wan"] = _rows(env, wan_sizes, quick, res, "wan", 11)
+                    if not quick:
+                        abl = []
+                        for name, sw in ABLATIONS[:4]:
+                            r = measure(env, 64, (1, 1, 1), sw, do_naive=False)
+                            abl.append([name, r["wire_per_region"] / MiB, r["ours_s"], f"{r['ceiling_s'] / r['ours_s']:.0%}"])
+                            print(f"  WAN ablation {name}: {r['ours_s']:.2f}s", flush=True)
+                        base = abl[0][2]
+                        for row in abl:
+                            row.append(f"{row[2] / base:.2f}x")
+                        res.table("Each optimisation on its own over the emulated WAN, 64 MiB of parameters",
+                                  ["variant", "wire MiB/region", "round s", "vs its ceiling", "time vs ours"], abl,
+                                  "ablation_wan")
+                finally:
+                    srv.stop()
+        elif wan:
+            res.notes.append(f"WAN emulation skipped: {why}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    captions = {"fs": "fs mailbox (local directory)", "s3": f"s3 mailbox ({server_kind} on 127.0.0.1)",
+                "wan": "s3 over the emulated WAN (80 ms RTT, 400 Mbit/s, 1 MiB window per stream)"}
+    for k, rows in all_rows.items():
+        _table(res, captions[k], k, rows)
+    for k, rows in all_rows.items():
+        big = [r for r in rows if r["mib"] >= (256 if not quick else 0)]
+        if not big:
+            continue
+        frac = min(r["ceiling_s"] / r["ours_s"] for r in big)
+        res.headline[f"{k}: ours/ceiling (min, >=256 MiB)"] = f"{frac:.0%}"
+        res.goal(f"{k}: ours >= 80% of the ceiling at >= 256 MiB", f"{frac:.0%}", frac >= 0.8)
+        with_naive = [r for r in big if r.get("naive_s")]
+        if with_naive:
+            sp = min(r["naive_s"] / r["ours_s"] for r in with_naive)
+            res.headline[f"{k}: ours vs naive (min, >=256 MiB)"] = f"{sp:.1f}x"
+            res.goal(f"{k}: ours >= 3x naive at >= 256 MiB", f"{sp:.1f}x", sp >= 3)
+    _plot(res, out_dir, all_rows)
+    for k, rows in all_rows.items():
+        for r in rows:
+            res.notes.append(f"{k} {r['mib']} MiB, ours' round split (region a): " + ", ".join(
+                f"{p} {v:.3f}s" for p, v in r["ours_split"].items()) +
+                f"; ceiling up {r['ceiling_up_MBps']:.0f} MB/s, down {r['ceiling_down_MBps']:.0f} MB/s")
+    return res
+
+
+def _plot(res: Result, out_dir: Path, all_rows: dict[str, list[dict]]) -> None:
+    from .common import plt, save_fig
+
+    p = plt()
+    fig, axes = p.subplots(1, len(all_rows), figsize=(5 * len(all_rows), 4), squeeze=False)
+    for ax, (k, rows) in zip(axes[0], all_rows.items(), strict=True):
+        x = [r["mib"] for r in rows]
+        ax.plot(x, [r["ceiling_s"] for r in rows], "k--", marker="o", label="ceiling (same bytes)")
+        ax.plot(x, [r["ours_s"] for r in rows], marker="o", label="ours")
+        if any(r.get("naive_s") for r in rows):
+            ax.plot(x, [r.get("naive_s") for r in rows], marker="o", label="naive")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("parameters (MiB, fp32)")
+        ax.set_ylabel("round time (s)")
+        ax.set_title(k)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    name = "mailbox.png"
+    save_fig(fig, out_dir / name)
+    res.plots.append((name, "Exchange round time vs payload, per transport (lower is better)"))

@@ -1,0 +1,398 @@
+"""``sbatch-gen report RUN_DIR [RUN_DIR...]``: a Markdown run report with PNG plots, from what the trainer
+writes (``<run-dir>/metrics.jsonl``, ``<run-dir>/summary.json``), for one region or several.
+
+Sections: the runs; an SLO table a cluster team can keep as its baseline (also written as ``slo.json``
+for diffing); loss per region over steps; the step-time distribution with p50/p99; and, for
+cross-region runs, the sync time of every round split into its phases (upload / wait / download /
+average / outer step / broadcast / cleanup), stacked.
+
+Torch-free. matplotlib (the ``report`` extra) is imported only when the plots are drawn.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PHASES = [  # (metrics key, label) in the order a round runs them
+    ("xr_upload_s", "upload"),
+    ("xr_wait_s", "wait for peers"),
+    ("xr_download_s", "download"),
+    ("xr_reduce_s", "average"),
+    ("xr_outer_step_s", "outer step"),
+    ("xr_broadcast_s", "broadcast"),
+    ("xr_cleanup_s", "cleanup"),
+]
+
+
+class ReportError(Exception):
+    """Unusable input: the message names the file (and line)."""
+
+
+@dataclass
+class Run:
+    path: Path
+    label: str
+    steps: list[dict] = field(default_factory=list)  # step records, in file order (restarts repeat steps)
+    events: list[dict] = field(default_factory=list)
+    summary: dict | None = None
+
+    @property
+    def rounds(self) -> list[dict]:
+        return [r for r in self.steps if "xr_round" in r]
+
+
+def _display(p: Path) -> str:
+    try:
+        return p.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return p.as_posix()
+
+
+def load_run(path: Path) -> Run:
+    path = Path(path)
+    if not path.is_dir():
+        raise ReportError(f"{_display(path)}: run directory not found")
+    mpath = path / "metrics.jsonl"
+    if not mpath.is_file():
+        raise ReportError(f"{_display(mpath)}: not found (is {_display(path)} a run directory of "
+                          "python -m sbatch_gen.train?)")
+    run = Run(path=path, label=path.name)
+    with open(mpath, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                # a crash can cut the last line short: tolerate that one, nothing else
+                if not line.endswith("\n"):
+                    break
+                raise ReportError(f"{_display(mpath)}:{lineno}: not valid JSON: {e.msg}") from None
+            if not isinstance(rec, dict):
+                raise ReportError(f"{_display(mpath)}:{lineno}: expected a JSON object")
+            if "event" in rec:
+                run.events.append(rec)
+            elif "step" in rec:
+                for k in ("loss", "step_time_s"):
+                    if not isinstance(rec.get(k), int | float):
+                        raise ReportError(f"{_display(mpath)}:{lineno}: step record without a numeric {k!r}")
+                run.steps.append(rec)
+    if not run.steps:
+        raise ReportError(f"{_display(mpath)}: no step records (did the run train at least one step?)")
+    spath = path / "summary.json"
+    if spath.is_file():
+        try:
+            run.summary = json.loads(spath.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ReportError(f"{_display(spath)}:{e.lineno}: not valid JSON: {e.msg}") from None
+    region = (run.summary or {}).get("region") or next(
+        (e["region"] for e in run.events if e.get("region")), None)
+    if region:
+        run.label = str(region)
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------
+# numbers
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (the trainer's summary uses the same definition)."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def segments(run: Run) -> list[list[dict]]:
+    """Step records split where the step number does not increase (a new process resumed)."""
+    out: list[list[dict]] = []
+    for r in run.steps:
+        if not out or r["step"] <= out[-1][-1]["step"]:
+            out.append([])
+        out[-1].append(r)
+    return out
+
+
+def step_times(run: Run) -> list[float]:
+    """Logged step times, each process's first step (warm-up) left out when it has others."""
+    xs = []
+    for seg in segments(run):
+        recs = seg[1:] if len(seg) > 1 else seg
+        xs += [float(r["step_time_s"]) for r in recs]
+    return xs
+
+
+def recoveries(run: Run) -> list[dict]:
+    """Each restart: where the old process got to, where the new one resumed, and the downtime when the
+    records carry wall-clock times."""
+    segs = segments(run)
+    out = []
+    for prev, nxt in zip(segs, segs[1:], strict=False):
+        last, first = prev[-1], nxt[0]
+        rec = {"last_step_before": last["step"], "first_step_after": first["step"],
+               "steps_redone": max(0, last["step"] - first["step"] + 1)}
+        if isinstance(last.get("time"), int | float) and isinstance(first.get("time"), int | float):
+            rec["downtime_s"] = float(first["time"]) - float(last["time"])
+        out.append(rec)
+    return out
+
+
+def slo(run: Run) -> dict:
+    """The baseline numbers of one run (NaN/None where the run has no such data)."""
+    times = step_times(run)
+    s = run.summary or {}
+    steps = run.steps
+    step_sum = sum(float(r["step_time_s"]) for r in steps)
+    ddp = sum(float(r.get("comm_time_s") or 0.0) for r in steps)
+    xr = sum(float(r.get("xr_total_s") or 0.0) for r in steps)
+    ck = [float(r["checkpoint_save_s"]) for r in steps if isinstance(r.get("checkpoint_save_s"), int | float)]
+    if not ck and s.get("checkpoint_save_s", {}).get("count"):
+        ck = [s["checkpoint_save_s"]["mean"]]
+    rec = recoveries(run)
+    downs = [r["downtime_s"] for r in rec if "downtime_s" in r]
+    return {
+        "steps_logged": len(steps),
+        "last_step": steps[-1]["step"],
+        "step_time_mean_s": _mean(times),
+        "step_time_p50_s": percentile(times, 50),
+        "step_time_p99_s": percentile(times, 99),
+        "comm_fraction": (ddp + xr) / step_sum if step_sum > 0 else float("nan"),
+        "in_region_comm_fraction": ddp / step_sum if step_sum > 0 else float("nan"),
+        "cross_region_sync_fraction": xr / step_sum if step_sum > 0 else float("nan"),
+        "sync_rounds": len(run.rounds),
+        "sync_round_mean_s": _mean([float(r["xr_total_s"]) for r in run.rounds]),
+        "bytes_across_regions": sum(int(r.get("xr_bytes_up", 0)) + int(r.get("xr_bytes_down", 0)) for r in run.rounds),
+        "checkpoint_write_mean_s": _mean(ck),
+        "checkpoint_write_max_s": max(ck) if ck else float("nan"),
+        "checkpoint_writes": len(ck),
+        "resume_time_s": s.get("resume_time_s"),
+        "checkpoint_load_s": s.get("checkpoint_load_s"),
+        "restarts": len(rec),
+        "steps_redone": sum(r["steps_redone"] for r in rec),
+        "fault_recovery_downtime_s": sum(downs) if downs else (None if rec else 0.0),
+        "tokens_per_s": s.get("tokens_per_s"),
+        "mfu": s.get("mfu"),
+        "exit": s.get("exit"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# output
+
+
+def _fmt(v, unit: str = "") -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v}{unit}"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "n/a"
+        if unit == "%":
+            return f"{100 * v:.1f}%"
+        return f"{v:.4g}{unit}"
+    return str(v)
+
+
+SLO_ROWS = [  # (key, label, unit)
+    ("step_time_mean_s", "step time, mean", " s"),
+    ("step_time_p50_s", "step time, p50", " s"),
+    ("step_time_p99_s", "step time, p99", " s"),
+    ("comm_fraction", "comm fraction of step time (in-region + cross-region)", "%"),
+    ("in_region_comm_fraction", "comm fraction: in-region (DDP all-reduce + per-step collective)", "%"),
+    ("cross_region_sync_fraction", "comm fraction: cross-region sync", "%"),
+    ("sync_round_mean_s", "cross-region round, mean", " s"),
+    ("checkpoint_write_mean_s", "checkpoint write, mean", " s"),
+    ("checkpoint_write_max_s", "checkpoint write, max", " s"),
+    ("resume_time_s", "resume time (process start to first new step)", " s"),
+    ("fault_recovery_downtime_s", "fault-recovery downtime (sum over restarts)", " s"),
+    ("restarts", "restarts seen in metrics", ""),
+    ("steps_redone", "steps trained twice after restarts", ""),
+    ("tokens_per_s", "tokens/s (last process)", ""),
+    ("mfu", "MFU (GPU only)", ""),
+]
+
+
+def _md_table(headers: list[str], rows: list[list[str]]) -> str:
+    esc = [[str(c).replace("|", "\\|") for c in r] for r in rows]
+    return "\n".join(["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+                     + ["| " + " | ".join(r) + " |" for r in esc])
+
+
+def _write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ReportError("the report's plots need matplotlib: pip install 'sbatch-gen[report]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _savefig(plt, fig, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=100, bbox_inches="tight")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
+
+
+def plot_loss(plt, runs: list[Run], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in runs:
+        for i, seg in enumerate(segments(run)):
+            ax.plot([r["step"] for r in seg], [r["loss"] for r in seg], label=run.label if i == 0 else None,
+                    color=f"C{runs.index(run)}", linestyle="-" if i == 0 else "--")
+        for r in run.rounds[:200]:
+            ax.axvline(r["step"], color=f"C{runs.index(run)}", alpha=0.08, linewidth=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("loss per region (dashed: after a restart; faint lines: sync rounds)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    _savefig(plt, fig, path)
+
+
+def plot_step_times(plt, runs: list[Run], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, run in enumerate(runs):
+        xs = step_times(run)
+        if not xs:
+            continue
+        ax.hist(xs, bins=min(50, max(5, len(xs) // 3)), alpha=0.5, color=f"C{i}", label=run.label)
+        for q, ls in ((50, "-"), (99, ":")):
+            v = percentile(xs, q)
+            ax.axvline(v, color=f"C{i}", linestyle=ls, label=f"{run.label} p{q} {v:.3g}s")
+    ax.set_xlabel("step time (s)")
+    ax.set_ylabel("logged steps")
+    ax.set_title("step-time distribution")
+    ax.legend(fontsize="small")
+    _savefig(plt, fig, path)
+
+
+def plot_sync(plt, runs: list[Run], path: Path) -> None:
+    with_rounds = [r for r in runs if r.rounds]
+    fig, axes = plt.subplots(len(with_rounds), 1, figsize=(8, 3.4 * len(with_rounds)), squeeze=False,
+                             layout="constrained")
+    for ax, run in zip(axes[:, 0], with_rounds, strict=True):
+        rounds = run.rounds
+        xs = list(range(len(rounds)))
+        bottom = [0.0] * len(rounds)
+        for i, (key, label) in enumerate(PHASES):
+            ys = [float(r.get(key) or 0.0) for r in rounds]
+            ax.bar(xs, ys, bottom=bottom, label=label, color=f"C{i}", width=0.85)
+            bottom = [b + y for b, y in zip(bottom, ys, strict=True)]
+        ticks = xs if len(xs) <= 20 else xs[:: max(1, len(xs) // 20)]
+        ax.set_xticks(ticks, [str(rounds[i]["xr_round"]) for i in ticks])
+        ax.set_xlabel("round")
+        ax.set_ylabel("seconds")
+        ax.set_title(f"{run.label}: cross-region sync per round")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    _savefig(plt, fig, path)
+
+
+def build(runs: list[Run]) -> tuple[str, dict]:
+    """The Markdown text (image links relative to the report) and the SLO numbers."""
+    slos = {run.label: slo(run) for run in runs}
+    labels = list(slos)
+    lines = ["# Run report", ""]
+    rows = []
+    for run in runs:
+        s = run.summary or {}
+        segs = segments(run)
+        rows.append([run.label, _display(run.path), f"{segs[0][0]['step']}..{run.steps[-1]['step']}",
+                     str(len(segs)), _fmt(s.get("world_size", run.steps[-1].get("world_size"))),
+                     _fmt(s.get("device")), _fmt(s.get("exit"))])
+    lines += [_md_table(["region", "run dir", "steps logged", "processes", "world size", "device", "exit"], rows), ""]
+    lines += ["## SLO baseline", "",
+              "Keep this table (and `slo.json` beside it) as the baseline of this job; compare later runs to it.", ""]
+    lines += [_md_table(["metric", *labels], [[lab, *[_fmt(slos[k][key], unit) for k in labels]]
+                                              for key, lab, unit in SLO_ROWS]), ""]
+    lines += ["## Loss", "", "![loss per region](loss.png)", ""]
+    lines += ["## Step time", "", "![step-time distribution](step_time.png)", ""]
+    if any(run.rounds for run in runs):
+        lines += ["## Cross-region sync", "", "![sync time per round](sync.png)", ""]
+        prow = []
+        for key, label in PHASES:
+            prow.append([label, *[_fmt(_mean([float(r.get(key) or 0.0) for r in run.rounds]), " s")
+                                  if run.rounds else "n/a" for run in runs]])
+        prow.append(["total", *[_fmt(slos[k]["sync_round_mean_s"], " s") for k in labels]])
+        prow.append(["rounds", *[str(slos[k]["sync_rounds"]) for k in labels]])
+        prow.append(["MB across regions (up + down)", *[_fmt(slos[k]["bytes_across_regions"] / 1e6) for k in labels]])
+        lines += ["Mean seconds per round, by phase:", "", _md_table(["phase", *labels], prow), ""]
+    notes = []
+    for run in runs:
+        segs = segments(run)
+        gaps = [b["step"] - a["step"] for seg in segs for a, b in zip(seg, seg[1:], strict=False)]
+        if any(g > 1 for g in gaps):
+            notes.append(f"{run.label}: metrics.jsonl logs a subset of steps (train.log_every > 1); step-time "
+                         "percentiles and fractions are over the logged steps, which include every sync round.")
+        for r in recoveries(run):
+            d = f"{r['downtime_s']:.1f} s down" if "downtime_s" in r else \
+                "downtime not measurable (the step records carry no wall-clock time)"
+            notes.append(f"{run.label}: restart after step {r['last_step_before']}, resumed at step "
+                         f"{r['first_step_after']} ({r['steps_redone']} steps redone; {d}).")
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines), slos
+
+
+def write_report(run_dirs: list[Path], out_dir: Path | None = None) -> Path:
+    """Read the runs, write ``report.md``, the PNGs and ``slo.json`` into ``out_dir``; return report.md's path.
+
+    Default ``out_dir``: ``report/`` inside the one run directory, or inside the run directories' common
+    parent when there are several."""
+    if not run_dirs:
+        raise ReportError("give at least one run directory")
+    runs = [load_run(Path(p)) for p in run_dirs]
+    seen: dict[str, int] = {}
+    for run in runs:  # two runs of the same region: tell them apart by directory
+        seen[run.label] = seen.get(run.label, 0) + 1
+    for run in runs:
+        if seen[run.label] > 1:
+            run.label = f"{run.label} ({run.path.name})"
+    if out_dir is None:
+        if len(runs) == 1:
+            out_dir = runs[0].path / "report"
+        else:
+            out_dir = Path(os.path.commonpath([str(r.path.resolve()) for r in runs])) / "report"
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text, slos = build(runs)
+    plt = _pyplot()
+    plot_loss(plt, runs, out_dir / "loss.png")
+    plot_step_times(plt, runs, out_dir / "step_time.png")
+    if any(run.rounds for run in runs):
+        plot_sync(plt, runs, out_dir / "sync.png")
+    _write(out_dir / "slo.json", (json.dumps(slos, indent=2, default=str) + "\n").encode())
+    _write(out_dir / "report.md", text.encode())
+    return out_dir / "report.md"

@@ -1,0 +1,125 @@
+"""`sbatch-gen report`: from real (tiny) training runs to a Markdown report with PNG plots."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sbatch_gen.report import ReportError, load_run, recoveries, slo, write_report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).parent / "sbatch-gen"), *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+def _is_png(p: Path) -> bool:
+    return p.is_file() and p.read_bytes()[:8] == PNG and p.stat().st_size > 1000
+
+
+def test_single_region_report(single_run, tmp_path):
+    out = tmp_path / "rep"
+    p = _cli("report", str(single_run), "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "wrote" in p.stdout
+    md = (out / "report.md").read_text()
+    for section in ("# Run report", "## SLO baseline", "## Loss", "## Step time"):
+        assert section in md
+    assert "## Cross-region sync" not in md  # no sync rounds in a single-region run
+    for metric in ("step time, mean", "step time, p99", "comm fraction", "checkpoint write, mean",
+                   "resume time", "fault-recovery downtime"):
+        assert metric in md
+    assert _is_png(out / "loss.png") and _is_png(out / "step_time.png")
+    assert not (out / "sync.png").exists()
+    base = json.loads((out / "slo.json").read_text())
+    (region,) = base
+    assert region == "local"
+    assert base[region]["last_step"] == 6 and base[region]["steps_logged"] == 6
+    assert base[region]["restarts"] == 0 and base[region]["sync_rounds"] == 0
+    assert base[region]["step_time_p99_s"] >= base[region]["step_time_p50_s"] > 0
+    assert base[region]["checkpoint_writes"] >= 1  # the final save
+
+
+def test_two_region_report_has_sync_split(xr_runs, tmp_path):
+    p = _cli("report", *map(str, xr_runs))
+    assert p.returncode == 0, p.stderr
+    out = xr_runs[0].parent / "report"  # default: the run dirs' common parent
+    md = (out / "report.md").read_text()
+    assert "## Cross-region sync" in md
+    for phase in ("upload", "wait for peers", "download", "average", "outer step", "broadcast"):
+        assert f"| {phase} |" in md
+    assert "| metric | a | b |" in md
+    assert _is_png(out / "sync.png") and _is_png(out / "loss.png") and _is_png(out / "step_time.png")
+    base = json.loads((out / "slo.json").read_text())
+    assert set(base) == {"a", "b"}
+    for r in base.values():
+        assert r["sync_rounds"] == 2  # steps 3 and 6 with H = 3
+        assert r["bytes_across_regions"] > 0
+        assert 0 < r["cross_region_sync_fraction"] < 1
+
+
+def test_report_errors_name_the_file(tmp_path):
+    p = _cli("report", str(tmp_path / "missing"))
+    assert p.returncode == 2 and "missing: run directory not found" in p.stderr
+    d = tmp_path / "run"
+    d.mkdir()
+    p = _cli("report", str(d))
+    assert p.returncode == 2 and "metrics.jsonl: not found" in p.stderr
+    (d / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "step_time_s": 0.1}\n{"step": 2, oops\n')
+    p = _cli("report", str(d))
+    assert p.returncode == 2 and "metrics.jsonl:2: not valid JSON" in p.stderr
+    assert not (d / "report" / "report.md").exists()  # nothing half-written
+
+
+def test_cut_last_line_is_tolerated(single_run, tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    text = (single_run / "metrics.jsonl").read_text()
+    (d / "metrics.jsonl").write_text(text + '{"step": 7, "loss"')  # a crash mid-write
+    run = load_run(d)
+    assert run.steps[-1]["step"] == 6
+
+
+def test_restart_and_downtime_from_records(tmp_path):
+    """A SIGKILLed process resumed from the step-4 checkpoint: steps 5..6 are trained twice."""
+    d = tmp_path / "run"
+    d.mkdir()
+    recs = [{"step": s, "loss": 3.0 - 0.1 * s, "step_time_s": 0.1, "time": 100.0 + s} for s in range(1, 7)]
+    recs += [{"step": s, "loss": 3.0 - 0.1 * s, "step_time_s": 0.1, "time": 130.0 + s} for s in range(5, 9)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    run = load_run(d)
+    (rec,) = recoveries(run)
+    assert rec == {"last_step_before": 6, "first_step_after": 5, "steps_redone": 2, "downtime_s": 29.0}
+    s = slo(run)
+    assert s["restarts"] == 1 and s["fault_recovery_downtime_s"] == 29.0
+    path = write_report([d], tmp_path / "out")
+    assert "restart after step 6, resumed at step 5" in path.read_text()
+
+
+def test_no_run_dirs_is_an_error():
+    with pytest.raises(ReportError):
+        write_report([])
+
+
+def test_report_command_does_not_import_torch(single_run, tmp_path):
+    code = (
+        "import sys\n"
+        "from sbatch_gen.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n"
+        "assert not bad, bad[:5]\n"
+        "assert 'matplotlib' in sys.modules\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code, "report", str(single_run), "--out", str(tmp_path / "r")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    p = subprocess.run([sys.executable, "-c", "import sys; from sbatch_gen.cli import main\n"
+                        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+                        "assert 'matplotlib' not in sys.modules"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
