@@ -288,6 +288,25 @@ def sites_cmd(sites_dir) -> None:
         click.echo(f"{name:12} {p.kind:6} {res:22} {region}")
 
 
+@cli.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Report directory (default: RUN_DIR/report, or report/ in the run dirs' common parent).")
+def report(run_dirs, out_dir) -> None:
+    """Write a Markdown run report with PNG plots from trainer run directories (one per region).
+
+    \b
+    sbatch-gen report runs/demo/eu runs/demo/us --out runs/demo/report
+    """
+    from sbatch_gen.report import ReportError, write_report  # lazy: matplotlib only for this command
+
+    try:
+        path = write_report(list(run_dirs), out_dir)
+    except ReportError as e:
+        raise UserError(str(e)) from None
+    click.echo(f"wrote {display_path(path)}")
+
+
 def main(argv: list[str] | None = None) -> None:
     cli.main(args=argv, prog_name="sbatch-gen")
 
