@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 0166a9d37c0f0c183c5fe3865866d4448596a0d406d4498839d3b44e85420580
+#   inputs sha256: bc9fc20912cd8ab002c1ac4b980ac55c6e2c35d37aba630a91c8a49545196a5f
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -157,7 +157,7 @@ node_setup() {
 preflight_main() {
   local rank=$1 fails=0 torchrun_path addr n m
   fail() { printf 'FAIL %s\n' "$*"; fails=$((fails + 1)); }
-  printf 'host %s (node %s)\n' "$(hostname)" "$rank"
+  printf 'host %s (node %s)\n' "$HOSTNAME" "$rank"
   node_setup || return 1
   if ! command -v python >/dev/null; then fail "python not found (environment: $ENV_KIND $ENV_PATH)"; return 1; fi
   printf 'ok   python %s\n' "$(command -v python)"
@@ -180,7 +180,9 @@ sys.exit(0 if found else 1)' "$m"; then
       fail "module $m not importable with $(command -v python) from $PWD"
     fi
   done
-  if addr=$(iface_ipv4 "$IFNAME"); then
+  if ! command -v ip >/dev/null; then
+    fail "ip (iproute2) not found: cannot check interface $IFNAME"
+  elif addr=$(iface_ipv4 "$IFNAME"); then
     printf 'ok   interface %s %s\n' "$IFNAME" "$addr"
   else
     fail "network interface $IFNAME does not exist or has no IPv4 address"
@@ -217,7 +219,7 @@ node_main() {
   if ((${#NODE_ENV[@]})); then export "${NODE_ENV[@]}"; fi
   export SBATCH_GEN_TAG="$TAG" SBATCH_GEN_NODE_RANK="$rank" SBATCH_GEN_ATTEMPT="$attempt"
   printf 'node %s host %s addr %s rendezvous %s:%s attempt %s resume %s tag %s\n' \
-    "$rank" "$(hostname)" "$node_addr" "$master_addr" "$RDZV_PORT" "$attempt" "$resume" "$TAG"
+    "$rank" "$HOSTNAME" "$node_addr" "$master_addr" "$RDZV_PORT" "$attempt" "$resume" "$TAG"
   env | grep -E '^(NCCL|GLOO|TORCH|CUDA|OMP)_' | sort || true
   if ((LOG_TOPOLOGY)); then nvidia-smi topo -m || true; fi
   exec torchrun \
@@ -237,8 +239,8 @@ cleanup_main() {
       | sed -n 's#^/proc/\([0-9][0-9]*\)/environ$#\1#p' | grep -vxF -e "$$" -e "$BASHPID" || true
   }
   mapfile -t pids < <(tagged)
-  if ((${#pids[@]} == 0)); then printf 'host %s: no process tagged %s\n' "$(hostname)" "$tag"; return 0; fi
-  printf 'host %s: SIGTERM to %s processes tagged %s: %s\n' "$(hostname)" "${#pids[@]}" "$tag" "${pids[*]}"
+  if ((${#pids[@]} == 0)); then printf 'host %s: no process tagged %s\n' "$HOSTNAME" "$tag"; return 0; fi
+  printf 'host %s: SIGTERM to %s processes tagged %s: %s\n' "$HOSTNAME" "${#pids[@]}" "$tag" "${pids[*]}"
   kill -TERM "${pids[@]}" 2>/dev/null || true
   deadline=$((SECONDS + grace))
   while ((SECONDS < deadline)); do
@@ -248,12 +250,12 @@ cleanup_main() {
   done
   for _ in 1 2 3 4 5 6 7 8 9 10; do
     mapfile -t pids < <(tagged)
-    if ((${#pids[@]} == 0)); then printf 'host %s: every process tagged %s is gone\n' "$(hostname)" "$tag"; return 0; fi
-    printf 'host %s: SIGKILL to %s\n' "$(hostname)" "${pids[*]}"
+    if ((${#pids[@]} == 0)); then printf 'host %s: every process tagged %s is gone\n' "$HOSTNAME" "$tag"; return 0; fi
+    printf 'host %s: SIGKILL to %s\n' "$HOSTNAME" "${pids[*]}"
     kill -KILL "${pids[@]}" 2>/dev/null || true
     sleep 0.5
   done
-  printf 'host %s: tagged processes survive SIGKILL: %s\n' "$(hostname)" "${pids[*]}"
+  printf 'host %s: tagged processes survive SIGKILL: %s\n' "$HOSTNAME" "${pids[*]}"
   return 1
 }
 
@@ -383,10 +385,12 @@ wait_all() {
   done
 }
 
+# First signal: SIGTERM to every tagged process on every host (the trainer checkpoints if it can),
+# SIGKILL after KILL_GRACE_S. A second signal while that runs: SIGKILL at once.
 on_signal() {
   local sig=$1 code=$2 pids=()
-  trap '' INT TERM HUP
-  log "caught SIG$sig: stopping every node"
+  trap 'on_second_signal' INT TERM HUP
+  log "caught SIG$sig: stopping every node (SIGTERM, SIGKILL after ${KILL_GRACE_S}s; signal again to SIGKILL now)"
   if [[ -n $SLEEP_PID ]]; then kill "$SLEEP_PID" 2>/dev/null || true; fi
   cleanup_all || true
   mapfile -t pids < <(jobs -p)
@@ -394,6 +398,13 @@ on_signal() {
   wait || true
   log "stopped by SIG$sig"
   exit "$code"
+}
+
+on_second_signal() {
+  trap '' INT TERM HUP
+  log "second signal: SIGKILL to every tagged process now"
+  KILL_GRACE_S=0
+  cleanup_all || true
 }
 
 main() {

@@ -275,3 +275,35 @@ def base_overrides(repo: Path, sshd: Sshd, data_dir: Path, config: Path, rdzv_po
         "launch.kill_grace_s=8",
         "launch.failure_grace_s=20",
     ]
+
+
+# ---------------------------------------------------------------------------------------------------
+# A probe in place of torchrun, for tests about what reaches each node (no torch, fast)
+
+PROBE = """#!{python}
+# Stands in for torchrun: records its argv, environment and directory on each node. With
+# SBG_PROBE_HANG=1 (profile extra_env) it then ignores SIGTERM and sleeps, like a stuck worker.
+import json, os, signal, sys, time
+rank = os.environ["SBATCH_GEN_NODE_RANK"]
+os.makedirs("probe", exist_ok=True)
+with open(f"probe/node-{{rank}}.json.tmp", "w") as f:
+    json.dump({{"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(), "pid": os.getpid()}}, f)
+if os.environ.get("SBG_PROBE_HANG") == "1":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+os.replace(f"probe/node-{{rank}}.json.tmp", f"probe/node-{{rank}}.json")
+if os.environ.get("SBG_PROBE_HANG") == "1":
+    time.sleep(600)
+"""
+
+
+def probe_venv(d: Path) -> Path:
+    """A venv whose python (and site-packages) are the project's and whose torchrun is PROBE."""
+    venv = Path(__file__).resolve().parents[2] / ".venv"
+    (d / "bin").mkdir(parents=True)
+    (d / "bin" / "python").symlink_to(venv / "bin" / "python")
+    (d / "lib").symlink_to(venv / "lib")
+    shutil.copy(venv / "pyvenv.cfg", d / "pyvenv.cfg")
+    torchrun = d / "bin" / "torchrun"
+    torchrun.write_text(PROBE.format(python=venv / "bin" / "python"))
+    torchrun.chmod(0o755)
+    return d

@@ -10,7 +10,7 @@ import subprocess
 import time
 
 import pytest
-from sshkit import pids_with_env, tagged_pids, tiny_config
+from sshkit import pids_with_env, probe_venv, tagged_pids, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -104,3 +104,29 @@ def test_stop_file_ends_the_run_after_the_current_attempt(ssh_launch, tmp_path):
     again = ssh_launch(config=cfg)
     assert again.wait(timeout=60) == 2
     assert "remove it to launch" in again.output()
+
+
+def test_second_sigint_kills_at_once_what_ignores_sigterm(ssh_launch, tmp_path):
+    """Workers that ignore SIGTERM (a probe in place of torchrun) survive the first Ctrl-C for the kill
+    grace; a second Ctrl-C SIGKILLs them on every host at once."""
+    venv = probe_venv(tmp_path / "probe-venv")
+    launch = ssh_launch(f"python_env.path={venv}", "extra_env={SBG_PROBE_HANG: '1'}", "launch.kill_grace_s=600")
+    records = [tmp_path / "probe" / f"node-{r}.json" for r in (0, 1)]
+    deadline = time.monotonic() + 60
+    while not all(r.exists() for r in records):
+        assert time.monotonic() < deadline and launch.proc.poll() is None, launch.output()
+        time.sleep(0.2)
+    workers = [json.loads(r.read_text())["pid"] for r in records]
+    launch.proc.send_signal(signal.SIGINT)
+    cleanup_log = launch.logs / "cleanup.log"
+    deadline = time.monotonic() + 60
+    while not (cleanup_log.exists() and "SIGTERM to" in cleanup_log.read_text()):
+        assert time.monotonic() < deadline, launch.output()
+        time.sleep(0.2)
+    time.sleep(1)
+    assert launch.proc.poll() is None, "the first SIGINT waits for the kill grace"
+    assert set(workers) <= set(tagged_pids(launch.tag)), "SIGTERM-ignoring workers are still there"
+    launch.proc.send_signal(signal.SIGINT)
+    assert launch.wait(timeout=120) == 130, launch.output()
+    assert "second signal: SIGKILL to every tagged process now" in launch.output()
+    _assert_no_tagged(launch)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from sshkit import free_port
+from sshkit import free_port, probe_venv
 
 REPO = Path(__file__).resolve().parents[2]
 SG = str(REPO / ".venv" / "bin" / "sbatch-gen")
@@ -153,29 +153,6 @@ def test_bad_profile_exits_2_without_traceback(tmp_path):
 
 # ---- hostile values, end to end through bash and ssh -------------------------------------------------
 
-PROBE = """#!{python}
-# Stands in for torchrun: records what it was started with, on each node.
-import json, os, sys
-rank = os.environ["SBATCH_GEN_NODE_RANK"]
-os.makedirs("probe", exist_ok=True)
-with open(f"probe/node-{{rank}}.json", "w") as f:
-    json.dump({{"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}}, f)
-"""
-
-
-def _probe_venv(d: Path) -> Path:
-    """A venv whose python is the project's and whose torchrun is PROBE."""
-    venv = REPO / ".venv"
-    (d / "bin").mkdir(parents=True)
-    (d / "bin" / "python").symlink_to(venv / "bin" / "python")
-    (d / "lib").symlink_to(venv / "lib")
-    shutil.copy(venv / "pyvenv.cfg", d / "pyvenv.cfg")
-    torchrun = d / "bin" / "torchrun"
-    torchrun.write_text(PROBE.format(python=venv / "bin" / "python"))
-    torchrun.chmod(0o755)
-    return d
-
-
 @pytest.mark.slow
 def test_hostile_values_reach_torchrun_on_every_host_exactly(sshd, tmp_path, clean_env):
     from sbatch_gen.loader import load_site
@@ -185,7 +162,7 @@ def test_hostile_values_reach_torchrun_on_every_host_exactly(sshd, tmp_path, cle
     sites.mkdir()
     shutil.copy(REPO / "sites" / "ssh-local.yaml", sites)
     hostile = "it's a \"test\" with $HOME, `date`, * and \\ ;|&"
-    venv = _probe_venv(tmp_path / "probe venv")
+    venv = probe_venv(tmp_path / "probe venv")
     port = free_port()
     edit(sites / "ssh-local.yaml",
          ssh__port=sshd.port, ssh__identity_file=str(sshd.identity), ssh__options=sshd.options(),
