@@ -80,7 +80,7 @@ while True:
 
 
 def start_sshd(d: Path, names: tuple[str, ...] = ("127.0.0.1", "localhost"), wrap: tuple[str, ...] = (),
-               setup: str = "", netns: bool = False) -> Sshd:
+               setup: str = "", netns: bool = False, port: int | None = None) -> Sshd:
     """Start ``sshd -D`` on 127.0.0.1 at a free port with keys generated in ``d``.
 
     ``wrap`` prefixes the command (e.g. ``unshare --mount``), ``setup`` runs first in that shell (then
@@ -90,16 +90,18 @@ def start_sshd(d: Path, names: tuple[str, ...] = ("127.0.0.1", "localhost"), wra
     if not (os.path.exists(SSHD) and shutil.which("ssh")):
         raise AssertionError("openssh-server and openssh-client are required (make system-deps installs them)")
     d.mkdir(parents=True, exist_ok=True)
+    d = d.resolve()  # sshd re-executes itself from / for every connection
     if not (d / "hostkey").exists():
         _keygen(d / "hostkey")
-        _keygen(d / "userkey")
-        shutil.copy(d / "userkey.pub", d / "authorized_keys")
+        _keygen(d / "id_ed25519")
+        shutil.copy(d / "id_ed25519.pub", d / "authorized_keys")
         (d / "authorized_keys").chmod(0o600)
     os.makedirs("/run/sshd", exist_ok=True)  # privilege separation directory sshd insists on
     key_type, key = (d / "hostkey.pub").read_text().split()[:2]
     log = d / "sshd.log"
-    for _ in range(5):  # the free port can be taken between probing and binding: retry
-        port = _free_port()
+    fixed = port
+    for _ in range(1 if fixed else 5):  # a free port can be taken between probing and binding: retry
+        port = fixed or _free_port()
         known = d / "known_hosts"
         known.write_text("".join(f"[{h}]:{port} {key_type} {key}\n" for h in names))
         sshd_argv = [
@@ -118,13 +120,17 @@ def start_sshd(d: Path, names: tuple[str, ...] = ("127.0.0.1", "localhost"), wra
             relay = d / "relay.py"
             relay.write_text(_RELAY)
             proxy = f"nsenter --net=/proc/{proc.pid}/ns/net {sys.executable} {relay} %p"
-        server = Sshd(port, getpass.getuser(), d / "userkey", known, log, proc, proxy)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and proc.poll() is None:
-            r = subprocess.run([*server.ssh_argv(names[-1]), "true"], capture_output=True, timeout=30)
-            if r.returncode == 0:
-                return server
-            time.sleep(0.2)
+        server = Sshd(port, getpass.getuser(), d / "id_ed25519", known, log, proc, proxy)
+        try:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and proc.poll() is None:
+                r = subprocess.run([*server.ssh_argv(names[-1]), "true"], capture_output=True, timeout=30)
+                if r.returncode == 0:
+                    return server
+                time.sleep(0.2)
+        except BaseException:
+            stop_sshd(server)
+            raise
         stop_sshd(server)
     raise AssertionError(f"sshd did not start: {log.read_text() if log.exists() else ''}")
 
@@ -307,3 +313,33 @@ def probe_venv(d: Path) -> Path:
     torchrun.write_text(PROBE.format(python=venv / "bin" / "python"))
     torchrun.chmod(0o755)
     return d
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve sites/ssh-local.yaml by hand: ``python tests/ssh/sshkit.py`` (as root, from the checkout) starts
+    an sshd on 127.0.0.1:2222 with keys in .state/ssh/ (what the profile names); Ctrl-C stops it."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--dir", default=".state/ssh", help="keys, known_hosts and the sshd log (default .state/ssh)")
+    ap.add_argument("--port", type=int, default=2222, help="port on 127.0.0.1 (default 2222, as in sites/ssh-local.yaml)")
+    args = ap.parse_args(argv)
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    server = start_sshd(Path(args.dir), port=args.port)
+    print(f"sshd {server.proc.pid} on 127.0.0.1:{server.port}, keys in {args.dir}; "
+          "in another shell: bash out/ssh-local.sh; Ctrl-C here stops sshd", flush=True)
+    try:
+        server.proc.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop_sshd(server)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
