@@ -10,6 +10,7 @@ random ids or absolute checkout paths, so renders are byte-identical across runs
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import os
 import re
@@ -25,7 +26,9 @@ from sbatch_gen.loader import LoadedSite, UserError, display_path
 from sbatch_gen.profile import ProfileBase, SlurmProfile, slurm_time_seconds
 from sbatch_gen.xr_options import to_argv
 
-_SBATCH_SAFE = re.compile(r"[A-Za-z0-9_./+:=@,%-]+")
+# #SBATCH lines are read by sbatch, not by a shell: these characters are literal there. The validators in
+# profile.py admit a subset per field (e.g. '&|[]()*!' only in slurm.constraint).
+_SBATCH_SAFE = re.compile(r"[A-Za-z0-9_./+:=@,%&|\[\]()*!-]+")
 # Left unquoted by `shq`; everything else is single-quoted. ',' and '=' are quoted too, so shellcheck
 # does not mistake `a,b` in an array for a typo (SC2054) or `X==y` for a comparison (SC1097).
 _SHELL_SAFE = re.compile(r"[A-Za-z0-9_./:+@%-]+")
@@ -91,6 +94,12 @@ def make_env(templates_dir: Path) -> jinja2.Environment:
     env.filters["sbatch"] = _sbatch
     env.filters["comment"] = _comment
     return env
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_env(templates_dir: str) -> jinja2.Environment:
+    # Compiled templates are cached per environment (Jinja re-reads a template whose file changed).
+    return make_env(Path(templates_dir))
 
 
 def _template_closure(env: jinja2.Environment, name: str) -> list[str]:
@@ -262,9 +271,10 @@ class Rendered:
 
 def render_site(site: LoadedSite, templates_dir: Path | None = None) -> list[Rendered]:
     tdir = templates_dir or default_templates_dir()
+    env = _cached_env(str(Path(tdir).resolve()))
     out = []
     for template, pattern in type(site.profile).OUTPUTS:
-        env = make_env(tdir)
+        env.globals["_literal_dollar"].clear()
         try:
             names = _template_closure(env, template)
             sha = inputs_sha256(site, env, names)
@@ -273,6 +283,8 @@ def render_site(site: LoadedSite, templates_dir: Path | None = None) -> list[Ren
             raise UserError(f"{display_path(tdir)}: template {e.name!r} not found") from None
         except jinja2.TemplateSyntaxError as e:
             raise UserError(f"{e.filename or template}:{e.lineno}: template syntax error: {e.message}") from None
+        except jinja2.TemplateError as e:
+            raise UserError(f"{display_path(tdir)}/{template}: cannot render site {site.name!r}: {e}") from None
         if env.globals["_literal_dollar"] and text.startswith("#!"):
             shebang, rest = text.split("\n", 1)
             text = f"{shebang}\n{_SC2016}{rest}"

@@ -136,3 +136,5 @@ def test_known_hostile_examples():
     assert _check(("extra_env", "MY_SETTING"), "$(touch /tmp/pwned) `id` ; rm -rf *", '"$MY_SETTING"') == "accepted"
     assert _check(("slurm", "partition"), "debug --exclusive", sbatch_prefix="#SBATCH --partition=") == "rejected"
     assert _check(("paths", "log_dir"), "logs dir", '"$LOG_DIR"') == "rejected"
+    # Slurm's constraint syntax reaches the #SBATCH line as written (found by hypothesis: '&' once crashed)
+    assert _check(("slurm", "constraint"), "[ib&h200|gh200]*2", sbatch_prefix="#SBATCH --constraint=") == "accepted"
