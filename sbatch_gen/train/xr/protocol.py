@@ -306,13 +306,25 @@ class Mailbox:
                     latest[reg] = r
         return latest
 
-    def download(self, tag: str, wants: Iterable[tuple[str, ShardInfo]]) -> dict[tuple[str, int], bytearray]:
-        """Fetch shards concurrently into fresh buffers and verify each against its manifest entry."""
+    def download(
+        self, tag: str, wants: Iterable[tuple[str, ShardInfo]], reuse: dict | None = None
+    ) -> dict[tuple[str, int], bytearray]:
+        """Fetch shards concurrently and verify each against its manifest entry. With ``reuse`` (a dict
+        the caller keeps between rounds), receive buffers of the right size are reused."""
+        wants = list(wants)
+        bufs: dict[tuple[str, int], bytearray] = {}
+        for region, info in wants:
+            b = reuse.get((region, info.index)) if reuse is not None else None
+            if b is None or len(b) != info.nbytes:
+                b = bytearray(info.nbytes)
+                if reuse is not None:
+                    reuse[(region, info.index)] = b
+            bufs[(region, info.index)] = b
 
         def one(item):
             region, info = item
             key = self.shard_key(tag, region, info.index)
-            buf = bytearray(info.nbytes)
+            buf = bufs[(region, info.index)]
             self.store.get_into(key, memoryview(buf))
             if sha256(buf) != info.sha256:
                 raise XRChecksumError(
@@ -321,7 +333,7 @@ class Mailbox:
                 )
             return (region, info.index), buf
 
-        return dict(self.pool.map(one, list(wants)))
+        return dict(self.pool.map(one, wants))
 
     # -- housekeeping ------------------------------------------------------------------------------
     def cleanup(self, current_round: int, shard_count: int) -> None:

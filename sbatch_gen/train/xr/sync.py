@@ -176,6 +176,9 @@ class OuterSync:
         if self.mode == "diloco":
             self.theta_outer = torch.zeros(self.numel, **f32)
             self.momentum = torch.zeros(self.numel, **f32)
+        self._stage: dict[str, torch.Tensor] = {}  # wire dtype -> host staging buffer
+        self._tmp: torch.Tensor | None = None  # fp32 scratch of one shard
+        self._rx: dict = {}  # (region, shard) -> reused receive buffer
         self.round = 0
         self.aligned = False
         self.tokens = 0  # the region's tokens since the last round (the trainer passes region-wide counts)
@@ -217,22 +220,40 @@ class OuterSync:
 
     # ---------------------------------------------------------------------------------------------
     # encoding: raw contiguous bytes of exactly the slice (never a slice's whole storage)
+    # Buffers are allocated once and reused every round: fresh large allocations cost page faults that
+    # are slower than the conversions themselves.
+    def _staging(self, wire: str) -> torch.Tensor:
+        """Host buffer in the wire dtype holding this rank's encoded shards (pinned next to a GPU)."""
+        st = self._stage.get(wire)
+        if st is None:
+            st = torch.empty(self.numel, dtype=_WIRE[wire], pin_memory=self.outer_device.type == "cuda")
+            self._stage[wire] = st
+        return st
+
+    def _scratch(self, n: int) -> torch.Tensor:
+        if self._tmp is None or self._tmp.numel() < n:
+            self._tmp = torch.empty(n, dtype=torch.float32, device=self.outer_device)
+        return self._tmp[:n]
+
     def _encode(self, vec: torch.Tensor, lo: int, hi: int, wire: str, ser: str) -> bytes | memoryview:
-        t = vec[lo:hi].to(_WIRE[wire]).cpu()
         if ser == "torch_save":
             buf = io.BytesIO()
-            torch.save(t.clone(), buf)  # clone: a view would drag its whole storage along
+            # clone: torch.save of a view would write its whole backing storage
+            torch.save(vec[lo:hi].to(_WIRE[wire]).cpu().clone(), buf)
             return buf.getvalue()
-        return memoryview(t.contiguous().view(torch.uint8).numpy())
+        st = self._staging(wire)[lo:hi]
+        st.copy_(vec[lo:hi])  # dtype conversion (and device-to-host copy) into the reused buffer
+        return memoryview(st.view(torch.uint8).numpy())  # raw bytes of exactly this slice
 
     def _decode(self, buf, info: ShardInfo, wire: str, ser: str) -> torch.Tensor:
+        """The wire-dtype tensor of a shard, on the outer device (not yet converted to fp32)."""
         if ser == "torch_save":
             t = torch.load(io.BytesIO(bytes(buf)), weights_only=True)
             if t.dtype != _WIRE[wire] or t.numel() != info.numel:
                 raise XRLayoutError(f"shard {info.index}: torch.save payload is {t.dtype} x {t.numel()}")
         else:
             t = torch.frombuffer(buf, dtype=_WIRE[wire])
-        return t.to(self.outer_device, non_blocking=False).float()
+        return t.to(self.outer_device, non_blocking=False)
 
     def _sync_device(self) -> None:
         if self.device.type == "cuda":
@@ -339,23 +360,25 @@ class OuterSync:
                 mine = expect.plan.owned(self.my_owner, len(self.owner_ranks))
                 wants = [(r, manifests[r].shards[s]) for r in regions for s in mine
                          if not (r == self.xr.region and own is None)]
-                bufs = self.mailbox.download(tag, wants)
+                bufs = self.mailbox.download(tag, wants, reuse=self._rx)
                 t_dl = time.perf_counter() - t0
                 nbytes = sum(len(b) for (r, _), b in bufs.items() if r != self.xr.region)
                 total = sum(manifests[r].tokens for r in regions)
                 weights = [manifests[r].tokens / total if total > 0 else 1.0 / len(regions) for r in regions]
                 for s in mine:
                     lo, hi = expect.plan.bounds[s]
-                    acc = None
-                    for r, w in zip(regions, weights, strict=True):
+                    acc, tmp = out[lo:hi], self._scratch(hi - lo)
+                    for i, (r, w) in enumerate(zip(regions, weights, strict=True)):
                         info = manifests[r].shards[s]
                         # this region's own part: the bytes it sent, decoded like everybody decodes them
                         buf = encoded[s] if (r == self.xr.region and own is None) else bufs[(r, s)]
                         x = self._decode(buf, info, expect.dtype, expect.serialization)
-                        # separate multiply and add (no fused ops): identical bits on every device
-                        x = torch.mul(x, w)
-                        acc = x if acc is None else acc.add_(x)
-                    out[lo:hi].copy_(acc)
+                        # acc = sum_r w_r * x_r in the order of `regions`; exact bf16->fp32 conversion,
+                        # then separate multiply and add (no fused ops): identical bits on every device
+                        if i == 0:
+                            acc.copy_(x).mul_(w)
+                        else:
+                            acc.add_(tmp.copy_(x).mul_(w))
             except Exception as e:  # noqa: BLE001
                 err = _err(e)
         gathered = self.group.all_gather((err, nbytes))
@@ -436,6 +459,8 @@ class OuterSync:
         if self.mode == "diloco":
             self.theta_outer.copy_(self._gather_params(self.work))
         self.aligned = True
+        if self.wire != "fp32":
+            self._stage.pop("fp32", None)  # theta0's staging is not needed any more
         self._log({"event": "xr_align", "step": step, "region": self.xr.region, "action": action,
                    "from_region": first, "sha256": manifest, "seconds": round(time.perf_counter() - t0, 3)})
 
