@@ -198,7 +198,10 @@ def group_flags(argv: list[str]) -> list[list[str]]:
 def cpus_per_node(p: ProfileBase) -> int:
     if isinstance(p, SlurmProfile):
         return p.slurm.cpus_per_task
-    return getattr(p, "cpus_per_node", 1) or 1
+    v = getattr(p, "cpus_per_node", None)  # other kinds: a property or a method
+    if callable(v):
+        v = v()
+    return int(v or 1)
 
 
 # Variables the script sets at run time (besides job_environment), for pyxis --container-env.
