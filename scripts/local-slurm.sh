@@ -350,12 +350,8 @@ nodes_really_idle() {
 
 start_ctld() {
   local -a cmd=(/usr/sbin/slurmctld -i -f "$CONF")
-  if [[ $LAYOUT == netns ]]; then
-    # slurmctld only serves when the host name equals SlurmctldHost
-    unshare --uts sh -c "hostname $CTLD_HOST && exec \"\$@\"" sh "${cmd[@]}" 9>&-
-  else
-    "${cmd[@]}" 9>&-
-  fi
+  # slurmctld only serves when the host name equals SlurmctldHost: give it its own UTS namespace
+  unshare --uts sh -c "hostname $CTLD_HOST && exec \"\$@\"" sh "${cmd[@]}" 9>&-
   wait_for 15 "slurmctld pid file" ctld_pid || { tail -n 20 "$LOG/slurmctld.log" >&2 || true; die "slurmctld did not start"; }
   echo "slurmctld $(ctld_pid)" >>"$OURS"
   wait_for 15 "slurmctld to answer" ctld_up || { tail -n 20 "$LOG/slurmctld.log" >&2 || true; die "slurmctld does not answer"; }

@@ -139,7 +139,9 @@ class Cluster:
 
 
 def script(action: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return run(["bash", str(SCRIPT), action], timeout=timeout, check=False)
+    # the tests look at each node's processes through its network namespace: always that layout
+    env = {**os.environ, "SBATCH_GEN_SLURM_LAYOUT": "netns"}
+    return run(["bash", str(SCRIPT), action], env=env, timeout=timeout, check=False)
 
 
 def leftovers() -> list[str]:
