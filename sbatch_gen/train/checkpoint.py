@@ -234,6 +234,10 @@ class Checkpointer:
         self._pg = dist.new_group(backend="gloo") if self.async_save else None
         self._pending = None  # (future, step, path, t0, blocking)
         self.save_times: list[float] = []
+        # Steps this process saved or loaded: a complete directory for one of these is the same state.
+        # Any other existing directory at a step we reach again is from an abandoned timeline (we
+        # resumed from an older checkpoint): it is replaced.
+        self.known: set[int] = set()
         self.last_saved: SaveResult | None = None
 
     # -- helpers
@@ -248,6 +252,7 @@ class Checkpointer:
             removed = prune(self.run_dir, self.keep_last, protect={path})
             for p in removed:
                 log.info("checkpoint %s pruned (keep_last=%d)", p, self.keep_last)
+        self.known.add(step)
         res = SaveResult(step, path, time.perf_counter() - t0, blocking)
         self.save_times.append(res.seconds)
         self.last_saved = res
@@ -277,14 +282,14 @@ class Checkpointer:
 
         self.wait()
         path = step_dir(self.run_dir, step)
-        if check_complete(path, verify_crc=False) is None:
+        if step in self.known and check_complete(path, verify_crc=False) is None:
             log.info("checkpoint step %d already complete at %s; not saving again", step, path)
             self.last_saved = SaveResult(step, path, 0.0, 0.0)
             return self.last_saved
         t0 = time.perf_counter()
         if self.info.is_main:
             if path.exists():
-                log.warning("removing incomplete checkpoint %s before saving over it", path)
+                log.warning("replacing %s (incomplete, or from before the checkpoint this run resumed from)", path)
                 shutil.rmtree(path)
             path.mkdir(parents=True)
         self._barrier()
@@ -292,7 +297,7 @@ class Checkpointer:
             fut = dcp.async_save(state, checkpoint_id=str(path), process_group=self._pg)
             self._pending = (fut, step, path, t0, time.perf_counter() - t0)
             return None
-        dcp.save(state, checkpoint_id=str(path))
+        dcp.save(state, checkpoint_id=str(path), no_dist=not self.info.is_distributed)
         blocking = time.perf_counter() - t0
         return self._finish(step, path, t0, blocking)
 
@@ -300,7 +305,8 @@ class Checkpointer:
         """Load ``path`` into ``state`` in place (DCP resharding; non-tensor leaves replaced)."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path), no_dist=not self.info.is_distributed)
+        self.known.add(marker_step(path))
 
     def close(self) -> None:
         self.wait()

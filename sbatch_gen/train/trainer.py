@@ -86,7 +86,7 @@ def _timed_allreduce_hook(state: _CommTimer, bucket):
     return fut.then(_done)
 
 
-def run(args: argparse.Namespace, process_start: float | None = None) -> int:
+def run(args: argparse.Namespace, process_start: float | None = None, stop: StopRequest | None = None) -> int:
     process_start = process_start or time.time()
     _setup_logging()
     try:
@@ -102,8 +102,9 @@ def run(args: argparse.Namespace, process_start: float | None = None) -> int:
         print("cross-region flag error:\n" + "\n".join(probs), file=sys.stderr)
         return EXIT_CONFIG
     end_step = cfg.train.steps if args.max_steps is None else min(cfg.train.steps, args.max_steps)
-    stop = StopRequest(resolve_stop_file(args.stop_file))
-    stop.install()  # before anything slow: a signal during start-up is a stop request, not a crash
+    if stop is None:
+        stop = StopRequest(resolve_stop_file(args.stop_file))
+        stop.install()  # before anything slow: a signal during start-up is a stop request, not a crash
 
     from . import dist as dist_mod
 

@@ -95,6 +95,10 @@ def test_real_dcp_roundtrip_and_shape_mismatch(tmp_path):
     assert "crc32" in json.loads((res.path / MARKER).read_text())
     # Saving the same step again is a no-op (a stop right after a periodic save).
     assert ck.save(7, {"model": model.state_dict(), "train": {"step": 7}}).seconds == 0.0
+    # Another process reaching step 7 again (it resumed from an older checkpoint) replaces it.
+    ck2 = Checkpointer(tmp_path, DistInfo(), torch.device("cpu"), keep_last=1, async_save=False,
+                       marker_extra={"model": _tiny().model_dump()})
+    assert ck2.save(7, {"model": model.state_dict(), "train": {"step": 7}}).seconds > 0.0
 
     other = GPT(_tiny())
     state = {"model": other.state_dict(), "train": {"step": 0}}

@@ -90,6 +90,26 @@ def test_half_written_and_corrupted_checkpoints_are_ignored(cfg12, reference, tm
     assert check_complete(half) is None  # the stale directory was replaced by a complete save
 
 
+def test_unloadable_checkpoint_falls_back_to_an_older_one(tmp_path, data_dir, capfd, clean_env):
+    """Sizes match (no CRC configured) but DCP cannot read it: --resume auto takes the next older one."""
+    cfg = write_config(tmp_path / "c.yaml", train={"steps": 8}, checkpoint={"every": 4, "keep_last": 5})
+    assert _train(cfg, tmp_path / "r", data_dir) == 0
+    meta = step_dir(tmp_path / "r", 8) / ".metadata"
+    meta.write_bytes(b"\x00" * meta.stat().st_size)
+    capfd.readouterr()
+    assert _train(cfg, tmp_path / "r", data_dir, "--max-steps", "8") == 0
+    err = capfd.readouterr().err
+    assert f"checkpoint {step_dir(tmp_path / 'r', 8)} failed to load" in err and "trying an older one" in err
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["resumed_from_step"] == 4
+    assert meta.read_bytes().strip(b"\x00")  # step 8 was saved again, not kept from the old timeline
+    # Asked for by path, the same checkpoint is an error, not a silent fallback.
+    assert _train(cfg, tmp_path / "r", data_dir, "--resume", str(step_dir(tmp_path / "r", 4))) == 0
+    meta = step_dir(tmp_path / "r", 4) / ".metadata"
+    meta.write_bytes(b"\x00" * meta.stat().st_size)
+    assert _train(cfg, tmp_path / "r", data_dir, "--resume", str(step_dir(tmp_path / "r", 4))) == 2
+    assert "step-4 failed to load" in capfd.readouterr().err
+
+
 def test_model_shape_mismatch_is_a_clear_error(tmp_path, data_dir, capfd, clean_env):
     small = write_config(tmp_path / "s.yaml", train={"steps": 4}, checkpoint={"every": 2})
     wide = write_config(tmp_path / "w.yaml", train={"steps": 4}, model={"d_model": 96}, checkpoint={"every": 2})
