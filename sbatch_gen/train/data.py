@@ -1,7 +1,8 @@
 """Training data: text that ships with every machine, byte-tokenized, one shard file per region.
 
 Preparing is deterministic: the source files are read in sorted order, each document ends with a 0
-byte, and file number i goes to region ``regions[i % len(regions)]``. A shard is raw uint8 tokens
+byte, and each file goes to the region that holds the fewest bytes so far (ties: the first in
+``regions``), so the shards differ in size by at most one file. A shard is raw uint8 tokens
 (``<region>.bin``) with a JSON sidecar (``<region>.json``: source, file count, size, sha256).
 Each region reads only its own shard.
 
@@ -75,12 +76,15 @@ def prepare(out_dir: str | Path, regions: list[str], source: str = "python-stdli
     counts = [0] * len(regions)
     total = 0
     used = 0
-    for i, rel in enumerate(files):
+    sizes = [0] * len(regions)
+    for rel in files:
         if max_bytes and total >= max_bytes:
             break
         doc = (root / rel).read_bytes() + DOC_END
-        parts[i % len(regions)].append(doc)
-        counts[i % len(regions)] += 1
+        r = min(range(len(regions)), key=lambda i: (sizes[i], i))  # the region with the fewest bytes
+        parts[r].append(doc)
+        counts[r] += 1
+        sizes[r] += len(doc)
         total += len(doc)
         used += 1
     out = Path(out_dir)

@@ -17,15 +17,20 @@ def test_prepare_is_deterministic_and_splits_by_file(tmp_path):
         assert a["regions"][r] == b["regions"][r]
         meta = json.loads((tmp_path / "a" / f"{r}.json").read_text())
         assert meta["sha256"] == hashlib.sha256((tmp_path / "a" / f"{r}.bin").read_bytes()).hexdigest()
-    # Round-robin by file in sorted order: eu has files 0, 2, 4...; us has 1, 3, 5...
+    # Whole files, in sorted order, each to the region with the fewest bytes so far.
     root, files = source_files("python-stdlib")
-    used = a["files"]
+    docs = [(root / f).read_bytes() + DOC_END for f in files[: a["files"]]]
+    expect = {"eu": [], "us": []}
+    for d in docs:
+        r = min(("eu", "us"), key=lambda k: (sum(map(len, expect[k])), k != "eu"))
+        expect[r].append(d)
     eu = (tmp_path / "a" / "eu.bin").read_bytes()
     us = (tmp_path / "a" / "us.bin").read_bytes()
-    assert eu == b"".join((root / f).read_bytes() + DOC_END for f in files[0:used:2])
-    assert us == b"".join((root / f).read_bytes() + DOC_END for f in files[1:used:2])
+    assert eu == b"".join(expect["eu"]) and us == b"".join(expect["us"])
+    assert abs(len(eu) - len(us)) <= max(map(len, docs))
     # The two shards together hold exactly the one-region corpus.
     one = prepare(tmp_path / "one", ["local"], max_bytes=200_000)
+    assert (tmp_path / "one" / "local.bin").read_bytes() == b"".join(docs)
     assert one["regions"]["local"]["tokens"] == len(eu) + len(us)
 
 
