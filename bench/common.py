@@ -67,7 +67,7 @@ def fmt(x, digits: int = 3) -> str:
 def md_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     for r in rows:
-        out.append("| " + " | ".join(fmt(c) for c in r) + " |")
+        out.append("| " + " | ".join(fmt(c).replace("|", "\\|") for c in r) + " |")
     return "\n".join(out)
 
 

@@ -98,6 +98,8 @@ def measure(env: Env, mib: int, rounds: tuple[int, int, int], switches: dict | N
     i = times.index(sorted(times)[len(times) // 2])
     a = ours[0][i]
     row["ours_split"] = {k: a[f"xr_{k}"] for k in ("upload_s", "wait_s", "download_s", "reduce_s")}
+    if do_naive and env.transport == "s3" and shutil.which("aws", path=env.env.get("PATH")) is None:
+        do_naive = False
     if do_naive:
         naive = env.run("naive", ["a", "b"], ["--numel", str(numel), "--rounds", str(r_naive)])
         row["naive_s"] = median(_round_times(naive))
@@ -151,6 +153,9 @@ def run(out_dir: Path, quick: bool = False, server_kind: str = "nanio", wan: boo
         "1 GiB of parameters needs ~12 GiB for two regions; sizes that do not fit are skipped (noted below).",
     ]
     work = Path(tempfile.mkdtemp(prefix="sbgen-bench-mailbox-"))
+    if shutil.which("aws") is None:
+        res.notes.append("naive s3 path not measured: the `aws` command (awscli) is not installed; it pins its own "
+                         "botocore, so install it outside the project's venv (e.g. `pipx install awscli`)")
     all_rows: dict[str, list[dict]] = {}
     try:
         print("mailbox: fs", flush=True)
@@ -215,18 +220,22 @@ def run(out_dir: Path, quick: bool = False, server_kind: str = "nanio", wan: boo
                 "wan": "s3 over the emulated WAN (80 ms RTT, 400 Mbit/s, 1 MiB window per stream)"}
     for k, rows in all_rows.items():
         _table(res, captions[k], k, rows)
+    at = "at 1 MiB (quick)" if quick else "at >= 256 MiB"
     for k, rows in all_rows.items():
-        big = [r for r in rows if r["mib"] >= (256 if not quick else 0)]
+        big = rows if quick else [r for r in rows if r["mib"] >= 256]
         if not big:
             continue
         frac = min(r["ceiling_s"] / r["ours_s"] for r in big)
-        res.headline[f"{k}: ours/ceiling (min, >=256 MiB)"] = f"{frac:.0%}"
-        res.goal(f"{k}: ours >= 80% of the ceiling at >= 256 MiB", f"{frac:.0%}", frac >= 0.8)
+        res.headline[f"{k}: ours/ceiling, worst {at}"] = f"{frac:.0%}"
+        res.goal(f"{k}: ours >= 80% of the ceiling {at}", f"{frac:.0%}", None if quick else frac >= 0.8)
         with_naive = [r for r in big if r.get("naive_s")]
         if with_naive:
             sp = min(r["naive_s"] / r["ours_s"] for r in with_naive)
-            res.headline[f"{k}: ours vs naive (min, >=256 MiB)"] = f"{sp:.1f}x"
-            res.goal(f"{k}: ours >= 3x naive at >= 256 MiB", f"{sp:.1f}x", sp >= 3)
+            res.headline[f"{k}: ours vs naive, worst {at}"] = f"{sp:.1f}x faster"
+            res.goal(f"{k}: ours >= 3x naive {at}", f"{sp:.1f}x", None if quick else sp >= 3)
+    res.notes.append(f"CPU cost on the way: sha256 (the mailbox's per-shard checksum) runs at {_hash_MBps()} MB/s "
+                     "on one core of this machine; every byte ours sends is hashed once by the sender and once by "
+                     "the receiver, on the same 2 cores the store and the other region use.")
     _plot(res, out_dir, all_rows)
     for k, rows in all_rows.items():
         for r in rows:
@@ -234,6 +243,21 @@ def run(out_dir: Path, quick: bool = False, server_kind: str = "nanio", wan: boo
                 f"{p} {v:.3f}s" for p, v in r["ours_split"].items()) +
                 f"; ceiling up {r['ceiling_up_MBps']:.0f} MB/s, down {r['ceiling_down_MBps']:.0f} MB/s")
     return res
+
+
+def _hash_MBps() -> int:
+    import hashlib
+    import time
+
+    buf = bytes(32 << 20)
+    best = min(_timed(lambda: hashlib.sha256(buf).digest(), time) for _ in range(3))
+    return round(len(buf) / best / 1e6)
+
+
+def _timed(f, time) -> float:
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
 
 
 def _plot(res: Result, out_dir: Path, all_rows: dict[str, list[dict]]) -> None:

@@ -50,9 +50,9 @@ def imported_modules(importtime_stderr: str) -> list[str]:
     mods = []
     for line in importtime_stderr.splitlines():
         if line.startswith("import time:") and "|" in line:
-            name = line.rsplit("|", 1)[1].strip()
-            if name and name != "package":
-                mods.append(name)
+            cols = line[len("import time:"):].split("|")
+            if len(cols) == 3 and cols[0].strip().isdigit():  # not the header line
+                mods.append(cols[2].strip())
     return mods
 
 

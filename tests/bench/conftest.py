@@ -11,6 +11,8 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # `bench` is a top-level package of the checkout, not installed
+    sys.path.insert(0, str(REPO))
 
 
 def _env() -> dict:

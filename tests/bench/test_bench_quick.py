@@ -1,0 +1,158 @@
+"""Every benchmark runs end to end in --quick mode and writes a well-formed result (never timings)."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.common import Result, md_table
+from bench.render import imported_modules
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def _bench(name: str, out: Path, *extra: str, timeout: float = 900) -> dict:
+    p = subprocess.run([sys.executable, "-m", "bench", name, "--quick", "--out", str(out), *extra], cwd=REPO,
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    md = (out / f"{name}.md").read_text()
+    data = json.loads((out / f"{name}.json").read_text())
+    assert data["name"] == name and data["quick"] is True
+    assert md.startswith("# ") and "## Setup" in md and "--quick" in md
+    for t in data["tables"].values():  # every table: a header and rows of the same width
+        assert t["rows"], t
+        assert all(len(r) == len(t["headers"]) for r in t["rows"])
+    for m in re.finditer(r"\]\(([\w.-]+\.png)\)", md):
+        assert (out / m.group(1)).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = (out / "README.md").read_text()
+    assert f"[{name}]({name}.md)" in summary
+    return data
+
+
+def _table(data: dict, key: str) -> tuple[list[str], list[list]]:
+    t = data["tables"][key]
+    return t["headers"], t["rows"]
+
+
+def test_outer_quick(tmp_path):
+    d = _bench("outer", tmp_path)
+    headers, rows = _table(d, "outer")
+    assert [r[0] for r in rows] == ["xr (OuterSync)", "in-place reference"]
+    _, bw = _table(d, "bandwidth")
+    diff = dict((r[0], r[1]) for r in bw)["max abs difference, theta (xr) vs theta (reference)"]
+    assert diff < 1e-4  # the reference really computes the same update as the trainer's code
+
+
+def test_render_quick_never_imports_torch(tmp_path):
+    d = _bench("render", tmp_path)
+    _, rows = _table(d, "imports")
+    assert dict((r[0], r[1]) for r in rows)["torch modules imported"] == 0
+    assert d["goals"][0]["met"] is True
+
+
+def test_ddp_quick(tmp_path):
+    d = _bench("ddp", tmp_path, timeout=1200)
+    _, strag = _table(d, "straggler")
+    assert [r[0] for r in strag] == [0.0, 0.1]
+    assert strag[1][3] == 1  # the trainer names rank 1 as the slowest
+    _, scaling = _table(d, "scaling")
+    assert scaling[0][0] == 2
+
+
+def test_diloco_quick(tmp_path):
+    d = _bench("diloco", tmp_path, timeout=1200)
+    _, rows = _table(d, "variants")
+    grad, dil = rows
+    assert grad[0].startswith("grad") and dil[0] == "DiLoCo H=4"
+    assert grad[1] == 8 and dil[1] == 2  # rounds: every step vs every 4th of 8
+    assert grad[3] == pytest.approx(4 * dil[3], rel=0.01)  # 4x the bytes for 4x the rounds
+
+
+def test_mailbox_quick(tmp_path):
+    from bench.wan import available
+
+    d = _bench("mailbox", tmp_path, timeout=1500)
+    keys = ["fs", "s3"] + (["wan"] if available() is None else [])
+    for k in keys:
+        headers, rows = _table(d, k)
+        assert rows[0][0] == 1 and rows[0][1] == 0.5  # 1 MiB of fp32 params -> 0.5 MiB of bf16 per region
+        assert all(r[headers.index("ours s")] > 0 and r[headers.index("ceiling s")] > 0 for r in rows)
+
+
+def test_md_table_escapes_pipes():
+    t = md_table(["a", "b"], [["x|y", 1.23456]])
+    assert t.splitlines()[2] == "| x\\|y | 1.23 |"
+
+
+def test_result_files(tmp_path):
+    r = Result("demo", "Demo", quick=True)
+    r.table("T", ["k", "v"], [["a", 1]], "t")
+    r.goal("g", "1", True)
+    r.write(tmp_path)
+    assert "| g | 1 | yes |" in (tmp_path / "demo.md").read_text()
+    assert json.loads((tmp_path / "demo.json").read_text())["tables"]["t"]["rows"] == [["a", 1]]
+
+
+def test_importtime_parser():
+    err = ("import time: self [us] | cumulative | imported package\n"
+           "import time:       120 |        120 |   _io\n"
+           "import time:      3000 |      90000 | torch\n"
+           "import time:        50 |         50 |     torch._C\n")
+    assert imported_modules(err) == ["_io", "torch", "torch._C"]
+
+
+def test_delay_proxy_delays_and_keeps_bytes():
+    """Bytes come through intact, and a request/response costs at least one RTT."""
+    from sbatch_gen.testing.s3server import free_port
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+
+    def echo():
+        c, _ = srv.accept()
+        with c:
+            while data := c.recv(65536):
+                c.sendall(data)
+
+    threading.Thread(target=echo, daemon=True).start()
+    lport = free_port()
+    proxy = subprocess.Popen([sys.executable, "-m", "bench.delayproxy", "--listen", f"127.0.0.1:{lport}", "--target",
+                              f"127.0.0.1:{port}", "--rtt-ms", "200", "--window-kb", "64"], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                c = socket.create_connection(("127.0.0.1", lport), timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "proxy did not listen"
+                time.sleep(0.05)
+        payload = bytes(range(256)) * 2048  # 512 KiB: 8 windows of 64 KiB
+        t0 = time.monotonic()
+        with c:
+            c.settimeout(60)
+            c.sendall(payload)
+            got = b""
+            while len(got) < len(payload):
+                chunk = c.recv(65536)
+                assert chunk
+                got += chunk
+        elapsed = time.monotonic() - t0
+        assert got == payload
+        # >= connection set-up RTT + 8 windows' worth of RTTs, each way bounded below by the window
+        assert elapsed >= 0.2 * 8
+    finally:
+        proxy.terminate()
+        proxy.wait(timeout=10)
+        srv.close()
