@@ -157,18 +157,23 @@ class OuterSync:
         self.plan = ShardPlan.make(self.numel, ITEMSIZE[self.wire], xr.shard_mb)
         self.init_plan = ShardPlan.make(self.numel, ITEMSIZE["fp32"], xr.shard_mb)
         self.mailbox: Mailbox | None = None
+        err = None
         if self.my_owner is not None:
-            self.mailbox = Mailbox(
-                store if store is not None else make_store(xr.transport, xr.threads),
-                xr.run_id,
-                xr.region,
-                xr.regions,
-                timeout_s=xr.timeout_s,
-                keep_rounds=xr.keep_rounds,
-                threads=xr.threads,
-                poll_min_s=poll_min_s,
-                poll_max_s=poll_max_s,
-            )
+            try:  # e.g. S3 credentials missing on one node: every rank must hear about it
+                self.mailbox = Mailbox(
+                    store if store is not None else make_store(xr.transport, xr.threads),
+                    xr.run_id,
+                    xr.region,
+                    xr.regions,
+                    timeout_s=xr.timeout_s,
+                    keep_rounds=xr.keep_rounds,
+                    threads=xr.threads,
+                    poll_min_s=poll_min_s,
+                    poll_max_s=poll_max_s,
+                )
+            except Exception as e:  # noqa: BLE001
+                err = _err(e)
+        self.group.agree(err)
 
         f32 = dict(dtype=torch.float32, device=self.outer_device)
         self.work = torch.zeros(self.numel, **f32)  # flat params / payload source
