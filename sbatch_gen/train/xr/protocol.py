@@ -234,7 +234,7 @@ class Mailbox:
         now0 = self._clock()
         t0 = now0 if started is None else started
         delay = self.poll_min_s
-        next_diag = now0
+        next_diag = now0 + min(2.0, self.timeout_s / 4)  # a listing only when a peer is really late
         while True:
             for r in want:
                 if r in got:
