@@ -38,6 +38,7 @@ class Env:
         self.prefix = prefix or []
         self.transport = "fs" if server is None else "s3"
         self.n = 0
+        self.ceilings: dict[int, list[dict]] = {}
         aws_cfg = work / "aws-config"
         # one stream: no multipart (a single PUT takes up to 5 GB), one request at a time
         aws_cfg.write_text("[default]\nregion = us-east-1\ns3 =\n    multipart_threshold = 5GB\n"
@@ -88,8 +89,9 @@ def measure(env: Env, mib: int, rounds: tuple[int, int, int], switches: dict | N
     wire = numel * (2 if sw["payload_dtype"] == "bf16" else 4)
     r_ours, r_naive, r_ceil = rounds
     row: dict = {"mib": mib, "wire_per_region": wire}
-    ceil = env.run("ceiling", ["c"], ["--nbytes", str(2 * wire), "--rounds", str(r_ceil)])[0]
-    best = min(ceil, key=lambda x: x["exchange_s"])
+    if 2 * wire not in env.ceilings:  # measured once per byte count and place
+        env.ceilings[2 * wire] = env.run("ceiling", ["c"], ["--nbytes", str(2 * wire), "--rounds", str(r_ceil)])[0]
+    best = min(env.ceilings[2 * wire], key=lambda x: x["exchange_s"])
     row.update(ceiling_s=best["exchange_s"], ceiling_mode=f"up: {best['mode_up']}; down: {best['mode_down']}",
                ceiling_up_MBps=2 * wire / best["up_s"] / 1e6, ceiling_down_MBps=2 * wire / best["down_s"] / 1e6)
     ours = env.run("ours", ["a", "b"], extra + ["--rounds", str(r_ours)])
