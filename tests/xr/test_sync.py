@@ -321,3 +321,19 @@ def test_state_dict_roundtrip(tmp_path):
     assert s2.round == 1 and s2.aligned
     with pytest.raises(XRLayoutError, match="has 3 elements"):
         s2.load_state_dict({**sd, "momentum": torch.zeros(3)})
+
+
+def test_outer_step_is_torch_sgd_with_nesterov():
+    from sbatch_gen.train.xr.sync import outer_nesterov_
+
+    g = torch.Generator().manual_seed(0)
+    theta = torch.randn(1000, generator=g)
+    ref = nn.Parameter(theta.clone())
+    sgd = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    m, scratch = torch.zeros(1000), torch.empty(1000)
+    for _ in range(4):
+        grad = torch.randn(1000, generator=g)
+        outer_nesterov_(theta, m, grad, 0.7, 0.9, scratch)
+        ref.grad = grad.clone()
+        sgd.step()
+        torch.testing.assert_close(theta, ref.detach(), rtol=1e-6, atol=1e-6)

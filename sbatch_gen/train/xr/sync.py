@@ -380,10 +380,7 @@ class OuterSync:
                         x = self._decode(buf, info, expect.dtype, expect.serialization)
                         # acc = sum_r w_r * x_r in the order of `regions`; exact bf16->fp32 conversion,
                         # then separate multiply and add (no fused ops): identical bits on every device
-                        if i == 0:
-                            acc.copy_(x).mul_(w)
-                        else:
-                            acc.add_(tmp.copy_(x).mul_(w))
+                        accumulate_(acc, x, w, tmp, first=i == 0)
             except Exception as e:  # noqa: BLE001
                 err = _err(e)
         gathered = self.group.all_gather((err, nbytes))
@@ -564,18 +561,8 @@ class OuterSync:
         t.update(outer_step_s=t6 - t5, cleanup_s=t7 - t6, t_end=t7)
         return self._timings(step, t)
 
-    @torch.no_grad()
     def _outer_step(self, g: torch.Tensor) -> None:
-        """m = mu*m + g; theta_outer -= lr * (g + mu*m). One rounding per elementwise op, no fused
-        multiply-add: the same bits on CPU and GPU, so regions on different hardware stay identical."""
-        lr, mu = self.xr.outer_lr, self.xr.outer_momentum
-        m, upd = self.momentum, self.work
-        m.mul_(mu).add_(g)
-        if mu > 0:
-            torch.mul(m, mu, out=upd).add_(g)  # Nesterov look-ahead: g + mu*m
-        else:
-            upd.copy_(g)
-        self.theta_outer.sub_(upd.mul_(lr))
+        outer_nesterov_(self.theta_outer, self.momentum, g, self.xr.outer_lr, self.xr.outer_momentum, self.work)
 
     def _cleanup(self, r: int) -> None:
         if self.group.rank != 0:
@@ -629,6 +616,30 @@ class OuterSync:
         if self.mailbox is not None:
             self.mailbox.close()
             self.mailbox.store.close()
+
+
+@torch.no_grad()
+def accumulate_(acc: torch.Tensor, x: torch.Tensor, w: float, scratch: torch.Tensor, *, first: bool) -> None:
+    """``acc (=|+=) w * float(x)``: exact conversion of ``x`` (bf16/fp32) into ``scratch``, then a separate
+    multiply and add (no fused multiply-add), so every device produces the same bits."""
+    if first:
+        acc.copy_(x).mul_(w)
+    else:
+        acc.add_(scratch.copy_(x).mul_(w))
+
+
+@torch.no_grad()
+def outer_nesterov_(theta: torch.Tensor, m: torch.Tensor, g: torch.Tensor, lr: float, mu: float,
+                    scratch: torch.Tensor) -> None:
+    """In place: ``m = mu*m + g; theta -= lr * (g + mu*m)`` (SGD with Nesterov momentum, as
+    ``torch.optim.SGD(nesterov=True)``; ``g`` is the outer gradient theta_outer - mean(theta_local)).
+    One rounding per elementwise op, no temporaries, the same bits on CPU and GPU."""
+    m.mul_(mu).add_(g)
+    if mu > 0:
+        torch.mul(m, mu, out=scratch).add_(g)  # the Nesterov look-ahead g + mu*m
+    else:
+        scratch.copy_(g)
+    theta.sub_(scratch.mul_(lr))
 
 
 def _hash_of(shards: list[ShardInfo]) -> str:
