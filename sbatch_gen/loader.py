@@ -11,7 +11,7 @@ import difflib
 import re
 import types
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -370,7 +370,6 @@ class LoadedSite:
     data: dict
     where: dict[DataPath, Where]
     profile: ProfileBase
-    extra: dict = field(default_factory=dict)
 
     @property
     def display(self) -> str:
