@@ -92,3 +92,12 @@ def test_cli_exits_2_before_importing_torch(tmp_path):
     assert f"{p}:10: optim.lr: Input should be greater than 0 (got 0)" in r.stderr
     imported = [line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")]
     assert "pydantic" in imported and "torch" not in imported
+
+
+def test_bad_cross_region_flags_exit_2(tmp_path):
+    cfg = REPO / "configs" / "tiny.yaml"
+    r = subprocess.run([sys.executable, "-m", "sbatch_gen.train", "--config", str(cfg), "--xr-enabled",
+                        "--xr-region", "eu", "--xr-regions", "us,asia"],
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 2
+    assert "cross-region flag error" in r.stderr and "region 'eu' is not in regions ['us', 'asia']" in r.stderr

@@ -110,6 +110,19 @@ def test_unloadable_checkpoint_falls_back_to_an_older_one(tmp_path, data_dir, ca
     assert "step-4 failed to load" in capfd.readouterr().err
 
 
+def test_resume_none_starts_fresh_and_replaces_old_checkpoints(tmp_path, data_dir, capfd, clean_env):
+    cfg = write_config(tmp_path / "c.yaml", train={"steps": 4}, checkpoint={"every": 2})
+    assert _train(cfg, tmp_path / "r", data_dir) == 0
+    first = json.loads((step_dir(tmp_path / "r", 4) / MARKER).read_text())["time"]
+    assert _train(cfg, tmp_path / "r", data_dir, "--resume", "none") == 0
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert s["resumed_from_step"] is None and s["first_step"] == 1
+    assert json.loads((step_dir(tmp_path / "r", 4) / MARKER).read_text())["time"] > first
+    # Nothing left to do: resuming at the last step trains no step and still exits 0.
+    assert _train(cfg, tmp_path / "r", data_dir) == 0
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps_this_process"] == 0
+
+
 def test_model_shape_mismatch_is_a_clear_error(tmp_path, data_dir, capfd, clean_env):
     small = write_config(tmp_path / "s.yaml", train={"steps": 4}, checkpoint={"every": 2})
     wide = write_config(tmp_path / "w.yaml", train={"steps": 4}, model={"d_model": 96}, checkpoint={"every": 2})
