@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 5c8d26d74a07d9df9c9ed78cef1d83a772dc22fe8ffadf50bb94724dba180ae5
+#   inputs sha256: 4645906c078c506b0340663b88f791304176488c864f781b90cb1bad83527122
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -197,9 +197,10 @@ sys.exit(0 if found else 1)' "$m"; then
   ((fails == 0))
 }
 
-# Start torchrun on one node; it replaces this shell.
+# Start torchrun on one node and return its exit status (128+N when signal N killed it). Only
+# torchrun and what it starts carry the tag; this shell does not (its environment is fixed at exec).
 node_main() {
-  local rank=$1 master_addr=$2 attempt=$3 resume=$4 node_addr is_host=0 numa=()
+  local rank=$1 master_addr=$2 attempt=$3 resume=$4 node_addr is_host=0 numa=() rc=0
   node_setup
   node_addr=$(iface_ipv4 "$IFNAME") || { echo "interface $IFNAME has no IPv4 address"; return 1; }
   if ((rank == 0)); then is_host=1; fi
@@ -210,12 +211,13 @@ node_main() {
     "$rank" "$HOSTNAME" "$node_addr" "$master_addr" "$RDZV_PORT" "$attempt" "$resume" "$TAG"
   env | grep -E '^(NCCL|GLOO|TORCH|CUDA|OMP)_' | sort || true
   if ((LOG_TOPOLOGY)); then nvidia-smi topo -m || true; fi
-  exec torchrun \
+  torchrun \
     --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
     --rdzv-backend=c10d --rdzv-endpoint="$master_addr:$RDZV_PORT" --rdzv-id="$TAG.$attempt" \
     --rdzv-conf="is_host=$is_host,join_timeout=$RDZV_TIMEOUT_S" --local-addr="$node_addr" \
     --max-restarts="$TORCHRUN_MAX_RESTARTS" "${numa[@]}" \
-    -m "$TRAINER_MODULE" "${TRAINER_ARGS[@]}" --resume "$resume" "${XR_ARGS[@]}"
+    -m "$TRAINER_MODULE" "${TRAINER_ARGS[@]}" --resume "$resume" "${XR_ARGS[@]}" || rc=$?
+  return "$rc"
 }
 
 # Kill exactly the processes whose environment holds SBATCH_GEN_TAG=<tag> on this host: SIGTERM,
@@ -278,6 +280,12 @@ run_on() {
 }
 
 node_label() { printf 'node %s (%s)' "$1" "${HOSTS[$1]}"; }
+
+exit_meaning() {
+  if (($1 == 255)); then printf ' (ssh failed or lost the connection)'
+  elif (($1 > 128 && $1 < 160)); then printf ' (SIG%s)' "$(kill -l "$(($1 - 128))")"
+  fi
+}
 
 # Preflight on every node in parallel; on any failure say what failed where and return 1.
 preflight_all() {
@@ -352,7 +360,7 @@ wait_all() {
       if ((rc == 0)); then
         log "attempt $ATTEMPT: $(node_label "$r") finished"
       else
-        log "attempt $ATTEMPT: $(node_label "$r") exited with $rc"
+        log "attempt $ATTEMPT: $(node_label "$r") exited with $rc$(exit_meaning "$rc")"
         if [[ -z $failed_at ]]; then
           failed_at=$SECONDS
           log "attempt $ATTEMPT: the other nodes get ${FAILURE_GRACE_S}s to end before they are killed"

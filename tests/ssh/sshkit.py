@@ -287,18 +287,24 @@ def base_overrides(repo: Path, sshd: Sshd, data_dir: Path, config: Path, rdzv_po
 # A probe in place of torchrun, for tests about what reaches each node (no torch, fast)
 
 PROBE = """#!{python}
-# Stands in for torchrun: records its argv, environment and directory on each node. With
-# SBG_PROBE_HANG=1 (profile extra_env) it then ignores SIGTERM and sleeps, like a stuck worker.
+# Stands in for torchrun: records its argv, environment and directory on each node, then by
+# SBG_PROBE_MODE (profile extra_env): exit (default) exits 0; run counts beats in probe/node-R.beats
+# until killed; hang ignores SIGTERM and sleeps, like a stuck worker.
 import json, os, signal, sys, time
 rank = os.environ["SBATCH_GEN_NODE_RANK"]
+mode = os.environ.get("SBG_PROBE_MODE", "exit")
+if mode == "hang":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 os.makedirs("probe", exist_ok=True)
 with open(f"probe/node-{{rank}}.json.tmp", "w") as f:
     json.dump({{"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(), "pid": os.getpid()}}, f)
-if os.environ.get("SBG_PROBE_HANG") == "1":
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 os.replace(f"probe/node-{{rank}}.json.tmp", f"probe/node-{{rank}}.json")
-if os.environ.get("SBG_PROBE_HANG") == "1":
-    time.sleep(600)
+beats = 0
+while mode != "exit":
+    time.sleep(0.2)
+    beats += 1
+    with open(f"probe/node-{{rank}}.beats", "w") as f:
+        f.write(str(beats))
 """
 
 

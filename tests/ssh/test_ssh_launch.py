@@ -87,21 +87,43 @@ def test_sigint_cleans_up_every_host_and_nothing_else(ssh_launch, tmp_path):
             d.wait()
 
 
+def _probe_records(launch, timeout: float = 60) -> list[dict]:
+    records = [launch.dir / "probe" / f"node-{r}.json" for r in (0, 1)]
+    deadline = time.monotonic() + timeout
+    while not all(r.exists() for r in records):
+        assert time.monotonic() < deadline and launch.proc.poll() is None, launch.output()
+        time.sleep(0.2)
+    return [json.loads(r.read_text()) for r in records]
+
+
+def _beats(launch, rank: int) -> int:
+    f = launch.dir / "probe" / f"node-{rank}.beats"
+    return int(f.read_text() or 0) if f.exists() else 0
+
+
 def test_stop_file_ends_the_run_after_the_current_attempt(ssh_launch, tmp_path):
-    cfg = tiny_config(tmp_path / "tiny.yaml", train__steps=400)
-    launch = ssh_launch(config=cfg)
-    launch.wait_for_step(2)
+    """The stop file is checked between attempts only: the running attempt goes on until it ends (here
+    node 1's worker is killed), then the launcher stops instead of relaunching. (A probe stands in for
+    torchrun: this is about the launcher, and it keeps the test fast.)"""
+    venv = probe_venv(tmp_path / "probe-venv")
+    launch = ssh_launch(f"python_env.path={venv}", "extra_env={SBG_PROBE_MODE: run}", "launch.failure_grace_s=2")
+    workers = [r["pid"] for r in _probe_records(launch)]
     (launch.run_dir / "STOP").touch()
-    # The stop file is checked between attempts only: the running attempt goes on training.
-    launch.wait_for_step(max(launch.metrics_steps()) + 2)
-    os.kill(_remote_worker(launch), signal.SIGKILL)
+    seen = _beats(launch, 0)
+    deadline = time.monotonic() + 60
+    while _beats(launch, 0) < seen + 5:  # the attempt keeps running
+        assert time.monotonic() < deadline and launch.proc.poll() is None, launch.output()
+        time.sleep(0.2)
+    os.kill(workers[1], signal.SIGKILL)
     assert launch.wait() == 4, launch.output()
     out = launch.output()
     assert "STOP exists: not relaunching" in out
     assert {e[0] for e in launch.exits()} == {1}, "no second attempt"
+    assert (1, 1, "localhost", 137) in launch.exits()  # the status of the killed process, through ssh
+    assert "attempt 1: node 1 (localhost) exited with 137 (SIGKILL)" in out
     _assert_no_tagged(launch)
     # and a stop file left from before makes the next launch refuse to start
-    again = ssh_launch(config=cfg)
+    again = ssh_launch(f"python_env.path={venv}")
     assert again.wait(timeout=60) == 2
     assert "remove it to launch" in again.output()
 
@@ -110,13 +132,8 @@ def test_second_sigint_kills_at_once_what_ignores_sigterm(ssh_launch, tmp_path):
     """Workers that ignore SIGTERM (a probe in place of torchrun) survive the first Ctrl-C for the kill
     grace; a second Ctrl-C SIGKILLs them on every host at once."""
     venv = probe_venv(tmp_path / "probe-venv")
-    launch = ssh_launch(f"python_env.path={venv}", "extra_env={SBG_PROBE_HANG: '1'}", "launch.kill_grace_s=600")
-    records = [tmp_path / "probe" / f"node-{r}.json" for r in (0, 1)]
-    deadline = time.monotonic() + 60
-    while not all(r.exists() for r in records):
-        assert time.monotonic() < deadline and launch.proc.poll() is None, launch.output()
-        time.sleep(0.2)
-    workers = [json.loads(r.read_text())["pid"] for r in records]
+    launch = ssh_launch(f"python_env.path={venv}", "extra_env={SBG_PROBE_MODE: hang}", "launch.kill_grace_s=600")
+    workers = [r["pid"] for r in _probe_records(launch)]
     launch.proc.send_signal(signal.SIGINT)
     cleanup_log = launch.logs / "cleanup.log"
     deadline = time.monotonic() + 60
