@@ -281,6 +281,10 @@ def sites_cmd(sites_dir) -> None:
             res = f"{p.slurm.nodes} node(s) x " + (
                 f"{p.slurm.gpus_per_node} GPU" if p.uses_gpus() else f"{p.nproc_per_node()} CPU procs"
             )
+        elif p.kind == "ssh":
+            res = f"{len(p.enabled_hosts())} host(s) x " + (
+                f"{p.gpus_per_node()} GPU" if p.uses_gpus() else f"{p.nproc_per_node()} CPU procs"
+            )
         else:
             res = f"{p.nproc_per_node()} procs/node"
         xr = p.cross_region
