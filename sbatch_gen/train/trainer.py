@@ -29,8 +29,19 @@ from .signals import StopRequest, resolve_stop_file, write_ack
 log = logging.getLogger("sbatch_gen.train")
 
 EXIT_CONFIG = 2
-# For tests and demos of preemption: sleep this long at the end of every step.
+# For tests, demos and benchmarks: sleep this long at the end of every step (preemption tests need
+# time to act mid-run), on every rank or only on the ranks listed in ENV_STEP_SLEEP_RANKS (an injected
+# straggler).
 ENV_STEP_SLEEP = "SBATCH_GEN_STEP_SLEEP_S"
+ENV_STEP_SLEEP_RANKS = "SBATCH_GEN_STEP_SLEEP_RANKS"
+
+
+def _step_sleep(rank: int) -> float:
+    s = float(os.environ.get(ENV_STEP_SLEEP, "0") or 0)
+    ranks = os.environ.get(ENV_STEP_SLEEP_RANKS, "").strip()
+    if ranks and rank not in {int(r) for r in ranks.split(",") if r.strip()}:
+        return 0.0
+    return s
 
 
 def _setup_logging() -> None:
@@ -380,7 +391,7 @@ class Trainer:
         step_times: list[float] = []
         mfus: list[float] = []
         first_step_done = None
-        sleep_s = float(os.environ.get(ENV_STEP_SLEEP, "0") or 0)
+        sleep_s = _step_sleep(info.rank)
         accum = cfg.train.grad_accum
         autocast = (torch.autocast(device_type=device.type, dtype=self.amp_dtype)
                     if self.amp_dtype is not None else contextlib.nullcontext())

@@ -131,7 +131,9 @@ def test_sigkill_one_worker_restarts_from_last_checkpoint(cfg_async, reference, 
     """With background (async) checkpoint saves: a torn save would break the bitwise comparison."""
     ref_dir, _ = reference
     run_dir = tmp_path / "run"
-    la = launches(torchrun_cmd(cfg_async, run_dir, data_dir, max_restarts=1), tmp_path / "a.log", env=SLOW)
+    # Only rank 1 sleeps: an injected straggler that the per-rank step times must show.
+    la = launches(torchrun_cmd(cfg_async, run_dir, data_dir, max_restarts=1), tmp_path / "a.log",
+                  env={**SLOW, "SBATCH_GEN_STEP_SLEEP_RANKS": "1"})
     wait_for(lambda: check_complete(step_dir(run_dir, 8)) is None, 120, "checkpoint step-8", la)
     workers = wait_for(lambda: (w := la.workers()) and len(w) == 2 and w, 30, "two workers", la)
     os.kill(workers[1], signal.SIGKILL)
@@ -140,6 +142,9 @@ def test_sigkill_one_worker_restarts_from_last_checkpoint(cfg_async, reference, 
     assert s["restarts_seen"] == {"TORCHELASTIC_RESTART_COUNT": 1} and s["last_step"] == STEPS
     assert s["resumed_from_step"] is not None and s["resumed_from_step"] >= 8
     assert s["resume_time_s"] > 0
+    recs = list(read_metrics(run_dir).values())
+    assert sum(r["slowest_rank"] == 1 for r in recs) > len(recs) // 2
+    assert all(r["rank_step_time_s"][1] >= 0.12 for r in recs)
     # Steps re-run after the crash reproduce the uninterrupted run bitwise (last record per step).
     assert losses(run_dir) == losses(ref_dir)
     assert same_weights(run_dir / "model.safetensors", ref_dir / "model.safetensors")
