@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_lib import REPO, Cluster, LocalJob, leftovers, local_job, script
+from e2e_lib import MEASUREMENTS, REPO, Cluster, LocalJob, leftovers, local_job, script
 
 
 @pytest.fixture(scope="session")
@@ -97,3 +97,10 @@ def reference_run(slurm, e2e_root, train_config, data_dir) -> LocalJob:
     job.submit()
     slurm.wait_done(job.job_id, timeout=300)
     return job
+
+
+def pytest_terminal_summary(terminalreporter):
+    if MEASUREMENTS:
+        terminalreporter.section("end-to-end measurements (local Slurm)")
+        for line in MEASUREMENTS:
+            terminalreporter.write_line(line)

@@ -18,6 +18,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "local-slurm.sh"
 
+# Measurements the tests report (downtimes, ...): printed in the session's terminal summary, so that
+# `make test` shows them without -s.
+MEASUREMENTS: list[str] = []
+
+
+def report(line: str) -> None:
+    MEASUREMENTS.append(line)
+    print(line)
+
+
 # Slurm job states after which nothing of the job runs any more
 TERMINAL = {
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -40,6 +50,9 @@ class Cluster:
 
     env: dict[str, str]  # an environment for Slurm clients and for what jobs inherit (--export=ALL)
     info: dict[str, str] = field(default_factory=dict)  # `local-slurm.sh env`
+    # jobs this test session submitted: the only ones it waits for, cancels or looks at (someone may be
+    # trying a render on the same cluster by hand)
+    submitted: set[int] = field(default_factory=set)
 
     @property
     def nodes(self) -> list[str]:
@@ -71,7 +84,9 @@ class Cluster:
         if env:
             e.update(env)
         p = run(["sbatch", "--parsable", *args, str(script)], env=e, cwd=cwd or script.parent)
-        return int(p.stdout.strip().split(";")[0])
+        job_id = int(p.stdout.strip().split(";")[0])
+        self.submitted.add(job_id)
+        return job_id
 
     def job(self, job_id: int) -> dict[str, str]:
         """`scontrol -o show job` as a dict (JobState, ExitCode, Restarts, NodeList, ...)."""
@@ -96,10 +111,13 @@ class Cluster:
         return self.wait_state(job_id, TERMINAL, timeout)
 
     def jobs(self) -> list[tuple[int, str]]:
+        """This session's jobs that are still queued or running."""
         out = self.run("squeue", "-h", "-o", "%i|%T").stdout.split()
-        return [(int(line.split("|")[0]), line.split("|")[1]) for line in out if line]
+        jobs = [(int(line.split("|")[0]), line.split("|")[1]) for line in out if line]
+        return [(j, st) for j, st in jobs if j in self.submitted]
 
     def cancel_all(self, timeout: float = 60) -> None:
+        """Cancel this session's jobs that are still there."""
         ids = [str(j) for j, _ in self.jobs()]
         if not ids:
             return
@@ -116,14 +134,25 @@ class Cluster:
         return [int(x) for x in p.stdout.split()]
 
     def job_processes(self, node: str) -> list[str]:
-        """Command lines of the job processes on ``node`` (everything in its namespace but slurmd)."""
+        """Command lines of this session's job processes on ``node``: everything in its namespace but
+        slurmd, less what belongs to jobs submitted by someone else."""
         cmds = []
         for pid in self.node_pids(node):
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if cmd and not cmd.startswith("/usr/sbin/slurmd"):
+            if not cmd or cmd.startswith("/usr/sbin/slurmd"):
+                continue
+            job = None
+            m = re.match(r"slurmstepd: \[(\d+)\.", cmd)
+            if m:
+                job = int(m.group(1))
+            for kv in environ:
+                if kv.startswith(b"SLURM_JOB_ID="):
+                    job = int(kv.split(b"=", 1)[1] or 0)
+            if job is None or job in self.submitted:
                 cmds.append(f"{pid} {cmd}")
         return cmds
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import yaml
-from e2e_lib import assert_resumed_losses_match, local_job, trainer_workers
+from e2e_lib import assert_resumed_losses_match, local_job, report, trainer_workers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -66,9 +66,9 @@ def test_node_failure_recovers_from_last_checkpoint(cluster, reference_run, e2e_
     assert "requeueing job" in log and "training step failed" in log, log
     assert_resumed_losses_match(job.losses(), ref, resumed, 40)
     lost = step_at_kill - resumed
-    print(f"\nnode failure: killed {len(victims)} workers on n2 at step {step_at_kill}; failure detected after "
-          f"{detected:.1f} s; first new step {downtime:.1f} s after the kill (requeue, restart, resume from "
-          f"step {resumed}; {lost} steps redone); nodes idle between attempts: {checked_idle}")
+    report(f"node failure: killed {len(victims)} workers on n2 at step {step_at_kill}; failure detected after "
+           f"{detected:.1f} s; first new step {downtime:.1f} s after the kill (requeue, restart, resume from "
+           f"step {resumed}; {lost} steps redone); nodes idle between attempts: {checked_idle}")
 
 
 @pytest.mark.parametrize(
@@ -98,7 +98,7 @@ def test_preflight_fails_fast_with_clear_message(cluster, e2e_root, train_config
     assert "preflight failed" in log and "not requeueing" in log
     assert "training; per-node logs" not in log  # torchrun never started
     start, end = (time.mktime(time.strptime(info[k], "%Y-%m-%dT%H:%M:%S")) for k in ("StartTime", "EndTime"))
-    print(f"\npreflight ({case}) failed the job {end - start:.0f} s after it started")
+    report(f"preflight ({case}): the job failed {end - start:.0f} s after it started")
     assert end - start < 60  # the rendezvous would have waited 120 s (torchrun.rdzv_timeout_s)
 
 

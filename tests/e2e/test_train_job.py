@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import datetime, timezone
 
 import pytest
-from e2e_lib import assert_resumed_losses_match, local_job
+from e2e_lib import assert_resumed_losses_match, local_job, report
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -80,3 +81,11 @@ def test_preempt_requeue_resume_matches_uninterrupted(cluster, reference_run, e2
     assert summary["resumed_from_step"] == stop_step, summary
     assert summary["last_step"] == 40
     assert_resumed_losses_match(job.losses(), ref, stop_step, 40)
+
+    # downtime: from the batch shell receiving USR1 to attempt 2's first training step
+    t_sig = datetime.strptime(re.search(r"^\[sbatch-gen (\S+)\] SIGUSR1 received", log, re.M).group(1),
+                              "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    first = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) .* step \d+ loss", job.train_log(1, "n1").read_text(), re.M)
+    t_first = datetime.strptime(first.group(1), "%Y-%m-%d %H:%M:%S,%f")  # the trainer logs local time
+    report(f"preemption: stop agreed at step {stop_step}; first step after the requeue "
+           f"{t_first.timestamp() - t_sig.timestamp():.0f} s after USR1 (checkpoint, requeue, restart, resume)")
