@@ -2,17 +2,20 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: ef6c9a459521d826757ce2cb188ed552d066d3d9272cd3ee38c5920088b41b2d
+#   inputs sha256: 94b8e7d926b6a8dd7ddaa989b1f2c7ad760b3546aa3295e123faa4b24dcede06
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
 #   bash out/lab.sh
 #       launch; Ctrl-C (SIGINT, SIGTERM, SIGHUP) stops and cleans up every node at once
+#   bash out/lab.sh cleanup TAG
+#       kill what an earlier launch left behind (if its launcher was SIGKILLed)
 #   touch STOP
 #       stop after the current attempt: the file is checked between attempts, never mid-attempt
 # Exit codes: 0 trained to completion; 1 failed after launch.max_attempts; 2 cannot start (stop file
-# present, no IPv4 address on the interface here); 3 preflight failed on a host; 4 stopped by the
-# stop file after a failed attempt; 128+N interrupted by signal N.
+# present, no IPv4 address on the interface here, bad arguments); 3 preflight failed on a host before
+# the first attempt (before a relaunch it counts as a failed attempt); 4 stopped by the stop file
+# after a failed attempt; 128+N interrupted by signal N.
 set -euo pipefail
 
 # ---- hosts: node rank = position among the enabled hosts; node 0 runs here, the others over ssh --
@@ -105,7 +108,8 @@ USER_NAME=$(id -un)
 TAG="sbg-${USER_NAME//[^A-Za-z0-9_.-]/_}-${RDZV_PORT}-$$"
 LOGS="$LOG_DIR/$SITE.$TAG"
 
-log() { printf '[sbatch-gen %s] %s\n' "$(date -u +%H:%M:%S)" "$*" | tee -a "$LOGS/launcher.log" >&2; }
+# To stderr and the launch's log; never fails (the terminal may be gone when a SIGHUP trap logs).
+log() { { printf '[sbatch-gen %s] %s\n' "$(date -u +%H:%M:%S)" "$*" | tee -a "$LOGS/launcher.log" >&3; } 3>&2 2>/dev/null || true; }
 die() { local code=$1; shift; printf '[sbatch-gen] error: %s\n' "$*" >&2; exit "$code"; }
 
 # ---- functions shipped to every node (node 0 runs them locally, the others over ssh) ----------
@@ -415,8 +419,30 @@ on_second_signal() {
   cleanup_all || true
 }
 
+usage() {
+  die 2 "usage: $0                launch (run it on ${HOSTS[0]}, from the launch directory)
+       $0 cleanup TAG    kill what an earlier launch left behind (its tag is in its log lines)"
+}
+
+# `cleanup TAG`: for a launch that could not clean up itself (the launcher was SIGKILLed, the launch
+# host rebooted): kill the processes tagged TAG on every host.
+cleanup_command() {
+  [[ $# -eq 1 && $1 =~ ^sbg-[A-Za-z0-9_.-]+-[0-9]+-[0-9]+$ ]] || usage
+  TAG=$1
+  LOGS="$LOG_DIR/$SITE.$TAG"
+  mkdir -p -- "$LOGS"
+  log "cleanup of $TAG on every host: ${HOSTS[*]}"
+  if cleanup_all; then log "no process tagged $TAG is left"; exit 0; fi
+  exit 1
+}
+
 main() {
   local r ok resume=$FIRST_RESUME waited
+  case ${1-} in
+    "") ;;
+    cleanup) shift; cleanup_command "$@" ;;
+    *) usage ;;
+  esac
   if [[ -e $STOP_FILE ]]; then die 2 "stop file $STOP_FILE exists: remove it to launch"; fi
   mkdir -p -- "$LOGS"
   ln -sfn -- "$SITE.$TAG" "$LOG_DIR/$SITE.latest"
@@ -427,19 +453,23 @@ main() {
   log "site $SITE: $NNODES nodes x $NPROC_PER_NODE processes, rendezvous $MASTER_ADDR:$RDZV_PORT ($IFNAME), tag $TAG"
   log "hosts: ${HOSTS[*]}; logs in $LOGS; touch $STOP_FILE to stop after the current attempt"
   for ((ATTEMPT = 1; ; ATTEMPT++)); do
-    if ! preflight_all; then
+    if preflight_all; then
+      log "attempt $ATTEMPT/$MAX_ATTEMPTS: preflight passed on every node"
+      launch_all "$resume"
+      wait_all
+      cleanup_all || log "warning: cleanup did not complete on every node"
+      ok=1
+      for r in "${!HOSTS[@]}"; do
+        if [[ ${NODE_RCS[r]} != 0 ]]; then ok=0; fi
+      done
+      if ((ok)); then log "attempt $ATTEMPT: every node finished: training complete"; exit 0; fi
+    elif ((ATTEMPT == 1)); then
       log "aborting: preflight failed, nothing was started (details: $LOGS/preflight.attempt-$ATTEMPT.node-*.log)"
       exit 3
+    else
+      # A host that went down with the last attempt may come back during the cool-down: retry.
+      log "attempt $ATTEMPT: preflight failed, nothing was started; it counts as a failed attempt"
     fi
-    log "attempt $ATTEMPT/$MAX_ATTEMPTS: preflight passed on every node"
-    launch_all "$resume"
-    wait_all
-    cleanup_all || log "warning: cleanup did not complete on every node"
-    ok=1
-    for r in "${!HOSTS[@]}"; do
-      if [[ ${NODE_RCS[r]} != 0 ]]; then ok=0; fi
-    done
-    if ((ok)); then log "attempt $ATTEMPT: every node finished: training complete"; exit 0; fi
     if ((ATTEMPT >= MAX_ATTEMPTS)); then log "attempt $ATTEMPT failed and no attempts are left (max $MAX_ATTEMPTS)"; exit 1; fi
     if [[ -e $STOP_FILE ]]; then log "attempt $ATTEMPT failed; $STOP_FILE exists: not relaunching"; exit 4; fi
     log "attempt $ATTEMPT failed: relaunching with --resume auto in ${COOLDOWN_S}s (touch $STOP_FILE to stop instead)"

@@ -10,7 +10,7 @@ import subprocess
 import time
 
 import pytest
-from sshkit import pids_with_env, probe_venv, tagged_pids, tiny_config
+from sshkit import pids_with_env, probe_venv, start_sshd, stop_sshd, tagged_pids, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -146,4 +146,42 @@ def test_second_sigint_kills_at_once_what_ignores_sigterm(ssh_launch, tmp_path):
     launch.proc.send_signal(signal.SIGINT)
     assert launch.wait(timeout=120) == 130, launch.output()
     assert "second signal: SIGKILL to every tagged process now" in launch.output()
+    _assert_no_tagged(launch)
+
+
+def test_cleanup_command_after_the_launcher_was_sigkilled(ssh_launch, tmp_path):
+    """SIGKILL of the launcher leaves its workers running (nothing can trap it); they keep their tag,
+    and `out/<site>.sh cleanup TAG` kills them on every host."""
+    venv = probe_venv(tmp_path / "probe-venv")
+    launch = ssh_launch(f"python_env.path={venv}", "extra_env={SBG_PROBE_MODE: run}")
+    workers = [r["pid"] for r in _probe_records(launch)]
+    launch.proc.kill()
+    launch.proc.wait()
+    assert set(workers) <= set(tagged_pids(launch.tag))
+    r = subprocess.run(["bash", str(launch.script), "cleanup", launch.tag], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"no process tagged {launch.tag} is left" in r.stderr
+    _assert_no_tagged(launch)
+
+
+def test_a_host_lost_between_attempts_fails_preflight_and_counts_as_an_attempt(ssh_launch, tmp_path):
+    """Node 1's sshd goes away during attempt 1 and its worker dies: the relaunches' preflights fail on
+    node 1 and count as failed attempts (the host may come back in a cool-down) until none are left."""
+    server = start_sshd(tmp_path / "sshd-lost")
+    venv = probe_venv(tmp_path / "probe-venv")
+    try:
+        launch = ssh_launch(f"python_env.path={venv}", "extra_env={SBG_PROBE_MODE: run}", "launch.failure_grace_s=2",
+                            server=server)
+        workers = [r["pid"] for r in _probe_records(launch)]
+    finally:
+        stop_sshd(server)
+    os.kill(workers[1], signal.SIGKILL)
+    assert launch.wait() == 1, launch.output()
+    out = launch.output()
+    for attempt in (2, 3):
+        assert f"attempt {attempt}: preflight failed, nothing was started; it counts as a failed attempt" in out
+    assert "preflight FAILED on node 1 (localhost): ssh cannot reach it" in out
+    assert "attempt 3 failed and no attempts are left (max 3)" in out
+    assert {e[0] for e in launch.exits()} == {1}
     _assert_no_tagged(launch)
