@@ -175,34 +175,32 @@ def test_grad_mode_matches_one_ddp_run_over_both_regions(tmp_path, repo, data_di
 
 
 def test_kill_one_region_then_resume(tmp_path, repo, data_dir):
-    """us is SIGKILLed after its round 3 (step 12) but before its next checkpoint (step 16); restarted
-    with --resume auto it goes back to step 8, re-enters round 3 (already published: it reuses what it
-    published) and both regions finish with identical parameters."""
+    """us runs ahead (eu is slow) and is SIGKILLed while it waits in round 4 (step 16), after publishing it
+    and before its step-16 checkpoint. Restarted with --resume auto it goes back to step 8, re-enters
+    rounds 3 and 4, which it had published (it reuses its published payloads, exactly what eu used),
+    and both regions finish with identical parameters."""
     cfg = write_config(tmp_path, repo, checkpoint={"every": 8, "keep_last": 3}, train={"steps": 20})
-    transport = FsTransport(root=str(tmp_path / "mailbox"))
-    env = {"SBATCH_GEN_STEP_SLEEP_S": "0.15"}
+    mbx = tmp_path / "mailbox"
+    transport = FsTransport(root=str(mbx))
+    sleep = {"eu": "0.3", "us": "0"}
     launch = {r: (lambda r=r: launch_region(xr(r, transport, timeout_s=180), config=cfg, run_dir=tmp_path / r,
-                                            data_path=data_dir, env=env)) for r in REGIONS}
+                                            data_path=data_dir, env={"SBATCH_GEN_STEP_SLEEP_S": sleep[r]}))
+              for r in REGIONS}
     eu, us = launch["eu"](), launch["us"]()
+    r4 = mbx / "mp" / "r000004"
     deadline = time.monotonic() + TIMEOUT
-    while True:  # until us has finished round 3 (and not yet checkpointed step 16)
-        try:
-            done = [x for x in metrics(tmp_path / "us") if x.get("step", 0) >= 13]
-        except (FileNotFoundError, json.JSONDecodeError):
-            done = []
-        if done:
-            break
-        assert time.monotonic() < deadline and us.poll()[0] is None, us.tail()
-        time.sleep(0.05)
+    while not (r4 / "us.done").exists():  # us published round 4 and now waits for eu
+        assert time.monotonic() < deadline and us.poll()[0] is None and eu.poll()[0] is None, us.tail() + eu.tail()
+        time.sleep(0.02)
+    assert not (r4 / "eu.done").exists(), "eu was too fast for this test"
     us.kill()
     assert not (tmp_path / "us" / "checkpoints" / "step-16").exists()
     us2 = launch["us"]()
     run_both([eu, us2])
     assert_same_params(tmp_path / "eu", tmp_path / "us")
-    m = metrics(tmp_path / "us")
-    rounds = [(x["xr_round"], x["xr_reused"]) for x in m if "xr_round" in x]
-    # first life: rounds 1-3; second life (from step 8): round 3 replayed from the mailbox, then 4-5
-    assert rounds == [(1, False), (2, False), (3, False), (3, True), (4, False), (5, False)], rounds
+    rounds = [(x["xr_round"], x["xr_reused"]) for x in metrics(tmp_path / "us") if "xr_round" in x]
+    # first life: rounds 1-3 (killed inside 4); second life from step 8: 3 and 4 replayed, then 5
+    assert rounds == [(1, False), (2, False), (3, False), (3, True), (4, True), (5, False)], rounds
     eu_rounds = [x["xr_round"] for x in metrics(tmp_path / "eu") if "xr_round" in x]
     assert eu_rounds == [1, 2, 3, 4, 5]
 
