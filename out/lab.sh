@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 94b8e7d926b6a8dd7ddaa989b1f2c7ad760b3546aa3295e123faa4b24dcede06
+#   inputs sha256: b1b668b17edcccf0873afb07aedb7add0b90695d80bb357900f1736eed3c9992
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -83,6 +83,8 @@ TRAINER_ARGS=(
 )
 XR_ARGS=(  # cross_region (disabled)
 )
+TRAIN_CONFIG=configs/gpt-125m.yaml  # trainer.config (the preflight checks it is readable)
+DATA_PATH=/shared/data/lab-gpt  # paths.data (the preflight checks it exists)
 FIRST_RESUME=auto  # trainer.resume (every relaunch uses auto)
 RUN_DIR=/shared/runs/lab-gpt  # paths.run_dir
 LOG_DIR=logs  # paths.log_dir
@@ -197,6 +199,10 @@ sys.exit(0 if found else 1)' "$m"; then
     else fail "expected $GPUS_PER_NODE GPUs, nvidia-smi lists ${n:-0}"
     fi
   fi
+  if [[ -r $TRAIN_CONFIG ]]; then printf 'ok   train config %s\n' "$TRAIN_CONFIG"
+  else fail "train config $TRAIN_CONFIG is not readable from $PWD"
+  fi
+  if [[ -n $DATA_PATH && ! -e $DATA_PATH ]]; then fail "data path $DATA_PATH does not exist"; fi
   if mkdir -p -- "$RUN_DIR" 2>/dev/null && [[ -w $RUN_DIR ]]; then
     printf 'ok   run dir %s writable\n' "$RUN_DIR"
   else
@@ -271,7 +277,7 @@ cleanup_main() {
 # as bash code, every value quoted), then "$@".
 NODE_VARS=(LAUNCH_DIR NNODES TAG NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT RDZV_TIMEOUT_S
   TORCHRUN_MAX_RESTARTS NUMA_BINDING LOG_TOPOLOGY ENV_KIND ENV_PATH ENV_NAME MODULES CODE_DIR NODE_ENV
-  TRAINER_MODULE TRAINER_ARGS XR_ARGS RUN_DIR SHARED_RUN_DIR)
+  TRAINER_MODULE TRAINER_ARGS XR_ARGS TRAIN_CONFIG DATA_PATH RUN_DIR SHARED_RUN_DIR)
 NODE_PROGRAM="set -euo pipefail
 $(declare -p "${NODE_VARS[@]}")
 $(declare -f iface_ipv4 node_setup preflight_main node_main cleanup_main)

@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: d02143f5eb4b3409950e7ea8ed6dc0eed38995c46aa4ee3980560db7be45d2ba
+#   inputs sha256: afdc7a8f1cf7efc51df613f48e5473c2356c7aa08c97a4e543a8ce17e2756f17
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -71,6 +71,8 @@ TRAINER_ARGS=(
 )
 XR_ARGS=(  # cross_region (disabled)
 )
+TRAIN_CONFIG=configs/tiny.yaml  # trainer.config (the preflight checks it is readable)
+DATA_PATH=''  # paths.data (the preflight checks it exists)
 FIRST_RESUME=auto  # trainer.resume (every relaunch uses auto)
 RUN_DIR=runs/ssh-local  # paths.run_dir
 LOG_DIR=runs/ssh-local/logs  # paths.log_dir
@@ -185,6 +187,10 @@ sys.exit(0 if found else 1)' "$m"; then
     else fail "expected $GPUS_PER_NODE GPUs, nvidia-smi lists ${n:-0}"
     fi
   fi
+  if [[ -r $TRAIN_CONFIG ]]; then printf 'ok   train config %s\n' "$TRAIN_CONFIG"
+  else fail "train config $TRAIN_CONFIG is not readable from $PWD"
+  fi
+  if [[ -n $DATA_PATH && ! -e $DATA_PATH ]]; then fail "data path $DATA_PATH does not exist"; fi
   if mkdir -p -- "$RUN_DIR" 2>/dev/null && [[ -w $RUN_DIR ]]; then
     printf 'ok   run dir %s writable\n' "$RUN_DIR"
   else
@@ -259,7 +265,7 @@ cleanup_main() {
 # as bash code, every value quoted), then "$@".
 NODE_VARS=(LAUNCH_DIR NNODES TAG NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT RDZV_TIMEOUT_S
   TORCHRUN_MAX_RESTARTS NUMA_BINDING LOG_TOPOLOGY ENV_KIND ENV_PATH ENV_NAME MODULES CODE_DIR NODE_ENV
-  TRAINER_MODULE TRAINER_ARGS XR_ARGS RUN_DIR SHARED_RUN_DIR)
+  TRAINER_MODULE TRAINER_ARGS XR_ARGS TRAIN_CONFIG DATA_PATH RUN_DIR SHARED_RUN_DIR)
 NODE_PROGRAM="set -euo pipefail
 $(declare -p "${NODE_VARS[@]}")
 $(declare -f iface_ipv4 node_setup preflight_main node_main cleanup_main)

@@ -65,3 +65,12 @@ def test_unreachable_host_aborts_and_names_it(ssh_launch):
     out = launch.output()
     assert "preflight FAILED on node 1 (localhost): ssh cannot reach it" in out, out
     _assert_nothing_started(launch)
+
+
+def test_missing_train_config_is_reported_for_every_host(ssh_launch, tmp_path):
+    launch = ssh_launch(f"trainer.config={tmp_path / 'no-such.yaml'}")
+    assert launch.wait(timeout=120) == 3, launch.output()
+    out = launch.output()
+    for label in ("node 0 (127.0.0.1)", "node 1 (localhost)"):
+        assert f"preflight FAILED on {label}: train config {tmp_path / 'no-such.yaml'} is not readable" in out, out
+    _assert_nothing_started(launch)

@@ -178,6 +178,8 @@ def test_hostile_values_reach_torchrun_on_every_host_exactly(sshd, tmp_path, cle
     lint(script)
     launch_dir = tmp_path / "launch dir"
     launch_dir.mkdir()
+    (launch_dir / "cfg `1`.yaml").write_text("{}\n")  # the preflight checks both exist
+    (launch_dir / "data `x` y").mkdir()
     p = subprocess.run(["bash", str(script)], cwd=launch_dir, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
 
