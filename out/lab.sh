@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: b1b668b17edcccf0873afb07aedb7add0b90695d80bb357900f1736eed3c9992
+#   inputs sha256: f84225386b46d2ceada2a4bcf11213c22f97a492003f8b33546239cae539f5d0
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -425,6 +425,19 @@ on_second_signal() {
   cleanup_all || true
 }
 
+# Node 0 runs where the launcher runs: warn when that does not look like hosts[0] (its name is not
+# this host's, nor does it resolve to one of this host's addresses), e.g. when started on another host.
+check_launcher_host() {
+  local h=${HOSTS[0]} addrs=() a mine
+  if [[ $h == "$HOSTNAME" || $h == "${HOSTNAME%%.*}" ]]; then return 0; fi
+  mapfile -t addrs < <(getent ahostsv4 "$h" 2>/dev/null | awk '{ print $1 }' | sort -u)
+  mine=$(ip -4 -o addr show 2>/dev/null || true)
+  for a in "${addrs[@]}"; do
+    if [[ $mine == *" inet $a/"* ]]; then return 0; fi
+  done
+  log "WARNING: node 0 is hosts[0] = $h, but this host is $HOSTNAME and $h is none of its addresses: run the launcher on $h"
+}
+
 usage() {
   die 2 "usage: $0                launch (run it on ${HOSTS[0]}, from the launch directory)
        $0 cleanup TAG    kill what an earlier launch left behind (its tag is in its log lines)"
@@ -458,6 +471,7 @@ main() {
   trap 'on_signal HUP 129' HUP
   log "site $SITE: $NNODES nodes x $NPROC_PER_NODE processes, rendezvous $MASTER_ADDR:$RDZV_PORT ($IFNAME), tag $TAG"
   log "hosts: ${HOSTS[*]}; logs in $LOGS; touch $STOP_FILE to stop after the current attempt"
+  check_launcher_host
   for ((ATTEMPT = 1; ; ATTEMPT++)); do
     if preflight_all; then
       log "attempt $ATTEMPT/$MAX_ATTEMPTS: preflight passed on every node"

@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: afdc7a8f1cf7efc51df613f48e5473c2356c7aa08c97a4e543a8ce17e2756f17
+#   inputs sha256: 299af640c3605e618e4606f4fb50c4cf10443503250ef1859b718c6a18543e07
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -413,6 +413,19 @@ on_second_signal() {
   cleanup_all || true
 }
 
+# Node 0 runs where the launcher runs: warn when that does not look like hosts[0] (its name is not
+# this host's, nor does it resolve to one of this host's addresses), e.g. when started on another host.
+check_launcher_host() {
+  local h=${HOSTS[0]} addrs=() a mine
+  if [[ $h == "$HOSTNAME" || $h == "${HOSTNAME%%.*}" ]]; then return 0; fi
+  mapfile -t addrs < <(getent ahostsv4 "$h" 2>/dev/null | awk '{ print $1 }' | sort -u)
+  mine=$(ip -4 -o addr show 2>/dev/null || true)
+  for a in "${addrs[@]}"; do
+    if [[ $mine == *" inet $a/"* ]]; then return 0; fi
+  done
+  log "WARNING: node 0 is hosts[0] = $h, but this host is $HOSTNAME and $h is none of its addresses: run the launcher on $h"
+}
+
 usage() {
   die 2 "usage: $0                launch (run it on ${HOSTS[0]}, from the launch directory)
        $0 cleanup TAG    kill what an earlier launch left behind (its tag is in its log lines)"
@@ -446,6 +459,7 @@ main() {
   trap 'on_signal HUP 129' HUP
   log "site $SITE: $NNODES nodes x $NPROC_PER_NODE processes, rendezvous $MASTER_ADDR:$RDZV_PORT ($IFNAME), tag $TAG"
   log "hosts: ${HOSTS[*]}; logs in $LOGS; touch $STOP_FILE to stop after the current attempt"
+  check_launcher_host
   for ((ATTEMPT = 1; ; ATTEMPT++)); do
     if preflight_all; then
       log "attempt $ATTEMPT/$MAX_ATTEMPTS: preflight passed on every node"

@@ -118,6 +118,7 @@ def test_stop_file_ends_the_run_after_the_current_attempt(ssh_launch, tmp_path):
     assert launch.wait() == 4, launch.output()
     out = launch.output()
     assert "STOP exists: not relaunching" in out
+    assert "WARNING" not in out  # 127.0.0.1 is this host
     assert {e[0] for e in launch.exits()} == {1}, "no second attempt"
     assert (1, 1, "localhost", 137) in launch.exits()  # the status of the killed process, through ssh
     assert "attempt 1: node 1 (localhost) exited with 137 (SIGKILL)" in out
@@ -185,3 +186,12 @@ def test_a_host_lost_between_attempts_fails_preflight_and_counts_as_an_attempt(s
     assert "attempt 3 failed and no attempts are left (max 3)" in out
     assert {e[0] for e in launch.exits()} == {1}
     _assert_no_tagged(launch)
+
+
+def test_warns_when_not_started_on_the_first_host(ssh_launch, tmp_path):
+    """Node 0 always runs where the launcher runs; a hosts[0] that is not this host is worth a warning."""
+    venv = probe_venv(tmp_path / "probe-venv")
+    launch = ssh_launch(f"python_env.path={venv}", "hosts=[elsewhere.invalid, localhost]")
+    assert launch.wait(timeout=120) == 0, launch.output()
+    assert "WARNING: node 0 is hosts[0] = elsewhere.invalid" in launch.output()
+    assert (tmp_path / "probe" / "node-1.json").exists()
