@@ -66,9 +66,60 @@ def test_node_failure_recovers_from_last_checkpoint(cluster, reference_run, e2e_
     assert "requeueing job" in log and "training step failed" in log, log
     assert_resumed_losses_match(job.losses(), ref, resumed, 40)
     lost = step_at_kill - resumed
-    report(f"node failure: killed {len(victims)} workers on n2 at step {step_at_kill}; failure detected after "
-           f"{detected:.1f} s; first new step {downtime:.1f} s after the kill (requeue, restart, resume from "
-           f"step {resumed}; {lost} steps redone); nodes idle between attempts: {checked_idle}")
+    assert checked_idle, "never saw the job between attempts"
+    report(f"node failure, requeue (torchrun.max_restarts=0): killed {len(victims)} workers on n2 at step "
+           f"{step_at_kill}; detected after {detected:.1f} s; first new step {downtime:.1f} s after the kill "
+           f"(requeue, preflight, restart, resume from step {resumed}; {lost} steps redone)")
+
+
+def test_node_failure_torchrun_restart_recovers(cluster, reference_run, e2e_root, train_config, data_dir):
+    """(4, in-job variant) With torchrun.max_restarts=1 the same kill is handled inside the job: both nodes'
+    agents stop every worker of the failed generation, re-rendezvous and start new workers, which resume
+    from the last complete checkpoint; no requeue. Prints the downtime."""
+    ref = reference_run.losses()
+    job = local_job(cluster, e2e_root / "restart", "restart", {"torchrun.max_restarts": 1, "extra_env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}}, config=train_config,
+                    data=data_dir)
+    job.submit()
+    job.wait_step(7)
+    old = {n: trainer_workers(cluster, n) for n in ("n1", "n2")}
+    assert all(len(p) == 2 for p in old.values()), f"workers: {old}\n{job.describe()}"
+    step_at_kill = job.last_step()
+    t_kill = time.monotonic()
+    for pid in old["n2"]:
+        os.kill(pid, signal.SIGKILL)
+
+    # a new generation of workers on both nodes, and nothing of the old one left on either
+    deadline = time.monotonic() + 180
+    new: dict[str, list[int]] = {}
+    while time.monotonic() < deadline:
+        new = {n: [p for p in trainer_workers(cluster, n) if p not in old[n]] for n in old}
+        if all(len(p) == 2 for p in new.values()):
+            break
+        assert cluster.job(job.job_id)["JobState"] == "RUNNING", job.describe()
+        time.sleep(0.1)
+    assert all(len(p) == 2 for p in new.values()), f"no new workers: {new}\n{job.describe()}"
+    restarted = time.monotonic() - t_kill
+    survivors = [p for ps in old.values() for p in ps if os.path.exists(f"/proc/{p}")]
+    assert not survivors, f"workers of the failed generation still running: {survivors}"
+    n_before = len(job.metrics())  # the old generation is gone: every record from here on is a new one
+    while time.monotonic() < deadline and len(job.metrics()) <= n_before:
+        time.sleep(0.1)
+    downtime = time.monotonic() - t_kill
+
+    info = cluster.wait_done(job.job_id, timeout=300)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", job.describe()
+    # the last generation of workers (started by torchrun inside attempt 0) resumed from the checkpoint
+    summary = job.summary()
+    resumed = summary["resumed_from_step"]
+    assert resumed is not None and resumed % 5 == 0 and 5 <= resumed <= step_at_kill, summary
+    assert summary["first_step"] == resumed + 1, summary
+    log = job.batch_log()
+    assert "training finished" in log and "requeueing" not in log, log
+    assert re.findall(rf"job {job.job_id}, attempt (\d)", log) == ["0"], log
+    assert_resumed_losses_match(job.losses(), ref, resumed, 40)
+    report(f"node failure, torchrun restart (torchrun.max_restarts=1): killed 2 workers on n2 at step "
+           f"{step_at_kill}; new workers on both nodes after {restarted:.1f} s; first new step {downtime:.1f} s "
+           f"after the kill (resume from step {resumed}; {step_at_kill - resumed} steps redone)")
 
 
 @pytest.mark.parametrize(
