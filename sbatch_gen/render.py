@@ -179,6 +179,15 @@ def job_environment(p: ProfileBase) -> list[EnvBlock]:
             (("OMP_NUM_THREADS", str(threads)), ("PYTHONUNBUFFERED", "1")),
         )
     )
+    if p.torchrun.max_restarts > 0:
+        # torchrun otherwise reuses its rendezvous TCP store across worker restarts, and restarted workers can
+        # read the dead attempt's peer addresses (pytorch/pytorch#135712).
+        blocks.append(
+            EnvBlock(
+                "torchrun.max_restarts > 0: a fresh rendezvous store per restart",
+                (("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),),
+            )
+        )
     if p.extra_env:
         blocks.append(EnvBlock("extra_env", tuple(p.extra_env.items())))
     return blocks
