@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 import yaml
 
-from sbatch_gen.consistency import check_cross_region
+from sbatch_gen.consistency import check_cross_region, check_train_configs
 from sbatch_gen.loader import LoadedSite, UserError, display_path, list_sites, load_site
 from sbatch_gen.profile import PROFILE_KINDS, SlurmProfile
 from sbatch_gen.render import Rendered, render_site, unified_diff, write_atomic
@@ -204,6 +204,11 @@ def validate(names, sites_dir) -> None:
     sbatch-gen validate
     """
     loaded = _load_many(sites_dir, _select(sites_dir, names, False, required=False), cross_region=True)
+    errors, notes = check_train_configs(loaded)
+    if errors:
+        raise UserError(errors)
+    for n in notes:
+        click.echo(f"note {n}", err=True)
     runs: dict[str, list[str]] = {}
     for s in loaded:
         if s.profile.cross_region.enabled:

@@ -73,3 +73,37 @@ def check_cross_region(sites: Iterable[LoadedSite]) -> list[str]:
                     f"the regions of run {run_id!r}'s sites {sorted(have)}: {'; '.join(parts)}"
                 )
     return list(dict.fromkeys(errors))
+
+
+def check_train_configs(sites: Iterable[LoadedSite]) -> tuple[list[str], list[str]]:
+    """Cross-check each cross-region site against its train config (``trainer.config``), where that file
+    is readable from here (relative paths: from the current directory, as at submit time).
+
+    Returns (errors, notes). Errors: bad train config, or cross-region settings that do not fit it
+    (e.g. ``keep_rounds`` shorter than the rounds between checkpoints). Notes: configs not found here,
+    and warnings. The trainer repeats the same check at start-up, so nothing depends on running this.
+    """
+    from pathlib import Path
+
+    from sbatch_gen.train.config import ConfigError, load_config, xr_problems  # torch-free
+
+    errors: list[str] = []
+    notes: list[str] = []
+    for s in sites:
+        xr = s.profile.cross_region
+        if not xr.enabled:
+            continue
+        cfg_path = Path(s.profile.trainer.config)
+        where = s.at("trainer", "config")
+        if not cfg_path.is_file():
+            notes.append(f"{where}: trainer.config {str(cfg_path)!r} is not readable here: not cross-checked")
+            continue
+        try:
+            cfg = load_config(cfg_path)
+        except ConfigError as e:
+            errors.append(f"{where}: trainer.config {str(cfg_path)!r} does not validate:\n{e}")
+            continue
+        errs, warns = xr_problems(cfg, xr)
+        errors += [f"{s.at('cross_region', 'keep_rounds')}: {m}" for m in errs]
+        notes += [f"{s.at('cross_region', 'inner_steps')}: warning: {m}" for m in warns]
+    return errors, notes

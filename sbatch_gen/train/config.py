@@ -134,3 +134,32 @@ class TrainConfig(_Strict):
 def load_config(path: str | Path) -> TrainConfig:
     """Load and validate a train config; raise ConfigError (``file:line: field: message``)."""
     return load_model(TrainConfig, path)
+
+
+def xr_problems(cfg: TrainConfig, xr, end_step: int | None = None) -> tuple[list[str], list[str]]:
+    """Check a train config against cross-region settings (``xr_options.CrossRegion``).
+
+    Returns (errors, warnings). Torch-free, so ``sbatch-gen validate`` runs it at review time and the
+    trainer again at start-up.
+    """
+    errors: list[str] = []
+    warnings: list[str] = []
+    if not xr.enabled:
+        return errors, warnings
+    # No replay can span more steps than the run has (end_step: a --max-steps cap).
+    every = min(cfg.checkpoint.every, end_step or cfg.train.steps)
+    # A region resumed from its last checkpoint replays the rounds since then and needs them in the mailbox.
+    rounds_between = -(-every // xr.inner_steps) if xr.sync == "diloco" else every
+    if xr.keep_rounds < rounds_between:
+        errors.append(
+            f"cross_region.keep_rounds ({xr.keep_rounds}) must cover the {rounds_between} rounds between two "
+            f"checkpoints (checkpoint.every {every}"
+            + (f" / inner_steps {xr.inner_steps}" if xr.sync == "diloco" else " steps, one round per step")
+            + "): a region resumed after a crash replays them. Raise keep_rounds or checkpoint more often."
+        )
+    if xr.sync == "diloco" and cfg.train.steps % xr.inner_steps:
+        warnings.append(
+            f"train.steps ({cfg.train.steps}) is not a multiple of cross_region.inner_steps "
+            f"({xr.inner_steps}): the last {cfg.train.steps % xr.inner_steps} steps stay local to each region"
+        )
+    return errors, warnings

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from .. import xr_options
 from ..contract import EXIT_REQUEUE
-from .config import ConfigError, TrainConfig, load_config
+from .config import ConfigError, TrainConfig, load_config, xr_problems
 from .signals import StopRequest, resolve_stop_file, write_ack
 
 log = logging.getLogger("sbatch_gen.train")
@@ -113,6 +113,11 @@ def run(args: argparse.Namespace, process_start: float | None = None, stop: Stop
         print("cross-region flag error:\n" + "\n".join(probs), file=sys.stderr)
         return EXIT_CONFIG
     end_step = cfg.train.steps if args.max_steps is None else min(cfg.train.steps, args.max_steps)
+    # `sbatch-gen validate` rejects these at review time; here they only warn: the run itself is correct,
+    # only its recovery after a crash (replaying rounds peers have deleted) would fail.
+    xr_errors, xr_warnings = xr_problems(cfg, xr, end_step)
+    for w in xr_errors + xr_warnings:
+        log.warning("cross-region settings vs %s: %s", args.config, w)
     if stop is None:
         stop = StopRequest(resolve_stop_file(args.stop_file))
         stop.install()  # before anything slow: a signal during start-up is a stop request, not a crash

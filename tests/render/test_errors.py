@@ -192,3 +192,28 @@ def test_override_values_are_yaml(work):
     assert "- --mail-type=FAIL\n  - --comment=x" in r.out
     err = _fails("render", "--site", "local", "--set", "slurm.extra_directives=[--output=x]")
     assert "--set slurm.extra_directives=[--output=x]: slurm.extra_directives[0]: '--output=x' is rendered" in err
+
+
+def test_keep_rounds_must_cover_the_rounds_between_checkpoints(work):
+    """validate reads each cross-region site's train config and checks the mailbox keeps enough rounds
+    for a region resumed from its last checkpoint to replay them."""
+    import shutil
+
+    shutil.copytree(REPO / "configs", work / "configs")
+    base = work / "sites" / "_base" / "llm-xr-1.yaml"
+    _replace(base, "inner_steps: 500", "inner_steps: 50")  # gpt-125m checkpoints every 500 steps: 10 rounds
+    err = _fails("validate")
+    eu = work / "sites" / "eu.yaml"  # keep_rounds is not written anywhere: its section in each site is named
+    assert (
+        f"sites/eu.yaml:{_line_of(eu, 'cross_region:')}: cross_region.keep_rounds (4) must cover "
+        "the 10 rounds between two checkpoints (checkpoint.every 500 / inner_steps 50)"
+    ) in err
+    _replace(base, "inner_steps: 50", "inner_steps: 50\n  keep_rounds: 10")
+    r = sg("validate")
+    assert r.code == 0, r.err
+
+
+def test_train_config_missing_here_is_a_note_not_an_error(work):
+    r = sg("validate")  # `work` has no configs/: nothing to cross-check against
+    assert r.code == 0, r.err
+    assert "trainer.config 'configs/gpt-125m.yaml' is not readable here: not cross-checked" in r.err

@@ -101,3 +101,25 @@ def test_bad_cross_region_flags_exit_2(tmp_path):
                        capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert r.returncode == 2
     assert "cross-region flag error" in r.stderr and "region 'eu' is not in regions ['us', 'asia']" in r.stderr
+
+
+def test_keep_rounds_shorter_than_the_checkpoint_interval_is_reported(tmp_path):
+    """tiny.yaml checkpoints every 5 steps: grad mode (one round per step) should keep >= 5 rounds, else a
+    region resumed after a crash cannot replay. The trainer warns at start-up (validate rejects it)."""
+    from sbatch_gen.train.config import load_config, xr_problems
+    from sbatch_gen.xr_options import CrossRegion
+
+    cfg_path = REPO / "configs" / "tiny.yaml"
+    cfg = load_config(cfg_path)
+    xr = CrossRegion(enabled=True, region="eu", regions=["eu", "us"], sync="grad", keep_rounds=4)
+    errs, _ = xr_problems(cfg, xr)
+    assert errs == ["cross_region.keep_rounds (4) must cover the 5 rounds between two checkpoints "
+                    "(checkpoint.every 5 steps, one round per step): a region resumed after a crash replays "
+                    "them. Raise keep_rounds or checkpoint more often."]
+    # --max-steps caps the span a replay can cover
+    assert xr_problems(cfg, xr, end_step=4) == ([], [])
+    assert xr_problems(cfg, xr.model_copy(update={"keep_rounds": 5}))[0] == []
+    diloco = xr.model_copy(update={"sync": "diloco", "inner_steps": 7, "keep_rounds": 1})
+    errs, warns = xr_problems(cfg, diloco)
+    assert errs == [] and warns == ["train.steps (30) is not a multiple of cross_region.inner_steps (7): "
+                                    "the last 2 steps stay local to each region"]
