@@ -77,7 +77,7 @@ def test_node_failure_torchrun_restart_recovers(cluster, reference_run, e2e_root
     agents stop every worker of the failed generation, re-rendezvous and start new workers, which resume
     from the last complete checkpoint; no requeue. Prints the downtime."""
     ref = reference_run.losses()
-    job = local_job(cluster, e2e_root / "restart", "restart", {"torchrun.max_restarts": 1, "extra_env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}}, config=train_config,
+    job = local_job(cluster, e2e_root / "restart", "restart", {"torchrun.max_restarts": 1}, config=train_config,
                     data=data_dir)
     job.submit()
     job.wait_step(7)
