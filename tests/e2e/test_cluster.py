@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -108,8 +109,7 @@ def test_usr1_to_batch_shell_requeue_and_restart_count(cluster, tmp_path):
         """))
     jid = cluster.sbatch(job)
     cluster.wait_state(jid, {"RUNNING"}, timeout=60)
-    deadline_ok = _wait_files(tmp_path, ["step-up-0", "step-up-1"], 60)
-    assert deadline_ok, "the step's tasks did not start"
+    assert _wait_files(tmp_path, ["step-up-0", "step-up-1"], 60), "the step's tasks did not start"
     cluster.run("scancel", "--signal=USR1", "--batch", str(jid))
     info = cluster.wait_done(jid, timeout=180)
     log = (tmp_path / f"job-{jid}.out").read_text()
@@ -124,8 +124,6 @@ def test_usr1_to_batch_shell_requeue_and_restart_count(cluster, tmp_path):
 
 
 def _wait_files(d: Path, names: list[str], timeout: float) -> bool:
-    import time
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if all((d / n).exists() for n in names):
