@@ -128,12 +128,16 @@ wait_for() {  # seconds description command...: poll until the command succeeds
 ensure_packages() {
   local missing=() p
   for p in "${PACKAGES[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
-  for p in ip nsenter unshare flock; do command -v "$p" >/dev/null || die "'$p' not found (iproute2, util-linux)"; done
-  ((${#missing[@]} == 0)) && return 0
-  log "installing ${missing[*]}"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  command -v ip >/dev/null || missing+=(iproute2)
+  if ((${#missing[@]})); then
+    log "installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+  for p in ip nsenter unshare flock runuser; do
+    command -v "$p" >/dev/null || die "'$p' not found (iproute2, util-linux)"
+  done
 }
 
 munge_works() { munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; }
