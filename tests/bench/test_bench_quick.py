@@ -46,7 +46,11 @@ def _table(data: dict, key: str) -> tuple[list[str], list[list]]:
 def test_outer_quick(tmp_path):
     d = _bench("outer", tmp_path)
     headers, rows = _table(d, "outer")
-    assert [r[0] for r in rows] == ["xr (OuterSync)", "in-place reference"]
+    assert rows[0][0].startswith("xr round") and rows[1][0].startswith("in-place reference")
+    by = {r[0]: r for r in rows}
+    nest = by.get("xr `outer_nesterov_` alone (flat buffers)")
+    if nest is not None:  # counted by the dispatch-mode byte counter: 3 reads + 2 writes minimum
+        assert nest[headers.index("bytes/param as executed")] >= 20
     _, bw = _table(d, "bandwidth")
     diff = dict((r[0], r[1]) for r in bw)["max abs difference, theta (xr) vs theta (reference)"]
     assert diff < 1e-4  # the reference really computes the same update as the trainer's code
