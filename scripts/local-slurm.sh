@@ -353,6 +353,9 @@ nodes_really_idle() {
 }
 
 start_ctld() {
+  if command -v ss >/dev/null && [[ -n $(ss -Hltn "sport = :$CTLD_PORT" 2>/dev/null) ]]; then
+    die "port $CTLD_PORT is in use on this machine: stop what listens there or set SBATCH_GEN_SLURM_PORT"
+  fi
   local -a cmd=(/usr/sbin/slurmctld -i -f "$CONF")
   # slurmctld only serves when the host name equals SlurmctldHost: give it its own UTS namespace
   unshare --uts sh -c "hostname $CTLD_HOST && exec \"\$@\"" sh "${cmd[@]}" 9>&-
