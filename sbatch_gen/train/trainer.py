@@ -246,6 +246,30 @@ class Trainer:
         if self.info.is_main:
             self.metrics.write({"time": time.time(), **rec})
 
+    def _settle_ddp_buckets(self) -> None:
+        """Let DDP rebuild its gradient buckets before the first real step, in every process start.
+
+        DDP re-orders its buckets (gradient-ready order) after its first backward. Without this, a resumed
+        process reduces its first step in the initial layout while the uninterrupted run had long rebuilt,
+        and with more than 2 ranks the all-reduce then sums in another order: not bitwise. One throw-away
+        forward/backward on a zero batch (no optimizer step, gradients dropped, RNG restored) makes every
+        start reduce in the same layout."""
+        if not self.info.is_distributed:
+            return
+        torch, cfg = self.torch, self.cfg
+        rng = self._rng_state()
+        x = torch.zeros((cfg.train.batch_size, cfg.model.seq_len), dtype=torch.long, device=self.device)
+        autocast = (torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+                    if self.amp_dtype is not None else contextlib.nullcontext())
+        with autocast:
+            loss = self.ddp(x, x)
+        loss.backward()
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+
     def _rng_key(self) -> str:
         return f"rank{self.info.rank}"
 
@@ -390,6 +414,7 @@ class Trainer:
 
         cfg, info, device = self.cfg, self.info, self.device
         resumed_from, load_s = self.resume()
+        self._settle_ddp_buckets()
         if self.sync is not None:
             self.sync.align(self.step)
         first_step = self.step + 1
