@@ -24,12 +24,13 @@ import urllib.request
 from pathlib import Path
 
 ACCESS_KEY = "sbatch-gen-test"
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the server is always local
 SECRET_KEY = "sbatch-gen-test-secret"
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -44,7 +45,12 @@ def _moto_server_bin() -> str:
 
 
 class S3Server:
-    def __init__(self, port: int | None = None, log_path: str | os.PathLike | None = None) -> None:
+    """``host``: the address to bind, 127.0.0.1 unless the clients live in network namespaces of the test's
+    own (then the address of the bridge they reach this machine by)."""
+
+    def __init__(self, port: int | None = None, log_path: str | os.PathLike | None = None,
+                 host: str = "127.0.0.1") -> None:
+        self.host = host
         self.port = port
         self._fixed_port = port
         self.log_path = log_path
@@ -52,15 +58,15 @@ class S3Server:
 
     @property
     def endpoint_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> S3Server:
         last_err = None
         for _attempt in range(3):  # a port picked free can be taken before the server binds it
-            port = self._fixed_port or free_port()
+            port = self._fixed_port or free_port(self.host)
             out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
             self.proc = subprocess.Popen(
-                [_moto_server_bin(), "-H", "127.0.0.1", "-p", str(port)],
+                [_moto_server_bin(), "-H", self.host, "-p", str(port)],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )
             if out is not subprocess.DEVNULL:
@@ -72,7 +78,7 @@ class S3Server:
                     last_err = f"moto_server exited with {self.proc.returncode}"
                     break
                 try:
-                    with urllib.request.urlopen(f"{self.endpoint_url}/moto-api/", timeout=2):
+                    with _NO_PROXY.open(f"{self.endpoint_url}/moto-api/", timeout=2):
                         return self
                 except (urllib.error.URLError, ConnectionError, OSError):
                     time.sleep(0.1)
@@ -95,7 +101,7 @@ class S3Server:
     def reset(self) -> None:
         """Drop every bucket and object (moto keeps memory after deletes otherwise)."""
         req = urllib.request.Request(f"{self.endpoint_url}/moto-api/reset", method="POST")
-        with urllib.request.urlopen(req, timeout=10):
+        with _NO_PROXY.open(req, timeout=10):
             pass
 
     def env(self) -> dict[str, str]:
@@ -104,8 +110,8 @@ class S3Server:
             "AWS_ACCESS_KEY_ID": ACCESS_KEY,
             "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
             "AWS_DEFAULT_REGION": "us-east-1",
-            "NO_PROXY": "127.0.0.1,localhost",
-            "no_proxy": "127.0.0.1,localhost",
+            "NO_PROXY": f"{self.host},127.0.0.1,localhost",
+            "no_proxy": f"{self.host},127.0.0.1,localhost",
         }
 
     def client(self):

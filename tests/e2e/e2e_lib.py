@@ -6,14 +6,13 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
-import sys
 import time
-import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from sbatch_gen.testing.s3server import S3Server
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "local-slurm.sh"
@@ -324,36 +323,9 @@ def trainer_workers(cluster: Cluster, node: str, module: str = "sbatch_gen.train
 @contextmanager
 def moto_server(host: str, log: Path):
     """A real S3-compatible server (moto) on ``host``, the address under which the nodes reach this
-    machine (the bridge address with one network namespace per node; 127.0.0.1 on loopback).
-    Started by absolute path, stopped by its own PID. Yields the endpoint URL."""
-    exe = Path(sys.executable).parent / "moto_server"
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port = s.getsockname()[1]
-    with open(log, "ab") as out:
-        proc = subprocess.Popen([str(exe), "-H", host, "-p", str(port)], stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    url = f"http://{host}:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        while True:
-            assert proc.poll() is None, f"moto_server exited {proc.returncode}: {log.read_text()[-2000:]}"
-            try:
-                opener.open(f"{url}/moto-api/", timeout=2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+    machine (the bridge address with one network namespace per node). Yields the endpoint URL."""
+    with S3Server(host=host, log_path=log) as s3:
+        yield s3.endpoint_url
 
 
 def assert_resumed_losses_match(losses: dict[int, float], ref: dict[int, float], resumed: int, last: int) -> None:
