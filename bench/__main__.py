@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="results directory (default: bench/results)")
     ap.add_argument("--server", choices=["nanio", "moto"], default="nanio", help="S3 server for `mailbox`")
     ap.add_argument("--no-wan", action="store_true", help="mailbox: skip the emulated WAN")
+    ap.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                    help="mailbox: parameter sizes in MiB, e.g. 16,64 (default: 16,64,256,1024; WAN 16,64,256)")
     ap.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     a = ap.parse_args(argv)
     if a.list:
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         print(f"== bench {n}{' (quick)' if a.quick else ''}", flush=True)
         mod = importlib.import_module(f"bench.{n}")
-        kw = {"server_kind": a.server, "wan": not a.no_wan} if n == "mailbox" else {}
+        kw = {"server_kind": a.server, "wan": not a.no_wan, "sizes": a.sizes} if n == "mailbox" else {}
         try:
             res = mod.run(out, quick=a.quick, **kw)
         except Exception:  # noqa: BLE001 - report it, run the others, exit non-zero

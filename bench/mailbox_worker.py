@@ -191,29 +191,35 @@ def ceiling(a) -> list[dict]:
     store = S3Store(a.bucket, f"{a.prefix}/ceiling", endpoint_url=a.endpoint, addressing_style="path",
                     region_name="us-east-1", threads=16)
     pool = ThreadPoolExecutor(16)
-    shard = 16 << 20
-    parts = [(i, memoryview(data)[o:o + shard]) for i, o in enumerate(range(0, a.nbytes, shard))]
     buf = bytearray(a.nbytes)
     bview = memoryview(buf)
+    equal = -(-a.nbytes // 16)
+    modes = {  # name -> part size
+        "one object": a.nbytes,
+        f"{-(-a.nbytes // (16 << 20))} x 16 MiB, 16 threads": 16 << 20,
+        f"16 x {equal / 2**20:.3g} MiB, 16 threads": equal,
+    }
     for r in range(1, a.rounds + 1):
+        ups, downs = {}, {}
+        for name, size in modes.items():
+            parts = [(i, o, min(a.nbytes, o + size)) for i, o in enumerate(range(0, a.nbytes, size))]
+            keys = [f"r{r}/{size}/s{i:05d}.bin" for i, _, _ in parts]
+            t0 = time.perf_counter()
+            if len(parts) == 1:
+                store.put(keys[0], data)
+            else:
+                list(pool.map(lambda p, k=keys: store.put(k[p[0]], data[p[1]:p[2]]), parts))
+            t1 = time.perf_counter()
+            list(pool.map(lambda p, k=keys: store.get_into(k[p[0]], bview[p[1]:p[2]]), parts))
+            t2 = time.perf_counter()
+            ups[name], downs[name] = t1 - t0, t2 - t1
+            store.delete(keys)
         res = {"round": r}
-        t0 = time.perf_counter()
-        store.put(f"r{r}/one.bin", data)
-        t1 = time.perf_counter()
-        store.get_into(f"r{r}/one.bin", bview)
-        t2 = time.perf_counter()
-        list(pool.map(lambda p, r=r: store.put(f"r{r}/s{p[0]:05d}.bin", p[1].tobytes()), parts))
-        t3 = time.perf_counter()
-        list(pool.map(lambda p, r=r: store.get_into(f"r{r}/s{p[0]:05d}.bin", bview[p[0] * shard:p[0] * shard + len(p[1])]), parts))
-        t4 = time.perf_counter()
-        ups = {"one object": t1 - t0, f"{len(parts)} x 16 MiB, 16 threads": t3 - t2}
-        downs = {"one object": t2 - t1, f"{len(parts)} x 16 MiB, 16 threads": t4 - t3}
         res["mode_up"], res["up_s"] = min(ups.items(), key=lambda kv: kv[1])
         res["mode_down"], res["down_s"] = min(downs.items(), key=lambda kv: kv[1])
         res["all_up"], res["all_down"] = ups, downs
         res["exchange_s"] = res["up_s"] + res["down_s"]
         out.append(res)
-        store.delete([f"r{r}/one.bin"] + [f"r{r}/s{p[0]:05d}.bin" for p in parts])
     pool.shutdown()
     store.close()
     return out

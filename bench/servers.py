@@ -62,6 +62,7 @@ class NanioServer:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> NanioServer:
+        Path(self.data_dir).mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "NANIO_ACCESS_KEY": ACCESS_KEY, "NANIO_SECRET_KEY": SECRET_KEY}
         cmd = [_bin("nanio"), "serve", "--data-dir", self.data_dir, "--host", self.host, "--port",
                str(self.port), "--no-access-log", "--log-level", "warning"]
