@@ -18,9 +18,13 @@ REGIONS = ["eu", "us"]
 W_TRUE = torch.tensor([[1.0], [-2.0], [0.5], [3.0], [-1.0], [0.25]])
 
 
+_INIT_LOCK = threading.Lock()  # regions run as threads and nn.Linear draws from torch's global RNG
+
+
 def model(seed: int, hidden: int = 12) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+    with _INIT_LOCK:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(6, hidden), nn.Tanh(), nn.Linear(hidden, 1))
 
 
 def batch(region: str, step: int, n: int = 32):
