@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 
 import pytest
@@ -12,6 +11,8 @@ import pytest
 from sbatch_gen.train.xr.errors import XRChecksumError, XRLayoutError, XRMissingRound, XRTimeout
 from sbatch_gen.train.xr.protocol import Mailbox, Manifest, ShardPlan, parse_tag, round_tag
 from sbatch_gen.train.xr.store import make_store
+
+from .concurrent import in_threads
 
 REGIONS = ["eu", "us"]
 
@@ -24,22 +25,7 @@ def boxes(transport, run_id="run1", timeout_s=20.0, keep_rounds=4, regions=REGIO
 
 def both(fn):
     """Run fn(region) for every region concurrently; re-raise the first error."""
-    out, errs = {}, []
-
-    def go(r):
-        try:
-            out[r] = fn(r)
-        except BaseException as e:  # noqa: BLE001
-            errs.append(e)
-
-    ts = [threading.Thread(target=go, args=(r,)) for r in REGIONS]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    if errs:
-        raise errs[0]
-    return out
+    return in_threads(fn, REGIONS, join_s=60)
 
 
 def _args(kw):

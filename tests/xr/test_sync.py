@@ -14,6 +14,8 @@ from sbatch_gen.train.xr.errors import XRLayoutError, XRTimeout
 from sbatch_gen.train.xr.sync import OuterSync
 from sbatch_gen.xr_options import CrossRegion, FsTransport
 
+from .concurrent import in_threads as run_in_threads
+
 REGIONS = ["eu", "us"]
 W_TRUE = torch.tensor([[1.0], [-2.0], [0.5], [3.0], [-1.0], [0.25]])
 
@@ -58,22 +60,7 @@ def make(region, root, seed=None, log=None, **kw):
 
 
 def in_threads(fn, regions=REGIONS):
-    out, errs = {}, []
-
-    def go(r):
-        try:
-            out[r] = fn(r)
-        except BaseException as e:  # noqa: BLE001
-            errs.append(e)
-
-    ts = [threading.Thread(target=go, args=(r,)) for r in regions]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(120)
-    if errs:
-        raise errs[0]
-    return out
+    return run_in_threads(fn, regions)
 
 
 def inner_steps(m, opt, region, steps):
