@@ -49,6 +49,8 @@ demo: install  ## render the sites, then train two regions with DiLoCo over the 
 	$(PY) -m sbatch_gen.demo
 
 bench: install system-deps  ## benchmarks: Markdown table + PNG plots in bench/results/
+	@# the naive baseline shells out to `aws s3 cp`; awscli pins its own botocore, so not in .venv
+	command -v aws >/dev/null || $(PYTHON) -m pip install -q awscli
 	$(PY) -m bench
 
 .PHONY: help install system-deps render check lint test demo bench
