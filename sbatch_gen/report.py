@@ -152,9 +152,13 @@ def slo(run: Run) -> dict:
     times = step_times(run)
     s = run.summary or {}
     steps = run.steps
-    step_sum = sum(float(r["step_time_s"]) for r in steps)
-    ddp = sum(float(r.get("comm_time_s") or 0.0) for r in steps)
-    xr = sum(float(r.get("xr_total_s") or 0.0) for r in steps)
+    # Records are sampled (every log_every steps) but every sync round is logged, and a round's step time
+    # includes its sync: estimate the whole run as (trained steps x mean step without sync) + all rounds.
+    n_steps = sum(seg[-1]["step"] - seg[0]["step"] + 1 for seg in segments(run))
+    xr = sum(float(r.get("xr_total_s") or 0.0) for r in run.rounds)
+    per_step = _mean([float(r["step_time_s"]) - float(r.get("xr_total_s") or 0.0) for r in steps])
+    step_sum = per_step * n_steps + xr
+    ddp = _mean([float(r.get("comm_time_s") or 0.0) for r in steps]) * n_steps
     ck = [float(r["checkpoint_save_s"]) for r in steps if isinstance(r.get("checkpoint_save_s"), int | float)]
     if not ck and s.get("checkpoint_save_s", {}).get("count"):
         ck = [s["checkpoint_save_s"]["mean"]]

@@ -123,3 +123,21 @@ def test_report_command_does_not_import_torch(single_run, tmp_path):
                         "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
                         "assert 'matplotlib' not in sys.modules"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
+
+
+def test_comm_fractions_account_for_sampled_records(tmp_path):
+    """log_every 10 with a sync round every 20 steps: rounds are always logged, plain steps only sampled,
+    so the fractions are over the estimated whole run (40 steps x 0.1 s + 2 rounds x 0.5 s = 5 s)."""
+    d = tmp_path / "run"
+    d.mkdir()
+    recs = []
+    for s in (1, 10, 20, 30, 40):
+        r = {"step": s, "loss": 3.0, "step_time_s": 0.1, "comm_time_s": 0.02}
+        if s % 20 == 0:
+            r.update(xr_round=s // 20, xr_total_s=0.5, step_time_s=0.6)
+        recs.append(r)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    s = slo(load_run(d))
+    assert s["cross_region_sync_fraction"] == pytest.approx(1.0 / 5.0)
+    assert s["in_region_comm_fraction"] == pytest.approx(0.02 * 40 / 5.0)
+    assert s["comm_fraction"] == pytest.approx((1.0 + 0.8) / 5.0)
