@@ -91,6 +91,7 @@ def summarize(out: Path, regions: list[str], wall_s: float, steps: int) -> str:
     if a.exists() and b.exists():
         lines.append(f"final parameters identical across regions: {'yes' if _same_params(a, b) else 'NO'}")
     lines.append(f"metrics: {', '.join(str(out / r / 'metrics.jsonl') for r in regions)}")
+    lines.append(f"report (plots, SLO table): sbatch-gen report {' '.join(str(out / r) for r in regions)}")
     return "\n".join(lines)
 
 
