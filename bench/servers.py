@@ -7,7 +7,6 @@ Started by absolute path, stopped by their own PID. Optionally inside a network 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from sbatch_gen.testing.procs import terminate
 from sbatch_gen.testing.s3server import ACCESS_KEY, SECRET_KEY, S3Server, free_port
 
 
@@ -75,13 +75,7 @@ class NanioServer:
 
     def stop(self) -> None:
         p, self.proc = self.proc, None
-        if p is not None and p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=10)
+        terminate(p)
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

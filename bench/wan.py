@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 
+from sbatch_gen.testing.procs import terminate
 from sbatch_gen.testing.s3server import free_port
 
 from .servers import wait_port
@@ -104,13 +104,7 @@ class Wan:
 
     def down(self) -> None:
         p, self.proxy = self.proxy, None
-        if p is not None and p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=10)
+        terminate(p)
         for ns in (self.client_ns, self.server_ns):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # also removes the veth pair
 

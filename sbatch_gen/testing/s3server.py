@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +21,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from sbatch_gen.testing.procs import terminate
 
 ACCESS_KEY = "sbatch-gen-test"
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the server is always local
@@ -89,14 +90,7 @@ class S3Server:
 
     def stop(self) -> None:
         p, self.proc = self.proc, None
-        if p is None or p.poll() is not None:
-            return
-        p.send_signal(signal.SIGTERM)  # by PID: only the process we started
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=10)
+        terminate(p)  # by PID: only the process we started
 
     def reset(self) -> None:
         """Drop every bucket and object (moto keeps memory after deletes otherwise)."""
