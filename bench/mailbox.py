@@ -134,6 +134,20 @@ def _table(res: Result, caption: str, key: str, rows: list[dict]) -> None:
                         "ours/ceiling", "ours vs naive", "ours wire MB/s", "ceiling mode"], out, key)
 
 
+
+def _ablation(res, env, mib: int, layout, switches, tag: str, title: str, key: str) -> None:
+    """One round per variant with one optimisation switched off; a table of times relative to ours
+    (the first variant)."""
+    abl = []
+    for name, sw in switches:
+        r = measure(env, mib, layout, sw, do_naive=False)
+        abl.append([name, r["wire_per_region"] / MiB, r["ours_s"], f"{r['ceiling_s'] / r['ours_s']:.0%}"])
+        print(f"  {tag} {name}: {r['ours_s']:.2f}s", flush=True)
+    base = abl[0][2]
+    for row in abl:
+        row.append(f"{row[2] / base:.2f}x")
+    res.table(title, ["variant", "wire MiB/region", "round s", "vs its ceiling", "time vs ours"], abl, key)
+
 def run(out_dir: Path, quick: bool = False, server_kind: str = "nanio", wan: bool = True,
         sizes: list[int] | None = None) -> Result:
     res = Result("mailbox", "Mailbox exchange throughput: 2 regions, ours vs naive vs ceiling", quick)
@@ -178,16 +192,9 @@ def run(out_dir: Path, quick: bool = False, server_kind: str = "nanio", wan: boo
             env = Env("s3", work, srv, srv.endpoint_url)
             all_rows["s3"] = _rows(env, sizes, quick, res, "s3", 16)
             if not quick:
-                abl = []
-                for name, sw in ABLATIONS:
-                    r = measure(env, abl_mib, (2, 1, 1), sw, do_naive=False)
-                    abl.append([name, r["wire_per_region"] / MiB, r["ours_s"], f"{r['ceiling_s'] / r['ours_s']:.0%}"])
-                    print(f"  ablation {name}: {r['ours_s']:.2f}s", flush=True)
-                base = abl[0][2]
-                for row in abl:
-                    row.append(f"{row[2] / base:.2f}x")
-                res.table(f"Each optimisation on its own: s3 loopback, {abl_mib} MiB of parameters (one switch off at a time)",
-                          ["variant", "wire MiB/region", "round s", "vs its ceiling", "time vs ours"], abl, "ablation_s3")
+                _ablation(res, env, abl_mib, (2, 1, 1), ABLATIONS, "ablation",
+                          f"Each optimisation on its own: s3 loopback, {abl_mib} MiB of parameters (one switch off at a time)",
+                          "ablation_s3")
         finally:
             srv.stop()
         why = available()
@@ -209,16 +216,8 @@ def run(out_dir: Path, quick: bool = False, server_kind: str = "nanio", wan: boo
                     env = Env("wan", work, srv, endpoint, w.exec_prefix())
                     all_rows["wan"] = _rows(env, wan_sizes, quick, res, "wan", 16)
                     if not quick:
-                        abl = []
-                        for name, sw in ABLATIONS[:4]:
-                            r = measure(env, wan_abl_mib, (1, 1, 1), sw, do_naive=False)
-                            abl.append([name, r["wire_per_region"] / MiB, r["ours_s"], f"{r['ceiling_s'] / r['ours_s']:.0%}"])
-                            print(f"  WAN ablation {name}: {r['ours_s']:.2f}s", flush=True)
-                        base = abl[0][2]
-                        for row in abl:
-                            row.append(f"{row[2] / base:.2f}x")
-                        res.table(f"Each optimisation on its own over the emulated WAN, {wan_abl_mib} MiB of parameters",
-                                  ["variant", "wire MiB/region", "round s", "vs its ceiling", "time vs ours"], abl,
+                        _ablation(res, env, wan_abl_mib, (1, 1, 1), ABLATIONS[:4], "WAN ablation",
+                                  f"Each optimisation on its own over the emulated WAN, {wan_abl_mib} MiB of parameters",
                                   "ablation_wan")
                 finally:
                     srv.stop()
