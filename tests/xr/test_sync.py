@@ -328,3 +328,45 @@ def test_outer_step_is_torch_sgd_with_nesterov():
         ref.grad = grad.clone()
         sgd.step()
         torch.testing.assert_close(theta, ref.detach(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("block", [1, 7, 64, 1000, 1 << 19])
+def test_blocked_elementwise_ops_have_the_bits_of_whole_buffer_ops(block):
+    """The CPU runs the average and the Nesterov step block by block (cache-sized): every element goes
+    through the same operations, so the result must be bit-identical to one op over the whole buffer."""
+    from sbatch_gen.train.xr.sync import nesterov_block_, outer_nesterov_, weighted_average_
+
+    n = 10_007  # not a multiple of any block or vector width
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(n, generator=g).to(torch.bfloat16) for _ in range(3)]
+    ws = [0.2, 0.3, 0.5]
+    whole = torch.empty(n)
+    whole.copy_(xs[0]).mul_(ws[0])
+    for x, w in zip(xs[1:], ws[1:], strict=True):
+        whole.add_(torch.empty(n).copy_(x).mul_(w))
+    blocked = torch.full((n,), float("nan"))
+    weighted_average_(blocked, xs, ws, torch.empty(min(n, block)), block=block)
+    assert torch.equal(blocked, whole)
+
+    theta, m = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    t1, m1, t2, m2 = theta.clone(), m.clone(), theta.clone(), m.clone()
+    for mu in (0.9, 0.0):
+        nesterov_block_(t1, m1, whole, 0.7, mu, torch.empty(n))
+        outer_nesterov_(t2, m2, whole, 0.7, mu, torch.empty(min(n, block)), block=block)
+        assert torch.equal(t1, t2) and torch.equal(m1, m2)
+
+
+def test_blocks_straddling_parameters_write_theta_into_the_model(tmp_path, monkeypatch):
+    """With blocks smaller than and straddling the parameters (sizes 72, 12, 12, 1), the fused
+    Nesterov + copy into the model leaves every parameter equal to theta_outer, with the bits of the
+    unblocked run."""
+    from sbatch_gen.train.xr import sync as sync_mod
+
+    whole = in_threads(lambda r: train(r, tmp_path / "whole", 2))
+    monkeypatch.setattr(sync_mod, "CPU_BLOCK", 5)
+    small = in_threads(lambda r: train(r, tmp_path / "small", 2))
+    for r in REGIONS:
+        assert small[r]["sync"]._block == 5
+        for a, b in zip(whole[r]["rounds"], small[r]["rounds"], strict=True):
+            assert torch.equal(a["after"], b["after"]) and torch.equal(a["momentum"], b["momentum"])
+            assert torch.equal(b["after"], b["theta_outer"])

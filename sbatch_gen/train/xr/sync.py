@@ -26,6 +26,7 @@ so it computes the same update they computed.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import io
 import json
@@ -182,7 +183,8 @@ class OuterSync:
             self.theta_outer = torch.zeros(self.numel, **f32)
             self.momentum = torch.zeros(self.numel, **f32)
         self._stage: dict[str, torch.Tensor] = {}  # wire dtype -> host staging buffer
-        self._tmp: torch.Tensor | None = None  # fp32 scratch of one shard
+        self._tmp: torch.Tensor | None = None  # fp32 scratch of one block
+        self._block = CPU_BLOCK if self.outer_device.type == "cpu" else self.numel
         self._rx: dict = {}  # (region, shard) -> reused receive buffer
         self.round = 0
         self.aligned = False
@@ -205,6 +207,30 @@ class OuterSync:
     def _scatter_params(self, flat: torch.Tensor) -> None:
         for p, v in self._views(flat):
             p.copy_(v)
+
+    def _params_direct(self) -> bool:
+        """Can slices of the flat buffers be copied straight into the parameters' storage?"""
+        return all(p.device == self.outer_device and p.is_contiguous() for p in self.params)
+
+    @torch.no_grad()
+    def _scatter_range(self, flat: torch.Tensor, lo: int, hi: int) -> None:
+        """``flat[lo:hi]`` into the parameters that hold those elements (contiguous, same device)."""
+        i = bisect.bisect_right(self.offsets, lo) - 1
+        while i < len(self.params) and self.offsets[i] < hi:
+            off = self.offsets[i]
+            a, b = max(lo, off), min(hi, self.offsets[i + 1])
+            self.params[i].detach().view(-1)[a - off : b - off].copy_(flat[a:b])
+            i += 1
+
+    @torch.no_grad()
+    def _delta_into(self, out: torch.Tensor) -> torch.Tensor:
+        """``out = theta_outer - theta_local`` (the outer "gradient"; note the sign), in one pass when the
+        parameters live on the outer device."""
+        if not self._params_direct():
+            return torch.sub(self.theta_outer, self._gather_params(out), out=out)
+        for p, lo, hi in zip(self.params, self.offsets[:-1], self.offsets[1:], strict=True):
+            torch.sub(self.theta_outer[lo:hi], p.detach().view(-1), out=out[lo:hi])
+        return out
 
     @torch.no_grad()
     def _gather_grads(self, out: torch.Tensor) -> torch.Tensor:
@@ -372,15 +398,15 @@ class OuterSync:
                 weights = [manifests[r].tokens / total if total > 0 else 1.0 / len(regions) for r in regions]
                 for s in mine:
                     lo, hi = expect.plan.bounds[s]
-                    acc, tmp = out[lo:hi], self._scratch(hi - lo)
-                    for i, (r, w) in enumerate(zip(regions, weights, strict=True)):
+                    xs = []
+                    for r in regions:
                         info = manifests[r].shards[s]
                         # this region's own part: the bytes it sent, decoded like everybody decodes them
                         buf = encoded[s] if (r == self.xr.region and own is None) else bufs[(r, s)]
-                        x = self._decode(buf, info, expect.dtype, expect.serialization)
-                        # acc = sum_r w_r * x_r in the order of `regions`; exact bf16->fp32 conversion,
-                        # then separate multiply and add (no fused ops): identical bits on every device
-                        accumulate_(acc, x, w, tmp, first=i == 0)
+                        xs.append(self._decode(buf, info, expect.dtype, expect.serialization))
+                    # out = sum_r w_r * x_r in the order of `regions`; exact bf16->fp32 conversion, then
+                    # separate multiply and add (no fused ops): identical bits on every device
+                    weighted_average_(out[lo:hi], xs, weights, self._scratch(min(hi - lo, self._block)))
             except Exception as e:  # noqa: BLE001
                 err = _err(e)
         gathered = self.group.all_gather((err, nbytes))
@@ -545,14 +571,13 @@ class OuterSync:
         delta = None
         if self.my_owner is not None:
             # delta = theta_outer - theta_local (the outer "gradient"; note the sign)
-            delta = torch.sub(self.theta_outer, self._gather_params(self.work), out=self.work)
+            delta = self._delta_into(self.work)
         avg = self.avg
         self._round(round_tag(r), "delta", step, delta, avg, t)
         t5 = t["t_end"]
         # Outer Nesterov SGD. Everything that can fail (the exchange) is behind us and only wrote into
         # `avg`, so the step runs in place without temporaries; `work` is free scratch by now.
         self._outer_step(avg)
-        self._scatter_params(self.theta_outer)
         self.round = r
         self.tokens = 0
         t6 = self._now()
@@ -562,7 +587,17 @@ class OuterSync:
         return self._timings(step, t)
 
     def _outer_step(self, g: torch.Tensor) -> None:
-        outer_nesterov_(self.theta_outer, self.momentum, g, self.xr.outer_lr, self.xr.outer_momentum, self.work)
+        """Nesterov on ``theta_outer`` and theta into the model, block by block: on the CPU each block is
+        written into the parameters while it is still in cache."""
+        direct = self._params_direct()
+        tmp = self._scratch(min(self.numel, self._block))
+        for lo, hi in blocks(self.numel, self.outer_device, self._block):
+            nesterov_block_(self.theta_outer[lo:hi], self.momentum[lo:hi], g[lo:hi], self.xr.outer_lr,
+                            self.xr.outer_momentum, tmp[: hi - lo])
+            if direct:
+                self._scatter_range(self.theta_outer, lo, hi)
+        if not direct:
+            self._scatter_params(self.theta_outer)
 
     def _cleanup(self, r: int) -> None:
         if self.group.rank != 0:
@@ -618,6 +653,20 @@ class OuterSync:
             self.mailbox.store.close()
 
 
+# Elementwise work on the CPU runs over blocks of this many elements (2 MiB of fp32): all the passes of
+# one block (decode, multiply, add; the Nesterov ops; the copy into the model) then hit the caches, and
+# main memory sees each buffer once, as from a fused kernel. Blocking does not change any element's
+# sequence of operations, so the bits are those of the whole-buffer ops. GPUs take whole buffers.
+CPU_BLOCK = 1 << 19
+
+
+def blocks(n: int, device: torch.device | str, block: int | None = None):
+    """``(lo, hi)`` ranges covering ``0..n``: cache-sized on the CPU, one range elsewhere."""
+    step = block or (CPU_BLOCK if torch.device(device).type == "cpu" else max(n, 1))
+    for lo in range(0, n, step):
+        yield lo, min(lo + step, n)
+
+
 @torch.no_grad()
 def accumulate_(acc: torch.Tensor, x: torch.Tensor, w: float, scratch: torch.Tensor, *, first: bool) -> None:
     """``acc (=|+=) w * float(x)``: exact conversion of ``x`` (bf16/fp32) into ``scratch``, then a separate
@@ -629,17 +678,37 @@ def accumulate_(acc: torch.Tensor, x: torch.Tensor, w: float, scratch: torch.Ten
 
 
 @torch.no_grad()
-def outer_nesterov_(theta: torch.Tensor, m: torch.Tensor, g: torch.Tensor, lr: float, mu: float,
+def weighted_average_(acc: torch.Tensor, xs: list[torch.Tensor], ws: list[float], scratch: torch.Tensor,
+                      block: int | None = None) -> None:
+    """``acc = sum_i ws[i] * float(xs[i])`` in the order given, block by block (see :data:`CPU_BLOCK`);
+    ``scratch`` needs one block's elements."""
+    for lo, hi in blocks(acc.numel(), acc.device, block):
+        tmp = scratch[: hi - lo]
+        for i, (x, w) in enumerate(zip(xs, ws, strict=True)):
+            accumulate_(acc[lo:hi], x[lo:hi], w, tmp, first=i == 0)
+
+
+@torch.no_grad()
+def nesterov_block_(theta: torch.Tensor, m: torch.Tensor, g: torch.Tensor, lr: float, mu: float,
                     scratch: torch.Tensor) -> None:
-    """In place: ``m = mu*m + g; theta -= lr * (g + mu*m)`` (SGD with Nesterov momentum, as
-    ``torch.optim.SGD(nesterov=True)``; ``g`` is the outer gradient theta_outer - mean(theta_local)).
-    One rounding per elementwise op, no temporaries, the same bits on CPU and GPU."""
+    """:func:`outer_nesterov_` on one range, as whole-tensor ops (``scratch`` as large as ``theta``)."""
     m.mul_(mu).add_(g)
     if mu > 0:
         torch.mul(m, mu, out=scratch).add_(g)  # the Nesterov look-ahead g + mu*m
     else:
         scratch.copy_(g)
     theta.sub_(scratch.mul_(lr))
+
+
+@torch.no_grad()
+def outer_nesterov_(theta: torch.Tensor, m: torch.Tensor, g: torch.Tensor, lr: float, mu: float,
+                    scratch: torch.Tensor, block: int | None = None) -> None:
+    """In place: ``m = mu*m + g; theta -= lr * (g + mu*m)`` (SGD with Nesterov momentum, as
+    ``torch.optim.SGD(nesterov=True)``; ``g`` is the outer gradient theta_outer - mean(theta_local)).
+    One rounding per elementwise op, no temporaries, the same bits on CPU and GPU; block by block on the
+    CPU (``scratch`` needs one block's elements)."""
+    for lo, hi in blocks(theta.numel(), theta.device, block):
+        nesterov_block_(theta[lo:hi], m[lo:hi], g[lo:hi], lr, mu, scratch[: hi - lo])
 
 
 def _hash_of(shards: list[ShardInfo]) -> str:
