@@ -111,6 +111,17 @@ def test_mismatched_layout_and_run_id_are_clear_errors(transport):
     publish(mb["us"], "r000003", os.urandom(800))
     with pytest.raises(XRLayoutError, match=r"numel is 200, expected 100"):
         xchg(mb["eu"], "r000003", os.urandom(400))
+    # a peer on another protocol version: older format, or shards checksummed another way
+    d = json.loads(mb["us"].store.get(mb["us"].manifest_key("r000001", "us")))
+    assert d["format"] == 2 and d["checksum"] == "xxh3_128" and all(len(s["digest"]) == 32 for s in d["shards"])
+    d.update(tag="r000004", layout="L1", format=1)
+    mb["us"].store.put(mb["us"].manifest_key("r000004", "us"), json.dumps(d).encode())
+    with pytest.raises(XRLayoutError, match=r"unreadable manifest .*us\.done: format 1, this version reads 2"):
+        xchg(mb["eu"], "r000004", os.urandom(400))
+    d.update(tag="r000005", format=2, checksum="sha256")
+    mb["us"].store.put(mb["us"].manifest_key("r000005", "us"), json.dumps(d).encode())
+    with pytest.raises(XRLayoutError, match=r"checksum is 'sha256', expected 'xxh3_128'"):
+        xchg(mb["eu"], "r000005", os.urandom(400))
 
 
 def test_republish_same_round_is_idempotent(transport):

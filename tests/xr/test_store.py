@@ -81,3 +81,23 @@ def test_s3_client_is_lean_and_pooled(s3server, bucket):
     assert [o["Key"] for o in raw] == ["p/x/y"]
     assert s.list("x/") == ["x/y"]
     assert s.describe("x/y") == f"s3://{bucket}/p/x/y"
+
+
+def test_fs_get_view_maps_without_copying_and_outlives_the_file(tmp_path):
+    st = FsStore(tmp_path)
+    assert st.maps_objects and not S3Store.maps_objects
+    payload = os.urandom(3 * 4096 + 5)
+    st.put("r1/a/s0.bin", payload)
+    view = st.get_view("r1/a/s0.bin", len(payload))
+    assert view.tobytes() == payload
+    view[0] ^= 0xFF  # a private mapping: the caller may scribble, the object does not change
+    assert st.get("r1/a/s0.bin") == payload
+    st.put("r1/a/s0.bin", b"x" * len(payload))  # a new object under the key (rename over it) ...
+    st.delete(["r1/a/s0.bin"])  # ... then deleted: the mapping still shows what was read
+    assert view[1:].tobytes() == payload[1:]
+    st.put("r1/a/empty.bin", b"")
+    assert st.get_view("r1/a/empty.bin", 0).nbytes == 0
+    with pytest.raises(XRChecksumError, match="7 bytes, the manifest says 8"):
+        st.put("k", b"1234567") or st.get_view("k", 8)
+    with pytest.raises(StoreError, match="object missing"):
+        st.get_view("nope", 1)

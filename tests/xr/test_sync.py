@@ -101,7 +101,7 @@ def test_align_makes_regions_identical_and_writes_the_model(tmp_path):
     assert torch.equal(flat(ms["eu"][0]), flat(ms["us"][0]))
     assert torch.equal(ms["us"][1].theta_outer, flat(ms["eu"][0]))
     assert sorted(e["action"] for e in events) == ["adopted", "published"]
-    assert len({e["sha256"] for e in events}) == 1
+    assert len({e["digest"] for e in events}) == 1
     # the first region restarted from scratch (different init) adopts the theta0 already published
     m2, s2 = make("eu", tmp_path, seed=99)
     s2.align(0)

@@ -5,7 +5,7 @@ Layers, each usable on its own:
 
 * :mod:`.store`    - ``FsStore`` / ``S3Store``: put/get/list/delete of opaque objects (torch-free);
 * :mod:`.protocol` - ``Mailbox``: round tags, shard objects, manifests written last, polling with
-  timeout, sha256 checks, cleanup, and ``exchange(tag, payload) -> {region: payload}`` (torch-free);
+  timeout, checksum (XXH3-128) checks, cleanup, and ``exchange(tag, payload) -> {region: payload}`` (torch-free);
 * :mod:`.sync`     - ``OuterSync``: the algorithms on flat fp32 buffers, node-leader sharding, timings.
 
 The trainer's side (fixed)::

@@ -7,11 +7,13 @@ protocol (:mod:`.protocol`) does. Both backends give the same guarantees the pro
   single PUT is atomic by itself);
 * ``get`` of a missing key returns ``None`` (that is how readers poll for a peer's manifest);
 * ``get_into`` reads an object into a caller-provided buffer and fails if the size differs, so a
-  payload is never copied more than once on the way in.
+  payload is never copied more than once on the way in;
+* ``get_view`` (stores with ``maps_objects``: fs) maps an object into memory instead: no copy at all.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import uuid
 from abc import ABC, abstractmethod
@@ -21,6 +23,8 @@ from .errors import StoreError, XRChecksumError
 
 
 class Store(ABC):
+    maps_objects = False  # True: get_view maps objects (zero-copy) and is preferred over get_into
+
     @abstractmethod
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None: ...
 
@@ -30,6 +34,10 @@ class Store(ABC):
     @abstractmethod
     def get_into(self, key: str, out: memoryview) -> None:
         """Read object ``key`` into ``out``; raise if it is missing or its size is not ``len(out)``."""
+
+    def get_view(self, key: str, nbytes: int) -> memoryview:
+        """Object ``key`` (``nbytes`` long) as a memoryview, without copying it (``maps_objects`` stores)."""
+        raise NotImplementedError
 
     @abstractmethod
     def list(self, prefix: str) -> list[str]:
@@ -98,6 +106,25 @@ class FsStore(Store):
                     raise XRChecksumError(f"{self.describe(key)}: short read ({got} of {size} bytes)")
                 got += n
 
+    # Zero-copy reads. Safe because objects are immutable once visible: writers only ever create a new
+    # file and rename it over the key, and unlinking a mapped file leaves the mapping intact. A private
+    # (copy-on-write) mapping is writable for the caller without touching the file.
+    maps_objects = True
+
+    def get_view(self, key: str, nbytes: int) -> memoryview:
+        path = self._path(key)
+        try:
+            f = open(path, "rb")  # noqa: SIM115
+        except FileNotFoundError:
+            raise StoreError(f"object missing: {self.describe(key)}") from None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size != nbytes:
+                raise XRChecksumError(f"{self.describe(key)}: {size} bytes, the manifest says {nbytes}")
+            if size == 0:
+                return memoryview(bytearray())
+            return memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY))
+
     def list(self, prefix: str) -> list[str]:
         base = self.root / prefix if prefix else self.root
         if not base.is_dir():
@@ -141,7 +168,7 @@ def _lean_config(threads: int, addressing_style: str, retries: int):
         max_pool_connections=max(10, threads + 4),
         retries={"max_attempts": retries, "mode": "standard"},  # exponential backoff with jitter
         s3={"addressing_style": addressing_style, "payload_signing_enabled": False},
-        # The protocol carries its own sha256 per shard: skip botocore's extra body checksums.
+        # The protocol carries its own checksum per shard: skip botocore's extra body checksums.
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
         connect_timeout=10,

@@ -41,7 +41,18 @@ from torch import nn
 from sbatch_gen.xr_options import CrossRegion
 
 from .errors import StoreError, XRChecksumError, XRError, XRLayoutError, XRMissingRound, XRTimeout
-from .protocol import ITEMSIZE, TAG_INIT, Expect, Mailbox, Manifest, ShardInfo, ShardPlan, round_tag
+from .protocol import (
+    ITEMSIZE,
+    TAG_INIT,
+    Expect,
+    Mailbox,
+    Manifest,
+    ShardInfo,
+    ShardPlan,
+    digest,
+    digest_of_digests,
+    round_tag,
+)
 from .store import Store, make_store
 
 _WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -329,10 +340,14 @@ class OuterSync:
         if own is None and self.my_owner is not None:
             try:
                 plan = expect.plan
-                for s in plan.owned(self.my_owner, len(self.owner_ranks)):
-                    lo, hi = plan.bounds[s]
-                    encoded[s] = self._encode(src, lo, hi, expect.dtype, expect.serialization)
-                sums = mb.upload_shards(tag, encoded)
+
+                def encode_each():  # encode shard after shard; the pool uploads behind
+                    for s in plan.owned(self.my_owner, len(self.owner_ranks)):
+                        lo, hi = plan.bounds[s]
+                        encoded[s] = self._encode(src, lo, hi, expect.dtype, expect.serialization)
+                        yield s, encoded[s]
+
+                sums = mb.upload_shards(tag, encode_each())
             except Exception as e:  # noqa: BLE001
                 err = _err(e)
         gathered = self.group.all_gather((err, sums, tokens))
@@ -346,7 +361,7 @@ class OuterSync:
             region_tokens = int(gathered[0][2])  # region-wide count, the same on every rank: rank 0's
             plan = expect.plan
             shards = [ShardInfo(i, lo, hi - lo, *all_sums[i]) for i, (lo, hi) in enumerate(plan.bounds)]
-            extra = {"sha256": _hash_of(shards)} if kind == "init" else {}
+            extra = {"theta0": digest_of_digests(s.digest for s in shards)} if kind == "init" else {}
             err = None
             try:
                 mb.publish_manifest(Manifest(self.xr.run_id, self.xr.region, tag, kind, step, expect.dtype,
@@ -490,7 +505,7 @@ class OuterSync:
         if self.wire != "fp32":
             self._stage.pop("fp32", None)  # theta0's staging is not needed any more
         self._log({"event": "xr_align", "step": step, "region": self.xr.region, "action": action,
-                   "from_region": first, "sha256": manifest, "seconds": round(time.perf_counter() - t0, 3)})
+                   "from_region": first, "digest": manifest, "seconds": round(time.perf_counter() - t0, 3)})
 
     def _fetch_init(self, m: Manifest, out: torch.Tensor) -> None:
         err = None
@@ -508,29 +523,29 @@ class OuterSync:
     def _verify_init(self, scratch: torch.Tensor) -> str:
         """Hash what the MODEL now holds (not a copy) and compare with the published theta0."""
         flat = self._gather_params(scratch)
-        err, digest = None, None
+        err, want = None, None
         if self.group.rank == 0:
             try:
                 m = self.mailbox.read_manifest(TAG_INIT, self.xr.regions[0])
                 if m is None:
                     raise XRError(f"theta0 manifest vanished from {self.mailbox.store.describe()}")
-                digest = m.extra.get("sha256")
+                want = m.extra.get("theta0")
             except Exception as e:  # noqa: BLE001
                 err = _err(e)
-        err, digest = self.group.broadcast((err, digest))
+        err, want = self.group.broadcast((err, want))
         if err is not None:
             _raise(err)
         err, mine = None, []
         if self.my_owner is not None:
             for s in self.init_plan.owned(self.my_owner, len(self.owner_ranks)):
                 lo, hi = self.init_plan.bounds[s]
-                mine.append((s, hashlib.sha256(memoryview(flat[lo:hi].cpu().contiguous().numpy())).hexdigest()))
+                mine.append((s, digest(memoryview(flat[lo:hi].cpu().contiguous().numpy()))))
         parts = dict(x for lst in self.group.all_gather(mine) for x in lst)
-        got = _hash_of([ShardInfo(i, 0, 0, 0, parts[i]) for i in range(len(self.init_plan))])
-        if got != digest:
+        got = digest_of_digests(parts[i] for i in range(len(self.init_plan)))
+        if got != want:
             raise XRLayoutError(
                 f"region {self.xr.region!r}: parameters after alignment hash to {got[:16]}, theta0 published by "
-                f"{self.xr.regions[0]!r} hashes to {str(digest)[:16]}: alignment was not written into the model"
+                f"{self.xr.regions[0]!r} hashes to {str(want)[:16]}: alignment was not written into the model"
             )
         return got
 
@@ -709,10 +724,3 @@ def outer_nesterov_(theta: torch.Tensor, m: torch.Tensor, g: torch.Tensor, lr: f
     CPU (``scratch`` needs one block's elements)."""
     for lo, hi in blocks(theta.numel(), theta.device, block):
         nesterov_block_(theta[lo:hi], m[lo:hi], g[lo:hi], lr, mu, scratch[: hi - lo])
-
-
-def _hash_of(shards: list[ShardInfo]) -> str:
-    h = hashlib.sha256()
-    for s in shards:
-        h.update(s.sha256.encode())
-    return h.hexdigest()
