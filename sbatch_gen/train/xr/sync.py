@@ -421,7 +421,7 @@ class OuterSync:
                         xs.append(self._decode(buf, info, expect.dtype, expect.serialization))
                     # out = sum_r w_r * x_r in the order of `regions`; exact bf16->fp32 conversion, then
                     # separate multiply and add (no fused ops): identical bits on every device
-                    weighted_average_(out[lo:hi], xs, weights, self._scratch(min(hi - lo, self._block)))
+                    weighted_average_(out[lo:hi], xs, weights, self._scratch(min(hi - lo, self._block)), self._block)
             except Exception as e:  # noqa: BLE001
                 err = _err(e)
         gathered = self.group.all_gather((err, nbytes))
