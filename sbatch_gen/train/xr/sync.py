@@ -128,7 +128,7 @@ class OuterSync:
         log: Callable[[dict], None] | None = None,
         *,
         store: Store | None = None,
-        poll_min_s: float = 0.02,
+        poll_min_s: float = 0.002,
         poll_max_s: float = 1.0,
     ) -> None:
         if xr.sync not in ("diloco", "grad"):
