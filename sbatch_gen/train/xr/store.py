@@ -88,17 +88,22 @@ class FsStore(Store):
         except FileNotFoundError:
             return None
 
-    def get_into(self, key: str, out: memoryview) -> None:
-        path = self._path(key)
+    def _open_sized(self, key: str, nbytes: int):
+        """Object ``key`` opened for reading, after checking it exists and holds ``nbytes`` bytes."""
         try:
-            f = open(path, "rb")  # noqa: SIM115
+            f = open(self._path(key), "rb")  # noqa: SIM115
         except FileNotFoundError:
             raise StoreError(f"object missing: {self.describe(key)}") from None
-        with f:
-            size = os.fstat(f.fileno()).st_size
-            if size != len(out):
-                raise XRChecksumError(f"{self.describe(key)}: {size} bytes, the manifest says {len(out)}")
-            view = memoryview(out).cast("B")
+        size = os.fstat(f.fileno()).st_size
+        if size != nbytes:
+            f.close()
+            raise XRChecksumError(f"{self.describe(key)}: {size} bytes, the manifest says {nbytes}")
+        return f
+
+    def get_into(self, key: str, out: memoryview) -> None:
+        view = memoryview(out).cast("B")
+        size = len(view)
+        with self._open_sized(key, size) as f:
             got = 0
             while got < size:
                 n = f.readinto(view[got:])
@@ -112,18 +117,10 @@ class FsStore(Store):
     maps_objects = True
 
     def get_view(self, key: str, nbytes: int) -> memoryview:
-        path = self._path(key)
-        try:
-            f = open(path, "rb")  # noqa: SIM115
-        except FileNotFoundError:
-            raise StoreError(f"object missing: {self.describe(key)}") from None
-        with f:
-            size = os.fstat(f.fileno()).st_size
-            if size != nbytes:
-                raise XRChecksumError(f"{self.describe(key)}: {size} bytes, the manifest says {nbytes}")
-            if size == 0:
+        with self._open_sized(key, nbytes) as f:
+            if nbytes == 0:
                 return memoryview(bytearray())
-            return memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY))
+            return memoryview(mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_COPY))
 
     def list(self, prefix: str) -> list[str]:
         base = self.root / prefix if prefix else self.root
