@@ -119,9 +119,32 @@ class CrossRegion(_Strict):
         default_factory=lambda: FsTransport(root="xr-mailbox"), description="Mailbox backend."
     )
     timeout_s: float = Field(
-        default=1800, gt=0, le=86_400, description="Seconds to wait for peers in one round, then fail."
+        default=1800, gt=0, le=86_400,
+        description="Seconds a round may wait for a quorum (min_regions). Then the region checkpoints, names "
+        "the missing regions in one line and exits with the requeue code.",
     )
-    keep_rounds: int = Field(default=4, ge=1, le=1000, description="Delete rounds older than this many.")
+    min_regions: Literal["all"] | Annotated[int, Field(ge=1, le=1000)] = Field(
+        default="all",
+        description="Regions a round needs before it may close without the others: 'all' = strict lock-step "
+        "(every round waits for every region); N < len(regions) = elastic: once N regions have published, "
+        "the round closes after grace_s, or at once when the others have announced a planned leave.",
+    )
+    grace_s: float = Field(
+        default=60, ge=0, le=86_400,
+        description="Elastic rounds: seconds the round still waits for the missing regions after min_regions "
+        "have arrived; a region later than that has its delta dropped for the round. The bound on how long "
+        "an absent region can idle the others per round.",
+    )
+    snapshot_every: int = Field(
+        default=10, ge=1, le=1_000_000,
+        description="Publish an outer snapshot (theta_outer + momentum, fp32) every this many rounds; a region "
+        "that returns after the rounds it missed were cleaned up fast-forwards from the newest one.",
+    )
+    keep_rounds: int = Field(
+        default=4, ge=1, le=1000,
+        description="Rounds each region keeps in the mailbox behind the newest; older ones are deleted by their "
+        "own region once an outer snapshot covers them.",
+    )
     payload_dtype: Literal["bf16", "fp32"] = Field(
         default="bf16", description="Wire dtype of deltas/gradients; outer state stays fp32."
     )
@@ -148,7 +171,26 @@ class CrossRegion(_Strict):
             raise ValueError(f"regions has duplicates: {self.regions}")
         if self.region not in self.regions:
             raise ValueError(f"region {self.region!r} is not in regions {self.regions}")
+        if self.min_regions != "all":
+            if self.min_regions > len(self.regions):
+                raise ValueError(f"min_regions ({self.min_regions}) is more than the {len(self.regions)} regions")
+            if self.elastic and self.sync == "grad":
+                raise ValueError("min_regions below the number of regions needs sync: diloco (grad mode "
+                                 "averages every step and has no outer state a returning region could adopt)")
+        if self.elastic and self.grace_s >= self.timeout_s:
+            raise ValueError(f"grace_s ({self.grace_s:g}) must be below timeout_s ({self.timeout_s:g}): a round "
+                             "that waits out its grace period must still close before the timeout")
         return self
+
+    @property
+    def quorum(self) -> int:
+        """How many regions a round needs (``min_regions`` resolved)."""
+        return len(self.regions) if self.min_regions == "all" else int(self.min_regions)
+
+    @property
+    def elastic(self) -> bool:
+        """Rounds may close without every region."""
+        return self.quorum < len(self.regions)
 
     def shared_view(self) -> dict:
         """The fields every region of one run must agree on (everything but ``region``/``enabled``)."""
@@ -167,6 +209,9 @@ _FLAT = {
     "outer_lr": "--xr-outer-lr",
     "outer_momentum": "--xr-outer-momentum",
     "timeout_s": "--xr-timeout-s",
+    "min_regions": "--xr-min-regions",
+    "grace_s": "--xr-grace-s",
+    "snapshot_every": "--xr-snapshot-every",
     "keep_rounds": "--xr-keep-rounds",
     "payload_dtype": "--xr-payload-dtype",
     "shard_mb": "--xr-shard-mb",

@@ -25,6 +25,7 @@ from .. import xr_options
 from ..contract import EXIT_REQUEUE
 from .config import ConfigError, TrainConfig, load_config, xr_problems
 from .signals import StopRequest, resolve_stop_file, write_ack
+from .xr.errors import XRError
 
 log = logging.getLogger("sbatch_gen.train")
 
@@ -130,6 +131,9 @@ def run(args: argparse.Namespace, process_start: float | None = None, stop: Stop
     except _Fatal as e:
         log.error("%s", e)
         return EXIT_CONFIG
+    except XRError as e:  # every rank raised it: one line each, no traceback
+        log.error("cross-region sync failed: %s: %s", type(e).__name__, e)
+        return 1
     finally:
         stop.uninstall()
         dist_mod.shutdown(info)
@@ -379,6 +383,9 @@ class Trainer:
         has_rng = any(k.startswith(f"rng.{self._rng_key()}.") for k in keys)
         has_outer = any(k.startswith("outer.") for k in keys)
         state = self._state(include_rng=has_rng, include_outer=has_outer)
+        for k in list(state.get("outer", {})):  # outer fields added since that checkpoint keep their defaults
+            if f"outer.{k}" not in keys:
+                state["outer"].pop(k)
         self.ckpt.load(path, state)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         tr = state["train"]
@@ -413,10 +420,22 @@ class Trainer:
         from .metrics import format_summary, max_rss_bytes, summarize, write_json_atomic
 
         cfg, info, device = self.cfg, self.info, self.device
+        from .xr.errors import XRNoQuorum
+
         resumed_from, load_s = self.resume()
         self._settle_ddp_buckets()
+        exit_reason = "completed"
+        no_quorum: XRNoQuorum | None = None
         if self.sync is not None:
             self.sync.align(self.step)
+            try:
+                adopted = self.sync.catch_up(self.step)
+            except XRNoQuorum as e:  # the round pending from the last attempt still has no quorum
+                adopted, no_quorum, exit_reason = None, e, "no_quorum"
+            if adopted is not None and adopted != self.step:
+                log.info("cross-region: the run is at step %d; this region continues from there (was at %d)",
+                         adopted, self.step)
+                self.step = adopted
         first_step = self.step + 1
         step_times: list[float] = []
         mfus: list[float] = []
@@ -426,11 +445,10 @@ class Trainer:
         autocast = (torch.autocast(device_type=device.type, dtype=self.amp_dtype)
                     if self.amp_dtype is not None else contextlib.nullcontext())
         params = [p for p in self.model.parameters()]
-        exit_reason = "completed"
         self.ddp.train()
-        if self.step < self.end_step:
+        if self.step < self.end_step and no_quorum is None:
             log.info("training steps %d..%d (%d tokens per step)", first_step, self.end_step, self.tokens_per_step)
-        while self.step < self.end_step:
+        while self.step < self.end_step and no_quorum is None:
             t0 = time.perf_counter()
             step = self.step + 1
             lr = lr_at(cfg, step)
@@ -459,7 +477,15 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.step = step
             self.tokens_seen += self.tokens_per_step
-            xr_timings = self.sync.after_optimizer_step(step, self.tokens_per_step) if self.sync is not None else None
+            try:
+                xr_timings = self.sync.after_optimizer_step(step, self.tokens_per_step) if self.sync is not None else None
+            except XRNoQuorum as e:  # every rank raised it; the model holds this step's local parameters
+                no_quorum, exit_reason = e, "no_quorum"
+                break
+            if xr_timings and "xr_adopted_step" in xr_timings:  # behind the run: fast-forwarded
+                log.info("cross-region: fast-forwarded from step %d to the run's step %d", step,
+                         xr_timings["xr_adopted_step"])
+                self.step = step = xr_timings["xr_adopted_step"]
             if sleep_s:
                 time.sleep(sleep_s)
             if device.type == "cuda":
@@ -537,12 +563,20 @@ class Trainer:
                 self.ckpt.save(step, self._state(), block=step == self.end_step)
 
         # The end: a complete checkpoint of where we are, then hand-off or export.
-        if exit_reason == "stopped":
+        if exit_reason in ("stopped", "no_quorum"):
+            if self.sync is not None:  # the other regions stop waiting for this one
+                self.sync.leave(self.step, "no quorum" if no_quorum else self.stop.reason())
             res = self.ckpt.save(self.step, self._state(), block=True)
             if self.info.is_main and self.stop.stop_file is not None:
-                ack = write_ack(self.stop.stop_file, self.step, res.path, self.stop.reason())
+                if no_quorum is not None:  # a restart by torchrun must not wait for a quorum again
+                    self.stop.stop_file.parent.mkdir(parents=True, exist_ok=True)
+                    self.stop.stop_file.touch()
+                reason = "no quorum" if no_quorum is not None else self.stop.reason()
+                ack = write_ack(self.stop.stop_file, self.step, res.path, reason)
                 log.info("wrote %s", ack)
         else:
+            if self.sync is not None and self.step >= self.end_step:
+                self.sync.leave(self.step, "finished")
             self.ckpt.close()
             last = self.ckpt.last_saved
             if self.step > 0 and (last is None or last.step != self.step):
@@ -566,6 +600,10 @@ class Trainer:
             if step_times:
                 print(format_summary(s), file=sys.stderr, flush=True)
         self.metrics.close()
+        if no_quorum is not None:
+            log.error("no cross-region quorum: %s; checkpointed at step %d, exiting %d for a requeue",
+                      no_quorum, self.step, EXIT_REQUEUE)
+            return EXIT_REQUEUE
         if exit_reason == "stopped":
             log.info("exiting %d: checkpointed at step %d, requeue me", EXIT_REQUEUE, self.step)
             return EXIT_REQUEUE

@@ -11,7 +11,7 @@ from torch import nn
 
 from sbatch_gen.train.dist import DistInfo
 from sbatch_gen.train.xr.errors import XRLayoutError, XRTimeout
-from sbatch_gen.train.xr.sync import OuterSync
+from sbatch_gen.train.xr.sync import create
 from sbatch_gen.xr_options import CrossRegion, FsTransport
 
 from .concurrent import in_threads as run_in_threads
@@ -54,7 +54,7 @@ def xr_for(region, root, **kw) -> CrossRegion:
 
 def make(region, root, seed=None, log=None, **kw):
     m = model(seed if seed is not None else (1 if region == "eu" else 2))
-    s = OuterSync(xr_for(region, root, **kw), m, torch.device("cpu"), DistInfo(), None, log,
+    s = create(xr_for(region, root, **kw), m, torch.device("cpu"), DistInfo(), None, log,
                   poll_min_s=0.005, poll_max_s=0.05)
     return m, s
 
@@ -115,7 +115,7 @@ def test_align_makes_regions_identical_and_writes_the_model(tmp_path):
 def test_layout_mismatch_is_a_clear_error(tmp_path):
     def go(r):
         m = model(1, hidden=12 if r == "eu" else 13)
-        s = OuterSync(xr_for(r, tmp_path, timeout_s=5), m, torch.device("cpu"), DistInfo(), None, None,
+        s = create(xr_for(r, tmp_path, timeout_s=5), m, torch.device("cpu"), DistInfo(), None, None,
                       poll_min_s=0.005, poll_max_s=0.05)
         s.align(0)
 
@@ -185,8 +185,8 @@ def test_shard_objects_are_exactly_numel_times_itemsize(tmp_path, dtype, itemsiz
     recs = in_threads(lambda r: train(r, tmp_path, 1, payload_dtype=dtype, shard_mb=0.00005))
     s = recs["eu"]["sync"]
     files = sorted((tmp_path / "t" / "r000001" / "eu").iterdir())
-    assert len(files) == len(s.plan) > 1
-    for f, (lo, hi) in zip(files, s.plan.bounds, strict=True):
+    assert len(files) == len(s.ex.plan) > 1
+    for f, (lo, hi) in zip(files, s.ex.plan.bounds, strict=True):
         assert f.stat().st_size == (hi - lo) * itemsize
 
 
@@ -196,7 +196,7 @@ def test_failed_exchange_changes_nothing(tmp_path):
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
     inner_steps(m, opt, "eu", range(1, 5))
     local, theta, mom = flat(m), s.theta_outer.clone(), s.momentum.clone()
-    with pytest.raises(XRTimeout, match=r"round r000001 \(step 4\): no manifest from region\(s\) 'us'"):
+    with pytest.raises(XRTimeout, match=r"round r000001 \(step 4\): no quorum after 0.3 s: 1 of 2 regions published, 2 needed \(min_regions\); missing: us"):
         s.after_optimizer_step(4, 32)
     assert torch.equal(flat(m), local) and torch.equal(s.theta_outer, theta) and torch.equal(s.momentum, mom)
     assert s.round == 0
@@ -305,7 +305,7 @@ def test_state_dict_roundtrip(tmp_path):
     recs = in_threads(lambda r: train(r, tmp_path, 1))
     s = recs["eu"]["sync"]
     sd = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.state_dict().items()}
-    assert set(sd) == {"theta_outer", "momentum", "round", "aligned", "tokens"} and sd["round"] == 1
+    assert set(sd) == {"theta_outer", "momentum", "round", "aligned", "tokens", "pending"} and sd["round"] == 1
     _, s2 = make("eu", tmp_path)
     s2.load_state_dict({**sd, "round": torch.tensor(1)})
     assert torch.equal(s2.theta_outer, s.theta_outer) and torch.equal(s2.momentum, s.momentum)
@@ -315,7 +315,7 @@ def test_state_dict_roundtrip(tmp_path):
 
 
 def test_outer_step_is_torch_sgd_with_nesterov():
-    from sbatch_gen.train.xr.sync import outer_nesterov_
+    from sbatch_gen.train.xr.kernels import outer_nesterov_
 
     g = torch.Generator().manual_seed(0)
     theta = torch.randn(1000, generator=g)
@@ -334,7 +334,7 @@ def test_outer_step_is_torch_sgd_with_nesterov():
 def test_blocked_elementwise_ops_have_the_bits_of_whole_buffer_ops(block):
     """The CPU runs the average and the Nesterov step block by block (cache-sized): every element goes
     through the same operations, so the result must be bit-identical to one op over the whole buffer."""
-    from sbatch_gen.train.xr.sync import nesterov_block_, outer_nesterov_, weighted_average_
+    from sbatch_gen.train.xr.kernels import nesterov_block_, outer_nesterov_, weighted_average_
 
     n = 10_007  # not a multiple of any block or vector width
     g = torch.Generator().manual_seed(3)
@@ -360,13 +360,13 @@ def test_blocks_straddling_parameters_write_theta_into_the_model(tmp_path, monke
     """With blocks smaller than and straddling the parameters (sizes 72, 12, 12, 1), the fused
     Nesterov + copy into the model leaves every parameter equal to theta_outer, with the bits of the
     unblocked run."""
-    from sbatch_gen.train.xr import sync as sync_mod
+    from sbatch_gen.train.xr import exchange as exchange_mod
 
     whole = in_threads(lambda r: train(r, tmp_path / "whole", 2))
-    monkeypatch.setattr(sync_mod, "CPU_BLOCK", 5)
+    monkeypatch.setattr(exchange_mod, "CPU_BLOCK", 5)
     small = in_threads(lambda r: train(r, tmp_path / "small", 2))
     for r in REGIONS:
-        assert small[r]["sync"]._block == 5
+        assert small[r]["sync"].ex.block == 5
         for a, b in zip(whole[r]["rounds"], small[r]["rounds"], strict=True):
             assert torch.equal(a["after"], b["after"]) and torch.equal(a["momentum"], b["momentum"])
             assert torch.equal(b["after"], b["theta_outer"])

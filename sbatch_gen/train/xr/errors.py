@@ -28,3 +28,19 @@ class XRMissingRound(XRError):
 
 class StoreError(XRError):
     """The object store failed (after its retries)."""
+
+
+class XRNoQuorum(XRTimeout):
+    """A round found fewer than ``min_regions`` regions within ``timeout_s``: checkpoint and requeue."""
+
+    def __init__(self, message: str, missing: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.missing = list(missing or [])
+
+
+class XRBehind(XRError):
+    """The run committed rounds past this region's and the ones it needs are gone: fast-forward."""
+
+    def __init__(self, message: str, latest: int | None = None) -> None:
+        super().__init__(message)
+        self.latest = latest

@@ -202,7 +202,6 @@ class Mailbox:
         self.poll_min_s, self.poll_max_s = poll_min_s, poll_max_s
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="xr-io")
         self._clock = clock
-        self._swept = False
 
     # -- keys --------------------------------------------------------------------------------------
     def shard_key(self, tag: str, region: str, index: int) -> str:
@@ -213,15 +212,17 @@ class Mailbox:
 
     # -- writing -----------------------------------------------------------------------------------
     def upload_shards(
-        self, tag: str, shards: Mapping[int, Buffer] | Iterable[tuple[int, Buffer]]
+        self, tag: str, shards: Mapping[int, Buffer] | Iterable[tuple[int, Buffer]], region: str | None = None
     ) -> dict[int, tuple[int, str]]:
         """Upload this process's shards concurrently; returns ``{index: (nbytes, digest)}``. ``shards``
         may be a generator that encodes shard after shard: each one is checksummed and uploaded by the
-        thread pool while the caller encodes the next."""
+        thread pool while the caller encodes the next. ``region``: the part's name when it is not this
+        region's payload (an outer snapshot's ``theta`` / ``momentum``)."""
+        name = region or self.region
 
         def one(idx: int, buf: Buffer):
             d = digest(buf)
-            self.store.put(self.shard_key(tag, self.region, idx), buf)
+            self.store.put(self.shard_key(tag, name, idx), buf)
             return idx, (memoryview(buf).nbytes, d)
 
         items = shards.items() if isinstance(shards, Mapping) else shards
@@ -370,31 +371,6 @@ class Mailbox:
             return (region, info.index), buf
 
         return dict(self.pool.map(one, wants))
-
-    # -- housekeeping ------------------------------------------------------------------------------
-    def cleanup(self, current_round: int, shard_count: int) -> None:
-        """Delete this region's rounds older than ``keep_rounds`` (manifest first, so nobody sees a
-        manifest whose shards are gone). Only this region's own objects: regions never race on deletes."""
-        old = current_round - self.keep_rounds
-        if old < 0:
-            return
-        if not self._swept:  # the first time, sweep everything old (left over from a crash)
-            self._swept = True
-            doomed: set[int] = set()
-            for key in self.store.list(f"{self.run_id}/"):
-                parts = key.split("/")
-                r = parse_tag(parts[1]) if len(parts) >= 3 else None
-                if r is not None and r <= old and (parts[2] == f"{self.region}.done" or parts[2] == self.region):
-                    doomed.add(r)
-            for r in sorted(doomed):
-                self._delete_round(r, shard_count)
-        else:
-            self._delete_round(old, shard_count)
-
-    def _delete_round(self, r: int, shard_count: int) -> None:
-        tag = round_tag(r)
-        self.store.delete([self.manifest_key(tag, self.region)])
-        self.store.delete([self.shard_key(tag, self.region, i) for i in range(shard_count)])
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

@@ -8,13 +8,17 @@ protocol (:mod:`.protocol`) does. Both backends give the same guarantees the pro
 * ``get`` of a missing key returns ``None`` (that is how readers poll for a peer's manifest);
 * ``get_into`` reads an object into a caller-provided buffer and fails if the size differs, so a
   payload is never copied more than once on the way in;
-* ``get_view`` (stores with ``maps_objects``: fs) maps an object into memory instead: no copy at all.
+* ``get_view`` (stores with ``maps_objects``: fs) maps an object into memory instead: no copy at all;
+* ``create`` stores an object only if the key is still free, atomically: of two writers racing for one key
+  exactly one wins (fs: ``link()`` of a complete temp file; S3: conditional PUT, ``If-None-Match: *``).
+  Round commits rely on it; :func:`probe_create` checks that a store really refuses the second create.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import time
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -27,6 +31,11 @@ class Store(ABC):
 
     @abstractmethod
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None: ...
+
+    @abstractmethod
+    def create(self, key: str, data: bytes | bytearray | memoryview) -> bool:
+        """Store ``data`` under ``key`` only if no object is there: True if this call created it, False if
+        the key was taken (by this or another writer). Atomic: of concurrent creators exactly one wins."""
 
     @abstractmethod
     def get(self, key: str) -> bytes | None: ...
@@ -81,6 +90,20 @@ class FsStore(Store):
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+
+    def create(self, key: str, data: bytes | bytearray | memoryview) -> bool:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.link(tmp, path)  # fails if the key exists; readers never see a partial object
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def get(self, key: str) -> bytes | None:
         try:
@@ -224,6 +247,27 @@ class S3Store(Store):
         except Exception as e:
             raise StoreError(f"upload to {self.describe(key)} failed: {e}") from e
 
+    def create(self, key: str, data: bytes | bytearray | memoryview) -> bool:
+        from botocore.exceptions import ClientError
+
+        body = data if isinstance(data, bytes | bytearray) else bytes(data)
+        for attempt in range(6):
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=body, IfNoneMatch="*")
+                return True
+            except ClientError as e:
+                err = e.response.get("Error", {})
+                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if err.get("Code") == "PreconditionFailed" or status == 412:
+                    return False
+                if (err.get("Code") == "ConditionalRequestConflict" or status == 409) and attempt < 5:
+                    time.sleep(0.05 * 2**attempt)  # a concurrent conditional write is in flight: S3 asks to retry
+                    continue
+                raise StoreError(f"conditional create of {self.describe(key)} failed: {e}") from e
+            except Exception as e:
+                raise StoreError(f"conditional create of {self.describe(key)} failed: {e}") from e
+        raise AssertionError("unreachable")
+
     def _get_object(self, key: str):
         from botocore.exceptions import ClientError
 
@@ -298,6 +342,19 @@ class S3Store(Store):
 
     def close(self) -> None:
         self.client.close()
+
+
+def probe_create(store: Store, prefix: str) -> bool:
+    """Does ``store`` refuse a second create of the same key? (Some S3-compatible servers ignore
+    ``If-None-Match`` and overwrite: round commits would then not be decided once.)"""
+    key = f"{prefix}/_probe/{uuid.uuid4().hex}"
+    try:
+        first = store.create(key, b"1")
+        second = store.create(key, b"2")
+        kept = store.get(key)
+    finally:
+        store.delete([key])
+    return first and not second and kept == b"1"
 
 
 def _env(name: str) -> str:

@@ -1,0 +1,211 @@
+"""DiLoCo across regions, elastic: an outer Nesterov round every H inner steps; regions come and go.
+
+Every H steps each region publishes ``delta = theta_outer - theta_local``; the round's commit names the
+regions that take part; everybody averages exactly those deltas (token-weighted) and takes the outer
+step ``m = mu*m + g; theta_outer -= lr*(g + mu*m)``; the model takes ``theta_outer``. A region whose
+delta missed the commit (late) applies the same update and goes on, so all regions stay bit-identical.
+
+A region that was away (preempted, queued, crashed) **fast-forwards** when it returns: it replays the
+committed rounds still in the mailbox, or loads the newest outer snapshot first (``theta_outer`` and
+momentum, published every ``snapshot_every`` rounds by the round's first member) and replays the rounds
+after it. It then continues at the run's round and step; its own data position goes on from where it
+left off. The rounds between the newest snapshot and now are never cleaned up, and a snapshot is
+deleted only once a newer one is complete.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .errors import XRBehind, XRError, XRLayoutError, XRMissingRound, XRNoQuorum
+from .kernels import blocks, nesterov_block_
+from .protocol import round_tag
+from .sync import OuterSync, _as_int
+
+FF_ATTEMPTS = 5  # objects can vanish under a fast-forward (a newer snapshot lands): plan again this often
+
+
+class DiLoCo(OuterSync):
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        f32 = dict(dtype=torch.float32, device=self.outer_device)
+        self.theta_outer = torch.zeros(self.numel, **f32)
+        self.momentum = torch.zeros(self.numel, **f32)
+        self.pending = 0  # a round that found no quorum before a requeue: run again at start-up
+
+    def _aligned(self) -> None:
+        self.theta_outer.copy_(self.flat.gather(self.work))
+
+    # -- the live round ----------------------------------------------------------------------------------
+    def after_optimizer_step(self, step: int, tokens: int) -> dict | None:
+        """Count tokens; every ``inner_steps`` steps run an outer round and return its record. A record
+        with ``xr_adopted_step`` means the region was behind and fast-forwarded: continue from that step."""
+        self.tokens += int(tokens)
+        if step % self.xr.inner_steps != 0:
+            return None
+        if not self.aligned:
+            raise XRError("OuterSync.align() must run before the first outer round")
+        return self._round(step // self.xr.inner_steps, step)
+
+    def _round(self, r: int, step: int) -> dict:
+        # delta = theta_outer - theta_local (the outer "gradient"; note the sign)
+        delta = self.flat.delta_into(self.theta_outer, self.work) if self.ex.my_owner is not None else None
+        try:
+            res = self.ex.run_round(round_tag(r), "delta", step, delta, self.avg, self.tokens)
+        except XRBehind:
+            return self._fast_forward(step, "behind") or {}
+        except XRNoQuorum:
+            self.pending = r
+            raise
+        t = res.times
+        t5 = t["t_end"]
+        # Everything that can fail (the exchange) is behind us and only wrote into `avg`.
+        self._outer_step(self.avg)
+        self.round, self.tokens, self.pending = r, 0, 0
+        t6 = self._now()
+        snap_s = self._maybe_snapshot(r, res.members, step)
+        self._cleanup(r, need_snapshot=True)
+        t7 = self._now()
+        t.update(outer_step_s=t6 - t5, cleanup_s=t7 - t6, t_end=t7)
+        rec = self._record(step, res, t)
+        if snap_s is not None:
+            rec["xr_snapshot_s"] = snap_s
+        return rec
+
+    def _outer_step(self, g: torch.Tensor) -> None:
+        """Nesterov on ``theta_outer`` and theta into the model, block by block: on the CPU each block is
+        written into the parameters while it is still in cache."""
+        direct = self.flat.direct(self.outer_device)
+        tmp = self.ex.scratch(min(self.numel, self.ex.block))
+        for lo, hi in blocks(self.numel, self.outer_device, self.ex.block):
+            nesterov_block_(self.theta_outer[lo:hi], self.momentum[lo:hi], g[lo:hi], self.xr.outer_lr,
+                            self.xr.outer_momentum, tmp[: hi - lo])
+            if direct:
+                self.flat.scatter_range(self.theta_outer, lo, hi)
+        if not direct:
+            self.flat.scatter(self.theta_outer)
+
+    # -- snapshots -----------------------------------------------------------------------------------------
+    def _maybe_snapshot(self, r: int, members: list[str], step: int) -> float | None:
+        """Every ``snapshot_every`` rounds the round's first member publishes the outer state."""
+        if r % self.xr.snapshot_every or not members or members[0] != self.xr.region:
+            return None
+        t0 = time.perf_counter()
+        ms = self.membership
+        tag = ms.snap_tag(r) if ms is not None else ""
+        try:
+            mt, _, _ = self.ex.upload(tag, "theta", "snapshot", step, self.theta_outer, 0)
+            mm, _, _ = self.ex.upload(tag, "momentum", "snapshot", step, self.momentum, 0)
+            self.group.on_rank(lambda: (ms.complete_snapshot(r, {"theta": mt, "momentum": mm}, r),
+                                        ms.delete_snapshots_before(r)))
+        except XRError as e:  # the previous snapshot stays; rounds after it are kept
+            self._log({"event": "xr_snapshot_failed", "round": r, "error": str(e)})
+            return None
+        s = time.perf_counter() - t0
+        self._log({"event": "xr_snapshot", "round": r, "step": step, "seconds": round(s, 3)})
+        return s
+
+    def _load_snapshot(self, s: int) -> None:
+        """theta_outer and momentum of snapshot ``s`` (all-or-nothing: fetched into scratch first)."""
+        ms = self.membership
+        expect = self.ex.expect("snapshot")
+        mans = self.group.on_rank(lambda: ms.read_snapshot(s, expect))
+        tag = ms.snap_tag(s) if ms is not None else ""
+        self.ex.fetch(tag, mans["theta"], self.work, self.ex.fp32_plan)
+        self.ex.fetch(tag, mans["momentum"], self.avg, self.ex.fp32_plan)
+        self.theta_outer.copy_(self.work)
+        self.momentum.copy_(self.avg)
+        self.round = s
+
+    # -- returning regions ---------------------------------------------------------------------------------
+    def _plan(self):
+        """rank 0: how to reach the run's newest committed round, or None when already there."""
+        ms = self.membership
+        committed = ms.committed_rounds()
+        if not committed or committed[-1] <= self.round:
+            return None
+        latest, have = committed[-1], set(committed)
+        need = list(range(self.round + 1, latest + 1))
+        if all(r in have for r in need):
+            return latest, None, need
+        snaps = [s for s in ms.snapshot_rounds()
+                 if self.round < s <= latest and all(r in have for r in range(s + 1, latest + 1))]
+        if not snaps:
+            gone = [r for r in need if r not in have]
+            raise XRMissingRound(
+                f"region {self.xr.region!r} at round {self.round} cannot rejoin the run at round {latest}: "
+                f"round(s) {round_tag(gone[0])}..{round_tag(gone[-1])} are gone from "
+                f"{ms.store.describe(self.xr.run_id)} and no outer snapshot covers them")
+        s = max(snaps)
+        return latest, s, list(range(s + 1, latest + 1))
+
+    def _fast_forward(self, step: int, why: str) -> dict | None:
+        """Replay committed rounds (after the newest snapshot if the rounds are gone) until this region is
+        at the run's round. Returns the rejoin record, or None when nothing was behind."""
+        t0 = time.perf_counter()
+        start = self.round
+        via: list[str] = []
+        replayed = 0
+        for _ in range(FF_ATTEMPTS):
+            plan = self.group.on_rank(self._plan)
+            if plan is None:
+                break
+            _latest, snap, rounds = plan
+            try:
+                if snap is not None:
+                    self._load_snapshot(snap)
+                    via.append(f"snapshot {round_tag(snap)}")
+                for r in rounds:
+                    self.ex.replay(round_tag(r), "delta", self.avg)
+                    self._outer_step(self.avg)
+                    self.round = r
+                    replayed += 1
+            except XRBehind:
+                continue  # something we planned on was cleaned up meanwhile: plan again from here
+        else:
+            raise XRMissingRound(f"region {self.xr.region!r} could not catch up with the run in {FF_ATTEMPTS} "
+                                 "attempts (rounds kept disappearing): is keep_rounds very small?")
+        if self.round == start:
+            return None
+        self.flat.scatter(self.theta_outer)
+        self.tokens, self.pending = 0, 0
+        adopted = self.round * self.xr.inner_steps
+        rec = {"event": "xr_rejoin", "step": step, "adopted_step": adopted, "from_round": start,
+               "to_round": self.round, "replayed": replayed, "via": via or ["rounds"], "why": why,
+               "seconds": round(time.perf_counter() - t0, 3)}
+        self._log(rec)
+        return {"xr_round": self.round, "xr_step": step, "xr_adopted_step": adopted, "xr_rejoin_from": start}
+
+    def catch_up(self, step: int) -> int | None:
+        """Start-up: fast-forward to the run, run a round that found no quorum before the requeue, then
+        announce that this region has joined."""
+        rec = self._fast_forward(step, "start")
+        adopted = rec["xr_adopted_step"] if rec else None
+        if self.pending and self.round < self.pending:
+            r = self.pending
+            out = self._round(r, r * self.xr.inner_steps)
+            self._log({"event": "xr_pending_round", "step": r * self.xr.inner_steps, **out})
+            adopted = out.get("xr_adopted_step", adopted)
+        self._joined(adopted if adopted is not None else step)
+        return adopted
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "pending": int(self.pending), "theta_outer": self.theta_outer,
+                "momentum": self.momentum}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        for k in ("theta_outer", "momentum"):
+            if k not in state:
+                raise XRLayoutError(f"checkpoint has no outer state {k!r} (saved without --xr-sync diloco?)")
+            v = state[k]
+            if v.numel() != self.numel:
+                raise XRLayoutError(f"checkpoint outer state {k!r} has {v.numel()} elements, the model {self.numel}")
+            dst = getattr(self, k)
+            if v is not dst:
+                dst.copy_(v.reshape(-1))
+        super().load_state_dict(state)
+        self.pending = _as_int(state.get("pending", 0))

@@ -1,0 +1,289 @@
+"""One exchange round through the mailbox, seen from one region, and the flat transfers it is built of.
+
+A round (DiLoCo delta or grad-mode gradient), in phases:
+
+1. *publish*: the flat payload is cut into shards; shard ``s`` belongs to node ``s mod num_nodes``, whose
+   local rank 0 encodes it to the wire dtype and uploads it (thread pool); rank 0 writes the region's
+   manifest last. Skipped when the round is already committed (this region is late) or when this
+   region published the round before (a requeued job re-entering it: it keeps what it published).
+2. *close*: rank 0 waits until the round has a commit (:mod:`.membership`): every region, or a quorum
+   after ``grace_s``, or the rest announced a leave. Whoever closes first writes it; all obey it.
+3. *download*: each node leader fetches its shards from every committed member and averages them,
+   weighted by tokens, in the order of ``regions``, from the bytes as they are on the wire (its own part
+   from the bytes it encoded). Every region therefore computes bit-identical averages.
+4. *broadcast*: the averaged shards go from their owners to every rank of the region.
+
+Every failure reaches every rank before anything changes (:class:`.region.Region`).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sbatch_gen.xr_options import CrossRegion
+
+from .errors import XRLayoutError
+from .kernels import CPU_BLOCK, weighted_average_
+from .membership import Commit, Membership
+from .protocol import ITEMSIZE, Expect, Mailbox, Manifest, ShardInfo, ShardPlan, digest_of_digests
+from .region import Region
+
+_WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
+WAIT_SLICE_S = 30.0  # rank 0 reports to the other ranks at least this often while it waits for peers
+
+
+@dataclass
+class RoundResult:
+    commit: Commit
+    members: list[str]  # in the order of `regions`
+    late: bool  # this region's payload is not in the commit
+    reused: bool  # this region had published the round before (re-entered it)
+    bytes_up: int = 0
+    bytes_down: int = 0
+    tokens: int = 0
+    times: dict = field(default_factory=dict)
+
+
+class Exchange:
+    def __init__(self, xr: CrossRegion, group: Region, mailbox: Mailbox | None, membership: Membership | None,
+                 numel: int, layout: str, owner_ranks: list[int], outer_device: torch.device,
+                 device: torch.device) -> None:
+        self.xr, self.group, self.mailbox, self.membership = xr, group, mailbox, membership
+        self.numel, self.layout = numel, layout
+        self.owner_ranks = owner_ranks
+        self.my_owner = owner_ranks.index(group.rank) if group.rank in owner_ranks else None
+        self.outer_device, self.device = outer_device, device
+        self.plan = ShardPlan.make(numel, ITEMSIZE[xr.payload_dtype], xr.shard_mb)
+        self.fp32_plan = ShardPlan.make(numel, ITEMSIZE["fp32"], xr.shard_mb)
+        self.block = CPU_BLOCK if outer_device.type == "cpu" else numel
+        self._stage: dict[str, torch.Tensor] = {}  # wire dtype -> host staging buffer
+        self._tmp: torch.Tensor | None = None  # fp32 scratch of one block
+        self._rx: dict = {}  # (region, shard) -> reused receive buffer
+
+    # -- expectations ----------------------------------------------------------------------------------
+    def expect(self, kind: str) -> Expect:
+        """What every manifest of a ``kind`` round must agree on. init and snapshot parts are fp32 raw."""
+        if kind in ("init", "snapshot"):
+            return Expect(kind, "fp32", self.numel, self.layout, "raw", self.fp32_plan)
+        return Expect(kind, self.xr.payload_dtype, self.numel, self.layout, self.xr.serialization, self.plan)
+
+    def owned(self, plan: ShardPlan) -> list[int]:
+        return plan.owned(self.my_owner, len(self.owner_ranks)) if self.my_owner is not None else []
+
+    # -- encoding: raw contiguous bytes of exactly the slice (never a slice's whole storage) -----------
+    # Buffers are allocated once and reused every round: fresh large allocations cost page faults that
+    # are slower than the conversions themselves.
+    def _staging(self, wire: str) -> torch.Tensor:
+        st = self._stage.get(wire)
+        if st is None:
+            st = torch.empty(self.numel, dtype=_WIRE[wire], pin_memory=self.outer_device.type == "cuda")
+            self._stage[wire] = st
+        return st
+
+    def drop_staging(self, wire: str) -> None:
+        self._stage.pop(wire, None)
+
+    def scratch(self, n: int) -> torch.Tensor:
+        if self._tmp is None or self._tmp.numel() < n:
+            self._tmp = torch.empty(n, dtype=torch.float32, device=self.outer_device)
+        return self._tmp[:n]
+
+    def _encode(self, vec: torch.Tensor, lo: int, hi: int, wire: str, ser: str) -> bytes | memoryview:
+        if ser == "torch_save":
+            buf = io.BytesIO()
+            # clone: torch.save of a view would write its whole backing storage
+            torch.save(vec[lo:hi].to(_WIRE[wire]).cpu().clone(), buf)
+            return buf.getvalue()
+        if wire == "fp32" and vec.device.type == "cpu" and vec.dtype == torch.float32:
+            return memoryview(vec[lo:hi].numpy()).cast("B")  # already the wire bytes
+        st = self._staging(wire)[lo:hi]
+        st.copy_(vec[lo:hi])  # dtype conversion (and device-to-host copy) into the reused buffer
+        return memoryview(st.view(torch.uint8).numpy())
+
+    def _decode(self, buf, info: ShardInfo, wire: str, ser: str) -> torch.Tensor:
+        """The wire-dtype tensor of a shard, on the outer device (not yet converted to fp32)."""
+        if ser == "torch_save":
+            t = torch.load(io.BytesIO(bytes(buf)), weights_only=True)
+            if t.dtype != _WIRE[wire] or t.numel() != info.numel:
+                raise XRLayoutError(f"shard {info.index}: torch.save payload is {t.dtype} x {t.numel()}")
+        else:
+            t = torch.frombuffer(buf, dtype=_WIRE[wire])
+        return t.to(self.outer_device, non_blocking=False)
+
+    # -- flat transfers ----------------------------------------------------------------------------------
+    def upload(self, tag: str, name: str, kind: str, step: int, src: torch.Tensor | None, tokens: int,
+               extra_fn=None) -> tuple[Manifest | None, dict, int]:
+        """Owners upload their shards of ``src`` as ``name``'s part of ``tag``; rank 0 writes the manifest.
+        Collective. Returns (the manifest on rank 0, this rank's encoded shards, bytes uploaded)."""
+        expect = self.expect(kind)
+        mb = self.mailbox
+        encoded: dict[int, bytes | memoryview] = {}
+
+        def up():
+            def encode_each():  # encode shard after shard; the pool checksums and uploads behind
+                for s in self.owned(expect.plan):
+                    lo, hi = expect.plan.bounds[s]
+                    encoded[s] = self._encode(src, lo, hi, expect.dtype, expect.serialization)
+                    yield s, encoded[s]
+
+            return mb.upload_shards(tag, encode_each(), region=name)
+
+        sums: dict[int, tuple[int, str]] = {}
+        for part in self.group.on_each(up, active=self.my_owner is not None):
+            sums.update(part or {})
+
+        def manifest():
+            shards = [ShardInfo(i, lo, hi - lo, *sums[i]) for i, (lo, hi) in enumerate(expect.plan.bounds)]
+            extra = extra_fn(shards) if extra_fn else {}
+            m = Manifest(self.xr.run_id, name, tag, kind, step, expect.dtype, self.numel, self.layout,
+                         expect.serialization, tokens, shards, extra)
+            mb.store.put(mb.manifest_key(tag, name), m.to_json())
+            return m
+
+        m = self.group.on_rank(manifest)
+        return m, encoded, sum(n for n, _ in sums.values())
+
+    def fetch(self, tag: str, m: Manifest, out: torch.Tensor, plan: ShardPlan) -> int:
+        """Owners download their shards of ``m`` (fp32 raw) into ``out``; every rank then has all of
+        ``out``. Collective. Returns bytes downloaded by this region."""
+
+        def down():
+            mine = self.owned(plan)
+            bufs = self.mailbox.download(tag, [(m.region, m.shards[s]) for s in mine])
+            for s in mine:
+                lo, hi = plan.bounds[s]
+                out[lo:hi].copy_(torch.frombuffer(bufs[(m.region, s)], dtype=torch.float32))
+            return sum(len(b) for b in bufs.values())
+
+        n = sum(x or 0 for x in self.group.on_each(down, active=self.my_owner is not None))
+        self.broadcast_slices(plan, out)
+        return n
+
+    def broadcast_slices(self, plan: ShardPlan, buf: torch.Tensor) -> None:
+        """Every rank gets every shard of ``buf`` from its owner."""
+        if not self.group.on:
+            return
+        comm = buf if buf.device == self.device else buf.to(self.device)
+        if len(self.owner_ranks) == 1:
+            self.group.broadcast_tensor(comm, src=self.owner_ranks[0])
+        else:
+            for s, (lo, hi) in enumerate(plan.bounds):
+                self.group.broadcast_tensor(comm[lo:hi], src=self.owner_ranks[s % len(self.owner_ranks)])
+        if comm is not buf:
+            buf.copy_(comm)
+
+    # -- one round -----------------------------------------------------------------------------------------
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.outer_device.type == "cuda" and self.outer_device != self.device:
+            torch.cuda.synchronize(self.outer_device)
+        return time.perf_counter()
+
+    def run_round(self, tag: str, kind: str, step: int, src: torch.Tensor | None, out: torch.Tensor,
+                  tokens: int) -> RoundResult:
+        """Phases 1-4. ``out`` receives the committed members' weighted average on every rank."""
+        region = self.xr.region
+        expect = self.expect(kind)
+        mb, ms = self.mailbox, self.membership
+        t0 = self._now()
+
+        def state():  # (already committed?, this region's earlier manifest)
+            c = ms.read_commit(tag)
+            own = mb.read_manifest(tag, region)
+            if own is not None:
+                expect.check(own, self.xr.run_id, tag, region, mb.store.describe(mb.manifest_key(tag, region)))
+            return c is not None, own
+
+        committed, own = self.group.on_rank(state)
+        encoded: dict = {}
+        bytes_up = 0
+        if own is None and not committed:
+            _, encoded, bytes_up = self.upload(tag, region, kind, step, src, tokens)
+        t1 = self._now()
+        started = time.monotonic()
+        while True:  # rank 0 waits in slices, so every rank hears about progress or failure
+            res = self.group.on_rank(
+                lambda: self._closed(tag, expect, step, started))
+            if res is not None:
+                break
+        commit, manifests = res
+        t2 = self._now()
+        members = [r for r in self.xr.regions if r in commit.members]
+        late = region not in commit.members
+        local = {} if (own is not None or late) else encoded  # this region's own bytes, where it has them
+        bytes_down, t_dl = self._download_and_average(tag, expect, manifests, members, local, out)
+        t3 = self._now()
+        self.broadcast_slices(expect.plan, out)
+        t4 = self._now()
+        dl = min(t_dl, t3 - t2)
+        return RoundResult(
+            commit, members, late, own is not None, bytes_up, bytes_down, sum(commit.members[r].tokens for r in members),
+            dict(upload_s=t1 - t0, wait_s=t2 - t1, download_s=dl, reduce_s=(t3 - t2) - dl, broadcast_s=t4 - t3,
+                 t_start=t0, t_end=t4),
+        )
+
+    def _closed(self, tag: str, expect: Expect, step: int, started: float):
+        """rank 0: one slice of waiting; (commit, the members' verified manifests) once the round closed."""
+        got = self.membership.wait_commit(tag, expect, step=step, started=started, slice_s=WAIT_SLICE_S)
+        if got is None:
+            return None
+        commit, seen = got
+        return commit, self.membership.member_manifests(commit, expect, seen)
+
+    def _download_and_average(self, tag: str, expect: Expect, manifests: dict[str, Manifest], members: list[str],
+                              local: dict, out: torch.Tensor) -> tuple[int, float]:
+        """Owners fetch their shards from every member (their own region's from ``local`` bytes where
+        given) and average them into ``out`` (owned slices). Returns (bytes downloaded by the region,
+        seconds of the download part on this rank)."""
+        region = self.xr.region
+        t_dl = [0.0]
+
+        def work():
+            t0 = time.perf_counter()
+            mine = self.owned(expect.plan)
+            wants = [(r, manifests[r].shards[s]) for r in members for s in mine if not (r == region and local)]
+            bufs = self.mailbox.download(tag, wants, reuse=self._rx)
+            t_dl[0] = time.perf_counter() - t0
+            total = sum(manifests[r].tokens for r in members)
+            weights = [manifests[r].tokens / total if total > 0 else 1.0 / len(members) for r in members]
+            for s in mine:
+                lo, hi = expect.plan.bounds[s]
+                xs = []
+                for r in members:
+                    buf = local[s] if (r == region and local) else bufs[(r, s)]
+                    xs.append(self._decode(buf, manifests[r].shards[s], expect.dtype, expect.serialization))
+                # out = sum_r w_r * x_r in the order of `regions`; exact bf16->fp32 conversion, then
+                # separate multiply and add (no fused ops): identical bits on every device
+                weighted_average_(out[lo:hi], xs, weights, self.scratch(min(hi - lo, self.block)), self.block)
+            return sum(len(b) for (r, _), b in bufs.items() if r != region)
+
+        n = sum(x or 0 for x in self.group.on_each(work, active=self.my_owner is not None))
+        return n, t_dl[0]
+
+    def replay(self, tag: str, kind: str, out: torch.Tensor) -> Commit:
+        """A committed round, entirely from the mailbox (a region fast-forwarding): ``out`` = the members'
+        weighted average, as every member computed it. Collective."""
+        expect = self.expect(kind)
+
+        def read():
+            c = self.membership.read_commit(tag)
+            if c is None:
+                from .errors import XRBehind
+
+                raise XRBehind(f"round {tag}: commit gone while fast-forwarding", None)
+            return c, self.membership.member_manifests(c, expect, {})
+
+        commit, manifests = self.group.on_rank(read)
+        members = [r for r in self.xr.regions if r in commit.members]
+        self._download_and_average(tag, expect, manifests, members, {}, out)
+        self.broadcast_slices(expect.plan, out)
+        return commit
+
+
+def theta0_extra(shards: list[ShardInfo]) -> dict:
+    return {"theta0": digest_of_digests(s.digest for s in shards)}
