@@ -54,7 +54,7 @@ def ours(a) -> list[dict]:
     from torch import nn
 
     from sbatch_gen.train.dist import DistInfo
-    from sbatch_gen.train.xr.sync import OuterSync
+    from sbatch_gen.train.xr.sync import create
     from sbatch_gen.xr_options import CrossRegion
 
     torch.set_num_threads(1)
@@ -69,7 +69,7 @@ def ours(a) -> list[dict]:
     g = torch.Generator().manual_seed(zlib.crc32(a.region.encode()) % 2**31)
     for p in model.params:
         p.grad = torch.randn(p.shape, generator=g) * 1e-3
-    sync = OuterSync(xr, model, torch.device("cpu"), DistInfo())
+    sync = create(xr, model, torch.device("cpu"), DistInfo())
     sync.load_state_dict({"round": 0, "aligned": 1, "tokens": 0})  # as resumed: no theta0 round needed
     out = []
     for r in range(1, a.rounds + 1):

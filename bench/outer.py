@@ -77,11 +77,13 @@ def run(out_dir: Path, quick: bool = False) -> Result:
     import torch
     from torch import nn
 
+    from bench.peer import publish
     from sbatch_gen.train.dist import DistInfo
-    from sbatch_gen.train.xr import sync as sync_mod
+    from sbatch_gen.train.xr import kernels as sync_mod
+    from sbatch_gen.train.xr.flat import layout_fingerprint
     from sbatch_gen.train.xr.protocol import Mailbox, round_tag
     from sbatch_gen.train.xr.store import FsStore
-    from sbatch_gen.train.xr.sync import OuterSync, layout_fingerprint
+    from sbatch_gen.train.xr.sync import create
     from sbatch_gen.xr_options import CrossRegion, FsTransport
 
     res = Result("outer", "Outer step vs memory bandwidth (CPU)", quick)
@@ -126,7 +128,7 @@ def run(out_dir: Path, quick: bool = False) -> Result:
         xr = CrossRegion(enabled=True, run_id="outer", region="a", regions=["a", "b"], sync="diloco",
                          inner_steps=1, outer_lr=lr, outer_momentum=mu, transport=FsTransport(root=tmp.name),
                          keep_rounds=100, threads=4)
-        sync = OuterSync(xr, model, torch.device("cpu"), DistInfo(), log=lambda d: None)
+        sync = create(xr, model, torch.device("cpu"), DistInfo(), log=lambda d: None)
         theta0 = torch.cat([p.detach().reshape(-1) for p in model.params])
         sync.load_state_dict({"round": 0, "aligned": 1, "tokens": 0, "theta_outer": theta0,
                               "momentum": torch.zeros(n)})
@@ -136,7 +138,7 @@ def run(out_dir: Path, quick: bool = False) -> Result:
         for r in range(1, rounds + 2):  # one more for the byte-counting round
             d = (torch.randn(n, generator=g) * 1e-2).to(torch.bfloat16)
             payloads_b.append(d)
-            peer.publish(round_tag(r), memoryview(d.view(torch.uint8).numpy()), kind="delta", dtype="bf16",
+            publish(peer, round_tag(r), memoryview(d.view(torch.uint8).numpy()), kind="delta", dtype="bf16",
                          layout=layout, step=r, tokens=1000, shard_mb=xr.shard_mb)
         peer.close()
 
@@ -144,7 +146,7 @@ def run(out_dir: Path, quick: bool = False) -> Result:
         ref_theta, ref_m, ref_avg, ref_tmp = theta0.clone(), torch.zeros(n), torch.empty(n), torch.empty(n)
         offsets = [0, *torch.tensor(sizes).cumsum(0)[:-1].tolist()]
         counter = byte_counter()
-        orig_dl, orig_clean = sync._download_and_average, sync._cleanup
+        orig_dl, orig_clean = sync.ex._download_and_average, sync._cleanup
 
         def dl_on(*a, **kw):  # count from the averaging ...
             counter.on = True
@@ -162,7 +164,7 @@ def run(out_dir: Path, quick: bool = False) -> Result:
                 local = torch.cat([p.detach().reshape(-1) for p in model.params])
             delta_a = (sync.theta_outer - local).to(torch.bfloat16)
             if r == rounds + 1:
-                sync._download_and_average, sync._cleanup = dl_on, clean_off
+                sync.ex._download_and_average, sync._cleanup = dl_on, clean_off
                 with counter:
                     sync.after_optimizer_step(r, 1000)
                 xb = counter.bytes

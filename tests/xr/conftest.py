@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import itertools
+import sys
+from pathlib import Path
 
 import pytest
 
-from sbatch_gen.testing.s3server import S3Server
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # `bench` (the scripted peer) is a top-level package of the checkout
+    sys.path.insert(0, str(REPO))
+
+from sbatch_gen.testing.s3server import S3Server  # noqa: E402
 
 KEY_ENV, SECRET_ENV = "XR_TEST_ACCESS_KEY", "XR_TEST_SECRET_KEY"
 _buckets = itertools.count()
