@@ -1,0 +1,121 @@
+"""Elastic DiLoCo in one process (regions as threads, no process group): absent regions, token weighting
+over the present ones, fast-forward from the rounds or from a snapshot, bit-identical after the first
+round back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sbatch_gen.train.xr.errors import XRMissingRound
+
+from .concurrent import in_threads
+from .test_sync import flat, inner_steps, make
+
+H = 4
+
+
+def _sync(region, root, regions, **kw):
+    base = dict(regions=regions, min_regions=1, grace_s=0.2, payload_dtype="fp32", keep_rounds=2)
+    base.update(kw)
+    return make(region, root, **base)
+
+
+def _rounds(m, s, opt, region, rounds, tokens=32):
+    """Train H steps and run the outer round, for each of ``rounds``; returns the round records."""
+    out = []
+    for r in rounds:
+        inner_steps(m, opt, region, range((r - 1) * H + 1, r * H + 1))
+        out.append(s.after_optimizer_step(r * H, tokens))
+    return out
+
+
+def test_three_regions_one_absent_weights_the_present_ones_by_tokens(tmp_path):
+    """ap never shows up: eu and us close every round after grace_s, and the outer gradient is the token-
+    weighted average of their two deltas only (reference in float64, computed here)."""
+    regions = ["eu", "us", "ap"]
+    tokens = {"eu": 30, "us": 90}
+    seen = {}
+
+    def region(r):
+        m, s = _sync(r, tmp_path, regions, min_regions=2, grace_s=0.3, outer_lr=0.5, outer_momentum=0.0)
+        s.align(0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        theta0 = s.theta_outer.clone()
+        inner_steps(m, opt, r, range(1, H + 1))
+        seen[r] = flat(m)
+        rec = s.after_optimizer_step(H, tokens[r])
+        return rec, theta0, s.theta_outer.clone()
+
+    out = in_threads(region, ["eu", "us"])
+    (rec, theta0, after), (_, _, after_us) = out["eu"], out["us"]
+    assert rec["xr_members"] == ["eu", "us"] and rec["xr_absent"] == ["ap"] and rec["xr_close_reason"] == "grace"
+    assert rec["xr_tokens"] == 120
+    d = {r: theta0.double() - seen[r].double() for r in ("eu", "us")}
+    g = (30 * d["eu"] + 90 * d["us"]) / 120
+    ref = theta0.double() - 0.5 * g
+    torch.testing.assert_close(after.double(), ref, rtol=0, atol=1e-6)
+    assert torch.equal(after, after_us)
+
+
+@pytest.mark.parametrize("via", ["rounds", "snapshot"])
+def test_a_returning_region_fast_forwards_and_is_bitwise_equal_after_its_first_round_back(tmp_path, via):
+    """us takes part in round 1, then is away for rounds 2-5 (eu closes them alone after grace_s). It
+    comes back from its round-1 state, fast-forwards (replaying rounds 2-5, or, once they are cleaned up,
+    from the round-4 snapshot plus round 5), holds exactly eu's theta_outer, and after round 6, which both
+    take part in, the two regions are bit-identical."""
+    regions = ["eu", "us"]
+    kw = dict(keep_rounds=1, snapshot_every=2) if via == "snapshot" else dict(keep_rounds=10, snapshot_every=100)
+    syncs, saved = {}, {}
+
+    def first_round(r):
+        m, s = _sync(r, tmp_path, regions, **kw)
+        s.align(0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        _rounds(m, s, opt, r, [1])
+        syncs[r] = (m, s, opt)
+        if r == "us":
+            saved["model"] = {k: v.clone() for k, v in m.state_dict().items()}
+            saved["outer"] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.state_dict().items()}
+            s.leave(H, "test")
+        return s.round
+
+    assert in_threads(first_round, regions) == {"eu": 1, "us": 1}
+    m_eu, s_eu, opt_eu = syncs["eu"]
+    recs = _rounds(m_eu, s_eu, opt_eu, "eu", [2, 3, 4, 5])
+    assert [x["xr_members"] for x in recs] == [["eu"]] * 4
+    assert all(x["xr_close_reason"] == "leave" for x in recs)  # us announced its leave: no grace wait
+    mailbox = tmp_path / "t"
+    if via == "snapshot":
+        assert not (mailbox / "r000002").exists() and (mailbox / "_snap" / "r000004" / "_complete.json").exists()
+    events = []
+    m_us, s_us = _sync("us", tmp_path, regions, seed=99, log=events.append, **kw)
+    m_us.load_state_dict(saved["model"])
+    s_us.load_state_dict(saved["outer"])
+    assert s_us.catch_up(H) == 5 * H
+    assert torch.equal(s_us.theta_outer, s_eu.theta_outer) and torch.equal(s_us.momentum, s_eu.momentum)
+    assert torch.equal(flat(m_us), s_eu.theta_outer)
+    ev = [e for e in events if e.get("event") == "xr_rejoin"][0]
+    assert ev["from_round"] == 1 and ev["to_round"] == 5
+    assert ev["via"] == (["snapshot r000004"] if via == "snapshot" else ["rounds"])
+    assert ev["replayed"] == (1 if via == "snapshot" else 4)
+
+    opt_us = torch.optim.SGD(m_us.parameters(), lr=0.05)
+    both = {"eu": (m_eu, s_eu, opt_eu), "us": (m_us, s_us, opt_us)}
+    out = in_threads(lambda r: _rounds(*both[r], r, [6])[0], regions)
+    assert out["eu"]["xr_members"] == ["eu", "us"] == out["us"]["xr_members"]
+    assert torch.equal(flat(m_eu), flat(m_us)) and torch.equal(s_eu.theta_outer, s_us.theta_outer)
+
+
+def test_fast_forward_with_neither_rounds_nor_snapshot_is_a_clear_error(tmp_path):
+    regions = ["eu", "us"]
+    _, s_eu = _sync("eu", tmp_path, regions, keep_rounds=1, snapshot_every=2)
+    s_eu.align(0)
+    ms = s_eu.membership
+    for r in (3, 4):  # the run is at round 4; rounds 1-2 are gone and no snapshot covers them
+        ms.store.create(ms.commit_key(f"r{r:06d}"), b"{}")
+    _, s_us = _sync("us", tmp_path, regions)
+    s_us.align(0)
+    with pytest.raises(XRMissingRound, match=r"region 'us' at round 0 cannot rejoin the run at round 4: round\(s\) "
+                                             r"r000001..r000002 are gone .* and no outer snapshot covers them"):
+        s_us.catch_up(0)

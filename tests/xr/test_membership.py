@@ -1,0 +1,220 @@
+"""Round membership on both stores: conditional create, the closing rule, commit races, planned leaves,
+cleanup that keeps what a returning region needs. In-process, torch-free (regions as threads)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from bench import peer
+from sbatch_gen.train.xr.errors import XRBehind, XRNoQuorum
+from sbatch_gen.train.xr.membership import Commit, Membership, decide
+from sbatch_gen.train.xr.protocol import Expect, Mailbox, ShardPlan, round_tag
+from sbatch_gen.train.xr.store import FsStore, make_store, probe_create
+
+from .concurrent import in_threads
+
+REGIONS = ["eu", "us"]
+N = 1000  # fp32 elements per payload
+EXPECT = Expect("delta", "fp32", N, "L1", "raw", ShardPlan.make(N, 4, 0.002))
+
+
+def members(transport, regions=REGIONS, quorum=None, grace_s=0.3, timeout_s=20.0, run_id="run1"):
+    out = {}
+    for r in regions:
+        mb = Mailbox(make_store(transport, threads=2), run_id, r, regions, timeout_s=timeout_s, threads=2,
+                     poll_min_s=0.005, poll_max_s=0.05)
+        out[r] = Membership(mb, quorum or len(regions), grace_s)
+    return out
+
+
+def pub(ms: Membership, r: int, tokens=100, payload=None):
+    peer.publish(ms.mb, round_tag(r), payload or os.urandom(4 * N), kind="delta", dtype="fp32", layout="L1",
+                 step=r * 4, tokens=tokens, shard_mb=0.002)
+
+
+def test_decide_is_the_closing_rule():
+    R = ["eu", "us", "ap"]
+    assert decide(R, R, [], 2, 5.0, 0.0, None) == ("all", None)
+    assert decide(R, ["eu"], [], 2, 5.0, 0.0, None) == (None, None)  # no quorum: no grace clock
+    assert decide(R, ["eu", "us"], [], 2, 5.0, 10.0, None) == (None, 10.0)  # quorum formed now
+    assert decide(R, ["eu", "us"], [], 2, 5.0, 14.9, 10.0) == (None, 10.0)
+    assert decide(R, ["eu", "us"], [], 2, 5.0, 15.0, 10.0) == ("grace", 10.0)
+    assert decide(R, ["eu", "us"], ["ap"], 2, 5.0, 10.0, None) == ("leave", 10.0)  # the missing one left
+    assert decide(R, ["eu"], ["us", "ap"], 2, 5.0, 10.0, None) == (None, None)  # a leave never beats the quorum
+    assert decide(R, ["eu", "us"], [], 2, 0.0, 10.0, None) == ("grace", 10.0)
+
+
+def test_create_if_absent_has_one_winner_under_races(transport):
+    stores = [make_store(transport, threads=2) for _ in range(2)]
+    assert probe_create(stores[0], "probe")
+    wins = []
+    for i in range(40):
+        barrier = threading.Barrier(2)
+
+        def go(j, i=i, barrier=barrier):
+            barrier.wait()
+            return stores[j].create(f"race/{i}", str(j).encode())
+
+        res = in_threads(lambda j: go(j), [0, 1])
+        assert sorted(res.values()) == [False, True], res
+        winner = [j for j, ok in res.items() if ok][0]
+        assert stores[1].get(f"race/{i}") == str(winner).encode()  # the loser did not overwrite it
+        wins.append(winner)
+
+
+def test_commit_race_both_regions_close_the_same_round_at_the_same_instant(transport):
+    """Both regions see both manifests and write the commit at the same instant (a barrier right before
+    the create), 30 rounds in a row: exactly one commit per round, and both regions obey it."""
+    ms = members(transport, quorum=1, grace_s=0.0)
+    barrier = threading.Barrier(2)
+    for m in ms.values():
+        m.test_hook = lambda event, tag: barrier.wait() if event == "before_create" else None
+    for r in range(1, 31):
+        # publish both first, so that both close with reason "all" and hit the barrier together
+        in_threads(lambda reg, r=r: pub(ms[reg], r), REGIONS)
+        got = in_threads(lambda reg, r=r: ms[reg].wait_commit(round_tag(r), EXPECT, step=r * 4), REGIONS)
+        ce, cu = got["eu"][0], got["us"][0]
+        assert ce.to_json() == cu.to_json(), (ce, cu)  # one commit: the winner's, byte for byte
+        assert sorted(ce.members) == REGIONS and ce.closed_by in REGIONS
+        stored = ms["eu"].read_commit(round_tag(r))
+        assert stored.to_json() == ce.to_json()
+
+
+def test_quorum_closes_after_grace_and_a_late_region_obeys(transport):
+    ms = members(transport, quorum=1, grace_s=0.4)
+    pub(ms["eu"], 1)
+    t0 = time.monotonic()
+    c, seen = ms["eu"].wait_commit("r000001", EXPECT, step=4)
+    waited = time.monotonic() - t0
+    assert 0.4 <= waited < 0.4 + 0.3, waited  # grace_s plus about one poll
+    assert list(c.members) == ["eu"] and c.absent == ["us"] and c.reason == "grace"
+    # us arrives after the commit: it reads and obeys it, its payload is not part of the round
+    pub(ms["us"], 1)
+    c2, _ = ms["us"].wait_commit("r000001", EXPECT, step=4)
+    assert c2.to_json() == c.to_json()
+
+
+def test_planned_leave_closes_the_next_round_without_the_grace_wait(transport):
+    ms = members(transport, quorum=1, grace_s=30.0)
+    ms["us"].announce("leaving", 3, 12)
+    pub(ms["eu"], 4)
+    t0 = time.monotonic()
+    c, _ = ms["eu"].wait_commit("r000004", EXPECT, step=16)
+    assert time.monotonic() - t0 < 3.0
+    assert c.reason == "leave" and list(c.members) == ["eu"]
+    ms["us"].announce("joined", 4, 16)  # back: the next round waits for it again
+    pub(ms["eu"], 5)
+    got = {}
+    th = threading.Thread(target=lambda: got.setdefault("c", ms["eu"].wait_commit("r000005", EXPECT, step=20)))
+    th.start()
+    time.sleep(0.5)
+    assert "c" not in got  # still waiting for us (grace 30 s)
+    pub(ms["us"], 5)
+    th.join(10)
+    assert got["c"][0].reason == "all"
+
+
+def test_no_quorum_within_timeout_names_the_missing_regions(transport):
+    ms = members(transport, regions=["eu", "us", "ap"], quorum=2, grace_s=0.1, timeout_s=0.6)
+    pub(ms["eu"], 1)
+    t0 = time.monotonic()
+    with pytest.raises(XRNoQuorum, match=r"round r000001 \(step 4\): no quorum after 0.6 s: 1 of 3 regions "
+                                         r"published, 2 needed \(min_regions\); missing: us, ap") as ei:
+        ms["eu"].wait_commit("r000001", EXPECT, step=4)
+    assert time.monotonic() - t0 < 2.0 and ei.value.missing == ["us", "ap"]
+
+
+def test_a_region_whose_round_was_cleaned_up_is_behind_and_never_closes_it(transport):
+    ms = members(transport, quorum=1, grace_s=0.0)
+    eu, us = ms["eu"], ms["us"]
+    for r in (1, 2, 3):
+        pub(eu, r)
+        eu.wait_commit(round_tag(r), EXPECT, step=4 * r)
+    eu.store.delete([eu.commit_key("r000001")])  # as eu's cleanup does once r000003 is committed
+    pub(us, 1)
+    with pytest.raises(XRBehind, match="committed up to r000003"):
+        us.wait_commit("r000001", EXPECT, step=4)
+    assert eu.read_commit("r000001") is None  # us did not close it again
+
+
+def _put_snapshot(ms: Membership, r: int) -> None:
+    for part in ("theta", "momentum"):
+        ms.store.put(ms.mb.shard_key(ms.snap_tag(r), part, 0), b"x")
+        ms.store.put(ms.mb.manifest_key(ms.snap_tag(r), part), b"{}")
+    ms.store.put(ms.snap_complete_key(r), b"{}")
+
+
+def test_cleanup_keeps_every_round_after_the_newest_snapshot(tmp_path):
+    store = FsStore(tmp_path)
+    mb = Mailbox(store, "run1", "eu", REGIONS, threads=1)
+    ms = Membership(mb, 1, 0.0)
+    for r in range(1, 9):
+        for reg in REGIONS:
+            store.put(mb.shard_key(round_tag(r), reg, 0), b"x")
+            store.put(mb.manifest_key(round_tag(r), reg), b"{}")
+        store.create(ms.commit_key(round_tag(r)), b"{}")
+    ms.cleanup(8, keep_rounds=2, shard_count=1)  # no snapshot yet: nothing may go
+    assert len([k for k in store.list("run1/") if k.endswith("/_commit.json")]) == 8
+    _put_snapshot(ms, 4)
+    ms.cleanup(8, keep_rounds=2, shard_count=1)  # rounds <= 4 (the snapshot) and <= 6 (keep_rounds)
+    left = sorted(store.list("run1/"))
+    gone = [f"run1/{round_tag(r)}/{x}" for r in range(1, 5) for x in ("eu.done", "eu/s00000.bin", "_commit.json")]
+    assert not set(gone) & set(left)
+    assert "run1/r000004/us.done" in left  # us's own objects are us's to delete
+    assert "run1/r000005/_commit.json" in left and "run1/r000005/eu.done" in left
+    ms.cleanup(8, keep_rounds=2, need_snapshot=False, shard_count=1)  # grad mode: keep_rounds alone
+    assert "run1/r000007/eu.done" in store.list("run1/") and "run1/r000006/eu.done" not in store.list("run1/")
+
+
+def test_an_old_snapshot_goes_only_when_a_newer_one_is_complete(tmp_path):
+    mb = Mailbox(FsStore(tmp_path), "run1", "eu", REGIONS, threads=1)
+    ms = Membership(mb, 1, 0.0)
+    _put_snapshot(ms, 4)
+    ms.store.put(ms.mb.shard_key(ms.snap_tag(8), "theta", 0), b"x")  # snapshot 8 in progress
+    assert ms.snapshot_rounds() == [4]
+    _put_snapshot(ms, 8)
+    ms.delete_snapshots_before(8)
+    assert ms.snapshot_rounds() == [8]
+    assert not [k for k in ms.store.list("run1/") if "/r000004/" in k]
+
+
+def test_commit_json_roundtrip_and_bad_commit_is_a_clear_error(tmp_path):
+    mb = Mailbox(FsStore(tmp_path), "run1", "eu", REGIONS, threads=1)
+    ms = Membership(mb, 1, 0.0)
+    ms.store.put(ms.commit_key("r000001"), b"{not json")
+    with pytest.raises(Exception, match=r"unreadable round commit fs:.*r000001/_commit.json"):
+        ms.read_commit("r000001")
+    c = Commit("run1", "r000002", 8, {}, "eu", "all", 0.1)
+    assert Commit.from_json(c.to_json(), "x") == c
+
+
+def test_elastic_needs_a_store_that_refuses_a_second_create(tmp_path, monkeypatch):
+    """nanio ignores If-None-Match: the probe says so, and an elastic sync refuses to start on it with a
+    message naming the store; strict (min_regions: all) still runs there."""
+    import torch
+    from torch import nn
+
+    from bench.servers import NanioServer, s3_client
+    from sbatch_gen.train.dist import DistInfo
+    from sbatch_gen.train.xr.errors import XRError
+    from sbatch_gen.train.xr.sync import create
+    from sbatch_gen.xr_options import CrossRegion, S3Credentials, S3Transport
+
+    with NanioServer() as server:
+        s3_client(server.endpoint_url).create_bucket(Bucket="nocond")
+        for k, v in server.env().items():
+            monkeypatch.setenv(k, v)
+        t = S3Transport(bucket="nocond", endpoint_url=server.endpoint_url, addressing_style="path",
+                        region_name="us-east-1",
+                        credentials=S3Credentials(access_key_id_env="AWS_ACCESS_KEY_ID",
+                                                  secret_access_key_env="AWS_SECRET_ACCESS_KEY"))
+        assert probe_create(make_store(t, threads=1), "p") is False
+        base = dict(enabled=True, run_id="n", region="eu", regions=REGIONS, transport=t, threads=2)
+        model = nn.Linear(2, 2)
+        with pytest.raises(XRError, match=r"s3://nocond.* does not refuse a second conditional create"):
+            create(CrossRegion(**base, min_regions=1, grace_s=1), model, torch.device("cpu"), DistInfo())
+        create(CrossRegion(**base), model, torch.device("cpu"), DistInfo()).close()
