@@ -1,6 +1,7 @@
 """The ``sbatch-gen`` command line. Torch-free: it must never import torch, directly or indirectly.
 
-Exit status: 0 ok, 1 drift found by ``check``/``diff``, 2 bad input (profile, override, usage).
+Exit status: 0 ok, 1 drift found by ``check``/``diff`` or a mailbox ``status`` cannot read, 2 bad input
+(profile, override, usage).
 Errors go to stderr as ``file:line: field: message``, without a traceback.
 """
 
@@ -20,6 +21,7 @@ from sbatch_gen.profile import PROFILE_KINDS, SlurmProfile
 from sbatch_gen.render import Rendered, render_site, unified_diff, write_atomic
 
 EXIT_DRIFT = 1
+EXIT_STORE = 1  # `status`: the mailbox could not be read
 EXIT_BAD_INPUT = 2
 
 
@@ -314,6 +316,81 @@ def report(run_dirs, out_dir) -> None:
     except ReportError as e:
         raise UserError(str(e)) from None
     click.echo(f"wrote {display_path(path)}")
+
+
+@cli.command()
+@click.option("--site", "name", required=True, metavar="NAME", help="A site of the cross-region run.")
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@_set_option
+@_sites_dir_option
+def status(name, as_json, overrides, sites_dir) -> None:
+    """Show a cross-region run's state from its mailbox: newest committed round, newest snapshot, and per
+    region its newest published round, presence (joined / leaving / absent) and rounds behind.
+
+    Reads the mailbox with the site's transport and credentials (env var names from the profile); an fs
+    mailbox path is relative to the current directory, as for the job. Exit 1 if the mailbox cannot be read.
+
+    \b
+    sbatch-gen status --site eu
+    sbatch-gen status --site eu --json
+    """
+    site = load_site(sites_dir, name, overrides)
+    xr = site.profile.cross_region
+    if not xr.enabled:
+        raise UserError(f"{site.at('cross_region', 'enabled')}: cross_region.enabled: site {name!r} is not part "
+                        "of a cross-region run: there is no mailbox to read")
+    from sbatch_gen.mailbox_status import location, read_status  # lazy: the mailbox modules only here
+
+    try:
+        st = read_status(xr)
+    except ImportError as e:
+        click.echo(f"sbatch-gen: mailbox {location(xr.transport)}: reading it needs {e.name or e}: "
+                   "pip install 'sbatch-gen[s3]'", err=True)
+        sys.exit(EXIT_STORE)
+    except Exception as e:  # noqa: BLE001 - StoreError, an unreadable commit, OSError: one line, no traceback
+        from sbatch_gen.train.xr.errors import XRError
+
+        if not isinstance(e, XRError | OSError):
+            raise
+        click.echo(f"sbatch-gen: mailbox {location(xr.transport)}: {e}", err=True)
+        sys.exit(EXIT_STORE)
+    if as_json:
+        click.echo(json.dumps(st.to_dict(), indent=2))
+        return
+    click.echo("\n".join(_format_status(st)))
+
+
+def _format_status(st) -> list[str]:
+    from sbatch_gen.mailbox_status import age
+
+    quorum = "all" if st.quorum == st.regions_total else f"{st.quorum}, grace {st.grace_s:g} s"
+    lines = [f"run:       {st.run_id} ({st.regions_total} regions; min_regions {quorum})",
+             f"mailbox:   {st.location}" + ("" if st.exists else " (does not exist yet)")]
+    c = st.newest_commit
+    if c is None:
+        lines.append("committed: no rounds committed yet")
+    else:
+        waited = f", waited {c.waited_s:g} s" if c.reason != "all" else ""
+        absent = f"; absent: {', '.join(c.absent)}" if c.absent else ""
+        lines.append(f"committed: round {c.round} (step {c.step}), closed {age(st.now - c.time) if c.time else '-'} "
+                     f"by {c.closed_by} ({c.reason}{waited}); members: {', '.join(c.members) or '-'}{absent}")
+    lines.append(f"snapshot:  round {st.newest_snapshot}" if st.newest_snapshot is not None
+                 else "snapshot:  none complete")
+    header = ["region", "last published", "presence", "behind", "in newest commit", "presence updated"]
+    rows = []
+    for r in st.regions:
+        pres = r.presence + (f" (round {r.presence_round})" if r.presence_round is not None else "")
+        rows.append([r.region + (" *" if r.region == st.site_region else ""),
+                     "-" if r.last_published is None else f"round {r.last_published}", pres,
+                     "-" if r.behind is None else str(r.behind),
+                     "-" if r.in_newest_commit is None else ("yes" if r.in_newest_commit else "no"),
+                     age(r.presence_age_s) + (f" (job {r.job})" if r.job else "")])
+    widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
+    lines.append("")
+    for row in [header, *rows]:
+        lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+    lines.append("(* this site's region; behind: rounds behind the newest commit)")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:

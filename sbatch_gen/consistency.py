@@ -80,8 +80,9 @@ def check_train_configs(sites: Iterable[LoadedSite]) -> tuple[list[str], list[st
     is readable from here (relative paths: from the current directory, as at submit time).
 
     Returns (errors, notes). Errors: bad train config, or cross-region settings that do not fit it
-    (e.g. ``keep_rounds`` shorter than the rounds between checkpoints). Notes: configs not found here,
-    and warnings. The trainer repeats the same check at start-up, so nothing depends on running this.
+    (grad mode: ``keep_rounds`` shorter than the rounds between checkpoints; DiLoCo: ``snapshot_every``
+    beyond the run's rounds). Notes: configs not found here, and warnings. The trainer repeats the same
+    check at start-up, so nothing depends on running this.
     """
     from pathlib import Path
 
@@ -103,7 +104,9 @@ def check_train_configs(sites: Iterable[LoadedSite]) -> tuple[list[str], list[st
         except ConfigError as e:
             errors.append(f"{where}: trainer.config {str(cfg_path)!r} does not validate:\n{e}")
             continue
-        errs, warns = xr_problems(cfg, xr)
-        errors += [f"{s.at('cross_region', 'keep_rounds')}: {m}" for m in errs]
-        notes += [f"{s.at('cross_region', 'inner_steps')}: warning: {m}" for m in warns]
-    return errors, notes
+        errs, warns = xr_problems(cfg, xr, config_name=str(cfg_path))
+        # Each message points at the line that sets its field (the `cross_region:` section when the field
+        # is left at its default). Sites sharing a base file get the same line: reported once.
+        errors += [f"{s.at('cross_region', m.field)}: {m}" for m in errs]
+        notes += [f"{s.at('cross_region', m.field)}: warning: {m}" for m in warns]
+    return list(dict.fromkeys(errors)), list(dict.fromkeys(notes))

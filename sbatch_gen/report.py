@@ -4,7 +4,9 @@ writes (``<run-dir>/metrics.jsonl``, ``<run-dir>/summary.json``), for one region
 Sections: the runs; an SLO table a cluster team can keep as its baseline (also written as ``slo.json``
 for diffing); loss per region over steps; the step-time distribution with p50/p99; and, for
 cross-region runs, the sync time of every round split into its phases (upload / wait / download /
-average / outer step / broadcast / cleanup), stacked.
+average / outer step / broadcast / cleanup), stacked, and the participation timeline of elastic rounds
+(per region and round: took part / late / absent, rejoins and planned leaves; waits while a region was
+missing).
 
 Torch-free. matplotlib (the ``report`` extra) is imported only when the plots are drawn.
 """
@@ -17,6 +19,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 
 PHASES = [  # (metrics key, label) in the order a round runs them
     ("xr_upload_s", "upload"),
@@ -40,10 +43,13 @@ class Run:
     steps: list[dict] = field(default_factory=list)  # step records, in file order (restarts repeat steps)
     events: list[dict] = field(default_factory=list)
     summary: dict | None = None
+    region: str = ""  # the region's name (``label`` may add the directory to tell two runs apart)
 
     @property
     def rounds(self) -> list[dict]:
-        return [r for r in self.steps if "xr_round" in r]
+        """Records of the sync rounds this process ran (not the fast-forward records of a region that
+        caught up with the run: those carry ``xr_adopted_step`` and no timings)."""
+        return [r for r in self.steps if "xr_round" in r and "xr_adopted_step" not in r]
 
 
 def _display(p: Path) -> str:
@@ -94,6 +100,7 @@ def load_run(path: Path) -> Run:
         (e["region"] for e in run.events if e.get("region")), None)
     if region:
         run.label = str(region)
+    run.region = run.label
     return run
 
 
@@ -145,6 +152,86 @@ def recoveries(run: Run) -> list[dict]:
             rec["downtime_s"] = float(first["time"]) - float(last["time"])
         out.append(rec)
     return out
+
+
+TOOK_PART, LATE, ABSENT = "took part", "late", "absent"
+STATUSES = (TOOK_PART, LATE, ABSENT)
+
+
+@dataclass
+class Participation:
+    """Who took part in which round, from the round records of every run given (one per region)."""
+
+    regions: list[str]  # the runs' regions first (in the order given), then others named by the commits
+    first: int  # first and last round shown
+    last: int
+    status: dict[str, dict[int, str]]  # region -> round -> TOOK_PART / LATE / ABSENT (missing: no record)
+    rejoins: dict[str, list[dict]]  # region -> its xr_rejoin events
+    leaves: dict[str, list[dict]]  # region -> its xr_leave events
+    waits_absent: dict[str, list[float]]  # region -> xr_wait_s of its rounds while another region was missing
+    waits_full: dict[str, list[float]]  # ... and of its rounds with every region in the commit
+
+    def count(self, region: str, status: str) -> int:
+        return sum(1 for v in self.status.get(region, {}).values() if v == status)
+
+
+def _round_records(run: Run) -> dict[int, dict]:
+    """Each round's record with its commit (``xr_members``), the last one where a restart ran a round
+    again; a round finished at start-up after a requeue is logged as an ``xr_pending_round`` event."""
+    out: dict[int, dict] = {}
+    pending = [e for e in run.events if e.get("event") == "xr_pending_round"]
+    for rec in [*pending, *run.rounds]:
+        if isinstance(rec.get("xr_round"), int) and isinstance(rec.get("xr_members"), list):
+            out[rec["xr_round"]] = rec
+    return out
+
+
+def participation(runs: list[Run]) -> Participation | None:
+    """None when no run has membership records (a single-region run, or one from before elastic rounds)."""
+    own: dict[str, dict[int, dict]] = {}
+    for run in runs:
+        own.setdefault(run.region, {}).update(_round_records(run))
+    commits: dict[int, dict] = {}
+    for recs in own.values():
+        for r, rec in recs.items():
+            commits.setdefault(r, rec)
+    rejoins: dict[str, list[dict]] = {}
+    leaves: dict[str, list[dict]] = {}
+    for run in runs:
+        for e in run.events:
+            if e.get("event") == "xr_rejoin" and isinstance(e.get("to_round"), int):
+                rejoins.setdefault(run.region, []).append(e)
+            elif e.get("event") == "xr_leave" and isinstance(e.get("round"), int):
+                leaves.setdefault(run.region, []).append(e)
+    if not commits and not rejoins and not leaves:
+        return None
+    regions = list(dict.fromkeys(run.region for run in runs))
+    for rec in commits.values():
+        for reg in [*rec["xr_members"], *(rec.get("xr_absent") or [])]:
+            if reg not in regions:
+                regions.append(reg)
+    status: dict[str, dict[int, str]] = {reg: {} for reg in regions}
+    for r, c in commits.items():
+        for reg in regions:
+            mine = own.get(reg, {}).get(r)
+            if mine is not None:  # the region's own record knows whether its delta made it
+                status[reg][r] = LATE if mine.get("xr_late") else TOOK_PART
+            elif reg in c["xr_members"]:
+                status[reg][r] = TOOK_PART
+            elif reg in (c.get("xr_absent") or []):
+                status[reg][r] = ABSENT
+    waits_absent: dict[str, list[float]] = {}
+    waits_full: dict[str, list[float]] = {}
+    for reg, recs in own.items():
+        for r in sorted(recs):
+            rec = recs[r]
+            w = rec.get("xr_wait_s")
+            if rec.get("xr_late") or not isinstance(w, int | float):
+                continue
+            (waits_absent if rec.get("xr_absent") else waits_full).setdefault(reg, []).append(float(w))
+    marks = [e["to_round"] for es in rejoins.values() for e in es] + [e["round"] for es in leaves.values() for e in es]
+    rounds = list(commits) + marks
+    return Participation(regions, min(rounds), max(rounds), status, rejoins, leaves, waits_absent, waits_full)
 
 
 def slo(run: Run) -> dict:
@@ -324,6 +411,63 @@ def plot_sync(plt, runs: list[Run], path: Path) -> None:
     _savefig(plt, fig, path)
 
 
+STATUS_COLORS = {TOOK_PART: "#4caf50", LATE: "#ff9800", ABSENT: "#d32f2f", None: "#eeeeee"}
+
+
+def plot_participation(plt, part: Participation, path: Path) -> None:
+    from matplotlib.colors import ListedColormap
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    codes = {None: 0, TOOK_PART: 1, LATE: 2, ABSENT: 3}
+    n = part.last - part.first + 1
+    grid = [[codes[part.status[reg].get(r)] for r in range(part.first, part.last + 1)] for reg in part.regions]
+    fig, ax = plt.subplots(figsize=(min(16.0, max(6.0, 2.5 + 0.12 * n)), 1.4 + 0.45 * len(part.regions)),
+                           layout="constrained")
+    cmap = ListedColormap([STATUS_COLORS[k] for k in (None, TOOK_PART, LATE, ABSENT)])
+    ax.imshow(grid, cmap=cmap, vmin=-0.5, vmax=3.5, aspect="auto", interpolation="nearest",
+              extent=(part.first - 0.5, part.last + 0.5, len(part.regions) - 0.5, -0.5))
+    for y, reg in enumerate(part.regions):
+        for e in part.rejoins.get(reg, []):  # replayed rounds, then the round it continued from
+            ax.plot([e.get("from_round", e["to_round"]) + 0.5, e["to_round"] + 0.5], [y, y], color="#1565c0",
+                    linestyle=":", linewidth=1.5)
+            ax.plot(e["to_round"] + 0.5, y, marker=">", color="#1565c0", markersize=9, linestyle="none")
+        for e in part.leaves.get(reg, []):  # after the last round the region took part in
+            ax.plot(e["round"] + 0.5, y, marker="X", color="black", markersize=8, linestyle="none")
+    ax.set_yticks(range(len(part.regions)), part.regions)
+    ax.set_xlabel("round")
+    ax.set_title("participation per round")
+    handles = [Patch(color=STATUS_COLORS[k], label=lab) for k, lab in (
+        (TOOK_PART, "took part"), (LATE, "late (delta dropped)"), (ABSENT, "absent"), (None, "no record"))]
+    handles += [Line2D([], [], color="#1565c0", marker=">", linestyle=":", label="rejoin (fast-forward)"),
+                Line2D([], [], color="black", marker="X", linestyle="none", label="planned leave")]
+    ax.legend(handles=handles, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    _savefig(plt, fig, path)
+
+
+def _participation_md(part: Participation) -> list[str]:
+    def wait(reg: str, xs: dict[str, list[float]], f) -> str:
+        return _fmt(f(xs[reg]), " s") if xs.get(reg) else "n/a"
+
+    regs = part.regions
+    rows = [
+        ["rounds taken part", *[str(part.count(g, TOOK_PART)) for g in regs]],
+        ["rounds late (delta dropped)", *[str(part.count(g, LATE)) for g in regs]],
+        ["rounds absent", *[str(part.count(g, ABSENT)) for g in regs]],
+        ["rejoins (fast-forwards)", *[str(len(part.rejoins.get(g, []))) for g in regs]],
+        ["planned leaves", *[str(len(part.leaves.get(g, []))) for g in regs]],
+        ["wait per round while a region was missing, median", *[wait(g, part.waits_absent, median) for g in regs]],
+        ["wait per round while a region was missing, max", *[wait(g, part.waits_absent, max) for g in regs]],
+        ["wait per round with every region, median", *[wait(g, part.waits_full, median) for g in regs]],
+    ]
+    return ["## Participation", "",
+            f"Rounds {part.first}..{part.last}; one row per region. A late region published, but after the round "
+            "had closed without it; an absent one did not publish. Waits are `xr_wait_s` of the regions that "
+            "took part (n/a: no run directory of that region, or no such round).", "",
+            "![participation per round](participation.png)", "",
+            _md_table(["per region", *regs], rows), ""]
+
+
 def build(runs: list[Run]) -> tuple[str, dict]:
     """The Markdown text (image links relative to the report) and the SLO numbers."""
     slos = {run.label: slo(run) for run in runs}
@@ -353,6 +497,9 @@ def build(runs: list[Run]) -> tuple[str, dict]:
         prow.append(["rounds", *[str(slos[k]["sync_rounds"]) for k in labels]])
         prow.append(["MB across regions (up + down)", *[_fmt(slos[k]["bytes_across_regions"] / 1e6) for k in labels]])
         lines += ["Mean seconds per round, by phase:", "", _md_table(["phase", *labels], prow), ""]
+    part = participation(runs)
+    if part is not None:
+        lines += _participation_md(part)
     notes = []
     for run in runs:
         segs = segments(run)
@@ -365,6 +512,16 @@ def build(runs: list[Run]) -> tuple[str, dict]:
                 "downtime not measurable (the step records carry no wall-clock time)"
             notes.append(f"{run.label}: restart after step {r['last_step_before']}, resumed at step "
                          f"{r['first_step_after']} ({r['steps_redone']} steps redone; {d}).")
+        for e in run.events:
+            if e.get("event") == "xr_rejoin":
+                via = ", ".join(map(str, e.get("via") or [])) or "rounds"
+                notes.append(f"{run.label}: rejoined the run at step {e.get('step')} ({e.get('why', '?')}): round "
+                             f"{e.get('from_round')} -> {e.get('to_round')}, {e.get('replayed', '?')} round(s) "
+                             f"replayed via {via}, continued from step {e.get('adopted_step')} "
+                             f"({_fmt(e.get('seconds'), ' s')}).")
+            elif e.get("event") == "xr_leave":
+                notes.append(f"{run.label}: planned leave after round {e.get('round')} at step {e.get('step')} "
+                             f"({e.get('reason', '?')}).")
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(lines), slos
@@ -397,6 +554,9 @@ def write_report(run_dirs: list[Path], out_dir: Path | None = None) -> Path:
     plot_step_times(plt, runs, out_dir / "step_time.png")
     if any(run.rounds for run in runs):
         plot_sync(plt, runs, out_dir / "sync.png")
+    part = participation(runs)
+    if part is not None:
+        plot_participation(plt, part, out_dir / "participation.png")
     _write(out_dir / "slo.json", (json.dumps(slos, indent=2, default=str) + "\n").encode())
     _write(out_dir / "report.md", text.encode())
     return out_dir / "report.md"

@@ -136,30 +136,65 @@ def load_config(path: str | Path) -> TrainConfig:
     return load_model(TrainConfig, path)
 
 
-def xr_problems(cfg: TrainConfig, xr, end_step: int | None = None) -> tuple[list[str], list[str]]:
+class XRProblem(str):
+    """One message of :func:`xr_problems`; ``field`` is the ``cross_region`` field it is about, so
+    ``sbatch-gen validate`` can point at the line that sets it. A plain ``str`` everywhere else."""
+
+    field: str
+
+    def __new__(cls, field: str, text: str) -> XRProblem:
+        self = super().__new__(cls, text)
+        self.field = field
+        return self
+
+
+def xr_problems(cfg: TrainConfig, xr, end_step: int | None = None,
+                config_name: str | None = None) -> tuple[list[XRProblem], list[XRProblem]]:
     """Check a train config against cross-region settings (``xr_options.CrossRegion``).
 
-    Returns (errors, warnings). Torch-free, so ``sbatch-gen validate`` runs it at review time and the
-    trainer again at start-up.
+    Returns (errors, warnings), each an :class:`XRProblem` naming its ``cross_region`` field. Torch-free,
+    so ``sbatch-gen validate`` runs it at review time and the trainer again at start-up. ``end_step``: a
+    ``--max-steps`` cap; ``config_name``: the train config's path, named in the messages.
+
+    grad mode cannot fast-forward: a region resumed from its checkpoint re-enters every round (= step)
+    since, so ``keep_rounds`` must cover ``checkpoint.every``. DiLoCo needs no such bound: a region's
+    rounds are deleted only once a complete outer snapshot covers them, and a snapshot only once a newer
+    one is complete, so a region resumed from any checkpoint reaches the run (replaying rounds, or the
+    newest snapshot and the rounds after it). What DiLoCo needs is that a snapshot is written at all.
     """
-    errors: list[str] = []
-    warnings: list[str] = []
+    errors: list[XRProblem] = []
+    warnings: list[XRProblem] = []
     if not xr.enabled:
         return errors, warnings
-    # No replay can span more steps than the run has (end_step: a --max-steps cap).
-    every = min(cfg.checkpoint.every, end_step or cfg.train.steps)
-    # A region resumed from its last checkpoint replays the rounds since then and needs them in the mailbox.
-    rounds_between = -(-every // xr.inner_steps) if xr.sync == "diloco" else every
-    if xr.keep_rounds < rounds_between:
-        errors.append(
-            f"cross_region.keep_rounds ({xr.keep_rounds}) must cover the {rounds_between} rounds between two "
-            f"checkpoints (checkpoint.every {every}"
-            + (f" / inner_steps {xr.inner_steps}" if xr.sync == "diloco" else " steps, one round per step")
-            + "): a region resumed after a crash replays them. Raise keep_rounds or checkpoint more often."
-        )
-    if xr.sync == "diloco" and cfg.train.steps % xr.inner_steps:
-        warnings.append(
-            f"train.steps ({cfg.train.steps}) is not a multiple of cross_region.inner_steps "
-            f"({xr.inner_steps}): the last {cfg.train.steps % xr.inner_steps} steps stay local to each region"
-        )
+    in_cfg = f" in {config_name}" if config_name else ""
+    h = xr.inner_steps
+    if xr.sync == "grad":
+        # No replay can span more steps than the run has (end_step: a --max-steps cap).
+        every = min(cfg.checkpoint.every, end_step or cfg.train.steps)
+        if xr.keep_rounds < every:
+            errors.append(XRProblem(
+                "keep_rounds",
+                f"cross_region.keep_rounds ({xr.keep_rounds}) must cover the {every} rounds between two "
+                f"checkpoints (checkpoint.every {every} steps{in_cfg}, one round per step with sync: grad): "
+                "a region resumed after a crash re-enters those rounds and grad mode cannot fast-forward. "
+                f"Raise keep_rounds to {every}, or lower checkpoint.every to {xr.keep_rounds}.",
+            ))
+    else:
+        rounds = cfg.train.steps // h
+        if rounds >= 1 and xr.snapshot_every > rounds:
+            errors.append(XRProblem(
+                "snapshot_every",
+                f"cross_region.snapshot_every ({xr.snapshot_every}) is more than the {rounds} outer rounds of "
+                f"the run (train.steps {cfg.train.steps}{in_cfg} // inner_steps {h}): no outer snapshot is "
+                "ever written, and rounds are deleted only once a snapshot covers them, so keep_rounds never "
+                "takes effect and the mailbox keeps every region's payload of every round until someone "
+                f"deletes it by hand. Set snapshot_every to at most {rounds}.",
+            ))
+    if xr.sync == "diloco" and cfg.train.steps % h:
+        warnings.append(XRProblem(
+            "inner_steps",
+            f"train.steps ({cfg.train.steps}{in_cfg}) is not a multiple of cross_region.inner_steps "
+            f"({h}): the last {cfg.train.steps % h} steps stay local to each region. Make train.steps a "
+            "multiple of inner_steps to end on a synchronised model.",
+        ))
     return errors, warnings

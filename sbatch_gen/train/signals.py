@@ -84,13 +84,13 @@ class StopRequest:
         return ", ".join(parts) or "another rank"
 
 
-def write_ack(stop_file: Path, step: int, checkpoint: Path, reason: str) -> Path:
+def write_ack(stop_file: Path, step: int, checkpoint: Path | None, reason: str) -> Path:
     """rank 0: ``<stop file>.ack`` as JSON, atomically (the batch shell polls for it)."""
     ack = ack_path(stop_file)
     ack.parent.mkdir(parents=True, exist_ok=True)
     tmp = ack.with_name(f".{ack.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
-        json.dump({"step": step, "checkpoint": str(checkpoint), "reason": reason, "time": time.time()}, f)
+        json.dump({"step": step, "checkpoint": str(checkpoint) if checkpoint else None, "reason": reason, "time": time.time()}, f)
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())

@@ -420,17 +420,17 @@ class Trainer:
         from .metrics import format_summary, max_rss_bytes, summarize, write_json_atomic
 
         cfg, info, device = self.cfg, self.info, self.device
-        from .xr.errors import XRNoQuorum
+        from .xr.errors import XRNoQuorum, XRTimeout
 
         resumed_from, load_s = self.resume()
         self._settle_ddp_buckets()
         exit_reason = "completed"
-        no_quorum: XRNoQuorum | None = None
+        no_quorum: XRTimeout | None = None
         if self.sync is not None:
-            self.sync.align(self.step)
             try:
+                self.sync.align(self.step)  # a fresh start waits for theta0 from regions[0]
                 adopted = self.sync.catch_up(self.step)
-            except XRNoQuorum as e:  # the round pending from the last attempt still has no quorum
+            except XRTimeout as e:  # no theta0, or the round pending from the last attempt still has no quorum
                 adopted, no_quorum, exit_reason = None, e, "no_quorum"
             if adopted is not None and adopted != self.step:
                 log.info("cross-region: the run is at step %d; this region continues from there (was at %d)",
@@ -566,13 +566,14 @@ class Trainer:
         if exit_reason in ("stopped", "no_quorum"):
             if self.sync is not None:  # the other regions stop waiting for this one
                 self.sync.leave(self.step, "no quorum" if no_quorum else self.stop.reason())
-            res = self.ckpt.save(self.step, self._state(), block=True)
+            # (a fresh start that found no theta0 has nothing to save)
+            res = self.ckpt.save(self.step, self._state(), block=True) if self.step > 0 else None
             if self.info.is_main and self.stop.stop_file is not None:
                 if no_quorum is not None:  # a restart by torchrun must not wait for a quorum again
                     self.stop.stop_file.parent.mkdir(parents=True, exist_ok=True)
                     self.stop.stop_file.touch()
                 reason = "no quorum" if no_quorum is not None else self.stop.reason()
-                ack = write_ack(self.stop.stop_file, self.step, res.path, reason)
+                ack = write_ack(self.stop.stop_file, self.step, res.path if res else None, reason)
                 log.info("wrote %s", ack)
         else:
             if self.sync is not None and self.step >= self.end_step:
@@ -601,8 +602,8 @@ class Trainer:
                 print(format_summary(s), file=sys.stderr, flush=True)
         self.metrics.close()
         if no_quorum is not None:
-            log.error("no cross-region quorum: %s; checkpointed at step %d, exiting %d for a requeue",
-                      no_quorum, self.step, EXIT_REQUEUE)
+            saved = f"checkpointed at step {self.step}" if self.step > 0 else "nothing to checkpoint yet"
+            log.error("no cross-region quorum: %s; %s, exiting %d for a requeue", no_quorum, saved, EXIT_REQUEUE)
             return EXIT_REQUEUE
         if exit_reason == "stopped":
             log.info("exiting %d: checkpointed at step %d, requeue me", EXIT_REQUEUE, self.step)

@@ -194,23 +194,88 @@ def test_override_values_are_yaml(work):
     assert "--set slurm.extra_directives=[--output=x]: slurm.extra_directives[0]: '--output=x' is rendered" in err
 
 
-def test_keep_rounds_must_cover_the_rounds_between_checkpoints(work):
-    """validate reads each cross-region site's train config and checks the mailbox keeps enough rounds
-    for a region resumed from its last checkpoint to replay them."""
+def _with_configs(work):
     import shutil
 
     shutil.copytree(REPO / "configs", work / "configs")
-    base = work / "sites" / "_base" / "llm-xr-1.yaml"
+    return work / "sites" / "_base" / "llm-xr-1.yaml"
+
+
+def test_diloco_keep_rounds_need_not_cover_the_checkpoint_interval(work):
+    """DiLoCo fast-forwards from outer snapshots: 10 rounds between checkpoints with keep_rounds 1 is fine."""
+    base = _with_configs(work)
     _replace(base, "inner_steps: 500", "inner_steps: 50")  # gpt-125m checkpoints every 500 steps: 10 rounds
-    err = _fails("validate")
-    eu = work / "sites" / "eu.yaml"  # keep_rounds is not written anywhere: its section in each site is named
-    assert (
-        f"sites/eu.yaml:{_line_of(eu, 'cross_region:')}: cross_region.keep_rounds (4) must cover "
-        "the 10 rounds between two checkpoints (checkpoint.every 500 / inner_steps 50)"
-    ) in err
-    _replace(base, "inner_steps: 50", "inner_steps: 50\n  keep_rounds: 10")
+    _replace(base, "keep_rounds: 4", "keep_rounds: 1")
     r = sg("validate")
     assert r.code == 0, r.err
+
+
+def test_grad_mode_keep_rounds_must_cover_the_checkpoint_interval(work):
+    """validate reads each cross-region site's train config: in grad mode (no fast-forward) the mailbox must
+    keep the rounds a region resumed from its last checkpoint re-enters. The error points at keep_rounds,
+    once for the two sites that share it."""
+    base = _with_configs(work)
+    _replace(base, "sync: diloco", "sync: grad")
+    _replace(base, "min_regions: 1", "min_regions: all")  # grad mode is strict
+    err = _fails("validate")
+    msg = (f"sites/_base/llm-xr-1.yaml:{_line_of(base, 'keep_rounds: 4')}: cross_region.keep_rounds (4) must "
+           "cover the 500 rounds between two checkpoints (checkpoint.every 500 steps in configs/gpt-125m.yaml, "
+           "one round per step with sync: grad)")
+    assert msg in err and err.count(msg) == 1
+    assert "Raise keep_rounds to 500, or lower checkpoint.every to 4." in err
+    _replace(base, "keep_rounds: 4", "keep_rounds: 500")
+    r = sg("validate")
+    assert r.code == 0, r.err
+
+
+def test_snapshot_every_must_fit_in_the_runs_rounds(work):
+    """gpt-125m has 20000 steps: 40 rounds of 500. A snapshot every 41 rounds is never written."""
+    base = _with_configs(work)
+    _replace(base, "snapshot_every: 5", "snapshot_every: 41")
+    err = _fails("validate")
+    msg = (f"sites/_base/llm-xr-1.yaml:{_line_of(base, 'snapshot_every: 41')}: cross_region.snapshot_every (41) "
+           "is more than the 40 outer rounds of the run (train.steps 20000 in configs/gpt-125m.yaml // "
+           "inner_steps 500): no outer snapshot is ever written")
+    assert msg in err and err.count(msg) == 1
+    assert "Set snapshot_every to at most 40." in err
+    _replace(base, "snapshot_every: 41", "snapshot_every: 40")
+    assert sg("validate").code == 0
+
+
+def test_a_field_left_at_its_default_is_reported_at_each_sites_section(work):
+    """snapshot_every is written nowhere (default 10): each site's `cross_region:` section is named."""
+    base = _with_configs(work)
+    _replace(base, "  snapshot_every: 5\n", "")
+    _replace(base, "inner_steps: 500", "inner_steps: 4000")  # 5 rounds
+    err = _fails("validate")
+    for site in ("eu", "us"):
+        path = work / "sites" / f"{site}.yaml"
+        assert (f"sites/{site}.yaml:{_line_of(path, 'cross_region:')}: cross_region.snapshot_every (10) is more "
+                "than the 5 outer rounds of the run") in err
+
+
+def test_steps_not_a_multiple_of_inner_steps_is_a_note_at_inner_steps(work):
+    base = _with_configs(work)
+    _replace(base, "inner_steps: 500", "inner_steps: 300")  # 20000 = 66 x 300 + 200
+    r = sg("validate")
+    assert r.code == 0, r.err
+    note = (f"note sites/_base/llm-xr-1.yaml:{_line_of(base, 'inner_steps: 300')}: warning: train.steps (20000 in "
+            "configs/gpt-125m.yaml) is not a multiple of cross_region.inner_steps (300): the last 200 steps stay "
+            "local to each region")
+    assert note in r.err and r.err.count(note) == 1
+
+
+@pytest.mark.parametrize("field, value, shown", [("min_regions", "all", "'all' differs from 1"),
+                                                 ("grace_s", "45", "45.0 differs from 30.0"),
+                                                 ("snapshot_every", "10", "10 differs from 5")])
+def test_elastic_settings_must_agree_across_the_sites_of_a_run(work, field, value, shown):
+    us = work / "sites" / "us.yaml"
+    _replace(us, "cross_region:\n  region: us", f"cross_region:\n  region: us\n  {field}: {value}")
+    err = _fails("validate")
+    base = work / "sites" / "_base" / "llm-xr-1.yaml"
+    assert (f"sites/us.yaml:{_line_of(us, f'{field}: {value}')}: cross_region.{field}: {shown} in "
+            f"sites/_base/llm-xr-1.yaml:{_line_of(base, f'{field}:')} (sites 'eu' and 'us' are both in run "
+            "'llm-xr-1' and must agree)") in err
 
 
 def test_train_config_missing_here_is_a_note_not_an_error(work):

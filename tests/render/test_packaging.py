@@ -37,8 +37,11 @@ sys.exit(code)
         (["sites"], 0),
         (["diff", "--site", "us"], 0),
         (["render", "--site", "local", "--set", "slurm.time=x"], 2),
+        # status reads the mailbox through the (torch-free) protocol modules: an empty one, then a missing one
+        (["status", "--site", "eu", "--set", "cross_region.transport={kind: fs, root: '{tmp}'}"], 0),
+        (["status", "--site", "eu", "--json", "--set", "cross_region.transport={kind: fs, root: '{tmp}/none'}"], 0),
     ],
-    ids=["render", "check", "validate", "show", "schema", "sites", "diff", "error"],
+    ids=["render", "check", "validate", "show", "schema", "sites", "diff", "error", "status", "status-json"],
 )
 def test_cli_never_imports_torch(tmp_path, args, code):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]

@@ -103,23 +103,74 @@ def test_bad_cross_region_flags_exit_2(tmp_path):
     assert "cross-region flag error" in r.stderr and "region 'eu' is not in regions ['us', 'asia']" in r.stderr
 
 
-def test_keep_rounds_shorter_than_the_checkpoint_interval_is_reported(tmp_path):
-    """tiny.yaml checkpoints every 5 steps: grad mode (one round per step) should keep >= 5 rounds, else a
-    region resumed after a crash cannot replay. The trainer warns at start-up (validate rejects it)."""
-    from sbatch_gen.train.config import load_config, xr_problems
+def _xr(**kw):
     from sbatch_gen.xr_options import CrossRegion
 
-    cfg_path = REPO / "configs" / "tiny.yaml"
-    cfg = load_config(cfg_path)
-    xr = CrossRegion(enabled=True, region="eu", regions=["eu", "us"], sync="grad", keep_rounds=4)
-    errs, _ = xr_problems(cfg, xr)
+    return CrossRegion(enabled=True, region="eu", regions=["eu", "us"], **kw)
+
+
+def test_grad_mode_keep_rounds_must_cover_the_checkpoint_interval():
+    """tiny.yaml checkpoints every 5 steps: grad mode (one round per step, no fast-forward) must keep >= 5
+    rounds, else a region resumed after a crash cannot re-enter them. The trainer warns at start-up
+    (validate rejects it)."""
+    from sbatch_gen.train.config import load_config, xr_problems
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml")
+    xr = _xr(sync="grad", keep_rounds=4)
+    errs, warns = xr_problems(cfg, xr)
     assert errs == ["cross_region.keep_rounds (4) must cover the 5 rounds between two checkpoints "
-                    "(checkpoint.every 5 steps, one round per step): a region resumed after a crash replays "
-                    "them. Raise keep_rounds or checkpoint more often."]
+                    "(checkpoint.every 5 steps, one round per step with sync: grad): a region resumed after a "
+                    "crash re-enters those rounds and grad mode cannot fast-forward. Raise keep_rounds to 5, "
+                    "or lower checkpoint.every to 4."]
+    assert [e.field for e in errs] == ["keep_rounds"] and warns == []
+    # the train config's path is named when given (validate does)
+    assert "(checkpoint.every 5 steps in configs/tiny.yaml," in xr_problems(cfg, xr, config_name="configs/tiny.yaml")[0][0]
     # --max-steps caps the span a replay can cover
     assert xr_problems(cfg, xr, end_step=4) == ([], [])
-    assert xr_problems(cfg, xr.model_copy(update={"keep_rounds": 5}))[0] == []
-    diloco = xr.model_copy(update={"sync": "diloco", "inner_steps": 7, "keep_rounds": 1})
-    errs, warns = xr_problems(cfg, diloco)
-    assert errs == [] and warns == ["train.steps (30) is not a multiple of cross_region.inner_steps (7): "
-                                    "the last 2 steps stay local to each region"]
+    assert xr_problems(cfg, xr.model_copy(update={"keep_rounds": 5})) == ([], [])
+    # snapshots do not exist in grad mode: snapshot_every is not checked against the run's rounds
+    assert xr_problems(cfg, _xr(sync="grad", keep_rounds=5, snapshot_every=1000)) == ([], [])
+
+
+def test_diloco_needs_no_keep_rounds_for_the_checkpoint_interval():
+    """DiLoCo fast-forwards from outer snapshots: keep_rounds 1 with 5 rounds between checkpoints is fine."""
+    from sbatch_gen.train.config import load_config, xr_problems
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml")  # 30 steps, checkpoint every 5
+    assert xr_problems(cfg, _xr(inner_steps=1, keep_rounds=1, snapshot_every=30)) == ([], [])
+    assert xr_problems(cfg, _xr(inner_steps=1, keep_rounds=1, snapshot_every=1, min_regions=1)) == ([], [])
+
+
+def test_diloco_snapshot_every_beyond_the_runs_rounds_is_an_error():
+    from sbatch_gen.train.config import load_config, xr_problems
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml")  # 30 steps: 6 rounds of 5
+    errs, warns = xr_problems(cfg, _xr(inner_steps=5, snapshot_every=7), config_name="configs/tiny.yaml")
+    assert errs == ["cross_region.snapshot_every (7) is more than the 6 outer rounds of the run (train.steps 30 "
+                    "in configs/tiny.yaml // inner_steps 5): no outer snapshot is ever written, and rounds are "
+                    "deleted only once a snapshot covers them, so keep_rounds never takes effect and the mailbox "
+                    "keeps every region's payload of every round until someone deletes it by hand. Set "
+                    "snapshot_every to at most 6."]
+    assert [e.field for e in errs] == ["snapshot_every"] and warns == []
+    assert xr_problems(cfg, _xr(inner_steps=5, snapshot_every=6)) == ([], [])
+    # elastic or strict: the same (DiLoCo cleans up behind snapshots either way)
+    elastic = xr_problems(cfg, _xr(inner_steps=5, snapshot_every=7, min_regions=1), config_name="configs/tiny.yaml")
+    assert elastic == (errs, [])
+    # a run shorter than one round has no rounds to clean up: only the warning that it stays local
+    errs, warns = xr_problems(cfg, _xr(inner_steps=40, snapshot_every=10))
+    assert errs == [] and warns == ["train.steps (30) is not a multiple of cross_region.inner_steps (40): the "
+                                    "last 30 steps stay local to each region. Make train.steps a multiple of "
+                                    "inner_steps to end on a synchronised model."]
+
+
+def test_diloco_steps_not_a_multiple_of_inner_steps_warns():
+    from sbatch_gen.train.config import load_config, xr_problems
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml")
+    errs, warns = xr_problems(cfg, _xr(inner_steps=7, keep_rounds=1, snapshot_every=4))
+    assert errs == [] and warns == ["train.steps (30) is not a multiple of cross_region.inner_steps (7): the "
+                                    "last 2 steps stay local to each region. Make train.steps a multiple of "
+                                    "inner_steps to end on a synchronised model."]
+    assert [w.field for w in warns] == ["inner_steps"]
+    # disabled: nothing to check
+    assert xr_problems(cfg, _xr(inner_steps=7, snapshot_every=400).model_copy(update={"enabled": False})) == ([], [])

@@ -57,3 +57,13 @@ def transport(request, tmp_path):
         region_name="us-east-1",
         credentials=S3Credentials(access_key_id_env=KEY_ENV, secret_access_key_env=SECRET_ENV),
     )
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory, repo):
+    """Data shards of regions eu, us and ap for the multi-process tests."""
+    from sbatch_gen.train.data import prepare
+
+    d = tmp_path_factory.mktemp("data")
+    prepare(d, ["eu", "us", "ap"], source="python-stdlib", max_bytes=400_000)
+    return d

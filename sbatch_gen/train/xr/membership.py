@@ -199,7 +199,8 @@ class Membership:
         delay = mb.poll_min_s
         quorum_since: float | None = None
         leaving: set[str] = set()
-        next_slow = now0  # presence and the commit listing: not on every poll
+        next_presence = now0  # presence records: a listing, not on every poll
+        next_behind = now0 + 10.0  # has the run moved past this round? (a listing of the whole run)
         while True:
             c = self.read_commit(tag)
             if c is not None:
@@ -212,10 +213,12 @@ class Membership:
                     expect.check(m, self.run_id, tag, r, self.store.describe(mb.manifest_key(tag, r)))
                     got[r] = m
             now = self._clock()
-            if now >= next_slow:
+            if now >= next_presence:
                 leaving = {r for r, p in self.presences().items() if p.state == "leaving" and r != self.region}
+                next_presence = now + min(1.0, max(self.grace_s / 4, 0.05))
+            if now >= next_behind:
                 self._check_not_behind(tag)
-                next_slow = now + min(1.0, max(self.grace_s / 4, 0.05))
+                next_behind = now + 10.0
             reason, quorum_since = decide(self.regions, got, leaving, self.quorum, self.grace_s, now, quorum_since)
             if reason is not None:
                 self._check_not_behind(tag)

@@ -27,8 +27,6 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 
-import xxhash
-
 from .errors import XRChecksumError, XRLayoutError, XRMissingRound, XRTimeout
 from .store import Store
 
@@ -160,11 +158,15 @@ class Expect:
 
 def digest(buf) -> str:
     """The mailbox checksum of ``buf`` (hex); xxhash drops the GIL for large buffers: threads help."""
+    import xxhash  # here, not at the top: `sbatch-gen status` reads the mailbox without the train extra
+
     return xxhash.xxh3_128_hexdigest(buf)
 
 
 def digest_of_digests(digests: Iterable[str]) -> str:
     """One checksum over a sequence of shard checksums (theta0's fingerprint)."""
+    import xxhash
+
     h = xxhash.xxh3_128()
     for d in digests:
         h.update(d.encode())

@@ -1,0 +1,154 @@
+"""What ``sbatch-gen status`` reads from a cross-region run's mailbox. Torch-free.
+
+One pass over the mailbox (a few listings and small reads; no shard is downloaded): the newest committed
+round and who closed it, the newest complete outer snapshot, and per region its newest published round,
+its presence record (joined / leaving, or none) and how far it is behind the newest commit. The CLI only
+formats the :class:`MailboxStatus` this returns.
+
+Needs ``boto3`` (the ``s3`` extra) for an S3 mailbox; nothing beyond the base install for ``fs``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sbatch_gen.train.xr.store import Store
+    from sbatch_gen.xr_options import CrossRegion
+
+
+@dataclass
+class CommitInfo:
+    round: int
+    step: int
+    closed_by: str
+    reason: str  # "all" | "leave" | "grace"
+    members: list[str]  # in the order of the run's regions
+    absent: list[str]
+    waited_s: float
+    time: float  # wall clock, seconds since the epoch (0: unknown)
+
+
+@dataclass
+class RegionStatus:
+    region: str
+    last_published: int | None  # newest round with this region's manifest in the mailbox
+    presence: str  # "joined" | "leaving" | "absent" (no presence record)
+    presence_round: int | None
+    presence_step: int | None
+    presence_time: float | None
+    presence_age_s: float | None
+    job: str
+    behind: int | None  # rounds behind the newest commit (0: up to date; None: no commit yet)
+    in_newest_commit: bool | None  # None: no commit yet
+
+
+@dataclass
+class MailboxStatus:
+    run_id: str
+    site_region: str  # the region of the site whose profile was read
+    location: str  # store.describe() of the mailbox
+    quorum: int
+    regions_total: int
+    grace_s: float
+    exists: bool  # False: an fs mailbox directory that does not exist (yet)
+    now: float
+    newest_commit: CommitInfo | None = None
+    committed_rounds: list[int] = field(default_factory=list)  # still in the mailbox (older ones are cleaned up)
+    newest_snapshot: int | None = None
+    regions: list[RegionStatus] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def read_status(xr: CrossRegion, store: Store | None = None, *, now: float | None = None) -> MailboxStatus:
+    """Read the mailbox of ``xr`` (a site's ``cross_region`` section). ``store``: an already opened store
+    (default: :func:`~sbatch_gen.train.xr.store.make_store` of ``xr.transport``; closed again here).
+    Raises :class:`~sbatch_gen.train.xr.errors.XRError` (``StoreError`` and friends) when the store fails."""
+    from sbatch_gen.train.xr.membership import Membership
+    from sbatch_gen.train.xr.protocol import Mailbox, round_tag
+    from sbatch_gen.train.xr.store import make_store
+
+    now = time.time() if now is None else now
+    base = dict(run_id=xr.run_id, site_region=xr.region, quorum=xr.quorum, regions_total=len(xr.regions),
+                grace_s=xr.grace_s, now=now)
+    t = xr.transport
+    if store is None and t.kind == "fs" and not Path(t.root).is_dir():
+        # FsStore would create the directory: a status query must not.
+        return MailboxStatus(location=location(t), exists=False, **base,
+                             regions=[_region(r, None, None, None, now) for r in xr.regions])
+    own = store is None
+    if own:
+        store = make_store(t, threads=4)
+    mb = Mailbox(store, xr.run_id, xr.region, xr.regions, threads=1)
+    try:
+        ms = Membership(mb, xr.quorum, xr.grace_s)
+        latest = mb.latest_rounds()
+        committed = ms.committed_rounds()
+        commit = None
+        for r in reversed(committed):  # (a commit can be cleaned up between the listing and the read)
+            commit = ms.read_commit(round_tag(r))
+            if commit is not None:
+                break
+        snaps = ms.snapshot_rounds()
+        presences = ms.presences()
+        info = None
+        if commit is not None:
+            info = CommitInfo(round=commit.round, step=commit.step, closed_by=commit.closed_by,
+                              reason=commit.reason, members=[r for r in xr.regions if r in commit.members],
+                              absent=list(commit.absent), waited_s=commit.waited_s, time=commit.time)
+        return MailboxStatus(
+            location=store.describe(), exists=True, **base, newest_commit=info, committed_rounds=committed,
+            newest_snapshot=snaps[-1] if snaps else None,
+            regions=[_region(r, latest.get(r), presences.get(r), info, now) for r in xr.regions],
+        )
+    finally:
+        mb.close()
+        if own:
+            store.close()
+
+
+def location(transport) -> str:
+    """Where the mailbox of a transport is, as the stores describe it (also when the store cannot be opened)."""
+    if transport.kind == "fs":
+        return f"fs:{Path(transport.root).absolute()}"
+    return f"s3://{transport.bucket}/{transport.prefix.strip('/')}"
+
+
+def _region(region: str, published: int | None, p, commit: CommitInfo | None, now: float) -> RegionStatus:
+    behind = None
+    if commit is not None:
+        # Where the region is: its newest manifest, or the round its presence record names (a region that
+        # fast-forwarded, or left, may have no newer manifest). A region ahead of the commit is at 0.
+        at = max([x for x in (published, p.round if p is not None else None) if x is not None], default=0)
+        behind = max(0, commit.round - at)
+    return RegionStatus(
+        region=region,
+        last_published=published,
+        presence=p.state if p is not None else "absent",
+        presence_round=p.round if p is not None else None,
+        presence_step=p.step if p is not None else None,
+        presence_time=p.time if p is not None else None,
+        presence_age_s=max(0.0, now - p.time) if p is not None and p.time else None,
+        job=p.job if p is not None else "",
+        behind=behind,
+        in_newest_commit=(region in commit.members) if commit is not None else None,
+    )
+
+
+def age(seconds: float | None) -> str:
+    """``42s ago``, ``3m ago``, ``5h ago``, ``2d ago``; ``-`` when unknown."""
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 120:
+        return f"{s}s ago"
+    if s < 2 * 3600:
+        return f"{s // 60}m ago"
+    if s < 2 * 86400:
+        return f"{s // 3600}h ago"
+    return f"{s // 86400}d ago"

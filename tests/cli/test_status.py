@@ -1,0 +1,176 @@
+"""`sbatch-gen status --site NAME`: a cross-region run's state, read from a real mailbox (a directory, or a
+bucket on the local S3 server) that the real protocol classes wrote."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict
+
+from sbatch_gen.train.xr.membership import Commit, Member, Membership, Presence, manifest_digest
+from sbatch_gen.train.xr.protocol import Mailbox, Manifest, ShardInfo, round_tag
+from sbatch_gen.train.xr.store import FsStore, S3Store
+
+from .conftest import KEY_ENV, SECRET_ENV, sg, write_site
+
+RUN, REGIONS = "t-run", ["eu", "us", "ap"]
+XR = """enabled: true
+run_id: t-run
+region: eu
+regions: [eu, us, ap]
+min_regions: 2
+grace_s: 30
+timeout_s: 600
+"""
+
+
+def _publish(store, region: str, r: int) -> Manifest:
+    mb = Mailbox(store, RUN, region, REGIONS, threads=1)
+    try:
+        tag = round_tag(r)
+        (nbytes, dig), = mb.upload_shards(tag, {0: b"\0" * 8}).values()
+        m = Manifest(RUN, region, tag, "delta", r * 100, "fp32", 2, "layout", "raw", 1000,
+                     [ShardInfo(0, 0, 2, nbytes, dig)])
+        store.put(mb.manifest_key(tag, region), m.to_json())
+        return m
+    finally:
+        mb.close()
+
+
+def _membership(store, region: str) -> Membership:
+    return Membership(Mailbox(store, RUN, region, REGIONS, threads=1), quorum=2, grace_s=30, job=f"job-{region}")
+
+
+def _commit(store, r: int, manifests: dict[str, Manifest], closed_by: str, reason: str) -> None:
+    ms = _membership(store, closed_by)
+    members = {k: Member(manifest_digest(m), m.tokens) for k, m in manifests.items()}
+    c = Commit(RUN, round_tag(r), r * 100, members, closed_by, reason, 12.5,
+               [x for x in REGIONS if x not in manifests], time.time() - 90)
+    assert store.create(ms.commit_key(round_tag(r)), c.to_json())
+    ms.mb.close()
+
+
+def build_mailbox(store) -> None:
+    """Round 40 with everyone; us announced a leave after it; rounds 41 and 42 closed without us
+    (reason "leave"); a complete snapshot of round 40; ap never wrote a presence record."""
+    r40 = {x: _publish(store, x, 40) for x in REGIONS}
+    _commit(store, 40, r40, "eu", "all")
+    ms = _membership(store, "us")
+    ms.announce("leaving", 40, 4000)
+    ms.complete_snapshot(40, {"theta": r40["eu"], "momentum": r40["us"]}, 40)
+    ms.mb.close()
+    for r in (41, 42):
+        _commit(store, r, {x: _publish(store, x, r) for x in ("eu", "ap")}, "ap" if r == 42 else "eu", "leave")
+    # eu's presence record is three minutes old (written as Membership.announce writes it)
+    ms = _membership(store, "eu")
+    old = Presence("eu", "joined", 38, 3800, time.time() - 185, "job-eu")
+    store.put(ms.presence_key("eu"), json.dumps(asdict(old)).encode())
+    ms.mb.close()
+
+
+def _table(out: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in out.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if cells and cells[0].rstrip(" *") in REGIONS and len(cells) >= 5:
+            rows[cells[0].rstrip(" *")] = cells
+    return rows
+
+
+def test_status_table_from_an_fs_mailbox(tmp_path, sites):
+    mbx = tmp_path / "mailbox"
+    build_mailbox(FsStore(mbx))
+    write_site(sites, "eu", XR + f"transport: {{kind: fs, root: '{mbx}'}}\n")
+    code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites))
+    assert code == 0, err
+    assert "t-run" in out and f"fs:{mbx}" in out
+    assert re.search(r"committed: round 42 \(step 4200\), closed 9\ds ago by ap \(leave, waited 12.5 s\); "
+                     r"members: eu, ap; absent: us", out), out
+    assert "snapshot:  round 40" in out
+    rows = _table(out)
+    assert set(rows) == set(REGIONS), out
+    #            region  last published  presence  behind  in newest commit  presence updated
+    assert rows["us"][1:5] == ["round 40", "leaving (round 40)", "2", "no"]
+    assert rows["us"][5].endswith("s ago (job job-us)")
+    assert rows["eu"][1:6] == ["round 42", "joined (round 38)", "0", "yes", "3m ago (job job-eu)"]
+    assert rows["ap"][1:6] == ["round 42", "absent", "0", "yes", "-"]
+    assert rows["eu"][0] == "eu *"  # this site's region
+
+
+def test_status_json(tmp_path, sites):
+    mbx = tmp_path / "mailbox"
+    build_mailbox(FsStore(mbx))
+    write_site(sites, "us", XR.replace("region: eu", "region: us") + f"transport: {{kind: fs, root: '{mbx}'}}\n")
+    code, out, err = sg("status", "--site", "us", "--sites-dir", str(sites), "--json")
+    assert code == 0, err
+    st = json.loads(out)
+    assert st["run_id"] == RUN and st["site_region"] == "us" and st["quorum"] == 2
+    assert st["newest_commit"]["round"] == 42 and st["newest_commit"]["members"] == ["eu", "ap"]
+    assert st["newest_commit"]["absent"] == ["us"] and st["newest_commit"]["reason"] == "leave"
+    assert st["committed_rounds"] == [40, 41, 42] and st["newest_snapshot"] == 40
+    us = next(r for r in st["regions"] if r["region"] == "us")
+    assert us["presence"] == "leaving" and us["behind"] == 2 and us["in_newest_commit"] is False
+    assert us["last_published"] == 40 and us["job"] == "job-us"
+    eu = next(r for r in st["regions"] if r["region"] == "eu")
+    assert 180 <= eu["presence_age_s"] < 300
+
+
+def test_empty_or_missing_mailbox_is_not_a_crash(tmp_path, sites):
+    mbx = tmp_path / "not-there"
+    write_site(sites, "eu", XR + f"transport: {{kind: fs, root: '{mbx}'}}\n")
+    code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites))
+    assert code == 0, err
+    assert "no rounds committed yet" in out and "does not exist yet" in out
+    assert not mbx.exists()  # a status query creates nothing
+    mbx.mkdir()
+    code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites))
+    assert code == 0, err
+    assert "no rounds committed yet" in out and "does not exist" not in out
+    assert _table(out)["us"][1:5] == ["-", "absent", "-", "-"]
+
+
+def test_site_without_cross_region_is_bad_input(sites):
+    write_site(sites, "solo", "enabled: false\n")
+    code, out, err = sg("status", "--site", "solo", "--sites-dir", str(sites))
+    assert code == 2
+    assert "cross_region.enabled: site 'solo' is not part of a cross-region run" in err
+    assert "Traceback" not in err
+
+
+def test_unreadable_mailbox_is_one_line_exit_1(tmp_path, sites, monkeypatch):
+    mbx = tmp_path / "mailbox"
+    store = FsStore(mbx)
+    build_mailbox(store)
+    store.put(f"{RUN}/{round_tag(42)}/_commit.json", b"{not json")
+    write_site(sites, "eu", XR + f"transport: {{kind: fs, root: '{mbx}'}}\n")
+    code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites))
+    assert code == 1
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith(f"sbatch-gen: mailbox fs:{mbx}: unreadable round commit"), err
+    # S3 credentials named by the profile but not set: one line naming the bucket
+    monkeypatch.delenv("XR_NOPE_KEY", raising=False)
+    write_site(sites, "s3", XR + "transport:\n  kind: s3\n  bucket: some-bucket\n  prefix: team/xr\n"
+               "  credentials: {access_key_id_env: XR_NOPE_KEY, secret_access_key_env: XR_NOPE_SECRET}\n")
+    code, out, err = sg("status", "--site", "s3", "--sites-dir", str(sites))
+    assert code == 1
+    assert err.strip() == ("sbatch-gen: mailbox s3://some-bucket/team/xr: S3 credentials: environment variable "
+                           "XR_NOPE_KEY is not set (named by the site profile)")
+
+
+def test_status_from_an_s3_mailbox(s3server, bucket, sites):
+    store = S3Store(bucket, "team/xr", endpoint_url=s3server.endpoint_url, addressing_style="path",
+                    region_name="us-east-1", access_key_id_env=KEY_ENV, secret_access_key_env=SECRET_ENV)
+    try:
+        build_mailbox(store)
+    finally:
+        store.close()
+    write_site(sites, "eu", XR + f"transport:\n  kind: s3\n  bucket: {bucket}\n  prefix: team/xr\n"
+               f"  endpoint_url: {s3server.endpoint_url}\n  addressing_style: path\n  region_name: us-east-1\n"
+               f"  credentials: {{access_key_id_env: {KEY_ENV}, secret_access_key_env: {SECRET_ENV}}}\n")
+    code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites))
+    assert code == 0, err
+    assert f"mailbox:   s3://{bucket}/team/xr" in out
+    assert "committed: round 42" in out and "snapshot:  round 40" in out
+    rows = _table(out)
+    assert rows["us"][1:5] == ["round 40", "leaving (round 40)", "2", "no"]
