@@ -1,11 +1,15 @@
-"""``make demo``: two regions on this machine, DiLoCo over the ``fs`` mailbox, then a short summary.
+"""``make demo``: two regions on this machine, elastic DiLoCo over the ``fs`` mailbox, then a summary.
 
 Each region is its own torchrun with 2 processes (gloo, its own rendezvous port and process group)
 running ``python -m sbatch_gen.train``; the regions share nothing but the mailbox directory, exactly as
-two clusters would share a bucket. Afterwards: loss per region, sync timings per round, and the bytes
-the regions exchanged against what per-step gradient averaging across regions would have sent.
+two clusters would share a bucket. Midway, region ``us`` is stopped through its stop file (as the batch
+script does on preemption: it checkpoints, announces its leave and exits with the requeue code) and
+restarted a little later, like a requeued job: it fast-forwards to the run and rejoins. Afterwards: loss
+per region, how long ``eu`` waited per round while ``us`` was away, the rejoin, sync timings per round,
+the bytes exchanged against per-step gradient averaging, and whether the final weights are identical.
 
     python -m sbatch_gen.demo [--config configs/demo.yaml] [--steps N] [--inner-steps H] [--out runs/demo-xr]
+                              [--away-rounds A] [--no-stop]
 """
 
 from __future__ import annotations
@@ -42,7 +46,40 @@ def _same_params(a: Path, b: Path) -> bool:
     return pa.keys() == pb.keys() and all(np.array_equal(pa[k], pb[k]) for k in pa)
 
 
-def summarize(out: Path, regions: list[str], wall_s: float, steps: int) -> str:
+def _away_lines(out: Path, regions: list[str], grace_s: float) -> list[str]:
+    """What the elastic rounds did: who was away, how long the others waited, who rejoined how."""
+    lines = []
+    for r in regions:
+        m = _read_metrics(out / r)
+        rounds = [x for x in m if "xr_total_s" in x]
+        for other in regions:
+            if other == r:
+                continue
+            missed = [x for x in rounds if other in x.get("xr_absent", [])]
+            if not missed:
+                continue
+            waits = [x["xr_wait_s"] for x in missed]
+            why = sorted({x["xr_close_reason"] for x in missed})
+            lines.append(f"{r}: {len(missed)} round(s) without {other} "
+                         f"({', '.join(str(x['xr_round']) for x in missed)}), closed by {'/'.join(why)}; {r} waited "
+                         f"median {statistics.median(waits) * 1e3:.0f} ms, max {max(waits) * 1e3:.0f} ms per round "
+                         f"(bound: grace_s {grace_s:g} s, or none after a planned leave)")
+        for e in m:
+            if e.get("event") == "xr_leave":
+                lines.append(f"{r}: left after step {e['step']} (round {e['round']}): {e['reason']}")
+            if e.get("event") == "xr_rejoin":
+                lines.append(f"{r}: rejoined: fast-forwarded from round {e['from_round']} to {e['to_round']} "
+                             f"({e['replayed']} round(s) replayed, via {', '.join(e['via'])}) in {e['seconds']:.2f} s; "
+                             f"continued at step {e['adopted_step']}")
+                back = [x for x in rounds if x["xr_round"] == e["to_round"] + 1]
+                if back:
+                    took = r in back[0]["xr_members"]
+                    lines.append(f"{r}: first round back ({back[0]['xr_round']}): "
+                                 + ("took part" if took else "late (its delta was dropped)"))
+    return lines
+
+
+def summarize(out: Path, regions: list[str], wall_s: float, steps: int, grace_s: float = 0.0) -> str:
     lines = [f"cross-region demo: {len(regions)} regions x 2 processes, DiLoCo over fs:{out / 'mailbox'}",
              f"wall time {wall_s:.1f} s for {steps} steps", ""]
     up_total = 0
@@ -51,7 +88,7 @@ def summarize(out: Path, regions: list[str], wall_s: float, steps: int) -> str:
     for r in regions:
         m = _read_metrics(out / r)
         losses = [(x["step"], x["loss"]) for x in m if "loss" in x]
-        rounds = [x for x in m if "xr_round" in x]
+        rounds = [x for x in m if "xr_total_s" in x]  # the rounds this region ran (not a fast-forward)
         rounds_all[r] = rounds
         up_total += sum(x["xr_bytes_up"] for x in rounds)
         if rounds and numel is None:
@@ -60,6 +97,9 @@ def summarize(out: Path, regions: list[str], wall_s: float, steps: int) -> str:
         best = min(v for _, v in losses)
         lines.append(f"region {r}: loss {first[1]:.3f} (step {first[0]}) -> {last[1]:.3f} (step {last[0]}), "
                      f"best {best:.3f}; {len(rounds)} outer rounds")
+    away = _away_lines(out, regions, grace_s)
+    if away:
+        lines += ["", *away]
     lines.append("")
     for r in regions:
         rounds = rounds_all[r]
@@ -73,19 +113,17 @@ def summarize(out: Path, regions: list[str], wall_s: float, steps: int) -> str:
     if numel:
         H = rounds_all[regions[0]][0]["xr_step"]
         down_total = sum(x["xr_bytes_down"] for r in regions for x in rounds_all[r])
-        # Per-step gradient averaging across regions, same mailbox, fp32: every region sends its gradient
-        # (P*4 bytes) and receives the other regions' (R-1)*P*4, every step. (For 2 regions that is also
-        # what a ring all-reduce moves per process.)
-        per_step_up = numel * 4 * len(regions)
-        per_step_down = numel * 4 * len(regions) * (len(regions) - 1)
-        ddp = (per_step_up + per_step_down) * steps
         ours = up_total + down_total
+        # Per-step gradient averaging across regions, same mailbox, fp32: every region sends its gradient
+        # (P*4 bytes) and receives the other regions' ((R-1)*P*4) every step; a DiLoCo round moves bf16
+        # deltas (P*2, (R-1)*P*2) once per H steps. (For 2 regions that is also what a ring all-reduce
+        # moves per process.)
         lines += [
             "",
             f"parameters: {numel:,}; H = {H} inner steps; payloads bf16",
             f"exchanged across regions: {_mib(up_total)} up + {_mib(down_total)} down = {_mib(ours)}",
-            f"per-step gradient averaging (fp32) would have sent {_mib(ddp)} over {steps} steps: "
-            f"{ddp / ours:,.0f}x more",
+            f"per round a region sends {_mib(numel * 2)} and receives {_mib(numel * 2 * (len(regions) - 1))}; "
+            f"per-step gradient averaging (fp32) would move {2 * H}x that over the same {H} steps",
         ]
     a, b = out / regions[0] / "model.safetensors", out / regions[1] / "model.safetensors"
     if a.exists() and b.exists():
@@ -102,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inner-steps", type=int, default=20, help="H: inner steps per outer round")
     ap.add_argument("--out", default="runs/demo-xr", help="run directory (replaced on every demo run)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds before the demo gives up")
+    ap.add_argument("--away-rounds", type=int, default=3, help="rounds region us misses midway")
+    ap.add_argument("--no-stop", action="store_true", help="do not stop and restart region us midway")
     args = ap.parse_args(argv)
 
     from sbatch_gen.train.config import load_config
@@ -117,23 +157,50 @@ def main(argv: list[str] | None = None) -> int:
         ensure_shard(cfg.data.path, r, REGIONS, cfg.data.source, cfg.data.max_bytes)
     transport = FsTransport(root=str((out / "mailbox").absolute()))
     run_id = f"demo-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
+    # Elastic rounds: either region goes on alone. grace_s covers a returning region's first round (it
+    # fast-forwards, then trains H steps while the other region is somewhere in that round already).
+    grace_s = 10.0
+    xrs = {r: CrossRegion(enabled=True, run_id=run_id, region=r, regions=REGIONS, inner_steps=args.inner_steps,
+                          transport=transport, timeout_s=300, shard_mb=1.0, threads=4, min_regions=1,
+                          grace_s=grace_s, snapshot_every=2, keep_rounds=2)
+           for r in REGIONS}
+    stop = (out / "us.stop").absolute()
     print(f"training {len(REGIONS)} regions ({', '.join(REGIONS)}), each torchrun x 2 processes, {steps} steps, "
-          f"DiLoCo H={args.inner_steps}, mailbox {transport.root}; logs in {out}/<region>.log", flush=True)
+          f"DiLoCo H={args.inner_steps}, min_regions 1, grace_s {grace_s:g}, mailbox {transport.root}; "
+          f"logs in {out}/<region>.log", flush=True)
+
+    def launch(r: str):
+        extra = ["--stop-file", str(stop)] if r == "us" else []
+        return launch_region(xrs[r], config=args.config, run_dir=out / r, max_steps=steps, resume="auto",
+                             log_dir=out, extra_args=extra)
+
     t0 = time.monotonic()
-    runs = []
+    runs: dict = {}
+    failed = []
     try:
-        for r in REGIONS:
-            xr = CrossRegion(enabled=True, run_id=run_id, region=r, regions=REGIONS, inner_steps=args.inner_steps,
-                             transport=transport, timeout_s=300, shard_mb=1.0, threads=4)
-            runs.append(launch_region(xr, config=args.config, run_dir=out / r, max_steps=steps, resume="none",
-                                      log_dir=out))
-        failed = []
-        for run in runs:
+        runs = {r: launch(r) for r in REGIONS}
+        rounds = steps // args.inner_steps
+        if not args.no_stop and rounds >= args.away_rounds + 4:
+            mbx = Path(transport.root) / run_id
+            leave_at = rounds // 2 - args.away_rounds // 2
+            _wait_until(mbx / f"r{leave_at:06d}" / "_commit.json", runs, t0, args.timeout)
+            print(f"[{time.monotonic() - t0:5.1f} s] round {leave_at} closed: stopping us through its stop file "
+                  f"({stop})", flush=True)
+            stop.touch()
+            runs["us"].wait(max(1.0, args.timeout - (time.monotonic() - t0)))  # exits 42: checkpointed, left
+            back_at = leave_at + args.away_rounds
+            _wait_until(mbx / f"r{back_at:06d}" / "_commit.json", {"eu": runs["eu"]}, t0, args.timeout)
+            print(f"[{time.monotonic() - t0:5.1f} s] round {back_at} closed without us: restarting us "
+                  "(--resume auto), as the requeued job would", flush=True)
+            stop.unlink()
+            stop.with_name(stop.name + ".ack").unlink(missing_ok=True)
+            runs["us"] = launch("us")
+        for run in runs.values():
             rcs = run.wait(max(1.0, args.timeout - (time.monotonic() - t0)))
             if any(rcs):
                 failed.append((run, rcs))
     except BaseException:
-        for run in runs:
+        for run in runs.values():
             run.kill()
         raise
     wall = time.monotonic() - t0
@@ -141,8 +208,18 @@ def main(argv: list[str] | None = None) -> int:
         for run, rcs in failed:
             print(f"region {run.region} failed (exit {rcs}):\n{run.tail(40)}", file=sys.stderr)
         return 1
-    print(summarize(out, REGIONS, wall, steps), flush=True)
+    print(summarize(out, REGIONS, wall, steps, grace_s), flush=True)
     return 0
+
+
+def _wait_until(path: Path, runs: dict, t0: float, timeout: float) -> None:
+    while not path.exists():
+        for run in runs.values():
+            if run.poll()[0] is not None:
+                raise RuntimeError(f"region {run.region} ended early (waiting for {path}):\n{run.tail(40)}")
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"demo: no {path} after {timeout:g} s")
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":
