@@ -4,6 +4,9 @@ round back."""
 
 from __future__ import annotations
 
+import logging
+import time
+
 import pytest
 import torch
 
@@ -119,3 +122,34 @@ def test_fast_forward_with_neither_rounds_nor_snapshot_is_a_clear_error(tmp_path
     with pytest.raises(XRMissingRound, match=r"region 'us' at round 0 cannot rejoin the run at round 4: round\(s\) "
                                              r"r000001..r000002 are gone .* and no outer snapshot covers them"):
         s_us.catch_up(0)
+
+
+def test_a_late_region_applies_the_committed_update_and_warns_after_three_rounds(tmp_path, caplog):
+    """us publishes every round only after eu has closed it: its deltas are dropped (not counted), it
+    applies eu's committed update, stays bit-identical, and after 3 late rounds in a row it warns and
+    names grace_s."""
+    regions = ["eu", "us"]
+    commit = tmp_path / "t"
+
+    def region(r):
+        m, s = _sync(r, tmp_path, regions, grace_s=0.05)
+        s.align(0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        recs = []
+        for rr in range(1, 4):
+            if r == "us":
+                deadline = time.monotonic() + 30
+                while not (commit / f"r{rr:06d}" / "_commit.json").exists():
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+            recs += _rounds(m, s, opt, r, [rr])
+        return recs, s.theta_outer.clone(), flat(m)
+
+    with caplog.at_level(logging.WARNING, logger="sbatch_gen.train"):
+        out = in_threads(region, regions)
+    eu, us = out["eu"], out["us"]
+    assert [x["xr_late"] for x in us[0]] == [True] * 3 and [x["xr_late"] for x in eu[0]] == [False] * 3
+    assert all(x["xr_members"] == ["eu"] and x["xr_tokens"] == 32 for x in us[0])
+    assert torch.equal(eu[1], us[1]) and torch.equal(eu[2], us[2])
+    warned = [r.getMessage() for r in caplog.records if "missed the last 3 rounds" in r.getMessage()]
+    assert warned and "grace_s=0.05s" in warned[0] and "region us" in warned[0]

@@ -192,9 +192,13 @@ def test_kill_one_region_then_resume(tmp_path, repo, data_dir):
     m = metrics(tmp_path / "us")
     rounds = [(x["xr_round"], x["xr_reused"]) for x in m if "xr_round" in x]
     # first life: rounds 1-3 (killed inside 4); second life from step 8: round 3 replayed from the
-    # mailbox (fast-forward), round 4 re-entered with the published payload, then 5
-    assert rounds == [(1, False), (2, False), (3, False), (4, True), (5, False)], rounds
+    # mailbox (fast-forward), round 4 re-entered with the published payload, then 5. If eu closed round 4
+    # (with us's published payload) before us was back, the fast-forward replays it too.
     rejoin = [x for x in m if x.get("event") == "xr_rejoin"]
-    assert [(x["from_round"], x["to_round"], x["adopted_step"]) for x in rejoin] == [(2, 3, 12)]
+    assert len(rejoin) == 1 and rejoin[0]["from_round"] == 2 and rejoin[0]["to_round"] in (3, 4), rejoin
+    back = rejoin[0]["to_round"]
+    assert rejoin[0]["adopted_step"] == 4 * back
+    expect = [(1, False), (2, False), (3, False), *([(4, True)] if back == 3 else []), (5, False)]
+    assert rounds == expect, rounds
     eu_rounds = [x["xr_round"] for x in metrics(tmp_path / "eu") if "xr_round" in x]
     assert eu_rounds == [1, 2, 3, 4, 5]

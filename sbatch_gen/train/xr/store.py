@@ -79,25 +79,30 @@ class FsStore(Store):
             raise ValueError(f"bad mailbox key {key!r}")
         return self.root / key
 
-    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+    def _complete_temp(self, key: str, data: bytes | bytearray | memoryview) -> tuple[Path, Path]:
+        """(the key's path, a complete temp file beside it holding ``data``); the caller removes the temp."""
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return path, tmp
+
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        path, tmp = self._complete_temp(key, data)
+        try:
             os.replace(tmp, path)  # atomic: readers see the old object, or the complete new one
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
 
     def create(self, key: str, data: bytes | bytearray | memoryview) -> bool:
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        path, tmp = self._complete_temp(key, data)
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
             os.link(tmp, path)  # fails if the key exists; readers never see a partial object
             return True
         except FileExistsError:

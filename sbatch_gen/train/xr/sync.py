@@ -12,6 +12,7 @@ anything is changed, raises the same error, and the parameters and outer state s
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from .protocol import TAG_INIT, Mailbox, digest, digest_of_digests
 from .region import Region
 from .store import Store, make_store, probe_create
 
+log = logging.getLogger("sbatch_gen.train")
 LATE_WARN_AFTER = 3  # consecutive rounds without this region's payload before it warns
 
 
@@ -220,9 +222,7 @@ class OuterSync:
             self._log({"event": "xr_late", "step": step, "round": self.round, "members": res.members,
                        "streak": self.late_streak})
             if self.late_streak >= LATE_WARN_AFTER:
-                import logging
-
-                logging.getLogger("sbatch_gen.train").warning(
+                log.warning(
                     "region %s missed the last %d rounds (its deltas were dropped): the others closed them "
                     "after grace_s=%gs. If this region is just slower, raise cross_region.grace_s.",
                     self.xr.region, self.late_streak, self.xr.grace_s)
