@@ -10,6 +10,8 @@ import json
 import re
 import time
 
+import pytest
+
 from sbatch_gen.contract import EXIT_REQUEUE
 from sbatch_gen.testing.regions import launch_region
 from sbatch_gen.xr_options import FsTransport
@@ -24,6 +26,8 @@ from .test_multiproc import (
     write_config,
     xr,
 )
+
+pytestmark = pytest.mark.slow  # torchrun regions: the multi-process tier
 
 # "one poll": the longest poll interval (poll_max_s); the waits measured here overshoot grace_s by 0.1-0.5 s
 # (a few store requests and a listing before the close, on 2 cores shared with the other region's start-up

@@ -15,6 +15,8 @@ from sbatch_gen.xr_options import CrossRegion, FsTransport, S3Credentials, S3Tra
 
 from .conftest import KEY_ENV, SECRET_ENV
 
+pytestmark = pytest.mark.slow  # torchrun regions: the multi-process tier
+
 REGIONS = ["eu", "us"]
 TIMEOUT = 240  # per region run; generous: the 2 cores are shared
 
