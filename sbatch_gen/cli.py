@@ -1,8 +1,10 @@
 """The ``sbatch-gen`` command line. Torch-free: it must never import torch, directly or indirectly.
 
-Exit status: 0 ok, 1 drift found by ``check``/``diff`` or a mailbox ``status`` cannot read, 2 bad input
-(profile, override, usage).
-Errors go to stderr as ``file:line: field: message``, without a traceback.
+Exit status: 0 ok, 1 drift found by ``check``/``diff``, a mailbox ``status`` cannot read, or an I/O error
+while ``render`` writes (then nothing was changed) or ``check`` reads out/, 2 bad input (profile, override,
+usage, an --out that cannot take the files: a file, under a file, not writable, an output path that is a
+directory).
+Errors go to stderr as ``file:line: field: message`` (or ``path: message``), one line, without a traceback.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import yaml
 from sbatch_gen.consistency import check_cross_region, check_train_configs
 from sbatch_gen.loader import LoadedSite, UserError, display_path, list_sites, load_site
 from sbatch_gen.profile import PROFILE_KINDS, SlurmProfile
-from sbatch_gen.render import Rendered, render_site, unified_diff, write_atomic
+from sbatch_gen.render import OutputError, Rendered, check_out_dir, render_site, unified_diff, write_outputs
 
 EXIT_DRIFT = 1
+EXIT_IO = 1  # `render`: an output file could not be written (nothing was changed); `check`: out/ unreadable
 EXIT_STORE = 1  # `status`: the mailbox could not be read
 EXIT_BAD_INPUT = 2
 
@@ -33,6 +36,9 @@ class _Group(click.Group):
             for m in e.messages:
                 click.echo(f"sbatch-gen: {m}", err=True)
             ctx.exit(EXIT_BAD_INPUT)
+        except OutputError as e:  # render/check/diff: out/ cannot be written or read
+            click.echo(f"sbatch-gen: {e}", err=True)
+            ctx.exit(EXIT_BAD_INPUT if e.bad_destination else EXIT_IO)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -60,7 +66,8 @@ def _templates_option(f: Callable) -> Callable:
 
 def _out_option(f: Callable) -> Callable:
     return click.option(
-        "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("out"),
+        # Not checked by click (its error is three lines): render/check/diff check it and say so in one line.
+        "--out", "out_dir", type=click.Path(readable=False, path_type=Path), default=Path("out"),
         show_default=True, help="Directory of the rendered scripts.",
     )(f)
 
@@ -108,13 +115,23 @@ def _output_suffixes() -> list[str]:
     return sorted({pat.replace("{site}", "") for cls in PROFILE_KINDS.values() for _, pat in cls.OUTPUTS})
 
 
+def _read_output(path: Path) -> str | None:
+    """An output file's text for comparison (None if there is no file; bytes that are not UTF-8 replaced,
+    so they differ from any render)."""
+    try:
+        return path.read_bytes().decode("utf-8", errors="replace") if path.is_file() else None
+    except OSError as e:
+        raise OutputError(f"{display_path(path)}: cannot read: {e.strerror or e}", bad_destination=False) from None
+
+
 def _drift(pairs: list[tuple[LoadedSite, Rendered]], out_dir: Path, stale_check: bool) -> list[str]:
+    check_out_dir(out_dir, writing=False)
     diffs = []
     expected = set()
     for _, r in pairs:
         path = out_dir / r.filename
         expected.add(r.filename)
-        old = path.read_text(encoding="utf-8") if path.is_file() else None
+        old = _read_output(path)
         if old != r.text:
             diffs.append(unified_diff(path, old, r.text))
     if stale_check and out_dir.is_dir():
@@ -123,7 +140,7 @@ def _drift(pairs: list[tuple[LoadedSite, Rendered]], out_dir: Path, stale_check:
             if f.is_file() and f.name not in expected and any(f.name.endswith(s) for s in suffixes):
                 diffs.append(
                     f"# {display_path(f)}: no site renders this file any more (delete it)\n"
-                    + unified_diff(f, f.read_text(encoding="utf-8"), None)
+                    + unified_diff(f, _read_output(f), None)
                 )
     return diffs
 
@@ -138,6 +155,9 @@ def _drift(pairs: list[tuple[LoadedSite, Rendered]], out_dir: Path, stale_check:
 def render(names, all_, out_dir, overrides, sites_dir, templates_dir) -> None:
     """Validate profiles and write out/<site>.sbatch and out/<site>.setup.sbatch (atomically, mode 0755).
 
+    All or nothing: every site is rendered and every destination checked before a file is written; if
+    anything fails, out/ is left as it was (exit 2: --out cannot take the files; exit 1: an I/O error).
+
     \b
     sbatch-gen render --site eu
     sbatch-gen render --all
@@ -146,10 +166,8 @@ def render(names, all_, out_dir, overrides, sites_dir, templates_dir) -> None:
     selected = _select(sites_dir, names, all_)
     loaded = _load_many(sites_dir, selected, overrides, cross_region=all_)
     pairs = _render_all(loaded, templates_dir)
-    for _, r in pairs:
-        path = out_dir / r.filename
-        unchanged = path.is_file() and path.read_text(encoding="utf-8") == r.text
-        write_atomic(path, r.text)
+    written = write_outputs(out_dir, [(r.filename, r.text) for _, r in pairs])
+    for path, unchanged in written:
         click.echo(f"{'unchanged' if unchanged else 'wrote'} {display_path(path)}")
 
 

@@ -9,7 +9,13 @@ Validation rule for everything that ends up in a script: a value is either restr
 character set (names, numbers, anything written into an ``#SBATCH`` line, which Slurm does not
 shell-parse) or it is shell-quoted by the renderer and reaches the job exactly as written. Values that
 would silently mean something else (``$VAR`` or ``~`` in a path, control characters, ``%`` in a Slurm
-filename pattern) are rejected with a message saying why.
+filename pattern, a leading ``-`` where the value becomes a command's argument, a YAML boolean where a
+number is meant) are rejected with a message saying why.
+
+Rules for every string of a profile (keys included), checked once for the whole document before any field
+(:meth:`_Strict._every_string`): no control characters (C0, DEL, C1) and no Unicode bidirectional controls,
+so what a reviewer reads is what runs; and nothing shaped like a literal credential (the message says
+``<redacted>``, never the value).
 """
 
 from __future__ import annotations
@@ -26,7 +32,13 @@ from pydantic import (
     model_validator,
 )
 
-from sbatch_gen.xr_options import CrossRegion
+from sbatch_gen.xr_options import (
+    CrossRegion,
+    credential_message,
+    credential_shape,
+    unsafe_chars,
+    unsafe_chars_message,
+)
 
 # ---------------------------------------------------------------------------------------------------
 # Value types
@@ -46,9 +58,32 @@ def _check(pattern: str, what: str):
 
 
 def _no_control(v: str) -> str:
-    bad = sorted({c for c in v if ord(c) < 32 or ord(c) == 127})
+    bad = unsafe_chars(v)
     if bad:
-        raise ValueError(f"{v!r} contains control characters {bad} (newline, tab, ...)")
+        raise ValueError(unsafe_chars_message(bad))
+    return v
+
+
+def _not_an_option(what: str):
+    """A validator for values that become a command's argument: a leading '-' would make it an option."""
+
+    def check(v: str) -> str:
+        if v.startswith("-"):
+            raise ValueError(f"{what} {v!r} starts with '-': the command would read it as an option")
+        return v
+
+    return check
+
+
+def _strict_int(v: object) -> object:
+    # pydantic would take the YAML booleans (yes/no/on/off/true/false) as 1/0, "2" as 2 and 2.0 as 2.
+    if isinstance(v, bool):
+        raise ValueError("Input should be a valid integer, got a YAML boolean (true/false, yes/no, on/off)")
+    if isinstance(v, str):
+        hint = " (write the number without quotes)" if v.strip().isdigit() else ""
+        raise ValueError(f"Input should be a valid integer, got the string {v!r}{hint}")
+    if not isinstance(v, int):
+        raise ValueError(f"Input should be a valid integer, got {v!r}")
     return v
 
 
@@ -62,6 +97,9 @@ def _path(v: str) -> str:
         )
     if v.startswith("~"):
         raise ValueError(f"path {v!r} starts with '~', which is not expanded; write the path out")
+    if v.startswith("-"):
+        raise ValueError(f"path {v!r} starts with '-': a command taking it as an argument would read an option; "
+                         f"write ./{v}")
     return v
 
 
@@ -133,6 +171,8 @@ ModuleName = Annotated[
     str, AfterValidator(_check(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", "Python module name"))
 ]
 PathStr = Annotated[str, AfterValidator(_path)]
+# Every integer field: no YAML booleans, strings or floats.
+Int = Annotated[int, BeforeValidator(_strict_int)]
 LogDir = Annotated[str, AfterValidator(_log_dir)]
 SlurmTime = Annotated[str, BeforeValidator(_numeric_to_str), AfterValidator(_slurm_time)]
 Text = Annotated[str, AfterValidator(_no_control)]
@@ -147,6 +187,34 @@ Url = Annotated[str, AfterValidator(_check(r"https?://[A-Za-z0-9.:\[\]_~%/+-]+",
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _every_string(cls, data: object) -> object:
+        """The rules for every string (values and keys) of the section, before any field is validated, so
+        no other message can quote a credential."""
+        _check_strings(data, ())
+        return data
+
+
+def _check_strings(data: object, path: tuple[str | int, ...]) -> None:
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for k, v in items:
+        if isinstance(k, str):
+            _check_string(k, (*path, k))
+        if isinstance(v, str):
+            _check_string(v, (*path, k))
+        else:
+            _check_strings(v, (*path, k))
+
+
+def _check_string(v: str, path: tuple[str | int, ...]) -> None:
+    what = credential_shape(v)
+    if what is not None:
+        raise FieldError(path, credential_message(what))
+    bad = unsafe_chars(v)
+    if bad:
+        raise FieldError(path, unsafe_chars_message(bad))
 
 
 class FieldError(ValueError):
@@ -178,10 +246,12 @@ class Paths(_Strict):
 
 
 class _EnvCommon(_Strict):
-    modules: list[Annotated[str, AfterValidator(_check(r"[A-Za-z0-9_.+/-]+", "module name"))]] = Field(
+    modules: list[Annotated[str, AfterValidator(_check(r"[A-Za-z0-9_.+/-]+", "module name")),
+                            AfterValidator(_not_an_option("module `module load`"))]] = Field(
         default_factory=list, description="Environment modules to `module load` first (e.g. cuda/12.4)."
     )
-    torch_spec: Annotated[str, AfterValidator(_check(r"[A-Za-z0-9_.,<>=!~\[\]-]+", "pip requirement"))] = (
+    torch_spec: Annotated[str, AfterValidator(_check(r"[A-Za-z0-9_.,<>=!~\[\]-]+", "pip requirement")),
+                          AfterValidator(_not_an_option("requirement for `pip install`"))] = (
         Field(default="torch", description="Setup job: pip requirement for torch, e.g. torch==2.6.0.")
     )
     torch_index_url: Url | None = Field(
@@ -198,7 +268,8 @@ class VenvEnv(_EnvCommon):
 
     kind: Literal["venv"] = "venv"
     path: PathStr = Field(default=".venv", description="The venv directory.")
-    python: Annotated[str, AfterValidator(_check(r"[A-Za-z0-9_./+-]+", "interpreter"))] = Field(
+    python: Annotated[str, AfterValidator(_check(r"[A-Za-z0-9_./+-]+", "interpreter")),
+                      AfterValidator(_not_an_option("interpreter"))] = Field(
         default="python3", description="Setup job: interpreter that creates the venv."
     )
 
@@ -231,7 +302,8 @@ PythonEnv = Annotated[VenvEnv | CondaEnv | NoEnv, Field(discriminator="kind")]
 
 
 class Network(_Strict):
-    socket_ifname: Annotated[str, AfterValidator(_check(r"[A-Za-z0-9_.:@-]{1,15}", "interface name"))] | None = (
+    socket_ifname: Annotated[str, AfterValidator(_check(r"[A-Za-z0-9_.:@-]{1,15}", "interface name")),
+                             AfterValidator(_not_an_option("interface name"))] | None = (
         Field(
             default=None,
             description="Pin bootstrap/socket traffic to this interface (NCCL_SOCKET_IFNAME, "
@@ -250,11 +322,11 @@ class Nccl(_Strict):
     ib_disable: bool = Field(default=False, description="NCCL_IB_DISABLE=1: no InfiniBand/RoCE.")
     p2p_disable: bool = Field(default=False, description="NCCL_P2P_DISABLE=1: no NVLink/PCIe peer-to-peer.")
     nvls_enable: bool | None = Field(default=None, description="NCCL_NVLS_ENABLE (NVLink SHARP); unset = NCCL decides.")
-    ib_gid_index: int | None = Field(default=None, ge=0, le=255, description="NCCL_IB_GID_INDEX (RoCE).")
+    ib_gid_index: Int | None = Field(default=None, ge=0, le=255, description="NCCL_IB_GID_INDEX (RoCE).")
     async_error_handling: bool = Field(
         default=True, description="TORCH_NCCL_ASYNC_ERROR_HANDLING=1: a failed collective aborts the process."
     )
-    heartbeat_timeout_s: int | None = Field(
+    heartbeat_timeout_s: Int | None = Field(
         default=600, ge=10, le=86400,
         description="TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC: a hung rank is killed after this long.",
     )
@@ -270,7 +342,7 @@ class Trainer(_Strict):
     resume: Annotated[str, AfterValidator(_no_control)] = Field(
         default="auto", min_length=1, description="--resume: auto, none, or a checkpoint path."
     )
-    max_steps: int | None = Field(default=None, ge=1, description="--max-steps (unset: the config's).")
+    max_steps: Int | None = Field(default=None, ge=1, description="--max-steps (unset: the config's).")
     extra_args: list[Text] = Field(default_factory=list, description="More trainer arguments, passed as given.")
 
     @model_validator(mode="after")
@@ -284,15 +356,15 @@ class Trainer(_Strict):
 
 
 class Torchrun(_Strict):
-    rdzv_port: int = Field(default=29500, ge=1024, le=65535, description="c10d rendezvous port on the first node.")
-    rdzv_timeout_s: int = Field(
+    rdzv_port: Int = Field(default=29500, ge=1024, le=65535, description="c10d rendezvous port on the first node.")
+    rdzv_timeout_s: Int = Field(
         default=900, ge=10, le=86400, description="--rdzv-conf join_timeout: how long nodes wait for each other."
     )
-    max_restarts: int = Field(
+    max_restarts: Int = Field(
         default=0, ge=0, le=100,
         description="--max-restarts: worker restarts inside one job attempt before the step fails.",
     )
-    procs_per_node: int | None = Field(
+    procs_per_node: Int | None = Field(
         default=None, ge=1, le=256,
         description="--nproc-per-node for CPU sites; on GPU sites it is the GPU count (leave unset).",
     )
@@ -319,13 +391,13 @@ class Preemption(_Strict):
     checkpoint and the job is requeued while the requeue budget lasts."""
 
     signal: Literal["USR1", "USR2"] = Field(default="USR1", description="Signal sent to the batch shell.")
-    lead_time_s: int = Field(default=600, ge=30, le=65535, description="Seconds before the time limit.")
-    checkpoint_s: int = Field(default=120, ge=1, description="Expected time of one checkpoint save.")
-    margin_s: int = Field(default=60, ge=0, description="Slack on top of checkpoint_s.")
-    ack_timeout_s: int = Field(
+    lead_time_s: Int = Field(default=600, ge=30, le=65535, description="Seconds before the time limit.")
+    checkpoint_s: Int = Field(default=120, ge=1, description="Expected time of one checkpoint save.")
+    margin_s: Int = Field(default=60, ge=0, description="Slack on top of checkpoint_s.")
+    ack_timeout_s: Int = Field(
         default=60, ge=1, le=3600, description="How long the batch shell waits for the trainer's .ack."
     )
-    max_requeues: int = Field(default=3, ge=0, le=1000, description="Requeues (SLURM_RESTART_COUNT) allowed.")
+    max_requeues: Int = Field(default=3, ge=0, le=1000, description="Requeues (SLURM_RESTART_COUNT) allowed.")
 
     @model_validator(mode="after")
     def _plan(self) -> Preemption:
@@ -342,7 +414,7 @@ class Preemption(_Strict):
 
 class Preflight(_Strict):
     enabled: bool = Field(default=True, description="Check every node before training starts.")
-    connect_timeout_s: int = Field(
+    connect_timeout_s: Int = Field(
         default=60, ge=1, le=3600, description="How long nodes try to reach the rendezvous endpoint."
     )
 
@@ -356,13 +428,63 @@ _RESERVED_ENV = {
 }
 
 
-def _env_map(v: dict) -> dict:
+# extra_env names refused because they change how the shell, the dynamic loader or the Python interpreter
+# behaves rather than configuring the program: a reviewer reading `export X=...` should not have to know
+# that it reorders word splitting, runs a file at every bash start or injects a library into every process.
+# Prefixes: BASH_* (bash's own: BASH_ENV, BASH_XTRACEFD, BASH_COMPAT, BASH_FUNC_name%% = exported functions).
+_SHELL_ENV = {
+    "ENV", "SHELLOPTS", "BASHOPTS", "IFS", "PS1", "PS2", "PS3", "PS4", "PROMPT_COMMAND", "CDPATH", "GLOBIGNORE",
+    "EXECIGNORE", "POSIXLY_CORRECT", "TMOUT", "FUNCNEST", "HISTFILE", "INPUTRC", "SHELL",
+}
+_SHELL_ENV_PREFIXES = ("BASH_",)
+_PYTHON_ENV = {
+    "PYTHONHOME", "PYTHONSTARTUP", "PYTHONINSPECT", "PYTHONEXECUTABLE", "PYTHONUSERBASE", "PYTHONPLATLIBDIR",
+    "PYTHONSAFEPATH", "PYTHONNOUSERSITE",
+}
+# The dynamic loader (glibc ld.so): LD_*, GLIBC_TUNABLES, GCONV_PATH. extra_env_allow may opt in to the
+# two with everyday uses (a library directory; a preloaded allocator such as tcmalloc).
+_LOADER_ENV = {"GLIBC_TUNABLES", "GCONV_PATH"}
+_LOADER_ENV_PREFIXES = ("LD_",)
+LOADER_ENV_OPT_IN = ("LD_LIBRARY_PATH", "LD_PRELOAD")
+# Credentials: their value would be written into out/, which is committed. Well-known names, and names
+# ending in a credential word.
+_CREDENTIAL_ENV = {
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+    "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACE_TOKEN", "WANDB_API_KEY", "GITHUB_TOKEN", "GH_TOKEN",
+    "GITLAB_TOKEN", "OPENAI_API_KEY", "ANTHROPIC_API_KEY", "AZURE_STORAGE_KEY", "AZURE_STORAGE_CONNECTION_STRING",
+    "AZURE_CLIENT_SECRET", "GOOGLE_API_KEY", "GOOGLE_APPLICATION_CREDENTIALS_JSON", "NGC_API_KEY",
+    "DOCKER_PASSWORD", "COMET_API_KEY", "NEPTUNE_API_TOKEN", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
+}
+_CREDENTIAL_ENV_RE = re.compile(
+    r".*(?:^|_)(?:SECRET|SECRET_KEY|SECRET_ACCESS_KEY|TOKEN|PASSWORD|PASSWD|API_KEY|APIKEY|ACCESS_KEY|PRIVATE_KEY)"
+)
+
+
+def _env_names(v: object) -> object:
+    """extra_env names, checked before the values are validated (so no message can quote a value)."""
+    if not isinstance(v, dict):
+        return v
     for k in v:
+        if not isinstance(k, str):
+            continue
         if k in _RESERVED_ENV:
             raise FieldError((k,), f"{k} is set by sbatch-gen from other profile fields; set it there")
         if k.startswith(("SLURM_", "SBATCH_")):
             raise FieldError((k,), f"{k}: SLURM_*/SBATCH_* variables belong to Slurm")
+        if k in _CREDENTIAL_ENV or _CREDENTIAL_ENV_RE.fullmatch(k):
+            raise FieldError((k,), f"{k} holds a credential (value <redacted>): it would be written into out/, which "
+                             "is committed; leave it in the job's environment (e.g. the submitting shell)")
+        if k in _SHELL_ENV or k.startswith(_SHELL_ENV_PREFIXES):
+            raise FieldError((k,), f"{k} changes how bash runs the script (see 'extra_env' in the README); "
+                             "it cannot be set from the profile")
+        if k in _PYTHON_ENV:
+            raise FieldError((k,), f"{k} changes which code the Python interpreter runs; it cannot be set from the "
+                             "profile (python_env and paths.code_dir choose the code)")
     return v
+
+
+def _is_loader_env(name: str) -> bool:
+    return name in _LOADER_ENV or name.startswith(_LOADER_ENV_PREFIXES)
 
 
 class ProfileBase(_Strict):
@@ -374,8 +496,15 @@ class ProfileBase(_Strict):
     python_env: PythonEnv = Field(default_factory=VenvEnv, description="How python/torchrun are found.")
     network: Network = Field(default_factory=Network)
     nccl: Nccl = Field(default_factory=Nccl)
-    extra_env: Annotated[dict[EnvName, Text], AfterValidator(_env_map)] = Field(
-        default_factory=dict, description="More environment variables exported to every job step."
+    extra_env: Annotated[dict[EnvName, Text], BeforeValidator(_env_names)] = Field(
+        default_factory=dict, description="More environment variables exported to every job step. Not: "
+        "credentials, variables of the shell (BASH_*, IFS, ENV, SHELLOPTS, PS4, ...), the dynamic loader (LD_*) "
+        "or the Python interpreter (PYTHONHOME, PYTHONSTARTUP, ...).",
+    )
+    extra_env_allow: list[Literal[LOADER_ENV_OPT_IN]] = Field(
+        default_factory=list,
+        description="Dynamic-loader variables extra_env may set after all (LD_LIBRARY_PATH, LD_PRELOAD): an "
+        "explicit opt-in, for a library directory or a preloaded allocator.",
     )
     trainer: Trainer
     torchrun: Torchrun = Field(default_factory=Torchrun)
@@ -394,6 +523,19 @@ class ProfileBase(_Strict):
 
     def uses_gpus(self) -> bool:
         return self.gpus_per_node() > 0
+
+    @model_validator(mode="after")
+    def _loader_env(self) -> ProfileBase:
+        for k in self.extra_env:
+            if _is_loader_env(k) and k not in self.extra_env_allow:
+                hint = (f"; if it is meant, opt in with extra_env_allow: [{k}]" if k in LOADER_ENV_OPT_IN
+                        else "; it cannot be set from the profile")
+                raise FieldError(("extra_env", k), f"{k} changes how the dynamic loader loads every program of the "
+                                 f"job{hint}")
+        for i, k in enumerate(self.extra_env_allow):
+            if k not in self.extra_env:
+                raise FieldError(("extra_env_allow", i), f"{k} is allowed but extra_env does not set it: remove it")
+        return self
 
     def _check_procs(self) -> None:
         if self.uses_gpus() and self.torchrun.procs_per_node not in (None, self.gpus_per_node()):
@@ -428,6 +570,35 @@ class Container(_Strict):
     mount_home: bool = Field(default=False, description="Mount the home directory (--container-mount-home).")
 
 
+# sbatch's long options (Slurm 23.02-24.11, with aliases). sbatch (getopt_long) takes any unique prefix of a
+# long option, so `--outp=x` is `--output=x`: extra_directives are matched against this list by prefix.
+SBATCH_LONG_OPTIONS = frozenset({
+    "account", "acctg-freq", "array", "batch", "bb", "bbf", "begin", "chdir", "cluster", "cluster-constraint",
+    "clusters", "comment", "constraint", "container", "container-id", "contiguous", "core-spec",
+    "cores-per-socket", "cpu-freq", "cpus-per-gpu", "cpus-per-task", "deadline", "delay-boot", "dependency",
+    "distribution", "error", "exclude", "exclusive", "export", "export-file", "extra", "extra-node-info",
+    "get-user-env", "gid", "gpu-bind", "gpu-freq", "gpus", "gpus-per-node", "gpus-per-socket", "gpus-per-task",
+    "gres", "gres-flags", "help", "hint", "hold", "ignore-pbs", "immediate", "input", "job-name",
+    "kill-on-invalid-dep", "licenses", "mail-type", "mail-user", "mcs-label", "mem", "mem-bind", "mem-per-cpu",
+    "mem-per-gpu", "mincpus", "network", "nice", "no-kill", "no-requeue", "nodefile", "nodelist", "nodes",
+    "ntasks", "ntasks-per-core", "ntasks-per-gpu", "ntasks-per-node", "ntasks-per-socket", "open-mode", "output",
+    "overcommit", "oversubscribe", "parsable", "partition", "power", "prefer", "priority", "profile", "propagate",
+    "qos", "quiet", "reboot", "requeue", "reservation", "resv-ports", "segment", "signal", "sockets-per-node",
+    "spread-job", "stepmgr", "switches", "tasks", "test-only", "thread-spec", "threads-per-core", "time",
+    "time-min", "tmp", "tres-bind", "tres-per-task", "uid", "usage", "use-min-nodes", "verbose", "version", "wait",
+    "wait-all-nodes", "wckey", "workdir", "wrap",
+})
+
+# Most GPUs one node can have, per GRES type (lower case): HGX/DGX boards carry 8 SXM GPUs (H100, H200, B200,
+# ...); Grace superchip nodes carry up to 4 (quad GH200 blades; a GB200/GB300 NVL72 tray is 2 superchips = 4
+# GPUs); AMD: 8 MI300X/MI250X GCDs, 4 MI300A. Types not listed are only held to the general limit (64).
+MAX_GPUS_PER_NODE: dict[str, int] = {
+    "h100": 8, "h200": 8, "h800": 8, "h20": 8, "b200": 8, "b300": 8,
+    "gh200": 4, "gb200": 4, "gb300": 4,
+    "mi300x": 8, "mi325x": 8, "mi250x": 8, "mi300a": 4,
+}
+
+
 class SlurmResources(_Strict):
     version: Annotated[str, BeforeValidator(_numeric_to_str),
                        AfterValidator(_check(r"\d{2}\.\d{2}(\.\d+)?", "Slurm version (e.g. 23.11)"))] = Field(
@@ -438,13 +609,13 @@ class SlurmResources(_Strict):
     qos: Name | None = None
     reservation: Name | None = None
     job_name: Name | None = Field(default=None, description="Job name (default: the site name).")
-    nodes: int = Field(ge=1, le=100_000)
-    gpus_per_node: int = Field(ge=0, le=64, description="0 for a CPU site (then set torchrun.procs_per_node).")
+    nodes: Int = Field(ge=1, le=100_000)
+    gpus_per_node: Int = Field(ge=0, le=64, description="0 for a CPU site (then set torchrun.procs_per_node).")
     gpu_type: Name | None = Field(default=None, description="GRES type, e.g. h200 (gpu:h200:8).")
     gpu_request: Literal["gres", "gpus-per-node"] = Field(
         default="gres", description="How GPUs are requested: --gres=gpu[:type]:N or --gpus-per-node."
     )
-    cpus_per_task: int = Field(ge=1, le=4096, description="CPUs for the one task per node (torchrun and workers).")
+    cpus_per_task: Int = Field(ge=1, le=4096, description="CPUs for the one task per node (torchrun and workers).")
     mem: Annotated[str, BeforeValidator(_numeric_to_str),
                    AfterValidator(_check(r"0|[1-9][0-9]*[KMGT]?", "memory (e.g. 480G, or 0 for all)"))] | None = None
     time: SlurmTime = Field(description="Time limit: D-HH:MM:SS, HH:MM:SS or minutes.")
@@ -460,6 +631,7 @@ class SlurmResources(_Strict):
         "partition", "account", "qos", "reservation", "job-name", "nodes", "ntasks", "ntasks-per-node",
         "gres", "gpus", "gpus-per-node", "cpus-per-task", "mem", "time", "exclusive", "constraint",
         "output", "error", "open-mode", "signal", "requeue", "no-requeue", "export", "chdir",
+        "tasks", "workdir",  # aliases of ntasks and chdir
     }
 
     @model_validator(mode="after")
@@ -468,8 +640,23 @@ class SlurmResources(_Strict):
             name = d[2:].split("=", 1)[0]
             if name in self._MANAGED:
                 raise FieldError(("extra_directives", i), f"{d!r} is rendered from other fields; set those instead")
+            if name in SBATCH_LONG_OPTIONS:
+                continue
+            full = sorted(o for o in SBATCH_LONG_OPTIONS if o.startswith(name))
+            managed = [o for o in full if o in self._MANAGED]
+            if managed:
+                raise FieldError(("extra_directives", i), f"{d!r}: sbatch reads --{name} as an abbreviation of "
+                                 f"{' or '.join('--' + o for o in managed)}, which is rendered from other fields; "
+                                 "set those instead")
+            if full:
+                raise FieldError(("extra_directives", i), f"{d!r}: --{name} abbreviates "
+                                 f"{' or '.join('--' + o for o in full)}: write the option out in full")
         if self.gpu_type and self.gpus_per_node == 0:
             raise FieldError(("gpu_type",), "gpu_type is set but gpus_per_node is 0")
+        most = MAX_GPUS_PER_NODE.get((self.gpu_type or "").lower())
+        if most is not None and self.gpus_per_node > most:
+            raise FieldError(("gpus_per_node",), f"gpus_per_node is {self.gpus_per_node}, but a {self.gpu_type} node "
+                             f"has at most {most} GPUs")
         return self
 
 

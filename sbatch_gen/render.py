@@ -14,6 +14,7 @@ import functools
 import hashlib
 import os
 import re
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -250,7 +251,7 @@ def _slurm_context(site: LoadedSite) -> dict:
 
 def context(site: LoadedSite, sha: str) -> dict:
     p = site.profile
-    chain = [display_path(f) for f in site.files]
+    chain = site.header_files  # sites-relative: renders do not depend on the checkout location
     ctx = {
         "site": site.name,
         "p": p,
@@ -304,14 +305,14 @@ def render_site(site: LoadedSite, templates_dir: Path | None = None) -> list[Ren
     return out
 
 
-def write_atomic(path: Path, text: str, mode: int = 0o755) -> None:
+def write_atomic(path: Path, text: str | bytes, mode: int = 0o755) -> None:
     """Write via a temp file in the same directory + rename: readers see the old file or the new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode("utf-8") if isinstance(text, str) else text)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
@@ -322,6 +323,112 @@ def write_atomic(path: Path, text: str, mode: int = 0o755) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+class OutputError(Exception):
+    """Rendered files could not be written; nothing was changed. ``bad_destination``: the --out directory or
+    an output path cannot take the files (bad input, exit 2); otherwise an I/O error while writing (exit 1)."""
+
+    def __init__(self, message: str, bad_destination: bool):
+        super().__init__(message)
+        self.bad_destination = bad_destination
+
+
+def check_out_dir(out_dir: Path, writing: bool) -> None:
+    """Raise OutputError(bad_destination=True) if ``out_dir`` is not (or cannot become) a directory we can use:
+    it is a file, an ancestor is a file, or (``writing``) the directory that would hold the files is not
+    writable."""
+    out_dir = Path(out_dir)
+    shown = f"--out {display_path(out_dir)}"
+    d = out_dir
+    while not os.path.lexists(d):  # the first part of the path that exists
+        if d.parent == d:
+            break
+        d = d.parent
+    if os.path.lexists(d) and not d.is_dir():
+        what = "is a file, not a directory" if d == out_dir else f"{display_path(d)} is a file, not a directory"
+        raise OutputError(f"{shown}: {what}", bad_destination=True)
+    if writing and not os.access(d, os.W_OK | os.X_OK):
+        where = "directory is not writable" if d == out_dir else f"{display_path(d)} is not writable"
+        raise OutputError(f"{shown}: {where} (permission denied or a read-only filesystem)", bad_destination=True)
+
+
+def write_outputs(out_dir: Path, files: list[tuple[str, str]], mode: int = 0o755) -> list[tuple[Path, bool]]:
+    """Write rendered files all-or-nothing: check every destination first, write each one to a temp file
+    in ``out_dir``, then rename them into place. On any failure the temp files and any directory made for
+    them are removed, files already renamed get their old contents (and mode) back, and OutputError says
+    why. Returns (path, unchanged) per file."""
+    out_dir = Path(out_dir)
+    check_out_dir(out_dir, writing=True)
+    paths = [out_dir / name for name, _ in files]
+    old: list[tuple[bytes, int] | None] = []
+    for path in paths:
+        if os.path.isdir(path):
+            raise OutputError(f"{display_path(path)}: is a directory; the rendered file cannot replace it "
+                              "(nothing was written)", bad_destination=True)
+        try:
+            old.append((path.read_bytes(), stat.S_IMODE(os.stat(path).st_mode)) if os.path.lexists(path) else None)
+        except OSError:
+            old.append(None)  # unreadable: it is replaced, but cannot be restored
+    new = [text.encode("utf-8") for _, text in files]
+
+    made: list[Path] = []  # directories created here, outermost first
+    temps: list[str] = []
+    done: list[int] = []  # indexes renamed into place
+    current = out_dir
+    try:
+        missing = []
+        d = out_dir
+        while not os.path.lexists(d):
+            missing.append(d)
+            d = d.parent
+        for d in reversed(missing):
+            current = d
+            os.mkdir(d)
+            made.append(d)
+        for path, data in zip(paths, new, strict=True):
+            current = path
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=out_dir)
+            temps.append(tmp)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, mode)
+        for i, (path, tmp) in enumerate(zip(paths, temps, strict=True)):
+            current = path
+            os.replace(tmp, path)
+            done.append(i)
+    except OSError as e:
+        _roll_back(paths, old, temps, done, made)
+        why = e.strerror or str(e)
+        raise OutputError(f"{display_path(current)}: cannot write: {why} (nothing was changed)",
+                          bad_destination=False) from None
+    except BaseException:
+        _roll_back(paths, old, temps, done, made)
+        raise
+    return [(p, o is not None and o[0] == n) for p, o, n in zip(paths, old, new, strict=True)]
+
+
+def _roll_back(paths: list[Path], old: list, temps: list[str], done: list[int], made: list[Path]) -> None:
+    for tmp in temps:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+    for i in done:
+        try:
+            if old[i] is None:
+                os.unlink(paths[i])
+            else:
+                write_atomic(paths[i], old[i][0], mode=old[i][1])
+        except OSError:
+            pass
+    for d in reversed(made):
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
 
 
 def unified_diff(path: Path, old: str | None, new: str | None) -> str:

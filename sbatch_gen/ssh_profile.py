@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 from sbatch_gen.profile import (
     PROFILE_KINDS,
     FieldError,
+    Int,
     PathStr,
     ProfileBase,
     Text,
@@ -75,15 +76,15 @@ class SshConnection(_Strict):
     user: Annotated[str, AfterValidator(_check(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}", "user name"))] | None = Field(
         default=None, description="Remote user (ssh -l); unset: ssh's default."
     )
-    port: int | None = Field(default=None, ge=1, le=65535, description="sshd port (ssh -p); unset: ssh's default.")
+    port: Int | None = Field(default=None, ge=1, le=65535, description="sshd port (ssh -p); unset: ssh's default.")
     identity_file: PathStr | None = Field(
         default=None, description="Private key (ssh -i, with IdentitiesOnly=yes); relative to the launch directory."
     )
-    connect_timeout_s: int = Field(default=10, ge=1, le=600, description="ConnectTimeout.")
-    server_alive_interval_s: int = Field(
+    connect_timeout_s: Int = Field(default=10, ge=1, le=600, description="ConnectTimeout.")
+    server_alive_interval_s: Int = Field(
         default=15, ge=1, le=3600, description="ServerAliveInterval: probe a silent connection this often."
     )
-    server_alive_count_max: int = Field(
+    server_alive_count_max: Int = Field(
         default=4, ge=1, le=100, description="ServerAliveCountMax: drop the connection after this many lost probes."
     )
     options: list[Annotated[str, AfterValidator(_ssh_option)]] = Field(
@@ -113,8 +114,8 @@ class SshConnection(_Strict):
 class SshLaunch(_Strict):
     """Attempts: wait for every node, clean up, relaunch the whole job with --resume auto."""
 
-    max_attempts: int = Field(default=5, ge=1, le=1000, description="Launches in total, the first one included.")
-    cooldown_s: int = Field(
+    max_attempts: Int = Field(default=5, ge=1, le=1000, description="Launches in total, the first one included.")
+    cooldown_s: Int = Field(
         default=900, ge=0, le=86400, description="Pause before a relaunch (the default 15 minutes lets a node recover)."
     )
     stop_file: PathStr = Field(
@@ -122,15 +123,15 @@ class SshLaunch(_Strict):
         description="Sentinel file (relative to the launch directory): when it exists the launcher stops after "
         "the current attempt. Checked between attempts and during the cool-down, never mid-attempt.",
     )
-    kill_grace_s: int = Field(
+    kill_grace_s: Int = Field(
         default=30, ge=1, le=3600,
         description="Cleanup: seconds between SIGTERM (the trainer checkpoints on it) and SIGKILL.",
     )
-    failure_grace_s: int = Field(
+    failure_grace_s: Int = Field(
         default=120, ge=0, le=86400,
         description="After one node fails, how long the others may take to end on their own before cleanup kills them.",
     )
-    preflight_timeout_s: int = Field(default=120, ge=5, le=3600, description="Preflight limit per host.")
+    preflight_timeout_s: Int = Field(default=120, ge=5, le=3600, description="Preflight limit per host.")
     shared_run_dir: bool = Field(
         default=True,
         description="Preflight checks that every host sees node 0's paths.run_dir (sharded checkpoints need it).",
@@ -140,9 +141,9 @@ class SshLaunch(_Strict):
 class SshNode(_Strict):
     """What every host has (the hosts of one site are alike)."""
 
-    gpus: int = Field(ge=0, le=64, description="GPUs per host, one process each; 0 for a CPU site "
+    gpus: Int = Field(ge=0, le=64, description="GPUs per host, one process each; 0 for a CPU site "
                       "(then set torchrun.procs_per_node).")
-    cpus: int = Field(ge=1, le=4096, description="CPU cores per host; OMP_NUM_THREADS = cpus / processes.")
+    cpus: Int = Field(ge=1, le=4096, description="CPU cores per host; OMP_NUM_THREADS = cpus / processes.")
 
 
 class SshProfile(ProfileBase):

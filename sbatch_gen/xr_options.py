@@ -11,6 +11,7 @@ that hold the keys. There is no field that could carry a secret value.
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -25,6 +26,76 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Value rules shared with the site profile (sbatch_gen.profile applies them to every string of a profile).
+
+# Unicode bidirectional controls (the "Trojan Source" trick): they reorder how text is displayed, so a
+# reviewed diff can show something other than what runs.
+_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def unsafe_chars(v: str) -> list[str]:
+    """Characters no profile value may contain: C0 controls, DEL, C1 controls (U+0080-U+009F) and the
+    Unicode bidi controls; as ``U+XXXX`` names, sorted."""
+    bad = {c for c in v if ord(c) < 32 or 127 <= ord(c) <= 159 or c in _BIDI}
+    return [f"U+{ord(c):04X}" for c in sorted(bad)]
+
+
+def unsafe_chars_message(bad: list[str]) -> str:
+    """The message for :func:`unsafe_chars` (never quotes the value)."""
+    return (f"contains control characters {', '.join(bad)} (newline, tab, C1 or Unicode bidirectional controls: "
+            "what a reviewer reads would differ from what runs)")
+
+
+# Shapes of literal credentials. The generic one: a 40-character token of base64 letters (an AWS secret
+# access key), mixed case and digits, random-looking (many character-class changes), not path-like (a leading
+# '/', or more than two) and not hex (a git commit id is 40 hex digits). A heuristic: it misses a few percent.
+_KEY_SHAPES = (
+    ("an AWS access key id", re.compile(
+        r"(?<![A-Za-z0-9])(?:AKIA|ASIA|ABIA|ACCA|AGPA|AIDA|AIPA|ANPA|ANVA|APKA|AROA|ASCA)[A-Z0-9]{16}(?![A-Za-z0-9])")),
+    ("a GitHub token", re.compile(r"(?<![A-Za-z0-9])(?:gh[pousr]_[A-Za-z0-9]{36,}|github_pat_[A-Za-z0-9_]{40,})")),
+    ("a Hugging Face token", re.compile(r"(?<![A-Za-z0-9])hf_[A-Za-z0-9]{30,}")),
+    ("a Slack token", re.compile(r"(?<![A-Za-z0-9])xox[abprs]-[A-Za-z0-9-]{10,}")),
+    ("an API key", re.compile(r"(?<![A-Za-z0-9])sk-(?:proj-|ant-)?[A-Za-z0-9_-]{32,}")),
+    ("a Google API key", re.compile(r"(?<![A-Za-z0-9])AIza[0-9A-Za-z_-]{35}")),
+    ("a private key", re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY")),
+)
+_SECRET40 = re.compile(r"(?<![A-Za-z0-9/+])[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+])")
+
+
+def _random_looking(tok: str) -> bool:
+    if tok.startswith("/") or tok.count("/") > 2:  # a path
+        return False
+    if not (re.search(r"[A-Z]", tok) and re.search(r"[a-z]", tok) and re.search(r"[0-9]", tok)):
+        return False
+    cls = ["U" if c.isupper() else "l" if c.islower() else "d" if c.isdigit() else "o" for c in tok]
+    changes = sum(a != b for a, b in zip(cls, cls[1:], strict=False))
+    return changes >= 14 and len(set(tok)) >= 22
+
+
+def credential_shape(v: str) -> str | None:
+    """What kind of literal credential ``v`` contains (``None``: none found)."""
+    for what, rx in _KEY_SHAPES:
+        if rx.search(v):
+            return what
+    if any(_random_looking(m.group(0)) for m in _SECRET40.finditer(v)):
+        return "a secret key (40 random-looking characters)"
+    return None
+
+
+def credential_message(what: str) -> str:
+    """The message for :func:`credential_shape` (never quotes the value)."""
+    return (f"value <redacted>: looks like {what}; profiles and out/ are committed and reviewed, so a credential "
+            "never goes in them: leave it in the environment and give the variable's name (*_env fields)")
+
+
+def _no_bool(v: object) -> object:
+    # YAML reads yes/no/on/off/true/false as booleans, and pydantic would take them as 1/0.
+    if isinstance(v, bool):
+        raise ValueError("Input should be a number, got a YAML boolean (true/false, yes/no, on/off)")
+    return v
+
+
 class FsTransport(_Strict):
     """A directory as the mailbox: a shared filesystem, or a local one for demos and tests."""
 
@@ -36,9 +107,16 @@ class FsTransport(_Strict):
 
     @field_validator("root")
     @classmethod
-    def _no_control_chars(cls, v: str) -> str:
-        if any(ord(c) < 32 for c in v):
-            raise ValueError("must not contain control characters (newline, tab, ...)")
+    def _root(cls, v: str) -> str:
+        bad = unsafe_chars(v)
+        if bad:
+            raise ValueError(unsafe_chars_message(bad))
+        if "$" in v:
+            raise ValueError(f"path {v!r} contains '$': variables are not expanded in profile paths; write the path out")
+        if v.startswith("~"):
+            raise ValueError(f"path {v!r} starts with '~', which is not expanded; write the path out")
+        if v.startswith("-"):
+            raise ValueError(f"path {v!r} starts with '-': the trainer would read it as an option; write ./{v}")
         return v
 
 
@@ -60,6 +138,14 @@ class S3Credentials(_Strict):
     session_token_env: _env_name | None = Field(
         default=None, description="Name of the environment variable holding a session token (optional)."
     )
+
+    @field_validator("profile", "access_key_id_env", "secret_access_key_env", "session_token_env")
+    @classmethod
+    def _a_name_not_a_key(cls, v: str | None) -> str | None:
+        what = credential_shape(v) if v is not None else None
+        if what is not None:
+            raise ValueError(credential_message(what))
+        return v
 
     @model_validator(mode="after")
     def _pairs(self) -> S3Credentials:
@@ -90,6 +176,13 @@ class S3Transport(_Strict):
     )
     region_name: _name | None = Field(default=None, description="Bucket's region, e.g. eu-central-1.")
     credentials: S3Credentials = Field(default_factory=S3Credentials)
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if v.startswith("-"):
+            raise ValueError(f"prefix {v!r} starts with '-': the trainer would read it as an option")
+        return v
 
 
 Transport = Annotated[FsTransport | S3Transport, Field(discriminator="kind")]
@@ -164,6 +257,11 @@ class CrossRegion(_Strict):
     outer_device: Literal["auto", "cpu"] = Field(
         default="auto", description="Where the outer step runs: the training device (auto), or the CPU."
     )
+
+    _numbers_not_booleans = field_validator(
+        "inner_steps", "outer_lr", "outer_momentum", "timeout_s", "min_regions", "grace_s", "snapshot_every",
+        "keep_rounds", "shard_mb", "threads", mode="before",
+    )(_no_bool)
 
     @model_validator(mode="after")
     def _region_in_regions(self) -> CrossRegion:

