@@ -8,6 +8,8 @@ so a pydantic error on ``slurm.time`` becomes ``sites/eu.yaml:12: slurm.time: in
 from __future__ import annotations
 
 import difflib
+import os
+import posixpath
 import re
 import types
 from collections.abc import Iterable
@@ -26,11 +28,85 @@ DataPath = tuple[str | int, ...]
 
 class UserError(Exception):
     """A mistake in the user's input (profile, override, command line): printed without a traceback,
-    exit status 2. Holds one message per problem."""
+    exit status 2. Holds one message per problem, each cleaned by :func:`clean_message` (one line, values
+    cut, credentials masked), whoever wrote it."""
 
     def __init__(self, messages: str | Iterable[str]):
-        self.messages = [messages] if isinstance(messages, str) else list(messages)
+        raw = [messages] if isinstance(messages, str) else list(messages)
+        self.messages = [clean_message(m) for m in raw]
         super().__init__("\n".join(self.messages))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Messages: one line, values cut, credentials masked
+
+MAX_VALUE_CHARS = 80  # a value (quoted, or a run without spaces) is cut to this many characters
+MAX_MESSAGE_CHARS = 1000  # and a whole message to this many
+MASK = "<redacted>"
+_ELLIPSIS = "\u2026"
+
+# Things that look like credentials. A message never shows them, even when the value is what is wrong.
+_SECRET_RES = [
+    re.compile(r"(?<![A-Za-z0-9])(?:AKIA|ASIA|ABIA|ACCA|AGPA|AIDA|AIPA|ANPA|ANVA|AROA|APKA)[A-Z0-9]{16}(?![A-Za-z0-9])"),
+    re.compile(r"(?<![A-Za-z0-9])(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,})"),
+    re.compile(r"(?<![A-Za-z0-9])xox[abprs]-[A-Za-z0-9-]{10,}"),
+    re.compile(r"(?<![A-Za-z0-9])(?:sk|rk|pk)[-_](?:live[-_]|test[-_]|proj[-_])?[A-Za-z0-9_-]{20,}"),
+    re.compile(r"(?<![A-Za-z0-9])eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*"),  # a JWT
+    re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----(?:.*?-----END [A-Z ]*PRIVATE KEY-----|.*)"),
+]
+# NAME=value where NAME says it holds a secret (an --set of extra_env.DB_PASSWORD=..., say)
+_SECRET_ASSIGN = re.compile(r"(?i)((?:password|passwd|secret|token|apikey|api_key)=['\"]?)[^\s'\"]+?(?=:?(?:[\s'\"]|$))")
+_BASE64ISH = re.compile(r"(?<![A-Za-z0-9+/])[A-Za-z0-9+/]{32,}={0,2}(?![A-Za-z0-9+/=])")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# A quoted value (as repr() writes one), else a run without spaces.
+_VALUE = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\S{" + str(MAX_VALUE_CHARS + 1) + ",}")
+
+
+def _looks_random(token: str) -> bool:
+    """A 32+ character base64-ish token with upper case, lower case and digits, and no lower-case run
+    as long as a word (so CamelCase/paths stay readable): an access key, a token, a password hash."""
+    return (
+        any(c.isupper() for c in token) and any(c.islower() for c in token) and any(c.isdigit() for c in token)
+        and not re.search(r"[a-z]{8}", token)
+    )
+
+
+def mask_secrets(text: str) -> str:
+    """Replace anything that looks like a credential by <redacted>."""
+    for rx in _SECRET_RES:
+        text = rx.sub(MASK, text)
+    text = _SECRET_ASSIGN.sub(lambda m: m.group(1) + MASK, text)
+    return _BASE64ISH.sub(lambda m: MASK if _looks_random(m.group()) else m.group(), text)
+
+
+def _escape_control(text: str) -> str:
+    def esc(m: re.Match) -> str:
+        c = m.group()
+        return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c) or (
+            f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+        )
+
+    return _CONTROL.sub(esc, text)
+
+
+def cut(text: str, limit: int = MAX_VALUE_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, with an ellipsis when it was longer."""
+    return text if len(text) <= limit else text[:limit] + _ELLIPSIS
+
+
+def clean_message(msg: str) -> str:
+    """The one helper every user-facing error goes through: control characters (newlines included) are
+    escaped so a message is one line, credentials are masked, and each value (a quoted string or a run
+    without spaces) is cut to MAX_VALUE_CHARS, the whole message to MAX_MESSAGE_CHARS."""
+    msg = mask_secrets(_escape_control(str(msg)))
+
+    def cut_value(m: re.Match) -> str:
+        v = m.group()
+        if v[0] in "'\"" and v[-1] == v[0] and len(v) > 1:
+            return v if len(v) <= MAX_VALUE_CHARS + 2 else v[: MAX_VALUE_CHARS + 1] + _ELLIPSIS + v[-1]
+        return cut(v[:-1]) + ":" if v.endswith(":") else cut(v)
+
+    return cut(_VALUE.sub(cut_value, msg), MAX_MESSAGE_CHARS)
 
 
 @dataclass(frozen=True)
@@ -47,11 +123,14 @@ class Where:
 def display_path(p: Path) -> str:
     """A path as shown to people: relative to the current directory when below it (so messages and
     rendered headers do not depend on where the checkout lives)."""
-    p = Path(p)
-    try:
-        return p.resolve().relative_to(Path.cwd().resolve()).as_posix()
-    except ValueError:
-        return p.as_posix()
+    p, cwd = Path(p), Path.cwd()
+    # as written (a symlink keeps its own name), else with links resolved
+    for path, base in ((Path(os.path.abspath(p)), Path(os.path.abspath(cwd))), (p.resolve(), cwd.resolve())):
+        try:
+            return path.relative_to(base).as_posix()
+        except ValueError:
+            pass
+    return p.as_posix()
 
 
 def format_path(path: DataPath) -> str:
@@ -69,9 +148,106 @@ def format_path(path: DataPath) -> str:
 
 _constructor = yaml.constructor.SafeConstructor()
 
+MAX_DEPTH = 50  # nested lists/mappings: profiles need a handful; deeper input is refused, not recursed into
+MAX_ALIAS_VALUES = 10_000  # values that aliases (*name, << merges) may expand to in one document
+_TAG_PREFIX = "tag:yaml.org,2002:"
+ALLOWED_TAGS = {"!"} | {_TAG_PREFIX + t for t in ("str", "int", "float", "bool", "null", "seq", "map")}
 
-def _scalar(node: yaml.ScalarNode) -> Any:
-    value = _constructor.construct_object(node, deep=True)
+
+def _tag_name(tag: str) -> str:
+    return "!!" + tag[len(_TAG_PREFIX):] if tag.startswith(_TAG_PREFIX) else tag
+
+
+def _loc(file: str, line: int | None) -> str:
+    return str(Where(file, line))
+
+
+class _Frame:
+    """An open list or mapping while scanning YAML events."""
+
+    __slots__ = ("is_map", "anchor", "size", "key", "index", "want_key")
+
+    def __init__(self, is_map: bool, anchor: str | None):
+        self.is_map, self.anchor, self.size = is_map, anchor, 0
+        self.key: str | int = "?"
+        self.index, self.want_key = 0, True
+
+
+def _prescan(text: str, file: str, lines: bool) -> None:
+    """Check YAML before it is composed into nodes, in one pass over the parser's events (no recursion):
+    nesting depth, explicit tags, and how much aliases expand to (a "billion laughs" document is a few
+    lines that expand to billions of values). Errors name the line and the field being read."""
+    stack: list[_Frame] = []
+    sizes: dict[str, int] = {}  # anchor -> values it expands to (itself included)
+    open_anchors: set[str] = set()
+    aliased = 0
+
+    def fail(ev: yaml.Event, msg: str) -> UserError:
+        path: list[str | int] = []
+        for f in stack:
+            if f.is_map and not f.want_key:
+                path.append(f.key)
+            elif not f.is_map:
+                path.append(f.index)
+        return UserError(f"{_loc(file, ev.start_mark.line + 1 if lines else None)}: {format_path(tuple(path))}: {msg}")
+
+    def start(ev: yaml.Event, key: str | int) -> None:
+        if stack and stack[-1].is_map and stack[-1].want_key:
+            stack[-1].key = key
+
+    def done(size: int) -> None:
+        if stack:
+            f = stack[-1]
+            f.size += size
+            if f.is_map:
+                f.want_key = not f.want_key
+            else:
+                f.index += 1
+
+    for ev in yaml.parse(text, Loader=yaml.SafeLoader):
+        tag = getattr(ev, "tag", None)
+        if tag is not None and tag not in ALLOWED_TAGS:
+            raise fail(ev, f"YAML tag {_tag_name(tag)!r} is not allowed (plain values only: strings, numbers, "
+                           "booleans, null, lists and mappings)")
+        if isinstance(ev, yaml.ScalarEvent):
+            start(ev, ev.value)
+            if ev.anchor is not None:
+                sizes[ev.anchor] = 1
+            done(1)
+        elif isinstance(ev, yaml.AliasEvent):
+            if ev.anchor in open_anchors:
+                raise fail(ev, f"alias *{ev.anchor} refers to a value that contains it (recursive alias)")
+            if ev.anchor not in sizes:
+                raise fail(ev, f"alias *{ev.anchor} has no anchor &{ev.anchor} before it")
+            start(ev, f"*{ev.anchor}")
+            aliased += sizes[ev.anchor]
+            if aliased > MAX_ALIAS_VALUES:
+                raise fail(ev, f"aliases expand to more than {MAX_ALIAS_VALUES} values (a YAML alias bomb?); "
+                               "write the values out or use fewer aliases")
+            done(sizes[ev.anchor])
+        elif isinstance(ev, yaml.CollectionStartEvent):
+            if len(stack) >= MAX_DEPTH:
+                raise fail(ev, f"nested more than {MAX_DEPTH} levels deep")
+            start(ev, "?")
+            stack.append(_Frame(isinstance(ev, yaml.MappingStartEvent), ev.anchor))
+            if ev.anchor is not None:
+                open_anchors.add(ev.anchor)
+        elif isinstance(ev, yaml.CollectionEndEvent):
+            f = stack.pop()
+            if f.anchor is not None:
+                open_anchors.discard(f.anchor)
+                sizes[f.anchor] = f.size + 1
+            done(f.size + 1)
+
+
+def _scalar(node: yaml.ScalarNode, path: DataPath, file: str, lines: bool) -> Any:
+    try:
+        value = _constructor.construct_object(node, deep=True)
+    except Exception:  # noqa: BLE001 - `!!int abc`, `!!bool maybe`, ...: the user's input, one line
+        raise UserError(
+            f"{_loc(file, node.start_mark.line + 1 if lines else None)}: {format_path(path)}: cannot read "
+            f"{node.value!r} as {_tag_name(node.tag)}"
+        ) from None
     # YAML 1.1 reads 24:00:00 as a base-60 integer and 2024-01-01 as a date: keep what was written.
     if node.style is None and (
         (isinstance(value, int | float) and not isinstance(value, bool) and ":" in node.value)
@@ -81,60 +257,95 @@ def _scalar(node: yaml.ScalarNode) -> Any:
     return value
 
 
-def _convert(node: yaml.Node, path: DataPath, where: dict[DataPath, Where], file: str) -> Any:
+def _convert(node: yaml.Node, path: DataPath, where: dict[DataPath, Where], file: str, lines: bool = True) -> Any:
+    def at(n: yaml.Node) -> Where:
+        return Where(file, n.start_mark.line + 1 if lines else None)
+
     if isinstance(node, yaml.MappingNode):
-        _constructor.flatten_mapping(node)  # YAML merge keys (<<)
+        own = sum(1 for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge")
+        _constructor.flatten_mapping(node)  # YAML merge keys (<<); bounded by _prescan
+        merged = len(node.value) - own  # flatten puts the merged pairs first
         out: dict[str, Any] = {}
-        for k_node, v_node in node.value:
-            line = k_node.start_mark.line + 1
+        from_merge: set[str] = set()
+        for i, (k_node, v_node) in enumerate(node.value):
+            w = at(k_node)
             if not isinstance(k_node, yaml.ScalarNode):
-                raise UserError(f"{file}:{line}: {format_path(path)}: keys must be plain strings")
-            key = _scalar(k_node)
+                raise UserError(f"{w}: {format_path(path)}: keys must be plain strings")
+            key = _scalar(k_node, path, file, lines)
             if not isinstance(key, str):
                 key = k_node.value
+            if i < merged and key in out:
+                continue  # the first merged mapping that has the key wins
+            if i < merged:
+                from_merge.add(key)
+            elif key in from_merge:  # a key written here overrides a merged one
+                from_merge.discard(key)
+                del out[key]
             if key in out:
                 first = where.get((*path, key))
                 raise UserError(
-                    f"{file}:{line}: {format_path((*path, key))}: duplicate key (first at line "
-                    f"{first.line if first else '?'})"
+                    f"{w}: {format_path((*path, key))}: duplicate key (first at line "
+                    f"{first.line if first and first.line else '?'})"
                 )
-            where[(*path, key)] = Where(file, line)
-            out[key] = _convert(v_node, (*path, key), where, file)
+            where[(*path, key)] = w
+            out[key] = _convert(v_node, (*path, key), where, file, lines)
         return out
     if isinstance(node, yaml.SequenceNode):
         items = []
         for i, item in enumerate(node.value):
-            where[(*path, i)] = Where(file, item.start_mark.line + 1)
-            items.append(_convert(item, (*path, i), where, file))
+            where[(*path, i)] = at(item)
+            items.append(_convert(item, (*path, i), where, file, lines))
         return items
-    return _scalar(node)
+    return _scalar(node, path, file, lines)
 
 
-def parse_yaml(text: str, file: str, line_offset: int = 0) -> tuple[Any, dict[DataPath, Where]]:
-    """Parse YAML text; return the data and a map from data path to where each key/item was written."""
+def _char_name(code: int) -> str:
+    names = {0: "NUL", 7: "BEL", 8: "BS", 0x1B: "ESC", 0x7F: "DEL"}
+    return f"U+{code:04X}" + (f" ({names[code]})" if code in names else "")
+
+
+def parse_yaml(text: str, file: str, line_offset: int = 0, lines: bool = True) -> tuple[Any, dict[DataPath, Where]]:
+    """Parse YAML text; return the data and a map from data path to where each key/item was written.
+    ``lines=False`` (a ``--set`` value): errors and the map name ``file`` without a line number."""
     try:
+        _prescan(text, file, lines)
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.reader.ReaderError as e:
+        line = text.count("\n", 0, e.position) + 1 + line_offset if isinstance(e.position, int) else None
+        what = _char_name(e.character) if isinstance(e.character, int) else repr(e.character)
+        raise UserError(f"{_loc(file, line if lines else None)}: invalid YAML: character {what} is not allowed "
+                        "(control characters cannot be written in YAML)") from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
-        line = mark.line + 1 if mark is not None else 1
+        line = (mark.line + 1 if mark is not None else 1) + line_offset
         problem = " ".join(x for x in (e.context, e.problem) if x)
-        raise UserError(f"{file}:{line}: invalid YAML: {problem}") from None
+        raise UserError(f"{_loc(file, line if lines else None)}: invalid YAML: {problem}") from None
     except yaml.YAMLError as e:
         raise UserError(f"{file}: invalid YAML: {e}") from None
+    except RecursionError:  # (not reached with MAX_DEPTH, but never a traceback)
+        raise UserError(f"{file}: invalid YAML: nested too deep") from None
     where: dict[DataPath, Where] = {}
     if node is None:
         return None, where
-    return _convert(node, (), where, file), where
-
-
-def read_yaml(path: Path) -> tuple[Any, dict[DataPath, Where]]:
-    file = display_path(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        return _convert(node, (), where, file, lines), where
+    except RecursionError:
+        raise UserError(f"{file}: invalid YAML: nested too deep") from None
+
+
+def read_yaml(path: Path, label: str | None = None) -> tuple[Any, dict[DataPath, Where]]:
+    file = label or display_path(path)
+    try:
+        raw = Path(path).read_bytes()
     except FileNotFoundError:
         raise UserError(f"{file}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{file}: cannot read: {e}") from None
+    except OSError as e:
+        raise UserError(f"{file}: cannot read: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise UserError(f"{file}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x})") from None
     return parse_yaml(text, file)
 
 
@@ -164,12 +375,21 @@ def _merged_where(data: Any, child: dict, base: dict, path: DataPath = ()) -> di
     return out
 
 
-def _load_chain(path: Path, stack: tuple[Path, ...]) -> tuple[dict, dict[DataPath, Where], list[Path]]:
-    path = Path(path)
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root)
+        return True
+    except ValueError:
+        return False
+
+
+def _load_chain(
+    sites_dir: Path, rel: str, stack: tuple[Path, ...]
+) -> tuple[dict, dict[DataPath, Where], list[Path]]:
+    """Load ``sites_dir/rel`` and its ``extends:`` bases (each relative to the file naming it, and
+    inside the sites directory, symlinks resolved)."""
+    path = Path(sites_dir) / rel
     real = path.resolve()
-    if real in stack:
-        cycle = " -> ".join(display_path(p) for p in (*stack, real))
-        raise UserError(f"{display_path(path)}: extends: cycle: {cycle}")
     data, where = read_yaml(path)
     file = display_path(path)
     if data is None:
@@ -183,14 +403,24 @@ def _load_chain(path: Path, stack: tuple[Path, ...]) -> tuple[dict, dict[DataPat
     bases = [ext] if isinstance(ext, str) else ext
     if not isinstance(bases, list) or not all(isinstance(b, str) and b for b in bases):
         raise UserError(f"{ext_where}: extends: expected a file name or a list of file names")
+    root = Path(sites_dir).resolve()
     merged: dict = {}
     merged_where: dict[DataPath, Where] = {}
     files: list[Path] = []
     for b in bases:
-        bpath = path.parent / b
+        brel = posixpath.normpath(posixpath.join(posixpath.dirname(rel), b.replace("\\", "/")))
+        outside = f"{ext_where}: extends: {b!r} is outside the sites directory {display_path(sites_dir)}"
+        if posixpath.isabs(b) or b.startswith("~") or brel == ".." or brel.startswith("../"):
+            raise UserError(f"{outside} (bases are paths relative to the profile, inside that directory)")
+        bpath = Path(sites_dir) / brel
         if not bpath.is_file():
             raise UserError(f"{ext_where}: extends: {b!r} not found (looked for {display_path(bpath)})")
-        bdata, bwhere, bfiles = _load_chain(bpath, (*stack, real))
+        if not _inside(bpath, root):
+            raise UserError(f"{outside} (a symbolic link leads out of it)")
+        if bpath.resolve() in (*stack, real):
+            cycle = " -> ".join(display_path(p) for p in (*stack, real, bpath.resolve()))
+            raise UserError(f"{ext_where}: extends: cycle: {cycle}")
+        bdata, bwhere, bfiles = _load_chain(sites_dir, brel, (*stack, real))
         new = _merge(merged, bdata)
         merged_where = _merged_where(new, bwhere, merged_where)
         merged = new
@@ -200,9 +430,18 @@ def _load_chain(path: Path, stack: tuple[Path, ...]) -> tuple[dict, dict[DataPat
     return result, _merged_where(result, where, merged_where), [*files, path]
 
 
+_KEY_SEGMENT_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def override_label(text: str) -> str:
+    """How an override is named in messages: ``--set key=value``, the value cut (and, like every message,
+    credentials masked)."""
+    return f"--set {cut(mask_secrets(text))}"
+
+
 def parse_override(text: str) -> tuple[list[str | int], Any]:
     """``dotted.key=value`` -> (path, value). The value is YAML (a scalar, or a flow list/mapping)."""
-    src = f"--set {text}"
+    src = override_label(text)
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise UserError(f"{src}: expected dotted.key=value")
@@ -210,26 +449,39 @@ def parse_override(text: str) -> tuple[list[str | int], Any]:
     for part in key.split("."):
         if not part:
             raise UserError(f"{src}: empty key segment in {key!r}")
+        if not _KEY_SEGMENT_RE.fullmatch(part):
+            raise UserError(f"{src}: invalid key segment {part!r} (letters, digits, _ and -)")
         parts.append(int(part) if part.isdigit() else part)
-    value, _ = parse_yaml(raw, src) if raw.strip() else ("", {})
+    value, _ = parse_yaml(raw, src, lines=False) if raw.strip() else ("", {})
     return parts, value
 
 
+def _forget(where: dict[DataPath, Where], prefix: DataPath, src: Where) -> None:
+    """``prefix`` (and everything below it) now comes from the override ``src``."""
+    for p in [p for p in where if p[: len(prefix)] == prefix]:
+        del where[p]
+    where[prefix] = src
+
+
 def apply_overrides(data: dict, where: dict[DataPath, Where], overrides: Iterable[str]) -> None:
-    """Apply ``--set`` overrides in place; every value set gets the override as its source."""
+    """Apply ``--set`` overrides in place; every value set gets the override as its source, and so does
+    every container an override had to create (or put in place of a scalar): an error there names the
+    override, not the profile line of the value it replaced."""
     for text in overrides:
         parts, value = parse_override(text)
-        src = Where(f"--set {text}")
+        src = Where(override_label(text))
         cur: Any = data
         for i, part in enumerate(parts[:-1]):
             nxt = parts[i + 1]
             if isinstance(cur, dict):
                 if not isinstance(cur.get(part), dict | list):
                     cur[part] = {}
+                    _forget(where, tuple(parts[: i + 1]), src)
                 cur = cur[part]
             elif isinstance(cur, list) and isinstance(part, int) and part < len(cur):
                 if not isinstance(cur[part], dict | list):
                     cur[part] = {} if not isinstance(nxt, int) else []
+                    _forget(where, tuple(parts[: i + 1]), src)
                 cur = cur[part]
             else:
                 raise UserError(f"{src}: {format_path(tuple(parts[: i + 1]))}: cannot set inside a {type(cur).__name__}")
@@ -244,9 +496,7 @@ def apply_overrides(data: dict, where: dict[DataPath, Where], overrides: Iterabl
         else:
             raise UserError(f"{src}: {format_path(tuple(parts))}: cannot set this index")
         prefix = tuple(parts)
-        for p in [p for p in where if p[: len(prefix)] == prefix]:
-            del where[p]
-        where[prefix] = src
+        _forget(where, prefix, src)
         for p in _all_paths(value, prefix):
             where[p] = src
 
@@ -370,10 +620,20 @@ class LoadedSite:
     data: dict
     where: dict[DataPath, Where]
     profile: ProfileBase
+    sites_dir: Path | None = None
 
     @property
     def display(self) -> str:
         return display_path(self.path)
+
+    @property
+    def header_files(self) -> list[str]:
+        """The extends: chain as rendered into script headers: ``<sites dir name>/<path inside it>``, so
+        a render does not depend on where the checkout is or where sbatch-gen runs from."""
+        if self.sites_dir is None:
+            return [display_path(f) for f in self.files]
+        name = Path(os.path.abspath(self.sites_dir)).name or "sites"
+        return [f"{name}/{Path(f).relative_to(self.sites_dir).as_posix()}" for f in self.files]
 
     def at(self, *path: str | int) -> Where:
         """Where the value at ``path`` (or its closest written ancestor) came from."""
@@ -425,9 +685,12 @@ def load_site(sites_dir: Path, name: str, overrides: Iterable[str] = ()) -> Load
     if not SITE_NAME_RE.fullmatch(name):
         raise UserError(f"invalid site name {name!r}")
     path = site_path(sites_dir, name)
-    data, where, files = _load_chain(path, ())
+    if not _inside(path, Path(sites_dir).resolve()):
+        raise UserError(f"{display_path(path)}: a symbolic link out of the sites directory "
+                        f"{display_path(sites_dir)}: profiles must live inside it")
+    data, where, files = _load_chain(sites_dir, path.name, ())
     overrides = list(overrides)
     apply_overrides(data, where, overrides)
     profile = validate_profile(data, where, Where(display_path(path), 1))
     return LoadedSite(name=name, path=path, files=files, overrides=overrides, data=data, where=where,
-                      profile=profile)
+                      profile=profile, sites_dir=Path(sites_dir))

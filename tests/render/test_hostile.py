@@ -89,6 +89,7 @@ def _check(field: tuple[str, ...], value, script_expr=None, sbatch_prefix=None):
     if code != 0:
         assert code == 2, err
         assert "Traceback" not in err
+        assert len(err.splitlines()) == 1, err  # one problem, one line
         line = _line_of_key(data, field)
         assert re.search(rf"local\.yaml:{line}: {re.escape(dotted)}(\[\d+\])?: \S", err), err
         return "rejected"
@@ -122,6 +123,7 @@ def test_trainer_extra_args_reach_the_job_exactly(args):
     code, err, script = _render(data)
     if code != 0:
         assert code == 2 and "trainer.extra_args[" in err and "control characters" in err, err
+        assert len(err.splitlines()) == 1, err
         assert any(any(ord(c) < 32 for c in a) for a in args)
         return
     assert _bash_values(script, ['"${EXTRA_TRAINER_ARGS[@]}"']) == args

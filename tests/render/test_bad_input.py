@@ -1,0 +1,183 @@
+"""Bad input, table-driven: every case is one line. The contract: exit 2, exactly one line on stderr,
+`sbatch-gen: file:line: field: message` (or `--set KEY=VALUE: field: message` for an override), no
+traceback, values cut, credentials masked, nothing written.
+
+A case is (name, edit, --set overrides, exit code, regex of the line after "sbatch-gen: "). The edit
+works on a copy of sites/ (see the small edit helpers below); the command is
+`sbatch-gen render --site local --out out [--set ...]`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from sbatch_gen.loader import MAX_MESSAGE_CHARS, parse_yaml
+
+from .conftest import REPO, sg
+
+LOCAL = (REPO / "sites" / "local.yaml").read_text()
+N = len(LOCAL.splitlines())  # appended text starts at line N + 1
+
+
+def ln(needle: str) -> int:
+    """The line of `needle` in sites/local.yaml."""
+    return next(i for i, line in enumerate(LOCAL.splitlines(), 1) if needle in line)
+
+
+# ---- edits: each takes the sites directory and may return the site to render instead of `local`
+
+Edit = Callable[[Path], "str | None"]
+
+
+def add(text: str) -> Edit:  # append to local.yaml
+    return lambda d: (d / "local.yaml").write_text((d / "local.yaml").read_text() + text) and None
+
+
+def pre(text: str) -> Edit:  # prepend to local.yaml
+    return lambda d: (d / "local.yaml").write_text(text + (d / "local.yaml").read_text()) and None
+
+
+def sub(old: str, new: str) -> Edit:  # replace the first `old` in local.yaml
+    def f(d: Path) -> None:
+        text = (d / "local.yaml").read_text()
+        assert old in text, old
+        (d / "local.yaml").write_text(text.replace(old, new, 1))
+
+    return f
+
+
+def put(name: str, data: str | bytes) -> Edit:  # write a file (relative to sites/)
+    def f(d: Path) -> None:
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+
+    return f
+
+
+def link(name: str, target: str) -> Edit:  # a symbolic link sites/NAME -> TARGET
+    return lambda d: os.symlink(target, d / name)
+
+
+def site(name: str) -> Edit:  # render this site instead
+    return lambda d: name
+
+
+def seq(*edits: Edit) -> Edit:
+    def f(d: Path) -> str | None:
+        chosen = None
+        for e in edits:
+            chosen = e(d) or chosen
+        return chosen
+
+    return f
+
+
+def _bomb(levels: int, width: int = 10) -> str:
+    """A "billion laughs": level k is `width` aliases of level k-1."""
+    out = [f"x0: &a0 [{', '.join(['lol'] * width)}]"]
+    for k in range(1, levels):
+        out.append(f"x{k}: &a{k} [{', '.join([f'*a{k - 1}'] * width)}]")
+    return "\n".join(out) + "\n"
+
+
+def _merge_bomb(levels: int, width: int = 10) -> str:
+    out = ["m0: &m0 {k: lol}"]
+    for k in range(1, levels):
+        out.append(f"m{k}: &m{k} {{<<: [{', '.join([f'*m{k - 1}'] * width)}]}}")
+    return "\n".join(out) + "\n"
+
+
+BOMB = _bomb(6)  # 10^6 values once expanded
+FLOW_BOMB = "[" + ", ".join(f"&a{k} [{', '.join([f'*a{k - 1}'] * 10) if k else 'lol'}]" for k in range(6)) + "]"
+DEEP = "[" * 10_000 + "]" * 10_000
+BIG = "x" * 100_000
+AWS_KEY_ID = "AKIAIOSFODNN7EXAMPLE"
+AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+T = "sites/local\\.yaml"
+
+CASES = [
+    # --- moved here from test_errors.py
+    ("unknown top-level key", add("preemtion:\n  max_requeues: 2\n"), (), 2, rf"{T}:{N + 1}: preemtion: unknown key 'preemtion' .*; did you mean 'preemption'\?$"),
+    ("wrong type", sub("  nodes: 2", "  nodes: two"), (), 2, rf"{T}:{ln('nodes:')}: slurm\.nodes: .*integer"),
+    ("missing field", sub("  partition: debug\n", ""), (), 2, rf"{T}:{ln('slurm:')}: slurm\.partition: required field is missing$"),
+    *[(f"bad time {bad}", sub('time: "00:30:00"', f'time: "{bad}"'), (), 2, rf"{T}:{ln('time:')}: slurm\.time: invalid time '{re.escape(bad)}'")
+      for bad in ("25:00:00x", "1-25:00:00", "00:61:00", "soon", "-5")],
+    ("broken YAML", sub("  nodes: 2\n", "  nodes: [2\n"), (), 2, rf"{T}:\d+: invalid YAML: "),
+    ("duplicate key", sub("  nodes: 2\n", "  nodes: 2\n  nodes: 3\n"), (), 2, rf"{T}:{ln('nodes:') + 1}: slurm\.nodes: duplicate key \(first at line {ln('nodes:')}\)$"),
+    ("signal plan", sub("checkpoint_s: 10", "checkpoint_s: 50"), (), 2, rf"{T}:{ln('lead_time_s')}: preemption\.lead_time_s: .*shorter than checkpoint_s \+ margin_s"),
+    ("unknown kind", pre("kind: pbs\n"), (), 2, rf"{T}:1: kind: unknown kind 'pbs' \(valid kinds: slurm"),
+    ("unknown site", site("eur"), (), 2, r"unknown site 'eur'.*did you mean 'eu'\?$"),
+    ("extends: missing", pre("extends: _base/nope.yaml\n"), (), 2, rf"{T}:1: extends: '_base/nope\.yaml' not found"),
+    ("extends: cycle", seq(put("_base/a.yaml", "extends: ../local.yaml\n"), pre("extends: _base/a.yaml\n")), (), 2, r"sites/_base/a\.yaml:1: extends: cycle: sites/local\.yaml -> sites/_base/a\.yaml -> sites/local\.yaml$"),
+    ("override: hostile path", None, ("paths.run_dir=$SCRATCH/run",), 2, r"--set paths\.run_dir=\$SCRATCH/run: paths\.run_dir: path '\$SCRATCH/run' contains '\$'"),
+    ("override: no =", None, ("slurm.nodes",), 2, r"--set slurm\.nodes: expected dotted\.key=value$"),
+    ("override: rendered directive", None, ("slurm.extra_directives=[--output=x]",), 2, r"--set slurm\.extra_directives=\[--output=x\]: slurm\.extra_directives\[0\]: '--output=x' is rendered"),
+    # --- 1. aliases that expand without bound
+    ("alias bomb in a file", add(BOMB), (), 2, rf"{T}:{N + 4}: x3\[\d+\]: aliases expand to more than 10000 values"),
+    ("merge-key bomb in a file", add(_merge_bomb(6)), (), 2, rf"{T}:{N + 5}: m4\.<<\[\d+\]: aliases expand to more than 10000 values"),
+    ("alias bomb in --set", None, (f"extra_env.X={FLOW_BOMB}",), 2, r"--set extra_env\.X=\[&a0 .*…: \[4\]\[\d+\]: aliases expand to more than 10000 values"),
+    ("recursive alias", add("x: &a [*a]\n"), (), 2, rf"{T}:{N + 1}: x\[0\]: alias \*a refers to a value that contains it"),
+    ("undefined alias", add("x: *nope\n"), (), 2, rf"{T}:{N + 1}: x: alias \*nope has no anchor"),
+    # --- 2. tags, nesting
+    ("python tag", add("extra_env:\n  X: !!python/name:os.system\n"), (), 2, rf"{T}:{N + 2}: extra_env\.X: YAML tag '!!python/name:os\.system' is not allowed"),
+    ("python tag on a list", add("x: !!python/object/apply:os.system [id]\n"), (), 2, rf"{T}:{N + 1}: x: YAML tag '!!python/object/apply:os\.system' is not allowed"),
+    ("local tag", add("extra_env:\n  X: !evil foo\n"), (), 2, rf"{T}:{N + 2}: extra_env\.X: YAML tag '!evil' is not allowed"),
+    ("tag in --set", None, ("extra_env.X=!evil foo",), 2, r"--set extra_env\.X=!evil foo: \(top level\): YAML tag '!evil' is not allowed"),
+    ("value not of its tag", add("extra_env:\n  X: !!int abc\n"), (), 2, rf"{T}:{N + 2}: extra_env\.X: cannot read 'abc' as !!int$"),
+    ("deep nesting in a file", add(f"extra_env:\n  X: {DEEP}\n"), (), 2, rf"{T}:{N + 2}: extra_env\.X(\[0\])+…: nested more than 50 levels deep$"),
+    ("deep nesting in --set", None, (f"extra_env.X={DEEP}",), 2, r"--set extra_env\.X=\[+…: [\[\]0]+…: nested more than 50 levels deep$"),
+    # --- 3. control characters; --set keys and paths
+    ("NUL byte", add("extra_env:\n  X: a\x00b\n"), (), 2, rf"{T}:{N + 2}: invalid YAML: character U\+0000 \(NUL\) is not allowed"),
+    ("ESC byte", sub("partition: debug", "partition: de\x1bbug"), (), 2, rf"{T}:{ln('  partition:')}: invalid YAML: character U\+001B \(ESC\) is not allowed"),
+    ("not UTF-8", put("local.yaml", LOCAL.encode().replace(b"partition: debug", b"partition: deb\xffug", 1)), (), 2, rf"{T}:{ln('  partition:')}: not UTF-8 text \(byte 0xff\)$"),
+    ("ESC in --set value", None, ("slurm.partition=de\x1bbug",), 2, r"--set slurm\.partition=de\\x1bbug: invalid YAML: character U\+001B \(ESC\)"),
+    ("newline in --set key", None, ("slurm.no\ndes=1",), 2, r"--set slurm\.no\\ndes=1: invalid key segment 'no\\ndes'"),
+    ("--set path into a scalar", None, ("slurm.nodes.x=1",), 2, r"--set slurm\.nodes\.x=1: slurm\.nodes: "),
+    ("--set path into a string", None, ("trainer.resume.x=1",), 2, r"--set trainer\.resume\.x=1: trainer\.resume: "),
+    # --- 4. long values are cut, credentials masked
+    ("100k value in a file", sub("partition: debug", f"partition: {BIG}"), (), 2, rf"{T}:{ln('  partition:')}: slurm\.partition: .*'x{{80}}…'"),
+    ("100k value with spaces", sub("partition: debug", f"partition: '{'a ' * 50_000}'"), (), 2, rf"{T}:{ln('  partition:')}: slurm\.partition: .*'(a ){{40}}…'"),
+    ("100k value in --set", None, (f"slurm.partition={BIG}",), 2, r"--set slurm\.partition=x{64}…: slurm\.partition: .*'x{80}…'"),
+    ("AWS key id in a file", sub("  nodes: 2", f"  nodes: {AWS_KEY_ID}"), (), 2, rf"(?!.*AKIA){T}:{ln('nodes:')}: slurm\.nodes: .*<redacted>"),
+    ("AWS key id in --set", None, (f"slurm.nodes={AWS_KEY_ID}",), 2, r"(?!.*(AKIA|EXAMPLE))--set slurm\.nodes=<redacted>: slurm\.nodes: "),
+    ("40-char secret in --set", None, (f"slurm.nodes={AWS_SECRET}",), 2, r"(?!.*(wJalr|EXAMPLEKEY))--set slurm\.nodes=<redacted>: slurm\.nodes: "),
+    ("password in --set", None, ("extra_env.DB_PASSWORD=hunter2\n",), 2, r"(?!.*hunter2)--set extra_env\.DB_PASSWORD=<redacted>: extra_env\.DB_PASSWORD: "),
+    # --- 5. extends: and symlinks stay inside the sites directory
+    ("extends: ../", seq(put("../outside.yaml", "slurm: {nodes: 1}\n"), pre("extends: ../outside.yaml\n")), (), 2, rf"{T}:1: extends: '\.\./outside\.yaml' is outside the sites directory sites \(bases are paths relative"),
+    ("extends: absolute", pre("extends: /etc/hosts\n"), (), 2, rf"{T}:1: extends: '/etc/hosts' is outside the sites directory sites"),
+    ("extends: a symlink out", seq(put("../outside.yaml", "slurm: {nodes: 1}\n"), link("_base/evil.yaml", "../../outside.yaml"), pre("extends: _base/evil.yaml\n")), (), 2, rf"{T}:1: extends: '_base/evil\.yaml' is outside the sites directory sites \(a symbolic link leads out of it\)$"),
+    ("extends: via a linked dir", seq(put("../outside.yaml", "slurm: {nodes: 1}\n"), link("up", ".."), pre("extends: up/outside.yaml\n")), (), 2, rf"{T}:1: extends: 'up/outside\.yaml' is outside the sites directory sites \(a symbolic link"),
+    ("site file is a symlink out", seq(put("../evil.yaml", LOCAL), link("evil.yaml", "../evil.yaml"), site("evil")), (), 2, r"sites/evil\.yaml: a symbolic link out of the sites directory sites: profiles must live inside it$"),
+]
+
+
+@pytest.mark.parametrize("name, edit, sets, code, rx", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(work, name, edit, sets, code, rx):
+    sites = work / "sites"
+    chosen = edit(sites) if edit is not None else None
+    args = ["render", "--site", chosen or "local", "--out", "out"]
+    for s in sets:
+        args += ["--set", s]
+    r = sg(*args)
+    assert r.code == code, (r.code, r.out, r.err[:2000])
+    assert "Traceback" not in r.err
+    lines = r.err.splitlines()
+    assert len(lines) == 1, r.err[:2000]
+    assert len(lines[0]) <= MAX_MESSAGE_CHARS + len("sbatch-gen: "), lines[0][:200]
+    assert re.match("sbatch-gen: " + rx, lines[0]), lines[0]
+    assert not (work / "out").exists()
+
+
+def test_anchors_aliases_and_merge_keys_within_the_bound_still_work():
+    data, where = parse_yaml("a: &a {x: 1, y: [1, 2]}\nb:\n  <<: *a\n  z: 3\nc: [*a, *a]\n", "f.yaml")
+    assert data["b"] == {"x": 1, "y": [1, 2], "z": 3}
+    assert data["c"] == [data["a"], data["a"]]
+    assert str(where[("b", "z")]) == "f.yaml:4"
+    data, where = parse_yaml("a: &a {x: 1, y: 2}\nc: &c {x: 3, w: 4}\nb:\n  <<: [*a, *c]\n  y: 5\n", "f.yaml")
+    assert data["b"] == {"x": 1, "y": 5, "w": 4}  # the first merged mapping wins; the mapping's own keys win
+    assert str(where[("b", "y")]) == "f.yaml:5"
