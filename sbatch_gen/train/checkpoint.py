@@ -10,6 +10,7 @@ The selection helpers at the top are plain filesystem code; torch is imported wh
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -159,6 +160,48 @@ def prune(run_dir: str | Path, keep_last: int, protect: set[Path] | None = None)
     return removed
 
 
+def find_enospc(e: BaseException | None) -> OSError | None:
+    """The ENOSPC OSError behind ``e``: itself, a cause or context, or one rank's failure inside DCP's
+    CheckpointException; None if there is none."""
+    seen: set[int] = set()
+    todo = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno == errno.ENOSPC:
+            return x
+        failures = getattr(x, "failures", None)  # DCP's CheckpointException: {rank: exception}
+        if isinstance(failures, dict):
+            todo += [f for f in failures.values() if isinstance(f, BaseException)]
+        todo += [x.__cause__, x.__context__]
+    return None
+
+
+def disk_full_error(path: Path, e: BaseException, need: int = 0) -> OSError | None:
+    """An ENOSPC OSError for a save into ``path`` that failed with ``e``, when the disk is full, else None.
+
+    DCP does not always pass ENOSPC on: torch.save's zip writer reports a short write as a RuntimeError
+    ("unexpected pos"), wrapped in a CheckpointException. So a failed save on a filesystem with less free
+    space than the last checkpoint needed (``need`` bytes; at least 1 MiB) counts as disk full too."""
+    try:
+        st = os.statvfs(path if path.exists() else path.parent)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    if find_enospc(e) is None and (free is None or free >= max(need, 1 << 20)):
+        return None
+    left = f"{free} bytes free" if free is not None else "free space unknown"
+    return OSError(errno.ENOSPC, f"No space left on device ({left})", str(path))
+
+
+def checkpoint_bytes(path: Path) -> int:
+    m = read_marker(path) or {}
+    files = m.get("files") if isinstance(m, dict) else None
+    return sum(int(v) for v in files.values()) if isinstance(files, dict) else 0
+
+
 # ---------------------------------------------------------------------------------------------------
 # DCP save / load
 
@@ -272,8 +315,24 @@ class Checkpointer:
             return None
         fut, step, path, t0, blocking = self._pending
         self._pending = None
-        fut.result()  # raises if any rank failed to write
+        try:
+            fut.result()  # raises if any rank failed to write
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            self._failed(path, e)
+            raise
         return self._finish(step, path, t0, blocking)
+
+    def _failed(self, path: Path, e: BaseException) -> None:
+        """A save into ``path`` failed: drop the partial directory (rank 0) and, if the disk is full,
+        raise that as one ENOSPC OSError (the caller reports it in one line)."""
+        if isinstance(e, KeyboardInterrupt | SystemExit):
+            return
+        need = checkpoint_bytes(self.last_saved.path) if self.last_saved is not None else 0
+        full = disk_full_error(path, e, need)
+        if self.info.is_main:
+            shutil.rmtree(path, ignore_errors=True)  # never loaded (no marker); frees what it took
+        if full is not None:
+            raise full from e
 
     # -- save / load
     def save(self, step: int, state: dict, block: bool = False) -> SaveResult | None:
@@ -297,9 +356,13 @@ class Checkpointer:
             fut = dcp.async_save(state, checkpoint_id=str(path), process_group=self._pg)
             self._pending = (fut, step, path, t0, time.perf_counter() - t0)
             return None
-        dcp.save(state, checkpoint_id=str(path), no_dist=not self.info.is_distributed)
-        blocking = time.perf_counter() - t0
-        return self._finish(step, path, t0, blocking)
+        try:
+            dcp.save(state, checkpoint_id=str(path), no_dist=not self.info.is_distributed)
+            blocking = time.perf_counter() - t0
+            return self._finish(step, path, t0, blocking)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            self._failed(path, e)
+            raise
 
     def load(self, path: Path, state: dict) -> None:
         """Load ``path`` into ``state`` in place (DCP resharding; non-tensor leaves replaced)."""

@@ -29,7 +29,8 @@ from .xr.errors import XRError
 
 log = logging.getLogger("sbatch_gen.train")
 
-EXIT_CONFIG = 2
+EXIT_CONFIG = 2  # also: the run dir is leased by another live trainer (lease.json)
+EXIT_DISK_FULL = 1  # no space left on device; the last complete checkpoint stays loadable
 # For tests, demos and benchmarks: sleep this long at the end of every step (preemption tests need
 # time to act mid-run), on every rank or only on the ranks listed in ENV_STEP_SLEEP_RANKS (an injected
 # straggler).
@@ -126,7 +127,11 @@ def run(args: argparse.Namespace, process_start: float | None = None, stop: Stop
     from . import dist as dist_mod
 
     info, device = dist_mod.init(cfg.dist.backend, cfg.dist.timeout_s)
+    lease = None
     try:
+        lease, held_by = _take_lease(Path(args.run_dir or cfg.run_dir), info)
+        if held_by is not None:  # rank 0 said why, in one line
+            return EXIT_CONFIG
         return Trainer(cfg, args, xr, info, device, stop, end_step, process_start).train()
     except _Fatal as e:
         log.error("%s", e)
@@ -134,9 +139,49 @@ def run(args: argparse.Namespace, process_start: float | None = None, stop: Stop
     except XRError as e:  # every rank raised it: one line each, no traceback
         log.error("cross-region sync failed: %s: %s", type(e).__name__, e)
         return 1
+    except Exception as e:
+        from .checkpoint import find_enospc, newest_complete
+
+        full = find_enospc(e)
+        if full is None:
+            raise
+        # Disk full (a checkpoint, metrics): the last complete checkpoint is intact (its marker is
+        # written last, after a complete save, and older ones are pruned only after that); one line, exit 1.
+        last = newest_complete(Path(args.run_dir or cfg.run_dir)) if info.is_main else None
+        log.error("no space left on device%s (%s); the last complete checkpoint (%s) is kept: free space "
+                  "and resubmit (--resume auto continues from it)",
+                  f" writing {full.filename}" if full.filename else "", full.strerror or full, last or "none yet")
+        return EXIT_DISK_FULL
     finally:
+        if lease is not None:
+            lease.release()
         stop.uninstall()
         dist_mod.shutdown(info)
+
+
+def _take_lease(run_dir: Path, info):
+    """rank 0 takes the run-dir lease (:mod:`.lease`); every rank learns whether another job holds it.
+    Returns (rank 0's lease or None, why the run dir is taken or None)."""
+    from .lease import Lease, LeaseHeld
+
+    lease, held_by = None, None
+    if info.is_main:
+        try:
+            lease = Lease(run_dir)
+            took = lease.acquire()
+            if took:
+                log.warning("run dir %s: %s", run_dir, took)
+            lease.start()
+        except (LeaseHeld, OSError) as e:
+            lease, held_by = None, str(e)
+            log.error("%s", e)
+    if info.is_distributed:
+        import torch.distributed as dist
+
+        box = [held_by]
+        dist.broadcast_object_list(box, src=0)
+        held_by = box[0]
+    return lease, held_by
 
 
 class _Fatal(Exception):

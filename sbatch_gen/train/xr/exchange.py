@@ -46,6 +46,7 @@ class RoundResult:
     bytes_down: int = 0
     tokens: int = 0
     times: dict = field(default_factory=dict)
+    retries: int = 0  # object-store requests this region retried during the round (all node leaders)
 
 
 class Exchange:
@@ -190,6 +191,7 @@ class Exchange:
         region = self.xr.region
         expect = self.expect(kind)
         mb, ms = self.mailbox, self.membership
+        retries0 = self._store_retries()
         t0 = self._now()
 
         def state():  # (already committed?, this region's earlier manifest)
@@ -221,11 +223,19 @@ class Exchange:
         self.broadcast_slices(expect.plan, out)
         t4 = self._now()
         dl = min(t_dl, t3 - t2)
+        retries = self._store_retries() - retries0
+        if self.group.on:
+            retries = sum(self.group.all_gather(retries))
         return RoundResult(
             commit, members, late, own is not None, bytes_up, bytes_down, sum(commit.members[r].tokens for r in members),
             dict(upload_s=t1 - t0, wait_s=t2 - t1, download_s=dl, reduce_s=(t3 - t2) - dl, broadcast_s=t4 - t3,
                  t_start=t0, t_end=t4),
+            retries,
         )
+
+    def _store_retries(self) -> int:
+        """Requests this process's store has retried so far (0 on ranks without a mailbox)."""
+        return int(getattr(self.mailbox.store, "retries", 0)) if self.mailbox is not None else 0
 
     def _closed(self, tag: str, expect: Expect, step: int, started: float):
         """rank 0: one slice of waiting; (commit, the members' verified manifests) once the round closed."""

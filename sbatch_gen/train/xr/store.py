@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import random
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -28,6 +30,7 @@ from .errors import StoreError, XRChecksumError
 
 class Store(ABC):
     maps_objects = False  # True: get_view maps objects (zero-copy) and is preferred over get_into
+    retries = 0  # requests retried so far (S3: botocore's RetryAttempts plus this store's own re-reads)
 
     @abstractmethod
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None: ...
@@ -241,6 +244,27 @@ class S3Store(Store):
             "s3", endpoint_url=endpoint_url, config=_lean_config(threads, addressing_style, retries)
         )
         self._errors = self.client.exceptions
+        self._body_errs = _body_errors()
+        self.read_attempts = max(1, retries)  # a GET whose body breaks off is read again, this often at most
+        self.retries = 0
+        self._retries_lock = threading.Lock()
+
+    def _count(self, resp_or_error) -> None:
+        """Add botocore's retries of one call (``RetryAttempts`` of a response, or of a ClientError)."""
+        resp = getattr(resp_or_error, "response", resp_or_error)
+        n = (resp or {}).get("ResponseMetadata", {}).get("RetryAttempts", 0) if isinstance(resp, dict) else 0
+        if n:
+            with self._retries_lock:
+                self.retries += int(n)
+
+    def _read_again(self, key: str, attempt: int, e: BaseException) -> None:
+        """A body that broke off (reset, truncated, timed out): count it and back off, or give up."""
+        if attempt + 1 >= self.read_attempts:
+            raise StoreError(f"download of {self.describe(key)} failed after {self.read_attempts} attempts: "
+                             f"{type(e).__name__}: {e}") from e
+        with self._retries_lock:
+            self.retries += 1
+        time.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -248,8 +272,9 @@ class S3Store(Store):
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         body = data if isinstance(data, bytes | bytearray) else bytes(data)
         try:
-            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=body)
+            self._count(self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=body))
         except Exception as e:
+            self._count(e)
             raise StoreError(f"upload to {self.describe(key)} failed: {e}") from e
 
     def create(self, key: str, data: bytes | bytearray | memoryview) -> bool:
@@ -258,12 +283,18 @@ class S3Store(Store):
         body = data if isinstance(data, bytes | bytearray) else bytes(data)
         for attempt in range(6):
             try:
-                self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=body, IfNoneMatch="*")
+                self._count(self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=body,
+                                                   IfNoneMatch="*"))
                 return True
             except ClientError as e:
+                self._count(e)
                 err = e.response.get("Error", {})
                 status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
                 if err.get("Code") == "PreconditionFailed" or status == 412:
+                    # After a retried attempt, the key may hold this very write (the first attempt
+                    # reached the server, its answer did not reach us): that is a win, not a loss.
+                    if e.response.get("ResponseMetadata", {}).get("RetryAttempts", 0) and self.get(key) == bytes(body):
+                        return True
                     return False
                 if (err.get("Code") == "ConditionalRequestConflict" or status == 409) and attempt < 5:
                     time.sleep(0.05 * 2**attempt)  # a concurrent conditional write is in flight: S3 asks to retry
@@ -277,28 +308,51 @@ class S3Store(Store):
         from botocore.exceptions import ClientError
 
         try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))
-        except self._errors.NoSuchKey:
+            resp = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+            self._count(resp)
+            return resp
+        except self._errors.NoSuchKey as e:
+            self._count(e)
             return None
         except ClientError as e:
+            self._count(e)
             if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return None
             raise StoreError(f"download of {self.describe(key)} failed: {e}") from e
+        except self._body_errs:  # an (error) response that broke off: the caller reads again
+            raise
         except Exception as e:
             raise StoreError(f"download of {self.describe(key)} failed: {e}") from e
 
     def get(self, key: str) -> bytes | None:
-        resp = self._get_object(key)
-        if resp is None:
-            return None
-        body = resp["Body"]
-        try:
-            return body.read()
-        finally:
-            body.close()
+        for attempt in range(self.read_attempts):
+            try:
+                resp = self._get_object(key)
+                if resp is None:
+                    return None
+                body = resp["Body"]
+                try:
+                    data = body.read()  # botocore checks the length against Content-Length
+                finally:
+                    body.close()
+                if len(data) != int(resp.get("ContentLength", len(data))):
+                    raise _ShortRead(f"{self.describe(key)}: short read ({len(data)} of {resp['ContentLength']} bytes)")
+                return data
+            except self._body_errs as e:
+                self._read_again(key, attempt, e)
+        raise AssertionError("unreachable")
 
     def get_into(self, key: str, out: memoryview) -> None:
-        # A plain GET (not download_fileobj): one request, no ranged re-reads.
+        # A plain GET (not download_fileobj): one request, no ranged re-reads. A body that breaks off
+        # (connection reset, truncated, timed out) is read again, up to read_attempts times.
+        for attempt in range(self.read_attempts):
+            try:
+                self._get_into_once(key, out)
+                return
+            except self._body_errs as e:
+                self._read_again(key, attempt, e)
+
+    def _get_into_once(self, key: str, out: memoryview) -> None:
         resp = self._get_object(key)
         if resp is None:
             raise StoreError(f"object missing: {self.describe(key)}")
@@ -318,7 +372,7 @@ class S3Store(Store):
         finally:
             body.close()
         if got != size:
-            raise XRChecksumError(f"{self.describe(key)}: short read ({got} of {size} bytes)")
+            raise _ShortRead(f"{self.describe(key)}: short read ({got} of {size} bytes)")
 
     def list(self, prefix: str) -> list[str]:
         full = self._key(prefix)
@@ -326,8 +380,10 @@ class S3Store(Store):
         keys: list[str] = []
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
+                self._count(page)
                 keys += [o["Key"][strip:] for o in page.get("Contents", [])]
         except Exception as e:
+            self._count(e)
             raise StoreError(f"listing {self.describe(prefix)} failed: {e}") from e
         return keys
 
@@ -336,7 +392,9 @@ class S3Store(Store):
             batch = [{"Key": self._key(k)} for k in keys[i : i + 1000]]
             try:
                 resp = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+                self._count(resp)
             except Exception as e:
+                self._count(e)
                 raise StoreError(f"delete under {self.describe()} failed: {e}") from e
             if resp.get("Errors"):
                 raise StoreError(f"delete under {self.describe()} failed: {resp['Errors'][:3]}")
@@ -347,6 +405,29 @@ class S3Store(Store):
 
     def close(self) -> None:
         self.client.close()
+
+
+class _ShortRead(XRChecksumError):
+    """The body ended before Content-Length (a truncated response): read again."""
+
+
+def _body_errors() -> tuple[type[BaseException], ...]:
+    """What a GET body that breaks off raises: botocore's streaming errors, urllib3's protocol errors,
+    a reset socket, our own short-read check."""
+    import http.client
+
+    from botocore.exceptions import (
+        ConnectionClosedError,
+        IncompleteReadError,
+        ReadTimeoutError,
+        ResponseStreamingError,
+    )
+    from urllib3.exceptions import ProtocolError
+    from urllib3.exceptions import ReadTimeoutError as Urllib3ReadTimeout
+
+    return (_ShortRead, IncompleteReadError, ResponseStreamingError, ReadTimeoutError, ConnectionClosedError,
+            ProtocolError, Urllib3ReadTimeout, http.client.IncompleteRead, ConnectionError, TimeoutError)
+
 
 
 def probe_create(store: Store, prefix: str) -> bool:

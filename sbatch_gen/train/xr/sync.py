@@ -210,6 +210,7 @@ class OuterSync:
         out["xr_bytes_down"] = res.bytes_down
         out["xr_tokens"] = res.tokens
         out["xr_reused"] = res.reused
+        out["xr_retries"] = res.retries  # object-store requests retried in this round (503s, broken bodies)
         # membership: who took part, who was late or away, who closed the round and why
         c = res.commit
         out["xr_members"] = res.members

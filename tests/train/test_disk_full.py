@@ -1,0 +1,87 @@
+"""Disk full during training: the previous complete checkpoint stays loadable; the trainer says so in
+one line ("no space left on device"), no traceback, exit 1.
+
+The run dir lives on a small tmpfs this test mounts (root only; skipped otherwise) and fills once the
+first checkpoint is complete."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sbatch_gen.train.checkpoint import check_complete, list_step_dirs, step_dir
+
+from .conftest import REPO, Launch, train_env, wait_for, write_config
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill(path: Path) -> None:
+    """Write zeros into ``path`` until the filesystem is full."""
+    chunk = b"\0" * (1 << 20)
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+    with open(path, "ab", buffering=0) as f:  # the last partial chunk
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+
+
+def _free(path: Path, nbytes: int) -> None:
+    """Give ``nbytes`` back: room for a few metrics lines, none for a checkpoint (~1.5 MB here)."""
+    os.truncate(path, max(0, path.stat().st_size - nbytes))
+
+
+def test_disk_full_keeps_the_last_checkpoint_and_says_so_in_one_line(small_fs, tmp_path, data_dir):
+    cfg = write_config(tmp_path / "c.yaml", train={"steps": 400}, checkpoint={"every": 5, "keep_last": 2})
+    run_dir = small_fs / "run"
+    cmd = [sys.executable, "-m", "sbatch_gen.train", "--config", str(cfg), "--run-dir", str(run_dir),
+           "--data-path", str(data_dir)]
+    la = Launch(cmd, tmp_path / "train.log", {"SBATCH_GEN_STEP_SLEEP_S": "0.1", "SBATCH_GEN_LEASE_PERIOD_S": "600"})
+    try:
+        wait_for(lambda: check_complete(step_dir(run_dir, 5)) is None, 120, "the step-5 checkpoint", la)
+        _fill(small_fs / "filler")
+        _free(small_fs / "filler", 256 << 10)
+        rc = la.wait(timeout=120)
+    finally:
+        la.kill()
+    out = la.output()
+    assert rc == 1, out
+    assert "Traceback" not in out, out
+    lines = [ln for ln in out.splitlines() if "no space left on device" in ln.lower()]
+    assert len(lines) == 1, out
+    assert "last complete checkpoint" in lines[0]
+    # the previous complete checkpoint is intact and loads
+    (small_fs / "filler").unlink()
+    complete = [p for _s, p in list_step_dirs(run_dir) if check_complete(p) is None]
+    assert step_dir(run_dir, 5) in complete
+    r = subprocess.run(cmd[:-4] + ["--run-dir", str(run_dir), "--data-path", str(data_dir), "--max-steps",
+                                   str(int(complete[-1].name.split("-")[1]) + 1)],
+                       cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"resumed from {complete[-1]}" in r.stderr
