@@ -91,17 +91,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_preflight(tmp_path, *, module="sbatch_gen.train", config=None, ifname="lo", gpus="0",
-                   node_id="0", nnodes="1", port=None, timeout="5", background=False):
+def _run_preflight(tmp_path, *, module="sbatch_gen.train", config=None, data="", ifname="lo", gpus="0",
+                   node_id="0", nnodes="1", port=None, timeout="5", run_dir=None, extra_path=None, env_extra=None,
+                   background=False):
     text = (REPO / "out" / "local.sbatch").read_text()
     config = config or str(REPO / "configs" / "tiny.yaml")
     port = str(port or _free_port())
-    run_dir = tmp_path / "run"
-    run_dir.mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
-    env.update(PATH=f"{Path(sys.executable).parent}:{env['PATH']}", SLURMD_NODENAME=f"node{node_id}",
+    if run_dir is None:
+        run_dir = tmp_path / "run"
+        run_dir.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM") and k != "CUDA_VISIBLE_DEVICES"}
+    path = f"{Path(sys.executable).parent}:{env['PATH']}"
+    if extra_path is not None:  # stub commands (a fake nvidia-smi) come first
+        path = f"{extra_path}:{path}"
+    env.update(PATH=path, SLURMD_NODENAME=f"node{node_id}",
                SLURM_NODEID=node_id, SLURM_NNODES=nnodes, PYTHONPATH=str(REPO))
-    args = [module, config, "", ifname, gpus, str(run_dir), "127.0.0.1", port, timeout, "0"]
+    env.update(env_extra or {})
+    args = [module, config, data, ifname, gpus, str(run_dir), "127.0.0.1", port, timeout, "0"]
     cmd = ["bash", "-c", _preflight_script(text) + '\npreflight "$@"', "preflight", *args]
     if background:
         return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -114,24 +120,124 @@ def test_preflight_ok_on_one_node(tmp_path):
     assert "preflight ok on node0" in r.stdout
 
 
+def _python_on_path() -> str:
+    """What `command -v python` prints in the preflight (the PATH _run_preflight gives it)."""
+    found = shutil.which("python", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    assert found, "no python on PATH"
+    return found
+
+
+# The whole reason, up to and including the profile field it names (the README promises the field).
 @pytest.mark.parametrize(
     "kwargs, reason",
     [
-        ({"module": "no_such_trainer_module"}, "trainer module no_such_trainer_module not importable"),
-        ({"ifname": "nosuchif0"}, "network interface nosuchif0 does not exist"),
-        ({"config": "/nonexistent/train.yaml"}, "train config /nonexistent/train.yaml not readable"),
-        ({"gpus": "8"}, ""),  # nvidia-smi missing here, or a GPU count mismatch where there is one
-        ({"node_id": "1", "nnodes": "2", "timeout": "1"}, "rendezvous endpoint 127.0.0.1:"),
+        ({"module": "no_such_trainer_module"},
+         "trainer module no_such_trainer_module not importable by {python} (trainer.module, python_env)"),
+        ({"ifname": "nosuchif0"}, "network interface nosuchif0 does not exist (network.socket_ifname); have: "),
+        ({"config": "/nonexistent/train.yaml"},
+         "train config /nonexistent/train.yaml not readable from {repo} (trainer.config)"),
+        ({"data": "/nonexistent/shard.bin"}, "data path /nonexistent/shard.bin does not exist (paths.data)\n"),
+        ({"node_id": "1", "nnodes": "2", "timeout": "1"},
+         "rendezvous endpoint 127.0.0.1:{port} not reachable within 1 s: "),
     ],
-    ids=["module", "interface", "config", "gpus", "rendezvous"],
+    ids=["module", "interface", "config", "data", "rendezvous"],
 )
-def test_preflight_fails_fast_naming_the_node(tmp_path, kwargs, reason):
+def test_preflight_fails_fast_naming_the_node_and_field(tmp_path, kwargs, reason):
+    port = _free_port()
     t0 = time.monotonic()
-    r = _run_preflight(tmp_path, **kwargs)
+    r = _run_preflight(tmp_path, port=port, **kwargs)
     assert r.returncode != 0
     node = f"node{kwargs.get('node_id', '0')}"
+    reason = reason.format(python=_python_on_path(), repo=REPO, port=port)
     assert f"preflight FAILED on {node}: {reason}" in r.stderr, r.stderr
     assert time.monotonic() - t0 < 30
+
+
+def test_preflight_accepts_a_data_path_that_exists(tmp_path):
+    shard = tmp_path / "local.bin"
+    shard.write_bytes(b"x")
+    r = _run_preflight(tmp_path, data=str(shard))
+    assert r.returncode == 0, r.stderr
+    assert "preflight ok on node0" in r.stdout
+
+
+@pytest.mark.parametrize("where", ["missing", "under-a-file"])
+def test_preflight_fails_when_the_run_dir_is_not_writable(tmp_path, where):
+    # Tests run as root, so a chmod 0555 directory would still be writable: use paths nothing can write to.
+    if where == "missing":
+        run_dir = tmp_path / "no-such-dir" / "run"
+    else:
+        (tmp_path / "a-file").write_text("")
+        run_dir = tmp_path / "a-file" / "run"
+    r = _run_preflight(tmp_path, run_dir=run_dir)
+    assert r.returncode != 0
+    assert f"preflight FAILED on node0: run dir {run_dir} is not writable (paths.run_dir)\n" in r.stderr, r.stderr
+    assert not list(tmp_path.glob("**/.preflight.*"))
+
+
+def test_preflight_fails_when_the_rendezvous_port_is_busy_on_node0(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        r = _run_preflight(tmp_path, port=port)
+    assert r.returncode != 0
+    assert (f"preflight FAILED on node0: cannot listen on rendezvous port {port}: Address already in use "
+            "(torchrun.rdzv_port)\n") in r.stderr, r.stderr
+
+
+# ---- GPU count: a fake nvidia-smi on PATH (this machine has no GPUs) -------------------------------
+
+NVIDIA_SMI = r"""#!/bin/bash
+# stub: `nvidia-smi -L` lists $FAKE_GPUS GPUs; `nvidia-smi topo -m` prints a line
+if [[ $1 == -L ]]; then
+  for ((i = 0; i < FAKE_GPUS; i++)); do
+    echo "GPU $i: NVIDIA H200 (UUID: GPU-0000000$i-1111-2222-3333-444444444444)"
+  done
+  exit 0
+fi
+echo "GPU0 X"
+"""
+
+
+def _fake_nvidia_smi(tmp_path) -> Path:
+    bindir = tmp_path / "stub-bin"
+    bindir.mkdir(exist_ok=True)
+    (bindir / "nvidia-smi").write_text(NVIDIA_SMI)
+    (bindir / "nvidia-smi").chmod(0o755)
+    return bindir
+
+
+@pytest.mark.parametrize(
+    "listed, cuda_visible, visible",
+    [(2, None, 2), (9, None, 9), (0, None, 0), (8, "0,1", 2), (8, "0,1,2,3,4,5,6,7,8", 9)],
+    ids=["smi-fewer", "smi-more", "smi-none", "cvd-fewer", "cvd-more"],
+)
+def test_preflight_gpu_count_mismatch_fails(tmp_path, listed, cuda_visible, visible):
+    env = {"FAKE_GPUS": str(listed)}
+    if cuda_visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible
+    r = _run_preflight(tmp_path, gpus="8", extra_path=_fake_nvidia_smi(tmp_path), env_extra=env)
+    assert r.returncode != 0
+    assert (f"preflight FAILED on node0: {visible} GPUs visible, the profile expects 8 "
+            "(slurm.gpus_per_node)\n") in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("listed, cuda_visible", [(8, None), (16, "0,1,2,3,4,5,6,7")], ids=["smi", "cvd"])
+def test_preflight_gpu_count_match_passes(tmp_path, listed, cuda_visible):
+    env = {"FAKE_GPUS": str(listed)}
+    if cuda_visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible
+    r = _run_preflight(tmp_path, gpus="8", extra_path=_fake_nvidia_smi(tmp_path), env_extra=env)
+    assert r.returncode == 0, r.stderr
+    assert "preflight ok on node0: " in r.stdout and ", 8 GPUs, lo" in r.stdout, r.stdout
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has nvidia-smi")
+def test_preflight_gpu_site_without_nvidia_smi_fails(tmp_path):
+    r = _run_preflight(tmp_path, gpus="8")
+    assert r.returncode != 0
+    assert "preflight FAILED on node0: nvidia-smi not found, but the site has 8 GPUs per node\n" in r.stderr, r.stderr
 
 
 def test_preflight_rendezvous_between_two_nodes(tmp_path):

@@ -1,0 +1,162 @@
+"""The rendered batch script's signal plan and start-up warnings, run for real under bash with stub
+Slurm commands (srun, scontrol, sinfo) first on PATH, as in test_requeue.py.
+
+- SIGTERM (scancel, the time limit) creates the stop file but never requeues;
+- after the preemption signal (USR1) the script waits up to ack_timeout_s for `<stop file>.ack`, says
+  so when it never comes, and requeues either way;
+- a cluster whose Slurm is not `slurm.version` gets a WARNING line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO
+
+SCONTROL = r"""#!/bin/bash
+case "$1 $2" in
+  "show hostnames") echo n1; echo n2 ;;
+  "show job") echo "JobId=$3 JobName=x"; echo "   Requeue=1 Restarts=$(cat "$STUB_DIR/restarts") BatchFlag=1" ;;
+  requeue*) echo "requeue $2" >>"$STUB_DIR/calls"; echo 1 >"$STUB_DIR/restarts" ;;
+esac
+exit 0
+"""
+
+# The preflight passes. The training step (the trainer, as far as the batch script can tell): `finish`
+# exits 0; otherwise it waits for the stop file like the trainer, then exits 42 with the .ack written
+# before (ack-now), 1.5 s after it exits (ack-late: a slow filesystem) or never (no-ack).
+SRUN = r"""#!/bin/bash
+for a in "$@"; do [[ $a == preflight ]] && exit 0; done
+: >"$STUB_DIR/training"
+[[ $STUB_MODE == finish ]] && exit 0
+for ((i = 0; i < 300; i++)); do [[ -e $SBATCH_GEN_STOP_FILE ]] && break; sleep 0.1; done
+[[ -e $SBATCH_GEN_STOP_FILE ]] || exit 3
+case $STUB_MODE in
+  ack-now) echo "step 7" >"$SBATCH_GEN_STOP_FILE.ack" ;;
+  ack-late) (sleep 1.5; echo "step 7" >"$SBATCH_GEN_STOP_FILE.ack") </dev/null >/dev/null 2>&1 & ;;
+esac
+exit 42
+"""
+
+SINFO = r"""#!/bin/bash
+[[ -n ${FAKE_SLURM:-} ]] || exit 1
+echo "slurm $FAKE_SLURM"
+"""
+
+STOP_FILE = "runs/local/stop/77.attempt-0"
+
+
+def _stub(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+def _start(tmp_path: Path, mode: str, *, ack_timeout_s: int | None = None,
+           slurm: str = "22.05.8") -> tuple[subprocess.Popen, Path, Path]:
+    script = (REPO / "out" / "local.sbatch").read_text()
+    if ack_timeout_s is not None:
+        line = "ACK_TIMEOUT_S=30  # preemption.ack_timeout_s\n"
+        assert line in script
+        script = script.replace(line, f"ACK_TIMEOUT_S={ack_timeout_s}  # preemption.ack_timeout_s\n")
+    work = tmp_path / "submit"
+    bindir = work / ".venv" / "bin"  # the script puts the venv's bin first on PATH
+    bindir.mkdir(parents=True)
+    for name, text in (("scontrol", SCONTROL), ("srun", SRUN), ("sinfo", SINFO)):
+        _stub(bindir / name, text)
+    stub_dir = tmp_path / "stub"
+    stub_dir.mkdir()
+    (stub_dir / "restarts").write_text("0\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "SBATCH_GEN"))}
+    env.update(PATH=f"{bindir}:{env['PATH']}", STUB_MODE=mode, STUB_DIR=str(stub_dir), SLURM_SUBMIT_DIR=str(work),
+               SLURM_JOB_ID="77", SLURM_JOB_NAME="sbatch-gen-local", SLURM_JOB_NODELIST="n[1-2]", SLURM_NNODES="2",
+               SLURM_RESTART_COUNT="0", FAKE_SLURM=slurm)
+    (work / "job.sbatch").write_text(script)
+    proc = subprocess.Popen(["bash", str(work / "job.sbatch")], cwd=work, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    return proc, work, stub_dir
+
+
+def _signal_when_training(proc: subprocess.Popen, stub_dir: Path, sig: int) -> None:
+    deadline = time.monotonic() + 30
+    while not (stub_dir / "training").exists():
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "the training step never started"
+        time.sleep(0.05)
+    time.sleep(0.2)  # the shell is in `wait` by now
+    proc.send_signal(sig)
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    try:
+        return proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _requeues(stub_dir: Path) -> list[str]:
+    calls = stub_dir / "calls"
+    return calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_sigterm_creates_the_stop_file_and_does_not_requeue(tmp_path):
+    proc, work, stub_dir = _start(tmp_path, "ack-now")
+    _signal_when_training(proc, stub_dir, signal.SIGTERM)
+    out = _finish(proc)
+    assert (work / STOP_FILE).exists(), out
+    assert f"SIGTERM received: asking the trainer to checkpoint and stop ({STOP_FILE})" in out, out
+    assert "SIGTERM: Slurm is ending this job (scancel, time limit or preemption); not requeueing" in out, out
+    assert _requeues(stub_dir) == [], out
+    assert "requeueing" not in out.replace("not requeueing", ""), out
+    assert proc.returncode == 143, out
+
+
+@pytest.mark.parametrize("mode", ["ack-now", "ack-late"])
+def test_usr1_waits_for_the_ack_then_requeues(tmp_path, mode):
+    proc, work, stub_dir = _start(tmp_path, mode, ack_timeout_s=15)
+    _signal_when_training(proc, stub_dir, signal.SIGUSR1)
+    t0 = time.monotonic()
+    out = _finish(proc)
+    assert (work / STOP_FILE).exists(), out
+    assert "trainer checkpointed: step 7" in out, out
+    assert "WARNING" not in out, out
+    assert _requeues(stub_dir) == ["requeue 77"], out
+    assert "requeued: this attempt is over" in out, out
+    assert proc.returncode == 0, out
+    assert time.monotonic() - t0 < 10, "waited for the whole ack timeout although the .ack came"
+
+
+def test_usr1_without_an_ack_warns_after_the_timeout_and_requeues(tmp_path):
+    proc, work, stub_dir = _start(tmp_path, "no-ack", ack_timeout_s=2)
+    _signal_when_training(proc, stub_dir, signal.SIGUSR1)
+    t0 = time.monotonic()
+    out = _finish(proc)
+    assert time.monotonic() - t0 >= 1.5, out
+    assert (f"WARNING: no {STOP_FILE}.ack within 2 s; --resume auto uses the last complete checkpoint"
+            in out), out
+    assert "trainer checkpointed" not in out, out
+    assert _requeues(stub_dir) == ["requeue 77"], out
+    assert proc.returncode == 0, out
+
+
+@pytest.mark.parametrize(
+    "running, shown",
+    [("22.05.8", None), ("22.05", None), ("23.11.1", "23.11.1"), ("22.050.1", "22.050.1"), ("", "unknown")],
+    ids=["same-patch", "same", "other", "prefix-only", "no-sinfo"],
+)
+def test_slurm_version_warning(tmp_path, running, shown):
+    proc, _, _ = _start(tmp_path, "finish", slurm=running)
+    out = _finish(proc)
+    assert "training finished" in out and proc.returncode == 0, out
+    warning = "WARNING: the profile says Slurm 22.05 (slurm.version), this cluster runs "
+    if shown is None:
+        assert warning not in out, out
+    else:
+        assert f"{warning}{shown}\n" in out, out

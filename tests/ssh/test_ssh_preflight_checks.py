@@ -1,0 +1,105 @@
+"""The SSH launcher's preflight checks, run locally under bash: no sshd, no launch (fast).
+
+The launcher is rendered for this test, sourced without its last line (`main "$@"`), and a node's
+preflight runs exactly as a remote host runs it: `bash -c "$NODE_PROGRAM" sbatch-gen-node preflight_main
+RANK`. Covered here: node 0's rendezvous port already taken, and the run dir that must be the one node 0
+sees (launch.shared_run_dir); preflight_all's launcher line naming the node."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+from sshkit import free_port, render_site
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(shutil.which("ip") is None or shutil.which("ss") is None,
+                                reason="needs iproute2 (ip, ss), as the launcher does")
+
+
+def _launcher_lib(tmp_path: Path, port: int, *overrides: str) -> Path:
+    script = render_site(REPO, tmp_path / "out", [
+        f"python_env.path={REPO / '.venv'}",
+        f"paths.code_dir={REPO}",
+        f"trainer.config={REPO / 'configs' / 'tiny.yaml'}",
+        f"paths.run_dir={tmp_path / 'run'}",
+        f"paths.log_dir={tmp_path / 'logs'}",
+        f"torchrun.rdzv_port={port}",
+        *overrides,
+    ])
+    text = script.read_text()
+    assert text.endswith('\nmain "$@"\n')
+    lib = tmp_path / "launcher-lib.sh"
+    lib.write_text(text[: -len('main "$@"\n')])
+    return lib
+
+
+def _bash(lib: Path, code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "SBATCH_GEN"))}
+    return subprocess.run(["bash", "-c", f'source "$1"\n{code}', "launcher", str(lib)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def _preflight_node(lib: Path, rank: int, before: str = "") -> subprocess.CompletedProcess:
+    return _bash(lib, f'{before}\nbash -c "$NODE_PROGRAM" sbatch-gen-node preflight_main {rank}')
+
+
+def test_preflight_passes_on_both_nodes_when_all_is_well(tmp_path):
+    lib = _launcher_lib(tmp_path, free_port())
+    r0 = _preflight_node(lib, 0)
+    assert r0.returncode == 0, r0.stdout + r0.stderr
+    assert "FAIL" not in r0.stdout, r0.stdout
+    r1 = _preflight_node(lib, 1, before='mkdir -p -- "$RUN_DIR" && : >"$RUN_DIR/.sbatch-gen-shared.$TAG"')
+    assert r1.returncode == 0, r1.stdout + r1.stderr
+    assert "ok   run dir shared with node 0\n" in r1.stdout, r1.stdout
+
+
+def test_busy_rendezvous_port_fails_on_node0_only(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        lib = _launcher_lib(tmp_path, port)
+        r0 = _preflight_node(lib, 0)
+        r1 = _preflight_node(lib, 1, before='mkdir -p -- "$RUN_DIR" && : >"$RUN_DIR/.sbatch-gen-shared.$TAG"')
+    assert r0.returncode != 0
+    assert f"FAIL rendezvous port {port} is already in use on node 0 (another launch?)\n" in r0.stdout, r0.stdout
+    assert r1.returncode == 0, r1.stdout  # only node 0 hosts the rendezvous
+
+
+def test_busy_rendezvous_port_is_named_in_the_launcher_log(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        lib = _launcher_lib(tmp_path, port, "hosts=[127.0.0.1]")
+        r = _bash(lib, 'mkdir -p -- "$LOGS"; ATTEMPT=1; preflight_all')
+    assert r.returncode != 0
+    assert (f"preflight FAILED on node 0 (127.0.0.1): rendezvous port {port} is already in use on node 0 "
+            "(another launch?)\n") in r.stderr, r.stderr
+
+
+def test_run_dir_node0_does_not_see_fails_on_the_other_node(tmp_path):
+    lib = _launcher_lib(tmp_path, free_port())
+    # No marker: node 0 (preflight_all) writes .sbatch-gen-shared.<tag> in its run dir before the
+    # preflights; a node that does not see it has another filesystem at that path.
+    r1 = _preflight_node(lib, 1)
+    assert r1.returncode != 0
+    run_dir = tmp_path / "run"
+    assert (f"FAIL run dir {run_dir} is not the one node 0 sees (checkpoints need a filesystem all hosts "
+            "share)\n") in r1.stdout, r1.stdout
+    # A marker of another launch (another tag) does not count.
+    r1 = _preflight_node(lib, 1, before=': >"$RUN_DIR/.sbatch-gen-shared.sbg-x-1-1"')
+    assert r1.returncode != 0 and "is not the one node 0 sees" in r1.stdout, r1.stdout
+
+
+def test_run_dir_check_is_off_with_shared_run_dir_false(tmp_path):
+    lib = _launcher_lib(tmp_path, free_port(), "launch.shared_run_dir=false")
+    r1 = _preflight_node(lib, 1)
+    assert r1.returncode == 0, r1.stdout + r1.stderr
+    assert "run dir shared" not in r1.stdout and "not the one node 0 sees" not in r1.stdout
