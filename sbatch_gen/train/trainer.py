@@ -477,6 +477,8 @@ class Trainer:
                 adopted = self.sync.catch_up(self.step)
             except XRTimeout as e:  # no theta0, or the round pending from the last attempt still has no quorum
                 adopted, no_quorum, exit_reason = None, e, "no_quorum"
+            if adopted is not None:
+                adopted = min(adopted, self.end_step)  # a run that has ended: nothing left to train
             if adopted is not None and adopted != self.step:
                 log.info("cross-region: the run is at step %d; this region continues from there (was at %d)",
                          adopted, self.step)
@@ -530,7 +532,7 @@ class Trainer:
             if xr_timings and "xr_adopted_step" in xr_timings:  # behind the run: fast-forwarded
                 log.info("cross-region: fast-forwarded from step %d to the run's step %d", step,
                          xr_timings["xr_adopted_step"])
-                self.step = step = xr_timings["xr_adopted_step"]
+                self.step = step = min(xr_timings["xr_adopted_step"], self.end_step)
             if sleep_s:
                 time.sleep(sleep_s)
             if device.type == "cuda":

@@ -95,17 +95,26 @@ def test_a_returning_region_fast_forwards_and_is_bitwise_equal_after_its_first_r
     m_us, s_us = _sync("us", tmp_path, regions, seed=99, log=events.append, **kw)
     m_us.load_state_dict(saved["model"])
     s_us.load_state_dict(saved["outer"])
-    assert s_us.catch_up(H) == 5 * H
+    adopted = s_us.catch_up(H)
+    assert 5 * H <= adopted < 6 * H  # round 5's step, plus the steps the run is estimated into round 6
     assert torch.equal(s_us.theta_outer, s_eu.theta_outer) and torch.equal(s_us.momentum, s_eu.momentum)
     assert torch.equal(flat(m_us), s_eu.theta_outer)
     ev = [e for e in events if e.get("event") == "xr_rejoin"][0]
     assert ev["from_round"] == 1 and ev["to_round"] == 5
     assert ev["via"] == (["snapshot r000004"] if via == "snapshot" else ["rounds"])
     assert ev["replayed"] == (1 if via == "snapshot" else 4)
+    assert ev["adopted_step"] == adopted == 5 * H + ev["steps_into_round"]
 
     opt_us = torch.optim.SGD(m_us.parameters(), lr=0.05)
     both = {"eu": (m_eu, s_eu, opt_eu), "us": (m_us, s_us, opt_us)}
-    out = in_threads(lambda r: _rounds(*both[r], r, [6])[0], regions)
+    first = {"eu": 5 * H + 1, "us": adopted + 1}  # us trains only the rest of round 6
+
+    def round6(r):
+        m, s, opt = both[r]
+        inner_steps(m, opt, r, range(first[r], 6 * H + 1))
+        return s.after_optimizer_step(6 * H, 32)
+
+    out = in_threads(round6, regions)
     assert out["eu"]["xr_members"] == ["eu", "us"] == out["us"]["xr_members"]
     assert torch.equal(flat(m_eu), flat(m_us)) and torch.equal(s_eu.theta_outer, s_us.theta_outer)
 
@@ -153,3 +162,28 @@ def test_a_late_region_applies_the_committed_update_and_warns_after_three_rounds
     assert torch.equal(eu[1], us[1]) and torch.equal(eu[2], us[2])
     warned = [r.getMessage() for r in caplog.records if "missed the last 3 rounds" in r.getMessage()]
     assert warned and "grace_s=0.05s" in warned[0] and "region us" in warned[0]
+
+
+def test_a_returning_region_continues_at_the_runs_current_step(tmp_path):
+    """The run's position inside the next round is estimated from the last rounds' close times: a region
+    that fast-forwards 12 s into a 19 s round after the newest commit continues 6 of 10 steps into it (so its first
+    round back ends about when the others' does), never past H - 1 steps, and at 0 without an estimate."""
+    import json
+    import time as _time
+
+    h = 10
+    _, s = _sync("eu", tmp_path, ["eu", "us"], inner_steps=h)
+    ms = s.membership
+    now = _time.time()
+    for r, t in ((3, now - 50.0), (4, now - 30.0), (5, now - 12.0)):  # rounds take 20 s; round 5 closed 12 s ago
+        body = {"run_id": "t", "tag": f"r{r:06d}", "step": r * h, "members": {}, "closed_by": "eu",
+                "reason": "all", "waited_s": 0.0, "absent": [], "time": t, "format": 1}
+        ms.store.create(ms.commit_key(f"r{r:06d}"), json.dumps(body).encode())
+    s.round = 5
+    assert s._steps_into_round() == 6  # (50 - 12) / 2 = 19 s per round; 12 s into it: int(10 * 12 / 19)
+    s.round = 4  # not at the newest commit: no estimate
+    assert s._steps_into_round() == 0
+    s.round = 5
+    ms.store.put(ms.commit_key("r000005"), json.dumps({**json.loads(ms.store.get(ms.commit_key("r000005"))),
+                                                       "time": now - 500.0}).encode())
+    assert s._steps_into_round() == h - 1  # long overdue: publish after one step

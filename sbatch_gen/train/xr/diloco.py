@@ -171,12 +171,32 @@ class DiLoCo(OuterSync):
             return None
         self.flat.scatter(self.theta_outer)
         self.tokens, self.pending = 0, 0
-        adopted = self.round * self.xr.inner_steps
+        into = self.group.on_rank(self._steps_into_round)
+        adopted = self.round * self.xr.inner_steps + into
         rec = {"event": "xr_rejoin", "step": step, "adopted_step": adopted, "from_round": start,
                "to_round": self.round, "replayed": replayed, "via": via or ["rounds"], "why": why,
-               "seconds": round(time.perf_counter() - t0, 3)}
+               "steps_into_round": into, "seconds": round(time.perf_counter() - t0, 3)}
         self._log(rec)
         return {"xr_round": self.round, "xr_step": step, "xr_adopted_step": adopted, "xr_rejoin_from": start}
+
+    def _steps_into_round(self) -> int:
+        """rank 0: how far the run is into the round after the newest commit, in inner steps, estimated
+        from the commits' close times (the last few rounds' wall time). A returning region continues at
+        the run's current step, so its first round back ends about when the others' does: else they
+        would wait up to grace_s for it, or it would be late. 0 without an estimate; at most H - 1."""
+        ms, h = self.membership, self.xr.inner_steps
+        closed = []  # (round, close time) of the last few rounds up to this one
+        for r in [r for r in ms.committed_rounds() if r <= self.round][-4:]:
+            c = ms.read_commit(round_tag(r))
+            if c is not None and c.time > 0:
+                closed.append((r, c.time))
+        if len(closed) < 2 or closed[-1][0] != self.round:
+            return 0
+        per_round = (closed[-1][1] - closed[0][1]) / (closed[-1][0] - closed[0][0])
+        since = time.time() - closed[-1][1]  # (the regions' clocks: NTP-synchronised; a skew shifts this)
+        if per_round <= 0 or since <= 0:
+            return 0
+        return max(0, min(h - 1, int(h * since / per_round)))
 
     def catch_up(self, step: int) -> int | None:
         """Start-up: fast-forward to the run, run a round that found no quorum before the requeue, then
