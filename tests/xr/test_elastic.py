@@ -184,6 +184,7 @@ def test_a_returning_region_continues_at_the_runs_current_step(tmp_path):
     s.round = 3  # one closed round to go by: no estimate
     assert s._steps_into_round() == 0
     s.round = 5
-    ms.store.put(ms.commit_key("r000005"), json.dumps({**json.loads(ms.store.get(ms.commit_key("r000005"))),
-                                                       "time": now - 500.0}).encode())
+    for r, t in ((3, now - 100.0), (4, now - 80.0), (5, now - 60.0)):  # round 6 should have closed 40 s ago
+        key = ms.commit_key(f"r{r:06d}")
+        ms.store.put(key, json.dumps({**json.loads(ms.store.get(key)), "time": t}).encode())
     assert s._steps_into_round() == h - 1  # long overdue: publish after one step
