@@ -81,6 +81,31 @@ def test_diloco_quick(tmp_path):
     assert grad[3] == pytest.approx(4 * dil[3], rel=0.01)  # 4x the bytes for 4x the rounds
 
 
+def test_elastic_quick(tmp_path):
+    """Real regions: b crashes and comes back; elastic a keeps training, strict a waits; b absent from rounds
+    of a scripted run. Behaviour only: who missed which rounds, how the rounds closed, bitwise-equal models."""
+    from bench.elastic import QUICK
+
+    d = _bench("elastic", tmp_path, timeout=600)
+    headers, rows = _table(d, "goodput")
+    by = {r[0].split(",")[0].split(" ")[0]: dict(zip(headers, r, strict=True)) for r in rows}
+    elastic, strict = by["elastic"], by["strict"]
+    missed = {k: int(v["rounds b missed"].split()[0]) for k, v in by.items()}
+    assert missed["elastic"] >= 1 and missed["strict"] == 0  # strict never closes a round without b
+    assert elastic["a's rounds"] == strict["a's rounds"] == QUICK.g_steps // QUICK.g_h
+    # the survivor's wait in a round b missed is bounded by grace_s (plus one poll), never the timeout
+    assert elastic["wait max s (missed rounds)"] <= QUICK.g_grace_s + 1.0
+    headers, rows = _table(d, "quality")
+    base, away = (dict(zip(headers, r, strict=True)) for r in rows)
+    assert base["rounds b missed"] == "0%" and base["which"] == "-"
+    missed = [int(x) for x in away["which"].split(",")]
+    # b left after round q_first; it missed a contiguous stretch from there (when it rejoined depends on timing)
+    assert missed == list(range(QUICK.q_first + 1, missed[-1] + 1)), missed
+    assert away["b's steps"] < base["b's steps"] and away["a's steps"] == base["a's steps"] == QUICK.q_steps
+    assert base["a == b bitwise"] is True and away["a == b bitwise"] is True  # the returning b fast-forwarded exactly
+    assert all(r[headers.index("held-out loss")] > 0 for r in rows)
+
+
 def test_mailbox_quick(tmp_path):
     from bench.wan import available
 
