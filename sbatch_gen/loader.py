@@ -42,6 +42,7 @@ class UserError(Exception):
 
 MAX_VALUE_CHARS = 80  # a value (quoted, or a run without spaces) is cut to this many characters
 MAX_MESSAGE_CHARS = 1000  # and a whole message to this many
+MAX_PATH_CHARS = 300  # a path (a run with a "/") keeps up to this many, cut in the middle: its end names the file
 MASK = "<redacted>"
 _ELLIPSIS = "\u2026"
 
@@ -104,6 +105,8 @@ def clean_message(msg: str) -> str:
         v = m.group()
         if v[0] in "'\"" and v[-1] == v[0] and len(v) > 1:
             return v if len(v) <= MAX_VALUE_CHARS + 2 else v[: MAX_VALUE_CHARS + 1] + _ELLIPSIS + v[-1]
+        if "/" in v:  # a path, often with a file:line: long in temp directories, and its end is what counts
+            return v if len(v) <= MAX_PATH_CHARS else v[:40] + _ELLIPSIS + v[-(MAX_PATH_CHARS - 40):]
         return cut(v[:-1]) + ":" if v.endswith(":") else cut(v)
 
     return cut(_VALUE.sub(cut_value, msg), MAX_MESSAGE_CHARS)

@@ -167,7 +167,8 @@ def test_a_late_region_applies_the_committed_update_and_warns_after_three_rounds
 def test_a_returning_region_continues_at_the_runs_current_step(tmp_path):
     """The run's position inside the next round is estimated from the last rounds' close times: a region
     that fast-forwards 12 s into a 19 s round after the newest commit continues 6 of 10 steps into it (so its first
-    round back ends about when the others' does), never past H - 1 steps, and at 0 without an estimate."""
+    round back ends about when the others' does), never past H - 1 steps, and at 0 without an estimate or
+    when the whole run stood still."""
     import json
     import time as _time
 
@@ -184,7 +185,12 @@ def test_a_returning_region_continues_at_the_runs_current_step(tmp_path):
     s.round = 3  # one closed round to go by: no estimate
     assert s._steps_into_round() == 0
     s.round = 5
-    for r, t in ((3, now - 100.0), (4, now - 80.0), (5, now - 60.0)):  # round 6 should have closed 40 s ago
-        key = ms.commit_key(f"r{r:06d}")
-        ms.store.put(key, json.dumps({**json.loads(ms.store.get(key)), "time": t}).encode())
-    assert s._steps_into_round() == h - 1  # long overdue: publish after one step
+    def closed_at(times):
+        for r, t in zip((3, 4, 5), times, strict=True):
+            key = ms.commit_key(f"r{r:06d}")
+            ms.store.put(key, json.dumps({**json.loads(ms.store.get(key)), "time": now - t}).encode())
+
+    closed_at((70.0, 50.0, 30.0))  # round 6 is 10 s overdue (a region waits out grace_s): at most H - 1
+    assert s._steps_into_round() == h - 1
+    closed_at((100.0, 80.0, 60.0))  # nothing closed for 3 rounds' time: every region was away, start at 0
+    assert s._steps_into_round() == 0

@@ -183,7 +183,8 @@ class DiLoCo(OuterSync):
         """rank 0: how far the run is into the round after the newest commit, in inner steps, estimated
         from the commits' close times (the last few rounds' wall time). A returning region continues at
         the run's current step, so its first round back ends about when the others' does: else they
-        would wait up to grace_s for it, or it would be late. 0 without an estimate; at most H - 1."""
+        would wait up to grace_s for it, or it would be late. 0 without an estimate, or when no round has
+        closed for two rounds' time (every region was away: the run stands at the commit); at most H - 1."""
         ms, h = self.membership, self.xr.inner_steps
         closed = []  # (round, close time) of the last few rounds up to this one
         for r in [r for r in ms.committed_rounds() if r <= self.round][-4:]:
@@ -194,8 +195,8 @@ class DiLoCo(OuterSync):
             return 0
         per_round = (closed[-1][1] - closed[0][1]) / (closed[-1][0] - closed[0][0])
         since = time.time() - closed[-1][1]  # (the regions' clocks: NTP-synchronised; a skew shifts this)
-        if per_round <= 0 or since <= 0:
-            return 0
+        if per_round <= 0 or since <= 0 or since > 2 * per_round:
+            return 0  # no round closed for two rounds' time: nobody is training ahead (all stopped), start at 0
         return max(0, min(h - 1, int(h * since / per_round)))
 
     def catch_up(self, step: int) -> int | None:
