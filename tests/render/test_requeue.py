@@ -6,14 +6,12 @@ When a requeue takes, Slurm sends TERM to every process of the job: the batch sh
 
 from __future__ import annotations
 
-import os
-import stat
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from .conftest import REPO
+from .batch_sandbox import prepare
 
 SCONTROL = r"""#!/bin/bash
 # stub: $STUB_MODE selects what `scontrol requeue` does
@@ -48,28 +46,9 @@ exit 1
 SINFO = "#!/bin/bash\necho 'slurm 22.05.8'\n"
 
 
-def _stub(path: Path, text: str) -> None:
-    path.write_text(text)
-    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-
-
 def _run_script(tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess, Path]:
-    script = (REPO / "out" / "local.sbatch").read_text()
-    work = tmp_path / "submit"
-    bindir = work / ".venv" / "bin"  # the script puts the venv's bin first on PATH
-    bindir.mkdir(parents=True)
-    for name, text in (("scontrol", SCONTROL), ("srun", SRUN), ("sinfo", SINFO)):
-        _stub(bindir / name, text)
-    stub_dir = tmp_path / "stub"
-    stub_dir.mkdir()
-    (stub_dir / "restarts").write_text("0\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "SBATCH_GEN"))}
-    env.update(PATH=f"{bindir}:{env['PATH']}", STUB_MODE=mode, STUB_DIR=str(stub_dir), SLURM_SUBMIT_DIR=str(work),
-               SLURM_JOB_ID="77", SLURM_JOB_NAME="sbatch-gen-local", SLURM_JOB_NODELIST="n[1-2]", SLURM_NNODES="2",
-               SLURM_RESTART_COUNT="0")
-    (work / "job.sbatch").write_text(script)
-    r = subprocess.run(["bash", str(work / "job.sbatch")], cwd=work, env=env, capture_output=True, text=True,
-                       timeout=60)
+    job, env, stub_dir = prepare(tmp_path, {"scontrol": SCONTROL, "srun": SRUN, "sinfo": SINFO}, mode)
+    r = subprocess.run(["bash", str(job)], cwd=job.parent, env=env, capture_output=True, text=True, timeout=60)
     return r, stub_dir
 
 

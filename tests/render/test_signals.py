@@ -8,15 +8,14 @@ Slurm commands (srun, scontrol, sinfo) first on PATH, as in test_requeue.py.
 
 from __future__ import annotations
 
-import os
 import signal
-import stat
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from .batch_sandbox import prepare
 from .conftest import REPO
 
 SCONTROL = r"""#!/bin/bash
@@ -52,11 +51,6 @@ echo "slurm $FAKE_SLURM"
 STOP_FILE = "runs/local/stop/77.attempt-0"
 
 
-def _stub(path: Path, text: str) -> None:
-    path.write_text(text)
-    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-
-
 def _start(tmp_path: Path, mode: str, *, ack_timeout_s: int | None = None,
            slurm: str = "22.05.8") -> tuple[subprocess.Popen, Path, Path]:
     script = (REPO / "out" / "local.sbatch").read_text()
@@ -64,22 +58,11 @@ def _start(tmp_path: Path, mode: str, *, ack_timeout_s: int | None = None,
         line = "ACK_TIMEOUT_S=30  # preemption.ack_timeout_s\n"
         assert line in script
         script = script.replace(line, f"ACK_TIMEOUT_S={ack_timeout_s}  # preemption.ack_timeout_s\n")
-    work = tmp_path / "submit"
-    bindir = work / ".venv" / "bin"  # the script puts the venv's bin first on PATH
-    bindir.mkdir(parents=True)
-    for name, text in (("scontrol", SCONTROL), ("srun", SRUN), ("sinfo", SINFO)):
-        _stub(bindir / name, text)
-    stub_dir = tmp_path / "stub"
-    stub_dir.mkdir()
-    (stub_dir / "restarts").write_text("0\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "SBATCH_GEN"))}
-    env.update(PATH=f"{bindir}:{env['PATH']}", STUB_MODE=mode, STUB_DIR=str(stub_dir), SLURM_SUBMIT_DIR=str(work),
-               SLURM_JOB_ID="77", SLURM_JOB_NAME="sbatch-gen-local", SLURM_JOB_NODELIST="n[1-2]", SLURM_NNODES="2",
-               SLURM_RESTART_COUNT="0", FAKE_SLURM=slurm)
-    (work / "job.sbatch").write_text(script)
-    proc = subprocess.Popen(["bash", str(work / "job.sbatch")], cwd=work, env=env, stdout=subprocess.PIPE,
+    job, env, stub_dir = prepare(tmp_path, {"scontrol": SCONTROL, "srun": SRUN, "sinfo": SINFO}, mode,
+                                 script=script, env={"FAKE_SLURM": slurm})
+    proc = subprocess.Popen(["bash", str(job)], cwd=job.parent, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    return proc, work, stub_dir
+    return proc, job.parent, stub_dir
 
 
 def _signal_when_training(proc: subprocess.Popen, stub_dir: Path, sig: int) -> None:

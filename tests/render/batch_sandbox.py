@@ -1,0 +1,35 @@
+"""Run the rendered `out/local.sbatch` for real under bash, with stub Slurm commands first on PATH.
+
+The script puts the submit directory's `.venv/bin` first on PATH, so stubs for `scontrol`, `srun` and
+`sinfo` placed there stand in for Slurm; `$STUB_MODE` tells them what to do and they keep notes under
+`$STUB_DIR` (calls, the restart count). Shared by test_requeue.py and test_signals.py."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from .conftest import REPO
+
+
+def prepare(tmp_path: Path, stubs: dict[str, str], mode: str, *, script: str | None = None,
+            env: dict[str, str] | None = None) -> tuple[Path, dict[str, str], Path]:
+    """(the job script to run with bash from its directory, its environment, the stubs' note directory)."""
+    work = tmp_path / "submit"
+    bindir = work / ".venv" / "bin"
+    bindir.mkdir(parents=True)
+    for name, text in stubs.items():
+        p = bindir / name
+        p.write_text(text)
+        p.chmod(p.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    stub_dir = tmp_path / "stub"
+    stub_dir.mkdir()
+    (stub_dir / "restarts").write_text("0\n")
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "SBATCH_GEN"))}
+    full.update(PATH=f"{bindir}:{full['PATH']}", STUB_MODE=mode, STUB_DIR=str(stub_dir), SLURM_SUBMIT_DIR=str(work),
+                SLURM_JOB_ID="77", SLURM_JOB_NAME="sbatch-gen-local", SLURM_JOB_NODELIST="n[1-2]",
+                SLURM_NNODES="2", SLURM_RESTART_COUNT="0", **(env or {}))
+    job = work / "job.sbatch"
+    job.write_text(script if script is not None else (REPO / "out" / "local.sbatch").read_text())
+    return job, full, stub_dir
