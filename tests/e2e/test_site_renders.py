@@ -50,8 +50,9 @@ def test_site_render_accepted_by_slurm(cluster, tmp_path, site):
 
 
 def test_test_only_rejects_what_the_nodes_cannot_give(cluster, tmp_path):
-    """The check above can fail: a request beyond the EU nodes (9 GPUs per node) is refused."""
+    """The check above can fail: a request beyond the EU nodes (4096 CPUs per task; 9 GPUs per node an
+    H200 node cannot have is refused by validate already) is refused."""
     out = tmp_path / "out"
-    render(out, "eu", {"slurm.partition": cluster.info["SBATCH_GEN_SLURM_GPU_PARTITION"], "slurm.gpus_per_node": 9})
+    render(out, "eu", {"slurm.partition": cluster.info["SBATCH_GEN_SLURM_GPU_PARTITION"], "slurm.cpus_per_task": 4096})
     p = cluster.run("sbatch", "--test-only", str(out / "eu.sbatch"), check=False, cwd=tmp_path)
     assert p.returncode != 0 and "Requested node configuration is not available" in p.stderr, p.stderr
