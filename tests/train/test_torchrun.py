@@ -95,7 +95,9 @@ def test_stop_file_then_sigusr1_then_resume_equals_uninterrupted(cfg, reference,
     assert "stop file" in ack["reason"] and check_complete(ack["checkpoint"]) is None
     # Both ranks stopped after the same step and exited 42; the restarted workers exited 42 at once.
     assert out.count(f"all ranks stop after step {n1}") == 2, out[-3000:]
-    assert out.count("already checkpointed, exiting 42 without starting") == 2, out[-3000:]
+    # (torchrun SIGTERMs the other restarted worker as soon as one exits: it may die before it prints)
+    assert 1 <= out.count("already checkpointed, exiting 42 without starting") <= 2, out[-3000:]
+    assert out.count("training steps") == 2, out[-3000:]  # both ranks of the first start; the restarted ones trained nothing
     assert rc != 0 and "exitcode  : 42" in out
 
     # The launcher clears the hand-off for the next attempt. A save that never finished, newer than
