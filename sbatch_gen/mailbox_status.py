@@ -87,15 +87,16 @@ def read_status(xr: CrossRegion, store: Store | None = None, *, now: float | Non
     mb = Mailbox(store, xr.run_id, xr.region, xr.regions, threads=1)
     try:
         ms = Membership(mb, xr.quorum, xr.grace_s)
-        latest = mb.latest_rounds()
-        committed = ms.committed_rounds()
+        keys = ms.run_keys()  # one listing serves every reader below
+        latest = mb.latest_rounds(keys)
+        committed = ms.committed_rounds(keys)
         commit = None
         for r in reversed(committed):  # (a commit can be cleaned up between the listing and the read)
             commit = ms.read_commit(round_tag(r))
             if commit is not None:
                 break
-        snaps = ms.snapshot_rounds()
-        presences = ms.presences()
+        snaps = ms.snapshot_rounds(keys)
+        presences = ms.presences(keys)
         info = None
         if commit is not None:
             info = CommitInfo(round=commit.round, step=commit.step, closed_by=commit.closed_by,

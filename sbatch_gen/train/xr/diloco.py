@@ -123,14 +123,15 @@ class DiLoCo(OuterSync):
     def _plan(self):
         """rank 0: how to reach the run's newest committed round, or None when already there."""
         ms = self.membership
-        committed = ms.committed_rounds()
+        keys = ms.run_keys()
+        committed = ms.committed_rounds(keys)
         if not committed or committed[-1] <= self.round:
             return None
         latest, have = committed[-1], set(committed)
         need = list(range(self.round + 1, latest + 1))
         if all(r in have for r in need):
             return latest, None, need
-        snaps = [s for s in ms.snapshot_rounds()
+        snaps = [s for s in ms.snapshot_rounds(keys)
                  if self.round < s <= latest and all(r in have for r in range(s + 1, latest + 1))]
         if not snaps:
             gone = [r for r in need if r not in have]

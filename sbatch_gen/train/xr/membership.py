@@ -156,10 +156,14 @@ class Membership:
             raise XRLayoutError(f"round commit {self.store.describe(key)} names run {c.run_id!r} round {c.tag!r}")
         return c
 
-    def committed_rounds(self) -> list[int]:
-        """Rounds with a commit in the mailbox, ascending (one listing)."""
+    def run_keys(self) -> list[str]:
+        """Every key of the run (one listing): pass it to the readers below to list once for several."""
+        return self.store.list(f"{self.run_id}/")
+
+    def committed_rounds(self, keys: list[str] | None = None) -> list[int]:
+        """Rounds with a commit in the mailbox, ascending (one listing, or ``keys`` of :meth:`run_keys`)."""
         out = []
-        for key in self.store.list(f"{self.run_id}/"):
+        for key in self.run_keys() if keys is None else keys:
             parts = key.split("/")
             if len(parts) == 3 and parts[2] == COMMIT_NAME:
                 r = parse_tag(parts[1])
@@ -272,9 +276,10 @@ class Membership:
         p = Presence(self.region, state, r, step, time.time(), self.job)
         self.store.put(self.presence_key(self.region), json.dumps(asdict(p)).encode())
 
-    def presences(self) -> dict[str, Presence]:
+    def presences(self, keys: list[str] | None = None) -> dict[str, Presence]:
+        prefix = f"{self.run_id}/{PRESENCE_DIR}/"
         out = {}
-        for key in self.store.list(f"{self.run_id}/{PRESENCE_DIR}/"):
+        for key in self.store.list(prefix) if keys is None else [k for k in keys if k.startswith(prefix)]:
             raw = self.store.get(key)
             p = Presence.from_json(raw) if raw is not None else None
             if p is not None and p.region in self.regions:
@@ -282,12 +287,12 @@ class Membership:
         return out
 
     # -- snapshots -------------------------------------------------------------------------------------
-    def snapshot_rounds(self) -> list[int]:
-        """Rounds with a COMPLETE outer snapshot, ascending."""
+    def snapshot_rounds(self, keys: list[str] | None = None) -> list[int]:
+        """Rounds with a COMPLETE outer snapshot, ascending (one listing, or ``keys`` of :meth:`run_keys`)."""
         out = []
-        for key in self.store.list(f"{self.run_id}/{SNAP_DIR}/"):
+        for key in self.store.list(f"{self.run_id}/{SNAP_DIR}/") if keys is None else keys:
             parts = key.split("/")
-            if len(parts) == 4 and parts[3] == "_complete.json":
+            if len(parts) == 4 and parts[1] == SNAP_DIR and parts[3] == "_complete.json":
                 m = _SNAP_RE.match(parts[2])
                 if m:
                     out.append(int(m.group(1)))
@@ -330,13 +335,14 @@ class Membership:
         with ``need_snapshot`` (DiLoCo), covered by a complete snapshot: a returning region needs every
         round after the newest snapshot."""
         bound = current - keep_rounds
-        if need_snapshot:
-            snaps = self.snapshot_rounds()
-            bound = min(bound, snaps[-1] if snaps else -1)
         if bound < 1:
             return
+        keys = self.run_keys()  # one listing: the snapshots and this region's rounds
+        if need_snapshot:
+            snaps = self.snapshot_rounds(keys)
+            bound = min(bound, snaps[-1] if snaps else -1)
         doomed: set[int] = set()
-        for key in self.store.list(f"{self.run_id}/"):
+        for key in keys:
             parts = key.split("/")
             r = parse_tag(parts[1]) if len(parts) >= 3 else None
             if r is not None and r <= bound and parts[2] in (f"{self.region}.done", self.region, COMMIT_NAME):

@@ -327,10 +327,10 @@ class Mailbox:
         return f" The mailbox has manifests from {', '.join(map(repr, missing))} under run id(s) " \
                f"{', '.join(map(repr, others))}: the regions disagree on the run id."
 
-    def latest_rounds(self) -> dict[str, int]:
-        """Highest round with a manifest, per region (one listing of the run's prefix)."""
+    def latest_rounds(self, keys: list[str] | None = None) -> dict[str, int]:
+        """Highest round with a manifest, per region (one listing of the run's prefix, or ``keys`` from one)."""
         latest: dict[str, int] = {}
-        for key in self.store.list(f"{self.run_id}/"):
+        for key in self.store.list(f"{self.run_id}/") if keys is None else keys:
             parts = key.split("/")
             if len(parts) == 3 and parts[2].endswith(".done"):
                 r = parse_tag(parts[1])
