@@ -328,6 +328,55 @@ def moto_server(host: str, log: Path):
         yield s3.endpoint_url
 
 
+# The cross-region tests: two regions, each one job pinned to its own node.
+REGION_NODES = {"a": "n1", "b": "n2"}
+S3_ACCESS_KEY, S3_SECRET_KEY = "e2e-access", "e2e-secret"
+
+
+def region_jobs(cluster: Cluster, root: Path, prefix: str, cross_region: dict, *, config: Path,
+                data: Path) -> dict[str, LocalJob]:
+    """One `local` job per region of REGION_NODES (``<prefix>-<region>``, one node, pinned to the region's
+    node), with ``cross_region`` (its ``region`` and ``regions`` filled in), not yet submitted."""
+    jobs = {}
+    for region, node in REGION_NODES.items():
+        sets = {
+            "slurm.nodes": 1,
+            "slurm.extra_directives": [f"--nodelist={node}"],
+            "cross_region": {**cross_region, "enabled": True, "region": region, "regions": sorted(REGION_NODES)},
+        }
+        jobs[region] = local_job(cluster, root / region, f"{prefix}-{region}", sets, config=config, data=data)
+    return jobs
+
+
+def assert_same_final_params(jobs: dict[str, LocalJob]) -> None:
+    """Every region's exported model.safetensors holds bitwise the same parameters."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    ref_region, *others = sorted(jobs)
+    ref = load_file(str(jobs[ref_region].run_dir / "model.safetensors"))
+    for region in others:
+        got = load_file(str(jobs[region].run_dir / "model.safetensors"))
+        assert sorted(got) == sorted(ref)
+        differ = [k for k in ref if not np.array_equal(ref[k], got[k])]
+        assert not differ, f"final parameters differ between regions {ref_region} and {region}: {differ[:5]}"
+
+
+@contextmanager
+def s3_mailbox(cluster: Cluster, root: Path, bucket: str):
+    """A bucket on a real S3-compatible server (moto, with conditional creates) reachable from the nodes.
+    Yields (the cross_region transport, the jobs' extra environment, a boto3 client)."""
+    import boto3
+
+    with moto_server(cluster.host_addr, root / "moto.log") as url:
+        s3 = boto3.client("s3", endpoint_url=url, aws_access_key_id=S3_ACCESS_KEY,
+                          aws_secret_access_key=S3_SECRET_KEY, region_name="us-east-1")
+        s3.create_bucket(Bucket=bucket)
+        env = {"AWS_ACCESS_KEY_ID": S3_ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY,
+               "AWS_DEFAULT_REGION": "us-east-1", "NO_PROXY": cluster.host_addr, "no_proxy": cluster.host_addr}
+        yield {"kind": "s3", "bucket": bucket, "prefix": "e2e", "endpoint_url": url, "addressing_style": "path"}, env, s3
+
+
 def assert_resumed_losses_match(losses: dict[int, float], ref: dict[int, float], resumed: int, last: int) -> None:
     """A run resumed from the checkpoint of step ``resumed`` against the uninterrupted run: every step's
     loss bitwise equal (the checkpoint restored parameters, optimizer, data position and RNG exactly, and

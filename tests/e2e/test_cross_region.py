@@ -4,17 +4,12 @@ identical parameters."""
 
 from __future__ import annotations
 
-import boto3
-import numpy as np
 import pytest
 import yaml
-from e2e_lib import REPO, local_job, moto_server
-from safetensors.numpy import load_file
+from e2e_lib import REGION_NODES, REPO, assert_same_final_params, region_jobs, s3_mailbox
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-REGIONS = {"a": "n1", "b": "n2"}  # region -> the node its job runs on
-ACCESS_KEY, SECRET_KEY = "e2e-access", "e2e-secret"
 
 
 @pytest.fixture(scope="module")
@@ -31,38 +26,27 @@ def xr_config(e2e_root):
 def _run_regions(cluster, root, xr_config, transport: dict, env: dict | None = None):
     data = root / "data"
     data.mkdir(parents=True)
-    jobs = {}
-    for region, node in REGIONS.items():
-        sets = {
-            "slurm.nodes": 1,
-            "slurm.extra_directives": [f"--nodelist={node}"],
-            "cross_region": {
-                "enabled": True, "run_id": f"e2e-{transport['kind']}", "region": region,
-                "regions": sorted(REGIONS), "sync": "diloco", "inner_steps": 5, "outer_lr": 0.7,
-                "outer_momentum": 0.9, "timeout_s": 240, "transport": transport,
-            },
-        }
-        jobs[region] = local_job(cluster, root / region, f"xr-{region}", sets, config=xr_config, data=data)
+    jobs = region_jobs(cluster, root, "xr", {
+        "run_id": f"e2e-{transport['kind']}", "sync": "diloco", "inner_steps": 5, "outer_lr": 0.7,
+        "outer_momentum": 0.9, "timeout_s": 240, "transport": transport,
+    }, config=xr_config, data=data)
     for job in jobs.values():
         job.submit(env)
-    for job in jobs.values():
+    for region, job in jobs.items():
         info = cluster.wait_done(job.job_id, timeout=300)
         assert info["JobState"] == "COMPLETED", job.describe()
-        assert info["NodeList"] == REGIONS[job.name.removeprefix("xr-")]
+        assert info["NodeList"] == REGION_NODES[region]
     return jobs
 
 
 def _check_identical(jobs):
-    a, b = (load_file(str(jobs[r].run_dir / "model.safetensors")) for r in sorted(REGIONS))
-    assert sorted(a) == sorted(b)
-    differ = [k for k in a if not np.array_equal(a[k], b[k])]
-    assert not differ, f"parameters differ between the regions: {differ[:5]}"
+    assert_same_final_params(jobs)
     for job in jobs.values():
         rounds = [r["xr_round"] for r in job.metrics() if "xr_round" in r]
         assert len(rounds) >= 4, (job.name, rounds)  # every H=5 steps, an outer round with the other region
         assert job.summary()["last_step"] == 20
     # the regions trained on different data in between: their own losses differ
-    la, lb = (jobs[r].losses() for r in sorted(REGIONS))
+    la, lb = (jobs[r].losses() for r in sorted(jobs))
     assert la != lb
 
 
@@ -77,16 +61,7 @@ def test_two_regions_diloco_over_fs(cluster, e2e_root, xr_config):
 def test_two_regions_diloco_over_s3(cluster, e2e_root, xr_config):
     root = e2e_root / "xr-s3"
     root.mkdir()
-    with moto_server(cluster.host_addr, root / "moto.log") as url:
-        s3 = boto3.client("s3", endpoint_url=url, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
-                          region_name="us-east-1")
-        s3.create_bucket(Bucket="e2e-mailbox")
-        env = {
-            "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-            "AWS_DEFAULT_REGION": "us-east-1", "NO_PROXY": cluster.host_addr, "no_proxy": cluster.host_addr,
-        }
-        transport = {"kind": "s3", "bucket": "e2e-mailbox", "prefix": "e2e", "endpoint_url": url,
-                     "addressing_style": "path"}
+    with s3_mailbox(cluster, root, "e2e-mailbox") as (transport, env, s3):
         jobs = _run_regions(cluster, root, xr_config, transport, env)
         keys = s3.list_objects_v2(Bucket="e2e-mailbox", Prefix="e2e/").get("KeyCount", 0)
     _check_identical(jobs)

@@ -8,16 +8,21 @@ import json
 import time
 from contextlib import contextmanager
 
-import boto3
-import numpy as np
 import pytest
 import yaml
-from e2e_lib import REPO, TERMINAL, local_job, moto_server, report
-from safetensors.numpy import load_file
+from e2e_lib import (
+    REGION_NODES,
+    REPO,
+    TERMINAL,
+    assert_same_final_params,
+    local_job,
+    region_jobs,
+    report,
+    s3_mailbox,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-REGIONS = {"a": "n1", "b": "n2"}  # region -> the node its job runs on
 H = 5  # inner steps per outer round
 STEPS = 100  # 20 outer rounds
 GRACE_S = 3.0
@@ -30,7 +35,6 @@ POLL_SLACK_S = 1.0
 # b away 20-44 s (44 s with another CPU-heavy job on the machine), while a alone takes about 0.7 s per
 # step, so b was back between step 40 and 70 of 100.
 STEP_SLEEP_S = "0.6"
-ACCESS_KEY, SECRET_KEY = "e2e-access", "e2e-secret"
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +76,7 @@ def _mailbox(kind: str, root, cluster):
         mailbox = root / "mailbox"
         yield {"kind": "fs", "root": str(mailbox)}, {}, lambda suffix: len(list(mailbox.rglob(f"*{suffix}")))
         return
-    with moto_server(cluster.host_addr, root / "moto.log") as url:
-        s3 = boto3.client("s3", endpoint_url=url, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
-                          region_name="us-east-1")
-        s3.create_bucket(Bucket="e2e-elastic")
-        env = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-               "AWS_DEFAULT_REGION": "us-east-1", "NO_PROXY": cluster.host_addr, "no_proxy": cluster.host_addr}
-        transport = {"kind": "s3", "bucket": "e2e-elastic", "prefix": "e2e", "endpoint_url": url,
-                     "addressing_style": "path"}
+    with s3_mailbox(cluster, root, "e2e-elastic") as (transport, env, s3):
 
         def count(suffix: str) -> int:
             pages = s3.get_paginator("list_objects_v2").paginate(Bucket="e2e-elastic", Prefix="e2e/")
@@ -104,22 +101,14 @@ def test_preempted_region_rejoins_and_the_other_never_stalls(cluster, e2e_root, 
 def _run_and_check(cluster, root, elastic_config, kind, transport, env, count):
     data = root / "data"
     data.mkdir()
-    jobs = {}
-    for region, node in REGIONS.items():
-        sets = {
-            "slurm.nodes": 1,
-            "slurm.extra_directives": [f"--nodelist={node}"],
-            "cross_region": {
-                "enabled": True, "run_id": "e2e-elastic", "region": region, "regions": sorted(REGIONS),
-                "sync": "diloco", "inner_steps": H, "outer_lr": 0.7, "outer_momentum": 0.9, "timeout_s": 240,
-                "min_regions": 1, "grace_s": GRACE_S,
-                # a snapshot every 4 rounds and only 2 rounds kept behind: b, away for several rounds,
-                # finds the rounds it missed partly cleaned up and fast-forwards through a snapshot
-                "snapshot_every": 4, "keep_rounds": 2,
-                "transport": transport,
-            },
-        }
-        jobs[region] = local_job(cluster, root / region, f"xre-{region}", sets, config=elastic_config, data=data)
+    jobs = region_jobs(cluster, root, "xre", {
+        "run_id": "e2e-elastic", "sync": "diloco", "inner_steps": H, "outer_lr": 0.7, "outer_momentum": 0.9,
+        "timeout_s": 240, "min_regions": 1, "grace_s": GRACE_S,
+        # a snapshot every 4 rounds and only 2 rounds kept behind: b, away for several rounds,
+        # finds the rounds it missed partly cleaned up and fast-forwards through a snapshot
+        "snapshot_every": 4, "keep_rounds": 2,
+        "transport": transport,
+    }, config=elastic_config, data=data)
     a, b = jobs["a"], jobs["b"]
     env = {**env, "SBATCH_GEN_STEP_SLEEP_S": STEP_SLEEP_S}
     for job in jobs.values():
@@ -135,7 +124,7 @@ def _run_and_check(cluster, root, elastic_config, kind, transport, env, count):
     info_b = cluster.wait_done(b.job_id, timeout=300)
     for region, job, info in (("a", a, info_a), ("b", b, info_b)):
         assert info["JobState"] == "COMPLETED", job.describe()
-        assert info["NodeList"] == REGIONS[region], info
+        assert info["NodeList"] == REGION_NODES[region], info
     assert info_a["Restarts"] == "0", a.describe()
     assert info_b["Restarts"] == "1", b.describe()  # requeued once, by its batch script
 
@@ -201,10 +190,7 @@ def _run_and_check(cluster, root, elastic_config, kind, transport, env, count):
     for x in after:
         assert by_round[x["xr_round"]]["xr_members"] == x["xr_members"], (x, by_round[x["xr_round"]])
     assert b.summary()["last_step"] == STEPS and a.summary()["last_step"] == STEPS
-    pa, pb = (load_file(str(j.run_dir / "model.safetensors")) for j in (a, b))
-    assert sorted(pa) == sorted(pb)
-    differ = [k for k in pa if not np.array_equal(pa[k], pb[k])]
-    assert not differ, f"final parameters differ between the regions: {differ[:5]}"
+    assert_same_final_params(jobs)
     assert count("/_commit.json") > 0, f"no round commit in the {kind} mailbox"
 
     away_s = rj["time"] - leave[0]["time"]
