@@ -324,33 +324,35 @@ class S3Store(Store):
         except Exception as e:
             raise StoreError(f"download of {self.describe(key)} failed: {e}") from e
 
-    def get(self, key: str) -> bytes | None:
+    def _reading(self, key: str, read):
+        """``read()``, again while the body breaks off (reset, truncated, timed out), at most
+        read_attempts times."""
         for attempt in range(self.read_attempts):
             try:
-                resp = self._get_object(key)
-                if resp is None:
-                    return None
-                body = resp["Body"]
-                try:
-                    data = body.read()  # botocore checks the length against Content-Length
-                finally:
-                    body.close()
-                if len(data) != int(resp.get("ContentLength", len(data))):
-                    raise _ShortRead(f"{self.describe(key)}: short read ({len(data)} of {resp['ContentLength']} bytes)")
-                return data
+                return read()
             except self._body_errs as e:
                 self._read_again(key, attempt, e)
         raise AssertionError("unreachable")
 
+    def get(self, key: str) -> bytes | None:
+        return self._reading(key, lambda: self._get_once(key))
+
+    def _get_once(self, key: str) -> bytes | None:
+        resp = self._get_object(key)
+        if resp is None:
+            return None
+        body = resp["Body"]
+        try:
+            data = body.read()  # botocore checks the length against Content-Length
+        finally:
+            body.close()
+        if len(data) != int(resp.get("ContentLength", len(data))):
+            raise _ShortRead(f"{self.describe(key)}: short read ({len(data)} of {resp['ContentLength']} bytes)")
+        return data
+
     def get_into(self, key: str, out: memoryview) -> None:
-        # A plain GET (not download_fileobj): one request, no ranged re-reads. A body that breaks off
-        # (connection reset, truncated, timed out) is read again, up to read_attempts times.
-        for attempt in range(self.read_attempts):
-            try:
-                self._get_into_once(key, out)
-                return
-            except self._body_errs as e:
-                self._read_again(key, attempt, e)
+        # A plain GET (not download_fileobj): one request, no ranged re-reads.
+        self._reading(key, lambda: self._get_into_once(key, out))
 
     def _get_into_once(self, key: str, out: memoryview) -> None:
         resp = self._get_object(key)
