@@ -358,6 +358,7 @@ def status(name, as_json, overrides, sites_dir) -> None:
         raise UserError(f"{site.at('cross_region', 'enabled')}: cross_region.enabled: site {name!r} is not part "
                         "of a cross-region run: there is no mailbox to read")
     from sbatch_gen.mailbox_status import location, read_status  # lazy: the mailbox modules only here
+    from sbatch_gen.train.xr.errors import XRError
 
     try:
         st = read_status(xr)
@@ -365,11 +366,7 @@ def status(name, as_json, overrides, sites_dir) -> None:
         click.echo(f"sbatch-gen: mailbox {location(xr.transport)}: reading it needs {e.name or e}: "
                    "pip install 'sbatch-gen[s3]'", err=True)
         sys.exit(EXIT_STORE)
-    except Exception as e:  # noqa: BLE001 - StoreError, an unreadable commit, OSError: one line, no traceback
-        from sbatch_gen.train.xr.errors import XRError
-
-        if not isinstance(e, XRError | OSError):
-            raise
+    except (XRError, OSError) as e:  # StoreError, an unreadable commit, OSError: one line, no traceback
         click.echo(f"sbatch-gen: mailbox {location(xr.transport)}: {e}", err=True)
         sys.exit(EXIT_STORE)
     if as_json:
