@@ -318,7 +318,18 @@ class Nccl(_Strict):
     ib_hca: list[Annotated[str, AfterValidator(_check(r"[A-Za-z0-9_.-]+(:\d+)?", "HCA name"))]] = Field(
         default_factory=list, description="NCCL_IB_HCA: InfiniBand adapters to use (e.g. mlx5_0)."
     )
-    ib_hca_exact: bool = Field(default=True, description="Prefix NCCL_IB_HCA with '=' (exact names, not prefixes).")
+    ib_hca_exact: bool = Field(
+        default=True,
+        description="Prefix NCCL_IB_HCA with '=' (exact names). false: each name is a prefix and NCCL uses every "
+        "adapter that starts with it (mlx5_1 also matches mlx5_10); the preflight then wants at least one match.",
+    )
+    ib_link_layer: Literal["InfiniBand", "Ethernet"] = Field(
+        default="InfiniBand",
+        description="The link layer the adapters of ib_hca must have (Ethernet: RoCE). NCCL uses a listed port "
+        "whatever its link layer, so a storage or management Ethernet port in the list carries training traffic; "
+        "the preflight reads /sys/class/infiniband/<hca>/ports/<port>/link_layer on every node (the port an "
+        "entry names with ':port', else every port of the adapter) and fails on another value.",
+    )
     ib_disable: bool = Field(default=False, description="NCCL_IB_DISABLE=1: no InfiniBand/RoCE.")
     p2p_disable: bool = Field(default=False, description="NCCL_P2P_DISABLE=1: no NVLink/PCIe peer-to-peer.")
     nvls_enable: bool | None = Field(default=None, description="NCCL_NVLS_ENABLE (NVLink SHARP); unset = NCCL decides.")
@@ -334,6 +345,14 @@ class Nccl(_Strict):
     debug_subsys: Annotated[str, AfterValidator(_check(r"\^?[A-Z,]+", "NCCL_DEBUG_SUBSYS"))] | None = Field(
         default=None, description="NCCL_DEBUG_SUBSYS, e.g. INIT,NET."
     )
+
+    @model_validator(mode="after")
+    def _link_layer(self) -> Nccl:
+        if "ib_link_layer" in self.model_fields_set and (not self.ib_hca or self.ib_disable):
+            why = "ib_disable is true" if self.ib_disable else "ib_hca is empty"
+            raise FieldError(("ib_link_layer",), f"ib_link_layer is set but {why}, so no adapter is checked: "
+                             "remove it (or list the adapters in ib_hca)")
+        return self
 
 
 class Trainer(_Strict):
@@ -375,7 +394,10 @@ class Topology(_Strict):
 
     numa_binding: Literal["node", "socket", "exclusive", "core-complex"] | None = Field(
         default=None, description="torchrun --numa-binding: bind each local rank's CPUs and memory to its "
-        "GPU's NUMA node (torch >= 2.8)."
+        "GPU's NUMA node (torch >= 2.8; GPU sites only). torchrun refuses to start the workers, without a "
+        "fallback, when numactl is missing or when the job step may use no CPU of a GPU's NUMA node; the "
+        "preflight checks both on every node (exclusive: a physical core per GPU; socket: a usable CPU on every "
+        "NUMA node, as torch needs).",
     )
     nccl_topo_file: PathStr | None = Field(
         default=None,
@@ -523,6 +545,13 @@ class ProfileBase(_Strict):
 
     def uses_gpus(self) -> bool:
         return self.gpus_per_node() > 0
+
+    @model_validator(mode="after")
+    def _numa_binding_needs_gpus(self) -> ProfileBase:
+        if self.topology.numa_binding is not None and not self.uses_gpus():
+            raise FieldError(("topology", "numa_binding"), "this site has no GPUs, and torchrun binds each "
+                             "worker to its GPU's NUMA node (it fails without a GPU): remove it")
+        return self
 
     @model_validator(mode="after")
     def _loader_env(self) -> ProfileBase:

@@ -156,7 +156,7 @@ def job_environment(p: ProfileBase) -> list[EnvBlock]:
         n = p.nccl
         v: list[tuple[str, str]] = []
         if n.ib_hca:
-            v.append(("NCCL_IB_HCA", ("=" if n.ib_hca_exact else "") + ",".join(n.ib_hca)))
+            v.append(("NCCL_IB_HCA", nccl_ib_hca(p)))
         v.append(("NCCL_IB_DISABLE", "1" if n.ib_disable else "0"))
         if n.ib_gid_index is not None:
             v.append(("NCCL_IB_GID_INDEX", str(n.ib_gid_index)))
@@ -192,6 +192,19 @@ def job_environment(p: ProfileBase) -> list[EnvBlock]:
     if p.extra_env:
         blocks.append(EnvBlock("extra_env", tuple(p.extra_env.items())))
     return blocks
+
+
+def nccl_ib_hca(p: ProfileBase) -> str:
+    """NCCL_IB_HCA as NCCL reads it: '=' first for exact names (else prefixes), then name[:port],..."""
+    return ("=" if p.nccl.ib_hca_exact else "") + ",".join(p.nccl.ib_hca)
+
+
+def preflight_ib_hca(p: ProfileBase) -> str:
+    """The NCCL_IB_HCA value the preflight checks on every node; empty when NCCL will not use the adapters
+    (a CPU site, no nccl.ib_hca, or nccl.ib_disable)."""
+    if not p.uses_gpus() or not p.nccl.ib_hca or p.nccl.ib_disable:
+        return ""
+    return nccl_ib_hca(p)
 
 
 def group_flags(argv: list[str]) -> list[list[str]]:
@@ -263,6 +276,7 @@ def context(site: LoadedSite, sha: str) -> dict:
         "uses_gpus": p.uses_gpus(),
         "env_blocks": job_environment(p),
         "xr_argv": group_flags(to_argv(p.cross_region)),
+        "preflight_ib_hca": preflight_ib_hca(p),
         "EXIT_REQUEUE": contract.EXIT_REQUEUE,
         "ENV_STOP_FILE": contract.ENV_STOP_FILE,
         "ACK_SUFFIX": contract.ACK_SUFFIX,

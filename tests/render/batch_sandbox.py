@@ -29,7 +29,8 @@ def prepare(tmp_path: Path, stubs: dict[str, str], mode: str, *, script: str | N
     full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "SBATCH_GEN"))}
     full.update(PATH=f"{bindir}:{full['PATH']}", STUB_MODE=mode, STUB_DIR=str(stub_dir), SLURM_SUBMIT_DIR=str(work),
                 SLURM_JOB_ID="77", SLURM_JOB_NAME="sbatch-gen-local", SLURM_JOB_NODELIST="n[1-2]",
-                SLURM_NNODES="2", SLURM_RESTART_COUNT="0", **(env or {}))
+                SLURM_NNODES="2", SLURM_RESTART_COUNT="0")
+    full.update(env or {})  # may replace the defaults above
     job = work / "job.sbatch"
     job.write_text(script if script is not None else (REPO / "out" / "local.sbatch").read_text())
     return job, full, stub_dir

@@ -1,0 +1,123 @@
+"""The SSH launcher's GPU-node checks (topology.numa_binding; nccl.ib_hca with nccl.ib_link_layer), run
+locally under bash against a fake node (sbatch_gen/testing/fakenode.py: /sys and /proc under
+SBATCH_GEN_SYSFS_ROOT, stub nvidia-smi and numactl on PATH). The same shell functions run in the Slurm
+preflight (templates/_preflight_checks.j2; tests/render/test_preflight_gpu_node.py has every case): here,
+that preflight_main runs them with the launcher's settings and turns each problem into a FAIL line, and that
+preflight_all names the node and the field."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sshkit import free_port, render_site
+
+from sbatch_gen.testing.fakenode import FakeNode, path_without
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(shutil.which("ip") is None or shutil.which("ss") is None,
+                                reason="needs iproute2 (ip, ss), as the launcher does")
+
+IB = {"mlx5_0": {1: "InfiniBand"}, "mlx5_1": {1: "InfiniBand"}}
+
+
+def _launcher_lib(tmp_path: Path, *overrides: str) -> Path:
+    """ssh-local as a 2-GPU site with NUMA binding and two HCAs, without its last line (`main "$@"`)."""
+    script = render_site(REPO, tmp_path / "out", [
+        f"python_env.path={REPO / '.venv'}",
+        f"paths.code_dir={REPO}",
+        f"trainer.config={REPO / 'configs' / 'tiny.yaml'}",
+        f"paths.run_dir={tmp_path / 'run'}",
+        f"paths.log_dir={tmp_path / 'logs'}",
+        f"torchrun.rdzv_port={free_port()}",
+        "node.gpus=2", "torchrun.procs_per_node=null", "topology.numa_binding=node",
+        "nccl.ib_hca=[mlx5_0, mlx5_1]",
+        *overrides,
+    ])
+    text = script.read_text()
+    assert text.endswith('\nmain "$@"\n')
+    lib = tmp_path / "launcher-lib.sh"
+    lib.write_text(text[: -len('main "$@"\n')])
+    return lib
+
+
+def _bash(lib: Path, node: FakeNode, code: str, path: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "SBATCH_GEN"))}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env.update(node.env(f"{Path(sys.executable).parent}:{path if path is not None else env['PATH']}"))
+    return subprocess.run(["bash", "-c", f'source "$1"\n{code}', "launcher", str(lib)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def _preflight_node0(lib: Path, node: FakeNode, path: str | None = None) -> subprocess.CompletedProcess:
+    return _bash(lib, node, 'bash -c "$NODE_PROGRAM" sbatch-gen-node preflight_main 0', path)
+
+
+def _node(tmp_path: Path, **kw) -> FakeNode:
+    args = {"gpu_numa": [0, 1], "numa_cpus": {0: "0-3", 1: "4-7"}, "allowed": "0-7", "hcas": IB, **kw}
+    return FakeNode(tmp_path / "node", **args)
+
+
+def test_a_healthy_gpu_node_passes(tmp_path):
+    r = _preflight_node0(_launcher_lib(tmp_path), _node(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "FAIL" not in r.stdout, r.stdout
+    assert "ok   NUMA binding node: numactl " in r.stdout, r.stdout
+    assert ("GPU 0 on NUMA node 0 (4 usable CPUs), GPU 1 on NUMA node 1 (4 usable CPUs); job step CPUs 0-7\n"
+            in r.stdout), r.stdout
+    assert "ok   HCAs mlx5_0:1 mlx5_1:1: InfiniBand\n" in r.stdout, r.stdout
+
+
+def test_numactl_missing_fails(tmp_path):
+    node = _node(tmp_path, numactl=False)
+    r = _preflight_node0(_launcher_lib(tmp_path), node, path=path_without("numactl", tmp_path / "shadow"))
+    assert r.returncode != 0
+    assert "FAIL topology.numa_binding=node: numactl is not on PATH; torchrun starts every worker" in r.stdout, r.stdout
+
+
+def test_a_gpu_numa_node_without_an_allowed_cpu_fails(tmp_path):
+    r = _preflight_node0(_launcher_lib(tmp_path), _node(tmp_path, allowed="0-3"))
+    assert r.returncode != 0
+    assert ("FAIL topology.numa_binding=node: GPU 1 on NUMA node 1 (CPUs 4-7), but this job step may only run on "
+            "CPUs 0-3: torchrun fails to start its workers") in r.stdout, r.stdout
+
+
+def test_numa_binding_unset_checks_nothing(tmp_path):
+    lib = _launcher_lib(tmp_path, "topology.numa_binding=null")
+    node = _node(tmp_path, allowed="0-3", numactl=False)
+    r = _preflight_node0(lib, node, path=path_without("numactl", tmp_path / "shadow"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "NUMA" not in r.stdout
+
+
+def test_a_missing_hca_fails(tmp_path):
+    r = _preflight_node0(_launcher_lib(tmp_path), _node(tmp_path, hcas={"mlx5_0": {1: "InfiniBand"}}))
+    assert r.returncode != 0
+    assert "FAIL nccl.ib_hca: no adapter mlx5_1 on this node; have: mlx5_0 (port 1:InfiniBand)\n" in r.stdout, r.stdout
+
+
+def test_an_hca_with_the_wrong_link_layer_fails_and_roce_accepts_it(tmp_path):
+    node = _node(tmp_path, hcas={"mlx5_0": {1: "InfiniBand"}, "mlx5_1": {1: "Ethernet"}})
+    r = _preflight_node0(_launcher_lib(tmp_path), node)
+    assert r.returncode != 0
+    assert ("FAIL nccl.ib_hca: mlx5_1 port 1 has link layer Ethernet, but nccl.ib_link_layer is InfiniBand: NCCL "
+            "would send training traffic over it") in r.stdout, r.stdout
+    lib = _launcher_lib(tmp_path / "roce", "nccl.ib_hca=[mlx5_1]", "nccl.ib_link_layer=Ethernet")
+    r = _preflight_node0(lib, node)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ok   HCAs mlx5_1:1: Ethernet\n" in r.stdout, r.stdout
+
+
+def test_preflight_all_names_the_node_and_every_problem(tmp_path):
+    lib = _launcher_lib(tmp_path, "hosts=[127.0.0.1]")
+    node = _node(tmp_path, allowed="0-3", hcas={"mlx5_0": {1: "InfiniBand"}})
+    r = _bash(lib, node, 'mkdir -p -- "$LOGS"; ATTEMPT=1; preflight_all')
+    assert r.returncode != 0
+    line = next(x for x in r.stderr.splitlines() if "preflight FAILED on node 0 (127.0.0.1): " in x)
+    assert "topology.numa_binding=node: GPU 1 on NUMA node 1" in line, line
+    assert ";nccl.ib_hca: no adapter mlx5_1 on this node" in line, line
