@@ -238,6 +238,7 @@ def slo(run: Run) -> dict:
     """The baseline numbers of one run (NaN/None where the run has no such data)."""
     times = step_times(run)
     s = run.summary or {}
+    mem = s.get("memory") or {}
     steps = run.steps
     # Records are sampled (every log_every steps) but every sync round is logged, and a round's step time
     # includes its sync: estimate the whole run as (trained steps x mean step without sync) + all rounds.
@@ -245,7 +246,8 @@ def slo(run: Run) -> dict:
     xr = sum(float(r.get("xr_total_s") or 0.0) for r in run.rounds)
     per_step = _mean([float(r["step_time_s"]) - float(r.get("xr_total_s") or 0.0) for r in steps])
     step_sum = per_step * n_steps + xr
-    ddp = _mean([float(r.get("comm_time_s") or 0.0) for r in steps]) * n_steps
+    # In-region comm as the trainer measured it; None where the host cannot see it (NCCL): then n/a, not 0.
+    ddp = _mean([float(r["comm_time_s"]) for r in steps if r.get("comm_time_s") is not None]) * n_steps
     ck = [float(r["checkpoint_save_s"]) for r in steps if isinstance(r.get("checkpoint_save_s"), int | float)]
     if not ck and s.get("checkpoint_save_s", {}).get("count"):
         ck = [s["checkpoint_save_s"]["mean"]]
@@ -273,8 +275,16 @@ def slo(run: Run) -> dict:
         "fault_recovery_downtime_s": sum(downs) if downs else (None if rec else 0.0),
         "tokens_per_s": s.get("tokens_per_s"),
         "mfu": s.get("mfu"),
+        "hfu": s.get("hfu"),
+        "gpu_mem_max_allocated_gib": _gib(mem.get("max_allocated_bytes")),
+        "gpu_mem_max_reserved_gib": _gib(mem.get("max_reserved_bytes")),
+        "gpu_mem_total_gib": _gib(mem.get("device_total_bytes")),
         "exit": s.get("exit"),
     }
+
+
+def _gib(v) -> float | None:
+    return v / 2**30 if isinstance(v, int | float) else None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -313,6 +323,10 @@ SLO_ROWS = [  # (key, label, unit)
     ("steps_redone", "steps trained twice after restarts", ""),
     ("tokens_per_s", "tokens/s (last process)", ""),
     ("mfu", "MFU (GPU only)", ""),
+    ("hfu", "HFU (GPU only)", ""),
+    ("gpu_mem_max_allocated_gib", "GPU memory, max allocated (rank 0)", " GiB"),
+    ("gpu_mem_max_reserved_gib", "GPU memory, max reserved (rank 0)", " GiB"),
+    ("gpu_mem_total_gib", "GPU memory, device total", " GiB"),
 ]
 
 

@@ -221,6 +221,38 @@ def checkpoint_keys(path: str | Path) -> set[str]:
     return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
+def drop_unsaved(state: dict, keys: set[str], subtrees: tuple[str, ...]) -> list[str]:
+    """Remove from ``state[name]`` (for each name in ``subtrees``) every leaf whose DCP key (the dotted
+    path, e.g. ``rng.rank0.cuda``) is not in the checkpoint's ``keys``; a dict left empty goes too.
+    Returns the dropped keys. The rest of ``state`` is untouched: a missing model or optimizer tensor
+    stays an error at load time.
+
+    A state dict may ask for more than an older or other process saved: a GPU process asks for its
+    CUDA RNG state, which a CPU process never wrote; a cross-region run asks for outer fields added
+    since. DCP raises on any requested key the checkpoint lacks, so those are dropped and keep the
+    values they have."""
+    dropped: list[str] = []
+
+    def walk(node: dict, prefix: str) -> None:
+        for k in list(node):
+            key = f"{prefix}.{k}"
+            v = node[k]
+            if isinstance(v, dict):
+                walk(v, key)
+                if not v:
+                    del node[k]
+            elif key not in keys:
+                dropped.append(key)
+                del node[k]
+
+    for name in subtrees:
+        if isinstance(state.get(name), dict):
+            walk(state[name], name)
+            if not state[name]:
+                del state[name]
+    return dropped
+
+
 def check_model_shapes(path: Path, model_state: dict[str, Any], model_cfg: dict | None = None) -> None:
     """Raise CheckpointError naming the first tensor whose shape differs (or is missing)."""
     shapes = _tensor_shapes(path)
@@ -258,7 +290,11 @@ class Checkpointer:
 
     With ``async_save`` the tensors are staged to CPU and written in a background thread over a
     dedicated gloo group; rank 0 writes the marker once the save's future reports success (which
-    implies every rank's files and the metadata are written).
+    implies every rank's files and the metadata are written). One stager (DCP's ``DefaultStager``)
+    serves every async save of the run: it keeps its CPU copy of each tensor between saves (host memory
+    the size of the model and optimizer state, held for the run) and refills it, pinned and with
+    non-blocking copies on CUDA, instead of allocating pageable memory on every save. :meth:`close`
+    releases it.
     """
 
     def __init__(self, run_dir: Path, dist_info, device, keep_last: int, async_save: bool, marker_extra: dict,
@@ -275,6 +311,7 @@ class Checkpointer:
         if async_save and not dist_info.is_distributed:
             log.info("checkpoint.async_save needs a process group; saving synchronously in a single process")
         self._pg = dist.new_group(backend="gloo") if self.async_save else None
+        self._stager = None  # created by the first async save, closed by close()
         self._pending = None  # (future, step, path, t0, blocking)
         self.save_times: list[float] = []
         # Steps this process saved or loaded: a complete directory for one of these is the same state.
@@ -303,9 +340,17 @@ class Checkpointer:
             log.info("checkpoint step %d saved to %s in %.2fs (blocking %.2fs)", step, path, res.seconds, blocking)
         return res
 
-    def poll(self) -> SaveResult | None:
-        """Finish a background save if it is done (never blocks)."""
-        if self._pending is None or not self._pending[0].done():
+    def finished_step(self) -> int:
+        """The step of the background save in flight if it has finished on this rank, else 0 (never
+        blocks). The ranks' futures finish at slightly different moments: the trainer gathers this from
+        every rank and calls :meth:`collect` on all of them at the same step, so a failed save stops every
+        rank at the same point (one rank alone raising would leave the others in the next collective)."""
+        return self._pending[1] if self._pending is not None and self._pending[0].done() else 0
+
+    def collect(self, step: int) -> SaveResult | None:
+        """Once some rank saw the background save of ``step`` finish: wait for it here too (a moment at
+        most), mark it complete, or raise its failure. Nothing to do for 0 or a save already collected."""
+        if not step or self._pending is None or self._pending[1] != step:
             return None
         return self.wait()
 
@@ -353,7 +398,8 @@ class Checkpointer:
             path.mkdir(parents=True)
         self._barrier()
         if self.async_save and not block:
-            fut = dcp.async_save(state, checkpoint_id=str(path), process_group=self._pg)
+            fut = dcp.async_save(state, checkpoint_id=str(path), process_group=self._pg,
+                                 async_stager=self.stager())
             self._pending = (fut, step, path, t0, time.perf_counter() - t0)
             return None
         try:
@@ -364,12 +410,35 @@ class Checkpointer:
             self._failed(path, e)
             raise
 
-    def load(self, path: Path, state: dict) -> None:
-        """Load ``path`` into ``state`` in place (DCP resharding; non-tensor leaves replaced)."""
+    def stager(self):
+        """The run's one async-save stager: pinned host memory and non-blocking copies on CUDA (then a
+        device sync before the background write starts), plain copies on CPU; staging is synchronous, so
+        the training may change the parameters as soon as ``async_save`` returns."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = self.device.type == "cuda"
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+        return self._stager
+
+    def load(self, path: Path, state: dict, optional: tuple[str, ...] = ()) -> list[str]:
+        """Load ``path`` into ``state`` in place (DCP resharding; non-tensor leaves replaced).
+
+        Leaves under the top-level keys in ``optional`` that the checkpoint does not have are removed
+        from ``state`` first (see :func:`drop_unsaved`) and returned; anything else missing is an error."""
         import torch.distributed.checkpoint as dcp
 
+        dropped = drop_unsaved(state, checkpoint_keys(path), optional) if optional else []
         dcp.load(state, checkpoint_id=str(path), no_dist=not self.info.is_distributed)
         self.known.add(marker_step(path))
+        return dropped
 
     def close(self) -> None:
-        self.wait()
+        """Finish a background save; release the stager (a later async save makes a new one)."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None

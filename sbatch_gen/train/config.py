@@ -71,7 +71,8 @@ class TrainSection(_Strict):
         default="auto", description="torch.use_deterministic_algorithms; auto: on for CPU only."
     )
     peak_tflops: float | None = Field(
-        default=None, gt=0, description="Override the device's dense BF16 peak used for MFU."
+        default=None, gt=0, description="Dense BF16 peak per device (TFLOP/s) for MFU/HFU. Unset: taken from "
+        "the GPU's name (metrics.PEAK_BF16_FLOPS), none on CPU; set it for a GPU the table does not know."
     )
 
 

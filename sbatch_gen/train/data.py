@@ -12,7 +12,8 @@ rank r takes its slice. Its position is part of the checkpoint, so a resumed run
 batches an uninterrupted one would have seen.
 
 ``python -m sbatch_gen.train.data prepare --out data --regions eu,us`` prepares shards ahead of time;
-the trainer prepares a missing shard on demand when ``data.path`` is a directory. Torch-free.
+the trainer prepares a missing shard on demand when ``data.path`` is a directory. Torch-free, except
+:class:`Batches` (the trainer's loader), which imports torch when it is built.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import os
 import sys
 import sysconfig
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,9 +194,18 @@ class Sampler:
         self.cursor += need
         return idx.astype(np.int64) * self.seq_len
 
-    def batch(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def windows(self, tokens: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """This rank's next micro-batch as ``(batch_size, seq_len + 1)`` int64 token windows (inputs are
+        ``[:, :-1]``, targets ``[:, 1:]``), written into ``out`` when given; advances the cursor."""
         offs = self.next_offsets()
-        win = np.stack([tokens[o : o + self.seq_len + 1] for o in offs]).astype(np.int64)
+        if out is None:
+            out = np.empty((len(offs), self.seq_len + 1), dtype=np.int64)
+        for i, o in enumerate(offs):
+            out[i] = tokens[o : o + self.seq_len + 1]
+        return out
+
+    def batch(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        win = self.windows(tokens)
         return win[:, :-1], win[:, 1:]
 
     def state_dict(self) -> dict:
@@ -209,6 +220,72 @@ class Sampler:
             )
         self.epoch = int(s["epoch"])
         self.cursor = int(s["cursor"])
+
+
+class Batches:
+    """The sampler's micro-batches as torch tensors on ``device``, prepared one micro-batch ahead.
+
+    :meth:`next` returns the current micro-batch; :meth:`prefetch` prepares the following one at once
+    (the trainer calls it right after queueing a backward, so on a GPU the host-side work and the copy
+    overlap the device's compute). On CUDA the windows are written straight into pinned host memory and
+    copied with ``non_blocking=True``: the copy is queued on the stream and the host never waits for the
+    device here. ``host_s`` counts only the host-side preparation (sampling, the window copy, queueing
+    the transfer), so ``data_time_s`` is what data loading costs the host, not the device's backlog.
+
+    The batches and their order are the sampler's, prefetched or not. :meth:`state_dict` is the position
+    of the next micro-batch :meth:`next` will return (not of the one prefetched past it), so a checkpoint
+    resumes exactly where the training consumed the data. Torch is imported here only.
+    """
+
+    def __init__(self, sampler: Sampler, tokens: np.ndarray, device=None, pin_memory: bool = False):
+        import torch
+
+        self.torch = torch
+        self.sampler = sampler
+        self.tokens = tokens
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.pin_memory = pin_memory
+        self.host_s = 0.0
+        self._ahead: tuple[dict, object] | None = None  # (sampler position before it, device windows)
+
+    def _prepare(self) -> tuple[dict, object]:
+        torch = self.torch
+        t0 = time.perf_counter()
+        before = self.sampler.state_dict()
+        if self.pin_memory:
+            host = torch.empty((self.sampler.batch_size, self.sampler.seq_len + 1), dtype=torch.int64,
+                               pin_memory=True)
+            self.sampler.windows(self.tokens, out=host.numpy())
+        else:
+            host = torch.from_numpy(self.sampler.windows(self.tokens))
+        win = host.to(self.device, non_blocking=True) if self.device.type != "cpu" else host
+        self.host_s += time.perf_counter() - t0
+        return before, win
+
+    def next(self):
+        """(inputs, targets) of the next micro-batch, on the device."""
+        if self._ahead is None:
+            self._ahead = self._prepare()
+        _, win = self._ahead
+        self._ahead = None
+        return win[:, :-1], win[:, 1:]
+
+    def prefetch(self) -> None:
+        """Prepare the micro-batch after the one :meth:`next` returned last (no-op if already done)."""
+        if self._ahead is None:
+            self._ahead = self._prepare()
+
+    def take_host_s(self) -> float:
+        """Host seconds spent preparing batches since the last call."""
+        s, self.host_s = self.host_s, 0.0
+        return s
+
+    def state_dict(self) -> dict:
+        return self._ahead[0] if self._ahead is not None else self.sampler.state_dict()
+
+    def load_state_dict(self, s: dict) -> None:
+        self._ahead = None
+        self.sampler.load_state_dict(s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,11 @@
 """The training loop: DDP inside a region, checkpoints, auto-resume, graceful stop, metrics.
 
-One step, in order: data -> forward/backward (DDP averages gradients in-region) ->
-``sync.before_optimizer_step`` (cross-region grad mode) -> clip -> optimizer step ->
-``sync.after_optimizer_step`` (DiLoCo outer round) -> one small all_gather (loss, stop request, and
-this rank's timings: every rank agrees on stopping at this step and rank 0 sees stragglers) ->
-metrics -> checkpoint when due or stopping.
+One step, in order: data (prefetched one micro-batch ahead) -> forward/backward (DDP averages gradients
+in-region; no DDP at world size 1) -> ``sync.before_optimizer_step`` (cross-region grad mode) -> clip ->
+optimizer step -> ``sync.after_optimizer_step`` (DiLoCo outer round) -> read the previous step's agreement
+(its metrics record; a stop requested there stops every rank after this step) -> issue this step's
+agreement, one small asynchronous all_gather (loss, stop request, this rank's timings, grad norm) ->
+checkpoint when due or stopping. The host never waits for the step it has just queued on the device.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -67,27 +69,41 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 class _CommTimer:
-    """DDP comm hook state: span from the first bucket's all-reduce launch to the last one's completion."""
+    """DDP comm hook state (gloo only): when the first bucket's all-reduce was launched, when the last one
+    was, and when the last one completed."""
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
         self.first: float | None = None
+        self.launched: float | None = None
         self.last: float | None = None
 
     def span(self) -> float:
+        """First launch to last completion (overlaps the backward)."""
         if self.first is None or self.last is None:
             return 0.0
         return max(0.0, self.last - self.first)
 
+    def exposed(self) -> float:
+        """Last launch to last completion: the last bucket is ready when this rank's backward is done, so
+        this is how long the rank then waited for the all-reduce, i.e. for the slowest rank to get there."""
+        if self.launched is None or self.last is None:
+            return 0.0
+        return max(0.0, self.last - self.launched)
+
 
 def _timed_allreduce_hook(state: _CommTimer, bucket):
+    """DDP's all-reduce with timestamps. Registered on gloo only: its futures complete when the reduction
+    has happened. On NCCL they complete at enqueue, so a Python hook would measure nothing and only
+    replace DDP's built-in C++ hook."""
     import torch.distributed as dist
 
     now = time.perf_counter()
     if state.first is None:
         state.first = now
+    state.launched = now
     tensor = bucket.buffer()
     tensor.div_(dist.get_world_size())
     fut = dist.all_reduce(tensor, async_op=True).get_future()
@@ -97,6 +113,76 @@ def _timed_allreduce_hook(state: _CommTimer, bucket):
         return f.value()[0]
 
     return fut.then(_done)
+
+
+class _Agreement:
+    """The one per-step collective, asynchronous: each rank's row of ``FIELDS`` is all-gathered with
+    ``async_op=True`` at the end of a step and read at the end of the next one, so the host never
+    waits for the step it has just queued (no ``cuda.synchronize``, no blocking gather, no sync
+    ``.cpu()``). Every rank reads the same rows at the same step, so decisions taken from them (the stop)
+    are the same on every rank, one step after the request was gathered (at once on a step that ran a
+    cross-region round or saves a checkpoint: every rank does so at the same steps, and the host waits for
+    the device there anyway).
+
+    On CUDA with NCCL, ``wait()`` on the work only makes the current stream wait for the gather; the rows
+    are then copied into pinned host memory (non-blocking) and an event recorded after the copy; reading
+    waits for that event only, i.e. for the device to finish that step, not the one queued since. On
+    gloo the work itself is waited for when read. A single process (or world size 1) gathers nothing."""
+
+    FIELDS = ("loss", "stop", "own_s", "data_s", "saved", "grad_norm")
+
+    def __init__(self, info, device) -> None:
+        self.info, self.device = info, device
+        self.gather = info.is_distributed and info.world_size > 1
+        self.stream_ordered = device.type == "cuda" and (not self.gather or info.backend == "nccl")
+
+    def issue(self, mine):
+        import torch
+        import torch.distributed as dist
+
+        work = parts = None
+        if self.gather:
+            parts = [torch.empty_like(mine) for _ in range(self.info.world_size)]
+            work = dist.all_gather(parts, mine, async_op=True)
+        if not self.stream_ordered:
+            return (work, parts, mine, None, None)
+        if work is not None:
+            work.wait()  # NCCL: the current stream waits for the gather; the host does not
+        rows = torch.stack(parts) if parts is not None else mine.unsqueeze(0)
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        host.copy_(rows, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return (None, parts, mine, host, event)
+
+    def read(self, pending):
+        """The gathered rows (CPU, one per rank), waiting for them if they are not there yet."""
+        import torch
+
+        work, parts, mine, host, event = pending
+        if event is not None:
+            event.synchronize()
+            return host
+        if work is not None:
+            work.wait()
+        rows = torch.stack(parts) if parts is not None else mine.unsqueeze(0)
+        return rows.cpu()
+
+
+@dataclass
+class _StepDone:
+    """What the metrics record of a step needs, kept until the step's agreement is read."""
+
+    step: int
+    lr: float
+    tokens: int
+    step_s: float
+    data_s: float
+    wait_s: float  # blocked reading the previous step's agreement, during this step
+    ddp_span: float | None
+    ddp_exposed: float | None
+    xr_timings: dict | None
+    ended: float  # time.time() when the host finished the step
 
 
 def run(args: argparse.Namespace, process_start: float | None = None, stop: StopRequest | None = None) -> int:
@@ -140,17 +226,23 @@ def run(args: argparse.Namespace, process_start: float | None = None, stop: Stop
         log.error("cross-region sync failed: %s: %s", type(e).__name__, e)
         return 1
     except Exception as e:
-        from .checkpoint import find_enospc, newest_complete
+        from .checkpoint import checkpoints_dir, find_enospc, newest_complete
 
         full = find_enospc(e)
         if full is None:
             raise
         # Disk full (a checkpoint, metrics): the last complete checkpoint is intact (its marker is
         # written last, after a complete save, and older ones are pruned only after that); one line, exit 1.
-        last = newest_complete(Path(args.run_dir or cfg.run_dir)) if info.is_main else None
-        log.error("no space left on device%s (%s); the last complete checkpoint (%s) is kept: free space "
-                  "and resubmit (--resume auto continues from it)",
-                  f" writing {full.filename}" if full.filename else "", full.strerror or full, last or "none yet")
+        # A failed checkpoint save fails on every rank: rank 0 alone reports it. Other ranks report what
+        # failed on their own (a data shard on a node's disk), without speaking for the checkpoints.
+        run_dir = Path(args.run_dir or cfg.run_dir)
+        where = f" writing {full.filename}" if full.filename else ""
+        if info.is_main:
+            log.error("no space left on device%s (%s); the last complete checkpoint (%s) is kept: free space "
+                      "and resubmit (--resume auto continues from it)", where, full.strerror or full,
+                      newest_complete(run_dir) or "none yet")
+        elif not (full.filename and checkpoints_dir(run_dir) in Path(full.filename).parents):
+            log.error("no space left on device%s (%s): free space and resubmit", where, full.strerror or full)
         return EXIT_DISK_FULL
     finally:
         if lease is not None:
@@ -194,7 +286,7 @@ class Trainer:
         import torch
 
         from .checkpoint import Checkpointer
-        from .data import Sampler, Shard, ensure_shard
+        from .data import Batches, Sampler, Shard, ensure_shard
         from .metrics import MetricsWriter, peak_flops
         from .model import GPT, flops_per_token
 
@@ -233,7 +325,13 @@ class Trainer:
                  n_params / 1e6, self.flops_model)
 
         self.comm = _CommTimer()
-        if info.is_distributed:
+        # DDP only with someone to average with: at world size 1 (one GPU, as on a GH200 node) it would
+        # only copy gradients into buckets and all-reduce them with itself. Everything else (process
+        # group, collectives, async saves) stays the same.
+        self.use_ddp = info.is_distributed and info.world_size > 1
+        # The timing comm hook on gloo only (see _timed_allreduce_hook); NCCL keeps DDP's built-in hook.
+        self.time_allreduce = self.use_ddp and info.backend == "gloo"
+        if self.use_ddp:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.ddp = DDP(
@@ -241,9 +339,15 @@ class Trainer:
                 device_ids=[device.index] if device.type == "cuda" else None,
                 gradient_as_bucket_view=True,
             )
-            self.ddp.register_comm_hook(self.comm, _timed_allreduce_hook)
+            if self.time_allreduce:
+                self.ddp.register_comm_hook(self.comm, _timed_allreduce_hook)
         else:
             self.ddp = self.model
+        if not self.use_ddp:
+            log.info("DDP: off (world size 1)")
+        else:
+            log.info("DDP: on, %d ranks, %s", info.world_size, "all-reduce timed by a comm hook"
+                     if self.time_allreduce else "built-in all-reduce hook (not timed)")
 
         decay, no_decay = [], []
         for p in self.model.parameters():
@@ -267,7 +371,10 @@ class Trainer:
                                info.world_size, t.seed)
         log.info("data: region %s shard %s: %d tokens, %d windows, sha256 %s", xr.region, shard_file,
                  self.shard.tokens.size, self.sampler.n_windows, self.shard.sha256[:16])
+        # One micro-batch ahead; pinned host memory on CUDA (the copies never block the host).
+        self.batches = Batches(self.sampler, self.shard.tokens, device, pin_memory=device.type == "cuda")
         self.tokens_per_step = t.batch_size * cfg.model.seq_len * t.grad_accum * info.world_size
+        self.agreement = _Agreement(info, device)
 
         self.ckpt = Checkpointer(
             self.run_dir, info, device, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
@@ -303,7 +410,7 @@ class Trainer:
         and with more than 2 ranks the all-reduce then sums in another order: not bitwise. One throw-away
         forward/backward on a zero batch (no optimizer step, gradients dropped, RNG restored) makes every
         start reduce in the same layout."""
-        if not self.info.is_distributed:
+        if not self.use_ddp:
             return
         torch, cfg = self.torch, self.cfg
         rng = self._rng_state()
@@ -316,7 +423,7 @@ class Trainer:
         self.model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
         torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng:
+        if "cuda" in rng and self.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], self.device)
 
     def _rng_key(self) -> str:
@@ -329,7 +436,7 @@ class Trainer:
             s["cuda"] = torch.cuda.get_rng_state(self.device)
         return s
 
-    def _state(self, include_rng: bool = True, include_outer: bool = True) -> dict:
+    def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         msd, osd = get_state_dict(self.model, self.optimizer)
@@ -339,13 +446,12 @@ class Trainer:
             "train": {
                 "step": self.step,
                 "tokens_seen": self.tokens_seen,
-                "sampler": self.sampler.state_dict(),
+                "sampler": self.batches.state_dict(),
                 "data_sha256": self.shard.sha256,
             },
         }
-        if include_rng:
-            state["rng"] = {self._rng_key(): self._rng_state()}
-        if self.sync is not None and include_outer:
+        state["rng"] = {self._rng_key(): self._rng_state()}
+        if self.sync is not None:
             state["outer"] = self.sync.state_dict()
         return state
 
@@ -397,8 +503,15 @@ class Trainer:
         With ``--resume auto`` a checkpoint that fails to load (DCP reports a failure on any rank to
         every rank) is skipped for the next older complete one; a different model shape is fatal."""
         skip: set[str] = set()
+        first_error: str | None = None
         while True:
             path = self._agree_on_checkpoint(skip)
+            if path is None and skip:
+                # Complete checkpoints exist and none loads: starting fresh would train over them (and
+                # prune them). Say so and stop; the operator decides (fix, move them, or --resume none).
+                raise _Fatal(f"--resume auto: none of the {len(skip)} complete checkpoint(s) in "
+                             f"{self.run_dir / 'checkpoints'} loads (newest: {first_error}); not starting "
+                             "fresh over them: fix or move them, or pass --resume none")
             if path is None:
                 log.info("starting fresh (--resume %s, no loadable checkpoint in %s)", self.args.resume,
                          self.run_dir / "checkpoints")
@@ -408,46 +521,48 @@ class Trainer:
             except _Fatal:
                 raise
             except Exception as e:  # noqa: BLE001 - reported, then the next older checkpoint
+                why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 if self.args.resume != "auto":
-                    raise _Fatal(f"checkpoint {path} failed to load: {type(e).__name__}: {e}") from e
-                log.error("checkpoint %s failed to load (%s: %s); trying an older one", path,
-                          type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                    raise _Fatal(f"checkpoint {path} failed to load: {why}") from e
+                log.error("checkpoint %s failed to load (%s); trying an older one", path, why)
+                first_error = first_error or f"{path.name}: {why}"
                 skip.add(str(path))
 
     def _load(self, path: Path) -> tuple[int, float]:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        from .checkpoint import CheckpointError, check_model_shapes, checkpoint_keys
+        from .checkpoint import CheckpointError, check_model_shapes
 
         t0 = time.perf_counter()
         try:
             check_model_shapes(path, self.model.state_dict(), self.cfg.model.model_dump())
         except CheckpointError as e:
             raise _Fatal(str(e)) from None
-        keys = checkpoint_keys(path)
-        has_rng = any(k.startswith(f"rng.{self._rng_key()}.") for k in keys)
-        has_outer = any(k.startswith("outer.") for k in keys)
-        state = self._state(include_rng=has_rng, include_outer=has_outer)
-        for k in list(state.get("outer", {})):  # outer fields added since that checkpoint keep their defaults
-            if f"outer.{k}" not in keys:
-                state["outer"].pop(k)
-        self.ckpt.load(path, state)
+        # Ask only for what the checkpoint has under rng and outer: a CPU process wrote no CUDA RNG state,
+        # another world size other ranks' RNG, an older version fewer outer fields. Those keep their values.
+        state = self._state()
+        dropped = self.ckpt.load(path, state, optional=("rng", "outer"))
+        rng = state.get("rng", {}).get(self._rng_key(), {})
+        has_rng = "cpu" in rng
+        has_outer = "outer" in state
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         tr = state["train"]
         self.step = int(tr["step"])
         self.tokens_seen = int(tr["tokens_seen"])
         try:
-            self.sampler.load_state_dict(tr["sampler"])
+            self.batches.load_state_dict(tr["sampler"])
         except ValueError as e:
             raise _Fatal(f"checkpoint {path}: {e}") from None
         if tr.get("data_sha256") != self.shard.sha256:
             log.warning("checkpoint %s was trained on data with sha256 %s, this shard is %s",
                         path, str(tr.get("data_sha256"))[:16], self.shard.sha256[:16])
         if has_rng:
-            rng = state["rng"][self._rng_key()]
             self.torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and self.device.type == "cuda":
                 self.torch.cuda.set_rng_state(rng["cuda"], self.device)
+            elif f"rng.{self._rng_key()}.cuda" in dropped:
+                log.warning("checkpoint %s has no CUDA RNG state for %s (written by a CPU process?): the "
+                            "CUDA RNG keeps this process's seed", path, self._rng_key())
         else:
             log.warning("checkpoint %s has no RNG state for %s (world size changed?): RNG reseeded",
                         path, self._rng_key())
@@ -460,9 +575,8 @@ class Trainer:
     # -- the loop
     def train(self) -> int:
         import torch
-        import torch.distributed as dist
 
-        from .metrics import format_summary, max_rss_bytes, summarize, write_json_atomic
+        from .metrics import format_summary, memory_summary, summarize, write_json_atomic
 
         cfg, info, device = self.cfg, self.info, self.device
         from .xr.errors import XRNoQuorum, XRTimeout
@@ -483,15 +597,16 @@ class Trainer:
                 log.info("cross-region: the run is at step %d; this region continues from there (was at %d)",
                          adopted, self.step)
                 self.step = adopted
-        first_step = self.step + 1
+        first_step = self.first_step = self.step + 1
         step_times: list[float] = []
-        mfus: list[float] = []
-        first_step_done = None
+        self.first_step_done: float | None = None
         sleep_s = _step_sleep(info.rank)
         accum = cfg.train.grad_accum
         autocast = (torch.autocast(device_type=device.type, dtype=self.amp_dtype)
                     if self.amp_dtype is not None else contextlib.nullcontext())
         params = [p for p in self.model.parameters()]
+        nan = torch.full((1,), float("nan"), dtype=torch.float64, device=device)
+        pending = None  # (the agreement of the last step, in flight; its _StepDone)
         self.ddp.train()
         if self.step < self.end_step and no_quorum is None:
             log.info("training steps %d..%d (%d tokens per step)", first_step, self.end_step, self.tokens_per_step)
@@ -502,19 +617,15 @@ class Trainer:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
             self.comm.reset()
-            data_s = 0.0
             loss_sum = torch.zeros((), device=device, dtype=torch.float32)
             for micro in range(accum):
-                td = time.perf_counter()
-                x, y = self.sampler.batch(self.shard.tokens)
-                x = torch.from_numpy(x).to(device, non_blocking=True)
-                y = torch.from_numpy(y).to(device, non_blocking=True)
-                data_s += time.perf_counter() - td
-                skip_sync = info.is_distributed and micro < accum - 1
+                x, y = self.batches.next()
+                skip_sync = self.use_ddp and micro < accum - 1
                 with (self.ddp.no_sync() if skip_sync else contextlib.nullcontext()), autocast:
                     loss = self.ddp(x, y)
                 (loss / accum).backward()
                 loss_sum += loss.detach()
+                self.batches.prefetch()  # the next micro-batch, while the device runs this backward
             if self.sync is not None:
                 self.sync.before_optimizer_step(step, self.tokens_per_step)
             grad_norm = None
@@ -535,79 +646,48 @@ class Trainer:
                 self.step = step = min(xr_timings["xr_adopted_step"], self.end_step)
             if sleep_s:
                 time.sleep(sleep_s)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            compute_s = time.perf_counter() - t0
-            # The one per-step collective: loss, stop request and this rank's timings from every rank.
-            mine = torch.tensor(
-                [0.0, float(self.stop.local()), compute_s, data_s, self.comm.span()],
-                dtype=torch.float64, device=device,
-            )
-            mine[0] = (loss_sum / accum).to(torch.float64)
-            tc = time.perf_counter()
-            if info.is_distributed:
-                parts = [torch.empty_like(mine) for _ in range(info.world_size)]
-                dist.all_gather(parts, mine)
-                every = torch.stack(parts)
-            else:
-                every = mine.unsqueeze(0)
-            every = every.cpu()
-            sync_s = time.perf_counter() - tc
+            data_s = self.batches.take_host_s()
+            ta = time.perf_counter()
+            # The previous step's agreement (issued one step ago; normally complete by now): its metrics
+            # record, and whether a stop was requested anywhere. If so, every rank stops after this step.
+            stop_now = self._finish_step(*pending) if pending is not None else False
+            wait_s = time.perf_counter() - ta
+            exposed = self.comm.exposed() if self.time_allreduce else None
+            if device.type == "cuda":  # the host's step, up to here (it waited for the device above)
+                own_s = time.perf_counter() - t0
+            else:  # the step without the waits for other ranks this host saw
+                own_s = (ta - t0) - (exposed or 0.0)
+            host_row = torch.tensor([float(self.stop.local()), own_s, data_s, float(self.ckpt.finished_step())],
+                                    dtype=torch.float64)
+            mine = torch.cat([
+                (loss_sum / accum).to(torch.float64).reshape(1),
+                host_row.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host_row,
+                grad_norm.detach().to(torch.float64).reshape(1) if grad_norm is not None else nan,
+            ])
+            in_flight = self.agreement.issue(mine)
             step_s = time.perf_counter() - t0
             step_times.append(step_s)
-            if first_step_done is None:
-                first_step_done = time.time()
-            stop_now = bool(every[:, 1].sum().item() > 0)
-            loss_mean = float(every[:, 0].mean().item())
-            ckpt_done = self.ckpt.poll()
-            tok_s = self.tokens_per_step / step_s
-            mfu = hfu = None
-            if self.peak and device.type == "cuda":
-                per_dev = tok_s / info.world_size
-                mfu = per_dev * self.flops_model / self.peak
-                hfu = per_dev * self.flops_hw / self.peak
-                mfus.append(mfu)
-            if info.is_main and (step % cfg.train.log_every == 0 or step == self.end_step or stop_now
-                                 or xr_timings or step == first_step):
-                rank_steps = [float(v) for v in every[:, 2]]
-                rec = {
-                    "step": step,
-                    "loss": loss_mean,
-                    "lr": lr,
-                    "tokens": self.tokens_seen,
-                    "tokens_per_s": tok_s,
-                    "step_time_s": step_s,
-                    "data_time_s": data_s,
-                    "compute_time_s": compute_s,
-                    # DDP's all-reduce overlaps backward; its span is measurable with gloo (CPU) only.
-                    "comm_time_s": (self.comm.span() if device.type == "cpu" else 0.0) + sync_s,
-                    "ddp_allreduce_s": self.comm.span() if (info.is_distributed and device.type == "cpu") else None,
-                    "sync_wait_s": sync_s,
-                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                    "mem_bytes": (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else max_rss_bytes()),
-                    "mem_kind": "cuda_max_allocated" if device.type == "cuda" else "max_rss",
-                    "mfu": mfu,
-                    "hfu": hfu,
-                    "rank_losses": [float(v) for v in every[:, 0]],
-                    "rank_step_time_s": rank_steps,
-                    "rank_data_time_s": [float(v) for v in every[:, 3]],
-                    "slowest_rank": int(max(range(len(rank_steps)), key=lambda i: rank_steps[i])),
-                    "world_size": info.world_size,
-                }
-                if ckpt_done is not None:
-                    rec["checkpoint_save_s"] = ckpt_done.seconds
-                if xr_timings:
-                    rec.update(xr_timings)
-                self.metrics.write(rec)
-                log.info("step %d loss %.4f lr %.3g %.0f tok/s step %.3fs data %.3fs comm %.3fs%s", step,
-                         loss_mean, lr, tok_s, step_s, data_s, rec["comm_time_s"],
-                         f" mfu {mfu:.3f}" if mfu is not None else "")
+            pending = (in_flight, _StepDone(
+                step=step, lr=lr, tokens=self.tokens_seen, step_s=step_s, data_s=data_s, wait_s=wait_s,
+                ddp_span=self.comm.span() if self.time_allreduce else None, ddp_exposed=exposed,
+                xr_timings=xr_timings, ended=time.time()))
+            save_now = step % cfg.checkpoint.every == 0 or step == self.end_step
+            if xr_timings is not None or save_now:
+                # This step's host waits for the device anyway: a cross-region round ran (on every rank
+                # of the region: rounds are collective) or a checkpoint is due (every rank, same steps).
+                # Read its agreement now: its record is written before the round's or the checkpoint's
+                # results can outlive a crash, and a stop gathered with it takes effect at this step, on
+                # every rank alike.
+                stop_now = self._finish_step(*pending) or stop_now
+                pending = None
             if stop_now and step < self.end_step:
                 exit_reason = "stopped"
                 log.info("stop requested (%s): all ranks stop after step %d", self.stop.reason(), step)
                 break
-            if step % cfg.checkpoint.every == 0 or step == self.end_step:
+            if save_now:
                 self.ckpt.save(step, self._state(), block=step == self.end_step)
+        if pending is not None:  # the last step's agreement: its record (always logged)
+            self._finish_step(*pending, last=True)
 
         # The end: a complete checkpoint of where we are, then hand-off or export.
         if exit_reason in ("stopped", "no_quorum"):
@@ -635,15 +715,14 @@ class Trainer:
         self._barrier()
         if info.is_main:
             extra = {"model_flops_per_token": self.flops_model, "hardware_flops_per_token": self.flops_hw,
-                     "world_size": info.world_size, "device": str(device), "region": self.xr.region,
-                     "stop_reason": self.stop.reason() if exit_reason == "stopped" else None,
-                     "mfu": (sum(mfus) / len(mfus)) if mfus else None,
-                     "hfu": (sum(mfus) / len(mfus)) * self.flops_hw / self.flops_model if mfus else None,
-                     "peak_flops": self.peak}
+                     "device": str(device), "region": self.xr.region,
+                     "stop_reason": self.stop.reason() if exit_reason == "stopped" else None}
             s = summarize(step_times=step_times, tokens_per_step=self.tokens_per_step, first_step=first_step,
                           last_step=self.step, resumed_from=resumed_from, process_start=self.process_start,
-                          first_step_done=first_step_done, checkpoint_save_s=self.ckpt.save_times,
-                          load_s=load_s, exit_reason=exit_reason, extra=extra)
+                          first_step_done=self.first_step_done, checkpoint_save_s=self.ckpt.save_times,
+                          load_s=load_s, exit_reason=exit_reason, world_size=info.world_size,
+                          flops_per_token=(self.flops_model, self.flops_hw), peak_flops=self.peak,
+                          memory=memory_summary(device), extra=extra)
             write_json_atomic(self.run_dir / "summary.json", s)
             if step_times:
                 print(format_summary(s), file=sys.stderr, flush=True)
@@ -656,6 +735,68 @@ class Trainer:
             log.info("exiting %d: checkpointed at step %d, requeue me", EXIT_REQUEUE, self.step)
             return EXIT_REQUEUE
         return 0
+
+    def _finish_step(self, in_flight, done: _StepDone, last: bool = False) -> bool:
+        """Read a step's agreement (every rank, at the same step) and write its metrics record (rank 0).
+        Returns whether any rank had asked to stop when it gathered."""
+        from .metrics import memory_record, utilization
+
+        every = self.agreement.read(in_flight)
+        if self.first_step_done is None:
+            # CPU: the step was done when its iteration ended; CUDA: the host learns it only now (this
+            # read waited for the device to finish that step, and no longer).
+            self.first_step_done = done.ended if self.device.type == "cpu" else time.time()
+        col = {name: every[:, i] for i, name in enumerate(_Agreement.FIELDS)}
+        stop = bool(col["stop"].sum().item() > 0)
+        # a background save some rank saw finish: every rank marks it complete (or fails) here, together
+        ckpt_done = self.ckpt.collect(int(col["saved"].max().item()))
+        step, cfg, info = done.step, self.cfg, self.info
+        if not info.is_main or not (step % cfg.train.log_every == 0 or step == self.end_step or stop or last
+                                    or done.xr_timings or step == self.first_step):
+            return stop
+        loss = float(col["loss"].mean().item())
+        tok_s = self.tokens_per_step / done.step_s
+        mfu = utilization(tok_s, info.world_size, self.flops_model, self.peak)
+        hfu = utilization(tok_s, info.world_size, self.flops_hw, self.peak)
+        rank_own = [float(v) for v in col["own_s"]]
+        grad_norm = float(col["grad_norm"][0].item())  # the same on every rank (clipped after DDP's average)
+        # In-region comm the host can see: gloo's all-reduce span, and on CPU the wait for the per-step
+        # agreement. On CUDA that wait is the device finishing the previous step, and NCCL's all-reduce is
+        # not visible from the host: comm_time_s is then None (absent), not 0.
+        cpu = self.device.type == "cpu"
+        comm = None if (done.ddp_span is None and not cpu) else (done.ddp_span or 0.0) + (done.wait_s if cpu else 0.0)
+        rec = {
+            "step": step,
+            "loss": loss,
+            "lr": done.lr,
+            "tokens": done.tokens,
+            "tokens_per_s": tok_s,
+            "step_time_s": done.step_s,
+            "data_time_s": done.data_s,
+            "compute_time_s": rank_own[0],
+            "comm_time_s": comm,
+            "ddp_allreduce_s": done.ddp_span,
+            "ddp_wait_s": done.ddp_exposed,
+            "sync_wait_s": done.wait_s,
+            "grad_norm": grad_norm if cfg.optim.grad_clip > 0 else None,
+            **memory_record(self.device),
+            "mfu": mfu,
+            "hfu": hfu,
+            "rank_losses": [float(v) for v in col["loss"]],
+            "rank_step_time_s": rank_own,
+            "rank_data_time_s": [float(v) for v in col["data_s"]],
+            "slowest_rank": int(max(range(len(rank_own)), key=lambda i: rank_own[i])),
+            "world_size": info.world_size,
+        }
+        if ckpt_done is not None:
+            rec["checkpoint_save_s"] = ckpt_done.seconds
+        if done.xr_timings:
+            rec.update(done.xr_timings)
+        self.metrics.write(rec)
+        log.info("step %d loss %.4f lr %.3g %.0f tok/s step %.3fs data %.3fs%s%s", step, loss, done.lr, tok_s,
+                 done.step_s, done.data_s, f" comm {comm:.3f}s" if comm is not None else "",
+                 f" mfu {mfu:.3f}" if mfu is not None else "")
+        return stop
 
     def _export(self) -> None:
         from safetensors.torch import save_file

@@ -12,6 +12,7 @@ from sbatch_gen.train.checkpoint import (
     CheckpointError,
     check_complete,
     check_model_shapes,
+    drop_unsaved,
     newest_complete,
     prune,
     step_dir,
@@ -114,3 +115,96 @@ def test_real_dcp_roundtrip_and_shape_mismatch(tmp_path):
     deeper = GPT(_tiny(n_layers=2))
     with pytest.raises(CheckpointError, match=r"blocks\.1\..* is not in the checkpoint"):
         check_model_shapes(res.path, deeper.state_dict())
+
+
+def test_loading_asks_only_for_the_rng_and_outer_keys_the_checkpoint_has(tmp_path):
+    """A CPU process saved rng.rank0.cpu only; a GPU process asks for rng.rank0.cuda too. DCP would raise
+    on the missing key: the optional subtrees are cut to what was saved, the rest must match."""
+    torch.manual_seed(0)
+    model = GPT(_tiny())
+    ck = Checkpointer(tmp_path, DistInfo(), torch.device("cpu"), keep_last=2, async_save=False,
+                      marker_extra={"model": _tiny().model_dump()})
+    rng = torch.get_rng_state()
+    path = ck.save(3, {"model": model.state_dict(), "rng": {"rank0": {"cpu": rng}},
+                       "outer": {"round": 1}}).path
+
+    def gpu_request(more: bool = True):
+        state = {"model": GPT(_tiny()).state_dict(),
+                 "rng": {"rank0": {"cpu": torch.zeros_like(rng), "cuda": torch.zeros(16, dtype=torch.uint8)}},
+                 "outer": {"round": 0}}
+        if more:  # another rank's RNG (world size changed), an outer field added since
+            state["rng"]["rank1"] = {"cpu": torch.zeros_like(rng)}
+            state["outer"]["pending"] = 5
+        return state
+
+    # what the trainer used to hit: DCP refuses a requested key the checkpoint lacks
+    with pytest.raises(BaseException, match=r"Missing key in checkpoint state_dict: rng\.rank0\.cuda"):
+        ck.load(path, gpu_request(more=False))
+    state = gpu_request()
+    dropped = ck.load(path, state, optional=("rng", "outer"))
+    assert sorted(dropped) == ["outer.pending", "rng.rank0.cuda", "rng.rank1.cpu"]
+    assert torch.equal(state["rng"]["rank0"]["cpu"], rng) and list(state["rng"]) == ["rank0"]
+    assert state["outer"] == {"round": 1}
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state["model"][k])
+    # Only the optional subtrees are cut: a model tensor the checkpoint lacks is still an error.
+    state = gpu_request()
+    state["model"]["extra.weight"] = torch.zeros(2)
+    with pytest.raises(BaseException, match="extra.weight"):
+        ck.load(path, state, optional=("rng", "outer"))
+
+
+def test_drop_unsaved_removes_emptied_subtrees():
+    state = {"rng": {"rank1": {"cpu": 1}}, "outer": {"a": 1, "b": {"c": 2}}, "model": {"w": 0}}
+    assert drop_unsaved(state, {"outer.a", "model.w"}, ("rng", "outer")) == ["rng.rank1.cpu", "outer.b.c"]
+    assert state == {"outer": {"a": 1}, "model": {"w": 0}}
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A real 1-rank gloo process group (async saves need one)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield DistInfo(is_distributed=True, backend="gloo")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_async_saves_share_one_stager_and_each_saves_its_own_values(tmp_path, one_rank_group):
+    """One DefaultStager for the run: its cached CPU copies are refilled by every save, so each
+    checkpoint must hold the values of its own step, not the first one's; close() releases it."""
+    torch.manual_seed(0)
+    model = GPT(_tiny())
+    ck = Checkpointer(tmp_path, one_rank_group, torch.device("cpu"), keep_last=5, async_save=True,
+                      marker_extra={"model": _tiny().model_dump()})
+    snapshots = {}
+    stagers = set()
+    cached = []
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(float(step))
+        snapshots[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        assert ck.save(step, {"model": model.state_dict(), "train": {"step": step}}) is None  # in the background
+        stagers.add(id(ck.stager()))
+        # the save went through this stager: it holds a CPU copy per parameter storage, refilled each time
+        # (DCP's cache; torch is pinned by constraints-dev.txt)
+        cached.append(len(ck.stager()._state_dict_stager._cached_storage_mapping))
+        with torch.no_grad():  # the training goes on while the write runs: must not leak into the save
+            for p in model.parameters():
+                p.mul_(-1.0)
+    assert len(stagers) == 1
+    n_storages = len({p.untyped_storage().data_ptr() for p in model.parameters()})
+    assert cached == [n_storages] * 3, cached
+    ck.close()
+    assert ck._stager is None
+    for step, expect in snapshots.items():
+        assert check_complete(step_dir(tmp_path, step)) is None
+        other = GPT(_tiny())
+        state = {"model": other.state_dict(), "train": {"step": 0}}
+        ck.load(step_dir(tmp_path, step), state)
+        assert state["train"]["step"] == step
+        for k, v in expect.items():
+            assert torch.equal(state["model"][k], v), (step, k)

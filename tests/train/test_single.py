@@ -141,7 +141,9 @@ def test_stop_file_checkpoints_acks_and_exits_42_then_fast_exit(tmp_path, data_d
     stop.write_text("")
     assert _train(cfg, tmp_path / "r", data_dir, "--stop-file", str(stop)) == 42
     ack = json.loads((tmp_path / "stop.ack").read_text())
-    assert ack["step"] == 1 and ack["checkpoint"] == str(step_dir(tmp_path / "r", 1))
+    # The request travels with step 1's agreement, which is read (asynchronously) at the end of step 2.
+    assert ack["step"] == 2 and ack["checkpoint"] == str(step_dir(tmp_path / "r", 2))
+    assert sorted(read_metrics(tmp_path / "r")) == [1, 2]  # the stop step's record is written
     assert "stop file" in ack["reason"] and check_complete(ack["checkpoint"]) is None
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["exit"] == "stopped"
     # Restarted with the stop file and its ack present: exit 42 at once, torch never imported.
@@ -155,7 +157,7 @@ def test_stop_file_checkpoints_acks_and_exits_42_then_fast_exit(tmp_path, data_d
     stop.unlink()
     (tmp_path / "stop.ack").unlink()
     assert _train(cfg, tmp_path / "r", data_dir, "--stop-file", str(stop), "--max-steps", "3") == 0
-    assert json.loads((tmp_path / "r" / "summary.json").read_text())["resumed_from_step"] == 1
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["resumed_from_step"] == 2
 
 
 def test_signal_storm_during_training_and_save(tmp_path, data_dir, capfd, clean_env):
@@ -190,3 +192,78 @@ def test_signal_storm_during_training_and_save(tmp_path, data_dir, capfd, clean_
     assert _train(cfg, tmp_path / "r", data_dir, "--max-steps", str(ack["step"] + 2)) == 0
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert s["resumed_from_step"] == ack["step"] and s["last_step"] == ack["step"] + 2
+
+
+def _also_asking_for_cuda_rng(rng_state):
+    """Trainer._rng_state as a GPU process runs it: the CPU generator's state and the CUDA one's."""
+
+    def wrapped(self):
+        import torch
+
+        return {**rng_state(self), "cuda": torch.zeros(16, dtype=torch.uint8)}
+
+    return wrapped
+
+
+def test_a_cpu_checkpoint_resumes_in_a_process_that_also_asks_for_cuda_rng(cfg12, reference, tmp_path, data_dir,
+                                                                           capfd, clean_env, monkeypatch):
+    """A GPU process asks for rng.rank0.cuda, which a CPU process never wrote: it must resume from the
+    checkpoint anyway (CPU RNG restored), not fail on every checkpoint and start fresh."""
+    from sbatch_gen.train.trainer import Trainer
+
+    part = tmp_path / "part"
+    assert _train(cfg12, part, data_dir, "--max-steps", "6") == 0
+    monkeypatch.setattr(Trainer, "_rng_state", _also_asking_for_cuda_rng(Trainer._rng_state))
+    capfd.readouterr()
+    assert _train(cfg12, part, data_dir) == 0
+    err = capfd.readouterr().err
+    assert f"resumed from {step_dir(part, 6)} at step 6" in err, err
+    assert "has no CUDA RNG state for rank0" in err and "failed to load" not in err
+    got, ref = losses(part), losses(reference)
+    assert [got[s] for s in range(7, 13)] == [ref[s] for s in range(7, 13)]  # the CPU RNG (dropout) restored
+    assert same_weights(part / "model.safetensors", reference / "model.safetensors")
+
+
+def test_complete_checkpoints_that_all_fail_to_load_stop_the_run_instead_of_a_fresh_start(tmp_path, data_dir,
+                                                                                        capfd, clean_env):
+    """--resume auto with complete (marker and sizes fine) but unreadable checkpoints: one error line,
+    exit 2 like the other fatal start-up errors; nothing trained, nothing overwritten."""
+    cfg = write_config(tmp_path / "c.yaml", train={"steps": 8}, checkpoint={"every": 2, "keep_last": 5})
+    run_dir = tmp_path / "r"
+    assert _train(cfg, run_dir, data_dir, "--max-steps", "4") == 0
+    for s in (2, 4):
+        meta = step_dir(run_dir, s) / ".metadata"
+        meta.write_bytes(b"\x00" * meta.stat().st_size)
+        assert check_complete(step_dir(run_dir, s)) is None  # still "complete": only loading tells
+    metrics_before = (run_dir / "metrics.jsonl").read_bytes()
+    capfd.readouterr()
+    assert _train(cfg, run_dir, data_dir) == 2
+    err = capfd.readouterr().err
+    assert "starting fresh (--resume" not in err and "training steps" not in err and "Traceback" not in err
+    fatal = [ln for ln in err.splitlines() if "not starting fresh" in ln]
+    assert len(fatal) == 1 and "none of the 2 complete checkpoint(s)" in fatal[0] and "step-4" in fatal[0], err
+    assert "--resume none" in fatal[0]
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    # Asked for explicitly, a fresh start over them is still possible.
+    assert _train(cfg, run_dir, data_dir, "--resume", "none", "--max-steps", "2") == 0
+
+
+def test_summary_mfu_comes_from_the_summary_tokens_per_s(tmp_path, data_dir, clean_env):
+    """With a peak (train.peak_tflops; on a GPU it comes from the device name) the summary's MFU/HFU are
+    its own tokens/s (warm-up step excluded) times FLOPs per token over the peak, per device."""
+    cfg = write_config(tmp_path / "c.yaml", train={"steps": 5, "peak_tflops": 0.001},
+                       model={"activation_checkpointing": True})
+    assert _train(cfg, tmp_path / "r", data_dir) == 0
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    per_device = s["tokens_per_s"] / s["world_size"]
+    assert s["mfu"] == pytest.approx(per_device * s["model_flops_per_token"] / 1e9, rel=1e-12)
+    assert s["hfu"] == pytest.approx(per_device * s["hardware_flops_per_token"] / 1e9, rel=1e-12)
+    assert s["hfu"] > s["mfu"] > 0  # recomputed forwards count as hardware FLOPs only
+    recs = read_metrics(tmp_path / "r")
+    assert all(r["mfu"] == pytest.approx(r["tokens_per_s"] * s["model_flops_per_token"] / 1e9) for r in recs.values())
+    # CPU: the CUDA memory figures are absent (None), max RSS is there.
+    assert s["memory"]["max_allocated_bytes"] is None and s["memory"]["max_reserved_bytes"] is None
+    assert s["memory"]["device_total_bytes"] is None and s["memory"]["max_rss_bytes"] > 0
+    rec = recs[5]
+    assert rec["mem_kind"] == "max_rss" and rec["mem_reserved_bytes"] is None and rec["mem_free_bytes"] is None

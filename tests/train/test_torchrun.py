@@ -84,7 +84,9 @@ def test_stop_file_then_sigusr1_then_resume_equals_uninterrupted(cfg, reference,
 
     la = launches(torchrun_cmd(cfg, run_dir, data_dir, "--stop-file", str(stop), max_restarts=1),
                   tmp_path / "a.log", env=SLOW)
-    wait_for(lambda: _max_step(run_dir) >= 4, 120, "step 4", la)
+    wait_for(lambda: check_complete(step_dir(run_dir, 4)) is None, 120, "checkpoint step-4", la)
+    # a checkpoint step reads its agreement before saving: its record is there before the checkpoint is
+    assert 4 in read_metrics(run_dir)
     stop.write_text("")
     rc = la.wait(120)
     out = la.output()
@@ -150,3 +152,34 @@ def test_sigkill_one_worker_restarts_from_last_checkpoint(cfg_async, reference, 
     # Steps re-run after the crash reproduce the uninterrupted run bitwise (last record per step).
     assert losses(run_dir) == losses(ref_dir)
     assert same_weights(run_dir / "model.safetensors", ref_dir / "model.safetensors")
+
+
+def test_world_size_1_trains_without_ddp_and_resumes_identically(tmp_path, data_dir, launches):
+    """torchrun with one process (a one-GPU site such as the GH200): a process group but no DDP wrapper;
+    interrupted and resumed, it reproduces a plain single process (no torchrun, no process group) bitwise."""
+    import subprocess
+    import sys
+
+    from .conftest import REPO, train_env
+
+    cfg = write_config(tmp_path / "c.yaml", train={"steps": 8, "log_every": 1, "grad_accum": 2},
+                       checkpoint={"every": 4, "async_save": True})
+    ref = tmp_path / "ref"
+    r = subprocess.run([sys.executable, "-m", "sbatch_gen.train", "--config", str(cfg), "--run-dir", str(ref),
+                        "--data-path", str(data_dir)], cwd=REPO, env=train_env(), capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "DDP: off (world size 1)" in r.stderr and "init_process_group" not in r.stderr
+    run_dir = tmp_path / "run"
+    la = launches(torchrun_cmd(cfg, run_dir, data_dir, "--max-steps", "5", nproc=1), tmp_path / "a.log")
+    assert la.wait(180) == 0, la.output()[-3000:]
+    out = la.output()
+    assert "init_process_group(gloo) waiting for 1 ranks" in out and "DDP: off (world size 1)" in out, out[-3000:]
+    assert check_complete(step_dir(run_dir, 5)) is None
+    lb = launches(torchrun_cmd(cfg, run_dir, data_dir, nproc=1), tmp_path / "b.log")
+    assert lb.wait(180) == 0, lb.output()[-3000:]
+    assert f"resumed from {step_dir(run_dir, 5)} at step 5" in lb.output()
+    assert losses(run_dir) == losses(ref) and sorted(losses(ref)) == list(range(1, 9))
+    assert same_weights(run_dir / "model.safetensors", ref / "model.safetensors")
+    rec = read_metrics(run_dir)[8]
+    assert rec["world_size"] == 1 and rec["ddp_allreduce_s"] is None and rec["ddp_wait_s"] is None
