@@ -33,6 +33,13 @@ def slurm() -> Cluster:
     env["SLURM_CONF"] = info["SLURM_CONF"]
     env["PYTHONUNBUFFERED"] = "1"
     cluster = Cluster(env=env, info=info)
+    try:
+        for node in cluster.nodes:  # each node can be looked at in the layout the tests assume (else: raises)
+            cluster.node_pids(node)
+    except AssertionError:
+        if not was_running:
+            script("stop")
+        raise
     yield cluster
     if was_running:
         cluster.cancel_all()

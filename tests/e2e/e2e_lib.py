@@ -126,15 +126,58 @@ class Cluster:
             time.sleep(0.5)
 
     def node_pids(self, node: str) -> list[int]:
-        """Processes running "on" a node: in its network namespace (netns layout only)."""
-        if self.layout != "netns":
-            return []
-        p = run(["ip", "netns", "pids", f"sbgen-{node}"], check=False)
-        return [int(x) for x in p.stdout.split()]
+        """Processes running "on" a node, its slurmd included.
+
+        netns layout: every process in the node's network namespace. loopback layout (every node on this
+        host's own network): the node's slurmd (``-N NODE``), the slurmstepd of its jobs (which hold the
+        node's slurmd log open; one whose node cannot be told counts for every node), and every process
+        whose environment says it runs there (``SLURMD_NODENAME``: Slurm sets it for batch scripts and
+        step tasks, their children inherit it). Raises when it cannot look, or does not find the node's
+        slurmd: a check that nothing is left on a node must not pass because nothing could be seen."""
+        if self.layout == "netns":
+            p = run(["ip", "netns", "pids", f"sbgen-{node}"], check=False)
+            if p.returncode != 0:
+                raise AssertionError(f"cannot list the processes of node {node}: ip netns pids sbgen-{node} "
+                                     f"exited {p.returncode}: {p.stderr.strip()}{_LAYOUT_HINT}")
+            pids = [int(x) for x in p.stdout.split()]
+        elif self.layout == "loopback":
+            pids = self._loopback_pids(node)
+        else:
+            raise AssertionError(f"unknown local Slurm layout {self.layout!r}: cannot look for processes on {node}")
+        if not any(_slurmd_node(_cmdline(pid)) == node for pid in pids):
+            raise AssertionError(f"no slurmd of node {node} among its processes ({self.layout} layout): "
+                                 f"cannot look for what runs there{_LAYOUT_HINT}")
+        return pids
+
+    def _loopback_pids(self, node: str) -> list[int]:
+        log = str(self.state / "log" / f"slurmd-{node}.log")
+        want = f"SLURMD_NODENAME={node}".encode()
+        out = []
+        parents = _parents()
+        for pid in _all_pids():
+            try:
+                argv = _cmdline(pid, strict=True)
+                if argv[:1] == ["/usr/sbin/slurmd"]:
+                    if _slurmd_node(argv) == node:
+                        out.append(pid)
+                    continue
+                if Path(f"/proc/{pid}/comm").read_text().strip() == "slurmstepd":
+                    logs = [f for f in _open_files(pid) if f.startswith(str(self.state / "log" / "slurmd-"))]
+                    if not logs or log in logs:
+                        out.append(pid)
+                    continue
+                if want in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    out.append(pid)
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # it ended while we looked
+            except PermissionError as e:  # not ours to read (e.g. the container's init): fine unless a job's
+                if _descends_from_slurmstepd(pid, parents):
+                    raise AssertionError(f"cannot read process {pid} of a job step ({e}): cannot tell its node") from e
+        return out
 
     def job_processes(self, node: str) -> list[str]:
-        """Command lines of this session's job processes on ``node``: everything in its namespace but
-        slurmd, less what belongs to jobs submitted by someone else."""
+        """Command lines of this session's job processes on ``node``: everything :meth:`node_pids` finds
+        but slurmd, less what belongs to jobs submitted by someone else."""
         cmds = []
         for pid in self.node_pids(node):
             try:
@@ -166,9 +209,73 @@ class Cluster:
         raise AssertionError(f"processes left on the nodes: {left}")
 
 
+_LAYOUT_HINT = (" (a cluster started by hand in the other layout? run the tests with SBATCH_GEN_SLURM_LAYOUT "
+                "set to the layout it runs in)")
+
+
+def _all_pids() -> list[int]:
+    return [int(d) for d in os.listdir("/proc") if d.isdigit()]
+
+
+def _cmdline(pid: int, strict: bool = False) -> list[str]:
+    """argv of ``pid``; [] if it is gone (``strict``: raise FileNotFoundError/ProcessLookupError then)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        if strict:
+            raise
+        return []
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process (from /proc/<pid>/stat, readable for every process)."""
+    out = {}
+    for pid in _all_pids():
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        out[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+    return out
+
+
+def _descends_from_slurmstepd(pid: int, parents: dict[int, int]) -> bool:
+    seen = set()
+    while pid > 1 and pid not in seen:
+        seen.add(pid)
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "slurmstepd":
+                return True
+        except OSError:
+            return False
+        pid = parents.get(pid, 0)
+    return False
+
+
+def _slurmd_node(argv: list[str]) -> str | None:
+    """The node a slurmd command line serves (``-N NODE``); None for any other command line."""
+    if argv[:1] != ["/usr/sbin/slurmd"] or "-N" not in argv[:-1]:
+        return None
+    return argv[argv.index("-N") + 1]
+
+
+def _open_files(pid: int) -> list[str]:
+    """What the open file descriptors of ``pid`` point to (descriptors closed meanwhile are skipped)."""
+    out = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            out.append(os.readlink(fd))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return out
+
+
 def script(action: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    # the tests look at each node's processes through its network namespace: always that layout
-    env = {**os.environ, "SBATCH_GEN_SLURM_LAYOUT": "netns"}
+    # The netns layout unless SBATCH_GEN_SLURM_LAYOUT says otherwise (loopback: every node on this host's
+    # network; Cluster.node_pids then tells the nodes' processes apart by their environment).
+    env = {**os.environ}
+    env.setdefault("SBATCH_GEN_SLURM_LAYOUT", "netns")
     return run(["bash", str(SCRIPT), action], env=env, timeout=timeout, check=False)
 
 

@@ -48,7 +48,7 @@ dist.all_reduce(t)
 rec = {
     "rank": dist.get_rank(), "world": dist.get_world_size(), "group_rank": int(os.environ["GROUP_RANK"]),
     "local_rank": int(os.environ["LOCAL_RANK"]), "host": socket.gethostname(), "sum": t.item(),
-    "master": os.environ["MASTER_ADDR"],
+    "master": os.environ["MASTER_ADDR"], "node": os.environ["SLURMD_NODENAME"],
 }
 with open(os.path.join(sys.argv[1], f"rank-{rec['rank']}.json"), "w") as f:
     json.dump(rec, f)
@@ -75,14 +75,51 @@ def test_torchrun_two_nodes_two_procs(cluster, venv_bin, tmp_path):
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(4)]
     assert {r["world"] for r in ranks} == {4}
     assert {r["sum"] for r in ranks} == {10.0}  # 1+2+3+4 arrived everywhere
-    # two processes on each node, each node one torchrun group
-    by_host: dict[str, list] = {}
+    # two processes on each node, each node one torchrun group. The node a rank ran on is the slurmd
+    # that started its task (SLURMD_NODENAME, inherited through torchrun): in the loopback layout every
+    # node has this host's name, so the host name alone cannot tell them apart.
+    by_node: dict[str, list] = {}
     for r in ranks:
-        by_host.setdefault(r["host"], []).append(r)
-    if cluster.layout == "netns":
-        assert sorted(by_host) == sorted(cluster.nodes)
-    assert sorted(len(v) for v in by_host.values()) == [2, 2] or len(by_host) == 1
+        by_node.setdefault(r["node"], []).append(r)
+    assert sorted(by_node) == sorted(cluster.nodes), ranks
+    assert all(len(v) == 2 for v in by_node.values()), ranks
+    groups = {n: {r["group_rank"] for r in v} for n, v in by_node.items()}
+    assert sorted(tuple(g) for g in groups.values()) == [(0,), (1,)], groups
     assert sorted((r["group_rank"], r["local_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    if cluster.layout == "netns":  # there each node has its own host name too
+        assert all(r["host"] == r["node"] for r in ranks), ranks
+
+
+def test_job_processes_are_seen_on_their_nodes_and_gone_after_the_job(cluster, tmp_path):
+    """What the fixture's "no job processes left" check relies on: while a 2-node job runs, each node's
+    processes (slurmd, the steps' slurmstepd, the batch script, the tasks) are found on that node, in
+    either layout; after the job nothing of it is found; a node that cannot be looked at is an error."""
+    job = tmp_path / "job.sbatch"
+    job.write_text(textwrap.dedent("""\
+        #!/bin/bash
+        #SBATCH --job-name=procs --nodes=2 --ntasks-per-node=1 --output=job-%j.out
+        srun bash -c 'echo "$SLURMD_NODENAME $$" >"task-$SLURM_PROCID"; exec sleep 300' &
+        wait
+        """))
+    jid = cluster.sbatch(job)
+    cluster.wait_state(jid, {"RUNNING"}, timeout=60)
+    assert _wait_files(tmp_path, ["task-0", "task-1"], 60), "the step's tasks did not start"
+    tasks = dict(p.read_text().split() for p in sorted(tmp_path.glob("task-*")))  # node -> pid of its sleep
+    assert sorted(tasks) == sorted(cluster.nodes), tasks
+    for node in cluster.nodes:
+        mine = cluster.node_pids(node)
+        assert int(tasks[node]) in mine, f"{node}'s task {tasks[node]} not among its processes {mine}"
+        others = [tasks[n] for n in cluster.nodes if n != node]
+        assert not any(int(p) in mine for p in others), f"another node's task among {node}'s processes"
+        found = cluster.job_processes(node)
+        assert any(f"slurmstepd: [{jid}." in c for c in found), found
+        assert any(c.split(" ", 1)[1] == "sleep 300" for c in found), found
+    assert any("slurm_script" in c for c in cluster.job_processes(cluster.nodes[0]))  # the batch script
+    cluster.run("scancel", str(jid))
+    cluster.wait_done(jid, timeout=60)
+    cluster.wait_no_job_processes()
+    with pytest.raises(AssertionError, match=r"no slurmd of node n9|cannot list the processes of node n9"):
+        cluster.node_pids("n9")
 
 
 def test_usr1_to_batch_shell_requeue_and_restart_count(cluster, tmp_path):

@@ -87,6 +87,36 @@ def test_sigint_cleans_up_every_host_and_nothing_else(ssh_launch, tmp_path):
             d.wait()
 
 
+def test_sigint_through_the_launcher_makes_the_trainer_write_its_stop_checkpoint(ssh_launch, tmp_path):
+    """Ctrl-C on the launcher: its SIGTERM reaches the trainer on both hosts, which stop at one agreed step
+    and save a complete checkpoint of it before they exit. checkpoint.every is far beyond the run, so no
+    periodic checkpoint exists: the only one is the stop checkpoint."""
+    from sbatch_gen.train.checkpoint import check_complete, list_step_dirs, read_marker, step_dir
+
+    cfg = tiny_config(tmp_path / "tiny.yaml", train__steps=400, checkpoint__every=100_000)
+    launch = ssh_launch("launch.kill_grace_s=120", config=cfg)  # time to save even on a loaded machine
+    launch.wait_for_step(3)
+    launch.proc.send_signal(signal.SIGINT)
+    assert launch.wait(timeout=240) == 130, launch.output()
+    out = launch.output()
+    assert "caught SIGINT: stopping every node" in out
+    s = _summary(launch)
+    assert s["exit"] == "stopped", s
+    assert s["world_size"] == 2 and 3 <= s["last_step"] < 400, s
+    stop_step = s["last_step"]
+    ckpt = step_dir(launch.run_dir, stop_step)
+    assert (ckpt / "COMPLETE.json").is_file(), f"no stop checkpoint at {ckpt}\n{out}"
+    assert check_complete(ckpt) is None and read_marker(ckpt)["step"] == stop_step
+    assert [st for st, _ in list_step_dirs(launch.run_dir)] == [stop_step]
+    assert max(launch.metrics_steps()) == stop_step
+    for rank in (0, 1):  # each host's trainer took the stop request (SIGTERM), saved, and exited 42: not killed
+        node_log = launch.node_log(1, rank)
+        assert f"[rank {rank}/2] stop requested (SIGTERM): all ranks stop after step {stop_step}" in node_log, node_log
+        assert f"[rank {rank}/2] exiting 42: checkpointed at step {stop_step}" in node_log, node_log
+    assert "SIGKILL to" not in (launch.logs / "cleanup.log").read_text()
+    _assert_no_tagged(launch)
+
+
 def _probe_records(launch, timeout: float = 60) -> list[dict]:
     records = [launch.dir / "probe" / f"node-{r}.json" for r in (0, 1)]
     deadline = time.monotonic() + timeout
