@@ -1,0 +1,371 @@
+"""One prepared GPU check of every trainer path: run by scripts/gpu-check.sh (read its header first).
+
+Phases, each a real run of the trainer (``python -m sbatch_gen.train`` under torchrun on every visible GPU
+of this node, NCCL, bf16 autocast) on the ~125M config (configs/gpt-125m.yaml) unless ``--smoke``:
+
+  hbm        device-to-device copy bandwidth of this GPU (the yardstick for the outer step)
+  ac-off     steady-state tokens/s, MFU, HFU and memory, activation checkpointing off
+  ac-on      the same with activation checkpointing on (HFU counts the recomputed forward)
+  async-dcp  asynchronous DCP saves every few steps: save time, steps slowed, every checkpoint complete
+  stop       stop file mid-run -> checkpoint + exit 42 -> resume -> same final parameters as one
+             uninterrupted run (deterministic mode: bitwise, else the largest difference is reported)
+  diloco     DiLoCo with one region over the fs mailbox, outer step on the GPU: outer-step time against
+             the bytes it must move and the copy bandwidth measured in phase hbm
+
+``--smoke`` runs the same phases on the CPU with the tiny config in one process (gloo): the script's own
+logic, tested by ``make test`` (tests/train/test_gpu_check.py). Its figures mean nothing.
+
+Writes ``OUT/summary.json`` and ``OUT/summary.md`` and prints the table. Exit status: 0 when every phase
+ran and passed its check, 1 otherwise (the table says which). Needs no network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import yaml  # noqa: E402
+
+from sbatch_gen.xr_options import CrossRegion, FsTransport, to_argv  # noqa: E402
+
+# The outer step (DiLoCo, Nesterov) must at least read the averaged delta, read and write the momentum and
+# theta_outer (fp32 each) and write the fp32 parameters: 4 + 8 + 8 + 4 bytes per parameter.
+OUTER_BYTES_PER_PARAM = 24
+GIB = 2**30
+MARKER = ".gpu-check"  # an --out holding it was made by this script and may be emptied
+
+
+def log(msg: str) -> None:
+    print(f"gpu-check: {msg}", flush=True)
+
+
+class Check:
+    def __init__(self, out: Path, smoke: bool, steps: int, nproc: int, phase_timeout_s: float) -> None:
+        self.out, self.smoke, self.steps, self.nproc = out, smoke, steps, nproc
+        self.timeout = phase_timeout_s
+        self.py = sys.executable
+        self.rows: list[dict] = []
+        base = REPO / "configs" / ("tiny.yaml" if smoke else "gpt-125m.yaml")
+        self.base = yaml.safe_load(base.read_text())
+        self.data = out / "data"
+
+    # -- running the trainer -------------------------------------------------------------------------------
+    def config(self, name: str, **over) -> Path:
+        cfg = json.loads(json.dumps(self.base))
+        cfg["train"].update(steps=max(self.steps * 2, 100), log_every=1)
+        cfg["checkpoint"].update(every=10**6, export_safetensors=True)
+        cfg["optim"]["warmup_steps"] = min(cfg["optim"].get("warmup_steps", 0), 10)
+        if self.smoke:
+            cfg["model"]["dropout"] = 0.0
+        for dotted, v in over.items():
+            sec, key = dotted.split("__")
+            cfg.setdefault(sec, {})[key] = v
+        path = self.out / "configs" / f"{name}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return path
+
+    def command(self, cfg: Path, run: Path, resume: str, max_steps: int, extra: list[str]) -> list[str]:
+        data = self.data.with_name("data-xr") if extra else self.data  # (the trainer prepares shards on demand)
+        train = ["--config", str(cfg), "--run-dir", str(run), "--data-path", str(data), "--resume", resume,
+                 "--max-steps", str(max_steps), *extra]
+        if self.smoke:
+            return [self.py, "-m", "sbatch_gen.train", *train]
+        torchrun = str(Path(self.py).parent / "torchrun")
+        return [torchrun, "--standalone", f"--nproc-per-node={self.nproc}", "-m", "sbatch_gen.train", *train]
+
+    def train(self, name: str, cfg: Path, *, resume: str = "none", max_steps: int | None = None,
+              extra: list[str] | None = None, stop_at: int | None = None, run: Path | None = None,
+              env: dict | None = None) -> tuple[int, Path]:
+        """One trainer run; ``stop_at``: create the stop file once metrics show that step."""
+        run = run or self.out / "runs" / name
+        stop_file = run.parent / f"{run.name}.stop"
+        stop_file.unlink(missing_ok=True)
+        env = {**os.environ, "SBATCH_GEN_STOP_FILE": str(stop_file), "PYTHONPATH": str(REPO),
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
+        env.setdefault("OMP_NUM_THREADS", "4")
+        cmd = self.command(cfg, run, resume, max_steps or self.steps, extra or [])
+        logf = self.out / "logs" / f"{name}.log"
+        logf.parent.mkdir(parents=True, exist_ok=True)
+        log(f"{name}: {' '.join(cmd)}")
+        with open(logf, "ab") as f:
+            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+            deadline = time.monotonic() + self.timeout
+            try:
+                while p.poll() is None:
+                    if time.monotonic() > deadline:
+                        os.killpg(p.pid, signal.SIGKILL)
+                        p.wait()
+                        raise TimeoutError(f"{name}: no exit within {self.timeout:.0f} s (log: {logf})")
+                    if stop_at is not None and not stop_file.exists() and last_step(run) >= stop_at:
+                        stop_file.touch()
+                    time.sleep(0.05)
+            finally:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+        return p.returncode, run
+
+    # -- phases --------------------------------------------------------------------------------------------
+    def row(self, phase: str, ok: bool, figures: dict, note: str = "") -> None:
+        self.rows.append({"phase": phase, "ok": ok, "figures": figures, "note": note})
+        log(f"{phase}: {'ok' if ok else 'FAILED'} {json.dumps(figures)} {note}")
+
+    def phase(self, name: str, fn) -> None:
+        t0 = time.monotonic()
+        try:
+            fn()
+        except Exception as e:  # one phase failing must not hide the others' figures
+            self.row(name, False, {}, f"{type(e).__name__}: {e}")
+        self.rows[-1]["figures"]["wall_s"] = round(time.monotonic() - t0, 1)
+
+    def hbm(self) -> None:
+        self.copy_gbps = copy_bandwidth(self.smoke)
+        self.row("hbm", self.copy_gbps > 0, {"copy_GBps": round(self.copy_gbps, 1)},
+                 "read + write bytes of a device-to-device copy / time")
+
+    def throughput(self, ac: bool) -> None:
+        name = "ac-on" if ac else "ac-off"
+        rc, run = self.train(name, self.config(name, model__activation_checkpointing=ac))
+        s = steady(run)
+        peak = summary(run).get("peak_flops")
+        s["peak_TFLOPs"] = rnd(peak / 1e12, 1) if peak else None
+        ddp = [line.split("DDP: ", 1)[1].strip() for line in (self.out / "logs" / f"{name}.log").read_text(
+            errors="replace").splitlines() if "DDP: " in line]
+        s["ddp"] = ddp[0] if ddp else None
+        problems = []
+        if rc != 0 or not s["steps"]:
+            problems.append(f"exit {rc}, {s['steps']} step records")
+        if not self.smoke and (not peak or s.get("max_reserved_GiB") is None):
+            problems.append("no BF16 peak known for this device (MFU missing) or no CUDA memory figures")
+        if ac and not self.smoke and not (s.get("hfu") or 0) > (s.get("mfu") or 0):
+            problems.append("HFU not above MFU with activation checkpointing")
+        want_ddp = "off" if self.nproc == 1 else "on"
+        if not (s["ddp"] or "").startswith(want_ddp):
+            problems.append(f"expected 'DDP: {want_ddp}' in the log")
+        self.row(name, not problems, s, "; ".join(problems))
+        if not ac:
+            self.ac_off = s
+
+    def async_dcp(self) -> None:
+        every = max(2, self.steps // 6)
+        rc, run = self.train("async-dcp", self.config("async-dcp", checkpoint__every=every,
+                                                      checkpoint__async_save=True, checkpoint__keep_last=100))
+        summ = summary(run)
+        saves = summ.get("checkpoint_save_s") or {}
+        complete = sorted(int(p.parent.name.split("-")[1]) for p in run.glob("checkpoints/step-*/COMPLETE.json"))
+        want = list(range(every, self.steps + 1, every))
+        if self.steps not in want:
+            want.append(self.steps)
+        s = steady(run)
+        base = getattr(self, "ac_off", {}).get("step_p50_s")
+        fig = {"saves": saves.get("count"), "save_mean_s": rnd(saves.get("mean")), "save_max_s": rnd(saves.get("max")),
+               "complete": len(complete), "step_p50_s": s["step_p50_s"], "tokens_per_s": s["tokens_per_s"]}
+        if base:
+            fig["p50_vs_ac_off"] = round(s["step_p50_s"] / base, 3)
+        missing = sorted(set(want) - set(complete))
+        self.row("async-dcp", rc == 0 and not missing, fig,
+                 f"missing complete checkpoints {missing}" if missing else f"checkpoints at {want}")
+
+    def stop_resume(self) -> None:
+        cfg = self.config("stop", train__deterministic="on")
+        rc_ref, ref = self.train("stop-ref", cfg)
+        stop_at = max(2, self.steps // 3)
+        # paced (sleep after each step: the math is unchanged) so the stop file lands mid-run, not after it
+        rc1, run = self.train("stop", cfg, stop_at=stop_at,
+                              env={"SBATCH_GEN_STEP_SLEEP_S": "0.3" if self.smoke else "0.1"})
+        stopped = summary(run).get("last_step")
+        ack = run.parent / f"{run.name}.stop.ack"
+        rc2, run = self.train("stop-resume", cfg, resume="auto", run=run)
+        diff = max_abs_diff(ref / "model.safetensors", run / "model.safetensors")
+        fig = {"stop_exit": rc1, "stopped_at": stopped, "ack": ack.exists(), "resume_exit": rc2,
+               "resumed_from": summary(run).get("resumed_from_step"), "max_abs_diff": diff}
+        ok = rc_ref == 0 and rc1 == 42 and ack.exists() and rc2 == 0 and diff == 0.0
+        self.row("stop", ok, fig, "bitwise equal to one uninterrupted run" if diff == 0.0 else
+                 "NOT bitwise equal to one uninterrupted run (deterministic mode)")
+
+    def diloco(self) -> None:
+        h = max(2, self.steps // 5)
+        xr = CrossRegion(enabled=True, run_id="gpu-check", region="solo", regions=["solo"], sync="diloco",
+                         inner_steps=h, transport=FsTransport(root=str(self.out / "mailbox")), outer_device="auto")
+        shutil.rmtree(self.out / "mailbox", ignore_errors=True)
+        rc, run = self.train("diloco", self.config("diloco"), extra=to_argv(xr))
+        recs = records(run)
+        rounds = [r for r in recs if "xr_round" in r and "loss" in r and r.get("xr_outer_step_s") is not None]
+        state = next((r for r in recs if r.get("event") == "xr_outer_state"), {})
+        n = state.get("numel")
+        outer = sorted(r["xr_outer_step_s"] for r in rounds)
+        fig = {"rounds": len(rounds), "outer_device": state.get("device"), "params": n}
+        if outer:
+            med = outer[len(outer) // 2]
+            fig["outer_step_p50_s"] = rnd(med)
+            if n and med > 0:
+                gbps = OUTER_BYTES_PER_PARAM * n / med / 1e9
+                fig["outer_GBps"] = round(gbps, 1)
+                if getattr(self, "copy_gbps", 0):
+                    fig["of_copy_bw"] = round(gbps / self.copy_gbps, 3)
+        want_dev = "cpu" if self.smoke else "cuda"
+        ok = rc == 0 and len(rounds) >= 2 and str(state.get("device", "")).startswith(want_dev)
+        self.row("diloco", ok, fig, f"outer step must move >= {OUTER_BYTES_PER_PARAM} B/param")
+
+    def run(self, only: list[str]) -> int:
+        phases = {"hbm": self.hbm, "ac-off": lambda: self.throughput(False), "ac-on": lambda: self.throughput(True),
+                  "async-dcp": self.async_dcp, "stop": self.stop_resume, "diloco": self.diloco}
+        for name, fn in phases.items():
+            if not only or name in only:
+                self.phase(name, fn)
+        table = render_table(self.rows, self.header())
+        (self.out / "summary.md").write_text(table)
+        (self.out / "summary.json").write_text(json.dumps({"header": self.header(), "phases": self.rows}, indent=2))
+        print(table, flush=True)
+        return 0 if self.rows and all(r["ok"] for r in self.rows) else 1
+
+    def header(self) -> dict:
+        import torch
+
+        h = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "torch": torch.__version__,
+             "cuda": torch.version.cuda, "smoke": self.smoke, "steps": self.steps, "nproc": self.nproc}
+        if torch.cuda.is_available():
+            h["device"] = torch.cuda.get_device_name(0)
+            h["gpus"] = torch.cuda.device_count()
+        else:
+            h["device"] = "cpu"
+        return h
+
+
+# -- reading a run --------------------------------------------------------------------------------------------
+def records(run: Path) -> list[dict]:
+    p = run / "metrics.jsonl"
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def last_step(run: Path) -> int:
+    p = run / "metrics.jsonl"
+    if not p.exists():
+        return -1
+    try:
+        steps = [json.loads(line).get("step", -1) for line in p.read_text().splitlines()[-5:] if line.strip()]
+    except json.JSONDecodeError:  # a line being written
+        return -1
+    return max(steps, default=-1)
+
+
+def summary(run: Path) -> dict:
+    p = run / "summary.json"
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def rnd(v, n: int = 4):
+    return None if v is None else round(float(v), n)
+
+
+def steady(run: Path) -> dict:
+    """Figures over the second half of the step records (warm-up excluded): tokens/s from the summed step
+    times, MFU and HFU scaled from the summary's (which are derived from its own tokens/s), memory."""
+    steps = [r for r in records(run) if "loss" in r and "step_time_s" in r]
+    tail = steps[len(steps) // 2:]
+    s = summary(run)
+    out: dict = {"steps": len(steps)}
+    if not tail:
+        return out
+    times = sorted(r["step_time_s"] for r in tail)
+    tps = s.get("tokens_per_step") or 0
+    tokens_per_s = tps * len(tail) / sum(times) if sum(times) > 0 else None
+    out.update(step_p50_s=rnd(times[len(times) // 2]), tokens_per_s=rnd(tokens_per_s, 1))
+    if tokens_per_s and s.get("tokens_per_s"):
+        scale = tokens_per_s / s["tokens_per_s"]
+        for k in ("mfu", "hfu"):
+            if s.get(k) is not None:
+                out[k] = rnd(s[k] * scale)
+    mem = s.get("memory") or {}
+    for k in ("max_allocated_bytes", "max_reserved_bytes", "device_total_bytes"):
+        if mem.get(k) is not None:
+            out[k.replace("_bytes", "_GiB")] = round(mem[k] / GIB, 2)
+    out["last_loss"] = rnd(steps[-1]["loss"])
+    return out
+
+
+def max_abs_diff(a: Path, b: Path) -> float | None:
+    if not (a.exists() and b.exists()):
+        return None
+    from safetensors.torch import load_file
+
+    x, y = load_file(str(a)), load_file(str(b))
+    if x.keys() != y.keys():
+        return float("inf")
+    return max((float((x[k].double() - y[k].double()).abs().max()) for k in x), default=0.0)
+
+
+def copy_bandwidth(smoke: bool) -> float:
+    """GB/s (1e9) of read + write of a device-to-device copy; the best of a few repeats."""
+    import torch
+
+    dev = torch.device("cpu" if smoke else "cuda")
+    n = (64 if smoke else 2048) * 2**20 // 4
+    src = torch.empty(n, dtype=torch.float32, device=dev).uniform_()
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(3 if smoke else 10):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n * 4 / best / 1e9
+
+
+def render_table(rows: list[dict], header: dict) -> str:
+    lines = [f"gpu-check {header['date_utc']} UTC: {header['device']}"
+             f"{' x' + str(header.get('gpus')) if header.get('gpus') else ''}, torch {header['torch']}, "
+             f"CUDA {header['cuda']}, {header['steps']} steps per run{' (SMOKE: CPU, figures meaningless)' if header['smoke'] else ''}",
+             "", "| phase | ok | figures | note |", "|---|---|---|---|"]
+    for r in rows:
+        figs = ", ".join(f"{k} {v}" for k, v in r["figures"].items())
+        lines.append(f"| {r['phase']} | {'yes' if r['ok'] else 'NO'} | {figs} | {r['note']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="scripts/gpu-check.sh", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="runs/gpu-check", help="output directory (emptied first)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default: 60; smoke: 8)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny config, one process: test the script itself")
+    ap.add_argument("--phase", action="append", default=[], help="run only this phase (repeatable)")
+    ap.add_argument("--phase-timeout-s", type=float, default=None, help="per trainer run (default 150; smoke 120)")
+    args = ap.parse_args(argv)
+    out = Path(args.out).resolve()
+    if out == REPO or out in REPO.parents:
+        ap.error(f"--out {out}: refusing to empty it (it holds the checkout)")
+    if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
+        ap.error(f"--out {out}: refusing to empty it (not empty, and no {MARKER} from an earlier gpu-check in it)")
+    shutil.rmtree(out, ignore_errors=True)  # a rerun starts clean: no old metrics.jsonl appended to
+    out.mkdir(parents=True)
+    (out / MARKER).write_text("made by scripts/gpu-check.sh; emptied by its next run\n")
+    steps = args.steps or (8 if args.smoke else 60)
+    nproc = 1
+    if not args.smoke:
+        import torch
+
+        nproc = torch.cuda.device_count()
+        if nproc < 1:
+            print("gpu-check: no CUDA device visible (use --smoke to test the script on the CPU)", file=sys.stderr)
+            return 2
+    timeout = args.phase_timeout_s or (120 if args.smoke else 150)
+    return Check(out, args.smoke, steps, nproc, timeout).run(args.phase)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
