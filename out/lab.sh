@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: f84225386b46d2ceada2a4bcf11213c22f97a492003f8b33546239cae539f5d0
+#   inputs sha256: 16cb2a035bf9f99d8b146acd5220369fe606b851e474b70a95967af1e4b33360
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -50,6 +50,8 @@ RDZV_TIMEOUT_S=900  # torchrun.rdzv_timeout_s
 TORCHRUN_MAX_RESTARTS=0  # torchrun.max_restarts (inside one attempt)
 NUMA_BINDING=''  # topology.numa_binding
 LOG_TOPOLOGY=1  # topology.log_topology
+IB_HCA=''  # nccl.ib_hca as NCCL_IB_HCA: the preflight checks these adapters (empty: none)
+IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv
@@ -159,9 +161,254 @@ node_setup() {
   export PYTHONPATH="$f${PYTHONPATH:+:$PYTHONPATH}"
 }
 
+# Node checks shared by the launchers' preflights (templates/_preflight_checks.j2). Each check prints one
+# line per problem on stdout and returns 1 if there is one, else prints one summary line. /sys and /proc
+# are read under ${SBATCH_GEN_SYSFS_ROOT:-}: empty on a real node (tests point it at a fake tree);
+# nvidia-smi and numactl are looked up on PATH, as torchrun does.
+
+# read_line VAR FILE: the first line of FILE into VAR; returns 1 if FILE cannot be read.
+# shellcheck disable=SC2317  # run on the nodes by the preflight (shipped with it), not called here
+read_line() {
+  local line_read=''
+  { IFS= read -r line_read <"$2"; } 2>/dev/null || [[ -n $line_read ]] || return 1
+  printf -v "$1" '%s' "$line_read"
+}
+
+# The CPU numbers of a kernel cpulist ("0-3,8,10-11"), space-separated.
+# shellcheck disable=SC2317  # run on the nodes by the preflight (shipped with it), not called here
+cpulist_cpus() {
+  local r i
+  local -a ranges=() cpus=()
+  IFS=, read -r -a ranges <<<"${1//[[:space:]]/}"
+  for r in "${ranges[@]}"; do
+    if [[ $r =~ ^([0-9]+)-([0-9]+)$ ]]; then
+      for ((i = BASH_REMATCH[1]; i <= BASH_REMATCH[2]; i++)); do cpus+=("$i"); done
+    elif [[ $r =~ ^[0-9]+$ ]]; then
+      cpus+=("$r")
+    fi
+  done
+  echo "${cpus[*]}"
+}
+
+# check_numa_binding MODE (topology.numa_binding). torchrun --numa-binding=MODE starts each worker under
+# `numactl --physcpubind=<CPUs>`, the CPUs this process may use on the NUMA node of the worker's GPU, and
+# raises (no fallback: the job fails, and would be requeued to fail again) when numactl is not on PATH or
+# that set is empty. This repeats torch's own reading (torch/numa/binding.py, as of torch 2.13): GPU -> PCI
+# address -> /sys/bus/pci/devices/<addr>/numa_node (-1, "no NUMA information", counts as node 0, as torch
+# counts it) -> /sys/devices/system/node/node<N>/cpulist, intersected with Cpus_allowed_list of this
+# process (the job step's cpuset, which torchrun inherits). Mode exclusive also needs a physical core per
+# GPU of the node; mode socket needs a usable CPU on every NUMA node the kernel lists as possible.
+# shellcheck disable=SC2317  # run on the nodes by the preflight (shipped with it), not called here
+check_numa_binding() {
+  local mode=$1 root=${SBATCH_GEN_SYSFS_ROOT:-} bad=0 smi idx uuid bus addr node e c f n k
+  local allowed_list='' node_list sib summary='' field="topology.numa_binding=$1" possible
+  local -a all=() visible=() entries=()
+  local -A bus_of=() uuid_of=() allowed=() gpus_on=() cores=()
+  if ! command -v numactl >/dev/null; then
+    echo "$field: numactl is not on PATH; torchrun starts every worker under numactl and fails without it" \
+      "(install numactl on the node or in the image, or unset topology.numa_binding)"
+    bad=1
+  fi
+  allowed_list=$(sed -n 's/^Cpus_allowed_list:[[:space:]]*//p' "$root/proc/self/status" 2>/dev/null) || true
+  if [[ -z $allowed_list ]]; then
+    echo "$field: cannot read Cpus_allowed_list from $root/proc/self/status"
+    return 1
+  fi
+  for c in $(cpulist_cpus "$allowed_list"); do allowed[$c]=1; done
+  if ! smi=$(nvidia-smi --query-gpu=index,uuid,pci.bus_id --format=csv,noheader 2>&1); then
+    echo "$field: nvidia-smi --query-gpu=index,uuid,pci.bus_id failed: ${smi%%$'\n'*}"
+    return 1
+  fi
+  while IFS=', ' read -r idx uuid bus; do
+    [[ -n $idx ]] || continue
+    all+=("$idx")
+    bus_of[$idx]=$bus
+    uuid_of[$idx]=$uuid
+  done <<<"$smi"
+  # The GPUs torchrun's workers get: CUDA_VISIBLE_DEVICES (indices or GPU-UUID prefixes), else every one.
+  if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
+    IFS=, read -r -a entries <<<"${CUDA_VISIBLE_DEVICES//[[:space:]]/}"
+    for e in "${entries[@]}"; do
+      idx=''
+      if [[ $e =~ ^[0-9]+$ && -n ${bus_of[$e]+set} ]]; then
+        idx=$e
+      elif [[ $e == GPU-* ]]; then
+        for k in "${all[@]}"; do
+          if [[ ${uuid_of[$k]} == "$e"* ]]; then idx=$k; break; fi
+        done
+      fi
+      if [[ -z $idx ]]; then
+        echo "note: CUDA_VISIBLE_DEVICES entry $e is no GPU that nvidia-smi lists: its NUMA node is not checked" >&2
+        continue
+      fi
+      visible+=("$idx")
+    done
+  else
+    visible=("${all[@]}")
+  fi
+  for idx in "${visible[@]}"; do
+    bus=${bus_of[$idx],,}
+    # nvidia-smi: 00000000:18:00.0; sysfs and torch: 0000:18:00.0
+    if [[ ! $bus =~ ^([0-9a-f]+):([0-9a-f]{2}:[0-9a-f]{2})\.[0-7]$ ]]; then
+      echo "$field: GPU $idx: cannot read its PCI address from nvidia-smi's pci.bus_id '$bus'"
+      bad=1
+      continue
+    fi
+    printf -v addr '%04x:%s.0' "$((16#${BASH_REMATCH[1]}))" "${BASH_REMATCH[2]}"
+    f=$root/sys/bus/pci/devices/$addr/numa_node
+    node=''
+    read_line node "$f" || true
+    if [[ ! $node =~ ^-?[0-9]+$ ]]; then
+      echo "$field: GPU $idx ($addr): cannot read its NUMA node from $f, where torch reads it"
+      bad=1
+      continue
+    fi
+    if ((node < 0)); then node=0; fi
+    gpus_on[$node]+="${gpus_on[$node]:+,}$idx"
+  done
+  for node in $(printf '%s\n' "${!gpus_on[@]}" | sort -n); do
+    f=$root/sys/devices/system/node/node$node/cpulist
+    node_list=''
+    if ! read_line node_list "$f"; then
+      echo "$field: GPU ${gpus_on[$node]} on NUMA node $node, but $f cannot be read" \
+        "(torch reads the node's CPUs there)"
+      bad=1
+      continue
+    fi
+    n=0
+    cores=()
+    for c in $(cpulist_cpus "$node_list"); do
+      [[ -n ${allowed[$c]-} ]] || continue
+      n=$((n + 1))
+      if [[ $mode == exclusive ]]; then
+        sib=''
+        f=$root/sys/devices/system/cpu/cpu$c/topology/thread_siblings_list
+        if ! read_line sib "$f" || [[ ! ${sib%%[,-]*} =~ ^[0-9]+$ ]]; then
+          echo "$field: cannot read the physical core of CPU $c from $f (torch's exclusive mode reads it)"
+          bad=1
+          continue 2
+        fi
+        cores[${sib%%[,-]*}]=1  # a core is named by its first logical CPU, as in torch
+      fi
+    done
+    if ((n == 0)); then
+      echo "$field: GPU ${gpus_on[$node]} on NUMA node $node (CPUs $node_list), but this job step may only run on" \
+        "CPUs $allowed_list: torchrun fails to start its workers (give the step CPUs on every GPU's NUMA node," \
+        "e.g. more slurm.cpus_per_task, or unset topology.numa_binding)"
+      bad=1
+      continue
+    fi
+    k=$(tr ',' '\n' <<<"${gpus_on[$node]}" | grep -c .)
+    if [[ $mode == exclusive ]] && ((${#cores[@]} < k)); then
+      echo "$field: NUMA node $node has ${#cores[@]} physical cores this job step may use for its $k GPUs" \
+        "(${gpus_on[$node]}); torch's exclusive mode needs one per GPU (use node, or give the step more CPUs)"
+      bad=1
+      continue
+    fi
+    summary+="${summary:+, }GPU ${gpus_on[$node]} on NUMA node $node ($n usable CPUs)"
+  done
+  if [[ $mode == socket ]]; then
+    # torch's socket mode takes one usable CPU of every NUMA node the kernel lists as possible
+    # (memory-only nodes too, e.g. a GH200's GPU memory): a node without one makes it fail.
+    possible=''
+    read_line possible "$root/sys/devices/system/node/possible" || true
+    for node in $(cpulist_cpus "$possible"); do
+      [[ -z ${gpus_on[$node]+set} ]] || continue
+      node_list=''
+      read_line node_list "$root/sys/devices/system/node/node$node/cpulist" || true
+      n=0
+      for c in $(cpulist_cpus "$node_list"); do
+        if [[ -n ${allowed[$c]-} ]]; then n=1; break; fi
+      done
+      if ((n == 0)); then
+        echo "$field: NUMA node $node has no CPU this job step may run on (CPUs: ${node_list:-none}); torch's socket" \
+          "mode looks at every NUMA node and fails on it (use node)"
+        bad=1
+      fi
+    done
+  fi
+  if ((bad)); then return 1; fi
+  echo "numactl $(command -v numactl); ${summary:-no GPU to bind}; job step CPUs $allowed_list"
+}
+
+# check_ib_hcas SPEC LINK_LAYER (nccl.ib_hca, nccl.ib_link_layer). SPEC is NCCL_IB_HCA as NCCL reads it:
+# '=' first for exact names, else each name is a prefix and NCCL uses every adapter starting with it;
+# name:port selects one port, a bare name every port of the adapter. NCCL uses a selected port whatever
+# its link layer, so an Ethernet storage or management port in the list carries training traffic.
+# Every name must match an adapter in /sys/class/infiniband (a prefix: at least one), and every port it
+# selects must have LINK_LAYER in ports/<port>/link_layer (InfiniBand, or Ethernet for RoCE).
+# shellcheck disable=SC2317  # run on the nodes by the preflight (shipped with it), not called here
+check_ib_hcas() {
+  local spec=$1 want=$2 dir=${SBATCH_GEN_SYSFS_ROOT:-}/sys/class/infiniband exact=0 bad=0
+  local entry name port dev d p ll lls have='' what
+  local -a entries=() devs=() ports=() checked=()
+  if [[ $spec == =* ]]; then
+    exact=1
+    spec=${spec#=}
+  fi
+  for d in "$dir"/*; do
+    [[ -d $d ]] || continue
+    lls=''
+    for p in "$d"/ports/*; do
+      ll='?'
+      read_line ll "$p/link_layer" || true
+      lls+="${lls:+ }${p##*/}:$ll"
+    done
+    have+="${have:+, }${d##*/} (port ${lls:-none})"
+  done
+  IFS=, read -r -a entries <<<"$spec"
+  for entry in "${entries[@]}"; do
+    name=${entry%%:*}
+    port=''
+    if [[ $entry == *:* ]]; then port=${entry#*:}; fi
+    devs=()
+    for d in "$dir"/*; do
+      [[ -d $d ]] || continue
+      if ((exact)) && [[ ${d##*/} == "$name" ]]; then devs+=("$name"); fi
+      if ((!exact)) && [[ ${d##*/} == "$name"* ]]; then devs+=("${d##*/}"); fi
+    done
+    if ((${#devs[@]} == 0)); then
+      if ((exact)); then what="adapter $name"; else what="adapter starting with $name (nccl.ib_hca_exact is false)"; fi
+      echo "nccl.ib_hca: no $what on this node; have: ${have:-none (no RDMA driver loaded?)}"
+      bad=1
+      continue
+    fi
+    for dev in "${devs[@]}"; do
+      ports=()
+      if [[ -n $port ]]; then
+        ports=("$port")
+      else
+        for p in "$dir/$dev"/ports/*; do
+          if [[ -d $p ]]; then ports+=("${p##*/}"); fi
+        done
+        if ((${#ports[@]} == 0)); then
+          echo "nccl.ib_hca: adapter $dev has no ports in $dir/$dev/ports"
+          bad=1
+        fi
+      fi
+      for p in "${ports[@]}"; do
+        ll=''
+        if ! read_line ll "$dir/$dev/ports/$p/link_layer"; then
+          echo "nccl.ib_hca: adapter $dev has no port $p ($dir/$dev/ports/$p/link_layer cannot be read)"
+          bad=1
+        elif [[ $ll != "$want" ]]; then
+          echo "nccl.ib_hca: $dev port $p has link layer $ll, but nccl.ib_link_layer is $want: NCCL would send" \
+            "training traffic over it (take it out of nccl.ib_hca, name the right port as $dev:N, or set" \
+            "nccl.ib_link_layer)"
+          bad=1
+        else
+          checked+=("$dev:$p")
+        fi
+      done
+    done
+  done
+  if ((bad)); then return 1; fi
+  echo "${checked[*]}: $want"
+}
+
 # Preflight on one node: one line per check, returns 1 if any failed. Starts nothing.
 preflight_main() {
-  local rank=$1 fails=0 torchrun_path addr n m
+  local rank=$1 fails=0 torchrun_path addr n m out line
   fail() { printf 'FAIL %s\n' "$*"; fails=$((fails + 1)); }
   printf 'host %s (node %s)\n' "$HOSTNAME" "$rank"
   node_setup || return 1
@@ -197,6 +444,16 @@ sys.exit(0 if found else 1)' "$m"; then
     n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
     if ((n >= GPUS_PER_NODE)); then printf 'ok   %s GPUs\n' "$n"
     else fail "expected $GPUS_PER_NODE GPUs, nvidia-smi lists ${n:-0}"
+    fi
+  fi
+  if [[ -n $NUMA_BINDING ]]; then
+    if out=$(check_numa_binding "$NUMA_BINDING"); then printf 'ok   NUMA binding %s: %s\n' "$NUMA_BINDING" "$out"
+    else while IFS= read -r line; do fail "$line"; done <<<"$out"
+    fi
+  fi
+  if [[ -n $IB_HCA ]]; then
+    if out=$(check_ib_hcas "$IB_HCA" "$IB_LINK_LAYER"); then printf 'ok   HCAs %s\n' "$out"
+    else while IFS= read -r line; do fail "$line"; done <<<"$out"
     fi
   fi
   if [[ -r $TRAIN_CONFIG ]]; then printf 'ok   train config %s\n' "$TRAIN_CONFIG"
@@ -276,11 +533,11 @@ cleanup_main() {
 # The program a node runs: strict mode, the settings and functions above (declare -p/-f print them
 # as bash code, every value quoted), then "$@".
 NODE_VARS=(LAUNCH_DIR NNODES TAG NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT RDZV_TIMEOUT_S
-  TORCHRUN_MAX_RESTARTS NUMA_BINDING LOG_TOPOLOGY ENV_KIND ENV_PATH ENV_NAME MODULES CODE_DIR NODE_ENV
-  TRAINER_MODULE TRAINER_ARGS XR_ARGS TRAIN_CONFIG DATA_PATH RUN_DIR SHARED_RUN_DIR)
+  TORCHRUN_MAX_RESTARTS NUMA_BINDING LOG_TOPOLOGY IB_HCA IB_LINK_LAYER ENV_KIND ENV_PATH ENV_NAME MODULES
+  CODE_DIR NODE_ENV TRAINER_MODULE TRAINER_ARGS XR_ARGS TRAIN_CONFIG DATA_PATH RUN_DIR SHARED_RUN_DIR)
 NODE_PROGRAM="set -euo pipefail
 $(declare -p "${NODE_VARS[@]}")
-$(declare -f iface_ipv4 node_setup preflight_main node_main cleanup_main)
+$(declare -f iface_ipv4 node_setup preflight_main node_main cleanup_main read_line cpulist_cpus check_numa_binding check_ib_hcas)
 \"\$@\""
 
 # POSIX single quoting, for the remote login shell.

@@ -379,6 +379,8 @@ def _format_status(st) -> list[str]:
     from sbatch_gen.mailbox_status import age
 
     quorum = "all" if st.quorum == st.regions_total else f"{st.quorum}, grace {st.grace_s:g} s"
+    if st.heartbeat_s is not None:
+        quorum += f", heartbeat every {st.heartbeat_s:g} s"
     lines = [f"run:       {st.run_id} ({st.regions_total} regions; min_regions {quorum})",
              f"mailbox:   {st.location}" + ("" if st.exists else " (does not exist yet)")]
     c = st.newest_commit
@@ -387,11 +389,13 @@ def _format_status(st) -> list[str]:
     else:
         waited = f", waited {c.waited_s:g} s" if c.reason != "all" else ""
         absent = f"; absent: {', '.join(c.absent)}" if c.absent else ""
+        stale = f" (heartbeat stale: {', '.join(c.stale)})" if c.stale else ""
         lines.append(f"committed: round {c.round} (step {c.step}), closed {age(st.now - c.time) if c.time else '-'} "
-                     f"by {c.closed_by} ({c.reason}{waited}); members: {', '.join(c.members) or '-'}{absent}")
+                     f"by {c.closed_by} ({c.reason}{waited}); members: {', '.join(c.members) or '-'}{absent}{stale}")
     lines.append(f"snapshot:  round {st.newest_snapshot}" if st.newest_snapshot is not None
                  else "snapshot:  none complete")
-    header = ["region", "last published", "presence", "behind", "in newest commit", "presence updated"]
+    header = ["region", "last published", "presence", "behind", "in newest commit", "presence updated",
+              "last heartbeat"]
     rows = []
     for r in st.regions:
         pres = r.presence + (f" (round {r.presence_round})" if r.presence_round is not None else "")
@@ -399,12 +403,14 @@ def _format_status(st) -> list[str]:
                      "-" if r.last_published is None else f"round {r.last_published}", pres,
                      "-" if r.behind is None else str(r.behind),
                      "-" if r.in_newest_commit is None else ("yes" if r.in_newest_commit else "no"),
-                     age(r.presence_age_s) + (f" (job {r.job})" if r.job else "")])
+                     age(r.presence_age_s) + (f" (job {r.job})" if r.job else ""),
+                     "-" if r.heartbeat is None else f"{age(r.heartbeat_age_s)} (#{r.heartbeat})"])
     widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
     lines.append("")
     for row in [header, *rows]:
         lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
-    lines.append("(* this site's region; behind: rounds behind the newest commit)")
+    lines.append("(* this site's region; behind: rounds behind the newest commit; ages of heartbeats use the "
+                 "writing region's clock)")
     return lines
 
 

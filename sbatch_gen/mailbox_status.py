@@ -2,8 +2,12 @@
 
 One pass over the mailbox (a few listings and small reads; no shard is downloaded): the newest committed
 round and who closed it, the newest complete outer snapshot, and per region its newest published round,
-its presence record (joined / leaving, or none) and how far it is behind the newest commit. The CLI only
-formats the :class:`MailboxStatus` this returns.
+its presence record (joined / leaving, or none), its last liveness heartbeat and how far it is behind the
+newest commit. The CLI only formats the :class:`MailboxStatus` this returns.
+
+A heartbeat's age is this machine's wall clock minus the WRITER's (the only time a single reading has):
+information for people, off by the clock skew between the two machines. The regions themselves never
+compare clocks: they watch whether the heartbeat's counter changes, on their own clock.
 
 Needs ``boto3`` (the ``s3`` extra) for an S3 mailbox; nothing beyond the base install for ``fs``.
 """
@@ -25,11 +29,12 @@ class CommitInfo:
     round: int
     step: int
     closed_by: str
-    reason: str  # "all" | "leave" | "grace"
+    reason: str  # "all" | "leave" | "stale" | "grace"
     members: list[str]  # in the order of the run's regions
     absent: list[str]
     waited_s: float
     time: float  # wall clock, seconds since the epoch (0: unknown)
+    stale: list[str] = field(default_factory=list)  # absent regions whose heartbeat the closer found stale
 
 
 @dataclass
@@ -44,6 +49,10 @@ class RegionStatus:
     job: str
     behind: int | None  # rounds behind the newest commit (0: up to date; None: no commit yet)
     in_newest_commit: bool | None  # None: no commit yet
+    heartbeat: int | None = None  # the counter of its last heartbeat (None: no heartbeat in the mailbox)
+    heartbeat_interval_s: float | None = None
+    heartbeat_time: float | None = None  # the WRITER's wall clock when it wrote it
+    heartbeat_age_s: float | None = None  # this reader's wall clock minus the writer's: includes their skew
 
 
 @dataclass
@@ -54,6 +63,7 @@ class MailboxStatus:
     quorum: int
     regions_total: int
     grace_s: float
+    heartbeat_s: float | None  # None: heartbeats off
     exists: bool  # False: an fs mailbox directory that does not exist (yet)
     now: float
     newest_commit: CommitInfo | None = None
@@ -75,12 +85,12 @@ def read_status(xr: CrossRegion, store: Store | None = None, *, now: float | Non
 
     now = time.time() if now is None else now
     base = dict(run_id=xr.run_id, site_region=xr.region, quorum=xr.quorum, regions_total=len(xr.regions),
-                grace_s=xr.grace_s, now=now)
+                grace_s=xr.grace_s, heartbeat_s=xr.heartbeat_s if xr.elastic else None, now=now)
     t = xr.transport
     if store is None and t.kind == "fs" and not Path(t.root).is_dir():
         # FsStore would create the directory: a status query must not.
         return MailboxStatus(location=location(t), exists=False, **base,
-                             regions=[_region(r, None, None, None, now) for r in xr.regions])
+                             regions=[_region(r, None, None, None, None, now) for r in xr.regions])
     own = store is None
     if own:
         store = make_store(t, threads=4)
@@ -97,15 +107,17 @@ def read_status(xr: CrossRegion, store: Store | None = None, *, now: float | Non
                 break
         snaps = ms.snapshot_rounds(keys)
         presences = ms.presences(keys)
+        beats = ms.heartbeats(keys)
         info = None
         if commit is not None:
             info = CommitInfo(round=commit.round, step=commit.step, closed_by=commit.closed_by,
                               reason=commit.reason, members=[r for r in xr.regions if r in commit.members],
-                              absent=list(commit.absent), waited_s=commit.waited_s, time=commit.time)
+                              absent=list(commit.absent), waited_s=commit.waited_s, time=commit.time,
+                              stale=list(commit.stale))
         return MailboxStatus(
             location=store.describe(), exists=True, **base, newest_commit=info, committed_rounds=committed,
             newest_snapshot=snaps[-1] if snaps else None,
-            regions=[_region(r, latest.get(r), presences.get(r), info, now) for r in xr.regions],
+            regions=[_region(r, latest.get(r), presences.get(r), beats.get(r), info, now) for r in xr.regions],
         )
     finally:
         mb.close()
@@ -120,7 +132,7 @@ def location(transport) -> str:
     return f"s3://{transport.bucket}/{transport.prefix.strip('/')}"
 
 
-def _region(region: str, published: int | None, p, commit: CommitInfo | None, now: float) -> RegionStatus:
+def _region(region: str, published: int | None, p, hb, commit: CommitInfo | None, now: float) -> RegionStatus:
     behind = None
     if commit is not None:
         # Where the region is: its newest manifest, or the round its presence record names (a region that
@@ -138,6 +150,10 @@ def _region(region: str, published: int | None, p, commit: CommitInfo | None, no
         job=p.job if p is not None else "",
         behind=behind,
         in_newest_commit=(region in commit.members) if commit is not None else None,
+        heartbeat=hb.beat if hb is not None else None,
+        heartbeat_interval_s=hb.interval_s if hb is not None else None,
+        heartbeat_time=hb.time if hb is not None else None,
+        heartbeat_age_s=max(0.0, now - hb.time) if hb is not None and hb.time else None,
     )
 
 

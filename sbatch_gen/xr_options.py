@@ -226,7 +226,22 @@ class CrossRegion(_Strict):
         default=60, ge=0, le=86_400,
         description="Elastic rounds: seconds the round still waits for the missing regions after min_regions "
         "have arrived; a region later than that has its delta dropped for the round. The bound on how long "
-        "an absent region can idle the others per round.",
+        "an absent region can idle the others per round (heartbeat_s shortens it for a region that crashed).",
+    )
+    heartbeat_s: Annotated[float, Field(ge=0.1, le=3600)] | None = Field(
+        default=5.0,
+        description="Elastic rounds: seconds between liveness heartbeats. A thread of each region's rank 0 "
+        "overwrites <run>/_alive/<region>.json (an increasing counter) every heartbeat_s. A region waiting in a "
+        "round treats a missing region whose heartbeat has not changed for 3 x heartbeat_s, measured on its OWN "
+        "clock (it must have watched that long; observations carry over between rounds, and no clocks are "
+        "compared across regions), as gone: the round closes without waiting out grace_s (min_regions still "
+        "applies). So a crashed region (SIGKILL, node failure: nothing announces a leave) costs the others at "
+        "most min(grace_s, 3 x heartbeat_s) once, then nothing per round until it beats again. A hung region "
+        "whose heartbeat thread still beats is not detected: it still costs up to grace_s per round. Cost: "
+        "3600 / heartbeat_s PUTs per hour and region (720 at the default 5 s: ~$0.004/h at S3 Standard's "
+        "$0.005 per 1000 PUTs), plus, only while a round waits for a missing region, 2 GETs (its presence and its "
+        "heartbeat) every min(1 s, grace_s / 4). null: no heartbeats (a crashed region costs grace_s in every round it misses). Ignored unless "
+        "the run is elastic (min_regions below the number of regions).",
     )
     snapshot_every: int = Field(
         default=10, ge=1, le=1_000_000,
@@ -248,19 +263,36 @@ class CrossRegion(_Strict):
     # Switches for benchmarks: each optimisation can be turned off on its own to measure it.
     node_leaders: bool = Field(
         default=True,
-        description="Shards owned round-robin by node leaders (each node uploads its part); "
-        "false: the region's rank 0 moves every shard.",
+        description="Shards owned round-robin by node leaders (each node uploads its part, and each node leader "
+        "holds the outer state); false: the region's rank 0 moves every shard and alone holds the outer state.",
     )
     serialization: Literal["raw", "torch_save"] = Field(
         default="raw", description="Shard object encoding: raw contiguous bytes, or torch.save (slower)."
     )
     outer_device: Literal["auto", "cpu"] = Field(
-        default="auto", description="Where the outer step runs: the training device (auto), or the CPU."
+        default="auto",
+        description="Where a region's leaders hold the outer state and take the outer step. Only the leaders "
+        "(local rank 0 of each node; rank 0 alone with node_leaders: false) hold it; the other ranks hold none "
+        "and get the new parameters (grad mode: gradients) from rank 0 by a broadcast inside the region. "
+        "Flat fp32 buffers per parameter: DiLoCo leader 16 B (theta_outer, momentum, delta, average), grad-mode "
+        "leader 8 B (gradient, average), every other rank 0 B. auto: on the training device while that state "
+        "fits in outer_device_max_gib, else in host memory (pinned beside a GPU, except the momentum); cpu: "
+        "always in host memory. Either way a leader's host memory also holds its transfer buffers: 2 B/param "
+        "(bf16 payloads) or 4 (fp32, when the state is on a GPU), 4 B/param more once it publishes a snapshot "
+        "from a GPU, and the downloaded payloads of the other regions (up to their count x 2 B/param for bf16, "
+        "split among the leaders). The placement never changes a bit of the result.",
+    )
+    outer_device_max_gib: float = Field(
+        default=16.0, ge=0, le=1_000_000,
+        description="outer_device auto: the most GiB of outer state a leader keeps on the training device "
+        "(DiLoCo 16 B/param: the default holds about 1.07 billion parameters; grad mode 8 B/param). A larger "
+        "state goes to host memory, where the blocked CPU kernels take the step (bounded by host memory "
+        "bandwidth; it runs once a round). 0: always host memory.",
     )
 
     _numbers_not_booleans = field_validator(
-        "inner_steps", "outer_lr", "outer_momentum", "timeout_s", "min_regions", "grace_s", "snapshot_every",
-        "keep_rounds", "shard_mb", "threads", mode="before",
+        "inner_steps", "outer_lr", "outer_momentum", "timeout_s", "min_regions", "grace_s", "heartbeat_s",
+        "snapshot_every", "keep_rounds", "shard_mb", "threads", "outer_device_max_gib", mode="before",
     )(_no_bool)
 
     @model_validator(mode="after")
@@ -309,6 +341,7 @@ _FLAT = {
     "timeout_s": "--xr-timeout-s",
     "min_regions": "--xr-min-regions",
     "grace_s": "--xr-grace-s",
+    "heartbeat_s": "--xr-heartbeat-s",
     "snapshot_every": "--xr-snapshot-every",
     "keep_rounds": "--xr-keep-rounds",
     "payload_dtype": "--xr-payload-dtype",
@@ -317,6 +350,7 @@ _FLAT = {
     "node_leaders": "--xr-node-leaders",
     "serialization": "--xr-serialization",
     "outer_device": "--xr-outer-device",
+    "outer_device_max_gib": "--xr-outer-device-max-gib",
 }
 _TRANSPORT = {
     "kind": "--xr-transport",
@@ -335,7 +369,13 @@ _CREDS = {
 }
 
 
+_NULLABLE = {"heartbeat_s"}  # fields whose null is spelled "none" on the command line
+_NONE = "none"
+
+
 def _fmt(v: object) -> str:
+    if v is None:
+        return _NONE
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, list):
@@ -384,7 +424,11 @@ def from_namespace(ns: argparse.Namespace) -> CrossRegion:
     for field, flag in _FLAT.items():
         v = getattr(ns, _dest(flag))
         if v is not None:
-            data[field] = [x for x in v.split(",") if x] if field == "regions" else v
+            if field == "regions":
+                v = [x for x in v.split(",") if x]
+            elif field in _NULLABLE and v == _NONE:
+                v = None
+            data[field] = v
     transport: dict = {}
     for field, flag in _TRANSPORT.items():
         v = getattr(ns, _dest(flag))

@@ -2,7 +2,7 @@
 
     with FaultProxy(s3.endpoint_url, plan=cycle_plan()) as proxy:
         ... S3 clients use proxy.url as their endpoint ...
-        proxy.injected        # {"503": n, "reset": n, "truncate": n, "slow": n}
+        proxy.injected        # {"503": n, "reset": n, "truncate": n, "slow": n, "corrupt": n}
 
 Per request, ``plan(method, path, n)`` (``n`` counts requests from 0) picks a fault or None:
 
@@ -11,7 +11,10 @@ Per request, ``plan(method, path, n)`` (``n`` counts requests from 0) picks a fa
   with a body (PUT/POST) is reset before it is forwarded (the server never sees it, as when a
   connection breaks while the client sends);
 * ``"truncate"``: a GET's response announces its full Content-Length, sends half the body and closes;
-* ``"slow"``: the response body is sent in small pieces with pauses.
+* ``"slow"``: the response body is sent in small pieces with pauses;
+* ``"corrupt"``: a GET's response arrives whole and well-formed, with the right length, but with bytes
+  of its body changed (damage in transit that neither HTTP nor the length check can see). Other
+  requests are forwarded untouched.
 
 Torch-free; standard library only.
 """
@@ -37,7 +40,8 @@ _SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Co
 def cycle_plan(every: int = 4, faults: tuple[str, ...] = ("503", "reset", "truncate", "slow"),
                burst: int = 2) -> Plan:
     """Every ``every``-th request gets the next fault of ``faults`` in turn; a ``503`` comes as a burst of
-    ``burst`` consecutive requests. Body faults (reset, truncate) only hit GETs of objects and PUTs."""
+    ``burst`` consecutive requests. Body faults (reset, truncate) only hit GETs of objects and PUTs;
+    ``corrupt`` (not in the default ``faults``) only GETs of objects."""
     state = {"k": 0, "burst": 0}
     lock = threading.Lock()
 
@@ -50,14 +54,22 @@ def cycle_plan(every: int = 4, faults: tuple[str, ...] = ("503", "reset", "trunc
                 return None
             fault = faults[state["k"] % len(faults)]
             state["k"] += 1
-            if fault in ("reset", "truncate") and (method not in ("GET", "PUT") or "?" in path
-                                                   or (method == "PUT" and fault == "truncate")):
+            if fault in ("reset", "truncate", "corrupt") and (method not in ("GET", "PUT") or "?" in path
+                                                              or (method == "PUT" and fault != "reset")):
                 return None  # listings, deletes: only throttled
             if fault == "503":
                 state["burst"] = burst - 1
             return fault
 
     return plan
+
+
+def _corrupted(data: bytes) -> bytes:
+    """``data`` with one byte in every 4 KiB (and the last one) inverted: same length, different bytes."""
+    out = bytearray(data)
+    for i in {*range(0, len(out), 4096), len(out) - 1}:
+        out[i] ^= 0xFF
+    return bytes(out)
 
 
 class FaultProxy:
@@ -143,6 +155,8 @@ class FaultProxy:
                 self.end_headers()
                 if method == "HEAD":
                     return
+                if fault == "corrupt" and method == "GET" and 200 <= status < 300 and data:
+                    data = _corrupted(data)
                 if fault in ("reset", "truncate") and len(data) > 1:
                     self.wfile.write(data[: len(data) // 2])
                     if fault == "reset":

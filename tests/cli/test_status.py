@@ -8,7 +8,15 @@ import re
 import time
 from dataclasses import asdict
 
-from sbatch_gen.train.xr.membership import Commit, Member, Membership, Presence, manifest_digest
+from sbatch_gen.train.xr.membership import (
+    Commit,
+    Heartbeat,
+    HeartbeatWriter,
+    Member,
+    Membership,
+    Presence,
+    manifest_digest,
+)
 from sbatch_gen.train.xr.protocol import Mailbox, Manifest, ShardInfo, round_tag
 from sbatch_gen.train.xr.store import FsStore, S3Store
 
@@ -42,18 +50,19 @@ def _membership(store, region: str) -> Membership:
     return Membership(Mailbox(store, RUN, region, REGIONS, threads=1), quorum=2, grace_s=30, job=f"job-{region}")
 
 
-def _commit(store, r: int, manifests: dict[str, Manifest], closed_by: str, reason: str) -> None:
+def _commit(store, r: int, manifests: dict[str, Manifest], closed_by: str, reason: str, stale=()) -> None:
     ms = _membership(store, closed_by)
     members = {k: Member(manifest_digest(m), m.tokens) for k, m in manifests.items()}
     c = Commit(RUN, round_tag(r), r * 100, members, closed_by, reason, 12.5,
-               [x for x in REGIONS if x not in manifests], time.time() - 90)
+               [x for x in REGIONS if x not in manifests], time.time() - 90, stale=list(stale))
     assert store.create(ms.commit_key(round_tag(r)), c.to_json())
     ms.mb.close()
 
 
 def build_mailbox(store) -> None:
     """Round 40 with everyone; us announced a leave after it; rounds 41 and 42 closed without us
-    (reason "leave"); a complete snapshot of round 40; ap never wrote a presence record."""
+    (reason "leave"); a complete snapshot of round 40; ap never wrote a presence record. Heartbeats: eu's
+    writer has just beaten twice, us's last one is 10 minutes old (by us's clock), ap has none."""
     r40 = {x: _publish(store, x, 40) for x in REGIONS}
     _commit(store, 40, r40, "eu", "all")
     ms = _membership(store, "us")
@@ -66,6 +75,10 @@ def build_mailbox(store) -> None:
     ms = _membership(store, "eu")
     old = Presence("eu", "joined", 38, 3800, time.time() - 185, "job-eu")
     store.put(ms.presence_key("eu"), json.dumps(asdict(old)).encode())
+    writer = HeartbeatWriter(store, ms.alive_key("eu"), "eu", 5.0, "job-eu")
+    writer.beat()
+    writer.beat()
+    store.put(ms.alive_key("us"), Heartbeat("us", "x1", 41, 5.0, time.time() - 605, "job-us").to_json())
     ms.mb.close()
 
 
@@ -90,12 +103,15 @@ def test_status_table_from_an_fs_mailbox(tmp_path, sites):
     assert "snapshot:  round 40" in out
     rows = _table(out)
     assert set(rows) == set(REGIONS), out
-    #            region  last published  presence  behind  in newest commit  presence updated
+    #    region  last published  presence  behind  in newest commit  presence updated  last heartbeat
     assert rows["us"][1:5] == ["round 40", "leaving (round 40)", "2", "no"]
-    assert rows["us"][5].endswith("s ago (job job-us)")
+    assert rows["us"][5].endswith("s ago (job job-us)") and rows["us"][6] == "10m ago (#41)"
     assert rows["eu"][1:6] == ["round 42", "joined (round 38)", "0", "yes", "3m ago (job job-eu)"]
-    assert rows["ap"][1:6] == ["round 42", "absent", "0", "yes", "-"]
+    assert re.fullmatch(r"[01]s ago \(#2\)", rows["eu"][6]), rows["eu"]
+    assert rows["ap"][1:7] == ["round 42", "absent", "0", "yes", "-", "-"]
     assert rows["eu"][0] == "eu *"  # this site's region
+    assert "min_regions 2, grace 30 s, heartbeat every 5 s" in out
+    assert "ages of heartbeats use the writing region's clock" in out
 
 
 def test_status_json(tmp_path, sites):
@@ -114,6 +130,24 @@ def test_status_json(tmp_path, sites):
     assert us["last_published"] == 40 and us["job"] == "job-us"
     eu = next(r for r in st["regions"] if r["region"] == "eu")
     assert 180 <= eu["presence_age_s"] < 300
+    assert eu["heartbeat"] == 2 and eu["heartbeat_interval_s"] == 5.0 and eu["heartbeat_age_s"] < 60
+    assert us["heartbeat"] == 41 and 600 <= us["heartbeat_age_s"] < 700 and st["heartbeat_s"] == 5.0
+    ap = next(r for r in st["regions"] if r["region"] == "ap")
+    assert ap["heartbeat"] is None and ap["heartbeat_age_s"] is None
+
+
+def test_status_names_the_regions_a_round_closed_without_for_a_stale_heartbeat(tmp_path, sites):
+    mbx = tmp_path / "mailbox"
+    store = FsStore(mbx)
+    build_mailbox(store)
+    _commit(store, 43, {x: _publish(store, x, 43) for x in ("eu", "us")}, "eu", "stale", stale=["ap"])
+    write_site(sites, "eu", XR + f"transport: {{kind: fs, root: '{mbx}'}}\n")
+    code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites))
+    assert code == 0, err
+    assert re.search(r"committed: round 43 .* by eu \(stale, waited 12.5 s\); members: eu, us; absent: ap "
+                     r"\(heartbeat stale: ap\)", out), out
+    code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites), "--json")
+    assert json.loads(out)["newest_commit"]["stale"] == ["ap"]
 
 
 def test_empty_or_missing_mailbox_is_not_a_crash(tmp_path, sites):

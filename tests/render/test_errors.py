@@ -187,6 +187,7 @@ def test_steps_not_a_multiple_of_inner_steps_is_a_note_at_inner_steps(work):
 
 @pytest.mark.parametrize("field, value, shown", [("min_regions", "all", "'all' differs from 1"),
                                                  ("grace_s", "45", "45.0 differs from 30.0"),
+                                                 ("heartbeat_s", "null", "None differs from 5.0"),
                                                  ("snapshot_every", "10", "10 differs from 5")])
 def test_elastic_settings_must_agree_across_the_sites_of_a_run(work, field, value, shown):
     us = work / "sites" / "us.yaml"

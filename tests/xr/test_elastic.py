@@ -16,12 +16,22 @@ from .concurrent import in_threads
 from .test_sync import flat, inner_steps, make
 
 H = 4
+_open: list = []  # the syncs a test made: closed after it (their heartbeat threads stop)
+
+
+@pytest.fixture(autouse=True)
+def _close_syncs():
+    yield
+    while _open:
+        _open.pop().close()
 
 
 def _sync(region, root, regions, **kw):
     base = dict(regions=regions, min_regions=1, grace_s=0.2, payload_dtype="fp32", keep_rounds=2)
     base.update(kw)
-    return make(region, root, **base)
+    m, s = make(region, root, **base)
+    _open.append(s)
+    return m, s
 
 
 def _rounds(m, s, opt, region, rounds, tokens=32):
@@ -164,6 +174,32 @@ def test_a_late_region_applies_the_committed_update_and_warns_after_three_rounds
     assert warned and "grace_s=0.05s" in warned[0] and "region us" in warned[0]
 
 
+def test_withheld_rounds_publish_nothing_and_the_region_applies_the_commit(tmp_path, monkeypatch):
+    """Fault injection (SBATCH_GEN_XR_WITHHOLD_ROUNDS, used by bench/elastic.py's control): us publishes
+    nothing in round 2, so eu closes it alone after grace_s; us applies the committed update and both take
+    part again in round 3, bit-identical."""
+    from sbatch_gen.train.xr import exchange
+
+    monkeypatch.setenv(exchange.ENV_WITHHOLD_ROUNDS, " 2, 7 ")
+    assert exchange._withheld() == {2, 7} and exchange._round_of("r000007") == 7 and exchange._round_of("x") == -1
+    monkeypatch.delenv(exchange.ENV_WITHHOLD_ROUNDS)
+    regions = ["eu", "us"]
+
+    def region(r):
+        m, s = _sync(r, tmp_path, regions, grace_s=0.3)
+        if r == "us":
+            s.ex.withheld = frozenset({2})  # (the environment is shared by the threads: set it on us only)
+        s.align(0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        return _rounds(m, s, opt, r, [1, 2, 3]), flat(m)
+
+    out = in_threads(region, regions)
+    (eu, eu_p), (us, us_p) = out["eu"], out["us"]
+    assert [x["xr_members"] for x in eu] == [regions, ["eu"], regions]
+    assert [x["xr_late"] for x in us] == [False, True, False] and us[1]["xr_bytes_up"] == 0
+    assert torch.equal(eu_p, us_p)
+
+
 def test_a_returning_region_continues_at_the_runs_current_step(tmp_path):
     """The run's position inside the next round is estimated from the last rounds' close times: a region
     that fast-forwards 12 s into a 19 s round after the newest commit continues 6 of 10 steps into it (so its first
@@ -194,3 +230,57 @@ def test_a_returning_region_continues_at_the_runs_current_step(tmp_path):
     assert s._steps_into_round() == h - 1
     closed_at((100.0, 80.0, 60.0))  # nothing closed for 3 rounds' time: every region was away, start at 0
     assert s._steps_into_round() == 0
+
+
+def test_a_crashed_region_is_found_by_its_heartbeat_and_rejoins_bit_identical(tmp_path):
+    """Both regions beat every 0.2 s. us "crashes" after round 1: its heartbeat stops, no leave is written.
+    eu's round 2 waits until us's heartbeat has stood still for 3 beats (<= 0.6 s, not grace_s = 5 s) and
+    closes it alone as "stale", naming us; rounds 3 and 4 close at once. us comes back from its round-1
+    state (a new process: a new heartbeat), fast-forwards, is waited for again in round 5, takes part, and
+    both regions hold the same bits."""
+    regions = ["eu", "us"]
+    kw = dict(grace_s=5.0, heartbeat_s=0.2, keep_rounds=10, snapshot_every=100)
+    syncs, saved = {}, {}
+
+    def first_round(r):
+        m, s = _sync(r, tmp_path, regions, **kw)
+        assert s.membership.beating
+        s.align(0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        _rounds(m, s, opt, r, [1])
+        syncs[r] = (m, s, opt)
+        if r == "us":
+            saved["model"] = {k: v.clone() for k, v in m.state_dict().items()}
+            saved["outer"] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.state_dict().items()}
+            s.membership.stop_heartbeat()  # the crash: its heartbeat stops and nothing else is written
+        return s.round
+
+    assert in_threads(first_round, regions) == {"eu": 1, "us": 1}
+    m_eu, s_eu, opt_eu = syncs["eu"]
+    recs = _rounds(m_eu, s_eu, opt_eu, "eu", [2, 3, 4])
+    assert [(x["xr_members"], x["xr_close_reason"], x["xr_stale"]) for x in recs] == [(["eu"], "stale", ["us"])] * 3
+    waits = [x["xr_wait_s"] for x in recs]
+    # (round 2 may wait less than 0.6 s: eu may have watched us's heartbeat already while waiting in round 1)
+    assert waits[0] < 2.5 and max(waits[1:]) < 0.5, waits
+
+    m_us, s_us = _sync("us", tmp_path, regions, seed=99, **kw)
+    m_us.load_state_dict(saved["model"])
+    s_us.load_state_dict(saved["outer"])
+    adopted = s_us.catch_up(H)
+    assert torch.equal(s_us.theta_outer, s_eu.theta_outer) and 4 * H <= adopted < 5 * H
+    opt_us = torch.optim.SGD(m_us.parameters(), lr=0.05)
+    both = {"eu": (m_eu, s_eu, opt_eu, 4 * H + 1), "us": (m_us, s_us, opt_us, adopted + 1)}
+
+    def round5(r):
+        m, s, opt, first = both[r]
+        if r == "us":
+            time.sleep(1.0)  # us is slow this round, but it beats: eu waits for it (grace_s 5 s)
+        inner_steps(m, opt, r, range(first, 5 * H + 1))
+        return s.after_optimizer_step(5 * H, 32)
+
+    out = in_threads(round5, regions)
+    assert out["eu"]["xr_members"] == ["eu", "us"] == out["us"]["xr_members"], out["eu"]
+    assert out["eu"]["xr_close_reason"] == "all" and out["eu"]["xr_stale"] == []
+    assert torch.equal(flat(m_eu), flat(m_us)) and torch.equal(s_eu.theta_outer, s_us.theta_outer)
+    s_eu.close()
+    assert not s_eu.membership.beating

@@ -1,9 +1,14 @@
 """Round membership on both stores: conditional create, the closing rule, commit races, planned leaves,
-cleanup that keeps what a returning region needs. In-process, torch-free (regions as threads)."""
+crashed regions found by their stale heartbeat, cleanup that keeps what a returning region needs.
+In-process, torch-free (regions as threads; a crashed region is a real process killed with SIGKILL)."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -11,7 +16,7 @@ import pytest
 
 from bench import peer
 from sbatch_gen.train.xr.errors import XRBehind, XRNoQuorum
-from sbatch_gen.train.xr.membership import Commit, Membership, decide
+from sbatch_gen.train.xr.membership import STALE_BEATS, Commit, Heartbeat, HeartbeatWriter, Membership, decide
 from sbatch_gen.train.xr.protocol import Expect, Mailbox, ShardPlan, round_tag
 from sbatch_gen.train.xr.store import FsStore, make_store, probe_create
 
@@ -22,12 +27,12 @@ N = 1000  # fp32 elements per payload
 EXPECT = Expect("delta", "fp32", N, "L1", "raw", ShardPlan.make(N, 4, 0.002))
 
 
-def members(transport, regions=REGIONS, quorum=None, grace_s=0.3, timeout_s=20.0, run_id="run1"):
+def members(transport, regions=REGIONS, quorum=None, grace_s=0.3, timeout_s=20.0, run_id="run1", heartbeat_s=None):
     out = {}
     for r in regions:
         mb = Mailbox(make_store(transport, threads=2), run_id, r, regions, timeout_s=timeout_s, threads=2,
                      poll_min_s=0.005, poll_max_s=0.05)
-        out[r] = Membership(mb, quorum or len(regions), grace_s)
+        out[r] = Membership(mb, quorum or len(regions), grace_s, heartbeat_s=heartbeat_s)
     return out
 
 
@@ -46,6 +51,11 @@ def test_decide_is_the_closing_rule():
     assert decide(R, ["eu", "us"], ["ap"], 2, 5.0, 10.0, None) == ("leave", 10.0)  # the missing one left
     assert decide(R, ["eu"], ["us", "ap"], 2, 5.0, 10.0, None) == (None, None)  # a leave never beats the quorum
     assert decide(R, ["eu", "us"], [], 2, 0.0, 10.0, None) == ("grace", 10.0)
+    # crashed (stale heartbeat): not waited for, like a leave, but never before the quorum
+    assert decide(R, ["eu", "us"], [], 2, 5.0, 10.0, None, stale=["ap"]) == ("stale", 10.0)
+    assert decide(R, ["eu"], ["us"], 2, 5.0, 10.0, None, stale=["ap"]) == (None, None)
+    assert decide(R, ["eu"], ["us"], 1, 5.0, 10.0, None, stale=["ap"]) == ("stale", 10.0)  # one left, one crashed
+    assert decide(R, ["eu"], [], 1, 5.0, 10.0, None, stale=["ap"]) == (None, 10.0)  # us may still come
 
 
 def test_create_if_absent_has_one_winner_under_races(transport):
@@ -218,3 +228,191 @@ def test_elastic_needs_a_store_that_refuses_a_second_create(tmp_path, monkeypatc
         with pytest.raises(XRError, match=r"s3://nocond.* does not refuse a second conditional create"):
             create(CrossRegion(**base, min_regions=1, grace_s=1), model, torch.device("cpu"), DistInfo())
         create(CrossRegion(**base), model, torch.device("cpu"), DistInfo()).close()
+
+
+def test_a_wait_in_slices_keeps_its_grace_clock(transport):
+    """The exchange waits in slices (so that the other ranks hear from rank 0): a grace_s longer than a
+    slice must still run out. Each slice carries the quorum's start over to the next one."""
+    ms = members(transport, quorum=1, grace_s=0.5, timeout_s=4.0)
+    pub(ms["eu"], 1)
+    started = time.monotonic()
+    got, slices = None, 0
+    while got is None:
+        got = ms["eu"].wait_commit("r000001", EXPECT, step=4, started=started, slice_s=0.15)
+        slices += 1
+    assert got[0].reason == "grace" and slices >= 3
+    assert 0.5 <= time.monotonic() - started < 0.5 + 0.5
+
+
+# -- crashed regions: liveness heartbeats -----------------------------------------------------------------
+
+HB = 0.2  # heartbeat_s of these tests: a heartbeat unchanged for STALE_BEATS x HB = 0.6 s of watching is stale
+STALE = STALE_BEATS * HB
+_BEATER = """
+import json, sys, time
+from sbatch_gen.train.xr.membership import Membership
+from sbatch_gen.train.xr.protocol import Mailbox
+from sbatch_gen.train.xr.store import make_store
+from sbatch_gen.xr_options import FsTransport, S3Transport
+
+t = json.loads(sys.argv[1])
+transport = (FsTransport if t["kind"] == "fs" else S3Transport).model_validate(t)
+ms = Membership(Mailbox(make_store(transport, threads=2), "run1", "us", ["eu", "us"], threads=2), 1, 3.0,
+                heartbeat_s=float(sys.argv[2]))
+ms.start_heartbeat()
+print("beating", flush=True)
+time.sleep(600)
+"""
+
+
+def _timed_round(ms: Membership, r: int):
+    pub(ms, r)
+    t0 = time.monotonic()
+    c, _ = ms.wait_commit(round_tag(r), EXPECT, step=4 * r)
+    return c, time.monotonic() - t0
+
+
+def _beats(ms: Membership, region: str, n: int, timeout: float = 20.0) -> Heartbeat:
+    """Wait until ``region`` has written at least ``n`` heartbeats; return the newest."""
+    deadline = time.monotonic() + timeout
+    while True:
+        hb = ms.read_heartbeat(region)
+        if hb is not None and hb.beat >= n:
+            return hb
+        assert time.monotonic() < deadline, f"{region} wrote no heartbeat #{n}"
+        time.sleep(0.02)
+
+
+def test_a_crashed_region_costs_one_stale_wait_then_nothing(transport, repo):
+    """us is a real process whose heartbeat thread beats every 0.2 s; it is SIGKILLed (nothing tells eu).
+    eu's first round without it waits until us's heartbeat has stood still for 3 beats on eu's own clock
+    (0.6 s, not grace_s = 4 s) and closes it as "stale", naming us; eu keeps what it saw, so the next rounds
+    close with no wait at all (bounds with room for a loaded machine: a round's requests take time too)."""
+    ms = members(transport, quorum=1, grace_s=4.0, heartbeat_s=HB)
+    proc = subprocess.Popen([sys.executable, "-c", _BEATER, transport.model_dump_json(), str(HB)], cwd=repo,
+                            env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "beating"
+        first = _beats(ms["eu"], "us", 1)
+        assert _beats(ms["eu"], "us", first.beat + 2).incarnation == first.incarnation  # alive: the counter moves
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    c, waited = _timed_round(ms["eu"], 1)
+    assert c.reason == "stale" and c.stale == ["us"] and c.absent == ["us"] and list(c.members) == ["eu"], c
+    assert STALE * 0.95 <= waited < 2.0, waited  # watched us for 3 beats: well under grace_s
+    later = [_timed_round(ms["eu"], r) for r in (2, 3, 4)]
+    assert all(c.reason == "stale" and c.stale == ["us"] for c, _ in later), later
+    assert max(w for _, w in later) < 1.0, later  # no wait: us has been known gone since round 1
+    assert ms["eu"].read_commit("r000002").stale == ["us"]  # the commit says why (and who)
+
+
+def test_a_region_that_never_beat_is_stale_once_watched_long_enough(transport):
+    ms = members(transport, quorum=1, grace_s=4.0, heartbeat_s=HB)  # us never starts
+    c, waited = _timed_round(ms["eu"], 1)
+    assert c.reason == "stale" and c.stale == ["us"] and STALE * 0.95 <= waited < 2.0, (c, waited)
+    c, waited = _timed_round(ms["eu"], 2)
+    assert c.reason == "stale" and waited < 1.0, (c, waited)
+
+
+class _SkewedWriter(HeartbeatWriter):
+    """A heartbeat writer whose wall clock is a day behind: readers must not care."""
+
+    def beat(self) -> None:
+        self.beats += 1
+        hb = Heartbeat(self.region, self.incarnation, self.beats, self.interval_s, time.time() - 86400, self.job)
+        self.store.put(self.key, hb.to_json())
+
+
+def test_a_slow_region_that_still_beats_gets_the_full_grace(transport):
+    """us is alive (its heartbeat moves; its writer's clock is a day off, which changes nothing) but has not
+    published: eu waits the whole grace_s, round after round, and closes on "grace". (Beats every 0.3 s:
+    stale after 0.9 s of silence, well inside grace_s, with room for a write delayed by a loaded machine.)"""
+    hb = 0.3
+    ms = members(transport, quorum=1, grace_s=2.0, heartbeat_s=hb)
+    writer = _SkewedWriter(ms["us"].store, ms["us"].alive_key("us"), "us", hb)
+    writer.start()
+    try:
+        _beats(ms["eu"], "us", 1)
+        for r in (1, 2):
+            c, waited = _timed_round(ms["eu"], r)
+            assert c.reason == "grace" and c.stale == [] and 2.0 <= waited < 2.0 + 1.0, (c, waited)
+    finally:
+        writer.stop()
+    assert not writer.alive
+
+
+def test_heartbeats_off_is_the_old_behaviour(transport):
+    """heartbeat_s None: nothing is written, nothing is read; a region that is gone costs grace_s in every
+    round it misses."""
+    ms = members(transport, quorum=1, grace_s=0.8, heartbeat_s=None)
+    ms["us"].start_heartbeat()  # no interval: does nothing
+    assert not ms["us"].beating
+    for r in (1, 2):
+        c, waited = _timed_round(ms["eu"], r)
+        assert c.reason == "grace" and c.stale == [] and 0.8 <= waited < 0.8 + 1.0, (c, waited)
+    assert not [k for k in ms["eu"].run_keys() if "/_alive/" in k]
+
+
+def test_the_heartbeat_stops_on_leave(transport):
+    ms = members(transport, quorum=1, grace_s=30.0, heartbeat_s=HB)
+    us = ms["us"]
+    us.start_heartbeat()
+    assert us.beating
+    thread = us._writer._thread
+    _beats(ms["eu"], "us", 2)
+    us.announce("leaving", 3, 12)
+    assert not us.beating and not thread.is_alive()
+    last = ms["eu"].read_heartbeat("us")
+    time.sleep(3 * HB)
+    assert ms["eu"].read_heartbeat("us") == last  # not one beat after the leave
+    c, waited = _timed_round(ms["eu"], 4)
+    assert c.reason == "leave" and c.stale == [] and waited < 1.0  # the leave is on record: not "stale"
+
+
+def test_a_failing_heartbeat_write_is_logged_once_and_retried(tmp_path, caplog):
+    root = tmp_path / "mailbox"
+    store = FsStore(root)
+    w = HeartbeatWriter(store, "run1/_alive/us.json", "us", 5.0, "job-1")
+    w.beat()
+    (root / "run1" / "_alive" / "us.json").unlink()
+    (root / "run1" / "_alive").rmdir()
+    (root / "run1" / "_alive").write_text("not a directory")  # every write fails now
+    with caplog.at_level("INFO", logger="sbatch_gen.train"):
+        w.beat()
+        w.beat()
+        (root / "run1" / "_alive").unlink()
+        w.beat()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len([m for m in msgs if "heartbeat: writing" in m and "failed" in m]) == 1, msgs
+    assert any("written again after 2 failed writes" in m for m in msgs), msgs
+    hb = Heartbeat.from_json(store.get("run1/_alive/us.json"))
+    assert (hb.region, hb.beat, hb.interval_s, hb.job) == ("us", 4, 5.0, "job-1")
+    assert json.loads(store.get("run1/_alive/us.json"))["incarnation"] == w.incarnation
+
+
+@pytest.mark.parametrize("value", [0.5, 5, None])
+def test_heartbeat_s_travels_from_the_profile_to_the_trainer_flags(value):
+    """The renderer spells every field out (null as "none"); the trainer's parser gives back the same value."""
+    import argparse
+
+    from sbatch_gen.xr_options import CrossRegion, add_arguments, from_namespace, to_argv
+
+    xr = CrossRegion(enabled=True, region="eu", regions=REGIONS, min_regions=1, heartbeat_s=value)
+    argv = to_argv(xr)
+    assert argv[argv.index("--xr-heartbeat-s") + 1] == {0.5: "0.5", 5: "5.0", None: "none"}[value]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert from_namespace(parser.parse_args(argv)).heartbeat_s == value
+    assert CrossRegion().heartbeat_s == 5.0  # the default: on
+
+
+@pytest.mark.parametrize("value, msg", [(0.05, "greater than or equal to 0.1"), (True, "YAML boolean"),
+                                        ("often", "valid number")])
+def test_bad_heartbeat_s_is_refused(value, msg):
+    from pydantic import ValidationError
+
+    from sbatch_gen.xr_options import CrossRegion
+
+    with pytest.raises(ValidationError, match=msg):
+        CrossRegion(heartbeat_s=value)

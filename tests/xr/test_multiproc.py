@@ -90,8 +90,10 @@ def test_diloco_two_regions(backend, tmp_path, repo, data_dir, request):
     runs = []
     for r in REGIONS:
         two = backend == "fs-2nodes" and r == "eu"
-        runs.append(launch_region(xr(r, transport), config=cfg, run_dir=tmp_path / r, data_path=data_dir,
-                                  max_steps=12, env=env, nproc=1 if two else 2, nnodes=2 if two else 1))
+        # us keeps its outer state off the training device (outer_device_max_gib 0): same bits either way
+        runs.append(launch_region(xr(r, transport, **({"outer_device_max_gib": 0} if r == "us" else {})), config=cfg,
+                                  run_dir=tmp_path / r, data_path=data_dir, max_steps=12, env=env,
+                                  nproc=1 if two else 2, nnodes=2 if two else 1))
     run_both(runs)
     assert_same_params(tmp_path / "eu", tmp_path / "us")
     for r in REGIONS:
@@ -103,6 +105,12 @@ def test_diloco_two_regions(backend, tmp_path, repo, data_dir, request):
         assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
         align = [x for x in m if x.get("event") == "xr_align"]
         assert [a["action"] for a in align] == (["published"] if r == "eu" else ["adopted"])
+        # who holds the outer state: every node leader 16 B/param, the other ranks nothing
+        (st,) = [x for x in m if x.get("event") == "xr_outer_state"]
+        leaders = [0, 1] if backend == "fs-2nodes" and r == "eu" else [0]
+        assert st["leaders"] == leaders and st["device"] == "cpu"
+        assert st["bytes_per_rank"] == [16 * st["numel"] if k in leaders else 0 for k in range(2)]
+        assert ("above outer_device_max_gib 0" in st["why"]) == (r == "us")
     if backend == "fs-2nodes":
         shards = list((tmp_path / "mailbox" / "mp" / "r000003" / "eu").iterdir())
         assert len(shards) >= 4  # several shards, owned round-robin by the two node leaders
@@ -206,3 +214,106 @@ def test_kill_one_region_then_resume(tmp_path, repo, data_dir):
     assert rounds == expect, rounds
     eu_rounds = [x["xr_round"] for x in metrics(tmp_path / "eu") if "xr_round" in x]
     assert eu_rounds == [1, 2, 3, 4, 5]
+
+
+# -- who holds the outer state: the outer sync alone (tests/xr/outer_worker.py), 2 regions of torchrun+gloo --
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _launch_workers(region: str, nproc: int, out: Path, **args):
+    import subprocess
+    import sys
+
+    from sbatch_gen.testing.regions import clean_env
+
+    # as a module from the checkout: run as a script, tests/xr/concurrent.py would shadow the standard library's
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--module",
+           "tests.xr.outer_worker", "--region", region, "--regions", ",".join(REGIONS), "--out", str(out)]
+    for k, v in args.items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / f"{region}.log", "ab")  # noqa: SIM115 - closed when the run is waited for
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=clean_env(), cwd=REPO,
+                            start_new_session=True), log
+
+
+def _wait_workers(runs) -> None:
+    import subprocess
+
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        for (p, log), name in runs:
+            try:
+                rc = p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                rc = f"nothing (killed after {TIMEOUT} s)"
+            assert rc == 0, f"{name} exited {rc}:\n{Path(log.name).read_text()[-4000:]}"
+    finally:
+        for (p, log), _ in runs:
+            if p.poll() is None:  # the torchrun agent's session: the agent; its workers run in sessions of their own
+                from sbatch_gen.testing.regions import RegionRun
+
+                RegionRun("", Path(), [p], []).kill()
+            log.close()
+
+
+def _results(out: Path, region: str, nproc: int) -> list[dict]:
+    import torch
+
+    return [torch.load(out / f"{region}-rank{r}.pt", weights_only=False) for r in range(nproc)]
+
+
+@pytest.mark.parametrize("sync", ["diloco", "grad"])
+def test_only_leaders_hold_outer_state(sync, tmp_path):
+    """eu: 4 ranks as 2 nodes of 2 (node leaders 0 and 2), us: 2 ranks on 1 node (leader 0; its outer state
+    forced off the device by outer_device_max_gib 0). Only the leaders hold the flat fp32 buffers (16 B/param
+    DiLoCo, 8 grad mode), the others none; after every round all 6 ranks of both regions hold bit-identical
+    parameters (the non-leaders get them by broadcast), and every leader's theta_outer is exactly them (eu's
+    two leaders share the averaged shards). DiLoCo: eu then resumes from its DCP checkpoint of
+    round 2 (saved with outer tensors from the leaders only) and re-enters round 3: every rank ends with
+    exactly the parameters of the uninterrupted run, which only a correctly restored theta_outer and momentum
+    give."""
+    import torch
+
+    layout = {"eu": (4, 2), "us": (2, 1)}  # nproc, nodes
+    steps, h = (6, 2) if sync == "diloco" else (3, 1)
+    mbx = tmp_path / "mailbox"
+    common = dict(root=mbx, sync=sync, steps=steps, inner_steps=h)
+    runs = [(_launch_workers(r, layout[r][0], tmp_path / "run", nodes=layout[r][1], seed=1 + i,
+                             **({"save_at": 4} if r == "eu" and sync == "diloco" else {}),
+                             **({"max_gib": 0} if r == "us" else {}), **common), r)
+            for i, r in enumerate(REGIONS)]
+    _wait_workers(runs)
+    res = {r: _results(tmp_path / "run", r, layout[r][0]) for r in REGIONS}
+    numel = res["eu"][0]["numel"]
+    per_param = 16 if sync == "diloco" else 8
+    names = ("work", "avg", "theta_outer", "momentum") if sync == "diloco" else ("work", "avg")
+    leaders = {"eu": [0, 2], "us": [0]}
+    for r in REGIONS:
+        for x in res[r]:
+            for bufs in x["buffers"].values():
+                want = numel if x["rank"] in leaders[r] else None
+                assert {n: bufs[n] for n in names} == {n: want for n in names}, (r, x["rank"], bufs)
+        ev = [e for e in res[r][0]["events"] if e["event"] == "xr_outer_state"]
+        assert len(ev) == 1 and ev[0]["leaders"] == leaders[r] and ev[0]["device"] == "cpu"
+        assert ev[0]["bytes_per_rank"] == [per_param * numel if k in leaders[r] else 0 for k in range(layout[r][0])]
+    assert "above outer_device_max_gib 0" in [e for e in res["us"][0]["events"] if e["event"] == "xr_outer_state"][0]["why"]
+    steps_done = sorted(res["eu"][0]["after"])
+    assert steps_done == list(range(h, steps + 1, h))
+    for s in steps_done:
+        ref = res["eu"][0]["after"][s]
+        for r in REGIONS:
+            for x in res[r]:
+                assert torch.equal(x["after"][s], ref), f"step {s}: {r} rank {x['rank']} differs from eu rank 0"
+                if sync == "diloco" and x["rank"] in leaders[r]:  # every leader's replica is the model's theta
+                    assert torch.equal(x["theta"][s], ref), f"step {s}: {r} leader {x['rank']} theta_outer differs"
+    if sync == "grad":
+        return
+    # eu resumes from its step-4 checkpoint (other initial parameters: everything must come from the checkpoint)
+    _wait_workers([(_launch_workers("eu", 4, tmp_path / "resumed", nodes=2, seed=99,
+                                    resume=tmp_path / "run" / "ckpt", **common), "eu resumed")])
+    again = _results(tmp_path / "resumed", "eu", 4)
+    for x in again:
+        assert sorted(x["after"]) == [6]
+        assert torch.equal(x["after"][6], res["eu"][0]["after"][6]), f"resumed rank {x['rank']} differs"

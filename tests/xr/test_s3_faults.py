@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from sbatch_gen.testing.faultproxy import FaultProxy, cycle_plan
-from sbatch_gen.train.xr.errors import StoreError
-from sbatch_gen.train.xr.store import S3Store
+from sbatch_gen.train.xr.errors import StoreError, XRChecksumError
+from sbatch_gen.train.xr.protocol import Mailbox, ShardInfo
+from sbatch_gen.train.xr.store import FsStore, S3Store
 from sbatch_gen.xr_options import FsTransport, S3Credentials, S3Transport
 
 from .conftest import KEY_ENV, SECRET_ENV
@@ -23,14 +24,15 @@ def _store(proxy: FaultProxy, bucket: str, **kw) -> S3Store:
                    access_key_id_env=KEY_ENV, secret_access_key_env=SECRET_ENV, threads=4, **kw)
 
 
-def _first_get_of_each_key(fault: str):
-    """``fault`` on the first GET of every object, then healthy."""
+def _first_get_of_each_key(fault: str, suffix: str = "", otherwise=None):
+    """``fault`` on the first GET of every object (whose key ends in ``suffix``), then healthy, or
+    what the plan ``otherwise`` says."""
     seen: set[str] = set()
     lock = threading.Lock()
 
     def plan(method, path, n):
-        if method != "GET" or "?" in path:
-            return None
+        if method != "GET" or "?" in path or not path.endswith(suffix):
+            return otherwise(method, path, n) if otherwise else None
         with lock:
             if path in seen:
                 return None
@@ -101,3 +103,92 @@ def test_two_regions_through_a_faulty_proxy_end_identical_and_count_retries(s3se
     retries = [rd["timings"]["xr_retries"] for r in ("eu", "us") for rd in got[r]["rounds"]]
     assert len(retries) == 2 * rounds and sum(retries) > 0, retries
     assert all(rd["timings"]["xr_retries"] == 0 for r in ("eu", "us") for rd in ref[r]["rounds"])
+
+
+def _shards(mb: Mailbox, tag: str, payloads: list[bytes]) -> list[ShardInfo]:
+    """Upload ``payloads`` as shards 0.. of this region; their manifest entries."""
+    up = mb.upload_shards(tag, dict(enumerate(payloads)))
+    return [ShardInfo(i, 0, n, n, d) for i, (n, d) in sorted(up.items())]
+
+
+def test_a_shard_corrupted_in_transit_is_read_again_and_counted(s3server, bucket):
+    """A GET that arrives whole, with the right length, but with changed bytes: the checksum catches it
+    and the mailbox reads the shard again; each re-read is a retry of the store (the round records)."""
+    payloads = [bytes(range(256)) * 40, b"\x5a" * 9000, bytes(reversed(range(256))) * 17]
+    with FaultProxy(s3server.endpoint_url, plan=_first_get_of_each_key("corrupt", ".bin")) as proxy:
+        mb = Mailbox(_store(proxy, bucket), "run1", "eu", ["eu", "us"], threads=3)
+        infos = _shards(mb, "r000001", payloads)
+        got = mb.download("r000001", [("eu", i) for i in infos])
+        assert {k: bytes(v) for k, v in got.items()} == {("eu", i): p for i, p in enumerate(payloads)}
+        assert proxy.injected["corrupt"] == 3
+        assert mb.store.retries == 3
+        mb.close()
+        mb.store.close()
+
+
+def test_a_shard_corrupted_on_every_read_fails_after_bounded_reads(s3server, bucket):
+    with FaultProxy(s3server.endpoint_url,
+                    plan=lambda m, p, n: "corrupt" if m == "GET" and p.endswith(".bin") else None) as proxy:
+        mb = Mailbox(_store(proxy, bucket), "run1", "eu", ["eu", "us"], threads=2, read_attempts=4)
+        (info,) = _shards(mb, "r000002", [b"payload" * 1000])
+        with pytest.raises(XRChecksumError, match=r"shard 0 of region 'eu' is corrupted: xxh3_128 differs from "
+                                                  r"its manifest in 4 reads \(s3://.*/r000002/eu/s00000\.bin\)"):
+            mb.download("r000002", [("eu", info)])
+        assert proxy.injected["corrupt"] == 4
+        assert mb.store.retries == 3
+        mb.close()
+        mb.store.close()
+
+
+class _TornFirstView(FsStore):
+    """A directory whose first zero-copy read of each object sees damaged bytes (a torn read of a
+    shared filesystem): the file itself is intact."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.seen: set[str] = set()
+
+    def get_view(self, key, nbytes):
+        view = super().get_view(key, nbytes)
+        if key in self.seen:
+            return view
+        self.seen.add(key)
+        bad = bytearray(view)
+        bad[0] ^= 0xFF
+        return memoryview(bad)
+
+
+def test_a_torn_read_of_an_fs_shard_is_read_again_and_counted(tmp_path):
+    store = _TornFirstView(tmp_path / "mailbox")
+    mb = Mailbox(store, "run1", "eu", ["eu", "us"], threads=2)
+    payloads = [b"a" * 5000, b"b" * 7000]
+    infos = _shards(mb, "r000003", payloads)
+    got = mb.download("r000003", [("eu", i) for i in infos])
+    assert [bytes(got[("eu", i)]) for i in range(2)] == payloads
+    assert store.retries == 2 and FsStore.retries == 0  # counted on this store only
+    mb.close()
+
+
+def test_two_regions_end_identical_through_shards_corrupted_in_transit(s3server, bucket, tmp_path):
+    """The first read of every shard object of every round is corrupted in transit (and the other
+    requests see the usual faults): the regions end bit for bit where the fault-free run ends, and every
+    round's record counts the re-reads."""
+    rounds = 2
+    ref = in_threads(lambda r: train(r, tmp_path / "fs", rounds,
+                                     transport=FsTransport(root=str(tmp_path / "fs"))))
+    plan = _first_get_of_each_key("corrupt", ".bin", otherwise=cycle_plan(every=5, burst=1))
+    with FaultProxy(s3server.endpoint_url, plan=plan) as proxy:
+        transport = S3Transport(
+            bucket=bucket, prefix="team/xr", endpoint_url=proxy.url, addressing_style="path",
+            region_name="us-east-1",
+            credentials=S3Credentials(access_key_id_env=KEY_ENV, secret_access_key_env=SECRET_ENV))
+        got = in_threads(lambda r: train(r, tmp_path / "s3", rounds, transport=transport))
+        injected = dict(proxy.injected)
+    for r in ("eu", "us"):
+        got[r]["sync"].close()
+        ref[r]["sync"].close()
+    assert injected.get("corrupt", 0) >= 2 * rounds, injected
+    assert torch.equal(flat(got["eu"]["model"]), flat(got["us"]["model"]))
+    assert torch.equal(flat(got["eu"]["model"]), flat(ref["eu"]["model"]))
+    retries = [rd["timings"]["xr_retries"] for r in ("eu", "us") for rd in got[r]["rounds"]]
+    assert len(retries) == 2 * rounds and all(n >= 1 for n in retries), retries

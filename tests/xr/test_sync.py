@@ -100,8 +100,9 @@ def test_align_makes_regions_identical_and_writes_the_model(tmp_path):
     in_threads(lambda r: ms[r][1].align(0))
     assert torch.equal(flat(ms["eu"][0]), flat(ms["us"][0]))
     assert torch.equal(ms["us"][1].theta_outer, flat(ms["eu"][0]))
-    assert sorted(e["action"] for e in events) == ["adopted", "published"]
-    assert len({e["digest"] for e in events}) == 1
+    aligns = [e for e in events if e["event"] == "xr_align"]
+    assert sorted(e["action"] for e in aligns) == ["adopted", "published"]
+    assert len({e["digest"] for e in aligns}) == 1
     # the first region restarted from scratch (different init) adopts the theta0 already published
     m2, s2 = make("eu", tmp_path, seed=99)
     s2.align(0)
@@ -370,3 +371,48 @@ def test_blocks_straddling_parameters_write_theta_into_the_model(tmp_path, monke
         for a, b in zip(whole[r]["rounds"], small[r]["rounds"], strict=True):
             assert torch.equal(a["after"], b["after"]) and torch.equal(a["momentum"], b["momentum"])
             assert torch.equal(b["after"], b["theta_outer"])
+
+
+def test_outer_placement_keeps_the_state_on_the_gpu_up_to_the_threshold(tmp_path):
+    """outer_device auto: on the training device up to outer_device_max_gib, above it in pinned host memory;
+    outer_device cpu: always host memory. A decision on sizes only: no GPU needed to check it."""
+    from sbatch_gen.train.xr.sync import GIB, outer_placement
+
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    auto = xr_for("eu", tmp_path)
+    assert auto.outer_device_max_gib == 16
+    assert outer_placement(auto, gpu, 16 * GIB)[:2] == (gpu, False)
+    dev, pinned, why = outer_placement(auto, gpu, 16 * GIB + 4)
+    assert (dev, pinned) == (cpu, True) and "above outer_device_max_gib 16" in why
+    assert outer_placement(xr_for("eu", tmp_path, outer_device_max_gib=0), gpu, 4)[:2] == (cpu, True)
+    assert outer_placement(xr_for("eu", tmp_path, outer_device="cpu"), gpu, 4) == (cpu, True, "outer_device: cpu")
+    assert outer_placement(auto, cpu, 4) == (cpu, False, "the training device is the CPU")
+
+
+@pytest.mark.parametrize("mode, per_param", [("diloco", 16), ("grad", 8)])
+def test_a_leader_holds_the_outer_buffers_and_logs_where(tmp_path, mode, per_param):
+    """One process is its region's only leader: it holds the flat fp32 buffers (DiLoCo: theta_outer,
+    momentum, delta, average; grad: gradient, average) and logs where and how much (the multi-process
+    tests check the other ranks hold none)."""
+    events = []
+    _, s = make("eu", tmp_path, log=events.append, sync=mode, outer_device_max_gib=0)
+    assert s.leader and s.outer_bytes() == per_param * s.numel == s.state_bytes()
+    (ev,) = [e for e in events if e["event"] == "xr_outer_state"]
+    assert ev["bytes_per_rank"] == [per_param * s.numel] and ev["leaders"] == [0] and ev["numel"] == s.numel
+    assert ev["device"] == "cpu" and ev["pinned"] is False and "above outer_device_max_gib 0" in ev["why"]
+
+
+def test_gpu_blocks_bound_the_outer_scratch():
+    """On a GPU the average and the Nesterov step also run over blocks (GPU_BLOCK elements), so their
+    scratch is one block, not a whole fp32 copy of the model (the fifth 4 B/param buffer of old)."""
+    from sbatch_gen.train.xr.exchange import Exchange
+    from sbatch_gen.train.xr.kernels import CPU_BLOCK, GPU_BLOCK, block_size, blocks
+    from sbatch_gen.train.xr.region import Region
+
+    n = 3 * GPU_BLOCK + 5
+    g = GPU_BLOCK
+    assert list(blocks(n, "cuda")) == [(0, g), (g, 2 * g), (2 * g, 3 * g), (3 * g, n)]
+    assert block_size("cuda", 10) == 10 and block_size("cpu", n) == CPU_BLOCK
+    xr = xr_for("eu", "unused", shard_mb=16)
+    cuda = torch.device("cuda", 0)
+    assert Exchange(xr, Region(DistInfo(), cuda), None, None, n, "x", [0], cuda, cuda).block == GPU_BLOCK

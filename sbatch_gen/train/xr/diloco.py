@@ -28,15 +28,19 @@ FF_ATTEMPTS = 5  # objects can vanish under a fast-forward (a newer snapshot lan
 
 
 class DiLoCo(OuterSync):
+    # the outer state (leaders only, see OuterSync): 16 B/param with the delta and the average
+    BUFFERS = {**OuterSync.BUFFERS, "theta_outer": (True, True), "momentum": (False, True)}
+
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
-        f32 = dict(dtype=torch.float32, device=self.outer_device)
-        self.theta_outer = torch.zeros(self.numel, **f32)
-        self.momentum = torch.zeros(self.numel, **f32)
         self.pending = 0  # a round that found no quorum before a requeue: run again at start-up
+        if self.group.rank == 0 and self.membership is not None and self.xr.elastic:
+            # liveness for the others' rounds (and theirs judged by it) until leave() or close()
+            self.membership.start_heartbeat(self.xr.heartbeat_s)
 
     def _aligned(self) -> None:
-        self.theta_outer.copy_(self.flat.gather(self.work))
+        if self.leader:
+            self.theta_outer.copy_(self.flat.gather(self.work))
 
     # -- the live round ----------------------------------------------------------------------------------
     def after_optimizer_step(self, step: int, tokens: int) -> dict | None:
@@ -51,7 +55,7 @@ class DiLoCo(OuterSync):
 
     def _round(self, r: int, step: int) -> dict:
         # delta = theta_outer - theta_local (the outer "gradient"; note the sign)
-        delta = self.flat.delta_into(self.theta_outer, self.work) if self.ex.my_owner is not None else None
+        delta = self.flat.delta_into(self.theta_outer, self.work) if self.leader else None
         try:
             res = self.ex.run_round(round_tag(r), "delta", step, delta, self.avg, self.tokens)
         except XRBehind:
@@ -63,20 +67,26 @@ class DiLoCo(OuterSync):
         t5 = t["t_end"]
         # Everything that can fail (the exchange) is behind us and only wrote into `avg`.
         self._outer_step(self.avg)
-        self.round, self.tokens, self.pending = r, 0, 0
         t6 = self._now()
+        self._share_params()
+        self.round, self.tokens, self.pending = r, 0, 0
+        t7 = self._now()
         snap_s = self._maybe_snapshot(r, res.members, step)
         self._cleanup(r, need_snapshot=True)
-        t7 = self._now()
-        t.update(outer_step_s=t6 - t5, cleanup_s=t7 - t6, t_end=t7)
+        t8 = self._now()
+        t.update(outer_step_s=t6 - t5, broadcast_s=t["broadcast_s"] + (t7 - t6), cleanup_s=t8 - t7, t_end=t8)
         rec = self._record(step, res, t)
+        rec["xr_stale"] = res.commit.stale  # absent regions the closer found crashed (heartbeat stale)
         if snap_s is not None:
             rec["xr_snapshot_s"] = snap_s
         return rec
 
     def _outer_step(self, g: torch.Tensor) -> None:
-        """Nesterov on ``theta_outer`` and theta into the model, block by block: on the CPU each block is
-        written into the parameters while it is still in cache."""
+        """Leaders: Nesterov on ``theta_outer`` and theta into the model, block by block: on the CPU each
+        block is written into the parameters while it is still in cache. The other ranks hold no outer
+        state: :meth:`_share_params` follows."""
+        if not self.leader:
+            return
         direct = self.flat.direct(self.outer_device)
         tmp = self.ex.scratch(min(self.numel, self.ex.block))
         for lo, hi in blocks(self.numel, self.outer_device, self.ex.block):
@@ -115,8 +125,9 @@ class DiLoCo(OuterSync):
         tag = ms.snap_tag(s) if ms is not None else ""
         self.ex.fetch(tag, mans["theta"], self.work, self.ex.fp32_plan)
         self.ex.fetch(tag, mans["momentum"], self.avg, self.ex.fp32_plan)
-        self.theta_outer.copy_(self.work)
-        self.momentum.copy_(self.avg)
+        if self.leader:
+            self.theta_outer.copy_(self.work)
+            self.momentum.copy_(self.avg)
         self.round = s
 
     # -- returning regions ---------------------------------------------------------------------------------
@@ -170,7 +181,9 @@ class DiLoCo(OuterSync):
                                  "attempts (rounds kept disappearing): is keep_rounds very small?")
         if self.round == start:
             return None
-        self.flat.scatter(self.theta_outer)
+        if self.leader:
+            self.flat.scatter(self.theta_outer)
+        self._share_params()
         self.tokens, self.pending = 0, 0
         into = self.group.on_rank(self._steps_into_round)
         adopted = self.round * self.xr.inner_steps + into
@@ -213,21 +226,39 @@ class DiLoCo(OuterSync):
         self._joined(adopted if adopted is not None else step)
         return adopted
 
+    def close(self) -> None:
+        if self.membership is not None:
+            self.membership.stop_heartbeat()
+        super().close()
+
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "pending": int(self.pending), "theta_outer": self.theta_outer,
-                "momentum": self.momentum}
+        """Leaders add ``theta_outer`` and momentum (the same bits on every leader, so DCP stores one copy,
+        under the keys every version used); the other ranks hold no outer state and leave them out."""
+        out = {**super().state_dict(), "pending": int(self.pending)}
+        if self.leader:
+            out.update(theta_outer=self.theta_outer, momentum=self.momentum)
+        return out
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        for k in ("theta_outer", "momentum"):
-            if k not in state:
-                raise XRLayoutError(f"checkpoint has no outer state {k!r} (saved without --xr-sync diloco?)")
-            v = state[k]
-            if v.numel() != self.numel:
-                raise XRLayoutError(f"checkpoint outer state {k!r} has {v.numel()} elements, the model {self.numel}")
-            dst = getattr(self, k)
-            if v is not dst:
-                dst.copy_(v.reshape(-1))
+        """Collective: leaders take ``theta_outer`` and momentum from ``state`` (the other ranks ignore
+        them); a leader's error (missing, wrong size) raises on every rank before anything is loaded."""
+        keys = ("theta_outer", "momentum")
+
+        def check() -> None:
+            for k in keys:
+                if k not in state:
+                    raise XRLayoutError(f"checkpoint has no outer state {k!r} (saved without --xr-sync diloco?)")
+                if state[k].numel() != self.numel:
+                    raise XRLayoutError(f"checkpoint outer state {k!r} has {state[k].numel()} elements, the model "
+                                        f"{self.numel}")
+
+        self.group.on_each(check, active=self.leader)
+        if self.leader:
+            for k in keys:
+                v, dst = state[k], getattr(self, k)
+                if v is not dst:
+                    dst.copy_(v.reshape(-1))
         super().load_state_dict(state)
         self.pending = _as_int(state.get("pending", 0))

@@ -11,7 +11,8 @@ A round (DiLoCo delta or grad-mode gradient), in phases:
 3. *download*: each node leader fetches its shards from every committed member and averages them,
    weighted by tokens, in the order of ``regions``, from the bytes as they are on the wire (its own part
    from the bytes it encoded). Every region therefore computes bit-identical averages.
-4. *broadcast*: the averaged shards go from their owners to every rank of the region.
+4. *broadcast*: with several node leaders, each averaged shard goes from its owner to the other leaders
+   (they hold the outer state; the other ranks hold none and get the parameters from the outer sync).
 
 Every failure reaches every rank before anything changes (:class:`.region.Region`).
 """
@@ -19,6 +20,7 @@ Every failure reaches every rank before anything changes (:class:`.region.Region
 from __future__ import annotations
 
 import io
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -27,13 +29,26 @@ import torch
 from sbatch_gen.xr_options import CrossRegion
 
 from .errors import XRLayoutError
-from .kernels import CPU_BLOCK, weighted_average_
+from .kernels import CPU_BLOCK, GPU_BLOCK, weighted_average_
 from .membership import Commit, Membership
 from .protocol import ITEMSIZE, Expect, Mailbox, Manifest, ShardInfo, ShardPlan, digest_of_digests
 from .region import Region
 
 _WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 WAIT_SLICE_S = 30.0  # rank 0 reports to the other ranks at least this often while it waits for peers
+# Fault injection for tests and benchmarks: this region publishes nothing in the listed rounds (comma-
+# separated numbers), as if its payload always arrived after the round closed. It trains on and applies
+# the committed update like any late region.
+ENV_WITHHOLD_ROUNDS = "SBATCH_GEN_XR_WITHHOLD_ROUNDS"
+
+
+def _withheld() -> frozenset[int]:
+    return frozenset(int(r) for r in os.environ.get(ENV_WITHHOLD_ROUNDS, "").split(",") if r.strip())
+
+
+def _round_of(tag: str) -> int:
+    """The round number of a round tag (``r000006`` -> 6); -1 for other tags."""
+    return int(tag[1:]) if tag[:1] == "r" and tag[1:].isdigit() else -1
 
 
 @dataclass
@@ -60,10 +75,11 @@ class Exchange:
         self.outer_device, self.device = outer_device, device
         self.plan = ShardPlan.make(numel, ITEMSIZE[xr.payload_dtype], xr.shard_mb)
         self.fp32_plan = ShardPlan.make(numel, ITEMSIZE["fp32"], xr.shard_mb)
-        self.block = CPU_BLOCK if outer_device.type == "cpu" else numel
+        self.block = CPU_BLOCK if outer_device.type == "cpu" else min(numel, GPU_BLOCK)
         self._stage: dict[str, torch.Tensor] = {}  # wire dtype -> host staging buffer
         self._tmp: torch.Tensor | None = None  # fp32 scratch of one block
         self._rx: dict = {}  # (region, shard) -> reused receive buffer
+        self.withheld = _withheld()  # (fault injection: ENV_WITHHOLD_ROUNDS)
 
     # -- expectations ----------------------------------------------------------------------------------
     def expect(self, kind: str) -> Expect:
@@ -149,8 +165,8 @@ class Exchange:
         return m, encoded, sum(n for n, _ in sums.values())
 
     def fetch(self, tag: str, m: Manifest, out: torch.Tensor, plan: ShardPlan) -> int:
-        """Owners download their shards of ``m`` (fp32 raw) into ``out``; every rank then has all of
-        ``out``. Collective. Returns bytes downloaded by this region."""
+        """Owners download their shards of ``m`` (fp32 raw) into ``out``; every owner then has all of
+        ``out`` (the other ranks pass None). Collective. Returns bytes downloaded by this region."""
 
         def down():
             mine = self.owned(plan)
@@ -164,18 +180,13 @@ class Exchange:
         self.broadcast_slices(plan, out)
         return n
 
-    def broadcast_slices(self, plan: ShardPlan, buf: torch.Tensor) -> None:
-        """Every rank gets every shard of ``buf`` from its owner."""
-        if not self.group.on:
+    def broadcast_slices(self, plan: ShardPlan, buf: torch.Tensor | None) -> None:
+        """Every owner gets every shard of ``buf`` from its owner (the leaders' group); the other ranks
+        take no part."""
+        if len(self.owner_ranks) == 1 or self.my_owner is None:
             return
-        comm = buf if buf.device == self.device else buf.to(self.device)
-        if len(self.owner_ranks) == 1:
-            self.group.broadcast_tensor(comm, src=self.owner_ranks[0])
-        else:
-            for s, (lo, hi) in enumerate(plan.bounds):
-                self.group.broadcast_tensor(comm[lo:hi], src=self.owner_ranks[s % len(self.owner_ranks)])
-        if comm is not buf:
-            buf.copy_(comm)
+        for s, (lo, hi) in enumerate(plan.bounds):
+            self.group.leaders_broadcast(buf[lo:hi], src=self.owner_ranks[s % len(self.owner_ranks)])
 
     # -- one round -----------------------------------------------------------------------------------------
     def _now(self) -> float:
@@ -187,7 +198,8 @@ class Exchange:
 
     def run_round(self, tag: str, kind: str, step: int, src: torch.Tensor | None, out: torch.Tensor,
                   tokens: int) -> RoundResult:
-        """Phases 1-4. ``out`` receives the committed members' weighted average on every rank."""
+        """Phases 1-4. ``out`` receives the committed members' weighted average on every owner (``src`` and
+        ``out`` are None on the other ranks)."""
         region = self.xr.region
         expect = self.expect(kind)
         mb, ms = self.mailbox, self.membership
@@ -204,7 +216,7 @@ class Exchange:
         committed, own = self.group.on_rank(state)
         encoded: dict = {}
         bytes_up = 0
-        if own is None and not committed:
+        if own is None and not committed and _round_of(tag) not in self.withheld:
             _, encoded, bytes_up = self.upload(tag, region, kind, step, src, tokens)
         t1 = self._now()
         started = time.monotonic()

@@ -1,8 +1,8 @@
 """The model's trainable parameters as one flat vector: views, gathers and scatters.
 
-The outer sync works on flat fp32 buffers (``theta_outer``, momentum, the average); :class:`FlatParams`
-moves data between them and the parameters (or their ``.grad``) by offset, without a per-step
-allocation.
+The outer sync works on flat fp32 buffers (``theta_outer``, momentum, the average), held by the region's
+leaders only; :class:`FlatParams` moves data between them and the parameters (or their ``.grad``) by
+offset, without a per-step allocation, and names the tensors the other ranks receive by broadcast.
 """
 
 from __future__ import annotations
@@ -85,6 +85,17 @@ class FlatParams:
             else:
                 v.copy_(p.grad.detach())
         return out
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The parameters' data (detached, sharing storage): what a broadcast writes into."""
+        return [p.detach() for p in self.params]
+
+    def grads(self) -> list[torch.Tensor]:
+        """The parameters' ``.grad`` (zeros where there is none yet): what a broadcast writes into."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self.params]
 
     @torch.no_grad()
     def scatter_grads(self, flat: torch.Tensor) -> None:

@@ -2,10 +2,11 @@
 
 After backward (already averaged by DDP inside the region) the flat gradient goes through the mailbox
 every step (round = step); the token-weighted average of the committed regions' gradients replaces
-``.grad`` before clipping and the optimizer step. With fp32 payloads this is one data-parallel run over
-every region's data. A requeued region re-runs its steps and re-enters the committed rounds it had
-published, applying exactly what the others applied; that needs ``keep_rounds`` to cover the steps
-between two checkpoints (there is no outer state to fast-forward with).
+``.grad`` before clipping and the optimizer step: the leaders (:mod:`.sync`) write it, rank 0 broadcasts
+it to the other ranks. With fp32 payloads this is one data-parallel run over every region's data. A
+requeued region re-runs its steps and re-enters the committed rounds it had published, applying exactly
+what the others applied; that needs ``keep_rounds`` to cover the steps between two checkpoints (there is
+no outer state to fast-forward with).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class GradSync(OuterSync):
         if not self.aligned:
             raise XRError("OuterSync.align() must run before the first exchange")
         self.tokens += int(tokens)
-        src = self.flat.gather_grads(self.work) if self.ex.my_owner is not None else None
+        src = self.flat.gather_grads(self.work) if self.leader else None
         try:
             res = self.ex.run_round(round_tag(step), "grad", step, src, self.avg, self.tokens)
         except XRBehind as e:
@@ -32,12 +33,15 @@ class GradSync(OuterSync):
                                  "between two checkpoints)") from None
         t = res.times
         t5 = t["t_end"]
-        self.flat.scatter_grads(self.avg)
+        if self.leader:
+            self.flat.scatter_grads(self.avg)
         t6 = self._now()
+        self.group.broadcast_tensors(self.flat.grads(), src=0)  # the other ranks hold no average
+        t7 = self._now()
         self.round, self.tokens = step, 0
         self._cleanup(step, need_snapshot=False)
-        t7 = self._now()
-        t.update(outer_step_s=t6 - t5, cleanup_s=t7 - t6, t_end=t7)
+        t8 = self._now()
+        t.update(outer_step_s=t6 - t5, broadcast_s=t["broadcast_s"] + (t7 - t6), cleanup_s=t8 - t7, t_end=t8)
         self._pending = self._record(step, res, t)
 
     def after_optimizer_step(self, step: int, tokens: int) -> dict | None:

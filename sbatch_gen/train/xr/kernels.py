@@ -2,7 +2,8 @@
 Nesterov update, with the same bits on every device.
 
 Every op rounds once (no fused multiply-add), so CPU and GPU produce identical results; on the CPU the
-work runs over cache-sized blocks, which changes no element's sequence of operations.
+work runs over cache-sized blocks (on a GPU over larger ones, to bound the scratch), which changes no
+element's sequence of operations.
 """
 
 from __future__ import annotations
@@ -12,13 +13,21 @@ import torch
 # Elementwise work on the CPU runs over blocks of this many elements (2 MiB of fp32): all the passes of
 # one block (decode, multiply, add; the Nesterov ops; the copy into the model) then hit the caches, and
 # main memory sees each buffer once, as from a fused kernel. Blocking does not change any element's
-# sequence of operations, so the bits are those of the whole-buffer ops. GPUs take whole buffers.
+# sequence of operations, so the bits are those of the whole-buffer ops.
 CPU_BLOCK = 1 << 19
+# On a GPU the ops take blocks of this many elements (64 MiB of fp32): few enough launches to run at HBM
+# bandwidth, and the outer step's scratch stays this small instead of a whole fp32 copy of the model.
+GPU_BLOCK = 1 << 24
+
+
+def block_size(device: torch.device | str, n: int) -> int:
+    """Elements per block for buffers of ``n`` elements on ``device`` (at least 1)."""
+    return max(1, min(n, CPU_BLOCK if torch.device(device).type == "cpu" else GPU_BLOCK))
 
 
 def blocks(n: int, device: torch.device | str, block: int | None = None):
-    """``(lo, hi)`` ranges covering ``0..n``: cache-sized on the CPU, one range elsewhere."""
-    step = block or (CPU_BLOCK if torch.device(device).type == "cpu" else max(n, 1))
+    """``(lo, hi)`` ranges covering ``0..n``: ``block`` elements each, else :func:`block_size`."""
+    step = block or block_size(device, n)
     for lo in range(0, n, step):
         yield lo, min(lo + step, n)
 

@@ -5,16 +5,29 @@ Keys, next to the rounds of :mod:`.protocol` (region names start with a letter o
 
     <run>/<tag>/_commit.json                the round's commit: WHO takes part (created once, atomically)
     <run>/_presence/<region>.json           joined / leaving, written by that region only
+    <run>/_alive/<region>.json              its liveness heartbeat: a counter, overwritten every heartbeat_s
     <run>/_snap/r<round>/theta/s00000.bin   outer snapshot of a round: theta_outer and momentum (fp32)
     <run>/_snap/r<round>/theta.done         ... their manifests (the protocol's format)
     <run>/_snap/r<round>/_complete.json     ... and the marker that makes it usable, written last
 
 **Closing a round.** A round closes when every region's manifest is there, or when at least ``quorum``
-regions have arrived and ``grace_s`` has passed since that quorum formed, or at once when every region
-still missing has announced a planned leave. Whichever region closes first creates the commit with
+regions have arrived and ``grace_s`` has passed since that quorum formed, or at once (with the quorum)
+when every region still missing has announced a planned leave or has crashed (below). Whichever region closes first creates the commit with
 :meth:`~.store.Store.create` (create-if-absent); a region that loses the race reads the winner's commit
 and obeys it. The commit names each member's manifest digest and tokens, so every region, including one
 that arrives after the commit, averages exactly the same deltas: the parameters stay bit-identical.
+
+**Crashed regions (heartbeats).** A region that crashes (SIGKILL, a lost node) announces nothing. With
+``heartbeat_s`` set, a thread of each region's rank 0 overwrites its heartbeat object with an increasing
+counter every ``heartbeat_s``. A region waiting in a round reads the heartbeats of the regions still
+missing (with their presence records, at most once per check) and remembers, on its OWN monotonic clock,
+since when it has seen each value: a region whose value has not changed for ``STALE_BEATS`` heartbeat
+intervals of watching (no heartbeat at all counts the same) is treated as gone, like one that announced
+its leave, and the round closes once ``quorum`` regions have arrived, without waiting out ``grace_s``
+(reason ``stale``; the commit names the regions). Clocks are never compared across regions: the
+heartbeat's wall-clock time is for people only. The observations outlive the round, so after the first
+round that detects a crash the next ones close at once. A region that is hung but still beating is
+waited for up to ``grace_s``, as before.
 
 **Never closing a round twice.** A round's commit is deleted only after a commit ``keep_rounds`` rounds
 later exists. So a region that finds no commit for its round but a commit for a later one knows its
@@ -24,21 +37,30 @@ never committed can be closed.
 
 from __future__ import annotations
 
+import atexit
 import json
+import logging
+import math
 import re
+import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 from .errors import XRBehind, XRLayoutError, XRNoQuorum
 from .protocol import Expect, Mailbox, Manifest, digest, parse_tag, round_tag
+from .store import Store
 
 COMMIT_FORMAT = 1
 COMMIT_NAME = "_commit.json"
 PRESENCE_DIR = "_presence"
 SNAP_DIR = "_snap"
 SNAP_PARTS = ("theta", "momentum")
+ALIVE_DIR = "_alive"
+STALE_BEATS = 3  # heartbeat intervals without a new value (watched on the reader's clock): the region is gone
 _SNAP_RE = re.compile(r"^r(\d{6,})$")
+log = logging.getLogger("sbatch_gen.train")
 
 
 @dataclass
@@ -54,10 +76,13 @@ class Commit:
     step: int
     members: dict[str, Member]  # region -> its manifest's digest and tokens
     closed_by: str
-    reason: str  # "all": every region arrived; "leave": the missing ones announced a leave; "grace"
+    # "all": every region arrived; "leave": the missing ones announced a leave; "stale": the missing ones
+    # left or crashed (a heartbeat unchanged for STALE_BEATS intervals); "grace": grace_s ran out
+    reason: str
     waited_s: float  # how long the closing region waited for peers in this round
     absent: list[str] = field(default_factory=list)  # regions not in the commit
     time: float = 0.0
+    stale: list[str] = field(default_factory=list)  # absent regions whose heartbeat the closer found stale
     format: int = COMMIT_FORMAT
 
     def to_json(self) -> bytes:
@@ -96,23 +121,114 @@ class Presence:
             return None
 
 
+@dataclass
+class Heartbeat:
+    """A region's liveness record, ``<run>/_alive/<region>.json``. Readers compare its VALUE over time on
+    their own clock; ``time`` is the writer's wall clock, shown to people (``sbatch-gen status``), never
+    used to decide anything (clocks of different regions may disagree)."""
+
+    region: str
+    incarnation: str  # random per writing process: a restarted region's counter starts again, its value changes
+    beat: int  # 1, 2, 3, ... one per write
+    interval_s: float
+    time: float
+    job: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Heartbeat | None:
+        try:
+            return cls(**json.loads(raw))
+        except (ValueError, TypeError):
+            return None
+
+    @property
+    def value(self) -> tuple[str, int]:
+        return self.incarnation, self.beat
+
+
+class HeartbeatWriter:
+    """Overwrites one region's heartbeat every ``interval_s`` from a daemon thread until :meth:`stop`
+    (also called at interpreter exit). A failed write is logged (once per run of failures) and the next
+    beat tries again: a region that cannot beat only makes the others stop waiting for it sooner.
+
+    Thread safety: the thread only calls ``store.put`` (``FsStore``: a temp file with a unique name, then a
+    rename; ``S3Store``: the one boto3 client, which is thread-safe, and its retry counter is locked).
+    Its retried requests therefore count in the ``xr_retries`` of the round they fall in."""
+
+    def __init__(self, store: Store, key: str, region: str, interval_s: float, job: str = "") -> None:
+        self.store, self.key, self.region, self.interval_s, self.job = store, key, region, interval_s, job
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.beats = 0  # writes attempted
+        self.failures = 0  # consecutive failed writes
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"xr-heartbeat-{region}", daemon=True)
+
+    def start(self) -> None:
+        atexit.register(self.stop)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def beat(self) -> None:
+        self.beats += 1
+        hb = Heartbeat(self.region, self.incarnation, self.beats, self.interval_s, time.time(), self.job)
+        try:
+            self.store.put(self.key, hb.to_json())
+        except Exception as e:  # noqa: BLE001 - a missed beat is retried at the next one
+            self.failures += 1
+            if self.failures == 1:
+                log.warning("cross-region heartbeat: writing %s failed (%s); retrying every %g s. Other regions "
+                            "stop waiting for this one after %d missed beats", self.store.describe(self.key), e,
+                            self.interval_s, STALE_BEATS)
+            return
+        if self.failures:
+            log.info("cross-region heartbeat: written again after %d failed writes", self.failures)
+            self.failures = 0
+
+    def _run(self) -> None:
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            self.beat()
+            next_at += self.interval_s
+            now = time.monotonic()
+            if next_at < now:  # a write took longer than an interval: no burst of catch-up beats
+                next_at = now
+            self._stop.wait(next_at - now)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop beating; waits up to ``timeout`` for a write in flight."""
+        self._stop.set()
+        atexit.unregister(self.stop)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+
 def manifest_digest(m: Manifest) -> str:
     return digest(m.to_json())
 
 
 def decide(regions: Iterable[str], arrived: Iterable[str], leaving: Iterable[str], quorum: int, grace_s: float,
-           now: float, quorum_since: float | None) -> tuple[str | None, float | None]:
+           now: float, quorum_since: float | None, stale: Iterable[str] = ()) -> tuple[str | None, float | None]:
     """The closing rule, as a pure function: ``(reason or None, quorum_since)``. ``reason`` is "all",
-    "leave" or "grace" when the round may close now."""
-    regions, arrived, leaving = list(regions), set(arrived), set(leaving)
+    "leave", "stale" or "grace" when the round may close now. ``stale``: regions whose heartbeat has gone
+    stale (crashed); like ``leaving`` they are not waited for, but only once ``quorum`` have arrived."""
+    regions, arrived, leaving, stale = list(regions), set(arrived), set(leaving), set(stale)
     if arrived >= set(regions):
         return "all", quorum_since
     if len(arrived) < quorum:
         return None, None
     if quorum_since is None:
         quorum_since = now
-    if arrived | leaving >= set(regions):
+    missing = set(regions) - arrived
+    if missing <= leaving:
         return "leave", quorum_since
+    if missing <= leaving | stale:
+        return "stale", quorum_since
     if now - quorum_since >= grace_s:
         return "grace", quorum_since
     return None, quorum_since
@@ -122,13 +238,18 @@ class Membership:
     """Commits, presence and snapshots of one run, seen from one region (its rank 0)."""
 
     def __init__(self, mailbox: Mailbox, quorum: int, grace_s: float, *, job: str = "",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, heartbeat_s: float | None = None) -> None:
         self.mb = mailbox
         self.store = mailbox.store
         self.run_id, self.region, self.regions = mailbox.run_id, mailbox.region, mailbox.regions
         self.quorum, self.grace_s = quorum, grace_s
         self.job = job
         self._clock = clock
+        self.heartbeat_s = heartbeat_s  # None: other regions' heartbeats are not read, none is written
+        self._writer: HeartbeatWriter | None = None
+        # region -> (heartbeat value last seen or None, when it was first seen on self._clock); kept across rounds
+        self._watch: dict[str, tuple[tuple[str, int] | None, float]] = {}
+        self._waiting: tuple[tuple[str, float], float | None] | None = None  # ((tag, started), quorum_since)
         self.test_hook: Callable[[str, str], None] | None = None  # (event, tag): tests force races
 
     # -- keys ----------------------------------------------------------------------------------------
@@ -137,6 +258,9 @@ class Membership:
 
     def presence_key(self, region: str) -> str:
         return f"{self.run_id}/{PRESENCE_DIR}/{region}.json"
+
+    def alive_key(self, region: str) -> str:
+        return f"{self.run_id}/{ALIVE_DIR}/{region}.json"
 
     @staticmethod
     def snap_tag(r: int) -> str:
@@ -175,10 +299,12 @@ class Membership:
         rounds = self.committed_rounds()
         return rounds[-1] if rounds else None
 
-    def _try_close(self, tag: str, step: int, got: dict[str, Manifest], reason: str, waited: float) -> Commit:
+    def _try_close(self, tag: str, step: int, got: dict[str, Manifest], reason: str, waited: float,
+                   stale: set[str] = frozenset()) -> Commit:
         members = {r: Member(manifest_digest(got[r]), int(got[r].tokens)) for r in self.regions if r in got}
-        c = Commit(self.run_id, tag, step, members, self.region, reason, round(waited, 3),
-                   [r for r in self.regions if r not in got], time.time())
+        absent = [r for r in self.regions if r not in got]
+        c = Commit(self.run_id, tag, step, members, self.region, reason, round(waited, 3), absent, time.time(),
+                   stale=[r for r in absent if r in stale])
         if self.test_hook:
             self.test_hook("before_create", tag)
         if self.store.create(self.commit_key(tag), c.to_json()):
@@ -201,9 +327,15 @@ class Membership:
         now0 = self._clock()
         t0 = now0 if started is None else started
         delay = mb.poll_min_s
-        quorum_since: float | None = None
+        # The grace clock of this wait, carried over from its previous slice (same tag and start).
+        wait_id = (tag, t0)
+        quorum_since = self._waiting[1] if self._waiting is not None and self._waiting[0] == wait_id else None
+        self._waiting = None
         leaving: set[str] = set()
-        next_presence = now0  # presence records: a listing, not on every poll
+        stale: set[str] = set()
+        stale_due = math.inf  # when the next missing region's heartbeat would have been quiet long enough
+        next_check = now0  # presence and heartbeats of the missing regions: a few reads, not on every poll
+        tick = min(1.0, max(self.grace_s / 4, 0.05))
         next_behind = now0 + 10.0  # has the run moved past this round? (a listing of the whole run)
         while True:
             c = self.read_commit(tag)
@@ -217,16 +349,17 @@ class Membership:
                     expect.check(m, self.run_id, tag, r, self.store.describe(mb.manifest_key(tag, r)))
                     got[r] = m
             now = self._clock()
-            if now >= next_presence:
-                leaving = {r for r, p in self.presences().items() if p.state == "leaving" and r != self.region}
-                next_presence = now + min(1.0, max(self.grace_s / 4, 0.05))
+            if now >= min(next_check, stale_due):
+                leaving, stale, stale_due = self._absentees(got)
+                next_check = now + tick
             if now >= next_behind:
                 self._check_not_behind(tag)
                 next_behind = now + 10.0
-            reason, quorum_since = decide(self.regions, got, leaving, self.quorum, self.grace_s, now, quorum_since)
+            reason, quorum_since = decide(self.regions, got, leaving, self.quorum, self.grace_s, now, quorum_since,
+                                          stale)
             if reason is not None:
                 self._check_not_behind(tag)
-                return self._try_close(tag, step if step is not None else -1, got, reason, now - t0), got
+                return self._try_close(tag, step if step is not None else -1, got, reason, now - t0, stale), got
             if now - t0 >= mb.timeout_s:
                 missing = [r for r in self.regions if r not in got]
                 at = f" (step {step})" if step is not None else ""
@@ -236,13 +369,90 @@ class Membership:
                     missing,
                 )
             if slice_s is not None and now - now0 >= slice_s:
+                self._waiting = (wait_id, quorum_since)
                 return None
-            if quorum_since is not None:
-                wake = self.grace_s - (now - quorum_since)
+            if quorum_since is not None:  # grace running out, or a missing region's heartbeat going stale
+                wake = min(self.grace_s - (now - quorum_since), stale_due - now)
             else:
                 wake = mb.timeout_s - (now - t0)
             time.sleep(max(0.0, min(delay, wake + 1e-3)))
             delay = min(mb.poll_max_s, delay * 1.5)
+
+    def _absentees(self, got: dict[str, Manifest]) -> tuple[set[str], set[str], float]:
+        """rank 0, waiting in a round: read the presence record (and, with heartbeats, the heartbeat) of every
+        region still missing. Returns (regions that announced a leave, regions whose heartbeat is stale, when
+        the next watched one would turn stale on this region's clock: inf if none)."""
+        leaving: set[str] = set()
+        stale: set[str] = set()
+        due = math.inf
+        for r in self.regions:
+            if r in got or r == self.region:
+                continue
+            p = self.read_presence(r)
+            if p is not None and p.state == "leaving":
+                leaving.add(r)
+                continue
+            if self.heartbeat_s is None:
+                continue
+            before = self._clock()
+            hb = self.read_heartbeat(r)
+            quiet, limit = self._quiet_for(r, hb, before, self._clock())
+            if quiet >= limit:
+                stale.add(r)
+            else:
+                due = min(due, self._watch[r][1] + limit)
+        return leaving, stale, due
+
+    def _quiet_for(self, region: str, hb: Heartbeat | None, before: float, after: float) -> tuple[float, float]:
+        """Record one reading of ``region``'s heartbeat, taken between ``before`` and ``after`` (this region's
+        clock). Returns (for how long its value is known not to have changed, how long makes it stale)."""
+        value = hb.value if hb is not None else None
+        seen = self._watch.get(region)
+        # the writer's own interval when it is longer (regions disagreeing on heartbeat_s never misjudge)
+        limit = STALE_BEATS * max(self.heartbeat_s or 0.0, hb.interval_s if hb is not None else 0.0)
+        if seen is None or seen[0] != value:
+            self._watch[region] = (value, after)  # unchanged at least from after this read on
+            return 0.0, limit
+        return max(0.0, before - seen[1]), limit
+
+    # -- heartbeats ------------------------------------------------------------------------------------
+    def read_heartbeat(self, region: str) -> Heartbeat | None:
+        raw = self.store.get(self.alive_key(region))
+        hb = Heartbeat.from_json(raw) if raw is not None else None
+        return hb if hb is not None and hb.region == region else None
+
+    def heartbeats(self, keys: list[str] | None = None) -> dict[str, Heartbeat]:
+        """Every region's heartbeat in the mailbox (one listing, or ``keys`` of :meth:`run_keys`)."""
+        prefix = f"{self.run_id}/{ALIVE_DIR}/"
+        out = {}
+        for key in self.store.list(prefix) if keys is None else [k for k in keys if k.startswith(prefix)]:
+            raw = self.store.get(key)
+            hb = Heartbeat.from_json(raw) if raw is not None else None
+            if hb is not None and hb.region in self.regions and key == self.alive_key(hb.region):
+                out[hb.region] = hb
+        return out
+
+    def start_heartbeat(self, heartbeat_s: float | None = None) -> None:
+        """Start beating for this region (its rank 0 only) every ``heartbeat_s`` (default: the one given at
+        construction, which is also what other regions' heartbeats are judged by); None: no heartbeats."""
+        if heartbeat_s is not None:
+            self.heartbeat_s = heartbeat_s
+        if self.heartbeat_s is None or self._writer is not None:
+            return
+        self._writer = HeartbeatWriter(self.store, self.alive_key(self.region), self.region, self.heartbeat_s,
+                                       self.job)
+        self._writer.start()
+
+    def stop_heartbeat(self) -> None:
+        """Stop beating (a planned leave, the end, close); the others then treat this region as gone after
+        STALE_BEATS intervals unless its presence says it left."""
+        if self._writer is not None:
+            self._writer.stop()
+            self._writer = None
+
+    @property
+    def beating(self) -> bool:
+        return self._writer is not None and self._writer.alive
 
     def _check_not_behind(self, tag: str) -> None:
         r = parse_tag(tag)
@@ -273,8 +483,15 @@ class Membership:
 
     # -- presence --------------------------------------------------------------------------------------
     def announce(self, state: str, r: int, step: int) -> None:
+        if state == "leaving":
+            self.stop_heartbeat()  # a region that left beats no more (its leave is what the others read)
         p = Presence(self.region, state, r, step, time.time(), self.job)
         self.store.put(self.presence_key(self.region), json.dumps(asdict(p)).encode())
+
+    def read_presence(self, region: str) -> Presence | None:
+        raw = self.store.get(self.presence_key(region))
+        p = Presence.from_json(raw) if raw is not None else None
+        return p if p is not None and p.region == region else None
 
     def presences(self, keys: list[str] | None = None) -> dict[str, Presence]:
         prefix = f"{self.run_id}/{PRESENCE_DIR}/"

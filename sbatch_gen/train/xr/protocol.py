@@ -188,6 +188,7 @@ class Mailbox:
         threads: int = 16,
         poll_min_s: float = 0.002,
         poll_max_s: float = 1.0,
+        read_attempts: int = 3,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
@@ -203,6 +204,9 @@ class Mailbox:
         # of waiting costs ~75 small requests.
         self.poll_min_s, self.poll_max_s = poll_min_s, poll_max_s
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="xr-io")
+        # A shard whose checksum fails (corrupted in transit, a torn read) is read again, this often at
+        # most; each re-read counts as a retried request of the store (the round records' xr_retries).
+        self.read_attempts = max(1, read_attempts)
         self._clock = clock
 
     # -- keys --------------------------------------------------------------------------------------
@@ -344,7 +348,10 @@ class Mailbox:
     ) -> dict[tuple[str, int], Buffer]:
         """Fetch shards concurrently and verify each against its manifest entry. A store that can map
         objects (fs) hands out read-only-in-practice views without copying; otherwise objects are read
-        into buffers, reused between rounds when the caller keeps ``reuse`` (a dict) for that."""
+        into buffers, reused between rounds when the caller keeps ``reuse`` (a dict) for that. A shard
+        whose checksum differs is read again (``read_attempts`` reads in all, each re-read counted in
+        the store's ``retries``) before :class:`XRChecksumError`: objects are immutable once their
+        manifest is visible, so a mismatch that goes away was damage on the way, not in the store."""
         wants = list(wants)
         zero_copy = self.store.maps_objects
         bufs: dict[tuple[str, int], Buffer] = {}
@@ -360,17 +367,22 @@ class Mailbox:
         def one(item):
             region, info = item
             key = self.shard_key(tag, region, info.index)
-            if zero_copy:
-                buf = self.store.get_view(key, info.nbytes)
-            else:
-                buf = bufs[(region, info.index)]
-                self.store.get_into(key, memoryview(buf))
-            if digest(buf) != info.digest:
-                raise XRChecksumError(
-                    f"round {tag}: shard {info.index} of region {region!r} is corrupted: {CHECKSUM} differs "
-                    f"from its manifest ({self.store.describe(key)})"
-                )
-            return (region, info.index), buf
+            for attempt in range(self.read_attempts):
+                if attempt:
+                    self.store.count_retry()
+                    time.sleep(min(1.0, 0.05 * 2 ** (attempt - 1)))
+                if zero_copy:
+                    buf = self.store.get_view(key, info.nbytes)
+                else:
+                    buf = bufs[(region, info.index)]
+                    self.store.get_into(key, memoryview(buf))
+                if digest(buf) == info.digest:
+                    return (region, info.index), buf
+            reads = f"in {self.read_attempts} reads" if self.read_attempts > 1 else "(read once)"
+            raise XRChecksumError(
+                f"round {tag}: shard {info.index} of region {region!r} is corrupted: {CHECKSUM} differs "
+                f"from its manifest {reads} ({self.store.describe(key)})"
+            )
 
         return dict(self.pool.map(one, wants))
 

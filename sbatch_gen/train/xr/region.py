@@ -40,14 +40,65 @@ def reraise(err: Err) -> None:
     raise _ERRORS[err[0]](err[1])
 
 
+# A host tensor broadcast over a device backend (NCCL) goes through device buffers of at most this many
+# bytes, so the outer state held in host memory never needs a device copy of its whole size.
+STAGE_BYTES = 64 << 20
+
+
 class Region:
-    """Collectives of this region; no-ops for one process."""
+    """Collectives of this region; no-ops for one process.
+
+    The region's *leaders* (:meth:`set_leaders`: the node leaders that own shards) hold the outer state;
+    :meth:`leaders_broadcast` runs among them only, :meth:`broadcast_tensors` over the whole region."""
 
     def __init__(self, dist, comm_device: torch.device) -> None:
         self.on = bool(getattr(dist, "is_distributed", False)) and tdist.is_available() and tdist.is_initialized()
         self.rank = tdist.get_rank() if self.on else 0
         self.world = tdist.get_world_size() if self.on else 1
         self.comm_device = comm_device
+        self.leaders = [0]
+        self._leaders_pg = None  # a process group of the leaders when they are some, not all, ranks
+
+    def set_leaders(self, ranks: list[int]) -> None:
+        """Collective (every rank, same ``ranks``): the leaders' process group, created once."""
+        self.leaders = sorted(ranks)
+        if self.on and 1 < len(self.leaders) < self.world:
+            self._leaders_pg = tdist.new_group(self.leaders)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank in self.leaders
+
+    def leaders_broadcast(self, t: torch.Tensor, src: int) -> None:
+        """``t`` (contiguous) from leader ``src`` to every leader; only leaders call it. A tensor off the
+        communication device travels in pieces of at most :data:`STAGE_BYTES`."""
+        if not self.on or len(self.leaders) == 1:
+            return
+        if t.device == self.comm_device:
+            tdist.broadcast(t, src=src, group=self._leaders_pg)
+            return
+        flat = t.view(-1)
+        step = max(1, STAGE_BYTES // t.element_size())
+        stage = torch.empty(min(step, flat.numel()), dtype=t.dtype, device=self.comm_device)
+        for lo in range(0, flat.numel(), step):
+            hi = min(lo + step, flat.numel())
+            piece = stage[: hi - lo]
+            if self.rank == src:
+                piece.copy_(flat[lo:hi])
+            tdist.broadcast(piece, src=src, group=self._leaders_pg)
+            if self.rank != src:
+                flat[lo:hi].copy_(piece)
+
+    def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Each tensor, in place, from ``src`` to every rank of the region, one broadcast after the other
+        (NCCL queues them on its stream without blocking the host)."""
+        if not self.on:
+            return
+        for t in tensors:
+            c = t if t.is_contiguous() else t.contiguous()
+            tdist.broadcast(c, src=src)
+            if c is not t:
+                t.copy_(c)
 
     def all_gather(self, obj) -> list:
         if not self.on:

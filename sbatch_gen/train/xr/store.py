@@ -31,6 +31,12 @@ from .errors import StoreError, XRChecksumError
 class Store(ABC):
     maps_objects = False  # True: get_view maps objects (zero-copy) and is preferred over get_into
     retries = 0  # requests retried so far (S3: botocore's RetryAttempts plus this store's own re-reads)
+    _retries_lock = threading.Lock()  # S3Store has one per instance
+
+    def count_retry(self) -> None:
+        """One more request retried by a caller: the protocol reads an object again whose checksum failed."""
+        with self._retries_lock:
+            self.retries += 1
 
     @abstractmethod
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None: ...

@@ -8,6 +8,16 @@ step, strict). :func:`create` picks one.
 
 All-or-nothing: every rank learns about any rank's failure (timeouts, checksums, layouts) before
 anything is changed, raises the same error, and the parameters and outer state stay as they were.
+
+**Who holds the outer state.** Since every rank of a region holds the same parameters, the outer step
+is the same on each: only the region's *leaders* (the shard owners: local rank 0 of each node, or rank
+0 alone with ``node_leaders: false``) hold the flat fp32 buffers (DiLoCo: ``theta_outer``, momentum,
+the delta and the average, 16 B/param; grad mode: the gradient and the average, 8 B/param), and all of
+them take the same step with the same bits. The other ranks hold none: after each round rank 0
+broadcasts the new parameters (grad mode: gradients) in place over the region. A leader keeps the
+buffers on the training device with ``outer_device: auto`` while they fit in ``outer_device_max_gib``,
+else in host memory (pinned beside a GPU; the blocked CPU kernels run the step there). Checkpoints:
+leaders put ``theta_outer``/momentum into :meth:`state_dict`, DCP stores one copy, every leader loads it.
 """
 
 from __future__ import annotations
@@ -33,10 +43,30 @@ from .store import Store, make_store, probe_create
 
 log = logging.getLogger("sbatch_gen.train")
 LATE_WARN_AFTER = 3  # consecutive rounds without this region's payload before it warns
+GIB = 1 << 30
+
+
+def outer_placement(xr: CrossRegion, device: torch.device, nbytes: int) -> tuple[torch.device, bool, str]:
+    """Where a leader keeps ``nbytes`` of outer state: ``(device, pinned host memory?, why)``. The choice
+    never changes a bit of the result (the kernels round alike on every device), only memory and speed."""
+    cpu, pin = torch.device("cpu"), torch.device(device).type == "cuda"
+    if xr.outer_device == "cpu":
+        return cpu, pin, "outer_device: cpu"
+    if nbytes > xr.outer_device_max_gib * GIB:
+        return cpu, pin, (f"outer state {nbytes / GIB:.3g} GiB is above outer_device_max_gib "
+                          f"{xr.outer_device_max_gib:g}")
+    if torch.device(device).type == "cpu":
+        return cpu, False, "the training device is the CPU"
+    return torch.device(device), False, (f"outer state {nbytes / GIB:.3g} GiB fits in outer_device_max_gib "
+                                         f"{xr.outer_device_max_gib:g}")
 
 
 class OuterSync:
     """See the module docstring. Collective: every rank of the region constructs it."""
+
+    # The flat fp32 buffers a leader holds: name -> (pinned when in host memory beside a GPU: it crosses
+    # PCIe every round; zero-filled at the start). None on the other ranks.
+    BUFFERS: dict[str, tuple[bool, bool]] = {"work": (True, False), "avg": (True, False)}
 
     def __init__(
         self,
@@ -54,11 +84,11 @@ class OuterSync:
         self.xr = xr
         self.mode = xr.sync
         self.device = torch.device(device)
-        self.outer_device = self.device if xr.outer_device == "auto" else torch.device("cpu")
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self._log = log or (lambda d: None)
         self.flat = FlatParams(model)
         self.numel = self.flat.numel
+        self.outer_device, self.pinned, placement = outer_placement(xr, self.device, self.state_bytes())
 
         # Who moves which shard. Comm tensors live on the training device (NCCL wants CUDA, gloo CPU).
         self.group = Region(dist, self.device)
@@ -74,6 +104,8 @@ class OuterSync:
             owner_ranks = [0]
         if 0 not in owner_ranks:
             raise ValueError("rank 0 must be a node leader (local rank 0 of node 0)")
+        self.group.set_leaders(owner_ranks)
+        self.leader = self.group.is_leader  # holds the outer state
 
         def open_mailbox():  # e.g. S3 credentials missing on one node: every rank must hear about it
             mb = Mailbox(store if store is not None else make_store(xr.transport, xr.threads), xr.run_id, xr.region,
@@ -95,9 +127,16 @@ class OuterSync:
         self.ex = Exchange(xr, self.group, self.mailbox, self.membership, self.numel, self.flat.layout, owner_ranks,
                            self.outer_device, self.device)
 
-        f32 = dict(dtype=torch.float32, device=self.outer_device)
-        self.work = torch.zeros(self.numel, **f32)  # flat params / payload source
-        self.avg = torch.zeros(self.numel, **f32)  # the regions' weighted average (every rank)
+        # work: flat params, the payload source; avg: the regions' weighted average. See BUFFERS.
+        for name, (pin, zero) in self.BUFFERS.items():
+            buf = None
+            if self.leader:
+                new = torch.zeros if zero else torch.empty
+                buf = new(self.numel, dtype=torch.float32, device=self.outer_device, pin_memory=pin and self.pinned)
+            setattr(self, name, buf)
+        self._log({"event": "xr_outer_state", "device": str(self.outer_device), "pinned": self.pinned,
+                   "why": placement, "leaders": owner_ranks, "numel": self.numel,
+                   "bytes_per_rank": self.group.all_gather(self.outer_bytes())})
         self.round = 0
         self.aligned = False
         self.tokens = 0  # the region's tokens since the last round (the trainer passes region-wide counts)
@@ -114,7 +153,7 @@ class OuterSync:
         t0 = time.perf_counter()
         first = self.xr.regions[0]
         exists = self.group.on_rank(lambda: self.mailbox.read_manifest(TAG_INIT, first) is not None)
-        flat = self.flat.gather(self.work)
+        flat = self.flat.gather(self.work) if self.leader else None
         if self.xr.region == first and not exists:
             self.ex.upload(TAG_INIT, first, "init", step, flat, 0, extra_fn=theta0_extra)
             action = "published"
@@ -123,8 +162,10 @@ class OuterSync:
             manifests = self.group.on_rank(
                 lambda: self.mailbox.wait(TAG_INIT, [first], expect, step=step))
             self.ex.fetch(TAG_INIT, manifests[first], flat, self.ex.fp32_plan)
-            self.flat.scatter(flat)
+            if self.leader:
+                self.flat.scatter(flat)
             action = "adopted"
+        self._share_params()
         fingerprint = self._verify_init(flat)
         self._aligned()
         self.aligned = True
@@ -137,8 +178,9 @@ class OuterSync:
         """Subclass hook: the model holds theta0."""
 
     def _verify_init(self, scratch: torch.Tensor) -> str:
-        """Hash what the MODEL now holds (not a copy) and compare with the published theta0."""
-        flat = self.flat.gather(scratch)
+        """Hash what the MODEL now holds (not a copy; each leader its own shards) and compare with the
+        published theta0."""
+        flat = self.flat.gather(scratch) if self.leader else None
 
         def want():
             m = self.mailbox.read_manifest(TAG_INIT, self.xr.regions[0])
@@ -189,6 +231,18 @@ class OuterSync:
     # -- shared by the subclasses ----------------------------------------------------------------------
     def _now(self) -> float:
         return self.ex._now()
+
+    def state_bytes(self) -> int:
+        """Bytes of the flat buffers a leader holds (:attr:`BUFFERS`)."""
+        return 4 * self.numel * len(self.BUFFERS)
+
+    def outer_bytes(self) -> int:
+        """Bytes of flat buffers this rank holds: :meth:`state_bytes` on a leader, 0 on the other ranks."""
+        return sum(t.nbytes for t in (getattr(self, n, None) for n in self.BUFFERS) if t is not None)
+
+    def _share_params(self) -> None:
+        """The parameters, as rank 0 holds them, into every rank of the region (in place)."""
+        self.group.broadcast_tensors(self.flat.tensors(), src=0)
 
     def _cleanup(self, r: int, need_snapshot: bool) -> None:
         if self.group.rank != 0:

@@ -1,0 +1,114 @@
+"""One rank of a test region: the outer sync driven by a small DDP loop (no trainer), under torchrun with gloo.
+
+``tests/xr/test_multiproc.py`` starts one torchrun per region. The region's ranks are split into ``--nodes``
+pretend nodes (node_rank = rank // per_node, local_rank = rank % per_node), so a 4-process region over 2
+nodes has the node leaders 0 and 2 and two ranks that hold no outer state. ``--save-at STEP`` writes a DCP
+checkpoint (model + the outer sync's state_dict, as the trainer does) after that step; ``--resume DIR``
+loads one and continues. Each rank writes ``<out>/<region>-rank<R>.pt``: its flat parameters after every
+round (and theta_outer where it holds one), the size of each outer buffer it holds (None: absent), and the
+sync's event records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from sbatch_gen.train.dist import DistInfo
+from sbatch_gen.train.xr.sync import create
+from sbatch_gen.xr_options import CrossRegion, FsTransport
+
+BUFFERS = ("work", "avg", "theta_outer", "momentum")
+W_TRUE = torch.tensor([[1.0], [-2.0], [0.5], [3.0], [-1.0], [0.25]])
+
+
+def flat(m: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()]).clone()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--region", required=True)
+    ap.add_argument("--regions", required=True)
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--sync", default="diloco")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--inner-steps", type=int, default=2)
+    ap.add_argument("--max-gib", type=float, default=None)
+    ap.add_argument("--save-at", type=int, default=0)
+    ap.add_argument("--resume", default="")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_node = world // a.nodes
+    info = DistInfo(rank=rank, world_size=world, local_rank=rank % per_node, local_world_size=per_node,
+                    node_rank=rank // per_node, num_nodes=a.nodes, is_distributed=True, backend="gloo")
+    regions = a.regions.split(",")
+    torch.manual_seed(a.seed)  # the same on every rank of a region (DDP would broadcast rank 0's anyway)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = DDP(net)
+    kw = dict(enabled=True, run_id="w", region=a.region, regions=regions, sync=a.sync, inner_steps=a.inner_steps,
+              transport=FsTransport(root=a.root), timeout_s=120, shard_mb=0.0005, threads=2, keep_rounds=8,
+              payload_dtype="fp32" if a.sync == "grad" else "bf16")
+    if a.max_gib is not None:
+        kw["outer_device_max_gib"] = a.max_gib
+    events: list[dict] = []
+    sync = create(CrossRegion(**kw), model, torch.device("cpu"), info, None, events.append,
+                  poll_min_s=0.005, poll_max_s=0.05)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+
+    start = 0
+    if a.resume:
+        state = {"model": net.state_dict(), "outer": sync.state_dict(), "step": 0}
+        dcp.load(state, checkpoint_id=a.resume)
+        net.load_state_dict(state["model"])
+        sync.load_state_dict(state["outer"])
+        start = int(state["step"])
+    sync.align(start)
+
+    after: dict[int, torch.Tensor] = {}
+    theta: dict[int, torch.Tensor] = {}  # theta_outer where this rank holds it
+    buffers_seen: dict[int, dict] = {}
+    for step in range(start + 1, a.steps + 1):
+        g = torch.Generator().manual_seed(10_000 * regions.index(a.region) + 100 * rank + step)
+        x = torch.randn(16, 6, generator=g)
+        opt.zero_grad()
+        ((model(x) - x @ W_TRUE) ** 2).mean().backward()
+        sync.before_optimizer_step(step, 16 * world)
+        opt.step()
+        rec = sync.after_optimizer_step(step, 16 * world)
+        if a.sync == "grad" or rec:
+            after[step] = flat(net)
+            if getattr(sync, "theta_outer", None) is not None:
+                theta[step] = sync.theta_outer.clone()
+            buffers_seen[step] = {n: (t.numel() if (t := getattr(sync, n, None)) is not None else None)
+                                  for n in BUFFERS}
+        if step == a.save_at:
+            dcp.save({"model": net.state_dict(), "outer": sync.state_dict(), "step": step},
+                     checkpoint_id=str(Path(a.out) / "ckpt"))
+    torch.save({"rank": rank, "after": after, "theta": theta, "buffers": buffers_seen, "events": events, "numel": sync.numel},
+               Path(a.out) / f"{a.region}-rank{rank}.pt")
+    sync.close()
+    dist.barrier()
+    # Leave without tearing the process groups down: gloo frees a finished work that a later barrier still
+    # held on its own thread, which needs the GIL that the thread destroying the group (DDP's reducer, at
+    # exit) holds while it joins that thread; on a loaded machine the worker then hangs at exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
