@@ -6,9 +6,10 @@ three parts measured in one run:
 1. **Survivor idle per round** while region b is away: ``xr_wait_s`` of region a's rounds that b missed,
    against ``grace_s``.
 2. **Goodput** of the survivor a under one scripted schedule (b leaves after round k and is restarted
-   ``away_s`` later), paced steps: b crashes (SIGKILL, no word to a), b stops (its stop file: a planned
-   leave), and the same crash with ``min_regions: all`` (strict: a blocks ``timeout_s``, exits 42 and is
-   requeued at once until b is back); plus a baseline in which b stays.
+   ``away_s`` later), paced steps: b crashes (SIGKILL, no word to a; a finds out from b's heartbeat), the
+   same crash with heartbeats off (a waits grace_s in every round b misses), b stops (its stop file: a
+   planned leave), and the same crash with ``min_regions: all`` (strict: a blocks ``timeout_s``, exits 42
+   and is requeued at once until b is back); plus a baseline in which b stays.
 3. **Quality**: the same step budget with b away for 0%, 25% and 50% of the rounds mid-run (then back), b
    gone for the last 25%, and a alone; the final model's loss on a held-out shard neither region trained on.
 """
@@ -55,6 +56,8 @@ class Sizes:
     q_absent: tuple[int, ...]  # rounds b misses, one variant each (0 = always present)
     q_alone: bool  # also a 1-region run (b absent from every round)
     q_end: int  # also b leaving for good this many rounds before the end (0: skip)
+    q_withhold: int  # control: b stays but publishes nothing in this many rounds from q_first+1 (0: skip)
+    q_seeds: tuple[int, ...]  # always present, ~25% away and the control run once per seed (the rest: the first)
     q_model: dict
     q_batch: int
     q_eval_windows: int
@@ -65,7 +68,8 @@ class Sizes:
     g_leave_round: int  # b goes once this round is committed
     g_away_s: float  # ... and is started again this long after
     g_grace_s: float
-    g_grace_short_s: float | None  # a second crash run with a short grace (None: skip)
+    g_heartbeat_s: float  # the elastic variants' heartbeat_s (crash detection)
+    g_no_heartbeat: bool  # also the crash with heartbeats off
     g_stop: bool  # also the planned-stop run
     g_baseline: bool  # also a run in which b never leaves
     g_strict_timeout_s: float
@@ -77,27 +81,29 @@ class Sizes:
 
 
 FULL = Sizes(
-    q_steps=600, q_h=30, q_first=5, q_absent=(0, 5, 10), q_alone=True, q_end=5,
+    q_steps=600, q_h=30, q_first=5, q_absent=(0, 5, 10), q_alone=True, q_end=5, q_withhold=5, q_seeds=(1234, 99),
     q_model={"n_layers": 2, "d_model": 128, "n_heads": 4, "seq_len": 64}, q_batch=8, q_eval_windows=1024,
-    g_steps=360, g_h=20, g_sleep_s=0.2, g_leave_round=4, g_away_s=22.0, g_grace_s=2.7, g_grace_short_s=0.5, g_stop=True, g_baseline=True,
+    g_steps=360, g_h=20, g_sleep_s=0.2, g_leave_round=4, g_away_s=22.0, g_grace_s=2.7, g_heartbeat_s=0.45, g_no_heartbeat=True,
+    g_stop=True, g_baseline=True,
     g_strict_timeout_s=20.0, g_ckpt_every=60, g_snapshot_every=5, g_keep_rounds=4,
     g_model={"n_layers": 1, "d_model": 64, "n_heads": 2, "seq_len": 32}, g_batch=4,
 )
 QUICK = Sizes(
-    q_steps=12, q_h=2, q_first=1, q_absent=(0, 3), q_alone=False, q_end=0,
+    q_steps=12, q_h=2, q_first=1, q_absent=(0, 3), q_alone=False, q_end=0, q_withhold=2, q_seeds=(1234,),
     q_model={"n_layers": 1, "d_model": 32, "n_heads": 2, "seq_len": 16}, q_batch=2, q_eval_windows=32,
-    g_steps=40, g_h=4, g_sleep_s=0.05, g_leave_round=2, g_away_s=2.0, g_grace_s=0.5, g_grace_short_s=None, g_stop=False, g_baseline=False,
+    g_steps=40, g_h=4, g_sleep_s=0.05, g_leave_round=2, g_away_s=2.0, g_grace_s=0.5, g_heartbeat_s=0.1, g_no_heartbeat=False,
+    g_stop=False, g_baseline=False,
     g_strict_timeout_s=30.0, g_ckpt_every=4, g_snapshot_every=2, g_keep_rounds=1,
     g_model={"n_layers": 1, "d_model": 32, "n_heads": 2, "seq_len": 16}, g_batch=2,
 )
 
 
 def _config(path: Path, *, steps: int, model: dict, batch: int, data_dir: Path, ckpt_every: int,
-            warmup: int, lr: float = 2e-3) -> Path:
+            warmup: int, lr: float = 2e-3, seed: int = 1234) -> Path:
     cfg = {
         "model": {**model, "dropout": 0.0},
         "data": {"path": str(data_dir), "source": "python-stdlib", "max_bytes": DATA_BYTES},
-        "train": {"steps": steps, "batch_size": batch, "log_every": 1, "seed": 1234},
+        "train": {"steps": steps, "batch_size": batch, "log_every": 1, "seed": seed},
         "optim": {"lr": lr, "min_lr": lr / 10, "warmup_steps": min(warmup, steps - 1)},
         "checkpoint": {"every": ckpt_every, "keep_last": 2, "export_safetensors": True},
         "run_dir": str(path.parent / "run"),
@@ -181,9 +187,10 @@ class _Watch:
                     self.seen.append((now, rec))
 
 
-def _goodput_variant(work: Path, data: Path, cfg: Path, sz: Sizes, mode: str, grace_s: float) -> dict:
+def _goodput_variant(work: Path, data: Path, cfg: Path, sz: Sizes, mode: str, grace_s: float,
+                     heartbeat_s: float | None) -> dict:
     """mode: none (b stays), crash | stop (elastic, min_regions 1), or strict (min_regions all, b crashes)."""
-    name = f"g-{mode}-{grace_s:g}".replace(".", "_")
+    name = f"g-{mode}-{grace_s:g}-{heartbeat_s or 0:g}".replace(".", "_")
     root = work / name
     strict = mode == "strict"
     stop = root / "b.stop"
@@ -194,7 +201,7 @@ def _goodput_variant(work: Path, data: Path, cfg: Path, sz: Sizes, mode: str, gr
         xr = CrossRegion(enabled=True, run_id=name, region=region, regions=REGIONS, sync="diloco",
                          inner_steps=sz.g_h, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
                          transport=FsTransport(root=str(root / "mailbox")), threads=4,
-                         min_regions="all" if strict else 1, grace_s=grace_s,
+                         min_regions="all" if strict else 1, grace_s=grace_s, heartbeat_s=heartbeat_s,
                          timeout_s=sz.g_strict_timeout_s if strict else 600,
                          snapshot_every=sz.g_snapshot_every, keep_rounds=sz.g_keep_rounds)
         extra = ["--stop-file", str(stop)] if (region == "b" and mode == "stop") else []
@@ -280,7 +287,7 @@ def _goodput_variant(work: Path, data: Path, cfg: Path, sz: Sizes, mode: str, gr
     rejoin = [r["time"] for r in b_recs if r.get("event") == "xr_rejoin" and r["time"] > t_gone]
     if rejoin:  # b's own record of its fast-forward (its presence says "joined" right after)
         t_joined = rejoin[0]
-    g.update(mode=mode, grace_s=grace_s, requeues=(attempts["a"] - 1, attempts["b"] - 1),
+    g.update(mode=mode, grace_s=grace_s, heartbeat_s=heartbeat_s, requeues=(attempts["a"] - 1, attempts["b"] - 1),
              away_s=t_joined - t_gone, gone_at=t_gone - g["t0"], restart_at=t_back - g["t0"],
              back_at=t_joined - g["t0"],
              b_late=sum(1 for r in b_rounds if r.get("xr_late") and r["xr_round"] > sz.g_leave_round))
@@ -311,6 +318,7 @@ def _goodput_stats(root: Path, name: str, recs: list[dict], watch: _Watch) -> di
         "steps": len(steps),
         "timeline": [(t - t0, r["step"]) for t, r in watch.seen],
         "round_waits": [(r["xr_round"], r["xr_wait_s"], "b" in r["xr_members"]) for r in rounds],
+        "missed_closes": [(r["xr_round"], r["xr_close_reason"], r["xr_wait_s"]) for r in missed],
         "round_s": _round_times(steps),
     }
 
@@ -331,11 +339,16 @@ def _round_times(steps: list[dict]) -> list[float]:
 
 
 Q_GRACE_S = 60.0  # quality runs: a returning b that has joined is always waited for (rounds never close on time)
+Q_WITHHOLD_GRACE_S = 2.0  # the control: a closes the rounds b withholds after this (b is there, just silent)
 
 
-def _quality_variant(work: Path, data: Path, cfg: Path, sz: Sizes, absent: int | None, at_end: bool = False) -> dict:
+def _quality_variant(work: Path, data: Path, cfg: Path, sz: Sizes, absent: int | None, at_end: bool = False,
+                     seed: int = 0, withhold: bool = False) -> dict:
     """absent: rounds b is to miss from round q_first+1 on, or None for a 1-region run of a; ``at_end``: b
-    misses the last ``absent`` rounds instead (it leaves for good, no return).
+    misses the last ``absent`` rounds instead (it leaves for good, no return); ``withhold``: the control, b
+    stays in the run and trains every step but publishes nothing in those rounds
+    (``SBATCH_GEN_XR_WITHHOLD_ROUNDS``), so its tokens there are lost as if it were away, without a leave, a
+    restart or a rejoin. ``seed``: the config's train.seed (for the name; ``cfg`` carries it).
 
     One process of a trains the whole run (min_regions 1, grace_s 60: while b is in the run, every round
     waits for it). b ends after round q_first (``--max-steps``: its leave is on record, a's rounds close at
@@ -343,7 +356,8 @@ def _quality_variant(work: Path, data: Path, cfg: Path, sz: Sizes, absent: int |
     q_first+absent: then it fast-forwards to the run's step, finishes that round with a, and takes part
     from the next. Which round it first takes part in depends on its start-up time (+-1 round); the rounds
     it really missed are read from a's metrics."""
-    name = "q-alone" if absent is None else f"q-{'end-' if at_end else ''}{absent}"
+    name = "q-alone" if absent is None else f"q-{'end-' if at_end else ''}{'withhold-' if withhold else ''}{absent}"
+    name += f"-s{seed}" if seed else ""
     root = work / name
     h = sz.q_h
     n_rounds = sz.q_steps // h
@@ -353,14 +367,21 @@ def _quality_variant(work: Path, data: Path, cfg: Path, sz: Sizes, absent: int |
         xr = CrossRegion(enabled=True, run_id=name, region=region, regions=regions, sync="diloco", inner_steps=h,
                          outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
                          transport=FsTransport(root=str(root / "mailbox")), threads=4,
-                         min_regions=1 if len(regions) > 1 else "all", grace_s=Q_GRACE_S, timeout_s=600,
+                         min_regions=1 if len(regions) > 1 else "all",
+                         grace_s=Q_WITHHOLD_GRACE_S if withhold else Q_GRACE_S, timeout_s=600,
                          snapshot_every=5 if n_rounds >= 5 else 1, keep_rounds=4)
+        env = None
+        if withhold and region == "b":
+            from sbatch_gen.train.xr.exchange import ENV_WITHHOLD_ROUNDS
+
+            rounds = range(sz.q_first + 1, sz.q_first + absent + 1)
+            env = {ENV_WITHHOLD_ROUNDS: ",".join(map(str, rounds))}
         return _launch(xr, config=cfg, run_dir=root / region, data=data, max_steps=max_steps, resume=resume,
-                       log_dir=root / "logs")
+                       log_dir=root / "logs", env=env)
 
     if absent is None:
         _finish([launch("a")], name)
-    elif not absent:
+    elif not absent or withhold:
         _finish([launch("a"), launch("b")], name)
     elif at_end:
         _finish([launch("a"), launch("b", max_steps=(n_rounds - absent) * h)], name)
@@ -398,7 +419,7 @@ def _quality_variant(work: Path, data: Path, cfg: Path, sz: Sizes, absent: int |
         raise RuntimeError(f"{name}: a's rounds are {[r['xr_round'] for r in rounds]}")
     missed = [r["xr_round"] for r in rounds if "b" not in r["xr_members"]] if absent is not None else []
     b_steps = len(_steps(_records(root / "b"))) if absent is not None else 0
-    out = {"name": name, "absent": absent, "at_end": at_end, "rounds": len(rounds), "missed": missed, "b_steps": b_steps,
+    out = {"name": name, "absent": absent, "at_end": at_end, "withhold": withhold, "seed": seed, "rounds": len(rounds), "missed": missed, "b_steps": b_steps,
            "a_steps": len(_steps(_records(root / "a"))), "model": root / "a" / "model.safetensors"}
     out["same"] = _same_params(root / "a" / "model.safetensors", root / "b" / "model.safetensors") \
         if absent is not None and not at_end else None  # (b that left for good keeps its older model)
@@ -454,30 +475,35 @@ def run(out_dir: Path, quick: bool = False) -> Result:
         prepare(data, [*REGIONS, HELDOUT], "python-stdlib", DATA_BYTES)
         g_cfg = _config(work / "goodput.yaml", steps=sz.g_steps, model=sz.g_model, batch=sz.g_batch, data_dir=data,
                         ckpt_every=sz.g_ckpt_every, warmup=10)
-        q_cfg = _config(work / "quality.yaml", steps=sz.q_steps, model=sz.q_model, batch=sz.q_batch, data_dir=data,
-                        ckpt_every=10 * sz.q_steps, warmup=20)
-        plan = [("none", sz.g_grace_s)] if sz.g_baseline else []
-        plan += [("crash", sz.g_grace_s)]
-        plan += [("crash", sz.g_grace_short_s)] if sz.g_grace_short_s is not None else []
-        plan += [("stop", sz.g_grace_s)] if sz.g_stop else []
-        plan += [("strict", sz.g_grace_s)]
+        q_cfgs = {seed: _config(work / f"quality-{seed}.yaml", steps=sz.q_steps, model=sz.q_model, batch=sz.q_batch,
+                                data_dir=data, ckpt_every=10 * sz.q_steps, warmup=20, seed=seed) for seed in sz.q_seeds}
+        seed0 = sz.q_seeds[0]
+        hb = sz.g_heartbeat_s
+        plan = [("none", sz.g_grace_s, hb)] if sz.g_baseline else []
+        plan += [("crash", sz.g_grace_s, hb)]
+        plan += [("crash", sz.g_grace_s, None)] if sz.g_no_heartbeat else []
+        plan += [("stop", sz.g_grace_s, hb)] if sz.g_stop else []
+        plan += [("strict", sz.g_grace_s, None)]
 
-        def goodput(mode: str, grace: float) -> dict:
+        def goodput(mode: str, grace: float, heartbeat: float | None) -> dict:
             t0 = time.monotonic()
-            out = _goodput_variant(work, data, g_cfg, sz, mode, grace)
+            out = _goodput_variant(work, data, g_cfg, sz, mode, grace, heartbeat)
             print(f"  elastic: goodput, {_label(out)}: {time.monotonic() - t0:.0f} s", flush=True)
             return out
 
-        def quality(absent: int | None, at_end: bool = False) -> dict:
+        def quality(absent: int | None, at_end: bool = False, seed: int = seed0, withhold: bool = False) -> dict:
             t0 = time.monotonic()
-            v = _quality_variant(work, data, q_cfg, sz, absent, at_end)
+            v = _quality_variant(work, data, q_cfgs[seed], sz, absent, at_end, seed, withhold)
             v["loss"] = heldout_loss(v["model"], {**sz.q_model, "dropout": 0.0}, data / f"{HELDOUT}.bin",
                                      sz.q_eval_windows)
             print(f"  elastic: quality, {_qlabel(v)}: {time.monotonic() - t0:.0f} s", flush=True)
             return v
 
-        tasks = [lambda m=m, g=g: goodput(m, g) for m, g in plan]
-        tasks += [lambda a=a: quality(a) for a in sz.q_absent]
+        tasks = [lambda m=m, g=g, h=h: goodput(m, g, h) for m, g, h in plan]
+        q25 = min((a for a in sz.q_absent if a), key=lambda a: abs(a / (sz.q_steps // sz.q_h) - 0.25))
+        for seed in sz.q_seeds:  # always present, ~25% away and its control: once per seed; the rest once
+            tasks += [lambda a=a, seed=seed: quality(a, seed=seed) for a in sz.q_absent if seed == seed0 or a in (0, q25)]
+            tasks += [lambda seed=seed: quality(sz.q_withhold, seed=seed, withhold=True)] if sz.q_withhold else []
         tasks += [lambda: quality(sz.q_end, True)] if sz.q_end else []
         tasks += [lambda: quality(None)] if sz.q_alone else []
         if quick:  # correctness only: every variant at once (timings of a quick run mean nothing)
@@ -498,12 +524,16 @@ def _label(g: dict) -> str:
         return "elastic, b stays (baseline)"
     if g["mode"] == "strict":
         return "strict (min_regions all), b crashes"
-    return f"elastic, b {'crashes' if g['mode'] == 'crash' else 'stops (stop file)'}, grace_s {g['grace_s']:g}"
+    hb = f"heartbeat {g['heartbeat_s']:g} s" if g["heartbeat_s"] else "heartbeats off"
+    return f"elastic, b {'crashes' if g['mode'] == 'crash' else 'stops (stop file)'}, grace_s {g['grace_s']:g}, {hb}"
 
 
 def _qlabel(q: dict) -> str:
     if q["absent"] is None:
         return "a alone (1-region run)"
+    if q.get("withhold"):
+        return f"b stays, publishes nothing in rounds {q['missed'][0]}-{q['missed'][-1]} (control)" if q["missed"] \
+            else "b stays, publishes nothing (control; missed no round?)"
     if not q["absent"]:
         return "always present"
     if q["at_end"]:
@@ -530,9 +560,11 @@ def _report(res: Result, sz: Sizes, good: list[dict], qual: list[dict]) -> None:
         f"{sz.g_model['n_layers']}-layer width-{sz.g_model['d_model']} GPT paced to >= {sz.g_sleep_s:g} s per "
         f"step (`SBATCH_GEN_STEP_SLEEP_S`, standing in for GPU compute), so a round is ~{g_round_s:g} s of "
         f"steps. grace_s {sz.g_grace_s:g} = {sz.g_grace_s / g_round_s:.0%} of that (the eu/us sites: grace_s 30 "
-        "to ~45 s rounds, 67%, sites/_base/llm-xr-1.yaml)"
-        + (f"; a second crash run uses grace_s {sz.g_grace_short_s:g} ({sz.g_grace_short_s / g_round_s:.0%})"
-           if sz.g_grace_short_s is not None else "") + f". snapshot_every {sz.g_snapshot_every}, keep_rounds "
+        f"to ~45 s rounds, 67%, sites/_base/llm-xr-1.yaml); heartbeat_s {sz.g_heartbeat_s:g} = "
+        f"{sz.g_heartbeat_s / g_round_s:.0%} of a round (the sites: 5 s, 11%), so a region whose heartbeat "
+        f"stands still for 3 beats ({3 * sz.g_heartbeat_s:g} s on a's clock) counts as gone"
+        + ("; a second crash run has heartbeats off (heartbeat_s null: a waits grace_s in every round b misses)"
+           if sz.g_no_heartbeat else "") + f". snapshot_every {sz.g_snapshot_every}, keep_rounds "
         f"{sz.g_keep_rounds} (the sites' values), checkpoints every {sz.g_ckpt_every} steps.",
         f"Schedule (every goodput variant but the baseline): both start; once round {sz.g_leave_round} is "
         "committed, b is SIGKILLed (crash: nothing tells a) or its stop file is created (planned stop: b "
@@ -584,16 +616,19 @@ def _report(res: Result, sz: Sizes, good: list[dict], qual: list[dict]) -> None:
     res.table("a's wait for b per round, s ('b out': closed without b; '-': no step record, see notes)",
               ["round", *[_label(g) for g in good]], prow, "rounds")
 
-    base = next(q for q in qual if q["absent"] == 0)
+    bases = {q["seed"]: q for q in qual if q["absent"] == 0 and not q["withhold"]}
+
+    def gap(q: dict) -> float:  # against always present with the same seed
+        return q["loss"] / bases[q["seed"]]["loss"] - 1
+
     qrows = []
     for q in qual:
         share = (f"{len(q['missed']) / q['rounds']:.0%}" if q["absent"] is not None else "100%")
-        qrows.append([_qlabel(q), share, ",".join(map(str, q["missed"])) if q["missed"] else "-", q["a_steps"],
-                      q["b_steps"], q["loss"], f"{q['loss'] / base['loss'] - 1:+.2%}",
-                      "-" if q["same"] is None else q["same"]])
+        qrows.append([_qlabel(q), q["seed"], share, ",".join(map(str, q["missed"])) if q["missed"] else "-",
+                      q["a_steps"], q["b_steps"], q["loss"], f"{gap(q):+.2%}", "-" if q["same"] is None else q["same"]])
     res.table("Quality: final held-out loss, same step budget (part 3)",
-              ["variant", "rounds b missed", "which", "a's steps", "b's steps", "held-out loss", "vs always present",
-               "a == b bitwise"], qrows, "quality")
+              ["variant", "seed", "rounds b missed", "which", "a's steps", "b's steps", "held-out loss",
+               "vs always present (same seed)", "a == b bitwise"], qrows, "quality")
 
     # goals
     elastic = [g for g in good if g["mode"] in ("crash", "stop")]
@@ -602,60 +637,80 @@ def _report(res: Result, sz: Sizes, good: list[dict], qual: list[dict]) -> None:
         res.goal(f"survivor's wait per missed round <= grace_s + one poll ({g['grace_s']:g} + {POLL_S:g} s), "
                  f"{_label(g)}",
                  f"max {fmt(g['wait_max'])} s, median {fmt(g['wait_median'])} s over {g['missed']} rounds", ok)
-    for g in elastic:
-        res.goal(f"goodput >= 95%, {_label(g)}",
+    for g in elastic:  # (the crash with heartbeats off is the comparison: reported, not a goal)
+        compare = g["mode"] == "crash" and not g["heartbeat_s"]
+        res.goal(f"goodput >= 95%, {_label(g)}" + (" (comparison)" if compare else ""),
                  f"{g['goodput']:.1%} (b missed {g['missed']} of {g['rounds']} rounds, away {fmt(g['away_s'])} s "
-                 f"of W {g['wall_s']:.0f} s)", g["goodput"] >= 0.95)
+                 f"of W {g['wall_s']:.0f} s)", None if compare else g["goodput"] >= 0.95)
     strict = next(g for g in good if g["mode"] == "strict")
     res.goal("goodput, strict (min_regions all, today's behaviour), same schedule",
              f"{strict['goodput']:.1%} (a requeued {strict['requeues'][0]}x, b {strict['requeues'][1]}x; "
              f"W {strict['wall_s']:.0f} s)", None)
-    mids = [q for q in qual if q["absent"] and not q["at_end"]]
-    q25 = min(mids, key=lambda q: abs(len(q["missed"]) / q["rounds"] - 0.25), default=None)
-    if q25 is not None:
-        d = q25["loss"] / base["loss"] - 1
-        res.goal("held-out loss with b absent from ~25% of the rounds (and back) <= +1% vs always present",
-                 f"{d:+.2%} ({q25['loss']:.4f} vs {base['loss']:.4f}; b missed {len(q25['missed'])} of "
-                 f"{q25['rounds']} rounds)", d <= 0.01)
+    mids = [q for q in qual if q["absent"] and not q["at_end"] and not q["withhold"]]
+    n25 = min({q["absent"] for q in mids}, key=lambda a: abs(a / (sz.q_steps // sz.q_h) - 0.25), default=None)
+    q25s = [q for q in mids if q["absent"] == n25]
+    controls = [q for q in qual if q["withhold"]]
+    if q25s:
+        d = statistics.mean(gap(q) for q in q25s)
+        res.goal("held-out loss with b absent from ~25% of the rounds (and back) <= +1% vs always present"
+                 + (f" (mean over {len(q25s)} seeds)" if len(q25s) > 1 else ""),
+                 f"{d:+.2%} (" + "; ".join(f"seed {q['seed']}: {gap(q):+.2%}, b missed {len(q['missed'])} of "
+                                           f"{q['rounds']} rounds" for q in q25s) + ")", d <= 0.01)
+    if controls:
+        dc = statistics.mean(gap(q) for q in controls)
+        res.goal("the same rounds' tokens lost without any leave or rejoin (control: b stays, publishes nothing "
+                 "there)" + (f", mean over {len(controls)} seeds" if len(controls) > 1 else ""),
+                 f"{dc:+.2%} (" + "; ".join(f"seed {q['seed']}: {gap(q):+.2%}, {len(q['missed'])} rounds" for q in controls)
+                 + ")", None)
 
     # headline
     for g in good:
         res.headline[f"survivor goodput, {_label(g)}"] = (
             f"{g['goodput']:.1%}" + (f" (b missed {g['missed'] / g['rounds']:.0%} of the rounds)" if g["missed"] else ""))
-    crash = next(g for g in good if g["mode"] == "crash" and g["grace_s"] == sz.g_grace_s)
+    crash = next(g for g in good if g["mode"] == "crash" and g["heartbeat_s"])
+    off = next((g for g in good if g["mode"] == "crash" and not g["heartbeat_s"]), None)
     res.headline["survivor wall time for the same steps, strict vs elastic crash"] = (
         f"{strict['wall_s'] / crash['wall_s']:.2f}x")
-    res.headline[f"max wait per missed round, crash (grace_s {crash['grace_s']:g})"] = f"{crash['wait_max']:.2f} s"
+    for g in (crash, off) if off is not None else (crash,):
+        res.headline[f"max wait per missed round, {_label(g)}"] = f"{g['wait_max']:.2f} s"
     for q in qual:
         if q["absent"]:
-            res.headline[f"held-out loss, {_qlabel(q)} ({len(q['missed']) / q['rounds']:.0%} of rounds)"] = (
-                f"{q['loss'] / base['loss'] - 1:+.2%}")
+            seed = f", seed {q['seed']}" if q["seed"] != sz.q_seeds[0] else ""
+            res.headline[f"held-out loss, {_qlabel(q)} ({len(q['missed']) / q['rounds']:.0%} of rounds{seed})"] = (
+                f"{gap(q):+.2%}")
 
     # notes
     round_s = statistics.median([r for g in good for r in g["round_s"]] or [float("nan")])
     baseline = next((g for g in good if g["mode"] == "none"), None)
     base_loss = 1 - baseline["goodput"] if baseline else 0.0
     budget = 0.05 - base_loss
-    f_max = _max_share(budget, crash["grace_s"], round_s)
-    g_max = budget * round_s / (0.3 * (1 - budget)) if budget > 0 else 0.0
-    if budget <= 0:
-        res.notes.append(f"The baseline (b present) already loses {base_loss:.1%} of W: no room for a crash.")
-    else:
-        res.notes.append(
-            f"Crash: a cannot tell an absent region from a slow one, so each round b misses costs a grace_s (median "
-            f"wait {crash['wait_median']:.2f} s at grace_s {crash['grace_s']:g}). A round here is {round_s:.1f} s of "
-            f"a's steps (median)"
-            + (f" and a loses {base_loss:.1%} with b present (baseline: b's start-up lag in round 1, checkpoints)"
-               if baseline else "")
-            + f", so >= 95% leaves {budget:.1%} for the crash: idle share f*g/(T + f*g) <= that allows b to miss "
-            f"at most {f_max:.0%} of the rounds at grace_s {crash['grace_s']:g} (the sites' ratio), or, for b missing "
-            f"30% of the rounds, grace_s <= {g_max:.2f} s ({g_max / round_s:.0%} of a round).")
-    short = next((g for g in good if g["mode"] == "crash" and g["grace_s"] != sz.g_grace_s), None)
-    if short is not None and (short["b_late"] or crash["b_late"]):
-        res.notes.append(
-            f"A short grace_s has a price besides: a returning region whose first rounds end later than the "
-            f"survivor's by more than grace_s has its deltas dropped as late: b was back but late in "
-            f"{short['b_late']} rounds at grace_s {short['grace_s']:g} ({crash['b_late']} at {crash['grace_s']:g}).")
+    closes = crash["missed_closes"]
+    by_reason = {why: [w for _, y, w in closes if y == why] for why in dict.fromkeys(y for _, y, _ in closes)}
+    res.notes.append((
+        f"Crash with heartbeats (every {crash['heartbeat_s']:g} s): a reads b's heartbeat while it waits in a round "
+        f"and, on its own clock, treats b as gone once the value has stood still for 3 beats "
+        f"({3 * crash['heartbeat_s']:g} s of watching); it remembers what it saw, so only the first round after the "
+        "crash waits for that, the next ones close at once. The rounds b missed closed as: "
+        + "; ".join(f"{why} {len(ws)}x (wait max {max(ws):.2f} s, median {statistics.median(ws):.2f} s)"
+                    for why, ws in by_reason.items()) + "."
+        + (" ('grace': b was beating again, restarted but not yet back in the rounds: a waits up to grace_s for a "
+           "live region, as it should.)" if "grace" in by_reason else "")
+    ) if closes else "Crash with heartbeats: b missed no round.")
+    if off is not None:
+        f_max = _max_share(budget, off["grace_s"], round_s)
+        g_max = budget * round_s / (0.3 * (1 - budget)) if budget > 0 else 0.0
+        if budget <= 0:
+            res.notes.append(f"The baseline (b present) already loses {base_loss:.1%} of W: no room for a crash.")
+        else:
+            res.notes.append(
+                f"Crash with heartbeats off: a cannot tell an absent region from a slow one, so each round b misses "
+                f"costs a grace_s (median wait {off['wait_median']:.2f} s at grace_s {off['grace_s']:g}). A round "
+                f"here is {round_s:.1f} s of a's steps (median)"
+                + (f" and a loses {base_loss:.1%} with b present (baseline: b's start-up lag in round 1, checkpoints)"
+                   if baseline else "")
+                + f", so >= 95% leaves {budget:.1%} for the crash: idle share f*g/(T + f*g) <= that allows b to miss "
+                f"at most {f_max:.0%} of the rounds at grace_s {off['grace_s']:g} (the sites' ratio), or, for b "
+                f"missing 30% of the rounds, grace_s <= {g_max:.2f} s ({g_max / round_s:.0%} of a round).")
     stop = next((g for g in good if g["mode"] == "stop"), None)
     if stop is not None:
         back = [(r, w, m) for r, w, m in stop["round_waits"] if r > sz.g_leave_round and w > 0.5 * stop["grace_s"]]
@@ -667,18 +722,20 @@ def _report(res: Result, sz: Sizes, good: list[dict], qual: list[dict]) -> None:
             + (": a's waits above grace_s/2 after b left: " + ", ".join(
                 f"round {r} {w:.2f} s{'' if m else ' (b late, dropped)'}" for r, w, m in back) if back
                else "; no round after b left made a wait more than grace_s/2") + ".")
-    mid = min([q for q in qual if q["absent"] and not q["at_end"]],
-              key=lambda q: abs(len(q["missed"]) - sz.q_end), default=None)
     end = next((q for q in qual if q["at_end"]), None)
-    if mid is not None and end is not None:
-        d = {k: q["loss"] / base["loss"] - 1 for k, q in (("mid", mid), ("end", end))}
+    if q25s and controls:
+        d, dc = statistics.mean(gap(q) for q in q25s), statistics.mean(gap(q) for q in controls)
+        steps_lost = statistics.mean(sz.q_steps - q["b_steps"] for q in q25s)
         res.notes.append(
-            f"Where b's absence falls matters: b away for {len(mid['missed'])} rounds mid-run, then back "
-            f"({mid['b_steps']} b-steps): {d['mid']:+.2%}; b missing the last {len(end['missed'])} rounds (leaves for "
-            f"good, {end['b_steps']} b-steps): {d['end']:+.2%}. These runs cannot tell the causes apart: the tokens "
-            "b misses mid-run come at a high learning rate (cosine schedule), those at the end at a low one; and "
-            "the returning b trains on with its AdamW moments from before it left, against the parameters it "
-            "adopted.")
+            f"What b's absence costs, separated by the control: b away for {n25} rounds mid-run and back costs "
+            f"{d:+.2%} (mean over seeds; b trains {steps_lost:.0f} fewer steps, {n25 * sz.q_h} of them in the "
+            f"rounds it missed, the rest its start-up: it continues at the run's step). The control loses b's "
+            f"tokens in the same rounds with no leave, restart or rejoin (b trains every step, its deltas are "
+            f"dropped): {dc:+.2%}. So about {dc / d:.0%} of the cost is the tokens b did not contribute, which no "
+            "rejoin can give back; the leave-and-rejoin itself (fewer steps from start-up, optimizer moments from "
+            f"before the absence) adds {d - dc:+.2%}."
+            + (f" The tokens' position matters too: b missing the last {len(end['missed'])} rounds instead (lower "
+               f"learning rate, {end['b_steps']} b-steps) costs {gap(end):+.2%}." if end is not None else ""))
     res.notes += [
         "Strict: a's round waits for b until timeout_s, then a checkpoints and exits 42; each requeue pays the "
         "start-up again and re-enters the pending round at start-up (logged as an `xr_pending_round` event, not "
@@ -720,7 +777,8 @@ def _plot(res: Result, out_dir: Path, good: list[dict], qual: list[dict], sz: Si
     bx.set_title("a's wait for b per round (dashed: grace_s)")
     bx.legend(fontsize=7)
     labels = [_qlabel(q).replace(", then back", "").replace("b leaves for good after", "b gone after")
-              .replace(" (1-region run)", "") for q in qual]
+              .replace(" (1-region run)", "").replace(" (control)", "")
+              + (f", seed {q['seed']}" if q["seed"] != sz.q_seeds[0] else "") for q in qual]
     cx.bar(range(len(qual)), [q["loss"] for q in qual])
     cx.set_xticks(range(len(qual)), labels, rotation=20, ha="right", fontsize=8)
     cx.set_ylim(min(q["loss"] for q in qual) * 0.98, max(q["loss"] for q in qual) * 1.01)
