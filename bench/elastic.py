@@ -726,9 +726,10 @@ def _report(res: Result, sz: Sizes, good: list[dict], qual: list[dict]) -> None:
     if q25s and controls:
         d, dc = statistics.mean(gap(q) for q in q25s), statistics.mean(gap(q) for q in controls)
         steps_lost = statistics.mean(sz.q_steps - q["b_steps"] for q in q25s)
+        in_missed = statistics.mean(len(q["missed"]) * sz.q_h for q in q25s)
         res.notes.append(
-            f"What b's absence costs, separated by the control: b away for {n25} rounds mid-run and back costs "
-            f"{d:+.2%} (mean over seeds; b trains {steps_lost:.0f} fewer steps, {n25 * sz.q_h} of them in the "
+            f"What b's absence costs, separated by the control: b away for ~{n25} rounds mid-run and back costs "
+            f"{d:+.2%} (mean over seeds; b trains {steps_lost:.0f} fewer steps, {in_missed:.0f} of them in the "
             f"rounds it missed, the rest its start-up: it continues at the run's step). The control loses b's "
             f"tokens in the same rounds with no leave, restart or rejoin (b trains every step, its deltas are "
             f"dropped): {dc:+.2%}. So about {dc / d:.0%} of the cost is the tokens b did not contribute, which no "
