@@ -419,7 +419,8 @@ def _quality_variant(work: Path, data: Path, cfg: Path, sz: Sizes, absent: int |
         raise RuntimeError(f"{name}: a's rounds are {[r['xr_round'] for r in rounds]}")
     missed = [r["xr_round"] for r in rounds if "b" not in r["xr_members"]] if absent is not None else []
     b_steps = len(_steps(_records(root / "b"))) if absent is not None else 0
-    out = {"name": name, "absent": absent, "at_end": at_end, "withhold": withhold, "seed": seed, "rounds": len(rounds), "missed": missed, "b_steps": b_steps,
+    withheld = list(range(sz.q_first + 1, sz.q_first + absent + 1)) if withhold else []
+    out = {"name": name, "absent": absent, "at_end": at_end, "withhold": withheld, "seed": seed, "rounds": len(rounds), "missed": missed, "b_steps": b_steps,
            "a_steps": len(_steps(_records(root / "a"))), "model": root / "a" / "model.safetensors"}
     out["same"] = _same_params(root / "a" / "model.safetensors", root / "b" / "model.safetensors") \
         if absent is not None and not at_end else None  # (b that left for good keeps its older model)
@@ -532,8 +533,7 @@ def _qlabel(q: dict) -> str:
     if q["absent"] is None:
         return "a alone (1-region run)"
     if q.get("withhold"):
-        return f"b stays, publishes nothing in rounds {q['missed'][0]}-{q['missed'][-1]} (control)" if q["missed"] \
-            else "b stays, publishes nothing (control; missed no round?)"
+        return f"b stays, publishes nothing in rounds {q['withhold'][0]}-{q['withhold'][-1]} (control)"
     if not q["absent"]:
         return "always present"
     if q["at_end"]:

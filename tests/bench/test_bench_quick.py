@@ -96,7 +96,13 @@ def test_elastic_quick(tmp_path):
     # the survivor's wait in a round b missed is bounded by grace_s (plus one poll), never the timeout
     assert elastic["wait max s (missed rounds)"] <= QUICK.g_grace_s + 1.0
     headers, rows = _table(d, "quality")
-    base, away = (dict(zip(headers, r, strict=True)) for r in rows)
+    base, away, control = (dict(zip(headers, r, strict=True)) for r in rows)
+    # the control: b stays in the run and trains every step, but withholds its deltas in rounds q_first+1..;
+    # those rounds close without it (more may, in a run this short: b's start-up can leave it behind a, which
+    # it then fast-forwards past), and b ends bitwise equal to a
+    withheld = set(range(QUICK.q_first + 1, QUICK.q_first + QUICK.q_withhold + 1))
+    assert "(control)" in control["variant"] and withheld <= {int(x) for x in control["which"].split(",")}
+    assert control["a's steps"] == QUICK.q_steps and control["a == b bitwise"] is True
     assert base["rounds b missed"] == "0%" and base["which"] == "-"
     missed = [int(x) for x in away["which"].split(",")]
     # b left after round q_first; it missed a contiguous stretch from there (when it rejoined depends on timing)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from sbatch_gen.testing.fakenode import FakeNode, path_without
+from sbatch_gen.testing.s3server import free_port
 
 from .batch_sandbox import prepare
 from .conftest import REPO, edit_site, sg
@@ -48,12 +48,6 @@ def _functions_and_preflight(text: str) -> str:
     return text[start:end]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _preflight(tmp_path: Path, node: FakeNode, *, numa: str = "node", hcas: str = EU_HCAS,
                link_layer: str = "InfiniBand", gpus: int = 8, path: str | None = None,
                env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -65,7 +59,7 @@ def _preflight(tmp_path: Path, node: FakeNode, *, numa: str = "node", hcas: str 
     env.update(SLURMD_NODENAME="gpu-n7", SLURM_NODEID="0", SLURM_NNODES="1", PYTHONPATH=str(REPO),
                **(env_extra or {}))
     args = ["sbatch_gen.train", str(REPO / "configs" / "tiny.yaml"), "", "lo", str(gpus), str(run_dir),
-            "127.0.0.1", str(_free_port()), "5", "0", numa, hcas, link_layer]
+            "127.0.0.1", str(free_port()), "5", "0", numa, hcas, link_layer]
     cmd = ["bash", "-c", _functions_and_preflight(EU) + '\npreflight "$@"', "preflight", *args]
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
 
@@ -262,7 +256,7 @@ def _eu_job(tmp_path: Path, node: FakeNode, *sets: str,
         "slurm.nodes=1", "cross_region.enabled=false", "paths.data=null", f"paths.code_dir={REPO}",
         f"paths.run_dir={tmp_path / 'run'}", f"paths.log_dir={tmp_path / 'logs'}", "python_env.path=.venv",
         f"trainer.config={REPO / 'configs' / 'tiny.yaml'}", "network.socket_ifname=lo",
-        f"torchrun.rdzv_port={_free_port()}", "preflight.connect_timeout_s=5", *sets,
+        f"torchrun.rdzv_port={free_port()}", "preflight.connect_timeout_s=5", *sets,
     ]
     r = sg("render", "--site", "eu", "--out", str(out), *[a for o in overrides for a in ("--set", o)])
     assert r.code == 0, r.err

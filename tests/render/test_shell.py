@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from sbatch_gen.testing.s3server import free_port
+
 from .conftest import REPO, edit_site, sg
 
 OUT_FILES = sorted(p for p in (REPO / "out").iterdir() if p.is_file() and not p.name.startswith("."))
@@ -85,18 +87,12 @@ def _preflight_script(text: str) -> str:
     return text[start:end]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_preflight(tmp_path, *, module="sbatch_gen.train", config=None, data="", ifname="lo", gpus="0",
                    node_id="0", nnodes="1", port=None, timeout="5", run_dir=None, extra_path=None, env_extra=None,
                    background=False):
     text = (REPO / "out" / "local.sbatch").read_text()
     config = config or str(REPO / "configs" / "tiny.yaml")
-    port = str(port or _free_port())
+    port = str(port or free_port())
     if run_dir is None:
         run_dir = tmp_path / "run"
         run_dir.mkdir(exist_ok=True)
@@ -143,7 +139,7 @@ def _python_on_path() -> str:
     ids=["module", "interface", "config", "data", "rendezvous"],
 )
 def test_preflight_fails_fast_naming_the_node_and_field(tmp_path, kwargs, reason):
-    port = _free_port()
+    port = free_port()
     t0 = time.monotonic()
     r = _run_preflight(tmp_path, port=port, **kwargs)
     assert r.returncode != 0
@@ -241,7 +237,7 @@ def test_preflight_gpu_site_without_nvidia_smi_fails(tmp_path):
 
 
 def test_preflight_rendezvous_between_two_nodes(tmp_path):
-    port = _free_port()
+    port = free_port()
     server = _run_preflight(tmp_path, node_id="0", nnodes="2", port=port, timeout="20", background=True)
     client = _run_preflight(tmp_path, node_id="1", nnodes="2", port=port, timeout="20")
     out, err = server.communicate(timeout=60)

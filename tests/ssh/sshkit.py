@@ -349,3 +349,25 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def launcher_lib(tmp_path: Path, port: int, *overrides: str) -> Path:
+    """The ssh-local launcher rendered for this checkout (its venv, code, tiny config, run and log dirs under
+    ``tmp_path``, rendezvous ``port``) without its last line (``main "$@"``): a library of its functions."""
+    script = render_site(REPO, tmp_path / "out", [
+        f"python_env.path={REPO / '.venv'}",
+        f"paths.code_dir={REPO}",
+        f"trainer.config={REPO / 'configs' / 'tiny.yaml'}",
+        f"paths.run_dir={tmp_path / 'run'}",
+        f"paths.log_dir={tmp_path / 'logs'}",
+        f"torchrun.rdzv_port={port}",
+        *overrides,
+    ])
+    text = script.read_text()
+    assert text.endswith('\nmain "$@"\n')
+    lib = tmp_path / "launcher-lib.sh"
+    lib.write_text(text[: -len('main "$@"\n')])
+    return lib

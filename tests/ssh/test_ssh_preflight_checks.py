@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from sshkit import free_port, render_site
+from sshkit import free_port, launcher_lib
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,20 +23,7 @@ pytestmark = pytest.mark.skipif(shutil.which("ip") is None or shutil.which("ss")
 
 
 def _launcher_lib(tmp_path: Path, port: int, *overrides: str) -> Path:
-    script = render_site(REPO, tmp_path / "out", [
-        f"python_env.path={REPO / '.venv'}",
-        f"paths.code_dir={REPO}",
-        f"trainer.config={REPO / 'configs' / 'tiny.yaml'}",
-        f"paths.run_dir={tmp_path / 'run'}",
-        f"paths.log_dir={tmp_path / 'logs'}",
-        f"torchrun.rdzv_port={port}",
-        *overrides,
-    ])
-    text = script.read_text()
-    assert text.endswith('\nmain "$@"\n')
-    lib = tmp_path / "launcher-lib.sh"
-    lib.write_text(text[: -len('main "$@"\n')])
-    return lib
+    return launcher_lib(tmp_path, port, *overrides)
 
 
 def _bash(lib: Path, code: str) -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from sshkit import free_port, render_site
+from sshkit import free_port, launcher_lib
 
 from sbatch_gen.testing.fakenode import FakeNode, path_without
 
@@ -28,22 +28,8 @@ IB = {"mlx5_0": {1: "InfiniBand"}, "mlx5_1": {1: "InfiniBand"}}
 
 def _launcher_lib(tmp_path: Path, *overrides: str) -> Path:
     """ssh-local as a 2-GPU site with NUMA binding and two HCAs, without its last line (`main "$@"`)."""
-    script = render_site(REPO, tmp_path / "out", [
-        f"python_env.path={REPO / '.venv'}",
-        f"paths.code_dir={REPO}",
-        f"trainer.config={REPO / 'configs' / 'tiny.yaml'}",
-        f"paths.run_dir={tmp_path / 'run'}",
-        f"paths.log_dir={tmp_path / 'logs'}",
-        f"torchrun.rdzv_port={free_port()}",
-        "node.gpus=2", "torchrun.procs_per_node=null", "topology.numa_binding=node",
-        "nccl.ib_hca=[mlx5_0, mlx5_1]",
-        *overrides,
-    ])
-    text = script.read_text()
-    assert text.endswith('\nmain "$@"\n')
-    lib = tmp_path / "launcher-lib.sh"
-    lib.write_text(text[: -len('main "$@"\n')])
-    return lib
+    return launcher_lib(tmp_path, free_port(), "node.gpus=2", "torchrun.procs_per_node=null",
+                        "topology.numa_binding=node", "nccl.ib_hca=[mlx5_0, mlx5_1]", *overrides)
 
 
 def _bash(lib: Path, node: FakeNode, code: str, path: str | None = None) -> subprocess.CompletedProcess:

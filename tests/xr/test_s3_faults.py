@@ -82,11 +82,12 @@ def test_slowdown_bursts_are_retried_and_counted(s3server, bucket):
         s.close()
 
 
-def test_two_regions_through_a_faulty_proxy_end_identical_and_count_retries(s3server, bucket, tmp_path):
-    rounds = 3
+def _fault_free_and_through_proxy(s3server, bucket, tmp_path, rounds: int, plan):
+    """The two-region run of ``rounds`` over the fs store (the reference), then over the S3 server behind a
+    fault proxy with ``plan``: (reference, faulty run, the faults the proxy injected)."""
     ref = in_threads(lambda r: train(r, tmp_path / "fs", rounds,
                                      transport=FsTransport(root=str(tmp_path / "fs"))))
-    with FaultProxy(s3server.endpoint_url, plan=cycle_plan(every=3, burst=2)) as proxy:
+    with FaultProxy(s3server.endpoint_url, plan=plan) as proxy:
         transport = S3Transport(
             bucket=bucket, prefix="team/xr", endpoint_url=proxy.url, addressing_style="path",
             region_name="us-east-1",
@@ -96,6 +97,13 @@ def test_two_regions_through_a_faulty_proxy_end_identical_and_count_retries(s3se
     for r in ("eu", "us"):
         got[r]["sync"].close()
         ref[r]["sync"].close()
+    return ref, got, injected
+
+
+def test_two_regions_through_a_faulty_proxy_end_identical_and_count_retries(s3server, bucket, tmp_path):
+    rounds = 3
+    ref, got, injected = _fault_free_and_through_proxy(s3server, bucket, tmp_path, rounds,
+                                                       cycle_plan(every=3, burst=2))
     assert all(injected.get(k, 0) > 0 for k in ("503", "reset", "truncate", "slow")), injected
     # identical parameters: across the regions, and bit for bit those of the fault-free run
     assert torch.equal(flat(got["eu"]["model"]), flat(got["us"]["model"]))
@@ -174,19 +182,8 @@ def test_two_regions_end_identical_through_shards_corrupted_in_transit(s3server,
     requests see the usual faults): the regions end bit for bit where the fault-free run ends, and every
     round's record counts the re-reads."""
     rounds = 2
-    ref = in_threads(lambda r: train(r, tmp_path / "fs", rounds,
-                                     transport=FsTransport(root=str(tmp_path / "fs"))))
     plan = _first_get_of_each_key("corrupt", ".bin", otherwise=cycle_plan(every=5, burst=1))
-    with FaultProxy(s3server.endpoint_url, plan=plan) as proxy:
-        transport = S3Transport(
-            bucket=bucket, prefix="team/xr", endpoint_url=proxy.url, addressing_style="path",
-            region_name="us-east-1",
-            credentials=S3Credentials(access_key_id_env=KEY_ENV, secret_access_key_env=SECRET_ENV))
-        got = in_threads(lambda r: train(r, tmp_path / "s3", rounds, transport=transport))
-        injected = dict(proxy.injected)
-    for r in ("eu", "us"):
-        got[r]["sync"].close()
-        ref[r]["sync"].close()
+    ref, got, injected = _fault_free_and_through_proxy(s3server, bucket, tmp_path, rounds, plan)
     assert injected.get("corrupt", 0) >= 2 * rounds, injected
     assert torch.equal(flat(got["eu"]["model"]), flat(got["us"]["model"]))
     assert torch.equal(flat(got["eu"]["model"]), flat(ref["eu"]["model"]))
