@@ -417,19 +417,27 @@ class Membership:
 
     # -- heartbeats ------------------------------------------------------------------------------------
     def read_heartbeat(self, region: str) -> Heartbeat | None:
-        raw = self.store.get(self.alive_key(region))
-        hb = Heartbeat.from_json(raw) if raw is not None else None
-        return hb if hb is not None and hb.region == region else None
+        return self._read_record(Heartbeat, self.alive_key(region), region)
 
     def heartbeats(self, keys: list[str] | None = None) -> dict[str, Heartbeat]:
         """Every region's heartbeat in the mailbox (one listing, or ``keys`` of :meth:`run_keys`)."""
-        prefix = f"{self.run_id}/{ALIVE_DIR}/"
+        return self._read_records(Heartbeat, ALIVE_DIR, self.alive_key, keys)
+
+    # -- per-region records (presence, heartbeat): <run>/<dir>/<region>.json, written by that region only --
+    def _read_record(self, cls, key: str, region: str):
+        raw = self.store.get(key)
+        rec = cls.from_json(raw) if raw is not None else None
+        return rec if rec is not None and rec.region == region else None
+
+    def _read_records(self, cls, folder: str, key_of: Callable[[str], str], keys: list[str] | None) -> dict:
+        """region -> record, for the records under ``<run>/<folder>/`` that sit under their own region's key."""
+        prefix = f"{self.run_id}/{folder}/"
         out = {}
         for key in self.store.list(prefix) if keys is None else [k for k in keys if k.startswith(prefix)]:
             raw = self.store.get(key)
-            hb = Heartbeat.from_json(raw) if raw is not None else None
-            if hb is not None and hb.region in self.regions and key == self.alive_key(hb.region):
-                out[hb.region] = hb
+            rec = cls.from_json(raw) if raw is not None else None
+            if rec is not None and rec.region in self.regions and key == key_of(rec.region):
+                out[rec.region] = rec
         return out
 
     def start_heartbeat(self, heartbeat_s: float | None = None) -> None:
@@ -489,19 +497,12 @@ class Membership:
         self.store.put(self.presence_key(self.region), json.dumps(asdict(p)).encode())
 
     def read_presence(self, region: str) -> Presence | None:
-        raw = self.store.get(self.presence_key(region))
-        p = Presence.from_json(raw) if raw is not None else None
-        return p if p is not None and p.region == region else None
+        return self._read_record(Presence, self.presence_key(region), region)
 
     def presences(self, keys: list[str] | None = None) -> dict[str, Presence]:
-        prefix = f"{self.run_id}/{PRESENCE_DIR}/"
-        out = {}
-        for key in self.store.list(prefix) if keys is None else [k for k in keys if k.startswith(prefix)]:
-            raw = self.store.get(key)
-            p = Presence.from_json(raw) if raw is not None else None
-            if p is not None and p.region in self.regions:
-                out[p.region] = p
-        return out
+        """Every region's presence record (one listing, or ``keys`` of :meth:`run_keys`); a record under
+        another region's key is ignored, as for heartbeats (only its own region writes a key)."""
+        return self._read_records(Presence, PRESENCE_DIR, self.presence_key, keys)
 
     # -- snapshots -------------------------------------------------------------------------------------
     def snapshot_rounds(self, keys: list[str] | None = None) -> list[int]:
