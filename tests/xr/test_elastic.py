@@ -43,6 +43,36 @@ def _rounds(m, s, opt, region, rounds, tokens=32):
     return out
 
 
+def _round_one_then_us_goes(tmp_path, regions, kw, us_goes):
+    """Both regions take part in round 1; then us saves its model and outer state and goes (``us_goes(sync)``:
+    a leave, or a crash). Returns ({region: (model, sync, optimizer)}, us's saved state)."""
+    syncs, saved = {}, {}
+
+    def first_round(r):
+        m, s = _sync(r, tmp_path, regions, **kw)
+        s.align(0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        _rounds(m, s, opt, r, [1])
+        syncs[r] = (m, s, opt)
+        if r == "us":
+            saved["model"] = {k: v.clone() for k, v in m.state_dict().items()}
+            saved["outer"] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.state_dict().items()}
+            us_goes(s)
+        return s.round
+
+    assert in_threads(first_round, regions) == {"eu": 1, "us": 1}
+    return syncs, saved
+
+
+def _us_back(tmp_path, regions, kw, saved, **extra):
+    """us started again from its saved state (a fresh process: another seed) and caught up with the run:
+    (model, sync, the step it adopted)."""
+    m_us, s_us = _sync("us", tmp_path, regions, seed=99, **kw, **extra)
+    m_us.load_state_dict(saved["model"])
+    s_us.load_state_dict(saved["outer"])
+    return m_us, s_us, s_us.catch_up(H)
+
+
 def test_three_regions_one_absent_weights_the_present_ones_by_tokens(tmp_path):
     """ap never shows up: eu and us close every round after grace_s, and the outer gradient is the token-
     weighted average of their two deltas only (reference in float64, computed here)."""
@@ -79,21 +109,7 @@ def test_a_returning_region_fast_forwards_and_is_bitwise_equal_after_its_first_r
     take part in, the two regions are bit-identical."""
     regions = ["eu", "us"]
     kw = dict(keep_rounds=1, snapshot_every=2) if via == "snapshot" else dict(keep_rounds=10, snapshot_every=100)
-    syncs, saved = {}, {}
-
-    def first_round(r):
-        m, s = _sync(r, tmp_path, regions, **kw)
-        s.align(0)
-        opt = torch.optim.SGD(m.parameters(), lr=0.05)
-        _rounds(m, s, opt, r, [1])
-        syncs[r] = (m, s, opt)
-        if r == "us":
-            saved["model"] = {k: v.clone() for k, v in m.state_dict().items()}
-            saved["outer"] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.state_dict().items()}
-            s.leave(H, "test")
-        return s.round
-
-    assert in_threads(first_round, regions) == {"eu": 1, "us": 1}
+    syncs, saved = _round_one_then_us_goes(tmp_path, regions, kw, lambda s: s.leave(H, "test"))
     m_eu, s_eu, opt_eu = syncs["eu"]
     recs = _rounds(m_eu, s_eu, opt_eu, "eu", [2, 3, 4, 5])
     assert [x["xr_members"] for x in recs] == [["eu"]] * 4
@@ -102,10 +118,7 @@ def test_a_returning_region_fast_forwards_and_is_bitwise_equal_after_its_first_r
     if via == "snapshot":
         assert not (mailbox / "r000002").exists() and (mailbox / "_snap" / "r000004" / "_complete.json").exists()
     events = []
-    m_us, s_us = _sync("us", tmp_path, regions, seed=99, log=events.append, **kw)
-    m_us.load_state_dict(saved["model"])
-    s_us.load_state_dict(saved["outer"])
-    adopted = s_us.catch_up(H)
+    m_us, s_us, adopted = _us_back(tmp_path, regions, kw, saved, log=events.append)
     assert 5 * H <= adopted < 6 * H  # round 5's step, plus the steps the run is estimated into round 6
     assert torch.equal(s_us.theta_outer, s_eu.theta_outer) and torch.equal(s_us.momentum, s_eu.momentum)
     assert torch.equal(flat(m_us), s_eu.theta_outer)
@@ -240,33 +253,20 @@ def test_a_crashed_region_is_found_by_its_heartbeat_and_rejoins_bit_identical(tm
     both regions hold the same bits."""
     regions = ["eu", "us"]
     kw = dict(grace_s=5.0, heartbeat_s=0.2, keep_rounds=10, snapshot_every=100)
-    syncs, saved = {}, {}
-
-    def first_round(r):
-        m, s = _sync(r, tmp_path, regions, **kw)
+    def crash(s):  # its heartbeat stops and nothing else is written
         assert s.membership.beating
-        s.align(0)
-        opt = torch.optim.SGD(m.parameters(), lr=0.05)
-        _rounds(m, s, opt, r, [1])
-        syncs[r] = (m, s, opt)
-        if r == "us":
-            saved["model"] = {k: v.clone() for k, v in m.state_dict().items()}
-            saved["outer"] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.state_dict().items()}
-            s.membership.stop_heartbeat()  # the crash: its heartbeat stops and nothing else is written
-        return s.round
+        s.membership.stop_heartbeat()
 
-    assert in_threads(first_round, regions) == {"eu": 1, "us": 1}
+    syncs, saved = _round_one_then_us_goes(tmp_path, regions, kw, crash)
     m_eu, s_eu, opt_eu = syncs["eu"]
+    assert s_eu.membership.beating
     recs = _rounds(m_eu, s_eu, opt_eu, "eu", [2, 3, 4])
     assert [(x["xr_members"], x["xr_close_reason"], x["xr_stale"]) for x in recs] == [(["eu"], "stale", ["us"])] * 3
     waits = [x["xr_wait_s"] for x in recs]
     # (round 2 may wait less than 0.6 s: eu may have watched us's heartbeat already while waiting in round 1)
     assert waits[0] < 2.5 and max(waits[1:]) < 0.5, waits
 
-    m_us, s_us = _sync("us", tmp_path, regions, seed=99, **kw)
-    m_us.load_state_dict(saved["model"])
-    s_us.load_state_dict(saved["outer"])
-    adopted = s_us.catch_up(H)
+    m_us, s_us, adopted = _us_back(tmp_path, regions, kw, saved)
     assert torch.equal(s_us.theta_outer, s_eu.theta_outer) and 4 * H <= adopted < 5 * H
     opt_us = torch.optim.SGD(m_us.parameters(), lr=0.05)
     both = {"eu": (m_eu, s_eu, opt_eu, 4 * H + 1), "us": (m_us, s_us, opt_us, adopted + 1)}
