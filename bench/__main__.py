@@ -15,7 +15,9 @@ import time
 import traceback
 from pathlib import Path
 
-from .common import RESULTS, machine, md_table, now_utc, write_atomic
+from sbatch_gen.fsutil import write_atomic
+
+from .common import RESULTS, machine, md_table, now_utc
 
 BENCHES = {
     "mailbox": "mailbox exchange throughput (fs, s3, emulated WAN): ours vs naive vs ceiling",
@@ -93,7 +95,7 @@ def _summary(out: Path) -> None:
         text += ["## Goals", "", md_table(["bench", "goal", "measured", "met"], goals), ""]
     if rows:
         text += ["## Headline numbers", "", md_table(["bench", "what", "value", "measured"], rows), ""]
-    write_atomic(out / "README.md", "\n".join(text))
+    write_atomic(out / "README.md", "\n".join(text), fsync=False)
 
 
 if __name__ == "__main__":

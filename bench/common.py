@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sbatch_gen.fsutil import atomic_path, write_atomic
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 PY = sys.executable
@@ -69,14 +71,6 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
     for r in rows:
         out.append("| " + " | ".join(fmt(c).replace("|", "\\|") for c in r) + " |")
     return "\n".join(out)
-
-
-def write_atomic(path: Path, data: bytes | str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -138,8 +132,10 @@ class Result:
 
     def write(self, out_dir: Path) -> Path:
         md = out_dir / f"{self.name}.md"
-        write_atomic(out_dir / f"{self.name}.json", json.dumps(self.to_json(), indent=1, default=str) + "\n")
-        write_atomic(md, self.markdown())
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(out_dir / f"{self.name}.json", json.dumps(self.to_json(), indent=1, default=str) + "\n",
+                     fsync=False)
+        write_atomic(md, self.markdown(), fsync=False)
         return md
 
 
@@ -154,9 +150,8 @@ def plt():
 
 
 def save_fig(fig, path: Path) -> None:
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    os.replace(tmp, path)
+    with atomic_path(path, fsync=False) as tmp:
+        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
     import matplotlib.pyplot as p
 
     p.close(fig)

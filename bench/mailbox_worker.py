@@ -29,6 +29,8 @@ import time
 import zlib
 from pathlib import Path
 
+from sbatch_gen.fsutil import write_atomic
+
 
 def barrier(d: Path, tag: str, region: str, regions: list[str], timeout_s: float = 600) -> None:
     d.mkdir(parents=True, exist_ok=True)
@@ -254,9 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         s3_client(a.endpoint).create_bucket(Bucket=a.bucket)
         return
     res = {"ours": ours, "naive": naive, "ceiling": ceiling}[a.mode](a)
-    tmp = Path(a.out + ".tmp")
-    tmp.write_text(json.dumps(res))
-    os.replace(tmp, a.out)
+    write_atomic(a.out, json.dumps(res), fsync=False)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
+
+from sbatch_gen.fsutil import atomic_path, write_atomic
 
 PHASES = [  # (metrics key, label) in the order a round runs them
     ("xr_upload_s", "upload"),
@@ -336,17 +337,6 @@ def _md_table(headers: list[str], rows: list[list[str]]) -> str:
                      + ["| " + " | ".join(r) + " |" for r in esc])
 
 
-def _write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _pyplot():
     try:
         import matplotlib
@@ -359,14 +349,9 @@ def _pyplot():
 
 
 def _savefig(plt, fig, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=100, bbox_inches="tight")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with atomic_path(path, fsync=False) as tmp:
+            fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
     finally:
         plt.close(fig)
 
@@ -571,6 +556,6 @@ def write_report(run_dirs: list[Path], out_dir: Path | None = None) -> Path:
     part = participation(runs)
     if part is not None:
         plot_participation(plt, part, out_dir / "participation.png")
-    _write(out_dir / "slo.json", (json.dumps(slos, indent=2, default=str) + "\n").encode())
-    _write(out_dir / "report.md", text.encode())
+    write_atomic(out_dir / "slo.json", json.dumps(slos, indent=2, default=str) + "\n", fsync=False)
+    write_atomic(out_dir / "report.md", text, fsync=False)
     return out_dir / "report.md"

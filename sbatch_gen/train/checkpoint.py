@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..fsutil import write_atomic
+
 log = logging.getLogger("sbatch_gen.train")
 
 MARKER = "COMPLETE.json"
@@ -124,18 +126,8 @@ def write_marker(path: str | Path, step: int, extra: dict[str, Any] | None = Non
     marker = {"format": FORMAT, "step": step, "time": time.time(), "files": files, **(extra or {})}
     if crc:
         marker["crc32"] = {name: file_crc32(p / name) for name in files}
-    tmp = p / f".{MARKER}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(marker, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, p / MARKER)
-    dfd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    # fsync_dir: the marker's name is what makes the checkpoint complete; it must survive a crash too
+    write_atomic(p / MARKER, json.dumps(marker, indent=2, sort_keys=True) + "\n", fsync_dir=True)
     return marker
 
 

@@ -1,6 +1,7 @@
 """The train config (``configs/*.yaml``): one pydantic model, unknown keys rejected.
 
-Torch-free. Errors name ``file:line: field`` like the site profiles do.
+Torch-free. Read by the same loader as the site profiles (:mod:`sbatch_gen.yamlload`): the same limits,
+and the same errors, a :class:`~sbatch_gen.errors.UserError` of ``file:line: field: message`` lines.
 """
 
 from __future__ import annotations
@@ -8,18 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from .yamlconf import ConfigError, load_model
-
-__all__ = ["ConfigError", "TrainConfig", "load_config"]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+from ..strict import StrictModel
+from ..yamlload import load_model
 
 
-class ModelConfig(_Strict):
+class ModelConfig(StrictModel):
     """A GPT-style decoder-only transformer."""
 
     n_layers: int = Field(ge=1, le=512, description="Transformer blocks.")
@@ -43,7 +39,7 @@ class ModelConfig(_Strict):
         return v
 
 
-class DataConfig(_Strict):
+class DataConfig(StrictModel):
     path: str = Field(
         default="data",
         min_length=1,
@@ -58,7 +54,7 @@ class DataConfig(_Strict):
     )
 
 
-class TrainSection(_Strict):
+class TrainSection(StrictModel):
     steps: int = Field(ge=1, le=100_000_000, description="Total optimizer steps (the LR schedule spans these).")
     batch_size: int = Field(ge=1, le=65536, description="Sequences per rank per micro-batch.")
     grad_accum: int = Field(default=1, ge=1, le=4096, description="Micro-batches per optimizer step.")
@@ -76,7 +72,7 @@ class TrainSection(_Strict):
     )
 
 
-class OptimConfig(_Strict):
+class OptimConfig(StrictModel):
     lr: float = Field(gt=0, le=10, description="Peak learning rate (AdamW).")
     min_lr: float = Field(default=0.0, ge=0, description="Floor of the cosine decay.")
     warmup_steps: int = Field(default=0, ge=0)
@@ -93,7 +89,7 @@ class OptimConfig(_Strict):
         return self
 
 
-class CheckpointConfig(_Strict):
+class CheckpointConfig(StrictModel):
     every: int = Field(default=100, ge=1, description="Save every this many steps (and at the end/stop).")
     keep_last: int = Field(default=3, ge=1, le=10_000, description="Complete checkpoints to keep.")
     async_save: bool = Field(
@@ -109,12 +105,12 @@ class CheckpointConfig(_Strict):
     )
 
 
-class DistConfig(_Strict):
+class DistConfig(StrictModel):
     backend: Literal["auto", "nccl", "gloo"] = Field(default="auto", description="auto: nccl on CUDA, else gloo.")
     timeout_s: float = Field(default=600, gt=0, le=86_400, description="Collective timeout.")
 
 
-class TrainConfig(_Strict):
+class TrainConfig(StrictModel):
     model: ModelConfig
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainSection
@@ -133,8 +129,9 @@ class TrainConfig(_Strict):
 
 
 def load_config(path: str | Path) -> TrainConfig:
-    """Load and validate a train config; raise ConfigError (``file:line: field: message``)."""
-    return load_model(TrainConfig, path)
+    """Load and validate a train config; raise :class:`~sbatch_gen.errors.UserError` (one
+    ``file:line: field: message`` per problem; the file named as ``path`` is written)."""
+    return load_model(TrainConfig, Path(path), "train config", label=str(path))
 
 
 class XRProblem(str):

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..fsutil import write_atomic
+
 DOC_END = b"\x00"
 SOURCES = ("python-stdlib", "common-licenses")
 
@@ -58,15 +60,6 @@ def source_files(source: str) -> tuple[Path, list[str]]:
                 out.append(p.relative_to(root).as_posix())
     out.sort()
     return root, out
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def prepare(out_dir: str | Path, regions: list[str], source: str = "python-stdlib", max_bytes: int = 0) -> dict:
@@ -111,10 +104,10 @@ def prepare(out_dir: str | Path, regions: list[str], source: str = "python-stdli
             "tokens": len(blob),
             "sha256": hashlib.sha256(blob).hexdigest(),
         }
-        _atomic_write(out / f"{region}.bin", blob)
-        _atomic_write(out / f"{region}.json", (json.dumps(info, indent=2) + "\n").encode())
+        write_atomic(out / f"{region}.bin", blob)
+        write_atomic(out / f"{region}.json", (json.dumps(info, indent=2) + "\n").encode())
         manifest["regions"][region] = {k: info[k] for k in ("files", "tokens", "sha256")}
-    _atomic_write(out / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
+    write_atomic(out / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
     return manifest
 
 

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..fsutil import write_atomic
+
 # Dense BF16 tensor-core peaks (FLOP/s) per GPU, without 2:4 sparsity. NVIDIA's data sheets print the
 # sparse figure ("with sparsity"); the dense one is half of it:
 #   A100 data sheet: 312 TFLOPS dense (SXM and PCIe alike).
@@ -191,13 +193,7 @@ def summarize(
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, allow_nan=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=2, allow_nan=True) + "\n")
 
 
 def format_summary(s: dict) -> str:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from ..contract import ACK_SUFFIX, ENV_STOP_FILE, EXIT_REQUEUE
+from ..fsutil import write_atomic
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
@@ -88,11 +89,7 @@ def write_ack(stop_file: Path, step: int, checkpoint: Path | None, reason: str) 
     """rank 0: ``<stop file>.ack`` as JSON, atomically (the batch shell polls for it)."""
     ack = ack_path(stop_file)
     ack.parent.mkdir(parents=True, exist_ok=True)
-    tmp = ack.with_name(f".{ack.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump({"step": step, "checkpoint": str(checkpoint) if checkpoint else None, "reason": reason, "time": time.time()}, f)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, ack)
+    record = {"step": step, "checkpoint": str(checkpoint) if checkpoint else None, "reason": reason,
+              "time": time.time()}
+    write_atomic(ack, json.dumps(record) + "\n")
     return ack

@@ -203,3 +203,23 @@ def test_train_config_missing_here_is_a_note_not_an_error(work):
     r = sg("validate")  # `work` has no configs/: nothing to cross-check against
     assert r.code == 0, r.err
     assert "trainer.config 'configs/gpt-125m.yaml' is not readable here: not cross-checked" in r.err
+
+
+def test_a_bad_train_config_is_one_line_per_problem_with_a_close_match(work):
+    """validate reads the train config with the profiles' loader: each problem is its own line (once for
+    the two sites that share the setting), naming the site's trainer.config and then the config's
+    file:line: field, with did-you-mean for a misspelt key."""
+    _with_configs(work)
+    cfg = work / "configs" / "gpt-125m.yaml"
+    _replace(cfg, "  warmup_steps: 500", "  warmup_stepz: 500")
+    _replace(cfg, "  batch_size: 16 ", "  batch_size: -1 ")
+    err = _fails("validate")
+    where = f"sites/_base/llm-xr-1.yaml:{_line_of(work / 'sites' / '_base' / 'llm-xr-1.yaml', 'config: configs/')}"
+    head = f"sbatch-gen: {where}: trainer.config 'configs/gpt-125m.yaml' does not validate: configs/gpt-125m.yaml:"
+    lines = err.splitlines()
+    assert f"{head}{_line_of(cfg, 'batch_size: -1')}: train.batch_size: Input should be greater than or equal to 1 " \
+           "(got -1)" in lines
+    unknown = [line for line in lines if "optim.warmup_stepz" in line]
+    assert len(unknown) == 1 and unknown[0].startswith(f"{head}{_line_of(cfg, 'warmup_stepz')}: optim.warmup_stepz: "
+                                                       "unknown key 'warmup_stepz' (valid keys: lr, ")
+    assert unknown[0].endswith("; did you mean 'warmup_steps'?")

@@ -1,4 +1,4 @@
-"""Train config validation: every error names file:line: field."""
+"""Train config validation: every error names file:line: field, as the site profiles' errors do."""
 
 import subprocess
 import sys
@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from sbatch_gen.train.config import ConfigError, load_config
+from sbatch_gen.errors import UserError
+from sbatch_gen.train.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,10 +32,10 @@ optim:
 """
 
 
-def _err(tmp_path, text: str) -> str:
+def _err(tmp_path, text: str | bytes) -> str:
     p = tmp_path / "c.yaml"
-    p.write_text(text)
-    with pytest.raises(ConfigError) as ei:
+    p.write_bytes(text.encode() if isinstance(text, str) else text)
+    with pytest.raises(UserError) as ei:
         load_config(p)
     return str(ei.value)
 
@@ -48,8 +49,18 @@ def test_good_minimal(tmp_path):
 
 def test_unknown_key_names_line_and_valid_keys(tmp_path):
     msg = _err(tmp_path, GOOD.replace("  seq_len: 32\n", "  seq_len: 32\n  n_head: 4\n"))
-    assert msg.startswith(f"{tmp_path / 'c.yaml'}:6: model.n_head: unknown field (valid: ")
-    assert "n_heads" in msg
+    assert msg.startswith(f"{tmp_path / 'c.yaml'}:6: model.n_head: unknown key 'n_head' (valid keys: n_layers, ")
+    assert msg.endswith("; did you mean 'n_heads'?")
+
+
+def test_unknown_key_suggests_a_close_match(tmp_path):
+    """Did-you-mean, as for site profiles: a misspelt optim key names the one it was meant to be."""
+    msg = _err(tmp_path, GOOD + "  warmup_stepz: 2\n")
+    assert msg == (f"{tmp_path / 'c.yaml'}:11: optim.warmup_stepz: unknown key 'warmup_stepz' (valid keys: lr, "
+                   "min_lr, warmup_steps, weight_decay, beta1, beta2, eps, grad_clip); did you mean 'warmup_steps'?")
+    msg = _err(tmp_path, GOOD + "chekpoint:\n  every: 5\n")
+    assert "c.yaml:11: chekpoint: unknown key 'chekpoint' (valid keys: model, " in msg
+    assert msg.endswith("; did you mean 'checkpoint'?")
 
 
 def test_wrong_type_and_range(tmp_path):
@@ -61,12 +72,12 @@ def test_wrong_type_and_range(tmp_path):
 
 def test_cross_field_rule(tmp_path):
     msg = _err(tmp_path, GOOD.replace("n_heads: 4", "n_heads: 5"))
-    assert msg == f"{tmp_path / 'c.yaml'}:4: model.n_heads: Value error, d_model 64 is not divisible by n_heads 5 (got 5)"
+    assert msg == f"{tmp_path / 'c.yaml'}:4: model.n_heads: d_model 64 is not divisible by n_heads 5"
 
 
 def test_missing_section_points_at_top(tmp_path):
     msg = _err(tmp_path, GOOD.replace("optim:\n  lr: 1.0e-3\n", ""))
-    assert msg == f"{tmp_path / 'c.yaml'}:1: optim: Field required"
+    assert msg == f"{tmp_path / 'c.yaml'}:1: optim: required field is missing"
 
 
 def test_duplicate_key(tmp_path):
@@ -76,11 +87,44 @@ def test_duplicate_key(tmp_path):
 
 def test_yaml_syntax_error(tmp_path):
     msg = _err(tmp_path, GOOD.replace("  seq_len: 32", "  seq_len: [32"))
-    assert msg.startswith(f"{tmp_path / 'c.yaml'}:") and "(yaml)" in msg
+    assert msg.startswith(f"{tmp_path / 'c.yaml'}:6: invalid YAML: while parsing a flow sequence")
+
+
+_BOMB = "a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(
+    f"{n}: &{n} [{', '.join([f'*{p}'] * 10)}]\n" for p, n in zip("abc", "bcd", strict=True))
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("model: !!python/object/apply:os.system [true]\n", ":1: model: YAML tag '!!python/object/apply:os.system' "
+                                                         "is not allowed"),
+    (_BOMB, ": aliases expand to more than 10000 values"),
+    ("x: " + "[" * 60 + "]" * 60 + "\n", ": nested more than 50 levels deep"),
+    ("model:\n  n_layers: 2\n  n_layers: 3\n", ":3: model.n_layers: duplicate key (first at line 2)"),
+    (b"model:\n  n_layers: \xff\n", ":2: not UTF-8 text (byte 0xff)"),
+    ("model:\n  n_layers: 2\x07\n", ":2: invalid YAML: character U+0007 (BEL) is not allowed"),
+    ("optim: {lr: !!float abc}\n", ":1: optim.lr: cannot read 'abc' as !!float"),
+])
+def test_same_limits_and_messages_as_site_profiles(tmp_path, text, expected):
+    """Train configs and site profiles are read by one loader: the same YAML gets the same checks and the
+    same one-line message (only the file name differs), a UserError either way."""
+    from sbatch_gen.loader import load_site
+
+    train = _err(tmp_path, text)
+    sites = tmp_path / "sites"
+    sites.mkdir()
+    (sites / "x.yaml").write_bytes(text.encode() if isinstance(text, str) else text)
+    with pytest.raises(UserError) as ei:
+        load_site(sites, "x")
+    site = str(ei.value)
+    assert train.startswith(f"{tmp_path / 'c.yaml'}:") and expected in train
+    assert site == train.replace(str(tmp_path / "c.yaml"), str(sites / "x.yaml"))
+    assert "\n" not in train
 
 
 def test_not_a_mapping(tmp_path):
-    assert ":1: (top level): expected a mapping" in _err(tmp_path, "- a\n- b\n")
+    assert _err(tmp_path, "- a\n- b\n") == f"{tmp_path / 'c.yaml'}:1: a train config must be a mapping of keys to " \
+        "values, not list"
+    assert _err(tmp_path, "# nothing\n") == f"{tmp_path / 'c.yaml'}:1: empty train config"
 
 
 def test_cli_exits_2_before_importing_torch(tmp_path):

@@ -25,6 +25,7 @@ import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+from ...fsutil import write_atomic
 from .errors import StoreError, XRChecksumError
 
 
@@ -89,7 +90,8 @@ class FsStore(Store):
         return self.root / key
 
     def _complete_temp(self, key: str, data: bytes | bytearray | memoryview) -> tuple[Path, Path]:
-        """(the key's path, a complete temp file beside it holding ``data``); the caller removes the temp."""
+        """(the key's path, a complete temp file beside it holding ``data``, for :meth:`create` to link);
+        the caller removes the temp."""
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -102,12 +104,9 @@ class FsStore(Store):
         return path, tmp
 
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
-        path, tmp = self._complete_temp(key, data)
-        try:
-            os.replace(tmp, path)  # atomic: readers see the old object, or the complete new one
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, data, fsync=False)  # atomic: readers see the old object, or the complete new one
 
     def create(self, key: str, data: bytes | bytearray | memoryview) -> bool:
         path, tmp = self._complete_temp(key, data)
