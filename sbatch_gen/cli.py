@@ -18,8 +18,10 @@ import click
 import yaml
 
 from sbatch_gen.consistency import check_cross_region, check_train_configs
-from sbatch_gen.loader import LoadedSite, UserError, display_path, list_sites, load_site
-from sbatch_gen.profile import PROFILE_KINDS, SlurmProfile
+from sbatch_gen.errors import UserError
+from sbatch_gen.fsutil import display_path
+from sbatch_gen.loader import LoadedSite, list_sites, load_site
+from sbatch_gen.profiles import PROFILE_KINDS
 from sbatch_gen.render import OutputError, Rendered, check_out_dir, render_site, unified_diff, write_outputs
 
 EXIT_DRIFT = 1
@@ -271,10 +273,12 @@ def schema(kind) -> None:
         model = PROFILE_KINDS[kind or next(iter(PROFILE_KINDS))]
         doc = model.model_json_schema()
     else:
-        from typing import Annotated, Union
+        from typing import Annotated, Any, Union
 
-        union = Union[tuple(PROFILE_KINDS.values())]  # noqa: UP007
-        doc = TypeAdapter(Annotated[union, Field(discriminator="kind")]).json_schema()
+        # Every registered kind, told apart by `kind`: a type built at run time from the registry.
+        union: Any = Union[tuple(PROFILE_KINDS.values())]  # noqa: UP007
+        any_kind: Any = Annotated[union, Field(discriminator="kind")]
+        doc = TypeAdapter(any_kind).json_schema()
     extends = {
         "description": "Base profile file(s), relative to this file, merged first (mappings merge; "
         "other values replace).",
@@ -302,19 +306,9 @@ def sites_cmd(sites_dir) -> None:
         except UserError as e:
             click.echo(f"{name:12} invalid: {e.messages[0]}")
             continue
-        if isinstance(p, SlurmProfile):
-            res = f"{p.slurm.nodes} node(s) x " + (
-                f"{p.slurm.gpus_per_node} GPU" if p.uses_gpus() else f"{p.nproc_per_node()} CPU procs"
-            )
-        elif p.kind == "ssh":
-            res = f"{len(p.enabled_hosts())} host(s) x " + (
-                f"{p.gpus_per_node()} GPU" if p.uses_gpus() else f"{p.nproc_per_node()} CPU procs"
-            )
-        else:
-            res = f"{p.nproc_per_node()} procs/node"
         xr = p.cross_region
         region = f"region {xr.region} of run {xr.run_id}" if xr.enabled else "single region"
-        click.echo(f"{name:12} {p.kind:6} {res:22} {region}")
+        click.echo(f"{name:12} {p.kind:6} {p.summary():22} {region}")
 
 
 @cli.command()

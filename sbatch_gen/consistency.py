@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from sbatch_gen.loader import LoadedSite, format_path
+from sbatch_gen.errors import UserError
+from sbatch_gen.loader import LoadedSite
+from sbatch_gen.yamlload import format_path
 
 
 def _flatten(d: object, prefix: tuple = ()) -> dict[tuple, object]:
@@ -86,7 +88,7 @@ def check_train_configs(sites: Iterable[LoadedSite]) -> tuple[list[str], list[st
     """
     from pathlib import Path
 
-    from sbatch_gen.train.config import ConfigError, load_config, xr_problems  # torch-free
+    from sbatch_gen.train.config import load_config, xr_problems  # torch-free
 
     errors: list[str] = []
     notes: list[str] = []
@@ -101,8 +103,8 @@ def check_train_configs(sites: Iterable[LoadedSite]) -> tuple[list[str], list[st
             continue
         try:
             cfg = load_config(cfg_path)
-        except ConfigError as e:
-            errors.append(f"{where}: trainer.config {str(cfg_path)!r} does not validate:\n{e}")
+        except UserError as e:
+            errors += [f"{where}: trainer.config {str(cfg_path)!r} does not validate: {m}" for m in e.messages]
             continue
         errs, warns = xr_problems(cfg, xr, config_name=str(cfg_path))
         # Each message points at the line that sets its field (the `cross_region:` section when the field

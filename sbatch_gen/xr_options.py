@@ -14,7 +14,9 @@ import argparse
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from sbatch_gen.strict import StrictModel
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 ENV_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
@@ -22,12 +24,8 @@ _name = Annotated[str, Field(pattern=NAME_RE)]
 _env_name = Annotated[str, Field(pattern=ENV_NAME_RE)]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 # ---------------------------------------------------------------------------------------------------
-# Value rules shared with the site profile (sbatch_gen.profile applies them to every string of a profile).
+# Value rules shared with the site profile (sbatch_gen.profiles applies them to every string of a profile).
 
 # Unicode bidirectional controls (the "Trojan Source" trick): they reorder how text is displayed, so a
 # reviewed diff can show something other than what runs.
@@ -96,7 +94,7 @@ def _no_bool(v: object) -> object:
     return v
 
 
-class FsTransport(_Strict):
+class FsTransport(StrictModel):
     """A directory as the mailbox: a shared filesystem, or a local one for demos and tests."""
 
     kind: Literal["fs"] = "fs"
@@ -120,7 +118,7 @@ class FsTransport(_Strict):
         return v
 
 
-class S3Credentials(_Strict):
+class S3Credentials(StrictModel):
     """Where the S3 credentials come from. Values are never written here: only names.
 
     Leave everything unset to use boto3's default chain (environment, instance role, ...).
@@ -156,7 +154,7 @@ class S3Credentials(_Strict):
         return self
 
 
-class S3Transport(_Strict):
+class S3Transport(StrictModel):
     """An S3 (or S3-compatible) bucket as the mailbox, through one persistent boto3 client."""
 
     kind: Literal["s3"] = "s3"
@@ -188,7 +186,7 @@ class S3Transport(_Strict):
 Transport = Annotated[FsTransport | S3Transport, Field(discriminator="kind")]
 
 
-class CrossRegion(_Strict):
+class CrossRegion(StrictModel):
     """Cross-region training: DDP inside this region, DiLoCo or per-step gradient averaging across regions
     through an object-store mailbox. All regions of one run must agree on every field except ``region``
     (``sbatch-gen validate`` checks it)."""

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from sbatch_gen.loader import MAX_MESSAGE_CHARS, parse_yaml
+from sbatch_gen.errors import MAX_MESSAGE_CHARS
+from sbatch_gen.yamlload import parse_yaml
 
 from .conftest import REPO, sg
 

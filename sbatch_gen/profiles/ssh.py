@@ -4,7 +4,8 @@ Renders ``out/<site>.sh``, a launcher run on the first host: preflight on every 
 on every host (the first one locally, the others over ssh), a process tag on everything it starts,
 cleanup by that tag on every host, and whole-job relaunches with ``--resume auto`` after a cool-down.
 The sections that do not depend on how the job is launched (paths, python_env, network, nccl,
-extra_env, trainer, torchrun, topology, cross_region) are the shared ones from :mod:`sbatch_gen.profile`.
+extra_env, trainer, torchrun, topology, cross_region) and their checks are the shared ones of
+:mod:`sbatch_gen.profiles.base`.
 """
 
 from __future__ import annotations
@@ -14,23 +15,15 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
-from sbatch_gen.profile import (
-    PROFILE_KINDS,
-    FieldError,
-    Int,
-    PathStr,
-    ProfileBase,
-    Text,
-    _check,
-    _no_control,
-    _Strict,
-)
+from sbatch_gen.errors import FieldError
+from sbatch_gen.profiles.base import ProfileBase
+from sbatch_gen.profiles.types import Int, PathStr, ProfileSection, Text, no_control, pattern_check
 
 # An ssh destination as written in the profile: a host name, an alias from ~/.ssh/config or an IPv4
 # address. Never starts with '-' (ssh would read it as an option); user and port go in `ssh:`.
 HostName = Annotated[
     str,
-    AfterValidator(_check(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}", "host name (letters, digits, . _ -)")),
+    AfterValidator(pattern_check(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}", "host name (letters, digits, . _ -)")),
 ]
 
 # ssh options the launcher sets itself from typed fields (or must not be changed for it to work).
@@ -48,10 +41,12 @@ _MANAGED_SSH_OPTIONS = {
 
 
 def _ssh_option(v: str) -> str:
-    _no_control(v)
+    no_control(v)
     m = re.fullmatch(r"([A-Za-z][A-Za-z0-9]*)=(\S.*)", v)
     if m is None:
-        raise ValueError(f"ssh option {v!r}: expected Key=Value, as for ssh -o (e.g. StrictHostKeyChecking=yes)")
+        raise ValueError(
+            f"ssh option {v!r}: expected Key=Value, as for ssh -o (e.g. StrictHostKeyChecking=yes)"
+        )
     why = _MANAGED_SSH_OPTIONS.get(m.group(1).lower())
     if why:
         raise ValueError(f"ssh option {m.group(1)}: {why}")
@@ -62,30 +57,38 @@ def _host_shorthand(v: object) -> object:
     return {"name": v} if isinstance(v, str) else v
 
 
-class SshHost(_Strict):
+class SshHost(ProfileSection):
     """One machine. Position in the list = node rank among the enabled hosts."""
 
     name: HostName = Field(description="ssh destination: host name, ~/.ssh/config alias or IPv4 address.")
-    enabled: bool = Field(default=True, description="false leaves the host out of the job (kept for the record).")
+    enabled: bool = Field(
+        default=True, description="false leaves the host out of the job (kept for the record)."
+    )
     note: Text | None = Field(default=None, description="Why the host is left out; shown in the script.")
 
 
-class SshConnection(_Strict):
+class SshConnection(ProfileSection):
     """How the launcher reaches the other hosts. Unset fields fall back to ssh's own config."""
 
-    user: Annotated[str, AfterValidator(_check(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}", "user name"))] | None = Field(
-        default=None, description="Remote user (ssh -l); unset: ssh's default."
+    user: (
+        Annotated[str, AfterValidator(pattern_check(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}", "user name"))] | None
+    ) = Field(default=None, description="Remote user (ssh -l); unset: ssh's default.")
+    port: Int | None = Field(
+        default=None, ge=1, le=65535, description="sshd port (ssh -p); unset: ssh's default."
     )
-    port: Int | None = Field(default=None, ge=1, le=65535, description="sshd port (ssh -p); unset: ssh's default.")
     identity_file: PathStr | None = Field(
-        default=None, description="Private key (ssh -i, with IdentitiesOnly=yes); relative to the launch directory."
+        default=None,
+        description="Private key (ssh -i, with IdentitiesOnly=yes); relative to the launch directory.",
     )
     connect_timeout_s: Int = Field(default=10, ge=1, le=600, description="ConnectTimeout.")
     server_alive_interval_s: Int = Field(
         default=15, ge=1, le=3600, description="ServerAliveInterval: probe a silent connection this often."
     )
     server_alive_count_max: Int = Field(
-        default=4, ge=1, le=100, description="ServerAliveCountMax: drop the connection after this many lost probes."
+        default=4,
+        ge=1,
+        le=100,
+        description="ServerAliveCountMax: drop the connection after this many lost probes.",
     )
     options: list[Annotated[str, AfterValidator(_ssh_option)]] = Field(
         default_factory=list,
@@ -111,12 +114,17 @@ class SshConnection(_Strict):
         return lines
 
 
-class SshLaunch(_Strict):
+class SshLaunch(ProfileSection):
     """Attempts: wait for every node, clean up, relaunch the whole job with --resume auto."""
 
-    max_attempts: Int = Field(default=5, ge=1, le=1000, description="Launches in total, the first one included.")
+    max_attempts: Int = Field(
+        default=5, ge=1, le=1000, description="Launches in total, the first one included."
+    )
     cooldown_s: Int = Field(
-        default=900, ge=0, le=86400, description="Pause before a relaunch (the default 15 minutes lets a node recover)."
+        default=900,
+        ge=0,
+        le=86400,
+        description="Pause before a relaunch (the default 15 minutes lets a node recover).",
     )
     stop_file: PathStr = Field(
         default="STOP",
@@ -124,11 +132,15 @@ class SshLaunch(_Strict):
         "the current attempt. Checked between attempts and during the cool-down, never mid-attempt.",
     )
     kill_grace_s: Int = Field(
-        default=30, ge=1, le=3600,
+        default=30,
+        ge=1,
+        le=3600,
         description="Cleanup: seconds between SIGTERM (the trainer checkpoints on it) and SIGKILL.",
     )
     failure_grace_s: Int = Field(
-        default=120, ge=0, le=86400,
+        default=120,
+        ge=0,
+        le=86400,
         description="After one node fails, how long the others may take to end on their own before cleanup kills them.",
     )
     preflight_timeout_s: Int = Field(default=120, ge=5, le=3600, description="Preflight limit per host.")
@@ -138,11 +150,14 @@ class SshLaunch(_Strict):
     )
 
 
-class SshNode(_Strict):
+class SshNode(ProfileSection):
     """What every host has (the hosts of one site are alike)."""
 
-    gpus: Int = Field(ge=0, le=64, description="GPUs per host, one process each; 0 for a CPU site "
-                      "(then set torchrun.procs_per_node).")
+    gpus: Int = Field(
+        ge=0,
+        le=64,
+        description="GPUs per host, one process each; 0 for a CPU site (then set torchrun.procs_per_node).",
+    )
     cpus: Int = Field(ge=1, le=4096, description="CPU cores per host; OMP_NUM_THREADS = cpus / processes.")
 
 
@@ -161,35 +176,20 @@ class SshProfile(ProfileBase):
 
     OUTPUTS: ClassVar[tuple[tuple[str, str], ...]] = (("ssh-launcher.sh.j2", "{site}.sh"),)
 
+    GPUS_FIELD: ClassVar[str] = "node.gpus"
+    NODE_WORD: ClassVar[str] = "host"
+
     def gpus_per_node(self) -> int:
         return self.node.gpus
 
-    @property
     def cpus_per_node(self) -> int:
         return self.node.cpus
 
+    def node_count(self) -> int:
+        return len(self.enabled_hosts())
+
     def enabled_hosts(self) -> list[str]:
         return [h.name for h in self.hosts if h.enabled]
-
-    def trainer_argv_lines(self) -> list[list[str]]:
-        """The trainer's arguments before --resume and the --xr-* flags, one option per line."""
-        t, paths = self.trainer, self.paths
-        lines = [["--config", t.config], ["--run-dir", paths.run_dir]]
-        if paths.data is not None:
-            lines.append(["--data-path", paths.data])
-        if t.max_steps is not None:
-            lines.append(["--max-steps", str(t.max_steps)])
-        lines += [[a] for a in t.extra_args]
-        return lines
-
-    def env_spec(self) -> tuple[str, str, str]:
-        """(kind, path, name) of python_env for the node-side activation."""
-        e = self.python_env
-        if e.kind == "venv":
-            return "venv", e.path, ""
-        if e.kind == "conda":
-            return "conda", e.conda_sh, e.name if e.name is not None else e.prefix
-        return "none", "", ""
 
     @model_validator(mode="after")
     def _checks(self) -> SshProfile:
@@ -208,18 +208,4 @@ class SshProfile(ProfileBase):
                 "required for kind ssh: MASTER_ADDR is this interface's IPv4 address on the first host, and NCCL/Gloo "
                 "sockets are pinned to it (e.g. ib0, eth0; lo for a single machine)",
             )
-        gpus = self.node.gpus
-        if gpus > 0 and self.torchrun.procs_per_node not in (None, gpus):
-            raise FieldError(
-                ("torchrun", "procs_per_node"),
-                f"torchrun.procs_per_node ({self.torchrun.procs_per_node}) differs from node.gpus ({gpus}); "
-                "on GPU sites it is derived from the GPU count: remove it",
-            )
-        if gpus == 0 and self.torchrun.procs_per_node is None:
-            raise FieldError(("torchrun", "procs_per_node"), "required on a CPU site (node.gpus is 0)")
-        if gpus == 0 and "nccl" in self.model_fields_set:
-            raise FieldError(("nccl",), "this site has no GPUs, so NCCL settings would be ignored: remove the section")
         return self
-
-
-PROFILE_KINDS.setdefault("ssh", SshProfile)

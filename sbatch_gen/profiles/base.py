@@ -1,0 +1,470 @@
+"""Sections every kind of site profile has, and :class:`ProfileBase` with the checks of every kind. Torch-free.
+
+The sections that do not depend on how the job is launched (paths, Python env, network/NCCL, extra_env,
+trainer, torchrun, topology, cross-region) live here; a kind (:mod:`.slurm`, :mod:`.ssh`) adds its own
+sections and says, through a few methods, how many GPUs, CPUs and machines it has. The checks that only
+depend on those (procs_per_node against the GPU count, GPU-only settings on a CPU site) are written once,
+here, and run for every kind.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, ClassVar, Literal, get_args
+
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+
+from sbatch_gen.errors import FieldError
+from sbatch_gen.profiles.environment import RESERVED_ENV
+from sbatch_gen.profiles.types import (
+    EnvName,
+    Int,
+    LogDir,
+    ModuleName,
+    Name,
+    PathStr,
+    ProfileSection,
+    Text,
+    Url,
+    check_path,
+    no_control,
+    not_an_option,
+    pattern_check,
+)
+from sbatch_gen.xr_options import CrossRegion
+
+
+class Paths(ProfileSection):
+    """Where things are. Relative paths are relative to the directory the job is submitted from."""
+
+    code_dir: PathStr = Field(
+        default=".", description="The code checkout; put first on PYTHONPATH and installed by the setup job."
+    )
+    run_dir: PathStr = Field(
+        description="Run directory on a filesystem every node sees: checkpoints/, metrics.jsonl, stop files."
+    )
+    data: PathStr | None = Field(default=None, description="Training data; passed as --data-path.")
+    log_dir: LogDir = Field(
+        default="logs", description="Job logs. Slurm does not create it: create it before submitting."
+    )
+
+
+class _EnvCommon(ProfileSection):
+    modules: list[
+        Annotated[
+            str,
+            AfterValidator(pattern_check(r"[A-Za-z0-9_.+/-]+", "module name")),
+            AfterValidator(not_an_option("module `module load`")),
+        ]
+    ] = Field(
+        default_factory=list, description="Environment modules to `module load` first (e.g. cuda/12.4)."
+    )
+    torch_spec: Annotated[
+        str,
+        AfterValidator(pattern_check(r"[A-Za-z0-9_.,<>=!~\[\]-]+", "pip requirement")),
+        AfterValidator(not_an_option("requirement for `pip install`")),
+    ] = Field(default="torch", description="Setup job: pip requirement for torch, e.g. torch==2.6.0.")
+    torch_index_url: Url | None = Field(
+        default=None,
+        description="Setup job: index for the torch wheel (e.g. https://download.pytorch.org/whl/cu128).",
+    )
+    extras: list[Name] = Field(
+        default_factory=lambda: ["train", "s3"], description="Setup job: extras of sbatch-gen to install."
+    )
+
+
+class VenvEnv(_EnvCommon):
+    """A Python virtual environment (created by the setup job)."""
+
+    kind: Literal["venv"] = "venv"
+    path: PathStr = Field(default=".venv", description="The venv directory.")
+    python: Annotated[
+        str,
+        AfterValidator(pattern_check(r"[A-Za-z0-9_./+-]+", "interpreter")),
+        AfterValidator(not_an_option("interpreter")),
+    ] = Field(default="python3", description="Setup job: interpreter that creates the venv.")
+
+
+class CondaEnv(_EnvCommon):
+    """A conda environment, activated with `conda activate` (created by the setup job)."""
+
+    kind: Literal["conda"] = "conda"
+    conda_sh: PathStr = Field(description="Path of etc/profile.d/conda.sh of the conda installation.")
+    name: Name | None = Field(default=None, description="Environment name (or give prefix).")
+    prefix: PathStr | None = Field(default=None, description="Environment prefix path (or give name).")
+    python_version: Annotated[str, AfterValidator(pattern_check(r"3\.\d{1,2}", "Python version"))] = Field(
+        default="3.11", description="Setup job: Python version of a new environment."
+    )
+
+    @model_validator(mode="after")
+    def _one_of(self) -> CondaEnv:
+        if (self.name is None) == (self.prefix is None):
+            raise FieldError(("name",), "set exactly one of name and prefix")
+        return self
+
+
+class NoEnv(_EnvCommon):
+    """No activation: python/torchrun from PATH (a container image, or a site-wide installation)."""
+
+    kind: Literal["none"] = "none"
+
+
+PythonEnv = Annotated[VenvEnv | CondaEnv | NoEnv, Field(discriminator="kind")]
+
+
+class Network(ProfileSection):
+    socket_ifname: (
+        Annotated[
+            str,
+            AfterValidator(pattern_check(r"[A-Za-z0-9_.:@-]{1,15}", "interface name")),
+            AfterValidator(not_an_option("interface name")),
+        ]
+        | None
+    ) = Field(
+        default=None,
+        description="Pin bootstrap/socket traffic to this interface (NCCL_SOCKET_IFNAME, "
+        "GLOO_SOCKET_IFNAME); the preflight checks it exists on every node.",
+    )
+
+
+class Nccl(ProfileSection):
+    """NCCL and torch.distributed settings, exported to every job step. Ignored on CPU sites."""
+
+    ib_hca: list[Annotated[str, AfterValidator(pattern_check(r"[A-Za-z0-9_.-]+(:\d+)?", "HCA name"))]] = (
+        Field(default_factory=list, description="NCCL_IB_HCA: InfiniBand adapters to use (e.g. mlx5_0).")
+    )
+    ib_hca_exact: bool = Field(
+        default=True,
+        description="Prefix NCCL_IB_HCA with '=' (exact names). false: each name is a prefix and NCCL uses every "
+        "adapter that starts with it (mlx5_1 also matches mlx5_10); the preflight then wants at least one match.",
+    )
+    ib_link_layer: Literal["InfiniBand", "Ethernet"] = Field(
+        default="InfiniBand",
+        description="The link layer the adapters of ib_hca must have (Ethernet: RoCE). NCCL uses a listed port "
+        "whatever its link layer, so a storage or management Ethernet port in the list carries training traffic; "
+        "the preflight reads /sys/class/infiniband/<hca>/ports/<port>/link_layer on every node (the port an "
+        "entry names with ':port', else every port of the adapter) and fails on another value.",
+    )
+    ib_disable: bool = Field(default=False, description="NCCL_IB_DISABLE=1: no InfiniBand/RoCE.")
+    p2p_disable: bool = Field(default=False, description="NCCL_P2P_DISABLE=1: no NVLink/PCIe peer-to-peer.")
+    nvls_enable: bool | None = Field(
+        default=None, description="NCCL_NVLS_ENABLE (NVLink SHARP); unset = NCCL decides."
+    )
+    ib_gid_index: Int | None = Field(default=None, ge=0, le=255, description="NCCL_IB_GID_INDEX (RoCE).")
+    async_error_handling: bool = Field(
+        default=True, description="TORCH_NCCL_ASYNC_ERROR_HANDLING=1: a failed collective aborts the process."
+    )
+    heartbeat_timeout_s: Int | None = Field(
+        default=600,
+        ge=10,
+        le=86400,
+        description="TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC: a hung rank is killed after this long.",
+    )
+    debug: Literal["VERSION", "WARN", "INFO", "TRACE"] | None = Field(
+        default="WARN", description="NCCL_DEBUG."
+    )
+    debug_subsys: Annotated[str, AfterValidator(pattern_check(r"\^?[A-Z,]+", "NCCL_DEBUG_SUBSYS"))] | None = (
+        Field(default=None, description="NCCL_DEBUG_SUBSYS, e.g. INIT,NET.")
+    )
+
+    @model_validator(mode="after")
+    def _link_layer(self) -> Nccl:
+        if "ib_link_layer" in self.model_fields_set and (not self.ib_hca or self.ib_disable):
+            why = "ib_disable is true" if self.ib_disable else "ib_hca is empty"
+            raise FieldError(
+                ("ib_link_layer",),
+                f"ib_link_layer is set but {why}, so no adapter is checked: "
+                "remove it (or list the adapters in ib_hca)",
+            )
+        return self
+
+
+class Trainer(ProfileSection):
+    module: ModuleName = Field(default="sbatch_gen.train", description="Entry module, run as torchrun -m.")
+    config: PathStr = Field(description="Train config passed as --config.")
+    resume: Annotated[str, AfterValidator(no_control)] = Field(
+        default="auto", min_length=1, description="--resume: auto, none, or a checkpoint path."
+    )
+    max_steps: Int | None = Field(default=None, ge=1, description="--max-steps (unset: the config's).")
+    extra_args: list[Text] = Field(
+        default_factory=list, description="More trainer arguments, passed as given."
+    )
+
+    @model_validator(mode="after")
+    def _resume(self) -> Trainer:
+        if self.resume not in ("auto", "none"):
+            try:
+                check_path(self.resume)
+            except ValueError as e:
+                raise FieldError(("resume",), f"must be auto, none or a checkpoint path: {e}") from None
+        return self
+
+
+class Torchrun(ProfileSection):
+    rdzv_port: Int = Field(
+        default=29500, ge=1024, le=65535, description="c10d rendezvous port on the first node."
+    )
+    rdzv_timeout_s: Int = Field(
+        default=900,
+        ge=10,
+        le=86400,
+        description="--rdzv-conf join_timeout: how long nodes wait for each other.",
+    )
+    max_restarts: Int = Field(
+        default=0,
+        ge=0,
+        le=100,
+        description="--max-restarts: worker restarts inside one job attempt before the step fails.",
+    )
+    procs_per_node: Int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description="--nproc-per-node for CPU sites; on GPU sites it is the GPU count (leave unset).",
+    )
+
+
+class Topology(ProfileSection):
+    """CPU/NUMA placement of the local ranks and the GPU-NIC affinity NCCL uses."""
+
+    numa_binding: Literal["node", "socket", "exclusive", "core-complex"] | None = Field(
+        default=None,
+        description="torchrun --numa-binding: bind each local rank's CPUs and memory to its "
+        "GPU's NUMA node (torch >= 2.8; GPU sites only). torchrun refuses to start the workers, without a "
+        "fallback, when numactl is missing or when the job step may use no CPU of a GPU's NUMA node; the "
+        "preflight checks both on every node (exclusive: a physical core per GPU; socket: a usable CPU on every "
+        "NUMA node, as torch needs).",
+    )
+    nccl_topo_file: PathStr | None = Field(
+        default=None,
+        description="NCCL_TOPO_FILE: the PCI/NUMA topology XML for NCCL where it cannot see it (VMs). NCCL "
+        "gives each GPU the nearest HCA of nccl.ib_hca from the topology, so this is how the GPU-local "
+        "NIC is chosen when autodetection is wrong.",
+    )
+    log_topology: bool = Field(default=True, description="Preflight logs `nvidia-smi topo -m` on every node.")
+
+
+# extra_env names refused because they change how the shell, the dynamic loader or the Python interpreter
+# behaves rather than configuring the program: a reviewer reading `export X=...` should not have to know
+# that it reorders word splitting, runs a file at every bash start or injects a library into every process.
+# Prefixes: BASH_* (bash's own: BASH_ENV, BASH_XTRACEFD, BASH_COMPAT, BASH_FUNC_name%% = exported functions).
+_SHELL_ENV = {
+    "ENV",
+    "SHELLOPTS",
+    "BASHOPTS",
+    "IFS",
+    "PS1",
+    "PS2",
+    "PS3",
+    "PS4",
+    "PROMPT_COMMAND",
+    "CDPATH",
+    "GLOBIGNORE",
+    "EXECIGNORE",
+    "POSIXLY_CORRECT",
+    "TMOUT",
+    "FUNCNEST",
+    "HISTFILE",
+    "INPUTRC",
+    "SHELL",
+}
+_SHELL_ENV_PREFIXES = ("BASH_",)
+_PYTHON_ENV = {
+    "PYTHONHOME",
+    "PYTHONSTARTUP",
+    "PYTHONINSPECT",
+    "PYTHONEXECUTABLE",
+    "PYTHONUSERBASE",
+    "PYTHONPLATLIBDIR",
+    "PYTHONSAFEPATH",
+    "PYTHONNOUSERSITE",
+}
+# The dynamic loader (glibc ld.so): LD_*, GLIBC_TUNABLES, GCONV_PATH. extra_env_allow may opt in to the
+# two with everyday uses (a library directory; a preloaded allocator such as tcmalloc).
+_LOADER_ENV = {"GLIBC_TUNABLES", "GCONV_PATH"}
+_LOADER_ENV_PREFIXES = ("LD_",)
+LoaderEnvOptIn = Literal["LD_LIBRARY_PATH", "LD_PRELOAD"]
+LOADER_ENV_OPT_IN: tuple[str, ...] = get_args(LoaderEnvOptIn)
+# Credentials: their value would be written into out/, which is committed. Well-known names, and names
+# ending in a credential word.
+_CREDENTIAL_ENV = {
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "HUGGINGFACE_TOKEN",
+    "WANDB_API_KEY",
+    "GITHUB_TOKEN",
+    "GH_TOKEN",
+    "GITLAB_TOKEN",
+    "OPENAI_API_KEY",
+    "ANTHROPIC_API_KEY",
+    "AZURE_STORAGE_KEY",
+    "AZURE_STORAGE_CONNECTION_STRING",
+    "AZURE_CLIENT_SECRET",
+    "GOOGLE_API_KEY",
+    "GOOGLE_APPLICATION_CREDENTIALS_JSON",
+    "NGC_API_KEY",
+    "DOCKER_PASSWORD",
+    "COMET_API_KEY",
+    "NEPTUNE_API_TOKEN",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+}
+_CREDENTIAL_ENV_RE = re.compile(
+    r".*(?:^|_)(?:SECRET|SECRET_KEY|SECRET_ACCESS_KEY|TOKEN|PASSWORD|PASSWD|API_KEY|APIKEY|ACCESS_KEY|PRIVATE_KEY)"
+)
+
+
+def _env_names(v: object) -> object:
+    """extra_env names, checked before the values are validated (so no message can quote a value)."""
+    if not isinstance(v, dict):
+        return v
+    for k in v:
+        if not isinstance(k, str):
+            continue
+        if k in RESERVED_ENV:
+            raise FieldError((k,), f"{k} is set by sbatch-gen from other profile fields; set it there")
+        if k.startswith(("SLURM_", "SBATCH_")):
+            raise FieldError((k,), f"{k}: SLURM_*/SBATCH_* variables belong to Slurm")
+        if k in _CREDENTIAL_ENV or _CREDENTIAL_ENV_RE.fullmatch(k):
+            raise FieldError(
+                (k,),
+                f"{k} holds a credential (value <redacted>): it would be written into out/, which "
+                "is committed; leave it in the job's environment (e.g. the submitting shell)",
+            )
+        if k in _SHELL_ENV or k.startswith(_SHELL_ENV_PREFIXES):
+            raise FieldError(
+                (k,),
+                f"{k} changes how bash runs the script (see 'extra_env' in the README); "
+                "it cannot be set from the profile",
+            )
+        if k in _PYTHON_ENV:
+            raise FieldError(
+                (k,),
+                f"{k} changes which code the Python interpreter runs; it cannot be set from the "
+                "profile (python_env and paths.code_dir choose the code)",
+            )
+    return v
+
+
+def _is_loader_env(name: str) -> bool:
+    return name in _LOADER_ENV or name.startswith(_LOADER_ENV_PREFIXES)
+
+
+class ProfileBase(ProfileSection):
+    """Fields every kind of site profile has."""
+
+    kind: str
+    description: Text | None = Field(default=None, description="Free text, for people.")
+    paths: Paths
+    python_env: PythonEnv = Field(default_factory=VenvEnv, description="How python/torchrun are found.")
+    network: Network = Field(default_factory=Network)
+    nccl: Nccl = Field(default_factory=Nccl)
+    extra_env: Annotated[dict[EnvName, Text], BeforeValidator(_env_names)] = Field(
+        default_factory=dict,
+        description="More environment variables exported to every job step. Not: "
+        "credentials, variables of the shell (BASH_*, IFS, ENV, SHELLOPTS, PS4, ...), the dynamic loader (LD_*) "
+        "or the Python interpreter (PYTHONHOME, PYTHONSTARTUP, ...).",
+    )
+    extra_env_allow: list[LoaderEnvOptIn] = Field(
+        default_factory=list,
+        description="Dynamic-loader variables extra_env may set after all (LD_LIBRARY_PATH, LD_PRELOAD): an "
+        "explicit opt-in, for a library directory or a preloaded allocator.",
+    )
+    trainer: Trainer
+    torchrun: Torchrun = Field(default_factory=Torchrun)
+    topology: Topology = Field(default_factory=Topology)
+    cross_region: CrossRegion = Field(default_factory=CrossRegion)
+
+    # The files this kind renders: (template, output file name pattern with {site}).
+    OUTPUTS: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    # The field that holds the GPU count, and how the messages of the shared checks name that count.
+    GPUS_FIELD: ClassVar[str] = ""
+    GPU_COUNT_NAME: ClassVar[str] = ""
+    # What one machine of this kind is called in `sbatch-gen sites` ("node", "host").
+    NODE_WORD: ClassVar[str] = "node"
+
+    def gpus_per_node(self) -> int:
+        """GPUs of one machine (0: a CPU site)."""
+        raise NotImplementedError
+
+    def cpus_per_node(self) -> int:
+        """CPU cores the job has on one machine (OMP_NUM_THREADS = this / processes per node)."""
+        raise NotImplementedError
+
+    def node_count(self) -> int:
+        """Machines the job runs on."""
+        raise NotImplementedError
+
+    def template_context(self, site_name: str) -> dict[str, object]:
+        """Template variables only this kind's templates use (besides the common context of the renderer)."""
+        return {}
+
+    def nproc_per_node(self) -> int:
+        g = self.gpus_per_node()
+        return g if g > 0 else (self.torchrun.procs_per_node or 1)
+
+    def uses_gpus(self) -> bool:
+        return self.gpus_per_node() > 0
+
+    def summary(self) -> str:
+        """Machines and processes, for `sbatch-gen sites`: "2 node(s) x 8 GPU"."""
+        per_node = f"{self.gpus_per_node()} GPU" if self.uses_gpus() else f"{self.nproc_per_node()} CPU procs"
+        return f"{self.node_count()} {self.NODE_WORD}(s) x {per_node}"
+
+    @model_validator(mode="after")
+    def _numa_binding_needs_gpus(self) -> ProfileBase:
+        if self.topology.numa_binding is not None and not self.uses_gpus():
+            raise FieldError(
+                ("topology", "numa_binding"),
+                "this site has no GPUs, and torchrun binds each worker to its GPU's NUMA node (it fails without "
+                "a GPU): remove it",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _loader_env(self) -> ProfileBase:
+        for k in self.extra_env:
+            if _is_loader_env(k) and k not in self.extra_env_allow:
+                hint = (
+                    f"; if it is meant, opt in with extra_env_allow: [{k}]"
+                    if k in LOADER_ENV_OPT_IN
+                    else "; it cannot be set from the profile"
+                )
+                raise FieldError(
+                    ("extra_env", k),
+                    f"{k} changes how the dynamic loader loads every program of the job{hint}",
+                )
+        for i, k in enumerate(self.extra_env_allow):
+            if k not in self.extra_env:
+                raise FieldError(
+                    ("extra_env_allow", i), f"{k} is allowed but extra_env does not set it: remove it"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _gpu_checks(self) -> ProfileBase:
+        """The checks of every kind that depend on whether the site has GPUs."""
+        gpus = self.gpus_per_node()
+        procs = self.torchrun.procs_per_node
+        if gpus > 0 and procs not in (None, gpus):
+            raise FieldError(
+                ("torchrun", "procs_per_node"),
+                f"torchrun.procs_per_node ({procs}) differs from {self.GPU_COUNT_NAME or self.GPUS_FIELD} "
+                f"({gpus}); on GPU sites it is derived from the GPU count: remove it",
+            )
+        if gpus == 0 and procs is None:
+            raise FieldError(
+                ("torchrun", "procs_per_node"), f"required on a CPU site ({self.GPUS_FIELD} is 0)"
+            )
+        if gpus == 0 and self.topology.nccl_topo_file is not None:
+            raise FieldError(("topology", "nccl_topo_file"), "this site has no GPUs: remove it")
+        if gpus == 0 and "nccl" in self.model_fields_set:
+            raise FieldError(
+                ("nccl",), "this site has no GPUs, so NCCL settings would be ignored: remove the section"
+            )
+        return self

@@ -1,0 +1,138 @@
+"""What the job exports: one declaration for every kind (Slurm, SSH). Torch-free.
+
+:func:`job_environment` builds the variables every job step gets from the table :data:`_ENV_TABLE`, so the
+names sbatch-gen sets are known without a profile (:data:`JOB_ENV_NAMES`), and ``extra_env`` refuses exactly
+those plus what the scripts export at run time (:data:`RESERVED_ENV`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sbatch_gen import contract
+
+if TYPE_CHECKING:
+    from sbatch_gen.profiles.base import ProfileBase
+
+
+@dataclass(frozen=True)
+class EnvBlock:
+    key: str  # the profile key(s) behind these variables, for the comment above them
+    vars: tuple[tuple[str, str], ...]
+
+
+def nccl_ib_hca(p: ProfileBase) -> str:
+    """NCCL_IB_HCA as NCCL reads it: '=' first for exact names (else prefixes), then name[:port],..."""
+    return ("=" if p.nccl.ib_hca_exact else "") + ",".join(p.nccl.ib_hca)
+
+
+def preflight_ib_hca(p: ProfileBase) -> str:
+    """The NCCL_IB_HCA value the preflight checks on every node; empty when NCCL will not use the adapters
+    (a CPU site, no nccl.ib_hca, or nccl.ib_disable)."""
+    if not p.uses_gpus() or not p.nccl.ib_hca or p.nccl.ib_disable:
+        return ""
+    return nccl_ib_hca(p)
+
+
+def _flag(on: bool) -> str:
+    return "1" if on else "0"
+
+
+def _unless_none(v: object) -> str | None:
+    return None if v is None else str(v)
+
+
+def _omp_threads(p: ProfileBase) -> str:
+    return str(max(1, p.cpus_per_node() // p.nproc_per_node()))
+
+
+# A variable: its name and its value for a profile (None: not exported for this profile).
+_Var = tuple[str, Callable[["ProfileBase"], "str | None"]]
+
+
+@dataclass(frozen=True)
+class _Block:
+    key: str  # EnvBlock.key
+    when: Callable[[ProfileBase], bool]  # whether the block is exported at all
+    vars: tuple[_Var, ...]
+
+
+# Every variable sbatch-gen sets from profile fields, grouped by the profile section they come from, in the
+# order of the script. (extra_env follows them.)
+_ENV_TABLE: tuple[_Block, ...] = (
+    _Block(
+        "network.socket_ifname",
+        lambda p: bool(p.network.socket_ifname),
+        (
+            ("NCCL_SOCKET_IFNAME", lambda p: p.network.socket_ifname if p.uses_gpus() else None),
+            ("GLOO_SOCKET_IFNAME", lambda p: p.network.socket_ifname),
+        ),
+    ),
+    _Block(
+        "nccl",
+        lambda p: p.uses_gpus(),
+        (
+            ("NCCL_IB_HCA", lambda p: nccl_ib_hca(p) if p.nccl.ib_hca else None),
+            ("NCCL_IB_DISABLE", lambda p: _flag(p.nccl.ib_disable)),
+            ("NCCL_IB_GID_INDEX", lambda p: _unless_none(p.nccl.ib_gid_index)),
+            ("NCCL_P2P_DISABLE", lambda p: _flag(p.nccl.p2p_disable)),
+            ("NCCL_NVLS_ENABLE", lambda p: None if p.nccl.nvls_enable is None else _flag(p.nccl.nvls_enable)),
+            ("TORCH_NCCL_ASYNC_ERROR_HANDLING", lambda p: _flag(p.nccl.async_error_handling)),
+            ("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", lambda p: _unless_none(p.nccl.heartbeat_timeout_s)),
+            ("NCCL_DEBUG", lambda p: p.nccl.debug),
+            ("NCCL_DEBUG_SUBSYS", lambda p: p.nccl.debug_subsys),
+        ),
+    ),
+    _Block(
+        "topology.nccl_topo_file",
+        lambda p: p.uses_gpus() and p.topology.nccl_topo_file is not None,
+        (("NCCL_TOPO_FILE", lambda p: p.topology.nccl_topo_file),),
+    ),
+    _Block(
+        "derived: CPUs per node / processes per node; unbuffered output for the logs",
+        lambda p: True,
+        (
+            ("OMP_NUM_THREADS", _omp_threads),
+            ("PYTHONUNBUFFERED", lambda p: "1"),
+        ),
+    ),
+    # torchrun otherwise reuses its rendezvous TCP store across worker restarts, and restarted workers can
+    # read the dead attempt's peer addresses (pytorch/pytorch#135712).
+    _Block(
+        "torchrun.max_restarts > 0: a fresh rendezvous store per restart",
+        lambda p: p.torchrun.max_restarts > 0,
+        (("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", lambda p: "1"),),
+    ),
+)
+
+# Every name job_environment can set from profile fields (extra_env aside).
+JOB_ENV_NAMES: frozenset[str] = frozenset(name for b in _ENV_TABLE for name, _ in b.vars)
+
+# Variables the scripts set at run time (besides job_environment), for pyxis --container-env.
+RUNTIME_EXPORTS = ("MASTER_ADDR", "MASTER_PORT", "PYTHONPATH", contract.ENV_STOP_FILE)
+# Variables the activation of python_env sets (a venv: VIRTUAL_ENV, and its bin/ first on PATH).
+ACTIVATION_EXPORTS = ("PATH", "VIRTUAL_ENV")
+
+# What extra_env may not set: sbatch-gen sets these from other profile fields.
+RESERVED_ENV: frozenset[str] = JOB_ENV_NAMES | frozenset(RUNTIME_EXPORTS) | frozenset(ACTIVATION_EXPORTS)
+
+
+def job_environment(p: ProfileBase) -> list[EnvBlock]:
+    """Environment variables every job step gets, grouped by the profile section they come from."""
+    blocks: list[EnvBlock] = []
+    for b in _ENV_TABLE:
+        if not b.when(p):
+            continue
+        values = ((name, value(p)) for name, value in b.vars)
+        blocks.append(EnvBlock(b.key, tuple((name, v) for name, v in values if v is not None)))
+    if p.extra_env:
+        blocks.append(EnvBlock("extra_env", tuple(p.extra_env.items())))
+    return blocks
+
+
+def container_env_names(p: ProfileBase) -> list[str]:
+    """The variables pyxis passes into the container (--container-env)."""
+    names = [n for b in job_environment(p) for n, _ in b.vars]
+    return sorted(set(names) | set(RUNTIME_EXPORTS))

@@ -1,0 +1,409 @@
+"""``kind: slurm`` site profiles (the default kind): a Slurm cluster. Torch-free.
+
+Renders ``out/<site>.sbatch`` (training) and ``out/<site>.setup.sbatch`` (environment set-up). Builds on the
+shared sections of :mod:`sbatch_gen.profiles.base`; adds the Slurm resources, the pyxis container, the
+preemption plan and the preflight switch.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+
+from sbatch_gen.errors import FieldError
+from sbatch_gen.profiles.base import ProfileBase
+from sbatch_gen.profiles.environment import container_env_names
+from sbatch_gen.profiles.types import (
+    SBATCH_CONSTRAINT_CHARS,
+    SBATCH_DIRECTIVE_VALUE_CHARS,
+    Int,
+    Name,
+    ProfileSection,
+    SlurmTime,
+    numeric_to_str,
+    pattern_check,
+    slurm_time_seconds,
+)
+
+
+class Preemption(ProfileSection):
+    """The signal plan: Slurm signals the batch shell lead_time_s before the limit; the trainer saves a
+    checkpoint and the job is requeued while the requeue budget lasts."""
+
+    signal: Literal["USR1", "USR2"] = Field(default="USR1", description="Signal sent to the batch shell.")
+    lead_time_s: Int = Field(default=600, ge=30, le=65535, description="Seconds before the time limit.")
+    checkpoint_s: Int = Field(default=120, ge=1, description="Expected time of one checkpoint save.")
+    margin_s: Int = Field(default=60, ge=0, description="Slack on top of checkpoint_s.")
+    ack_timeout_s: Int = Field(
+        default=60, ge=1, le=3600, description="How long the batch shell waits for the trainer's .ack."
+    )
+    max_requeues: Int = Field(default=3, ge=0, le=1000, description="Requeues (SLURM_RESTART_COUNT) allowed.")
+
+    @model_validator(mode="after")
+    def _plan(self) -> Preemption:
+        need = self.checkpoint_s + self.margin_s
+        if self.lead_time_s < need:
+            raise FieldError(
+                ("lead_time_s",),
+                f"lead_time_s {self.lead_time_s} is shorter than checkpoint_s + margin_s = "
+                f"{self.checkpoint_s} + {self.margin_s} = {need}: the job could be killed mid-checkpoint; "
+                "raise lead_time_s or lower checkpoint_s/margin_s",
+            )
+        return self
+
+
+class Preflight(ProfileSection):
+    enabled: bool = Field(default=True, description="Check every node before training starts.")
+    connect_timeout_s: Int = Field(
+        default=60, ge=1, le=3600, description="How long nodes try to reach the rendezvous endpoint."
+    )
+
+
+class Container(ProfileSection):
+    """Run the job steps in a container with pyxis/enroot (srun --container-*)."""
+
+    image: Annotated[str, AfterValidator(pattern_check(r"[A-Za-z0-9_./:#@+-]+", "container image"))] = Field(
+        description="--container-image: registry image (e.g. nvcr.io#nvidia/pytorch:24.10-py3) or a .sqsh path."
+    )
+    mounts: list[
+        # pyxis joins the entries with ',' and splits on it: no ',' anywhere in an entry.
+        Annotated[
+            str,
+            AfterValidator(
+                pattern_check(
+                    r"/[A-Za-z0-9_./+@=-]*(:/[A-Za-z0-9_./+@=-]*)?(:[a-z0-9+=-]+)?",
+                    "mount (SRC[:DST[:FLAGS]], absolute paths, no ',' or spaces)",
+                )
+            ),
+        ]
+    ] = Field(default_factory=list, description="--container-mounts entries SRC[:DST[:FLAGS]].")
+    mount_home: bool = Field(default=False, description="Mount the home directory (--container-mount-home).")
+
+
+# sbatch's long options (Slurm 23.02-24.11, with aliases). sbatch (getopt_long) takes any unique prefix of a
+# long option, so `--outp=x` is `--output=x`: extra_directives are matched against this list by prefix.
+SBATCH_LONG_OPTIONS = frozenset(
+    {
+        "account",
+        "acctg-freq",
+        "array",
+        "batch",
+        "bb",
+        "bbf",
+        "begin",
+        "chdir",
+        "cluster",
+        "cluster-constraint",
+        "clusters",
+        "comment",
+        "constraint",
+        "container",
+        "container-id",
+        "contiguous",
+        "core-spec",
+        "cores-per-socket",
+        "cpu-freq",
+        "cpus-per-gpu",
+        "cpus-per-task",
+        "deadline",
+        "delay-boot",
+        "dependency",
+        "distribution",
+        "error",
+        "exclude",
+        "exclusive",
+        "export",
+        "export-file",
+        "extra",
+        "extra-node-info",
+        "get-user-env",
+        "gid",
+        "gpu-bind",
+        "gpu-freq",
+        "gpus",
+        "gpus-per-node",
+        "gpus-per-socket",
+        "gpus-per-task",
+        "gres",
+        "gres-flags",
+        "help",
+        "hint",
+        "hold",
+        "ignore-pbs",
+        "immediate",
+        "input",
+        "job-name",
+        "kill-on-invalid-dep",
+        "licenses",
+        "mail-type",
+        "mail-user",
+        "mcs-label",
+        "mem",
+        "mem-bind",
+        "mem-per-cpu",
+        "mem-per-gpu",
+        "mincpus",
+        "network",
+        "nice",
+        "no-kill",
+        "no-requeue",
+        "nodefile",
+        "nodelist",
+        "nodes",
+        "ntasks",
+        "ntasks-per-core",
+        "ntasks-per-gpu",
+        "ntasks-per-node",
+        "ntasks-per-socket",
+        "open-mode",
+        "output",
+        "overcommit",
+        "oversubscribe",
+        "parsable",
+        "partition",
+        "power",
+        "prefer",
+        "priority",
+        "profile",
+        "propagate",
+        "qos",
+        "quiet",
+        "reboot",
+        "requeue",
+        "reservation",
+        "resv-ports",
+        "segment",
+        "signal",
+        "sockets-per-node",
+        "spread-job",
+        "stepmgr",
+        "switches",
+        "tasks",
+        "test-only",
+        "thread-spec",
+        "threads-per-core",
+        "time",
+        "time-min",
+        "tmp",
+        "tres-bind",
+        "tres-per-task",
+        "uid",
+        "usage",
+        "use-min-nodes",
+        "verbose",
+        "version",
+        "wait",
+        "wait-all-nodes",
+        "wckey",
+        "workdir",
+        "wrap",
+    }
+)
+
+# Most GPUs one node can have, per GRES type (lower case): HGX/DGX boards carry 8 SXM GPUs (H100, H200, B200,
+# ...); Grace superchip nodes carry up to 4 (quad GH200 blades; a GB200/GB300 NVL72 tray is 2 superchips = 4
+# GPUs); AMD: 8 MI300X/MI250X GCDs, 4 MI300A. Types not listed are only held to the general limit (64).
+MAX_GPUS_PER_NODE: dict[str, int] = {
+    "h100": 8,
+    "h200": 8,
+    "h800": 8,
+    "h20": 8,
+    "b200": 8,
+    "b300": 8,
+    "gh200": 4,
+    "gb200": 4,
+    "gb300": 4,
+    "mi300x": 8,
+    "mi325x": 8,
+    "mi250x": 8,
+    "mi300a": 4,
+}
+
+
+class SlurmResources(ProfileSection):
+    version: Annotated[
+        str,
+        BeforeValidator(numeric_to_str),
+        AfterValidator(pattern_check(r"\d{2}\.\d{2}(\.\d+)?", "Slurm version (e.g. 23.11)")),
+    ] = Field(
+        description="Slurm version of the site, e.g. '23.11'; the job warns when the cluster runs another."
+    )
+    partition: Name
+    account: Name | None = None
+    qos: Name | None = None
+    reservation: Name | None = None
+    job_name: Name | None = Field(default=None, description="Job name (default: the site name).")
+    nodes: Int = Field(ge=1, le=100_000)
+    gpus_per_node: Int = Field(
+        ge=0, le=64, description="0 for a CPU site (then set torchrun.procs_per_node)."
+    )
+    gpu_type: Name | None = Field(default=None, description="GRES type, e.g. h200 (gpu:h200:8).")
+    gpu_request: Literal["gres", "gpus-per-node"] = Field(
+        default="gres", description="How GPUs are requested: --gres=gpu[:type]:N or --gpus-per-node."
+    )
+    cpus_per_task: Int = Field(
+        ge=1, le=4096, description="CPUs for the one task per node (torchrun and workers)."
+    )
+    mem: (
+        Annotated[
+            str,
+            BeforeValidator(numeric_to_str),
+            AfterValidator(pattern_check(r"0|[1-9][0-9]*[KMGT]?", "memory (e.g. 480G, or 0 for all)")),
+        ]
+        | None
+    ) = None
+    time: SlurmTime = Field(description="Time limit: D-HH:MM:SS, HH:MM:SS or minutes.")
+    exclusive: bool = True
+    constraint: (
+        Annotated[str, AfterValidator(pattern_check(f"[{SBATCH_CONSTRAINT_CHARS}]+", "constraint"))] | None
+    ) = None
+    extra_directives: list[
+        Annotated[
+            str,
+            AfterValidator(
+                pattern_check(
+                    f"--[a-z][a-z0-9-]*(=[{SBATCH_DIRECTIVE_VALUE_CHARS}]+)?",
+                    "directive (--name or --name=value, no spaces or quotes)",
+                )
+            ),
+        ]
+    ] = Field(default_factory=list, description="More #SBATCH lines, e.g. --mail-type=FAIL.")
+    setup_time: SlurmTime = Field(default="01:00:00", description="Time limit of the setup job.")
+
+    _MANAGED: ClassVar[set[str]] = {
+        "partition",
+        "account",
+        "qos",
+        "reservation",
+        "job-name",
+        "nodes",
+        "ntasks",
+        "ntasks-per-node",
+        "gres",
+        "gpus",
+        "gpus-per-node",
+        "cpus-per-task",
+        "mem",
+        "time",
+        "exclusive",
+        "constraint",
+        "output",
+        "error",
+        "open-mode",
+        "signal",
+        "requeue",
+        "no-requeue",
+        "export",
+        "chdir",
+        "tasks",
+        "workdir",  # aliases of ntasks and chdir
+    }
+
+    @model_validator(mode="after")
+    def _directives(self) -> SlurmResources:
+        for i, d in enumerate(self.extra_directives):
+            name = d[2:].split("=", 1)[0]
+            if name in self._MANAGED:
+                raise FieldError(
+                    ("extra_directives", i), f"{d!r} is rendered from other fields; set those instead"
+                )
+            if name in SBATCH_LONG_OPTIONS:
+                continue
+            full = sorted(o for o in SBATCH_LONG_OPTIONS if o.startswith(name))
+            managed = [o for o in full if o in self._MANAGED]
+            if managed:
+                raise FieldError(
+                    ("extra_directives", i),
+                    f"{d!r}: sbatch reads --{name} as an abbreviation of "
+                    f"{' or '.join('--' + o for o in managed)}, which is rendered from other fields; "
+                    "set those instead",
+                )
+            if full:
+                raise FieldError(
+                    ("extra_directives", i),
+                    f"{d!r}: --{name} abbreviates "
+                    f"{' or '.join('--' + o for o in full)}: write the option out in full",
+                )
+        if self.gpu_type and self.gpus_per_node == 0:
+            raise FieldError(("gpu_type",), "gpu_type is set but gpus_per_node is 0")
+        most = MAX_GPUS_PER_NODE.get((self.gpu_type or "").lower())
+        if most is not None and self.gpus_per_node > most:
+            raise FieldError(
+                ("gpus_per_node",),
+                f"gpus_per_node is {self.gpus_per_node}, but a {self.gpu_type} node has at most {most} GPUs",
+            )
+        return self
+
+
+class SlurmProfile(ProfileBase):
+    """A Slurm site: renders out/<site>.sbatch (training) and out/<site>.setup.sbatch (env set-up)."""
+
+    kind: Literal["slurm"] = "slurm"
+    slurm: SlurmResources
+    container: Container | None = Field(default=None, description="pyxis container for the job steps.")
+    preemption: Preemption = Field(default_factory=Preemption)
+    preflight: Preflight = Field(default_factory=Preflight)
+
+    OUTPUTS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("slurm.sbatch.j2", "{site}.sbatch"),
+        ("slurm-setup.sbatch.j2", "{site}.setup.sbatch"),
+    )
+
+    GPUS_FIELD: ClassVar[str] = "slurm.gpus_per_node"
+    GPU_COUNT_NAME: ClassVar[str] = "the GPU count"
+
+    def gpus_per_node(self) -> int:
+        return self.slurm.gpus_per_node
+
+    def cpus_per_node(self) -> int:
+        return self.slurm.cpus_per_task
+
+    def node_count(self) -> int:
+        return self.slurm.nodes
+
+    def gpu_directive(self) -> str | None:
+        """The #SBATCH option that requests the GPUs (None on a CPU site)."""
+        s = self.slurm
+        gpus = s.gpus_per_node
+        if gpus == 0:
+            return None
+        if s.gpu_request == "gres":
+            return f"--gres=gpu:{s.gpu_type}:{gpus}" if s.gpu_type else f"--gres=gpu:{gpus}"
+        return f"--gpus-per-node={s.gpu_type}:{gpus}" if s.gpu_type else f"--gpus-per-node={gpus}"
+
+    def template_context(self, site_name: str) -> dict[str, object]:
+        s = self.slurm
+        gpu_directive = self.gpu_directive()
+        setup_gpu_directive = None
+        if gpu_directive is not None:  # the setup job asks for one GPU
+            setup_gpu_directive = (
+                gpu_directive.rsplit(":", 1)[0] + ":1"
+                if ":" in gpu_directive
+                else (gpu_directive.split("=")[0] + "=1")
+            )
+        return {
+            "job_name": s.job_name or site_name,
+            "gpu_directive": gpu_directive,
+            "setup_gpu_directive": setup_gpu_directive,
+            "setup_cpus": min(s.cpus_per_task, 16),
+            "time_limit_s": slurm_time_seconds(s.time),
+            "container_env": ",".join(container_env_names(self)),
+        }
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> SlurmProfile:
+        limit = slurm_time_seconds(self.slurm.time)
+        if self.preemption.lead_time_s >= limit:
+            raise FieldError(
+                ("preemption", "lead_time_s"),
+                f"preemption.lead_time_s ({self.preemption.lead_time_s} s) is not shorter than "
+                f"slurm.time ({self.slurm.time} = {limit} s): the stop signal would come before the job starts",
+            )
+        if self.container is not None and self.python_env.kind != "none":
+            raise FieldError(
+                ("python_env", "kind"),
+                f"python_env.kind is {self.python_env.kind!r} but a container is set: the image is the "
+                "environment; use python_env: {kind: none}",
+            )
+        return self
