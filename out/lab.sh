@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 16cb2a035bf9f99d8b146acd5220369fe606b851e474b70a95967af1e4b33360
+#   inputs sha256: 4bf1ca5539b2023ca316d97e1c1e5ecc39b8641dac625f346fbf4f7ec63244ea
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -44,21 +44,20 @@ SSH_OPTS=(
   -o 'UserKnownHostsFile=/shared/keys/known_hosts'
 )
 
-# ---- torchrun: c10d rendezvous hosted by node 0's torchrun ---------------------------------------
+# ---- torchrun: c10d rendezvous hosted by node 0's torchrun (its flags: node_main) ----------------
 RDZV_PORT=29500  # torchrun.rdzv_port
-RDZV_TIMEOUT_S=900  # torchrun.rdzv_timeout_s
-TORCHRUN_MAX_RESTARTS=0  # torchrun.max_restarts (inside one attempt)
 NUMA_BINDING=''  # topology.numa_binding
 LOG_TOPOLOGY=1  # topology.log_topology
 IB_HCA=''  # nccl.ib_hca as NCCL_IB_HCA: the preflight checks these adapters (empty: none)
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
 
 # ---- python_env: activated on every node ---------------------------------------------------------
-ENV_KIND=venv
+ENV_KIND=venv  # python_env.kind
 ENV_PATH=/shared/envs/lab-gpt  # python_env.path
-ENV_NAME=''  # (conda only)
+ENV_NAME=''
 MODULES=()  # python_env.modules
 CODE_DIR=.  # paths.code_dir: first on PYTHONPATH
+ENV_HINT='create it on every host'
 
 # ---- environment exported on every node before torchrun ------------------------------------------
 NODE_ENV=(
@@ -76,15 +75,8 @@ NODE_ENV=(
   'PYTHONUNBUFFERED=1'
 )
 
-# ---- trainer: the same flags as the Slurm scripts ------------------------------------------------
+# ---- trainer: its flags are the Slurm scripts' (node_main) ---------------------------------------
 TRAINER_MODULE=sbatch_gen.train  # trainer.module
-TRAINER_ARGS=(
-  --config configs/gpt-125m.yaml
-  --run-dir /shared/runs/lab-gpt
-  --data-path /shared/data/lab-gpt
-)
-XR_ARGS=(  # cross_region (disabled)
-)
 TRAIN_CONFIG=configs/gpt-125m.yaml  # trainer.config (the preflight checks it is readable)
 DATA_PATH=/shared/data/lab-gpt  # paths.data (the preflight checks it exists)
 FIRST_RESUME=auto  # trainer.resume (every relaunch uses auto)
@@ -101,6 +93,17 @@ PREFLIGHT_TIMEOUT_S=120  # launch.preflight_timeout_s
 SHARED_RUN_DIR=1  # launch.shared_run_dir
 SITE=lab
 
+# log MESSAGE...: one timestamped line on stderr, also appended to $LOG_FILE when that is set. Never fails
+# (the terminal may be gone when a trap logs).
+log() {
+  local line
+  printf -v line '[sbatch-gen %s] %s' "$(date -u +%FT%TZ)" "$*"
+  { printf '%s\n' "$line" >&3; if [[ -n ${LOG_FILE:-} ]]; then printf '%s\n' "$line" >>"$LOG_FILE"; fi; } 3>&2 2>/dev/null \
+    || true
+}
+# die CODE MESSAGE...: log "ERROR: MESSAGE" and exit with CODE.
+die() { local code=$1; shift; log "ERROR: $*"; exit "$code"; }
+
 # ===============================================================================================
 # Below: fixed logic, the same for every site.
 # ===============================================================================================
@@ -111,54 +114,66 @@ USER_NAME=$(id -un)
 # environment (torchrun's workers inherit it), and cleanup kills exactly those processes.
 TAG="sbg-${USER_NAME//[^A-Za-z0-9_.-]/_}-${RDZV_PORT}-$$"
 LOGS="$LOG_DIR/$SITE.$TAG"
-
-# To stderr and the launch's log; never fails (the terminal may be gone when a SIGHUP trap logs).
-log() { { printf '[sbatch-gen %s] %s\n' "$(date -u +%H:%M:%S)" "$*" | tee -a "$LOGS/launcher.log" >&3; } 3>&2 2>/dev/null || true; }
-die() { local code=$1; shift; printf '[sbatch-gen] error: %s\n' "$*" >&2; exit "$code"; }
+LOG_FILE="$LOGS/launcher.log"  # log() appends its lines here too
 
 # ---- functions shipped to every node (node 0 runs them locally, the others over ssh) ----------
 
-# IPv4 address of an interface; returns 1 if it has none.
-iface_ipv4() {
-  local addr
-  addr=$(ip -4 -o addr show dev "$1" 2>/dev/null | awk '{ split($4, a, "/"); print a[1]; exit }') || true
-  [[ -n $addr ]] || return 1
-  printf '%s\n' "$addr"
+# load_modules: `module load` python_env.modules ($MODULES), after sourcing the module system's shell set-up
+# where `module` is not defined (ssh's non-login shells). Sets NODE_ERROR and returns 1 if that fails.
+load_modules() {
+  local f
+  ((${#MODULES[@]})) || return 0
+  if ! type module >/dev/null 2>&1; then
+    for f in /etc/profile.d/lmod.sh /etc/profile.d/modules.sh; do
+      # shellcheck disable=SC1090
+      if [[ -r $f ]]; then set +u; source "$f"; set -u; break; fi
+    done
+  fi
+  set +u  # module scripts read unset variables
+  if ! module load "${MODULES[@]}"; then
+    set -u
+    NODE_ERROR="module load ${MODULES[*]} failed (python_env.modules)"
+    return 1
+  fi
+  set -u
 }
 
-# cd to the launch directory, load modules, activate the Python environment, put CODE_DIR first on
-# PYTHONPATH. Prints a FAIL line and returns 1 when something is missing.
-node_setup() {
-  local f
-  cd -- "$LAUNCH_DIR" 2>/dev/null || { echo "FAIL launch directory $LAUNCH_DIR does not exist"; return 1; }
-  if ((${#MODULES[@]})); then
-    if ! type module >/dev/null 2>&1; then
-      for f in /etc/profile.d/lmod.sh /etc/profile.d/modules.sh; do
-        # shellcheck disable=SC1090
-        if [[ -r $f ]]; then set +u; source "$f"; set -u; break; fi
-      done
-    fi
-    set +u  # module scripts read unset variables
-    if ! module load "${MODULES[@]}"; then set -u; echo "FAIL module load ${MODULES[*]} failed"; return 1; fi
-    set -u
-  fi
+# activate_env: python_env on this node: the modules, then the venv or conda environment ($ENV_KIND,
+# $ENV_PATH, $ENV_NAME), then $CODE_DIR first on PYTHONPATH. Sets NODE_ERROR and returns 1 when something
+# is missing.
+activate_env() {
+  local dir
+  load_modules || return 1
   case $ENV_KIND in
     venv)
-      if [[ ! -x $ENV_PATH/bin/python ]]; then echo "FAIL no venv at $ENV_PATH ($ENV_PATH/bin/python missing)"; return 1; fi
+      if [[ ! -x $ENV_PATH/bin/python ]]; then
+        NODE_ERROR="venv $ENV_PATH not found: no $ENV_PATH/bin/python (python_env.path)${ENV_HINT:+; $ENV_HINT}"
+        return 1
+      fi
       VIRTUAL_ENV=$(cd -- "$ENV_PATH" && pwd -P)
       export VIRTUAL_ENV PATH="$VIRTUAL_ENV/bin:$PATH"
       ;;
     conda)
-      if [[ ! -r $ENV_PATH ]]; then echo "FAIL no conda at $ENV_PATH (python_env.conda_sh)"; return 1; fi
+      if [[ ! -r $ENV_PATH ]]; then
+        NODE_ERROR="conda not found: cannot read $ENV_PATH (python_env.conda_sh)"
+        return 1
+      fi
       set +u  # conda's shell functions read unset variables
       # shellcheck disable=SC1090
       source "$ENV_PATH"
-      if ! conda activate "$ENV_NAME"; then set -u; echo "FAIL conda activate $ENV_NAME failed"; return 1; fi
+      if ! conda activate "$ENV_NAME"; then
+        set -u
+        NODE_ERROR="conda activate $ENV_NAME failed (python_env.name or prefix)${ENV_HINT:+; $ENV_HINT}"
+        return 1
+      fi
       set -u
       ;;
   esac
-  if ! f=$(cd -- "$CODE_DIR" 2>/dev/null && pwd -P); then echo "FAIL code directory $CODE_DIR does not exist"; return 1; fi
-  export PYTHONPATH="$f${PYTHONPATH:+:$PYTHONPATH}"
+  if ! dir=$(cd -- "$CODE_DIR" 2>/dev/null && pwd -P); then
+    NODE_ERROR="code directory $CODE_DIR does not exist (paths.code_dir)"
+    return 1
+  fi
+  export PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}"
 }
 
 # Node checks shared by the launchers' preflights (templates/_preflight_checks.j2). Each check prints one
@@ -406,96 +421,268 @@ check_ib_hcas() {
   echo "${checked[*]}: $want"
 }
 
-# Preflight on one node: one line per check, returns 1 if any failed. Starts nothing.
-preflight_main() {
-  local rank=$1 fails=0 torchrun_path addr n m out line
-  fail() { printf 'FAIL %s\n' "$*"; fails=$((fails + 1)); }
-  printf 'host %s (node %s)\n' "$HOSTNAME" "$rank"
-  node_setup || return 1
-  if ! command -v python >/dev/null; then fail "python not found (environment: $ENV_KIND $ENV_PATH)"; return 1; fi
-  printf 'ok   python %s\n' "$(command -v python)"
-  torchrun_path=$(command -v torchrun || true)
-  if [[ -n $torchrun_path && -x $torchrun_path ]]; then
-    printf 'ok   torchrun %s\n' "$torchrun_path"
-  else
-    fail "torchrun not found or not executable in the environment (PATH=$PATH)"
+# IPv4 address of an interface (ip, else python's SIOCGIFADDR: images without iproute2); returns 1 if it has
+# none.
+# shellcheck disable=SC2317  # run on the nodes (shipped with the preflight)
+iface_ipv4() {
+  local addr='' py
+  if command -v ip >/dev/null; then
+    addr=$(ip -4 -o addr show dev "$1" 2>/dev/null | awk '{ split($4, a, "/"); print a[1]; exit }') || true
+  elif py=$(command -v python3 || command -v python); then
+    addr=$("$py" -c 'import fcntl, socket, struct, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+print(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", sys.argv[1][:15].encode()))[20:24]))' \
+      "$1" 2>/dev/null) || true
   fi
-  for m in "$TRAINER_MODULE" torch; do
-    if python -c '
-import importlib.util, sys
-try:
-    found = importlib.util.find_spec(sys.argv[1]) is not None
-except Exception:  # a missing parent package raises
-    found = False
-sys.exit(0 if found else 1)' "$m"; then
-      printf 'ok   module %s importable\n' "$m"
-    else
-      fail "module $m not importable with $(command -v python) from $PWD"
-    fi
+  [[ -n $addr ]] || return 1
+  printf '%s\n' "$addr"
+}
+
+# preflight NAME=VALUE...: check this node before anything starts, and say so in one line: "preflight ok on
+# NODE: what it found" on stdout (return 0), or "preflight FAILED on NODE: problem; problem..." on stderr
+# (return 1), where NODE is $SLURMD_NODENAME, else the host name. Every check runs, so one line names every
+# problem of the node; only the rendezvous check, which waits for the other nodes, is skipped after a failure
+# (the launcher ends the other nodes' preflights when one fails). Settings (unset or empty: not checked):
+#   dir=D             cd to D first (the launch directory)
+#   activate=1        activate python_env first (activate_env; the Slurm batch shell has done it already)
+#   module=M          trainer.module: importable, with torch, by this node's python (torchrun on PATH too)
+#   config=F          trainer.config: readable
+#   data=P            paths.data: exists
+#   ifname=I          network.socket_ifname: exists and has an IPv4 address (NCCL/Gloo bind to it)
+#   gpus=N gpus_key=K N GPUs per node, as the profile field K says. Exactly N must be visible (CUDA_VISIBLE_DEVICES,
+#                     else what nvidia-smi lists): torchrun starts N processes and local rank i takes GPU i, so a
+#                     missing GPU fails the job later, and an extra one idles, unnoticed, because the profile is
+#                     wrong for this node (OMP_NUM_THREADS is cpus / N as well).
+#   log_topology=1    log `nvidia-smi topo -m` (GPU sites)
+#   numa=MODE         topology.numa_binding: check_numa_binding MODE
+#   hcas=H link_layer=L   nccl.ib_hca as NCCL_IB_HCA and nccl.ib_link_layer: check_ib_hcas H L
+#   run_dir=R         paths.run_dir: created if missing, writable
+#   shared_marker=F   a file node 0's launcher wrote into the run dir: every other node must see it, or the
+#                     run dir is not one filesystem all nodes share (checkpoints and stop files need one)
+#   node_id=I nnodes=N   this node's rank (0: the rendezvous host) and the node count
+#   rdzv_port=P       torchrun.rdzv_port: node 0 can listen on it (no other launch holds it)
+#   rdzv_host=H connect_timeout_s=T   and every other node reaches H:P within T s (every node runs its
+#                     preflight at the same time, as srun does)
+# shellcheck disable=SC2317  # run on the nodes (export -f / declare -f), not called here
+preflight() {
+  local -A s=([dir]='' [activate]=0 [module]='' [config]='' [data]='' [ifname]='' [gpus]=0 [gpus_key]=''
+    [log_topology]=0 [numa]='' [hcas]='' [link_layer]='' [run_dir]='' [shared_marker]='' [node_id]=0 [nnodes]=1
+    [rdzv_port]='' [rdzv_host]='' [connect_timeout_s]=60)
+  local a node=${SLURMD_NODENAME:-$(hostname)} python='' out line visible addr names probe m host
+  local -a ok=() bad=()
+  for a in "$@"; do
+    if [[ $a != *=* || -z ${s[${a%%=*}]+set} ]]; then echo "preflight: unknown setting '$a'" >&2; return 2; fi
+    s[${a%%=*}]=${a#*=}
   done
-  if ! command -v ip >/dev/null; then
-    fail "ip (iproute2) not found: cannot check interface $IFNAME"
-  elif addr=$(iface_ipv4 "$IFNAME"); then
-    printf 'ok   interface %s %s\n' "$IFNAME" "$addr"
+  if [[ -n ${s[dir]} ]] && ! cd -- "${s[dir]}" 2>/dev/null; then
+    bad+=("launch directory ${s[dir]} does not exist")
+  elif ((s[activate])) && ! activate_env; then
+    bad+=("$NODE_ERROR")
+  elif ! python=$(command -v python); then
+    bad+=("python not found on PATH (python_env)")
   else
-    fail "network interface $IFNAME does not exist or has no IPv4 address"
+    ok+=("$(python -c 'import platform; print(platform.machine(), "python", platform.python_version())') $python")
   fi
-  if ((GPUS_PER_NODE > 0)); then
-    n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
-    if ((n >= GPUS_PER_NODE)); then printf 'ok   %s GPUs\n' "$n"
-    else fail "expected $GPUS_PER_NODE GPUs, nvidia-smi lists ${n:-0}"
+  if [[ -n $python ]]; then
+    if out=$(command -v torchrun); then ok+=("torchrun $out"); else bad+=("torchrun not found on PATH (python_env)"); fi
+  fi
+  if [[ -n $python && -n ${s[module]} ]]; then
+    # find_spec imports the parent packages (a missing one raises) but not the module itself
+    out=$(python -c '
+import importlib.util, sys
+for name in sys.argv[1:]:
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except Exception:
+        found = False
+    if not found:
+        print(name)' "${s[module]}" torch 2>/dev/null) || out="${s[module]} torch"
+    for m in $out; do
+      if [[ $m == torch ]]; then bad+=("torch not importable by $python from $PWD (python_env)")
+      else bad+=("trainer module $m not importable by $python from $PWD (trainer.module, python_env)")
+      fi
+    done
+    if [[ -z $out ]]; then ok+=("${s[module]} and torch importable"); fi
+  fi
+  if [[ -n ${s[config]} ]]; then
+    if [[ -r ${s[config]} ]]; then ok+=("train config ${s[config]}")
+    else bad+=("train config ${s[config]} not readable from $PWD (trainer.config)")
     fi
   fi
-  if [[ -n $NUMA_BINDING ]]; then
-    if out=$(check_numa_binding "$NUMA_BINDING"); then printf 'ok   NUMA binding %s: %s\n' "$NUMA_BINDING" "$out"
-    else while IFS= read -r line; do fail "$line"; done <<<"$out"
+  if [[ -n ${s[data]} ]]; then
+    if [[ -e ${s[data]} ]]; then ok+=("data path ${s[data]}"); else bad+=("data path ${s[data]} does not exist (paths.data)"); fi
+  fi
+  if [[ -n ${s[ifname]} ]]; then
+    if addr=$(iface_ipv4 "${s[ifname]}"); then
+      ok+=("interface ${s[ifname]} $addr")
+    else
+      # The interfaces of this network namespace (/sys/class/net shows the one sysfs was mounted in).
+      names=$(python -c 'import socket; print(*sorted(n for _, n in socket.if_nameindex()))' 2>/dev/null) \
+        || names=$(cd /sys/class/net && echo *)
+      if [[ " $names " == *" ${s[ifname]} "* ]]; then
+        bad+=("network interface ${s[ifname]} has no IPv4 address (network.socket_ifname)")
+      else
+        bad+=("network interface ${s[ifname]} does not exist (network.socket_ifname); have: $names")
+      fi
     fi
   fi
-  if [[ -n $IB_HCA ]]; then
-    if out=$(check_ib_hcas "$IB_HCA" "$IB_LINK_LAYER"); then printf 'ok   HCAs %s\n' "$out"
-    else while IFS= read -r line; do fail "$line"; done <<<"$out"
+  if ((s[gpus] > 0)); then
+    if ! command -v nvidia-smi >/dev/null; then
+      bad+=("nvidia-smi not found, but the site has ${s[gpus]} GPUs per node (${s[gpus_key]})")
+    else
+      if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
+        visible=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .)
+      else
+        visible=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+      fi
+      if ((visible == s[gpus])); then ok+=("$visible GPUs")
+      else bad+=("$visible GPUs visible, the profile expects ${s[gpus]} (${s[gpus_key]})")
+      fi
+      if ((s[log_topology])); then
+        nvidia-smi topo -m 2>&1 | sed "s/^/[$node topo] /" || true
+      fi
     fi
   fi
-  if [[ -r $TRAIN_CONFIG ]]; then printf 'ok   train config %s\n' "$TRAIN_CONFIG"
-  else fail "train config $TRAIN_CONFIG is not readable from $PWD"
-  fi
-  if [[ -n $DATA_PATH && ! -e $DATA_PATH ]]; then fail "data path $DATA_PATH does not exist"; fi
-  if mkdir -p -- "$RUN_DIR" 2>/dev/null && [[ -w $RUN_DIR ]]; then
-    printf 'ok   run dir %s writable\n' "$RUN_DIR"
-  else
-    fail "run dir $RUN_DIR cannot be created or is not writable"
-  fi
-  if ((SHARED_RUN_DIR && rank > 0)); then
-    if [[ -e $RUN_DIR/.sbatch-gen-shared.$TAG ]]; then printf 'ok   run dir shared with node 0\n'
-    else fail "run dir $RUN_DIR is not the one node 0 sees (checkpoints need a filesystem all hosts share)"
+  if [[ -n ${s[numa]} ]]; then
+    if out=$(check_numa_binding "${s[numa]}"); then ok+=("NUMA binding ${s[numa]}: $out")
+    else while IFS= read -r line; do bad+=("$line"); done <<<"$out"
     fi
   fi
-  if ((rank == 0)) && command -v ss >/dev/null && [[ -n $(ss -Hltn "sport = :$RDZV_PORT") ]]; then
-    fail "rendezvous port $RDZV_PORT is already in use on node 0 (another launch?)"
+  if [[ -n ${s[hcas]} ]]; then
+    if out=$(check_ib_hcas "${s[hcas]}" "${s[link_layer]}"); then ok+=("HCAs $out")
+    else while IFS= read -r line; do bad+=("$line"); done <<<"$out"
+    fi
   fi
-  ((fails == 0))
+  if [[ -n ${s[run_dir]} ]]; then
+    probe="${s[run_dir]}/.preflight.$node.$$"
+    if { mkdir -p -- "${s[run_dir]}" && : >"$probe" && rm -f -- "$probe"; } 2>/dev/null; then
+      ok+=("run dir ${s[run_dir]} writable")
+    else
+      bad+=("run dir ${s[run_dir]} cannot be created or is not writable (paths.run_dir)")
+    fi
+  fi
+  if [[ -n ${s[shared_marker]} ]] && ((s[node_id] > 0)); then
+    if [[ -e ${s[shared_marker]} ]]; then ok+=("run dir shared with node 0")
+    else bad+=("run dir ${s[run_dir]} is not the one node 0 sees (checkpoints need a filesystem all nodes share)")
+    fi
+  fi
+  # Rendezvous: node 0 listens on the c10d port for a moment and every other node connects to it, so a busy
+  # port, a wrong address or a firewall shows up here and not as a hang inside torchrun. Without a host (or
+  # after a failure) only node 0's port is tried.
+  if [[ -n $python && -n ${s[rdzv_port]} ]]; then
+    host=${s[rdzv_host]}
+    if ((${#bad[@]})); then host=''; fi
+    if out=$(python - "$host" "${s[rdzv_port]}" "${s[node_id]}" "${s[nnodes]}" "${s[connect_timeout_s]}" <<'PY'
+import socket, sys, time
+def fail(msg):
+    print(msg)
+    sys.exit(1)
+host, port, node_id, nnodes, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+deadline = time.monotonic() + timeout
+if host:
+    try:
+        socket.getaddrinfo(host, port)
+    except OSError as e:
+        fail(f"rendezvous host {host} does not resolve: {e}")
+if node_id == 0:
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        srv.bind(("", port))
+    except OSError as e:
+        fail(f"cannot listen on rendezvous port {port}: {e.strerror} (torchrun.rdzv_port; another launch?)")
+    srv.listen(nnodes)
+    srv.settimeout(1.0)
+    seen = 0
+    while host and seen < nnodes - 1:
+        if time.monotonic() > deadline:
+            fail(f"only {seen} of {nnodes - 1} other nodes reached {host}:{port} within {timeout:g} s")
+        try:
+            conn, _ = srv.accept()
+        except socket.timeout:
+            continue
+        conn.settimeout(5.0)
+        try:
+            while conn.recv(64):
+                pass
+        except OSError:
+            pass
+        conn.close()
+        seen += 1
+    srv.close()
+    print(f"rendezvous port {port} free" + (f", {seen} other nodes reached {host}" if host and seen else ""))
+elif host:
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=5.0) as c:
+                c.sendall(b"preflight")
+            break
+        except OSError as e:
+            if time.monotonic() > deadline:
+                fail(f"rendezvous endpoint {host}:{port} not reachable within {timeout:g} s: {e}")
+            time.sleep(0.5)
+    print(f"rendezvous {host}:{port} reached")
+PY
+    ); then
+      if [[ -n $out ]]; then ok+=("$out"); fi
+    else
+      bad+=("${out:-rendezvous check failed}")
+    fi
+  fi
+  if ((${#bad[@]})); then
+    out=${bad[0]}
+    for line in "${bad[@]:1}"; do out+="; $line"; done
+    printf 'preflight FAILED on %s: %s\n' "$node" "$out" >&2
+    return 1
+  fi
+  out=${ok[0]-}
+  for line in "${ok[@]:1}"; do out+=", $line"; done
+  printf 'preflight ok on %s: %s\n' "$node" "$out"
+}
+
+# Preflight on one node (templates/_node.j2: preflight) with this launcher's settings: one line, "preflight
+# ok on HOST: ..." or "preflight FAILED on HOST: ...", and status 1 if a check failed. Starts nothing.
+preflight_main() {
+  local rank=$1 marker=''
+  if ((SHARED_RUN_DIR)); then marker="$RUN_DIR/.sbatch-gen-shared.$TAG"; fi
+  # The environment torchrun gets (a CUDA_VISIBLE_DEVICES in extra_env counts)
+  if ((${#NODE_ENV[@]})); then export "${NODE_ENV[@]}"; fi
+  preflight dir="$LAUNCH_DIR" activate=1 node_id="$rank" nnodes="$NNODES" module="$TRAINER_MODULE" \
+    config="$TRAIN_CONFIG" data="$DATA_PATH" ifname="$IFNAME" gpus="$GPUS_PER_NODE" gpus_key=node.gpus \
+    log_topology="$LOG_TOPOLOGY" numa="$NUMA_BINDING" hcas="$IB_HCA" link_layer="$IB_LINK_LAYER" \
+    run_dir="$RUN_DIR" shared_marker="$marker" rdzv_port="$RDZV_PORT"
 }
 
 # Start torchrun on one node and return its exit status (128+N when signal N killed it). Only
 # torchrun and what it starts carry the tag; this shell does not (its environment is fixed at exec).
 node_main() {
-  local rank=$1 master_addr=$2 attempt=$3 resume=$4 node_addr is_host=0 numa=() rc=0
-  node_setup
-  node_addr=$(iface_ipv4 "$IFNAME") || { echo "interface $IFNAME has no IPv4 address"; return 1; }
-  if ((rank == 0)); then is_host=1; fi
-  if [[ -n $NUMA_BINDING ]]; then numa=(--numa-binding="$NUMA_BINDING"); fi
+  local rank=$1 MASTER_ADDR=$2 ATTEMPT=$3 RESUME=$4 MASTER_PORT=$RDZV_PORT NODE_ADDR IS_HOST=0 rc=0
+  cd -- "$LAUNCH_DIR" || return 1
   if ((${#NODE_ENV[@]})); then export "${NODE_ENV[@]}"; fi
-  export SBATCH_GEN_TAG="$TAG" SBATCH_GEN_NODE_RANK="$rank" SBATCH_GEN_ATTEMPT="$attempt"
+  activate_env || { echo "$NODE_ERROR"; return 1; }
+  NODE_ADDR=$(iface_ipv4 "$IFNAME") || { echo "interface $IFNAME has no IPv4 address"; return 1; }
+  if ((rank == 0)); then IS_HOST=1; fi
+  export SBATCH_GEN_TAG="$TAG" SBATCH_GEN_NODE_RANK="$rank" SBATCH_GEN_ATTEMPT="$ATTEMPT"
   printf 'node %s host %s addr %s rendezvous %s:%s attempt %s resume %s tag %s\n' \
-    "$rank" "$HOSTNAME" "$node_addr" "$master_addr" "$RDZV_PORT" "$attempt" "$resume" "$TAG"
+    "$rank" "$HOSTNAME" "$NODE_ADDR" "$MASTER_ADDR" "$MASTER_PORT" "$ATTEMPT" "$RESUME" "$TAG"
   env | grep -E '^(NCCL|GLOO|TORCH|CUDA|OMP)_' | sort || true
-  if ((LOG_TOPOLOGY)); then nvidia-smi topo -m || true; fi
-  torchrun \
-    --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
-    --rdzv-backend=c10d --rdzv-endpoint="$master_addr:$RDZV_PORT" --rdzv-id="$TAG.$attempt" \
-    --rdzv-conf="is_host=$is_host,join_timeout=$RDZV_TIMEOUT_S" --local-addr="$node_addr" \
-    --max-restarts="$TORCHRUN_MAX_RESTARTS" "${numa[@]}" \
-    -m "$TRAINER_MODULE" "${TRAINER_ARGS[@]}" --resume "$resume" "${XR_ARGS[@]}" || rc=$?
+  # torchrun's and the trainer's arguments: built once for every launcher (sbatch_gen/launch.py)
+  local -a torchrun_args=(
+    --nnodes "$NNODES"
+    --nproc-per-node "$NPROC_PER_NODE"
+    --rdzv-backend=c10d
+    --rdzv-id="$TAG.$ATTEMPT"
+    --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
+    --rdzv-conf="join_timeout=900,is_host=$IS_HOST"  # torchrun.rdzv_timeout_s
+    --local-addr="$NODE_ADDR"
+    --max-restarts 0  # torchrun.max_restarts
+  ) trainer_args=(
+    --config "$TRAIN_CONFIG"
+    --run-dir "$RUN_DIR"
+    --resume "$RESUME"
+    --data-path "$DATA_PATH"
+  )
+  torchrun "${torchrun_args[@]}" -m "$TRAINER_MODULE" "${trainer_args[@]}" || rc=$?
   return "$rc"
 }
 
@@ -532,12 +719,12 @@ cleanup_main() {
 
 # The program a node runs: strict mode, the settings and functions above (declare -p/-f print them
 # as bash code, every value quoted), then "$@".
-NODE_VARS=(LAUNCH_DIR NNODES TAG NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT RDZV_TIMEOUT_S
-  TORCHRUN_MAX_RESTARTS NUMA_BINDING LOG_TOPOLOGY IB_HCA IB_LINK_LAYER ENV_KIND ENV_PATH ENV_NAME MODULES
-  CODE_DIR NODE_ENV TRAINER_MODULE TRAINER_ARGS XR_ARGS TRAIN_CONFIG DATA_PATH RUN_DIR SHARED_RUN_DIR)
+NODE_VARS=(LAUNCH_DIR NNODES TAG NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT NUMA_BINDING LOG_TOPOLOGY IB_HCA
+  IB_LINK_LAYER ENV_KIND ENV_PATH ENV_NAME MODULES CODE_DIR ENV_HINT NODE_ENV TRAINER_MODULE TRAIN_CONFIG
+  DATA_PATH RUN_DIR SHARED_RUN_DIR)
 NODE_PROGRAM="set -euo pipefail
 $(declare -p "${NODE_VARS[@]}")
-$(declare -f iface_ipv4 node_setup preflight_main node_main cleanup_main read_line cpulist_cpus check_numa_binding check_ib_hcas)
+$(declare -f preflight_main node_main cleanup_main preflight iface_ipv4 load_modules activate_env read_line cpulist_cpus check_numa_binding check_ib_hcas)
 \"\$@\""
 
 # POSIX single quoting, for the remote login shell.
@@ -583,7 +770,7 @@ preflight_all() {
     case $rc in
       124) log "preflight FAILED on $(node_label "$r"): no answer within ${PREFLIGHT_TIMEOUT_S}s" ;;
       255) log "preflight FAILED on $(node_label "$r"): ssh cannot reach it: $(tail -n 2 "$out" | paste -sd ' ' -)" ;;
-      *) log "preflight FAILED on $(node_label "$r"): $(sed -n 's/^FAIL //p' "$out" | paste -sd ';' -)" ;;
+      *) log "preflight FAILED on $(node_label "$r"): $(sed -n 's/^preflight FAILED on [^:]*: //p' "$out")" ;;
     esac
   done
   rm -f -- "$marker"
@@ -706,6 +893,7 @@ cleanup_command() {
   [[ $# -eq 1 && $1 =~ ^sbg-[A-Za-z0-9_.-]+-[0-9]+-[0-9]+$ ]] || usage
   TAG=$1
   LOGS="$LOG_DIR/$SITE.$TAG"
+  LOG_FILE="$LOGS/launcher.log"
   mkdir -p -- "$LOGS"
   log "cleanup of $TAG on every host: ${HOSTS[*]}"
   if cleanup_all; then log "no process tagged $TAG is left"; exit 0; fi

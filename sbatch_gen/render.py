@@ -23,16 +23,20 @@ import jinja2
 import jinja2.meta
 
 from sbatch_gen import contract
-from sbatch_gen.loader import LoadedSite, UserError, display_path
-from sbatch_gen.profile import ProfileBase, SlurmProfile, slurm_time_seconds
-from sbatch_gen.xr_options import to_argv
+from sbatch_gen.errors import UserError
+from sbatch_gen.fsutil import display_path, write_atomic
+from sbatch_gen.launch import LAUNCHERS, Concat, Var, container_argv, torchrun_argv, trainer_argv
+from sbatch_gen.loader import LoadedSite
+from sbatch_gen.profiles import job_environment, preflight_ib_hca
+from sbatch_gen.profiles.types import SBATCH_LINE_RE
 
-# #SBATCH lines are read by sbatch, not by a shell: these characters are literal there. The validators in
-# profile.py admit a subset per field (e.g. '&|[]()*!' only in slurm.constraint).
-_SBATCH_SAFE = re.compile(r"[A-Za-z0-9_./+:=@,%&|\[\]()*!-]+")
 # Left unquoted by `shq`; everything else is single-quoted. ',' and '=' are quoted too, so shellcheck
 # does not mistake `a,b` in an array for a typo (SC2054) or `X==y` for a comparison (SC1097).
 _SHELL_SAFE = re.compile(r"[A-Za-z0-9_./:+@%-]+")
+# A long option with its value in one word (--rdzv-conf=join_timeout=900): left unquoted too when the value is
+# made of safe characters and single '=' (no '==', no ','); else only the value is quoted (--x='a b').
+_SHELL_SAFE_FLAG = re.compile(r"--[A-Za-z0-9][A-Za-z0-9-]*=[A-Za-z0-9_./:+@%-]+(=[A-Za-z0-9_./:+@%-]+)*")
+_FLAG_VALUE = re.compile(r"(--[A-Za-z0-9][A-Za-z0-9-]*=)(.+)", re.S)
 
 
 def default_templates_dir() -> Path:
@@ -45,14 +49,20 @@ def default_templates_dir() -> Path:
 
 
 def shell_quote(value: object) -> str:
-    """Quote one value as one shell word (like shlex.quote, but ',' and '=' are quoted too)."""
+    """Quote one value as one shell word (like shlex.quote, but ',' and '=' are quoted too). A run-time
+    value (sbatch_gen.launch.Var, Concat) becomes a double-quoted expansion of its shell variables."""
+    if isinstance(value, Var | Concat):
+        return value.shell()
     if value is None or isinstance(value, list | dict | tuple):
         raise jinja2.TemplateRuntimeError(f"shq: cannot quote {type(value).__name__} {value!r}")
     if isinstance(value, bool):
         value = "1" if value else "0"
     s = str(value)
-    if _SHELL_SAFE.fullmatch(s):
+    if _SHELL_SAFE.fullmatch(s) or _SHELL_SAFE_FLAG.fullmatch(s):
         return s
+    m = _FLAG_VALUE.fullmatch(s)
+    if m:
+        return m.group(1) + shell_quote(m.group(2))
     return "'" + s.replace("'", "'\"'\"'") + "'"
 
 
@@ -63,7 +73,7 @@ _SC2016 = "# shellcheck disable=SC2016  # literal $ or ` in profile values: sing
 
 def _sbatch(value: object) -> str:
     s = str(value)
-    if not _SBATCH_SAFE.fullmatch(s):
+    if not SBATCH_LINE_RE.fullmatch(s):  # the profile's validators admit a subset per field
         raise jinja2.TemplateRuntimeError(f"unsafe value for an #SBATCH line: {s!r}")
     return s
 
@@ -71,6 +81,28 @@ def _sbatch(value: object) -> str:
 def _comment(value: object) -> str:
     """Text for a '#' comment line: control characters escaped so the comment cannot end early."""
     return "".join(c if 32 <= ord(c) != 127 else f"\\x{ord(c):02x}" for c in str(value))
+
+
+@dataclass
+class RenderState:
+    """What one render notes while it runs; a fresh one goes into each render's context (RENDER_STATE)."""
+
+    literal_dollar: bool = False  # a single-quoted value holds a literal $ or `: the script gets _SC2016
+
+
+RENDER_STATE = "_render_state"
+
+
+@jinja2.pass_context
+def _shq(ctx: jinja2.runtime.Context, value: object) -> str:
+    q = shell_quote(value)
+    if not isinstance(value, Var | Concat) and "'" in q and ("$" in q or "`" in q):
+        state = ctx.get(RENDER_STATE)
+        if not isinstance(state, RenderState):
+            # a macro of a template imported without context: it cannot see this render's state
+            raise jinja2.TemplateRuntimeError("shq: no render state here (import the template `with context`)")
+        state.literal_dollar = True
+    return q
 
 
 def make_env(templates_dir: Path) -> jinja2.Environment:
@@ -82,16 +114,7 @@ def make_env(templates_dir: Path) -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    literal_dollar: list[bool] = []
-
-    def shq(value: object) -> str:
-        q = shell_quote(value)
-        if q.startswith("'") and ("$" in q or "`" in q):
-            literal_dollar.append(True)
-        return q
-
-    env.filters["shq"] = shq
-    env.globals["_literal_dollar"] = literal_dollar
+    env.filters["shq"] = _shq
     env.filters["sbatch"] = _sbatch
     env.filters["comment"] = _comment
     return env
@@ -135,133 +158,6 @@ def inputs_sha256(site: LoadedSite, env: jinja2.Environment, templates: list[str
     return h.hexdigest()
 
 
-# ---------------------------------------------------------------------------------------------------
-# What the job exports: shared by every kind (Slurm, SSH), so the environment is defined once.
-
-
-@dataclass(frozen=True)
-class EnvBlock:
-    key: str  # the profile key(s) behind these variables, for the comment above them
-    vars: tuple[tuple[str, str], ...]
-
-
-def job_environment(p: ProfileBase) -> list[EnvBlock]:
-    """Environment variables every job step gets, grouped by the profile section they come from."""
-    blocks: list[EnvBlock] = []
-    ifname = p.network.socket_ifname
-    if ifname:
-        names = ["NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"] if p.uses_gpus() else ["GLOO_SOCKET_IFNAME"]
-        blocks.append(EnvBlock("network.socket_ifname", tuple((n, ifname) for n in names)))
-    if p.uses_gpus():
-        n = p.nccl
-        v: list[tuple[str, str]] = []
-        if n.ib_hca:
-            v.append(("NCCL_IB_HCA", nccl_ib_hca(p)))
-        v.append(("NCCL_IB_DISABLE", "1" if n.ib_disable else "0"))
-        if n.ib_gid_index is not None:
-            v.append(("NCCL_IB_GID_INDEX", str(n.ib_gid_index)))
-        v.append(("NCCL_P2P_DISABLE", "1" if n.p2p_disable else "0"))
-        if n.nvls_enable is not None:
-            v.append(("NCCL_NVLS_ENABLE", "1" if n.nvls_enable else "0"))
-        v.append(("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1" if n.async_error_handling else "0"))
-        if n.heartbeat_timeout_s is not None:
-            v.append(("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(n.heartbeat_timeout_s)))
-        if n.debug is not None:
-            v.append(("NCCL_DEBUG", n.debug))
-        if n.debug_subsys is not None:
-            v.append(("NCCL_DEBUG_SUBSYS", n.debug_subsys))
-        blocks.append(EnvBlock("nccl", tuple(v)))
-        if p.topology.nccl_topo_file is not None:
-            blocks.append(EnvBlock("topology.nccl_topo_file", (("NCCL_TOPO_FILE", p.topology.nccl_topo_file),)))
-    threads = max(1, cpus_per_node(p) // p.nproc_per_node())
-    blocks.append(
-        EnvBlock(
-            "derived: CPUs per node / processes per node; unbuffered output for the logs",
-            (("OMP_NUM_THREADS", str(threads)), ("PYTHONUNBUFFERED", "1")),
-        )
-    )
-    if p.torchrun.max_restarts > 0:
-        # torchrun otherwise reuses its rendezvous TCP store across worker restarts, and restarted workers can
-        # read the dead attempt's peer addresses (pytorch/pytorch#135712).
-        blocks.append(
-            EnvBlock(
-                "torchrun.max_restarts > 0: a fresh rendezvous store per restart",
-                (("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),),
-            )
-        )
-    if p.extra_env:
-        blocks.append(EnvBlock("extra_env", tuple(p.extra_env.items())))
-    return blocks
-
-
-def nccl_ib_hca(p: ProfileBase) -> str:
-    """NCCL_IB_HCA as NCCL reads it: '=' first for exact names (else prefixes), then name[:port],..."""
-    return ("=" if p.nccl.ib_hca_exact else "") + ",".join(p.nccl.ib_hca)
-
-
-def preflight_ib_hca(p: ProfileBase) -> str:
-    """The NCCL_IB_HCA value the preflight checks on every node; empty when NCCL will not use the adapters
-    (a CPU site, no nccl.ib_hca, or nccl.ib_disable)."""
-    if not p.uses_gpus() or not p.nccl.ib_hca or p.nccl.ib_disable:
-        return ""
-    return nccl_ib_hca(p)
-
-
-def group_flags(argv: list[str]) -> list[list[str]]:
-    """["--a", "1", "--b", "--c", "x"] -> [["--a", "1"], ["--b"], ["--c", "x"]] (one flag per line)."""
-    groups: list[list[str]] = []
-    for a in argv:
-        if a.startswith("--") or not groups:
-            groups.append([a])
-        else:
-            groups[-1].append(a)
-    return groups
-
-
-def cpus_per_node(p: ProfileBase) -> int:
-    if isinstance(p, SlurmProfile):
-        return p.slurm.cpus_per_task
-    v = getattr(p, "cpus_per_node", None)  # other kinds: a property or a method
-    if callable(v):
-        v = v()
-    return int(v or 1)
-
-
-# Variables the script sets at run time (besides job_environment), for pyxis --container-env.
-RUNTIME_EXPORTS = ("MASTER_ADDR", "MASTER_PORT", "PYTHONPATH", contract.ENV_STOP_FILE)
-
-
-def container_env_names(p: ProfileBase) -> list[str]:
-    names = [n for b in job_environment(p) for n, _ in b.vars]
-    return sorted(set(names) | set(RUNTIME_EXPORTS))
-
-
-def _slurm_context(site: LoadedSite) -> dict:
-    p = site.profile
-    assert isinstance(p, SlurmProfile)
-    s = p.slurm
-    gpus = s.gpus_per_node
-    if gpus == 0:
-        gpu_directive = None
-    elif s.gpu_request == "gres":
-        gpu_directive = f"--gres=gpu:{s.gpu_type}:{gpus}" if s.gpu_type else f"--gres=gpu:{gpus}"
-    else:
-        gpu_directive = f"--gpus-per-node={s.gpu_type}:{gpus}" if s.gpu_type else f"--gpus-per-node={gpus}"
-    setup_gpu_directive = None
-    if gpu_directive is not None:
-        setup_gpu_directive = gpu_directive.rsplit(":", 1)[0] + ":1" if ":" in gpu_directive else (
-            gpu_directive.split("=")[0] + "=1"
-        )
-    return {
-        "job_name": s.job_name or site.name,
-        "gpu_directive": gpu_directive,
-        "setup_gpu_directive": setup_gpu_directive,
-        "setup_cpus": min(s.cpus_per_task, 16),
-        "time_limit_s": slurm_time_seconds(s.time),
-        "container_env": ",".join(container_env_names(p)),
-    }
-
-
 def context(site: LoadedSite, sha: str) -> dict:
     p = site.profile
     chain = site.header_files  # sites-relative: renders do not depend on the checkout location
@@ -275,14 +171,16 @@ def context(site: LoadedSite, sha: str) -> dict:
         "nproc_per_node": p.nproc_per_node(),
         "uses_gpus": p.uses_gpus(),
         "env_blocks": job_environment(p),
-        "xr_argv": group_flags(to_argv(p.cross_region)),
+        # the command line on every node, built once for every kind (sbatch_gen/launch.py)
+        "trainer_argv": trainer_argv(p),
+        "torchrun_argv": {name: torchrun_argv(p, launcher) for name, launcher in LAUNCHERS.items()},
+        "container_argv": container_argv,
         "preflight_ib_hca": preflight_ib_hca(p),
         "EXIT_REQUEUE": contract.EXIT_REQUEUE,
         "ENV_STOP_FILE": contract.ENV_STOP_FILE,
         "ACK_SUFFIX": contract.ACK_SUFFIX,
     }
-    if isinstance(p, SlurmProfile):
-        ctx.update(_slurm_context(site))
+    ctx.update(p.template_context(site.name))
     return ctx
 
 
@@ -301,42 +199,22 @@ def render_site(site: LoadedSite, templates_dir: Path | None = None) -> list[Ren
     env = _cached_env(str(Path(tdir).resolve()))
     out = []
     for template, pattern in type(site.profile).OUTPUTS:
-        env.globals["_literal_dollar"].clear()
+        state = RenderState()
         try:
             names = _template_closure(env, template)
             sha = inputs_sha256(site, env, names)
-            text = env.get_template(template).render(context(site, sha))
+            text = env.get_template(template).render({**context(site, sha), RENDER_STATE: state})
         except jinja2.TemplateNotFound as e:
             raise UserError(f"{display_path(tdir)}: template {e.name!r} not found") from None
         except jinja2.TemplateSyntaxError as e:
             raise UserError(f"{e.filename or template}:{e.lineno}: template syntax error: {e.message}") from None
         except jinja2.TemplateError as e:
             raise UserError(f"{display_path(tdir)}/{template}: cannot render site {site.name!r}: {e}") from None
-        if env.globals["_literal_dollar"] and text.startswith("#!"):
+        if state.literal_dollar and text.startswith("#!"):
             shebang, rest = text.split("\n", 1)
             text = f"{shebang}\n{_SC2016}{rest}"
         out.append(Rendered(pattern.format(site=site.name), text.rstrip("\n") + "\n", template))
     return out
-
-
-def write_atomic(path: Path, text: str | bytes, mode: int = 0o755) -> None:
-    """Write via a temp file in the same directory + rename: readers see the old file or the new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(text.encode("utf-8") if isinstance(text, str) else text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 class OutputError(Exception):

@@ -1,13 +1,15 @@
 """Run the rendered `out/local.sbatch` for real under bash, with stub Slurm commands first on PATH.
 
-The script puts the submit directory's `.venv/bin` first on PATH, so stubs for `scontrol`, `srun` and
-`sinfo` placed there stand in for Slurm; `$STUB_MODE` tells them what to do and they keep notes under
-`$STUB_DIR` (calls, the restart count). Shared by test_requeue.py and test_signals.py."""
+The script activates the submit directory's `.venv` (its `bin/python` runs this test's interpreter) and
+puts its `bin` first on PATH, so stubs for `scontrol`, `srun` and `sinfo` placed there stand in for Slurm;
+`$STUB_MODE` tells them what to do and they keep notes under `$STUB_DIR` (calls, the restart count).
+Shared by test_requeue.py and test_signals.py."""
 
 from __future__ import annotations
 
 import os
 import stat
+import sys
 from pathlib import Path
 
 from .conftest import REPO
@@ -19,6 +21,8 @@ def prepare(tmp_path: Path, stubs: dict[str, str], mode: str, *, script: str | N
     work = tmp_path / "submit"
     bindir = work / ".venv" / "bin"
     bindir.mkdir(parents=True)
+    # the venv's python (the script activates python_env.path=.venv): this test run's interpreter
+    stubs = {"python": f'#!/bin/sh\nexec {sys.executable} "$@"\n', **stubs}
     for name, text in stubs.items():
         p = bindir / name
         p.write_text(text)

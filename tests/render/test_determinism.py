@@ -79,3 +79,33 @@ def test_one_field_changes_only_its_lines(work, site, field, value, expected_add
     assert len(sha) == 1
     assert [line for line in added if line not in sha] == expected_added
     assert len(removed) == len(added)
+
+
+
+def test_each_render_keeps_its_own_render_state(tmp_path):
+    """shq notes a literal $ in single quotes in the state of its own render (a fresh RenderState in the
+    render's context), not in the cached Jinja environment: a render that runs while another one is under
+    way (here: called from inside it) does not reset or set the other's."""
+    from sbatch_gen.loader import load_site
+    from sbatch_gen.render import _SC2016, _cached_env, render_site
+
+    tdir = tmp_path / "templates"
+    shutil.copytree(REPO / "templates", tdir)
+    main = tdir / "slurm.sbatch.j2"
+    main.write_text(main.read_text() + "{{ render_another() }}\n")
+    dollar = load_site(REPO / "sites", "local", ["trainer.extra_args=[--note, $HOME]"])
+    plain = load_site(REPO / "sites", "local")
+    inner: list[str] = []
+
+    def render_another() -> str:  # renders `plain` once, in the middle of the outer render
+        if not inner:
+            inner.append("")
+            inner.append(render_site(plain, tdir)[0].text)
+        return ""
+
+    env = _cached_env(str(tdir.resolve()))
+    env.globals["render_another"] = render_another
+    outer = render_site(dollar, tdir)[0].text
+    assert _SC2016 in outer  # the inner render did not reset it
+    assert _SC2016 not in inner[1]  # nor did the outer one's $ leak into it
+    assert not [k for k, v in env.globals.items() if isinstance(v, list | set)], env.globals.keys()

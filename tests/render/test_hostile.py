@@ -39,13 +39,20 @@ BASE = yaml.safe_load((REPO / "sites" / "local.yaml").read_text())
 
 
 def _settings_block(script: str) -> str:
+    """The profile's settings: the settings block, then python_env's (up to its functions)."""
     start = script.index("# ---- settings from the profile")
-    end = script.index("# ---- python_env")
+    end = script.index("load_modules() {")
     return script[start:end]
 
 
+def _trainer_args(script: str) -> str:
+    """The trainer's argument list (TRAINER_ARGS=(...), built by sbatch_gen/launch.py)."""
+    start = script.index("\nTRAINER_ARGS=(\n")
+    return script[start:script.index("\n)\n", start) + 3]
+
+
 def _bash_values(script: str, exprs: list[str]) -> list[str]:
-    code = _settings_block(script) + "\nprintf '%s\\0' " + " ".join(exprs) + "\n"
+    code = _settings_block(script) + _trainer_args(script) + "\nprintf '%s\\0' " + " ".join(exprs) + "\n"
     r = subprocess.run(["bash", "-c", code], capture_output=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr.decode()
     return r.stdout.decode().split("\0")[:-1]
@@ -126,7 +133,8 @@ def test_trainer_extra_args_reach_the_job_exactly(args):
         assert len(err.splitlines()) == 1, err
         assert any(any(ord(c) < 32 for c in a) for a in args)
         return
-    assert _bash_values(script, ['"${EXTRA_TRAINER_ARGS[@]}"']) == args
+    # trainer.extra_args come last in the trainer's arguments
+    assert _bash_values(script, [f'"${{TRAINER_ARGS[@]: -{len(args)}}}"']) == args
 
 
 def test_known_hostile_examples():

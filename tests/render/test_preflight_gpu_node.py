@@ -44,7 +44,7 @@ def _node(tmp_path: Path, **kw) -> FakeNode:
 def _functions_and_preflight(text: str) -> str:
     """The shared node checks and preflight(), as srun runs them on a node (export -f)."""
     start = text.index("# Node checks shared by the launchers' preflights")
-    end = text.index("export -f preflight")
+    end = text.index("\nexport -f preflight ")
     return text[start:end]
 
 
@@ -56,11 +56,11 @@ def _preflight(tmp_path: Path, node: FakeNode, *, numa: str = "node", hcas: str 
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM", "SBATCH_GEN")) and k != "CUDA_VISIBLE_DEVICES"}
     env.update(node.env(f"{Path(sys.executable).parent}:{path if path is not None else env['PATH']}"))
-    env.update(SLURMD_NODENAME="gpu-n7", SLURM_NODEID="0", SLURM_NNODES="1", PYTHONPATH=str(REPO),
-               **(env_extra or {}))
-    args = ["sbatch_gen.train", str(REPO / "configs" / "tiny.yaml"), "", "lo", str(gpus), str(run_dir),
-            "127.0.0.1", str(free_port()), "5", "0", numa, hcas, link_layer]
-    cmd = ["bash", "-c", _functions_and_preflight(EU) + '\npreflight "$@"', "preflight", *args]
+    env.update(SLURMD_NODENAME="gpu-n7", PYTHONPATH=str(REPO), **(env_extra or {}))
+    args = ["module=sbatch_gen.train", f"config={REPO / 'configs' / 'tiny.yaml'}", "ifname=lo", f"gpus={gpus}",
+            "gpus_key=slurm.gpus_per_node", f"run_dir={run_dir}", "rdzv_host=127.0.0.1", f"rdzv_port={free_port()}",
+            "connect_timeout_s=5", f"numa={numa}", f"hcas={hcas}", f"link_layer={link_layer}"]
+    cmd = ["bash", "-c", _functions_and_preflight(EU) + "\npreflight node_id=0 nnodes=1 \"$@\"", "preflight", *args]
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
 
 
@@ -68,15 +68,19 @@ FAILED = "preflight FAILED on gpu-n7: "
 
 
 def test_the_committed_eu_render_checks_numa_binding_and_its_hcas():
-    assert f"  node '{EU_HCAS}' InfiniBand; then" in EU.splitlines()
+    lines = EU.splitlines()
+    assert "  numa=node  # topology.numa_binding" in lines
+    assert f"  hcas='{EU_HCAS}'  # nccl.ib_hca as NCCL_IB_HCA (empty: no check)" in lines
+    assert "  link_layer=InfiniBand  # nccl.ib_link_layer" in lines
 
 
 def test_a_healthy_node_passes_and_says_what_it_checked(tmp_path):
     r = _preflight(tmp_path, _node(tmp_path))
     assert r.returncode == 0, r.stderr
     ok = next(x for x in r.stdout.splitlines() if x.startswith("preflight ok on gpu-n7: "))
-    assert ok.endswith(", 8 GPUs, lo, NUMA binding node ok, HCAs " + " ".join(f"mlx5_{i}:1" for i in range(8))
-                       + ": InfiniBand"), ok
+    assert ", interface lo 127.0.0.1, 8 GPUs, NUMA binding node: numactl " in ok, ok
+    assert ("; GPU 0,1,2,3 on NUMA node 0 (8 usable CPUs), GPU 4,5,6,7 on NUMA node 1 (8 usable CPUs); job step "
+            "CPUs 0-15, HCAs " + " ".join(f"mlx5_{i}:1" for i in range(8)) + ": InfiniBand, run dir ") in ok, ok
 
 
 # ---- topology.numa_binding ------------------------------------------------------------------------
@@ -164,7 +168,7 @@ def test_without_a_fake_root_the_checks_read_this_machines_sys_and_proc(tmp_path
     usable = node_cpus.exists() and set(_cpulist(node_cpus.read_text())) & os.sched_getaffinity(0)
     if usable:
         assert r.returncode == 0, r.stderr
-        assert "NUMA binding node ok" in r.stdout, r.stdout
+        assert ", NUMA binding node: numactl " in r.stdout, r.stdout
     else:
         assert r.returncode != 0 and f"on NUMA node {numa}" in r.stderr, r.stderr
     # No RDMA adapter here (or not this one): the HCA check says what the node has.
@@ -274,7 +278,7 @@ def _eu_job(tmp_path: Path, node: FakeNode, *sets: str,
 def test_eu_job_trains_on_a_healthy_node(tmp_path):
     r, stub_dir = _eu_job(tmp_path, _node(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "NUMA binding node ok, HCAs mlx5_0:1" in r.stdout, r.stdout
+    assert ", NUMA binding node: numactl " in r.stdout and ", HCAs mlx5_0:1 " in r.stdout, r.stdout
     assert (stub_dir / "calls").read_text() == "training\n"
 
 
@@ -329,4 +333,4 @@ def test_ib_disable_turns_the_hca_check_off(work):
     edit_site(work / "sites" / "eu.yaml", **{"nccl.ib_disable": True})
     r = sg("render", "--site", "eu", "--out", "o")
     assert r.code == 0, r.err
-    assert "  node '' InfiniBand; then" in (work / "o" / "eu.sbatch").read_text().splitlines()
+    assert "  hcas=''  # nccl.ib_hca as NCCL_IB_HCA (empty: no check)" in (work / "o" / "eu.sbatch").read_text().splitlines()

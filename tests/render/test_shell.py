@@ -67,7 +67,7 @@ def test_every_option_renders_lint_clean(work):
     assert "--container-image='nvcr.io#nvidia/pytorch:24.10-py3'" in eu_text
     assert "#SBATCH --gpus-per-node=h200:8" in eu_text
     assert "#SBATCH --reservation=maint-window" in eu_text
-    assert "module load cuda/12.4" in eu_text
+    assert "MODULES=(cuda/12.4 nccl/2.21)  # python_env.modules" in eu_text
     env_line = next(line for line in eu_text.splitlines() if line.startswith("  --container-env="))
     assert "export NCCL_TOPO_FILE='/etc/nccl/topo h200.xml'" in eu_text
     for name in ("NCCL_TOPO_FILE", "NCCL_IB_HCA", "NCCL_DEBUG_SUBSYS", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "FI_PROVIDER", "WEIRD",
@@ -82,14 +82,19 @@ def test_every_option_renders_lint_clean(work):
 
 
 def _preflight_script(text: str) -> str:
-    start = text.index("preflight() {")
-    end = text.index("export -f preflight")
+    """The preflight and the functions it calls, as srun ships them to the nodes (export -f)."""
+    start = text.index("# Node checks shared by the launchers' preflights")
+    end = text.index("\nexport -f preflight ")
     return text[start:end]
 
 
+# What srun runs on every node: each node adds its rank and the node count (templates/slurm.sbatch.j2).
+SRUN_PREFLIGHT = '\npreflight node_id="$SLURM_NODEID" nnodes="$SLURM_NNODES" "$@"'
+
+
 def _run_preflight(tmp_path, *, module="sbatch_gen.train", config=None, data="", ifname="lo", gpus="0",
-                   node_id="0", nnodes="1", port=None, timeout="5", run_dir=None, extra_path=None, env_extra=None,
-                   background=False):
+                   node_id="0", nnodes="1", port=None, timeout="5", run_dir=None, marker="", extra_path=None,
+                   env_extra=None, background=False):
     text = (REPO / "out" / "local.sbatch").read_text()
     config = config or str(REPO / "configs" / "tiny.yaml")
     port = str(port or free_port())
@@ -103,8 +108,10 @@ def _run_preflight(tmp_path, *, module="sbatch_gen.train", config=None, data="",
     env.update(PATH=path, SLURMD_NODENAME=f"node{node_id}",
                SLURM_NODEID=node_id, SLURM_NNODES=nnodes, PYTHONPATH=str(REPO))
     env.update(env_extra or {})
-    args = [module, config, data, ifname, gpus, str(run_dir), "127.0.0.1", port, timeout, "0"]
-    cmd = ["bash", "-c", _preflight_script(text) + '\npreflight "$@"', "preflight", *args]
+    args = [f"module={module}", f"config={config}", f"data={data}", f"ifname={ifname}", f"gpus={gpus}",
+            "gpus_key=slurm.gpus_per_node", "log_topology=0", f"run_dir={run_dir}", f"shared_marker={marker}",
+            "rdzv_host=127.0.0.1", f"rdzv_port={port}", f"connect_timeout_s={timeout}"]
+    cmd = ["bash", "-c", _preflight_script(text) + SRUN_PREFLIGHT, "preflight", *args]
     if background:
         return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -128,7 +135,7 @@ def _python_on_path() -> str:
     "kwargs, reason",
     [
         ({"module": "no_such_trainer_module"},
-         "trainer module no_such_trainer_module not importable by {python} (trainer.module, python_env)"),
+         "trainer module no_such_trainer_module not importable by {python} from {repo} (trainer.module, python_env)\n"),
         ({"ifname": "nosuchif0"}, "network interface nosuchif0 does not exist (network.socket_ifname); have: "),
         ({"config": "/nonexistent/train.yaml"},
          "train config /nonexistent/train.yaml not readable from {repo} (trainer.config)"),
@@ -157,18 +164,62 @@ def test_preflight_accepts_a_data_path_that_exists(tmp_path):
     assert "preflight ok on node0" in r.stdout
 
 
-@pytest.mark.parametrize("where", ["missing", "under-a-file"])
-def test_preflight_fails_when_the_run_dir_is_not_writable(tmp_path, where):
-    # Tests run as root, so a chmod 0555 directory would still be writable: use paths nothing can write to.
-    if where == "missing":
-        run_dir = tmp_path / "no-such-dir" / "run"
-    else:
-        (tmp_path / "a-file").write_text("")
-        run_dir = tmp_path / "a-file" / "run"
+def test_preflight_fails_when_the_run_dir_cannot_be_created(tmp_path):
+    # Tests run as root, so a chmod 0555 directory would still be writable: use a path nothing can create.
+    (tmp_path / "a-file").write_text("")
+    run_dir = tmp_path / "a-file" / "run"
     r = _run_preflight(tmp_path, run_dir=run_dir)
     assert r.returncode != 0
-    assert f"preflight FAILED on node0: run dir {run_dir} is not writable (paths.run_dir)\n" in r.stderr, r.stderr
+    assert (f"preflight FAILED on node0: run dir {run_dir} cannot be created or is not writable (paths.run_dir)\n"
+            in r.stderr), r.stderr
     assert not list(tmp_path.glob("**/.preflight.*"))
+
+
+def test_preflight_creates_a_missing_run_dir(tmp_path):
+    run_dir = tmp_path / "no-such-dir" / "run"
+    r = _run_preflight(tmp_path, run_dir=run_dir)
+    assert r.returncode == 0, r.stderr
+    assert f", run dir {run_dir} writable" in r.stdout, r.stdout
+    assert run_dir.is_dir() and not list(run_dir.iterdir())
+
+
+def test_preflight_fails_on_a_node_that_does_not_see_node0s_run_dir(tmp_path):
+    """The batch shell (node 0) writes the marker into the run dir; a node with another filesystem there does
+    not see it. Node 0 itself does not look."""
+    marker = tmp_path / "run" / ".sbatch-gen-shared.77.0"
+    port = free_port()
+    r = _run_preflight(tmp_path, node_id="1", nnodes="2", port=port, timeout="1", marker=str(marker))
+    assert r.returncode != 0
+    assert (f"preflight FAILED on node1: run dir {tmp_path / 'run'} is not the one node 0 sees (checkpoints need a "
+            "filesystem all nodes share)\n") in r.stderr, r.stderr
+    assert _run_preflight(tmp_path, node_id="0", nnodes="1", marker=str(marker)).returncode == 0
+    (tmp_path / "run").mkdir(exist_ok=True)
+    marker.write_text("")
+    server = _run_preflight(tmp_path, node_id="0", nnodes="2", port=port, timeout="20", background=True)
+    client = _run_preflight(tmp_path, node_id="1", nnodes="2", port=port, timeout="20", marker=str(marker))
+    server.communicate(timeout=60)
+    assert client.returncode == 0, client.stderr
+    assert ", run dir shared with node 0" in client.stdout, client.stdout
+
+
+def test_preflight_names_every_problem_of_the_node_in_one_line(tmp_path):
+    r = _run_preflight(tmp_path, config="/nonexistent/train.yaml", data="/nonexistent/shard.bin")
+    assert r.returncode != 0
+    failed = [x for x in r.stderr.splitlines() if x.startswith("preflight FAILED on node0: ")]
+    assert failed == ["preflight FAILED on node0: train config /nonexistent/train.yaml not readable from "
+                      f"{REPO} (trainer.config); data path /nonexistent/shard.bin does not exist (paths.data)"], r.stderr
+
+
+@pytest.mark.skipif(subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode == 0,
+                    reason="the system python has torch")
+def test_preflight_fails_without_torch(tmp_path):
+    bindir = tmp_path / "no-torch"
+    bindir.mkdir()
+    (bindir / "python").symlink_to("/usr/bin/python3")
+    r = _run_preflight(tmp_path, extra_path=bindir)
+    assert r.returncode != 0
+    assert (f"preflight FAILED on node0: torch not importable by {bindir / 'python'} from {REPO} (python_env)"
+            in r.stderr), r.stderr
 
 
 def test_preflight_fails_when_the_rendezvous_port_is_busy_on_node0(tmp_path):
@@ -179,7 +230,7 @@ def test_preflight_fails_when_the_rendezvous_port_is_busy_on_node0(tmp_path):
         r = _run_preflight(tmp_path, port=port)
     assert r.returncode != 0
     assert (f"preflight FAILED on node0: cannot listen on rendezvous port {port}: Address already in use "
-            "(torchrun.rdzv_port)\n") in r.stderr, r.stderr
+            "(torchrun.rdzv_port; another launch?)\n") in r.stderr, r.stderr
 
 
 # ---- GPU count: a fake nvidia-smi on PATH (this machine has no GPUs) -------------------------------
@@ -226,14 +277,15 @@ def test_preflight_gpu_count_match_passes(tmp_path, listed, cuda_visible):
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible
     r = _run_preflight(tmp_path, gpus="8", extra_path=_fake_nvidia_smi(tmp_path), env_extra=env)
     assert r.returncode == 0, r.stderr
-    assert "preflight ok on node0: " in r.stdout and ", 8 GPUs, lo" in r.stdout, r.stdout
+    assert "preflight ok on node0: " in r.stdout and ", interface lo 127.0.0.1, 8 GPUs, " in r.stdout, r.stdout
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has nvidia-smi")
 def test_preflight_gpu_site_without_nvidia_smi_fails(tmp_path):
     r = _run_preflight(tmp_path, gpus="8")
     assert r.returncode != 0
-    assert "preflight FAILED on node0: nvidia-smi not found, but the site has 8 GPUs per node\n" in r.stderr, r.stderr
+    assert ("preflight FAILED on node0: nvidia-smi not found, but the site has 8 GPUs per node "
+            "(slurm.gpus_per_node)\n") in r.stderr, r.stderr
 
 
 def test_preflight_rendezvous_between_two_nodes(tmp_path):
@@ -244,3 +296,23 @@ def test_preflight_rendezvous_between_two_nodes(tmp_path):
     assert client.returncode == 0, client.stderr
     assert server.returncode == 0, err
     assert "preflight ok on node0" in out and "preflight ok on node1" in client.stdout
+
+
+# ---- the node-side logic is written once (templates/_node.j2) --------------------------------------------
+
+
+def _function(text: str, name: str) -> str | None:
+    """The definition of a shell function in a rendered script (None: not there)."""
+    i = text.find(f"\n{name}() {{")
+    if i < 0:
+        return None
+    end = text.index("\n", i + 1) if text[text.index("\n", i + 1) - 1] == "}" else text.index("\n}\n", i) + 2
+    return text[i + 1:end]
+
+
+@pytest.mark.parametrize("name", ["log", "die", "load_modules", "activate_env", "iface_ipv4", "preflight"])
+def test_every_launcher_renders_the_same_node_function(name):
+    found = {p.name: _function(p.read_text(), name) for p in OUT_FILES}
+    found = {k: v for k, v in found.items() if v is not None}
+    assert {k.rsplit(".", 1)[1] for k in found} == {"sbatch", "sh"}, sorted(found)  # Slurm and SSH scripts
+    assert len(set(found.values())) == 1, f"{name}() differs between {sorted(found)}"

@@ -36,7 +36,7 @@ def test_missing_trainer_on_a_remote_host_aborts_and_names_it(ssh_launch, repo, 
     finally:
         stop_sshd(server)
     out = launch.output()
-    assert "preflight FAILED on node 1 (localhost): module sbatch_gen.train not importable" in out, out
+    assert "preflight FAILED on node 1 (localhost): trainer module sbatch_gen.train not importable" in out, out
     assert "FAILED on node 0" not in out
     assert "nothing was started" in out
     _assert_nothing_started(launch)
@@ -53,8 +53,8 @@ def test_missing_interface_on_a_remote_host_aborts_and_names_it(ssh_launch, tmp_
         stop_sshd(server)
     out = launch.output()
     assert "rendezvous 10.254.0.1:" in out  # MASTER_ADDR: the pinned interface's address on node 0
-    assert ("preflight FAILED on node 1 (nsbox): network interface sbgt0 does not exist or has no IPv4 "
-            "address") in out, out
+    assert ("preflight FAILED on node 1 (nsbox): network interface sbgt0 does not exist (network.socket_ifname); "
+            "have: lo\n") in out, out
     assert "FAILED on node 0" not in out
     _assert_nothing_started(launch)
 
@@ -72,5 +72,5 @@ def test_missing_train_config_is_reported_for_every_host(ssh_launch, tmp_path):
     assert launch.wait(timeout=120) == 3, launch.output()
     out = launch.output()
     for label in ("node 0 (127.0.0.1)", "node 1 (localhost)"):
-        assert f"preflight FAILED on {label}: train config {tmp_path / 'no-such.yaml'} is not readable" in out, out
+        assert f"preflight FAILED on {label}: train config {tmp_path / 'no-such.yaml'} not readable" in out, out
     _assert_nothing_started(launch)

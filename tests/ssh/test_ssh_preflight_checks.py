@@ -37,13 +37,20 @@ def _preflight_node(lib: Path, rank: int, before: str = "") -> subprocess.Comple
 
 
 def test_preflight_passes_on_both_nodes_when_all_is_well(tmp_path):
-    lib = _launcher_lib(tmp_path, free_port())
+    port = free_port()
+    lib = _launcher_lib(tmp_path, port)
     r0 = _preflight_node(lib, 0)
     assert r0.returncode == 0, r0.stdout + r0.stderr
-    assert "FAIL" not in r0.stdout, r0.stdout
+    assert "FAILED" not in r0.stderr, r0.stderr
+    assert f", rendezvous port {port} free" in r0.stdout, r0.stdout
     r1 = _preflight_node(lib, 1, before='mkdir -p -- "$RUN_DIR" && : >"$RUN_DIR/.sbatch-gen-shared.$TAG"')
     assert r1.returncode == 0, r1.stdout + r1.stderr
-    assert "ok   run dir shared with node 0\n" in r1.stdout, r1.stdout
+    assert ", run dir shared with node 0" in r1.stdout, r1.stdout
+    # one line per node, and it names everything it checked
+    (ok,) = [x for x in r1.stdout.splitlines() if x.startswith("preflight ok on ")]
+    for found in (" python ", ", torchrun ", ", sbatch_gen.train and torch importable, ", ", train config ",
+                  ", interface lo 127.0.0.1, ", f", run dir {tmp_path / 'run'} writable, "):
+        assert found in ok, ok
 
 
 def test_busy_rendezvous_port_fails_on_node0_only(tmp_path):
@@ -55,7 +62,8 @@ def test_busy_rendezvous_port_fails_on_node0_only(tmp_path):
         r0 = _preflight_node(lib, 0)
         r1 = _preflight_node(lib, 1, before='mkdir -p -- "$RUN_DIR" && : >"$RUN_DIR/.sbatch-gen-shared.$TAG"')
     assert r0.returncode != 0
-    assert f"FAIL rendezvous port {port} is already in use on node 0 (another launch?)\n" in r0.stdout, r0.stdout
+    assert (f": cannot listen on rendezvous port {port}: Address already in use (torchrun.rdzv_port; another "
+            "launch?)\n") in r0.stderr, r0.stderr
     assert r1.returncode == 0, r1.stdout  # only node 0 hosts the rendezvous
 
 
@@ -67,8 +75,8 @@ def test_busy_rendezvous_port_is_named_in_the_launcher_log(tmp_path):
         lib = _launcher_lib(tmp_path, port, "hosts=[127.0.0.1]")
         r = _bash(lib, 'mkdir -p -- "$LOGS"; ATTEMPT=1; preflight_all')
     assert r.returncode != 0
-    assert (f"preflight FAILED on node 0 (127.0.0.1): rendezvous port {port} is already in use on node 0 "
-            "(another launch?)\n") in r.stderr, r.stderr
+    assert (f"preflight FAILED on node 0 (127.0.0.1): cannot listen on rendezvous port {port}: Address already in "
+            "use (torchrun.rdzv_port; another launch?)\n") in r.stderr, r.stderr
 
 
 def test_run_dir_node0_does_not_see_fails_on_the_other_node(tmp_path):
@@ -78,15 +86,15 @@ def test_run_dir_node0_does_not_see_fails_on_the_other_node(tmp_path):
     r1 = _preflight_node(lib, 1)
     assert r1.returncode != 0
     run_dir = tmp_path / "run"
-    assert (f"FAIL run dir {run_dir} is not the one node 0 sees (checkpoints need a filesystem all hosts "
-            "share)\n") in r1.stdout, r1.stdout
+    assert (f": run dir {run_dir} is not the one node 0 sees (checkpoints need a filesystem all nodes "
+            "share)\n") in r1.stderr, r1.stderr
     # A marker of another launch (another tag) does not count.
     r1 = _preflight_node(lib, 1, before=': >"$RUN_DIR/.sbatch-gen-shared.sbg-x-1-1"')
-    assert r1.returncode != 0 and "is not the one node 0 sees" in r1.stdout, r1.stdout
+    assert r1.returncode != 0 and "is not the one node 0 sees" in r1.stderr, r1.stderr
 
 
 def test_run_dir_check_is_off_with_shared_run_dir_false(tmp_path):
     lib = _launcher_lib(tmp_path, free_port(), "launch.shared_run_dir=false")
     r1 = _preflight_node(lib, 1)
     assert r1.returncode == 0, r1.stdout + r1.stderr
-    assert "run dir shared" not in r1.stdout and "not the one node 0 sees" not in r1.stdout
+    assert "run dir shared" not in r1.stdout + r1.stderr and "not the one node 0 sees" not in r1.stdout + r1.stderr

@@ -132,7 +132,8 @@ torchrun: {procs_per_node: 1}
     (BASE.replace("torchrun: {procs_per_node: 1}\n", ""), "sites/bad.yaml:1: torchrun.procs_per_node: required on a CPU site"),
 ])
 def test_bad_profiles_name_file_line_and_field(tmp_path, body, expected):
-    from sbatch_gen.loader import UserError, load_site
+    from sbatch_gen.errors import UserError
+    from sbatch_gen.loader import load_site
 
     (tmp_path / "sites").mkdir()
     (tmp_path / "sites" / "bad.yaml").write_text(body)
@@ -189,11 +190,11 @@ def test_hostile_values_reach_torchrun_on_every_host_exactly(sshd, tmp_path, cle
         rec = json.loads((launch_dir / "probe" / f"node-{rank}.json").read_text())
         assert rec["cwd"] == str(launch_dir.resolve())
         assert rec["argv"] == [
-            "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id={tag}.1", f"--rdzv-conf=is_host={1 - rank},join_timeout=120", "--local-addr=127.0.0.1",
-            "--max-restarts=0", "-m", "sbatch_gen.train",
-            "--config", "cfg `1`.yaml", "--run-dir", "runs/it's `here`", "--data-path", "data `x` y",
-            "--max-steps", "7", "--note", hostile, "", "--resume", "auto", *xr,
+            "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend=c10d", f"--rdzv-id={tag}.1",
+            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-conf=join_timeout=120,is_host={1 - rank}",
+            "--local-addr=127.0.0.1", "--max-restarts", "0", "-m", "sbatch_gen.train",
+            "--config", "cfg `1`.yaml", "--run-dir", "runs/it's `here`", "--resume", "auto", "--data-path",
+            "data `x` y", "--max-steps", "7", *xr, "--note", hostile, "",
         ]
         env = rec["env"]
         assert env["WEIRD"] == hostile and env["EMPTY"] == ""
