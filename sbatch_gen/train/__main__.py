@@ -6,8 +6,11 @@ _PROCESS_START = time.time()
 
 
 def _main() -> int:
+    import sys
+
     from .cli import parse_args
     from .signals import StopRequest, fast_exit_if_acked, resolve_stop_file
+    from .spec import EXIT_CONFIG, RunSpec, SpecError
 
     args = parse_args()
     stop_file = resolve_stop_file(args.stop_file)
@@ -15,9 +18,14 @@ def _main() -> int:
     # Handlers before the slow imports: a SIGUSR1/SIGTERM during start-up is a stop request, not a death.
     stop = StopRequest(stop_file)
     stop.install()
-    from .trainer import run  # imports torch
+    try:
+        spec = RunSpec.from_args(args)  # the only place the flags are read
+    except SpecError as e:
+        print(e, file=sys.stderr)
+        return EXIT_CONFIG
+    from .trainer import run  # torch is imported from here on
 
-    return run(args, process_start=_PROCESS_START, stop=stop)
+    return run(spec, process_start=_PROCESS_START, stop=stop)
 
 
 if __name__ == "__main__":

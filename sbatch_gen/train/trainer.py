@@ -10,7 +10,6 @@ checkpoint when due or stopping. The host never waits for the step it has just q
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -18,20 +17,19 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from pydantic import ValidationError
-
-from .. import xr_options
 from ..contract import EXIT_REQUEUE
-from .config import ConfigError, TrainConfig, load_config, xr_problems
-from .signals import StopRequest, resolve_stop_file, write_ack
-from .xr.errors import XRError
+from .config import TrainConfig
+from .signals import StopRequest, write_ack
+from .spec import EXIT_CONFIG, RunSpec
+from .xr.errors import XRError, XRNoQuorum, XRTimeout
 
 log = logging.getLogger("sbatch_gen.train")
 
-EXIT_CONFIG = 2  # also: the run dir is leased by another live trainer (lease.json)
 EXIT_DISK_FULL = 1  # no space left on device; the last complete checkpoint stays loadable
 # For tests, demos and benchmarks: sleep this long at the end of every step (preemption tests need
 # time to act mid-run), on every rank or only on the ranks listed in ENV_STEP_SLEEP_RANKS (an injected
@@ -185,40 +183,43 @@ class _StepDone:
     ended: float  # time.time() when the host finished the step
 
 
-def run(args: argparse.Namespace, process_start: float | None = None, stop: StopRequest | None = None) -> int:
+@dataclass
+class _Loop:
+    """This process's way through the loop: what :meth:`Trainer.finish` and the summary need."""
+
+    resumed_from: int | None  # the step this process resumed from (None: a fresh start)
+    load_s: float | None  # seconds the resume took
+    first_step: int = 1  # the first step this process trains
+    first_step_done: float | None = None  # time.time() when that step was done
+    exit_reason: str | None = None  # None while training; "stopped" or "no_quorum" once it ended early
+    no_quorum: XRTimeout | None = None  # what found no cross-region quorum
+    step_times: list[float] = field(default_factory=list)
+    sleep_s: float = 0.0  # injected at the end of every step (ENV_STEP_SLEEP)
+    pending: tuple[Any, _StepDone] | None = None  # the last step's agreement, in flight, and its _StepDone
+
+
+def run(spec: RunSpec, process_start: float | None = None, stop: StopRequest | None = None) -> int:
+    """Train one process's part of ``spec``; returns the exit code (0, EXIT_CONFIG, EXIT_DISK_FULL, 1 on
+    a cross-region failure, EXIT_REQUEUE after a stop or without a cross-region quorum)."""
     process_start = process_start or time.time()
     _setup_logging()
-    try:
-        cfg = load_config(args.config)
-    except ConfigError as e:
-        print(f"config error:\n{e}", file=sys.stderr)
-        return EXIT_CONFIG
-    try:
-        xr = xr_options.from_namespace(args)
-    except ValidationError as e:
-        probs = [f"--xr-{'.'.join(str(x) for x in err['loc']).replace('_', '-')}: {err['msg']}"
-                 for err in e.errors(include_url=False)]
-        print("cross-region flag error:\n" + "\n".join(probs), file=sys.stderr)
-        return EXIT_CONFIG
-    end_step = cfg.train.steps if args.max_steps is None else min(cfg.train.steps, args.max_steps)
     # `sbatch-gen validate` rejects these at review time; here they only warn: the run itself is correct,
     # only its recovery after a crash (replaying rounds peers have deleted) would fail.
-    xr_errors, xr_warnings = xr_problems(cfg, xr, end_step)
-    for w in xr_errors + xr_warnings:
-        log.warning("cross-region settings vs %s: %s", args.config, w)
+    for w in spec.xr_warnings:
+        log.warning("cross-region settings vs %s: %s", spec.config_path, w)
     if stop is None:
-        stop = StopRequest(resolve_stop_file(args.stop_file))
+        stop = StopRequest(spec.stop_file)
         stop.install()  # before anything slow: a signal during start-up is a stop request, not a crash
 
     from . import dist as dist_mod
 
-    info, device = dist_mod.init(cfg.dist.backend, cfg.dist.timeout_s)
+    info, device = dist_mod.init(spec.cfg.dist.backend, spec.cfg.dist.timeout_s)
     lease = None
     try:
-        lease, held_by = _take_lease(Path(args.run_dir or cfg.run_dir), info)
+        lease, held_by = _take_lease(spec.run_dir, info)
         if held_by is not None:  # rank 0 said why, in one line
             return EXIT_CONFIG
-        return Trainer(cfg, args, xr, info, device, stop, end_step, process_start).train()
+        return Trainer(spec, info, device, stop, process_start).train()
     except _Fatal as e:
         log.error("%s", e)
         return EXIT_CONFIG
@@ -235,7 +236,7 @@ def run(args: argparse.Namespace, process_start: float | None = None, stop: Stop
         # written last, after a complete save, and older ones are pruned only after that); one line, exit 1.
         # A failed checkpoint save fails on every rank: rank 0 alone reports it. Other ranks report what
         # failed on their own (a data shard on a node's disk), without speaking for the checkpoints.
-        run_dir = Path(args.run_dir or cfg.run_dir)
+        run_dir = spec.run_dir
         where = f" writing {full.filename}" if full.filename else ""
         if info.is_main:
             log.error("no space left on device%s (%s); the last complete checkpoint (%s) is kept: free space "
@@ -281,7 +282,10 @@ class _Fatal(Exception):
 
 
 class Trainer:
-    def __init__(self, cfg, args, xr, info, device, stop: StopRequest, end_step: int, process_start: float):
+    """One process of the run: the model, its optimizer, data, checkpoints and cross-region sync, built
+    from ``spec``; :meth:`train` runs it to the end (or a stop) and returns the exit code."""
+
+    def __init__(self, spec: RunSpec, info, device, stop: StopRequest, process_start: float) -> None:
         import numpy as np
         import torch
 
@@ -290,10 +294,11 @@ class Trainer:
         from .metrics import MetricsWriter, peak_flops
         from .model import GPT, flops_per_token
 
-        self.cfg, self.args, self.xr, self.info, self.device = cfg, args, xr, info, device
+        cfg, xr, end_step = spec.cfg, spec.xr, spec.end_step
+        self.spec, self.cfg, self.xr, self.info, self.device = spec, cfg, xr, info, device
         self.stop, self.end_step, self.process_start = stop, end_step, process_start
         self.torch = torch
-        self.run_dir = Path(args.run_dir or cfg.run_dir)
+        self.run_dir = spec.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.train
         self.deterministic = t.deterministic == "on" or (t.deterministic == "auto" and device.type == "cpu")
@@ -331,25 +336,28 @@ class Trainer:
         self.use_ddp = info.is_distributed and info.world_size > 1
         # The timing comm hook on gloo only (see _timed_allreduce_hook); NCCL keeps DDP's built-in hook.
         self.time_allreduce = self.use_ddp and info.backend == "gloo"
+        self.ddp: torch.nn.Module = self.model  # what a step calls: DDP(model), or the model at world size 1
+        # DDP: a micro-batch before the last one skips the all-reduce
+        self.no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         if self.use_ddp:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            self.ddp = DDP(
+            ddp = DDP(
                 self.model,
                 device_ids=[device.index] if device.type == "cuda" else None,
                 gradient_as_bucket_view=True,
             )
             if self.time_allreduce:
-                self.ddp.register_comm_hook(self.comm, _timed_allreduce_hook)
-        else:
-            self.ddp = self.model
+                ddp.register_comm_hook(self.comm, _timed_allreduce_hook)
+            self.ddp, self.no_sync = ddp, ddp.no_sync
         if not self.use_ddp:
             log.info("DDP: off (world size 1)")
         else:
             log.info("DDP: on, %d ranks, %s", info.world_size, "all-reduce timed by a comm hook"
                      if self.time_allreduce else "built-in all-reduce hook (not timed)")
 
-        decay, no_decay = [], []
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
         for p in self.model.parameters():
             (decay if p.dim() >= 2 else no_decay).append(p)
         o = cfg.optim
@@ -360,12 +368,11 @@ class Trainer:
         )
 
         # Data: this region's shard only. A node's local rank 0 prepares a missing shard.
-        data_path = self.args.data_path or cfg.data.path
         if info.local_rank == 0:
-            shard_file = ensure_shard(data_path, xr.region, list(xr.regions), cfg.data.source, cfg.data.max_bytes)
+            shard_file = ensure_shard(cfg.data.path, xr.region, list(xr.regions), cfg.data.source, cfg.data.max_bytes)
         self._barrier()
         if info.local_rank != 0:
-            shard_file = ensure_shard(data_path, xr.region, list(xr.regions), cfg.data.source, cfg.data.max_bytes)
+            shard_file = ensure_shard(cfg.data.path, xr.region, list(xr.regions), cfg.data.source, cfg.data.max_bytes)
         self.shard = Shard.open(shard_file)
         self.sampler = Sampler(self.shard.tokens.size, cfg.model.seq_len, t.batch_size, info.rank,
                                info.world_size, t.seed)
@@ -459,7 +466,7 @@ class Trainer:
     def _choose_checkpoint(self, skip: set[str]) -> Path | None:
         from .checkpoint import check_complete, list_step_dirs
 
-        mode = self.args.resume
+        mode = self.spec.resume
         if mode == "none":
             return None
         if mode == "auto":
@@ -513,7 +520,7 @@ class Trainer:
                              f"{self.run_dir / 'checkpoints'} loads (newest: {first_error}); not starting "
                              "fresh over them: fix or move them, or pass --resume none")
             if path is None:
-                log.info("starting fresh (--resume %s, no loadable checkpoint in %s)", self.args.resume,
+                log.info("starting fresh (--resume %s, no loadable checkpoint in %s)", self.spec.resume,
                          self.run_dir / "checkpoints")
                 return None, None
             try:
@@ -522,7 +529,7 @@ class Trainer:
                 raise
             except Exception as e:  # noqa: BLE001 - reported, then the next older checkpoint
                 why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                if self.args.resume != "auto":
+                if self.spec.resume != "auto":
                     raise _Fatal(f"checkpoint {path} failed to load: {why}") from e
                 log.error("checkpoint %s failed to load (%s); trying an older one", path, why)
                 first_error = first_error or f"{path.name}: {why}"
@@ -574,186 +581,173 @@ class Trainer:
 
     # -- the loop
     def train(self) -> int:
-        import torch
-
-        from .metrics import format_summary, memory_summary, summarize, write_json_atomic
-
-        cfg, info, device = self.cfg, self.info, self.device
-        from .xr.errors import XRNoQuorum, XRTimeout
-
-        resumed_from, load_s = self.resume()
+        """Resume, join the cross-region run, train until the end step, a stop or a lost quorum, then
+        :meth:`finish`. Returns this process's exit code."""
+        self.loop = _Loop(*self.resume())
         self._settle_ddp_buckets()
-        exit_reason = "completed"
-        no_quorum: XRTimeout | None = None
-        if self.sync is not None:
-            try:
-                self.sync.align(self.step)  # a fresh start waits for theta0 from regions[0]
-                adopted = self.sync.catch_up(self.step)
-            except XRTimeout as e:  # no theta0, or the round pending from the last attempt still has no quorum
-                adopted, no_quorum, exit_reason = None, e, "no_quorum"
-            if adopted is not None:
-                adopted = min(adopted, self.end_step)  # a run that has ended: nothing left to train
-            if adopted is not None and adopted != self.step:
-                log.info("cross-region: the run is at step %d; this region continues from there (was at %d)",
-                         adopted, self.step)
-                self.step = adopted
-        first_step = self.first_step = self.step + 1
-        step_times: list[float] = []
-        self.first_step_done: float | None = None
-        sleep_s = _step_sleep(info.rank)
-        accum = cfg.train.grad_accum
-        autocast = (torch.autocast(device_type=device.type, dtype=self.amp_dtype)
-                    if self.amp_dtype is not None else contextlib.nullcontext())
-        params = [p for p in self.model.parameters()]
-        nan = torch.full((1,), float("nan"), dtype=torch.float64, device=device)
-        pending = None  # (the agreement of the last step, in flight; its _StepDone)
+        self._join_run()
+        self._begin_loop()
+        while self.step < self.end_step and self.loop.exit_reason is None:
+            self.train_step()
+        return self.finish()
+
+    def _join_run(self) -> None:
+        """Cross-region only: a fresh start waits for theta0 from regions[0]; a region behind the run
+        adopts the run's step. Without a quorum (no theta0, or the round pending from the last attempt still
+        has none) the loop does not start: ``loop.exit_reason`` becomes "no_quorum"."""
+        if self.sync is None:
+            return
+        loop = self.loop
+        try:
+            self.sync.align(self.step)
+            adopted = self.sync.catch_up(self.step)
+        except XRTimeout as e:
+            adopted, loop.no_quorum, loop.exit_reason = None, e, "no_quorum"
+        if adopted is not None:
+            adopted = min(adopted, self.end_step)  # a run that has ended: nothing left to train
+        if adopted is not None and adopted != self.step:
+            log.info("cross-region: the run is at step %d; this region continues from there (was at %d)",
+                     adopted, self.step)
+            self.step = adopted
+
+    def _begin_loop(self) -> None:
+        """What every step reuses (autocast, the parameter list, the NaN sent for an unclipped grad norm,
+        the injected per-step sleep); the model in train mode; one line naming the steps to train."""
+        torch, loop = self.torch, self.loop
+        loop.first_step = self.step + 1
+        loop.sleep_s = _step_sleep(self.info.rank)
+        self.autocast = (torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+                         if self.amp_dtype is not None else contextlib.nullcontext())
+        self.params = list(self.model.parameters())
+        self.nan = torch.full((1,), float("nan"), dtype=torch.float64, device=self.device)
         self.ddp.train()
-        if self.step < self.end_step and no_quorum is None:
-            log.info("training steps %d..%d (%d tokens per step)", first_step, self.end_step, self.tokens_per_step)
-        while self.step < self.end_step and no_quorum is None:
-            t0 = time.perf_counter()
-            step = self.step + 1
-            lr = lr_at(cfg, step)
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
-            self.comm.reset()
-            loss_sum = torch.zeros((), device=device, dtype=torch.float32)
-            for micro in range(accum):
-                x, y = self.batches.next()
-                skip_sync = self.use_ddp and micro < accum - 1
-                with (self.ddp.no_sync() if skip_sync else contextlib.nullcontext()), autocast:
-                    loss = self.ddp(x, y)
-                (loss / accum).backward()
-                loss_sum += loss.detach()
-                self.batches.prefetch()  # the next micro-batch, while the device runs this backward
-            if self.sync is not None:
-                self.sync.before_optimizer_step(step, self.tokens_per_step)
-            grad_norm = None
-            if cfg.optim.grad_clip > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip, foreach=True)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.step = step
-            self.tokens_seen += self.tokens_per_step
-            try:
-                xr_timings = self.sync.after_optimizer_step(step, self.tokens_per_step) if self.sync is not None else None
-            except XRNoQuorum as e:  # every rank raised it; the model holds this step's local parameters
-                no_quorum, exit_reason = e, "no_quorum"
-                break
-            if xr_timings and "xr_adopted_step" in xr_timings:  # behind the run: fast-forwarded
-                log.info("cross-region: fast-forwarded from step %d to the run's step %d", step,
-                         xr_timings["xr_adopted_step"])
-                self.step = step = min(xr_timings["xr_adopted_step"], self.end_step)
-            if sleep_s:
-                time.sleep(sleep_s)
-            data_s = self.batches.take_host_s()
-            ta = time.perf_counter()
-            # The previous step's agreement (issued one step ago; normally complete by now): its metrics
-            # record, and whether a stop was requested anywhere. If so, every rank stops after this step.
-            stop_now = self._finish_step(*pending) if pending is not None else False
-            wait_s = time.perf_counter() - ta
-            exposed = self.comm.exposed() if self.time_allreduce else None
-            if device.type == "cuda":  # the host's step, up to here (it waited for the device above)
-                own_s = time.perf_counter() - t0
-            else:  # the step without the waits for other ranks this host saw
-                own_s = (ta - t0) - (exposed or 0.0)
-            host_row = torch.tensor([float(self.stop.local()), own_s, data_s, float(self.ckpt.finished_step())],
-                                    dtype=torch.float64)
-            mine = torch.cat([
-                (loss_sum / accum).to(torch.float64).reshape(1),
-                host_row.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host_row,
-                grad_norm.detach().to(torch.float64).reshape(1) if grad_norm is not None else nan,
-            ])
-            in_flight = self.agreement.issue(mine)
-            step_s = time.perf_counter() - t0
-            step_times.append(step_s)
-            pending = (in_flight, _StepDone(
-                step=step, lr=lr, tokens=self.tokens_seen, step_s=step_s, data_s=data_s, wait_s=wait_s,
-                ddp_span=self.comm.span() if self.time_allreduce else None, ddp_exposed=exposed,
-                xr_timings=xr_timings, ended=time.time()))
-            save_now = step % cfg.checkpoint.every == 0 or step == self.end_step
-            if xr_timings is not None or save_now:
-                # This step's host waits for the device anyway: a cross-region round ran (on every rank
-                # of the region: rounds are collective) or a checkpoint is due (every rank, same steps).
-                # Read its agreement now: its record is written before the round's or the checkpoint's
-                # results can outlive a crash, and a stop gathered with it takes effect at this step, on
-                # every rank alike.
-                stop_now = self._finish_step(*pending) or stop_now
-                pending = None
-            if stop_now and step < self.end_step:
-                exit_reason = "stopped"
-                log.info("stop requested (%s): all ranks stop after step %d", self.stop.reason(), step)
-                break
-            if save_now:
-                self.ckpt.save(step, self._state(), block=step == self.end_step)
-        if pending is not None:  # the last step's agreement: its record (always logged)
-            self._finish_step(*pending, last=True)
+        if self.step < self.end_step and loop.exit_reason is None:
+            log.info("training steps %d..%d (%d tokens per step)", loop.first_step, self.end_step,
+                     self.tokens_per_step)
 
-        # The end: a complete checkpoint of where we are, then hand-off or export.
-        if exit_reason in ("stopped", "no_quorum"):
-            if self.sync is not None:  # the other regions stop waiting for this one
-                self.sync.leave(self.step, "no quorum" if no_quorum else self.stop.reason())
-            # (a fresh start that found no theta0 has nothing to save)
-            res = self.ckpt.save(self.step, self._state(), block=True) if self.step > 0 else None
-            if self.info.is_main and self.stop.stop_file is not None:
-                if no_quorum is not None:  # a restart by torchrun must not wait for a quorum again
-                    self.stop.stop_file.parent.mkdir(parents=True, exist_ok=True)
-                    self.stop.stop_file.touch()
-                reason = "no quorum" if no_quorum is not None else self.stop.reason()
-                ack = write_ack(self.stop.stop_file, self.step, res.path if res else None, reason)
-                log.info("wrote %s", ack)
-        else:
-            if self.sync is not None and self.step >= self.end_step:
-                self.sync.leave(self.step, "finished")
-            self.ckpt.close()
-            last = self.ckpt.last_saved
-            if self.step > 0 and (last is None or last.step != self.step):
-                self.ckpt.save(self.step, self._state(), block=True)
-            if info.is_main and cfg.checkpoint.export_safetensors and self.step > 0:
-                self._export()
-        self.ckpt.close()
-        self._barrier()
-        if info.is_main:
-            extra = {"model_flops_per_token": self.flops_model, "hardware_flops_per_token": self.flops_hw,
-                     "device": str(device), "region": self.xr.region,
-                     "stop_reason": self.stop.reason() if exit_reason == "stopped" else None}
-            s = summarize(step_times=step_times, tokens_per_step=self.tokens_per_step, first_step=first_step,
-                          last_step=self.step, resumed_from=resumed_from, process_start=self.process_start,
-                          first_step_done=self.first_step_done, checkpoint_save_s=self.ckpt.save_times,
-                          load_s=load_s, exit_reason=exit_reason, world_size=info.world_size,
-                          flops_per_token=(self.flops_model, self.flops_hw), peak_flops=self.peak,
-                          memory=memory_summary(device), extra=extra)
-            write_json_atomic(self.run_dir / "summary.json", s)
-            if step_times:
-                print(format_summary(s), file=sys.stderr, flush=True)
-        self.metrics.close()
-        if no_quorum is not None:
-            saved = f"checkpointed at step {self.step}" if self.step > 0 else "nothing to checkpoint yet"
-            log.error("no cross-region quorum: %s; %s, exiting %d for a requeue", no_quorum, saved, EXIT_REQUEUE)
-            return EXIT_REQUEUE
-        if exit_reason == "stopped":
-            log.info("exiting %d: checkpointed at step %d, requeue me", EXIT_REQUEUE, self.step)
-            return EXIT_REQUEUE
-        return 0
+    def train_step(self) -> None:
+        """One step: the optimizer step, the cross-region round (if one is due), the previous step's
+        agreement (its record, and whether a stop was requested anywhere), this step's agreement issued,
+        the checkpoint when due. Sets ``loop.exit_reason`` when the loop ends here: "stopped" (every rank
+        stops after the same step, without this step's periodic save: :meth:`finish` saves) or "no_quorum"
+        (the round found no quorum on every rank; the model holds this step's local parameters)."""
+        loop = self.loop
+        t0 = time.perf_counter()
+        step = self.step + 1
+        lr = lr_at(self.cfg, step)
+        loss_sum, grad_norm = self._optimizer_step(step, lr)
+        self.step = step
+        self.tokens_seen += self.tokens_per_step
+        try:
+            xr_timings = self.sync.after_optimizer_step(step, self.tokens_per_step) if self.sync is not None else None
+        except XRNoQuorum as e:  # every rank raised it; the model holds this step's local parameters
+            loop.no_quorum, loop.exit_reason = e, "no_quorum"
+            return
+        if xr_timings and "xr_adopted_step" in xr_timings:  # behind the run: fast-forwarded
+            log.info("cross-region: fast-forwarded from step %d to the run's step %d", step,
+                     xr_timings["xr_adopted_step"])
+            self.step = step = min(xr_timings["xr_adopted_step"], self.end_step)
+        if loop.sleep_s:
+            time.sleep(loop.sleep_s)
+        data_s = self.batches.take_host_s()
+        ta = time.perf_counter()
+        # The previous step's agreement (issued one step ago; normally complete by now): its metrics
+        # record, and whether a stop was requested anywhere. If so, every rank stops after this step.
+        stop_now = self._read_agreement(*loop.pending) if loop.pending is not None else False
+        wait_s = time.perf_counter() - ta
+        exposed = self.comm.exposed() if self.time_allreduce else None
+        if self.device.type == "cuda":  # the host's step, up to here (it waited for the device above)
+            own_s = time.perf_counter() - t0
+        else:  # the step without the waits for other ranks this host saw
+            own_s = (ta - t0) - (exposed or 0.0)
+        in_flight = self.agreement.issue(self._agreement_row(loss_sum, grad_norm, own_s, data_s))
+        step_s = time.perf_counter() - t0
+        loop.step_times.append(step_s)
+        loop.pending = (in_flight, _StepDone(
+            step=step, lr=lr, tokens=self.tokens_seen, step_s=step_s, data_s=data_s, wait_s=wait_s,
+            ddp_span=self.comm.span() if self.time_allreduce else None, ddp_exposed=exposed,
+            xr_timings=xr_timings, ended=time.time()))
+        save_now = step % self.cfg.checkpoint.every == 0 or step == self.end_step
+        if xr_timings is not None or save_now:
+            # This step's host waits for the device anyway: a cross-region round ran (on every rank
+            # of the region: rounds are collective) or a checkpoint is due (every rank, same steps).
+            # Read its agreement now: its record is written before the round's or the checkpoint's
+            # results can outlive a crash, and a stop gathered with it takes effect at this step, on
+            # every rank alike.
+            stop_now = self._read_agreement(*loop.pending) or stop_now
+            loop.pending = None
+        if stop_now and step < self.end_step:
+            loop.exit_reason = "stopped"
+            log.info("stop requested (%s): all ranks stop after step %d", self.stop.reason(), step)
+            return
+        if save_now:
+            self.ckpt.save(step, self._state(), block=step == self.end_step)
 
-    def _finish_step(self, in_flight, done: _StepDone, last: bool = False) -> bool:
-        """Read a step's agreement (every rank, at the same step) and write its metrics record (rank 0).
+    def _optimizer_step(self, step: int, lr: float):
+        """Set the LR; forward/backward over ``grad_accum`` micro-batches (DDP all-reduces on the last
+        one); the cross-region grad-mode hook; clip; optimizer step. Returns (the micro-batch losses summed,
+        the grad norm before clipping or None without clipping), both still on the device."""
+        torch, cfg = self.torch, self.cfg
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.comm.reset()
+        accum = cfg.train.grad_accum
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        for micro in range(accum):
+            x, y = self.batches.next()
+            skip_sync = self.use_ddp and micro < accum - 1
+            with (self.no_sync() if skip_sync else contextlib.nullcontext()), self.autocast:
+                loss = self.ddp(x, y)
+            (loss / accum).backward()
+            loss_sum += loss.detach()
+            self.batches.prefetch()  # the next micro-batch, while the device runs this backward
+        if self.sync is not None:
+            self.sync.before_optimizer_step(step, self.tokens_per_step)
+        grad_norm = None
+        if cfg.optim.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, grad_norm
+
+    def _agreement_row(self, loss_sum, grad_norm, own_s: float, data_s: float):
+        """This rank's row of :attr:`_Agreement.FIELDS` for the step just taken, on the device."""
+        torch, device = self.torch, self.device
+        host_row = torch.tensor([float(self.stop.local()), own_s, data_s, float(self.ckpt.finished_step())],
+                                dtype=torch.float64)
+        return torch.cat([
+            (loss_sum / self.cfg.train.grad_accum).to(torch.float64).reshape(1),
+            host_row.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host_row,
+            grad_norm.detach().to(torch.float64).reshape(1) if grad_norm is not None else self.nan,
+        ])
+
+    def _read_agreement(self, in_flight, done: _StepDone, last: bool = False) -> bool:
+        """Read a step's agreement (every rank, at the same step): mark a background save some rank saw
+        finish as complete (every rank together), and have rank 0 :meth:`record` the step when it is due.
         Returns whether any rank had asked to stop when it gathered."""
-        from .metrics import memory_record, utilization
-
+        loop = self.loop
         every = self.agreement.read(in_flight)
-        if self.first_step_done is None:
+        if loop.first_step_done is None:
             # CPU: the step was done when its iteration ended; CUDA: the host learns it only now (this
             # read waited for the device to finish that step, and no longer).
-            self.first_step_done = done.ended if self.device.type == "cpu" else time.time()
+            loop.first_step_done = done.ended if self.device.type == "cpu" else time.time()
         col = {name: every[:, i] for i, name in enumerate(_Agreement.FIELDS)}
         stop = bool(col["stop"].sum().item() > 0)
         # a background save some rank saw finish: every rank marks it complete (or fails) here, together
         ckpt_done = self.ckpt.collect(int(col["saved"].max().item()))
-        step, cfg, info = done.step, self.cfg, self.info
-        if not info.is_main or not (step % cfg.train.log_every == 0 or step == self.end_step or stop or last
-                                    or done.xr_timings or step == self.first_step):
-            return stop
+        step = done.step
+        due = (step % self.cfg.train.log_every == 0 or step == self.end_step or stop or last
+               or done.xr_timings or step == loop.first_step)
+        if self.info.is_main and due:
+            self.record(done, col, ckpt_done)
+        return stop
+
+    def record(self, done: _StepDone, col: dict, ckpt_done) -> None:
+        """rank 0: a step's metrics record (metrics.jsonl) and its log line, from the gathered rows
+        ``col`` (one column per :attr:`_Agreement.FIELDS`, one entry per rank)."""
+        from .metrics import memory_record, utilization
+
+        cfg, info = self.cfg, self.info
         loss = float(col["loss"].mean().item())
         tok_s = self.tokens_per_step / done.step_s
         mfu = utilization(tok_s, info.world_size, self.flops_model, self.peak)
@@ -766,7 +760,7 @@ class Trainer:
         cpu = self.device.type == "cpu"
         comm = None if (done.ddp_span is None and not cpu) else (done.ddp_span or 0.0) + (done.wait_s if cpu else 0.0)
         rec = {
-            "step": step,
+            "step": done.step,
             "loss": loss,
             "lr": done.lr,
             "tokens": done.tokens,
@@ -793,18 +787,99 @@ class Trainer:
         if done.xr_timings:
             rec.update(done.xr_timings)
         self.metrics.write(rec)
-        log.info("step %d loss %.4f lr %.3g %.0f tok/s step %.3fs data %.3fs%s%s", step, loss, done.lr, tok_s,
+        log.info("step %d loss %.4f lr %.3g %.0f tok/s step %.3fs data %.3fs%s%s", done.step, loss, done.lr, tok_s,
                  done.step_s, done.data_s, f" comm {comm:.3f}s" if comm is not None else "",
                  f" mfu {mfu:.3f}" if mfu is not None else "")
-        return stop
+
+    # -- the end
+    def finish(self) -> int:
+        """The end, on every rank alike: the last step's record (always written), then either the hand-off
+        (stopped, or no quorum: :meth:`_hand_off`) or the completion (:meth:`_complete`), the summary
+        (rank 0), and the exit code: 0, or EXIT_REQUEUE after a stop or without a quorum."""
+        loop = self.loop
+        if loop.pending is not None:  # the last step's agreement: its record (always logged)
+            self._read_agreement(*loop.pending, last=True)
+            loop.pending = None
+        if loop.exit_reason is None:
+            self._complete()
+        else:
+            self._hand_off()
+        self.ckpt.close()
+        self._barrier()
+        if self.info.is_main:
+            self._write_summary()
+        self.metrics.close()
+        return self._exit_code()
+
+    def _hand_off(self) -> None:
+        """Stopped or no quorum: leave the cross-region run (the other regions stop waiting for this one),
+        a complete checkpoint of where we are (a fresh start that found no theta0 has nothing to save), and
+        rank 0 acks the stop file for the launcher. Without a quorum rank 0 creates the stop file first: a
+        restart by torchrun must not wait for a quorum again."""
+        no_quorum = self.loop.no_quorum
+        if self.sync is not None:
+            self.sync.leave(self.step, "no quorum" if no_quorum else self.stop.reason())
+        res = self.ckpt.save(self.step, self._state(), block=True) if self.step > 0 else None
+        if self.info.is_main and self.stop.stop_file is not None:
+            if no_quorum is not None:
+                self.stop.stop_file.parent.mkdir(parents=True, exist_ok=True)
+                self.stop.stop_file.touch()
+            reason = "no quorum" if no_quorum is not None else self.stop.reason()
+            ack = write_ack(self.stop.stop_file, self.step, res.path if res else None, reason)
+            log.info("wrote %s", ack)
+
+    def _complete(self) -> None:
+        """The end step (or the end of a run this region joined late): leave the cross-region run, the
+        last step checkpointed (unless its periodic save was it), model.safetensors exported (rank 0)."""
+        if self.sync is not None and self.step >= self.end_step:
+            self.sync.leave(self.step, "finished")
+        self.ckpt.close()
+        last = self.ckpt.last_saved
+        if self.step > 0 and (last is None or last.step != self.step):
+            self.ckpt.save(self.step, self._state(), block=True)
+        if self.info.is_main and self.cfg.checkpoint.export_safetensors and self.step > 0:
+            self._export()
+
+    def _write_summary(self) -> None:
+        """rank 0: summary.json, and the summary table on stderr when this process trained a step."""
+        from .metrics import format_summary, memory_summary, summarize, write_json_atomic
+
+        loop, info, device = self.loop, self.info, self.device
+        exit_reason = loop.exit_reason or "completed"
+        extra = {"model_flops_per_token": self.flops_model, "hardware_flops_per_token": self.flops_hw,
+                 "device": str(device), "region": self.xr.region,
+                 "stop_reason": self.stop.reason() if exit_reason == "stopped" else None}
+        s = summarize(step_times=loop.step_times, tokens_per_step=self.tokens_per_step, first_step=loop.first_step,
+                      last_step=self.step, resumed_from=loop.resumed_from, process_start=self.process_start,
+                      first_step_done=loop.first_step_done, checkpoint_save_s=self.ckpt.save_times,
+                      load_s=loop.load_s, exit_reason=exit_reason, world_size=info.world_size,
+                      flops_per_token=(self.flops_model, self.flops_hw), peak_flops=self.peak,
+                      memory=memory_summary(device), extra=extra)
+        write_json_atomic(self.run_dir / "summary.json", s)
+        if loop.step_times:
+            print(format_summary(s), file=sys.stderr, flush=True)
+
+    def _exit_code(self) -> int:
+        """0 when completed; EXIT_REQUEUE (with one line saying why) after a stop or without a quorum."""
+        loop = self.loop
+        if loop.no_quorum is not None:
+            saved = f"checkpointed at step {self.step}" if self.step > 0 else "nothing to checkpoint yet"
+            log.error("no cross-region quorum: %s; %s, exiting %d for a requeue", loop.no_quorum, saved,
+                      EXIT_REQUEUE)
+            return EXIT_REQUEUE
+        if loop.exit_reason == "stopped":
+            log.info("exiting %d: checkpointed at step %d, requeue me", EXIT_REQUEUE, self.step)
+            return EXIT_REQUEUE
+        return 0
 
     def _export(self) -> None:
         from safetensors.torch import save_file
 
+        from ..fsutil import atomic_path
+
         out = self.run_dir / "model.safetensors"
         tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in self.model.state_dict().items()}
         meta = {"step": str(self.step), "model": json.dumps(self.cfg.model.model_dump(), sort_keys=True)}
-        tmp = out.with_name(f".{out.name}.tmp")
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, out)
+        with atomic_path(out, fsync=False) as tmp:
+            save_file(tensors, str(tmp), metadata=meta)
         log.info("exported %d tensors to %s", len(tensors), out)

@@ -12,13 +12,15 @@ import pytest
 
 from sbatch_gen.train.checkpoint import MARKER, check_complete, step_dir
 from sbatch_gen.train.cli import parse_args
+from sbatch_gen.train.spec import RunSpec
 from sbatch_gen.train.trainer import run
 
 from .conftest import losses, read_metrics, same_weights, write_config
 
 
 def _train(cfg, run_dir, data_dir, *extra) -> int:
-    return run(parse_args(["--config", str(cfg), "--run-dir", str(run_dir), "--data-path", str(data_dir), *extra]))
+    args = parse_args(["--config", str(cfg), "--run-dir", str(run_dir), "--data-path", str(data_dir), *extra])
+    return run(RunSpec.from_args(args))
 
 
 _TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
