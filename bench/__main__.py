@@ -36,8 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="results directory (default: bench/results)")
     ap.add_argument("--server", choices=["nanio", "moto"], default="nanio", help="S3 server for `mailbox`")
     ap.add_argument("--no-wan", action="store_true", help="mailbox: skip the emulated WAN")
-    ap.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=None,
-                    help="mailbox: parameter sizes in MiB, e.g. 16,64 (default: 16,64,256,1024; WAN 16,64,256)")
+    ap.add_argument(
+        "--sizes",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=None,
+        help="mailbox: parameter sizes in MiB, e.g. 16,64 (default: 16,64,256,1024; WAN 16,64,256)",
+    )
     ap.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     a = ap.parse_args(argv)
     if a.list:
@@ -86,11 +90,21 @@ def _summary(out: Path) -> None:
         for k, v in d.get("headline", {}).items():
             rows.append([f"[{n}]({n}.md)", k, v, when])
         for g in d.get("goals", []):
-            goals.append([f"[{n}]({n}.md)", g["goal"], g["measured"],
-                          "-" if g["met"] is None else ("yes" if g["met"] else "NO")])
-    text = ["# Benchmark results", "",
-            f"Summary written {now_utc()} on {machine()}. Each benchmark's page has its setup, tables and plots. "
-            "Reproduce everything with `make bench` (or `python -m bench NAME`).", ""]
+            goals.append(
+                [
+                    f"[{n}]({n}.md)",
+                    g["goal"],
+                    g["measured"],
+                    "-" if g["met"] is None else ("yes" if g["met"] else "NO"),
+                ]
+            )
+    text = [
+        "# Benchmark results",
+        "",
+        f"Summary written {now_utc()} on {machine()}. Each benchmark's page has its setup, tables and plots. "
+        "Reproduce everything with `make bench` (or `python -m bench NAME`).",
+        "",
+    ]
     if goals:
         text += ["## Goals", "", md_table(["bench", "goal", "measured", "met"], goals), ""]
     if rows:

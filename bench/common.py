@@ -103,16 +103,26 @@ class Result:
         self.goals.append((text, measured, met))
 
     def markdown(self) -> str:
-        lines = [f"# {self.title}", "",
-                 f"Measured {now_utc()} on {machine()}; {'--quick (tiny sizes, for tests)' if self.quick else 'full run'}; "
-                 f"took {time.time() - self.started:.0f} s. Reproduce: `python -m bench {self.name}"
-                 f"{' --quick' if self.quick else ''}`.", ""]
+        lines = [
+            f"# {self.title}",
+            "",
+            f"Measured {now_utc()} on {machine()}; {'--quick (tiny sizes, for tests)' if self.quick else 'full run'}; "
+            f"took {time.time() - self.started:.0f} s. Reproduce: `python -m bench {self.name}"
+            f"{' --quick' if self.quick else ''}`.",
+            "",
+        ]
         if self.setup:
             lines += ["## Setup", ""] + [f"- {s}" for s in self.setup] + [""]
         if self.goals:
-            lines += ["## Goals", "", md_table(["goal", "measured", "met"],
-                                               [[g, m, "-" if ok is None else ("yes" if ok else "NO")]
-                                                for g, m, ok in self.goals]), ""]
+            lines += [
+                "## Goals",
+                "",
+                md_table(
+                    ["goal", "measured", "met"],
+                    [[g, m, "-" if ok is None else ("yes" if ok else "NO")] for g, m, ok in self.goals],
+                ),
+                "",
+            ]
         for t in self.tables:
             lines += [f"## {t.caption}", "", md_table(t.headers, t.rows), ""]
         for fname, cap in self.plots:
@@ -123,8 +133,12 @@ class Result:
 
     def to_json(self) -> dict:
         return {
-            "name": self.name, "title": self.title, "quick": self.quick, "date": now_utc(),
-            "machine": machine(), "seconds": round(time.time() - self.started, 1),
+            "name": self.name,
+            "title": self.title,
+            "quick": self.quick,
+            "date": now_utc(),
+            "machine": machine(),
+            "seconds": round(time.time() - self.started, 1),
             "headline": self.headline,
             "goals": [{"goal": g, "measured": m, "met": ok} for g, m, ok in self.goals],
             "tables": {t.key or t.caption: {"headers": t.headers, "rows": t.rows} for t in self.tables},
@@ -133,8 +147,11 @@ class Result:
     def write(self, out_dir: Path) -> Path:
         md = out_dir / f"{self.name}.md"
         out_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(out_dir / f"{self.name}.json", json.dumps(self.to_json(), indent=1, default=str) + "\n",
-                     fsync=False)
+        write_atomic(
+            out_dir / f"{self.name}.json",
+            json.dumps(self.to_json(), indent=1, default=str) + "\n",
+            fsync=False,
+        )
         write_atomic(md, self.markdown(), fsync=False)
         return md
 
@@ -157,12 +174,20 @@ def save_fig(fig, path: Path) -> None:
     p.close(fig)
 
 
-def run(cmd: list[str], *, env: dict | None = None, timeout: float = 600, cwd: Path | None = None,
-        check: bool = True) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str],
+    *,
+    env: dict | None = None,
+    timeout: float = 600,
+    cwd: Path | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
     p = subprocess.run(cmd, env=env, timeout=timeout, cwd=cwd, capture_output=True, text=True)
     if check and p.returncode != 0:
-        raise RuntimeError(f"command failed ({p.returncode}): {' '.join(map(str, cmd))}\n"
-                           f"stdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}")
+        raise RuntimeError(
+            f"command failed ({p.returncode}): {' '.join(map(str, cmd))}\n"
+            f"stdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
+        )
     return p
 
 

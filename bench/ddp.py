@@ -35,10 +35,16 @@ def run(out_dir: Path, quick: bool = False) -> Result:
     work = Path(tempfile.mkdtemp(prefix="sbgen-bench-ddp-"))
     try:
         cfg = write_config(work / "ddp.yaml", steps=steps, data_dir=work / "data")
+
         def one(nproc: int, name: str, env: dict | None = None) -> list[dict]:
             rd = work / name
-            torchrun("bench.straggler", nproc, ["--config", str(cfg), "--run-dir", str(rd), "--resume", "none"],
-                     env_extra=env, log=work / f"{name}.log")
+            torchrun(
+                "bench.straggler",
+                nproc,
+                ["--config", str(cfg), "--run-dir", str(rd), "--resume", "none"],
+                env_extra=env,
+                log=work / f"{name}.log",
+            )
             recs = read_metrics(rd)
             return recs[SKIP:] if len(recs) > SKIP + 1 else recs
 
@@ -60,16 +66,30 @@ def run(out_dir: Path, quick: bool = False) -> Result:
             print(f"  ddp: {w} rank(s)", flush=True)
             scaling.append(scaling_row(w, one(w, f"w{w}")))
         scaling.sort(key=lambda r: r[0])
-        res.table("Compute vs all-reduce (same per-rank batch; median over steps)",
-                  ["ranks", "step s", "all-reduce span s", "all-reduce share", "data s", "steps measured"],
-                  scaling, "scaling")
+        res.table(
+            "Compute vs all-reduce (same per-rank batch; median over steps)",
+            ["ranks", "step s", "all-reduce span s", "all-reduce share", "data s", "steps measured"],
+            scaling,
+            "scaling",
+        )
         slope, icpt = _fit([s[0] for s in strag], [s[1] for s in strag])
-        res.table("Step time vs an injected straggler delay on rank 1 (2 ranks)",
-                  ["delay s (rank 1)", "step time s (rank 0)", "rank 1's own time to the collective s",
-                   "slowest rank reported"], strag, "straggler")
+        res.table(
+            "Step time vs an injected straggler delay on rank 1 (2 ranks)",
+            [
+                "delay s (rank 1)",
+                "step time s (rank 0)",
+                "rank 1's own time to the collective s",
+                "slowest rank reported",
+            ],
+            strag,
+            "straggler",
+        )
         res.table("Fit: step time = slope x delay + base", ["slope", "base s"], [[slope, icpt]], "fit")
-        res.goal("straggler slope ~ 1 (every rank waits for the slowest)", f"{slope:.2f}",
-                 None if quick else 0.8 <= slope <= 1.2)
+        res.goal(
+            "straggler slope ~ 1 (every rank waits for the slowest)",
+            f"{slope:.2f}",
+            None if quick else 0.8 <= slope <= 1.2,
+        )
         res.headline["straggler slope (step time per second of delay)"] = f"{slope:.2f}"
         two = [r for r in scaling if r[0] == 2]
         res.headline["all-reduce share of a step at 2 ranks"] = two[0][3]

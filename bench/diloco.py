@@ -24,10 +24,27 @@ REGIONS = ["a", "b"]
 def _run_variant(work: Path, cfg: Path, name: str, sync: str, h: int, timeout: float) -> dict:
     runs = []
     for region in REGIONS:
-        xr = CrossRegion(enabled=True, run_id=f"bench-{name}", region=region, regions=REGIONS, sync=sync,
-                         inner_steps=h, transport=FsTransport(root=str(work / f"mailbox-{name}")), timeout_s=600)
-        runs.append(launch_region(xr, config=cfg, run_dir=work / name / region, data_path=work / "data", nproc=1,
-                                  resume="none", log_dir=work / name / "logs"))
+        xr = CrossRegion(
+            enabled=True,
+            run_id=f"bench-{name}",
+            region=region,
+            regions=REGIONS,
+            sync=sync,
+            inner_steps=h,
+            transport=FsTransport(root=str(work / f"mailbox-{name}")),
+            timeout_s=600,
+        )
+        runs.append(
+            launch_region(
+                xr,
+                config=cfg,
+                run_dir=work / name / region,
+                data_path=work / "data",
+                nproc=1,
+                resume="none",
+                log_dir=work / name / "logs",
+            )
+        )
     for r in runs:
         rcs = r.wait(timeout)
         if any(rcs):
@@ -51,9 +68,19 @@ def _run_variant(work: Path, cfg: Path, name: str, sync: str, h: int, timeout: f
     sent = sum(x.get("xr_bytes_up", 0) for recs in per.values() for x in recs if "xr_round" in x)
     last = loss[-10:]
     step_time = sum(x["step_time_s"] for x in per["a"])
-    return {"name": name, "steps": steps, "loss": loss, "tokens": tokens, "bytes": cum, "bytes_total": total,
-            "bytes_sent": sent, "sync_s": sync_s, "rounds": nrounds, "final_loss": sum(last) / len(last),
-            "train_s": step_time}
+    return {
+        "name": name,
+        "steps": steps,
+        "loss": loss,
+        "tokens": tokens,
+        "bytes": cum,
+        "bytes_total": total,
+        "bytes_sent": sent,
+        "sync_s": sync_s,
+        "rounds": nrounds,
+        "final_loss": sum(last) / len(last),
+        "train_s": step_time,
+    }
 
 
 def run(out_dir: Path, quick: bool = False) -> Result:
@@ -63,8 +90,15 @@ def run(out_dir: Path, quick: bool = False) -> Result:
     work = Path(tempfile.mkdtemp(prefix="sbgen-bench-diloco-"))
     variants = []
     try:
-        cfg = write_config(work / "diloco.yaml", steps=steps, data_dir=work / "data", seq_len=64, batch_size=8,
-                           log_every=1, warmup=10)
+        cfg = write_config(
+            work / "diloco.yaml",
+            steps=steps,
+            data_dir=work / "data",
+            seq_len=64,
+            batch_size=8,
+            log_every=1,
+            warmup=10,
+        )
         plan = [("grad (every step)", "grad", 1)] + [(f"DiLoCo H={h}", "diloco", h) for h in hs]
         for name, sync, h in plan:
             print(f"  diloco: {name}", flush=True)
@@ -77,13 +111,35 @@ def run(out_dir: Path, quick: bool = False) -> Result:
     grad = variants[0]
     rows = []
     for v in variants:
-        rows.append([v["label"], v["rounds"], v["final_loss"], v["bytes_total"] / 1e6, v["bytes_sent"] / 1e6,
-                     f"{grad['bytes_total'] / v['bytes_total']:.0f}x" if v["bytes_total"] else "-",
-                     v["sync_s"], v["train_s"], f"{v['sync_s'] / v['train_s']:.0%}"])
-    res.table("Same tokens, 2 regions", ["variant", "sync rounds", "final loss (mean of last 10 steps)",
-                                         "MB moved (up+down, both regions)", "MB sent (uploads)",
-                                         "bytes vs grad", "time in sync s", "region a train time s",
-                                         "sync share"], rows, "variants")
+        rows.append(
+            [
+                v["label"],
+                v["rounds"],
+                v["final_loss"],
+                v["bytes_total"] / 1e6,
+                v["bytes_sent"] / 1e6,
+                f"{grad['bytes_total'] / v['bytes_total']:.0f}x" if v["bytes_total"] else "-",
+                v["sync_s"],
+                v["train_s"],
+                f"{v['sync_s'] / v['train_s']:.0%}",
+            ]
+        )
+    res.table(
+        "Same tokens, 2 regions",
+        [
+            "variant",
+            "sync rounds",
+            "final loss (mean of last 10 steps)",
+            "MB moved (up+down, both regions)",
+            "MB sent (uploads)",
+            "bytes vs grad",
+            "time in sync s",
+            "region a train time s",
+            "sync share",
+        ],
+        rows,
+        "variants",
+    )
     tok = variants[0]["tokens"][-1]
     res.setup += [
         f"2 regions x 1 process (torchrun, gloo, CPU), each its own data shard; a 2-layer width-128 GPT, "
@@ -97,7 +153,8 @@ def run(out_dir: Path, quick: bool = False) -> Result:
     ]
     for v in variants[1:]:
         res.headline[f"{v['label']}: bytes vs grad, final loss (grad {grad['final_loss']:.3f})"] = (
-            f"{grad['bytes_total'] / max(1, v['bytes_total']):.0f}x fewer, {v['final_loss']:.3f}")
+            f"{grad['bytes_total'] / max(1, v['bytes_total']):.0f}x fewer, {v['final_loss']:.3f}"
+        )
     _plot(res, out_dir, variants)
     return res
 

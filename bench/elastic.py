@@ -57,7 +57,9 @@ class Sizes:
     q_alone: bool  # also a 1-region run (b absent from every round)
     q_end: int  # also b leaving for good this many rounds before the end (0: skip)
     q_withhold: int  # control: b stays but publishes nothing in this many rounds from q_first+1 (0: skip)
-    q_seeds: tuple[int, ...]  # always present, ~25% away and the control run once per seed (the rest: the first)
+    q_seeds: tuple[
+        int, ...
+    ]  # always present, ~25% away and the control run once per seed (the rest: the first)
     q_model: dict
     q_batch: int
     q_eval_windows: int
@@ -81,25 +83,77 @@ class Sizes:
 
 
 FULL = Sizes(
-    q_steps=600, q_h=30, q_first=5, q_absent=(0, 5, 10), q_alone=True, q_end=5, q_withhold=5, q_seeds=(1234, 99),
-    q_model={"n_layers": 2, "d_model": 128, "n_heads": 4, "seq_len": 64}, q_batch=8, q_eval_windows=1024,
-    g_steps=360, g_h=20, g_sleep_s=0.2, g_leave_round=4, g_away_s=22.0, g_grace_s=2.7, g_heartbeat_s=0.45, g_no_heartbeat=True,
-    g_stop=True, g_baseline=True,
-    g_strict_timeout_s=20.0, g_ckpt_every=60, g_snapshot_every=5, g_keep_rounds=4,
-    g_model={"n_layers": 1, "d_model": 64, "n_heads": 2, "seq_len": 32}, g_batch=4,
+    q_steps=600,
+    q_h=30,
+    q_first=5,
+    q_absent=(0, 5, 10),
+    q_alone=True,
+    q_end=5,
+    q_withhold=5,
+    q_seeds=(1234, 99),
+    q_model={"n_layers": 2, "d_model": 128, "n_heads": 4, "seq_len": 64},
+    q_batch=8,
+    q_eval_windows=1024,
+    g_steps=360,
+    g_h=20,
+    g_sleep_s=0.2,
+    g_leave_round=4,
+    g_away_s=22.0,
+    g_grace_s=2.7,
+    g_heartbeat_s=0.45,
+    g_no_heartbeat=True,
+    g_stop=True,
+    g_baseline=True,
+    g_strict_timeout_s=20.0,
+    g_ckpt_every=60,
+    g_snapshot_every=5,
+    g_keep_rounds=4,
+    g_model={"n_layers": 1, "d_model": 64, "n_heads": 2, "seq_len": 32},
+    g_batch=4,
 )
 QUICK = Sizes(
-    q_steps=12, q_h=2, q_first=1, q_absent=(0, 3), q_alone=False, q_end=0, q_withhold=2, q_seeds=(1234,),
-    q_model={"n_layers": 1, "d_model": 32, "n_heads": 2, "seq_len": 16}, q_batch=2, q_eval_windows=32,
-    g_steps=40, g_h=4, g_sleep_s=0.05, g_leave_round=2, g_away_s=2.0, g_grace_s=0.5, g_heartbeat_s=0.1, g_no_heartbeat=False,
-    g_stop=False, g_baseline=False,
-    g_strict_timeout_s=30.0, g_ckpt_every=4, g_snapshot_every=2, g_keep_rounds=1,
-    g_model={"n_layers": 1, "d_model": 32, "n_heads": 2, "seq_len": 16}, g_batch=2,
+    q_steps=12,
+    q_h=2,
+    q_first=1,
+    q_absent=(0, 3),
+    q_alone=False,
+    q_end=0,
+    q_withhold=2,
+    q_seeds=(1234,),
+    q_model={"n_layers": 1, "d_model": 32, "n_heads": 2, "seq_len": 16},
+    q_batch=2,
+    q_eval_windows=32,
+    g_steps=40,
+    g_h=4,
+    g_sleep_s=0.05,
+    g_leave_round=2,
+    g_away_s=2.0,
+    g_grace_s=0.5,
+    g_heartbeat_s=0.1,
+    g_no_heartbeat=False,
+    g_stop=False,
+    g_baseline=False,
+    g_strict_timeout_s=30.0,
+    g_ckpt_every=4,
+    g_snapshot_every=2,
+    g_keep_rounds=1,
+    g_model={"n_layers": 1, "d_model": 32, "n_heads": 2, "seq_len": 16},
+    g_batch=2,
 )
 
 
-def _config(path: Path, *, steps: int, model: dict, batch: int, data_dir: Path, ckpt_every: int,
-            warmup: int, lr: float = 2e-3, seed: int = 1234) -> Path:
+def _config(
+    path: Path,
+    *,
+    steps: int,
+    model: dict,
+    batch: int,
+    data_dir: Path,
+    ckpt_every: int,
+    warmup: int,
+    lr: float = 2e-3,
+    seed: int = 1234,
+) -> Path:
     cfg = {
         "model": {**model, "dropout": 0.0},
         "data": {"path": str(data_dir), "source": "python-stdlib", "max_bytes": DATA_BYTES},
@@ -112,14 +166,37 @@ def _config(path: Path, *, steps: int, model: dict, batch: int, data_dir: Path, 
     return path
 
 
-def _launch(xr: CrossRegion, *, config: Path, run_dir: Path, data: Path, resume: str, log_dir: Path,
-            max_steps: int | None = None, env: dict | None = None, extra: list[str] | None = None) -> RegionRun:
+def _launch(
+    xr: CrossRegion,
+    *,
+    config: Path,
+    run_dir: Path,
+    data: Path,
+    resume: str,
+    log_dir: Path,
+    max_steps: int | None = None,
+    env: dict | None = None,
+    extra: list[str] | None = None,
+) -> RegionRun:
     """One region = one trainer process (``python -m sbatch_gen.train``, not under torchrun: a 1-process region
     needs no agent, and leaving it out halves every start-up on 2 cores). Killed by PID (RegionRun.kill)."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [PY, "-m", "sbatch_gen.train", "--config", str(config), "--run-dir", str(run_dir), "--resume", resume,
-           "--data-path", str(data), *(["--max-steps", str(max_steps)] if max_steps is not None else []),
-           *to_argv(xr), *(extra or [])]
+    cmd = [
+        PY,
+        "-m",
+        "sbatch_gen.train",
+        "--config",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+        "--resume",
+        resume,
+        "--data-path",
+        str(data),
+        *(["--max-steps", str(max_steps)] if max_steps is not None else []),
+        *to_argv(xr),
+        *(extra or []),
+    ]
     log = log_dir / f"{xr.region}.log"
     e = clean_env(env)
     e["PYTHONPATH"] = str(REPO)
@@ -187,8 +264,9 @@ class _Watch:
                     self.seen.append((now, rec))
 
 
-def _goodput_variant(work: Path, data: Path, cfg: Path, sz: Sizes, mode: str, grace_s: float,
-                     heartbeat_s: float | None) -> dict:
+def _goodput_variant(
+    work: Path, data: Path, cfg: Path, sz: Sizes, mode: str, grace_s: float, heartbeat_s: float | None
+) -> dict:
     """mode: none (b stays), crash | stop (elastic, min_regions 1), or strict (min_regions all, b crashes)."""
     name = f"g-{mode}-{grace_s:g}-{heartbeat_s or 0:g}".replace(".", "_")
     root = work / name
@@ -198,15 +276,35 @@ def _goodput_variant(work: Path, data: Path, cfg: Path, sz: Sizes, mode: str, gr
     env = {"SBATCH_GEN_STEP_SLEEP_S": repr(sz.g_sleep_s)}
 
     def launch(region: str, resume: str) -> RegionRun:
-        xr = CrossRegion(enabled=True, run_id=name, region=region, regions=REGIONS, sync="diloco",
-                         inner_steps=sz.g_h, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
-                         transport=FsTransport(root=str(root / "mailbox")), threads=4,
-                         min_regions="all" if strict else 1, grace_s=grace_s, heartbeat_s=heartbeat_s,
-                         timeout_s=sz.g_strict_timeout_s if strict else 600,
-                         snapshot_every=sz.g_snapshot_every, keep_rounds=sz.g_keep_rounds)
+        xr = CrossRegion(
+            enabled=True,
+            run_id=name,
+            region=region,
+            regions=REGIONS,
+            sync="diloco",
+            inner_steps=sz.g_h,
+            outer_lr=OUTER_LR,
+            outer_momentum=OUTER_MOMENTUM,
+            transport=FsTransport(root=str(root / "mailbox")),
+            threads=4,
+            min_regions="all" if strict else 1,
+            grace_s=grace_s,
+            heartbeat_s=heartbeat_s,
+            timeout_s=sz.g_strict_timeout_s if strict else 600,
+            snapshot_every=sz.g_snapshot_every,
+            keep_rounds=sz.g_keep_rounds,
+        )
         extra = ["--stop-file", str(stop)] if (region == "b" and mode == "stop") else []
-        return _launch(xr, config=cfg, run_dir=root / region, data=data, resume=resume, env=env,
-                       log_dir=root / "logs", extra=extra)
+        return _launch(
+            xr,
+            config=cfg,
+            run_dir=root / region,
+            data=data,
+            resume=resume,
+            env=env,
+            log_dir=root / "logs",
+            extra=extra,
+        )
 
     a, b = launch("a", "none"), launch("b", "none")
     started = [a, b]
@@ -223,7 +321,9 @@ def _goodput_variant(work: Path, data: Path, cfg: Path, sz: Sizes, mode: str, gr
             while not commit.exists():
                 for r in (a, b):
                     if r.poll()[0] is not None:
-                        raise RuntimeError(f"{name}: {r.region} exited before round {sz.g_leave_round}:\n{r.tail()}")
+                        raise RuntimeError(
+                            f"{name}: {r.region} exited before round {sz.g_leave_round}:\n{r.tail()}"
+                        )
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{name}: round {sz.g_leave_round} never committed")
                 watch.poll()
@@ -270,8 +370,9 @@ def _goodput_variant(work: Path, data: Path, cfg: Path, sz: Sizes, mode: str, gr
                     raise RuntimeError(f"{name}: {region} exited {rc} ({ex}):\n{r.tail()}")
             if not live:
                 if not back:
-                    raise RuntimeError(f"{name}: a finished before b was restarted: lengthen the run or "
-                                       "shorten away_s")
+                    raise RuntimeError(
+                        f"{name}: a finished before b was restarted: lengthen the run or shorten away_s"
+                    )
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{name}: the regions did not finish in {TIMEOUT} s")
@@ -287,10 +388,17 @@ def _goodput_variant(work: Path, data: Path, cfg: Path, sz: Sizes, mode: str, gr
     rejoin = [r["time"] for r in b_recs if r.get("event") == "xr_rejoin" and r["time"] > t_gone]
     if rejoin:  # b's own record of its fast-forward (its presence says "joined" right after)
         t_joined = rejoin[0]
-    g.update(mode=mode, grace_s=grace_s, heartbeat_s=heartbeat_s, requeues=(attempts["a"] - 1, attempts["b"] - 1),
-             away_s=t_joined - t_gone, gone_at=t_gone - g["t0"], restart_at=t_back - g["t0"],
-             back_at=t_joined - g["t0"],
-             b_late=sum(1 for r in b_rounds if r.get("xr_late") and r["xr_round"] > sz.g_leave_round))
+    g.update(
+        mode=mode,
+        grace_s=grace_s,
+        heartbeat_s=heartbeat_s,
+        requeues=(attempts["a"] - 1, attempts["b"] - 1),
+        away_s=t_joined - t_gone,
+        gone_at=t_gone - g["t0"],
+        restart_at=t_back - g["t0"],
+        back_at=t_joined - g["t0"],
+        b_late=sum(1 for r in b_rounds if r.get("xr_late") and r["xr_round"] > sz.g_leave_round),
+    )
     g["away_share"] = g["away_s"] / g["wall_s"]
     return g
 
@@ -311,9 +419,17 @@ def _goodput_stats(root: Path, name: str, recs: list[dict], watch: _Watch) -> di
     waits = [r["xr_wait_s"] for r in missed]
     nan = float("nan")
     return {
-        "t0": t0, "wall_s": wall, "step_s": step_s, "wait_s": wait_s, "train_s": step_s - wait_s,
-        "outside_s": wall - step_s, "goodput": (step_s - wait_s) / wall, "rounds": len(rounds), "missed": len(missed),
-        "missed_wait_s": sum(waits), "wait_max": max(waits) if waits else nan,
+        "t0": t0,
+        "wall_s": wall,
+        "step_s": step_s,
+        "wait_s": wait_s,
+        "train_s": step_s - wait_s,
+        "outside_s": wall - step_s,
+        "goodput": (step_s - wait_s) / wall,
+        "rounds": len(rounds),
+        "missed": len(missed),
+        "missed_wait_s": sum(waits),
+        "wait_max": max(waits) if waits else nan,
         "wait_median": statistics.median(waits) if waits else nan,
         "steps": len(steps),
         "timeline": [(t - t0, r["step"]) for t, r in watch.seen],
@@ -338,12 +454,22 @@ def _round_times(steps: list[dict]) -> list[float]:
 # Part 3: quality with b absent from a share of the rounds
 
 
-Q_GRACE_S = 60.0  # quality runs: a returning b that has joined is always waited for (rounds never close on time)
+Q_GRACE_S = (
+    60.0  # quality runs: a returning b that has joined is always waited for (rounds never close on time)
+)
 Q_WITHHOLD_GRACE_S = 2.0  # the control: a closes the rounds b withholds after this (b is there, just silent)
 
 
-def _quality_variant(work: Path, data: Path, cfg: Path, sz: Sizes, absent: int | None, at_end: bool = False,
-                     seed: int = 0, withhold: bool = False) -> dict:
+def _quality_variant(
+    work: Path,
+    data: Path,
+    cfg: Path,
+    sz: Sizes,
+    absent: int | None,
+    at_end: bool = False,
+    seed: int = 0,
+    withhold: bool = False,
+) -> dict:
     """absent: rounds b is to miss from round q_first+1 on, or None for a 1-region run of a; ``at_end``: b
     misses the last ``absent`` rounds instead (it leaves for good, no return); ``withhold``: the control, b
     stays in the run and trains every step but publishes nothing in those rounds
@@ -356,7 +482,11 @@ def _quality_variant(work: Path, data: Path, cfg: Path, sz: Sizes, absent: int |
     q_first+absent: then it fast-forwards to the run's step, finishes that round with a, and takes part
     from the next. Which round it first takes part in depends on its start-up time (+-1 round); the rounds
     it really missed are read from a's metrics."""
-    name = "q-alone" if absent is None else f"q-{'end-' if at_end else ''}{'withhold-' if withhold else ''}{absent}"
+    name = (
+        "q-alone"
+        if absent is None
+        else f"q-{'end-' if at_end else ''}{'withhold-' if withhold else ''}{absent}"
+    )
     name += f"-s{seed}" if seed else ""
     root = work / name
     h = sz.q_h
@@ -364,20 +494,39 @@ def _quality_variant(work: Path, data: Path, cfg: Path, sz: Sizes, absent: int |
     regions = ["a"] if absent is None else REGIONS
 
     def launch(region: str, max_steps: int | None = None, resume: str = "none") -> RegionRun:
-        xr = CrossRegion(enabled=True, run_id=name, region=region, regions=regions, sync="diloco", inner_steps=h,
-                         outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
-                         transport=FsTransport(root=str(root / "mailbox")), threads=4,
-                         min_regions=1 if len(regions) > 1 else "all",
-                         grace_s=Q_WITHHOLD_GRACE_S if withhold else Q_GRACE_S, timeout_s=600,
-                         snapshot_every=5 if n_rounds >= 5 else 1, keep_rounds=4)
+        xr = CrossRegion(
+            enabled=True,
+            run_id=name,
+            region=region,
+            regions=regions,
+            sync="diloco",
+            inner_steps=h,
+            outer_lr=OUTER_LR,
+            outer_momentum=OUTER_MOMENTUM,
+            transport=FsTransport(root=str(root / "mailbox")),
+            threads=4,
+            min_regions=1 if len(regions) > 1 else "all",
+            grace_s=Q_WITHHOLD_GRACE_S if withhold else Q_GRACE_S,
+            timeout_s=600,
+            snapshot_every=5 if n_rounds >= 5 else 1,
+            keep_rounds=4,
+        )
         env = None
         if withhold and region == "b":
             from sbatch_gen.train.xr.exchange import ENV_WITHHOLD_ROUNDS
 
             rounds = range(sz.q_first + 1, sz.q_first + absent + 1)
             env = {ENV_WITHHOLD_ROUNDS: ",".join(map(str, rounds))}
-        return _launch(xr, config=cfg, run_dir=root / region, data=data, max_steps=max_steps, resume=resume,
-                       log_dir=root / "logs", env=env)
+        return _launch(
+            xr,
+            config=cfg,
+            run_dir=root / region,
+            data=data,
+            max_steps=max_steps,
+            resume=resume,
+            log_dir=root / "logs",
+            env=env,
+        )
 
     if absent is None:
         _finish([launch("a")], name)
@@ -394,7 +543,9 @@ def _quality_variant(work: Path, data: Path, cfg: Path, sz: Sizes, absent: int |
             seen: dict[int, float] = {}  # round -> when its commit appeared
             deadline = time.monotonic() + TIMEOUT
             while True:
-                if a.poll()[0] is not None:  # a has finished (tiny --quick runs): b comes back to a finished run
+                if (
+                    a.poll()[0] is not None
+                ):  # a has finished (tiny --quick runs): b comes back to a finished run
                     break
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{name}: a's rounds did not advance")
@@ -420,10 +571,23 @@ def _quality_variant(work: Path, data: Path, cfg: Path, sz: Sizes, absent: int |
     missed = [r["xr_round"] for r in rounds if "b" not in r["xr_members"]] if absent is not None else []
     b_steps = len(_steps(_records(root / "b"))) if absent is not None else 0
     withheld = list(range(sz.q_first + 1, sz.q_first + absent + 1)) if withhold else []
-    out = {"name": name, "absent": absent, "at_end": at_end, "withhold": withheld, "seed": seed, "rounds": len(rounds), "missed": missed, "b_steps": b_steps,
-           "a_steps": len(_steps(_records(root / "a"))), "model": root / "a" / "model.safetensors"}
-    out["same"] = _same_params(root / "a" / "model.safetensors", root / "b" / "model.safetensors") \
-        if absent is not None and not at_end else None  # (b that left for good keeps its older model)
+    out = {
+        "name": name,
+        "absent": absent,
+        "at_end": at_end,
+        "withhold": withheld,
+        "seed": seed,
+        "rounds": len(rounds),
+        "missed": missed,
+        "b_steps": b_steps,
+        "a_steps": len(_steps(_records(root / "a"))),
+        "model": root / "a" / "model.safetensors",
+    }
+    out["same"] = (
+        _same_params(root / "a" / "model.safetensors", root / "b" / "model.safetensors")
+        if absent is not None and not at_end
+        else None
+    )  # (b that left for good keeps its older model)
     return out
 
 
@@ -458,7 +622,9 @@ def heldout_loss(model_file: Path, model_cfg: dict, shard: Path, n_windows: int,
     loss_sum = 0.0
     with torch.no_grad():
         for i in range(0, n_windows, batch):
-            win = torch.from_numpy(np.stack([tokens[o: o + seq + 1] for o in offs[i: i + batch]]).astype(np.int64))
+            win = torch.from_numpy(
+                np.stack([tokens[o : o + seq + 1] for o in offs[i : i + batch]]).astype(np.int64)
+            )
             loss_sum += float(model(win[:, :-1], win[:, 1:])) * win.shape[0]
     return loss_sum / n_windows
 
@@ -468,16 +634,37 @@ def heldout_loss(model_file: Path, model_cfg: dict, shard: Path, n_windows: int,
 
 def run(out_dir: Path, quick: bool = False) -> Result:
     sz = QUICK if quick else FULL
-    res = Result("elastic", "Elastic cross-region rounds: survivor idle time, goodput and quality while a region "
-                 "is away", quick)
+    res = Result(
+        "elastic",
+        "Elastic cross-region rounds: survivor idle time, goodput and quality while a region is away",
+        quick,
+    )
     work = Path(tempfile.mkdtemp(prefix="sbgen-bench-elastic-"))
     try:
         data = work / "data"
         prepare(data, [*REGIONS, HELDOUT], "python-stdlib", DATA_BYTES)
-        g_cfg = _config(work / "goodput.yaml", steps=sz.g_steps, model=sz.g_model, batch=sz.g_batch, data_dir=data,
-                        ckpt_every=sz.g_ckpt_every, warmup=10)
-        q_cfgs = {seed: _config(work / f"quality-{seed}.yaml", steps=sz.q_steps, model=sz.q_model, batch=sz.q_batch,
-                                data_dir=data, ckpt_every=10 * sz.q_steps, warmup=20, seed=seed) for seed in sz.q_seeds}
+        g_cfg = _config(
+            work / "goodput.yaml",
+            steps=sz.g_steps,
+            model=sz.g_model,
+            batch=sz.g_batch,
+            data_dir=data,
+            ckpt_every=sz.g_ckpt_every,
+            warmup=10,
+        )
+        q_cfgs = {
+            seed: _config(
+                work / f"quality-{seed}.yaml",
+                steps=sz.q_steps,
+                model=sz.q_model,
+                batch=sz.q_batch,
+                data_dir=data,
+                ckpt_every=10 * sz.q_steps,
+                warmup=20,
+                seed=seed,
+            )
+            for seed in sz.q_seeds
+        }
         seed0 = sz.q_seeds[0]
         hb = sz.g_heartbeat_s
         plan = [("none", sz.g_grace_s, hb)] if sz.g_baseline else []
@@ -492,19 +679,28 @@ def run(out_dir: Path, quick: bool = False) -> Result:
             print(f"  elastic: goodput, {_label(out)}: {time.monotonic() - t0:.0f} s", flush=True)
             return out
 
-        def quality(absent: int | None, at_end: bool = False, seed: int = seed0, withhold: bool = False) -> dict:
+        def quality(
+            absent: int | None, at_end: bool = False, seed: int = seed0, withhold: bool = False
+        ) -> dict:
             t0 = time.monotonic()
             v = _quality_variant(work, data, q_cfgs[seed], sz, absent, at_end, seed, withhold)
-            v["loss"] = heldout_loss(v["model"], {**sz.q_model, "dropout": 0.0}, data / f"{HELDOUT}.bin",
-                                     sz.q_eval_windows)
+            v["loss"] = heldout_loss(
+                v["model"], {**sz.q_model, "dropout": 0.0}, data / f"{HELDOUT}.bin", sz.q_eval_windows
+            )
             print(f"  elastic: quality, {_qlabel(v)}: {time.monotonic() - t0:.0f} s", flush=True)
             return v
 
         tasks = [lambda m=m, g=g, h=h: goodput(m, g, h) for m, g, h in plan]
         q25 = min((a for a in sz.q_absent if a), key=lambda a: abs(a / (sz.q_steps // sz.q_h) - 0.25))
         for seed in sz.q_seeds:  # always present, ~25% away and its control: once per seed; the rest once
-            tasks += [lambda a=a, seed=seed: quality(a, seed=seed) for a in sz.q_absent if seed == seed0 or a in (0, q25)]
-            tasks += [lambda seed=seed: quality(sz.q_withhold, seed=seed, withhold=True)] if sz.q_withhold else []
+            tasks += [
+                lambda a=a, seed=seed: quality(a, seed=seed)
+                for a in sz.q_absent
+                if seed == seed0 or a in (0, q25)
+            ]
+            tasks += (
+                [lambda seed=seed: quality(sz.q_withhold, seed=seed, withhold=True)] if sz.q_withhold else []
+            )
         tasks += [lambda: quality(sz.q_end, True)] if sz.q_end else []
         tasks += [lambda: quality(None)] if sz.q_alone else []
         if quick:  # correctness only: every variant at once (timings of a quick run mean nothing)
@@ -512,7 +708,7 @@ def run(out_dir: Path, quick: bool = False) -> Result:
                 results = list(pool.map(lambda f: f(), tasks))
         else:  # one at a time: the goodput runs measure wall time
             results = [f() for f in tasks]
-        good, qual = results[: len(plan)], results[len(plan):]
+        good, qual = results[: len(plan)], results[len(plan) :]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _report(res, sz, good, qual)
@@ -563,8 +759,12 @@ def _report(res: Result, sz: Sizes, good: list[dict], qual: list[dict]) -> None:
         f"to ~45 s rounds, 67%, sites/_base/llm-xr-1.yaml); heartbeat_s {sz.g_heartbeat_s:g} = "
         f"{sz.g_heartbeat_s / g_round_s:.0%} of a round (the sites: 5 s, 11%), so a region whose heartbeat "
         f"stands still for 3 beats ({3 * sz.g_heartbeat_s:g} s on a's clock) counts as gone"
-        + ("; a second crash run has heartbeats off (heartbeat_s null: a waits grace_s in every round b misses)"
-           if sz.g_no_heartbeat else "") + f". snapshot_every {sz.g_snapshot_every}, keep_rounds "
+        + (
+            "; a second crash run has heartbeats off (heartbeat_s null: a waits grace_s in every round b misses)"
+            if sz.g_no_heartbeat
+            else ""
+        )
+        + f". snapshot_every {sz.g_snapshot_every}, keep_rounds "
         f"{sz.g_keep_rounds} (the sites' values), checkpoints every {sz.g_ckpt_every} steps.",
         f"Schedule (every goodput variant but the baseline): both start; once round {sz.g_leave_round} is "
         "committed, b is SIGKILLed (crash: nothing tells a) or its stop file is created (planned stop: b "
@@ -588,23 +788,56 @@ def _report(res: Result, sz: Sizes, good: list[dict], qual: list[dict]) -> None:
         "own data position and optimizer state. Which round it first takes part in depends on its start-up "
         "(+-1 round): the table gives the rounds it really missed, from a's metrics. a's steps and LR schedule "
         "are the same in every variant; b trains fewer steps."
-        + (f" Controls: b leaving for good {sz.q_end} rounds before the end (no return; deterministic), and a "
-           "alone (b absent from every round)." if sz.q_end else ""),
+        + (
+            f" Controls: b leaving for good {sz.q_end} rounds before the end (no return; deterministic), and a "
+            "alone (b absent from every round)."
+            if sz.q_end
+            else ""
+        ),
         f"Held-out loss: the final `model.safetensors` (a's; b's is checked bit-identical) evaluated in the bench "
         f"process on CPU, mean next-byte cross-entropy over {sz.q_eval_windows} fixed windows of "
         f"{sz.q_model['seq_len']} tokens spread evenly over the `{HELDOUT}` shard.",
     ]
     rows = []
     for g in good:
-        away = (f"{g['away_s']:.0f} s ({g['away_share']:.0%})" if g["away_s"] == g["away_s"] else "-")
-        rows.append([_label(g), g["rounds"], f"{g['missed']} ({g['missed'] / g['rounds']:.0%})",
-                     g["b_late"] if g["mode"] != "none" else "-", away, g["wait_max"], g["wait_median"],
-                     g["wait_s"], g["missed_wait_s"], g["outside_s"], g["wall_s"], f"{g['goodput']:.1%}",
-                     "{}, {}".format(*g["requeues"])])
-    res.table("Survivor a: idle time and goodput (parts 1 and 2)",
-              ["variant", "a's rounds", "rounds b missed", "of which b back but late", "b away (share of W)",
-               "wait max s (missed rounds)", "wait median s (missed)", "a's waits in rounds s",
-               "... in missed rounds s", "outside steps s", "W s", "goodput", "requeues (a, b)"], rows, "goodput")
+        away = f"{g['away_s']:.0f} s ({g['away_share']:.0%})" if g["away_s"] == g["away_s"] else "-"
+        rows.append(
+            [
+                _label(g),
+                g["rounds"],
+                f"{g['missed']} ({g['missed'] / g['rounds']:.0%})",
+                g["b_late"] if g["mode"] != "none" else "-",
+                away,
+                g["wait_max"],
+                g["wait_median"],
+                g["wait_s"],
+                g["missed_wait_s"],
+                g["outside_s"],
+                g["wall_s"],
+                f"{g['goodput']:.1%}",
+                "{}, {}".format(*g["requeues"]),
+            ]
+        )
+    res.table(
+        "Survivor a: idle time and goodput (parts 1 and 2)",
+        [
+            "variant",
+            "a's rounds",
+            "rounds b missed",
+            "of which b back but late",
+            "b away (share of W)",
+            "wait max s (missed rounds)",
+            "wait median s (missed)",
+            "a's waits in rounds s",
+            "... in missed rounds s",
+            "outside steps s",
+            "W s",
+            "goodput",
+            "requeues (a, b)",
+        ],
+        rows,
+        "goodput",
+    )
     n = max(len(g["round_waits"]) for g in good)
     prow = []
     for i in range(1, n + 1):
@@ -613,8 +846,12 @@ def _report(res: Result, sz: Sizes, good: list[dict], qual: list[dict]) -> None:
             w = {r: (x, m) for r, x, m in g["round_waits"]}.get(i)
             row.append("-" if w is None else f"{w[0]:.2f}" + ("" if w[1] else " (b out)"))
         prow.append(row)
-    res.table("a's wait for b per round, s ('b out': closed without b; '-': no step record, see notes)",
-              ["round", *[_label(g) for g in good]], prow, "rounds")
+    res.table(
+        "a's wait for b per round, s ('b out': closed without b; '-': no step record, see notes)",
+        ["round", *[_label(g) for g in good]],
+        prow,
+        "rounds",
+    )
 
     bases = {q["seed"]: q for q in qual if q["absent"] == 0 and not q["withhold"]}
 
@@ -623,61 +860,108 @@ def _report(res: Result, sz: Sizes, good: list[dict], qual: list[dict]) -> None:
 
     qrows = []
     for q in qual:
-        share = (f"{len(q['missed']) / q['rounds']:.0%}" if q["absent"] is not None else "100%")
-        qrows.append([_qlabel(q), q["seed"], share, ",".join(map(str, q["missed"])) if q["missed"] else "-",
-                      q["a_steps"], q["b_steps"], q["loss"], f"{gap(q):+.2%}", "-" if q["same"] is None else q["same"]])
-    res.table("Quality: final held-out loss, same step budget (part 3)",
-              ["variant", "seed", "rounds b missed", "which", "a's steps", "b's steps", "held-out loss",
-               "vs always present (same seed)", "a == b bitwise"], qrows, "quality")
+        share = f"{len(q['missed']) / q['rounds']:.0%}" if q["absent"] is not None else "100%"
+        qrows.append(
+            [
+                _qlabel(q),
+                q["seed"],
+                share,
+                ",".join(map(str, q["missed"])) if q["missed"] else "-",
+                q["a_steps"],
+                q["b_steps"],
+                q["loss"],
+                f"{gap(q):+.2%}",
+                "-" if q["same"] is None else q["same"],
+            ]
+        )
+    res.table(
+        "Quality: final held-out loss, same step budget (part 3)",
+        [
+            "variant",
+            "seed",
+            "rounds b missed",
+            "which",
+            "a's steps",
+            "b's steps",
+            "held-out loss",
+            "vs always present (same seed)",
+            "a == b bitwise",
+        ],
+        qrows,
+        "quality",
+    )
 
     # goals
     elastic = [g for g in good if g["mode"] in ("crash", "stop")]
     for g in elastic:
         ok = g["wait_max"] <= g["grace_s"] + POLL_S if g["missed"] else None
-        res.goal(f"survivor's wait per missed round <= grace_s + one poll ({g['grace_s']:g} + {POLL_S:g} s), "
-                 f"{_label(g)}",
-                 f"max {fmt(g['wait_max'])} s, median {fmt(g['wait_median'])} s over {g['missed']} rounds", ok)
+        res.goal(
+            f"survivor's wait per missed round <= grace_s + one poll ({g['grace_s']:g} + {POLL_S:g} s), "
+            f"{_label(g)}",
+            f"max {fmt(g['wait_max'])} s, median {fmt(g['wait_median'])} s over {g['missed']} rounds",
+            ok,
+        )
     for g in elastic:  # (the crash with heartbeats off is the comparison: reported, not a goal)
         compare = g["mode"] == "crash" and not g["heartbeat_s"]
-        res.goal(f"goodput >= 95%, {_label(g)}" + (" (comparison)" if compare else ""),
-                 f"{g['goodput']:.1%} (b missed {g['missed']} of {g['rounds']} rounds, away {fmt(g['away_s'])} s "
-                 f"of W {g['wall_s']:.0f} s)", None if compare else g["goodput"] >= 0.95)
+        res.goal(
+            f"goodput >= 95%, {_label(g)}" + (" (comparison)" if compare else ""),
+            f"{g['goodput']:.1%} (b missed {g['missed']} of {g['rounds']} rounds, away {fmt(g['away_s'])} s "
+            f"of W {g['wall_s']:.0f} s)",
+            None if compare else g["goodput"] >= 0.95,
+        )
     strict = next(g for g in good if g["mode"] == "strict")
-    res.goal("goodput, strict (min_regions all, today's behaviour), same schedule",
-             f"{strict['goodput']:.1%} (a requeued {strict['requeues'][0]}x, b {strict['requeues'][1]}x; "
-             f"W {strict['wall_s']:.0f} s)", None)
+    res.goal(
+        "goodput, strict (min_regions all, today's behaviour), same schedule",
+        f"{strict['goodput']:.1%} (a requeued {strict['requeues'][0]}x, b {strict['requeues'][1]}x; "
+        f"W {strict['wall_s']:.0f} s)",
+        None,
+    )
     mids = [q for q in qual if q["absent"] and not q["at_end"] and not q["withhold"]]
     n25 = min({q["absent"] for q in mids}, key=lambda a: abs(a / (sz.q_steps // sz.q_h) - 0.25), default=None)
     q25s = [q for q in mids if q["absent"] == n25]
     controls = [q for q in qual if q["withhold"]]
     if q25s:
         d = statistics.mean(gap(q) for q in q25s)
-        res.goal("held-out loss with b absent from ~25% of the rounds (and back) <= +1% vs always present"
-                 + (f" (mean over {len(q25s)} seeds)" if len(q25s) > 1 else ""),
-                 f"{d:+.2%} (" + "; ".join(f"seed {q['seed']}: {gap(q):+.2%}, b missed {len(q['missed'])} of "
-                                           f"{q['rounds']} rounds" for q in q25s) + ")", d <= 0.01)
+        res.goal(
+            "held-out loss with b absent from ~25% of the rounds (and back) <= +1% vs always present"
+            + (f" (mean over {len(q25s)} seeds)" if len(q25s) > 1 else ""),
+            f"{d:+.2%} ("
+            + "; ".join(
+                f"seed {q['seed']}: {gap(q):+.2%}, b missed {len(q['missed'])} of {q['rounds']} rounds"
+                for q in q25s
+            )
+            + ")",
+            d <= 0.01,
+        )
     if controls:
         dc = statistics.mean(gap(q) for q in controls)
-        res.goal("the same rounds' tokens lost without any leave or rejoin (control: b stays, publishes nothing "
-                 "there)" + (f", mean over {len(controls)} seeds" if len(controls) > 1 else ""),
-                 f"{dc:+.2%} (" + "; ".join(f"seed {q['seed']}: {gap(q):+.2%}, {len(q['missed'])} rounds" for q in controls)
-                 + ")", None)
+        res.goal(
+            "the same rounds' tokens lost without any leave or rejoin (control: b stays, publishes nothing "
+            "there)" + (f", mean over {len(controls)} seeds" if len(controls) > 1 else ""),
+            f"{dc:+.2%} ("
+            + "; ".join(f"seed {q['seed']}: {gap(q):+.2%}, {len(q['missed'])} rounds" for q in controls)
+            + ")",
+            None,
+        )
 
     # headline
     for g in good:
-        res.headline[f"survivor goodput, {_label(g)}"] = (
-            f"{g['goodput']:.1%}" + (f" (b missed {g['missed'] / g['rounds']:.0%} of the rounds)" if g["missed"] else ""))
+        res.headline[f"survivor goodput, {_label(g)}"] = f"{g['goodput']:.1%}" + (
+            f" (b missed {g['missed'] / g['rounds']:.0%} of the rounds)" if g["missed"] else ""
+        )
     crash = next(g for g in good if g["mode"] == "crash" and g["heartbeat_s"])
     off = next((g for g in good if g["mode"] == "crash" and not g["heartbeat_s"]), None)
     res.headline["survivor wall time for the same steps, strict vs elastic crash"] = (
-        f"{strict['wall_s'] / crash['wall_s']:.2f}x")
+        f"{strict['wall_s'] / crash['wall_s']:.2f}x"
+    )
     for g in (crash, off) if off is not None else (crash,):
         res.headline[f"max wait per missed round, {_label(g)}"] = f"{g['wait_max']:.2f} s"
     for q in qual:
         if q["absent"]:
             seed = f", seed {q['seed']}" if q["seed"] != sz.q_seeds[0] else ""
-            res.headline[f"held-out loss, {_qlabel(q)} ({len(q['missed']) / q['rounds']:.0%} of rounds{seed})"] = (
-                f"{gap(q):+.2%}")
+            res.headline[
+                f"held-out loss, {_qlabel(q)} ({len(q['missed']) / q['rounds']:.0%} of rounds{seed})"
+            ] = f"{gap(q):+.2%}"
 
     # notes
     round_s = statistics.median([r for g in good for r in g["round_s"]] or [float("nan")])
@@ -686,42 +970,66 @@ def _report(res: Result, sz: Sizes, good: list[dict], qual: list[dict]) -> None:
     budget = 0.05 - base_loss
     closes = crash["missed_closes"]
     by_reason = {why: [w for _, y, w in closes if y == why] for why in dict.fromkeys(y for _, y, _ in closes)}
-    res.notes.append((
-        f"Crash with heartbeats (every {crash['heartbeat_s']:g} s): a reads b's heartbeat while it waits in a round "
-        f"and, on its own clock, treats b as gone once the value has stood still for 3 beats "
-        f"({3 * crash['heartbeat_s']:g} s of watching); it remembers what it saw, so only the first round after the "
-        "crash waits for that, the next ones close at once. The rounds b missed closed as: "
-        + "; ".join(f"{why} {len(ws)}x (wait max {max(ws):.2f} s, median {statistics.median(ws):.2f} s)"
-                    for why, ws in by_reason.items()) + "."
-        + (" ('grace': b was beating again, restarted but not yet back in the rounds: a waits up to grace_s for a "
-           "live region, as it should.)" if "grace" in by_reason else "")
-    ) if closes else "Crash with heartbeats: b missed no round.")
+    res.notes.append(
+        (
+            f"Crash with heartbeats (every {crash['heartbeat_s']:g} s): a reads b's heartbeat while it waits in a round "
+            f"and, on its own clock, treats b as gone once the value has stood still for 3 beats "
+            f"({3 * crash['heartbeat_s']:g} s of watching); it remembers what it saw, so only the first round after the "
+            "crash waits for that, the next ones close at once. The rounds b missed closed as: "
+            + "; ".join(
+                f"{why} {len(ws)}x (wait max {max(ws):.2f} s, median {statistics.median(ws):.2f} s)"
+                for why, ws in by_reason.items()
+            )
+            + "."
+            + (
+                " ('grace': b was beating again, restarted but not yet back in the rounds: a waits up to grace_s for a "
+                "live region, as it should.)"
+                if "grace" in by_reason
+                else ""
+            )
+        )
+        if closes
+        else "Crash with heartbeats: b missed no round."
+    )
     if off is not None:
         f_max = _max_share(budget, off["grace_s"], round_s)
         g_max = budget * round_s / (0.3 * (1 - budget)) if budget > 0 else 0.0
         if budget <= 0:
-            res.notes.append(f"The baseline (b present) already loses {base_loss:.1%} of W: no room for a crash.")
+            res.notes.append(
+                f"The baseline (b present) already loses {base_loss:.1%} of W: no room for a crash."
+            )
         else:
             res.notes.append(
                 f"Crash with heartbeats off: a cannot tell an absent region from a slow one, so each round b misses "
                 f"costs a grace_s (median wait {off['wait_median']:.2f} s at grace_s {off['grace_s']:g}). A round "
                 f"here is {round_s:.1f} s of a's steps (median)"
-                + (f" and a loses {base_loss:.1%} with b present (baseline: b's start-up lag in round 1, checkpoints)"
-                   if baseline else "")
+                + (
+                    f" and a loses {base_loss:.1%} with b present (baseline: b's start-up lag in round 1, checkpoints)"
+                    if baseline
+                    else ""
+                )
                 + f", so >= 95% leaves {budget:.1%} for the crash: idle share f*g/(T + f*g) <= that allows b to miss "
                 f"at most {f_max:.0%} of the rounds at grace_s {off['grace_s']:g} (the sites' ratio), or, for b "
-                f"missing 30% of the rounds, grace_s <= {g_max:.2f} s ({g_max / round_s:.0%} of a round).")
+                f"missing 30% of the rounds, grace_s <= {g_max:.2f} s ({g_max / round_s:.0%} of a round)."
+            )
     stop = next((g for g in good if g["mode"] == "stop"), None)
     if stop is not None:
-        back = [(r, w, m) for r, w, m in stop["round_waits"] if r > sz.g_leave_round and w > 0.5 * stop["grace_s"]]
+        back = [
+            (r, w, m) for r, w, m in stop["round_waits"] if r > sz.g_leave_round and w > 0.5 * stop["grace_s"]
+        ]
         res.notes.append(
             f"Planned stop: b's leave is on record in the mailbox and a's rounds close at once while b is away "
             f"(median wait {stop['wait_median']:.3f} s, max {stop['wait_max']:.3f} s). On its return b continues at "
             "the run's current step (estimated from the last rounds' close times), so its first round back ends "
             "about with a's"
-            + (": a's waits above grace_s/2 after b left: " + ", ".join(
-                f"round {r} {w:.2f} s{'' if m else ' (b late, dropped)'}" for r, w, m in back) if back
-               else "; no round after b left made a wait more than grace_s/2") + ".")
+            + (
+                ": a's waits above grace_s/2 after b left: "
+                + ", ".join(f"round {r} {w:.2f} s{'' if m else ' (b late, dropped)'}" for r, w, m in back)
+                if back
+                else "; no round after b left made a wait more than grace_s/2"
+            )
+            + "."
+        )
     end = next((q for q in qual if q["at_end"]), None)
     if q25s and controls:
         d, dc = statistics.mean(gap(q) for q in q25s), statistics.mean(gap(q) for q in controls)
@@ -735,8 +1043,13 @@ def _report(res: Result, sz: Sizes, good: list[dict], qual: list[dict]) -> None:
             f"dropped): {dc:+.2%}. So about {dc / d:.0%} of the cost is the tokens b did not contribute, which no "
             "rejoin can give back; the leave-and-rejoin itself (fewer steps from start-up, optimizer moments from "
             f"before the absence) adds {d - dc:+.2%}."
-            + (f" The tokens' position matters too: b missing the last {len(end['missed'])} rounds instead (lower "
-               f"learning rate, {end['b_steps']} b-steps) costs {gap(end):+.2%}." if end is not None else ""))
+            + (
+                f" The tokens' position matters too: b missing the last {len(end['missed'])} rounds instead (lower "
+                f"learning rate, {end['b_steps']} b-steps) costs {gap(end):+.2%}."
+                if end is not None
+                else ""
+            )
+        )
     res.notes += [
         "Strict: a's round waits for b until timeout_s, then a checkpoints and exits 42; each requeue pays the "
         "start-up again and re-enters the pending round at start-up (logged as an `xr_pending_round` event, not "
@@ -761,8 +1074,13 @@ def _plot(res: Result, out_dir: Path, good: list[dict], qual: list[dict], sz: Si
         ax.plot([t for t, _ in tl], [s for _, s in tl], label=_label(g))
     g0 = next((g for g in good if g["mode"] == "crash"), good[0])
     if g0["gone_at"] == g0["gone_at"]:
-        ax.axvspan(g0["gone_at"], g0["back_at"] if g0["back_at"] == g0["back_at"] else g0["restart_at"],
-                   color="grey", alpha=0.15, label=f"b away ({_label(g0)})")
+        ax.axvspan(
+            g0["gone_at"],
+            g0["back_at"] if g0["back_at"] == g0["back_at"] else g0["restart_at"],
+            color="grey",
+            alpha=0.15,
+            label=f"b away ({_label(g0)})",
+        )
     ax.set_xlabel("wall time since a started training, s")
     ax.set_ylabel("a's step")
     ax.set_title("survivor progress (flat = a idle)")
@@ -770,21 +1088,37 @@ def _plot(res: Result, out_dir: Path, good: list[dict], qual: list[dict], sz: Si
     for g in good:
         if g["mode"] in ("strict", "none"):
             continue
-        bx.plot([r for r, _, _ in g["round_waits"]], [w for _, w, _ in g["round_waits"]], marker="o", label=_label(g))
+        bx.plot(
+            [r for r, _, _ in g["round_waits"]],
+            [w for _, w, _ in g["round_waits"]],
+            marker="o",
+            label=_label(g),
+        )
     for grace in sorted({g["grace_s"] for g in good if g["mode"] in ("crash", "stop")}):
         bx.axhline(grace, color="grey", linestyle="--", linewidth=0.8)
     bx.set_xlabel("a's round")
     bx.set_ylabel("xr_wait_s")
     bx.set_title("a's wait for b per round (dashed: grace_s)")
     bx.legend(fontsize=7)
-    labels = [_qlabel(q).replace(", then back", "").replace("b leaves for good after", "b gone after")
-              .replace(" (1-region run)", "").replace(" (control)", "")
-              + (f", seed {q['seed']}" if q["seed"] != sz.q_seeds[0] else "") for q in qual]
+    labels = [
+        _qlabel(q)
+        .replace(", then back", "")
+        .replace("b leaves for good after", "b gone after")
+        .replace(" (1-region run)", "")
+        .replace(" (control)", "")
+        + (f", seed {q['seed']}" if q["seed"] != sz.q_seeds[0] else "")
+        for q in qual
+    ]
     cx.bar(range(len(qual)), [q["loss"] for q in qual])
     cx.set_xticks(range(len(qual)), labels, rotation=20, ha="right", fontsize=8)
     cx.set_ylim(min(q["loss"] for q in qual) * 0.98, max(q["loss"] for q in qual) * 1.01)
     cx.set_ylabel("held-out loss")
     cx.set_title(f"final held-out loss, {sz.q_steps} steps")
     save_fig(fig, out_dir / "elastic.png")
-    res.plots.append(("elastic.png", "Left: a's step over wall time. Middle: a's wait per round. Right: final "
-                      "held-out loss by b's absence."))
+    res.plots.append(
+        (
+            "elastic.png",
+            "Left: a's step over wall time. Middle: a's wait per round. Right: final "
+            "held-out loss by b's absence.",
+        )
+    )

@@ -33,7 +33,9 @@ ABLATIONS = [
 class Env:
     """Where the workers run and how they reach the store."""
 
-    def __init__(self, name: str, work: Path, server=None, endpoint: str | None = None, prefix: list[str] | None = None):
+    def __init__(
+        self, name: str, work: Path, server=None, endpoint: str | None = None, prefix: list[str] | None = None
+    ):
         self.name, self.work, self.server, self.endpoint = name, work, server, endpoint
         self.prefix = prefix or []
         self.transport = "fs" if server is None else "s3"
@@ -41,16 +43,29 @@ class Env:
         self.ceilings: dict[int, list[dict]] = {}
         aws_cfg = work / "aws-config"
         # one stream: no multipart (a single PUT takes up to 5 GB), one request at a time
-        aws_cfg.write_text("[default]\nregion = us-east-1\ns3 =\n    multipart_threshold = 5GB\n"
-                           "    max_concurrent_requests = 1\n")
+        aws_cfg.write_text(
+            "[default]\nregion = us-east-1\ns3 =\n    multipart_threshold = 5GB\n"
+            "    max_concurrent_requests = 1\n"
+        )
         self.aws_cfg = aws_cfg
         self.env = bench_env(server.env() if server is not None else None)
 
     def args(self) -> list[str]:
         self.n += 1
-        a = ["--transport", self.transport, "--run-id", f"run{self.n}", "--prefix", f"p{self.n}",
-             "--barrier-dir", str(self.work / f"barrier{self.n}"), "--work", str(self.work / "naive-tmp"),
-             "--aws-config", str(self.aws_cfg)]
+        a = [
+            "--transport",
+            self.transport,
+            "--run-id",
+            f"run{self.n}",
+            "--prefix",
+            f"p{self.n}",
+            "--barrier-dir",
+            str(self.work / f"barrier{self.n}"),
+            "--work",
+            str(self.work / "naive-tmp"),
+            "--aws-config",
+            str(self.aws_cfg),
+        ]
         if self.transport == "fs":
             a += ["--root", str(self.work / f"mailbox{self.n}")]
         else:
@@ -62,10 +77,26 @@ class Env:
         procs, outs = [], []
         for r in regions:
             out = self.work / f"out{self.n}-{r}.json"
-            cmd = [*self.prefix, PY, "-m", "bench.mailbox_worker", mode, "--region", r, "--regions",
-                   ",".join(regions), *common, *extra, "--out", str(out)]
-            procs.append(subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True))
+            cmd = [
+                *self.prefix,
+                PY,
+                "-m",
+                "bench.mailbox_worker",
+                mode,
+                "--region",
+                r,
+                "--regions",
+                ",".join(regions),
+                *common,
+                *extra,
+                "--out",
+                str(out),
+            ]
+            procs.append(
+                subprocess.Popen(
+                    cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                )
+            )
             outs.append(out)
         logs = [p.communicate(timeout=timeout)[0] for p in procs]
         for p, log in zip(procs, logs, strict=True):
@@ -88,21 +119,43 @@ def _round_times(per_region: list[list[dict]]) -> list[float]:
     return [max(rounds[i]["exchange_s"] for rounds in per_region) for i in range(WARMUP, n)]
 
 
-def measure(env: Env, mib: int, rounds: tuple[int, int, int], switches: dict | None = None,
-            do_naive: bool = True) -> dict:
+def measure(
+    env: Env, mib: int, rounds: tuple[int, int, int], switches: dict | None = None, do_naive: bool = True
+) -> dict:
     numel = mib * MiB // 4
-    sw = {"payload_dtype": "bf16", "shard_mb": 16.0, "threads": 16, "serialization": "raw", **(switches or {})}
-    extra = ["--numel", str(numel), "--payload-dtype", sw["payload_dtype"], "--shard-mb", str(sw["shard_mb"]),
-             "--threads", str(sw["threads"]), "--serialization", sw["serialization"]]
+    sw = {
+        "payload_dtype": "bf16",
+        "shard_mb": 16.0,
+        "threads": 16,
+        "serialization": "raw",
+        **(switches or {}),
+    }
+    extra = [
+        "--numel",
+        str(numel),
+        "--payload-dtype",
+        sw["payload_dtype"],
+        "--shard-mb",
+        str(sw["shard_mb"]),
+        "--threads",
+        str(sw["threads"]),
+        "--serialization",
+        sw["serialization"],
+    ]
     wire = numel * (2 if sw["payload_dtype"] == "bf16" else 4)
     r_ours, r_naive, r_ceil = rounds
     row: dict = {"mib": mib, "wire_per_region": wire}
     if 2 * wire not in env.ceilings:  # measured once per byte count and place
-        env.ceilings[2 * wire] = env.run("ceiling", ["c"], ["--nbytes", str(2 * wire),
-                                                            "--rounds", str(WARMUP + r_ceil)])[0]
+        env.ceilings[2 * wire] = env.run(
+            "ceiling", ["c"], ["--nbytes", str(2 * wire), "--rounds", str(WARMUP + r_ceil)]
+        )[0]
     best = min(env.ceilings[2 * wire], key=lambda x: x["exchange_s"])
-    row.update(ceiling_s=best["exchange_s"], ceiling_mode=f"up: {best['mode_up']}; down: {best['mode_down']}",
-               ceiling_up_MBps=2 * wire / best["up_s"] / 1e6, ceiling_down_MBps=2 * wire / best["down_s"] / 1e6)
+    row.update(
+        ceiling_s=best["exchange_s"],
+        ceiling_mode=f"up: {best['mode_up']}; down: {best['mode_down']}",
+        ceiling_up_MBps=2 * wire / best["up_s"] / 1e6,
+        ceiling_down_MBps=2 * wire / best["down_s"] / 1e6,
+    )
     ours = env.run("ours", ["a", "b"], extra + ["--rounds", str(WARMUP + r_ours)])
     times = _round_times(ours)
     row["ours_s"] = median(times)
@@ -117,13 +170,17 @@ def measure(env: Env, mib: int, rounds: tuple[int, int, int], switches: dict | N
     return row
 
 
-def _rows(env: Env, sizes: list[int], quick: bool, res: Result, label: str, per_region_factor: float) -> list[dict]:
+def _rows(
+    env: Env, sizes: list[int], quick: bool, res: Result, label: str, per_region_factor: float
+) -> list[dict]:
     rows = []
     for mib in sizes:
         need = int(per_region_factor * mib * MiB)
         if mem_available() < need:
-            res.notes.append(f"{label} {mib} MiB skipped: needs ~{need / 2**30:.1f} GiB of memory, "
-                             f"{mem_available() / 2**30:.1f} GiB available")
+            res.notes.append(
+                f"{label} {mib} MiB skipped: needs ~{need / 2**30:.1f} GiB of memory, "
+                f"{mem_available() / 2**30:.1f} GiB available"
+            )
             continue
         big = mib >= 256
         # naive rounds cost ~25-45 s at 1 GiB on s3 and over the WAN, so one there; fs is cheap: three
@@ -137,12 +194,35 @@ def _table(res: Result, caption: str, key: str, rows: list[dict]) -> None:
     out = []
     for r in rows:
         naive = r.get("naive_s")
-        out.append([r["mib"], r["wire_per_region"] / MiB, r["ceiling_s"], r["ours_s"], naive,
-                    f"{r['ceiling_s'] / r['ours_s']:.0%}", f"{naive / r['ours_s']:.1f}x" if naive else "-",
-                    4 * r["wire_per_region"] / r["ours_s"] / 1e6, r["ceiling_mode"]])
-    res.table(caption, ["params MiB (fp32)", "wire MiB/region", "ceiling s", "ours s", "naive s",
-                        "ours/ceiling", "ours vs naive", "ours wire MB/s", "ceiling mode"], out, key)
-
+        out.append(
+            [
+                r["mib"],
+                r["wire_per_region"] / MiB,
+                r["ceiling_s"],
+                r["ours_s"],
+                naive,
+                f"{r['ceiling_s'] / r['ours_s']:.0%}",
+                f"{naive / r['ours_s']:.1f}x" if naive else "-",
+                4 * r["wire_per_region"] / r["ours_s"] / 1e6,
+                r["ceiling_mode"],
+            ]
+        )
+    res.table(
+        caption,
+        [
+            "params MiB (fp32)",
+            "wire MiB/region",
+            "ceiling s",
+            "ours s",
+            "naive s",
+            "ours/ceiling",
+            "ours vs naive",
+            "ours wire MB/s",
+            "ceiling mode",
+        ],
+        out,
+        key,
+    )
 
 
 def _ablation(res, env, mib: int, layout, switches, tag: str, title: str, key: str) -> None:
@@ -158,8 +238,14 @@ def _ablation(res, env, mib: int, layout, switches, tag: str, title: str, key: s
         row.append(f"{row[2] / base:.2f}x")
     res.table(title, ["variant", "wire MiB/region", "round s", "vs its ceiling", "time vs ours"], abl, key)
 
-def run(out_dir: Path, quick: bool = False, server_kind: str = "nanio", wan: bool = True,
-        sizes: list[int] | None = None) -> Result:
+
+def run(
+    out_dir: Path,
+    quick: bool = False,
+    server_kind: str = "nanio",
+    wan: bool = True,
+    sizes: list[int] | None = None,
+) -> Result:
     res = Result("mailbox", "Mailbox exchange throughput: 2 regions, ours vs naive vs ceiling", quick)
     wan_sizes = sizes or ([1] if quick else [16, 64, 256])
     sizes = sizes or ([1] if quick else [16, 64, 256, 1024])
@@ -188,47 +274,89 @@ def run(out_dir: Path, quick: bool = False, server_kind: str = "nanio", wan: boo
     shm = Path("/dev/shm")
     work = Path(tempfile.mkdtemp(prefix="sbgen-bench-mailbox-", dir=shm if shm.is_dir() else None))
     if shutil.which("aws") is None:
-        res.notes.append("naive s3 path not measured: the `aws` command (awscli) is not installed; it pins its own "
-                         "botocore, so install it outside the project's venv (e.g. `pipx install awscli`)")
+        res.notes.append(
+            "naive s3 path not measured: the `aws` command (awscli) is not installed; it pins its own "
+            "botocore, so install it outside the project's venv (e.g. `pipx install awscli`)"
+        )
     all_rows: dict[str, list[dict]] = {}
     try:
         print("mailbox: fs", flush=True)
         env = Env("fs", work)
         all_rows["fs"] = _rows(env, sizes, quick, res, "fs", 14)  # + the mailbox's files in memory
         print(f"mailbox: s3 ({server_kind})", flush=True)
-        srv = make_server(server_kind, **({"data_dir": str(work / "nanio")} if server_kind == "nanio" else {})).start()
+        srv = make_server(
+            server_kind, **({"data_dir": str(work / "nanio")} if server_kind == "nanio" else {})
+        ).start()
         try:
             s3_client(srv.endpoint_url).create_bucket(Bucket="bench")
             env = Env("s3", work, srv, srv.endpoint_url)
             all_rows["s3"] = _rows(env, sizes, quick, res, "s3", 16)
             if not quick:
-                _ablation(res, env, abl_mib, (2, 1, 1), ABLATIONS, "ablation",
-                          f"Each optimisation on its own: s3 loopback, {abl_mib} MiB of parameters (one switch off at a time)",
-                          "ablation_s3")
+                _ablation(
+                    res,
+                    env,
+                    abl_mib,
+                    (2, 1, 1),
+                    ABLATIONS,
+                    "ablation",
+                    f"Each optimisation on its own: s3 loopback, {abl_mib} MiB of parameters (one switch off at a time)",
+                    "ablation_s3",
+                )
         finally:
             srv.stop()
         why = available()
         if wan and why is None:
             w = Wan(rate_mbit=400, rtt_ms=80, window_kb=1024)
             print(f"mailbox: WAN ({w.describe()})", flush=True)
-            res.setup.append(f"**WAN**: store in its own network namespace behind a veth pair: {w.describe()}. "
-                             "Clients run in the other namespace and reach the store through the proxy.")
+            res.setup.append(
+                f"**WAN**: store in its own network namespace behind a veth pair: {w.describe()}. "
+                "Clients run in the other namespace and reach the store through the proxy."
+            )
             with w:
-                srv = make_server("nanio", host="10.201.7.2", netns=w.server_ns, data_dir=str(work / "nanio-wan")) \
-                    if server_kind == "nanio" else None
+                srv = (
+                    make_server(
+                        "nanio", host="10.201.7.2", netns=w.server_ns, data_dir=str(work / "nanio-wan")
+                    )
+                    if server_kind == "nanio"
+                    else None
+                )
                 if srv is None:
-                    raise RuntimeError("the WAN emulation runs nanio (moto cannot be started in a namespace here)")
+                    raise RuntimeError(
+                        "the WAN emulation runs nanio (moto cannot be started in a namespace here)"
+                    )
                 srv.start()
                 try:
                     endpoint = w.start_proxy(srv.port)
-                    subprocess.run([*w.exec_prefix(), PY, "-m", "bench.mailbox_worker", "mkbucket", "--endpoint",
-                                    endpoint, "--bucket", "bench", "--out", "-"], env=bench_env(srv.env()), check=True)
+                    subprocess.run(
+                        [
+                            *w.exec_prefix(),
+                            PY,
+                            "-m",
+                            "bench.mailbox_worker",
+                            "mkbucket",
+                            "--endpoint",
+                            endpoint,
+                            "--bucket",
+                            "bench",
+                            "--out",
+                            "-",
+                        ],
+                        env=bench_env(srv.env()),
+                        check=True,
+                    )
                     env = Env("wan", work, srv, endpoint, w.exec_prefix())
                     all_rows["wan"] = _rows(env, wan_sizes, quick, res, "wan", 16)
                     if not quick:
-                        _ablation(res, env, wan_abl_mib, (1, 1, 1), ABLATIONS[:4], "WAN ablation",
-                                  f"Each optimisation on its own over the emulated WAN, {wan_abl_mib} MiB of parameters",
-                                  "ablation_wan")
+                        _ablation(
+                            res,
+                            env,
+                            wan_abl_mib,
+                            (1, 1, 1),
+                            ABLATIONS[:4],
+                            "WAN ablation",
+                            f"Each optimisation on its own over the emulated WAN, {wan_abl_mib} MiB of parameters",
+                            "ablation_wan",
+                        )
                 finally:
                     srv.stop()
         elif wan:
@@ -236,8 +364,11 @@ def run(out_dir: Path, quick: bool = False, server_kind: str = "nanio", wan: boo
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    captions = {"fs": "fs mailbox (directory on tmpfs)", "s3": f"s3 mailbox ({server_kind} on 127.0.0.1)",
-                "wan": "s3 over the emulated WAN (80 ms RTT, 400 Mbit/s, 1 MiB window per stream)"}
+    captions = {
+        "fs": "fs mailbox (directory on tmpfs)",
+        "s3": f"s3 mailbox ({server_kind} on 127.0.0.1)",
+        "wan": "s3 over the emulated WAN (80 ms RTT, 400 Mbit/s, 1 MiB window per stream)",
+    }
     for k, rows in all_rows.items():
         _table(res, captions[k], k, rows)
     at = f"at {max(sizes)} MiB" if (quick or max(sizes) < 256) else "at >= 256 MiB"
@@ -253,16 +384,20 @@ def run(out_dir: Path, quick: bool = False, server_kind: str = "nanio", wan: boo
             sp = min(r["naive_s"] / r["ours_s"] for r in with_naive)
             res.headline[f"{k}: ours vs naive, worst {at}"] = f"{sp:.1f}x faster"
             res.goal(f"{k}: ours >= 3x naive {at}", f"{sp:.1f}x", None if quick else sp >= 3)
-    res.notes.append(f"CPU cost on the way: the mailbox's per-shard checksum (XXH3-128) ran at {_hash_MBps()} MB/s "
-                     "on one core at the end of this run (sha256, used before: "
-                     f"{_hash_MBps('sha256')} MB/s); every byte ours sends is checksummed by the sender and by the "
-                     "receiver, on the same 2 cores the store and the other region use (the ceiling checksums nothing).")
+    res.notes.append(
+        f"CPU cost on the way: the mailbox's per-shard checksum (XXH3-128) ran at {_hash_MBps()} MB/s "
+        "on one core at the end of this run (sha256, used before: "
+        f"{_hash_MBps('sha256')} MB/s); every byte ours sends is checksummed by the sender and by the "
+        "receiver, on the same 2 cores the store and the other region use (the ceiling checksums nothing)."
+    )
     _plot(res, out_dir, all_rows)
     for k, rows in all_rows.items():
         for r in rows:
-            res.notes.append(f"{k} {r['mib']} MiB, ours' round split (region a): " + ", ".join(
-                f"{p} {v:.3f}s" for p, v in r["ours_split"].items()) +
-                f"; ceiling up {r['ceiling_up_MBps']:.0f} MB/s, down {r['ceiling_down_MBps']:.0f} MB/s")
+            res.notes.append(
+                f"{k} {r['mib']} MiB, ours' round split (region a): "
+                + ", ".join(f"{p} {v:.3f}s" for p, v in r["ours_split"].items())
+                + f"; ceiling up {r['ceiling_up_MBps']:.0f} MB/s, down {r['ceiling_down_MBps']:.0f} MB/s"
+            )
     return res
 
 
@@ -288,7 +423,9 @@ def _plot(res: Result, out_dir: Path, all_rows: dict[str, list[dict]]) -> None:
     from .common import plt, save_fig
 
     p = plt()
-    fig, axes = p.subplots(1, len(all_rows), figsize=(5 * len(all_rows), 4), squeeze=False, layout="constrained")
+    fig, axes = p.subplots(
+        1, len(all_rows), figsize=(5 * len(all_rows), 4), squeeze=False, layout="constrained"
+    )
     for ax, (k, rows) in zip(axes[0], all_rows.items(), strict=True):
         x = [r["mib"] for r in rows]
         ax.plot(x, [r["ceiling_s"] for r in rows], "k--", marker="o", label="ceiling (same bytes)")

@@ -47,8 +47,13 @@ def _transport(a):
 
     if a.transport == "fs":
         return FsTransport(root=a.root)
-    return S3Transport(bucket=a.bucket, prefix=a.prefix, endpoint_url=a.endpoint, addressing_style="path",
-                       region_name="us-east-1")
+    return S3Transport(
+        bucket=a.bucket,
+        prefix=a.prefix,
+        endpoint_url=a.endpoint,
+        addressing_style="path",
+        region_name="us-east-1",
+    )
 
 
 def ours(a) -> list[dict]:
@@ -60,10 +65,21 @@ def ours(a) -> list[dict]:
     from sbatch_gen.xr_options import CrossRegion
 
     torch.set_num_threads(1)
-    xr = CrossRegion(enabled=True, run_id=a.run_id, region=a.region, regions=a.regions.split(","), sync="grad",
-                     inner_steps=1, transport=_transport(a), timeout_s=600, keep_rounds=1,
-                     payload_dtype=a.payload_dtype, shard_mb=a.shard_mb, threads=a.threads,
-                     serialization=a.serialization)
+    xr = CrossRegion(
+        enabled=True,
+        run_id=a.run_id,
+        region=a.region,
+        regions=a.regions.split(","),
+        sync="grad",
+        inner_steps=1,
+        transport=_transport(a),
+        timeout_s=600,
+        keep_rounds=1,
+        payload_dtype=a.payload_dtype,
+        shard_mb=a.shard_mb,
+        threads=a.threads,
+        serialization=a.serialization,
+    )
     n, k = a.numel, 8
     sizes = [n // k + (1 if i < n % k else 0) for i in range(k)]
     model = nn.Module()
@@ -116,8 +132,18 @@ def naive(a) -> list[dict]:
         if a.transport == "s3":
             mine = work / f"up-{a.region}-{r}.pt"
             torch.save(flat, mine)
-            _aws(["--endpoint-url", a.endpoint, "s3", "cp", "--only-show-errors", str(mine),
-                  f"{url}/r{r}/{a.region}.pt"], env)
+            _aws(
+                [
+                    "--endpoint-url",
+                    a.endpoint,
+                    "s3",
+                    "cp",
+                    "--only-show-errors",
+                    str(mine),
+                    f"{url}/r{r}/{a.region}.pt",
+                ],
+                env,
+            )
             t1 = time.perf_counter()
             for p in peers:
                 while True:
@@ -130,8 +156,18 @@ def naive(a) -> list[dict]:
             got = []
             for p in peers:
                 dst = work / f"down-{a.region}-{p}-{r}.pt"
-                _aws(["--endpoint-url", a.endpoint, "s3", "cp", "--only-show-errors", f"{url}/r{r}/{p}.pt",
-                      str(dst)], env)
+                _aws(
+                    [
+                        "--endpoint-url",
+                        a.endpoint,
+                        "s3",
+                        "cp",
+                        "--only-show-errors",
+                        f"{url}/r{r}/{p}.pt",
+                        str(dst),
+                    ],
+                    env,
+                )
                 got.append(torch.load(dst, weights_only=True))
                 dst.unlink()
             mine.unlink()
@@ -152,12 +188,22 @@ def naive(a) -> list[dict]:
             avg.add_(x)
         avg.div_(len(regions))
         t3 = time.perf_counter()
-        out.append({"round": r, "exchange_s": t3 - t0, "upload_s": t1 - t0, "wait_s": t2 - t1,
-                    "download_s": t3 - t2, "bytes_up": a.numel * 4})
+        out.append(
+            {
+                "round": r,
+                "exchange_s": t3 - t0,
+                "upload_s": t1 - t0,
+                "wait_s": t2 - t1,
+                "download_s": t3 - t2,
+                "bytes_up": a.numel * 4,
+            }
+        )
         del got, avg
         if a.transport == "s3" and r > 1:  # keep the server's disk small
-            client.delete_objects(Bucket=a.bucket, Delete={"Objects": [
-                {"Key": f"{a.prefix}/naive/r{r - 1}/{x}.pt"} for x in regions]})
+            client.delete_objects(
+                Bucket=a.bucket,
+                Delete={"Objects": [{"Key": f"{a.prefix}/naive/r{r - 1}/{x}.pt"} for x in regions]},
+            )
     return out
 
 
@@ -185,13 +231,27 @@ def ceiling(a) -> list[dict]:
                     got += f.readinto(view[got:])
             t2 = time.perf_counter()
             path.unlink()
-            out.append({"round": r, "up_s": t1 - t0, "down_s": t2 - t1, "mode_up": "one file",
-                        "mode_down": "one file", "exchange_s": t2 - t0})
+            out.append(
+                {
+                    "round": r,
+                    "up_s": t1 - t0,
+                    "down_s": t2 - t1,
+                    "mode_up": "one file",
+                    "mode_down": "one file",
+                    "exchange_s": t2 - t0,
+                }
+            )
         return out
     from sbatch_gen.train.xr.store import S3Store
 
-    store = S3Store(a.bucket, f"{a.prefix}/ceiling", endpoint_url=a.endpoint, addressing_style="path",
-                    region_name="us-east-1", threads=16)
+    store = S3Store(
+        a.bucket,
+        f"{a.prefix}/ceiling",
+        endpoint_url=a.endpoint,
+        addressing_style="path",
+        region_name="us-east-1",
+        threads=16,
+    )
     pool = ThreadPoolExecutor(16)
     buf = bytearray(a.nbytes)
     bview = memoryview(buf)
@@ -210,9 +270,9 @@ def ceiling(a) -> list[dict]:
             if len(parts) == 1:
                 store.put(keys[0], data)
             else:
-                list(pool.map(lambda p, k=keys: store.put(k[p[0]], data[p[1]:p[2]]), parts))
+                list(pool.map(lambda p, k=keys: store.put(k[p[0]], data[p[1] : p[2]]), parts))
             t1 = time.perf_counter()
-            list(pool.map(lambda p, k=keys: store.get_into(k[p[0]], bview[p[1]:p[2]]), parts))
+            list(pool.map(lambda p, k=keys: store.get_into(k[p[0]], bview[p[1] : p[2]]), parts))
             t2 = time.perf_counter()
             ups[name], downs[name] = t1 - t0, t2 - t1
             store.delete(keys)

@@ -125,21 +125,41 @@ def run(out_dir: Path, quick: bool = False) -> Result:
         with torch.no_grad():
             for p in model.params:
                 p.copy_(torch.randn(p.shape, generator=g))
-        xr = CrossRegion(enabled=True, run_id="outer", region="a", regions=["a", "b"], sync="diloco",
-                         inner_steps=1, outer_lr=lr, outer_momentum=mu, transport=FsTransport(root=tmp.name),
-                         keep_rounds=100, threads=4)
+        xr = CrossRegion(
+            enabled=True,
+            run_id="outer",
+            region="a",
+            regions=["a", "b"],
+            sync="diloco",
+            inner_steps=1,
+            outer_lr=lr,
+            outer_momentum=mu,
+            transport=FsTransport(root=tmp.name),
+            keep_rounds=100,
+            threads=4,
+        )
         sync = create(xr, model, torch.device("cpu"), DistInfo(), log=lambda d: None)
         theta0 = torch.cat([p.detach().reshape(-1) for p in model.params])
-        sync.load_state_dict({"round": 0, "aligned": 1, "tokens": 0, "theta_outer": theta0,
-                              "momentum": torch.zeros(n)})
+        sync.load_state_dict(
+            {"round": 0, "aligned": 1, "tokens": 0, "theta_outer": theta0, "momentum": torch.zeros(n)}
+        )
         peer = Mailbox(FsStore(tmp.name), "outer", "b", ["a", "b"], threads=4)
         layout = layout_fingerprint(model)
         payloads_b = []
         for r in range(1, rounds + 2):  # one more for the byte-counting round
             d = (torch.randn(n, generator=g) * 1e-2).to(torch.bfloat16)
             payloads_b.append(d)
-            publish(peer, round_tag(r), memoryview(d.view(torch.uint8).numpy()), kind="delta", dtype="bf16",
-                         layout=layout, step=r, tokens=1000, shard_mb=xr.shard_mb)
+            publish(
+                peer,
+                round_tag(r),
+                memoryview(d.view(torch.uint8).numpy()),
+                kind="delta",
+                dtype="bf16",
+                layout=layout,
+                step=r,
+                tokens=1000,
+                shard_mb=xr.shard_mb,
+            )
         peer.close()
 
         # reference state, advanced alongside xr
@@ -180,7 +200,7 @@ def run(out_dir: Path, quick: bool = False) -> Result:
             ref_m.mul_(mu).add_(ref_avg)
             ref_theta.sub_(ref_avg, alpha=lr).sub_(ref_m, alpha=lr * mu)
             for p, lo in zip(model.params, offsets, strict=True):
-                p.data.copy_(ref_theta[lo:lo + p.numel()])
+                p.data.copy_(ref_theta[lo : lo + p.numel()])
             ref_t.append(time.perf_counter() - t0)
             maxdiff = max(maxdiff, float((ref_theta - sync.theta_outer).abs().max()))
             # continue from xr's state so both see the same inputs next round
@@ -211,26 +231,57 @@ def run(out_dir: Path, quick: bool = False) -> Result:
     t_xr, t_ref = median(xr_t[1:] or xr_t), median(ref_t[1:] or ref_t)
     mb, rb = _minimal_bytes(n), _ops_bytes_ref(n)
     rows = []
-    for name, t, ops, mini in (("xr round: average + Nesterov + theta into the model", t_xr, xb, mb),
-                               ("in-place reference, same math", t_ref, rb, mb)):
-        rows.append([name, t, mini / n, ops / n, f"{mini / bw / t:.0%}", f"{ops / bw / t:.0%}", ops / t / 1e9])
+    for name, t, ops, mini in (
+        ("xr round: average + Nesterov + theta into the model", t_xr, xb, mb),
+        ("in-place reference, same math", t_ref, rb, mb),
+    ):
+        rows.append(
+            [name, t, mini / n, ops / n, f"{mini / bw / t:.0%}", f"{ops / bw / t:.0%}", ops / t / 1e9]
+        )
     if nest_row is not None:
         nmin = 20 * n  # read theta, m, g; write theta, m
-        rows.append(["xr `outer_nesterov_` alone (flat buffers)", nest_row[0], nmin / n, nest_row[1] / n,
-                     f"{nmin / bw / nest_row[0]:.0%}", f"{nest_row[1] / bw / nest_row[0]:.0%}",
-                     nest_row[1] / nest_row[0] / 1e9])
-    res.table("Outer step time vs the bandwidth limit", [
-        "what", "time s", "minimal bytes/param", "bytes/param as executed", "of limit (minimal bytes)",
-        "of limit (bytes as executed)", "achieved GB/s"], rows, "outer")
-    res.table("Bandwidth", ["measure", "value"], [
-        ["large copy_ bandwidth (read+write) GB/s", bw / 1e9],
-        ["the same copy counting the write-allocate read too (3 streams) GB/s", 1.5 * bw / 1e9],
-        ["time limit at minimal bytes (round), s", mb / bw],
-        ["max abs difference, theta (xr) vs theta (reference)", maxdiff],
-    ], "bandwidth")
+        rows.append(
+            [
+                "xr `outer_nesterov_` alone (flat buffers)",
+                nest_row[0],
+                nmin / n,
+                nest_row[1] / n,
+                f"{nmin / bw / nest_row[0]:.0%}",
+                f"{nest_row[1] / bw / nest_row[0]:.0%}",
+                nest_row[1] / nest_row[0] / 1e9,
+            ]
+        )
+    res.table(
+        "Outer step time vs the bandwidth limit",
+        [
+            "what",
+            "time s",
+            "minimal bytes/param",
+            "bytes/param as executed",
+            "of limit (minimal bytes)",
+            "of limit (bytes as executed)",
+            "achieved GB/s",
+        ],
+        rows,
+        "outer",
+    )
+    res.table(
+        "Bandwidth",
+        ["measure", "value"],
+        [
+            ["large copy_ bandwidth (read+write) GB/s", bw / 1e9],
+            ["the same copy counting the write-allocate read too (3 streams) GB/s", 1.5 * bw / 1e9],
+            ["time limit at minimal bytes (round), s", mb / bw],
+            ["max abs difference, theta (xr) vs theta (reference)", maxdiff],
+        ],
+        "bandwidth",
+    )
     frac = mb / bw / t_xr
-    res.goal("outer step (average + Nesterov) >= 50% of the memory-bandwidth limit, CPU, minimal bytes",
-             f"{frac:.0%}", None if quick else frac >= 0.5)
+    res.goal(
+        "outer step (average + Nesterov) >= 50% of the memory-bandwidth limit, CPU, minimal bytes",
+        f"{frac:.0%}",
+        None if quick else frac >= 0.5,
+    )
     res.headline["outer step vs bandwidth limit (minimal bytes)"] = f"{frac:.0%}"
     res.headline["outer step vs bandwidth limit (bytes as executed)"] = f"{xb / bw / t_xr:.0%}"
     if nest_row is not None:
@@ -253,5 +304,7 @@ def run(out_dir: Path, quick: bool = False) -> Result:
         f"Reference and xr agree to {maxdiff:.2g} (the reference folds lr*mu into one multiply: fp32 rounding).",
     ]
     if top and nest_row is not None:
-        res.notes.append("Bytes by op in `outer_nesterov_`: " + ", ".join(f"{k} {v / n:.0f} B/param" for k, v in top))
+        res.notes.append(
+            "Bytes by op in `outer_nesterov_`: " + ", ".join(f"{k} {v / n:.0f} B/param" for k, v in top)
+        )
     return res

@@ -9,8 +9,19 @@ from __future__ import annotations
 from sbatch_gen.train.xr.protocol import ITEMSIZE, Expect, Mailbox, Manifest, ShardInfo, ShardPlan
 
 
-def publish(mb: Mailbox, tag: str, payload: bytes | bytearray | memoryview, *, kind: str, dtype: str, layout: str,
-            step: int, tokens: int, shard_mb: float, extra: dict | None = None) -> tuple[Manifest, Expect]:
+def publish(
+    mb: Mailbox,
+    tag: str,
+    payload: bytes | bytearray | memoryview,
+    *,
+    kind: str,
+    dtype: str,
+    layout: str,
+    step: int,
+    tokens: int,
+    shard_mb: float,
+    extra: dict | None = None,
+) -> tuple[Manifest, Expect]:
     """Publish ``payload`` (raw bytes of ``dtype`` elements) as round ``tag``: shards, then the manifest.
     If the region already published ``tag`` (a requeued job re-entering the round), that stands."""
     view = memoryview(payload).cast("B")
@@ -24,13 +35,27 @@ def publish(mb: Mailbox, tag: str, payload: bytes | bytearray | memoryview, *, k
         expect.check(own, mb.run_id, tag, mb.region, mb.store.describe(mb.manifest_key(tag, mb.region)))
         return own, expect
     sums = mb.upload_shards(tag, {i: view[lo * size : hi * size] for i, (lo, hi) in enumerate(plan.bounds)})
-    m = Manifest(mb.run_id, mb.region, tag, kind, step, dtype, plan.numel, layout, "raw", tokens,
-                 [ShardInfo(i, lo, hi - lo, *sums[i]) for i, (lo, hi) in enumerate(plan.bounds)], extra or {})
+    m = Manifest(
+        mb.run_id,
+        mb.region,
+        tag,
+        kind,
+        step,
+        dtype,
+        plan.numel,
+        layout,
+        "raw",
+        tokens,
+        [ShardInfo(i, lo, hi - lo, *sums[i]) for i, (lo, hi) in enumerate(plan.bounds)],
+        extra or {},
+    )
     mb.publish_manifest(m)
     return m, expect
 
 
-def exchange(mb: Mailbox, tag: str, payload: bytes | bytearray | memoryview, **kw) -> dict[str, tuple[Manifest, bytes]]:
+def exchange(
+    mb: Mailbox, tag: str, payload: bytes | bytearray | memoryview, **kw
+) -> dict[str, tuple[Manifest, bytes]]:
     """``{region: (manifest, payload)}`` for every region of ``mb``, this one's included, once all have
     published ``tag``. Keyword arguments as for :func:`publish`."""
     _, expect = publish(mb, tag, payload, **kw)

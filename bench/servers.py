@@ -25,7 +25,9 @@ def _bin(name: str) -> str:
     return str(p)
 
 
-def wait_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen, netns: str | None = None) -> None:
+def wait_port(
+    host: str, port: int, timeout_s: float, proc: subprocess.Popen, netns: str | None = None
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -37,9 +39,18 @@ def wait_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen, ne
             except OSError:
                 time.sleep(0.05)
         else:
-            rc = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c",
-                                 f"import socket; socket.create_connection(('{host}', {port}), timeout=0.5)"],
-                                capture_output=True).returncode
+            rc = subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    netns,
+                    sys.executable,
+                    "-c",
+                    f"import socket; socket.create_connection(('{host}', {port}), timeout=0.5)",
+                ],
+                capture_output=True,
+            ).returncode
             if rc == 0:
                 return
             time.sleep(0.1)
@@ -49,8 +60,13 @@ def wait_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen, ne
 class NanioServer:
     kind = "nanio"
 
-    def __init__(self, host: str = "127.0.0.1", port: int | None = None, netns: str | None = None,
-                 data_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        netns: str | None = None,
+        data_dir: str | None = None,
+    ) -> None:
         self.host, self.netns = host, netns
         self.port = port or free_port()
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="sbgen-nanio-")
@@ -64,12 +80,24 @@ class NanioServer:
     def start(self) -> NanioServer:
         Path(self.data_dir).mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "NANIO_ACCESS_KEY": ACCESS_KEY, "NANIO_SECRET_KEY": SECRET_KEY}
-        cmd = [_bin("nanio"), "serve", "--data-dir", self.data_dir, "--host", self.host, "--port",
-               str(self.port), "--no-access-log", "--log-level", "warning"]
+        cmd = [
+            _bin("nanio"),
+            "serve",
+            "--data-dir",
+            self.data_dir,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--no-access-log",
+            "--log-level",
+            "warning",
+        ]
         if self.netns:
             cmd = ["ip", "netns", "exec", self.netns, *cmd]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         wait_port(self.host, self.port, 30, self.proc, self.netns)
         return self
 
@@ -81,8 +109,13 @@ class NanioServer:
             self._tmp = None
 
     def env(self) -> dict[str, str]:
-        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-                "AWS_DEFAULT_REGION": "us-east-1", "NO_PROXY": "*", "no_proxy": "*"}
+        return {
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "NO_PROXY": "*",
+            "no_proxy": "*",
+        }
 
     def __enter__(self) -> NanioServer:
         return self.start()
@@ -113,10 +146,18 @@ def s3_client(endpoint_url: str, threads: int = 16, lean: bool = True):
 
     kw = dict(max_pool_connections=max(10, threads + 4))
     if lean:
-        kw.update(s3={"addressing_style": "path", "payload_signing_enabled": False},
-                  request_checksum_calculation="when_required", response_checksum_validation="when_required")
+        kw.update(
+            s3={"addressing_style": "path", "payload_signing_enabled": False},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
     else:
         kw.update(s3={"addressing_style": "path"})
     return boto3.session.Session().client(
-        "s3", endpoint_url=endpoint_url, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
-        region_name="us-east-1", config=Config(**kw))
+        "s3",
+        endpoint_url=endpoint_url,
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+        region_name="us-east-1",
+        config=Config(**kw),
+    )

@@ -13,9 +13,19 @@ from sbatch_gen.testing.s3server import free_port
 from .common import PY, REPO, bench_env
 
 
-def write_config(path: Path, *, steps: int, data_dir: Path, d_model: int = 128, n_layers: int = 2,
-                 seq_len: int = 128, batch_size: int = 8, lr: float = 2e-3, log_every: int = 1,
-                 warmup: int = 5) -> Path:
+def write_config(
+    path: Path,
+    *,
+    steps: int,
+    data_dir: Path,
+    d_model: int = 128,
+    n_layers: int = 2,
+    seq_len: int = 128,
+    batch_size: int = 8,
+    lr: float = 2e-3,
+    log_every: int = 1,
+    warmup: int = 5,
+) -> Path:
     cfg = {
         "model": {"n_layers": n_layers, "d_model": d_model, "n_heads": 4, "seq_len": seq_len, "dropout": 0.0},
         "data": {"path": str(data_dir), "source": "python-stdlib", "max_bytes": 4_000_000},
@@ -28,14 +38,32 @@ def write_config(path: Path, *, steps: int, data_dir: Path, d_model: int = 128, 
     return path
 
 
-def torchrun(module: str, nproc: int, args: list[str], env_extra: dict | None = None, log: Path | None = None,
-             timeout: float = 900) -> None:
+def torchrun(
+    module: str,
+    nproc: int,
+    args: list[str],
+    env_extra: dict | None = None,
+    log: Path | None = None,
+    timeout: float = 900,
+) -> None:
     port = free_port()
-    cmd = [PY, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0", "-m", module, *args]
+    cmd = [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--max-restarts=0",
+        "-m",
+        module,
+        *args,
+    ]
     with open(log or "/dev/null", "ab") as f:
-        p = subprocess.run(cmd, env=bench_env(env_extra), stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
-                           timeout=timeout)
+        p = subprocess.run(
+            cmd, env=bench_env(env_extra), stdout=f, stderr=subprocess.STDOUT, cwd=REPO, timeout=timeout
+        )
     if p.returncode != 0:
         tail = log.read_text(errors="replace")[-4000:] if log else ""
         raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}\n{tail}")

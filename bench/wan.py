@@ -60,9 +60,11 @@ class Wan:
         self.proxy_port: int | None = None
 
     def describe(self) -> str:
-        return (f"{self.rate_mbit} Mbit/s link (tc tbf), {self.rtt_ms:g} ms RTT and a {self.window_kb} KiB "
-                f"window per stream (userspace delay proxy): one stream tops out at "
-                f"{self.window_kb * 1024 / (self.rtt_ms / 1000) / 1e6:.1f} MB/s, the link at {self.rate_mbit / 8:g} MB/s")
+        return (
+            f"{self.rate_mbit} Mbit/s link (tc tbf), {self.rtt_ms:g} ms RTT and a {self.window_kb} KiB "
+            f"window per stream (userspace delay proxy): one stream tops out at "
+            f"{self.window_kb * 1024 / (self.rtt_ms / 1000) / 1e6:.1f} MB/s, the link at {self.rate_mbit / 8:g} MB/s"
+        )
 
     def up(self) -> Wan:
         c, s = self.client_ns, self.server_ns
@@ -79,8 +81,21 @@ class Wan:
                 _ip("-n", ns, "link", "set", "lo", "up")
                 # burst: enough for the rate at a 1 ms timer; latency bounds the queue
                 burst = max(32 * 1024, self.rate_mbit * 1_000_000 // 8 // 250)
-                _tc(ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{self.rate_mbit}mbit",
-                    "burst", str(burst), "latency", "50ms")
+                _tc(
+                    ns,
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{self.rate_mbit}mbit",
+                    "burst",
+                    str(burst),
+                    "latency",
+                    "50ms",
+                )
         except Exception:
             self.down()
             raise
@@ -89,13 +104,28 @@ class Wan:
     def start_proxy(self, target_port: int) -> str:
         """Start the delay proxy in the client namespace; returns the endpoint URL clients use."""
         self.proxy_port = free_port()
-        cmd = ["ip", "netns", "exec", self.client_ns, sys.executable, "-m", "bench.delayproxy",
-               "--listen", f"127.0.0.1:{self.proxy_port}", "--target", f"{SUBNET[1]}:{target_port}",
-               "--rtt-ms", str(self.rtt_ms), "--window-kb", str(self.window_kb)]
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            self.client_ns,
+            sys.executable,
+            "-m",
+            "bench.delayproxy",
+            "--listen",
+            f"127.0.0.1:{self.proxy_port}",
+            "--target",
+            f"{SUBNET[1]}:{target_port}",
+            "--rtt-ms",
+            str(self.rtt_ms),
+            "--window-kb",
+            str(self.window_kb),
+        ]
         from .common import bench_env
 
-        self.proxy = subprocess.Popen(cmd, env=bench_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      start_new_session=True)
+        self.proxy = subprocess.Popen(
+            cmd, env=bench_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         wait_port("127.0.0.1", self.proxy_port, 30, self.proxy, self.client_ns)
         return f"http://127.0.0.1:{self.proxy_port}"
 

@@ -54,14 +54,19 @@ def cli() -> None:
 
 def _sites_dir_option(f: Callable) -> Callable:
     return click.option(
-        "--sites-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("sites"),
-        show_default=True, help="Directory with the site profiles (<name>.yaml).",
+        "--sites-dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=Path("sites"),
+        show_default=True,
+        help="Directory with the site profiles (<name>.yaml).",
     )(f)
 
 
 def _templates_option(f: Callable) -> Callable:
     return click.option(
-        "--templates-dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
+        "--templates-dir",
+        type=click.Path(file_okay=False, exists=True, path_type=Path),
+        default=None,
         help="Jinja templates (default: templates/ of the checkout, or the copy inside the installed package).",
     )(f)
 
@@ -69,14 +74,21 @@ def _templates_option(f: Callable) -> Callable:
 def _out_option(f: Callable) -> Callable:
     return click.option(
         # Not checked by click (its error is three lines): render/check/diff check it and say so in one line.
-        "--out", "out_dir", type=click.Path(readable=False, path_type=Path), default=Path("out"),
-        show_default=True, help="Directory of the rendered scripts.",
+        "--out",
+        "out_dir",
+        type=click.Path(readable=False, path_type=Path),
+        default=Path("out"),
+        show_default=True,
+        help="Directory of the rendered scripts.",
     )(f)
 
 
 def _set_option(f: Callable) -> Callable:
     return click.option(
-        "--set", "overrides", multiple=True, metavar="KEY=VALUE",
+        "--set",
+        "overrides",
+        multiple=True,
+        metavar="KEY=VALUE",
         help="Override a profile value, e.g. --set slurm.partition=debug (repeatable; VALUE is YAML).",
     )(f)
 
@@ -123,7 +135,9 @@ def _read_output(path: Path) -> str | None:
     try:
         return path.read_bytes().decode("utf-8", errors="replace") if path.is_file() else None
     except OSError as e:
-        raise OutputError(f"{display_path(path)}: cannot read: {e.strerror or e}", bad_destination=False) from None
+        raise OutputError(
+            f"{display_path(path)}: cannot read: {e.strerror or e}", bad_destination=False
+        ) from None
 
 
 def _drift(pairs: list[tuple[LoadedSite, Rendered]], out_dir: Path, stale_check: bool) -> list[str]:
@@ -190,7 +204,8 @@ def check(out_dir, sites_dir, templates_dir) -> None:
         click.echo("".join(diffs), nl=False)
         click.echo(
             f"sbatch-gen: {len(diffs)} file(s) in {display_path(out_dir)} differ from a fresh render; "
-            "run `sbatch-gen render --all` and review the diff", err=True,
+            "run `sbatch-gen render --all` and review the diff",
+            err=True,
         )
         sys.exit(EXIT_DRIFT)
     click.echo(f"{display_path(out_dir)} is up to date ({len(pairs)} files from {len(loaded)} sites)")
@@ -259,8 +274,12 @@ def show(name, overrides, sites_dir) -> None:
 
 
 @cli.command()
-@click.option("--kind", type=click.Choice(sorted(PROFILE_KINDS)), default=None,
-              help="Only this kind (default: all kinds, discriminated by `kind`).")
+@click.option(
+    "--kind",
+    type=click.Choice(sorted(PROFILE_KINDS)),
+    default=None,
+    help="Only this kind (default: all kinds, discriminated by `kind`).",
+)
 def schema(kind) -> None:
     """Print the JSON schema of a site profile (for editor completion and validation).
 
@@ -284,8 +303,15 @@ def schema(kind) -> None:
         "other values replace).",
         "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
     }
-    targets = [doc] if "properties" in doc else [d for d in doc.get("$defs", {}).values()
-                                                  if d.get("title") in {c.__name__ for c in PROFILE_KINDS.values()}]
+    targets = (
+        [doc]
+        if "properties" in doc
+        else [
+            d
+            for d in doc.get("$defs", {}).values()
+            if d.get("title") in {c.__name__ for c in PROFILE_KINDS.values()}
+        ]
+    )
     for t in targets:
         t.setdefault("properties", {})["extends"] = extends
     doc.setdefault("title", "sbatch-gen site profile")
@@ -313,8 +339,13 @@ def sites_cmd(sites_dir) -> None:
 
 @cli.command()
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Report directory (default: RUN_DIR/report, or report/ in the run dirs' common parent).")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Report directory (default: RUN_DIR/report, or report/ in the run dirs' common parent).",
+)
 def report(run_dirs, out_dir) -> None:
     """Write a Markdown run report with PNG plots from trainer run directories (one per region).
 
@@ -349,16 +380,21 @@ def status(name, as_json, overrides, sites_dir) -> None:
     site = load_site(sites_dir, name, overrides)
     xr = site.profile.cross_region
     if not xr.enabled:
-        raise UserError(f"{site.at('cross_region', 'enabled')}: cross_region.enabled: site {name!r} is not part "
-                        "of a cross-region run: there is no mailbox to read")
+        raise UserError(
+            f"{site.at('cross_region', 'enabled')}: cross_region.enabled: site {name!r} is not part "
+            "of a cross-region run: there is no mailbox to read"
+        )
     from sbatch_gen.mailbox_status import location, read_status  # lazy: the mailbox modules only here
     from sbatch_gen.train.xr.errors import XRError
 
     try:
         st = read_status(xr)
     except ImportError as e:
-        click.echo(f"sbatch-gen: mailbox {location(xr.transport)}: reading it needs {e.name or e}: "
-                   "pip install 'sbatch-gen[s3]'", err=True)
+        click.echo(
+            f"sbatch-gen: mailbox {location(xr.transport)}: reading it needs {e.name or e}: "
+            "pip install 'sbatch-gen[s3]'",
+            err=True,
+        )
         sys.exit(EXIT_STORE)
     except (XRError, OSError) as e:  # StoreError, an unreadable commit, OSError: one line, no traceback
         click.echo(f"sbatch-gen: mailbox {location(xr.transport)}: {e}", err=True)
@@ -375,8 +411,10 @@ def _format_status(st) -> list[str]:
     quorum = "all" if st.quorum == st.regions_total else f"{st.quorum}, grace {st.grace_s:g} s"
     if st.heartbeat_s is not None:
         quorum += f", heartbeat every {st.heartbeat_s:g} s"
-    lines = [f"run:       {st.run_id} ({st.regions_total} regions; min_regions {quorum})",
-             f"mailbox:   {st.location}" + ("" if st.exists else " (does not exist yet)")]
+    lines = [
+        f"run:       {st.run_id} ({st.regions_total} regions; min_regions {quorum})",
+        f"mailbox:   {st.location}" + ("" if st.exists else " (does not exist yet)"),
+    ]
     c = st.newest_commit
     if c is None:
         lines.append("committed: no rounds committed yet")
@@ -384,27 +422,46 @@ def _format_status(st) -> list[str]:
         waited = f", waited {c.waited_s:g} s" if c.reason != "all" else ""
         absent = f"; absent: {', '.join(c.absent)}" if c.absent else ""
         stale = f" (heartbeat stale: {', '.join(c.stale)})" if c.stale else ""
-        lines.append(f"committed: round {c.round} (step {c.step}), closed {age(st.now - c.time) if c.time else '-'} "
-                     f"by {c.closed_by} ({c.reason}{waited}); members: {', '.join(c.members) or '-'}{absent}{stale}")
-    lines.append(f"snapshot:  round {st.newest_snapshot}" if st.newest_snapshot is not None
-                 else "snapshot:  none complete")
-    header = ["region", "last published", "presence", "behind", "in newest commit", "presence updated",
-              "last heartbeat"]
+        lines.append(
+            f"committed: round {c.round} (step {c.step}), closed {age(st.now - c.time) if c.time else '-'} "
+            f"by {c.closed_by} ({c.reason}{waited}); members: {', '.join(c.members) or '-'}{absent}{stale}"
+        )
+    lines.append(
+        f"snapshot:  round {st.newest_snapshot}"
+        if st.newest_snapshot is not None
+        else "snapshot:  none complete"
+    )
+    header = [
+        "region",
+        "last published",
+        "presence",
+        "behind",
+        "in newest commit",
+        "presence updated",
+        "last heartbeat",
+    ]
     rows = []
     for r in st.regions:
         pres = r.presence + (f" (round {r.presence_round})" if r.presence_round is not None else "")
-        rows.append([r.region + (" *" if r.region == st.site_region else ""),
-                     "-" if r.last_published is None else f"round {r.last_published}", pres,
-                     "-" if r.behind is None else str(r.behind),
-                     "-" if r.in_newest_commit is None else ("yes" if r.in_newest_commit else "no"),
-                     age(r.presence_age_s) + (f" (job {r.job})" if r.job else ""),
-                     "-" if r.heartbeat is None else f"{age(r.heartbeat_age_s)} (#{r.heartbeat})"])
+        rows.append(
+            [
+                r.region + (" *" if r.region == st.site_region else ""),
+                "-" if r.last_published is None else f"round {r.last_published}",
+                pres,
+                "-" if r.behind is None else str(r.behind),
+                "-" if r.in_newest_commit is None else ("yes" if r.in_newest_commit else "no"),
+                age(r.presence_age_s) + (f" (job {r.job})" if r.job else ""),
+                "-" if r.heartbeat is None else f"{age(r.heartbeat_age_s)} (#{r.heartbeat})",
+            ]
+        )
     widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
     lines.append("")
     for row in [header, *rows]:
         lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
-    lines.append("(* this site's region; behind: rounds behind the newest commit; ages of heartbeats use the "
-                 "writing region's clock)")
+    lines.append(
+        "(* this site's region; behind: rounds behind the newest commit; ages of heartbeats use the "
+        "writing region's clock)"
+    )
     return lines
 
 

@@ -104,7 +104,9 @@ def check_train_configs(sites: Iterable[LoadedSite]) -> tuple[list[str], list[st
         try:
             cfg = load_config(cfg_path)
         except UserError as e:
-            errors += [f"{where}: trainer.config {str(cfg_path)!r} does not validate: {m}" for m in e.messages]
+            errors += [
+                f"{where}: trainer.config {str(cfg_path)!r} does not validate: {m}" for m in e.messages
+            ]
             continue
         errs, warns = xr_problems(cfg, xr, config_name=str(cfg_path))
         # Each message points at the line that sets its field (the `cross_region:` section when the field

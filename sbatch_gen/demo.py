@@ -60,28 +60,37 @@ def _away_lines(out: Path, regions: list[str], grace_s: float) -> list[str]:
                 continue
             waits = [x["xr_wait_s"] for x in missed]
             why = sorted({x["xr_close_reason"] for x in missed})
-            lines.append(f"{r}: {len(missed)} round(s) without {other} "
-                         f"({', '.join(str(x['xr_round']) for x in missed)}), closed by {'/'.join(why)}; {r} waited "
-                         f"median {statistics.median(waits) * 1e3:.0f} ms, max {max(waits) * 1e3:.0f} ms per round "
-                         f"(bound: grace_s {grace_s:g} s, or none after a planned leave)")
+            lines.append(
+                f"{r}: {len(missed)} round(s) without {other} "
+                f"({', '.join(str(x['xr_round']) for x in missed)}), closed by {'/'.join(why)}; {r} waited "
+                f"median {statistics.median(waits) * 1e3:.0f} ms, max {max(waits) * 1e3:.0f} ms per round "
+                f"(bound: grace_s {grace_s:g} s, or none after a planned leave)"
+            )
         for e in m:
             if e.get("event") == "xr_leave":
                 lines.append(f"{r}: left after step {e['step']} (round {e['round']}): {e['reason']}")
             if e.get("event") == "xr_rejoin":
-                lines.append(f"{r}: rejoined: fast-forwarded from round {e['from_round']} to {e['to_round']} "
-                             f"({e['replayed']} round(s) replayed, via {', '.join(e['via'])}) in {e['seconds']:.2f} s; "
-                             f"continued at step {e['adopted_step']}")
+                lines.append(
+                    f"{r}: rejoined: fast-forwarded from round {e['from_round']} to {e['to_round']} "
+                    f"({e['replayed']} round(s) replayed, via {', '.join(e['via'])}) in {e['seconds']:.2f} s; "
+                    f"continued at step {e['adopted_step']}"
+                )
                 back = [x for x in rounds if x["xr_round"] == e["to_round"] + 1]
                 if back:
                     took = r in back[0]["xr_members"]
-                    lines.append(f"{r}: first round back ({back[0]['xr_round']}): "
-                                 + ("took part" if took else "late (its delta was dropped)"))
+                    lines.append(
+                        f"{r}: first round back ({back[0]['xr_round']}): "
+                        + ("took part" if took else "late (its delta was dropped)")
+                    )
     return lines
 
 
 def summarize(out: Path, regions: list[str], wall_s: float, steps: int, grace_s: float = 0.0) -> str:
-    lines = [f"cross-region demo: {len(regions)} regions x 2 processes, DiLoCo over fs:{out / 'mailbox'}",
-             f"wall time {wall_s:.1f} s for {steps} steps", ""]
+    lines = [
+        f"cross-region demo: {len(regions)} regions x 2 processes, DiLoCo over fs:{out / 'mailbox'}",
+        f"wall time {wall_s:.1f} s for {steps} steps",
+        "",
+    ]
     up_total = 0
     numel = None
     rounds_all = {}
@@ -95,8 +104,10 @@ def summarize(out: Path, regions: list[str], wall_s: float, steps: int, grace_s:
             numel = rounds[0]["xr_bytes_up"] // 2  # bf16 payloads
         first, last = losses[0], losses[-1]
         best = min(v for _, v in losses)
-        lines.append(f"region {r}: loss {first[1]:.3f} (step {first[0]}) -> {last[1]:.3f} (step {last[0]}), "
-                     f"best {best:.3f}; {len(rounds)} outer rounds")
+        lines.append(
+            f"region {r}: loss {first[1]:.3f} (step {first[0]}) -> {last[1]:.3f} (step {last[0]}), "
+            f"best {best:.3f}; {len(rounds)} outer rounds"
+        )
     away = _away_lines(out, regions, grace_s)
     if away:
         lines += ["", *away]
@@ -108,8 +119,10 @@ def summarize(out: Path, regions: list[str], wall_s: float, steps: int, grace_s:
         med = {p: statistics.median(x[f"xr_{p}_s"] for x in rounds) for p in PARTS}
         tot = [x["xr_total_s"] for x in rounds]
         split = " ".join(f"{p} {med[p] * 1e3:.1f}" for p in PARTS)
-        lines.append(f"sync {r}: per round median {statistics.median(tot) * 1e3:.1f} ms, max {max(tot) * 1e3:.1f} ms "
-                     f"(median ms: {split}); {sum(tot):.2f} s in sync = {100 * sum(tot) / wall_s:.1f}% of wall")
+        lines.append(
+            f"sync {r}: per round median {statistics.median(tot) * 1e3:.1f} ms, max {max(tot) * 1e3:.1f} ms "
+            f"(median ms: {split}); {sum(tot):.2f} s in sync = {100 * sum(tot) / wall_s:.1f}% of wall"
+        )
     if numel:
         H = rounds_all[regions[0]][0]["xr_step"]
         down_total = sum(x["xr_bytes_down"] for r in regions for x in rounds_all[r])
@@ -160,19 +173,43 @@ def main(argv: list[str] | None = None) -> int:
     # Elastic rounds: either region goes on alone. grace_s covers a returning region's first round (it
     # fast-forwards, then trains H steps while the other region is somewhere in that round already).
     grace_s = 10.0
-    xrs = {r: CrossRegion(enabled=True, run_id=run_id, region=r, regions=REGIONS, inner_steps=args.inner_steps,
-                          transport=transport, timeout_s=300, shard_mb=1.0, threads=4, min_regions=1,
-                          grace_s=grace_s, snapshot_every=2, keep_rounds=2)
-           for r in REGIONS}
+    xrs = {
+        r: CrossRegion(
+            enabled=True,
+            run_id=run_id,
+            region=r,
+            regions=REGIONS,
+            inner_steps=args.inner_steps,
+            transport=transport,
+            timeout_s=300,
+            shard_mb=1.0,
+            threads=4,
+            min_regions=1,
+            grace_s=grace_s,
+            snapshot_every=2,
+            keep_rounds=2,
+        )
+        for r in REGIONS
+    }
     stop = (out / "us.stop").absolute()
-    print(f"training {len(REGIONS)} regions ({', '.join(REGIONS)}), each torchrun x 2 processes, {steps} steps, "
-          f"DiLoCo H={args.inner_steps}, min_regions 1, grace_s {grace_s:g}, mailbox {transport.root}; "
-          f"logs in {out}/<region>.log", flush=True)
+    print(
+        f"training {len(REGIONS)} regions ({', '.join(REGIONS)}), each torchrun x 2 processes, {steps} steps, "
+        f"DiLoCo H={args.inner_steps}, min_regions 1, grace_s {grace_s:g}, mailbox {transport.root}; "
+        f"logs in {out}/<region>.log",
+        flush=True,
+    )
 
     def launch(r: str):
         extra = ["--stop-file", str(stop)] if r == "us" else []
-        return launch_region(xrs[r], config=args.config, run_dir=out / r, max_steps=steps, resume="auto",
-                             log_dir=out, extra_args=extra)
+        return launch_region(
+            xrs[r],
+            config=args.config,
+            run_dir=out / r,
+            max_steps=steps,
+            resume="auto",
+            log_dir=out,
+            extra_args=extra,
+        )
 
     t0 = time.monotonic()
     runs: dict = {}
@@ -184,14 +221,20 @@ def main(argv: list[str] | None = None) -> int:
             mbx = Path(transport.root) / run_id
             leave_at = rounds // 2 - args.away_rounds // 2
             _wait_until(mbx / f"r{leave_at:06d}" / "_commit.json", runs, t0, args.timeout)
-            print(f"[{time.monotonic() - t0:5.1f} s] round {leave_at} closed: stopping us through its stop file "
-                  f"({stop})", flush=True)
+            print(
+                f"[{time.monotonic() - t0:5.1f} s] round {leave_at} closed: stopping us through its stop file "
+                f"({stop})",
+                flush=True,
+            )
             stop.touch()
             runs["us"].wait(max(1.0, args.timeout - (time.monotonic() - t0)))  # exits 42: checkpointed, left
             back_at = leave_at + args.away_rounds
             _wait_until(mbx / f"r{back_at:06d}" / "_commit.json", {"eu": runs["eu"]}, t0, args.timeout)
-            print(f"[{time.monotonic() - t0:5.1f} s] round {back_at} closed without us: restarting us "
-                  "(--resume auto), as the requeued job would", flush=True)
+            print(
+                f"[{time.monotonic() - t0:5.1f} s] round {back_at} closed without us: restarting us "
+                "(--resume auto), as the requeued job would",
+                flush=True,
+            )
             stop.unlink()
             stop.with_name(stop.name + ".ack").unlink(missing_ok=True)
             runs["us"] = launch("us")

@@ -50,7 +50,9 @@ def _merge(base: Any, child: Any) -> Any:
 
 def _merged_where(data: Any, child: dict, base: dict, path: DataPath = ()) -> dict[DataPath, Where]:
     out: dict[DataPath, Where] = {}
-    items: Iterable = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    items: Iterable = (
+        data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    )
     for k, v in items:
         p = (*path, k)
         w = child.get(p) or base.get(p)
@@ -165,7 +167,9 @@ def apply_overrides(data: dict, where: dict[DataPath, Where], overrides: Iterabl
                     _forget(where, tuple(parts[: i + 1]), src)
                 cur = cur[part]
             else:
-                raise UserError(f"{src}: {format_path(tuple(parts[: i + 1]))}: cannot set inside a {type(cur).__name__}")
+                raise UserError(
+                    f"{src}: {format_path(tuple(parts[: i + 1]))}: cannot set inside a {type(cur).__name__}"
+                )
         last = parts[-1]
         if isinstance(cur, dict):
             cur[last] = value
@@ -183,7 +187,9 @@ def apply_overrides(data: dict, where: dict[DataPath, Where], overrides: Iterabl
 
 
 def _all_paths(data: Any, path: DataPath) -> Iterable[DataPath]:
-    items: Iterable = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    items: Iterable = (
+        data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    )
     for k, v in items:
         yield (*path, k)
         yield from _all_paths(v, (*path, k))
@@ -260,7 +266,9 @@ def validate_profile(data: dict, where: dict[DataPath, Where], default: Where) -
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise UserError(format_validation_error(e, cls, where, default, top_level_extra=["extends"])) from None
+        raise UserError(
+            format_validation_error(e, cls, where, default, top_level_extra=["extends"])
+        ) from None
 
 
 def load_site(sites_dir: Path, name: str, overrides: Iterable[str] = ()) -> LoadedSite:
@@ -268,11 +276,21 @@ def load_site(sites_dir: Path, name: str, overrides: Iterable[str] = ()) -> Load
         raise UserError(f"invalid site name {name!r}")
     path = site_path(sites_dir, name)
     if not _inside(path, Path(sites_dir).resolve()):
-        raise UserError(f"{display_path(path)}: a symbolic link out of the sites directory "
-                        f"{display_path(sites_dir)}: profiles must live inside it")
+        raise UserError(
+            f"{display_path(path)}: a symbolic link out of the sites directory "
+            f"{display_path(sites_dir)}: profiles must live inside it"
+        )
     data, where, files = _load_chain(sites_dir, path.name, ())
     overrides = list(overrides)
     apply_overrides(data, where, overrides)
     profile = validate_profile(data, where, Where(display_path(path), 1))
-    return LoadedSite(name=name, path=path, files=files, overrides=overrides, data=data, where=where,
-                      profile=profile, sites_dir=Path(sites_dir))
+    return LoadedSite(
+        name=name,
+        path=path,
+        files=files,
+        overrides=overrides,
+        data=data,
+        where=where,
+        profile=profile,
+        sites_dir=Path(sites_dir),
+    )

@@ -67,7 +67,9 @@ class MailboxStatus:
     exists: bool  # False: an fs mailbox directory that does not exist (yet)
     now: float
     newest_commit: CommitInfo | None = None
-    committed_rounds: list[int] = field(default_factory=list)  # still in the mailbox (older ones are cleaned up)
+    committed_rounds: list[int] = field(
+        default_factory=list
+    )  # still in the mailbox (older ones are cleaned up)
     newest_snapshot: int | None = None
     regions: list[RegionStatus] = field(default_factory=list)
 
@@ -84,13 +86,24 @@ def read_status(xr: CrossRegion, store: Store | None = None, *, now: float | Non
     from sbatch_gen.train.xr.store import make_store
 
     now = time.time() if now is None else now
-    base = dict(run_id=xr.run_id, site_region=xr.region, quorum=xr.quorum, regions_total=len(xr.regions),
-                grace_s=xr.grace_s, heartbeat_s=xr.heartbeat_s if xr.elastic else None, now=now)
+    base = dict(
+        run_id=xr.run_id,
+        site_region=xr.region,
+        quorum=xr.quorum,
+        regions_total=len(xr.regions),
+        grace_s=xr.grace_s,
+        heartbeat_s=xr.heartbeat_s if xr.elastic else None,
+        now=now,
+    )
     t = xr.transport
     if store is None and t.kind == "fs" and not Path(t.root).is_dir():
         # FsStore would create the directory: a status query must not.
-        return MailboxStatus(location=location(t), exists=False, **base,
-                             regions=[_region(r, None, None, None, None, now) for r in xr.regions])
+        return MailboxStatus(
+            location=location(t),
+            exists=False,
+            **base,
+            regions=[_region(r, None, None, None, None, now) for r in xr.regions],
+        )
     own = store is None
     if own:
         store = make_store(t, threads=4)
@@ -110,14 +123,27 @@ def read_status(xr: CrossRegion, store: Store | None = None, *, now: float | Non
         beats = ms.heartbeats(keys)
         info = None
         if commit is not None:
-            info = CommitInfo(round=commit.round, step=commit.step, closed_by=commit.closed_by,
-                              reason=commit.reason, members=[r for r in xr.regions if r in commit.members],
-                              absent=list(commit.absent), waited_s=commit.waited_s, time=commit.time,
-                              stale=list(commit.stale))
+            info = CommitInfo(
+                round=commit.round,
+                step=commit.step,
+                closed_by=commit.closed_by,
+                reason=commit.reason,
+                members=[r for r in xr.regions if r in commit.members],
+                absent=list(commit.absent),
+                waited_s=commit.waited_s,
+                time=commit.time,
+                stale=list(commit.stale),
+            )
         return MailboxStatus(
-            location=store.describe(), exists=True, **base, newest_commit=info, committed_rounds=committed,
+            location=store.describe(),
+            exists=True,
+            **base,
+            newest_commit=info,
+            committed_rounds=committed,
             newest_snapshot=snaps[-1] if snaps else None,
-            regions=[_region(r, latest.get(r), presences.get(r), beats.get(r), info, now) for r in xr.regions],
+            regions=[
+                _region(r, latest.get(r), presences.get(r), beats.get(r), info, now) for r in xr.regions
+            ],
         )
     finally:
         mb.close()

@@ -45,7 +45,9 @@ def default_templates_dir() -> Path:
     for d in (here / "templates", here.parent / "templates"):
         if d.is_dir():
             return d
-    raise UserError("templates not found: neither sbatch_gen/templates nor templates/ exists (use --templates-dir)")
+    raise UserError(
+        "templates not found: neither sbatch_gen/templates nor templates/ exists (use --templates-dir)"
+    )
 
 
 def shell_quote(value: object) -> str:
@@ -100,7 +102,9 @@ def _shq(ctx: jinja2.runtime.Context, value: object) -> str:
         state = ctx.get(RENDER_STATE)
         if not isinstance(state, RenderState):
             # a macro of a template imported without context: it cannot see this render's state
-            raise jinja2.TemplateRuntimeError("shq: no render state here (import the template `with context`)")
+            raise jinja2.TemplateRuntimeError(
+                "shq: no render state here (import the template `with context`)"
+            )
         state.literal_dollar = True
     return q
 
@@ -207,9 +211,13 @@ def render_site(site: LoadedSite, templates_dir: Path | None = None) -> list[Ren
         except jinja2.TemplateNotFound as e:
             raise UserError(f"{display_path(tdir)}: template {e.name!r} not found") from None
         except jinja2.TemplateSyntaxError as e:
-            raise UserError(f"{e.filename or template}:{e.lineno}: template syntax error: {e.message}") from None
+            raise UserError(
+                f"{e.filename or template}:{e.lineno}: template syntax error: {e.message}"
+            ) from None
         except jinja2.TemplateError as e:
-            raise UserError(f"{display_path(tdir)}/{template}: cannot render site {site.name!r}: {e}") from None
+            raise UserError(
+                f"{display_path(tdir)}/{template}: cannot render site {site.name!r}: {e}"
+            ) from None
         if state.literal_dollar and text.startswith("#!"):
             shebang, rest = text.split("\n", 1)
             text = f"{shebang}\n{_SC2016}{rest}"
@@ -238,11 +246,15 @@ def check_out_dir(out_dir: Path, writing: bool) -> None:
             break
         d = d.parent
     if os.path.lexists(d) and not d.is_dir():
-        what = "is a file, not a directory" if d == out_dir else f"{display_path(d)} is a file, not a directory"
+        what = (
+            "is a file, not a directory" if d == out_dir else f"{display_path(d)} is a file, not a directory"
+        )
         raise OutputError(f"{shown}: {what}", bad_destination=True)
     if writing and not os.access(d, os.W_OK | os.X_OK):
         where = "directory is not writable" if d == out_dir else f"{display_path(d)} is not writable"
-        raise OutputError(f"{shown}: {where} (permission denied or a read-only filesystem)", bad_destination=True)
+        raise OutputError(
+            f"{shown}: {where} (permission denied or a read-only filesystem)", bad_destination=True
+        )
 
 
 def write_outputs(out_dir: Path, files: list[tuple[str, str]], mode: int = 0o755) -> list[tuple[Path, bool]]:
@@ -256,10 +268,15 @@ def write_outputs(out_dir: Path, files: list[tuple[str, str]], mode: int = 0o755
     old: list[tuple[bytes, int] | None] = []
     for path in paths:
         if os.path.isdir(path):
-            raise OutputError(f"{display_path(path)}: is a directory; the rendered file cannot replace it "
-                              "(nothing was written)", bad_destination=True)
+            raise OutputError(
+                f"{display_path(path)}: is a directory; the rendered file cannot replace it "
+                "(nothing was written)",
+                bad_destination=True,
+            )
         try:
-            old.append((path.read_bytes(), stat.S_IMODE(os.stat(path).st_mode)) if os.path.lexists(path) else None)
+            old.append(
+                (path.read_bytes(), stat.S_IMODE(os.stat(path).st_mode)) if os.path.lexists(path) else None
+            )
         except OSError:
             old.append(None)  # unreadable: it is replaced, but cannot be restored
     new = [text.encode("utf-8") for _, text in files]
@@ -294,8 +311,9 @@ def write_outputs(out_dir: Path, files: list[tuple[str, str]], mode: int = 0o755
     except OSError as e:
         _roll_back(paths, old, temps, done, made)
         why = e.strerror or str(e)
-        raise OutputError(f"{display_path(current)}: cannot write: {why} (nothing was changed)",
-                          bad_destination=False) from None
+        raise OutputError(
+            f"{display_path(current)}: cannot write: {why} (nothing was changed)", bad_destination=False
+        ) from None
     except BaseException:
         _roll_back(paths, old, temps, done, made)
         raise
@@ -328,7 +346,9 @@ def unified_diff(path: Path, old: str | None, new: str | None) -> str:
     a = [] if old is None else old.splitlines(keepends=True)
     b = [] if new is None else new.splitlines(keepends=True)
     lines = difflib.unified_diff(
-        a, b, fromfile=f"a/{name}" if old is not None else "/dev/null",
+        a,
+        b,
+        fromfile=f"a/{name}" if old is not None else "/dev/null",
         tofile=f"b/{name}" if new is not None else "/dev/null",
     )
     return "".join(x if x.endswith("\n") else x + "\n\\ No newline at end of file\n" for x in lines)

@@ -66,8 +66,10 @@ def load_run(path: Path) -> Run:
         raise ReportError(f"{_display(path)}: run directory not found")
     mpath = path / "metrics.jsonl"
     if not mpath.is_file():
-        raise ReportError(f"{_display(mpath)}: not found (is {_display(path)} a run directory of "
-                          "python -m sbatch_gen.train?)")
+        raise ReportError(
+            f"{_display(mpath)}: not found (is {_display(path)} a run directory of "
+            "python -m sbatch_gen.train?)"
+        )
     run = Run(path=path, label=path.name)
     with open(mpath, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -98,7 +100,8 @@ def load_run(path: Path) -> Run:
         except json.JSONDecodeError as e:
             raise ReportError(f"{_display(spath)}:{e.lineno}: not valid JSON: {e.msg}") from None
     region = (run.summary or {}).get("region") or next(
-        (e["region"] for e in run.events if e.get("region")), None)
+        (e["region"] for e in run.events if e.get("region")), None
+    )
     if region:
         run.label = str(region)
     run.region = run.label
@@ -147,8 +150,11 @@ def recoveries(run: Run) -> list[dict]:
     out = []
     for prev, nxt in zip(segs, segs[1:], strict=False):
         last, first = prev[-1], nxt[0]
-        rec = {"last_step_before": last["step"], "first_step_after": first["step"],
-               "steps_redone": max(0, last["step"] - first["step"] + 1)}
+        rec = {
+            "last_step_before": last["step"],
+            "first_step_after": first["step"],
+            "steps_redone": max(0, last["step"] - first["step"] + 1),
+        }
         if isinstance(last.get("time"), int | float) and isinstance(first.get("time"), int | float):
             rec["downtime_s"] = float(first["time"]) - float(last["time"])
         out.append(rec)
@@ -230,7 +236,9 @@ def participation(runs: list[Run]) -> Participation | None:
             if rec.get("xr_late") or not isinstance(w, int | float):
                 continue
             (waits_absent if rec.get("xr_absent") else waits_full).setdefault(reg, []).append(float(w))
-    marks = [e["to_round"] for es in rejoins.values() for e in es] + [e["round"] for es in leaves.values() for e in es]
+    marks = [e["to_round"] for es in rejoins.values() for e in es] + [
+        e["round"] for es in leaves.values() for e in es
+    ]
     rounds = list(commits) + marks
     return Participation(regions, min(rounds), max(rounds), status, rejoins, leaves, waits_absent, waits_full)
 
@@ -265,7 +273,9 @@ def slo(run: Run) -> dict:
         "cross_region_sync_fraction": xr / step_sum if step_sum > 0 else float("nan"),
         "sync_rounds": len(run.rounds),
         "sync_round_mean_s": _mean([float(r["xr_total_s"]) for r in run.rounds]),
-        "bytes_across_regions": sum(int(r.get("xr_bytes_up", 0)) + int(r.get("xr_bytes_down", 0)) for r in run.rounds),
+        "bytes_across_regions": sum(
+            int(r.get("xr_bytes_up", 0)) + int(r.get("xr_bytes_down", 0)) for r in run.rounds
+        ),
         "checkpoint_write_mean_s": _mean(ck),
         "checkpoint_write_max_s": max(ck) if ck else float("nan"),
         "checkpoint_writes": len(ck),
@@ -333,8 +343,10 @@ SLO_ROWS = [  # (key, label, unit)
 
 def _md_table(headers: list[str], rows: list[list[str]]) -> str:
     esc = [[str(c).replace("|", "\\|") for c in r] for r in rows]
-    return "\n".join(["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-                     + ["| " + " | ".join(r) + " |" for r in esc])
+    return "\n".join(
+        ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+        + ["| " + " | ".join(r) + " |" for r in esc]
+    )
 
 
 def _pyplot():
@@ -360,8 +372,13 @@ def plot_loss(plt, runs: list[Run], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for run in runs:
         for i, seg in enumerate(segments(run)):
-            ax.plot([r["step"] for r in seg], [r["loss"] for r in seg], label=run.label if i == 0 else None,
-                    color=f"C{runs.index(run)}", linestyle="-" if i == 0 else "--")
+            ax.plot(
+                [r["step"] for r in seg],
+                [r["loss"] for r in seg],
+                label=run.label if i == 0 else None,
+                color=f"C{runs.index(run)}",
+                linestyle="-" if i == 0 else "--",
+            )
         for r in run.rounds[:200]:
             ax.axvline(r["step"], color=f"C{runs.index(run)}", alpha=0.08, linewidth=0.8)
     ax.set_xlabel("step")
@@ -391,8 +408,9 @@ def plot_step_times(plt, runs: list[Run], path: Path) -> None:
 
 def plot_sync(plt, runs: list[Run], path: Path) -> None:
     with_rounds = [r for r in runs if r.rounds]
-    fig, axes = plt.subplots(len(with_rounds), 1, figsize=(8, 3.4 * len(with_rounds)), squeeze=False,
-                             layout="constrained")
+    fig, axes = plt.subplots(
+        len(with_rounds), 1, figsize=(8, 3.4 * len(with_rounds)), squeeze=False, layout="constrained"
+    )
     for ax, run in zip(axes[:, 0], with_rounds, strict=True):
         rounds = run.rounds
         xs = list(range(len(rounds)))
@@ -420,26 +438,50 @@ def plot_participation(plt, part: Participation, path: Path) -> None:
 
     codes = {None: 0, TOOK_PART: 1, LATE: 2, ABSENT: 3}
     n = part.last - part.first + 1
-    grid = [[codes[part.status[reg].get(r)] for r in range(part.first, part.last + 1)] for reg in part.regions]
-    fig, ax = plt.subplots(figsize=(min(16.0, max(6.0, 2.5 + 0.12 * n)), 1.4 + 0.45 * len(part.regions)),
-                           layout="constrained")
+    grid = [
+        [codes[part.status[reg].get(r)] for r in range(part.first, part.last + 1)] for reg in part.regions
+    ]
+    fig, ax = plt.subplots(
+        figsize=(min(16.0, max(6.0, 2.5 + 0.12 * n)), 1.4 + 0.45 * len(part.regions)), layout="constrained"
+    )
     cmap = ListedColormap([STATUS_COLORS[k] for k in (None, TOOK_PART, LATE, ABSENT)])
-    ax.imshow(grid, cmap=cmap, vmin=-0.5, vmax=3.5, aspect="auto", interpolation="nearest",
-              extent=(part.first - 0.5, part.last + 0.5, len(part.regions) - 0.5, -0.5))
+    ax.imshow(
+        grid,
+        cmap=cmap,
+        vmin=-0.5,
+        vmax=3.5,
+        aspect="auto",
+        interpolation="nearest",
+        extent=(part.first - 0.5, part.last + 0.5, len(part.regions) - 0.5, -0.5),
+    )
     for y, reg in enumerate(part.regions):
         for e in part.rejoins.get(reg, []):  # replayed rounds, then the round it continued from
-            ax.plot([e.get("from_round", e["to_round"]) + 0.5, e["to_round"] + 0.5], [y, y], color="#1565c0",
-                    linestyle=":", linewidth=1.5)
+            ax.plot(
+                [e.get("from_round", e["to_round"]) + 0.5, e["to_round"] + 0.5],
+                [y, y],
+                color="#1565c0",
+                linestyle=":",
+                linewidth=1.5,
+            )
             ax.plot(e["to_round"] + 0.5, y, marker=">", color="#1565c0", markersize=9, linestyle="none")
         for e in part.leaves.get(reg, []):  # after the last round the region took part in
             ax.plot(e["round"] + 0.5, y, marker="X", color="black", markersize=8, linestyle="none")
     ax.set_yticks(range(len(part.regions)), part.regions)
     ax.set_xlabel("round")
     ax.set_title("participation per round")
-    handles = [Patch(color=STATUS_COLORS[k], label=lab) for k, lab in (
-        (TOOK_PART, "took part"), (LATE, "late (delta dropped)"), (ABSENT, "absent"), (None, "no record"))]
-    handles += [Line2D([], [], color="#1565c0", marker=">", linestyle=":", label="rejoin (fast-forward)"),
-                Line2D([], [], color="black", marker="X", linestyle="none", label="planned leave")]
+    handles = [
+        Patch(color=STATUS_COLORS[k], label=lab)
+        for k, lab in (
+            (TOOK_PART, "took part"),
+            (LATE, "late (delta dropped)"),
+            (ABSENT, "absent"),
+            (None, "no record"),
+        )
+    ]
+    handles += [
+        Line2D([], [], color="#1565c0", marker=">", linestyle=":", label="rejoin (fast-forward)"),
+        Line2D([], [], color="black", marker="X", linestyle="none", label="planned leave"),
+    ]
     ax.legend(handles=handles, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     _savefig(plt, fig, path)
 
@@ -455,16 +497,25 @@ def _participation_md(part: Participation) -> list[str]:
         ["rounds absent", *[str(part.count(g, ABSENT)) for g in regs]],
         ["rejoins (fast-forwards)", *[str(len(part.rejoins.get(g, []))) for g in regs]],
         ["planned leaves", *[str(len(part.leaves.get(g, []))) for g in regs]],
-        ["wait per round while a region was missing, median", *[wait(g, part.waits_absent, median) for g in regs]],
+        [
+            "wait per round while a region was missing, median",
+            *[wait(g, part.waits_absent, median) for g in regs],
+        ],
         ["wait per round while a region was missing, max", *[wait(g, part.waits_absent, max) for g in regs]],
         ["wait per round with every region, median", *[wait(g, part.waits_full, median) for g in regs]],
     ]
-    return ["## Participation", "",
-            f"Rounds {part.first}..{part.last}; one row per region. A late region published, but after the round "
-            "had closed without it; an absent one did not publish. Waits are `xr_wait_s` of the regions that "
-            "took part (n/a: no run directory of that region, or no such round).", "",
-            "![participation per round](participation.png)", "",
-            _md_table(["per region", *regs], rows), ""]
+    return [
+        "## Participation",
+        "",
+        f"Rounds {part.first}..{part.last}; one row per region. A late region published, but after the round "
+        "had closed without it; an absent one did not publish. Waits are `xr_wait_s` of the regions that "
+        "took part (n/a: no run directory of that region, or no such round).",
+        "",
+        "![participation per round](participation.png)",
+        "",
+        _md_table(["per region", *regs], rows),
+        "",
+    ]
 
 
 def build(runs: list[Run]) -> tuple[str, dict]:
@@ -476,25 +527,56 @@ def build(runs: list[Run]) -> tuple[str, dict]:
     for run in runs:
         s = run.summary or {}
         segs = segments(run)
-        rows.append([run.label, _display(run.path), f"{segs[0][0]['step']}..{run.steps[-1]['step']}",
-                     str(len(segs)), _fmt(s.get("world_size", run.steps[-1].get("world_size"))),
-                     _fmt(s.get("device")), _fmt(s.get("exit"))])
-    lines += [_md_table(["region", "run dir", "steps logged", "processes", "world size", "device", "exit"], rows), ""]
-    lines += ["## SLO baseline", "",
-              "Keep this table (and `slo.json` beside it) as the baseline of this job; compare later runs to it.", ""]
-    lines += [_md_table(["metric", *labels], [[lab, *[_fmt(slos[k][key], unit) for k in labels]]
-                                              for key, lab, unit in SLO_ROWS]), ""]
+        rows.append(
+            [
+                run.label,
+                _display(run.path),
+                f"{segs[0][0]['step']}..{run.steps[-1]['step']}",
+                str(len(segs)),
+                _fmt(s.get("world_size", run.steps[-1].get("world_size"))),
+                _fmt(s.get("device")),
+                _fmt(s.get("exit")),
+            ]
+        )
+    lines += [
+        _md_table(["region", "run dir", "steps logged", "processes", "world size", "device", "exit"], rows),
+        "",
+    ]
+    lines += [
+        "## SLO baseline",
+        "",
+        "Keep this table (and `slo.json` beside it) as the baseline of this job; compare later runs to it.",
+        "",
+    ]
+    lines += [
+        _md_table(
+            ["metric", *labels],
+            [[lab, *[_fmt(slos[k][key], unit) for k in labels]] for key, lab, unit in SLO_ROWS],
+        ),
+        "",
+    ]
     lines += ["## Loss", "", "![loss per region](loss.png)", ""]
     lines += ["## Step time", "", "![step-time distribution](step_time.png)", ""]
     if any(run.rounds for run in runs):
         lines += ["## Cross-region sync", "", "![sync time per round](sync.png)", ""]
         prow = []
         for key, label in PHASES:
-            prow.append([label, *[_fmt(_mean([float(r.get(key) or 0.0) for r in run.rounds]), " s")
-                                  if run.rounds else "n/a" for run in runs]])
+            prow.append(
+                [
+                    label,
+                    *[
+                        _fmt(_mean([float(r.get(key) or 0.0) for r in run.rounds]), " s")
+                        if run.rounds
+                        else "n/a"
+                        for run in runs
+                    ],
+                ]
+            )
         prow.append(["total", *[_fmt(slos[k]["sync_round_mean_s"], " s") for k in labels]])
         prow.append(["rounds", *[str(slos[k]["sync_rounds"]) for k in labels]])
-        prow.append(["MB across regions (up + down)", *[_fmt(slos[k]["bytes_across_regions"] / 1e6) for k in labels]])
+        prow.append(
+            ["MB across regions (up + down)", *[_fmt(slos[k]["bytes_across_regions"] / 1e6) for k in labels]]
+        )
         lines += ["Mean seconds per round, by phase:", "", _md_table(["phase", *labels], prow), ""]
     part = participation(runs)
     if part is not None:
@@ -504,23 +586,34 @@ def build(runs: list[Run]) -> tuple[str, dict]:
         segs = segments(run)
         gaps = [b["step"] - a["step"] for seg in segs for a, b in zip(seg, seg[1:], strict=False)]
         if any(g > 1 for g in gaps):
-            notes.append(f"{run.label}: metrics.jsonl logs a subset of steps (train.log_every > 1); step-time "
-                         "percentiles and fractions are over the logged steps, which include every sync round.")
+            notes.append(
+                f"{run.label}: metrics.jsonl logs a subset of steps (train.log_every > 1); step-time "
+                "percentiles and fractions are over the logged steps, which include every sync round."
+            )
         for r in recoveries(run):
-            d = f"{r['downtime_s']:.1f} s down" if "downtime_s" in r else \
-                "downtime not measurable (the step records carry no wall-clock time)"
-            notes.append(f"{run.label}: restart after step {r['last_step_before']}, resumed at step "
-                         f"{r['first_step_after']} ({r['steps_redone']} steps redone; {d}).")
+            d = (
+                f"{r['downtime_s']:.1f} s down"
+                if "downtime_s" in r
+                else "downtime not measurable (the step records carry no wall-clock time)"
+            )
+            notes.append(
+                f"{run.label}: restart after step {r['last_step_before']}, resumed at step "
+                f"{r['first_step_after']} ({r['steps_redone']} steps redone; {d})."
+            )
         for e in run.events:
             if e.get("event") == "xr_rejoin":
                 via = ", ".join(map(str, e.get("via") or [])) or "rounds"
-                notes.append(f"{run.label}: rejoined the run at step {e.get('step')} ({e.get('why', '?')}): round "
-                             f"{e.get('from_round')} -> {e.get('to_round')}, {e.get('replayed', '?')} round(s) "
-                             f"replayed via {via}, continued from step {e.get('adopted_step')} "
-                             f"({_fmt(e.get('seconds'), ' s')}).")
+                notes.append(
+                    f"{run.label}: rejoined the run at step {e.get('step')} ({e.get('why', '?')}): round "
+                    f"{e.get('from_round')} -> {e.get('to_round')}, {e.get('replayed', '?')} round(s) "
+                    f"replayed via {via}, continued from step {e.get('adopted_step')} "
+                    f"({_fmt(e.get('seconds'), ' s')})."
+                )
             elif e.get("event") == "xr_leave":
-                notes.append(f"{run.label}: planned leave after round {e.get('round')} at step {e.get('step')} "
-                             f"({e.get('reason', '?')}).")
+                notes.append(
+                    f"{run.label}: planned leave after round {e.get('round')} at step {e.get('step')} "
+                    f"({e.get('reason', '?')})."
+                )
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(lines), slos

@@ -41,17 +41,26 @@ def unsafe_chars(v: str) -> list[str]:
 
 def unsafe_chars_message(bad: list[str]) -> str:
     """The message for :func:`unsafe_chars` (never quotes the value)."""
-    return (f"contains control characters {', '.join(bad)} (newline, tab, C1 or Unicode bidirectional controls: "
-            "what a reviewer reads would differ from what runs)")
+    return (
+        f"contains control characters {', '.join(bad)} (newline, tab, C1 or Unicode bidirectional controls: "
+        "what a reviewer reads would differ from what runs)"
+    )
 
 
 # Shapes of literal credentials. The generic one: a 40-character token of base64 letters (an AWS secret
 # access key), mixed case and digits, random-looking (many character-class changes), not path-like (a leading
 # '/', or more than two) and not hex (a git commit id is 40 hex digits). A heuristic: it misses a few percent.
 _KEY_SHAPES = (
-    ("an AWS access key id", re.compile(
-        r"(?<![A-Za-z0-9])(?:AKIA|ASIA|ABIA|ACCA|AGPA|AIDA|AIPA|ANPA|ANVA|APKA|AROA|ASCA)[A-Z0-9]{16}(?![A-Za-z0-9])")),
-    ("a GitHub token", re.compile(r"(?<![A-Za-z0-9])(?:gh[pousr]_[A-Za-z0-9]{36,}|github_pat_[A-Za-z0-9_]{40,})")),
+    (
+        "an AWS access key id",
+        re.compile(
+            r"(?<![A-Za-z0-9])(?:AKIA|ASIA|ABIA|ACCA|AGPA|AIDA|AIPA|ANPA|ANVA|APKA|AROA|ASCA)[A-Z0-9]{16}(?![A-Za-z0-9])"
+        ),
+    ),
+    (
+        "a GitHub token",
+        re.compile(r"(?<![A-Za-z0-9])(?:gh[pousr]_[A-Za-z0-9]{36,}|github_pat_[A-Za-z0-9_]{40,})"),
+    ),
     ("a Hugging Face token", re.compile(r"(?<![A-Za-z0-9])hf_[A-Za-z0-9]{30,}")),
     ("a Slack token", re.compile(r"(?<![A-Za-z0-9])xox[abprs]-[A-Za-z0-9-]{10,}")),
     ("an API key", re.compile(r"(?<![A-Za-z0-9])sk-(?:proj-|ant-)?[A-Za-z0-9_-]{32,}")),
@@ -83,8 +92,10 @@ def credential_shape(v: str) -> str | None:
 
 def credential_message(what: str) -> str:
     """The message for :func:`credential_shape` (never quotes the value)."""
-    return (f"value <redacted>: looks like {what}; profiles and out/ are committed and reviewed, so a credential "
-            "never goes in them: leave it in the environment and give the variable's name (*_env fields)")
+    return (
+        f"value <redacted>: looks like {what}; profiles and out/ are committed and reviewed, so a credential "
+        "never goes in them: leave it in the environment and give the variable's name (*_env fields)"
+    )
 
 
 def _no_bool(v: object) -> object:
@@ -110,11 +121,15 @@ class FsTransport(StrictModel):
         if bad:
             raise ValueError(unsafe_chars_message(bad))
         if "$" in v:
-            raise ValueError(f"path {v!r} contains '$': variables are not expanded in profile paths; write the path out")
+            raise ValueError(
+                f"path {v!r} contains '$': variables are not expanded in profile paths; write the path out"
+            )
         if v.startswith("~"):
             raise ValueError(f"path {v!r} starts with '~', which is not expanded; write the path out")
         if v.startswith("-"):
-            raise ValueError(f"path {v!r} starts with '-': the trainer would read it as an option; write ./{v}")
+            raise ValueError(
+                f"path {v!r} starts with '-': the trainer would read it as an option; write ./{v}"
+            )
         return v
 
 
@@ -210,7 +225,9 @@ class CrossRegion(StrictModel):
         default_factory=lambda: FsTransport(root="xr-mailbox"), description="Mailbox backend."
     )
     timeout_s: float = Field(
-        default=1800, gt=0, le=86_400,
+        default=1800,
+        gt=0,
+        le=86_400,
         description="Seconds a round may wait for a quorum (min_regions). Then the region checkpoints, names "
         "the missing regions in one line and exits with the requeue code.",
     )
@@ -221,7 +238,9 @@ class CrossRegion(StrictModel):
         "the round closes after grace_s, or at once when the others have announced a planned leave.",
     )
     grace_s: float = Field(
-        default=60, ge=0, le=86_400,
+        default=60,
+        ge=0,
+        le=86_400,
         description="Elastic rounds: seconds the round still waits for the missing regions after min_regions "
         "have arrived; a region later than that has its delta dropped for the round. The bound on how long "
         "an absent region can idle the others per round (heartbeat_s shortens it for a region that crashed).",
@@ -242,12 +261,16 @@ class CrossRegion(StrictModel):
         "the run is elastic (min_regions below the number of regions).",
     )
     snapshot_every: int = Field(
-        default=10, ge=1, le=1_000_000,
+        default=10,
+        ge=1,
+        le=1_000_000,
         description="Publish an outer snapshot (theta_outer + momentum, fp32) every this many rounds; a region "
         "that returns after the rounds it missed were cleaned up fast-forwards from the newest one.",
     )
     keep_rounds: int = Field(
-        default=4, ge=1, le=1000,
+        default=4,
+        ge=1,
+        le=1000,
         description="Rounds each region keeps in the mailbox behind the newest; older ones are deleted by their "
         "own region once an outer snapshot covers them.",
     )
@@ -281,7 +304,9 @@ class CrossRegion(StrictModel):
         "split among the leaders). The placement never changes a bit of the result.",
     )
     outer_device_max_gib: float = Field(
-        default=16.0, ge=0, le=1_000_000,
+        default=16.0,
+        ge=0,
+        le=1_000_000,
         description="outer_device auto: the most GiB of outer state a leader keeps on the training device "
         "(DiLoCo 16 B/param: the default holds about 1.07 billion parameters; grad mode 8 B/param). A larger "
         "state goes to host memory, where the blocked CPU kernels take the step (bounded by host memory "
@@ -289,8 +314,19 @@ class CrossRegion(StrictModel):
     )
 
     _numbers_not_booleans = field_validator(
-        "inner_steps", "outer_lr", "outer_momentum", "timeout_s", "min_regions", "grace_s", "heartbeat_s",
-        "snapshot_every", "keep_rounds", "shard_mb", "threads", "outer_device_max_gib", mode="before",
+        "inner_steps",
+        "outer_lr",
+        "outer_momentum",
+        "timeout_s",
+        "min_regions",
+        "grace_s",
+        "heartbeat_s",
+        "snapshot_every",
+        "keep_rounds",
+        "shard_mb",
+        "threads",
+        "outer_device_max_gib",
+        mode="before",
     )(_no_bool)
 
     @model_validator(mode="after")
@@ -301,13 +337,19 @@ class CrossRegion(StrictModel):
             raise ValueError(f"region {self.region!r} is not in regions {self.regions}")
         if self.min_regions != "all":
             if self.min_regions > len(self.regions):
-                raise ValueError(f"min_regions ({self.min_regions}) is more than the {len(self.regions)} regions")
+                raise ValueError(
+                    f"min_regions ({self.min_regions}) is more than the {len(self.regions)} regions"
+                )
             if self.elastic and self.sync == "grad":
-                raise ValueError("min_regions below the number of regions needs sync: diloco (grad mode "
-                                 "averages every step and has no outer state a returning region could adopt)")
+                raise ValueError(
+                    "min_regions below the number of regions needs sync: diloco (grad mode "
+                    "averages every step and has no outer state a returning region could adopt)"
+                )
         if self.elastic and self.grace_s >= self.timeout_s:
-            raise ValueError(f"grace_s ({self.grace_s:g}) must be below timeout_s ({self.timeout_s:g}): a round "
-                             "that waits out its grace period must still close before the timeout")
+            raise ValueError(
+                f"grace_s ({self.grace_s:g}) must be below timeout_s ({self.timeout_s:g}): a round "
+                "that waits out its grace period must still close before the timeout"
+            )
         return self
 
     @property
@@ -432,7 +474,9 @@ def from_namespace(ns: argparse.Namespace) -> CrossRegion:
         v = getattr(ns, _dest(flag))
         if v is not None:
             transport[field] = v
-    creds = {f: getattr(ns, _dest(flag)) for f, flag in _CREDS.items() if getattr(ns, _dest(flag)) is not None}
+    creds = {
+        f: getattr(ns, _dest(flag)) for f, flag in _CREDS.items() if getattr(ns, _dest(flag)) is not None
+    }
     if creds:
         transport["credentials"] = creds
     if transport:
@@ -443,5 +487,3 @@ def from_namespace(ns: argparse.Namespace) -> CrossRegion:
 
 def flag_names() -> list[str]:
     return ["--xr-enabled", *_FLAT.values(), *_TRANSPORT.values(), *_CREDS.values()]
-
-

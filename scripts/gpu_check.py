@@ -76,30 +76,59 @@ class Check:
         return path
 
     def command(self, cfg: Path, run: Path, resume: str, max_steps: int, extra: list[str]) -> list[str]:
-        data = self.data.with_name("data-xr") if extra else self.data  # (the trainer prepares shards on demand)
-        train = ["--config", str(cfg), "--run-dir", str(run), "--data-path", str(data), "--resume", resume,
-                 "--max-steps", str(max_steps), *extra]
+        data = (
+            self.data.with_name("data-xr") if extra else self.data
+        )  # (the trainer prepares shards on demand)
+        train = [
+            "--config",
+            str(cfg),
+            "--run-dir",
+            str(run),
+            "--data-path",
+            str(data),
+            "--resume",
+            resume,
+            "--max-steps",
+            str(max_steps),
+            *extra,
+        ]
         if self.smoke:
             return [self.py, "-m", "sbatch_gen.train", *train]
         torchrun = str(Path(self.py).parent / "torchrun")
         return [torchrun, "--standalone", f"--nproc-per-node={self.nproc}", "-m", "sbatch_gen.train", *train]
 
-    def train(self, name: str, cfg: Path, *, resume: str = "none", max_steps: int | None = None,
-              extra: list[str] | None = None, stop_at: int | None = None, run: Path | None = None,
-              env: dict | None = None) -> tuple[int, Path]:
+    def train(
+        self,
+        name: str,
+        cfg: Path,
+        *,
+        resume: str = "none",
+        max_steps: int | None = None,
+        extra: list[str] | None = None,
+        stop_at: int | None = None,
+        run: Path | None = None,
+        env: dict | None = None,
+    ) -> tuple[int, Path]:
         """One trainer run; ``stop_at``: create the stop file once metrics show that step."""
         run = run or self.out / "runs" / name
         stop_file = run.parent / f"{run.name}.stop"
         stop_file.unlink(missing_ok=True)
-        env = {**os.environ, "SBATCH_GEN_STOP_FILE": str(stop_file), "PYTHONPATH": str(REPO),
-               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
+        env = {
+            **os.environ,
+            "SBATCH_GEN_STOP_FILE": str(stop_file),
+            "PYTHONPATH": str(REPO),
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            **(env or {}),
+        }
         env.setdefault("OMP_NUM_THREADS", "4")
         cmd = self.command(cfg, run, resume, max_steps or self.steps, extra or [])
         logf = self.out / "logs" / f"{name}.log"
         logf.parent.mkdir(parents=True, exist_ok=True)
         log(f"{name}: {' '.join(cmd)}")
         with open(logf, "ab") as f:
-            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+            p = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+            )
             deadline = time.monotonic() + self.timeout
             try:
                 while p.poll() is None:
@@ -130,8 +159,12 @@ class Check:
 
     def hbm(self) -> None:
         self.copy_gbps = copy_bandwidth(self.smoke)
-        self.row("hbm", self.copy_gbps > 0, {"copy_GBps": round(self.copy_gbps, 1)},
-                 "read + write bytes of a device-to-device copy / time")
+        self.row(
+            "hbm",
+            self.copy_gbps > 0,
+            {"copy_GBps": round(self.copy_gbps, 1)},
+            "read + write bytes of a device-to-device copy / time",
+        )
 
     def throughput(self, ac: bool) -> None:
         name = "ac-on" if ac else "ac-off"
@@ -139,8 +172,11 @@ class Check:
         s = steady(run)
         peak = summary(run).get("peak_flops")
         s["peak_TFLOPs"] = rnd(peak / 1e12, 1) if peak else None
-        ddp = [line.split("DDP: ", 1)[1].strip() for line in (self.out / "logs" / f"{name}.log").read_text(
-            errors="replace").splitlines() if "DDP: " in line]
+        ddp = [
+            line.split("DDP: ", 1)[1].strip()
+            for line in (self.out / "logs" / f"{name}.log").read_text(errors="replace").splitlines()
+            if "DDP: " in line
+        ]
         s["ddp"] = ddp[0] if ddp else None
         problems = []
         if rc != 0 or not s["steps"]:
@@ -158,45 +194,82 @@ class Check:
 
     def async_dcp(self) -> None:
         every = max(2, self.steps // 6)
-        rc, run = self.train("async-dcp", self.config("async-dcp", checkpoint__every=every,
-                                                      checkpoint__async_save=True, checkpoint__keep_last=100))
+        rc, run = self.train(
+            "async-dcp",
+            self.config(
+                "async-dcp", checkpoint__every=every, checkpoint__async_save=True, checkpoint__keep_last=100
+            ),
+        )
         summ = summary(run)
         saves = summ.get("checkpoint_save_s") or {}
-        complete = sorted(int(p.parent.name.split("-")[1]) for p in run.glob("checkpoints/step-*/COMPLETE.json"))
+        complete = sorted(
+            int(p.parent.name.split("-")[1]) for p in run.glob("checkpoints/step-*/COMPLETE.json")
+        )
         want = list(range(every, self.steps + 1, every))
         if self.steps not in want:
             want.append(self.steps)
         s = steady(run)
         base = getattr(self, "ac_off", {}).get("step_p50_s")
-        fig = {"saves": saves.get("count"), "save_mean_s": rnd(saves.get("mean")), "save_max_s": rnd(saves.get("max")),
-               "complete": len(complete), "step_p50_s": s["step_p50_s"], "tokens_per_s": s["tokens_per_s"]}
+        fig = {
+            "saves": saves.get("count"),
+            "save_mean_s": rnd(saves.get("mean")),
+            "save_max_s": rnd(saves.get("max")),
+            "complete": len(complete),
+            "step_p50_s": s["step_p50_s"],
+            "tokens_per_s": s["tokens_per_s"],
+        }
         if base:
             fig["p50_vs_ac_off"] = round(s["step_p50_s"] / base, 3)
         missing = sorted(set(want) - set(complete))
-        self.row("async-dcp", rc == 0 and not missing, fig,
-                 f"missing complete checkpoints {missing}" if missing else f"checkpoints at {want}")
+        self.row(
+            "async-dcp",
+            rc == 0 and not missing,
+            fig,
+            f"missing complete checkpoints {missing}" if missing else f"checkpoints at {want}",
+        )
 
     def stop_resume(self) -> None:
         cfg = self.config("stop", train__deterministic="on")
         rc_ref, ref = self.train("stop-ref", cfg)
         stop_at = max(2, self.steps // 3)
         # paced (sleep after each step: the math is unchanged) so the stop file lands mid-run, not after it
-        rc1, run = self.train("stop", cfg, stop_at=stop_at,
-                              env={"SBATCH_GEN_STEP_SLEEP_S": "0.3" if self.smoke else "0.1"})
+        rc1, run = self.train(
+            "stop", cfg, stop_at=stop_at, env={"SBATCH_GEN_STEP_SLEEP_S": "0.3" if self.smoke else "0.1"}
+        )
         stopped = summary(run).get("last_step")
         ack = run.parent / f"{run.name}.stop.ack"
         rc2, run = self.train("stop-resume", cfg, resume="auto", run=run)
         diff = max_abs_diff(ref / "model.safetensors", run / "model.safetensors")
-        fig = {"stop_exit": rc1, "stopped_at": stopped, "ack": ack.exists(), "resume_exit": rc2,
-               "resumed_from": summary(run).get("resumed_from_step"), "max_abs_diff": diff}
+        fig = {
+            "stop_exit": rc1,
+            "stopped_at": stopped,
+            "ack": ack.exists(),
+            "resume_exit": rc2,
+            "resumed_from": summary(run).get("resumed_from_step"),
+            "max_abs_diff": diff,
+        }
         ok = rc_ref == 0 and rc1 == 42 and ack.exists() and rc2 == 0 and diff == 0.0
-        self.row("stop", ok, fig, "bitwise equal to one uninterrupted run" if diff == 0.0 else
-                 "NOT bitwise equal to one uninterrupted run (deterministic mode)")
+        self.row(
+            "stop",
+            ok,
+            fig,
+            "bitwise equal to one uninterrupted run"
+            if diff == 0.0
+            else "NOT bitwise equal to one uninterrupted run (deterministic mode)",
+        )
 
     def diloco(self) -> None:
         h = max(2, self.steps // 5)
-        xr = CrossRegion(enabled=True, run_id="gpu-check", region="solo", regions=["solo"], sync="diloco",
-                         inner_steps=h, transport=FsTransport(root=str(self.out / "mailbox")), outer_device="auto")
+        xr = CrossRegion(
+            enabled=True,
+            run_id="gpu-check",
+            region="solo",
+            regions=["solo"],
+            sync="diloco",
+            inner_steps=h,
+            transport=FsTransport(root=str(self.out / "mailbox")),
+            outer_device="auto",
+        )
         shutil.rmtree(self.out / "mailbox", ignore_errors=True)
         rc, run = self.train("diloco", self.config("diloco"), extra=to_argv(xr))
         recs = records(run)
@@ -218,22 +291,36 @@ class Check:
         self.row("diloco", ok, fig, f"outer step must move >= {OUTER_BYTES_PER_PARAM} B/param")
 
     def run(self, only: list[str]) -> int:
-        phases = {"hbm": self.hbm, "ac-off": lambda: self.throughput(False), "ac-on": lambda: self.throughput(True),
-                  "async-dcp": self.async_dcp, "stop": self.stop_resume, "diloco": self.diloco}
+        phases = {
+            "hbm": self.hbm,
+            "ac-off": lambda: self.throughput(False),
+            "ac-on": lambda: self.throughput(True),
+            "async-dcp": self.async_dcp,
+            "stop": self.stop_resume,
+            "diloco": self.diloco,
+        }
         for name, fn in phases.items():
             if not only or name in only:
                 self.phase(name, fn)
         table = render_table(self.rows, self.header())
         (self.out / "summary.md").write_text(table)
-        (self.out / "summary.json").write_text(json.dumps({"header": self.header(), "phases": self.rows}, indent=2))
+        (self.out / "summary.json").write_text(
+            json.dumps({"header": self.header(), "phases": self.rows}, indent=2)
+        )
         print(table, flush=True)
         return 0 if self.rows and all(r["ok"] for r in self.rows) else 1
 
     def header(self) -> dict:
         import torch
 
-        h = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "torch": torch.__version__,
-             "cuda": torch.version.cuda, "smoke": self.smoke, "steps": self.steps, "nproc": self.nproc}
+        h = {
+            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "smoke": self.smoke,
+            "steps": self.steps,
+            "nproc": self.nproc,
+        }
         if torch.cuda.is_available():
             h["device"] = torch.cuda.get_device_name(0)
             h["gpus"] = torch.cuda.device_count()
@@ -274,7 +361,7 @@ def steady(run: Path) -> dict:
     """Figures over the second half of the step records (warm-up excluded): tokens/s from the summed step
     times, MFU and HFU scaled from the summary's (which are derived from its own tokens/s), memory."""
     steps = [r for r in records(run) if "loss" in r and "step_time_s" in r]
-    tail = steps[len(steps) // 2:]
+    tail = steps[len(steps) // 2 :]
     s = summary(run)
     out: dict = {"steps": len(steps)}
     if not tail:
@@ -328,10 +415,14 @@ def copy_bandwidth(smoke: bool) -> float:
 
 
 def render_table(rows: list[dict], header: dict) -> str:
-    lines = [f"gpu-check {header['date_utc']} UTC: {header['device']}"
-             f"{' x' + str(header.get('gpus')) if header.get('gpus') else ''}, torch {header['torch']}, "
-             f"CUDA {header['cuda']}, {header['steps']} steps per run{' (SMOKE: CPU, figures meaningless)' if header['smoke'] else ''}",
-             "", "| phase | ok | figures | note |", "|---|---|---|---|"]
+    lines = [
+        f"gpu-check {header['date_utc']} UTC: {header['device']}"
+        f"{' x' + str(header.get('gpus')) if header.get('gpus') else ''}, torch {header['torch']}, "
+        f"CUDA {header['cuda']}, {header['steps']} steps per run{' (SMOKE: CPU, figures meaningless)' if header['smoke'] else ''}",
+        "",
+        "| phase | ok | figures | note |",
+        "|---|---|---|---|",
+    ]
     for r in rows:
         figs = ", ".join(f"{k} {v}" for k, v in r["figures"].items())
         lines.append(f"| {r['phase']} | {'yes' if r['ok'] else 'NO'} | {figs} | {r['note']} |")
@@ -342,15 +433,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/gpu-check.sh", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/gpu-check", help="output directory (emptied first)")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: 60; smoke: 8)")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny config, one process: test the script itself")
+    ap.add_argument(
+        "--smoke", action="store_true", help="CPU, tiny config, one process: test the script itself"
+    )
     ap.add_argument("--phase", action="append", default=[], help="run only this phase (repeatable)")
-    ap.add_argument("--phase-timeout-s", type=float, default=None, help="per trainer run (default 150; smoke 120)")
+    ap.add_argument(
+        "--phase-timeout-s", type=float, default=None, help="per trainer run (default 150; smoke 120)"
+    )
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     if out == REPO or out in REPO.parents:
         ap.error(f"--out {out}: refusing to empty it (it holds the checkout)")
     if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
-        ap.error(f"--out {out}: refusing to empty it (not empty, and no {MARKER} from an earlier gpu-check in it)")
+        ap.error(
+            f"--out {out}: refusing to empty it (not empty, and no {MARKER} from an earlier gpu-check in it)"
+        )
     shutil.rmtree(out, ignore_errors=True)  # a rerun starts clean: no old metrics.jsonl appended to
     out.mkdir(parents=True)
     (out / MARKER).write_text("made by scripts/gpu-check.sh; emptied by its next run\n")
@@ -361,7 +458,10 @@ def main(argv: list[str] | None = None) -> int:
 
         nproc = torch.cuda.device_count()
         if nproc < 1:
-            print("gpu-check: no CUDA device visible (use --smoke to test the script on the CPU)", file=sys.stderr)
+            print(
+                "gpu-check: no CUDA device visible (use --smoke to test the script on the CPU)",
+                file=sys.stderr,
+            )
             return 2
     timeout = args.phase_timeout_s or (120 if args.smoke else 150)
     return Check(out, args.smoke, steps, nproc, timeout).run(args.phase)

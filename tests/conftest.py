@@ -25,7 +25,12 @@ def clean_env(monkeypatch):
     """An environment without the caller's SLURM_*/torchrun variables leaking into subprocesses."""
     for k in list(os.environ):
         if k.startswith(("SLURM_", "TORCHELASTIC_", "SBATCH_GEN_")) or k in (
-            "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE",
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "LOCAL_WORLD_SIZE",
         ):
             monkeypatch.delenv(k, raising=False)
     return os.environ

@@ -58,18 +58,32 @@ class FakeNode:
     with 2); ``hcas`` maps an adapter to {port: link_layer}. ``numactl`` False leaves the stub out.
     """
 
-    def __init__(self, root: Path, *, gpu_numa: list[int], numa_cpus: dict[int, str], allowed: str,
-                 threads_per_core: int = 1, hcas: dict[str, dict[int, str]] | None = None, numactl: bool = True):
+    def __init__(
+        self,
+        root: Path,
+        *,
+        gpu_numa: list[int],
+        numa_cpus: dict[int, str],
+        allowed: str,
+        threads_per_core: int = 1,
+        hcas: dict[str, dict[int, str]] | None = None,
+        numactl: bool = True,
+    ):
         self.root = root
         self.bin = root / "stub-bin"
         self.bin.mkdir(parents=True)
         self.gpu_buses = [f"00000000:{0x18 + 0x10 * i:02X}:00.0" for i in range(len(gpu_numa))]
         self.gpu_uuids = [f"GPU-{i:08x}-1111-2222-3333-444444444444" for i in range(len(gpu_numa))]
         _executable(self.bin / "nvidia-smi", _NVIDIA_SMI)
-        (self.bin / "gpus.L").write_text("".join(
-            f"GPU {i}: NVIDIA H200 (UUID: {u})\n" for i, u in enumerate(self.gpu_uuids)))
-        (self.bin / "gpus.csv").write_text("".join(
-            f"{i}, {u}, {b}\n" for i, (u, b) in enumerate(zip(self.gpu_uuids, self.gpu_buses, strict=True))))
+        (self.bin / "gpus.L").write_text(
+            "".join(f"GPU {i}: NVIDIA H200 (UUID: {u})\n" for i, u in enumerate(self.gpu_uuids))
+        )
+        (self.bin / "gpus.csv").write_text(
+            "".join(
+                f"{i}, {u}, {b}\n"
+                for i, (u, b) in enumerate(zip(self.gpu_uuids, self.gpu_buses, strict=True))
+            )
+        )
         if numactl:
             _executable(self.bin / "numactl", _NUMACTL)
         for bus, numa in zip(self.gpu_buses, gpu_numa, strict=True):
@@ -92,7 +106,8 @@ class FakeNode:
         (root / "proc/self").mkdir(parents=True)
         (root / "proc/self/status").write_text(
             f"Name:\tbash\nState:\tR (running)\nCpus_allowed:\tff\nCpus_allowed_list:\t{allowed}\n"
-            "Mems_allowed_list:\t0-1\n")
+            "Mems_allowed_list:\t0-1\n"
+        )
         ib = root / "sys/class/infiniband"
         ib.mkdir(parents=True)
         for hca, ports in (hcas or {}).items():
@@ -104,8 +119,10 @@ class FakeNode:
 
     def env(self, path: str | None = None) -> dict[str, str]:
         """SBATCH_GEN_SYSFS_ROOT and PATH with the stubs first (``path``: the rest, default this PATH)."""
-        return {"SBATCH_GEN_SYSFS_ROOT": str(self.root),
-                "PATH": f"{self.bin}:{path if path is not None else os.environ['PATH']}"}
+        return {
+            "SBATCH_GEN_SYSFS_ROOT": str(self.root),
+            "PATH": f"{self.bin}:{path if path is not None else os.environ['PATH']}",
+        }
 
 
 def path_without(command: str, shadow: Path, path: str | None = None) -> str:

@@ -32,13 +32,25 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 Plan = Callable[[str, str, int], "str | None"]
-_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "expect"}
-_SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-             b"<Message>Please reduce your request rate.</Message></Error>")
+_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "expect",
+}
+_SLOWDOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
 
 
-def cycle_plan(every: int = 4, faults: tuple[str, ...] = ("503", "reset", "truncate", "slow"),
-               burst: int = 2) -> Plan:
+def cycle_plan(
+    every: int = 4, faults: tuple[str, ...] = ("503", "reset", "truncate", "slow"), burst: int = 2
+) -> Plan:
     """Every ``every``-th request gets the next fault of ``faults`` in turn; a ``503`` comes as a burst of
     ``burst`` consecutive requests. Body faults (reset, truncate) only hit GETs of objects and PUTs;
     ``corrupt`` (not in the default ``faults``) only GETs of objects."""
@@ -54,8 +66,9 @@ def cycle_plan(every: int = 4, faults: tuple[str, ...] = ("503", "reset", "trunc
                 return None
             fault = faults[state["k"] % len(faults)]
             state["k"] += 1
-            if fault in ("reset", "truncate", "corrupt") and (method not in ("GET", "PUT") or "?" in path
-                                                              or (method == "PUT" and fault != "reset")):
+            if fault in ("reset", "truncate", "corrupt") and (
+                method not in ("GET", "PUT") or "?" in path or (method == "PUT" and fault != "reset")
+            ):
                 return None  # listings, deletes: only throttled
             if fault == "503":
                 state["burst"] = burst - 1
@@ -73,8 +86,9 @@ def _corrupted(data: bytes) -> bytes:
 
 
 class FaultProxy:
-    def __init__(self, upstream: str, plan: Plan | None = None, slow_chunk: int = 512,
-                 slow_pause_s: float = 0.002) -> None:
+    def __init__(
+        self, upstream: str, plan: Plan | None = None, slow_chunk: int = 512, slow_pause_s: float = 0.002
+    ) -> None:
         u = urlsplit(upstream)
         self.upstream = (u.hostname or "127.0.0.1", u.port or 80)
         self.plan = plan or (lambda m, p, n: None)
@@ -142,7 +156,9 @@ class FaultProxy:
                     conn.endheaders(body if body else None)
                     resp = conn.getresponse()
                     data = resp.read()
-                    headers = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP | {"content-length"}]
+                    headers = [
+                        (k, v) for k, v in resp.getheaders() if k.lower() not in _HOP | {"content-length"}
+                    ]
                     status, reason = resp.status, resp.reason
                 finally:
                     conn.close()

@@ -21,8 +21,16 @@ from sbatch_gen.xr_options import CrossRegion, to_argv
 from .s3server import free_port
 
 _SCRUB = ("SLURM_", "TORCHELASTIC_", "SBATCH_GEN_")
-_SCRUB_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "GROUP_RANK", "GROUP_WORLD_SIZE")
+_SCRUB_NAMES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+)
 
 
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -63,7 +71,9 @@ class RegionRun:
                 rcs.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 self.kill()
-                raise TimeoutError(f"region {self.region} did not finish in {timeout:g} s; log:\n{self.tail()}") from None
+                raise TimeoutError(
+                    f"region {self.region} did not finish in {timeout:g} s; log:\n{self.tail()}"
+                ) from None
         return rcs
 
     def worker_pids(self) -> list[int]:
@@ -136,12 +146,24 @@ def launch_region(
     train += to_argv(xr) + list(extra_args or [])
     procs, logs = [], []
     for node in range(nnodes):
-        cmd = [python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={xr.region}",
-               "--max-restarts=0", *train]
+        cmd = [
+            python,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={nnodes}",
+            f"--nproc-per-node={nproc}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={xr.region}",
+            "--max-restarts=0",
+            *train,
+        ]
         log = log_dir / (f"{xr.region}.log" if nnodes == 1 else f"{xr.region}.node{node}.log")
         with open(log, "ab") as f:
-            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=clean_env(env),
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    cmd, stdout=f, stderr=subprocess.STDOUT, env=clean_env(env), start_new_session=True
+                )
+            )
         logs.append(log)
     return RegionRun(xr.region, run_dir, procs, logs, cmd)

@@ -49,8 +49,9 @@ class S3Server:
     """``host``: the address to bind, 127.0.0.1 unless the clients live in network namespaces of the test's
     own (then the address of the bridge they reach this machine by)."""
 
-    def __init__(self, port: int | None = None, log_path: str | os.PathLike | None = None,
-                 host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, port: int | None = None, log_path: str | os.PathLike | None = None, host: str = "127.0.0.1"
+    ) -> None:
         self.host = host
         self.port = port
         self._fixed_port = port
@@ -68,7 +69,9 @@ class S3Server:
             out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
             self.proc = subprocess.Popen(
                 [_moto_server_bin(), "-H", self.host, "-p", str(port)],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
             if out is not subprocess.DEVNULL:
                 out.close()
@@ -112,8 +115,11 @@ class S3Server:
         import boto3
 
         return boto3.client(
-            "s3", endpoint_url=self.endpoint_url, aws_access_key_id=ACCESS_KEY,
-            aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
+            "s3",
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name="us-east-1",
         )
 
     def create_bucket(self, name: str) -> None:

@@ -197,6 +197,7 @@ def checkpoint_bytes(path: Path) -> int:
 # ---------------------------------------------------------------------------------------------------
 # DCP save / load
 
+
 def _tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -255,15 +256,25 @@ def check_model_shapes(path: Path, model_state: dict[str, Any], model_cfg: dict 
         if key not in shapes:
             problems.append(f"{name} is not in the checkpoint")
         elif tuple(shapes[key]) != tuple(t.shape):
-            problems.append(f"{name} has shape {list(shapes[key])} in the checkpoint, {list(t.shape)} in this model")
-    extra = sorted(k[len("model."):] for k in shapes if k.startswith("model.") and k[len("model."):] not in model_state)
+            problems.append(
+                f"{name} has shape {list(shapes[key])} in the checkpoint, {list(t.shape)} in this model"
+            )
+    extra = sorted(
+        k[len("model.") :] for k in shapes if k.startswith("model.") and k[len("model.") :] not in model_state
+    )
     problems += [f"{k} is in the checkpoint but not in this model" for k in extra]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         cfgs = ""
         if saved_cfg is not None and model_cfg is not None and saved_cfg != model_cfg:
-            diff = {k: (saved_cfg.get(k), model_cfg.get(k)) for k in model_cfg if saved_cfg.get(k) != model_cfg.get(k)}
-            cfgs = "; model config differs (checkpoint, now): " + ", ".join(f"{k}={a}->{b}" for k, (a, b) in diff.items())
+            diff = {
+                k: (saved_cfg.get(k), model_cfg.get(k))
+                for k in model_cfg
+                if saved_cfg.get(k) != model_cfg.get(k)
+            }
+            cfgs = "; model config differs (checkpoint, now): " + ", ".join(
+                f"{k}={a}->{b}" for k, (a, b) in diff.items()
+            )
         raise CheckpointError(
             f"checkpoint {path} was saved for a different model: " + "; ".join(problems[:3]) + more + cfgs
         )
@@ -289,8 +300,16 @@ class Checkpointer:
     releases it.
     """
 
-    def __init__(self, run_dir: Path, dist_info, device, keep_last: int, async_save: bool, marker_extra: dict,
-                 crc: bool = False):
+    def __init__(
+        self,
+        run_dir: Path,
+        dist_info,
+        device,
+        keep_last: int,
+        async_save: bool,
+        marker_extra: dict,
+        crc: bool = False,
+    ):
         import torch.distributed as dist
 
         self.run_dir = Path(run_dir)
@@ -329,7 +348,9 @@ class Checkpointer:
         self.save_times.append(res.seconds)
         self.last_saved = res
         if self.info.is_main:
-            log.info("checkpoint step %d saved to %s in %.2fs (blocking %.2fs)", step, path, res.seconds, blocking)
+            log.info(
+                "checkpoint step %d saved to %s in %.2fs (blocking %.2fs)", step, path, res.seconds, blocking
+            )
         return res
 
     def finished_step(self) -> int:
@@ -385,13 +406,16 @@ class Checkpointer:
         t0 = time.perf_counter()
         if self.info.is_main:
             if path.exists():
-                log.warning("replacing %s (incomplete, or from before the checkpoint this run resumed from)", path)
+                log.warning(
+                    "replacing %s (incomplete, or from before the checkpoint this run resumed from)", path
+                )
                 shutil.rmtree(path)
             path.mkdir(parents=True)
         self._barrier()
         if self.async_save and not block:
-            fut = dcp.async_save(state, checkpoint_id=str(path), process_group=self._pg,
-                                 async_stager=self.stager())
+            fut = dcp.async_save(
+                state, checkpoint_id=str(path), process_group=self._pg, async_stager=self.stager()
+            )
             self._pending = (fut, step, path, t0, time.perf_counter() - t0)
             return None
         try:
@@ -410,8 +434,14 @@ class Checkpointer:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             cuda = self.device.type == "cuda"
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=cuda,
+                )
+            )
         return self._stager
 
     def load(self, path: Path, state: dict, optional: tuple[str, ...] = ()) -> list[str]:

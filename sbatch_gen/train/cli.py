@@ -19,11 +19,21 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: newest complete checkpoint in the run dir, else fresh; none: fresh; PATH: that checkpoint",
     )
-    ap.add_argument("--run-dir", default=None, help="checkpoints, metrics.jsonl, summary.json (default: config run_dir)")
-    ap.add_argument("--data-path", default=None, help="this region's shard file or shard directory (overrides data.path)")
-    ap.add_argument("--stop-file", default=None, help="stop when this file appears (default: $SBATCH_GEN_STOP_FILE)")
-    ap.add_argument("--max-steps", type=int, default=None,
-                    help="end after this step (<= train.steps; the LR schedule still spans train.steps)")
+    ap.add_argument(
+        "--run-dir", default=None, help="checkpoints, metrics.jsonl, summary.json (default: config run_dir)"
+    )
+    ap.add_argument(
+        "--data-path", default=None, help="this region's shard file or shard directory (overrides data.path)"
+    )
+    ap.add_argument(
+        "--stop-file", default=None, help="stop when this file appears (default: $SBATCH_GEN_STOP_FILE)"
+    )
+    ap.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="end after this step (<= train.steps; the LR schedule still spans train.steps)",
+    )
     xr_options.add_arguments(ap)
     return ap
 

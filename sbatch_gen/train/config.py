@@ -55,7 +55,9 @@ class DataConfig(StrictModel):
 
 
 class TrainSection(StrictModel):
-    steps: int = Field(ge=1, le=100_000_000, description="Total optimizer steps (the LR schedule spans these).")
+    steps: int = Field(
+        ge=1, le=100_000_000, description="Total optimizer steps (the LR schedule spans these)."
+    )
     batch_size: int = Field(ge=1, le=65536, description="Sequences per rank per micro-batch.")
     grad_accum: int = Field(default=1, ge=1, le=4096, description="Micro-batches per optimizer step.")
     seed: int = Field(default=1234, ge=0, lt=2**63)
@@ -67,8 +69,10 @@ class TrainSection(StrictModel):
         default="auto", description="torch.use_deterministic_algorithms; auto: on for CPU only."
     )
     peak_tflops: float | None = Field(
-        default=None, gt=0, description="Dense BF16 peak per device (TFLOP/s) for MFU/HFU. Unset: taken from "
-        "the GPU's name (metrics.PEAK_BF16_FLOPS), none on CPU; set it for a GPU the table does not know."
+        default=None,
+        gt=0,
+        description="Dense BF16 peak per device (TFLOP/s) for MFU/HFU. Unset: taken from "
+        "the GPU's name (metrics.PEAK_BF16_FLOPS), none on CPU; set it for a GPU the table does not know.",
     )
 
 
@@ -106,7 +110,9 @@ class CheckpointConfig(StrictModel):
 
 
 class DistConfig(StrictModel):
-    backend: Literal["auto", "nccl", "gloo"] = Field(default="auto", description="auto: nccl on CUDA, else gloo.")
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        default="auto", description="auto: nccl on CUDA, else gloo."
+    )
     timeout_s: float = Field(default=600, gt=0, le=86_400, description="Collective timeout.")
 
 
@@ -146,8 +152,9 @@ class XRProblem(str):
         return self
 
 
-def xr_problems(cfg: TrainConfig, xr, end_step: int | None = None,
-                config_name: str | None = None) -> tuple[list[XRProblem], list[XRProblem]]:
+def xr_problems(
+    cfg: TrainConfig, xr, end_step: int | None = None, config_name: str | None = None
+) -> tuple[list[XRProblem], list[XRProblem]]:
     """Check a train config against cross-region settings (``xr_options.CrossRegion``).
 
     Returns (errors, warnings), each an :class:`XRProblem` naming its ``cross_region`` field. Torch-free,
@@ -170,29 +177,35 @@ def xr_problems(cfg: TrainConfig, xr, end_step: int | None = None,
         # No replay can span more steps than the run has (end_step: a --max-steps cap).
         every = min(cfg.checkpoint.every, end_step or cfg.train.steps)
         if xr.keep_rounds < every:
-            errors.append(XRProblem(
-                "keep_rounds",
-                f"cross_region.keep_rounds ({xr.keep_rounds}) must cover the {every} rounds between two "
-                f"checkpoints (checkpoint.every {every} steps{in_cfg}, one round per step with sync: grad): "
-                "a region resumed after a crash re-enters those rounds and grad mode cannot fast-forward. "
-                f"Raise keep_rounds to {every}, or lower checkpoint.every to {xr.keep_rounds}.",
-            ))
+            errors.append(
+                XRProblem(
+                    "keep_rounds",
+                    f"cross_region.keep_rounds ({xr.keep_rounds}) must cover the {every} rounds between two "
+                    f"checkpoints (checkpoint.every {every} steps{in_cfg}, one round per step with sync: grad): "
+                    "a region resumed after a crash re-enters those rounds and grad mode cannot fast-forward. "
+                    f"Raise keep_rounds to {every}, or lower checkpoint.every to {xr.keep_rounds}.",
+                )
+            )
     else:
         rounds = cfg.train.steps // h
         if rounds >= 1 and xr.snapshot_every > rounds:
-            errors.append(XRProblem(
-                "snapshot_every",
-                f"cross_region.snapshot_every ({xr.snapshot_every}) is more than the {rounds} outer rounds of "
-                f"the run (train.steps {cfg.train.steps}{in_cfg} // inner_steps {h}): no outer snapshot is "
-                "ever written, and rounds are deleted only once a snapshot covers them, so keep_rounds never "
-                "takes effect and the mailbox keeps every region's payload of every round until someone "
-                f"deletes it by hand. Set snapshot_every to at most {rounds}.",
-            ))
+            errors.append(
+                XRProblem(
+                    "snapshot_every",
+                    f"cross_region.snapshot_every ({xr.snapshot_every}) is more than the {rounds} outer rounds of "
+                    f"the run (train.steps {cfg.train.steps}{in_cfg} // inner_steps {h}): no outer snapshot is "
+                    "ever written, and rounds are deleted only once a snapshot covers them, so keep_rounds never "
+                    "takes effect and the mailbox keeps every region's payload of every round until someone "
+                    f"deletes it by hand. Set snapshot_every to at most {rounds}.",
+                )
+            )
     if xr.sync == "diloco" and cfg.train.steps % h:
-        warnings.append(XRProblem(
-            "inner_steps",
-            f"train.steps ({cfg.train.steps}{in_cfg}) is not a multiple of cross_region.inner_steps "
-            f"({h}): the last {cfg.train.steps % h} steps stay local to each region. Make train.steps a "
-            "multiple of inner_steps to end on a synchronised model.",
-        ))
+        warnings.append(
+            XRProblem(
+                "inner_steps",
+                f"train.steps ({cfg.train.steps}{in_cfg}) is not a multiple of cross_region.inner_steps "
+                f"({h}): the last {cfg.train.steps % h} steps stay local to each region. Make train.steps a "
+                "multiple of inner_steps to end on a synchronised model.",
+            )
+        )
     return errors, warnings

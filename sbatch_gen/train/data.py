@@ -62,7 +62,9 @@ def source_files(source: str) -> tuple[Path, list[str]]:
     return root, out
 
 
-def prepare(out_dir: str | Path, regions: list[str], source: str = "python-stdlib", max_bytes: int = 0) -> dict:
+def prepare(
+    out_dir: str | Path, regions: list[str], source: str = "python-stdlib", max_bytes: int = 0
+) -> dict:
     """Write ``<out_dir>/<region>.bin`` + ``.json`` for every region, and ``manifest.json``."""
     if not regions or len(set(regions)) != len(regions):
         raise ValueError(f"regions must be non-empty and distinct: {regions}")
@@ -125,8 +127,10 @@ def ensure_shard(path: str | Path, region: str, regions: list[str], source: str,
     if p.is_file():
         return p
     if Path(path).suffix == ".bin":
-        raise FileNotFoundError(f"data shard {p} does not exist (prepare it with "
-                                f"`python -m sbatch_gen.train.data prepare --out DIR --regions ...`)")
+        raise FileNotFoundError(
+            f"data shard {p} does not exist (prepare it with "
+            f"`python -m sbatch_gen.train.data prepare --out DIR --regions ...`)"
+        )
     if region not in regions:
         raise ValueError(f"region {region!r} is not in {regions}")
     prepare(p.parent, regions, source=source, max_bytes=max_bytes)
@@ -202,8 +206,13 @@ class Sampler:
         return win[:, :-1], win[:, 1:]
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor, "n_windows": self.n_windows,
-                "seq_len": self.seq_len, "seed": self.seed}
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "n_windows": self.n_windows,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+        }
 
     def load_state_dict(self, s: dict) -> None:
         if int(s["n_windows"]) != self.n_windows or int(s["seq_len"]) != self.seq_len:
@@ -246,8 +255,9 @@ class Batches:
         t0 = time.perf_counter()
         before = self.sampler.state_dict()
         if self.pin_memory:
-            host = torch.empty((self.sampler.batch_size, self.sampler.seq_len + 1), dtype=torch.int64,
-                               pin_memory=True)
+            host = torch.empty(
+                (self.sampler.batch_size, self.sampler.seq_len + 1), dtype=torch.int64, pin_memory=True
+            )
             self.sampler.windows(self.tokens, out=host.numpy())
         else:
             host = torch.from_numpy(self.sampler.windows(self.tokens))
@@ -296,8 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         regions = [r for r in a.regions.split(",") if r]
         m = prepare(a.out, regions, source=a.source, max_bytes=a.max_bytes)
         for r, info in m["regions"].items():
-            print(f"{Path(a.out) / (r + '.bin')}: {info['tokens']} tokens from {info['files']} files "
-                  f"sha256 {info['sha256'][:16]}")
+            print(
+                f"{Path(a.out) / (r + '.bin')}: {info['tokens']} tokens from {info['files']} files "
+                f"sha256 {info['sha256'][:16]}"
+            )
         return 0
     sh = Shard.open(a.shard)
     print(json.dumps({"path": str(sh.path), "tokens": int(sh.tokens.size), "sha256": sh.sha256}))

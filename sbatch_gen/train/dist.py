@@ -20,9 +20,23 @@ log = logging.getLogger("sbatch_gen.train")
 # Environment variables worth seeing when a job hangs or is slow (prefixes and exact names).
 _ENV_PREFIXES = ("NCCL_", "TORCH_", "GLOO_", "TORCHELASTIC_", "CUDA_", "FI_", "UCX_")
 _ENV_NAMES = (
-    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-    "GROUP_WORLD_SIZE", "ROLE_RANK", "OMP_NUM_THREADS", "SLURM_JOB_ID", "SLURM_NODEID", "SLURM_PROCID",
-    "SLURM_RESTART_COUNT", "SLURMD_NODENAME", "SLURM_JOB_NODELIST", "HOSTNAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "OMP_NUM_THREADS",
+    "SLURM_JOB_ID",
+    "SLURM_NODEID",
+    "SLURM_PROCID",
+    "SLURM_RESTART_COUNT",
+    "SLURMD_NODENAME",
+    "SLURM_JOB_NODELIST",
+    "HOSTNAME",
 )
 
 
@@ -98,11 +112,7 @@ def pick_device(info: DistInfo) -> torch.device:
 
 
 def relevant_env() -> dict[str, str]:
-    return {
-        k: v
-        for k, v in sorted(os.environ.items())
-        if k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES
-    }
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES}
 
 
 def init(backend: str = "auto", timeout_s: float = 600.0) -> tuple[DistInfo, torch.device]:
@@ -119,15 +129,27 @@ def init(backend: str = "auto", timeout_s: float = 600.0) -> tuple[DistInfo, tor
     info = DistInfo(**{**pre.__dict__, "backend": backend if pre.is_distributed else "none"})
     log.info(
         "rank %d/%d local_rank %d/%d node %d/%d device %s backend %s master %s:%s pid %d host %s",
-        info.rank, info.world_size, info.local_rank, info.local_world_size, info.node_rank,
-        info.num_nodes, device, info.backend, info.master_addr or "-", info.master_port or "-",
-        os.getpid(), os.uname().nodename,
+        info.rank,
+        info.world_size,
+        info.local_rank,
+        info.local_world_size,
+        info.node_rank,
+        info.num_nodes,
+        device,
+        info.backend,
+        info.master_addr or "-",
+        info.master_port or "-",
+        os.getpid(),
+        os.uname().nodename,
     )
     if info.is_main:
         for k, v in relevant_env().items():
             log.info("env %s=%s", k, v)
-    if (info.is_main and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            and _env_int("TORCHELASTIC_MAX_RESTARTS", 0) > 0):
+    if (
+        info.is_main
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and _env_int("TORCHELASTIC_MAX_RESTARTS", 0) > 0
+    ):
         log.warning(
             "torchrun shares its rendezvous store with the process group and may restart workers: a restarted "
             "worker can read the previous attempt's peer addresses and fail to connect (pytorch#135712). "
@@ -135,7 +157,9 @@ def init(backend: str = "auto", timeout_s: float = 600.0) -> tuple[DistInfo, tor
         )
     if info.is_distributed:
         t0 = time.perf_counter()
-        log.info("init_process_group(%s) waiting for %d ranks (timeout %.0fs)", backend, info.world_size, timeout_s)
+        log.info(
+            "init_process_group(%s) waiting for %d ranks (timeout %.0fs)", backend, info.world_size, timeout_s
+        )
         kwargs = {}
         if backend == "nccl":
             kwargs["device_id"] = device

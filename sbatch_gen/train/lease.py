@@ -87,13 +87,23 @@ def stale_reason(holder: dict, *, job_id: str, host: str, now: float, period_s: 
 def describe_holder(holder: dict, now: float, period_s: float) -> str:
     age = now - float(holder.get("heartbeat", now))
     limit = STALE_PERIODS * max(float(holder.get("period_s", period_s)), period_s)
-    return (f"job {holder.get('job_id', '?')} on host {holder.get('host', '?')} (pid {holder.get('pid', '?')}), "
-            f"heartbeat {age:.0f} s ago (stale after {limit:g} s)")
+    return (
+        f"job {holder.get('job_id', '?')} on host {holder.get('host', '?')} (pid {holder.get('pid', '?')}), "
+        f"heartbeat {age:.0f} s ago (stale after {limit:g} s)"
+    )
 
 
 class Lease:
-    def __init__(self, run_dir: str | os.PathLike, *, period_s: float | None = None, job_id: str | None = None,
-                 host: str | None = None, pid: int | None = None, clock=time.time) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        period_s: float | None = None,
+        job_id: str | None = None,
+        host: str | None = None,
+        pid: int | None = None,
+        clock=time.time,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LEASE_FILE
         self.period_s = default_period() if period_s is None else float(period_s)
@@ -111,8 +121,15 @@ class Lease:
 
     # -- file helpers
     def _record(self) -> dict:
-        return {"job_id": self.job_id, "host": self.host, "pid": self.pid, "heartbeat": self.clock(),
-                "period_s": self.period_s, "token": self.token, "acquired": self._acquired}
+        return {
+            "job_id": self.job_id,
+            "host": self.host,
+            "pid": self.pid,
+            "heartbeat": self.clock(),
+            "period_s": self.period_s,
+            "token": self.token,
+            "acquired": self._acquired,
+        }
 
     def _temp(self) -> Path:
         tmp = self.run_dir / f".{LEASE_FILE}.tmp-{self.pid}-{uuid.uuid4().hex[:8]}"
@@ -164,13 +181,15 @@ class Lease:
                         os.link(tmp, self.path)
                     else:
                         now = self.clock()
-                        why = stale_reason(holder, job_id=self.job_id, host=self.host, now=now,
-                                           period_s=self.period_s)
+                        why = stale_reason(
+                            holder, job_id=self.job_id, host=self.host, now=now, period_s=self.period_s
+                        )
                         if why is None:
                             raise LeaseHeld(
                                 f"run dir {self.run_dir} is in use by {describe_holder(holder, now, self.period_s)}: "
                                 f"not starting a second trainer on it (remove {self.path} only if that job is "
-                                "really gone)") from None
+                                "really gone)"
+                            ) from None
                         os.replace(tmp, self.path)
                         took_over = f"took over the lease of job {holder.get('job_id', '?')}: {why}"
             finally:
@@ -178,8 +197,10 @@ class Lease:
             mine = self.read()
             if not mine or mine.get("token") != self.token:  # lost a race with a writer outside the lock
                 holder = mine or {}
-                raise LeaseHeld(f"run dir {self.run_dir} is in use by "
-                                f"{describe_holder(holder, self.clock(), self.period_s)}")
+                raise LeaseHeld(
+                    f"run dir {self.run_dir} is in use by "
+                    f"{describe_holder(holder, self.clock(), self.period_s)}"
+                )
         self.held = True
         return took_over
 
@@ -190,7 +211,9 @@ class Lease:
                 return False
             cur = self.read()
             if cur is not None and cur.get("token") != self.token:
-                self.lost = f"the lease was taken over by {describe_holder(cur or {}, self.clock(), self.period_s)}"
+                self.lost = (
+                    f"the lease was taken over by {describe_holder(cur or {}, self.clock(), self.period_s)}"
+                )
                 self.held = False
                 return False
             tmp = self._temp()
@@ -210,8 +233,12 @@ class Lease:
                 warned = False
             except OSError as e:
                 if not warned:
-                    log.warning("run-dir lease heartbeat not written (%s: %s); retrying every %g s",
-                                self.path, e.strerror or e, self.period_s)
+                    log.warning(
+                        "run-dir lease heartbeat not written (%s: %s); retrying every %g s",
+                        self.path,
+                        e.strerror or e,
+                        self.period_s,
+                    )
                     warned = True
 
     def start(self) -> None:

@@ -52,8 +52,9 @@ def peak_flops(device_name: str) -> float | None:
     return PEAK_BF16_FLOPS[best] if best is not None else None
 
 
-def utilization(tokens_per_s: float | None, world_size: int, flops_per_token: float,
-                peak: float | None) -> float | None:
+def utilization(
+    tokens_per_s: float | None, world_size: int, flops_per_token: float, peak: float | None
+) -> float | None:
     """MFU (or HFU, given hardware FLOPs per token): the FLOP/s one device sustains over its peak.
 
     ``tokens_per_s`` is the whole group's rate (every rank's tokens), so one device does
@@ -81,20 +82,33 @@ def memory_record(device) -> dict:
         import torch
 
         free, total = torch.cuda.mem_get_info(device)
-        return {"mem_bytes": int(torch.cuda.max_memory_allocated(device)), "mem_kind": "cuda_max_allocated",
-                "mem_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
-                "mem_free_bytes": int(free), "mem_total_bytes": int(total)}
-    return {"mem_bytes": max_rss_bytes(), "mem_kind": "max_rss", "mem_reserved_bytes": None,
-            "mem_free_bytes": None, "mem_total_bytes": None}
+        return {
+            "mem_bytes": int(torch.cuda.max_memory_allocated(device)),
+            "mem_kind": "cuda_max_allocated",
+            "mem_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+            "mem_free_bytes": int(free),
+            "mem_total_bytes": int(total),
+        }
+    return {
+        "mem_bytes": max_rss_bytes(),
+        "mem_kind": "max_rss",
+        "mem_reserved_bytes": None,
+        "mem_free_bytes": None,
+        "mem_total_bytes": None,
+    }
 
 
 def memory_summary(device) -> dict:
     """The summary's ``memory``: the CUDA peaks and the device's free/total (None on CPU), and max RSS."""
     rec = memory_record(device)
     cuda = rec["mem_kind"] == "cuda_max_allocated"
-    return {"max_allocated_bytes": rec["mem_bytes"] if cuda else None,
-            "max_reserved_bytes": rec["mem_reserved_bytes"], "device_free_bytes": rec["mem_free_bytes"],
-            "device_total_bytes": rec["mem_total_bytes"], "max_rss_bytes": max_rss_bytes()}
+    return {
+        "max_allocated_bytes": rec["mem_bytes"] if cuda else None,
+        "max_reserved_bytes": rec["mem_reserved_bytes"],
+        "device_free_bytes": rec["mem_free_bytes"],
+        "device_total_bytes": rec["mem_total_bytes"],
+        "max_rss_bytes": max_rss_bytes(),
+    }
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -166,8 +180,12 @@ def summarize(
         "first_step": first_step,
         "last_step": last_step,
         "resumed_from_step": resumed_from,
-        "step_time_s": {"mean": mean, "p50": percentile(times, 50), "p99": percentile(times, 99),
-                        "max": max(times) if times else float("nan")},
+        "step_time_s": {
+            "mean": mean,
+            "p50": percentile(times, 50),
+            "p99": percentile(times, 99),
+            "max": max(times) if times else float("nan"),
+        },
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_s,
         "world_size": world_size,
@@ -183,7 +201,9 @@ def summarize(
         "checkpoint_load_s": load_s,
         # Process start to the end of the first step this process trained.
         "startup_to_first_step_s": (first_step_done - process_start) if first_step_done else None,
-        "resume_time_s": (first_step_done - process_start) if (first_step_done and resumed_from is not None) else None,
+        "resume_time_s": (first_step_done - process_start)
+        if (first_step_done and resumed_from is not None)
+        else None,
         "restarts_seen": restarts_seen(),
         "time": time.time(),
     }
@@ -200,7 +220,8 @@ def format_summary(s: dict) -> str:
     st = s["step_time_s"]
     lines = [
         f"summary: {s['exit']} at step {s['last_step']} ({s['steps_this_process']} steps in this process"
-        + (f", resumed from {s['resumed_from_step']}" if s["resumed_from_step"] is not None else "") + ")",
+        + (f", resumed from {s['resumed_from_step']}" if s["resumed_from_step"] is not None else "")
+        + ")",
         f"  step time mean {st['mean']:.4f}s p50 {st['p50']:.4f}s p99 {st['p99']:.4f}s; "
         f"{s['tokens_per_s']:.0f} tokens/s",
     ]
@@ -209,8 +230,10 @@ def format_summary(s: dict) -> str:
     mem = s.get("memory") or {}
     if mem.get("max_allocated_bytes") is not None:
         gib = 2.0**30
-        line = (f"  GPU memory: max allocated {mem['max_allocated_bytes'] / gib:.2f} GiB, max reserved "
-                f"{mem['max_reserved_bytes'] / gib:.2f} GiB")
+        line = (
+            f"  GPU memory: max allocated {mem['max_allocated_bytes'] / gib:.2f} GiB, max reserved "
+            f"{mem['max_reserved_bytes'] / gib:.2f} GiB"
+        )
         if mem.get("device_total_bytes"):
             line += f", device {mem['device_free_bytes'] / gib:.1f} of {mem['device_total_bytes'] / gib:.1f} GiB free"
         lines.append(line)

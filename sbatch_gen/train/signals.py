@@ -89,7 +89,11 @@ def write_ack(stop_file: Path, step: int, checkpoint: Path | None, reason: str) 
     """rank 0: ``<stop file>.ack`` as JSON, atomically (the batch shell polls for it)."""
     ack = ack_path(stop_file)
     ack.parent.mkdir(parents=True, exist_ok=True)
-    record = {"step": step, "checkpoint": str(checkpoint) if checkpoint else None, "reason": reason,
-              "time": time.time()}
+    record = {
+        "step": step,
+        "checkpoint": str(checkpoint) if checkpoint else None,
+        "reason": reason,
+        "time": time.time(),
+    }
     write_atomic(ack, json.dumps(record) + "\n")
     return ack

@@ -239,9 +239,13 @@ def run(spec: RunSpec, process_start: float | None = None, stop: StopRequest | N
         run_dir = spec.run_dir
         where = f" writing {full.filename}" if full.filename else ""
         if info.is_main:
-            log.error("no space left on device%s (%s); the last complete checkpoint (%s) is kept: free space "
-                      "and resubmit (--resume auto continues from it)", where, full.strerror or full,
-                      newest_complete(run_dir) or "none yet")
+            log.error(
+                "no space left on device%s (%s); the last complete checkpoint (%s) is kept: free space "
+                "and resubmit (--resume auto continues from it)",
+                where,
+                full.strerror or full,
+                newest_complete(run_dir) or "none yet",
+            )
         elif not (full.filename and checkpoints_dir(run_dir) in Path(full.filename).parents):
             log.error("no space left on device%s (%s): free space and resubmit", where, full.strerror or full)
         return EXIT_DISK_FULL
@@ -308,15 +312,23 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         use_bf16 = t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda")
         self.amp_dtype = torch.bfloat16 if use_bf16 else None
-        log.info("run dir %s; steps %d (end at %d); device %s; precision %s; deterministic %s",
-                 self.run_dir, t.steps, end_step, device, "bf16 autocast" if use_bf16 else "fp32",
-                 self.deterministic)
+        log.info(
+            "run dir %s; steps %d (end at %d); device %s; precision %s; deterministic %s",
+            self.run_dir,
+            t.steps,
+            end_step,
+            device,
+            "bf16 autocast" if use_bf16 else "fp32",
+            self.deterministic,
+        )
 
         # Model: identical initialisation on every rank, then per-rank RNG streams (dropout).
         torch.manual_seed(t.seed)
         self.model = GPT(cfg.model).to(device)
         n_params = self.model.num_params()
-        self.flops_model, self.flops_hw = flops_per_token(cfg.model, self.model.num_params(exclude_embeddings=True))
+        self.flops_model, self.flops_hw = flops_per_token(
+            cfg.model, self.model.num_params(exclude_embeddings=True)
+        )
         torch.manual_seed(t.seed + 1 + info.rank)
         np.random.seed((t.seed + 1 + info.rank) % 2**32)
         self.peak = t.peak_tflops * 1e12 if t.peak_tflops else None
@@ -325,9 +337,15 @@ class Trainer:
             self.peak = peak_flops(name)
             if self.peak is None:
                 log.warning("no BF16 peak known for %r: MFU not reported (set train.peak_tflops)", name)
-        log.info("model: %d layers, d_model %d, %d heads, seq %d: %.2fM parameters, %.3g FLOP/token",
-                 cfg.model.n_layers, cfg.model.d_model, cfg.model.n_heads, cfg.model.seq_len,
-                 n_params / 1e6, self.flops_model)
+        log.info(
+            "model: %d layers, d_model %d, %d heads, seq %d: %.2fM parameters, %.3g FLOP/token",
+            cfg.model.n_layers,
+            cfg.model.d_model,
+            cfg.model.n_heads,
+            cfg.model.seq_len,
+            n_params / 1e6,
+            self.flops_model,
+        )
 
         self.comm = _CommTimer()
         # DDP only with someone to average with: at world size 1 (one GPU, as on a GH200 node) it would
@@ -353,8 +371,13 @@ class Trainer:
         if not self.use_ddp:
             log.info("DDP: off (world size 1)")
         else:
-            log.info("DDP: on, %d ranks, %s", info.world_size, "all-reduce timed by a comm hook"
-                     if self.time_allreduce else "built-in all-reduce hook (not timed)")
+            log.info(
+                "DDP: on, %d ranks, %s",
+                info.world_size,
+                "all-reduce timed by a comm hook"
+                if self.time_allreduce
+                else "built-in all-reduce hook (not timed)",
+            )
 
         decay: list[torch.nn.Parameter] = []
         no_decay: list[torch.nn.Parameter] = []
@@ -363,30 +386,51 @@ class Trainer:
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr_at(cfg, 1), betas=(o.beta1, o.beta2), eps=o.eps,
+            lr=lr_at(cfg, 1),
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
             **({"fused": True} if device.type == "cuda" else {"foreach": True}),
         )
 
         # Data: this region's shard only. A node's local rank 0 prepares a missing shard.
         if info.local_rank == 0:
-            shard_file = ensure_shard(cfg.data.path, xr.region, list(xr.regions), cfg.data.source, cfg.data.max_bytes)
+            shard_file = ensure_shard(
+                cfg.data.path, xr.region, list(xr.regions), cfg.data.source, cfg.data.max_bytes
+            )
         self._barrier()
         if info.local_rank != 0:
-            shard_file = ensure_shard(cfg.data.path, xr.region, list(xr.regions), cfg.data.source, cfg.data.max_bytes)
+            shard_file = ensure_shard(
+                cfg.data.path, xr.region, list(xr.regions), cfg.data.source, cfg.data.max_bytes
+            )
         self.shard = Shard.open(shard_file)
-        self.sampler = Sampler(self.shard.tokens.size, cfg.model.seq_len, t.batch_size, info.rank,
-                               info.world_size, t.seed)
-        log.info("data: region %s shard %s: %d tokens, %d windows, sha256 %s", xr.region, shard_file,
-                 self.shard.tokens.size, self.sampler.n_windows, self.shard.sha256[:16])
+        self.sampler = Sampler(
+            self.shard.tokens.size, cfg.model.seq_len, t.batch_size, info.rank, info.world_size, t.seed
+        )
+        log.info(
+            "data: region %s shard %s: %d tokens, %d windows, sha256 %s",
+            xr.region,
+            shard_file,
+            self.shard.tokens.size,
+            self.sampler.n_windows,
+            self.shard.sha256[:16],
+        )
         # One micro-batch ahead; pinned host memory on CUDA (the copies never block the host).
         self.batches = Batches(self.sampler, self.shard.tokens, device, pin_memory=device.type == "cuda")
         self.tokens_per_step = t.batch_size * cfg.model.seq_len * t.grad_accum * info.world_size
         self.agreement = _Agreement(info, device)
 
         self.ckpt = Checkpointer(
-            self.run_dir, info, device, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
-            marker_extra={"model": cfg.model.model_dump(), "world_size": info.world_size,
-                          "region": xr.region, "data_sha256": self.shard.sha256},
+            self.run_dir,
+            info,
+            device,
+            cfg.checkpoint.keep_last,
+            cfg.checkpoint.async_save,
+            marker_extra={
+                "model": cfg.model.model_dump(),
+                "world_size": info.world_size,
+                "region": xr.region,
+                "data_sha256": self.shard.sha256,
+            },
             crc=cfg.checkpoint.verify == "crc32",
         )
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl" if info.is_main else None)
@@ -394,8 +438,9 @@ class Trainer:
         if xr.enabled:
             from .xr import build_outer_sync
 
-            self.sync = build_outer_sync(xr=xr, model=self.model, device=device, dist=info,
-                                         run_dir=self.run_dir, log=self._log_record)
+            self.sync = build_outer_sync(
+                xr=xr, model=self.model, device=device, dist=info, run_dir=self.run_dir, log=self._log_record
+            )
         self.step = 0
         self.tokens_seen = 0
 
@@ -422,8 +467,11 @@ class Trainer:
         torch, cfg = self.torch, self.cfg
         rng = self._rng_state()
         x = torch.zeros((cfg.train.batch_size, cfg.model.seq_len), dtype=torch.long, device=self.device)
-        autocast = (torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
-                    if self.amp_dtype is not None else contextlib.nullcontext())
+        autocast = (
+            torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+            if self.amp_dtype is not None
+            else contextlib.nullcontext()
+        )
         with autocast:
             loss = self.ddp(x, x)
         loss.backward()
@@ -516,12 +564,17 @@ class Trainer:
             if path is None and skip:
                 # Complete checkpoints exist and none loads: starting fresh would train over them (and
                 # prune them). Say so and stop; the operator decides (fix, move them, or --resume none).
-                raise _Fatal(f"--resume auto: none of the {len(skip)} complete checkpoint(s) in "
-                             f"{self.run_dir / 'checkpoints'} loads (newest: {first_error}); not starting "
-                             "fresh over them: fix or move them, or pass --resume none")
+                raise _Fatal(
+                    f"--resume auto: none of the {len(skip)} complete checkpoint(s) in "
+                    f"{self.run_dir / 'checkpoints'} loads (newest: {first_error}); not starting "
+                    "fresh over them: fix or move them, or pass --resume none"
+                )
             if path is None:
-                log.info("starting fresh (--resume %s, no loadable checkpoint in %s)", self.spec.resume,
-                         self.run_dir / "checkpoints")
+                log.info(
+                    "starting fresh (--resume %s, no loadable checkpoint in %s)",
+                    self.spec.resume,
+                    self.run_dir / "checkpoints",
+                )
                 return None, None
             try:
                 return self._load(path)
@@ -552,7 +605,9 @@ class Trainer:
         rng = state.get("rng", {}).get(self._rng_key(), {})
         has_rng = "cpu" in rng
         has_outer = "outer" in state
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
         tr = state["train"]
         self.step = int(tr["step"])
         self.tokens_seen = int(tr["tokens_seen"])
@@ -561,18 +616,29 @@ class Trainer:
         except ValueError as e:
             raise _Fatal(f"checkpoint {path}: {e}") from None
         if tr.get("data_sha256") != self.shard.sha256:
-            log.warning("checkpoint %s was trained on data with sha256 %s, this shard is %s",
-                        path, str(tr.get("data_sha256"))[:16], self.shard.sha256[:16])
+            log.warning(
+                "checkpoint %s was trained on data with sha256 %s, this shard is %s",
+                path,
+                str(tr.get("data_sha256"))[:16],
+                self.shard.sha256[:16],
+            )
         if has_rng:
             self.torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and self.device.type == "cuda":
                 self.torch.cuda.set_rng_state(rng["cuda"], self.device)
             elif f"rng.{self._rng_key()}.cuda" in dropped:
-                log.warning("checkpoint %s has no CUDA RNG state for %s (written by a CPU process?): the "
-                            "CUDA RNG keeps this process's seed", path, self._rng_key())
+                log.warning(
+                    "checkpoint %s has no CUDA RNG state for %s (written by a CPU process?): the "
+                    "CUDA RNG keeps this process's seed",
+                    path,
+                    self._rng_key(),
+                )
         else:
-            log.warning("checkpoint %s has no RNG state for %s (world size changed?): RNG reseeded",
-                        path, self._rng_key())
+            log.warning(
+                "checkpoint %s has no RNG state for %s (world size changed?): RNG reseeded",
+                path,
+                self._rng_key(),
+            )
         if self.sync is not None and has_outer:
             self.sync.load_state_dict(state["outer"])
         load_s = time.perf_counter() - t0
@@ -606,8 +672,11 @@ class Trainer:
         if adopted is not None:
             adopted = min(adopted, self.end_step)  # a run that has ended: nothing left to train
         if adopted is not None and adopted != self.step:
-            log.info("cross-region: the run is at step %d; this region continues from there (was at %d)",
-                     adopted, self.step)
+            log.info(
+                "cross-region: the run is at step %d; this region continues from there (was at %d)",
+                adopted,
+                self.step,
+            )
             self.step = adopted
 
     def _begin_loop(self) -> None:
@@ -616,14 +685,21 @@ class Trainer:
         torch, loop = self.torch, self.loop
         loop.first_step = self.step + 1
         loop.sleep_s = _step_sleep(self.info.rank)
-        self.autocast = (torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
-                         if self.amp_dtype is not None else contextlib.nullcontext())
+        self.autocast = (
+            torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+            if self.amp_dtype is not None
+            else contextlib.nullcontext()
+        )
         self.params = list(self.model.parameters())
         self.nan = torch.full((1,), float("nan"), dtype=torch.float64, device=self.device)
         self.ddp.train()
         if self.step < self.end_step and loop.exit_reason is None:
-            log.info("training steps %d..%d (%d tokens per step)", loop.first_step, self.end_step,
-                     self.tokens_per_step)
+            log.info(
+                "training steps %d..%d (%d tokens per step)",
+                loop.first_step,
+                self.end_step,
+                self.tokens_per_step,
+            )
 
     def train_step(self) -> None:
         """One step: the optimizer step, the cross-region round (if one is due), the previous step's
@@ -639,13 +715,18 @@ class Trainer:
         self.step = step
         self.tokens_seen += self.tokens_per_step
         try:
-            xr_timings = self.sync.after_optimizer_step(step, self.tokens_per_step) if self.sync is not None else None
+            xr_timings = (
+                self.sync.after_optimizer_step(step, self.tokens_per_step) if self.sync is not None else None
+            )
         except XRNoQuorum as e:  # every rank raised it; the model holds this step's local parameters
             loop.no_quorum, loop.exit_reason = e, "no_quorum"
             return
         if xr_timings and "xr_adopted_step" in xr_timings:  # behind the run: fast-forwarded
-            log.info("cross-region: fast-forwarded from step %d to the run's step %d", step,
-                     xr_timings["xr_adopted_step"])
+            log.info(
+                "cross-region: fast-forwarded from step %d to the run's step %d",
+                step,
+                xr_timings["xr_adopted_step"],
+            )
             self.step = step = min(xr_timings["xr_adopted_step"], self.end_step)
         if loop.sleep_s:
             time.sleep(loop.sleep_s)
@@ -663,10 +744,21 @@ class Trainer:
         in_flight = self.agreement.issue(self._agreement_row(loss_sum, grad_norm, own_s, data_s))
         step_s = time.perf_counter() - t0
         loop.step_times.append(step_s)
-        loop.pending = (in_flight, _StepDone(
-            step=step, lr=lr, tokens=self.tokens_seen, step_s=step_s, data_s=data_s, wait_s=wait_s,
-            ddp_span=self.comm.span() if self.time_allreduce else None, ddp_exposed=exposed,
-            xr_timings=xr_timings, ended=time.time()))
+        loop.pending = (
+            in_flight,
+            _StepDone(
+                step=step,
+                lr=lr,
+                tokens=self.tokens_seen,
+                step_s=step_s,
+                data_s=data_s,
+                wait_s=wait_s,
+                ddp_span=self.comm.span() if self.time_allreduce else None,
+                ddp_exposed=exposed,
+                xr_timings=xr_timings,
+                ended=time.time(),
+            ),
+        )
         save_now = step % self.cfg.checkpoint.every == 0 or step == self.end_step
         if xr_timings is not None or save_now:
             # This step's host waits for the device anyway: a cross-region round ran (on every rank
@@ -696,7 +788,7 @@ class Trainer:
         for micro in range(accum):
             x, y = self.batches.next()
             skip_sync = self.use_ddp and micro < accum - 1
-            with (self.no_sync() if skip_sync else contextlib.nullcontext()), self.autocast:
+            with self.no_sync() if skip_sync else contextlib.nullcontext(), self.autocast:
                 loss = self.ddp(x, y)
             (loss / accum).backward()
             loss_sum += loss.detach()
@@ -713,13 +805,16 @@ class Trainer:
     def _agreement_row(self, loss_sum, grad_norm, own_s: float, data_s: float):
         """This rank's row of :attr:`_Agreement.FIELDS` for the step just taken, on the device."""
         torch, device = self.torch, self.device
-        host_row = torch.tensor([float(self.stop.local()), own_s, data_s, float(self.ckpt.finished_step())],
-                                dtype=torch.float64)
-        return torch.cat([
-            (loss_sum / self.cfg.train.grad_accum).to(torch.float64).reshape(1),
-            host_row.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host_row,
-            grad_norm.detach().to(torch.float64).reshape(1) if grad_norm is not None else self.nan,
-        ])
+        host_row = torch.tensor(
+            [float(self.stop.local()), own_s, data_s, float(self.ckpt.finished_step())], dtype=torch.float64
+        )
+        return torch.cat(
+            [
+                (loss_sum / self.cfg.train.grad_accum).to(torch.float64).reshape(1),
+                host_row.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host_row,
+                grad_norm.detach().to(torch.float64).reshape(1) if grad_norm is not None else self.nan,
+            ]
+        )
 
     def _read_agreement(self, in_flight, done: _StepDone, last: bool = False) -> bool:
         """Read a step's agreement (every rank, at the same step): mark a background save some rank saw
@@ -736,8 +831,14 @@ class Trainer:
         # a background save some rank saw finish: every rank marks it complete (or fails) here, together
         ckpt_done = self.ckpt.collect(int(col["saved"].max().item()))
         step = done.step
-        due = (step % self.cfg.train.log_every == 0 or step == self.end_step or stop or last
-               or done.xr_timings or step == loop.first_step)
+        due = (
+            step % self.cfg.train.log_every == 0
+            or step == self.end_step
+            or stop
+            or last
+            or done.xr_timings
+            or step == loop.first_step
+        )
         if self.info.is_main and due:
             self.record(done, col, ckpt_done)
         return stop
@@ -758,7 +859,11 @@ class Trainer:
         # agreement. On CUDA that wait is the device finishing the previous step, and NCCL's all-reduce is
         # not visible from the host: comm_time_s is then None (absent), not 0.
         cpu = self.device.type == "cpu"
-        comm = None if (done.ddp_span is None and not cpu) else (done.ddp_span or 0.0) + (done.wait_s if cpu else 0.0)
+        comm = (
+            None
+            if (done.ddp_span is None and not cpu)
+            else (done.ddp_span or 0.0) + (done.wait_s if cpu else 0.0)
+        )
         rec = {
             "step": done.step,
             "loss": loss,
@@ -787,9 +892,17 @@ class Trainer:
         if done.xr_timings:
             rec.update(done.xr_timings)
         self.metrics.write(rec)
-        log.info("step %d loss %.4f lr %.3g %.0f tok/s step %.3fs data %.3fs%s%s", done.step, loss, done.lr, tok_s,
-                 done.step_s, done.data_s, f" comm {comm:.3f}s" if comm is not None else "",
-                 f" mfu {mfu:.3f}" if mfu is not None else "")
+        log.info(
+            "step %d loss %.4f lr %.3g %.0f tok/s step %.3fs data %.3fs%s%s",
+            done.step,
+            loss,
+            done.lr,
+            tok_s,
+            done.step_s,
+            done.data_s,
+            f" comm {comm:.3f}s" if comm is not None else "",
+            f" mfu {mfu:.3f}" if mfu is not None else "",
+        )
 
     # -- the end
     def finish(self) -> int:
@@ -846,15 +959,30 @@ class Trainer:
 
         loop, info, device = self.loop, self.info, self.device
         exit_reason = loop.exit_reason or "completed"
-        extra = {"model_flops_per_token": self.flops_model, "hardware_flops_per_token": self.flops_hw,
-                 "device": str(device), "region": self.xr.region,
-                 "stop_reason": self.stop.reason() if exit_reason == "stopped" else None}
-        s = summarize(step_times=loop.step_times, tokens_per_step=self.tokens_per_step, first_step=loop.first_step,
-                      last_step=self.step, resumed_from=loop.resumed_from, process_start=self.process_start,
-                      first_step_done=loop.first_step_done, checkpoint_save_s=self.ckpt.save_times,
-                      load_s=loop.load_s, exit_reason=exit_reason, world_size=info.world_size,
-                      flops_per_token=(self.flops_model, self.flops_hw), peak_flops=self.peak,
-                      memory=memory_summary(device), extra=extra)
+        extra = {
+            "model_flops_per_token": self.flops_model,
+            "hardware_flops_per_token": self.flops_hw,
+            "device": str(device),
+            "region": self.xr.region,
+            "stop_reason": self.stop.reason() if exit_reason == "stopped" else None,
+        }
+        s = summarize(
+            step_times=loop.step_times,
+            tokens_per_step=self.tokens_per_step,
+            first_step=loop.first_step,
+            last_step=self.step,
+            resumed_from=loop.resumed_from,
+            process_start=self.process_start,
+            first_step_done=loop.first_step_done,
+            checkpoint_save_s=self.ckpt.save_times,
+            load_s=loop.load_s,
+            exit_reason=exit_reason,
+            world_size=info.world_size,
+            flops_per_token=(self.flops_model, self.flops_hw),
+            peak_flops=self.peak,
+            memory=memory_summary(device),
+            extra=extra,
+        )
         write_json_atomic(self.run_dir / "summary.json", s)
         if loop.step_times:
             print(format_summary(s), file=sys.stderr, flush=True)
@@ -864,8 +992,12 @@ class Trainer:
         loop = self.loop
         if loop.no_quorum is not None:
             saved = f"checkpointed at step {self.step}" if self.step > 0 else "nothing to checkpoint yet"
-            log.error("no cross-region quorum: %s; %s, exiting %d for a requeue", loop.no_quorum, saved,
-                      EXIT_REQUEUE)
+            log.error(
+                "no cross-region quorum: %s; %s, exiting %d for a requeue",
+                loop.no_quorum,
+                saved,
+                EXIT_REQUEUE,
+            )
             return EXIT_REQUEUE
         if loop.exit_reason == "stopped":
             log.info("exiting %d: checkpointed at step %d, requeue me", EXIT_REQUEUE, self.step)

@@ -35,7 +35,9 @@ def tiny_config(path: Path, data: Path, steps: int = 6, every: int = 100) -> Pat
 
 def train(cfg: Path, run_dir: Path, *extra: str, wait: bool = True):
     cmd = [sys.executable, "-m", "sbatch_gen.train", "--config", str(cfg), "--run-dir", str(run_dir), *extra]
-    p = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    p = subprocess.Popen(
+        cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO
+    )
     if not wait:
         return p
     out = p.communicate(timeout=600)[0]
@@ -59,9 +61,28 @@ def xr_runs(tmp_path_factory) -> list[Path]:
     cfg = tiny_config(d / "tiny.yaml", d / "data")
     procs = []
     for region in ("a", "b"):
-        procs.append(train(cfg, d / region, "--xr-enabled", "--xr-run-id", "t", "--xr-region", region,
-                           "--xr-regions", "a,b", "--xr-inner-steps", "3", "--xr-transport", "fs", "--xr-root",
-                           str(d / "mailbox"), "--xr-timeout-s", "300", wait=False))
+        procs.append(
+            train(
+                cfg,
+                d / region,
+                "--xr-enabled",
+                "--xr-run-id",
+                "t",
+                "--xr-region",
+                region,
+                "--xr-regions",
+                "a,b",
+                "--xr-inner-steps",
+                "3",
+                "--xr-transport",
+                "fs",
+                "--xr-root",
+                str(d / "mailbox"),
+                "--xr-timeout-s",
+                "300",
+                wait=False,
+            )
+        )
     for p in procs:
         out = p.communicate(timeout=600)[0]
         assert p.returncode == 0, out[-3000:]

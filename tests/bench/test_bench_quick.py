@@ -21,8 +21,13 @@ pytestmark = pytest.mark.slow
 
 
 def _bench(name: str, out: Path, *extra: str, timeout: float = 900) -> dict:
-    p = subprocess.run([sys.executable, "-m", "bench", name, "--quick", "--out", str(out), *extra], cwd=REPO,
-                       capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, "-m", "bench", name, "--quick", "--out", str(out), *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     md = (out / f"{name}.md").read_text()
     data = json.loads((out / f"{name}.json").read_text())
@@ -108,7 +113,9 @@ def test_elastic_quick(tmp_path):
     # b left after round q_first; it missed a contiguous stretch from there (when it rejoined depends on timing)
     assert missed == list(range(QUICK.q_first + 1, missed[-1] + 1)), missed
     assert away["b's steps"] < base["b's steps"] and away["a's steps"] == base["a's steps"] == QUICK.q_steps
-    assert base["a == b bitwise"] is True and away["a == b bitwise"] is True  # the returning b fast-forwarded exactly
+    assert (
+        base["a == b bitwise"] is True and away["a == b bitwise"] is True
+    )  # the returning b fast-forwarded exactly
     assert all(r[headers.index("held-out loss")] > 0 for r in rows)
 
 
@@ -138,10 +145,12 @@ def test_result_files(tmp_path):
 
 
 def test_importtime_parser():
-    err = ("import time: self [us] | cumulative | imported package\n"
-           "import time:       120 |        120 |   _io\n"
-           "import time:      3000 |      90000 | torch\n"
-           "import time:        50 |         50 |     torch._C\n")
+    err = (
+        "import time: self [us] | cumulative | imported package\n"
+        "import time:       120 |        120 |   _io\n"
+        "import time:      3000 |      90000 | torch\n"
+        "import time:        50 |         50 |     torch._C\n"
+    )
     assert imported_modules(err) == ["_io", "torch", "torch._C"]
 
 
@@ -162,8 +171,22 @@ def test_delay_proxy_delays_and_keeps_bytes():
 
     threading.Thread(target=echo, daemon=True).start()
     lport = free_port()
-    proxy = subprocess.Popen([sys.executable, "-m", "bench.delayproxy", "--listen", f"127.0.0.1:{lport}", "--target",
-                              f"127.0.0.1:{port}", "--rtt-ms", "200", "--window-kb", "64"], cwd=REPO)
+    proxy = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bench.delayproxy",
+            "--listen",
+            f"127.0.0.1:{lport}",
+            "--target",
+            f"127.0.0.1:{port}",
+            "--rtt-ms",
+            "200",
+            "--window-kb",
+            "64",
+        ],
+        cwd=REPO,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:

@@ -15,8 +15,13 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(Path(sys.executable).parent / "sbatch-gen"), *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=300)
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "sbatch-gen"), *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+    )
 
 
 def _is_png(p: Path) -> bool:
@@ -32,8 +37,14 @@ def test_single_region_report(single_run, tmp_path):
     for section in ("# Run report", "## SLO baseline", "## Loss", "## Step time"):
         assert section in md
     assert "## Cross-region sync" not in md  # no sync rounds in a single-region run
-    for metric in ("step time, mean", "step time, p99", "comm fraction", "checkpoint write, mean",
-                   "resume time", "fault-recovery downtime"):
+    for metric in (
+        "step time, mean",
+        "step time, p99",
+        "comm fraction",
+        "checkpoint write, mean",
+        "resume time",
+        "fault-recovery downtime",
+    ):
         assert metric in md
     assert _is_png(out / "loss.png") and _is_png(out / "step_time.png")
     assert not (out / "sync.png").exists()
@@ -116,12 +127,25 @@ def test_report_command_does_not_import_torch(single_run, tmp_path):
         "assert not bad, bad[:5]\n"
         "assert 'matplotlib' in sys.modules\n"
     )
-    p = subprocess.run([sys.executable, "-c", code, "report", str(single_run), "--out", str(tmp_path / "r")],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", code, "report", str(single_run), "--out", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
-    p = subprocess.run([sys.executable, "-c", "import sys; from sbatch_gen.cli import main\n"
-                        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-                        "assert 'matplotlib' not in sys.modules"], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from sbatch_gen.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'matplotlib' not in sys.modules",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
 
 
@@ -143,11 +167,24 @@ def test_comm_fractions_account_for_sampled_records(tmp_path):
     assert s["comm_fraction"] == pytest.approx((1.0 + 0.8) / 5.0)
 
 
-def _xr_rec(step: int, r: int, members: list[str], absent: list[str], wait: float, late: bool = False) -> dict:
-    return {"step": step, "loss": 3.0, "step_time_s": 0.1 + wait, "time": 1000.0 + step, "xr_round": r,
-            "xr_step": step, "xr_wait_s": wait, "xr_total_s": wait + 0.05, "xr_members": members,
-            "xr_absent": absent, "xr_late": late, "xr_closed_by": members[0],
-            "xr_close_reason": "all" if not absent else "grace"}
+def _xr_rec(
+    step: int, r: int, members: list[str], absent: list[str], wait: float, late: bool = False
+) -> dict:
+    return {
+        "step": step,
+        "loss": 3.0,
+        "step_time_s": 0.1 + wait,
+        "time": 1000.0 + step,
+        "xr_round": r,
+        "xr_step": step,
+        "xr_wait_s": wait,
+        "xr_total_s": wait + 0.05,
+        "xr_members": members,
+        "xr_absent": absent,
+        "xr_late": late,
+        "xr_closed_by": members[0],
+        "xr_close_reason": "all" if not absent else "grace",
+    }
 
 
 def test_participation_timeline(tmp_path):
@@ -155,18 +192,43 @@ def test_participation_timeline(tmp_path):
     rounds 4-5 (it fast-forwards past them), back for 6-7, then leaves: round 8 closes without it."""
     all3, no_us = ["eu", "us", "ap"], ["eu", "ap"]
     eu_waits = {1: 0.5, 2: 0.7, 3: 30.0, 4: 30.0, 5: 31.0, 6: 0.4, 7: 0.6, 8: 0.2}
-    eu = [_xr_rec(10 * r, r, all3 if r in (1, 2, 6, 7) else no_us, [] if r in (1, 2, 6, 7) else ["us"], w)
-          for r, w in eu_waits.items()]
-    us = [_xr_rec(10, 1, all3, [], 0.1), _xr_rec(20, 2, all3, [], 0.1), _xr_rec(30, 3, no_us, ["us"], 0.2, late=True),
-          {"event": "xr_late", "step": 30, "round": 3, "members": no_us, "streak": 1, "time": 1030.0},
-          {"step": 31, "loss": 3.0, "step_time_s": 0.1, "time": 1100.0},
-          # behind the run at round 4: fast-forwarded to round 5 (a record without timings), then an event
-          {"event": "xr_rejoin", "step": 40, "adopted_step": 50, "from_round": 3, "to_round": 5, "replayed": 2,
-           "via": ["rounds"], "why": "behind", "seconds": 1.5, "time": 1140.0},
-          {"step": 50, "loss": 3.0, "step_time_s": 1.6, "time": 1141.0, "xr_round": 5, "xr_step": 40,
-           "xr_adopted_step": 50, "xr_rejoin_from": 3},
-          _xr_rec(60, 6, all3, [], 0.2), _xr_rec(70, 7, all3, [], 0.3),
-          {"event": "xr_leave", "step": 70, "round": 7, "reason": "stopped", "time": 1171.0}]
+    eu = [
+        _xr_rec(10 * r, r, all3 if r in (1, 2, 6, 7) else no_us, [] if r in (1, 2, 6, 7) else ["us"], w)
+        for r, w in eu_waits.items()
+    ]
+    us = [
+        _xr_rec(10, 1, all3, [], 0.1),
+        _xr_rec(20, 2, all3, [], 0.1),
+        _xr_rec(30, 3, no_us, ["us"], 0.2, late=True),
+        {"event": "xr_late", "step": 30, "round": 3, "members": no_us, "streak": 1, "time": 1030.0},
+        {"step": 31, "loss": 3.0, "step_time_s": 0.1, "time": 1100.0},
+        # behind the run at round 4: fast-forwarded to round 5 (a record without timings), then an event
+        {
+            "event": "xr_rejoin",
+            "step": 40,
+            "adopted_step": 50,
+            "from_round": 3,
+            "to_round": 5,
+            "replayed": 2,
+            "via": ["rounds"],
+            "why": "behind",
+            "seconds": 1.5,
+            "time": 1140.0,
+        },
+        {
+            "step": 50,
+            "loss": 3.0,
+            "step_time_s": 1.6,
+            "time": 1141.0,
+            "xr_round": 5,
+            "xr_step": 40,
+            "xr_adopted_step": 50,
+            "xr_rejoin_from": 3,
+        },
+        _xr_rec(60, 6, all3, [], 0.2),
+        _xr_rec(70, 7, all3, [], 0.3),
+        {"event": "xr_leave", "step": 70, "round": 7, "reason": "stopped", "time": 1171.0},
+    ]
     dirs = []
     for name, recs in (("eu", eu), ("us", us)):
         d = tmp_path / name
@@ -188,8 +250,10 @@ def test_participation_timeline(tmp_path):
     assert "| wait per round while a region was missing, median | 30 s | n/a | n/a |" in md
     assert "| wait per round while a region was missing, max | 31 s | n/a | n/a |" in md
     assert "| wait per round with every region, median | 0.55 s | 0.15 s | n/a |" in md
-    assert "us: rejoined the run at step 40 (behind): round 3 -> 5, 2 round(s) replayed via rounds, continued " \
-           "from step 50" in md
+    assert (
+        "us: rejoined the run at step 40 (behind): round 3 -> 5, 2 round(s) replayed via rounds, continued "
+        "from step 50" in md
+    )
     assert "us: planned leave after round 7 at step 70 (stopped)." in md
     base = json.loads((tmp_path / "out" / "slo.json").read_text())
     assert base["us"]["sync_rounds"] == 5 and base["eu"]["sync_rounds"] == 8  # the fast-forward is no round
@@ -198,7 +262,9 @@ def test_participation_timeline(tmp_path):
 def test_no_participation_section_without_membership_records(tmp_path):
     d = tmp_path / "run"
     d.mkdir()
-    recs = [{"step": 10, "loss": 3.0, "step_time_s": 0.6, "xr_round": 1, "xr_total_s": 0.5}]  # an older trainer
+    recs = [
+        {"step": 10, "loss": 3.0, "step_time_s": 0.6, "xr_round": 1, "xr_total_s": 0.5}
+    ]  # an older trainer
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     path = write_report([d], tmp_path / "out")
     assert "## Participation" not in path.read_text()

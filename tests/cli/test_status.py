@@ -37,9 +37,20 @@ def _publish(store, region: str, r: int) -> Manifest:
     mb = Mailbox(store, RUN, region, REGIONS, threads=1)
     try:
         tag = round_tag(r)
-        (nbytes, dig), = mb.upload_shards(tag, {0: b"\0" * 8}).values()
-        m = Manifest(RUN, region, tag, "delta", r * 100, "fp32", 2, "layout", "raw", 1000,
-                     [ShardInfo(0, 0, 2, nbytes, dig)])
+        ((nbytes, dig),) = mb.upload_shards(tag, {0: b"\0" * 8}).values()
+        m = Manifest(
+            RUN,
+            region,
+            tag,
+            "delta",
+            r * 100,
+            "fp32",
+            2,
+            "layout",
+            "raw",
+            1000,
+            [ShardInfo(0, 0, 2, nbytes, dig)],
+        )
         store.put(mb.manifest_key(tag, region), m.to_json())
         return m
     finally:
@@ -47,14 +58,26 @@ def _publish(store, region: str, r: int) -> Manifest:
 
 
 def _membership(store, region: str) -> Membership:
-    return Membership(Mailbox(store, RUN, region, REGIONS, threads=1), quorum=2, grace_s=30, job=f"job-{region}")
+    return Membership(
+        Mailbox(store, RUN, region, REGIONS, threads=1), quorum=2, grace_s=30, job=f"job-{region}"
+    )
 
 
 def _commit(store, r: int, manifests: dict[str, Manifest], closed_by: str, reason: str, stale=()) -> None:
     ms = _membership(store, closed_by)
     members = {k: Member(manifest_digest(m), m.tokens) for k, m in manifests.items()}
-    c = Commit(RUN, round_tag(r), r * 100, members, closed_by, reason, 12.5,
-               [x for x in REGIONS if x not in manifests], time.time() - 90, stale=list(stale))
+    c = Commit(
+        RUN,
+        round_tag(r),
+        r * 100,
+        members,
+        closed_by,
+        reason,
+        12.5,
+        [x for x in REGIONS if x not in manifests],
+        time.time() - 90,
+        stale=list(stale),
+    )
     assert store.create(ms.commit_key(round_tag(r)), c.to_json())
     ms.mb.close()
 
@@ -70,7 +93,9 @@ def build_mailbox(store) -> None:
     ms.complete_snapshot(40, {"theta": r40["eu"], "momentum": r40["us"]}, 40)
     ms.mb.close()
     for r in (41, 42):
-        _commit(store, r, {x: _publish(store, x, r) for x in ("eu", "ap")}, "ap" if r == 42 else "eu", "leave")
+        _commit(
+            store, r, {x: _publish(store, x, r) for x in ("eu", "ap")}, "ap" if r == 42 else "eu", "leave"
+        )
     # eu's presence record is three minutes old (written as Membership.announce writes it)
     ms = _membership(store, "eu")
     old = Presence("eu", "joined", 38, 3800, time.time() - 185, "job-eu")
@@ -98,8 +123,11 @@ def test_status_table_from_an_fs_mailbox(tmp_path, sites):
     code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites))
     assert code == 0, err
     assert "t-run" in out and f"fs:{mbx}" in out
-    assert re.search(r"committed: round 42 \(step 4200\), closed 9\ds ago by ap \(leave, waited 12.5 s\); "
-                     r"members: eu, ap; absent: us", out), out
+    assert re.search(
+        r"committed: round 42 \(step 4200\), closed 9\ds ago by ap \(leave, waited 12.5 s\); "
+        r"members: eu, ap; absent: us",
+        out,
+    ), out
     assert "snapshot:  round 40" in out
     rows = _table(out)
     assert set(rows) == set(REGIONS), out
@@ -117,7 +145,9 @@ def test_status_table_from_an_fs_mailbox(tmp_path, sites):
 def test_status_json(tmp_path, sites):
     mbx = tmp_path / "mailbox"
     build_mailbox(FsStore(mbx))
-    write_site(sites, "us", XR.replace("region: eu", "region: us") + f"transport: {{kind: fs, root: '{mbx}'}}\n")
+    write_site(
+        sites, "us", XR.replace("region: eu", "region: us") + f"transport: {{kind: fs, root: '{mbx}'}}\n"
+    )
     code, out, err = sg("status", "--site", "us", "--sites-dir", str(sites), "--json")
     assert code == 0, err
     st = json.loads(out)
@@ -144,8 +174,11 @@ def test_status_names_the_regions_a_round_closed_without_for_a_stale_heartbeat(t
     write_site(sites, "eu", XR + f"transport: {{kind: fs, root: '{mbx}'}}\n")
     code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites))
     assert code == 0, err
-    assert re.search(r"committed: round 43 .* by eu \(stale, waited 12.5 s\); members: eu, us; absent: ap "
-                     r"\(heartbeat stale: ap\)", out), out
+    assert re.search(
+        r"committed: round 43 .* by eu \(stale, waited 12.5 s\); members: eu, us; absent: ap "
+        r"\(heartbeat stale: ap\)",
+        out,
+    ), out
     code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites), "--json")
     assert json.loads(out)["newest_commit"]["stale"] == ["ap"]
 
@@ -184,24 +217,41 @@ def test_unreadable_mailbox_is_one_line_exit_1(tmp_path, sites, monkeypatch):
     assert err.startswith(f"sbatch-gen: mailbox fs:{mbx}: unreadable round commit"), err
     # S3 credentials named by the profile but not set: one line naming the bucket
     monkeypatch.delenv("XR_NOPE_KEY", raising=False)
-    write_site(sites, "s3", XR + "transport:\n  kind: s3\n  bucket: some-bucket\n  prefix: team/xr\n"
-               "  credentials: {access_key_id_env: XR_NOPE_KEY, secret_access_key_env: XR_NOPE_SECRET}\n")
+    write_site(
+        sites,
+        "s3",
+        XR + "transport:\n  kind: s3\n  bucket: some-bucket\n  prefix: team/xr\n"
+        "  credentials: {access_key_id_env: XR_NOPE_KEY, secret_access_key_env: XR_NOPE_SECRET}\n",
+    )
     code, out, err = sg("status", "--site", "s3", "--sites-dir", str(sites))
     assert code == 1
-    assert err.strip() == ("sbatch-gen: mailbox s3://some-bucket/team/xr: S3 credentials: environment variable "
-                           "XR_NOPE_KEY is not set (named by the site profile)")
+    assert err.strip() == (
+        "sbatch-gen: mailbox s3://some-bucket/team/xr: S3 credentials: environment variable "
+        "XR_NOPE_KEY is not set (named by the site profile)"
+    )
 
 
 def test_status_from_an_s3_mailbox(s3server, bucket, sites):
-    store = S3Store(bucket, "team/xr", endpoint_url=s3server.endpoint_url, addressing_style="path",
-                    region_name="us-east-1", access_key_id_env=KEY_ENV, secret_access_key_env=SECRET_ENV)
+    store = S3Store(
+        bucket,
+        "team/xr",
+        endpoint_url=s3server.endpoint_url,
+        addressing_style="path",
+        region_name="us-east-1",
+        access_key_id_env=KEY_ENV,
+        secret_access_key_env=SECRET_ENV,
+    )
     try:
         build_mailbox(store)
     finally:
         store.close()
-    write_site(sites, "eu", XR + f"transport:\n  kind: s3\n  bucket: {bucket}\n  prefix: team/xr\n"
-               f"  endpoint_url: {s3server.endpoint_url}\n  addressing_style: path\n  region_name: us-east-1\n"
-               f"  credentials: {{access_key_id_env: {KEY_ENV}, secret_access_key_env: {SECRET_ENV}}}\n")
+    write_site(
+        sites,
+        "eu",
+        XR + f"transport:\n  kind: s3\n  bucket: {bucket}\n  prefix: team/xr\n"
+        f"  endpoint_url: {s3server.endpoint_url}\n  addressing_style: path\n  region_name: us-east-1\n"
+        f"  credentials: {{access_key_id_env: {KEY_ENV}, secret_access_key_env: {SECRET_ENV}}}\n",
+    )
     code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites))
     assert code == 0, err
     assert f"mailbox:   s3://{bucket}/team/xr" in out

@@ -21,9 +21,7 @@ def slurm() -> Cluster:
     was_running = script("status").returncode == 0
     p = script("start")
     assert p.returncode == 0, f"local-slurm.sh start failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
-    info = dict(
-        line.split("=", 1) for line in script("env").stdout.splitlines() if "=" in line
-    )
+    info = dict(line.split("=", 1) for line in script("env").stdout.splitlines() if "=" in line)
     env = {
         k: v
         for k, v in os.environ.items()

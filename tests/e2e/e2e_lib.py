@@ -29,8 +29,15 @@ def report(line: str) -> None:
 
 # Slurm job states after which nothing of the job runs any more
 TERMINAL = {
-    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-    "DEADLINE", "PREEMPTED",
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
 }
 
 
@@ -137,16 +144,22 @@ class Cluster:
         if self.layout == "netns":
             p = run(["ip", "netns", "pids", f"sbgen-{node}"], check=False)
             if p.returncode != 0:
-                raise AssertionError(f"cannot list the processes of node {node}: ip netns pids sbgen-{node} "
-                                     f"exited {p.returncode}: {p.stderr.strip()}{_LAYOUT_HINT}")
+                raise AssertionError(
+                    f"cannot list the processes of node {node}: ip netns pids sbgen-{node} "
+                    f"exited {p.returncode}: {p.stderr.strip()}{_LAYOUT_HINT}"
+                )
             pids = [int(x) for x in p.stdout.split()]
         elif self.layout == "loopback":
             pids = self._loopback_pids(node)
         else:
-            raise AssertionError(f"unknown local Slurm layout {self.layout!r}: cannot look for processes on {node}")
+            raise AssertionError(
+                f"unknown local Slurm layout {self.layout!r}: cannot look for processes on {node}"
+            )
         if not any(_slurmd_node(_cmdline(pid)) == node for pid in pids):
-            raise AssertionError(f"no slurmd of node {node} among its processes ({self.layout} layout): "
-                                 f"cannot look for what runs there{_LAYOUT_HINT}")
+            raise AssertionError(
+                f"no slurmd of node {node} among its processes ({self.layout} layout): "
+                f"cannot look for what runs there{_LAYOUT_HINT}"
+            )
         return pids
 
     def _loopback_pids(self, node: str) -> list[int]:
@@ -172,7 +185,9 @@ class Cluster:
                 continue  # it ended while we looked
             except PermissionError as e:  # not ours to read (e.g. the container's init): fine unless a job's
                 if _descends_from_slurmstepd(pid, parents):
-                    raise AssertionError(f"cannot read process {pid} of a job step ({e}): cannot tell its node") from e
+                    raise AssertionError(
+                        f"cannot read process {pid} of a job step ({e}): cannot tell its node"
+                    ) from e
         return out
 
     def job_processes(self, node: str) -> list[str]:
@@ -209,8 +224,10 @@ class Cluster:
         raise AssertionError(f"processes left on the nodes: {left}")
 
 
-_LAYOUT_HINT = (" (a cluster started by hand in the other layout? run the tests with SBATCH_GEN_SLURM_LAYOUT "
-                "set to the layout it runs in)")
+_LAYOUT_HINT = (
+    " (a cluster started by hand in the other layout? run the tests with SBATCH_GEN_SLURM_LAYOUT "
+    "set to the layout it runs in)"
+)
 
 
 def _all_pids() -> list[int]:
@@ -296,7 +313,11 @@ def leftovers() -> list[str]:
     left += [f"netns {line.split()[0]}" for line in ns.splitlines() if line.startswith("sbgen-")]
     links = run(["ip", "-o", "link", "show"], check=False).stdout
     left += [f"link {m}" for m in re.findall(r"^\d+: (br-sbgen|sbgen-v\d+)", links, re.M)]
-    left += [f"/etc/hosts: {line}" for line in Path("/etc/hosts").read_text().splitlines() if "sbatch-gen local-slurm" in line]
+    left += [
+        f"/etc/hosts: {line}"
+        for line in Path("/etc/hosts").read_text().splitlines()
+        if "sbatch-gen local-slurm" in line
+    ]
     return left
 
 
@@ -382,9 +403,13 @@ class LocalJob:
                 return last
             state = self.cluster.job(self.job_id).get("JobState")
             if state in TERMINAL:
-                raise AssertionError(f"job {self.job_id} ended ({state}) before step {step}:\n{self.batch_log()}")
+                raise AssertionError(
+                    f"job {self.job_id} ended ({state}) before step {step}:\n{self.batch_log()}"
+                )
             time.sleep(0.1)
-        raise AssertionError(f"no step {step} within {timeout}s (last {self.last_step()}):\n{self.batch_log()}")
+        raise AssertionError(
+            f"no step {step} within {timeout}s (last {self.last_step()}):\n{self.batch_log()}"
+        )
 
     def describe(self) -> str:
         """Everything useful when an assertion fails."""
@@ -395,8 +420,9 @@ class LocalJob:
         return "\n".join(parts)
 
 
-def local_job(cluster: Cluster, root: Path, name: str, sets: dict | None = None, *, config: Path,
-              data: Path) -> LocalJob:
+def local_job(
+    cluster: Cluster, root: Path, name: str, sets: dict | None = None, *, config: Path, data: Path
+) -> LocalJob:
     """Render the `local` site for a job of its own (run dir, logs, rendezvous port) and return it."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "logs").mkdir(exist_ok=True)
@@ -440,8 +466,9 @@ REGION_NODES = {"a": "n1", "b": "n2"}
 S3_ACCESS_KEY, S3_SECRET_KEY = "e2e-access", "e2e-secret"
 
 
-def region_jobs(cluster: Cluster, root: Path, prefix: str, cross_region: dict, *, config: Path,
-                data: Path) -> dict[str, LocalJob]:
+def region_jobs(
+    cluster: Cluster, root: Path, prefix: str, cross_region: dict, *, config: Path, data: Path
+) -> dict[str, LocalJob]:
     """One `local` job per region of REGION_NODES (``<prefix>-<region>``, one node, pinned to the region's
     node), with ``cross_region`` (its ``region`` and ``regions`` filled in), not yet submitted."""
     jobs = {}
@@ -449,7 +476,12 @@ def region_jobs(cluster: Cluster, root: Path, prefix: str, cross_region: dict, *
         sets = {
             "slurm.nodes": 1,
             "slurm.extra_directives": [f"--nodelist={node}"],
-            "cross_region": {**cross_region, "enabled": True, "region": region, "regions": sorted(REGION_NODES)},
+            "cross_region": {
+                **cross_region,
+                "enabled": True,
+                "region": region,
+                "regions": sorted(REGION_NODES),
+            },
         }
         jobs[region] = local_job(cluster, root / region, f"{prefix}-{region}", sets, config=config, data=data)
     return jobs
@@ -476,15 +508,37 @@ def s3_mailbox(cluster: Cluster, root: Path, bucket: str):
     import boto3
 
     with moto_server(cluster.host_addr, root / "moto.log") as url:
-        s3 = boto3.client("s3", endpoint_url=url, aws_access_key_id=S3_ACCESS_KEY,
-                          aws_secret_access_key=S3_SECRET_KEY, region_name="us-east-1")
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=url,
+            aws_access_key_id=S3_ACCESS_KEY,
+            aws_secret_access_key=S3_SECRET_KEY,
+            region_name="us-east-1",
+        )
         s3.create_bucket(Bucket=bucket)
-        env = {"AWS_ACCESS_KEY_ID": S3_ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY,
-               "AWS_DEFAULT_REGION": "us-east-1", "NO_PROXY": cluster.host_addr, "no_proxy": cluster.host_addr}
-        yield {"kind": "s3", "bucket": bucket, "prefix": "e2e", "endpoint_url": url, "addressing_style": "path"}, env, s3
+        env = {
+            "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "NO_PROXY": cluster.host_addr,
+            "no_proxy": cluster.host_addr,
+        }
+        yield (
+            {
+                "kind": "s3",
+                "bucket": bucket,
+                "prefix": "e2e",
+                "endpoint_url": url,
+                "addressing_style": "path",
+            },
+            env,
+            s3,
+        )
 
 
-def assert_resumed_losses_match(losses: dict[int, float], ref: dict[int, float], resumed: int, last: int) -> None:
+def assert_resumed_losses_match(
+    losses: dict[int, float], ref: dict[int, float], resumed: int, last: int
+) -> None:
     """A run resumed from the checkpoint of step ``resumed`` against the uninterrupted run: every step's
     loss bitwise equal (the checkpoint restored parameters, optimizer, data position and RNG exactly, and
     the trainer settles DDP's bucket layout before the first step of every process start, so the 4 gloo

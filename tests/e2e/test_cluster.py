@@ -59,7 +59,8 @@ dist.destroy_process_group()
 def test_torchrun_two_nodes_two_procs(cluster, venv_bin, tmp_path):
     (tmp_path / "allreduce.py").write_text(ALLREDUCE)
     job = tmp_path / "job.sbatch"
-    job.write_text(textwrap.dedent(f"""\
+    job.write_text(
+        textwrap.dedent(f"""\
         #!/bin/bash
         #SBATCH --job-name=allreduce --nodes=2 --ntasks-per-node=1 --output=job-%j.out
         set -euo pipefail
@@ -67,7 +68,8 @@ def test_torchrun_two_nodes_two_procs(cluster, venv_bin, tmp_path):
         srun --kill-on-bad-exit=1 {venv_bin}/torchrun --nnodes 2 --nproc-per-node 2 \\
             --rdzv-backend=c10d --rdzv-id="$SLURM_JOB_ID" --rdzv-endpoint="$head:29511" \\
             allreduce.py "$PWD"
-        """))
+        """)
+    )
     jid = cluster.sbatch(job)
     info = cluster.wait_done(jid, timeout=180)
     log = (tmp_path / f"job-{jid}.out").read_text()
@@ -95,12 +97,14 @@ def test_job_processes_are_seen_on_their_nodes_and_gone_after_the_job(cluster, t
     processes (slurmd, the steps' slurmstepd, the batch script, the tasks) are found on that node, in
     either layout; after the job nothing of it is found; a node that cannot be looked at is an error."""
     job = tmp_path / "job.sbatch"
-    job.write_text(textwrap.dedent("""\
+    job.write_text(
+        textwrap.dedent("""\
         #!/bin/bash
         #SBATCH --job-name=procs --nodes=2 --ntasks-per-node=1 --output=job-%j.out
         srun bash -c 'echo "$SLURMD_NODENAME $$" >"task-$SLURM_PROCID"; exec sleep 300' &
         wait
-        """))
+        """)
+    )
     jid = cluster.sbatch(job)
     cluster.wait_state(jid, {"RUNNING"}, timeout=60)
     assert _wait_files(tmp_path, ["task-0", "task-1"], 60), "the step's tasks did not start"
@@ -126,7 +130,8 @@ def test_usr1_to_batch_shell_requeue_and_restart_count(cluster, tmp_path):
     """`scancel --signal=USR1 --batch` reaches the batch shell only (not the step's tasks); a requeue from
     its trap restarts the job with SLURM_RESTART_COUNT=1; --open-mode=append keeps attempt 1's log."""
     job = tmp_path / "job.sbatch"
-    job.write_text(textwrap.dedent("""\
+    job.write_text(
+        textwrap.dedent("""\
         #!/bin/bash
         #SBATCH --job-name=requeue --nodes=2 --ntasks-per-node=1 --output=job-%j.out --open-mode=append
         set -uo pipefail
@@ -143,7 +148,8 @@ def test_usr1_to_batch_shell_requeue_and_restart_count(cluster, tmp_path):
         wait
         wait
         echo "END $attempt"
-        """))
+        """)
+    )
     jid = cluster.sbatch(job)
     cluster.wait_state(jid, {"RUNNING"}, timeout=60)
     assert _wait_files(tmp_path, ["step-up-0", "step-up-1"], 60), "the step's tasks did not start"
@@ -154,7 +160,9 @@ def test_usr1_to_batch_shell_requeue_and_restart_count(cluster, tmp_path):
     assert info["Restarts"] == "1", info
     # attempt 0's lines are still in the file (append), followed by attempt 1's ("END 0" may or may not
     # make it out before the requeue kills attempt 0's shell)
-    lines = [ln for ln in log.splitlines() if ln.split(" ")[0] in ("ATTEMPT", "BATCH_GOT_USR1", "REQUEUED", "END")]
+    lines = [
+        ln for ln in log.splitlines() if ln.split(" ")[0] in ("ATTEMPT", "BATCH_GOT_USR1", "REQUEUED", "END")
+    ]
     lines = [ln for ln in lines if ln != "END 0"]
     assert lines == ["ATTEMPT 0", "BATCH_GOT_USR1 0", "REQUEUED", "ATTEMPT 1", "END 1"], log
     assert not list(tmp_path.glob("step-got-usr1-*")), "USR1 reached the step's tasks"

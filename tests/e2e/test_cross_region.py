@@ -11,7 +11,6 @@ from e2e_lib import REGION_NODES, REPO, assert_same_final_params, region_jobs, s
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-
 @pytest.fixture(scope="module")
 def xr_config(e2e_root):
     """The tiny config, 20 steps: with H=5 that is 4 outer rounds."""
@@ -26,10 +25,22 @@ def xr_config(e2e_root):
 def _run_regions(cluster, root, xr_config, transport: dict, env: dict | None = None):
     data = root / "data"
     data.mkdir(parents=True)
-    jobs = region_jobs(cluster, root, "xr", {
-        "run_id": f"e2e-{transport['kind']}", "sync": "diloco", "inner_steps": 5, "outer_lr": 0.7,
-        "outer_momentum": 0.9, "timeout_s": 240, "transport": transport,
-    }, config=xr_config, data=data)
+    jobs = region_jobs(
+        cluster,
+        root,
+        "xr",
+        {
+            "run_id": f"e2e-{transport['kind']}",
+            "sync": "diloco",
+            "inner_steps": 5,
+            "outer_lr": 0.7,
+            "outer_momentum": 0.9,
+            "timeout_s": 240,
+            "transport": transport,
+        },
+        config=xr_config,
+        data=data,
+    )
     for job in jobs.values():
         job.submit(env)
     for region, job in jobs.items():

@@ -101,14 +101,28 @@ def test_preempted_region_rejoins_and_the_other_never_stalls(cluster, e2e_root, 
 def _run_and_check(cluster, root, elastic_config, kind, transport, env, count):
     data = root / "data"
     data.mkdir()
-    jobs = region_jobs(cluster, root, "xre", {
-        "run_id": "e2e-elastic", "sync": "diloco", "inner_steps": H, "outer_lr": 0.7, "outer_momentum": 0.9,
-        "timeout_s": 240, "min_regions": 1, "grace_s": GRACE_S,
-        # a snapshot every 4 rounds and only 2 rounds kept behind: b, away for several rounds,
-        # finds the rounds it missed partly cleaned up and fast-forwards through a snapshot
-        "snapshot_every": 4, "keep_rounds": 2,
-        "transport": transport,
-    }, config=elastic_config, data=data)
+    jobs = region_jobs(
+        cluster,
+        root,
+        "xre",
+        {
+            "run_id": "e2e-elastic",
+            "sync": "diloco",
+            "inner_steps": H,
+            "outer_lr": 0.7,
+            "outer_momentum": 0.9,
+            "timeout_s": 240,
+            "min_regions": 1,
+            "grace_s": GRACE_S,
+            # a snapshot every 4 rounds and only 2 rounds kept behind: b, away for several rounds,
+            # finds the rounds it missed partly cleaned up and fast-forwards through a snapshot
+            "snapshot_every": 4,
+            "keep_rounds": 2,
+            "transport": transport,
+        },
+        config=elastic_config,
+        data=data,
+    )
     a, b = jobs["a"], jobs["b"]
     env = {**env, "SBATCH_GEN_STEP_SLEEP_S": STEP_SLEEP_S}
     for job in jobs.values():
@@ -133,8 +147,10 @@ def _run_and_check(cluster, root, elastic_config, kind, transport, env, count):
     stop_step = ack["step"]
     assert 2 * H <= stop_step < STEPS, ack
     log = b.batch_log()
-    assert log.index("SIGUSR1 received") < log.index("requeueing job") < log.index(f"job {b.job_id}, attempt 1")
-    assert "training finished" in log[log.index(f"job {b.job_id}, attempt 1"):], log
+    assert (
+        log.index("SIGUSR1 received") < log.index("requeueing job") < log.index(f"job {b.job_id}, attempt 1")
+    )
+    assert "training finished" in log[log.index(f"job {b.job_id}, attempt 1") :], log
     leave = _events(b, "xr_leave")
     # (the batch shell's USR1 trap hands the request to the trainer through the stop file)
     assert leave and leave[0]["step"] == stop_step and leave[0]["round"] == stop_step // H, leave
@@ -146,7 +162,9 @@ def _run_and_check(cluster, root, elastic_config, kind, transport, env, count):
     assert len(rejoin) == 1, rejoin
     rj = rejoin[0]
     assert rj["from_round"] == stop_step // H and rj["to_round"] > rj["from_round"], rj
-    assert rj["adopted_step"] == rj["to_round"] * H + rj["steps_into_round"] and rj["steps_into_round"] < H, rj
+    assert rj["adopted_step"] == rj["to_round"] * H + rj["steps_into_round"] and rj["steps_into_round"] < H, (
+        rj
+    )
     back = rj["to_round"]
     # through the newest outer snapshot when the rounds it missed were cleaned up (keep_rounds 2), then
     # replaying the committed rounds after it; else replaying every round it missed
@@ -185,7 +203,8 @@ def _run_and_check(cluster, root, elastic_config, kind, transport, env, count):
     assert after and any("b" in x["xr_members"] for x in after), (
         f"b came back at round {back} of {STEPS // H} and took part in none after it: the run was too short "
         f"for b's requeue and restart on this machine (raise STEPS or STEP_SLEEP_S)",
-        [(x["xr_round"], x["xr_members"]) for x in after])
+        [(x["xr_round"], x["xr_members"]) for x in after],
+    )
     by_round = {x["xr_round"]: x for x in ra}
     for x in after:
         assert by_round[x["xr_round"]]["xr_members"] == x["xr_members"], (x, by_round[x["xr_round"]])
@@ -194,9 +213,11 @@ def _run_and_check(cluster, root, elastic_config, kind, transport, env, count):
     assert count("/_commit.json") > 0, f"no round commit in the {kind} mailbox"
 
     away_s = rj["time"] - leave[0]["time"]
-    report(f"elastic regions ({kind}): b left at step {stop_step}, rejoined {away_s:.0f} s later at round {back} "
-           f"via {rj['via']} (fast-forward {rj['seconds']} s); a finished {t_a_done:.0f} s after the USR1; "
-           f"rounds a closed without b (round, reason, wait s): {timeline}")
+    report(
+        f"elastic regions ({kind}): b left at step {stop_step}, rejoined {away_s:.0f} s later at round {back} "
+        f"via {rj['via']} (fast-forward {rj['seconds']} s); a finished {t_a_done:.0f} s after the USR1; "
+        f"rounds a closed without b (round, reason, wait s): {timeline}"
+    )
 
 
 def test_no_quorum_checkpoints_and_the_batch_script_requeues_it(cluster, e2e_root, elastic_config):
@@ -211,9 +232,16 @@ def test_no_quorum_checkpoints_and_the_batch_script_requeues_it(cluster, e2e_roo
         "slurm.nodes": 1,
         "slurm.extra_directives": ["--nodelist=n1"],
         "preemption.max_requeues": 1,
-        "cross_region": {"enabled": True, "run_id": "e2e-no-quorum", "region": "a", "regions": ["a", "b"],
-                         "sync": "diloco", "inner_steps": H, "timeout_s": 5,
-                         "transport": {"kind": "fs", "root": str(root / "mailbox")}},
+        "cross_region": {
+            "enabled": True,
+            "run_id": "e2e-no-quorum",
+            "region": "a",
+            "regions": ["a", "b"],
+            "sync": "diloco",
+            "inner_steps": H,
+            "timeout_s": 5,
+            "transport": {"kind": "fs", "root": str(root / "mailbox")},
+        },
     }
     job = local_job(cluster, root / "a", "xr-noq", sets, config=elastic_config, data=data)
     job.submit()
@@ -227,6 +255,8 @@ def test_no_quorum_checkpoints_and_the_batch_script_requeues_it(cluster, e2e_roo
         train = job.train_log(attempt, "n1").read_text(errors="replace")
         line = [ln for ln in train.splitlines() if "no cross-region quorum" in ln]
         assert line and "missing: b" in line[0] and "checkpointed at step 5" in line[0], train[-3000:]
-        assert 'File "' not in train.split("no cross-region quorum")[0], train[-3000:]  # no traceback before it
+        assert 'File "' not in train.split("no cross-region quorum")[0], train[
+            -3000:
+        ]  # no traceback before it
     assert (job.run_dir / "checkpoints" / "step-5").exists()
     report(f"no quorum: job {job.job_id} ran 2 attempts, each checkpointed at step 5 and asked for a requeue")

@@ -67,9 +67,11 @@ def test_node_failure_recovers_from_last_checkpoint(cluster, reference_run, e2e_
     assert_resumed_losses_match(job.losses(), ref, resumed, 40)
     lost = step_at_kill - resumed
     assert checked_idle, "never saw the job between attempts"
-    report(f"node failure, requeue (torchrun.max_restarts=0): killed {len(victims)} workers on n2 at step "
-           f"{step_at_kill}; detected after {detected:.1f} s; first new step {downtime:.1f} s after the kill "
-           f"(requeue, preflight, restart, resume from step {resumed}; {lost} steps redone)")
+    report(
+        f"node failure, requeue (torchrun.max_restarts=0): killed {len(victims)} workers on n2 at step "
+        f"{step_at_kill}; detected after {detected:.1f} s; first new step {downtime:.1f} s after the kill "
+        f"(requeue, preflight, restart, resume from step {resumed}; {lost} steps redone)"
+    )
 
 
 def test_node_failure_torchrun_restart_recovers(cluster, reference_run, e2e_root, train_config, data_dir):
@@ -77,8 +79,14 @@ def test_node_failure_torchrun_restart_recovers(cluster, reference_run, e2e_root
     agents stop every worker of the failed generation, re-rendezvous and start new workers, which resume
     from the last complete checkpoint; no requeue. Prints the downtime."""
     ref = reference_run.losses()
-    job = local_job(cluster, e2e_root / "restart", "restart", {"torchrun.max_restarts": 1}, config=train_config,
-                    data=data_dir)
+    job = local_job(
+        cluster,
+        e2e_root / "restart",
+        "restart",
+        {"torchrun.max_restarts": 1},
+        config=train_config,
+        data=data_dir,
+    )
     job.submit()
     job.wait_step(7)
     old = {n: trainer_workers(cluster, n) for n in ("n1", "n2")}
@@ -117,27 +125,41 @@ def test_node_failure_torchrun_restart_recovers(cluster, reference_run, e2e_root
     assert "training finished" in log and "requeueing" not in log, log
     assert re.findall(rf"job {job.job_id}, attempt (\d)", log) == ["0"], log
     assert_resumed_losses_match(job.losses(), ref, resumed, 40)
-    report(f"node failure, torchrun restart (torchrun.max_restarts=1): killed 2 workers on n2 at step "
-           f"{step_at_kill}; new workers on both nodes after {restarted:.1f} s; first new step {downtime:.1f} s "
-           f"after the kill (resume from step {resumed}; {step_at_kill - resumed} steps redone)")
+    report(
+        f"node failure, torchrun restart (torchrun.max_restarts=1): killed 2 workers on n2 at step "
+        f"{step_at_kill}; new workers on both nodes after {restarted:.1f} s; first new step {downtime:.1f} s "
+        f"after the kill (resume from step {resumed}; {step_at_kill - resumed} steps redone)"
+    )
 
 
 @pytest.mark.parametrize(
     "case,sets,message",
     [
-        ("missing-entry-point", {"trainer.module": "sbatch_gen.no_such_trainer"},
-         r"trainer module sbatch_gen\.no_such_trainer not importable"),
-        ("missing-interface", {"network.socket_ifname": "ib0"},
-         r"network interface ib0 does not exist \(network\.socket_ifname\); have: .*eth0"),
-        ("missing-train-config", {"trainer.config": "configs/no-such-config.yaml"},
-         r"train config configs/no-such-config\.yaml not readable"),
+        (
+            "missing-entry-point",
+            {"trainer.module": "sbatch_gen.no_such_trainer"},
+            r"trainer module sbatch_gen\.no_such_trainer not importable",
+        ),
+        (
+            "missing-interface",
+            {"network.socket_ifname": "ib0"},
+            r"network interface ib0 does not exist \(network\.socket_ifname\); have: .*eth0",
+        ),
+        (
+            "missing-train-config",
+            {"trainer.config": "configs/no-such-config.yaml"},
+            r"train config configs/no-such-config\.yaml not readable",
+        ),
     ],
 )
-def test_preflight_fails_fast_with_clear_message(cluster, e2e_root, train_config, data_dir, case, sets, message):
+def test_preflight_fails_fast_with_clear_message(
+    cluster, e2e_root, train_config, data_dir, case, sets, message
+):
     """(5) A broken profile or entry point fails in the preflight with a message naming the node and the
     profile field, before torchrun starts (no rendezvous hang), and is not requeued."""
-    job = local_job(cluster, e2e_root / f"preflight-{case}", f"pf-{case}", sets, config=train_config,
-                    data=data_dir)
+    job = local_job(
+        cluster, e2e_root / f"preflight-{case}", f"pf-{case}", sets, config=train_config, data=data_dir
+    )
     job.submit()
     info = cluster.wait_done(job.job_id, timeout=120)
     log = job.batch_log()
@@ -159,8 +181,9 @@ def test_requeue_budget_stops_a_job_that_keeps_failing(cluster, e2e_root, train_
     bad["optim"]["warmup_steps"] = bad["train"]["steps"]  # the trainer rejects this at start-up
     cfg = e2e_root / "bad-train-config.yaml"
     cfg.write_text(yaml.safe_dump(bad, sort_keys=False))
-    job = local_job(cluster, e2e_root / "budget", "budget", {"preemption.max_requeues": 2}, config=cfg,
-                    data=data_dir)
+    job = local_job(
+        cluster, e2e_root / "budget", "budget", {"preemption.max_requeues": 2}, config=cfg, data=data_dir
+    )
     job.submit()
     info = cluster.wait_done(job.job_id, timeout=240)
     log = job.batch_log()

@@ -22,9 +22,14 @@ def test_a_second_job_on_a_running_jobs_run_dir_refuses_to_start(cluster, e2e_ro
     first.submit({"SBATCH_GEN_STEP_SLEEP_S": "1"})  # 40 steps: time for job 2 to start and be refused
     first.wait_step(2)
     # max_requeues 0: a refused job fails at once instead of trying again (the lease stays job 1's)
-    second = local_job(cluster, e2e_root / "lease-second", "lease2",
-                       {"paths.run_dir": str(first.run_dir), "preemption.max_requeues": 0},
-                       config=train_config, data=data_dir)
+    second = local_job(
+        cluster,
+        e2e_root / "lease-second",
+        "lease2",
+        {"paths.run_dir": str(first.run_dir), "preemption.max_requeues": 0},
+        config=train_config,
+        data=data_dir,
+    )
     second.submit()
     info = cluster.wait_done(second.job_id, timeout=240)
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", second.describe()
@@ -32,12 +37,16 @@ def test_a_second_job_on_a_running_jobs_run_dir_refuses_to_start(cluster, e2e_ro
     assert state == "RUNNING", f"job 1 ended ({state}) before job 2 was refused:\n{first.describe()}"
 
     # the per-node logs of its one attempt (named by host: in the loopback layout both nodes share one)
-    logs = "".join(p.read_text(errors="replace")
-                   for p in sorted(second.log_dir.glob(f"{second.name}-{second.job_id}.attempt-0.*.log")))
+    logs = "".join(
+        p.read_text(errors="replace")
+        for p in sorted(second.log_dir.glob(f"{second.name}-{second.job_id}.attempt-0.*.log"))
+    )
     refusals = [ln for ln in logs.splitlines() if "not starting a second trainer on it" in ln]
     assert len(refusals) == 1, second.describe()  # rank 0 says it, once
-    pattern = (rf"run dir {re.escape(str(first.run_dir))} is in use by job {first.job_id} on host \S+ \(pid \d+\), "
-               r"heartbeat \d+ s ago \(stale after \d+ s\): not starting a second trainer on it")
+    pattern = (
+        rf"run dir {re.escape(str(first.run_dir))} is in use by job {first.job_id} on host \S+ \(pid \d+\), "
+        r"heartbeat \d+ s ago \(stale after \d+ s\): not starting a second trainer on it"
+    )
     assert re.search(pattern, refusals[0]), refusals[0]
     assert not re.search(r'File ".*/sbatch_gen/', logs), second.describe()  # no traceback from the trainer
     assert "training steps" not in logs, second.describe()  # no rank of job 2 got to train
@@ -46,7 +55,9 @@ def test_a_second_job_on_a_running_jobs_run_dir_refuses_to_start(cluster, e2e_ro
     info = cluster.wait_done(first.job_id, timeout=300)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", first.describe()
     summary = first.summary()
-    assert summary["exit"] == "completed" and summary["last_step"] == 40 and summary["resumed_from_step"] is None
+    assert (
+        summary["exit"] == "completed" and summary["last_step"] == 40 and summary["resumed_from_step"] is None
+    )
     assert sorted(first.losses()) == list(range(1, 41))
     assert not (first.run_dir / "lease.json").exists()  # released at the end
 
@@ -67,8 +78,14 @@ def test_a_requeue_by_the_time_limit_is_not_reported_as_failed(cluster, e2e_root
     checkpoints, the batch script requeues the job and the requeue takes. Slurm then TERMs every process
     of the attempt, `scontrol requeue` included: the batch log says the job was requeued, never
     "scontrol requeue failed; resubmit". The job is cancelled once its second attempt has started."""
-    job = local_job(cluster, e2e_root / "timelimit", "timelimit",
-                    {"slurm.time": "00:02:00", "preemption.lead_time_s": 60}, config=train_config, data=data_dir)
+    job = local_job(
+        cluster,
+        e2e_root / "timelimit",
+        "timelimit",
+        {"slurm.time": "00:02:00", "preemption.lead_time_s": 60},
+        config=train_config,
+        data=data_dir,
+    )
     shim = job.root / "bin"
     shim.mkdir()
     (shim / "scontrol").write_text(SLOW_SCONTROL)

@@ -21,7 +21,8 @@ EXPECT_NODES = {"eu": "g[1-2]", "us": "gh1"}
 
 def _changed_lines(a: str, b: str) -> list[str]:
     return [
-        line for line in difflib.unified_diff(a.splitlines(), b.splitlines(), lineterm="", n=0)
+        line
+        for line in difflib.unified_diff(a.splitlines(), b.splitlines(), lineterm="", n=0)
         if line[:1] in "+-" and not line.startswith(("+++", "---"))
     ]
 
@@ -37,12 +38,16 @@ def test_site_render_accepted_by_slurm(cluster, tmp_path, site):
         # the inputs)
         changed = _changed_lines((REPO / "out" / name).read_text(), script.read_text())
         assert any(line.startswith("+#SBATCH --partition=") for line in changed), changed
-        assert all(re.search(r"--partition=|^[-+]#\s+(inputs sha256|override):", line) for line in changed), changed
+        assert all(re.search(r"--partition=|^[-+]#\s+(inputs sha256|override):", line) for line in changed), (
+            changed
+        )
         directives = [ln for ln in script.read_text().splitlines() if ln.startswith("#SBATCH ")]
         assert len(directives) >= 8, directives
         p = cluster.run("sbatch", "--test-only", str(script), check=False, cwd=tmp_path)
         assert p.returncode == 0, f"{name}: Slurm rejects it:\n{p.stderr}"
-        m = re.search(r"Job \d+ to start at \S+ using (\d+) processors on nodes (\S+) in partition (\S+)", p.stderr)
+        m = re.search(
+            r"Job \d+ to start at \S+ using (\d+) processors on nodes (\S+) in partition (\S+)", p.stderr
+        )
         assert m, p.stderr
         if name == f"{site}.sbatch":
             assert m.group(2) == EXPECT_NODES[site], p.stderr
@@ -53,6 +58,10 @@ def test_test_only_rejects_what_the_nodes_cannot_give(cluster, tmp_path):
     """The check above can fail: a request beyond the EU nodes (4096 CPUs per task; 9 GPUs per node an
     H200 node cannot have is refused by validate already) is refused."""
     out = tmp_path / "out"
-    render(out, "eu", {"slurm.partition": cluster.info["SBATCH_GEN_SLURM_GPU_PARTITION"], "slurm.cpus_per_task": 4096})
+    render(
+        out,
+        "eu",
+        {"slurm.partition": cluster.info["SBATCH_GEN_SLURM_GPU_PARTITION"], "slurm.cpus_per_task": 4096},
+    )
     p = cluster.run("sbatch", "--test-only", str(out / "eu.sbatch"), check=False, cwd=tmp_path)
     assert p.returncode != 0 and "Requested node configuration is not available" in p.stderr, p.stderr

@@ -44,7 +44,9 @@ def test_rendered_job_trains_two_nodes_to_completion(cluster, reference_run, tra
     assert sum(losses[s] for s in range(36, 41)) < sum(losses[s] for s in range(1, 6))
 
 
-def test_preempt_requeue_resume_matches_uninterrupted(cluster, reference_run, e2e_root, train_config, data_dir):
+def test_preempt_requeue_resume_matches_uninterrupted(
+    cluster, reference_run, e2e_root, train_config, data_dir
+):
     """(3) `scancel --signal=USR1 --batch` mid-run: the trainer checkpoints at a step all ranks agree on,
     the batch script requeues, attempt 2 runs with SLURM_RESTART_COUNT=1, resumes from that checkpoint
     and finishes; its losses match the uninterrupted run's; attempt 1's log is still there."""
@@ -83,9 +85,14 @@ def test_preempt_requeue_resume_matches_uninterrupted(cluster, reference_run, e2
     assert_resumed_losses_match(job.losses(), ref, stop_step, 40)
 
     # downtime: from the batch shell receiving USR1 to attempt 2's first training step
-    t_sig = datetime.strptime(re.search(r"^\[sbatch-gen (\S+)\] SIGUSR1 received", log, re.M).group(1),
-                              "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
-    first = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) .* step \d+ loss", job.train_log(1, "n1").read_text(), re.M)
+    t_sig = datetime.strptime(
+        re.search(r"^\[sbatch-gen (\S+)\] SIGUSR1 received", log, re.M).group(1), "%Y-%m-%dT%H:%M:%SZ"
+    ).replace(tzinfo=timezone.utc)
+    first = re.search(
+        r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) .* step \d+ loss", job.train_log(1, "n1").read_text(), re.M
+    )
     t_first = datetime.strptime(first.group(1), "%Y-%m-%d %H:%M:%S,%f")  # the trainer logs local time
-    report(f"preemption: stop agreed at step {stop_step}; first step after the requeue "
-           f"{t_first.timestamp() - t_sig.timestamp():.0f} s after USR1 (checkpoint, requeue, restart, resume)")
+    report(
+        f"preemption: stop agreed at step {stop_step}; first step after the requeue "
+        f"{t_first.timestamp() - t_sig.timestamp():.0f} s after USR1 (checkpoint, requeue, restart, resume)"
+    )

@@ -15,8 +15,14 @@ from pathlib import Path
 from .conftest import REPO
 
 
-def prepare(tmp_path: Path, stubs: dict[str, str], mode: str, *, script: str | None = None,
-            env: dict[str, str] | None = None) -> tuple[Path, dict[str, str], Path]:
+def prepare(
+    tmp_path: Path,
+    stubs: dict[str, str],
+    mode: str,
+    *,
+    script: str | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[Path, dict[str, str], Path]:
     """(the job script to run with bash from its directory, its environment, the stubs' note directory)."""
     work = tmp_path / "submit"
     bindir = work / ".venv" / "bin"
@@ -31,9 +37,17 @@ def prepare(tmp_path: Path, stubs: dict[str, str], mode: str, *, script: str | N
     stub_dir.mkdir()
     (stub_dir / "restarts").write_text("0\n")
     full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "SBATCH_GEN"))}
-    full.update(PATH=f"{bindir}:{full['PATH']}", STUB_MODE=mode, STUB_DIR=str(stub_dir), SLURM_SUBMIT_DIR=str(work),
-                SLURM_JOB_ID="77", SLURM_JOB_NAME="sbatch-gen-local", SLURM_JOB_NODELIST="n[1-2]",
-                SLURM_NNODES="2", SLURM_RESTART_COUNT="0")
+    full.update(
+        PATH=f"{bindir}:{full['PATH']}",
+        STUB_MODE=mode,
+        STUB_DIR=str(stub_dir),
+        SLURM_SUBMIT_DIR=str(work),
+        SLURM_JOB_ID="77",
+        SLURM_JOB_NAME="sbatch-gen-local",
+        SLURM_JOB_NODELIST="n[1-2]",
+        SLURM_NNODES="2",
+        SLURM_RESTART_COUNT="0",
+    )
     full.update(env or {})  # may replace the defaults above
     job = work / "job.sbatch"
     job.write_text(script if script is not None else (REPO / "out" / "local.sbatch").read_text())

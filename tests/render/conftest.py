@@ -32,8 +32,14 @@ def sg(*args: str) -> Result:
 
 def sg_proc(*args: str, cwd: Path, env: dict | None = None) -> Result:
     """Run `sbatch-gen ARGS` as a separate process."""
-    p = subprocess.run([sys.executable, "-m", "sbatch_gen.cli", *args], cwd=cwd, env=env,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "sbatch_gen.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return Result(p.returncode, p.stdout, p.stderr)
 
 

@@ -94,7 +94,9 @@ def _merge_bomb(levels: int, width: int = 10) -> str:
 
 
 BOMB = _bomb(6)  # 10^6 values once expanded
-FLOW_BOMB = "[" + ", ".join(f"&a{k} [{', '.join([f'*a{k - 1}'] * 10) if k else 'lol'}]" for k in range(6)) + "]"
+FLOW_BOMB = (
+    "[" + ", ".join(f"&a{k} [{', '.join([f'*a{k - 1}'] * 10) if k else 'lol'}]" for k in range(6)) + "]"
+)
 DEEP = "[" * 10_000 + "]" * 10_000
 BIG = "x" * 100_000
 AWS_KEY_ID = "AKIAIOSFODNN7EXAMPLE"
@@ -103,57 +105,293 @@ T = "sites/local\\.yaml"
 
 CASES = [
     # --- moved here from test_errors.py
-    ("unknown top-level key", add("preemtion:\n  max_requeues: 2\n"), (), 2, rf"{T}:{N + 1}: preemtion: unknown key 'preemtion' .*; did you mean 'preemption'\?$"),
+    (
+        "unknown top-level key",
+        add("preemtion:\n  max_requeues: 2\n"),
+        (),
+        2,
+        rf"{T}:{N + 1}: preemtion: unknown key 'preemtion' .*; did you mean 'preemption'\?$",
+    ),
     ("wrong type", sub("  nodes: 2", "  nodes: two"), (), 2, rf"{T}:{ln('nodes:')}: slurm\.nodes: .*integer"),
-    ("missing field", sub("  partition: debug\n", ""), (), 2, rf"{T}:{ln('slurm:')}: slurm\.partition: required field is missing$"),
-    *[(f"bad time {bad}", sub('time: "00:30:00"', f'time: "{bad}"'), (), 2, rf"{T}:{ln('time:')}: slurm\.time: invalid time '{re.escape(bad)}'")
-      for bad in ("25:00:00x", "1-25:00:00", "00:61:00", "soon", "-5")],
+    (
+        "missing field",
+        sub("  partition: debug\n", ""),
+        (),
+        2,
+        rf"{T}:{ln('slurm:')}: slurm\.partition: required field is missing$",
+    ),
+    *[
+        (
+            f"bad time {bad}",
+            sub('time: "00:30:00"', f'time: "{bad}"'),
+            (),
+            2,
+            rf"{T}:{ln('time:')}: slurm\.time: invalid time '{re.escape(bad)}'",
+        )
+        for bad in ("25:00:00x", "1-25:00:00", "00:61:00", "soon", "-5")
+    ],
     ("broken YAML", sub("  nodes: 2\n", "  nodes: [2\n"), (), 2, rf"{T}:\d+: invalid YAML: "),
-    ("duplicate key", sub("  nodes: 2\n", "  nodes: 2\n  nodes: 3\n"), (), 2, rf"{T}:{ln('nodes:') + 1}: slurm\.nodes: duplicate key \(first at line {ln('nodes:')}\)$"),
-    ("signal plan", sub("checkpoint_s: 10", "checkpoint_s: 50"), (), 2, rf"{T}:{ln('lead_time_s')}: preemption\.lead_time_s: .*shorter than checkpoint_s \+ margin_s"),
+    (
+        "duplicate key",
+        sub("  nodes: 2\n", "  nodes: 2\n  nodes: 3\n"),
+        (),
+        2,
+        rf"{T}:{ln('nodes:') + 1}: slurm\.nodes: duplicate key \(first at line {ln('nodes:')}\)$",
+    ),
+    (
+        "signal plan",
+        sub("checkpoint_s: 10", "checkpoint_s: 50"),
+        (),
+        2,
+        rf"{T}:{ln('lead_time_s')}: preemption\.lead_time_s: .*shorter than checkpoint_s \+ margin_s",
+    ),
     ("unknown kind", pre("kind: pbs\n"), (), 2, rf"{T}:1: kind: unknown kind 'pbs' \(valid kinds: slurm"),
     ("unknown site", site("eur"), (), 2, r"unknown site 'eur'.*did you mean 'eu'\?$"),
-    ("extends: missing", pre("extends: _base/nope.yaml\n"), (), 2, rf"{T}:1: extends: '_base/nope\.yaml' not found"),
-    ("extends: cycle", seq(put("_base/a.yaml", "extends: ../local.yaml\n"), pre("extends: _base/a.yaml\n")), (), 2, r"sites/_base/a\.yaml:1: extends: cycle: sites/local\.yaml -> sites/_base/a\.yaml -> sites/local\.yaml$"),
-    ("override: hostile path", None, ("paths.run_dir=$SCRATCH/run",), 2, r"--set paths\.run_dir=\$SCRATCH/run: paths\.run_dir: path '\$SCRATCH/run' contains '\$'"),
+    (
+        "extends: missing",
+        pre("extends: _base/nope.yaml\n"),
+        (),
+        2,
+        rf"{T}:1: extends: '_base/nope\.yaml' not found",
+    ),
+    (
+        "extends: cycle",
+        seq(put("_base/a.yaml", "extends: ../local.yaml\n"), pre("extends: _base/a.yaml\n")),
+        (),
+        2,
+        r"sites/_base/a\.yaml:1: extends: cycle: sites/local\.yaml -> sites/_base/a\.yaml -> sites/local\.yaml$",
+    ),
+    (
+        "override: hostile path",
+        None,
+        ("paths.run_dir=$SCRATCH/run",),
+        2,
+        r"--set paths\.run_dir=\$SCRATCH/run: paths\.run_dir: path '\$SCRATCH/run' contains '\$'",
+    ),
     ("override: no =", None, ("slurm.nodes",), 2, r"--set slurm\.nodes: expected dotted\.key=value$"),
-    ("override: rendered directive", None, ("slurm.extra_directives=[--output=x]",), 2, r"--set slurm\.extra_directives=\[--output=x\]: slurm\.extra_directives\[0\]: '--output=x' is rendered"),
+    (
+        "override: rendered directive",
+        None,
+        ("slurm.extra_directives=[--output=x]",),
+        2,
+        r"--set slurm\.extra_directives=\[--output=x\]: slurm\.extra_directives\[0\]: '--output=x' is rendered",
+    ),
     # --- 1. aliases that expand without bound
-    ("alias bomb in a file", add(BOMB), (), 2, rf"{T}:{N + 4}: x3\[\d+\]: aliases expand to more than 10000 values"),
-    ("merge-key bomb in a file", add(_merge_bomb(6)), (), 2, rf"{T}:{N + 5}: m4\.<<\[\d+\]: aliases expand to more than 10000 values"),
-    ("alias bomb in --set", None, (f"extra_env.X={FLOW_BOMB}",), 2, r"--set extra_env\.X=\[&a0 .*…: \[4\]\[\d+\]: aliases expand to more than 10000 values"),
-    ("recursive alias", add("x: &a [*a]\n"), (), 2, rf"{T}:{N + 1}: x\[0\]: alias \*a refers to a value that contains it"),
+    (
+        "alias bomb in a file",
+        add(BOMB),
+        (),
+        2,
+        rf"{T}:{N + 4}: x3\[\d+\]: aliases expand to more than 10000 values",
+    ),
+    (
+        "merge-key bomb in a file",
+        add(_merge_bomb(6)),
+        (),
+        2,
+        rf"{T}:{N + 5}: m4\.<<\[\d+\]: aliases expand to more than 10000 values",
+    ),
+    (
+        "alias bomb in --set",
+        None,
+        (f"extra_env.X={FLOW_BOMB}",),
+        2,
+        r"--set extra_env\.X=\[&a0 .*…: \[4\]\[\d+\]: aliases expand to more than 10000 values",
+    ),
+    (
+        "recursive alias",
+        add("x: &a [*a]\n"),
+        (),
+        2,
+        rf"{T}:{N + 1}: x\[0\]: alias \*a refers to a value that contains it",
+    ),
     ("undefined alias", add("x: *nope\n"), (), 2, rf"{T}:{N + 1}: x: alias \*nope has no anchor"),
     # --- 2. tags, nesting
-    ("python tag", add("extra_env:\n  X: !!python/name:os.system\n"), (), 2, rf"{T}:{N + 2}: extra_env\.X: YAML tag '!!python/name:os\.system' is not allowed"),
-    ("python tag on a list", add("x: !!python/object/apply:os.system [id]\n"), (), 2, rf"{T}:{N + 1}: x: YAML tag '!!python/object/apply:os\.system' is not allowed"),
-    ("local tag", add("extra_env:\n  X: !evil foo\n"), (), 2, rf"{T}:{N + 2}: extra_env\.X: YAML tag '!evil' is not allowed"),
-    ("tag in --set", None, ("extra_env.X=!evil foo",), 2, r"--set extra_env\.X=!evil foo: \(top level\): YAML tag '!evil' is not allowed"),
-    ("value not of its tag", add("extra_env:\n  X: !!int abc\n"), (), 2, rf"{T}:{N + 2}: extra_env\.X: cannot read 'abc' as !!int$"),
-    ("deep nesting in a file", add(f"extra_env:\n  X: {DEEP}\n"), (), 2, rf"{T}:{N + 2}: extra_env\.X(\[0\])+…: nested more than 50 levels deep$"),
-    ("deep nesting in --set", None, (f"extra_env.X={DEEP}",), 2, r"--set extra_env\.X=\[+…: [\[\]0]+…: nested more than 50 levels deep$"),
+    (
+        "python tag",
+        add("extra_env:\n  X: !!python/name:os.system\n"),
+        (),
+        2,
+        rf"{T}:{N + 2}: extra_env\.X: YAML tag '!!python/name:os\.system' is not allowed",
+    ),
+    (
+        "python tag on a list",
+        add("x: !!python/object/apply:os.system [id]\n"),
+        (),
+        2,
+        rf"{T}:{N + 1}: x: YAML tag '!!python/object/apply:os\.system' is not allowed",
+    ),
+    (
+        "local tag",
+        add("extra_env:\n  X: !evil foo\n"),
+        (),
+        2,
+        rf"{T}:{N + 2}: extra_env\.X: YAML tag '!evil' is not allowed",
+    ),
+    (
+        "tag in --set",
+        None,
+        ("extra_env.X=!evil foo",),
+        2,
+        r"--set extra_env\.X=!evil foo: \(top level\): YAML tag '!evil' is not allowed",
+    ),
+    (
+        "value not of its tag",
+        add("extra_env:\n  X: !!int abc\n"),
+        (),
+        2,
+        rf"{T}:{N + 2}: extra_env\.X: cannot read 'abc' as !!int$",
+    ),
+    (
+        "deep nesting in a file",
+        add(f"extra_env:\n  X: {DEEP}\n"),
+        (),
+        2,
+        rf"{T}:{N + 2}: extra_env\.X(\[0\])+…: nested more than 50 levels deep$",
+    ),
+    (
+        "deep nesting in --set",
+        None,
+        (f"extra_env.X={DEEP}",),
+        2,
+        r"--set extra_env\.X=\[+…: [\[\]0]+…: nested more than 50 levels deep$",
+    ),
     # --- 3. control characters; --set keys and paths
-    ("NUL byte", add("extra_env:\n  X: a\x00b\n"), (), 2, rf"{T}:{N + 2}: invalid YAML: character U\+0000 \(NUL\) is not allowed"),
-    ("ESC byte", sub("partition: debug", "partition: de\x1bbug"), (), 2, rf"{T}:{ln('  partition:')}: invalid YAML: character U\+001B \(ESC\) is not allowed"),
-    ("not UTF-8", put("local.yaml", LOCAL.encode().replace(b"partition: debug", b"partition: deb\xffug", 1)), (), 2, rf"{T}:{ln('  partition:')}: not UTF-8 text \(byte 0xff\)$"),
-    ("ESC in --set value", None, ("slurm.partition=de\x1bbug",), 2, r"--set slurm\.partition=de\\x1bbug: invalid YAML: character U\+001B \(ESC\)"),
-    ("newline in --set key", None, ("slurm.no\ndes=1",), 2, r"--set slurm\.no\\ndes=1: invalid key segment 'no\\ndes'"),
+    (
+        "NUL byte",
+        add("extra_env:\n  X: a\x00b\n"),
+        (),
+        2,
+        rf"{T}:{N + 2}: invalid YAML: character U\+0000 \(NUL\) is not allowed",
+    ),
+    (
+        "ESC byte",
+        sub("partition: debug", "partition: de\x1bbug"),
+        (),
+        2,
+        rf"{T}:{ln('  partition:')}: invalid YAML: character U\+001B \(ESC\) is not allowed",
+    ),
+    (
+        "not UTF-8",
+        put("local.yaml", LOCAL.encode().replace(b"partition: debug", b"partition: deb\xffug", 1)),
+        (),
+        2,
+        rf"{T}:{ln('  partition:')}: not UTF-8 text \(byte 0xff\)$",
+    ),
+    (
+        "ESC in --set value",
+        None,
+        ("slurm.partition=de\x1bbug",),
+        2,
+        r"--set slurm\.partition=de\\x1bbug: invalid YAML: character U\+001B \(ESC\)",
+    ),
+    (
+        "newline in --set key",
+        None,
+        ("slurm.no\ndes=1",),
+        2,
+        r"--set slurm\.no\\ndes=1: invalid key segment 'no\\ndes'",
+    ),
     ("--set path into a scalar", None, ("slurm.nodes.x=1",), 2, r"--set slurm\.nodes\.x=1: slurm\.nodes: "),
-    ("--set path into a string", None, ("trainer.resume.x=1",), 2, r"--set trainer\.resume\.x=1: trainer\.resume: "),
+    (
+        "--set path into a string",
+        None,
+        ("trainer.resume.x=1",),
+        2,
+        r"--set trainer\.resume\.x=1: trainer\.resume: ",
+    ),
     # --- 4. long values are cut, credentials masked
-    ("100k value in a file", sub("partition: debug", f"partition: {BIG}"), (), 2, rf"{T}:{ln('  partition:')}: slurm\.partition: .*'x{{80}}…'"),
-    ("100k value with spaces", sub("partition: debug", f"partition: '{'a ' * 50_000}'"), (), 2, rf"{T}:{ln('  partition:')}: slurm\.partition: .*'(a ){{40}}…'"),
-    ("100k value in --set", None, (f"slurm.partition={BIG}",), 2, r"--set slurm\.partition=x{64}…: slurm\.partition: .*'x{80}…'"),
-    ("AWS key id in a file", sub("  nodes: 2", f"  nodes: {AWS_KEY_ID}"), (), 2, rf"(?!.*AKIA){T}:{ln('nodes:')}: slurm\.nodes: .*<redacted>"),
-    ("AWS key id in --set", None, (f"slurm.nodes={AWS_KEY_ID}",), 2, r"(?!.*(AKIA|EXAMPLE))--set slurm\.nodes=<redacted>: slurm\.nodes: "),
-    ("40-char secret in --set", None, (f"slurm.nodes={AWS_SECRET}",), 2, r"(?!.*(wJalr|EXAMPLEKEY))--set slurm\.nodes=<redacted>: slurm\.nodes: "),
-    ("password in --set", None, ("extra_env.DB_PASSWORD=hunter2\n",), 2, r"(?!.*hunter2)--set extra_env\.DB_PASSWORD=<redacted>: extra_env\.DB_PASSWORD: "),
+    (
+        "100k value in a file",
+        sub("partition: debug", f"partition: {BIG}"),
+        (),
+        2,
+        rf"{T}:{ln('  partition:')}: slurm\.partition: .*'x{{80}}…'",
+    ),
+    (
+        "100k value with spaces",
+        sub("partition: debug", f"partition: '{'a ' * 50_000}'"),
+        (),
+        2,
+        rf"{T}:{ln('  partition:')}: slurm\.partition: .*'(a ){{40}}…'",
+    ),
+    (
+        "100k value in --set",
+        None,
+        (f"slurm.partition={BIG}",),
+        2,
+        r"--set slurm\.partition=x{64}…: slurm\.partition: .*'x{80}…'",
+    ),
+    (
+        "AWS key id in a file",
+        sub("  nodes: 2", f"  nodes: {AWS_KEY_ID}"),
+        (),
+        2,
+        rf"(?!.*AKIA){T}:{ln('nodes:')}: slurm\.nodes: .*<redacted>",
+    ),
+    (
+        "AWS key id in --set",
+        None,
+        (f"slurm.nodes={AWS_KEY_ID}",),
+        2,
+        r"(?!.*(AKIA|EXAMPLE))--set slurm\.nodes=<redacted>: slurm\.nodes: ",
+    ),
+    (
+        "40-char secret in --set",
+        None,
+        (f"slurm.nodes={AWS_SECRET}",),
+        2,
+        r"(?!.*(wJalr|EXAMPLEKEY))--set slurm\.nodes=<redacted>: slurm\.nodes: ",
+    ),
+    (
+        "password in --set",
+        None,
+        ("extra_env.DB_PASSWORD=hunter2\n",),
+        2,
+        r"(?!.*hunter2)--set extra_env\.DB_PASSWORD=<redacted>: extra_env\.DB_PASSWORD: ",
+    ),
     # --- 5. extends: and symlinks stay inside the sites directory
-    ("extends: ../", seq(put("../outside.yaml", "slurm: {nodes: 1}\n"), pre("extends: ../outside.yaml\n")), (), 2, rf"{T}:1: extends: '\.\./outside\.yaml' is outside the sites directory sites \(bases are paths relative"),
-    ("extends: absolute", pre("extends: /etc/hosts\n"), (), 2, rf"{T}:1: extends: '/etc/hosts' is outside the sites directory sites"),
-    ("extends: a symlink out", seq(put("../outside.yaml", "slurm: {nodes: 1}\n"), link("_base/evil.yaml", "../../outside.yaml"), pre("extends: _base/evil.yaml\n")), (), 2, rf"{T}:1: extends: '_base/evil\.yaml' is outside the sites directory sites \(a symbolic link leads out of it\)$"),
-    ("extends: via a linked dir", seq(put("../outside.yaml", "slurm: {nodes: 1}\n"), link("up", ".."), pre("extends: up/outside.yaml\n")), (), 2, rf"{T}:1: extends: 'up/outside\.yaml' is outside the sites directory sites \(a symbolic link"),
-    ("site file is a symlink out", seq(put("../evil.yaml", LOCAL), link("evil.yaml", "../evil.yaml"), site("evil")), (), 2, r"sites/evil\.yaml: a symbolic link out of the sites directory sites: profiles must live inside it$"),
+    (
+        "extends: ../",
+        seq(put("../outside.yaml", "slurm: {nodes: 1}\n"), pre("extends: ../outside.yaml\n")),
+        (),
+        2,
+        rf"{T}:1: extends: '\.\./outside\.yaml' is outside the sites directory sites \(bases are paths relative",
+    ),
+    (
+        "extends: absolute",
+        pre("extends: /etc/hosts\n"),
+        (),
+        2,
+        rf"{T}:1: extends: '/etc/hosts' is outside the sites directory sites",
+    ),
+    (
+        "extends: a symlink out",
+        seq(
+            put("../outside.yaml", "slurm: {nodes: 1}\n"),
+            link("_base/evil.yaml", "../../outside.yaml"),
+            pre("extends: _base/evil.yaml\n"),
+        ),
+        (),
+        2,
+        rf"{T}:1: extends: '_base/evil\.yaml' is outside the sites directory sites \(a symbolic link leads out of it\)$",
+    ),
+    (
+        "extends: via a linked dir",
+        seq(
+            put("../outside.yaml", "slurm: {nodes: 1}\n"), link("up", ".."), pre("extends: up/outside.yaml\n")
+        ),
+        (),
+        2,
+        rf"{T}:1: extends: 'up/outside\.yaml' is outside the sites directory sites \(a symbolic link",
+    ),
+    (
+        "site file is a symlink out",
+        seq(put("../evil.yaml", LOCAL), link("evil.yaml", "../evil.yaml"), site("evil")),
+        (),
+        2,
+        r"sites/evil\.yaml: a symbolic link out of the sites directory sites: profiles must live inside it$",
+    ),
 ]
 
 

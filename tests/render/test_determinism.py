@@ -81,7 +81,6 @@ def test_one_field_changes_only_its_lines(work, site, field, value, expected_add
     assert len(removed) == len(added)
 
 
-
 def test_each_render_keeps_its_own_render_state(tmp_path):
     """shq notes a literal $ in single quotes in the state of its own render (a fresh RenderState in the
     render's context), not in the cached Jinja environment: a render that runs while another one is under

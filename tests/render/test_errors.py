@@ -34,7 +34,10 @@ def test_unknown_key_lists_valid_keys_and_a_close_match(work):
     _replace(eu, "  partition: h200", "  partiton: h200")
     err = _fails("validate")
     line = _line_of(eu, "partiton")
-    assert f"sites/eu.yaml:{line}: slurm.partiton: unknown key 'partiton' (valid keys: version, partition," in err
+    assert (
+        f"sites/eu.yaml:{line}: slurm.partiton: unknown key 'partiton' (valid keys: version, partition,"
+        in err
+    )
     assert "did you mean 'partition'?" in err
     # ...and the then missing field is reported too, at its section
     assert f"sites/eu.yaml:{_line_of(eu, 'slurm:')}: slurm.partition: required field is missing" in err
@@ -51,7 +54,11 @@ def test_good_time_formats_and_unquoted_sexagesimal(work):
 
 def test_regions_disagree_across_sites(work):
     us = work / "sites" / "us.yaml"
-    us.write_text(us.read_text().replace("cross_region:\n  region: us", "cross_region:\n  region: us\n  regions: [us, eu, asia]"))
+    us.write_text(
+        us.read_text().replace(
+            "cross_region:\n  region: us", "cross_region:\n  region: us\n  regions: [us, eu, asia]"
+        )
+    )
     err = _fails("validate")
     assert (
         f"sites/us.yaml:{_line_of(us, 'regions: [us, eu, asia]')}: cross_region.regions: "
@@ -108,8 +115,17 @@ def test_extends_list_merges_in_order_and_keeps_lines(work):
 
 
 def test_override_values_are_yaml(work):
-    r = sg("show", "--site", "local", "--set", "slurm.extra_directives=[--mail-type=FAIL]",
-           "--set", "slurm.extra_directives.1=--comment=x", "--set", "paths.data=null")
+    r = sg(
+        "show",
+        "--site",
+        "local",
+        "--set",
+        "slurm.extra_directives=[--mail-type=FAIL]",
+        "--set",
+        "slurm.extra_directives.1=--comment=x",
+        "--set",
+        "paths.data=null",
+    )
     assert r.code == 0, r.err
     assert "- --mail-type=FAIL\n  - --comment=x" in r.out
 
@@ -138,9 +154,11 @@ def test_grad_mode_keep_rounds_must_cover_the_checkpoint_interval(work):
     _replace(base, "sync: diloco", "sync: grad")
     _replace(base, "min_regions: 1", "min_regions: all")  # grad mode is strict
     err = _fails("validate")
-    msg = (f"sites/_base/llm-xr-1.yaml:{_line_of(base, 'keep_rounds: 4')}: cross_region.keep_rounds (4) must "
-           "cover the 500 rounds between two checkpoints (checkpoint.every 500 steps in configs/gpt-125m.yaml, "
-           "one round per step with sync: grad)")
+    msg = (
+        f"sites/_base/llm-xr-1.yaml:{_line_of(base, 'keep_rounds: 4')}: cross_region.keep_rounds (4) must "
+        "cover the 500 rounds between two checkpoints (checkpoint.every 500 steps in configs/gpt-125m.yaml, "
+        "one round per step with sync: grad)"
+    )
     assert msg in err and err.count(msg) == 1
     assert "Raise keep_rounds to 500, or lower checkpoint.every to 4." in err
     _replace(base, "keep_rounds: 4", "keep_rounds: 500")
@@ -153,9 +171,11 @@ def test_snapshot_every_must_fit_in_the_runs_rounds(work):
     base = _with_configs(work)
     _replace(base, "snapshot_every: 5", "snapshot_every: 41")
     err = _fails("validate")
-    msg = (f"sites/_base/llm-xr-1.yaml:{_line_of(base, 'snapshot_every: 41')}: cross_region.snapshot_every (41) "
-           "is more than the 40 outer rounds of the run (train.steps 20000 in configs/gpt-125m.yaml // "
-           "inner_steps 500): no outer snapshot is ever written")
+    msg = (
+        f"sites/_base/llm-xr-1.yaml:{_line_of(base, 'snapshot_every: 41')}: cross_region.snapshot_every (41) "
+        "is more than the 40 outer rounds of the run (train.steps 20000 in configs/gpt-125m.yaml // "
+        "inner_steps 500): no outer snapshot is ever written"
+    )
     assert msg in err and err.count(msg) == 1
     assert "Set snapshot_every to at most 40." in err
     _replace(base, "snapshot_every: 41", "snapshot_every: 40")
@@ -170,8 +190,10 @@ def test_a_field_left_at_its_default_is_reported_at_each_sites_section(work):
     err = _fails("validate")
     for site in ("eu", "us"):
         path = work / "sites" / f"{site}.yaml"
-        assert (f"sites/{site}.yaml:{_line_of(path, 'cross_region:')}: cross_region.snapshot_every (10) is more "
-                "than the 5 outer rounds of the run") in err
+        assert (
+            f"sites/{site}.yaml:{_line_of(path, 'cross_region:')}: cross_region.snapshot_every (10) is more "
+            "than the 5 outer rounds of the run"
+        ) in err
 
 
 def test_steps_not_a_multiple_of_inner_steps_is_a_note_at_inner_steps(work):
@@ -179,24 +201,33 @@ def test_steps_not_a_multiple_of_inner_steps_is_a_note_at_inner_steps(work):
     _replace(base, "inner_steps: 500", "inner_steps: 300")  # 20000 = 66 x 300 + 200
     r = sg("validate")
     assert r.code == 0, r.err
-    note = (f"note sites/_base/llm-xr-1.yaml:{_line_of(base, 'inner_steps: 300')}: warning: train.steps (20000 in "
-            "configs/gpt-125m.yaml) is not a multiple of cross_region.inner_steps (300): the last 200 steps stay "
-            "local to each region")
+    note = (
+        f"note sites/_base/llm-xr-1.yaml:{_line_of(base, 'inner_steps: 300')}: warning: train.steps (20000 in "
+        "configs/gpt-125m.yaml) is not a multiple of cross_region.inner_steps (300): the last 200 steps stay "
+        "local to each region"
+    )
     assert note in r.err and r.err.count(note) == 1
 
 
-@pytest.mark.parametrize("field, value, shown", [("min_regions", "all", "'all' differs from 1"),
-                                                 ("grace_s", "45", "45.0 differs from 30.0"),
-                                                 ("heartbeat_s", "null", "None differs from 5.0"),
-                                                 ("snapshot_every", "10", "10 differs from 5")])
+@pytest.mark.parametrize(
+    "field, value, shown",
+    [
+        ("min_regions", "all", "'all' differs from 1"),
+        ("grace_s", "45", "45.0 differs from 30.0"),
+        ("heartbeat_s", "null", "None differs from 5.0"),
+        ("snapshot_every", "10", "10 differs from 5"),
+    ],
+)
 def test_elastic_settings_must_agree_across_the_sites_of_a_run(work, field, value, shown):
     us = work / "sites" / "us.yaml"
     _replace(us, "cross_region:\n  region: us", f"cross_region:\n  region: us\n  {field}: {value}")
     err = _fails("validate")
     base = work / "sites" / "_base" / "llm-xr-1.yaml"
-    assert (f"sites/us.yaml:{_line_of(us, f'{field}: {value}')}: cross_region.{field}: {shown} in "
-            f"sites/_base/llm-xr-1.yaml:{_line_of(base, f'{field}:')} (sites 'eu' and 'us' are both in run "
-            "'llm-xr-1' and must agree)") in err
+    assert (
+        f"sites/us.yaml:{_line_of(us, f'{field}: {value}')}: cross_region.{field}: {shown} in "
+        f"sites/_base/llm-xr-1.yaml:{_line_of(base, f'{field}:')} (sites 'eu' and 'us' are both in run "
+        "'llm-xr-1' and must agree)"
+    ) in err
 
 
 def test_train_config_missing_here_is_a_note_not_an_error(work):
@@ -217,9 +248,13 @@ def test_a_bad_train_config_is_one_line_per_problem_with_a_close_match(work):
     where = f"sites/_base/llm-xr-1.yaml:{_line_of(work / 'sites' / '_base' / 'llm-xr-1.yaml', 'config: configs/')}"
     head = f"sbatch-gen: {where}: trainer.config 'configs/gpt-125m.yaml' does not validate: configs/gpt-125m.yaml:"
     lines = err.splitlines()
-    assert f"{head}{_line_of(cfg, 'batch_size: -1')}: train.batch_size: Input should be greater than or equal to 1 " \
-           "(got -1)" in lines
+    assert (
+        f"{head}{_line_of(cfg, 'batch_size: -1')}: train.batch_size: Input should be greater than or equal to 1 "
+        "(got -1)" in lines
+    )
     unknown = [line for line in lines if "optim.warmup_stepz" in line]
-    assert len(unknown) == 1 and unknown[0].startswith(f"{head}{_line_of(cfg, 'warmup_stepz')}: optim.warmup_stepz: "
-                                                       "unknown key 'warmup_stepz' (valid keys: lr, ")
+    assert len(unknown) == 1 and unknown[0].startswith(
+        f"{head}{_line_of(cfg, 'warmup_stepz')}: optim.warmup_stepz: "
+        "unknown key 'warmup_stepz' (valid keys: lr, "
+    )
     assert unknown[0].endswith("; did you mean 'warmup_steps'?")

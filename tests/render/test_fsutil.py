@@ -82,10 +82,13 @@ def test_the_parent_must_exist(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("fsync, fsync_dir, files, dirs", [(True, False, 1, 0), (False, False, 0, 0),
-                                                            (True, True, 1, 1), (False, True, 0, 1)])
-def test_fsync_of_the_file_and_of_the_directory_are_parameters(tmp_path, monkeypatch, fsync, fsync_dir, files,
-                                                               dirs):
+@pytest.mark.parametrize(
+    "fsync, fsync_dir, files, dirs",
+    [(True, False, 1, 0), (False, False, 0, 0), (True, True, 1, 1), (False, True, 0, 1)],
+)
+def test_fsync_of_the_file_and_of_the_directory_are_parameters(
+    tmp_path, monkeypatch, fsync, fsync_dir, files, dirs
+):
     synced: list[str] = []
     real = os.fsync
 

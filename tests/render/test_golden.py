@@ -80,9 +80,21 @@ def test_show_and_schema(work):
 
 def test_render_with_overrides_and_sites_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
-    r = sg("render", "--site", "local", "--sites-dir", "sites", "--out", str(tmp_path),
-           "--set", "paths.run_dir=runs/t1", "--set", "torchrun.rdzv_port=29611",
-           "--set", "cross_region={enabled: true, region: a, regions: [a, b]}")
+    r = sg(
+        "render",
+        "--site",
+        "local",
+        "--sites-dir",
+        "sites",
+        "--out",
+        str(tmp_path),
+        "--set",
+        "paths.run_dir=runs/t1",
+        "--set",
+        "torchrun.rdzv_port=29611",
+        "--set",
+        "cross_region={enabled: true, region: a, regions: [a, b]}",
+    )
     assert r.code == 0, r.err
     text = (tmp_path / "local.sbatch").read_text()
     assert "RUN_DIR=runs/t1  # paths.run_dir" in text

@@ -48,7 +48,7 @@ def _settings_block(script: str) -> str:
 def _trainer_args(script: str) -> str:
     """The trainer's argument list (TRAINER_ARGS=(...), built by sbatch_gen/launch.py)."""
     start = script.index("\nTRAINER_ARGS=(\n")
-    return script[start:script.index("\n)\n", start) + 3]
+    return script[start : script.index("\n)\n", start) + 3]
 
 
 def _bash_values(script: str, exprs: list[str]) -> list[str]:
@@ -139,12 +139,21 @@ def test_trainer_extra_args_reach_the_job_exactly(args):
 
 def test_known_hostile_examples():
     # A few fixed cases, so the behaviour is pinned even if hypothesis draws differently.
-    assert _check(("paths", "run_dir"), "runs/it's a \"test\" `date` *", '"$RUN_DIR"') == "accepted"
+    assert _check(("paths", "run_dir"), 'runs/it\'s a "test" `date` *', '"$RUN_DIR"') == "accepted"
     assert _check(("paths", "run_dir"), "runs/$HOME", '"$RUN_DIR"') == "rejected"
     assert _check(("paths", "run_dir"), "runs/a\nb", '"$RUN_DIR"') == "rejected"
     assert _check(("paths", "run_dir"), "~/runs", '"$RUN_DIR"') == "rejected"
-    assert _check(("extra_env", "MY_SETTING"), "$(touch /tmp/pwned) `id` ; rm -rf *", '"$MY_SETTING"') == "accepted"
-    assert _check(("slurm", "partition"), "debug --exclusive", sbatch_prefix="#SBATCH --partition=") == "rejected"
+    assert (
+        _check(("extra_env", "MY_SETTING"), "$(touch /tmp/pwned) `id` ; rm -rf *", '"$MY_SETTING"')
+        == "accepted"
+    )
+    assert (
+        _check(("slurm", "partition"), "debug --exclusive", sbatch_prefix="#SBATCH --partition=")
+        == "rejected"
+    )
     assert _check(("paths", "log_dir"), "logs dir", '"$LOG_DIR"') == "rejected"
     # Slurm's constraint syntax reaches the #SBATCH line as written (found by hypothesis: '&' once crashed)
-    assert _check(("slurm", "constraint"), "[ib&h200|gh200]*2", sbatch_prefix="#SBATCH --constraint=") == "accepted"
+    assert (
+        _check(("slurm", "constraint"), "[ib&h200|gh200]*2", sbatch_prefix="#SBATCH --constraint=")
+        == "accepted"
+    )

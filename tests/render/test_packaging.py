@@ -39,14 +39,25 @@ sys.exit(code)
         (["render", "--site", "local", "--set", "slurm.time=x"], 2),
         # status reads the mailbox through the (torch-free) protocol modules: an empty one, then a missing one
         (["status", "--site", "eu", "--set", "cross_region.transport={kind: fs, root: '{tmp}'}"], 0),
-        (["status", "--site", "eu", "--json", "--set", "cross_region.transport={kind: fs, root: '{tmp}/none'}"], 0),
+        (
+            [
+                "status",
+                "--site",
+                "eu",
+                "--json",
+                "--set",
+                "cross_region.transport={kind: fs, root: '{tmp}/none'}",
+            ],
+            0,
+        ),
     ],
     ids=["render", "check", "validate", "show", "schema", "sites", "diff", "error", "status", "status-json"],
 )
 def test_cli_never_imports_torch(tmp_path, args, code):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    r = subprocess.run([sys.executable, "-c", _NO_TORCH, *args], cwd=REPO, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH, *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert "TORCH IMPORTED" not in r.stderr, r.stderr
     assert r.returncode != 99
     if code is not None:
@@ -56,9 +67,21 @@ def test_cli_never_imports_torch(tmp_path, args, code):
 def test_wheel_install_renders_with_its_own_templates(tmp_path):
     wheels = tmp_path / "wheels"
     r = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels),
-         str(REPO)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheels),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode == 0, r.stderr
     (wheel,) = wheels.glob("sbatch_gen-*.whl")
@@ -67,20 +90,36 @@ def test_wheel_install_renders_with_its_own_templates(tmp_path):
     assert "sbatch_gen/templates/_common.j2" in names
     # Install into a plain directory and run from a directory that has sites/ but no templates/.
     target = tmp_path / "site-packages"
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
-                        str(wheel)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     run = tmp_path / "project"
     shutil.copytree(REPO / "sites", run / "sites")
     env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    probe = ("import sbatch_gen, sbatch_gen.render as r; print(sbatch_gen.__file__); "
-             "print(r.default_templates_dir())")
+    probe = (
+        "import sbatch_gen, sbatch_gen.render as r; print(sbatch_gen.__file__); "
+        "print(r.default_templates_dir())"
+    )
     r = subprocess.run([sys.executable, "-c", probe], cwd=run, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     pkg_file, tdir = r.stdout.split()
     assert pkg_file.startswith(str(target)) and tdir == str(target / "sbatch_gen" / "templates")
-    cmd = [sys.executable, "-c", "from sbatch_gen.cli import main; main()", "render",
-           "--site", "eu", "--site", "us", "--site", "local"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from sbatch_gen.cli import main; main()",
+        "render",
+        "--site",
+        "eu",
+        "--site",
+        "us",
+        "--site",
+        "local",
+    ]
     r = subprocess.run(cmd, cwd=run, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     for name in ("eu.sbatch", "us.sbatch", "local.sbatch", "eu.setup.sbatch"):

@@ -48,19 +48,47 @@ def _functions_and_preflight(text: str) -> str:
     return text[start:end]
 
 
-def _preflight(tmp_path: Path, node: FakeNode, *, numa: str = "node", hcas: str = EU_HCAS,
-               link_layer: str = "InfiniBand", gpus: int = 8, path: str | None = None,
-               env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _preflight(
+    tmp_path: Path,
+    node: FakeNode,
+    *,
+    numa: str = "node",
+    hcas: str = EU_HCAS,
+    link_layer: str = "InfiniBand",
+    gpus: int = 8,
+    path: str | None = None,
+    env_extra: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
     run_dir = tmp_path / "run"
     run_dir.mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM", "SBATCH_GEN")) and k != "CUDA_VISIBLE_DEVICES"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM", "SBATCH_GEN")) and k != "CUDA_VISIBLE_DEVICES"
+    }
     env.update(node.env(f"{Path(sys.executable).parent}:{path if path is not None else env['PATH']}"))
     env.update(SLURMD_NODENAME="gpu-n7", PYTHONPATH=str(REPO), **(env_extra or {}))
-    args = ["module=sbatch_gen.train", f"config={REPO / 'configs' / 'tiny.yaml'}", "ifname=lo", f"gpus={gpus}",
-            "gpus_key=slurm.gpus_per_node", f"run_dir={run_dir}", "rdzv_host=127.0.0.1", f"rdzv_port={free_port()}",
-            "connect_timeout_s=5", f"numa={numa}", f"hcas={hcas}", f"link_layer={link_layer}"]
-    cmd = ["bash", "-c", _functions_and_preflight(EU) + "\npreflight node_id=0 nnodes=1 \"$@\"", "preflight", *args]
+    args = [
+        "module=sbatch_gen.train",
+        f"config={REPO / 'configs' / 'tiny.yaml'}",
+        "ifname=lo",
+        f"gpus={gpus}",
+        "gpus_key=slurm.gpus_per_node",
+        f"run_dir={run_dir}",
+        "rdzv_host=127.0.0.1",
+        f"rdzv_port={free_port()}",
+        "connect_timeout_s=5",
+        f"numa={numa}",
+        f"hcas={hcas}",
+        f"link_layer={link_layer}",
+    ]
+    cmd = [
+        "bash",
+        "-c",
+        _functions_and_preflight(EU) + '\npreflight node_id=0 nnodes=1 "$@"',
+        "preflight",
+        *args,
+    ]
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
 
 
@@ -79,8 +107,10 @@ def test_a_healthy_node_passes_and_says_what_it_checked(tmp_path):
     assert r.returncode == 0, r.stderr
     ok = next(x for x in r.stdout.splitlines() if x.startswith("preflight ok on gpu-n7: "))
     assert ", interface lo 127.0.0.1, 8 GPUs, NUMA binding node: numactl " in ok, ok
-    assert ("; GPU 0,1,2,3 on NUMA node 0 (8 usable CPUs), GPU 4,5,6,7 on NUMA node 1 (8 usable CPUs); job step "
-            "CPUs 0-15, HCAs " + " ".join(f"mlx5_{i}:1" for i in range(8)) + ": InfiniBand, run dir ") in ok, ok
+    assert (
+        "; GPU 0,1,2,3 on NUMA node 0 (8 usable CPUs), GPU 4,5,6,7 on NUMA node 1 (8 usable CPUs); job step "
+        "CPUs 0-15, HCAs " + " ".join(f"mlx5_{i}:1" for i in range(8)) + ": InfiniBand, run dir "
+    ) in ok, ok
 
 
 # ---- topology.numa_binding ------------------------------------------------------------------------
@@ -90,16 +120,20 @@ def test_numactl_missing_fails_naming_the_field(tmp_path):
     node = _node(tmp_path, numactl=False)
     r = _preflight(tmp_path, node, path=path_without("numactl", tmp_path / "shadow"))
     assert r.returncode != 0
-    assert (FAILED + "topology.numa_binding=node: numactl is not on PATH; torchrun starts every worker under "
-            "numactl and fails without it") in r.stderr, r.stderr
+    assert (
+        FAILED + "topology.numa_binding=node: numactl is not on PATH; torchrun starts every worker under "
+        "numactl and fails without it"
+    ) in r.stderr, r.stderr
 
 
 def test_gpus_on_a_numa_node_without_an_allowed_cpu_fail(tmp_path):
     # The step's cpuset holds node 0's CPUs only (e.g. cpus_per_task filled from socket 0).
     r = _preflight(tmp_path, _node(tmp_path, allowed="0-7"))
     assert r.returncode != 0
-    assert (FAILED + "topology.numa_binding=node: GPU 4,5,6,7 on NUMA node 1 (CPUs 8-15), but this job step "
-            "may only run on CPUs 0-7: torchrun fails to start its workers") in r.stderr, r.stderr
+    assert (
+        FAILED + "topology.numa_binding=node: GPU 4,5,6,7 on NUMA node 1 (CPUs 8-15), but this job step "
+        "may only run on CPUs 0-7: torchrun fails to start its workers"
+    ) in r.stderr, r.stderr
 
 
 def test_one_allowed_cpu_on_each_gpu_numa_node_is_enough(tmp_path):
@@ -120,7 +154,9 @@ def test_only_the_visible_gpus_numa_nodes_count(tmp_path):
 def test_no_numa_information_counts_as_node_0_as_in_torch(tmp_path):
     node = FakeNode(tmp_path / "node", gpu_numa=[-1, -1], numa_cpus={0: "0-3"}, allowed="0-3", hcas=IB8)
     assert _preflight(tmp_path, node, gpus=2).returncode == 0
-    node = FakeNode(tmp_path / "node2", gpu_numa=[-1, -1], numa_cpus={0: "0-3", 1: "4-7"}, allowed="4-7", hcas=IB8)
+    node = FakeNode(
+        tmp_path / "node2", gpu_numa=[-1, -1], numa_cpus={0: "0-3", 1: "4-7"}, allowed="4-7", hcas=IB8
+    )
     r = _preflight(tmp_path, node, gpus=2)
     assert r.returncode != 0 and "GPU 0,1 on NUMA node 0 (CPUs 0-3)" in r.stderr, r.stderr
 
@@ -131,8 +167,10 @@ def test_exclusive_needs_a_physical_core_per_gpu(tmp_path):
     assert _preflight(tmp_path, node, numa="node").returncode == 0
     r = _preflight(tmp_path, node, numa="exclusive")
     assert r.returncode != 0
-    assert ("topology.numa_binding=exclusive: NUMA node 1 has 2 physical cores this job step may use for its 4 GPUs "
-            "(4,5,6,7); torch's exclusive mode needs one per GPU") in r.stderr, r.stderr
+    assert (
+        "topology.numa_binding=exclusive: NUMA node 1 has 2 physical cores this job step may use for its 4 GPUs "
+        "(4,5,6,7); torch's exclusive mode needs one per GPU"
+    ) in r.stderr, r.stderr
 
 
 def test_socket_needs_a_usable_cpu_on_every_numa_node(tmp_path):
@@ -141,8 +179,10 @@ def test_socket_needs_a_usable_cpu_on_every_numa_node(tmp_path):
     assert _preflight(tmp_path, node, numa="node", gpus=1).returncode == 0
     r = _preflight(tmp_path, node, numa="socket", gpus=1)
     assert r.returncode != 0
-    assert ("topology.numa_binding=socket: NUMA node 1 has no CPU this job step may run on (CPUs: none); torch's "
-            "socket mode looks at every NUMA node and fails on it (use node)") in r.stderr, r.stderr
+    assert (
+        "topology.numa_binding=socket: NUMA node 1 has no CPU this job step may run on (CPUs: none); torch's "
+        "socket mode looks at every NUMA node and fails on it (use node)"
+    ) in r.stderr, r.stderr
 
 
 def test_numa_checks_are_off_without_numa_binding(tmp_path):
@@ -173,7 +213,9 @@ def test_without_a_fake_root_the_checks_read_this_machines_sys_and_proc(tmp_path
         assert r.returncode != 0 and f"on NUMA node {numa}" in r.stderr, r.stderr
     # No RDMA adapter here (or not this one): the HCA check says what the node has.
     r = _preflight(tmp_path, node, gpus=1, hcas="=no_such_hca0", env_extra={"SBATCH_GEN_SYSFS_ROOT": ""})
-    assert r.returncode != 0 and FAILED + "nccl.ib_hca: no adapter no_such_hca0 on this node; have: " in r.stderr
+    assert (
+        r.returncode != 0 and FAILED + "nccl.ib_hca: no adapter no_such_hca0 on this node; have: " in r.stderr
+    )
 
 
 def _cpulist(text: str) -> list[int]:
@@ -191,16 +233,20 @@ def test_a_missing_hca_fails_and_lists_what_the_node_has(tmp_path):
     node = _node(tmp_path, hcas={"mlx5_0": {1: "InfiniBand"}, "mlx5_8": {1: "Ethernet"}})
     r = _preflight(tmp_path, node, hcas="=mlx5_0,mlx5_1")
     assert r.returncode != 0
-    assert (FAILED + "nccl.ib_hca: no adapter mlx5_1 on this node; have: mlx5_0 (port 1:InfiniBand), "
-            "mlx5_8 (port 1:Ethernet)\n") in r.stderr, r.stderr
+    assert (
+        FAILED + "nccl.ib_hca: no adapter mlx5_1 on this node; have: mlx5_0 (port 1:InfiniBand), "
+        "mlx5_8 (port 1:Ethernet)\n"
+    ) in r.stderr, r.stderr
 
 
 def test_an_hca_with_the_wrong_link_layer_fails(tmp_path):
     node = _node(tmp_path, hcas={**IB8, "mlx5_8": {1: "Ethernet"}})
     r = _preflight(tmp_path, node, hcas=EU_HCAS + ",mlx5_8")
     assert r.returncode != 0
-    assert (FAILED + "nccl.ib_hca: mlx5_8 port 1 has link layer Ethernet, but nccl.ib_link_layer is InfiniBand: "
-            "NCCL would send training traffic over it") in r.stderr, r.stderr
+    assert (
+        FAILED + "nccl.ib_hca: mlx5_8 port 1 has link layer Ethernet, but nccl.ib_link_layer is InfiniBand: "
+        "NCCL would send training traffic over it"
+    ) in r.stderr, r.stderr
     # RoCE: the same adapter is right when the profile expects Ethernet, and the InfiniBand ones are wrong
     r = _preflight(tmp_path, node, hcas="=mlx5_8", link_layer="Ethernet")
     assert r.returncode == 0, r.stderr
@@ -221,7 +267,10 @@ def test_prefixes_need_a_match_and_every_match_must_be_right(tmp_path):
     node = _node(tmp_path, hcas={**IB8, "mlx5_bond_0": {1: "Ethernet"}})
     r = _preflight(tmp_path, node, hcas="mlx4")
     assert r.returncode != 0
-    assert FAILED + "nccl.ib_hca: no adapter starting with mlx4 (nccl.ib_hca_exact is false) on this node" in r.stderr
+    assert (
+        FAILED + "nccl.ib_hca: no adapter starting with mlx4 (nccl.ib_hca_exact is false) on this node"
+        in r.stderr
+    )
     r = _preflight(tmp_path, node, hcas="mlx5")
     assert r.returncode != 0 and "mlx5_bond_0 port 1 has link layer Ethernet" in r.stderr, r.stderr
     r = _preflight(tmp_path, node, hcas="mlx5_0,mlx5_1")
@@ -253,25 +302,40 @@ SCONTROL = "#!/bin/bash\nif [[ \"$1 $2\" == 'show hostnames' ]]; then echo local
 SINFO = "#!/bin/bash\necho 'slurm 23.11.4'\n"
 
 
-def _eu_job(tmp_path: Path, node: FakeNode, *sets: str,
-            path: str | None = None) -> tuple[subprocess.CompletedProcess, Path]:
+def _eu_job(
+    tmp_path: Path, node: FakeNode, *sets: str, path: str | None = None
+) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path / "render"
     overrides = [
-        "slurm.nodes=1", "cross_region.enabled=false", "paths.data=null", f"paths.code_dir={REPO}",
-        f"paths.run_dir={tmp_path / 'run'}", f"paths.log_dir={tmp_path / 'logs'}", "python_env.path=.venv",
-        f"trainer.config={REPO / 'configs' / 'tiny.yaml'}", "network.socket_ifname=lo",
-        f"torchrun.rdzv_port={free_port()}", "preflight.connect_timeout_s=5", *sets,
+        "slurm.nodes=1",
+        "cross_region.enabled=false",
+        "paths.data=null",
+        f"paths.code_dir={REPO}",
+        f"paths.run_dir={tmp_path / 'run'}",
+        f"paths.log_dir={tmp_path / 'logs'}",
+        "python_env.path=.venv",
+        f"trainer.config={REPO / 'configs' / 'tiny.yaml'}",
+        "network.socket_ifname=lo",
+        f"torchrun.rdzv_port={free_port()}",
+        "preflight.connect_timeout_s=5",
+        *sets,
     ]
     r = sg("render", "--site", "eu", "--out", str(out), *[a for o in overrides for a in ("--set", o)])
     assert r.code == 0, r.err
-    job, env, stub_dir = prepare(tmp_path, {"srun": SRUN, "scontrol": SCONTROL, "sinfo": SINFO}, "gpu",
-                                 script=(out / "eu.sbatch").read_text(),
-                                 env={"SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "gpu-n7"})
+    job, env, stub_dir = prepare(
+        tmp_path,
+        {"srun": SRUN, "scontrol": SCONTROL, "sinfo": SINFO},
+        "gpu",
+        script=(out / "eu.sbatch").read_text(),
+        env={"SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "gpu-n7"},
+    )
     # Slurm stubs, then the fake node's nvidia-smi (and numactl), then python: what a GPU node's PATH has.
     rest = f"{Path(sys.executable).parent}:{path if path is not None else os.environ['PATH']}"
     env.update(node.env(rest))
     env["PATH"] = f"{job.parent / '.venv' / 'bin'}:{env['PATH']}"
-    r = subprocess.run(["bash", str(job)], cwd=job.parent, env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        ["bash", str(job)], cwd=job.parent, env=env, capture_output=True, text=True, timeout=120
+    )
     return r, stub_dir
 
 
@@ -282,20 +346,36 @@ def test_eu_job_trains_on_a_healthy_node(tmp_path):
     assert (stub_dir / "calls").read_text() == "training\n"
 
 
-@pytest.mark.parametrize("sets, node_kw, reason", [
-    ((), {"allowed": "0-7"}, "topology.numa_binding=node: GPU 4,5,6,7 on NUMA node 1"),
-    (("topology.numa_binding=exclusive",), {"numa_cpus": {0: "0-7", 1: "8-9"}},
-     "topology.numa_binding=exclusive: NUMA node 1 has 2 physical cores"),
-    ((), {"hcas": {**IB8, "mlx5_7": {1: "Ethernet"}}}, "nccl.ib_hca: mlx5_7 port 1 has link layer Ethernet"),
-    (("nccl.ib_link_layer=Ethernet",), {}, "nccl.ib_hca: mlx5_0 port 1 has link layer InfiniBand, but "
-     "nccl.ib_link_layer is Ethernet"),
-], ids=["numa-cpus", "exclusive", "hca-link-layer", "roce-expected"])
+@pytest.mark.parametrize(
+    "sets, node_kw, reason",
+    [
+        ((), {"allowed": "0-7"}, "topology.numa_binding=node: GPU 4,5,6,7 on NUMA node 1"),
+        (
+            ("topology.numa_binding=exclusive",),
+            {"numa_cpus": {0: "0-7", 1: "8-9"}},
+            "topology.numa_binding=exclusive: NUMA node 1 has 2 physical cores",
+        ),
+        (
+            (),
+            {"hcas": {**IB8, "mlx5_7": {1: "Ethernet"}}},
+            "nccl.ib_hca: mlx5_7 port 1 has link layer Ethernet",
+        ),
+        (
+            ("nccl.ib_link_layer=Ethernet",),
+            {},
+            "nccl.ib_hca: mlx5_0 port 1 has link layer InfiniBand, but nccl.ib_link_layer is Ethernet",
+        ),
+    ],
+    ids=["numa-cpus", "exclusive", "hca-link-layer", "roce-expected"],
+)
 def test_eu_job_stops_before_training_naming_node_and_field(tmp_path, sets, node_kw, reason):
     r, stub_dir = _eu_job(tmp_path, _node(tmp_path, **node_kw), *sets)
     assert r.returncode == 1, r.stdout + r.stderr
     assert FAILED + reason in r.stderr, r.stderr
-    assert "preflight failed (see the preflight FAILED lines above); not starting training and not requeueing" \
+    assert (
+        "preflight failed (see the preflight FAILED lines above); not starting training and not requeueing"
         in r.stderr
+    )
     assert not (stub_dir / "calls").exists()
 
 
@@ -310,22 +390,45 @@ def test_eu_job_without_numactl_stops_before_training(tmp_path):
 # ---- the profile fields -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("site, changes, field, message", [
-    ("local", {"topology.numa_binding": "node"}, "topology.numa_binding",
-     "this site has no GPUs, and torchrun binds each worker to its GPU's NUMA node"),
-    ("ssh-local", {"topology.numa_binding": "socket"}, "topology.numa_binding", "this site has no GPUs"),
-    ("us", {"nccl.ib_link_layer": "Ethernet"}, "nccl.ib_link_layer",
-     "ib_link_layer is set but ib_disable is true, so no adapter is checked"),
-    ("eu", {"nccl.ib_hca": [], "nccl.ib_link_layer": "InfiniBand"}, "nccl.ib_link_layer",
-     "ib_link_layer is set but ib_hca is empty"),
-    ("eu", {"nccl.ib_link_layer": "RoCE"}, "nccl.ib_link_layer", "Input should be 'InfiniBand' or 'Ethernet'"),
-], ids=["numa-cpu-slurm", "numa-cpu-ssh", "link-layer-ib-disabled", "link-layer-no-hca", "link-layer-value"])
+@pytest.mark.parametrize(
+    "site, changes, field, message",
+    [
+        (
+            "local",
+            {"topology.numa_binding": "node"},
+            "topology.numa_binding",
+            "this site has no GPUs, and torchrun binds each worker to its GPU's NUMA node",
+        ),
+        ("ssh-local", {"topology.numa_binding": "socket"}, "topology.numa_binding", "this site has no GPUs"),
+        (
+            "us",
+            {"nccl.ib_link_layer": "Ethernet"},
+            "nccl.ib_link_layer",
+            "ib_link_layer is set but ib_disable is true, so no adapter is checked",
+        ),
+        (
+            "eu",
+            {"nccl.ib_hca": [], "nccl.ib_link_layer": "InfiniBand"},
+            "nccl.ib_link_layer",
+            "ib_link_layer is set but ib_hca is empty",
+        ),
+        (
+            "eu",
+            {"nccl.ib_link_layer": "RoCE"},
+            "nccl.ib_link_layer",
+            "Input should be 'InfiniBand' or 'Ethernet'",
+        ),
+    ],
+    ids=["numa-cpu-slurm", "numa-cpu-ssh", "link-layer-ib-disabled", "link-layer-no-hca", "link-layer-value"],
+)
 def test_profile_fields_are_refused_where_they_cannot_work(work, site, changes, field, message):
     edit_site(work / "sites" / f"{site}.yaml", **changes)
     r = sg("render", "--site", site, "--out", "o")
     assert r.code == 2, (r.out, r.err)
     lines = r.err.strip().splitlines()
-    assert len(lines) == 1 and re.match(rf"sbatch-gen: sites/{site}\.yaml:\d+: {re.escape(field)}: ", lines[0]), r.err
+    assert len(lines) == 1 and re.match(
+        rf"sbatch-gen: sites/{site}\.yaml:\d+: {re.escape(field)}: ", lines[0]
+    ), r.err
     assert message in lines[0], lines[0]
 
 
@@ -333,4 +436,7 @@ def test_ib_disable_turns_the_hca_check_off(work):
     edit_site(work / "sites" / "eu.yaml", **{"nccl.ib_disable": True})
     r = sg("render", "--site", "eu", "--out", "o")
     assert r.code == 0, r.err
-    assert "  hcas=''  # nccl.ib_hca as NCCL_IB_HCA (empty: no check)" in (work / "o" / "eu.sbatch").read_text().splitlines()
+    assert (
+        "  hcas=''  # nccl.ib_hca as NCCL_IB_HCA (empty: no check)"
+        in (work / "o" / "eu.sbatch").read_text().splitlines()
+    )

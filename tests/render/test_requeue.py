@@ -48,7 +48,9 @@ SINFO = "#!/bin/bash\necho 'slurm 22.05.8'\n"
 
 def _run_script(tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess, Path]:
     job, env, stub_dir = prepare(tmp_path, {"scontrol": SCONTROL, "srun": SRUN, "sinfo": SINFO}, mode)
-    r = subprocess.run(["bash", str(job)], cwd=job.parent, env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        ["bash", str(job)], cwd=job.parent, env=env, capture_output=True, text=True, timeout=60
+    )
     return r, stub_dir
 
 

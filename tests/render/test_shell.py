@@ -44,9 +44,12 @@ def test_every_option_renders_lint_clean(work):
             "slurm.gpu_request": "gpus-per-node",
             "slurm.extra_directives": ["--mail-type=FAIL", "--comment=xr"],
             "python_env": {"kind": "none", "modules": ["cuda/12.4", "nccl/2.21"]},
-            "container": {"image": "nvcr.io#nvidia/pytorch:24.10-py3", "mounts": ["/lustre/eu:/lustre/eu:ro"],
-                          "mount_home": False},
-            "trainer.extra_args": ["--note", "it's a \"test\" with $HOME and `date` *"],
+            "container": {
+                "image": "nvcr.io#nvidia/pytorch:24.10-py3",
+                "mounts": ["/lustre/eu:/lustre/eu:ro"],
+                "mount_home": False,
+            },
+            "trainer.extra_args": ["--note", 'it\'s a "test" with $HOME and `date` *'],
             "trainer.max_steps": 100,
             "extra_env": {"FI_PROVIDER": "efa", "WEIRD": "a b;c|d'e\"f$g`h`"},
             "nccl.ib_gid_index": 3,
@@ -55,12 +58,28 @@ def test_every_option_renders_lint_clean(work):
         },
     )
     us = work / "sites" / "us.yaml"
-    edit_site(us, python_env={"kind": "conda", "conda_sh": "/opt/conda/etc/profile.d/conda.sh",
-                              "name": "xr", "modules": ["cuda/12.4"]})
+    edit_site(
+        us,
+        python_env={
+            "kind": "conda",
+            "conda_sh": "/opt/conda/etc/profile.d/conda.sh",
+            "name": "xr",
+            "modules": ["cuda/12.4"],
+        },
+    )
     local = work / "sites" / "local.yaml"
-    edit_site(local, **{"python_env": {"kind": "conda", "conda_sh": "/opt/conda/etc/profile.d/conda.sh",
-                                       "prefix": "/opt/envs/x y"},
-                        "preflight.enabled": False, "network.socket_ifname": "lo"})
+    edit_site(
+        local,
+        **{
+            "python_env": {
+                "kind": "conda",
+                "conda_sh": "/opt/conda/etc/profile.d/conda.sh",
+                "prefix": "/opt/envs/x y",
+            },
+            "preflight.enabled": False,
+            "network.socket_ifname": "lo",
+        },
+    )
     r = sg("render", "--site", "eu", "--site", "us", "--site", "local", "--out", "o")
     assert r.code == 0, r.err
     eu_text = (work / "o" / "eu.sbatch").read_text()
@@ -70,8 +89,19 @@ def test_every_option_renders_lint_clean(work):
     assert "MODULES=(cuda/12.4 nccl/2.21)  # python_env.modules" in eu_text
     env_line = next(line for line in eu_text.splitlines() if line.startswith("  --container-env="))
     assert "export NCCL_TOPO_FILE='/etc/nccl/topo h200.xml'" in eu_text
-    for name in ("NCCL_TOPO_FILE", "NCCL_IB_HCA", "NCCL_DEBUG_SUBSYS", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "FI_PROVIDER", "WEIRD",
-                 "MASTER_ADDR", "MASTER_PORT", "SBATCH_GEN_STOP_FILE", "OMP_NUM_THREADS", "PYTHONPATH"):
+    for name in (
+        "NCCL_TOPO_FILE",
+        "NCCL_IB_HCA",
+        "NCCL_DEBUG_SUBSYS",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
+        "FI_PROVIDER",
+        "WEIRD",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "SBATCH_GEN_STOP_FILE",
+        "OMP_NUM_THREADS",
+        "PYTHONPATH",
+    ):
         assert name in env_line
     for p in sorted((work / "o").iterdir()):
         lint(p)
@@ -92,9 +122,24 @@ def _preflight_script(text: str) -> str:
 SRUN_PREFLIGHT = '\npreflight node_id="$SLURM_NODEID" nnodes="$SLURM_NNODES" "$@"'
 
 
-def _run_preflight(tmp_path, *, module="sbatch_gen.train", config=None, data="", ifname="lo", gpus="0",
-                   node_id="0", nnodes="1", port=None, timeout="5", run_dir=None, marker="", extra_path=None,
-                   env_extra=None, background=False):
+def _run_preflight(
+    tmp_path,
+    *,
+    module="sbatch_gen.train",
+    config=None,
+    data="",
+    ifname="lo",
+    gpus="0",
+    node_id="0",
+    nnodes="1",
+    port=None,
+    timeout="5",
+    run_dir=None,
+    marker="",
+    extra_path=None,
+    env_extra=None,
+    background=False,
+):
     text = (REPO / "out" / "local.sbatch").read_text()
     config = config or str(REPO / "configs" / "tiny.yaml")
     port = str(port or free_port())
@@ -105,15 +150,33 @@ def _run_preflight(tmp_path, *, module="sbatch_gen.train", config=None, data="",
     path = f"{Path(sys.executable).parent}:{env['PATH']}"
     if extra_path is not None:  # stub commands (a fake nvidia-smi) come first
         path = f"{extra_path}:{path}"
-    env.update(PATH=path, SLURMD_NODENAME=f"node{node_id}",
-               SLURM_NODEID=node_id, SLURM_NNODES=nnodes, PYTHONPATH=str(REPO))
+    env.update(
+        PATH=path,
+        SLURMD_NODENAME=f"node{node_id}",
+        SLURM_NODEID=node_id,
+        SLURM_NNODES=nnodes,
+        PYTHONPATH=str(REPO),
+    )
     env.update(env_extra or {})
-    args = [f"module={module}", f"config={config}", f"data={data}", f"ifname={ifname}", f"gpus={gpus}",
-            "gpus_key=slurm.gpus_per_node", "log_topology=0", f"run_dir={run_dir}", f"shared_marker={marker}",
-            "rdzv_host=127.0.0.1", f"rdzv_port={port}", f"connect_timeout_s={timeout}"]
+    args = [
+        f"module={module}",
+        f"config={config}",
+        f"data={data}",
+        f"ifname={ifname}",
+        f"gpus={gpus}",
+        "gpus_key=slurm.gpus_per_node",
+        "log_topology=0",
+        f"run_dir={run_dir}",
+        f"shared_marker={marker}",
+        "rdzv_host=127.0.0.1",
+        f"rdzv_port={port}",
+        f"connect_timeout_s={timeout}",
+    ]
     cmd = ["bash", "-c", _preflight_script(text) + SRUN_PREFLIGHT, "preflight", *args]
     if background:
-        return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
 
 
@@ -134,14 +197,26 @@ def _python_on_path() -> str:
 @pytest.mark.parametrize(
     "kwargs, reason",
     [
-        ({"module": "no_such_trainer_module"},
-         "trainer module no_such_trainer_module not importable by {python} from {repo} (trainer.module, python_env)\n"),
-        ({"ifname": "nosuchif0"}, "network interface nosuchif0 does not exist (network.socket_ifname); have: "),
-        ({"config": "/nonexistent/train.yaml"},
-         "train config /nonexistent/train.yaml not readable from {repo} (trainer.config)"),
-        ({"data": "/nonexistent/shard.bin"}, "data path /nonexistent/shard.bin does not exist (paths.data)\n"),
-        ({"node_id": "1", "nnodes": "2", "timeout": "1"},
-         "rendezvous endpoint 127.0.0.1:{port} not reachable within 1 s: "),
+        (
+            {"module": "no_such_trainer_module"},
+            "trainer module no_such_trainer_module not importable by {python} from {repo} (trainer.module, python_env)\n",
+        ),
+        (
+            {"ifname": "nosuchif0"},
+            "network interface nosuchif0 does not exist (network.socket_ifname); have: ",
+        ),
+        (
+            {"config": "/nonexistent/train.yaml"},
+            "train config /nonexistent/train.yaml not readable from {repo} (trainer.config)",
+        ),
+        (
+            {"data": "/nonexistent/shard.bin"},
+            "data path /nonexistent/shard.bin does not exist (paths.data)\n",
+        ),
+        (
+            {"node_id": "1", "nnodes": "2", "timeout": "1"},
+            "rendezvous endpoint 127.0.0.1:{port} not reachable within 1 s: ",
+        ),
     ],
     ids=["module", "interface", "config", "data", "rendezvous"],
 )
@@ -170,8 +245,10 @@ def test_preflight_fails_when_the_run_dir_cannot_be_created(tmp_path):
     run_dir = tmp_path / "a-file" / "run"
     r = _run_preflight(tmp_path, run_dir=run_dir)
     assert r.returncode != 0
-    assert (f"preflight FAILED on node0: run dir {run_dir} cannot be created or is not writable (paths.run_dir)\n"
-            in r.stderr), r.stderr
+    assert (
+        f"preflight FAILED on node0: run dir {run_dir} cannot be created or is not writable (paths.run_dir)\n"
+        in r.stderr
+    ), r.stderr
     assert not list(tmp_path.glob("**/.preflight.*"))
 
 
@@ -190,8 +267,10 @@ def test_preflight_fails_on_a_node_that_does_not_see_node0s_run_dir(tmp_path):
     port = free_port()
     r = _run_preflight(tmp_path, node_id="1", nnodes="2", port=port, timeout="1", marker=str(marker))
     assert r.returncode != 0
-    assert (f"preflight FAILED on node1: run dir {tmp_path / 'run'} is not the one node 0 sees (checkpoints need a "
-            "filesystem all nodes share)\n") in r.stderr, r.stderr
+    assert (
+        f"preflight FAILED on node1: run dir {tmp_path / 'run'} is not the one node 0 sees (checkpoints need a "
+        "filesystem all nodes share)\n"
+    ) in r.stderr, r.stderr
     assert _run_preflight(tmp_path, node_id="0", nnodes="1", marker=str(marker)).returncode == 0
     (tmp_path / "run").mkdir(exist_ok=True)
     marker.write_text("")
@@ -206,20 +285,26 @@ def test_preflight_names_every_problem_of_the_node_in_one_line(tmp_path):
     r = _run_preflight(tmp_path, config="/nonexistent/train.yaml", data="/nonexistent/shard.bin")
     assert r.returncode != 0
     failed = [x for x in r.stderr.splitlines() if x.startswith("preflight FAILED on node0: ")]
-    assert failed == ["preflight FAILED on node0: train config /nonexistent/train.yaml not readable from "
-                      f"{REPO} (trainer.config); data path /nonexistent/shard.bin does not exist (paths.data)"], r.stderr
+    assert failed == [
+        "preflight FAILED on node0: train config /nonexistent/train.yaml not readable from "
+        f"{REPO} (trainer.config); data path /nonexistent/shard.bin does not exist (paths.data)"
+    ], r.stderr
 
 
-@pytest.mark.skipif(subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode == 0,
-                    reason="the system python has torch")
+@pytest.mark.skipif(
+    subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode == 0,
+    reason="the system python has torch",
+)
 def test_preflight_fails_without_torch(tmp_path):
     bindir = tmp_path / "no-torch"
     bindir.mkdir()
     (bindir / "python").symlink_to("/usr/bin/python3")
     r = _run_preflight(tmp_path, extra_path=bindir)
     assert r.returncode != 0
-    assert (f"preflight FAILED on node0: torch not importable by {bindir / 'python'} from {REPO} (python_env)"
-            in r.stderr), r.stderr
+    assert (
+        f"preflight FAILED on node0: torch not importable by {bindir / 'python'} from {REPO} (python_env)"
+        in r.stderr
+    ), r.stderr
 
 
 def test_preflight_fails_when_the_rendezvous_port_is_busy_on_node0(tmp_path):
@@ -229,8 +314,10 @@ def test_preflight_fails_when_the_rendezvous_port_is_busy_on_node0(tmp_path):
         port = busy.getsockname()[1]
         r = _run_preflight(tmp_path, port=port)
     assert r.returncode != 0
-    assert (f"preflight FAILED on node0: cannot listen on rendezvous port {port}: Address already in use "
-            "(torchrun.rdzv_port; another launch?)\n") in r.stderr, r.stderr
+    assert (
+        f"preflight FAILED on node0: cannot listen on rendezvous port {port}: Address already in use "
+        "(torchrun.rdzv_port; another launch?)\n"
+    ) in r.stderr, r.stderr
 
 
 # ---- GPU count: a fake nvidia-smi on PATH (this machine has no GPUs) -------------------------------
@@ -266,8 +353,9 @@ def test_preflight_gpu_count_mismatch_fails(tmp_path, listed, cuda_visible, visi
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible
     r = _run_preflight(tmp_path, gpus="8", extra_path=_fake_nvidia_smi(tmp_path), env_extra=env)
     assert r.returncode != 0
-    assert (f"preflight FAILED on node0: {visible} GPUs visible, the profile expects 8 "
-            "(slurm.gpus_per_node)\n") in r.stderr, r.stderr
+    assert (
+        f"preflight FAILED on node0: {visible} GPUs visible, the profile expects 8 (slurm.gpus_per_node)\n"
+    ) in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("listed, cuda_visible", [(8, None), (16, "0,1,2,3,4,5,6,7")], ids=["smi", "cvd"])
@@ -277,15 +365,19 @@ def test_preflight_gpu_count_match_passes(tmp_path, listed, cuda_visible):
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible
     r = _run_preflight(tmp_path, gpus="8", extra_path=_fake_nvidia_smi(tmp_path), env_extra=env)
     assert r.returncode == 0, r.stderr
-    assert "preflight ok on node0: " in r.stdout and ", interface lo 127.0.0.1, 8 GPUs, " in r.stdout, r.stdout
+    assert "preflight ok on node0: " in r.stdout and ", interface lo 127.0.0.1, 8 GPUs, " in r.stdout, (
+        r.stdout
+    )
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has nvidia-smi")
 def test_preflight_gpu_site_without_nvidia_smi_fails(tmp_path):
     r = _run_preflight(tmp_path, gpus="8")
     assert r.returncode != 0
-    assert ("preflight FAILED on node0: nvidia-smi not found, but the site has 8 GPUs per node "
-            "(slurm.gpus_per_node)\n") in r.stderr, r.stderr
+    assert (
+        "preflight FAILED on node0: nvidia-smi not found, but the site has 8 GPUs per node "
+        "(slurm.gpus_per_node)\n"
+    ) in r.stderr, r.stderr
 
 
 def test_preflight_rendezvous_between_two_nodes(tmp_path):
@@ -307,7 +399,7 @@ def _function(text: str, name: str) -> str | None:
     if i < 0:
         return None
     end = text.index("\n", i + 1) if text[text.index("\n", i + 1) - 1] == "}" else text.index("\n}\n", i) + 2
-    return text[i + 1:end]
+    return text[i + 1 : end]
 
 
 @pytest.mark.parametrize("name", ["log", "die", "load_modules", "activate_env", "iface_ipv4", "preflight"])

@@ -51,17 +51,29 @@ echo "slurm $FAKE_SLURM"
 STOP_FILE = "runs/local/stop/77.attempt-0"
 
 
-def _start(tmp_path: Path, mode: str, *, ack_timeout_s: int | None = None,
-           slurm: str = "22.05.8") -> tuple[subprocess.Popen, Path, Path]:
+def _start(
+    tmp_path: Path, mode: str, *, ack_timeout_s: int | None = None, slurm: str = "22.05.8"
+) -> tuple[subprocess.Popen, Path, Path]:
     script = (REPO / "out" / "local.sbatch").read_text()
     if ack_timeout_s is not None:
         line = "ACK_TIMEOUT_S=30  # preemption.ack_timeout_s\n"
         assert line in script
         script = script.replace(line, f"ACK_TIMEOUT_S={ack_timeout_s}  # preemption.ack_timeout_s\n")
-    job, env, stub_dir = prepare(tmp_path, {"scontrol": SCONTROL, "srun": SRUN, "sinfo": SINFO}, mode,
-                                 script=script, env={"FAKE_SLURM": slurm})
-    proc = subprocess.Popen(["bash", str(job)], cwd=job.parent, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    job, env, stub_dir = prepare(
+        tmp_path,
+        {"scontrol": SCONTROL, "srun": SRUN, "sinfo": SINFO},
+        mode,
+        script=script,
+        env={"FAKE_SLURM": slurm},
+    )
+    proc = subprocess.Popen(
+        ["bash", str(job)],
+        cwd=job.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     return proc, job.parent, stub_dir
 
 
@@ -122,8 +134,9 @@ def test_usr1_without_an_ack_warns_after_the_timeout_and_requeues(tmp_path):
     t0 = time.monotonic()
     out = _finish(proc)
     assert time.monotonic() - t0 >= 1.5, out
-    assert (f"WARNING: no {STOP_FILE}.ack within 2 s; --resume auto uses the last complete checkpoint"
-            in out), out
+    assert (
+        f"WARNING: no {STOP_FILE}.ack within 2 s; --resume auto uses the last complete checkpoint" in out
+    ), out
     assert "trainer checkpointed" not in out, out
     assert _requeues(stub_dir) == ["requeue 77"], out
     assert proc.returncode == 0, out

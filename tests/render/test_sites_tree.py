@@ -15,8 +15,17 @@ def test_header_names_profiles_inside_the_sites_directory(tmp_path, monkeypatch)
     assert a.code == 0, a.err
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")  # the sites directory is not below the current directory
-    b = sg("render", "--site", "us", "--sites-dir", str(tmp_path / "elsewhere" / "sites"),
-           "--templates-dir", str(REPO / "templates"), "--out", str(tmp_path / "b"))
+    b = sg(
+        "render",
+        "--site",
+        "us",
+        "--sites-dir",
+        str(tmp_path / "elsewhere" / "sites"),
+        "--templates-dir",
+        str(REPO / "templates"),
+        "--out",
+        str(tmp_path / "b"),
+    )
     assert b.code == 0, b.err
     for name in ("us.sbatch", "us.setup.sbatch"):
         text = (tmp_path / "b" / name).read_text()
@@ -28,7 +37,9 @@ def test_header_names_profiles_inside_the_sites_directory(tmp_path, monkeypatch)
 def test_a_symlink_inside_the_sites_directory_is_fine(work):
     os.symlink("llm-xr-1.yaml", work / "sites" / "_base" / "alias.yaml")
     us = work / "sites" / "us.yaml"
-    us.write_text(us.read_text().replace("extends: _base/llm-xr-1.yaml", "extends: _base/../_base/alias.yaml"))
+    us.write_text(
+        us.read_text().replace("extends: _base/llm-xr-1.yaml", "extends: _base/../_base/alias.yaml")
+    )
     r = sg("render", "--site", "us", "--out", "out")
     assert r.code == 0, r.err
     assert "#   extends: sites/_base/alias.yaml\n" in (work / "out" / "us.sbatch").read_text()

@@ -48,7 +48,10 @@ _INVISIBLE = ["\u202e", "\u2066", "\u200f", "\u061c", "\u0085", "\u009b"]
         ("trainer.resume", lambda v: {"trainer.resume": f"ckpt/{v}1"}),
         ("trainer.extra_args[1]", lambda v: {"trainer.extra_args": ["--a", f"b{v}"]}),
         ("extra_env.MY_SETTING", lambda v: {"extra_env": {"MY_SETTING": f"x{v}y"}}),
-        ("cross_region.transport.root", lambda v: {"cross_region.transport": {"kind": "fs", "root": f"mb{v}"}}),
+        (
+            "cross_region.transport.root",
+            lambda v: {"cross_region.transport": {"kind": "fs", "root": f"mb{v}"}},
+        ),
     ],
 )
 def test_invisible_characters_are_refused_everywhere(work, field, changes, char):
@@ -56,17 +59,33 @@ def test_invisible_characters_are_refused_everywhere(work, field, changes, char)
 
 
 def test_invisible_characters_in_an_ssh_host_note(work):
-    _refused(work, "lab", "hosts[5].note", "U+202E",
-             hosts=["lab-gpu01", "lab-gpu02", "lab-gpu03", "lab-gpu04", "lab-gpu05",
-                    {"name": "lab-gpu06", "enabled": False, "note": "GPU 5 \u202eok"}])
+    _refused(
+        work,
+        "lab",
+        "hosts[5].note",
+        "U+202E",
+        hosts=[
+            "lab-gpu01",
+            "lab-gpu02",
+            "lab-gpu03",
+            "lab-gpu04",
+            "lab-gpu05",
+            {"name": "lab-gpu06", "enabled": False, "note": "GPU 5 \u202eok"},
+        ],
+    )
 
 
 # ---- '$' in the mailbox root ----------------------------------------------------------------------
 
 
 def test_dollar_in_transport_root(work):
-    _refused(work, "local", "cross_region.transport.root", "contains '$'",
-             **{"cross_region.transport": {"kind": "fs", "root": "$SCRATCH/mailbox"}})
+    _refused(
+        work,
+        "local",
+        "cross_region.transport.root",
+        "contains '$'",
+        **{"cross_region.transport": {"kind": "fs", "root": "$SCRATCH/mailbox"}},
+    )
 
 
 # ---- a leading '-' where the value becomes a command's argument ------------------------------------
@@ -81,9 +100,16 @@ def test_dollar_in_transport_root(work):
         ("paths.data", {"paths.data": "-data"}, "write ./-data"),
         ("trainer.config", {"trainer.config": "--help"}, "starts with '-'"),
         ("network.socket_ifname", {"network.socket_ifname": "-eth0"}, "starts with '-'"),
-        ("cross_region.transport.root", {"cross_region.transport": {"kind": "fs", "root": "-mb"}}, "starts with '-'"),
-        ("cross_region.transport.prefix",
-         {"cross_region.transport": {"kind": "s3", "bucket": "my-bucket", "prefix": "-p"}}, "starts with '-'"),
+        (
+            "cross_region.transport.root",
+            {"cross_region.transport": {"kind": "fs", "root": "-mb"}},
+            "starts with '-'",
+        ),
+        (
+            "cross_region.transport.prefix",
+            {"cross_region.transport": {"kind": "s3", "bucket": "my-bucket", "prefix": "-p"}},
+            "starts with '-'",
+        ),
     ],
 )
 def test_leading_dash_is_refused_where_it_would_be_an_option(work, field, changes, needle):
@@ -91,7 +117,9 @@ def test_leading_dash_is_refused_where_it_would_be_an_option(work, field, change
 
 
 def test_leading_dash_in_an_ssh_identity_file(work):
-    _refused(work, "ssh-local", "ssh.identity_file", "starts with '-'", **{"ssh.identity_file": "-oProxyCommand"})
+    _refused(
+        work, "ssh-local", "ssh.identity_file", "starts with '-'", **{"ssh.identity_file": "-oProxyCommand"}
+    )
 
 
 # ---- extra_env names that change the shell, the loader or the interpreter ---------------------------
@@ -99,18 +127,40 @@ def test_leading_dash_in_an_ssh_identity_file(work):
 
 @pytest.mark.parametrize(
     "name",
-    ["SHELLOPTS", "BASHOPTS", "BASH_ENV", "ENV", "IFS", "PS4", "PROMPT_COMMAND", "BASH_FUNC_module",
-     "LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "GLIBC_TUNABLES", "PYTHONSTARTUP", "PYTHONHOME", "CDPATH"],
+    [
+        "SHELLOPTS",
+        "BASHOPTS",
+        "BASH_ENV",
+        "ENV",
+        "IFS",
+        "PS4",
+        "PROMPT_COMMAND",
+        "BASH_FUNC_module",
+        "LD_PRELOAD",
+        "LD_LIBRARY_PATH",
+        "LD_AUDIT",
+        "GLIBC_TUNABLES",
+        "PYTHONSTARTUP",
+        "PYTHONHOME",
+        "CDPATH",
+    ],
 )
 def test_extra_env_names_that_change_how_things_run(work, name):
     _refused(work, "local", f"extra_env.{name}", name, extra_env={name: "x"})
 
 
 def test_loader_variables_need_an_explicit_opt_in(work):
-    line = _refused(work, "local", "extra_env.LD_LIBRARY_PATH", "extra_env_allow: [LD_LIBRARY_PATH]",
-                    extra_env={"LD_LIBRARY_PATH": "/opt/nccl/lib"})
+    line = _refused(
+        work,
+        "local",
+        "extra_env.LD_LIBRARY_PATH",
+        "extra_env_allow: [LD_LIBRARY_PATH]",
+        extra_env={"LD_LIBRARY_PATH": "/opt/nccl/lib"},
+    )
     assert "dynamic loader" in line
-    _accepted(work, "local", extra_env={"LD_LIBRARY_PATH": "/opt/nccl/lib"}, extra_env_allow=["LD_LIBRARY_PATH"])
+    _accepted(
+        work, "local", extra_env={"LD_LIBRARY_PATH": "/opt/nccl/lib"}, extra_env_allow=["LD_LIBRARY_PATH"]
+    )
     assert "export LD_LIBRARY_PATH=/opt/nccl/lib\n" in (work / "o" / "local.sbatch").read_text()
 
 
@@ -119,8 +169,14 @@ def test_an_opt_in_for_an_unset_variable_is_refused(work):
 
 
 def test_ld_audit_cannot_be_opted_in(work):
-    _refused(work, "local", "extra_env_allow[0]", "LD_LIBRARY_PATH",
-             extra_env={"LD_AUDIT": "x"}, extra_env_allow=["LD_AUDIT"])
+    _refused(
+        work,
+        "local",
+        "extra_env_allow[0]",
+        "LD_LIBRARY_PATH",
+        extra_env={"LD_AUDIT": "x"},
+        extra_env_allow=["LD_AUDIT"],
+    )
 
 
 # ---- abbreviated long options in slurm.extra_directives --------------------------------------------
@@ -128,8 +184,15 @@ def test_ld_audit_cannot_be_opted_in(work):
 
 @pytest.mark.parametrize(
     ("directive", "managed"),
-    [("--outp=x.log", "--output"), ("--sig=USR1@60", "--signal"), ("--no-req", "--no-requeue"),
-     ("--part=debug", "--partition"), ("--tasks=4", None), ("--workdir=/tmp", None), ("--gpus-per-n=2", "--gpus-per-node")],
+    [
+        ("--outp=x.log", "--output"),
+        ("--sig=USR1@60", "--signal"),
+        ("--no-req", "--no-requeue"),
+        ("--part=debug", "--partition"),
+        ("--tasks=4", None),
+        ("--workdir=/tmp", None),
+        ("--gpus-per-n=2", "--gpus-per-node"),
+    ],
 )
 def test_abbreviated_managed_directives_are_refused(work, directive, managed):
     line = _refused(work, "local", "slurm.extra_directives[0]", **{"slurm.extra_directives": [directive]})
@@ -137,8 +200,14 @@ def test_abbreviated_managed_directives_are_refused(work, directive, managed):
 
 
 def test_abbreviated_directives_must_be_written_out(work):
-    _refused(work, "local", "slurm.extra_directives[1]", "--mail-type", "in full",
-             **{"slurm.extra_directives": ["--mail-type=FAIL", "--mail-t=END"]})
+    _refused(
+        work,
+        "local",
+        "slurm.extra_directives[1]",
+        "--mail-type",
+        "in full",
+        **{"slurm.extra_directives": ["--mail-type=FAIL", "--mail-t=END"]},
+    )
     _accepted(work, "local", **{"slurm.extra_directives": ["--mail-type=FAIL", "--comment=x"]})
     assert "#SBATCH --mail-type=FAIL\n" in (work / "o" / "local.sbatch").read_text()
 
@@ -148,11 +217,19 @@ def test_abbreviated_directives_must_be_written_out(work):
 
 @pytest.mark.parametrize(
     ("site", "field", "value"),
-    [("local", "slurm.nodes", True), ("local", "slurm.nodes", "2"), ("local", "slurm.cpus_per_task", 2.0),
-     ("eu", "slurm.gpus_per_node", True), ("local", "torchrun.max_restarts", False),
-     ("local", "preemption.max_requeues", True), ("lab", "launch.max_attempts", True), ("lab", "node.cpus", True),
-     ("local", "cross_region.inner_steps", True), ("local", "cross_region.min_regions", True),
-     ("local", "cross_region.outer_lr", True)],
+    [
+        ("local", "slurm.nodes", True),
+        ("local", "slurm.nodes", "2"),
+        ("local", "slurm.cpus_per_task", 2.0),
+        ("eu", "slurm.gpus_per_node", True),
+        ("local", "torchrun.max_restarts", False),
+        ("local", "preemption.max_requeues", True),
+        ("lab", "launch.max_attempts", True),
+        ("lab", "node.cpus", True),
+        ("local", "cross_region.inner_steps", True),
+        ("local", "cross_region.min_regions", True),
+        ("local", "cross_region.outer_lr", True),
+    ],
 )
 def test_yaml_booleans_and_strings_are_not_integers(work, site, field, value):
     _refused(work, site, field, "got", **{field: value})
@@ -163,7 +240,9 @@ def test_nodes_yes_in_yaml(work):
     local.write_text(local.read_text().replace("  nodes: 2\n", "  nodes: yes\n"))
     r = sg("render", "--site", "local", "--out", "o")
     line = 1 + local.read_text().splitlines().index("  nodes: yes")
-    assert r.code == 2 and f"sites/local.yaml:{line}: slurm.nodes: " in r.err and "YAML boolean" in r.err, r.err
+    assert r.code == 2 and f"sites/local.yaml:{line}: slurm.nodes: " in r.err and "YAML boolean" in r.err, (
+        r.err
+    )
     assert not (work / "o").exists()
 
 
@@ -171,11 +250,23 @@ def test_nodes_yes_in_yaml(work):
 
 
 @pytest.mark.parametrize(
-    "name", ["AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY",
-             "GITHUB_TOKEN", "GH_TOKEN", "MY_SERVICE_PASSWORD", "OPENAI_API_KEY"],
+    "name",
+    [
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "HF_TOKEN",
+        "HUGGING_FACE_HUB_TOKEN",
+        "WANDB_API_KEY",
+        "GITHUB_TOKEN",
+        "GH_TOKEN",
+        "MY_SERVICE_PASSWORD",
+        "OPENAI_API_KEY",
+    ],
 )
 def test_credential_variables_are_refused_in_extra_env(work, name):
-    line = _refused(work, "local", f"extra_env.{name}", "credential", "<redacted>", extra_env={name: "s3cr3t-value"})
+    line = _refused(
+        work, "local", f"extra_env.{name}", "credential", "<redacted>", extra_env={name: "s3cr3t-value"}
+    )
     assert "s3cr3t-value" not in line
 
 
@@ -184,17 +275,37 @@ def test_credential_variables_are_refused_in_extra_env(work, name):
     [
         ("extra_env.MY_SETTING", {"extra_env": {"MY_SETTING": AWS_SECRET}}, AWS_SECRET),
         ("extra_env.MY_SETTING", {"extra_env": {"MY_SETTING": f"id={AWS_KEY_ID}"}}, AWS_KEY_ID),
-        ("trainer.extra_args[1]", {"trainer.extra_args": ["--token", "hf_" + "aB3dE5gH7jK9mN1pQ3sT5vX7zA9cE1gI3"]}, "hf_aB3"),
+        (
+            "trainer.extra_args[1]",
+            {"trainer.extra_args": ["--token", "hf_" + "aB3dE5gH7jK9mN1pQ3sT5vX7zA9cE1gI3"]},
+            "hf_aB3",
+        ),
         ("paths.data", {"paths.data": f"/data/{AWS_KEY_ID}"}, AWS_KEY_ID),
-        ("cross_region.transport.credentials.access_key_id_env",
-         {"cross_region.transport": {"kind": "s3", "bucket": "my-bucket",
-                                     "credentials": {"access_key_id_env": AWS_KEY_ID,
-                                                     "secret_access_key_env": "XR_SECRET"}}}, AWS_KEY_ID),
-        ("cross_region.transport.credentials.secret_access_key_env",
-         {"cross_region.transport": {"kind": "s3", "bucket": "my-bucket",
-                                     "credentials": {"access_key_id_env": "XR_KEY_ID",
-                                                     "secret_access_key_env": "wJalrXUtnFEMI7K7MDENG0bPxRfiCYEXAMPLEKEY"}}},
-         "wJalrXUtnFEMI7K7"),
+        (
+            "cross_region.transport.credentials.access_key_id_env",
+            {
+                "cross_region.transport": {
+                    "kind": "s3",
+                    "bucket": "my-bucket",
+                    "credentials": {"access_key_id_env": AWS_KEY_ID, "secret_access_key_env": "XR_SECRET"},
+                }
+            },
+            AWS_KEY_ID,
+        ),
+        (
+            "cross_region.transport.credentials.secret_access_key_env",
+            {
+                "cross_region.transport": {
+                    "kind": "s3",
+                    "bucket": "my-bucket",
+                    "credentials": {
+                        "access_key_id_env": "XR_KEY_ID",
+                        "secret_access_key_env": "wJalrXUtnFEMI7K7MDENG0bPxRfiCYEXAMPLEKEY",
+                    },
+                }
+            },
+            "wJalrXUtnFEMI7K7",
+        ),
         ("slurm.partition", {"slurm.partition": AWS_KEY_ID}, AWS_KEY_ID),
         ("slurm.nodes", {"slurm.nodes": AWS_KEY_ID}, AWS_KEY_ID),
     ],
@@ -206,13 +317,22 @@ def test_key_shaped_values_are_refused_without_echoing_them(work, field, changes
 
 def test_credential_lookalikes_that_are_not_keys_pass(work):
     # A git commit id (40 hex digits), a long path and the *names* of the variables holding the keys.
-    _accepted(work, "local", **{
-        "trainer.extra_args": ["--git-rev", "0123456789abcdef0123456789abcdef01234567"],
-        "paths.data": "/Data/Users2/projects/myproject/datasets",
-        "cross_region.transport": {"kind": "s3", "bucket": "my-bucket",
-                                   "credentials": {"access_key_id_env": "XR_S3_ACCESS_KEY_ID",
-                                                   "secret_access_key_env": "XR_S3_SECRET_ACCESS_KEY"}},
-    })
+    _accepted(
+        work,
+        "local",
+        **{
+            "trainer.extra_args": ["--git-rev", "0123456789abcdef0123456789abcdef01234567"],
+            "paths.data": "/Data/Users2/projects/myproject/datasets",
+            "cross_region.transport": {
+                "kind": "s3",
+                "bucket": "my-bucket",
+                "credentials": {
+                    "access_key_id_env": "XR_S3_ACCESS_KEY_ID",
+                    "secret_access_key_env": "XR_S3_SECRET_ACCESS_KEY",
+                },
+            },
+        },
+    )
 
 
 # ---- GPU counts the hardware cannot have -----------------------------------------------------------
@@ -220,8 +340,13 @@ def test_credential_lookalikes_that_are_not_keys_pass(work):
 
 @pytest.mark.parametrize(("gpu_type", "count", "most"), [("h200", 9, 8), ("H100", 16, 8), ("gh200", 5, 4)])
 def test_more_gpus_than_the_gpu_type_has_per_node(work, gpu_type, count, most):
-    _refused(work, "eu", "slurm.gpus_per_node", f"at most {most}",
-             **{"slurm.gpu_type": gpu_type, "slurm.gpus_per_node": count, "nccl.ib_hca": []})
+    _refused(
+        work,
+        "eu",
+        "slurm.gpus_per_node",
+        f"at most {most}",
+        **{"slurm.gpu_type": gpu_type, "slurm.gpus_per_node": count, "nccl.ib_hca": []},
+    )
 
 
 def test_gpu_types_not_in_the_table_keep_the_general_limit(work):

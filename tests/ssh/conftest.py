@@ -51,8 +51,9 @@ def ssh_launch(sshd, data_dir, tmp_path, clean_env, repo):
     tmp_path; teardown kills whatever a failed test left behind (launcher and tagged processes)."""
     started: list[Launch] = []
 
-    def start(*overrides: str, config: Path | None = None, server: Sshd | None = None,
-              wrap: tuple[str, ...] = ()) -> Launch:
+    def start(
+        *overrides: str, config: Path | None = None, server: Sshd | None = None, wrap: tuple[str, ...] = ()
+    ) -> Launch:
         """``server``: another sshd than the session's; ``wrap``: a prefix for the launcher command (it must
         exec the launcher, so the PID in the tag stays the launcher's)."""
         config = config or tiny_config(tmp_path / "tiny.yaml")
@@ -60,11 +61,16 @@ def ssh_launch(sshd, data_dir, tmp_path, clean_env, repo):
         for o in overrides:  # an explicit port wins
             if o.startswith("torchrun.rdzv_port="):
                 port = int(o.split("=", 1)[1])
-        script = render_site(repo, tmp_path / "out",
-                             [*base_overrides(repo, server or sshd, data_dir, config, port), *overrides])
+        script = render_site(
+            repo,
+            tmp_path / "out",
+            [*base_overrides(repo, server or sshd, data_dir, config, port), *overrides],
+        )
         out_file = tmp_path / f"launcher-{len(started)}.out"
         with open(out_file, "w") as f:
-            proc = subprocess.Popen([*wrap, "bash", str(script)], cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                [*wrap, "bash", str(script)], cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT
+            )
         launch = Launch(proc, tmp_path, script, f"sbg-{getpass.getuser()}-{port}-{proc.pid}", out_file)
         started.append(launch)
         return launch

@@ -40,8 +40,19 @@ class Sshd:
         return opts
 
     def ssh_argv(self, host: str = "127.0.0.1") -> list[str]:
-        argv = ["ssh", "-p", str(self.port), "-l", self.user, "-i", str(self.identity), "-o", "BatchMode=yes",
-                "-o", "ConnectTimeout=10"]
+        argv = [
+            "ssh",
+            "-p",
+            str(self.port),
+            "-l",
+            self.user,
+            "-i",
+            str(self.identity),
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "ConnectTimeout=10",
+        ]
         for o in self.options():
             argv += ["-o", o]
         return [*argv, host]
@@ -54,8 +65,9 @@ def _free_port() -> int:
 
 
 def _keygen(path: Path) -> None:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "sbatch-gen-test", "-f", str(path)],
-                   check=True)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "sbatch-gen-test", "-f", str(path)], check=True
+    )
 
 
 # ssh ProxyCommand body: relay stdin/stdout to 127.0.0.1:PORT (run inside sshd's network namespace),
@@ -79,8 +91,14 @@ while True:
 """
 
 
-def start_sshd(d: Path, names: tuple[str, ...] = ("127.0.0.1", "localhost"), wrap: tuple[str, ...] = (),
-               setup: str = "", netns: bool = False, port: int | None = None) -> Sshd:
+def start_sshd(
+    d: Path,
+    names: tuple[str, ...] = ("127.0.0.1", "localhost"),
+    wrap: tuple[str, ...] = (),
+    setup: str = "",
+    netns: bool = False,
+    port: int | None = None,
+) -> Sshd:
     """Start ``sshd -D`` on 127.0.0.1 at a free port with keys generated in ``d``.
 
     ``wrap`` prefixes the command (e.g. ``unshare --mount``), ``setup`` runs first in that shell (then
@@ -88,7 +106,9 @@ def start_sshd(d: Path, names: tuple[str, ...] = ("127.0.0.1", "localhost"), wra
     reached through a ProxyCommand that enters it. ``names``: host names pinned in known_hosts.
     """
     if not (os.path.exists(SSHD) and shutil.which("ssh")):
-        raise AssertionError("openssh-server and openssh-client are required (make system-deps installs them)")
+        raise AssertionError(
+            "openssh-server and openssh-client are required (make system-deps installs them)"
+        )
     d.mkdir(parents=True, exist_ok=True)
     d = d.resolve()  # sshd re-executes itself from / for every connection
     if not (d / "hostkey").exists():
@@ -105,10 +125,26 @@ def start_sshd(d: Path, names: tuple[str, ...] = ("127.0.0.1", "localhost"), wra
         known = d / "known_hosts"
         known.write_text("".join(f"[{h}]:{port} {key_type} {key}\n" for h in names))
         sshd_argv = [
-            SSHD, "-D", "-p", str(port), "-h", str(d / "hostkey"), "-o", "ListenAddress=127.0.0.1",
-            "-o", f"AuthorizedKeysFile={d / 'authorized_keys'}", "-o", "StrictModes=no",
-            "-o", f"PidFile={d / 'sshd.pid'}", "-o", "MaxStartups=64:30:128", "-o", "MaxSessions=64",
-            "-E", str(log),
+            SSHD,
+            "-D",
+            "-p",
+            str(port),
+            "-h",
+            str(d / "hostkey"),
+            "-o",
+            "ListenAddress=127.0.0.1",
+            "-o",
+            f"AuthorizedKeysFile={d / 'authorized_keys'}",
+            "-o",
+            "StrictModes=no",
+            "-o",
+            f"PidFile={d / 'sshd.pid'}",
+            "-o",
+            "MaxStartups=64:30:128",
+            "-o",
+            "MaxSessions=64",
+            "-E",
+            str(log),
         ]
         if wrap or setup:
             cmd = [*wrap, "bash", "-c", f'{setup or ":"}; exec "$@"', "sshd-wrap", *sshd_argv]
@@ -230,7 +266,9 @@ class Launch:
             if self.metrics_steps() and max(self.metrics_steps()) >= step:
                 return
             if self.proc.poll() is not None:
-                raise AssertionError(f"launcher exited ({self.proc.returncode}) before step {step}:\n{self.output()}")
+                raise AssertionError(
+                    f"launcher exited ({self.proc.returncode}) before step {step}:\n{self.output()}"
+                )
             time.sleep(0.2)
         raise AssertionError(f"no step {step} within {timeout}s:\n{self.output()}")
 
@@ -250,8 +288,6 @@ def render_site(repo: Path, out_dir: Path, overrides: list[str], site: str = SIT
     r = subprocess.run(argv, cwd=repo, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     return out_dir / f"{site}.sh"
-
-
 
 
 def tiny_config(path: Path, **train) -> Path:
@@ -327,17 +363,25 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("--dir", default=".state/ssh", help="keys, known_hosts and the sshd log (default .state/ssh)")
-    ap.add_argument("--port", type=int, default=2222, help="port on 127.0.0.1 (default 2222, as in sites/ssh-local.yaml)")
+    ap.add_argument(
+        "--dir", default=".state/ssh", help="keys, known_hosts and the sshd log (default .state/ssh)"
+    )
+    ap.add_argument(
+        "--port", type=int, default=2222, help="port on 127.0.0.1 (default 2222, as in sites/ssh-local.yaml)"
+    )
     args = ap.parse_args(argv)
+
     def stop(signum, frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     server = start_sshd(Path(args.dir), port=args.port)
-    print(f"sshd {server.proc.pid} on 127.0.0.1:{server.port}, keys in {args.dir}; "
-          "in another shell: bash out/ssh-local.sh; Ctrl-C here stops sshd", flush=True)
+    print(
+        f"sshd {server.proc.pid} on 127.0.0.1:{server.port}, keys in {args.dir}; "
+        "in another shell: bash out/ssh-local.sh; Ctrl-C here stops sshd",
+        flush=True,
+    )
     try:
         server.proc.wait()
     except KeyboardInterrupt:
@@ -357,15 +401,19 @@ REPO = Path(__file__).resolve().parents[2]
 def launcher_lib(tmp_path: Path, port: int, *overrides: str) -> Path:
     """The ssh-local launcher rendered for this checkout (its venv, code, tiny config, run and log dirs under
     ``tmp_path``, rendezvous ``port``) without its last line (``main "$@"``): a library of its functions."""
-    script = render_site(REPO, tmp_path / "out", [
-        f"python_env.path={REPO / '.venv'}",
-        f"paths.code_dir={REPO}",
-        f"trainer.config={REPO / 'configs' / 'tiny.yaml'}",
-        f"paths.run_dir={tmp_path / 'run'}",
-        f"paths.log_dir={tmp_path / 'logs'}",
-        f"torchrun.rdzv_port={port}",
-        *overrides,
-    ])
+    script = render_site(
+        REPO,
+        tmp_path / "out",
+        [
+            f"python_env.path={REPO / '.venv'}",
+            f"paths.code_dir={REPO}",
+            f"trainer.config={REPO / 'configs' / 'tiny.yaml'}",
+            f"paths.run_dir={tmp_path / 'run'}",
+            f"paths.log_dir={tmp_path / 'logs'}",
+            f"torchrun.rdzv_port={port}",
+            *overrides,
+        ],
+    )
     text = script.read_text()
     assert text.endswith('\nmain "$@"\n')
     lib = tmp_path / "launcher-lib.sh"

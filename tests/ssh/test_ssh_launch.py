@@ -109,9 +109,14 @@ def test_sigint_through_the_launcher_makes_the_trainer_write_its_stop_checkpoint
     assert check_complete(ckpt) is None and read_marker(ckpt)["step"] == stop_step
     assert [st for st, _ in list_step_dirs(launch.run_dir)] == [stop_step]
     assert max(launch.metrics_steps()) == stop_step
-    for rank in (0, 1):  # each host's trainer took the stop request (SIGTERM), saved, and exited 42: not killed
+    for rank in (
+        0,
+        1,
+    ):  # each host's trainer took the stop request (SIGTERM), saved, and exited 42: not killed
         node_log = launch.node_log(1, rank)
-        assert f"[rank {rank}/2] stop requested (SIGTERM): all ranks stop after step {stop_step}" in node_log, node_log
+        assert (
+            f"[rank {rank}/2] stop requested (SIGTERM): all ranks stop after step {stop_step}" in node_log
+        ), node_log
         assert f"[rank {rank}/2] exiting 42: checkpointed at step {stop_step}" in node_log, node_log
     assert "SIGKILL to" not in (launch.logs / "cleanup.log").read_text()
     _assert_no_tagged(launch)
@@ -136,7 +141,9 @@ def test_stop_file_ends_the_run_after_the_current_attempt(ssh_launch, tmp_path):
     node 1's worker is killed), then the launcher stops instead of relaunching. (A probe stands in for
     torchrun: this is about the launcher, and it keeps the test fast.)"""
     venv = probe_venv(tmp_path / "probe-venv")
-    launch = ssh_launch(f"python_env.path={venv}", "extra_env={SBG_PROBE_MODE: run}", "launch.failure_grace_s=2")
+    launch = ssh_launch(
+        f"python_env.path={venv}", "extra_env={SBG_PROBE_MODE: run}", "launch.failure_grace_s=2"
+    )
     workers = [r["pid"] for r in _probe_records(launch)]
     (launch.run_dir / "STOP").touch()
     seen = _beats(launch, 0)
@@ -163,7 +170,9 @@ def test_second_sigint_kills_at_once_what_ignores_sigterm(ssh_launch, tmp_path):
     """Workers that ignore SIGTERM (a probe in place of torchrun) survive the first Ctrl-C for the kill
     grace; a second Ctrl-C SIGKILLs them on every host at once."""
     venv = probe_venv(tmp_path / "probe-venv")
-    launch = ssh_launch(f"python_env.path={venv}", "extra_env={SBG_PROBE_MODE: hang}", "launch.kill_grace_s=600")
+    launch = ssh_launch(
+        f"python_env.path={venv}", "extra_env={SBG_PROBE_MODE: hang}", "launch.kill_grace_s=600"
+    )
     workers = [r["pid"] for r in _probe_records(launch)]
     launch.proc.send_signal(signal.SIGINT)
     cleanup_log = launch.logs / "cleanup.log"
@@ -189,8 +198,13 @@ def test_cleanup_command_after_the_launcher_was_sigkilled(ssh_launch, tmp_path):
     launch.proc.kill()
     launch.proc.wait()
     assert set(workers) <= set(tagged_pids(launch.tag))
-    r = subprocess.run(["bash", str(launch.script), "cleanup", launch.tag], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        ["bash", str(launch.script), "cleanup", launch.tag],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"no process tagged {launch.tag} is left" in r.stderr
     _assert_no_tagged(launch)
@@ -202,8 +216,12 @@ def test_a_host_lost_between_attempts_fails_preflight_and_counts_as_an_attempt(s
     server = start_sshd(tmp_path / "sshd-lost")
     venv = probe_venv(tmp_path / "probe-venv")
     try:
-        launch = ssh_launch(f"python_env.path={venv}", "extra_env={SBG_PROBE_MODE: run}", "launch.failure_grace_s=2",
-                            server=server)
+        launch = ssh_launch(
+            f"python_env.path={venv}",
+            "extra_env={SBG_PROBE_MODE: run}",
+            "launch.failure_grace_s=2",
+            server=server,
+        )
         workers = [r["pid"] for r in _probe_records(launch)]
     finally:
         stop_sshd(server)
@@ -211,7 +229,9 @@ def test_a_host_lost_between_attempts_fails_preflight_and_counts_as_an_attempt(s
     assert launch.wait() == 1, launch.output()
     out = launch.output()
     for attempt in (2, 3):
-        assert f"attempt {attempt}: preflight failed, nothing was started; it counts as a failed attempt" in out
+        assert (
+            f"attempt {attempt}: preflight failed, nothing was started; it counts as a failed attempt" in out
+        )
     assert "preflight FAILED on node 1 (localhost): ssh cannot reach it" in out
     assert "attempt 3 failed and no attempts are left (max 3)" in out
     assert {e[0] for e in launch.exits()} == {1}

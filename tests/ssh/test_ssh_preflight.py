@@ -12,9 +12,12 @@ from sshkit import free_port, start_sshd, stop_sshd, tagged_pids
 
 # A network namespace for the launcher with an interface only it has (a veth pair inside it).
 LAUNCHER_NETNS = (
-    "unshare", "--net", "bash", "-c",
+    "unshare",
+    "--net",
+    "bash",
+    "-c",
     "set -e; ip link set lo up; ip link add sbgt0 type veth peer name sbgt1; "
-    "ip addr add 10.254.0.1/24 dev sbgt0; ip link set sbgt0 up; ip link set sbgt1 up; exec \"$@\"",
+    'ip addr add 10.254.0.1/24 dev sbgt0; ip link set sbgt0 up; ip link set sbgt1 up; exec "$@"',
     "launcher-netns",
 )
 
@@ -28,33 +31,46 @@ def _assert_nothing_started(launch) -> None:
 def test_missing_trainer_on_a_remote_host_aborts_and_names_it(ssh_launch, repo, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    server = start_sshd(tmp_path / "sshd-mntns", wrap=("unshare", "--mount", "--propagation", "private"),
-                        setup=f"mount --bind {empty} {repo / 'sbatch_gen'}")
+    server = start_sshd(
+        tmp_path / "sshd-mntns",
+        wrap=("unshare", "--mount", "--propagation", "private"),
+        setup=f"mount --bind {empty} {repo / 'sbatch_gen'}",
+    )
     try:
         launch = ssh_launch(server=server)
         assert launch.wait(timeout=120) == 3, launch.output()
     finally:
         stop_sshd(server)
     out = launch.output()
-    assert "preflight FAILED on node 1 (localhost): trainer module sbatch_gen.train not importable" in out, out
+    assert "preflight FAILED on node 1 (localhost): trainer module sbatch_gen.train not importable" in out, (
+        out
+    )
     assert "FAILED on node 0" not in out
     assert "nothing was started" in out
     _assert_nothing_started(launch)
 
 
 def test_missing_interface_on_a_remote_host_aborts_and_names_it(ssh_launch, tmp_path):
-    server = start_sshd(tmp_path / "sshd-netns", names=("nsbox",), wrap=("unshare", "--net"),
-                        setup="ip link set lo up", netns=True)
+    server = start_sshd(
+        tmp_path / "sshd-netns",
+        names=("nsbox",),
+        wrap=("unshare", "--net"),
+        setup="ip link set lo up",
+        netns=True,
+    )
     try:
-        launch = ssh_launch("network.socket_ifname=sbgt0", "hosts=[127.0.0.1, nsbox]", server=server,
-                            wrap=LAUNCHER_NETNS)
+        launch = ssh_launch(
+            "network.socket_ifname=sbgt0", "hosts=[127.0.0.1, nsbox]", server=server, wrap=LAUNCHER_NETNS
+        )
         assert launch.wait(timeout=120) == 3, launch.output()
     finally:
         stop_sshd(server)
     out = launch.output()
     assert "rendezvous 10.254.0.1:" in out  # MASTER_ADDR: the pinned interface's address on node 0
-    assert ("preflight FAILED on node 1 (nsbox): network interface sbgt0 does not exist (network.socket_ifname); "
-            "have: lo\n") in out, out
+    assert (
+        "preflight FAILED on node 1 (nsbox): network interface sbgt0 does not exist (network.socket_ifname); "
+        "have: lo\n"
+    ) in out, out
     assert "FAILED on node 0" not in out
     _assert_nothing_started(launch)
 
@@ -72,5 +88,7 @@ def test_missing_train_config_is_reported_for_every_host(ssh_launch, tmp_path):
     assert launch.wait(timeout=120) == 3, launch.output()
     out = launch.output()
     for label in ("node 0 (127.0.0.1)", "node 1 (localhost)"):
-        assert f"preflight FAILED on {label}: train config {tmp_path / 'no-such.yaml'} not readable" in out, out
+        assert f"preflight FAILED on {label}: train config {tmp_path / 'no-such.yaml'} not readable" in out, (
+            out
+        )
     _assert_nothing_started(launch)

@@ -18,8 +18,10 @@ from sshkit import free_port, launcher_lib
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(shutil.which("ip") is None or shutil.which("ss") is None,
-                                reason="needs iproute2 (ip, ss), as the launcher does")
+pytestmark = pytest.mark.skipif(
+    shutil.which("ip") is None or shutil.which("ss") is None,
+    reason="needs iproute2 (ip, ss), as the launcher does",
+)
 
 
 def _launcher_lib(tmp_path: Path, port: int, *overrides: str) -> Path:
@@ -28,8 +30,14 @@ def _launcher_lib(tmp_path: Path, port: int, *overrides: str) -> Path:
 
 def _bash(lib: Path, code: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "SBATCH_GEN"))}
-    return subprocess.run(["bash", "-c", f'source "$1"\n{code}', "launcher", str(lib)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["bash", "-c", f'source "$1"\n{code}', "launcher", str(lib)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def _preflight_node(lib: Path, rank: int, before: str = "") -> subprocess.CompletedProcess:
@@ -48,8 +56,14 @@ def test_preflight_passes_on_both_nodes_when_all_is_well(tmp_path):
     assert ", run dir shared with node 0" in r1.stdout, r1.stdout
     # one line per node, and it names everything it checked
     (ok,) = [x for x in r1.stdout.splitlines() if x.startswith("preflight ok on ")]
-    for found in (" python ", ", torchrun ", ", sbatch_gen.train and torch importable, ", ", train config ",
-                  ", interface lo 127.0.0.1, ", f", run dir {tmp_path / 'run'} writable, "):
+    for found in (
+        " python ",
+        ", torchrun ",
+        ", sbatch_gen.train and torch importable, ",
+        ", train config ",
+        ", interface lo 127.0.0.1, ",
+        f", run dir {tmp_path / 'run'} writable, ",
+    ):
         assert found in ok, ok
 
 
@@ -62,8 +76,10 @@ def test_busy_rendezvous_port_fails_on_node0_only(tmp_path):
         r0 = _preflight_node(lib, 0)
         r1 = _preflight_node(lib, 1, before='mkdir -p -- "$RUN_DIR" && : >"$RUN_DIR/.sbatch-gen-shared.$TAG"')
     assert r0.returncode != 0
-    assert (f": cannot listen on rendezvous port {port}: Address already in use (torchrun.rdzv_port; another "
-            "launch?)\n") in r0.stderr, r0.stderr
+    assert (
+        f": cannot listen on rendezvous port {port}: Address already in use (torchrun.rdzv_port; another "
+        "launch?)\n"
+    ) in r0.stderr, r0.stderr
     assert r1.returncode == 0, r1.stdout  # only node 0 hosts the rendezvous
 
 
@@ -75,8 +91,10 @@ def test_busy_rendezvous_port_is_named_in_the_launcher_log(tmp_path):
         lib = _launcher_lib(tmp_path, port, "hosts=[127.0.0.1]")
         r = _bash(lib, 'mkdir -p -- "$LOGS"; ATTEMPT=1; preflight_all')
     assert r.returncode != 0
-    assert (f"preflight FAILED on node 0 (127.0.0.1): cannot listen on rendezvous port {port}: Address already in "
-            "use (torchrun.rdzv_port; another launch?)\n") in r.stderr, r.stderr
+    assert (
+        f"preflight FAILED on node 0 (127.0.0.1): cannot listen on rendezvous port {port}: Address already in "
+        "use (torchrun.rdzv_port; another launch?)\n"
+    ) in r.stderr, r.stderr
 
 
 def test_run_dir_node0_does_not_see_fails_on_the_other_node(tmp_path):
@@ -86,8 +104,9 @@ def test_run_dir_node0_does_not_see_fails_on_the_other_node(tmp_path):
     r1 = _preflight_node(lib, 1)
     assert r1.returncode != 0
     run_dir = tmp_path / "run"
-    assert (f": run dir {run_dir} is not the one node 0 sees (checkpoints need a filesystem all nodes "
-            "share)\n") in r1.stderr, r1.stderr
+    assert (
+        f": run dir {run_dir} is not the one node 0 sees (checkpoints need a filesystem all nodes share)\n"
+    ) in r1.stderr, r1.stderr
     # A marker of another launch (another tag) does not count.
     r1 = _preflight_node(lib, 1, before=': >"$RUN_DIR/.sbatch-gen-shared.sbg-x-1-1"')
     assert r1.returncode != 0 and "is not the one node 0 sees" in r1.stderr, r1.stderr
@@ -97,4 +116,7 @@ def test_run_dir_check_is_off_with_shared_run_dir_false(tmp_path):
     lib = _launcher_lib(tmp_path, free_port(), "launch.shared_run_dir=false")
     r1 = _preflight_node(lib, 1)
     assert r1.returncode == 0, r1.stdout + r1.stderr
-    assert "run dir shared" not in r1.stdout + r1.stderr and "not the one node 0 sees" not in r1.stdout + r1.stderr
+    assert (
+        "run dir shared" not in r1.stdout + r1.stderr
+        and "not the one node 0 sees" not in r1.stdout + r1.stderr
+    )

@@ -20,24 +20,39 @@ from sbatch_gen.testing.fakenode import FakeNode, path_without
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(shutil.which("ip") is None or shutil.which("ss") is None,
-                                reason="needs iproute2 (ip, ss), as the launcher does")
+pytestmark = pytest.mark.skipif(
+    shutil.which("ip") is None or shutil.which("ss") is None,
+    reason="needs iproute2 (ip, ss), as the launcher does",
+)
 
 IB = {"mlx5_0": {1: "InfiniBand"}, "mlx5_1": {1: "InfiniBand"}}
 
 
 def _launcher_lib(tmp_path: Path, *overrides: str) -> Path:
     """ssh-local as a 2-GPU site with NUMA binding and two HCAs, without its last line (`main "$@"`)."""
-    return launcher_lib(tmp_path, free_port(), "node.gpus=2", "torchrun.procs_per_node=null",
-                        "topology.numa_binding=node", "nccl.ib_hca=[mlx5_0, mlx5_1]", *overrides)
+    return launcher_lib(
+        tmp_path,
+        free_port(),
+        "node.gpus=2",
+        "torchrun.procs_per_node=null",
+        "topology.numa_binding=node",
+        "nccl.ib_hca=[mlx5_0, mlx5_1]",
+        *overrides,
+    )
 
 
 def _bash(lib: Path, node: FakeNode, code: str, path: str | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "SBATCH_GEN"))}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     env.update(node.env(f"{Path(sys.executable).parent}:{path if path is not None else env['PATH']}"))
-    return subprocess.run(["bash", "-c", f'source "$1"\n{code}', "launcher", str(lib)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["bash", "-c", f'source "$1"\n{code}', "launcher", str(lib)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def _preflight_node0(lib: Path, node: FakeNode, path: str | None = None) -> subprocess.CompletedProcess:
@@ -66,20 +81,27 @@ def _node(tmp_path: Path, **kw) -> FakeNode:
 def test_a_healthy_gpu_node_passes(tmp_path):
     ok = _ok(_preflight_node0(_launcher_lib(tmp_path), _node(tmp_path)))
     assert ", 2 GPUs, NUMA binding node: numactl " in ok, ok
-    assert "; GPU 0 on NUMA node 0 (4 usable CPUs), GPU 1 on NUMA node 1 (4 usable CPUs); job step CPUs 0-7, " in ok
+    assert (
+        "; GPU 0 on NUMA node 0 (4 usable CPUs), GPU 1 on NUMA node 1 (4 usable CPUs); job step CPUs 0-7, "
+        in ok
+    )
     assert ", HCAs mlx5_0:1 mlx5_1:1: InfiniBand, " in ok, ok
 
 
 def test_numactl_missing_fails(tmp_path):
     node = _node(tmp_path, numactl=False)
     r = _preflight_node0(_launcher_lib(tmp_path), node, path=path_without("numactl", tmp_path / "shadow"))
-    assert _failed(r).startswith("topology.numa_binding=node: numactl is not on PATH; torchrun starts every worker")
+    assert _failed(r).startswith(
+        "topology.numa_binding=node: numactl is not on PATH; torchrun starts every worker"
+    )
 
 
 def test_a_gpu_numa_node_without_an_allowed_cpu_fails(tmp_path):
     r = _preflight_node0(_launcher_lib(tmp_path), _node(tmp_path, allowed="0-3"))
-    assert _failed(r).startswith("topology.numa_binding=node: GPU 1 on NUMA node 1 (CPUs 4-7), but this job step "
-                                 "may only run on CPUs 0-3: torchrun fails to start its workers"), r.stderr
+    assert _failed(r).startswith(
+        "topology.numa_binding=node: GPU 1 on NUMA node 1 (CPUs 4-7), but this job step "
+        "may only run on CPUs 0-3: torchrun fails to start its workers"
+    ), r.stderr
 
 
 def test_numa_binding_unset_checks_nothing(tmp_path):
@@ -91,14 +113,18 @@ def test_numa_binding_unset_checks_nothing(tmp_path):
 
 def test_a_missing_hca_fails(tmp_path):
     r = _preflight_node0(_launcher_lib(tmp_path), _node(tmp_path, hcas={"mlx5_0": {1: "InfiniBand"}}))
-    assert _failed(r) == "nccl.ib_hca: no adapter mlx5_1 on this node; have: mlx5_0 (port 1:InfiniBand)", r.stderr
+    assert _failed(r) == "nccl.ib_hca: no adapter mlx5_1 on this node; have: mlx5_0 (port 1:InfiniBand)", (
+        r.stderr
+    )
 
 
 def test_an_hca_with_the_wrong_link_layer_fails_and_roce_accepts_it(tmp_path):
     node = _node(tmp_path, hcas={"mlx5_0": {1: "InfiniBand"}, "mlx5_1": {1: "Ethernet"}})
     r = _preflight_node0(_launcher_lib(tmp_path), node)
-    assert _failed(r).startswith("nccl.ib_hca: mlx5_1 port 1 has link layer Ethernet, but nccl.ib_link_layer is "
-                                 "InfiniBand: NCCL would send training traffic over it"), r.stderr
+    assert _failed(r).startswith(
+        "nccl.ib_hca: mlx5_1 port 1 has link layer Ethernet, but nccl.ib_link_layer is "
+        "InfiniBand: NCCL would send training traffic over it"
+    ), r.stderr
     lib = _launcher_lib(tmp_path / "roce", "nccl.ib_hca=[mlx5_1]", "nccl.ib_link_layer=Ethernet")
     assert ", HCAs mlx5_1:1: Ethernet, " in _ok(_preflight_node0(lib, node))
 
@@ -117,10 +143,14 @@ def test_the_gpu_count_must_match_exactly(tmp_path):
     """One rule for both kinds (templates/_node.j2): exactly node.gpus GPUs visible. A host with more GPUs
     than the profile says fails too (the extra ones would idle, unnoticed)."""
     node = _node(tmp_path, gpu_numa=[0, 1, 1], numa_cpus={0: "0-3", 1: "4-7"})
-    assert _failed(_preflight_node0(_launcher_lib(tmp_path), node)) == "3 GPUs visible, the profile expects 2 (node.gpus)"
+    assert (
+        _failed(_preflight_node0(_launcher_lib(tmp_path), node))
+        == "3 GPUs visible, the profile expects 2 (node.gpus)"
+    )
     node = _node(tmp_path / "one", gpu_numa=[0])
     assert _failed(_preflight_node0(_launcher_lib(tmp_path / "one"), node)).startswith(
-        "1 GPUs visible, the profile expects 2 (node.gpus)")
+        "1 GPUs visible, the profile expects 2 (node.gpus)"
+    )
 
 
 def test_cuda_visible_devices_from_extra_env_counts(tmp_path):

@@ -61,9 +61,17 @@ def test_committed_ssh_renders_are_current_and_lint_clean():
 
 def test_lab_launcher_pins_the_interface_and_disables_p2p_and_ib():
     text = (REPO / "out" / "lab.sh").read_text()
-    for line in ("'NCCL_SOCKET_IFNAME=bond0'", "'GLOO_SOCKET_IFNAME=bond0'", "'NCCL_P2P_DISABLE=1'",
-                 "'NCCL_IB_DISABLE=1'", "'TORCH_NCCL_ASYNC_ERROR_HANDLING=1'",
-                 "'TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=300'", "IFNAME=bond0", "NPROC_PER_NODE=8", "COOLDOWN_S=900"):
+    for line in (
+        "'NCCL_SOCKET_IFNAME=bond0'",
+        "'GLOO_SOCKET_IFNAME=bond0'",
+        "'NCCL_P2P_DISABLE=1'",
+        "'NCCL_IB_DISABLE=1'",
+        "'TORCH_NCCL_ASYNC_ERROR_HANDLING=1'",
+        "'TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=300'",
+        "IFNAME=bond0",
+        "NPROC_PER_NODE=8",
+        "COOLDOWN_S=900",
+    ):
         assert line in text, line
     hosts = text[text.index("HOSTS=(") : text.index("\n)", text.index("HOSTS=("))]
     assert [h.split()[0] for h in hosts.splitlines()[1:]] == [f"lab-gpu0{i}" for i in range(1, 6)]
@@ -72,15 +80,30 @@ def test_lab_launcher_pins_the_interface_and_disables_p2p_and_ib():
 
 def test_every_option_renders_lint_clean_and_deterministic(sites, tmp_path):
     f = sites / "ssh-local.yaml"
-    edit(f, python_env={"kind": "conda", "conda_sh": "/opt/conda/etc/profile.d/conda.sh", "name": "xr",
-                        "modules": ["cuda/12.4", "nccl/2.21"]},
-         node__gpus=4, topology={"numa_binding": "node"},
-         nccl={"ib_hca": ["mlx5_0", "mlx5_1"], "ib_gid_index": 3, "debug_subsys": "INIT,NET"},
-         ssh__user="train", ssh__options=["ProxyJump=bastion", "SetEnv=NOTE=a`b`$c"],
-         trainer__extra_args=["--note", "it's a \"test\" with $HOME and `date` *"], trainer__max_steps=5,
-         extra_env={"WEIRD": "a b;c|d'e\"f$g`h`"}, paths__data="/data/it's here",
-         cross_region={"enabled": True, "region": "eu", "regions": ["eu", "us"],
-                       "transport": {"kind": "fs", "root": "/mnt/x r/mail box"}})
+    edit(
+        f,
+        python_env={
+            "kind": "conda",
+            "conda_sh": "/opt/conda/etc/profile.d/conda.sh",
+            "name": "xr",
+            "modules": ["cuda/12.4", "nccl/2.21"],
+        },
+        node__gpus=4,
+        topology={"numa_binding": "node"},
+        nccl={"ib_hca": ["mlx5_0", "mlx5_1"], "ib_gid_index": 3, "debug_subsys": "INIT,NET"},
+        ssh__user="train",
+        ssh__options=["ProxyJump=bastion", "SetEnv=NOTE=a`b`$c"],
+        trainer__extra_args=["--note", 'it\'s a "test" with $HOME and `date` *'],
+        trainer__max_steps=5,
+        extra_env={"WEIRD": "a b;c|d'e\"f$g`h`"},
+        paths__data="/data/it's here",
+        cross_region={
+            "enabled": True,
+            "region": "eu",
+            "regions": ["eu", "us"],
+            "transport": {"kind": "fs", "root": "/mnt/x r/mail box"},
+        },
+    )
     data = yaml.safe_load(f.read_text())
     del data["torchrun"]["procs_per_node"]
     f.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -120,17 +143,43 @@ torchrun: {procs_per_node: 1}
 """
 
 
-@pytest.mark.parametrize("body, expected", [
-    (BASE.replace("hosts: [a, b]", "hosts:\n  - a\n  - a"), "sites/bad.yaml:4: hosts[1].name: host 'a' is listed twice"),
-    (BASE.replace("hosts: [a, b]", "hosts:\n  - name: a\n    enabled: false\n  - b"),
-     "sites/bad.yaml:4: hosts[0].enabled: the first host runs the launcher and node 0"),
-    (BASE.replace("hosts: [a, b]", "hosts: [a, '-oProxyCommand=x']"), "sites/bad.yaml:2: hosts[1].name: invalid host name"),
-    (BASE.replace("network: {socket_ifname: lo}\n", ""), "sites/bad.yaml:1: network.socket_ifname: required for kind ssh"),
-    (BASE + "ssh:\n  options: [Port=2222]\n", "sites/bad.yaml:9: ssh.options[0]: ssh option Port: set ssh.port"),
-    (BASE + "ssh:\n  prot: 22\n", "sites/bad.yaml:9: ssh.prot: unknown key 'prot' (valid keys: user, port"),
-    (BASE + "launch:\n  cooldown_s: soon\n", "sites/bad.yaml:9: launch.cooldown_s: Input should be a valid integer"),
-    (BASE.replace("torchrun: {procs_per_node: 1}\n", ""), "sites/bad.yaml:1: torchrun.procs_per_node: required on a CPU site"),
-])
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        (
+            BASE.replace("hosts: [a, b]", "hosts:\n  - a\n  - a"),
+            "sites/bad.yaml:4: hosts[1].name: host 'a' is listed twice",
+        ),
+        (
+            BASE.replace("hosts: [a, b]", "hosts:\n  - name: a\n    enabled: false\n  - b"),
+            "sites/bad.yaml:4: hosts[0].enabled: the first host runs the launcher and node 0",
+        ),
+        (
+            BASE.replace("hosts: [a, b]", "hosts: [a, '-oProxyCommand=x']"),
+            "sites/bad.yaml:2: hosts[1].name: invalid host name",
+        ),
+        (
+            BASE.replace("network: {socket_ifname: lo}\n", ""),
+            "sites/bad.yaml:1: network.socket_ifname: required for kind ssh",
+        ),
+        (
+            BASE + "ssh:\n  options: [Port=2222]\n",
+            "sites/bad.yaml:9: ssh.options[0]: ssh option Port: set ssh.port",
+        ),
+        (
+            BASE + "ssh:\n  prot: 22\n",
+            "sites/bad.yaml:9: ssh.prot: unknown key 'prot' (valid keys: user, port",
+        ),
+        (
+            BASE + "launch:\n  cooldown_s: soon\n",
+            "sites/bad.yaml:9: launch.cooldown_s: Input should be a valid integer",
+        ),
+        (
+            BASE.replace("torchrun: {procs_per_node: 1}\n", ""),
+            "sites/bad.yaml:1: torchrun.procs_per_node: required on a CPU site",
+        ),
+    ],
+)
 def test_bad_profiles_name_file_line_and_field(tmp_path, body, expected):
     from sbatch_gen.errors import UserError
     from sbatch_gen.loader import load_site
@@ -154,6 +203,7 @@ def test_bad_profile_exits_2_without_traceback(tmp_path):
 
 # ---- hostile values, end to end through bash and ssh -------------------------------------------------
 
+
 @pytest.mark.slow
 def test_hostile_values_reach_torchrun_on_every_host_exactly(sshd, tmp_path, clean_env):
     from sbatch_gen.loader import load_site
@@ -162,17 +212,31 @@ def test_hostile_values_reach_torchrun_on_every_host_exactly(sshd, tmp_path, cle
     sites = tmp_path / "sites"
     sites.mkdir()
     shutil.copy(REPO / "sites" / "ssh-local.yaml", sites)
-    hostile = "it's a \"test\" with $HOME, `date`, * and \\ ;|&"
+    hostile = 'it\'s a "test" with $HOME, `date`, * and \\ ;|&'
     venv = probe_venv(tmp_path / "probe venv")
     port = free_port()
-    edit(sites / "ssh-local.yaml",
-         ssh__port=sshd.port, ssh__identity_file=str(sshd.identity), ssh__options=sshd.options(),
-         python_env__path=str(venv), paths__code_dir=str(REPO), torchrun__rdzv_port=port,
-         paths__run_dir="runs/it's `here`", paths__data="data `x` y", trainer__config="cfg `1`.yaml",
-         trainer__extra_args=["--note", hostile, ""], trainer__max_steps=7,
-         extra_env={"WEIRD": hostile, "EMPTY": ""}, launch__stop_file="STOP it's",
-         cross_region={"enabled": True, "region": "eu", "regions": ["eu", "us"],
-                       "transport": {"kind": "fs", "root": "/mnt/x r/mail box `y`"}})
+    edit(
+        sites / "ssh-local.yaml",
+        ssh__port=sshd.port,
+        ssh__identity_file=str(sshd.identity),
+        ssh__options=sshd.options(),
+        python_env__path=str(venv),
+        paths__code_dir=str(REPO),
+        torchrun__rdzv_port=port,
+        paths__run_dir="runs/it's `here`",
+        paths__data="data `x` y",
+        trainer__config="cfg `1`.yaml",
+        trainer__extra_args=["--note", hostile, ""],
+        trainer__max_steps=7,
+        extra_env={"WEIRD": hostile, "EMPTY": ""},
+        launch__stop_file="STOP it's",
+        cross_region={
+            "enabled": True,
+            "region": "eu",
+            "regions": ["eu", "us"],
+            "transport": {"kind": "fs", "root": "/mnt/x r/mail box `y`"},
+        },
+    )
     r = sg("render", "--sites-dir", str(sites), "--site", "ssh-local", "--out", str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr
     script = tmp_path / "out" / "ssh-local.sh"
@@ -190,11 +254,33 @@ def test_hostile_values_reach_torchrun_on_every_host_exactly(sshd, tmp_path, cle
         rec = json.loads((launch_dir / "probe" / f"node-{rank}.json").read_text())
         assert rec["cwd"] == str(launch_dir.resolve())
         assert rec["argv"] == [
-            "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend=c10d", f"--rdzv-id={tag}.1",
-            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-conf=join_timeout=120,is_host={1 - rank}",
-            "--local-addr=127.0.0.1", "--max-restarts", "0", "-m", "sbatch_gen.train",
-            "--config", "cfg `1`.yaml", "--run-dir", "runs/it's `here`", "--resume", "auto", "--data-path",
-            "data `x` y", "--max-steps", "7", *xr, "--note", hostile, "",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-id={tag}.1",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-conf=join_timeout=120,is_host={1 - rank}",
+            "--local-addr=127.0.0.1",
+            "--max-restarts",
+            "0",
+            "-m",
+            "sbatch_gen.train",
+            "--config",
+            "cfg `1`.yaml",
+            "--run-dir",
+            "runs/it's `here`",
+            "--resume",
+            "auto",
+            "--data-path",
+            "data `x` y",
+            "--max-steps",
+            "7",
+            *xr,
+            "--note",
+            hostile,
+            "",
         ]
         env = rec["env"]
         assert env["WEIRD"] == hostile and env["EMPTY"] == ""

@@ -51,7 +51,8 @@ def same_weights(a: Path, b: Path) -> bool:
 
     ta, tb = load_file(str(a)), load_file(str(b))
     return ta.keys() == tb.keys() and all(
-        ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape
+        ta[k].dtype == tb[k].dtype
+        and ta[k].shape == tb[k].shape
         and torch.equal(ta[k].contiguous().view(torch.uint8), tb[k].contiguous().view(torch.uint8))
         for k in ta
     )
@@ -83,10 +84,22 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 def train_env(extra: dict | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_", "SBATCH_GEN_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE",
-                         "GROUP_RANK", "GROUP_WORLD_SIZE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "TORCHELASTIC_", "SBATCH_GEN_"))
+        and k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "GROUP_WORLD_SIZE",
+        )
+    }
     env["PYTHONUNBUFFERED"] = "1"
     env["OMP_NUM_THREADS"] = "1"
     # torchrun's shared rendezvous store keeps the previous attempt's keys: restarted workers can read
@@ -96,12 +109,26 @@ def train_env(extra: dict | None = None) -> dict:
     return env
 
 
-def torchrun_cmd(config: Path, run_dir: Path, data: Path, *extra: str, nproc: int = 2,
-                 max_restarts: int = 0) -> list[str]:
+def torchrun_cmd(
+    config: Path, run_dir: Path, data: Path, *extra: str, nproc: int = 2, max_restarts: int = 0
+) -> list[str]:
     return [
-        str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(nproc),
-        "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
-        "-m", "sbatch_gen.train", "--config", str(config), "--run-dir", str(run_dir), "--data-path", str(data),
+        str(Path(sys.executable).parent / "torchrun"),
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        "--monitor-interval",
+        "0.2",
+        "-m",
+        "sbatch_gen.train",
+        "--config",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+        "--data-path",
+        str(data),
         *extra,
     ]
 
@@ -112,8 +139,14 @@ class Launch:
     def __init__(self, cmd: list[str], log: Path, env: dict | None = None):
         self.log = log
         self._fh = open(log, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env=train_env(env), start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=train_env(env),
+            start_new_session=True,
+        )
 
     def wait(self, timeout: float = 180) -> int:
         try:
@@ -181,6 +214,8 @@ def wait_for(pred, timeout: float, what: str, proc: Launch | None = None, interv
         if v:
             return v
         if proc is not None and proc.proc.poll() is not None:
-            raise AssertionError(f"torchrun exited ({proc.proc.returncode}) before {what}:\n{proc.output()[-4000:]}")
+            raise AssertionError(
+                f"torchrun exited ({proc.proc.returncode}) before {what}:\n{proc.output()[-4000:]}"
+            )
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -89,16 +89,29 @@ def _tiny(**kw):
 def test_real_dcp_roundtrip_and_shape_mismatch(tmp_path):
     torch.manual_seed(0)
     model = GPT(_tiny())
-    ck = Checkpointer(tmp_path, DistInfo(), torch.device("cpu"), keep_last=1, async_save=False,
-                      marker_extra={"model": _tiny().model_dump()}, crc=True)
+    ck = Checkpointer(
+        tmp_path,
+        DistInfo(),
+        torch.device("cpu"),
+        keep_last=1,
+        async_save=False,
+        marker_extra={"model": _tiny().model_dump()},
+        crc=True,
+    )
     res = ck.save(7, {"model": model.state_dict(), "train": {"step": 7}})
     assert res.path == step_dir(tmp_path, 7) and check_complete(res.path) is None
     assert "crc32" in json.loads((res.path / MARKER).read_text())
     # Saving the same step again is a no-op (a stop right after a periodic save).
     assert ck.save(7, {"model": model.state_dict(), "train": {"step": 7}}).seconds == 0.0
     # Another process reaching step 7 again (it resumed from an older checkpoint) replaces it.
-    ck2 = Checkpointer(tmp_path, DistInfo(), torch.device("cpu"), keep_last=1, async_save=False,
-                       marker_extra={"model": _tiny().model_dump()})
+    ck2 = Checkpointer(
+        tmp_path,
+        DistInfo(),
+        torch.device("cpu"),
+        keep_last=1,
+        async_save=False,
+        marker_extra={"model": _tiny().model_dump()},
+    )
     assert ck2.save(7, {"model": model.state_dict(), "train": {"step": 7}}).seconds > 0.0
 
     other = GPT(_tiny())
@@ -109,8 +122,11 @@ def test_real_dcp_roundtrip_and_shape_mismatch(tmp_path):
         assert torch.equal(v, other.state_dict()[k])
 
     wider = GPT(_tiny(d_model=32))
-    with pytest.raises(CheckpointError, match=r"saved for a different model: .*has shape \[.*16\] in the "
-                       r"checkpoint, \[.*32\] in this model.*model config differs .*d_model=16->32"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"saved for a different model: .*has shape \[.*16\] in the "
+        r"checkpoint, \[.*32\] in this model.*model config differs .*d_model=16->32",
+    ):
         check_model_shapes(res.path, wider.state_dict(), _tiny(d_model=32).model_dump())
     deeper = GPT(_tiny(n_layers=2))
     with pytest.raises(CheckpointError, match=r"blocks\.1\..* is not in the checkpoint"):
@@ -122,16 +138,25 @@ def test_loading_asks_only_for_the_rng_and_outer_keys_the_checkpoint_has(tmp_pat
     on the missing key: the optional subtrees are cut to what was saved, the rest must match."""
     torch.manual_seed(0)
     model = GPT(_tiny())
-    ck = Checkpointer(tmp_path, DistInfo(), torch.device("cpu"), keep_last=2, async_save=False,
-                      marker_extra={"model": _tiny().model_dump()})
+    ck = Checkpointer(
+        tmp_path,
+        DistInfo(),
+        torch.device("cpu"),
+        keep_last=2,
+        async_save=False,
+        marker_extra={"model": _tiny().model_dump()},
+    )
     rng = torch.get_rng_state()
-    path = ck.save(3, {"model": model.state_dict(), "rng": {"rank0": {"cpu": rng}},
-                       "outer": {"round": 1}}).path
+    path = ck.save(
+        3, {"model": model.state_dict(), "rng": {"rank0": {"cpu": rng}}, "outer": {"round": 1}}
+    ).path
 
     def gpu_request(more: bool = True):
-        state = {"model": GPT(_tiny()).state_dict(),
-                 "rng": {"rank0": {"cpu": torch.zeros_like(rng), "cuda": torch.zeros(16, dtype=torch.uint8)}},
-                 "outer": {"round": 0}}
+        state = {
+            "model": GPT(_tiny()).state_dict(),
+            "rng": {"rank0": {"cpu": torch.zeros_like(rng), "cuda": torch.zeros(16, dtype=torch.uint8)}},
+            "outer": {"round": 0},
+        }
         if more:  # another rank's RNG (world size changed), an outer field added since
             state["rng"]["rank1"] = {"cpu": torch.zeros_like(rng)}
             state["outer"]["pending"] = 5
@@ -177,8 +202,14 @@ def test_async_saves_share_one_stager_and_each_saves_its_own_values(tmp_path, on
     checkpoint must hold the values of its own step, not the first one's; close() releases it."""
     torch.manual_seed(0)
     model = GPT(_tiny())
-    ck = Checkpointer(tmp_path, one_rank_group, torch.device("cpu"), keep_last=5, async_save=True,
-                      marker_extra={"model": _tiny().model_dump()})
+    ck = Checkpointer(
+        tmp_path,
+        one_rank_group,
+        torch.device("cpu"),
+        keep_last=5,
+        async_save=True,
+        marker_extra={"model": _tiny().model_dump()},
+    )
     snapshots = {}
     stagers = set()
     cached = []
@@ -187,7 +218,9 @@ def test_async_saves_share_one_stager_and_each_saves_its_own_values(tmp_path, on
             for p in model.parameters():
                 p.add_(float(step))
         snapshots[step] = {k: v.clone() for k, v in model.state_dict().items()}
-        assert ck.save(step, {"model": model.state_dict(), "train": {"step": step}}) is None  # in the background
+        assert (
+            ck.save(step, {"model": model.state_dict(), "train": {"step": step}}) is None
+        )  # in the background
         stagers.add(id(ck.stager()))
         # the save went through this stager: it holds a CPU copy per parameter storage, refilled each time
         # (DCP's cache; torch is pinned by constraints-dev.txt)

@@ -49,15 +49,19 @@ def test_good_minimal(tmp_path):
 
 def test_unknown_key_names_line_and_valid_keys(tmp_path):
     msg = _err(tmp_path, GOOD.replace("  seq_len: 32\n", "  seq_len: 32\n  n_head: 4\n"))
-    assert msg.startswith(f"{tmp_path / 'c.yaml'}:6: model.n_head: unknown key 'n_head' (valid keys: n_layers, ")
+    assert msg.startswith(
+        f"{tmp_path / 'c.yaml'}:6: model.n_head: unknown key 'n_head' (valid keys: n_layers, "
+    )
     assert msg.endswith("; did you mean 'n_heads'?")
 
 
 def test_unknown_key_suggests_a_close_match(tmp_path):
     """Did-you-mean, as for site profiles: a misspelt optim key names the one it was meant to be."""
     msg = _err(tmp_path, GOOD + "  warmup_stepz: 2\n")
-    assert msg == (f"{tmp_path / 'c.yaml'}:11: optim.warmup_stepz: unknown key 'warmup_stepz' (valid keys: lr, "
-                   "min_lr, warmup_steps, weight_decay, beta1, beta2, eps, grad_clip); did you mean 'warmup_steps'?")
+    assert msg == (
+        f"{tmp_path / 'c.yaml'}:11: optim.warmup_stepz: unknown key 'warmup_stepz' (valid keys: lr, "
+        "min_lr, warmup_steps, weight_decay, beta1, beta2, eps, grad_clip); did you mean 'warmup_steps'?"
+    )
     msg = _err(tmp_path, GOOD + "chekpoint:\n  every: 5\n")
     assert "c.yaml:11: chekpoint: unknown key 'chekpoint' (valid keys: model, " in msg
     assert msg.endswith("; did you mean 'checkpoint'?")
@@ -67,7 +71,9 @@ def test_wrong_type_and_range(tmp_path):
     msg = _err(tmp_path, GOOD.replace("batch_size: 2", "batch_size: two").replace("steps: 10", "steps: -1"))
     lines = msg.splitlines()
     assert any(line.startswith(f"{tmp_path / 'c.yaml'}:7: train.steps: ") and "-1" in line for line in lines)
-    assert any(line.startswith(f"{tmp_path / 'c.yaml'}:8: train.batch_size: ") and "'two'" in line for line in lines)
+    assert any(
+        line.startswith(f"{tmp_path / 'c.yaml'}:8: train.batch_size: ") and "'two'" in line for line in lines
+    )
 
 
 def test_cross_field_rule(tmp_path):
@@ -91,19 +97,25 @@ def test_yaml_syntax_error(tmp_path):
 
 
 _BOMB = "a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(
-    f"{n}: &{n} [{', '.join([f'*{p}'] * 10)}]\n" for p, n in zip("abc", "bcd", strict=True))
+    f"{n}: &{n} [{', '.join([f'*{p}'] * 10)}]\n" for p, n in zip("abc", "bcd", strict=True)
+)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("model: !!python/object/apply:os.system [true]\n", ":1: model: YAML tag '!!python/object/apply:os.system' "
-                                                         "is not allowed"),
-    (_BOMB, ": aliases expand to more than 10000 values"),
-    ("x: " + "[" * 60 + "]" * 60 + "\n", ": nested more than 50 levels deep"),
-    ("model:\n  n_layers: 2\n  n_layers: 3\n", ":3: model.n_layers: duplicate key (first at line 2)"),
-    (b"model:\n  n_layers: \xff\n", ":2: not UTF-8 text (byte 0xff)"),
-    ("model:\n  n_layers: 2\x07\n", ":2: invalid YAML: character U+0007 (BEL) is not allowed"),
-    ("optim: {lr: !!float abc}\n", ":1: optim.lr: cannot read 'abc' as !!float"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (
+            "model: !!python/object/apply:os.system [true]\n",
+            ":1: model: YAML tag '!!python/object/apply:os.system' is not allowed",
+        ),
+        (_BOMB, ": aliases expand to more than 10000 values"),
+        ("x: " + "[" * 60 + "]" * 60 + "\n", ": nested more than 50 levels deep"),
+        ("model:\n  n_layers: 2\n  n_layers: 3\n", ":3: model.n_layers: duplicate key (first at line 2)"),
+        (b"model:\n  n_layers: \xff\n", ":2: not UTF-8 text (byte 0xff)"),
+        ("model:\n  n_layers: 2\x07\n", ":2: invalid YAML: character U+0007 (BEL) is not allowed"),
+        ("optim: {lr: !!float abc}\n", ":1: optim.lr: cannot read 'abc' as !!float"),
+    ],
+)
 def test_same_limits_and_messages_as_site_profiles(tmp_path, text, expected):
     """Train configs and site profiles are read by one loader: the same YAML gets the same checks and the
     same one-line message (only the file name differs), a UserError either way."""
@@ -122,29 +134,56 @@ def test_same_limits_and_messages_as_site_profiles(tmp_path, text, expected):
 
 
 def test_not_a_mapping(tmp_path):
-    assert _err(tmp_path, "- a\n- b\n") == f"{tmp_path / 'c.yaml'}:1: a train config must be a mapping of keys to " \
+    assert (
+        _err(tmp_path, "- a\n- b\n")
+        == f"{tmp_path / 'c.yaml'}:1: a train config must be a mapping of keys to "
         "values, not list"
+    )
     assert _err(tmp_path, "# nothing\n") == f"{tmp_path / 'c.yaml'}:1: empty train config"
 
 
 def test_cli_exits_2_before_importing_torch(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text(GOOD.replace("lr: 1.0e-3", "lr: 0"))
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "sbatch_gen.train", "--config", str(p)],
-                       capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "sbatch_gen.train", "--config", str(p)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert r.returncode == 2
     assert f"{p}:10: optim.lr: Input should be greater than 0 (got 0)" in r.stderr
-    imported = [line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")]
+    imported = [
+        line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")
+    ]
     assert "pydantic" in imported and "torch" not in imported
 
 
 def test_bad_cross_region_flags_exit_2(tmp_path):
     cfg = REPO / "configs" / "tiny.yaml"
-    r = subprocess.run([sys.executable, "-m", "sbatch_gen.train", "--config", str(cfg), "--xr-enabled",
-                        "--xr-region", "eu", "--xr-regions", "us,asia"],
-                       capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sbatch_gen.train",
+            "--config",
+            str(cfg),
+            "--xr-enabled",
+            "--xr-region",
+            "eu",
+            "--xr-regions",
+            "us,asia",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert r.returncode == 2
-    assert "cross-region flag error" in r.stderr and "region 'eu' is not in regions ['us', 'asia']" in r.stderr
+    assert (
+        "cross-region flag error" in r.stderr and "region 'eu' is not in regions ['us', 'asia']" in r.stderr
+    )
 
 
 def _xr(**kw):
@@ -162,13 +201,18 @@ def test_grad_mode_keep_rounds_must_cover_the_checkpoint_interval():
     cfg = load_config(REPO / "configs" / "tiny.yaml")
     xr = _xr(sync="grad", keep_rounds=4)
     errs, warns = xr_problems(cfg, xr)
-    assert errs == ["cross_region.keep_rounds (4) must cover the 5 rounds between two checkpoints "
-                    "(checkpoint.every 5 steps, one round per step with sync: grad): a region resumed after a "
-                    "crash re-enters those rounds and grad mode cannot fast-forward. Raise keep_rounds to 5, "
-                    "or lower checkpoint.every to 4."]
+    assert errs == [
+        "cross_region.keep_rounds (4) must cover the 5 rounds between two checkpoints "
+        "(checkpoint.every 5 steps, one round per step with sync: grad): a region resumed after a "
+        "crash re-enters those rounds and grad mode cannot fast-forward. Raise keep_rounds to 5, "
+        "or lower checkpoint.every to 4."
+    ]
     assert [e.field for e in errs] == ["keep_rounds"] and warns == []
     # the train config's path is named when given (validate does)
-    assert "(checkpoint.every 5 steps in configs/tiny.yaml," in xr_problems(cfg, xr, config_name="configs/tiny.yaml")[0][0]
+    assert (
+        "(checkpoint.every 5 steps in configs/tiny.yaml,"
+        in xr_problems(cfg, xr, config_name="configs/tiny.yaml")[0][0]
+    )
     # --max-steps caps the span a replay can cover
     assert xr_problems(cfg, xr, end_step=4) == ([], [])
     assert xr_problems(cfg, xr.model_copy(update={"keep_rounds": 5})) == ([], [])
@@ -190,21 +234,27 @@ def test_diloco_snapshot_every_beyond_the_runs_rounds_is_an_error():
 
     cfg = load_config(REPO / "configs" / "tiny.yaml")  # 30 steps: 6 rounds of 5
     errs, warns = xr_problems(cfg, _xr(inner_steps=5, snapshot_every=7), config_name="configs/tiny.yaml")
-    assert errs == ["cross_region.snapshot_every (7) is more than the 6 outer rounds of the run (train.steps 30 "
-                    "in configs/tiny.yaml // inner_steps 5): no outer snapshot is ever written, and rounds are "
-                    "deleted only once a snapshot covers them, so keep_rounds never takes effect and the mailbox "
-                    "keeps every region's payload of every round until someone deletes it by hand. Set "
-                    "snapshot_every to at most 6."]
+    assert errs == [
+        "cross_region.snapshot_every (7) is more than the 6 outer rounds of the run (train.steps 30 "
+        "in configs/tiny.yaml // inner_steps 5): no outer snapshot is ever written, and rounds are "
+        "deleted only once a snapshot covers them, so keep_rounds never takes effect and the mailbox "
+        "keeps every region's payload of every round until someone deletes it by hand. Set "
+        "snapshot_every to at most 6."
+    ]
     assert [e.field for e in errs] == ["snapshot_every"] and warns == []
     assert xr_problems(cfg, _xr(inner_steps=5, snapshot_every=6)) == ([], [])
     # elastic or strict: the same (DiLoCo cleans up behind snapshots either way)
-    elastic = xr_problems(cfg, _xr(inner_steps=5, snapshot_every=7, min_regions=1), config_name="configs/tiny.yaml")
+    elastic = xr_problems(
+        cfg, _xr(inner_steps=5, snapshot_every=7, min_regions=1), config_name="configs/tiny.yaml"
+    )
     assert elastic == (errs, [])
     # a run shorter than one round has no rounds to clean up: only the warning that it stays local
     errs, warns = xr_problems(cfg, _xr(inner_steps=40, snapshot_every=10))
-    assert errs == [] and warns == ["train.steps (30) is not a multiple of cross_region.inner_steps (40): the "
-                                    "last 30 steps stay local to each region. Make train.steps a multiple of "
-                                    "inner_steps to end on a synchronised model."]
+    assert errs == [] and warns == [
+        "train.steps (30) is not a multiple of cross_region.inner_steps (40): the "
+        "last 30 steps stay local to each region. Make train.steps a multiple of "
+        "inner_steps to end on a synchronised model."
+    ]
 
 
 def test_diloco_steps_not_a_multiple_of_inner_steps_warns():
@@ -212,9 +262,14 @@ def test_diloco_steps_not_a_multiple_of_inner_steps_warns():
 
     cfg = load_config(REPO / "configs" / "tiny.yaml")
     errs, warns = xr_problems(cfg, _xr(inner_steps=7, keep_rounds=1, snapshot_every=4))
-    assert errs == [] and warns == ["train.steps (30) is not a multiple of cross_region.inner_steps (7): the "
-                                    "last 2 steps stay local to each region. Make train.steps a multiple of "
-                                    "inner_steps to end on a synchronised model."]
+    assert errs == [] and warns == [
+        "train.steps (30) is not a multiple of cross_region.inner_steps (7): the "
+        "last 2 steps stay local to each region. Make train.steps a multiple of "
+        "inner_steps to end on a synchronised model."
+    ]
     assert [w.field for w in warns] == ["inner_steps"]
     # disabled: nothing to check
-    assert xr_problems(cfg, _xr(inner_steps=7, snapshot_every=400).model_copy(update={"enabled": False})) == ([], [])
+    assert xr_problems(cfg, _xr(inner_steps=7, snapshot_every=400).model_copy(update={"enabled": False})) == (
+        [],
+        [],
+    )

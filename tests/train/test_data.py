@@ -119,8 +119,9 @@ def _ranks(world: int, state: dict | None = None) -> list[Sampler]:
     return samplers
 
 
-@pytest.mark.parametrize("new_world, steps_before", [(4, 30), (1, 30), (1, 31), (2, 30)],
-                         ids=["2to4", "2to1", "2to1-odd", "2to2"])
+@pytest.mark.parametrize(
+    "new_world, steps_before", [(4, 30), (1, 30), (1, 31), (2, 30)], ids=["2to4", "2to1", "2to1-odd", "2to2"]
+)
 def test_sampler_resumes_after_a_world_size_change_without_repeating_or_skipping(new_world, steps_before):
     old = _ranks(2)
     before = _global_steps(old, steps_before)
@@ -211,7 +212,10 @@ def test_loader_position_is_the_next_batch_it_returns_not_the_prefetched_one():
         for i in range(cut, 300):
             x, y = resumed.next()
             resumed.prefetch()
-            assert np.array_equal(x.numpy(), expect[i][0]) and np.array_equal(y.numpy(), expect[i][1]), (cut, i)
+            assert np.array_equal(x.numpy(), expect[i][0]) and np.array_equal(y.numpy(), expect[i][1]), (
+                cut,
+                i,
+            )
     # Loading a position drops what was prefetched for the old one.
     part = fresh()
     part.next()

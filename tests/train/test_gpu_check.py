@@ -11,8 +11,14 @@ PHASES = ["hbm", "ac-off", "ac-on", "async-dcp", "stop", "diloco"]
 
 
 def _run(repo, *args, env=None, timeout=600):
-    return subprocess.run([str(repo / "scripts" / "gpu-check.sh"), *args], cwd=repo, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [str(repo / "scripts" / "gpu-check.sh"), *args],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 @pytest.mark.slow
@@ -23,7 +29,9 @@ def test_smoke_runs_every_phase_and_prints_one_table(repo, tmp_path, clean_env):
     stale = out / "runs" / "ac-off" / "metrics.jsonl"  # a previous run's leftovers must not be appended to
     stale.parent.mkdir(parents=True)
     stale.write_text(json.dumps({"step": 999, "loss": 0.0, "step_time_s": 1.0}) + "\n")
-    env = {**clean_env, "PYTHON": str(repo / ".venv" / "bin" / "python")} if (repo / ".venv").exists() else None
+    env = (
+        {**clean_env, "PYTHON": str(repo / ".venv" / "bin" / "python")} if (repo / ".venv").exists() else None
+    )
     p = _run(repo, "--smoke", "--out", str(out), "--steps", "6", env=env)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     s = json.loads((out / "summary.json").read_text())
@@ -36,7 +44,7 @@ def test_smoke_runs_every_phase_and_prints_one_table(repo, tmp_path, clean_env):
     assert by["diloco"]["rounds"] >= 2 and by["diloco"]["outer_device"] == "cpu"
     assert by["ac-off"]["steps"] == 6  # only this run's records: the stale file was removed, not appended to
     assert json.loads((out / "runs" / "ac-off" / "metrics.jsonl").read_text().splitlines()[0])["step"] != 999
-    table = p.stdout[p.stdout.index("| phase |"):]
+    table = p.stdout[p.stdout.index("| phase |") :]
     assert [line.split("|")[1].strip() for line in table.splitlines()[2:] if line.startswith("|")] == PHASES
     assert "SMOKE" in p.stdout and (out / "summary.md").read_text().strip() in p.stdout
 

@@ -65,8 +65,14 @@ def test_stale_reasons():
 @pytest.mark.parametrize("how", ["heartbeat", "same-job", "dead-pid"])
 def test_a_stale_lease_is_taken_over(tmp_path, how):
     clock = Clock()
-    a = Lease(tmp_path, period_s=10, job_id="1001", host=HOST, pid=_dead_pid() if how == "dead-pid" else None,
-              clock=clock)
+    a = Lease(
+        tmp_path,
+        period_s=10,
+        job_id="1001",
+        host=HOST,
+        pid=_dead_pid() if how == "dead-pid" else None,
+        clock=clock,
+    )
     a.acquire()
     if how == "heartbeat":
         clock.t += STALE_PERIODS * 10 + 1
@@ -115,7 +121,9 @@ def test_heartbeat_thread_refreshes(tmp_path):
     first = json.loads((tmp_path / LEASE_FILE).read_text())["heartbeat"]
     a.start()
     try:
-        wait_for(lambda: json.loads((tmp_path / LEASE_FILE).read_text())["heartbeat"] > first, 5, "a heartbeat")
+        wait_for(
+            lambda: json.loads((tmp_path / LEASE_FILE).read_text())["heartbeat"] > first, 5, "a heartbeat"
+        )
     finally:
         a.release()
     assert not (tmp_path / LEASE_FILE).exists()
@@ -136,8 +144,23 @@ def test_a_second_trainer_on_the_same_run_dir_refuses_to_start(tmp_path, data_di
 
     # a second trainer (plain process) on the same run dir: one line, exit 2, nothing written
     second = subprocess.run(
-        [sys.executable, "-m", "sbatch_gen.train", "--config", str(cfg), "--run-dir", str(run_dir),
-         "--data-path", str(data_dir)], cwd=REPO, env=train_env(env), capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "sbatch_gen.train",
+            "--config",
+            str(cfg),
+            "--run-dir",
+            str(run_dir),
+            "--data-path",
+            str(data_dir),
+        ],
+        cwd=REPO,
+        env=train_env(env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert second.returncode == 2, second.stderr
     lines = [ln for ln in second.stderr.splitlines() if "in use by" in ln]
     assert len(lines) == 1, second.stderr
@@ -146,16 +169,35 @@ def test_a_second_trainer_on_the_same_run_dir_refuses_to_start(tmp_path, data_di
     assert "Traceback" not in second.stderr
     assert first.proc.poll() is None  # the first one trains on
     beat = holder["heartbeat"]
-    wait_for(lambda: json.loads((run_dir / LEASE_FILE).read_text())["heartbeat"] > beat, 10, "a heartbeat", first)
+    wait_for(
+        lambda: json.loads((run_dir / LEASE_FILE).read_text())["heartbeat"] > beat, 10, "a heartbeat", first
+    )
 
     # the holder dies without releasing: a new trainer on this host takes the lease over (pid gone)
     first.kill()
     assert (run_dir / LEASE_FILE).exists()
     third = subprocess.run(
-        [sys.executable, "-m", "sbatch_gen.train", "--config", str(cfg), "--run-dir", str(run_dir),
-         "--data-path", str(data_dir), "--max-steps", "2", "--resume", "none"],
-        cwd=REPO, env=train_env(env), capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "sbatch_gen.train",
+            "--config",
+            str(cfg),
+            "--run-dir",
+            str(run_dir),
+            "--data-path",
+            str(data_dir),
+            "--max-steps",
+            "2",
+            "--resume",
+            "none",
+        ],
+        cwd=REPO,
+        env=train_env(env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert third.returncode == 0, third.stderr
     assert f"took over the lease of job {holder['job_id']}" in third.stderr
     assert not (run_dir / LEASE_FILE).exists()  # released on exit
-

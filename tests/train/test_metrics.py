@@ -14,21 +14,24 @@ from sbatch_gen.train.metrics import (
 )
 
 
-@pytest.mark.parametrize("name, tflops", [
-    # names as torch.cuda.get_device_name() reports them
-    ("NVIDIA H100 80GB HBM3", 989),
-    ("NVIDIA H100 PCIe", 756),
-    ("NVIDIA H100 NVL", 835),
-    ("NVIDIA H200", 989),
-    ("NVIDIA H200 NVL", 835),
-    ("NVIDIA GH200 480GB", 989),
-    ("NVIDIA GH200 144G HBM3e", 989),
-    ("NVIDIA B200", 2250),
-    ("NVIDIA GB200", 2500),
-    ("NVIDIA A100-SXM4-80GB", 312),
-    ("NVIDIA A100 80GB PCIe", 312),
-    ("nvidia h200 nvl", 835),
-])
+@pytest.mark.parametrize(
+    "name, tflops",
+    [
+        # names as torch.cuda.get_device_name() reports them
+        ("NVIDIA H100 80GB HBM3", 989),
+        ("NVIDIA H100 PCIe", 756),
+        ("NVIDIA H100 NVL", 835),
+        ("NVIDIA H200", 989),
+        ("NVIDIA H200 NVL", 835),
+        ("NVIDIA GH200 480GB", 989),
+        ("NVIDIA GH200 144G HBM3e", 989),
+        ("NVIDIA B200", 2250),
+        ("NVIDIA GB200", 2500),
+        ("NVIDIA A100-SXM4-80GB", 312),
+        ("NVIDIA A100 80GB PCIe", 312),
+        ("nvidia h200 nvl", 835),
+    ],
+)
 def test_peak_table_takes_the_most_specific_name(name, tflops):
     assert peak_flops(name) == tflops * 1e12
 
@@ -53,9 +56,19 @@ def test_utilization_formula():
 
 
 def _summary(step_times, **kw):
-    return summarize(step_times=step_times, tokens_per_step=4096, first_step=1, last_step=len(step_times),
-                     resumed_from=None, process_start=0.0, first_step_done=1.0, checkpoint_save_s=[],
-                     load_s=None, exit_reason="completed", **kw)
+    return summarize(
+        step_times=step_times,
+        tokens_per_step=4096,
+        first_step=1,
+        last_step=len(step_times),
+        resumed_from=None,
+        process_start=0.0,
+        first_step_done=1.0,
+        checkpoint_save_s=[],
+        load_s=None,
+        exit_reason="completed",
+        **kw,
+    )
 
 
 def test_summary_mfu_is_derived_from_the_summary_tokens_per_s():
@@ -84,12 +97,21 @@ def test_memory_fields_on_cpu_and_in_the_printout():
 
     rec = memory_record(torch.device("cpu"))
     assert rec["mem_kind"] == "max_rss" and rec["mem_bytes"] > 0
-    assert rec["mem_reserved_bytes"] is None and rec["mem_free_bytes"] is None and rec["mem_total_bytes"] is None
+    assert (
+        rec["mem_reserved_bytes"] is None and rec["mem_free_bytes"] is None and rec["mem_total_bytes"] is None
+    )
     gib = 2**30
-    mem = {"max_allocated_bytes": 30 * gib, "max_reserved_bytes": 34 * gib, "device_free_bytes": 100 * gib,
-           "device_total_bytes": 140 * gib, "max_rss_bytes": gib}
+    mem = {
+        "max_allocated_bytes": 30 * gib,
+        "max_reserved_bytes": 34 * gib,
+        "device_free_bytes": 100 * gib,
+        "device_total_bytes": 140 * gib,
+        "max_rss_bytes": gib,
+    }
     text = format_summary(_summary([1.0, 1.0], memory=mem))
-    assert "GPU memory: max allocated 30.00 GiB, max reserved 34.00 GiB, device 100.0 of 140.0 GiB free" in text
+    assert (
+        "GPU memory: max allocated 30.00 GiB, max reserved 34.00 GiB, device 100.0 of 140.0 GiB free" in text
+    )
     assert "GPU memory" not in format_summary(_summary([1.0, 1.0], memory={"max_allocated_bytes": None}))
 
 
@@ -105,10 +127,25 @@ def test_report_shows_absent_in_region_comm_as_na_and_the_gpu_memory(tmp_path):
     recs = [{"step": s, "loss": 3.0, "step_time_s": 0.2, "comm_time_s": None} for s in range(1, 5)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     gib = 2**30
-    (d / "summary.json").write_text(json.dumps({
-        "mfu": 0.41, "hfu": 0.55, "tokens_per_s": 1e5, "exit": "completed", "device": "cuda:0", "world_size": 8,
-        "memory": {"max_allocated_bytes": 20 * gib, "max_reserved_bytes": 24 * gib,
-                   "device_free_bytes": 110 * gib, "device_total_bytes": 140 * gib, "max_rss_bytes": gib}}))
+    (d / "summary.json").write_text(
+        json.dumps(
+            {
+                "mfu": 0.41,
+                "hfu": 0.55,
+                "tokens_per_s": 1e5,
+                "exit": "completed",
+                "device": "cuda:0",
+                "world_size": 8,
+                "memory": {
+                    "max_allocated_bytes": 20 * gib,
+                    "max_reserved_bytes": 24 * gib,
+                    "device_free_bytes": 110 * gib,
+                    "device_total_bytes": 140 * gib,
+                    "max_rss_bytes": gib,
+                },
+            }
+        )
+    )
     run = load_run(d)
     s = slo(run)
     assert math.isnan(s["in_region_comm_fraction"]) and math.isnan(s["comm_fraction"])
@@ -120,6 +157,8 @@ def test_report_shows_absent_in_region_comm_as_na_and_the_gpu_memory(tmp_path):
     for r in recs:
         r["comm_time_s"] = 0.05
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    (d / "summary.json").write_text(json.dumps({"exit": "completed", "memory": {"max_allocated_bytes": None}}))
+    (d / "summary.json").write_text(
+        json.dumps({"exit": "completed", "memory": {"max_allocated_bytes": None}})
+    )
     s = slo(load_run(d))
     assert s["in_region_comm_fraction"] == pytest.approx(0.25) and s["gpu_mem_max_allocated_gib"] is None

@@ -66,8 +66,11 @@ def test_lr_schedule(tmp_path):
 
     from .conftest import write_config
 
-    cfg = load_config(write_config(tmp_path / "c.yaml", train={"steps": 100},
-                                   optim={"lr": 1.0, "min_lr": 0.1, "warmup_steps": 10}))
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml", train={"steps": 100}, optim={"lr": 1.0, "min_lr": 0.1, "warmup_steps": 10}
+        )
+    )
     assert lr_at(cfg, 1) == pytest.approx(0.1) and lr_at(cfg, 10) == pytest.approx(1.0)
     assert lr_at(cfg, 55) == pytest.approx(0.55) and lr_at(cfg, 100) == pytest.approx(0.1)
     assert all(lr_at(cfg, s) >= lr_at(cfg, s + 1) for s in range(10, 100))

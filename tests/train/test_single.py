@@ -23,16 +23,29 @@ def _train(cfg, run_dir, data_dir, *extra) -> int:
     return run(RunSpec.from_args(args))
 
 
-_TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "GROUP_RANK", "GROUP_WORLD_SIZE", "SBATCH_GEN_STOP_FILE", "SBATCH_GEN_STEP_SLEEP_S")
+_TRAINER_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "SBATCH_GEN_STOP_FILE",
+    "SBATCH_GEN_STEP_SLEEP_S",
+)
 
 
 @pytest.fixture(scope="module")
 def cfg12(tmp_path_factory):
     # grad accumulation, activation checkpointing and dropout all on: the resume must still be bitwise.
-    return write_config(tmp_path_factory.mktemp("cfg") / "c12.yaml", train={"steps": 12, "grad_accum": 2},
-                        model={"activation_checkpointing": True},
-                        checkpoint={"every": 4, "keep_last": 3, "verify": "crc32"})
+    return write_config(
+        tmp_path_factory.mktemp("cfg") / "c12.yaml",
+        train={"steps": 12, "grad_accum": 2},
+        model={"activation_checkpointing": True},
+        checkpoint={"every": 4, "keep_last": 3, "verify": "crc32"},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +74,17 @@ def test_interrupted_and_resumed_equals_uninterrupted(cfg12, reference, tmp_path
     assert summary["resumed_from_step"] == 6 and summary["first_step"] == 7 and summary["last_step"] == 12
     assert summary["resume_time_s"] > 0 and summary["exit"] == "completed"
     rec = read_metrics(part)[12]
-    for k in ("loss", "lr", "tokens_per_s", "step_time_s", "data_time_s", "comm_time_s", "mem_bytes",
-              "rank_step_time_s", "grad_norm"):
+    for k in (
+        "loss",
+        "lr",
+        "tokens_per_s",
+        "step_time_s",
+        "data_time_s",
+        "comm_time_s",
+        "mem_bytes",
+        "rank_step_time_s",
+        "grad_norm",
+    ):
         assert rec[k] is not None, k
     assert rec["mfu"] is None  # CPU: no peak to compare against
     # keep_last 3: of steps 4, 6 (the cap), 8 and 12, the newest three remain.
@@ -70,8 +92,9 @@ def test_interrupted_and_resumed_equals_uninterrupted(cfg12, reference, tmp_path
     assert names == ["step-12", "step-6", "step-8"]
 
 
-def test_half_written_and_corrupted_checkpoints_are_ignored(cfg12, reference, tmp_path, data_dir, capfd,
-                                                           clean_env):
+def test_half_written_and_corrupted_checkpoints_are_ignored(
+    cfg12, reference, tmp_path, data_dir, capfd, clean_env
+):
     run_dir = tmp_path / "r"
     assert _train(cfg12, run_dir, data_dir, "--max-steps", "8") == 0
     # step-8: marker present, one byte flipped (CRC32 catches it); step-12: a save that never finished.
@@ -127,7 +150,9 @@ def test_resume_none_starts_fresh_and_replaces_old_checkpoints(tmp_path, data_di
 
 def test_model_shape_mismatch_is_a_clear_error(tmp_path, data_dir, capfd, clean_env):
     small = write_config(tmp_path / "s.yaml", train={"steps": 4}, checkpoint={"every": 2})
-    wide = write_config(tmp_path / "w.yaml", train={"steps": 4}, model={"d_model": 96}, checkpoint={"every": 2})
+    wide = write_config(
+        tmp_path / "w.yaml", train={"steps": 4}, model={"d_model": 96}, checkpoint={"every": 2}
+    )
     assert _train(small, tmp_path / "r", data_dir) == 0
     capfd.readouterr()
     assert _train(wide, tmp_path / "r", data_dir) == 2
@@ -150,10 +175,18 @@ def test_stop_file_checkpoints_acks_and_exits_42_then_fast_exit(tmp_path, data_d
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["exit"] == "stopped"
     # Restarted with the stop file and its ack present: exit 42 at once, torch never imported.
     env = {**os.environ, "SBATCH_GEN_STOP_FILE": str(stop)}
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "sbatch_gen.train", "--config", str(cfg)],
-                       capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "sbatch_gen.train", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=tmp_path,
+    )
     assert r.returncode == 42 and "already checkpointed" in r.stderr
-    imported = [line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")]
+    imported = [
+        line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")
+    ]
     assert "torch" not in imported
     # Once the launcher removes both files, the next start resumes from the stop checkpoint.
     stop.unlink()
@@ -207,8 +240,9 @@ def _also_asking_for_cuda_rng(rng_state):
     return wrapped
 
 
-def test_a_cpu_checkpoint_resumes_in_a_process_that_also_asks_for_cuda_rng(cfg12, reference, tmp_path, data_dir,
-                                                                           capfd, clean_env, monkeypatch):
+def test_a_cpu_checkpoint_resumes_in_a_process_that_also_asks_for_cuda_rng(
+    cfg12, reference, tmp_path, data_dir, capfd, clean_env, monkeypatch
+):
     """A GPU process asks for rng.rank0.cuda, which a CPU process never wrote: it must resume from the
     checkpoint anyway (CPU RNG restored), not fail on every checkpoint and start fresh."""
     from sbatch_gen.train.trainer import Trainer
@@ -226,8 +260,9 @@ def test_a_cpu_checkpoint_resumes_in_a_process_that_also_asks_for_cuda_rng(cfg12
     assert same_weights(part / "model.safetensors", reference / "model.safetensors")
 
 
-def test_complete_checkpoints_that_all_fail_to_load_stop_the_run_instead_of_a_fresh_start(tmp_path, data_dir,
-                                                                                        capfd, clean_env):
+def test_complete_checkpoints_that_all_fail_to_load_stop_the_run_instead_of_a_fresh_start(
+    tmp_path, data_dir, capfd, clean_env
+):
     """--resume auto with complete (marker and sizes fine) but unreadable checkpoints: one error line,
     exit 2 like the other fatal start-up errors; nothing trained, nothing overwritten."""
     cfg = write_config(tmp_path / "c.yaml", train={"steps": 8}, checkpoint={"every": 2, "keep_last": 5})
@@ -243,7 +278,9 @@ def test_complete_checkpoints_that_all_fail_to_load_stop_the_run_instead_of_a_fr
     err = capfd.readouterr().err
     assert "starting fresh (--resume" not in err and "training steps" not in err and "Traceback" not in err
     fatal = [ln for ln in err.splitlines() if "not starting fresh" in ln]
-    assert len(fatal) == 1 and "none of the 2 complete checkpoint(s)" in fatal[0] and "step-4" in fatal[0], err
+    assert len(fatal) == 1 and "none of the 2 complete checkpoint(s)" in fatal[0] and "step-4" in fatal[0], (
+        err
+    )
     assert "--resume none" in fatal[0]
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2", "step-4"]
@@ -254,8 +291,11 @@ def test_complete_checkpoints_that_all_fail_to_load_stop_the_run_instead_of_a_fr
 def test_summary_mfu_comes_from_the_summary_tokens_per_s(tmp_path, data_dir, clean_env):
     """With a peak (train.peak_tflops; on a GPU it comes from the device name) the summary's MFU/HFU are
     its own tokens/s (warm-up step excluded) times FLOPs per token over the peak, per device."""
-    cfg = write_config(tmp_path / "c.yaml", train={"steps": 5, "peak_tflops": 0.001},
-                       model={"activation_checkpointing": True})
+    cfg = write_config(
+        tmp_path / "c.yaml",
+        train={"steps": 5, "peak_tflops": 0.001},
+        model={"activation_checkpointing": True},
+    )
     assert _train(cfg, tmp_path / "r", data_dir) == 0
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
     per_device = s["tokens_per_s"] / s["world_size"]
@@ -263,9 +303,13 @@ def test_summary_mfu_comes_from_the_summary_tokens_per_s(tmp_path, data_dir, cle
     assert s["hfu"] == pytest.approx(per_device * s["hardware_flops_per_token"] / 1e9, rel=1e-12)
     assert s["hfu"] > s["mfu"] > 0  # recomputed forwards count as hardware FLOPs only
     recs = read_metrics(tmp_path / "r")
-    assert all(r["mfu"] == pytest.approx(r["tokens_per_s"] * s["model_flops_per_token"] / 1e9) for r in recs.values())
+    assert all(
+        r["mfu"] == pytest.approx(r["tokens_per_s"] * s["model_flops_per_token"] / 1e9) for r in recs.values()
+    )
     # CPU: the CUDA memory figures are absent (None), max RSS is there.
     assert s["memory"]["max_allocated_bytes"] is None and s["memory"]["max_reserved_bytes"] is None
     assert s["memory"]["device_total_bytes"] is None and s["memory"]["max_rss_bytes"] > 0
     rec = recs[5]
-    assert rec["mem_kind"] == "max_rss" and rec["mem_reserved_bytes"] is None and rec["mem_free_bytes"] is None
+    assert (
+        rec["mem_kind"] == "max_rss" and rec["mem_reserved_bytes"] is None and rec["mem_free_bytes"] is None
+    )

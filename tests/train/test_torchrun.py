@@ -19,14 +19,20 @@ SLOW = {"SBATCH_GEN_STEP_SLEEP_S": "0.12"}  # room for the test to act mid-run
 
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory):
-    return write_config(tmp_path_factory.mktemp("cfg") / "c.yaml", train={"steps": STEPS, "log_every": 1},
-                        checkpoint={"every": 4, "keep_last": 3})
+    return write_config(
+        tmp_path_factory.mktemp("cfg") / "c.yaml",
+        train={"steps": STEPS, "log_every": 1},
+        checkpoint={"every": 4, "keep_last": 3},
+    )
 
 
 @pytest.fixture(scope="module")
 def cfg_async(tmp_path_factory):
-    return write_config(tmp_path_factory.mktemp("cfg") / "c.yaml", train={"steps": STEPS, "log_every": 1},
-                        checkpoint={"every": 4, "keep_last": 3, "async_save": True})
+    return write_config(
+        tmp_path_factory.mktemp("cfg") / "c.yaml",
+        train={"steps": STEPS, "log_every": 1},
+        checkpoint={"every": 4, "keep_last": 3, "async_save": True},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +43,9 @@ def reference(cfg, tmp_path_factory, data_dir):
     from .conftest import train_env
 
     d = tmp_path_factory.mktemp("ref")
-    r = subprocess.run(torchrun_cmd(cfg, d / "run", data_dir), capture_output=True, text=True, timeout=240,
-                       env=train_env())
+    r = subprocess.run(
+        torchrun_cmd(cfg, d / "run", data_dir), capture_output=True, text=True, timeout=240, env=train_env()
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return d / "run", r.stderr
 
@@ -67,23 +74,31 @@ def test_loss_decreases_and_metrics(reference):
     assert rec["tokens"] == STEPS * 4 * 64 * 2 and rec["mem_kind"] == "max_rss" and rec["mem_bytes"] > 0
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["exit"] == "completed" and s["last_step"] == STEPS and s["world_size"] == 2
-    assert s["step_time_s"]["p50"] <= s["step_time_s"]["p99"] and s["checkpoint_save_s"]["count"] == STEPS // 4
+    assert (
+        s["step_time_s"]["p50"] <= s["step_time_s"]["p99"] and s["checkpoint_save_s"]["count"] == STEPS // 4
+    )
     assert s["restarts_seen"] == {"TORCHELASTIC_RESTART_COUNT": 0}
     assert (run_dir / "model.safetensors").stat().st_size > 0
     # What matters for a hang is in the log, before the first collective.
-    assert re.search(r"rank 1/2 local_rank 1/2 node 0/1 device cpu backend gloo master 127\.0\.0\.1:\d+", log) \
-        or re.search(r"rank 1/2 local_rank 1/2 node 0/1 device cpu backend gloo master [\w.-]+:\d+", log)
+    assert re.search(
+        r"rank 1/2 local_rank 1/2 node 0/1 device cpu backend gloo master 127\.0\.0\.1:\d+", log
+    ) or re.search(r"rank 1/2 local_rank 1/2 node 0/1 device cpu backend gloo master [\w.-]+:\d+", log)
     assert "init_process_group(gloo) waiting for 2 ranks" in log and "env TORCHELASTIC_RESTART_COUNT=0" in log
 
 
-def test_stop_file_then_sigusr1_then_resume_equals_uninterrupted(cfg, reference, tmp_path, data_dir, launches):
+def test_stop_file_then_sigusr1_then_resume_equals_uninterrupted(
+    cfg, reference, tmp_path, data_dir, launches
+):
     """Attempt 1 stops on the stop file (torchrun restarts the workers once: they exit 42 at once);
     attempt 2 stops on SIGUSR1 sent to rank 1 only; attempt 3 finishes. Same losses as one run."""
     ref_dir, _ = reference
     run_dir, stop, ack_file = tmp_path / "run", tmp_path / "stop", tmp_path / "stop.ack"
 
-    la = launches(torchrun_cmd(cfg, run_dir, data_dir, "--stop-file", str(stop), max_restarts=1),
-                  tmp_path / "a.log", env=SLOW)
+    la = launches(
+        torchrun_cmd(cfg, run_dir, data_dir, "--stop-file", str(stop), max_restarts=1),
+        tmp_path / "a.log",
+        env=SLOW,
+    )
     wait_for(lambda: check_complete(step_dir(run_dir, 4)) is None, 120, "checkpoint step-4", la)
     # a checkpoint step reads its agreement before saving: its record is there before the checkpoint is
     assert 4 in read_metrics(run_dir)
@@ -99,7 +114,9 @@ def test_stop_file_then_sigusr1_then_resume_equals_uninterrupted(cfg, reference,
     assert out.count(f"all ranks stop after step {n1}") == 2, out[-3000:]
     # (torchrun SIGTERMs the other restarted worker as soon as one exits: it may die before it prints)
     assert 1 <= out.count("already checkpointed, exiting 42 without starting") <= 2, out[-3000:]
-    assert out.count("training steps") == 2, out[-3000:]  # both ranks of the first start; the restarted ones trained nothing
+    assert out.count("training steps") == 2, out[
+        -3000:
+    ]  # both ranks of the first start; the restarted ones trained nothing
     assert rc != 0 and "exitcode  : 42" in out
 
     # The launcher clears the hand-off for the next attempt. A save that never finished, newer than
@@ -109,7 +126,9 @@ def test_stop_file_then_sigusr1_then_resume_equals_uninterrupted(cfg, reference,
     half = step_dir(run_dir, n1 + 1)
     half.mkdir()
     (half / "__0_0.distcp").write_bytes(b"\0" * 10)
-    lb = launches(torchrun_cmd(cfg, run_dir, data_dir, "--stop-file", str(stop)), tmp_path / "b.log", env=SLOW)
+    lb = launches(
+        torchrun_cmd(cfg, run_dir, data_dir, "--stop-file", str(stop)), tmp_path / "b.log", env=SLOW
+    )
     wait_for(lambda: _max_step(run_dir) >= n1 + 2, 120, f"step {n1 + 2}", lb)
     workers = wait_for(lambda: (w := lb.workers()) and len(w) == 2 and w, 30, "two workers", lb)
     os.kill(workers[1], signal.SIGUSR1)
@@ -119,7 +138,9 @@ def test_stop_file_then_sigusr1_then_resume_equals_uninterrupted(cfg, reference,
     assert ack is not None, out[-3000:]
     n2 = ack["step"]
     assert rc != 0 and "exitcode  : 42" in out and n1 + 2 <= n2 < STEPS
-    assert f"step-{n1 + 1} ignored: no COMPLETE.json" in out and f"resumed from {step_dir(run_dir, n1)}" in out
+    assert (
+        f"step-{n1 + 1} ignored: no COMPLETE.json" in out and f"resumed from {step_dir(run_dir, n1)}" in out
+    )
     assert not stop.exists() and ack["reason"] == "another rank"  # rank 0 learnt it from the collective
     assert out.count(f"all ranks stop after step {n2}") == 2 and "stop requested (SIGUSR1)" in out
 
@@ -136,8 +157,11 @@ def test_sigkill_one_worker_restarts_from_last_checkpoint(cfg_async, reference, 
     ref_dir, _ = reference
     run_dir = tmp_path / "run"
     # Only rank 1 sleeps: an injected straggler that the per-rank step times must show.
-    la = launches(torchrun_cmd(cfg_async, run_dir, data_dir, max_restarts=1), tmp_path / "a.log",
-                  env={**SLOW, "SBATCH_GEN_STEP_SLEEP_RANKS": "1"})
+    la = launches(
+        torchrun_cmd(cfg_async, run_dir, data_dir, max_restarts=1),
+        tmp_path / "a.log",
+        env={**SLOW, "SBATCH_GEN_STEP_SLEEP_RANKS": "1"},
+    )
     wait_for(lambda: check_complete(step_dir(run_dir, 8)) is None, 120, "checkpoint step-8", la)
     workers = wait_for(lambda: (w := la.workers()) and len(w) == 2 and w, 30, "two workers", la)
     os.kill(workers[1], signal.SIGKILL)
@@ -162,19 +186,39 @@ def test_world_size_1_trains_without_ddp_and_resumes_identically(tmp_path, data_
 
     from .conftest import REPO, train_env
 
-    cfg = write_config(tmp_path / "c.yaml", train={"steps": 8, "log_every": 1, "grad_accum": 2},
-                       checkpoint={"every": 4, "async_save": True})
+    cfg = write_config(
+        tmp_path / "c.yaml",
+        train={"steps": 8, "log_every": 1, "grad_accum": 2},
+        checkpoint={"every": 4, "async_save": True},
+    )
     ref = tmp_path / "ref"
-    r = subprocess.run([sys.executable, "-m", "sbatch_gen.train", "--config", str(cfg), "--run-dir", str(ref),
-                        "--data-path", str(data_dir)], cwd=REPO, env=train_env(), capture_output=True, text=True,
-                       timeout=180)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sbatch_gen.train",
+            "--config",
+            str(cfg),
+            "--run-dir",
+            str(ref),
+            "--data-path",
+            str(data_dir),
+        ],
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "DDP: off (world size 1)" in r.stderr and "init_process_group" not in r.stderr
     run_dir = tmp_path / "run"
     la = launches(torchrun_cmd(cfg, run_dir, data_dir, "--max-steps", "5", nproc=1), tmp_path / "a.log")
     assert la.wait(180) == 0, la.output()[-3000:]
     out = la.output()
-    assert "init_process_group(gloo) waiting for 1 ranks" in out and "DDP: off (world size 1)" in out, out[-3000:]
+    assert "init_process_group(gloo) waiting for 1 ranks" in out and "DDP: off (world size 1)" in out, out[
+        -3000:
+    ]
     assert check_complete(step_dir(run_dir, 5)) is None
     lb = launches(torchrun_cmd(cfg, run_dir, data_dir, nproc=1), tmp_path / "b.log")
     assert lb.wait(180) == 0, lb.output()[-3000:]

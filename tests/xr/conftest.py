@@ -53,7 +53,10 @@ def transport(request, tmp_path):
     server = request.getfixturevalue("s3server")
     b = request.getfixturevalue("bucket")
     return S3Transport(
-        bucket=b, prefix="team/xr", endpoint_url=server.endpoint_url, addressing_style="path",
+        bucket=b,
+        prefix="team/xr",
+        endpoint_url=server.endpoint_url,
+        addressing_style="path",
         region_name="us-east-1",
         credentials=S3Credentials(access_key_id_env=KEY_ENV, secret_access_key_env=SECRET_ENV),
     )

@@ -53,20 +53,47 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     per_node = world // a.nodes
-    info = DistInfo(rank=rank, world_size=world, local_rank=rank % per_node, local_world_size=per_node,
-                    node_rank=rank // per_node, num_nodes=a.nodes, is_distributed=True, backend="gloo")
+    info = DistInfo(
+        rank=rank,
+        world_size=world,
+        local_rank=rank % per_node,
+        local_world_size=per_node,
+        node_rank=rank // per_node,
+        num_nodes=a.nodes,
+        is_distributed=True,
+        backend="gloo",
+    )
     regions = a.regions.split(",")
     torch.manual_seed(a.seed)  # the same on every rank of a region (DDP would broadcast rank 0's anyway)
     net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
     model = DDP(net)
-    kw = dict(enabled=True, run_id="w", region=a.region, regions=regions, sync=a.sync, inner_steps=a.inner_steps,
-              transport=FsTransport(root=a.root), timeout_s=120, shard_mb=0.0005, threads=2, keep_rounds=8,
-              payload_dtype="fp32" if a.sync == "grad" else "bf16")
+    kw = dict(
+        enabled=True,
+        run_id="w",
+        region=a.region,
+        regions=regions,
+        sync=a.sync,
+        inner_steps=a.inner_steps,
+        transport=FsTransport(root=a.root),
+        timeout_s=120,
+        shard_mb=0.0005,
+        threads=2,
+        keep_rounds=8,
+        payload_dtype="fp32" if a.sync == "grad" else "bf16",
+    )
     if a.max_gib is not None:
         kw["outer_device_max_gib"] = a.max_gib
     events: list[dict] = []
-    sync = create(CrossRegion(**kw), model, torch.device("cpu"), info, None, events.append,
-                  poll_min_s=0.005, poll_max_s=0.05)
+    sync = create(
+        CrossRegion(**kw),
+        model,
+        torch.device("cpu"),
+        info,
+        None,
+        events.append,
+        poll_min_s=0.005,
+        poll_max_s=0.05,
+    )
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
 
     start = 0
@@ -93,13 +120,25 @@ def main() -> None:
             after[step] = flat(net)
             if getattr(sync, "theta_outer", None) is not None:
                 theta[step] = sync.theta_outer.clone()
-            buffers_seen[step] = {n: (t.numel() if (t := getattr(sync, n, None)) is not None else None)
-                                  for n in BUFFERS}
+            buffers_seen[step] = {
+                n: (t.numel() if (t := getattr(sync, n, None)) is not None else None) for n in BUFFERS
+            }
         if step == a.save_at:
-            dcp.save({"model": net.state_dict(), "outer": sync.state_dict(), "step": step},
-                     checkpoint_id=str(Path(a.out) / "ckpt"))
-    torch.save({"rank": rank, "after": after, "theta": theta, "buffers": buffers_seen, "events": events, "numel": sync.numel},
-               Path(a.out) / f"{a.region}-rank{rank}.pt")
+            dcp.save(
+                {"model": net.state_dict(), "outer": sync.state_dict(), "step": step},
+                checkpoint_id=str(Path(a.out) / "ckpt"),
+            )
+    torch.save(
+        {
+            "rank": rank,
+            "after": after,
+            "theta": theta,
+            "buffers": buffers_seen,
+            "events": events,
+            "numel": sync.numel,
+        },
+        Path(a.out) / f"{a.region}-rank{rank}.pt",
+    )
     sync.close()
     dist.barrier()
     # Leave without tearing the process groups down: gloo frees a finished work that a later barrier still

@@ -92,7 +92,9 @@ def test_three_regions_one_absent_weights_the_present_ones_by_tokens(tmp_path):
 
     out = in_threads(region, ["eu", "us"])
     (rec, theta0, after), (_, _, after_us) = out["eu"], out["us"]
-    assert rec["xr_members"] == ["eu", "us"] and rec["xr_absent"] == ["ap"] and rec["xr_close_reason"] == "grace"
+    assert (
+        rec["xr_members"] == ["eu", "us"] and rec["xr_absent"] == ["ap"] and rec["xr_close_reason"] == "grace"
+    )
     assert rec["xr_tokens"] == 120
     d = {r: theta0.double() - seen[r].double() for r in ("eu", "us")}
     g = (30 * d["eu"] + 90 * d["us"]) / 120
@@ -108,7 +110,11 @@ def test_a_returning_region_fast_forwards_and_is_bitwise_equal_after_its_first_r
     from the round-4 snapshot plus round 5), holds exactly eu's theta_outer, and after round 6, which both
     take part in, the two regions are bit-identical."""
     regions = ["eu", "us"]
-    kw = dict(keep_rounds=1, snapshot_every=2) if via == "snapshot" else dict(keep_rounds=10, snapshot_every=100)
+    kw = (
+        dict(keep_rounds=1, snapshot_every=2)
+        if via == "snapshot"
+        else dict(keep_rounds=10, snapshot_every=100)
+    )
     syncs, saved = _round_one_then_us_goes(tmp_path, regions, kw, lambda s: s.leave(H, "test"))
     m_eu, s_eu, opt_eu = syncs["eu"]
     recs = _rounds(m_eu, s_eu, opt_eu, "eu", [2, 3, 4, 5])
@@ -116,7 +122,9 @@ def test_a_returning_region_fast_forwards_and_is_bitwise_equal_after_its_first_r
     assert all(x["xr_close_reason"] == "leave" for x in recs)  # us announced its leave: no grace wait
     mailbox = tmp_path / "t"
     if via == "snapshot":
-        assert not (mailbox / "r000002").exists() and (mailbox / "_snap" / "r000004" / "_complete.json").exists()
+        assert (
+            not (mailbox / "r000002").exists() and (mailbox / "_snap" / "r000004" / "_complete.json").exists()
+        )
     events = []
     m_us, s_us, adopted = _us_back(tmp_path, regions, kw, saved, log=events.append)
     assert 5 * H <= adopted < 6 * H  # round 5's step, plus the steps the run is estimated into round 6
@@ -151,8 +159,11 @@ def test_fast_forward_with_neither_rounds_nor_snapshot_is_a_clear_error(tmp_path
         ms.store.create(ms.commit_key(f"r{r:06d}"), b"{}")
     _, s_us = _sync("us", tmp_path, regions)
     s_us.align(0)
-    with pytest.raises(XRMissingRound, match=r"region 'us' at round 0 cannot rejoin the run at round 4: round\(s\) "
-                                             r"r000001..r000002 are gone .* and no outer snapshot covers them"):
+    with pytest.raises(
+        XRMissingRound,
+        match=r"region 'us' at round 0 cannot rejoin the run at round 4: round\(s\) "
+        r"r000001..r000002 are gone .* and no outer snapshot covers them",
+    ):
         s_us.catch_up(0)
 
 
@@ -194,7 +205,11 @@ def test_withheld_rounds_publish_nothing_and_the_region_applies_the_commit(tmp_p
     from sbatch_gen.train.xr import exchange
 
     monkeypatch.setenv(exchange.ENV_WITHHOLD_ROUNDS, " 2, 7 ")
-    assert exchange._withheld() == {2, 7} and exchange._round_of("r000007") == 7 and exchange._round_of("x") == -1
+    assert (
+        exchange._withheld() == {2, 7}
+        and exchange._round_of("r000007") == 7
+        and exchange._round_of("x") == -1
+    )
     monkeypatch.delenv(exchange.ENV_WITHHOLD_ROUNDS)
     regions = ["eu", "us"]
 
@@ -225,15 +240,30 @@ def test_a_returning_region_continues_at_the_runs_current_step(tmp_path):
     _, s = _sync("eu", tmp_path, ["eu", "us"], inner_steps=h)
     ms = s.membership
     now = _time.time()
-    for r, t in ((3, now - 50.0), (4, now - 30.0), (5, now - 12.0)):  # rounds take 20 s; round 5 closed 12 s ago
-        body = {"run_id": "t", "tag": f"r{r:06d}", "step": r * h, "members": {}, "closed_by": "eu",
-                "reason": "all", "waited_s": 0.0, "absent": [], "time": t, "format": 1}
+    for r, t in (
+        (3, now - 50.0),
+        (4, now - 30.0),
+        (5, now - 12.0),
+    ):  # rounds take 20 s; round 5 closed 12 s ago
+        body = {
+            "run_id": "t",
+            "tag": f"r{r:06d}",
+            "step": r * h,
+            "members": {},
+            "closed_by": "eu",
+            "reason": "all",
+            "waited_s": 0.0,
+            "absent": [],
+            "time": t,
+            "format": 1,
+        }
         ms.store.create(ms.commit_key(f"r{r:06d}"), json.dumps(body).encode())
     s.round = 5
     assert s._steps_into_round() == 6  # (50 - 12) / 2 = 19 s per round; 12 s into it: int(10 * 12 / 19)
     s.round = 3  # one closed round to go by: no estimate
     assert s._steps_into_round() == 0
     s.round = 5
+
     def closed_at(times):
         for r, t in zip((3, 4, 5), times, strict=True):
             key = ms.commit_key(f"r{r:06d}")
@@ -253,6 +283,7 @@ def test_a_crashed_region_is_found_by_its_heartbeat_and_rejoins_bit_identical(tm
     both regions hold the same bits."""
     regions = ["eu", "us"]
     kw = dict(grace_s=5.0, heartbeat_s=0.2, keep_rounds=10, snapshot_every=100)
+
     def crash(s):  # its heartbeat stops and nothing else is written
         assert s.membership.beating
         s.membership.stop_heartbeat()
@@ -261,7 +292,9 @@ def test_a_crashed_region_is_found_by_its_heartbeat_and_rejoins_bit_identical(tm
     m_eu, s_eu, opt_eu = syncs["eu"]
     assert s_eu.membership.beating
     recs = _rounds(m_eu, s_eu, opt_eu, "eu", [2, 3, 4])
-    assert [(x["xr_members"], x["xr_close_reason"], x["xr_stale"]) for x in recs] == [(["eu"], "stale", ["us"])] * 3
+    assert [(x["xr_members"], x["xr_close_reason"], x["xr_stale"]) for x in recs] == [
+        (["eu"], "stale", ["us"])
+    ] * 3
     waits = [x["xr_wait_s"] for x in recs]
     # (round 2 may wait less than 0.6 s: eu may have watched us's heartbeat already while waiting in round 1)
     assert waits[0] < 2.5 and max(waits[1:]) < 0.5, waits

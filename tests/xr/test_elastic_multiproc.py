@@ -74,10 +74,14 @@ def test_survivor_finishes_alone_then_the_lost_region_rejoins_from_the_snapshot(
     env = {"SBATCH_GEN_STEP_SLEEP_S": "0.1"}
 
     def launch(r):
-        return launch_region(xr(r, transport, **opts), config=cfg, run_dir=tmp_path / r, data_path=data_dir, env=env)
+        return launch_region(
+            xr(r, transport, **opts), config=cfg, run_dir=tmp_path / r, data_path=data_dir, env=env
+        )
 
     eu, us = launch("eu"), launch("us")
-    _wait_for(tmp_path / "us" / "checkpoints" / "step-8" / "COMPLETE.json", [eu, us], "us's step-8 checkpoint")
+    _wait_for(
+        tmp_path / "us" / "checkpoints" / "step-8" / "COMPLETE.json", [eu, us], "us's step-8 checkpoint"
+    )
     _wait_for(tmp_path / "mailbox" / "mp" / "r000002" / "_commit.json", [eu, us], "round 2")
     us.kill()
     t0 = time.monotonic()
@@ -103,19 +107,26 @@ def test_survivor_finishes_alone_then_the_lost_region_rejoins_from_the_snapshot(
 
 
 def test_restarted_region_rejoins_midrun_and_is_bitwise_equal_from_its_first_round_back(
-        tmp_path, repo, data_dir, s3server, bucket):
+    tmp_path, repo, data_dir, s3server, bucket
+):
     """Over a real S3 server (conditional writes): us is SIGKILLed after round 2, eu goes on alone; us is
     restarted with --resume auto once it has missed at least 2 rounds, replays the committed rounds from
     the mailbox, takes part in the next round, and both end with identical parameters."""
     grace = 2.0
     transport = s3_transport(s3server, bucket)
-    env = {**s3server.env(), KEY_ENV: s3server.env()["AWS_ACCESS_KEY_ID"],
-           SECRET_ENV: s3server.env()["AWS_SECRET_ACCESS_KEY"], "SBATCH_GEN_STEP_SLEEP_S": "0.1"}
+    env = {
+        **s3server.env(),
+        KEY_ENV: s3server.env()["AWS_ACCESS_KEY_ID"],
+        SECRET_ENV: s3server.env()["AWS_SECRET_ACCESS_KEY"],
+        "SBATCH_GEN_STEP_SLEEP_S": "0.1",
+    }
     cfg = write_config(tmp_path, repo, checkpoint={"every": 8, "keep_last": 2}, train={"steps": 48})
     opts = dict(min_regions=1, grace_s=grace, keep_rounds=20, snapshot_every=100, timeout_s=60)
 
     def launch(r):
-        return launch_region(xr(r, transport, **opts), config=cfg, run_dir=tmp_path / r, data_path=data_dir, env=env)
+        return launch_region(
+            xr(r, transport, **opts), config=cfg, run_dir=tmp_path / r, data_path=data_dir, env=env
+        )
 
     client = s3server.client()
 
@@ -133,7 +144,9 @@ def test_restarted_region_rejoins_midrun_and_is_bitwise_equal_from_its_first_rou
 
     eu, us = launch("eu"), launch("us")
     wait_round(2, [eu, us])
-    _wait_for(tmp_path / "us" / "checkpoints" / "step-8" / "COMPLETE.json", [eu, us], "us's step-8 checkpoint")
+    _wait_for(
+        tmp_path / "us" / "checkpoints" / "step-8" / "COMPLETE.json", [eu, us], "us's step-8 checkpoint"
+    )
     us.kill()
     wait_round(4, [eu])  # us misses at least rounds 3 and 4
     us2 = launch("us")
@@ -151,7 +164,9 @@ def test_restarted_region_rejoins_midrun_and_is_bitwise_equal_from_its_first_rou
     # waiting out grace_s for it in that round (the round overdue: us trains one step and publishes), in
     # the next one, and in every round after that
     joined = [x["xr_round"] for x in after if "us" in x["xr_members"]]
-    assert joined and joined[0] <= back + 2 and joined == list(range(joined[0], after[-1]["xr_round"] + 1)), after
+    assert joined and joined[0] <= back + 2 and joined == list(range(joined[0], after[-1]["xr_round"] + 1)), (
+        after
+    )
     # both regions applied the same rounds: eu's records agree
     eu_by_round = {x["xr_round"]: x for x in _rounds(tmp_path / "eu")}
     for x in after:
@@ -159,7 +174,8 @@ def test_restarted_region_rejoins_midrun_and_is_bitwise_equal_from_its_first_rou
 
 
 def test_planned_leave_through_the_stop_file_closes_the_next_rounds_without_a_grace_wait(
-        tmp_path, repo, data_dir):
+    tmp_path, repo, data_dir
+):
     """grace_s is 60 s: had eu waited it, the test would time out. us gets its stop file after round 2,
     checkpoints, announces its leave and exits with the requeue code; eu's next rounds close at once."""
     grace = 60.0
@@ -168,10 +184,17 @@ def test_planned_leave_through_the_stop_file_closes_the_next_rounds_without_a_gr
     opts = dict(min_regions=1, grace_s=grace, timeout_s=600)
     stop = tmp_path / "us.stop"
     env = {"SBATCH_GEN_STEP_SLEEP_S": "0.1"}
-    eu = launch_region(xr("eu", transport, **opts), config=cfg, run_dir=tmp_path / "eu", data_path=data_dir,
-                       env=env)
-    us = launch_region(xr("us", transport, **opts), config=cfg, run_dir=tmp_path / "us", data_path=data_dir,
-                       env=env, extra_args=["--stop-file", str(stop)])
+    eu = launch_region(
+        xr("eu", transport, **opts), config=cfg, run_dir=tmp_path / "eu", data_path=data_dir, env=env
+    )
+    us = launch_region(
+        xr("us", transport, **opts),
+        config=cfg,
+        run_dir=tmp_path / "us",
+        data_path=data_dir,
+        env=env,
+        extra_args=["--stop-file", str(stop)],
+    )
     _wait_for(tmp_path / "mailbox" / "mp" / "r000002" / "_commit.json", [eu, us], "round 2")
     stop.touch()
     assert us.wait(TIMEOUT) != [0]
@@ -192,15 +215,24 @@ def test_no_quorum_checkpoints_and_exits_with_the_requeue_code_in_one_line(tmp_p
     cfg = write_config(tmp_path, repo)
     stop = tmp_path / "stop" / "eu.attempt-0"
     t0 = time.monotonic()
-    eu = launch_region(xr("eu", FsTransport(root=str(tmp_path / "mailbox")), timeout_s=timeout), config=cfg,
-                       run_dir=tmp_path / "eu", data_path=data_dir, max_steps=8,
-                       extra_args=["--stop-file", str(stop)])
+    eu = launch_region(
+        xr("eu", FsTransport(root=str(tmp_path / "mailbox")), timeout_s=timeout),
+        config=cfg,
+        run_dir=tmp_path / "eu",
+        data_path=data_dir,
+        max_steps=8,
+        extra_args=["--stop-file", str(stop)],
+    )
     assert eu.wait(TIMEOUT) != [0]
     assert _workers_exited_requeue(eu), eu.tail()
     log = eu.tail(400)
-    assert not re.search(r'File ".*/sbatch_gen/', log), log  # no traceback through the trainer (torchrun prints its own)
+    assert not re.search(r'File ".*/sbatch_gen/', log), (
+        log
+    )  # no traceback through the trainer (torchrun prints its own)
     lines = [ln for ln in log.splitlines() if "no cross-region quorum" in ln]
-    assert len(lines) >= 1 and all("missing: us" in ln and "checkpointed at step 4" in ln for ln in lines), lines
+    assert len(lines) >= 1 and all("missing: us" in ln and "checkpointed at step 4" in ln for ln in lines), (
+        lines
+    )
     assert (tmp_path / "eu" / "checkpoints" / "step-4").exists()
     assert stop.exists() and json.loads(stop.with_name(stop.name + ".ack").read_text())["step"] == 4
     # rounds never closed; the pending round is retried at the next start (checkpointed outer state)

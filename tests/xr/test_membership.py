@@ -27,18 +27,37 @@ N = 1000  # fp32 elements per payload
 EXPECT = Expect("delta", "fp32", N, "L1", "raw", ShardPlan.make(N, 4, 0.002))
 
 
-def members(transport, regions=REGIONS, quorum=None, grace_s=0.3, timeout_s=20.0, run_id="run1", heartbeat_s=None):
+def members(
+    transport, regions=REGIONS, quorum=None, grace_s=0.3, timeout_s=20.0, run_id="run1", heartbeat_s=None
+):
     out = {}
     for r in regions:
-        mb = Mailbox(make_store(transport, threads=2), run_id, r, regions, timeout_s=timeout_s, threads=2,
-                     poll_min_s=0.005, poll_max_s=0.05)
+        mb = Mailbox(
+            make_store(transport, threads=2),
+            run_id,
+            r,
+            regions,
+            timeout_s=timeout_s,
+            threads=2,
+            poll_min_s=0.005,
+            poll_max_s=0.05,
+        )
         out[r] = Membership(mb, quorum or len(regions), grace_s, heartbeat_s=heartbeat_s)
     return out
 
 
 def pub(ms: Membership, r: int, tokens=100, payload=None):
-    peer.publish(ms.mb, round_tag(r), payload or os.urandom(4 * N), kind="delta", dtype="fp32", layout="L1",
-                 step=r * 4, tokens=tokens, shard_mb=0.002)
+    peer.publish(
+        ms.mb,
+        round_tag(r),
+        payload or os.urandom(4 * N),
+        kind="delta",
+        dtype="fp32",
+        layout="L1",
+        step=r * 4,
+        tokens=tokens,
+        shard_mb=0.002,
+    )
 
 
 def test_decide_is_the_closing_rule():
@@ -49,12 +68,18 @@ def test_decide_is_the_closing_rule():
     assert decide(R, ["eu", "us"], [], 2, 5.0, 14.9, 10.0) == (None, 10.0)
     assert decide(R, ["eu", "us"], [], 2, 5.0, 15.0, 10.0) == ("grace", 10.0)
     assert decide(R, ["eu", "us"], ["ap"], 2, 5.0, 10.0, None) == ("leave", 10.0)  # the missing one left
-    assert decide(R, ["eu"], ["us", "ap"], 2, 5.0, 10.0, None) == (None, None)  # a leave never beats the quorum
+    assert decide(R, ["eu"], ["us", "ap"], 2, 5.0, 10.0, None) == (
+        None,
+        None,
+    )  # a leave never beats the quorum
     assert decide(R, ["eu", "us"], [], 2, 0.0, 10.0, None) == ("grace", 10.0)
     # crashed (stale heartbeat): not waited for, like a leave, but never before the quorum
     assert decide(R, ["eu", "us"], [], 2, 5.0, 10.0, None, stale=["ap"]) == ("stale", 10.0)
     assert decide(R, ["eu"], ["us"], 2, 5.0, 10.0, None, stale=["ap"]) == (None, None)
-    assert decide(R, ["eu"], ["us"], 1, 5.0, 10.0, None, stale=["ap"]) == ("stale", 10.0)  # one left, one crashed
+    assert decide(R, ["eu"], ["us"], 1, 5.0, 10.0, None, stale=["ap"]) == (
+        "stale",
+        10.0,
+    )  # one left, one crashed
     assert decide(R, ["eu"], [], 1, 5.0, 10.0, None, stale=["ap"]) == (None, 10.0)  # us may still come
 
 
@@ -119,7 +144,9 @@ def test_planned_leave_closes_the_next_round_without_the_grace_wait(transport):
     ms["us"].announce("joined", 4, 16)  # back: the next round waits for it again
     pub(ms["eu"], 5)
     got = {}
-    th = threading.Thread(target=lambda: got.setdefault("c", ms["eu"].wait_commit("r000005", EXPECT, step=20)))
+    th = threading.Thread(
+        target=lambda: got.setdefault("c", ms["eu"].wait_commit("r000005", EXPECT, step=20))
+    )
     th.start()
     time.sleep(0.5)
     assert "c" not in got  # still waiting for us (grace 30 s)
@@ -132,8 +159,11 @@ def test_no_quorum_within_timeout_names_the_missing_regions(transport):
     ms = members(transport, regions=["eu", "us", "ap"], quorum=2, grace_s=0.1, timeout_s=0.6)
     pub(ms["eu"], 1)
     t0 = time.monotonic()
-    with pytest.raises(XRNoQuorum, match=r"round r000001 \(step 4\): no quorum after 0.6 s: 1 of 3 regions "
-                                         r"published, 2 needed \(min_regions\); missing: us, ap") as ei:
+    with pytest.raises(
+        XRNoQuorum,
+        match=r"round r000001 \(step 4\): no quorum after 0.6 s: 1 of 3 regions "
+        r"published, 2 needed \(min_regions\); missing: us, ap",
+    ) as ei:
         ms["eu"].wait_commit("r000001", EXPECT, step=4)
     assert time.monotonic() - t0 < 2.0 and ei.value.missing == ["us", "ap"]
 
@@ -172,7 +202,9 @@ def test_cleanup_keeps_every_round_after_the_newest_snapshot(tmp_path):
     _put_snapshot(ms, 4)
     ms.cleanup(8, keep_rounds=2, shard_count=1)  # rounds <= 4 (the snapshot) and <= 6 (keep_rounds)
     left = sorted(store.list("run1/"))
-    gone = [f"run1/{round_tag(r)}/{x}" for r in range(1, 5) for x in ("eu.done", "eu/s00000.bin", "_commit.json")]
+    gone = [
+        f"run1/{round_tag(r)}/{x}" for r in range(1, 5) for x in ("eu.done", "eu/s00000.bin", "_commit.json")
+    ]
     assert not set(gone) & set(left)
     assert "run1/r000004/us.done" in left  # us's own objects are us's to delete
     assert "run1/r000005/_commit.json" in left and "run1/r000005/eu.done" in left
@@ -218,10 +250,15 @@ def test_elastic_needs_a_store_that_refuses_a_second_create(tmp_path, monkeypatc
         s3_client(server.endpoint_url).create_bucket(Bucket="nocond")
         for k, v in server.env().items():
             monkeypatch.setenv(k, v)
-        t = S3Transport(bucket="nocond", endpoint_url=server.endpoint_url, addressing_style="path",
-                        region_name="us-east-1",
-                        credentials=S3Credentials(access_key_id_env="AWS_ACCESS_KEY_ID",
-                                                  secret_access_key_env="AWS_SECRET_ACCESS_KEY"))
+        t = S3Transport(
+            bucket="nocond",
+            endpoint_url=server.endpoint_url,
+            addressing_style="path",
+            region_name="us-east-1",
+            credentials=S3Credentials(
+                access_key_id_env="AWS_ACCESS_KEY_ID", secret_access_key_env="AWS_SECRET_ACCESS_KEY"
+            ),
+        )
         assert probe_create(make_store(t, threads=1), "p") is False
         base = dict(enabled=True, run_id="n", region="eu", regions=REGIONS, transport=t, threads=2)
         model = nn.Linear(2, 2)
@@ -246,7 +283,9 @@ def test_a_wait_in_slices_keeps_its_grace_clock(transport):
 
 # -- crashed regions: liveness heartbeats -----------------------------------------------------------------
 
-HB = 0.2  # heartbeat_s of these tests: a heartbeat unchanged for STALE_BEATS x HB = 0.6 s of watching is stale
+HB = (
+    0.2  # heartbeat_s of these tests: a heartbeat unchanged for STALE_BEATS x HB = 0.6 s of watching is stale
+)
 STALE = STALE_BEATS * HB
 _BEATER = """
 import json, sys, time
@@ -289,12 +328,19 @@ def test_a_crashed_region_costs_one_stale_wait_then_nothing(transport, repo):
     (0.6 s, not grace_s = 4 s) and closes it as "stale", naming us; eu keeps what it saw, so the next rounds
     close with no wait at all (bounds with room for a loaded machine: a round's requests take time too)."""
     ms = members(transport, quorum=1, grace_s=4.0, heartbeat_s=HB)
-    proc = subprocess.Popen([sys.executable, "-c", _BEATER, transport.model_dump_json(), str(HB)], cwd=repo,
-                            env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _BEATER, transport.model_dump_json(), str(HB)],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "beating"
         first = _beats(ms["eu"], "us", 1)
-        assert _beats(ms["eu"], "us", first.beat + 2).incarnation == first.incarnation  # alive: the counter moves
+        assert (
+            _beats(ms["eu"], "us", first.beat + 2).incarnation == first.incarnation
+        )  # alive: the counter moves
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
@@ -320,7 +366,9 @@ class _SkewedWriter(HeartbeatWriter):
 
     def beat(self) -> None:
         self.beats += 1
-        hb = Heartbeat(self.region, self.incarnation, self.beats, self.interval_s, time.time() - 86400, self.job)
+        hb = Heartbeat(
+            self.region, self.incarnation, self.beats, self.interval_s, time.time() - 86400, self.job
+        )
         self.store.put(self.key, hb.to_json())
 
 
@@ -407,8 +455,9 @@ def test_heartbeat_s_travels_from_the_profile_to_the_trainer_flags(value):
     assert CrossRegion().heartbeat_s == 5.0  # the default: on
 
 
-@pytest.mark.parametrize("value, msg", [(0.05, "greater than or equal to 0.1"), (True, "YAML boolean"),
-                                        ("often", "valid number")])
+@pytest.mark.parametrize(
+    "value, msg", [(0.05, "greater than or equal to 0.1"), (True, "YAML boolean"), ("often", "valid number")]
+)
 def test_bad_heartbeat_s_is_refused(value, msg):
     from pydantic import ValidationError
 

@@ -35,8 +35,17 @@ def write_config(tmp_path: Path, repo: Path, name="cfg.yaml", **sections) -> Pat
 
 
 def xr(region, transport, **kw) -> CrossRegion:
-    base = dict(enabled=True, run_id="mp", region=region, regions=REGIONS, inner_steps=4, timeout_s=120,
-                transport=transport, shard_mb=0.05, threads=4)
+    base = dict(
+        enabled=True,
+        run_id="mp",
+        region=region,
+        regions=REGIONS,
+        inner_steps=4,
+        timeout_s=120,
+        transport=transport,
+        shard_mb=0.05,
+        threads=4,
+    )
     base.update(kw)
     return CrossRegion(**base)
 
@@ -67,9 +76,14 @@ def run_both(runs):
 
 
 def s3_transport(server, bucket):
-    return S3Transport(bucket=bucket, prefix="xr", endpoint_url=server.endpoint_url, addressing_style="path",
-                       region_name="us-east-1",
-                       credentials=S3Credentials(access_key_id_env=KEY_ENV, secret_access_key_env=SECRET_ENV))
+    return S3Transport(
+        bucket=bucket,
+        prefix="xr",
+        endpoint_url=server.endpoint_url,
+        addressing_style="path",
+        region_name="us-east-1",
+        credentials=S3Credentials(access_key_id_env=KEY_ENV, secret_access_key_env=SECRET_ENV),
+    )
 
 
 @pytest.mark.parametrize("backend", ["s3", "fs-2nodes"])
@@ -82,8 +96,11 @@ def test_diloco_two_regions(backend, tmp_path, repo, data_dir, request):
     if backend == "s3":
         server = request.getfixturevalue("s3server")
         transport = s3_transport(server, request.getfixturevalue("bucket"))
-        env = {**server.env(), KEY_ENV: server.env()["AWS_ACCESS_KEY_ID"],
-               SECRET_ENV: server.env()["AWS_SECRET_ACCESS_KEY"]}
+        env = {
+            **server.env(),
+            KEY_ENV: server.env()["AWS_ACCESS_KEY_ID"],
+            SECRET_ENV: server.env()["AWS_SECRET_ACCESS_KEY"],
+        }
     else:
         transport = FsTransport(root=str(tmp_path / "mailbox"))
     cfg = write_config(tmp_path, repo)
@@ -91,9 +108,18 @@ def test_diloco_two_regions(backend, tmp_path, repo, data_dir, request):
     for r in REGIONS:
         two = backend == "fs-2nodes" and r == "eu"
         # us keeps its outer state off the training device (outer_device_max_gib 0): same bits either way
-        runs.append(launch_region(xr(r, transport, **({"outer_device_max_gib": 0} if r == "us" else {})), config=cfg,
-                                  run_dir=tmp_path / r, data_path=data_dir, max_steps=12, env=env,
-                                  nproc=1 if two else 2, nnodes=2 if two else 1))
+        runs.append(
+            launch_region(
+                xr(r, transport, **({"outer_device_max_gib": 0} if r == "us" else {})),
+                config=cfg,
+                run_dir=tmp_path / r,
+                data_path=data_dir,
+                max_steps=12,
+                env=env,
+                nproc=1 if two else 2,
+                nnodes=2 if two else 1,
+            )
+        )
     run_both(runs)
     assert_same_params(tmp_path / "eu", tmp_path / "us")
     for r in REGIONS:
@@ -131,8 +157,16 @@ def test_grad_mode_matches_one_ddp_run_over_both_regions(tmp_path, repo, data_di
     steps = 3
     cfg_path = write_config(tmp_path, repo)
     transport = FsTransport(root=str(tmp_path / "mailbox"))
-    runs = [launch_region(xr(r, transport, sync="grad", payload_dtype="fp32", keep_rounds=2), config=cfg_path,
-                          run_dir=tmp_path / r, data_path=data_dir, max_steps=steps) for r in REGIONS]
+    runs = [
+        launch_region(
+            xr(r, transport, sync="grad", payload_dtype="fp32", keep_rounds=2),
+            config=cfg_path,
+            run_dir=tmp_path / r,
+            data_path=data_dir,
+            max_steps=steps,
+        )
+        for r in REGIONS
+    ]
     run_both(runs)
     assert_same_params(tmp_path / "eu", tmp_path / "us")
 
@@ -144,14 +178,19 @@ def test_grad_mode_matches_one_ddp_run_over_both_regions(tmp_path, repo, data_di
         model = GPT(cfg.model)
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}],
-                                lr=lr_at(cfg, 1), betas=(o.beta1, o.beta2), eps=o.eps)
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=lr_at(cfg, 1),
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+        )
         feeds = []
         for r in regions:
             shard = Shard.open(shard_path(data_dir, r))
             for rank in range(2):
-                feeds.append((shard, Sampler(shard.tokens.size, cfg.model.seq_len, t.batch_size, rank, 2, t.seed)))
+                feeds.append(
+                    (shard, Sampler(shard.tokens.size, cfg.model.seq_len, t.batch_size, rank, 2, t.seed))
+                )
         for step in range(1, steps + 1):
             for g in opt.param_groups:
                 g["lr"] = lr_at(cfg, step)
@@ -184,14 +223,25 @@ def test_kill_one_region_then_resume(tmp_path, repo, data_dir):
     mbx = tmp_path / "mailbox"
     transport = FsTransport(root=str(mbx))
     sleep = {"eu": "0.3", "us": "0"}
-    launch = {r: (lambda r=r: launch_region(xr(r, transport, timeout_s=180), config=cfg, run_dir=tmp_path / r,
-                                            data_path=data_dir, env={"SBATCH_GEN_STEP_SLEEP_S": sleep[r]}))
-              for r in REGIONS}
+    launch = {
+        r: (
+            lambda r=r: launch_region(
+                xr(r, transport, timeout_s=180),
+                config=cfg,
+                run_dir=tmp_path / r,
+                data_path=data_dir,
+                env={"SBATCH_GEN_STEP_SLEEP_S": sleep[r]},
+            )
+        )
+        for r in REGIONS
+    }
     eu, us = launch["eu"](), launch["us"]()
     r4 = mbx / "mp" / "r000004"
     deadline = time.monotonic() + TIMEOUT
     while not (r4 / "us.done").exists():  # us published round 4 and now waits for eu
-        assert time.monotonic() < deadline and us.poll()[0] is None and eu.poll()[0] is None, us.tail() + eu.tail()
+        assert time.monotonic() < deadline and us.poll()[0] is None and eu.poll()[0] is None, (
+            us.tail() + eu.tail()
+        )
         time.sleep(0.02)
     assert not (r4 / "eu.done").exists(), "eu was too fast for this test"
     us.kill()
@@ -228,14 +278,28 @@ def _launch_workers(region: str, nproc: int, out: Path, **args):
     from sbatch_gen.testing.regions import clean_env
 
     # as a module from the checkout: run as a script, tests/xr/concurrent.py would shadow the standard library's
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--module",
-           "tests.xr.outer_worker", "--region", region, "--regions", ",".join(REGIONS), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--module",
+        "tests.xr.outer_worker",
+        "--region",
+        region,
+        "--regions",
+        ",".join(REGIONS),
+        "--out",
+        str(out),
+    ]
     for k, v in args.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / f"{region}.log", "ab")  # noqa: SIM115 - closed when the run is waited for
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=clean_env(), cwd=REPO,
-                            start_new_session=True), log
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=clean_env(), cwd=REPO, start_new_session=True
+    ), log
 
 
 def _wait_workers(runs) -> None:
@@ -251,7 +315,9 @@ def _wait_workers(runs) -> None:
             assert rc == 0, f"{name} exited {rc}:\n{Path(log.name).read_text()[-4000:]}"
     finally:
         for (p, log), _ in runs:
-            if p.poll() is None:  # the torchrun agent's session: the agent; its workers run in sessions of their own
+            if (
+                p.poll() is None
+            ):  # the torchrun agent's session: the agent; its workers run in sessions of their own
                 from sbatch_gen.testing.regions import RegionRun
 
                 RegionRun("", Path(), [p], []).kill()
@@ -280,10 +346,22 @@ def test_only_leaders_hold_outer_state(sync, tmp_path):
     steps, h = (6, 2) if sync == "diloco" else (3, 1)
     mbx = tmp_path / "mailbox"
     common = dict(root=mbx, sync=sync, steps=steps, inner_steps=h)
-    runs = [(_launch_workers(r, layout[r][0], tmp_path / "run", nodes=layout[r][1], seed=1 + i,
-                             **({"save_at": 4} if r == "eu" and sync == "diloco" else {}),
-                             **({"max_gib": 0} if r == "us" else {}), **common), r)
-            for i, r in enumerate(REGIONS)]
+    runs = [
+        (
+            _launch_workers(
+                r,
+                layout[r][0],
+                tmp_path / "run",
+                nodes=layout[r][1],
+                seed=1 + i,
+                **({"save_at": 4} if r == "eu" and sync == "diloco" else {}),
+                **({"max_gib": 0} if r == "us" else {}),
+                **common,
+            ),
+            r,
+        )
+        for i, r in enumerate(REGIONS)
+    ]
     _wait_workers(runs)
     res = {r: _results(tmp_path / "run", r, layout[r][0]) for r in REGIONS}
     numel = res["eu"][0]["numel"]
@@ -297,22 +375,47 @@ def test_only_leaders_hold_outer_state(sync, tmp_path):
                 assert {n: bufs[n] for n in names} == {n: want for n in names}, (r, x["rank"], bufs)
         ev = [e for e in res[r][0]["events"] if e["event"] == "xr_outer_state"]
         assert len(ev) == 1 and ev[0]["leaders"] == leaders[r] and ev[0]["device"] == "cpu"
-        assert ev[0]["bytes_per_rank"] == [per_param * numel if k in leaders[r] else 0 for k in range(layout[r][0])]
-    assert "above outer_device_max_gib 0" in [e for e in res["us"][0]["events"] if e["event"] == "xr_outer_state"][0]["why"]
+        assert ev[0]["bytes_per_rank"] == [
+            per_param * numel if k in leaders[r] else 0 for k in range(layout[r][0])
+        ]
+    assert (
+        "above outer_device_max_gib 0"
+        in [e for e in res["us"][0]["events"] if e["event"] == "xr_outer_state"][0]["why"]
+    )
     steps_done = sorted(res["eu"][0]["after"])
     assert steps_done == list(range(h, steps + 1, h))
     for s in steps_done:
         ref = res["eu"][0]["after"][s]
         for r in REGIONS:
             for x in res[r]:
-                assert torch.equal(x["after"][s], ref), f"step {s}: {r} rank {x['rank']} differs from eu rank 0"
-                if sync == "diloco" and x["rank"] in leaders[r]:  # every leader's replica is the model's theta
-                    assert torch.equal(x["theta"][s], ref), f"step {s}: {r} leader {x['rank']} theta_outer differs"
+                assert torch.equal(x["after"][s], ref), (
+                    f"step {s}: {r} rank {x['rank']} differs from eu rank 0"
+                )
+                if (
+                    sync == "diloco" and x["rank"] in leaders[r]
+                ):  # every leader's replica is the model's theta
+                    assert torch.equal(x["theta"][s], ref), (
+                        f"step {s}: {r} leader {x['rank']} theta_outer differs"
+                    )
     if sync == "grad":
         return
     # eu resumes from its step-4 checkpoint (other initial parameters: everything must come from the checkpoint)
-    _wait_workers([(_launch_workers("eu", 4, tmp_path / "resumed", nodes=2, seed=99,
-                                    resume=tmp_path / "run" / "ckpt", **common), "eu resumed")])
+    _wait_workers(
+        [
+            (
+                _launch_workers(
+                    "eu",
+                    4,
+                    tmp_path / "resumed",
+                    nodes=2,
+                    seed=99,
+                    resume=tmp_path / "run" / "ckpt",
+                    **common,
+                ),
+                "eu resumed",
+            )
+        ]
+    )
     again = _results(tmp_path / "resumed", "eu", 4)
     for x in again:
         assert sorted(x["after"]) == [6]

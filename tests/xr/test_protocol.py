@@ -19,9 +19,20 @@ REGIONS = ["eu", "us"]
 
 
 def boxes(transport, run_id="run1", timeout_s=20.0, keep_rounds=4, regions=REGIONS):
-    return {r: Mailbox(make_store(transport, threads=4), run_id, r, regions, timeout_s=timeout_s,
-                       keep_rounds=keep_rounds, threads=4, poll_min_s=0.01, poll_max_s=0.05)
-            for r in regions}
+    return {
+        r: Mailbox(
+            make_store(transport, threads=4),
+            run_id,
+            r,
+            regions,
+            timeout_s=timeout_s,
+            keep_rounds=keep_rounds,
+            threads=4,
+            poll_min_s=0.01,
+            poll_max_s=0.05,
+        )
+        for r in regions
+    }
 
 
 def both(fn):
@@ -61,7 +72,14 @@ def test_exchange_two_regions(transport):
         assert {k: v[1] for k, v in res[r].items()} == payloads
         assert res[r]["us"][0].tokens == 300 and len(res[r]["eu"][0].shards) == 3
     m = Manifest.from_json(mb["eu"].store.get("run1/r000001/eu.done"), "x")
-    assert (m.run_id, m.region, m.tag, m.kind, m.dtype, m.numel) == ("run1", "eu", "r000001", "delta", "fp32", 7000)
+    assert (m.run_id, m.region, m.tag, m.kind, m.dtype, m.numel) == (
+        "run1",
+        "eu",
+        "r000001",
+        "delta",
+        "fp32",
+        7000,
+    )
     assert sum(s.nbytes for s in m.shards) == 4 * 7000
 
 
@@ -84,7 +102,9 @@ def test_missing_region_times_out_naming_it(transport):
         xchg(mb["eu"], "r000003", os.urandom(400), step=30)
     assert time.monotonic() - t0 < 10
     msg = str(ei.value)
-    assert "'us'" in msg and "r000003" in msg and "step 30" in msg and "us.done" in msg and "arrived: eu" in msg
+    assert (
+        "'us'" in msg and "r000003" in msg and "step 30" in msg and "us.done" in msg and "arrived: eu" in msg
+    )
 
 
 def test_peer_under_another_run_id_is_named(transport):
@@ -99,7 +119,9 @@ def test_peer_under_another_run_id_is_named(transport):
 def test_mismatched_layout_and_run_id_are_clear_errors(transport):
     mb = boxes(transport, timeout_s=5)
     publish(mb["us"], "r000001", os.urandom(400), layout="OTHER")
-    with pytest.raises(XRLayoutError, match=r"region 'us' published a mismatched payload.*layout is 'OTHER', expected 'L1'"):
+    with pytest.raises(
+        XRLayoutError, match=r"region 'us' published a mismatched payload.*layout is 'OTHER', expected 'L1'"
+    ):
         xchg(mb["eu"], "r000001", os.urandom(400))
     # a manifest claiming another run id under this run's key
     key = mb["us"].manifest_key("r000002", "us")
@@ -114,10 +136,14 @@ def test_mismatched_layout_and_run_id_are_clear_errors(transport):
         xchg(mb["eu"], "r000003", os.urandom(400))
     # a peer on another protocol version: older format, or shards checksummed another way
     d = json.loads(mb["us"].store.get(mb["us"].manifest_key("r000001", "us")))
-    assert d["format"] == 2 and d["checksum"] == "xxh3_128" and all(len(s["digest"]) == 32 for s in d["shards"])
+    assert (
+        d["format"] == 2 and d["checksum"] == "xxh3_128" and all(len(s["digest"]) == 32 for s in d["shards"])
+    )
     d.update(tag="r000004", layout="L1", format=1)
     mb["us"].store.put(mb["us"].manifest_key("r000004", "us"), json.dumps(d).encode())
-    with pytest.raises(XRLayoutError, match=r"unreadable manifest .*us\.done: format 1, this version reads 2"):
+    with pytest.raises(
+        XRLayoutError, match=r"unreadable manifest .*us\.done: format 1, this version reads 2"
+    ):
         xchg(mb["eu"], "r000004", os.urandom(400))
     d.update(tag="r000005", format=2, checksum="sha256")
     mb["us"].store.put(mb["us"].manifest_key("r000005", "us"), json.dumps(d).encode())
@@ -141,6 +167,8 @@ def test_waiting_for_a_deleted_round_fails_fast(transport):
     us = mb["us"]
     us.store.put(us.manifest_key("r000009", "us"), b"{}")  # us is far ahead; r000002 was deleted
     t0 = time.monotonic()
-    with pytest.raises(XRMissingRound, match=r"region\(s\) 'us' already published round r000009 and deleted r000002"):
+    with pytest.raises(
+        XRMissingRound, match=r"region\(s\) 'us' already published round r000009 and deleted r000002"
+    ):
         xchg(mb["eu"], "r000002", os.urandom(400))
     assert time.monotonic() - t0 < 10

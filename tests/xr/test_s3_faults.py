@@ -20,8 +20,17 @@ from .test_sync import flat, in_threads, train
 
 
 def _store(proxy: FaultProxy, bucket: str, **kw) -> S3Store:
-    return S3Store(bucket, "p", endpoint_url=proxy.url, addressing_style="path", region_name="us-east-1",
-                   access_key_id_env=KEY_ENV, secret_access_key_env=SECRET_ENV, threads=4, **kw)
+    return S3Store(
+        bucket,
+        "p",
+        endpoint_url=proxy.url,
+        addressing_style="path",
+        region_name="us-east-1",
+        access_key_id_env=KEY_ENV,
+        secret_access_key_env=SECRET_ENV,
+        threads=4,
+        **kw,
+    )
 
 
 def _first_get_of_each_key(fault: str, suffix: str = "", otherwise=None):
@@ -59,8 +68,9 @@ def test_a_body_that_breaks_off_is_read_again_and_counted(s3server, bucket, faul
 
 
 def test_a_body_that_always_breaks_off_fails_after_bounded_attempts(s3server, bucket):
-    with FaultProxy(s3server.endpoint_url,
-                    plan=lambda m, p, n: "truncate" if m == "GET" and "?" not in p else None) as proxy:
+    with FaultProxy(
+        s3server.endpoint_url, plan=lambda m, p, n: "truncate" if m == "GET" and "?" not in p else None
+    ) as proxy:
         s = _store(proxy, bucket, retries=3)
         s.put("a/x.bin", b"x" * 4096)
         with pytest.raises(StoreError, match=r"after 3 attempts"):
@@ -71,7 +81,9 @@ def test_a_body_that_always_breaks_off_fails_after_bounded_attempts(s3server, bu
 
 def test_slowdown_bursts_are_retried_and_counted(s3server, bucket):
     # requests: 0-2 put k/0 (a burst of two 503s), 3-4 puts, 5-7 gets, 8-9 create (one 503), 10 create
-    with FaultProxy(s3server.endpoint_url, plan=lambda m, p, n: "503" if n in (0, 1, 5, 8) else None) as proxy:
+    with FaultProxy(
+        s3server.endpoint_url, plan=lambda m, p, n: "503" if n in (0, 1, 5, 8) else None
+    ) as proxy:
         s = _store(proxy, bucket)
         for i in range(3):
             s.put(f"k/{i}", b"v%d" % i)
@@ -85,13 +97,18 @@ def test_slowdown_bursts_are_retried_and_counted(s3server, bucket):
 def _fault_free_and_through_proxy(s3server, bucket, tmp_path, rounds: int, plan):
     """The two-region run of ``rounds`` over the fs store (the reference), then over the S3 server behind a
     fault proxy with ``plan``: (reference, faulty run, the faults the proxy injected)."""
-    ref = in_threads(lambda r: train(r, tmp_path / "fs", rounds,
-                                     transport=FsTransport(root=str(tmp_path / "fs"))))
+    ref = in_threads(
+        lambda r: train(r, tmp_path / "fs", rounds, transport=FsTransport(root=str(tmp_path / "fs")))
+    )
     with FaultProxy(s3server.endpoint_url, plan=plan) as proxy:
         transport = S3Transport(
-            bucket=bucket, prefix="team/xr", endpoint_url=proxy.url, addressing_style="path",
+            bucket=bucket,
+            prefix="team/xr",
+            endpoint_url=proxy.url,
+            addressing_style="path",
             region_name="us-east-1",
-            credentials=S3Credentials(access_key_id_env=KEY_ENV, secret_access_key_env=SECRET_ENV))
+            credentials=S3Credentials(access_key_id_env=KEY_ENV, secret_access_key_env=SECRET_ENV),
+        )
         got = in_threads(lambda r: train(r, tmp_path / "s3", rounds, transport=transport))
         injected = dict(proxy.injected)
     for r in ("eu", "us"):
@@ -102,8 +119,9 @@ def _fault_free_and_through_proxy(s3server, bucket, tmp_path, rounds: int, plan)
 
 def test_two_regions_through_a_faulty_proxy_end_identical_and_count_retries(s3server, bucket, tmp_path):
     rounds = 3
-    ref, got, injected = _fault_free_and_through_proxy(s3server, bucket, tmp_path, rounds,
-                                                       cycle_plan(every=3, burst=2))
+    ref, got, injected = _fault_free_and_through_proxy(
+        s3server, bucket, tmp_path, rounds, cycle_plan(every=3, burst=2)
+    )
     assert all(injected.get(k, 0) > 0 for k in ("503", "reset", "truncate", "slow")), injected
     # identical parameters: across the regions, and bit for bit those of the fault-free run
     assert torch.equal(flat(got["eu"]["model"]), flat(got["us"]["model"]))
@@ -135,12 +153,16 @@ def test_a_shard_corrupted_in_transit_is_read_again_and_counted(s3server, bucket
 
 
 def test_a_shard_corrupted_on_every_read_fails_after_bounded_reads(s3server, bucket):
-    with FaultProxy(s3server.endpoint_url,
-                    plan=lambda m, p, n: "corrupt" if m == "GET" and p.endswith(".bin") else None) as proxy:
+    with FaultProxy(
+        s3server.endpoint_url, plan=lambda m, p, n: "corrupt" if m == "GET" and p.endswith(".bin") else None
+    ) as proxy:
         mb = Mailbox(_store(proxy, bucket), "run1", "eu", ["eu", "us"], threads=2, read_attempts=4)
         (info,) = _shards(mb, "r000002", [b"payload" * 1000])
-        with pytest.raises(XRChecksumError, match=r"shard 0 of region 'eu' is corrupted: xxh3_128 differs from "
-                                                  r"its manifest in 4 reads \(s3://.*/r000002/eu/s00000\.bin\)"):
+        with pytest.raises(
+            XRChecksumError,
+            match=r"shard 0 of region 'eu' is corrupted: xxh3_128 differs from "
+            r"its manifest in 4 reads \(s3://.*/r000002/eu/s00000\.bin\)",
+        ):
             mb.download("r000002", [("eu", info)])
         assert proxy.injected["corrupt"] == 4
         assert mb.store.retries == 3

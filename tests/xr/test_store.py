@@ -69,8 +69,14 @@ def test_s3_credentials_by_env_name_missing(monkeypatch):
 
 
 def test_s3_client_is_lean_and_pooled(s3server, bucket):
-    s = S3Store(bucket, "p", endpoint_url=s3server.endpoint_url, addressing_style="path",
-                region_name="us-east-1", threads=24)
+    s = S3Store(
+        bucket,
+        "p",
+        endpoint_url=s3server.endpoint_url,
+        addressing_style="path",
+        region_name="us-east-1",
+        threads=24,
+    )
     cfg = s.client.meta.config
     assert cfg.max_pool_connections >= 24
     assert cfg.s3["addressing_style"] == "path" and cfg.s3["payload_signing_enabled"] is False

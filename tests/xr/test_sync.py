@@ -46,16 +46,33 @@ def global_loss(m: nn.Module) -> float:
 
 
 def xr_for(region, root, **kw) -> CrossRegion:
-    base = dict(enabled=True, run_id="t", region=region, regions=REGIONS, inner_steps=4,
-                transport=FsTransport(root=str(root)), timeout_s=30, shard_mb=0.001, threads=4)
+    base = dict(
+        enabled=True,
+        run_id="t",
+        region=region,
+        regions=REGIONS,
+        inner_steps=4,
+        transport=FsTransport(root=str(root)),
+        timeout_s=30,
+        shard_mb=0.001,
+        threads=4,
+    )
     base.update(kw)
     return CrossRegion(**base)
 
 
 def make(region, root, seed=None, log=None, **kw):
     m = model(seed if seed is not None else (1 if region == "eu" else 2))
-    s = create(xr_for(region, root, **kw), m, torch.device("cpu"), DistInfo(), None, log,
-                  poll_min_s=0.005, poll_max_s=0.05)
+    s = create(
+        xr_for(region, root, **kw),
+        m,
+        torch.device("cpu"),
+        DistInfo(),
+        None,
+        log,
+        poll_min_s=0.005,
+        poll_max_s=0.05,
+    )
     return m, s
 
 
@@ -84,9 +101,17 @@ def train(region, root, rounds, *, tokens=None, hooks=None, lr=0.05, **kw):
         theta_before = s.theta_outer.clone()
         t = s.after_optimizer_step(step, (tokens or {}).get(region, 32))
         if t is not None:
-            rec["rounds"].append(dict(local=before, theta_before=theta_before, after=flat(m), timings=t,
-                                      theta_outer=s.theta_outer.clone(), momentum=s.momentum.clone(),
-                                      loss=global_loss(m)))
+            rec["rounds"].append(
+                dict(
+                    local=before,
+                    theta_before=theta_before,
+                    after=flat(m),
+                    timings=t,
+                    theta_outer=s.theta_outer.clone(),
+                    momentum=s.momentum.clone(),
+                    loss=global_loss(m),
+                )
+            )
             if hooks:
                 hooks(region, step, m, s)
     rec["model"], rec["sync"] = m, s
@@ -116,8 +141,16 @@ def test_align_makes_regions_identical_and_writes_the_model(tmp_path):
 def test_layout_mismatch_is_a_clear_error(tmp_path):
     def go(r):
         m = model(1, hidden=12 if r == "eu" else 13)
-        s = create(xr_for(r, tmp_path, timeout_s=5), m, torch.device("cpu"), DistInfo(), None, None,
-                      poll_min_s=0.005, poll_max_s=0.05)
+        s = create(
+            xr_for(r, tmp_path, timeout_s=5),
+            m,
+            torch.device("cpu"),
+            DistInfo(),
+            None,
+            None,
+            poll_min_s=0.005,
+            poll_max_s=0.05,
+        )
         s.align(0)
 
     with pytest.raises(XRLayoutError, match=r"region 'eu' published a mismatched payload.*numel"):
@@ -135,8 +168,9 @@ def test_lr1_momentum0_equals_parameter_averaging(tmp_path):
 
 def test_nesterov_matches_the_formula_with_token_weights(tmp_path):
     lr, mu, tokens = 0.7, 0.9, {"eu": 100, "us": 300}
-    recs = in_threads(lambda r: train(r, tmp_path, 3, tokens=tokens, outer_lr=lr, outer_momentum=mu,
-                                      payload_dtype="fp32"))
+    recs = in_threads(
+        lambda r: train(r, tmp_path, 3, tokens=tokens, outer_lr=lr, outer_momentum=mu, payload_dtype="fp32")
+    )
     theta = recs["eu"]["theta0"].double()
     m = torch.zeros_like(theta)
     w = {"eu": 100 * 4 / (400 * 4), "us": 300 * 4 / (400 * 4)}  # tokens over the round's 4 steps
@@ -159,8 +193,9 @@ def test_outer_step_decreases_the_loss_and_regions_stay_bitwise_equal(tmp_path):
     losses = [r["loss"] for r in recs["eu"]["rounds"]]
     ref = model(1)  # the loss at theta0
     with torch.no_grad():
-        for p, v in zip(ref.parameters(), recs["eu"]["theta0"].split([p.numel() for p in ref.parameters()]),
-                        strict=True):
+        for p, v in zip(
+            ref.parameters(), recs["eu"]["theta0"].split([p.numel() for p in ref.parameters()]), strict=True
+        ):
             p.copy_(v.view_as(p))
     assert losses[0] < global_loss(ref)
     assert losses[-1] < losses[0] * 0.7, losses
@@ -172,8 +207,15 @@ def test_outer_step_decreases_the_loss_and_regions_stay_bitwise_equal(tmp_path):
 def test_timings_add_up_and_bytes_are_counted(tmp_path):
     recs = in_threads(lambda r: train(r, tmp_path, 1))
     t = recs["eu"]["rounds"][0]["timings"]
-    parts = ["xr_upload_s", "xr_wait_s", "xr_download_s", "xr_reduce_s", "xr_broadcast_s", "xr_outer_step_s",
-             "xr_cleanup_s"]
+    parts = [
+        "xr_upload_s",
+        "xr_wait_s",
+        "xr_download_s",
+        "xr_reduce_s",
+        "xr_broadcast_s",
+        "xr_outer_step_s",
+        "xr_cleanup_s",
+    ]
     assert all(t[k] >= 0 for k in parts)
     assert abs(sum(t[k] for k in parts) - t["xr_total_s"]) < 1e-9
     numel = recs["eu"]["sync"].numel
@@ -197,7 +239,10 @@ def test_failed_exchange_changes_nothing(tmp_path):
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
     inner_steps(m, opt, "eu", range(1, 5))
     local, theta, mom = flat(m), s.theta_outer.clone(), s.momentum.clone()
-    with pytest.raises(XRTimeout, match=r"round r000001 \(step 4\): no quorum after 0.3 s: 1 of 2 regions published, 2 needed \(min_regions\); missing: us"):
+    with pytest.raises(
+        XRTimeout,
+        match=r"round r000001 \(step 4\): no quorum after 0.3 s: 1 of 2 regions published, 2 needed \(min_regions\); missing: us",
+    ):
         s.after_optimizer_step(4, 32)
     assert torch.equal(flat(m), local) and torch.equal(s.theta_outer, theta) and torch.equal(s.momentum, mom)
     assert s.round == 0
@@ -297,8 +342,18 @@ def test_grad_mode_matches_one_process_over_both_regions_data(tmp_path):
 
 def test_torch_save_and_rank0_only_switches_give_the_same_result(tmp_path):
     a = in_threads(lambda r: train(r, tmp_path / "a", 2, payload_dtype="fp32"))
-    b = in_threads(lambda r: train(r, tmp_path / "b", 2, payload_dtype="fp32", serialization="torch_save",
-                                   node_leaders=False, threads=1, shard_mb=0))
+    b = in_threads(
+        lambda r: train(
+            r,
+            tmp_path / "b",
+            2,
+            payload_dtype="fp32",
+            serialization="torch_save",
+            node_leaders=False,
+            threads=1,
+            shard_mb=0,
+        )
+    )
     assert torch.equal(a["eu"]["rounds"][-1]["after"], b["eu"]["rounds"][-1]["after"])
 
 
@@ -306,7 +361,9 @@ def test_state_dict_roundtrip(tmp_path):
     recs = in_threads(lambda r: train(r, tmp_path, 1))
     s = recs["eu"]["sync"]
     sd = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.state_dict().items()}
-    assert set(sd) == {"theta_outer", "momentum", "round", "aligned", "tokens", "pending"} and sd["round"] == 1
+    assert (
+        set(sd) == {"theta_outer", "momentum", "round", "aligned", "tokens", "pending"} and sd["round"] == 1
+    )
     _, s2 = make("eu", tmp_path)
     s2.load_state_dict({**sd, "round": torch.tensor(1)})
     assert torch.equal(s2.theta_outer, s.theta_outer) and torch.equal(s2.momentum, s.momentum)
@@ -385,7 +442,11 @@ def test_outer_placement_keeps_the_state_on_the_gpu_up_to_the_threshold(tmp_path
     dev, pinned, why = outer_placement(auto, gpu, 16 * GIB + 4)
     assert (dev, pinned) == (cpu, True) and "above outer_device_max_gib 16" in why
     assert outer_placement(xr_for("eu", tmp_path, outer_device_max_gib=0), gpu, 4)[:2] == (cpu, True)
-    assert outer_placement(xr_for("eu", tmp_path, outer_device="cpu"), gpu, 4) == (cpu, True, "outer_device: cpu")
+    assert outer_placement(xr_for("eu", tmp_path, outer_device="cpu"), gpu, 4) == (
+        cpu,
+        True,
+        "outer_device: cpu",
+    )
     assert outer_placement(auto, cpu, 4) == (cpu, False, "the training device is the CPU")
 
 

@@ -90,8 +90,14 @@ class DiLoCo(OuterSync):
         direct = self.flat.direct(self.outer_device)
         tmp = self.ex.scratch(min(self.numel, self.ex.block))
         for lo, hi in blocks(self.numel, self.outer_device, self.ex.block):
-            nesterov_block_(self.theta_outer[lo:hi], self.momentum[lo:hi], g[lo:hi], self.xr.outer_lr,
-                            self.xr.outer_momentum, tmp[: hi - lo])
+            nesterov_block_(
+                self.theta_outer[lo:hi],
+                self.momentum[lo:hi],
+                g[lo:hi],
+                self.xr.outer_lr,
+                self.xr.outer_momentum,
+                tmp[: hi - lo],
+            )
             if direct:
                 self.flat.scatter_range(self.theta_outer, lo, hi)
         if not direct:
@@ -108,8 +114,12 @@ class DiLoCo(OuterSync):
         try:
             mt, _, _ = self.ex.upload(tag, "theta", "snapshot", step, self.theta_outer, 0)
             mm, _, _ = self.ex.upload(tag, "momentum", "snapshot", step, self.momentum, 0)
-            self.group.on_rank(lambda: (ms.complete_snapshot(r, {"theta": mt, "momentum": mm}, r),
-                                        ms.delete_snapshots_before(r)))
+            self.group.on_rank(
+                lambda: (
+                    ms.complete_snapshot(r, {"theta": mt, "momentum": mm}, r),
+                    ms.delete_snapshots_before(r),
+                )
+            )
         except XRError as e:  # the previous snapshot stays; rounds after it are kept
             self._log({"event": "xr_snapshot_failed", "round": r, "error": str(e)})
             return None
@@ -142,14 +152,18 @@ class DiLoCo(OuterSync):
         need = list(range(self.round + 1, latest + 1))
         if all(r in have for r in need):
             return latest, None, need
-        snaps = [s for s in ms.snapshot_rounds(keys)
-                 if self.round < s <= latest and all(r in have for r in range(s + 1, latest + 1))]
+        snaps = [
+            s
+            for s in ms.snapshot_rounds(keys)
+            if self.round < s <= latest and all(r in have for r in range(s + 1, latest + 1))
+        ]
         if not snaps:
             gone = [r for r in need if r not in have]
             raise XRMissingRound(
                 f"region {self.xr.region!r} at round {self.round} cannot rejoin the run at round {latest}: "
                 f"round(s) {round_tag(gone[0])}..{round_tag(gone[-1])} are gone from "
-                f"{ms.store.describe(self.xr.run_id)} and no outer snapshot covers them")
+                f"{ms.store.describe(self.xr.run_id)} and no outer snapshot covers them"
+            )
         s = max(snaps)
         return latest, s, list(range(s + 1, latest + 1))
 
@@ -177,8 +191,10 @@ class DiLoCo(OuterSync):
             except XRBehind:
                 continue  # something we planned on was cleaned up meanwhile: plan again from here
         else:
-            raise XRMissingRound(f"region {self.xr.region!r} could not catch up with the run in {FF_ATTEMPTS} "
-                                 "attempts (rounds kept disappearing): is keep_rounds very small?")
+            raise XRMissingRound(
+                f"region {self.xr.region!r} could not catch up with the run in {FF_ATTEMPTS} "
+                "attempts (rounds kept disappearing): is keep_rounds very small?"
+            )
         if self.round == start:
             return None
         if self.leader:
@@ -187,9 +203,18 @@ class DiLoCo(OuterSync):
         self.tokens, self.pending = 0, 0
         into = self.group.on_rank(self._steps_into_round)
         adopted = self.round * self.xr.inner_steps + into
-        rec = {"event": "xr_rejoin", "step": step, "adopted_step": adopted, "from_round": start,
-               "to_round": self.round, "replayed": replayed, "via": via or ["rounds"], "why": why,
-               "steps_into_round": into, "seconds": round(time.perf_counter() - t0, 3)}
+        rec = {
+            "event": "xr_rejoin",
+            "step": step,
+            "adopted_step": adopted,
+            "from_round": start,
+            "to_round": self.round,
+            "replayed": replayed,
+            "via": via or ["rounds"],
+            "why": why,
+            "steps_into_round": into,
+            "seconds": round(time.perf_counter() - t0, 3),
+        }
         self._log(rec)
         return {"xr_round": self.round, "xr_step": step, "xr_adopted_step": adopted, "xr_rejoin_from": start}
 
@@ -210,7 +235,9 @@ class DiLoCo(OuterSync):
         per_round = (closed[-1][1] - closed[0][1]) / (closed[-1][0] - closed[0][0])
         since = time.time() - closed[-1][1]  # (the regions' clocks: NTP-synchronised; a skew shifts this)
         if per_round <= 0 or since <= 0 or since > 2 * per_round:
-            return 0  # no round closed for two rounds' time: nobody is training ahead (all stopped), start at 0
+            return (
+                0  # no round closed for two rounds' time: nobody is training ahead (all stopped), start at 0
+            )
         return max(0, min(h - 1, int(h * since / per_round)))
 
     def catch_up(self, step: int) -> int | None:
@@ -249,10 +276,14 @@ class DiLoCo(OuterSync):
         def check() -> None:
             for k in keys:
                 if k not in state:
-                    raise XRLayoutError(f"checkpoint has no outer state {k!r} (saved without --xr-sync diloco?)")
+                    raise XRLayoutError(
+                        f"checkpoint has no outer state {k!r} (saved without --xr-sync diloco?)"
+                    )
                 if state[k].numel() != self.numel:
-                    raise XRLayoutError(f"checkpoint outer state {k!r} has {state[k].numel()} elements, the model "
-                                        f"{self.numel}")
+                    raise XRLayoutError(
+                        f"checkpoint outer state {k!r} has {state[k].numel()} elements, the model "
+                        f"{self.numel}"
+                    )
 
         self.group.on_each(check, active=self.leader)
         if self.leader:

@@ -65,9 +65,18 @@ class RoundResult:
 
 
 class Exchange:
-    def __init__(self, xr: CrossRegion, group: Region, mailbox: Mailbox | None, membership: Membership | None,
-                 numel: int, layout: str, owner_ranks: list[int], outer_device: torch.device,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        xr: CrossRegion,
+        group: Region,
+        mailbox: Mailbox | None,
+        membership: Membership | None,
+        numel: int,
+        layout: str,
+        owner_ranks: list[int],
+        outer_device: torch.device,
+        device: torch.device,
+    ) -> None:
         self.xr, self.group, self.mailbox, self.membership = xr, group, mailbox, membership
         self.numel, self.layout = numel, layout
         self.owner_ranks = owner_ranks
@@ -132,8 +141,9 @@ class Exchange:
         return t.to(self.outer_device, non_blocking=False)
 
     # -- flat transfers ----------------------------------------------------------------------------------
-    def upload(self, tag: str, name: str, kind: str, step: int, src: torch.Tensor | None, tokens: int,
-               extra_fn=None) -> tuple[Manifest | None, dict, int]:
+    def upload(
+        self, tag: str, name: str, kind: str, step: int, src: torch.Tensor | None, tokens: int, extra_fn=None
+    ) -> tuple[Manifest | None, dict, int]:
         """Owners upload their shards of ``src`` as ``name``'s part of ``tag``; rank 0 writes the manifest.
         Collective. Returns (the manifest on rank 0, this rank's encoded shards, bytes uploaded)."""
         expect = self.expect(kind)
@@ -156,8 +166,20 @@ class Exchange:
         def manifest():
             shards = [ShardInfo(i, lo, hi - lo, *sums[i]) for i, (lo, hi) in enumerate(expect.plan.bounds)]
             extra = extra_fn(shards) if extra_fn else {}
-            m = Manifest(self.xr.run_id, name, tag, kind, step, expect.dtype, self.numel, self.layout,
-                         expect.serialization, tokens, shards, extra)
+            m = Manifest(
+                self.xr.run_id,
+                name,
+                tag,
+                kind,
+                step,
+                expect.dtype,
+                self.numel,
+                self.layout,
+                expect.serialization,
+                tokens,
+                shards,
+                extra,
+            )
             mb.store.put(mb.manifest_key(tag, name), m.to_json())
             return m
 
@@ -196,8 +218,9 @@ class Exchange:
             torch.cuda.synchronize(self.outer_device)
         return time.perf_counter()
 
-    def run_round(self, tag: str, kind: str, step: int, src: torch.Tensor | None, out: torch.Tensor,
-                  tokens: int) -> RoundResult:
+    def run_round(
+        self, tag: str, kind: str, step: int, src: torch.Tensor | None, out: torch.Tensor, tokens: int
+    ) -> RoundResult:
         """Phases 1-4. ``out`` receives the committed members' weighted average on every owner (``src`` and
         ``out`` are None on the other ranks)."""
         region = self.xr.region
@@ -210,7 +233,9 @@ class Exchange:
             c = ms.read_commit(tag)
             own = mb.read_manifest(tag, region)
             if own is not None:
-                expect.check(own, self.xr.run_id, tag, region, mb.store.describe(mb.manifest_key(tag, region)))
+                expect.check(
+                    own, self.xr.run_id, tag, region, mb.store.describe(mb.manifest_key(tag, region))
+                )
             return c is not None, own
 
         committed, own = self.group.on_rank(state)
@@ -221,8 +246,7 @@ class Exchange:
         t1 = self._now()
         started = time.monotonic()
         while True:  # rank 0 waits in slices, so every rank hears about progress or failure
-            res = self.group.on_rank(
-                lambda: self._closed(tag, expect, step, started))
+            res = self.group.on_rank(lambda: self._closed(tag, expect, step, started))
             if res is not None:
                 break
         commit, manifests = res
@@ -239,9 +263,22 @@ class Exchange:
         if self.group.on:
             retries = sum(self.group.all_gather(retries))
         return RoundResult(
-            commit, members, late, own is not None, bytes_up, bytes_down, sum(commit.members[r].tokens for r in members),
-            dict(upload_s=t1 - t0, wait_s=t2 - t1, download_s=dl, reduce_s=(t3 - t2) - dl, broadcast_s=t4 - t3,
-                 t_start=t0, t_end=t4),
+            commit,
+            members,
+            late,
+            own is not None,
+            bytes_up,
+            bytes_down,
+            sum(commit.members[r].tokens for r in members),
+            dict(
+                upload_s=t1 - t0,
+                wait_s=t2 - t1,
+                download_s=dl,
+                reduce_s=(t3 - t2) - dl,
+                broadcast_s=t4 - t3,
+                t_start=t0,
+                t_end=t4,
+            ),
             retries,
         )
 
@@ -257,8 +294,15 @@ class Exchange:
         commit, seen = got
         return commit, self.membership.member_manifests(commit, expect, seen)
 
-    def _download_and_average(self, tag: str, expect: Expect, manifests: dict[str, Manifest], members: list[str],
-                              local: dict, out: torch.Tensor) -> tuple[int, float]:
+    def _download_and_average(
+        self,
+        tag: str,
+        expect: Expect,
+        manifests: dict[str, Manifest],
+        members: list[str],
+        local: dict,
+        out: torch.Tensor,
+    ) -> tuple[int, float]:
         """Owners fetch their shards from every member (their own region's from ``local`` bytes where
         given) and average them into ``out`` (owned slices). Returns (bytes downloaded by the region,
         seconds of the download part on this rank)."""
@@ -268,7 +312,9 @@ class Exchange:
         def work():
             t0 = time.perf_counter()
             mine = self.owned(expect.plan)
-            wants = [(r, manifests[r].shards[s]) for r in members for s in mine if not (r == region and local)]
+            wants = [
+                (r, manifests[r].shards[s]) for r in members for s in mine if not (r == region and local)
+            ]
             bufs = self.mailbox.download(tag, wants, reuse=self._rx)
             t_dl[0] = time.perf_counter() - t0
             total = sum(manifests[r].tokens for r in members)

@@ -29,8 +29,10 @@ class GradSync(OuterSync):
         try:
             res = self.ex.run_round(round_tag(step), "grad", step, src, self.avg, self.tokens)
         except XRBehind as e:
-            raise XRMissingRound(f"{e} (grad mode cannot fast-forward: keep_rounds must cover the steps "
-                                 "between two checkpoints)") from None
+            raise XRMissingRound(
+                f"{e} (grad mode cannot fast-forward: keep_rounds must cover the steps "
+                "between two checkpoints)"
+            ) from None
         t = res.times
         t5 = t["t_end"]
         if self.leader:

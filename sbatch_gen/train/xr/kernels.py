@@ -43,8 +43,13 @@ def accumulate_(acc: torch.Tensor, x: torch.Tensor, w: float, scratch: torch.Ten
 
 
 @torch.no_grad()
-def weighted_average_(acc: torch.Tensor, xs: list[torch.Tensor], ws: list[float], scratch: torch.Tensor,
-                      block: int | None = None) -> None:
+def weighted_average_(
+    acc: torch.Tensor,
+    xs: list[torch.Tensor],
+    ws: list[float],
+    scratch: torch.Tensor,
+    block: int | None = None,
+) -> None:
     """``acc = sum_i ws[i] * float(xs[i])`` in the order given, block by block (see :data:`CPU_BLOCK`);
     ``scratch`` needs one block's elements."""
     for lo, hi in blocks(acc.numel(), acc.device, block):
@@ -54,8 +59,9 @@ def weighted_average_(acc: torch.Tensor, xs: list[torch.Tensor], ws: list[float]
 
 
 @torch.no_grad()
-def nesterov_block_(theta: torch.Tensor, m: torch.Tensor, g: torch.Tensor, lr: float, mu: float,
-                    scratch: torch.Tensor) -> None:
+def nesterov_block_(
+    theta: torch.Tensor, m: torch.Tensor, g: torch.Tensor, lr: float, mu: float, scratch: torch.Tensor
+) -> None:
     """:func:`outer_nesterov_` on one range, as whole-tensor ops (``scratch`` as large as ``theta``)."""
     m.mul_(mu).add_(g)
     if mu > 0:
@@ -66,8 +72,15 @@ def nesterov_block_(theta: torch.Tensor, m: torch.Tensor, g: torch.Tensor, lr: f
 
 
 @torch.no_grad()
-def outer_nesterov_(theta: torch.Tensor, m: torch.Tensor, g: torch.Tensor, lr: float, mu: float,
-                    scratch: torch.Tensor, block: int | None = None) -> None:
+def outer_nesterov_(
+    theta: torch.Tensor,
+    m: torch.Tensor,
+    g: torch.Tensor,
+    lr: float,
+    mu: float,
+    scratch: torch.Tensor,
+    block: int | None = None,
+) -> None:
     """In place: ``m = mu*m + g; theta -= lr * (g + mu*m)`` (SGD with Nesterov momentum, as
     ``torch.optim.SGD(nesterov=True)``; ``g`` is the outer gradient theta_outer - mean(theta_local)).
     One rounding per elementwise op, no temporaries, the same bits on CPU and GPU; block by block on the

@@ -128,7 +128,9 @@ class Heartbeat:
     used to decide anything (clocks of different regions may disagree)."""
 
     region: str
-    incarnation: str  # random per writing process: a restarted region's counter starts again, its value changes
+    incarnation: (
+        str  # random per writing process: a restarted region's counter starts again, its value changes
+    )
     beat: int  # 1, 2, 3, ... one per write
     interval_s: float
     time: float
@@ -182,9 +184,14 @@ class HeartbeatWriter:
         except Exception as e:  # noqa: BLE001 - a missed beat is retried at the next one
             self.failures += 1
             if self.failures == 1:
-                log.warning("cross-region heartbeat: writing %s failed (%s); retrying every %g s. Other regions "
-                            "stop waiting for this one after %d missed beats", self.store.describe(self.key), e,
-                            self.interval_s, STALE_BEATS)
+                log.warning(
+                    "cross-region heartbeat: writing %s failed (%s); retrying every %g s. Other regions "
+                    "stop waiting for this one after %d missed beats",
+                    self.store.describe(self.key),
+                    e,
+                    self.interval_s,
+                    STALE_BEATS,
+                )
             return
         if self.failures:
             log.info("cross-region heartbeat: written again after %d failed writes", self.failures)
@@ -212,8 +219,16 @@ def manifest_digest(m: Manifest) -> str:
     return digest(m.to_json())
 
 
-def decide(regions: Iterable[str], arrived: Iterable[str], leaving: Iterable[str], quorum: int, grace_s: float,
-           now: float, quorum_since: float | None, stale: Iterable[str] = ()) -> tuple[str | None, float | None]:
+def decide(
+    regions: Iterable[str],
+    arrived: Iterable[str],
+    leaving: Iterable[str],
+    quorum: int,
+    grace_s: float,
+    now: float,
+    quorum_since: float | None,
+    stale: Iterable[str] = (),
+) -> tuple[str | None, float | None]:
     """The closing rule, as a pure function: ``(reason or None, quorum_since)``. ``reason`` is "all",
     "leave", "stale" or "grace" when the round may close now. ``stale``: regions whose heartbeat has gone
     stale (crashed); like ``leaving`` they are not waited for, but only once ``quorum`` have arrived."""
@@ -237,8 +252,16 @@ def decide(regions: Iterable[str], arrived: Iterable[str], leaving: Iterable[str
 class Membership:
     """Commits, presence and snapshots of one run, seen from one region (its rank 0)."""
 
-    def __init__(self, mailbox: Mailbox, quorum: int, grace_s: float, *, job: str = "",
-                 clock: Callable[[], float] = time.monotonic, heartbeat_s: float | None = None) -> None:
+    def __init__(
+        self,
+        mailbox: Mailbox,
+        quorum: int,
+        grace_s: float,
+        *,
+        job: str = "",
+        clock: Callable[[], float] = time.monotonic,
+        heartbeat_s: float | None = None,
+    ) -> None:
         self.mb = mailbox
         self.store = mailbox.store
         self.run_id, self.region, self.regions = mailbox.run_id, mailbox.region, mailbox.regions
@@ -277,7 +300,9 @@ class Membership:
             return None
         c = Commit.from_json(raw, self.store.describe(key))
         if c.run_id != self.run_id or c.tag != tag:
-            raise XRLayoutError(f"round commit {self.store.describe(key)} names run {c.run_id!r} round {c.tag!r}")
+            raise XRLayoutError(
+                f"round commit {self.store.describe(key)} names run {c.run_id!r} round {c.tag!r}"
+            )
         return c
 
     def run_keys(self) -> list[str]:
@@ -299,24 +324,50 @@ class Membership:
         rounds = self.committed_rounds()
         return rounds[-1] if rounds else None
 
-    def _try_close(self, tag: str, step: int, got: dict[str, Manifest], reason: str, waited: float,
-                   stale: set[str] = frozenset()) -> Commit:
+    def _try_close(
+        self,
+        tag: str,
+        step: int,
+        got: dict[str, Manifest],
+        reason: str,
+        waited: float,
+        stale: set[str] = frozenset(),
+    ) -> Commit:
         members = {r: Member(manifest_digest(got[r]), int(got[r].tokens)) for r in self.regions if r in got}
         absent = [r for r in self.regions if r not in got]
-        c = Commit(self.run_id, tag, step, members, self.region, reason, round(waited, 3), absent, time.time(),
-                   stale=[r for r in absent if r in stale])
+        c = Commit(
+            self.run_id,
+            tag,
+            step,
+            members,
+            self.region,
+            reason,
+            round(waited, 3),
+            absent,
+            time.time(),
+            stale=[r for r in absent if r in stale],
+        )
         if self.test_hook:
             self.test_hook("before_create", tag)
         if self.store.create(self.commit_key(tag), c.to_json()):
             return c
         won = self.read_commit(tag)  # another region closed it first: obey
         if won is None:
-            raise XRLayoutError(f"round {tag}: the commit at {self.store.describe(self.commit_key(tag))} exists "
-                                "for a create but not for a read: the store is not consistent")
+            raise XRLayoutError(
+                f"round {tag}: the commit at {self.store.describe(self.commit_key(tag))} exists "
+                "for a create but not for a read: the store is not consistent"
+            )
         return won
 
-    def wait_commit(self, tag: str, expect: Expect, *, step: int | None = None, started: float | None = None,
-                    slice_s: float | None = None) -> tuple[Commit, dict[str, Manifest]] | None:
+    def wait_commit(
+        self,
+        tag: str,
+        expect: Expect,
+        *,
+        step: int | None = None,
+        started: float | None = None,
+        slice_s: float | None = None,
+    ) -> tuple[Commit, dict[str, Manifest]] | None:
         """Poll until round ``tag`` is committed (by this region or another); return the commit and the
         manifests of the regions this region saw (verified). Raises :class:`XRNoQuorum` after
         ``timeout_s`` without a quorum, :class:`XRBehind` if the run committed later rounds and ``tag``'s
@@ -355,11 +406,14 @@ class Membership:
             if now >= next_behind:
                 self._check_not_behind(tag)
                 next_behind = now + 10.0
-            reason, quorum_since = decide(self.regions, got, leaving, self.quorum, self.grace_s, now, quorum_since,
-                                          stale)
+            reason, quorum_since = decide(
+                self.regions, got, leaving, self.quorum, self.grace_s, now, quorum_since, stale
+            )
             if reason is not None:
                 self._check_not_behind(tag)
-                return self._try_close(tag, step if step is not None else -1, got, reason, now - t0, stale), got
+                return self._try_close(
+                    tag, step if step is not None else -1, got, reason, now - t0, stale
+                ), got
             if now - t0 >= mb.timeout_s:
                 missing = [r for r in self.regions if r not in got]
                 at = f" (step {step})" if step is not None else ""
@@ -403,7 +457,9 @@ class Membership:
                 due = min(due, self._watch[r][1] + limit)
         return leaving, stale, due
 
-    def _quiet_for(self, region: str, hb: Heartbeat | None, before: float, after: float) -> tuple[float, float]:
+    def _quiet_for(
+        self, region: str, hb: Heartbeat | None, before: float, after: float
+    ) -> tuple[float, float]:
         """Record one reading of ``region``'s heartbeat, taken between ``before`` and ``after`` (this region's
         clock). Returns (for how long its value is known not to have changed, how long makes it stale)."""
         value = hb.value if hb is not None else None
@@ -447,8 +503,9 @@ class Membership:
             self.heartbeat_s = heartbeat_s
         if self.heartbeat_s is None or self._writer is not None:
             return
-        self._writer = HeartbeatWriter(self.store, self.alive_key(self.region), self.region, self.heartbeat_s,
-                                       self.job)
+        self._writer = HeartbeatWriter(
+            self.store, self.alive_key(self.region), self.region, self.heartbeat_s, self.job
+        )
         self._writer.start()
 
     def stop_heartbeat(self) -> None:
@@ -468,8 +525,11 @@ class Membership:
             return
         latest = self.latest_commit()
         if latest is not None and latest > r and self.read_commit(tag) is None:
-            raise XRBehind(f"round {tag}: the run has committed up to {round_tag(latest)} and {tag} is no longer "
-                           "in the mailbox: this region fast-forwards", latest)
+            raise XRBehind(
+                f"round {tag}: the run has committed up to {round_tag(latest)} and {tag} is no longer "
+                "in the mailbox: this region fast-forwards",
+                latest,
+            )
 
     def member_manifests(self, c: Commit, expect: Expect, known: dict[str, Manifest]) -> dict[str, Manifest]:
         """The committed members' manifests (read where not ``known``), each checked against the digest
@@ -484,8 +544,10 @@ class Membership:
                 raise XRBehind(f"round {c.tag}: committed manifest of region {r!r} is gone ({where})", None)
             expect.check(m, self.run_id, c.tag, r, where)
             if manifest_digest(m) != c.members[r].digest:
-                raise XRLayoutError(f"round {c.tag}: manifest of region {r!r} at {where} is not the one the "
-                                    "round committed (digest differs)")
+                raise XRLayoutError(
+                    f"round {c.tag}: manifest of region {r!r} at {where} is not the one the "
+                    "round committed (digest differs)"
+                )
             out[r] = m
         return out
 
@@ -517,8 +579,13 @@ class Membership:
         return sorted(out)
 
     def complete_snapshot(self, r: int, manifests: dict[str, Manifest], outer_round: int) -> None:
-        body = {"round": r, "outer_round": outer_round, "digests": {k: manifest_digest(m) for k, m in manifests.items()},
-                "by": self.region, "time": time.time()}
+        body = {
+            "round": r,
+            "outer_round": outer_round,
+            "digests": {k: manifest_digest(m) for k, m in manifests.items()},
+            "by": self.region,
+            "time": time.time(),
+        }
         self.store.put(self.snap_complete_key(r), json.dumps(body, sort_keys=True).encode())
 
     def read_snapshot(self, r: int, expect: Expect) -> dict[str, Manifest]:
@@ -548,7 +615,9 @@ class Membership:
                 self.store.delete(self.store.list(prefix))
 
     # -- housekeeping ------------------------------------------------------------------------------------
-    def cleanup(self, current: int, keep_rounds: int, shard_count: int, *, need_snapshot: bool = True) -> None:
+    def cleanup(
+        self, current: int, keep_rounds: int, shard_count: int, *, need_snapshot: bool = True
+    ) -> None:
         """Delete this region's rounds (and their commits) older than ``keep_rounds`` behind ``current`` and,
         with ``need_snapshot`` (DiLoCo), covered by a complete snapshot: a returning region needs every
         round after the newest snapshot."""

@@ -145,15 +145,22 @@ class Expect:
         if not problems:
             for s, (lo, hi) in zip(m.shards, self.plan.bounds, strict=True):
                 if (s.start, s.numel) != (lo, hi - lo):
-                    problems.append(f"shard {s.index} covers [{s.start}, {s.start + s.numel}), expected [{lo}, {hi})")
+                    problems.append(
+                        f"shard {s.index} covers [{s.start}, {s.start + s.numel}), expected [{lo}, {hi})"
+                    )
                     break
                 if self.serialization == "raw" and s.nbytes != s.numel * ITEMSIZE[self.dtype]:
-                    problems.append(f"shard {s.index} has {s.nbytes} bytes, expected {s.numel * ITEMSIZE[self.dtype]}")
+                    problems.append(
+                        f"shard {s.index} has {s.nbytes} bytes, expected {s.numel * ITEMSIZE[self.dtype]}"
+                    )
                     break
         if problems:
             hint = " (a different model or config in that region?)" if "layout" in problems[0] else ""
-            raise XRLayoutError(f"round {tag}: region {region!r} published a mismatched payload at {where}: "
-                                + "; ".join(problems) + hint)
+            raise XRLayoutError(
+                f"round {tag}: region {region!r} published a mismatched payload at {where}: "
+                + "; ".join(problems)
+                + hint
+            )
 
 
 def digest(buf) -> str:
@@ -323,13 +330,21 @@ class Mailbox:
             keys = self.store.list("")
         except Exception:  # noqa: BLE001 - only a hint
             return ""
-        others = sorted({k.split("/")[0] for k in keys
-                         if k.count("/") == 2 and k.split("/")[0] != self.run_id
-                         and k.rsplit("/", 1)[1] in {f"{r}.done" for r in missing}})
+        others = sorted(
+            {
+                k.split("/")[0]
+                for k in keys
+                if k.count("/") == 2
+                and k.split("/")[0] != self.run_id
+                and k.rsplit("/", 1)[1] in {f"{r}.done" for r in missing}
+            }
+        )
         if not others:
             return ""
-        return f" The mailbox has manifests from {', '.join(map(repr, missing))} under run id(s) " \
-               f"{', '.join(map(repr, others))}: the regions disagree on the run id."
+        return (
+            f" The mailbox has manifests from {', '.join(map(repr, missing))} under run id(s) "
+            f"{', '.join(map(repr, others))}: the regions disagree on the run id."
+        )
 
     def latest_rounds(self, keys: list[str] | None = None) -> dict[str, int]:
         """Highest round with a manifest, per region (one listing of the run's prefix, or ``keys`` from one)."""

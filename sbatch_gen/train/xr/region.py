@@ -25,8 +25,19 @@ from .errors import (
 )
 
 T = TypeVar("T")
-_ERRORS = {c.__name__: c for c in (XRError, XRTimeout, XRChecksumError, XRLayoutError, XRMissingRound, StoreError,
-                                   XRNoQuorum, XRBehind)}
+_ERRORS = {
+    c.__name__: c
+    for c in (
+        XRError,
+        XRTimeout,
+        XRChecksumError,
+        XRLayoutError,
+        XRMissingRound,
+        StoreError,
+        XRNoQuorum,
+        XRBehind,
+    )
+}
 Err = tuple[str, str]
 
 
@@ -52,7 +63,9 @@ class Region:
     :meth:`leaders_broadcast` runs among them only, :meth:`broadcast_tensors` over the whole region."""
 
     def __init__(self, dist, comm_device: torch.device) -> None:
-        self.on = bool(getattr(dist, "is_distributed", False)) and tdist.is_available() and tdist.is_initialized()
+        self.on = (
+            bool(getattr(dist, "is_distributed", False)) and tdist.is_available() and tdist.is_initialized()
+        )
         self.rank = tdist.get_rank() if self.on else 0
         self.world = tdist.get_world_size() if self.on else 1
         self.comm_device = comm_device

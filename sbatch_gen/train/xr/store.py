@@ -265,8 +265,10 @@ class S3Store(Store):
     def _read_again(self, key: str, attempt: int, e: BaseException) -> None:
         """A body that broke off (reset, truncated, timed out): count it and back off, or give up."""
         if attempt + 1 >= self.read_attempts:
-            raise StoreError(f"download of {self.describe(key)} failed after {self.read_attempts} attempts: "
-                             f"{type(e).__name__}: {e}") from e
+            raise StoreError(
+                f"download of {self.describe(key)} failed after {self.read_attempts} attempts: "
+                f"{type(e).__name__}: {e}"
+            ) from e
         with self._retries_lock:
             self.retries += 1
         time.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))
@@ -288,8 +290,9 @@ class S3Store(Store):
         body = data if isinstance(data, bytes | bytearray) else bytes(data)
         for attempt in range(6):
             try:
-                self._count(self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=body,
-                                                   IfNoneMatch="*"))
+                self._count(
+                    self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=body, IfNoneMatch="*")
+                )
                 return True
             except ClientError as e:
                 self._count(e)
@@ -298,11 +301,15 @@ class S3Store(Store):
                 if err.get("Code") == "PreconditionFailed" or status == 412:
                     # After a retried attempt, the key may hold this very write (the first attempt
                     # reached the server, its answer did not reach us): that is a win, not a loss.
-                    if e.response.get("ResponseMetadata", {}).get("RetryAttempts", 0) and self.get(key) == bytes(body):
+                    if e.response.get("ResponseMetadata", {}).get("RetryAttempts", 0) and self.get(
+                        key
+                    ) == bytes(body):
                         return True
                     return False
                 if (err.get("Code") == "ConditionalRequestConflict" or status == 409) and attempt < 5:
-                    time.sleep(0.05 * 2**attempt)  # a concurrent conditional write is in flight: S3 asks to retry
+                    time.sleep(
+                        0.05 * 2**attempt
+                    )  # a concurrent conditional write is in flight: S3 asks to retry
                     continue
                 raise StoreError(f"conditional create of {self.describe(key)} failed: {e}") from e
             except Exception as e:
@@ -352,7 +359,9 @@ class S3Store(Store):
         finally:
             body.close()
         if len(data) != int(resp.get("ContentLength", len(data))):
-            raise _ShortRead(f"{self.describe(key)}: short read ({len(data)} of {resp['ContentLength']} bytes)")
+            raise _ShortRead(
+                f"{self.describe(key)}: short read ({len(data)} of {resp['ContentLength']} bytes)"
+            )
         return data
 
     def get_into(self, key: str, out: memoryview) -> None:
@@ -386,7 +395,9 @@ class S3Store(Store):
         strip = len(self.prefix) + 1 if self.prefix else 0
         keys: list[str] = []
         try:
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=full
+            ):
                 self._count(page)
                 keys += [o["Key"][strip:] for o in page.get("Contents", [])]
         except Exception as e:
@@ -398,7 +409,9 @@ class S3Store(Store):
         for i in range(0, len(keys), 1000):
             batch = [{"Key": self._key(k)} for k in keys[i : i + 1000]]
             try:
-                resp = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+                resp = self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
+                )
                 self._count(resp)
             except Exception as e:
                 self._count(e)
@@ -432,9 +445,18 @@ def _body_errors() -> tuple[type[BaseException], ...]:
     from urllib3.exceptions import ProtocolError
     from urllib3.exceptions import ReadTimeoutError as Urllib3ReadTimeout
 
-    return (_ShortRead, IncompleteReadError, ResponseStreamingError, ReadTimeoutError, ConnectionClosedError,
-            ProtocolError, Urllib3ReadTimeout, http.client.IncompleteRead, ConnectionError, TimeoutError)
-
+    return (
+        _ShortRead,
+        IncompleteReadError,
+        ResponseStreamingError,
+        ReadTimeoutError,
+        ConnectionClosedError,
+        ProtocolError,
+        Urllib3ReadTimeout,
+        http.client.IncompleteRead,
+        ConnectionError,
+        TimeoutError,
+    )
 
 
 def probe_create(store: Store, prefix: str) -> bool:
@@ -453,7 +475,9 @@ def probe_create(store: Store, prefix: str) -> bool:
 def _env(name: str) -> str:
     v = os.environ.get(name)
     if not v:
-        raise StoreError(f"S3 credentials: environment variable {name} is not set (named by the site profile)")
+        raise StoreError(
+            f"S3 credentials: environment variable {name} is not set (named by the site profile)"
+        )
     return v
 
 

@@ -53,12 +53,18 @@ def outer_placement(xr: CrossRegion, device: torch.device, nbytes: int) -> tuple
     if xr.outer_device == "cpu":
         return cpu, pin, "outer_device: cpu"
     if nbytes > xr.outer_device_max_gib * GIB:
-        return cpu, pin, (f"outer state {nbytes / GIB:.3g} GiB is above outer_device_max_gib "
-                          f"{xr.outer_device_max_gib:g}")
+        return (
+            cpu,
+            pin,
+            (f"outer state {nbytes / GIB:.3g} GiB is above outer_device_max_gib {xr.outer_device_max_gib:g}"),
+        )
     if torch.device(device).type == "cpu":
         return cpu, False, "the training device is the CPU"
-    return torch.device(device), False, (f"outer state {nbytes / GIB:.3g} GiB fits in outer_device_max_gib "
-                                         f"{xr.outer_device_max_gib:g}")
+    return (
+        torch.device(device),
+        False,
+        (f"outer state {nbytes / GIB:.3g} GiB fits in outer_device_max_gib {xr.outer_device_max_gib:g}"),
+    )
 
 
 class OuterSync:
@@ -108,35 +114,66 @@ class OuterSync:
         self.leader = self.group.is_leader  # holds the outer state
 
         def open_mailbox():  # e.g. S3 credentials missing on one node: every rank must hear about it
-            mb = Mailbox(store if store is not None else make_store(xr.transport, xr.threads), xr.run_id, xr.region,
-                         xr.regions, timeout_s=xr.timeout_s, keep_rounds=xr.keep_rounds, threads=xr.threads,
-                         poll_min_s=poll_min_s, poll_max_s=poll_max_s)
+            mb = Mailbox(
+                store if store is not None else make_store(xr.transport, xr.threads),
+                xr.run_id,
+                xr.region,
+                xr.regions,
+                timeout_s=xr.timeout_s,
+                keep_rounds=xr.keep_rounds,
+                threads=xr.threads,
+                poll_min_s=poll_min_s,
+                poll_max_s=poll_max_s,
+            )
             if self.group.rank == 0 and xr.elastic and not probe_create(mb.store, xr.run_id):
                 mb.close()
                 raise XRError(
                     f"the mailbox {mb.store.describe()} does not refuse a second conditional create (S3 "
                     f"If-None-Match ignored): rounds could be closed twice, so min_regions "
                     f"({xr.min_regions}) below the {len(xr.regions)} regions is refused. Use a store with "
-                    "conditional writes (AWS S3, MinIO, a shared filesystem) or min_regions: all")
+                    "conditional writes (AWS S3, MinIO, a shared filesystem) or min_regions: all"
+                )
             self.mailbox = mb
 
         self.mailbox: Mailbox | None = None
         self.group.on_each(open_mailbox, active=rank in owner_ranks)
-        self.membership = (Membership(self.mailbox, xr.quorum, xr.grace_s, job=os.environ.get("SLURM_JOB_ID", ""))
-                           if self.mailbox is not None else None)
-        self.ex = Exchange(xr, self.group, self.mailbox, self.membership, self.numel, self.flat.layout, owner_ranks,
-                           self.outer_device, self.device)
+        self.membership = (
+            Membership(self.mailbox, xr.quorum, xr.grace_s, job=os.environ.get("SLURM_JOB_ID", ""))
+            if self.mailbox is not None
+            else None
+        )
+        self.ex = Exchange(
+            xr,
+            self.group,
+            self.mailbox,
+            self.membership,
+            self.numel,
+            self.flat.layout,
+            owner_ranks,
+            self.outer_device,
+            self.device,
+        )
 
         # work: flat params, the payload source; avg: the regions' weighted average. See BUFFERS.
         for name, (pin, zero) in self.BUFFERS.items():
             buf = None
             if self.leader:
                 new = torch.zeros if zero else torch.empty
-                buf = new(self.numel, dtype=torch.float32, device=self.outer_device, pin_memory=pin and self.pinned)
+                buf = new(
+                    self.numel, dtype=torch.float32, device=self.outer_device, pin_memory=pin and self.pinned
+                )
             setattr(self, name, buf)
-        self._log({"event": "xr_outer_state", "device": str(self.outer_device), "pinned": self.pinned,
-                   "why": placement, "leaders": owner_ranks, "numel": self.numel,
-                   "bytes_per_rank": self.group.all_gather(self.outer_bytes())})
+        self._log(
+            {
+                "event": "xr_outer_state",
+                "device": str(self.outer_device),
+                "pinned": self.pinned,
+                "why": placement,
+                "leaders": owner_ranks,
+                "numel": self.numel,
+                "bytes_per_rank": self.group.all_gather(self.outer_bytes()),
+            }
+        )
         self.round = 0
         self.aligned = False
         self.tokens = 0  # the region's tokens since the last round (the trainer passes region-wide counts)
@@ -159,8 +196,7 @@ class OuterSync:
             action = "published"
         else:
             expect = self.ex.expect("init")
-            manifests = self.group.on_rank(
-                lambda: self.mailbox.wait(TAG_INIT, [first], expect, step=step))
+            manifests = self.group.on_rank(lambda: self.mailbox.wait(TAG_INIT, [first], expect, step=step))
             self.ex.fetch(TAG_INIT, manifests[first], flat, self.ex.fp32_plan)
             if self.leader:
                 self.flat.scatter(flat)
@@ -171,8 +207,17 @@ class OuterSync:
         self.aligned = True
         if self.xr.payload_dtype != "fp32":
             self.ex.drop_staging("fp32")  # theta0's staging is not needed any more
-        self._log({"event": "xr_align", "step": step, "region": self.xr.region, "action": action,
-                   "from_region": first, "digest": fingerprint, "seconds": round(time.perf_counter() - t0, 3)})
+        self._log(
+            {
+                "event": "xr_align",
+                "step": step,
+                "region": self.xr.region,
+                "action": action,
+                "from_region": first,
+                "digest": fingerprint,
+                "seconds": round(time.perf_counter() - t0, 3),
+            }
+        )
 
     def _aligned(self) -> None:
         """Subclass hook: the model holds theta0."""
@@ -190,8 +235,11 @@ class OuterSync:
 
         want = self.group.on_rank(want)
         plan = self.ex.fp32_plan
-        mine = [(s, digest(memoryview(flat[lo:hi].cpu().contiguous().numpy())))
-                for s in self.ex.owned(plan) for lo, hi in [plan.bounds[s]]]
+        mine = [
+            (s, digest(memoryview(flat[lo:hi].cpu().contiguous().numpy())))
+            for s in self.ex.owned(plan)
+            for lo, hi in [plan.bounds[s]]
+        ]
         parts = dict(x for lst in self.group.all_gather(mine) for x in lst)
         got = digest_of_digests(parts[i] for i in range(len(plan)))
         if got != want:
@@ -274,13 +322,23 @@ class OuterSync:
         out["xr_close_reason"] = c.reason
         self.late_streak = self.late_streak + 1 if res.late else 0
         if res.late:
-            self._log({"event": "xr_late", "step": step, "round": self.round, "members": res.members,
-                       "streak": self.late_streak})
+            self._log(
+                {
+                    "event": "xr_late",
+                    "step": step,
+                    "round": self.round,
+                    "members": res.members,
+                    "streak": self.late_streak,
+                }
+            )
             if self.late_streak >= LATE_WARN_AFTER:
                 log.warning(
                     "region %s missed the last %d rounds (its deltas were dropped): the others closed them "
                     "after grace_s=%gs. If this region is just slower, raise cross_region.grace_s.",
-                    self.xr.region, self.late_streak, self.xr.grace_s)
+                    self.xr.region,
+                    self.late_streak,
+                    self.xr.grace_s,
+                )
         return out
 
     def state_dict(self) -> dict:
@@ -301,8 +359,15 @@ def _as_int(v) -> int:
     return int(v.item()) if isinstance(v, torch.Tensor) else int(v)
 
 
-def create(xr: CrossRegion, model: nn.Module, device: torch.device, dist, run_dir: Path | None = None,
-           log: Callable[[dict], None] | None = None, **kw) -> OuterSync:
+def create(
+    xr: CrossRegion,
+    model: nn.Module,
+    device: torch.device,
+    dist,
+    run_dir: Path | None = None,
+    log: Callable[[dict], None] | None = None,
+    **kw,
+) -> OuterSync:
     """The outer sync of ``xr.sync`` (collective: every rank of the region calls it)."""
     if xr.sync == "diloco":
         from .diloco import DiLoCo
