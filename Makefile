@@ -36,10 +36,19 @@ check: install  ## fail (exit 1, with a diff) if out/ differs from a fresh rende
 	$(SG) validate
 	$(SG) check
 
-lint: install system-deps  ## ruff, plus bash -n and shellcheck on every rendered script
-	$(VENV)/bin/ruff check sbatch_gen tests bench
-	for f in out/*.sbatch out/*.sh; do [ -e "$$f" ] || continue; bash -n "$$f"; shellcheck -x "$$f"; done
-	shellcheck scripts/*.sh
+lint: install  ## ruff check, ruff format --check, mypy on sbatch_gen/, bash -n + shellcheck on every rendered script (no root)
+	$(VENV)/bin/ruff check sbatch_gen tests bench scripts
+	$(VENV)/bin/ruff format --check sbatch_gen tests bench scripts
+	$(VENV)/bin/mypy
+	for f in out/*.sbatch out/*.sh; do [ -e "$$f" ] || continue; bash -n "$$f"; $(VENV)/bin/shellcheck -x "$$f"; done
+	$(VENV)/bin/shellcheck scripts/*.sh
+
+format: install  ## rewrite the Python sources in the project's style (ruff format, ruff check --fix)
+	$(VENV)/bin/ruff format sbatch_gen tests bench scripts
+	$(VENV)/bin/ruff check --fix sbatch_gen tests bench scripts
+
+test-fast: install  ## the unit tier: no real servers, no subprocess training, no Slurm; under a minute
+	$(PY) -m pytest -m "not slow and not e2e" $(PYTEST_ARGS)
 
 test: install system-deps  ## the whole test suite: unit, multi-process (torchrun/gloo), end to end on local Slurm
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -53,4 +62,4 @@ bench: install system-deps  ## benchmarks: Markdown table + PNG plots in bench/r
 	command -v aws >/dev/null || $(PYTHON) -m pip install -q awscli
 	$(PY) -m bench
 
-.PHONY: help install system-deps render check lint test demo bench
+.PHONY: help install system-deps render check lint format test test-fast demo bench
