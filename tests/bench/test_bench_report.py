@@ -11,6 +11,8 @@ import pytest
 
 from sbatch_gen.report import ReportError, load_run, recoveries, slo, write_report
 
+pytestmark = pytest.mark.slow  # trains small runs to report on
+
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

@@ -10,11 +10,14 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from .conftest import REPO, sg
+
+pytestmark = pytest.mark.slow  # runs rendered scripts in a sandbox
 
 _PIECES = list(" '\"$`\\\n\t*?[]{}~!#;&|<>()%,=:@+-_./aZ0é") + ["$(id)", "${X}", "'\"'", "runs", "--x"]
 HOSTILE = st.lists(st.sampled_from(_PIECES), min_size=1, max_size=12).map("".join)

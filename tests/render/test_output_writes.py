@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from .conftest import sg, sg_proc
+
+pytestmark = pytest.mark.slow  # the CLI in subprocesses
 
 
 def _snapshot(root) -> dict[str, bytes | None]:

@@ -9,6 +9,8 @@ import pytest
 
 from .conftest import REPO
 
+pytestmark = pytest.mark.slow  # builds and installs the wheel, starts the CLI in subprocesses
+
 _NO_TORCH = r"""
 import sys
 from sbatch_gen.cli import main

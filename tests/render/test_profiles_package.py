@@ -28,6 +28,8 @@ from sbatch_gen.strict import StrictModel
 
 from .conftest import sg
 
+pytestmark = pytest.mark.slow  # imports the package in fresh interpreters
+
 PKG = Path(profiles.__file__).resolve().parent
 SRC = PKG.parent  # sbatch_gen/
 PACKAGE_MODULES = sorted(f"sbatch_gen.profiles.{f.stem}" for f in PKG.glob("*.py") if f.stem != "__init__")

@@ -15,6 +15,8 @@ from sbatch_gen.testing.s3server import free_port
 
 from .conftest import REPO, edit_site, sg
 
+pytestmark = pytest.mark.slow  # shellcheck and bash on every render
+
 OUT_FILES = sorted(p for p in (REPO / "out").iterdir() if p.is_file() and not p.name.startswith("."))
 
 

@@ -8,7 +8,10 @@ in its own network namespace (it has only lo, not the launcher's interface).
 
 from __future__ import annotations
 
+import pytest
 from sshkit import free_port, start_sshd, stop_sshd, tagged_pids
+
+pytestmark = pytest.mark.slow  # a real sshd
 
 # A network namespace for the launcher with an interface only it has (a veth pair inside it).
 LAUNCHER_NETNS = (

@@ -18,10 +18,13 @@ from sshkit import free_port, launcher_lib
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("ip") is None or shutil.which("ss") is None,
-    reason="needs iproute2 (ip, ss), as the launcher does",
-)
+pytestmark = [
+    pytest.mark.slow,  # runs the launcher's preflight on a fake node
+    pytest.mark.skipif(
+        shutil.which("ip") is None or shutil.which("ss") is None,
+        reason="needs iproute2 (ip, ss), as the launcher does",
+    ),
+]
 
 
 def _launcher_lib(tmp_path: Path, port: int, *overrides: str) -> Path:

@@ -20,10 +20,13 @@ from sbatch_gen.testing.fakenode import FakeNode, path_without
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("ip") is None or shutil.which("ss") is None,
-    reason="needs iproute2 (ip, ss), as the launcher does",
-)
+pytestmark = [
+    pytest.mark.slow,  # runs the launcher's preflight on a fake node
+    pytest.mark.skipif(
+        shutil.which("ip") is None or shutil.which("ss") is None,
+        reason="needs iproute2 (ip, ss), as the launcher does",
+    ),
+]
 
 IB = {"mlx5_0": {1: "InfiniBand"}, "mlx5_1": {1: "InfiniBand"}}
 

@@ -13,6 +13,8 @@ import pytest
 import yaml
 from sshkit import free_port, probe_venv
 
+pytestmark = pytest.mark.slow  # shellcheck on every render
+
 REPO = Path(__file__).resolve().parents[2]
 SG = str(REPO / ".venv" / "bin" / "sbatch-gen")
 SSH_SITES = ["lab", "ssh-local"]
@@ -204,7 +206,6 @@ def test_bad_profile_exits_2_without_traceback(tmp_path):
 # ---- hostile values, end to end through bash and ssh -------------------------------------------------
 
 
-@pytest.mark.slow
 def test_hostile_values_reach_torchrun_on_every_host_exactly(sshd, tmp_path, clean_env):
     from sbatch_gen.loader import load_site
     from sbatch_gen.xr_options import to_argv

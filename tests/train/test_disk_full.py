@@ -19,6 +19,8 @@ from sbatch_gen.train.checkpoint import check_complete, list_step_dirs, step_dir
 
 from .conftest import REPO, Launch, torchrun_cmd, train_env, wait_for, write_config
 
+pytestmark = pytest.mark.slow  # trainer subprocesses on a small tmpfs
+
 
 @pytest.fixture
 def small_fs(tmp_path):

@@ -7,6 +7,8 @@ import subprocess
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the GPU check script in subprocesses
+
 PHASES = ["hbm", "ac-off", "ac-on", "async-dcp", "stop", "diloco"]
 
 
@@ -21,7 +23,6 @@ def _run(repo, *args, env=None, timeout=600):
     )
 
 
-@pytest.mark.slow
 def test_smoke_runs_every_phase_and_prints_one_table(repo, tmp_path, clean_env):
     out = tmp_path / "check"
     out.mkdir()

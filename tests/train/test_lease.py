@@ -13,6 +13,8 @@ from sbatch_gen.train.lease import LEASE_FILE, STALE_PERIODS, Lease, LeaseHeld, 
 
 from .conftest import REPO, torchrun_cmd, train_env, wait_for, write_config
 
+pytestmark = pytest.mark.slow  # trainer subprocesses
+
 HOST = "node-a"
 
 

@@ -17,6 +17,8 @@ from sbatch_gen.train.trainer import run
 
 from .conftest import losses, read_metrics, same_weights, write_config
 
+pytestmark = pytest.mark.slow  # trainer subprocesses
+
 
 def _train(cfg, run_dir, data_dir, *extra) -> int:
     args = parse_args(["--config", str(cfg), "--run-dir", str(run_dir), "--data-path", str(data_dir), *extra])

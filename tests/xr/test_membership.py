@@ -22,6 +22,8 @@ from sbatch_gen.train.xr.store import FsStore, make_store, probe_create
 
 from .concurrent import in_threads
 
+pytestmark = pytest.mark.slow  # a real S3 server and region threads that wait out grace periods
+
 REGIONS = ["eu", "us"]
 N = 1000  # fp32 elements per payload
 EXPECT = Expect("delta", "fp32", N, "L1", "raw", ShardPlan.make(N, 4, 0.002))

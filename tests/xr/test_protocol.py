@@ -15,6 +15,8 @@ from sbatch_gen.train.xr.store import make_store
 
 from .concurrent import in_threads
 
+pytestmark = pytest.mark.slow  # a real S3 server
+
 REGIONS = ["eu", "us"]
 
 

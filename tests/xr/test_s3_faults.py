@@ -18,6 +18,8 @@ from sbatch_gen.xr_options import FsTransport, S3Credentials, S3Transport
 from .conftest import KEY_ENV, SECRET_ENV
 from .test_sync import flat, in_threads, train
 
+pytestmark = pytest.mark.slow  # a real S3 server behind the fault proxy
+
 
 def _store(proxy: FaultProxy, bucket: str, **kw) -> S3Store:
     return S3Store(

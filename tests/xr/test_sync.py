@@ -16,6 +16,8 @@ from sbatch_gen.xr_options import CrossRegion, FsTransport
 
 from .concurrent import in_threads as run_in_threads
 
+pytestmark = pytest.mark.slow  # outer steps on real model sizes
+
 REGIONS = ["eu", "us"]
 W_TRUE = torch.tensor([[1.0], [-2.0], [0.5], [3.0], [-1.0], [0.25]])
 
