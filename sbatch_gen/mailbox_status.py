@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sbatch_gen.train.xr.store import Store
-    from sbatch_gen.xr_options import CrossRegion
+    from sbatch_gen.xr_options import CrossRegion, FsTransport, S3Transport
 
 
 @dataclass
@@ -86,7 +87,8 @@ def read_status(xr: CrossRegion, store: Store | None = None, *, now: float | Non
     from sbatch_gen.train.xr.store import make_store
 
     now = time.time() if now is None else now
-    base = dict(
+    status = partial(
+        MailboxStatus,
         run_id=xr.run_id,
         site_region=xr.region,
         quorum=xr.quorum,
@@ -98,14 +100,13 @@ def read_status(xr: CrossRegion, store: Store | None = None, *, now: float | Non
     t = xr.transport
     if store is None and t.kind == "fs" and not Path(t.root).is_dir():
         # FsStore would create the directory: a status query must not.
-        return MailboxStatus(
+        return status(
             location=location(t),
             exists=False,
-            **base,
             regions=[_region(r, None, None, None, None, now) for r in xr.regions],
         )
     own = store is None
-    if own:
+    if store is None:
         store = make_store(t, threads=4)
     mb = Mailbox(store, xr.run_id, xr.region, xr.regions, threads=1)
     try:
@@ -114,9 +115,11 @@ def read_status(xr: CrossRegion, store: Store | None = None, *, now: float | Non
         latest = mb.latest_rounds(keys)
         committed = ms.committed_rounds(keys)
         commit = None
+        commit_round = 0
         for r in reversed(committed):  # (a commit can be cleaned up between the listing and the read)
             commit = ms.read_commit(round_tag(r))
-            if commit is not None:
+            if commit is not None:  # read_commit checked that its tag is round_tag(r)
+                commit_round = r
                 break
         snaps = ms.snapshot_rounds(keys)
         presences = ms.presences(keys)
@@ -124,7 +127,7 @@ def read_status(xr: CrossRegion, store: Store | None = None, *, now: float | Non
         info = None
         if commit is not None:
             info = CommitInfo(
-                round=commit.round,
+                round=commit_round,
                 step=commit.step,
                 closed_by=commit.closed_by,
                 reason=commit.reason,
@@ -134,10 +137,9 @@ def read_status(xr: CrossRegion, store: Store | None = None, *, now: float | Non
                 time=commit.time,
                 stale=list(commit.stale),
             )
-        return MailboxStatus(
+        return status(
             location=store.describe(),
             exists=True,
-            **base,
             newest_commit=info,
             committed_rounds=committed,
             newest_snapshot=snaps[-1] if snaps else None,
@@ -151,7 +153,7 @@ def read_status(xr: CrossRegion, store: Store | None = None, *, now: float | Non
             store.close()
 
 
-def location(transport) -> str:
+def location(transport: FsTransport | S3Transport) -> str:
     """Where the mailbox of a transport is, as the stores describe it (also when the store cannot be opened)."""
     if transport.kind == "fs":
         return f"fs:{Path(transport.root).absolute()}"

@@ -130,6 +130,12 @@ def _cached_env(templates_dir: str) -> jinja2.Environment:
     return make_env(Path(templates_dir))
 
 
+def _template_source(env: jinja2.Environment, name: str) -> str:
+    if env.loader is None:  # make_env always sets one
+        raise ValueError("the jinja2 environment has no template loader")
+    return env.loader.get_source(env, name)[0]
+
+
 def _template_closure(env: jinja2.Environment, name: str) -> list[str]:
     """The template and everything it includes/imports/extends, in a stable order."""
     seen: list[str] = []
@@ -139,7 +145,7 @@ def _template_closure(env: jinja2.Environment, name: str) -> list[str]:
         if n in seen:
             continue
         seen.append(n)
-        src = env.loader.get_source(env, n)[0]
+        src = _template_source(env, n)
         refs = jinja2.meta.find_referenced_templates(env.parse(src))
         todo += sorted(r for r in refs if r is not None)
     return seen
@@ -158,7 +164,7 @@ def inputs_sha256(site: LoadedSite, env: jinja2.Environment, templates: list[str
     for o in site.overrides:
         add("set", o.encode())
     for t in templates:
-        add("template", env.loader.get_source(env, t)[0].encode())
+        add("template", _template_source(env, t).encode())
     return h.hexdigest()
 
 

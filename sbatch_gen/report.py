@@ -432,6 +432,7 @@ STATUS_COLORS = {TOOK_PART: "#4caf50", LATE: "#ff9800", ABSENT: "#d32f2f", None:
 
 
 def plot_participation(plt, part: Participation, path: Path) -> None:
+    from matplotlib.artist import Artist
     from matplotlib.colors import ListedColormap
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -469,7 +470,7 @@ def plot_participation(plt, part: Participation, path: Path) -> None:
     ax.set_yticks(range(len(part.regions)), part.regions)
     ax.set_xlabel("round")
     ax.set_title("participation per round")
-    handles = [
+    handles: list[Artist] = [
         Patch(color=STATUS_COLORS[k], label=lab)
         for k, lab in (
             (TOOK_PART, "took part"),

@@ -94,9 +94,8 @@ def _prescan(text: str, file: str, lines: bool) -> None:
                 path.append(f.key)
             elif not f.is_map:
                 path.append(f.index)
-        return UserError(
-            f"{_loc(file, ev.start_mark.line + 1 if lines else None)}: {format_path(tuple(path))}: {msg}"
-        )
+        line = ev.start_mark.line + 1 if lines and ev.start_mark is not None else None
+        return UserError(f"{_loc(file, line)}: {format_path(tuple(path))}: {msg}")
 
     def start(ev: yaml.Event, key: str | int) -> None:
         if stack and stack[-1].is_map and stack[-1].want_key:
@@ -213,6 +212,7 @@ def _convert(
             where[item_path] = at(item)
             items.append(_convert(item, item_path, where, file, lines))
         return items
+    assert isinstance(node, yaml.ScalarNode)  # the composer makes only mapping, sequence and scalar nodes
     return _scalar(node, path, file, lines)
 
 

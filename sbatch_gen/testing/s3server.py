@@ -66,15 +66,15 @@ class S3Server:
         last_err = None
         for _attempt in range(3):  # a port picked free can be taken before the server binds it
             port = self._fixed_port or free_port(self.host)
-            out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+            log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
             self.proc = subprocess.Popen(
                 [_moto_server_bin(), "-H", self.host, "-p", str(port)],
-                stdout=out,
+                stdout=subprocess.DEVNULL if log is None else log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-            if out is not subprocess.DEVNULL:
-                out.close()
+            if log is not None:
+                log.close()
             self.port = port
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:

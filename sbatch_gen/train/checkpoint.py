@@ -18,11 +18,15 @@ import re
 import shutil
 import time
 import zlib
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..fsutil import write_atomic
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.staging import DefaultStager
 
 log = logging.getLogger("sbatch_gen.train")
 
@@ -322,8 +326,9 @@ class Checkpointer:
         if async_save and not dist_info.is_distributed:
             log.info("checkpoint.async_save needs a process group; saving synchronously in a single process")
         self._pg = dist.new_group(backend="gloo") if self.async_save else None
-        self._stager = None  # created by the first async save, closed by close()
-        self._pending = None  # (future, step, path, t0, blocking)
+        self._stager: DefaultStager | None = None  # created by the first async save, closed by close()
+        # The background save in flight: (its future, step, path, t0, blocking seconds).
+        self._pending: tuple[Future[None], int, Path, float, float] | None = None
         self.save_times: list[float] = []
         # Steps this process saved or loaded: a complete directory for one of these is the same state.
         # Any other existing directory at a step we reach again is from an abandoned timeline (we
@@ -416,6 +421,8 @@ class Checkpointer:
             fut = dcp.async_save(
                 state, checkpoint_id=str(path), process_group=self._pg, async_stager=self.stager()
             )
+            # An AsyncSaveResponse comes back only with asynchronous staging, which stager() turns off.
+            assert isinstance(fut, Future), f"async_save returned {type(fut).__name__}, not the upload future"
             self._pending = (fut, step, path, t0, time.perf_counter() - t0)
             return None
         try:
@@ -426,7 +433,7 @@ class Checkpointer:
             self._failed(path, e)
             raise
 
-    def stager(self):
+    def stager(self) -> DefaultStager:
         """The run's one async-save stager: pinned host memory and non-blocking copies on CUDA (then a
         device sync before the background write starts), plain copies on CPU; staging is synchronous, so
         the training may change the parameters as soon as ``async_save`` returns."""

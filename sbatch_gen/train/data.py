@@ -27,10 +27,14 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..fsutil import write_atomic
+
+if TYPE_CHECKING:
+    import torch
 
 DOC_END = b"\x00"
 SOURCES = ("python-stdlib", "common-licenses")
@@ -86,6 +90,7 @@ def prepare(
         used += 1
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    region_infos: dict[str, dict[str, object]] = {}
     manifest = {
         "source": source,
         "source_root": str(root),
@@ -93,7 +98,7 @@ def prepare(
         "files": used,
         "bytes": total,
         "max_bytes": max_bytes,
-        "regions": {},
+        "regions": region_infos,
     }
     for region, chunks, n in zip(regions, parts, counts, strict=True):
         blob = b"".join(chunks)
@@ -108,7 +113,7 @@ def prepare(
         }
         write_atomic(out / f"{region}.bin", blob)
         write_atomic(out / f"{region}.json", (json.dumps(info, indent=2) + "\n").encode())
-        manifest["regions"][region] = {k: info[k] for k in ("files", "tokens", "sha256")}
+        region_infos[region] = {k: info[k] for k in ("files", "tokens", "sha256")}
     write_atomic(out / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
     return manifest
 
@@ -239,7 +244,13 @@ class Batches:
     resumes exactly where the training consumed the data. Torch is imported here only.
     """
 
-    def __init__(self, sampler: Sampler, tokens: np.ndarray, device=None, pin_memory: bool = False):
+    def __init__(
+        self,
+        sampler: Sampler,
+        tokens: np.ndarray,
+        device: str | torch.device | None = None,
+        pin_memory: bool = False,
+    ):
         import torch
 
         self.torch = torch
@@ -248,9 +259,9 @@ class Batches:
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.pin_memory = pin_memory
         self.host_s = 0.0
-        self._ahead: tuple[dict, object] | None = None  # (sampler position before it, device windows)
+        self._ahead: tuple[dict, torch.Tensor] | None = None  # (sampler position before it, device windows)
 
-    def _prepare(self) -> tuple[dict, object]:
+    def _prepare(self) -> tuple[dict, torch.Tensor]:
         torch = self.torch
         t0 = time.perf_counter()
         before = self.sampler.state_dict()
@@ -265,7 +276,7 @@ class Batches:
         self.host_s += time.perf_counter() - t0
         return before, win
 
-    def next(self):
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of the next micro-batch, on the device."""
         if self._ahead is None:
             self._ahead = self._prepare()

@@ -160,15 +160,12 @@ def init(backend: str = "auto", timeout_s: float = 600.0) -> tuple[DistInfo, tor
         log.info(
             "init_process_group(%s) waiting for %d ranks (timeout %.0fs)", backend, info.world_size, timeout_s
         )
-        kwargs = {}
-        if backend == "nccl":
-            kwargs["device_id"] = device
         dist.init_process_group(
             backend=backend,
             rank=info.rank,
             world_size=info.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
-            **kwargs,
+            device_id=device if backend == "nccl" else None,  # None: the default
         )
         log.info("process group ready in %.2fs", time.perf_counter() - t0)
     return info, device

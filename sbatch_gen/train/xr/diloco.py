@@ -22,6 +22,7 @@ import torch
 from .errors import XRBehind, XRError, XRLayoutError, XRMissingRound, XRNoQuorum
 from .kernels import blocks, nesterov_block_
 from .protocol import round_tag
+from .region import held
 from .sync import OuterSync, _as_int
 
 FF_ATTEMPTS = 5  # objects can vanish under a fast-forward (a newer snapshot lands): plan again this often
@@ -30,6 +31,8 @@ FF_ATTEMPTS = 5  # objects can vanish under a fast-forward (a newer snapshot lan
 class DiLoCo(OuterSync):
     # the outer state (leaders only, see OuterSync): 16 B/param with the delta and the average
     BUFFERS = {**OuterSync.BUFFERS, "theta_outer": (True, True), "momentum": (False, True)}
+    theta_outer: torch.Tensor | None
+    momentum: torch.Tensor | None
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
@@ -40,7 +43,7 @@ class DiLoCo(OuterSync):
 
     def _aligned(self) -> None:
         if self.leader:
-            self.theta_outer.copy_(self.flat.gather(self.work))
+            held(self.theta_outer, "theta_outer").copy_(self.flat.gather(held(self.work, "work")))
 
     # -- the live round ----------------------------------------------------------------------------------
     def after_optimizer_step(self, step: int, tokens: int) -> dict | None:
@@ -55,7 +58,11 @@ class DiLoCo(OuterSync):
 
     def _round(self, r: int, step: int) -> dict:
         # delta = theta_outer - theta_local (the outer "gradient"; note the sign)
-        delta = self.flat.delta_into(self.theta_outer, self.work) if self.leader else None
+        delta = (
+            self.flat.delta_into(held(self.theta_outer, "theta_outer"), held(self.work, "work"))
+            if self.leader
+            else None
+        )
         try:
             res = self.ex.run_round(round_tag(r), "delta", step, delta, self.avg, self.tokens)
         except XRBehind:
@@ -81,27 +88,32 @@ class DiLoCo(OuterSync):
             rec["xr_snapshot_s"] = snap_s
         return rec
 
-    def _outer_step(self, g: torch.Tensor) -> None:
+    def _outer_step(self, avg: torch.Tensor | None) -> None:
         """Leaders: Nesterov on ``theta_outer`` and theta into the model, block by block: on the CPU each
         block is written into the parameters while it is still in cache. The other ranks hold no outer
         state: :meth:`_share_params` follows."""
         if not self.leader:
             return
+        theta, mom, g = (
+            held(self.theta_outer, "theta_outer"),
+            held(self.momentum, "momentum"),
+            held(avg, "avg"),
+        )
         direct = self.flat.direct(self.outer_device)
         tmp = self.ex.scratch(min(self.numel, self.ex.block))
         for lo, hi in blocks(self.numel, self.outer_device, self.ex.block):
             nesterov_block_(
-                self.theta_outer[lo:hi],
-                self.momentum[lo:hi],
+                theta[lo:hi],
+                mom[lo:hi],
                 g[lo:hi],
                 self.xr.outer_lr,
                 self.xr.outer_momentum,
                 tmp[: hi - lo],
             )
             if direct:
-                self.flat.scatter_range(self.theta_outer, lo, hi)
+                self.flat.scatter_range(theta, lo, hi)
         if not direct:
-            self.flat.scatter(self.theta_outer)
+            self.flat.scatter(theta)
 
     # -- snapshots -----------------------------------------------------------------------------------------
     def _maybe_snapshot(self, r: int, members: list[str], step: int) -> float | None:
@@ -114,12 +126,14 @@ class DiLoCo(OuterSync):
         try:
             mt, _, _ = self.ex.upload(tag, "theta", "snapshot", step, self.theta_outer, 0)
             mm, _, _ = self.ex.upload(tag, "momentum", "snapshot", step, self.momentum, 0)
-            self.group.on_rank(
-                lambda: (
-                    ms.complete_snapshot(r, {"theta": mt, "momentum": mm}, r),
-                    ms.delete_snapshots_before(r),
-                )
-            )
+
+            def publish() -> None:  # rank 0: it holds the mailbox and the manifests upload() returned
+                if ms is None or mt is None or mm is None:
+                    raise XRError(f"internal: rank 0 holds no mailbox or no manifest of snapshot {tag}")
+                ms.complete_snapshot(r, {"theta": mt, "momentum": mm}, r)
+                ms.delete_snapshots_before(r)
+
+            self.group.on_rank(publish)
         except XRError as e:  # the previous snapshot stays; rounds after it are kept
             self._log({"event": "xr_snapshot_failed", "round": r, "error": str(e)})
             return None
@@ -131,19 +145,19 @@ class DiLoCo(OuterSync):
         """theta_outer and momentum of snapshot ``s`` (all-or-nothing: fetched into scratch first)."""
         ms = self.membership
         expect = self.ex.expect("snapshot")
-        mans = self.group.on_rank(lambda: ms.read_snapshot(s, expect))
+        mans = self.group.on_rank(lambda: self.ex.ms().read_snapshot(s, expect))
         tag = ms.snap_tag(s) if ms is not None else ""
         self.ex.fetch(tag, mans["theta"], self.work, self.ex.fp32_plan)
         self.ex.fetch(tag, mans["momentum"], self.avg, self.ex.fp32_plan)
         if self.leader:
-            self.theta_outer.copy_(self.work)
-            self.momentum.copy_(self.avg)
+            held(self.theta_outer, "theta_outer").copy_(held(self.work, "work"))
+            held(self.momentum, "momentum").copy_(held(self.avg, "avg"))
         self.round = s
 
     # -- returning regions ---------------------------------------------------------------------------------
     def _plan(self):
         """rank 0: how to reach the run's newest committed round, or None when already there."""
-        ms = self.membership
+        ms = self.ex.ms()
         keys = ms.run_keys()
         committed = ms.committed_rounds(keys)
         if not committed or committed[-1] <= self.round:
@@ -198,7 +212,7 @@ class DiLoCo(OuterSync):
         if self.round == start:
             return None
         if self.leader:
-            self.flat.scatter(self.theta_outer)
+            self.flat.scatter(held(self.theta_outer, "theta_outer"))
         self._share_params()
         self.tokens, self.pending = 0, 0
         into = self.group.on_rank(self._steps_into_round)
@@ -224,7 +238,7 @@ class DiLoCo(OuterSync):
         the run's current step, so its first round back ends about when the others' does: else they
         would wait up to grace_s for it, or it would be late. 0 without an estimate, or when no round has
         closed for two rounds' time (every region was away: the run stands at the commit); at most H - 1."""
-        ms, h = self.membership, self.xr.inner_steps
+        ms, h = self.ex.ms(), self.xr.inner_steps
         closed = []  # (round, close time) of the last few rounds up to this one
         for r in [r for r in ms.committed_rounds() if r <= self.round][-4:]:
             c = ms.read_commit(round_tag(r))

@@ -28,11 +28,11 @@ import torch
 
 from sbatch_gen.xr_options import CrossRegion
 
-from .errors import XRLayoutError
+from .errors import XRError, XRLayoutError
 from .kernels import CPU_BLOCK, GPU_BLOCK, weighted_average_
 from .membership import Commit, Membership
 from .protocol import ITEMSIZE, Expect, Mailbox, Manifest, ShardInfo, ShardPlan, digest_of_digests
-from .region import Region
+from .region import Region, held
 
 _WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 WAIT_SLICE_S = 30.0  # rank 0 reports to the other ranks at least this often while it waits for peers
@@ -90,6 +90,18 @@ class Exchange:
         self._rx: dict = {}  # (region, shard) -> reused receive buffer
         self.withheld = _withheld()  # (fault injection: ENV_WITHHOLD_ROUNDS)
 
+    def mb(self) -> Mailbox:
+        """The mailbox: open on the shard owners (rank 0 among them) only, the other ranks never use it."""
+        if self.mailbox is None:
+            raise XRError(f"internal: rank {self.group.rank} holds no mailbox (only the region's leaders do)")
+        return self.mailbox
+
+    def ms(self) -> Membership:
+        """The membership view of the mailbox: like :meth:`mb`, on the shard owners only."""
+        if self.membership is None:
+            raise XRError(f"internal: rank {self.group.rank} holds no mailbox (only the region's leaders do)")
+        return self.membership
+
     # -- expectations ----------------------------------------------------------------------------------
     def expect(self, kind: str) -> Expect:
         """What every manifest of a ``kind`` round must agree on. init and snapshot parts are fp32 raw."""
@@ -125,10 +137,10 @@ class Exchange:
             torch.save(vec[lo:hi].to(_WIRE[wire]).cpu().clone(), buf)
             return buf.getvalue()
         if wire == "fp32" and vec.device.type == "cpu" and vec.dtype == torch.float32:
-            return memoryview(vec[lo:hi].numpy()).cast("B")  # already the wire bytes
+            return vec[lo:hi].numpy().data.cast("B")  # already the wire bytes
         st = self._staging(wire)[lo:hi]
         st.copy_(vec[lo:hi])  # dtype conversion (and device-to-host copy) into the reused buffer
-        return memoryview(st.view(torch.uint8).numpy())
+        return st.view(torch.uint8).numpy().data
 
     def _decode(self, buf, info: ShardInfo, wire: str, ser: str) -> torch.Tensor:
         """The wire-dtype tensor of a shard, on the outer device (not yet converted to fp32)."""
@@ -147,17 +159,18 @@ class Exchange:
         """Owners upload their shards of ``src`` as ``name``'s part of ``tag``; rank 0 writes the manifest.
         Collective. Returns (the manifest on rank 0, this rank's encoded shards, bytes uploaded)."""
         expect = self.expect(kind)
-        mb = self.mailbox
         encoded: dict[int, bytes | memoryview] = {}
 
         def up():
+            vec = held(src, f"the source of {name}'s {kind} upload")
+
             def encode_each():  # encode shard after shard; the pool checksums and uploads behind
                 for s in self.owned(expect.plan):
                     lo, hi = expect.plan.bounds[s]
-                    encoded[s] = self._encode(src, lo, hi, expect.dtype, expect.serialization)
+                    encoded[s] = self._encode(vec, lo, hi, expect.dtype, expect.serialization)
                     yield s, encoded[s]
 
-            return mb.upload_shards(tag, encode_each(), region=name)
+            return self.mb().upload_shards(tag, encode_each(), region=name)
 
         sums: dict[int, tuple[int, str]] = {}
         for part in self.group.on_each(up, active=self.my_owner is not None):
@@ -180,22 +193,24 @@ class Exchange:
                 shards,
                 extra,
             )
+            mb = self.mb()
             mb.store.put(mb.manifest_key(tag, name), m.to_json())
             return m
 
         m = self.group.on_rank(manifest)
         return m, encoded, sum(n for n, _ in sums.values())
 
-    def fetch(self, tag: str, m: Manifest, out: torch.Tensor, plan: ShardPlan) -> int:
+    def fetch(self, tag: str, m: Manifest, out: torch.Tensor | None, plan: ShardPlan) -> int:
         """Owners download their shards of ``m`` (fp32 raw) into ``out``; every owner then has all of
         ``out`` (the other ranks pass None). Collective. Returns bytes downloaded by this region."""
 
         def down():
+            dst = held(out, f"the buffer {tag} is fetched into")
             mine = self.owned(plan)
-            bufs = self.mailbox.download(tag, [(m.region, m.shards[s]) for s in mine])
+            bufs = self.mb().download(tag, [(m.region, m.shards[s]) for s in mine])
             for s in mine:
                 lo, hi = plan.bounds[s]
-                out[lo:hi].copy_(torch.frombuffer(bufs[(m.region, s)], dtype=torch.float32))
+                dst[lo:hi].copy_(torch.frombuffer(bufs[(m.region, s)], dtype=torch.float32))
             return sum(len(b) for b in bufs.values())
 
         n = sum(x or 0 for x in self.group.on_each(down, active=self.my_owner is not None))
@@ -207,8 +222,9 @@ class Exchange:
         take no part."""
         if len(self.owner_ranks) == 1 or self.my_owner is None:
             return
+        t = held(buf, "the buffer broadcast among the leaders")
         for s, (lo, hi) in enumerate(plan.bounds):
-            self.group.leaders_broadcast(buf[lo:hi], src=self.owner_ranks[s % len(self.owner_ranks)])
+            self.group.leaders_broadcast(t[lo:hi], src=self.owner_ranks[s % len(self.owner_ranks)])
 
     # -- one round -----------------------------------------------------------------------------------------
     def _now(self) -> float:
@@ -219,18 +235,18 @@ class Exchange:
         return time.perf_counter()
 
     def run_round(
-        self, tag: str, kind: str, step: int, src: torch.Tensor | None, out: torch.Tensor, tokens: int
+        self, tag: str, kind: str, step: int, src: torch.Tensor | None, out: torch.Tensor | None, tokens: int
     ) -> RoundResult:
         """Phases 1-4. ``out`` receives the committed members' weighted average on every owner (``src`` and
         ``out`` are None on the other ranks)."""
         region = self.xr.region
         expect = self.expect(kind)
-        mb, ms = self.mailbox, self.membership
         retries0 = self._store_retries()
         t0 = self._now()
 
         def state():  # (already committed?, this region's earlier manifest)
-            c = ms.read_commit(tag)
+            mb = self.mb()
+            c = self.ms().read_commit(tag)
             own = mb.read_manifest(tag, region)
             if own is not None:
                 expect.check(
@@ -288,11 +304,12 @@ class Exchange:
 
     def _closed(self, tag: str, expect: Expect, step: int, started: float):
         """rank 0: one slice of waiting; (commit, the members' verified manifests) once the round closed."""
-        got = self.membership.wait_commit(tag, expect, step=step, started=started, slice_s=WAIT_SLICE_S)
+        ms = self.ms()
+        got = ms.wait_commit(tag, expect, step=step, started=started, slice_s=WAIT_SLICE_S)
         if got is None:
             return None
         commit, seen = got
-        return commit, self.membership.member_manifests(commit, expect, seen)
+        return commit, ms.member_manifests(commit, expect, seen)
 
     def _download_and_average(
         self,
@@ -301,7 +318,7 @@ class Exchange:
         manifests: dict[str, Manifest],
         members: list[str],
         local: dict,
-        out: torch.Tensor,
+        out: torch.Tensor | None,
     ) -> tuple[int, float]:
         """Owners fetch their shards from every member (their own region's from ``local`` bytes where
         given) and average them into ``out`` (owned slices). Returns (bytes downloaded by the region,
@@ -310,12 +327,13 @@ class Exchange:
         t_dl = [0.0]
 
         def work():
+            dst = held(out, f"the buffer round {tag} is averaged into")
             t0 = time.perf_counter()
             mine = self.owned(expect.plan)
             wants = [
                 (r, manifests[r].shards[s]) for r in members for s in mine if not (r == region and local)
             ]
-            bufs = self.mailbox.download(tag, wants, reuse=self._rx)
+            bufs = self.mb().download(tag, wants, reuse=self._rx)
             t_dl[0] = time.perf_counter() - t0
             total = sum(manifests[r].tokens for r in members)
             weights = [manifests[r].tokens / total if total > 0 else 1.0 / len(members) for r in members]
@@ -327,24 +345,25 @@ class Exchange:
                     xs.append(self._decode(buf, manifests[r].shards[s], expect.dtype, expect.serialization))
                 # out = sum_r w_r * x_r in the order of `regions`; exact bf16->fp32 conversion, then
                 # separate multiply and add (no fused ops): identical bits on every device
-                weighted_average_(out[lo:hi], xs, weights, self.scratch(min(hi - lo, self.block)), self.block)
+                weighted_average_(dst[lo:hi], xs, weights, self.scratch(min(hi - lo, self.block)), self.block)
             return sum(len(b) for (r, _), b in bufs.items() if r != region)
 
         n = sum(x or 0 for x in self.group.on_each(work, active=self.my_owner is not None))
         return n, t_dl[0]
 
-    def replay(self, tag: str, kind: str, out: torch.Tensor) -> Commit:
+    def replay(self, tag: str, kind: str, out: torch.Tensor | None) -> Commit:
         """A committed round, entirely from the mailbox (a region fast-forwarding): ``out`` = the members'
         weighted average, as every member computed it. Collective."""
         expect = self.expect(kind)
 
         def read():
-            c = self.membership.read_commit(tag)
+            ms = self.ms()
+            c = ms.read_commit(tag)
             if c is None:
                 from .errors import XRBehind
 
                 raise XRBehind(f"round {tag}: commit gone while fast-forwarding", None)
-            return c, self.membership.member_manifests(c, expect, {})
+            return c, ms.member_manifests(c, expect, {})
 
         commit, manifests = self.group.on_rank(read)
         members = [r for r in self.xr.regions if r in commit.members]

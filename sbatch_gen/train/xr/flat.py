@@ -92,10 +92,12 @@ class FlatParams:
 
     def grads(self) -> list[torch.Tensor]:
         """The parameters' ``.grad`` (zeros where there is none yet): what a broadcast writes into."""
+        out = []
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        return [p.grad for p in self.params]
+            out.append(p.grad)
+        return out
 
     @torch.no_grad()
     def scatter_grads(self, flat: torch.Tensor) -> None:

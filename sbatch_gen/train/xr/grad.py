@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from .errors import XRBehind, XRError, XRMissingRound
 from .protocol import round_tag
+from .region import held
 from .sync import OuterSync
 
 
@@ -25,7 +26,7 @@ class GradSync(OuterSync):
         if not self.aligned:
             raise XRError("OuterSync.align() must run before the first exchange")
         self.tokens += int(tokens)
-        src = self.flat.gather_grads(self.work) if self.leader else None
+        src = self.flat.gather_grads(held(self.work, "work")) if self.leader else None
         try:
             res = self.ex.run_round(round_tag(step), "grad", step, src, self.avg, self.tokens)
         except XRBehind as e:
@@ -36,7 +37,7 @@ class GradSync(OuterSync):
         t = res.times
         t5 = t["t_end"]
         if self.leader:
-            self.flat.scatter_grads(self.avg)
+            self.flat.scatter_grads(held(self.avg, "avg"))
         t6 = self._now()
         self.group.broadcast_tensors(self.flat.grads(), src=0)  # the other ranks hold no average
         t7 = self._now()

@@ -45,7 +45,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import asdict, dataclass, field
 
 from .errors import XRBehind, XRLayoutError, XRNoQuorum
@@ -331,7 +331,7 @@ class Membership:
         got: dict[str, Manifest],
         reason: str,
         waited: float,
-        stale: set[str] = frozenset(),
+        stale: Collection[str] = frozenset(),
     ) -> Commit:
         members = {r: Member(manifest_digest(got[r]), int(got[r].tokens)) for r in self.regions if r in got}
         absent = [r for r in self.regions if r not in got]

@@ -382,6 +382,7 @@ class Mailbox:
         def one(item):
             region, info = item
             key = self.shard_key(tag, region, info.index)
+            buf: Buffer
             for attempt in range(self.read_attempts):
                 if attempt:
                     self.store.count_retry()

@@ -51,6 +51,14 @@ def reraise(err: Err) -> None:
     raise _ERRORS[err[0]](err[1])
 
 
+def held(t: torch.Tensor | None, what: str) -> torch.Tensor:
+    """``t`` on a rank that holds it: the flat buffers live on the region's leaders only, the other ranks
+    pass None and never reach the code that uses them."""
+    if t is None:
+        raise XRError(f"internal: {what} is used on a rank that holds none (only the region's leaders do)")
+    return t
+
+
 # A host tensor broadcast over a device backend (NCCL) goes through device buffers of at most this many
 # bytes, so the outer state held in host memory never needs a device copy of its whole size.
 STAGE_BYTES = 64 << 20
@@ -160,7 +168,7 @@ class Region:
             except Exception as e:  # noqa: BLE001
                 err = capture(e)
         gathered = self.all_gather((err, res))
-        for e, _ in gathered:
-            if e is not None:
-                reraise(e)
+        for failure, _ in gathered:
+            if failure is not None:
+                reraise(failure)
         return [r for _, r in gathered]

@@ -27,6 +27,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,8 +38,8 @@ from .errors import XRError, XRLayoutError
 from .exchange import Exchange, RoundResult, theta0_extra
 from .flat import FlatParams
 from .membership import Membership
-from .protocol import TAG_INIT, Mailbox, digest, digest_of_digests
-from .region import Region
+from .protocol import TAG_INIT, Mailbox, Manifest, digest, digest_of_digests
+from .region import Region, held
 from .store import Store, make_store, probe_create
 
 log = logging.getLogger("sbatch_gen.train")
@@ -73,6 +74,8 @@ class OuterSync:
     # The flat fp32 buffers a leader holds: name -> (pinned when in host memory beside a GPU: it crosses
     # PCIe every round; zero-filled at the start). None on the other ranks.
     BUFFERS: dict[str, tuple[bool, bool]] = {"work": (True, False), "avg": (True, False)}
+    work: torch.Tensor | None
+    avg: torch.Tensor | None
 
     def __init__(
         self,
@@ -112,6 +115,7 @@ class OuterSync:
             raise ValueError("rank 0 must be a node leader (local rank 0 of node 0)")
         self.group.set_leaders(owner_ranks)
         self.leader = self.group.is_leader  # holds the outer state
+        self.mailbox: Mailbox | None = None
 
         def open_mailbox():  # e.g. S3 credentials missing on one node: every rank must hear about it
             mb = Mailbox(
@@ -135,7 +139,6 @@ class OuterSync:
                 )
             self.mailbox = mb
 
-        self.mailbox: Mailbox | None = None
         self.group.on_each(open_mailbox, active=rank in owner_ranks)
         self.membership = (
             Membership(self.mailbox, xr.quorum, xr.grace_s, job=os.environ.get("SLURM_JOB_ID", ""))
@@ -189,17 +192,22 @@ class OuterSync:
             return
         t0 = time.perf_counter()
         first = self.xr.regions[0]
-        exists = self.group.on_rank(lambda: self.mailbox.read_manifest(TAG_INIT, first) is not None)
-        flat = self.flat.gather(self.work) if self.leader else None
+        exists = self.group.on_rank(lambda: self.ex.mb().read_manifest(TAG_INIT, first) is not None)
+        flat = self.flat.gather(held(self.work, "work")) if self.leader else None
         if self.xr.region == first and not exists:
             self.ex.upload(TAG_INIT, first, "init", step, flat, 0, extra_fn=theta0_extra)
             action = "published"
         else:
             expect = self.ex.expect("init")
-            manifests = self.group.on_rank(lambda: self.mailbox.wait(TAG_INIT, [first], expect, step=step))
-            self.ex.fetch(TAG_INIT, manifests[first], flat, self.ex.fp32_plan)
+
+            def theta0() -> Manifest:
+                got = self.ex.mb().wait(TAG_INIT, [first], expect, step=step)
+                assert got is not None  # None only when waiting in slices (slice_s)
+                return got[first]
+
+            self.ex.fetch(TAG_INIT, self.group.on_rank(theta0), flat, self.ex.fp32_plan)
             if self.leader:
-                self.flat.scatter(flat)
+                self.flat.scatter(held(flat, "theta0"))
             action = "adopted"
         self._share_params()
         fingerprint = self._verify_init(flat)
@@ -222,24 +230,29 @@ class OuterSync:
     def _aligned(self) -> None:
         """Subclass hook: the model holds theta0."""
 
-    def _verify_init(self, scratch: torch.Tensor) -> str:
+    def _verify_init(self, scratch: torch.Tensor | None) -> str:
         """Hash what the MODEL now holds (not a copy; each leader its own shards) and compare with the
         published theta0."""
-        flat = self.flat.gather(scratch) if self.leader else None
+        flat = self.flat.gather(held(scratch, "work")) if self.leader else None
 
-        def want():
-            m = self.mailbox.read_manifest(TAG_INIT, self.xr.regions[0])
+        def published():
+            mb = self.ex.mb()
+            m = mb.read_manifest(TAG_INIT, self.xr.regions[0])
             if m is None:
-                raise XRError(f"theta0 manifest vanished from {self.mailbox.store.describe()}")
+                raise XRError(f"theta0 manifest vanished from {mb.store.describe()}")
             return m.extra.get("theta0")
 
-        want = self.group.on_rank(want)
+        want = self.group.on_rank(published)
         plan = self.ex.fp32_plan
-        mine = [
-            (s, digest(memoryview(flat[lo:hi].cpu().contiguous().numpy())))
-            for s in self.ex.owned(plan)
-            for lo, hi in [plan.bounds[s]]
-        ]
+        mine = (
+            [
+                (s, digest(flat[lo:hi].cpu().contiguous().numpy().data))
+                for s in self.ex.owned(plan)
+                for lo, hi in [plan.bounds[s]]
+            ]
+            if flat is not None
+            else []
+        )
         parts = dict(x for lst in self.group.all_gather(mine) for x in lst)
         got = digest_of_digests(parts[i] for i in range(len(plan)))
         if got != want:
@@ -274,7 +287,7 @@ class OuterSync:
 
     def _joined(self, step: int) -> None:
         if self.group.rank == 0:
-            self.membership.announce("joined", self.round, step)
+            self.ex.ms().announce("joined", self.round, step)
 
     # -- shared by the subclasses ----------------------------------------------------------------------
     def _now(self) -> float:
@@ -296,14 +309,14 @@ class OuterSync:
         if self.group.rank != 0:
             return
         try:
-            self.membership.cleanup(r, self.xr.keep_rounds, len(self.ex.plan), need_snapshot=need_snapshot)
+            self.ex.ms().cleanup(r, self.xr.keep_rounds, len(self.ex.plan), need_snapshot=need_snapshot)
         except Exception as e:  # noqa: BLE001 - old rounds left behind do not hurt training
             self._log({"event": "xr_cleanup_failed", "round": r, "error": str(e)})
 
     def _record(self, step: int, res: RoundResult, t: dict) -> dict:
         """The round's fields in the step's metrics record."""
         parts = ("upload_s", "wait_s", "download_s", "reduce_s", "broadcast_s", "outer_step_s", "cleanup_s")
-        out = {"xr_round": self.round, "xr_step": step}
+        out: dict[str, Any] = {"xr_round": self.round, "xr_step": step}
         for k in parts:
             out[f"xr_{k}"] = t[k]
         out["xr_total_s"] = t["t_end"] - t["t_start"]
