@@ -107,3 +107,33 @@ def test_fs_get_view_maps_without_copying_and_outlives_the_file(tmp_path):
         st.put("k", b"1234567") or st.get_view("k", 8)
     with pytest.raises(StoreError, match="object missing"):
         st.get_view("nope", 1)
+
+
+def test_fs_writes_survive_another_regions_delete_emptying_their_directory(tmp_path):
+    """delete() removes directories it leaves empty; a create/put into the same directory at that moment
+    (two regions probing `_probe/` at start-up, cleanup next to a publish) must make it again, not fail."""
+    import threading
+    import uuid
+
+    store = FsStore(str(tmp_path))
+    errors: list[str] = []
+
+    def churn() -> None:
+        try:
+            for _ in range(400):
+                key = f"run/_probe/{uuid.uuid4().hex}"
+                assert store.create(key, b"1")
+                store.delete([key])
+                key = f"run/r/{uuid.uuid4().hex}"
+                store.put(key, b"1")
+                store.delete([key])
+        except Exception as e:  # noqa: BLE001 - collected and reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=churn) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert store.list("run") == []

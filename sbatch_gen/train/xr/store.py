@@ -23,10 +23,16 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from ...fsutil import write_atomic
 from .errors import StoreError, XRChecksumError
+
+_T = TypeVar("_T")
+# Writes into a directory another region's delete may remove meanwhile (FsStore._in_parent): tries.
+_PARENT_ATTEMPTS = 20
 
 
 class Store(ABC):
@@ -63,7 +69,7 @@ class Store(ABC):
         """Keys that start with ``prefix`` (a folder-like prefix ending in ``/``), any order."""
 
     @abstractmethod
-    def delete(self, keys: list[str]) -> None:
+    def delete(self, keys: Sequence[str]) -> None:
         """Delete ``keys``; missing keys are not an error."""
 
     @abstractmethod
@@ -89,24 +95,41 @@ class FsStore(Store):
             raise ValueError(f"bad mailbox key {key!r}")
         return self.root / key
 
+    @staticmethod
+    def _in_parent(path: Path, write: Callable[[], _T]) -> _T:
+        """Make ``path``'s directory, then ``write`` into it. :meth:`delete` removes directories it left
+        empty, so another region's delete can remove the directory between the two: make it again."""
+        for attempt in range(_PARENT_ATTEMPTS):
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                return write()
+            except (FileNotFoundError, FileExistsError):
+                # FileExistsError: mkdir saw the directory, then found it gone when it checked is_dir().
+                if attempt == _PARENT_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
     def _complete_temp(self, key: str, data: bytes | bytearray | memoryview) -> tuple[Path, Path]:
         """(the key's path, a complete temp file beside it holding ``data``, for :meth:`create` to link);
         the caller removes the temp."""
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+
+        def write() -> None:
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+
+        self._in_parent(path, write)
         return path, tmp
 
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, data, fsync=False)  # atomic: readers see the old object, or the complete new one
+        # atomic: readers see the old object, or the complete new one
+        self._in_parent(path, lambda: write_atomic(path, data, fsync=False))
 
     def create(self, key: str, data: bytes | bytearray | memoryview) -> bool:
         path, tmp = self._complete_temp(key, data)
@@ -170,7 +193,7 @@ class FsStore(Store):
                 keys.append(os.path.relpath(os.path.join(dirpath, name), self.root).replace(os.sep, "/"))
         return keys
 
-    def delete(self, keys: list[str]) -> None:
+    def delete(self, keys: Sequence[str]) -> None:
         parents = set()
         for key in keys:
             p = self._path(key)
@@ -405,7 +428,7 @@ class S3Store(Store):
             raise StoreError(f"listing {self.describe(prefix)} failed: {e}") from e
         return keys
 
-    def delete(self, keys: list[str]) -> None:
+    def delete(self, keys: Sequence[str]) -> None:
         for i in range(0, len(keys), 1000):
             batch = [{"Key": self._key(k)} for k in keys[i : i + 1000]]
             try:
