@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 4bf1ca5539b2023ca316d97e1c1e5ecc39b8641dac625f346fbf4f7ec63244ea
+#   inputs sha256: dfed16773830c9d5c13bbdd24586476cebe9053b3ee10e201d76505df36b455f
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -182,7 +182,7 @@ activate_env() {
 # nvidia-smi and numactl are looked up on PATH, as torchrun does.
 
 # read_line VAR FILE: the first line of FILE into VAR; returns 1 if FILE cannot be read.
-# shellcheck disable=SC2317  # run on the nodes by the preflight (shipped with it), not called here
+# shellcheck disable=SC2317,SC2329  # run on the nodes by the preflight (shipped with it), not called here
 read_line() {
   local line_read=''
   { IFS= read -r line_read <"$2"; } 2>/dev/null || [[ -n $line_read ]] || return 1
@@ -190,7 +190,7 @@ read_line() {
 }
 
 # The CPU numbers of a kernel cpulist ("0-3,8,10-11"), space-separated.
-# shellcheck disable=SC2317  # run on the nodes by the preflight (shipped with it), not called here
+# shellcheck disable=SC2317,SC2329  # run on the nodes by the preflight (shipped with it), not called here
 cpulist_cpus() {
   local r i
   local -a ranges=() cpus=()
@@ -213,7 +213,7 @@ cpulist_cpus() {
 # counts it) -> /sys/devices/system/node/node<N>/cpulist, intersected with Cpus_allowed_list of this
 # process (the job step's cpuset, which torchrun inherits). Mode exclusive also needs a physical core per
 # GPU of the node; mode socket needs a usable CPU on every NUMA node the kernel lists as possible.
-# shellcheck disable=SC2317  # run on the nodes by the preflight (shipped with it), not called here
+# shellcheck disable=SC2317,SC2329  # run on the nodes by the preflight (shipped with it), not called here
 check_numa_binding() {
   local mode=$1 root=${SBATCH_GEN_SYSFS_ROOT:-} bad=0 smi idx uuid bus addr node e c f n k
   local allowed_list='' node_list sib summary='' field="topology.numa_binding=$1" possible
@@ -352,7 +352,7 @@ check_numa_binding() {
 # its link layer, so an Ethernet storage or management port in the list carries training traffic.
 # Every name must match an adapter in /sys/class/infiniband (a prefix: at least one), and every port it
 # selects must have LINK_LAYER in ports/<port>/link_layer (InfiniBand, or Ethernet for RoCE).
-# shellcheck disable=SC2317  # run on the nodes by the preflight (shipped with it), not called here
+# shellcheck disable=SC2317,SC2329  # run on the nodes by the preflight (shipped with it), not called here
 check_ib_hcas() {
   local spec=$1 want=$2 dir=${SBATCH_GEN_SYSFS_ROOT:-}/sys/class/infiniband exact=0 bad=0
   local entry name port dev d p ll lls have='' what
@@ -423,7 +423,7 @@ check_ib_hcas() {
 
 # IPv4 address of an interface (ip, else python's SIOCGIFADDR: images without iproute2); returns 1 if it has
 # none.
-# shellcheck disable=SC2317  # run on the nodes (shipped with the preflight)
+# shellcheck disable=SC2317,SC2329  # run on the nodes (shipped with the preflight)
 iface_ipv4() {
   local addr='' py
   if command -v ip >/dev/null; then
@@ -463,7 +463,7 @@ print(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", sys.a
 #   rdzv_port=P       torchrun.rdzv_port: node 0 can listen on it (no other launch holds it)
 #   rdzv_host=H connect_timeout_s=T   and every other node reaches H:P within T s (every node runs its
 #                     preflight at the same time, as srun does)
-# shellcheck disable=SC2317  # run on the nodes (export -f / declare -f), not called here
+# shellcheck disable=SC2317,SC2329  # run on the nodes (export -f / declare -f), not called here
 preflight() {
   local -A s=([dir]='' [activate]=0 [module]='' [config]='' [data]='' [ifname]='' [gpus]=0 [gpus_key]=''
     [log_topology]=0 [numa]='' [hcas]='' [link_layer]='' [run_dir]='' [shared_marker]='' [node_id]=0 [nnodes]=1

@@ -192,7 +192,7 @@ def render(names, all_, out_dir, overrides, sites_dir, templates_dir) -> None:
 @_sites_dir_option
 @_templates_option
 def check(out_dir, sites_dir, templates_dir) -> None:
-    """Exit 1 with a unified diff if any file in out/ differs from a fresh render (for CI, pre-commit).
+    """Exit 1 with a unified diff if any file in out/ differs from a fresh render (CI runs it through `make check`).
 
     \b
     sbatch-gen check

@@ -338,7 +338,7 @@ def _env_names(v: object) -> object:
         if k in _SHELL_ENV or k.startswith(_SHELL_ENV_PREFIXES):
             raise FieldError(
                 (k,),
-                f"{k} changes how bash runs the script (see 'extra_env' in the README); "
+                f"{k} changes how bash runs the script (see 'Value rules' in docs/profiles.md); "
                 "it cannot be set from the profile",
             )
         if k in _PYTHON_ENV:

@@ -115,8 +115,17 @@ RUNTIME_EXPORTS = ("MASTER_ADDR", "MASTER_PORT", "PYTHONPATH", contract.ENV_STOP
 # Variables the activation of python_env sets (a venv: VIRTUAL_ENV, and its bin/ first on PATH).
 ACTIVATION_EXPORTS = ("PATH", "VIRTUAL_ENV")
 
+# Variables the SSH launcher sets on every node for torchrun and the trainer (the process tag cleanup
+# kills by, the node rank, the attempt number).
+SSH_LAUNCHER_EXPORTS = ("SBATCH_GEN_TAG", "SBATCH_GEN_NODE_RANK", "SBATCH_GEN_ATTEMPT")
+
 # What extra_env may not set: sbatch-gen sets these from other profile fields.
-RESERVED_ENV: frozenset[str] = JOB_ENV_NAMES | frozenset(RUNTIME_EXPORTS) | frozenset(ACTIVATION_EXPORTS)
+RESERVED_ENV: frozenset[str] = (
+    JOB_ENV_NAMES
+    | frozenset(RUNTIME_EXPORTS)
+    | frozenset(ACTIVATION_EXPORTS)
+    | frozenset(SSH_LAUNCHER_EXPORTS)
+)
 
 
 def job_environment(p: ProfileBase) -> list[EnvBlock]:

@@ -18,15 +18,21 @@ import sbatch_gen.train.config
 import sbatch_gen.xr_options
 from sbatch_gen import profiles
 from sbatch_gen.errors import FieldError
+from sbatch_gen.loader import load_site
 from sbatch_gen.profiles import PROFILE_KINDS, ProfileBase, SlurmProfile, SshProfile, job_environment
 from sbatch_gen.profiles import base as pbase
 from sbatch_gen.profiles import slurm as pslurm
 from sbatch_gen.profiles import ssh as pssh
 from sbatch_gen.profiles import types as ptypes
-from sbatch_gen.profiles.environment import JOB_ENV_NAMES, RESERVED_ENV, RUNTIME_EXPORTS
+from sbatch_gen.profiles.environment import (
+    JOB_ENV_NAMES,
+    RESERVED_ENV,
+    RUNTIME_EXPORTS,
+    SSH_LAUNCHER_EXPORTS,
+)
 from sbatch_gen.strict import StrictModel
 
-from .conftest import sg
+from .conftest import REPO, sg
 
 pytestmark = pytest.mark.slow  # imports the package in fresh interpreters
 
@@ -270,7 +276,29 @@ def test_every_variable_the_job_gets_is_refused_in_extra_env(kind):
 def test_reserved_env_is_what_the_job_gets_plus_the_runtime_and_activation_exports():
     assert JOB_ENV_NAMES <= RESERVED_ENV
     assert set(RUNTIME_EXPORTS) <= RESERVED_ENV
-    assert RESERVED_ENV - JOB_ENV_NAMES - set(RUNTIME_EXPORTS) == {"PATH", "VIRTUAL_ENV"}
+    assert set(SSH_LAUNCHER_EXPORTS) <= RESERVED_ENV
+    assert RESERVED_ENV - JOB_ENV_NAMES - set(RUNTIME_EXPORTS) - set(SSH_LAUNCHER_EXPORTS) == {
+        "PATH",
+        "VIRTUAL_ENV",
+    }
+
+
+_EXPORT = re.compile(r"^\s*(?:if .*; then )?export ((?:[A-Za-z_][A-Za-z0-9_]*(?:=\S*)?\s*)+)(?:; fi)?$")
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "out").iterdir()))
+def test_every_variable_a_rendered_script_exports_is_reserved(script):
+    """A script that exports a variable the profile's extra_env could also set would silently win or lose:
+    every `export NAME` in the committed renders must be a reserved name (or come from extra_env)."""
+    site = load_site(REPO / "sites", script.split(".")[0])
+    allowed = RESERVED_ENV | set(site.profile.extra_env)
+    exported = set()
+    for line in (REPO / "out" / script).read_text().splitlines():
+        m = _EXPORT.match(line)
+        if m:
+            exported |= {w.split("=", 1)[0] for w in m.group(1).split()}
+    assert exported, "no export lines found: the pattern is stale"
+    assert exported <= allowed, sorted(exported - allowed)
 
 
 # ---- one strict base model -------------------------------------------------------------------------------

@@ -195,7 +195,7 @@ def _python_on_path() -> str:
     return found
 
 
-# The whole reason, up to and including the profile field it names (the README promises the field).
+# The whole reason, up to and including the profile field it names (docs/slurm.md promises the field).
 @pytest.mark.parametrize(
     "kwargs, reason",
     [

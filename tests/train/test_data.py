@@ -95,7 +95,7 @@ def test_sampler_refuses_changed_data():
         Sampler(100, 16, 4, 0, 2, seed=0)
 
 
-# ---- resuming at another world size (README: "the cursor is in the checkpoint, so a resumed run sees
+# ---- resuming at another world size (docs/trainer.md: "the cursor is in the checkpoint, so a resumed run sees
 # exactly the batches the uninterrupted run would have (also after a world-size change)") ------------
 
 N_WINDOWS, SEQ, BS, SEED = 400, 16, 2, 11  # 400 windows: a whole number of global batches at 1, 2, 4 ranks
@@ -142,7 +142,7 @@ def test_sampler_resumes_after_a_world_size_change_without_repeating_or_skipping
 def test_a_resume_off_the_new_batch_boundary_drops_at_most_one_global_batch_at_the_epoch_end():
     """Resumed at a position that is not a multiple of the new global batch (bs x world), the epoch's tail
     holds fewer windows than one global batch: like drop_last, those windows are skipped, and nothing is
-    repeated. The README documents it."""
+    repeated. docs/trainer.md documents it."""
     old = _ranks(2)
     before = _global_steps(old, 31)  # cursor 124: not a multiple of 4 ranks x 2
     resumed = _ranks(4, old[0].state_dict())
