@@ -40,7 +40,7 @@ lint: install  ## ruff check, ruff format --check, mypy on sbatch_gen/, bash -n 
 	$(VENV)/bin/ruff check sbatch_gen tests bench scripts
 	$(VENV)/bin/ruff format --check sbatch_gen tests bench scripts
 	$(VENV)/bin/mypy
-	for f in out/*.sbatch out/*.sh; do [ -e "$$f" ] || continue; bash -n "$$f"; $(VENV)/bin/shellcheck -x "$$f"; done
+	for f in out/*.sbatch out/*.sh examples/out/*.sbatch examples/out/*.sh; do [ -e "$$f" ] || continue; bash -n "$$f"; $(VENV)/bin/shellcheck -x "$$f"; done
 	$(VENV)/bin/shellcheck scripts/*.sh
 
 format: install  ## rewrite the Python sources in the project's style (ruff format, ruff check --fix)

@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: dfed16773830c9d5c13bbdd24586476cebe9053b3ee10e201d76505df36b455f
+#   inputs sha256: b2c8e5b928164c269829b772414febf0951d7c4809e0a94bf45a2b6dbe7cd3ea
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).

@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: ea9efce6acc8175189381b859cb6226950d3f7a32648b5e7a19f4f406c79ca99
+#   inputs sha256: 154ae847a4daa66cd3f2af1418cc9c7250fb4e9b5b69ececf9f02f6afb6f5e38
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).

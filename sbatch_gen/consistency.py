@@ -96,7 +96,14 @@ def check_train_configs(sites: Iterable[LoadedSite]) -> tuple[list[str], list[st
         xr = s.profile.cross_region
         if not xr.enabled:
             continue
-        cfg_path = Path(s.profile.trainer.config)
+        trainer = s.profile.trainer
+        if trainer.args is not None or trainer.config is None:
+            # a command line of its own (trainer.args): its config need not be this trainer's
+            notes.append(
+                f"{s.at('trainer', 'args')}: trainer.args is set: the train config is not cross-checked"
+            )
+            continue
+        cfg_path = Path(trainer.config)
         where = s.at("trainer", "config")
         if not cfg_path.is_file():
             notes.append(f"{where}: trainer.config {str(cfg_path)!r} is not readable here: not cross-checked")

@@ -1,16 +1,22 @@
 """The command lines every launcher starts on the nodes, built once for every kind. Torch-free.
 
 The Slurm batch script and the SSH launcher both run ``torchrun <torchrun argv> -m <trainer.module>
-<trainer argv>`` on every node. Both argument lists are built here from the profile, as lists of
-:class:`Option` (one option per rendered line), and the templates render them through ``shq``. Values that
-are only known when the script runs (the node count, the rendezvous endpoint, the run id, the resume mode
-of a relaunch) are shell variables: :class:`Var` and :class:`Concat` stand for them here and ``shq``
-renders them as double-quoted expansions (``"$MASTER_ADDR:$MASTER_PORT"``). Each launcher says which of
-its variables hold those values in a :class:`Launcher`.
+<trainer argv>`` (or ``torchrun <torchrun argv> <trainer.script> <trainer argv>``) on every node. Both
+argument lists are built here from the profile, as lists of :class:`Option` (one option per rendered line),
+and the templates render them through ``shq``. Values that are only known when the script runs (the node
+count, the rendezvous endpoint, the run id, the resume mode of a relaunch) are shell variables: :class:`Var`
+and :class:`Concat` stand for them here and ``shq`` renders them as double-quoted expansions
+(``"$MASTER_ADDR:$MASTER_PORT"``). Each launcher says which of its variables hold those values in a
+:class:`Launcher`.
+
+The trainer's arguments are today's fixed flags (``--config``, ``--run-dir``, ...), or, when the profile
+sets ``trainer.args``, that list with its placeholders (``{run_dir}``, ``{xr_args}``, ...; see
+:data:`PLACEHOLDERS` and :func:`parse_arg`) replaced by the same values and shell variables.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass
 from typing import Protocol
@@ -127,9 +133,15 @@ class _Paths(Protocol):
 
 class _Trainer(Protocol):
     @property
+    def config(self) -> str | None: ...
+    @property
     def max_steps(self) -> int | None: ...
     @property
     def extra_args(self) -> list[str]: ...
+    @property
+    def stop_protocol(self) -> str: ...
+    @property
+    def args(self) -> list[str] | None: ...
 
 
 class _Torchrun(Protocol):
@@ -155,6 +167,8 @@ class Profile(Protocol):
     def topology(self) -> _Topology: ...
     @property
     def cross_region(self) -> CrossRegion: ...
+    def stop_signal(self) -> str: ...
+    def stop_grace(self) -> tuple[int, str]: ...
 
 
 class Container(Protocol):
@@ -166,8 +180,157 @@ class Container(Protocol):
     def mount_home(self) -> bool: ...
 
 
-def trainer_argv(p: Profile) -> list[Option]:
-    """The trainer's arguments (after ``-m trainer.module``), the same for every launcher."""
+# ---- trainer.args: placeholders ------------------------------------------------------------------------
+
+# What a placeholder of trainer.args stands for (the field descriptions are generated from this).
+PLACEHOLDERS: dict[str, str] = {
+    "config": "trainer.config (must be set)",
+    "run_dir": "paths.run_dir",
+    "resume": "the resume mode: trainer.resume; auto when the SSH launcher relaunches after a failure",
+    "data_path": "paths.data (must be set)",
+    "max_steps": "trainer.max_steps (must be set)",
+    "xr_args": "the --xr-* flags of cross_region, several arguments (none when cross_region is disabled); "
+    "only as an argument of its own",
+    "nnodes": "the node count of this attempt (Slurm: $SLURM_NNODES of the allocation; SSH: the enabled hosts)",
+    "nproc_per_node": "processes per node (the GPU count, or torchrun.procs_per_node on a CPU site)",
+    "site": "the site name",
+}
+# Placeholders that stand for several arguments: only allowed as a whole argument.
+LIST_PLACEHOLDERS = frozenset({"xr_args"})
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A placeholder in one argument of trainer.args: ``{name}``."""
+
+    name: str
+
+
+class PlaceholderError(ValueError):
+    """A malformed or unknown placeholder in one argument of trainer.args (the message says which)."""
+
+
+# One token of an argument: an escaped brace, a {...} group, a single brace, or a run of other text.
+_TOKEN = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]|[^{}]+")
+_PLACEHOLDER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ESCAPES = "write {{ and }} for a literal brace"
+
+
+def parse_arg(arg: str) -> tuple[str | Ref, ...]:
+    """One argument of trainer.args as literal text and placeholders: ``--out={run_dir}/x`` ->
+    ``("--out=", Ref("run_dir"), "/x")``; ``{{`` and ``}}`` are a literal brace. Raises PlaceholderError for
+    an unknown name, a brace that is neither a placeholder nor escaped, and a list placeholder
+    (``{xr_args}``) that is not the whole argument."""
+    pieces: list[str | Ref] = []
+    for m in _TOKEN.finditer(arg):
+        tok = m.group(0)
+        if tok in ("{{", "}}"):
+            piece: str | Ref = tok[0]
+        elif tok in ("{", "}"):
+            raise PlaceholderError(
+                f"a single {tok!r} in {arg!r} is neither a placeholder nor a literal brace "
+                f"(placeholders are {{name}}; {_ESCAPES})"
+            )
+        elif m.group(1) is not None:
+            name = m.group(1)
+            if not _PLACEHOLDER_NAME.fullmatch(name):
+                raise PlaceholderError(
+                    f"malformed placeholder {tok!r} in {arg!r} (placeholders are {{name}}, e.g. {{run_dir}}; "
+                    f"{_ESCAPES})"
+                )
+            if name not in PLACEHOLDERS:
+                close = difflib.get_close_matches(name.lower(), list(PLACEHOLDERS), n=1)
+                hint = f"did you mean {{{close[0]}}}? " if close else ""
+                raise PlaceholderError(
+                    f"unknown placeholder {tok} in {arg!r} ({hint}known: "
+                    + ", ".join(f"{{{n}}}" for n in PLACEHOLDERS)
+                    + f"; {_ESCAPES})"
+                )
+            piece = Ref(name)
+        else:
+            piece = tok
+        if isinstance(piece, str) and pieces and isinstance(pieces[-1], str):
+            pieces[-1] += piece
+        else:
+            pieces.append(piece)
+    for p in pieces:
+        if isinstance(p, Ref) and p.name in LIST_PLACEHOLDERS and len(pieces) > 1:
+            raise PlaceholderError(
+                f"{{{p.name}}} stands for several arguments ({PLACEHOLDERS[p.name].split(',')[0]}): it must be an "
+                f"argument of its own, not part of {arg!r}"
+            )
+    return tuple(pieces)
+
+
+def placeholders_used(args: list[str]) -> list[tuple[int, set[str]]]:
+    """(index, placeholder names) for every argument of trainer.args (raises PlaceholderError)."""
+    return [(i, {p.name for p in parse_arg(a) if isinstance(p, Ref)}) for i, a in enumerate(args)]
+
+
+def _placeholder_values(p: Profile, launcher: Launcher, site: str) -> dict[str, Word]:
+    """The single-word placeholders' values: run-time values are the launchers' shell variables."""
+    values: dict[str, Word] = {
+        "config": Var("TRAIN_CONFIG"),
+        "run_dir": Var("RUN_DIR"),
+        "resume": Var("RESUME"),
+        "data_path": Var("DATA_PATH"),
+        "nnodes": launcher.nnodes,
+        "nproc_per_node": Var("NPROC_PER_NODE"),
+        "site": site,
+    }
+    if p.trainer.max_steps is not None:
+        values["max_steps"] = str(p.trainer.max_steps)
+    return values
+
+
+def _word(parts: list[str | Var]) -> Word:
+    """Literal text and variables as one shell word."""
+    if not any(isinstance(x, Var) for x in parts):
+        return "".join(x for x in parts if isinstance(x, str))
+    if len(parts) == 1 and isinstance(parts[0], Var):
+        return parts[0]
+    return Concat(tuple(parts))
+
+
+def _starts_option(w: Word) -> bool:
+    head = w if isinstance(w, str) else w.parts[0] if isinstance(w, Concat) else ""
+    return isinstance(head, str) and re.match(r"--?[A-Za-z]", head) is not None
+
+
+def _custom_trainer_argv(p: Profile, args: list[str], launcher: Launcher, site: str) -> list[Option]:
+    values = _placeholder_values(p, launcher, site)
+    words: list[Word] = []
+    for arg in args:
+        pieces = parse_arg(arg)
+        if len(pieces) == 1 and isinstance(pieces[0], Ref) and pieces[0].name == "xr_args":
+            words += to_argv(p.cross_region)
+            continue
+        parts: list[str | Var] = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                parts.append(piece)
+                continue
+            if piece.name not in values:  # the profile's validation refuses this
+                raise ValueError(f"{{{piece.name}}} has no value in this profile")
+            v = values[piece.name]
+            parts += list(v.parts) if isinstance(v, Concat) else [v]
+        words.append(_word(parts))
+    # one option per line: a word that looks like an option starts a line, its values follow it
+    lines: list[list[Word]] = []
+    for w in words:
+        if _starts_option(w) or not lines:
+            lines.append([w])
+        else:
+            lines[-1].append(w)
+    return [Option(tuple(line)) for line in lines]
+
+
+def trainer_argv(p: Profile, launcher: Launcher, site: str) -> list[Option]:
+    """The trainer's arguments (after ``-m trainer.module`` or ``trainer.script``). Without trainer.args
+    the fixed flags, the same for every launcher; with it, its placeholders filled in (a run-time value is
+    this launcher's shell variable)."""
+    if p.trainer.args is not None:
+        return _custom_trainer_argv(p, p.trainer.args, launcher, site)
     opts = [
         Option(("--config", Var("TRAIN_CONFIG"))),
         Option(("--run-dir", Var("RUN_DIR"))),
@@ -180,6 +343,11 @@ def trainer_argv(p: Profile) -> list[Option]:
     opts += [Option(tuple(g)) for g in group_flags(to_argv(p.cross_region))]
     opts += [Option((a,)) for a in p.trainer.extra_args]
     return opts
+
+
+# The signals torchrun's agent handles by default (torch 2.13, torch/distributed/run.py): on one of them it
+# sends it on to its workers, waits --shutdown-timeout seconds, then SIGKILLs them.
+TORCHRUN_DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
 def _flag(flag: str, value: Word) -> Word:
@@ -208,6 +376,13 @@ def torchrun_argv(p: Profile, launcher: Launcher) -> list[Option]:
     opts.append(Option(("--max-restarts", str(p.torchrun.max_restarts)), "torchrun.max_restarts"))
     if p.topology.numa_binding is not None:
         opts.append(Option((f"--numa-binding={p.topology.numa_binding}",), "topology.numa_binding"))
+    if p.trainer.stop_protocol == "signal":
+        # The agent forwards the stop signal to its workers (their process groups) and waits up to the grace
+        # before SIGKILL; without --signals-to-handle it would die of SIGUSR1/SIGUSR2 (their default action).
+        signals = ",".join(dict.fromkeys([*TORCHRUN_DEFAULT_SIGNALS, "SIG" + p.stop_signal()]))
+        opts.append(Option((f"--signals-to-handle={signals}",), "trainer.stop_protocol: signal"))
+        grace, source = p.stop_grace()
+        opts.append(Option((f"--shutdown-timeout={grace}",), source))
     return opts
 
 

@@ -182,7 +182,7 @@ def context(site: LoadedSite, sha: str) -> dict:
         "uses_gpus": p.uses_gpus(),
         "env_blocks": job_environment(p),
         # the command line on every node, built once for every kind (sbatch_gen/launch.py)
-        "trainer_argv": trainer_argv(p),
+        "trainer_argv": {name: trainer_argv(p, launcher, site.name) for name, launcher in LAUNCHERS.items()},
         "torchrun_argv": {name: torchrun_argv(p, launcher) for name, launcher in LAUNCHERS.items()},
         "container_argv": container_argv,
         "preflight_ib_hca": preflight_ib_hca(p),

@@ -15,6 +15,7 @@ from typing import Annotated, ClassVar, Literal, get_args
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from sbatch_gen.errors import FieldError
+from sbatch_gen.launch import PLACEHOLDERS, PlaceholderError, Ref, parse_arg, placeholders_used
 from sbatch_gen.profiles.environment import RESERVED_ENV
 from sbatch_gen.profiles.types import (
     EnvName,
@@ -179,16 +180,88 @@ class Nccl(ProfileSection):
         return self
 
 
+# How a running trainer is stopped (trainer.stop_protocol; docs/slurm.md, docs/ssh.md).
+StopProtocol = Literal["sbatch-gen", "signal", "none"]
+
+
+# trainer.args: the description lists the placeholders (sbatch_gen/launch.py: PLACEHOLDERS).
+ARGS_DESCRIPTION = (
+    "The trainer's whole argument list, instead of the fixed flags (--config, --run-dir, --resume, --data-path, "
+    "--max-steps, the --xr-* flags, extra_args): for a trainer with its own command line. Each entry is one "
+    "argument, passed as written except for placeholders, which sbatch-gen fills in: "
+    + "; ".join(f"{{{k}}}: {v}" for k, v in PLACEHOLDERS.items())
+    + ". A placeholder may be part of an argument (--job.dump_folder={run_dir}/titan); run-time values "
+    "(the node count, the resume mode) stay shell variables of the launcher. Write {{ and }} for a literal "
+    "brace; any other brace, and an unknown placeholder, is an error. Unset: the fixed flags. Not with "
+    "extra_args; trainer.max_steps, when set, must appear as {max_steps}; with cross_region enabled, {xr_args} "
+    "must be one of the arguments."
+)
+
+
 class Trainer(ProfileSection):
-    module: ModuleName = Field(default="sbatch_gen.train", description="Entry module, run as torchrun -m.")
-    config: PathStr = Field(description="Train config passed as --config.")
+    module: ModuleName | None = Field(
+        default="sbatch_gen.train",
+        description="Entry module, run as `torchrun ... -m MODULE`. Set exactly one of module and script; "
+        "with script, module defaults to unset (write `module: null` to drop one an extends: base sets).",
+    )
+    script: PathStr | None = Field(
+        default=None,
+        description="Entry script instead of a module, run as `torchrun ... SCRIPT` (a path relative to the "
+        "submit directory; the preflight checks every node can read it).",
+    )
+    config: PathStr | None = Field(
+        default=None,
+        description="Train config, passed as --config (or where trainer.args says {config}); the preflight "
+        "checks it is readable. Required unless trainer.args is set.",
+    )
     resume: Annotated[str, AfterValidator(no_control)] = Field(
-        default="auto", min_length=1, description="--resume: auto, none, or a checkpoint path."
+        default="auto",
+        min_length=1,
+        description="--resume (or {resume} in trainer.args): auto, none, or a checkpoint path.",
     )
-    max_steps: Int | None = Field(default=None, ge=1, description="--max-steps (unset: the config's).")
+    max_steps: Int | None = Field(
+        default=None,
+        ge=1,
+        description="--max-steps (unset: the config's); with trainer.args only through {max_steps}.",
+    )
     extra_args: list[Text] = Field(
-        default_factory=list, description="More trainer arguments, passed as given."
+        default_factory=list,
+        description="More trainer arguments after the fixed flags, passed as given. Not with trainer.args "
+        "(put them there).",
     )
+    args: list[Text] | None = Field(default=None, description=ARGS_DESCRIPTION)
+    stop_protocol: StopProtocol = Field(
+        default="sbatch-gen",
+        description="How a running trainer is stopped: on Slurm at the preemption signal (then the job is "
+        "requeued), with the SSH launcher when it is stopped (Ctrl-C, SIGTERM, SIGHUP) or kills the nodes left "
+        "after a failure. sbatch-gen: Slurm creates the stop file ($SBATCH_GEN_STOP_FILE), the trainer "
+        "checkpoints at a step every rank agrees on, writes the .ack and exits 42; SSH sends SIGTERM to every "
+        "process of the launch and SIGKILL after launch.kill_grace_s. signal: the signal goes to torchrun's agent "
+        "of every node (Slurm: preemption.signal, through srun; SSH: SIGTERM), which forwards it to its workers "
+        "and waits up to stop_grace_s for them to save and exit (rendered as torchrun --signals-to-handle and "
+        "--shutdown-timeout, which torch 2.13 has); then Slurm requeues and SSH SIGKILLs what is left; resuming "
+        "is the trainer's job. none: no graceful stop: Slurm requeues at once (the training step is killed), SSH "
+        "sends SIGKILL at once; the trainer resumes from its own periodic checkpoints. See docs/slurm.md and "
+        "docs/ssh.md.",
+    )
+    stop_grace_s: Int | None = Field(
+        default=None,
+        ge=1,
+        le=3600,
+        description="stop_protocol signal only: how long the workers have, from the signal, to save and exit "
+        "(torchrun's --shutdown-timeout; then SIGKILL). Unset: on Slurm preemption.checkpoint_s + "
+        "preemption.margin_s, with SSH launch.kill_grace_s. On Slurm it must be shorter than "
+        "preemption.lead_time_s.",
+    )
+
+    @model_validator(mode="after")
+    def _stop_grace(self) -> Trainer:
+        if self.stop_grace_s is not None and self.stop_protocol != "signal":
+            raise FieldError(
+                ("stop_grace_s",),
+                f"only stop_protocol: signal uses stop_grace_s (stop_protocol is {self.stop_protocol}): remove it",
+            )
+        return self
 
     @model_validator(mode="after")
     def _resume(self) -> Trainer:
@@ -197,6 +270,63 @@ class Trainer(ProfileSection):
                 check_path(self.resume)
             except ValueError as e:
                 raise FieldError(("resume",), f"must be auto, none or a checkpoint path: {e}") from None
+        return self
+
+    def passes(self, placeholder: str) -> bool:
+        """Whether the trainer's arguments carry a value: with trainer.args, whether one of them names
+        {placeholder}; the fixed flags carry every value that is set."""
+        if self.args is None:
+            return True
+        return any(placeholder in names for _, names in placeholders_used(self.args))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _module_default(cls, data: object) -> object:
+        """A script replaces the default module (an explicit module next to it is an error, below)."""
+        if isinstance(data, dict) and data.get("script") is not None and "module" not in data:
+            return {**data, "module": None}
+        return data
+
+    @model_validator(mode="after")
+    def _command_line(self) -> Trainer:
+        """The entry point, and trainer.args against the fields it replaces or refers to."""
+        if self.module is None and self.script is None:
+            raise FieldError(("module",), "set trainer.module or trainer.script (what torchrun starts)")
+        if self.module is not None and self.script is not None:
+            raise FieldError(
+                ("script",),
+                f"trainer.module is set too ({self.module}): set exactly one of module and script "
+                "(write `module: null` to drop a module that an extends: base sets)",
+            )
+        if self.args is None:
+            if self.config is None:
+                raise FieldError(("config",), "required field is missing (unless trainer.args is set)")
+            return self
+        if self.extra_args:
+            raise FieldError(
+                ("extra_args",),
+                "extra_args add to the fixed flags, and trainer.args replaces them: put these arguments into "
+                "trainer.args (or write `extra_args: []` to drop those of an extends: base)",
+            )
+        used: list[tuple[int, set[str]]] = []
+        for i, a in enumerate(self.args):
+            try:
+                names = {x.name for x in parse_arg(a) if isinstance(x, Ref)}
+            except PlaceholderError as e:
+                raise FieldError(("args", i), str(e)) from None
+            for name, value in (("config", self.config), ("max_steps", self.max_steps)):
+                if name in names and value is None:
+                    raise FieldError(
+                        ("args", i),
+                        f"{{{name}}}: trainer.{name} is not set (set it, or write the value here)",
+                    )
+            used.append((i, names))
+        if self.max_steps is not None and not any("max_steps" in names for _, names in used):
+            raise FieldError(
+                ("max_steps",),
+                "trainer.args has no {max_steps}, so max_steps would not reach the trainer: add {max_steps} to "
+                "trainer.args, or remove max_steps",
+            )
         return self
 
 
@@ -404,6 +534,20 @@ class ProfileBase(ProfileSection):
         """Template variables only this kind's templates use (besides the common context of the renderer)."""
         return {}
 
+    def stop_signal(self) -> str:
+        """The signal (without SIG) that trainer.stop_protocol signal delivers to the workers."""
+        raise NotImplementedError
+
+    def default_stop_grace(self) -> tuple[int, str]:
+        """trainer.stop_grace_s when it is unset: (seconds, the fields it comes from)."""
+        raise NotImplementedError
+
+    def stop_grace(self) -> tuple[int, str]:
+        """How long stop_protocol signal gives the workers to save and exit: (seconds, the fields it comes from)."""
+        if self.trainer.stop_grace_s is not None:
+            return self.trainer.stop_grace_s, "trainer.stop_grace_s"
+        return self.default_stop_grace()
+
     def nproc_per_node(self) -> int:
         g = self.gpus_per_node()
         return g if g > 0 else (self.torchrun.procs_per_node or 1)
@@ -415,6 +559,28 @@ class ProfileBase(ProfileSection):
         """Machines and processes, for `sbatch-gen sites`: "2 node(s) x 8 GPU"."""
         per_node = f"{self.gpus_per_node()} GPU" if self.uses_gpus() else f"{self.nproc_per_node()} CPU procs"
         return f"{self.node_count()} {self.NODE_WORD}(s) x {per_node}"
+
+    @model_validator(mode="after")
+    def _trainer_args_against_the_profile(self) -> ProfileBase:
+        """trainer.args against the other sections: {data_path} needs paths.data, and an enabled
+        cross_region needs {xr_args} (the trainer would not know it syncs)."""
+        args = self.trainer.args
+        if args is None:
+            return self
+        used = placeholders_used(args)  # Trainer has refused malformed ones
+        for i, names in used:
+            if "data_path" in names and self.paths.data is None:
+                raise FieldError(
+                    ("trainer", "args", i),
+                    "{data_path}: paths.data is not set (set it, or write the path here)",
+                )
+        if self.cross_region.enabled and not any("xr_args" in names for _, names in used):
+            raise FieldError(
+                ("trainer", "args"),
+                "cross_region is enabled, but trainer.args has no {xr_args}: the trainer would not get the "
+                "--xr-* flags; add {xr_args} as an argument of its own",
+            )
+        return self
 
     @model_validator(mode="after")
     def _numa_binding_needs_gpus(self) -> ProfileBase:

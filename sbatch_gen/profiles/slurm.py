@@ -36,7 +36,10 @@ class Preemption(ProfileSection):
     checkpoint_s: Int = Field(default=120, ge=1, description="Expected time of one checkpoint save.")
     margin_s: Int = Field(default=60, ge=0, description="Slack on top of checkpoint_s.")
     ack_timeout_s: Int = Field(
-        default=60, ge=1, le=3600, description="How long the batch shell waits for the trainer's .ack."
+        default=60,
+        ge=1,
+        le=3600,
+        description="How long the batch shell waits for the trainer's .ack (trainer.stop_protocol sbatch-gen).",
     )
     max_requeues: Int = Field(default=3, ge=0, le=1000, description="Requeues (SLURM_RESTART_COUNT) allowed.")
 
@@ -372,6 +375,15 @@ class SlurmProfile(ProfileBase):
             return f"--gres=gpu:{s.gpu_type}:{gpus}" if s.gpu_type else f"--gres=gpu:{gpus}"
         return f"--gpus-per-node={s.gpu_type}:{gpus}" if s.gpu_type else f"--gpus-per-node={gpus}"
 
+    def stop_signal(self) -> str:
+        return self.preemption.signal
+
+    def default_stop_grace(self) -> tuple[int, str]:
+        return (
+            self.preemption.checkpoint_s + self.preemption.margin_s,
+            "preemption.checkpoint_s + preemption.margin_s (trainer.stop_grace_s unset)",
+        )
+
     def template_context(self, site_name: str) -> dict[str, object]:
         s = self.slurm
         gpu_directive = self.gpu_directive()
@@ -399,6 +411,15 @@ class SlurmProfile(ProfileBase):
                 ("preemption", "lead_time_s"),
                 f"preemption.lead_time_s ({self.preemption.lead_time_s} s) is not shorter than "
                 f"slurm.time ({self.slurm.time} = {limit} s): the stop signal would come before the job starts",
+            )
+        grace, source = self.stop_grace()
+        if self.trainer.stop_protocol == "signal" and grace >= self.preemption.lead_time_s:
+            raise FieldError(
+                ("trainer", "stop_grace_s"),
+                f"the grace of stop_protocol signal, {source} = {grace} s, is not shorter than "
+                f"preemption.lead_time_s ({self.preemption.lead_time_s} s): the workers get "
+                f"SIG{self.preemption.signal} lead_time_s before the time limit, and the job must be requeued after "
+                "their grace and before the limit; lower trainer.stop_grace_s or raise preemption.lead_time_s",
             )
         if self.container is not None and self.python_env.kind != "none":
             raise FieldError(

@@ -135,7 +135,8 @@ class SshLaunch(ProfileSection):
         default=30,
         ge=1,
         le=3600,
-        description="Cleanup: seconds between SIGTERM (the trainer checkpoints on it) and SIGKILL.",
+        description="Cleanup: seconds between SIGTERM (the trainer checkpoints on it) and SIGKILL. With "
+        "trainer.stop_protocol signal the default of trainer.stop_grace_s; unused with none (SIGKILL at once).",
     )
     failure_grace_s: Int = Field(
         default=120,
@@ -187,6 +188,12 @@ class SshProfile(ProfileBase):
 
     def node_count(self) -> int:
         return len(self.enabled_hosts())
+
+    def stop_signal(self) -> str:
+        return "TERM"
+
+    def default_stop_grace(self) -> tuple[int, str]:
+        return self.launch.kill_grace_s, "launch.kill_grace_s (trainer.stop_grace_s unset)"
 
     def enabled_hosts(self) -> list[str]:
         return [h.name for h in self.hosts if h.enabled]

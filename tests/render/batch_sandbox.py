@@ -3,7 +3,8 @@
 The script activates the submit directory's `.venv` (its `bin/python` runs this test's interpreter) and
 puts its `bin` first on PATH, so stubs for `scontrol`, `srun` and `sinfo` placed there stand in for Slurm;
 `$STUB_MODE` tells them what to do and they keep notes under `$STUB_DIR` (calls, the restart count).
-Shared by test_requeue.py and test_signals.py."""
+Shared by test_requeue.py and test_signals.py; :func:`render_local` renders the same site with overrides
+(e.g. another trainer.stop_protocol) for them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ import stat
 import sys
 from pathlib import Path
 
+from sbatch_gen.loader import load_site
+from sbatch_gen.render import render_site
+
 from .conftest import REPO
+
+
+def render_local(*sets: str) -> str:
+    """The training script of the `local` site rendered with ``--set`` overrides (as out/local.sbatch is)."""
+    return render_site(load_site(REPO / "sites", "local", list(sets)))[0].text
 
 
 def prepare(

@@ -160,3 +160,100 @@ def test_known_hostile_examples():
         _check(("slurm", "constraint"), "[ib&h200|gh200]*2", sbatch_prefix="#SBATCH --constraint=")
         == "accepted"
     )
+
+
+# ---- trainer.args: literal text and placeholders ------------------------------------------------------
+
+# Hostile values behind the placeholders too (accepted paths: no '$', '~' or leading '-').
+ARGS_RUN_DIR = 'runs/it\'s a "test" `date` * \\ {x}'
+ARGS_CONFIG = "configs/t'i \"n` y.toml"
+# What each placeholder becomes when the script runs (SLURM_NNODES: the allocation's node count).
+ARGS_VALUES = {
+    "config": ARGS_CONFIG,
+    "run_dir": ARGS_RUN_DIR,
+    "resume": "auto",
+    "max_steps": "7",
+    "nnodes": "2",
+    "nproc_per_node": "2",
+    "site": "local",
+}
+# One argument: literal pieces (braces escaped as {{ }}) and placeholders, in any order.
+ARG = st.lists(
+    st.one_of(
+        HOSTILE.map(lambda s: ("text", s)), st.sampled_from(sorted(ARGS_VALUES)).map(lambda n: ("ph", n))
+    ),
+    min_size=0,
+    max_size=4,
+)
+
+
+def _args_data(args: list[str]) -> dict:
+    data = yaml.safe_load(yaml.safe_dump(BASE))
+    data["paths"]["run_dir"] = ARGS_RUN_DIR
+    data["trainer"] = {"script": "bin/train.py", "config": ARGS_CONFIG, "max_steps": 7, "args": args}
+    if not any("{max_steps}" in a for a in args):
+        del data["trainer"]["max_steps"]
+    return data
+
+
+def _trainer_argv(script: str) -> list[str]:
+    """The trainer's arguments as the batch shell expands them (with the allocation's node count)."""
+    code = _settings_block(script) + _trainer_args(script) + "\nprintf '%s\\0' \"${TRAINER_ARGS[@]}\"\n"
+    env = {"PATH": "/usr/bin:/bin", "SLURM_NNODES": "2"}
+    r = subprocess.run(["bash", "-c", code], capture_output=True, timeout=30, env=env)
+    assert r.returncode == 0, r.stderr.decode()
+    return r.stdout.decode().split("\0")[:-1]
+
+
+def _check_args(pieces_per_arg: list[list[tuple[str, str]]]) -> str:
+    args = [
+        "".join(v.replace("{", "{{").replace("}", "}}") if k == "text" else "{" + v + "}" for k, v in pieces)
+        for pieces in pieces_per_arg
+    ]
+    expected = ["".join(v if k == "text" else ARGS_VALUES[v] for k, v in pieces) for pieces in pieces_per_arg]
+    code, err, script = _render(_args_data(args))
+    if code != 0:
+        assert code == 2 and "trainer.args[" in err and "control characters" in err, err
+        assert len(err.splitlines()) == 1, err
+        assert any(any(ord(c) < 32 for c in a) for a in args)
+        return "rejected"
+    assert _trainer_argv(script) == expected
+    return "accepted"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pieces_per_arg=st.lists(ARG, min_size=1, max_size=4))
+def test_trainer_args_reach_the_job_exactly_with_placeholders_filled_in(pieces_per_arg):
+    _check_args(pieces_per_arg)
+
+
+def test_known_hostile_trainer_args():
+    T, P = "text", "ph"
+    cases = [
+        [[(T, "$(touch /tmp/pwned) `id` ; rm -rf *")]],
+        [[(T, "--dump="), (P, "run_dir"), (T, "/x $HOME 'q' \"dq\" \\")]],
+        [[(T, "{run_dir}")], [(T, "${HOME}")], [(T, "{{")], [(T, "")]],  # literal braces, escaped
+        [[(P, "nnodes"), (T, "$NPROC_PER_NODE"), (P, "nproc_per_node")], [(T, "-"), (P, "site")]],
+        [[(P, "config"), (P, "config")], [(T, "--steps="), (P, "max_steps")], [(P, "resume")]],
+    ]
+    for case in cases:
+        assert _check_args(case) == "accepted", case
+    assert _check_args([[(T, "a\nb")]]) == "rejected"
+
+
+def test_a_hostile_script_path_reaches_the_job_exactly_or_is_rejected():
+    for path, outcome in [
+        ('bin/it\'s my "train" `x`.py', "accepted"),
+        ("bin/$HOME/train.py", "rejected"),
+        ("-m", "rejected"),
+    ]:
+        data = yaml.safe_load(yaml.safe_dump(BASE))
+        del data["trainer"]["module"]
+        data["trainer"]["script"] = path
+        code, err, script = _render(data)
+        if outcome == "rejected":
+            assert code == 2 and "trainer.script: " in err and len(err.splitlines()) == 1, err
+            continue
+        assert code == 0, err
+        assert _bash_values(script, ['"$TRAINER_SCRIPT"']) == [path]
+        assert '  torchrun "${TORCHRUN_ARGS[@]}" "$TRAINER_SCRIPT" "${TRAINER_ARGS[@]}" &\n' in script

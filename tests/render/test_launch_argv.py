@@ -1,7 +1,8 @@
 """The command line on the nodes is built once (sbatch_gen/launch.py) for both kinds: a Slurm profile and an
 SSH profile with the same paths, trainer and cross_region start the trainer with the same arguments, and
 torchrun with the same flags where they mean the same thing. Checked on the lists both templates render
-from and on the rendered scripts themselves (their arrays expanded by bash)."""
+from and on the rendered scripts themselves (their arrays expanded by bash), for the fixed flags and for a
+command line of the profile's own (trainer.args, whose run-time placeholders are each launcher's variables)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import subprocess
 
 import pytest
 
-from sbatch_gen.launch import SLURM, SSH, Concat, Option, Var, torchrun_argv, trainer_argv
+from sbatch_gen.launch import SLURM, SSH, Concat, Option, Var, Word, torchrun_argv, trainer_argv
 from sbatch_gen.loader import load_site
 from sbatch_gen.render import render_site, shell_quote
 
@@ -32,7 +33,32 @@ VARIANTS = {
     "extra-args": ["trainer.extra_args=[--note, it's $HOME `x`, '', --flag=a b]"],
     "cross-region": [XR],
     "everything": ["paths.data=data/shards", "trainer.max_steps=7", "trainer.extra_args=[--note, x y]", XR],
+    # trainer.args: every placeholder but {site} (the two sites' names differ), alone and inside words
+    "custom-args": [
+        "paths.data=data/shards",
+        "trainer.max_steps=7",
+        "trainer.args=[--job.config_file, '{config}', '--job.dump_folder={run_dir}/dump', --resume, '{resume}',"
+        " '--data={data_path}', --steps, '{max_steps}', '{xr_args}', --world, '{nnodes}x{nproc_per_node}',"
+        " 'it''s $HOME `x` \\ \"q\" {{literal}}', '', '--mix=$RUN_DIR {run_dir} ${{HOME}}']",
+        XR,
+    ],
+    "script": [
+        "trainer={script: bin/my train.py, config: configs/tiny.yaml, args: ['--cfg={config}', '{nnodes}']}",
+    ],
 }
+FIXED_FLAGS = [v for v in VARIANTS if v not in ("custom-args", "script")]
+# What the custom-args variant's trainer gets, with RUNTIME's values (the XR flags in between).
+CUSTOM_HEAD = [
+    "--job.config_file",
+    "configs/tiny.yaml",
+    "--job.dump_folder=runs/same/dump",
+    "--resume",
+    "auto",
+    "--data=data/shards",
+    "--steps",
+    "7",
+]
+CUSTOM_TAIL = ["--world", "2x2", 'it\'s $HOME `x` \\ "q" {literal}', "", "--mix=$RUN_DIR runs/same ${HOME}"]
 
 
 def _profiles(variant: str):
@@ -40,10 +66,23 @@ def _profiles(variant: str):
     return (load_site(REPO / "sites", "local", sets), load_site(REPO / "sites", "ssh-local", sets))
 
 
+def _as_ssh(w: Word) -> Word:
+    """A Slurm word with the SSH launcher's name for the node count (the one variable they name apart)."""
+    if w == SLURM.nnodes:
+        return SSH.nnodes
+    if isinstance(w, Concat):
+        return Concat(tuple(SSH.nnodes if p == SLURM.nnodes else p for p in w.parts))
+    return w
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_both_kinds_build_the_same_trainer_argv(variant):
     slurm, ssh = _profiles(variant)
-    assert trainer_argv(slurm.profile) == trainer_argv(ssh.profile)
+    a = trainer_argv(slurm.profile, SLURM, "same")
+    b = trainer_argv(ssh.profile, SSH, "same")
+    assert [Option(tuple(_as_ssh(w) for w in o.words), o.key) for o in a] == b
+    if variant == "custom-args":
+        assert any(SLURM.nnodes in w.parts for o in a for w in o.words if isinstance(w, Concat))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -122,18 +161,28 @@ def _rendered_argv(variant: str) -> tuple[dict[str, list[str]], dict[str, list[s
         "local -a ", "declare -a "
     )
     h_arrays = h_arrays[: -len("  torchrun ")]
-    a = _expand(s_settings + s_arrays, ["TORCHRUN_ARGS", "TRAINER_ARGS"])
-    b = _expand(h_settings + h_arrays, ["torchrun_args", "trainer_args"])
+    # the words between torchrun's arguments and the trainer's: the entry point (-m MODULE, or SCRIPT)
+    s_entry = _block(sb, '  torchrun "${TORCHRUN_ARGS[@]}" ', ' "${TRAINER_ARGS[@]}"')
+    h_entry = _block(sh, '  torchrun "${torchrun_args[@]}" ', ' "${trainer_args[@]}"')
+    s_entry = (
+        "\nENTRY=(" + s_entry[len('  torchrun "${TORCHRUN_ARGS[@]}" ') : -len(' "${TRAINER_ARGS[@]}"')] + ")"
+    )
+    h_entry = (
+        "\nENTRY=(" + h_entry[len('  torchrun "${torchrun_args[@]}" ') : -len(' "${trainer_args[@]}"')] + ")"
+    )
+    a = _expand(s_settings + s_arrays + s_entry, ["TORCHRUN_ARGS", "TRAINER_ARGS", "ENTRY"])
+    b = _expand(h_settings + h_arrays + h_entry, ["torchrun_args", "trainer_args", "ENTRY"])
     return (
-        {"torchrun": a["TORCHRUN_ARGS"], "trainer": a["TRAINER_ARGS"]},
-        {"torchrun": b["torchrun_args"], "trainer": b["trainer_args"]},
+        {"torchrun": a["TORCHRUN_ARGS"], "trainer": a["TRAINER_ARGS"], "entry": a["ENTRY"]},
+        {"torchrun": b["torchrun_args"], "trainer": b["trainer_args"], "entry": b["ENTRY"]},
     )
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", FIXED_FLAGS)
 def test_the_rendered_scripts_start_the_trainer_with_the_same_arguments(variant):
     slurm, ssh = _rendered_argv(variant)
     assert slurm["trainer"] == ssh["trainer"]
+    assert slurm["entry"] == ssh["entry"] == ["-m", "sbatch_gen.train"]
     assert slurm["trainer"][:6] == [
         "--config",
         "configs/tiny.yaml",
@@ -147,6 +196,22 @@ def test_the_rendered_scripts_start_the_trainer_with_the_same_arguments(variant)
     if variant == "everything":
         assert ["--data-path", "data/shards", "--max-steps", "7"] == slurm["trainer"][6:10]
         assert "/mnt/xr mail" in slurm["trainer"] and slurm["trainer"][-2:] == ["--note", "x y"]
+
+
+@pytest.mark.parametrize("variant", ["custom-args", "script"])
+def test_the_rendered_scripts_start_a_custom_command_line_with_the_same_arguments(variant):
+    slurm, ssh = _rendered_argv(variant)
+    assert slurm["trainer"] == ssh["trainer"]
+    if variant == "script":
+        assert slurm["entry"] == ssh["entry"] == ["bin/my train.py"]
+        assert slurm["trainer"] == ["--cfg=configs/tiny.yaml", "2"]
+        return
+    assert slurm["entry"] == ssh["entry"] == ["-m", "sbatch_gen.train"]
+    got = slurm["trainer"]
+    assert got[: len(CUSTOM_HEAD)] == CUSTOM_HEAD
+    assert got[-len(CUSTOM_TAIL) :] == CUSTOM_TAIL
+    xr = got[len(CUSTOM_HEAD) : -len(CUSTOM_TAIL)]
+    assert xr[0] == "--xr-enabled" and xr[xr.index("--xr-root") + 1] == "/mnt/xr mail"
 
 
 @pytest.mark.parametrize("variant", ["plain", "everything"])

@@ -2,16 +2,21 @@
 
 When a requeue takes, Slurm sends TERM to every process of the job: the batch shell and the
 `scontrol requeue` it is still running. A requeue that worked must never be reported as
-"scontrol requeue failed; resubmit" (an operator following that starts a second job on the run dir)."""
+"scontrol requeue failed; resubmit" (an operator following that starts a second job on the run dir).
+The same holds for trainer.stop_protocol none, whose requeue comes while the training step still runs."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from .batch_sandbox import prepare
+from .batch_sandbox import prepare, render_local
 
 SCONTROL = r"""#!/bin/bash
 # stub: $STUB_MODE selects what `scontrol requeue` does
@@ -69,3 +74,51 @@ def test_a_failed_requeue_still_says_resubmit(tmp_path):
     out = r.stdout + r.stderr
     assert "ERROR: scontrol requeue failed (status 1); resubmit" in out, out
     assert r.returncode == 1, out
+
+
+# stub: the preflight passes, the training step runs until it is killed (its output to a file, so that a
+# step left behind does not hold the test's pipe open)
+SRUN_RUNS = r"""#!/bin/bash
+for a in "$@"; do [[ $a == preflight ]] && exit 0; done
+exec >>"$STUB_DIR/srun.out" 2>&1
+echo $$ >"$STUB_DIR/srun.pid"
+: >"$STUB_DIR/training"
+for ((i = 0; i < 300; i++)); do sleep 0.1; done
+"""
+
+
+@pytest.mark.parametrize("mode", ["ok-then-term", "took-but-failed"])
+def test_none_protocol_a_requeue_that_took_while_training_ran_is_not_reported_as_failed(tmp_path, mode):
+    job, env, stub_dir = prepare(
+        tmp_path,
+        {"scontrol": SCONTROL, "srun": SRUN_RUNS, "sinfo": SINFO},
+        mode,
+        script=render_local("trainer.stop_protocol=none"),
+    )
+    proc = subprocess.Popen(
+        ["bash", str(job)],
+        cwd=job.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (stub_dir / "training").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.05)
+        time.sleep(0.2)  # the shell is in `wait` by now
+        proc.send_signal(signal.SIGUSR1)
+        out = proc.communicate(timeout=30)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(ProcessLookupError):  # the training step: Slurm would end it
+            os.kill(int((stub_dir / "srun.pid").read_text()), signal.SIGKILL)
+    assert (stub_dir / "calls").read_text().splitlines() == ["requeue 77"], out
+    assert "no graceful stop (trainer.stop_protocol none)" in out, out
+    assert "requeue failed" not in out and "resubmit" not in out, out
+    assert "requeued: this attempt is over" in out, out
+    assert proc.returncode == 0, out

@@ -4,7 +4,12 @@ Slurm commands (srun, scontrol, sinfo) first on PATH, as in test_requeue.py.
 - SIGTERM (scancel, the time limit) creates the stop file but never requeues;
 - after the preemption signal (USR1) the script waits up to ack_timeout_s for `<stop file>.ack`, says
   so when it never comes, and requeues either way;
-- a cluster whose Slurm is not `slurm.version` gets a WARNING line."""
+- a cluster whose Slurm is not `slurm.version` gets a WARNING line;
+- trainer.stop_protocol signal: USR1 goes on to srun (which forwards it to torchrun on the nodes), the
+  script waits for the step to end, at most the stop grace, then requeues; it creates no stop file;
+- trainer.stop_protocol none: USR1 requeues at once, with the training step still running;
+- with either, SIGTERM (scancel, the time limit) is passed on to nobody (Slurm signals the step itself)
+  and never requeues."""
 
 from __future__ import annotations
 
@@ -15,8 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from .batch_sandbox import prepare
+from .batch_sandbox import prepare, render_local
 from .conftest import REPO
+
+pytestmark = pytest.mark.slow  # waits out ack timeouts and stop graces in real time (seconds per test)
 
 SCONTROL = r"""#!/bin/bash
 case "$1 $2" in
@@ -156,3 +163,127 @@ def test_slurm_version_warning(tmp_path, running, shown):
         assert warning not in out, out
     else:
         assert f"{warning}{shown}\n" in out, out
+
+
+# ---- trainer.stop_protocol signal and none ---------------------------------------------------------------
+
+# `scontrol requeue` also ends the training step, as Slurm does (SIGKILL: the stub srun traps TERM).
+SCONTROL_KILLS = r"""#!/bin/bash
+case "$1 $2" in
+  "show hostnames") echo n1; echo n2 ;;
+  "show job") echo "JobId=$3 JobName=x"; echo "   Requeue=1 Restarts=$(cat "$STUB_DIR/restarts") BatchFlag=1" ;;
+  requeue*)
+    echo "requeue $2" >>"$STUB_DIR/calls"
+    echo 1 >"$STUB_DIR/restarts"
+    if [[ -e $STUB_DIR/srun.pid ]]; then kill -KILL "$(cat "$STUB_DIR/srun.pid")" 2>/dev/null || true; fi ;;
+esac
+exit 0
+"""
+
+# The training step as the batch script sees it with a trainer that stops on a signal: srun notes every
+# signal it gets (srun.signals) and, by $STUB_MODE: save: on USR1 saves for 1 s (saved), then exits 1
+# (torchrun's status after a handled signal); stuck: never ends by itself; ends-soon: exits 3 after 1 s.
+# Output to a file: a step the script leaves behind must not hold the test's pipe open.
+SRUN_SIGNAL = r"""#!/bin/bash
+for a in "$@"; do [[ $a == preflight ]] && exit 0; done
+exec >>"$STUB_DIR/srun.out" 2>&1
+echo $$ >"$STUB_DIR/srun.pid"
+got=''
+trap 'got=USR1; echo USR1 >>"$STUB_DIR/srun.signals"' USR1
+trap 'echo TERM >>"$STUB_DIR/srun.signals"' TERM
+: >"$STUB_DIR/training"
+case $STUB_MODE in
+  ends-soon) sleep 1; exit 3 ;;
+  save)
+    for ((i = 0; i < 300; i++)); do [[ -n $got ]] && break; sleep 0.1; done
+    [[ -n $got ]] || exit 4
+    sleep 1
+    : >"$STUB_DIR/saved"
+    exit 1 ;;
+esac
+for ((i = 0; i < 600; i++)); do sleep 0.1; done
+exit 5
+"""
+
+
+def _start_protocol(tmp_path: Path, mode: str, *sets: str) -> tuple[subprocess.Popen, Path, Path]:
+    job, env, stub_dir = prepare(
+        tmp_path,
+        {"scontrol": SCONTROL_KILLS, "srun": SRUN_SIGNAL, "sinfo": SINFO},
+        mode,
+        script=render_local(*sets),
+        env={"FAKE_SLURM": "22.05.8"},
+    )
+    proc = subprocess.Popen(
+        ["bash", str(job)],
+        cwd=job.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return proc, job.parent, stub_dir
+
+
+def _srun_signals(stub_dir: Path) -> list[str]:
+    f = stub_dir / "srun.signals"
+    return f.read_text().split() if f.exists() else []
+
+
+def test_signal_protocol_forwards_usr1_to_srun_and_requeues_once_the_step_ended(tmp_path):
+    proc, work, stub_dir = _start_protocol(
+        tmp_path, "save", "trainer.stop_protocol=signal", "trainer.stop_grace_s=20"
+    )
+    _signal_when_training(proc, stub_dir, signal.SIGUSR1)
+    t0 = time.monotonic()
+    out = _finish(proc)
+    assert _srun_signals(stub_dir) == ["USR1"], out
+    assert (stub_dir / "saved").exists(), out
+    assert "SIGUSR1 received (trainer.stop_protocol signal)" in out, out
+    assert "SIGUSR1 to torchrun on every node (through srun); waiting up to 20 s" in out, out
+    assert "training step exited with status 1" in out, out
+    assert _requeues(stub_dir) == ["requeue 77"], out
+    assert "requeued: this attempt is over" in out and proc.returncode == 0, out
+    assert time.monotonic() - t0 < 10, "waited for the whole grace although the step had ended"
+    assert not (work / "runs/local/stop/77.attempt-0").exists(), "no stop file with the signal protocol"
+    assert "WARNING" not in out, out
+
+
+def test_signal_protocol_requeues_after_the_grace_when_the_step_does_not_end(tmp_path):
+    proc, _, stub_dir = _start_protocol(
+        tmp_path, "stuck", "trainer.stop_protocol=signal", "trainer.stop_grace_s=2"
+    )
+    _signal_when_training(proc, stub_dir, signal.SIGUSR1)
+    t0 = time.monotonic()
+    out = _finish(proc)
+    waited = time.monotonic() - t0
+    assert _srun_signals(stub_dir) == ["USR1"], out
+    assert "WARNING: the training step still runs after 2 s; the requeue kills it" in out, out
+    assert _requeues(stub_dir) == ["requeue 77"] and proc.returncode == 0, out
+    assert 1.5 <= waited < 10, f"waited {waited:.1f} s for a grace of 2 s"
+
+
+def test_none_protocol_requeues_at_once_and_signals_nothing(tmp_path):
+    proc, work, stub_dir = _start_protocol(tmp_path, "stuck", "trainer.stop_protocol=none")
+    _signal_when_training(proc, stub_dir, signal.SIGUSR1)
+    t0 = time.monotonic()
+    out = _finish(proc)
+    assert time.monotonic() - t0 < 5, out
+    assert "SIGUSR1 received (trainer.stop_protocol none)" in out, out
+    assert "SIGUSR1: no graceful stop (trainer.stop_protocol none)" in out, out
+    assert _requeues(stub_dir) == ["requeue 77"] and proc.returncode == 0, out
+    assert _srun_signals(stub_dir) == [], "the training step is not told: the requeue ends it"
+    assert not (work / "runs/local/stop/77.attempt-0").exists(), out
+    assert "training step exited" not in out, out
+
+
+@pytest.mark.parametrize("protocol", ["signal", "none"])
+def test_sigterm_is_passed_on_to_nobody_and_never_requeues(tmp_path, protocol):
+    proc, work, stub_dir = _start_protocol(tmp_path, "ends-soon", f"trainer.stop_protocol={protocol}")
+    _signal_when_training(proc, stub_dir, signal.SIGTERM)
+    out = _finish(proc)
+    assert f"SIGTERM received (trainer.stop_protocol {protocol})" in out, out
+    assert "SIGTERM: Slurm is ending this job (scancel, time limit or preemption); not requeueing" in out, out
+    assert _srun_signals(stub_dir) == [] and _requeues(stub_dir) == [], out
+    assert not (work / "runs/local/stop/77.attempt-0").exists(), out
+    assert proc.returncode == 143, out

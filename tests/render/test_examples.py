@@ -1,0 +1,57 @@
+"""examples/out is committed like out/: a fresh render of examples/sites must equal it, without make:
+    sbatch-gen render --sites-dir examples/sites --out examples/out --all
+and the example renders pass bash -n and shellcheck like every other render."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import REPO, sg_proc
+from .test_shell import lint
+
+EXAMPLES_OUT = sorted(
+    p for p in (REPO / "examples" / "out").iterdir() if p.is_file() and not p.name.startswith(".")
+)
+EXAMPLE_ARGS = ("--sites-dir", "examples/sites", "--out", "examples/out")
+
+
+def test_committed_example_renders_are_current():
+    r = sg_proc("check", *EXAMPLE_ARGS, cwd=REPO)
+    assert r.code == 0, r.out + r.err
+    assert "up to date" in r.out
+
+
+def test_the_example_sites_validate():
+    r = sg_proc("validate", "--sites-dir", "examples/sites", cwd=REPO)
+    assert r.code == 0, r.out + r.err
+
+
+def test_the_torchtitan_style_profile_starts_its_script_with_its_own_flags():
+    text = (REPO / "examples" / "out" / "titan.sbatch").read_text()
+    assert "TRAINER_SCRIPT=torchtitan/train.py  # trainer.script\n" in text
+    assert '  torchrun "${TORCHRUN_ARGS[@]}" "$TRAINER_SCRIPT" "${TRAINER_ARGS[@]}" &\n' in text
+    assert '  script="$TRAINER_SCRIPT" config="$TRAIN_CONFIG" ' in text
+    start = text.index("\nTRAINER_ARGS=(\n")
+    assert text[start : text.index("\n)\n", start) + 3] == (
+        "\nTRAINER_ARGS=(\n"
+        '  --job.config_file "$TRAIN_CONFIG"\n'
+        '  --job.dump_folder "$RUN_DIR"\n'
+        '  "--training.dataset_path=$DATA_PATH"\n'
+        "  --training.steps 20000\n"
+        "  --checkpoint.enable_checkpoint\n"
+        "  --checkpoint.interval 500\n"
+        '  "--job.description=titan: llama3 8B on $SLURM_NNODES nodes x $NPROC_PER_NODE GPUs"\n'
+        ")\n"
+    )
+    assert "--xr-" not in text and "--run-dir" not in text
+
+
+def test_examples_out_holds_renders():
+    names = {p.name for p in EXAMPLES_OUT}
+    assert {"titan.sbatch", "titan.setup.sbatch"} <= names
+
+
+@pytest.mark.slow  # shellcheck on every example render
+@pytest.mark.parametrize("path", EXAMPLES_OUT, ids=lambda p: p.name)
+def test_example_renders_pass_bash_n_and_shellcheck(path):
+    lint(path)

@@ -1,0 +1,133 @@
+"""The preflight with a script entry point (trainer.script): every node must be able to read the script, and
+its python must import torch; one line per node as for a module, naming trainer.script. Run for real under
+bash: the Slurm render's preflight function (as srun runs it on a node) and the SSH launcher's node program
+(preflight_main, as the launcher runs it on node 0)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sbatch_gen.testing.s3server import free_port
+
+from .conftest import REPO, sg
+
+CONFIG = REPO / "configs" / "tiny.yaml"
+
+
+def _render(tmp_path: Path, site: str, script: Path, port: int) -> str:
+    out = tmp_path / "out"
+    r = sg(
+        "render",
+        "--site",
+        site,
+        "--sites-dir",
+        str(REPO / "sites"),
+        "--out",
+        str(out),
+        "--set",
+        f"trainer={{script: {script}, config: {CONFIG}, args: ['--cfg={{config}}']}}",
+        "--set",
+        f"paths.run_dir={tmp_path / 'run'}",
+        "--set",
+        f"torchrun.rdzv_port={port}",
+    )
+    assert r.code == 0, r.err
+    return (out / (f"{site}.sbatch" if site == "local" else f"{site}.sh")).read_text()
+
+
+def _env(path_first: Path | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "SBATCH_GEN"))}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    path = f"{Path(sys.executable).parent}:{env['PATH']}"
+    if path_first is not None:
+        path = f"{path_first}:{path}"
+    env.update(PATH=path, PYTHONPATH=str(REPO), SLURMD_NODENAME="node0")
+    return env
+
+
+def _slurm_preflight(tmp_path: Path, script: Path, path_first: Path | None = None):
+    """The rendered Slurm preflight on one node, with the settings the batch script gives it."""
+    port = free_port()
+    text = _render(tmp_path, "local", script, port)
+    assert '  script="$TRAINER_SCRIPT" config="$TRAIN_CONFIG" ' in text
+    functions = text[
+        text.index("# Node checks shared by the launchers' preflights") : text.index("\nexport -f preflight ")
+    ]
+    settings = [
+        f"script={script}",
+        f"config={CONFIG}",
+        "ifname=lo",
+        "gpus=0",
+        f"run_dir={tmp_path / 'run'}",
+        "rdzv_host=127.0.0.1",
+        f"rdzv_port={port}",
+        "connect_timeout_s=5",
+    ]
+    cmd = ["bash", "-c", functions + '\npreflight node_id=0 nnodes=1 "$@"', "preflight", *settings]
+    return subprocess.run(cmd, env=_env(path_first), cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def _ok_line(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stdout.splitlines() if x.startswith("preflight ok on ")]
+    assert len(lines) == 1, r.stdout
+    return lines[0]
+
+
+def test_a_readable_script_and_torch_pass(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    ok = _ok_line(_slurm_preflight(tmp_path, script))
+    assert f", trainer script {script}, torch importable, train config {CONFIG}, interface lo " in ok, ok
+
+
+def test_a_missing_script_fails_naming_the_field(tmp_path):
+    script = tmp_path / "no-such-train.py"
+    r = _slurm_preflight(tmp_path, script)
+    assert r.returncode == 1
+    failed = [x for x in r.stderr.splitlines() if x.startswith("preflight FAILED")]
+    assert failed == [
+        f"preflight FAILED on node0: trainer script {script} not readable from {REPO} (trainer.script)"
+    ]
+
+
+@pytest.mark.skipif(
+    subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode == 0,
+    reason="the system python has torch",
+)
+def test_a_python_without_torch_fails_as_for_a_module(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    bindir = tmp_path / "no-torch"
+    bindir.mkdir()
+    (bindir / "python").symlink_to("/usr/bin/python3")
+    r = _slurm_preflight(tmp_path, script, path_first=bindir)
+    assert r.returncode == 1
+    assert (
+        f"preflight FAILED on node0: torch not importable by {bindir / 'python'} from {REPO} (python_env)\n"
+        == r.stderr
+    ), r.stderr
+
+
+def test_the_ssh_launchers_node_program_checks_the_script(tmp_path):
+    """preflight_main as the launcher runs it on node 0: its settings come from the shipped variables
+    (NODE_VARS, which must carry TRAINER_SCRIPT: the node program runs with set -u)."""
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    text = _render(tmp_path, "ssh-local", script, free_port())
+    head = text[: text.index("\n# POSIX single quoting")]
+    run = head + '\nbash -c "$NODE_PROGRAM" sbatch-gen-node preflight_main 0\n'
+    env = _env()
+    env["HOSTNAME"] = "node0"
+    r = subprocess.run(["bash", "-c", run], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    ok = _ok_line(r)
+    assert f", trainer script {script}, torch importable, train config {CONFIG}, " in ok, ok
+    script.unlink()
+    r = subprocess.run(["bash", "-c", run], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert f"trainer script {script} not readable from {REPO} (trainer.script)" in r.stderr, r.stderr

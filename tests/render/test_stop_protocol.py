@@ -1,0 +1,156 @@
+"""trainer.stop_protocol and trainer.stop_grace_s: what they render and what they refuse.
+
+- sbatch-gen (the default) renders nothing new: torchrun gets no stop flags (the goldens in out/ stay as
+  they are, test_golden.py);
+- signal: torchrun is told to handle the stop signal (Slurm: preemption.signal; SSH: SIGTERM, which is
+  what the launcher sends) and to give its workers the grace before SIGKILL; the grace is
+  trainer.stop_grace_s, else preemption.checkpoint_s + margin_s (Slurm) or launch.kill_grace_s (SSH);
+- the grace must leave time to requeue before the time limit (Slurm), and a grace without the signal
+  protocol is refused, each as one `file:line: field: message` line.
+
+What the scripts do with it runs under bash in test_signals.py and test_requeue.py (Slurm) and for real
+in tests/ssh/test_ssh_stop_protocols.py and tests/e2e/test_stop_protocols.py."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from sbatch_gen.launch import SLURM, SSH, TORCHRUN_DEFAULT_SIGNALS, torchrun_argv
+from sbatch_gen.loader import load_site
+from sbatch_gen.render import render_site
+
+from .conftest import REPO, sg
+
+
+def _flags(site: str, *sets: str) -> dict[str, str | None]:
+    """torchrun's stop flags for a site with overrides: {flag: the Option's key}."""
+    p = load_site(REPO / "sites", site, list(sets)).profile
+    launcher = SLURM if site != "ssh-local" else SSH
+    out: dict[str, str | None] = {}
+    for o in torchrun_argv(p, launcher):
+        word = o.words[0]
+        if isinstance(word, str) and word.startswith(("--signals-to-handle", "--shutdown-timeout")):
+            out[word] = o.key
+    return out
+
+
+@pytest.mark.parametrize("site", ["local", "ssh-local", "eu"])
+@pytest.mark.parametrize("protocol", ["sbatch-gen", "none"])
+def test_no_stop_flags_without_the_signal_protocol(site, protocol):
+    assert _flags(site, f"trainer.stop_protocol={protocol}") == {}
+
+
+def test_slurm_signal_protocol_makes_torchrun_forward_the_preemption_signal():
+    assert _flags("local", "trainer.stop_protocol=signal") == {
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1": "trainer.stop_protocol: signal",
+        # local: checkpoint_s 10 + margin_s 20
+        "--shutdown-timeout=30": "preemption.checkpoint_s + preemption.margin_s (trainer.stop_grace_s unset)",
+    }
+    assert _flags(
+        "local", "trainer.stop_protocol=signal", "preemption.signal=USR2", "trainer.stop_grace_s=45"
+    ) == {
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2": "trainer.stop_protocol: signal",
+        "--shutdown-timeout=45": "trainer.stop_grace_s",
+    }
+
+
+def test_ssh_signal_protocol_gives_torchrun_the_grace_for_the_sigterm_of_the_launcher():
+    assert _flags("ssh-local", "trainer.stop_protocol=signal") == {
+        "--signals-to-handle=" + ",".join(TORCHRUN_DEFAULT_SIGNALS): "trainer.stop_protocol: signal",
+        "--shutdown-timeout=10": "launch.kill_grace_s (trainer.stop_grace_s unset)",  # ssh-local: 10
+    }
+    assert "--shutdown-timeout=90" in _flags(
+        "ssh-local", "trainer.stop_protocol=signal", "trainer.stop_grace_s=90"
+    )
+
+
+@pytest.mark.parametrize(
+    "sets, grace_line",
+    [
+        ([], "KILL_GRACE_S=10  # launch.kill_grace_s (trainer.stop_grace_s unset)"),
+        (["trainer.stop_grace_s=75"], "KILL_GRACE_S=75  # trainer.stop_grace_s"),
+    ],
+)
+def test_ssh_launcher_waits_the_same_grace_before_sigkill(sets, grace_line):
+    text = render_site(load_site(REPO / "sites", "ssh-local", ["trainer.stop_protocol=signal", *sets]))[
+        0
+    ].text
+    assert f"\n{grace_line}\n" in text
+    grace = grace_line.split("=")[1].split()[0]
+    assert f"    --shutdown-timeout={grace}  #" in text  # torchrun's own grace is the launcher's
+
+
+def test_ssh_none_protocol_sigkills_at_once():
+    text = render_site(load_site(REPO / "sites", "ssh-local", ["trainer.stop_protocol=none"]))[0].text
+    assert "\nKILL_GRACE_S=0\n" in text
+    body = text[text.index("cleanup_main() {") : text.index("\n}\n", text.index("cleanup_main() {"))]
+    assert "kill -TERM" not in body and "kill -KILL" in body
+
+
+def test_slurm_signal_render_names_the_grace_and_drops_the_ack_timeout():
+    text = render_site(load_site(REPO / "sites", "local", ["trainer.stop_protocol=signal"]))[0].text
+    assert (
+        "\nSTOP_GRACE_S=30  # preemption.checkpoint_s + preemption.margin_s (trainer.stop_grace_s unset)\n"
+        in text
+    )
+    assert "ACK_TIMEOUT_S" not in text  # only the sbatch-gen protocol waits for an .ack
+    assert ': >"$STOP_FILE"' not in text  # nor creates the stop file
+
+
+def _line_of(path, needle):
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if needle in line:
+            return i
+    raise AssertionError(needle)
+
+
+def test_a_grace_without_the_signal_protocol_is_refused(work):
+    local = work / "sites" / "local.yaml"
+    local.write_text(local.read_text().replace("  resume: auto\n", "  resume: auto\n  stop_grace_s: 20\n", 1))
+    r = sg("validate")
+    assert r.code == 2 and "Traceback" not in r.err
+    line = _line_of(local, "stop_grace_s: 20")
+    assert (
+        f"sites/local.yaml:{line}: trainer.stop_grace_s: only stop_protocol: signal uses stop_grace_s "
+        "(stop_protocol is sbatch-gen): remove it"
+    ) in r.err, r.err
+
+
+@pytest.mark.parametrize(
+    "sets, where, source",
+    [
+        (
+            ["trainer.stop_grace_s=60"],
+            re.escape("--set trainer.stop_grace_s=60"),
+            "trainer.stop_grace_s = 60 s",
+        ),
+        (
+            ["preemption.checkpoint_s=30", "preemption.margin_s=30"],
+            r"sites/local\.yaml:\d+",  # the trainer section: the grace is not written anywhere
+            "preemption.checkpoint_s + preemption.margin_s (trainer.stop_grace_s unset) = 60 s",
+        ),
+    ],
+)
+def test_a_grace_that_leaves_no_time_to_requeue_is_refused(work, sets, where, source):
+    r = sg("render", "--site", "local", "--out", "o", "--set", "trainer.stop_protocol=signal", *_sets(sets))
+    assert r.code == 2 and "Traceback" not in r.err, r.err
+    assert re.search(
+        rf"^(sbatch-gen: )?{where}: trainer\.stop_grace_s: the grace of stop_protocol signal, "
+        + re.escape(source)
+        + r", is not shorter than preemption\.lead_time_s \(60 s\)",
+        r.err,
+        re.M,
+    ), r.err
+    assert len(r.err.strip().splitlines()) == 1, r.err
+
+
+def test_unknown_protocol_lists_the_choices(work):
+    r = sg("render", "--site", "local", "--out", "o", "--set", "trainer.stop_protocol=sigterm")
+    assert r.code == 2 and "Traceback" not in r.err, r.err
+    assert "trainer.stop_protocol" in r.err and "'sbatch-gen', 'signal' or 'none'" in r.err, r.err
+
+
+def _sets(sets: list[str]) -> list[str]:
+    return [w for s in sets for w in ("--set", s)]
