@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -61,3 +62,15 @@ def prepare(
     job = work / "job.sbatch"
     job.write_text(script if script is not None else (REPO / "out" / "local.sbatch").read_text())
     return job, full, stub_dir
+
+
+def start_job(job: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    """Run the prepared batch script in the background (stdout and stderr together, as text), as sbatch would."""
+    return subprocess.Popen(
+        ["bash", str(job)],
+        cwd=job.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from .batch_sandbox import prepare, render_local
+from .batch_sandbox import prepare, render_local, start_job
 
 SCONTROL = r"""#!/bin/bash
 # stub: $STUB_MODE selects what `scontrol requeue` does
@@ -95,14 +95,7 @@ def test_none_protocol_a_requeue_that_took_while_training_ran_is_not_reported_as
         mode,
         script=render_local("trainer.stop_protocol=none"),
     )
-    proc = subprocess.Popen(
-        ["bash", str(job)],
-        cwd=job.parent,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_job(job, env)
     try:
         deadline = time.monotonic() + 30
         while not (stub_dir / "training").exists():

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from .batch_sandbox import prepare, render_local
+from .batch_sandbox import prepare, render_local, start_job
 from .conftest import REPO
 
 pytestmark = pytest.mark.slow  # waits out ack timeouts and stop graces in real time (seconds per test)
@@ -73,14 +73,7 @@ def _start(
         script=script,
         env={"FAKE_SLURM": slurm},
     )
-    proc = subprocess.Popen(
-        ["bash", str(job)],
-        cwd=job.parent,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_job(job, env)
     return proc, job.parent, stub_dir
 
 
@@ -214,14 +207,7 @@ def _start_protocol(tmp_path: Path, mode: str, *sets: str) -> tuple[subprocess.P
         script=render_local(*sets),
         env={"FAKE_SLURM": "22.05.8"},
     )
-    proc = subprocess.Popen(
-        ["bash", str(job)],
-        cwd=job.parent,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_job(job, env)
     return proc, job.parent, stub_dir
 
 
