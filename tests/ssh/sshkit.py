@@ -9,12 +9,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from sbatch_gen.testing.s3server import free_port
 
 SSHD = "/usr/sbin/sshd"
 
@@ -56,12 +57,6 @@ class Sshd:
         for o in self.options():
             argv += ["-o", o]
         return [*argv, host]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _keygen(path: Path) -> None:
@@ -121,7 +116,7 @@ def start_sshd(
     log = d / "sshd.log"
     fixed = port
     for _ in range(1 if fixed else 5):  # a free port can be taken between probing and binding: retry
-        port = fixed or _free_port()
+        port = fixed or free_port()
         known = d / "known_hosts"
         known.write_text("".join(f"[{h}]:{port} {key_type} {key}\n" for h in names))
         sshd_argv = [
@@ -277,10 +272,6 @@ class Launch:
         return f.read_text(errors="replace")
 
 
-def free_port() -> int:
-    return _free_port()
-
-
 def render_site(repo: Path, out_dir: Path, overrides: list[str], site: str = SITE) -> Path:
     argv = [str(repo / ".venv" / "bin" / "sbatch-gen"), "render", "--site", site, "--out", str(out_dir)]
     for o in overrides:
@@ -419,3 +410,23 @@ def launcher_lib(tmp_path: Path, port: int, *overrides: str) -> Path:
     lib = tmp_path / "launcher-lib.sh"
     lib.write_text(text[: -len('main "$@"\n')])
     return lib
+
+
+def run_lib(lib: Path, code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``code`` under bash after sourcing the launcher library ``lib``, from the checkout, with this
+    environment minus what a Slurm job or an outer launch would have set (``env``: that environment instead)."""
+    if env is None:
+        env = scrubbed_env()
+    return subprocess.run(
+        ["bash", "-c", f'source "$1"\n{code}', "launcher", str(lib)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def scrubbed_env() -> dict[str, str]:
+    """This process's environment without SLURM* and SBATCH_GEN* variables."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "SBATCH_GEN"))}

@@ -7,16 +7,13 @@ sees (launch.shared_run_dir); preflight_all's launcher line naming the node."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
 from pathlib import Path
 
 import pytest
-from sshkit import free_port, launcher_lib
-
-REPO = Path(__file__).resolve().parents[2]
+from sshkit import free_port, launcher_lib, run_lib
 
 pytestmark = [
     pytest.mark.slow,  # runs the launcher's preflight on a fake node
@@ -27,29 +24,13 @@ pytestmark = [
 ]
 
 
-def _launcher_lib(tmp_path: Path, port: int, *overrides: str) -> Path:
-    return launcher_lib(tmp_path, port, *overrides)
-
-
-def _bash(lib: Path, code: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "SBATCH_GEN"))}
-    return subprocess.run(
-        ["bash", "-c", f'source "$1"\n{code}', "launcher", str(lib)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 def _preflight_node(lib: Path, rank: int, before: str = "") -> subprocess.CompletedProcess:
-    return _bash(lib, f'{before}\nbash -c "$NODE_PROGRAM" sbatch-gen-node preflight_main {rank}')
+    return run_lib(lib, f'{before}\nbash -c "$NODE_PROGRAM" sbatch-gen-node preflight_main {rank}')
 
 
 def test_preflight_passes_on_both_nodes_when_all_is_well(tmp_path):
     port = free_port()
-    lib = _launcher_lib(tmp_path, port)
+    lib = launcher_lib(tmp_path, port)
     r0 = _preflight_node(lib, 0)
     assert r0.returncode == 0, r0.stdout + r0.stderr
     assert "FAILED" not in r0.stderr, r0.stderr
@@ -75,7 +56,7 @@ def test_busy_rendezvous_port_fails_on_node0_only(tmp_path):
         busy.bind(("", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        lib = _launcher_lib(tmp_path, port)
+        lib = launcher_lib(tmp_path, port)
         r0 = _preflight_node(lib, 0)
         r1 = _preflight_node(lib, 1, before='mkdir -p -- "$RUN_DIR" && : >"$RUN_DIR/.sbatch-gen-shared.$TAG"')
     assert r0.returncode != 0
@@ -91,8 +72,8 @@ def test_busy_rendezvous_port_is_named_in_the_launcher_log(tmp_path):
         busy.bind(("", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        lib = _launcher_lib(tmp_path, port, "hosts=[127.0.0.1]")
-        r = _bash(lib, 'mkdir -p -- "$LOGS"; ATTEMPT=1; preflight_all')
+        lib = launcher_lib(tmp_path, port, "hosts=[127.0.0.1]")
+        r = run_lib(lib, 'mkdir -p -- "$LOGS"; ATTEMPT=1; preflight_all')
     assert r.returncode != 0
     assert (
         f"preflight FAILED on node 0 (127.0.0.1): cannot listen on rendezvous port {port}: Address already in "
@@ -101,7 +82,7 @@ def test_busy_rendezvous_port_is_named_in_the_launcher_log(tmp_path):
 
 
 def test_run_dir_node0_does_not_see_fails_on_the_other_node(tmp_path):
-    lib = _launcher_lib(tmp_path, free_port())
+    lib = launcher_lib(tmp_path, free_port())
     # No marker: node 0 (preflight_all) writes .sbatch-gen-shared.<tag> in its run dir before the
     # preflights; a node that does not see it has another filesystem at that path.
     r1 = _preflight_node(lib, 1)
@@ -116,7 +97,7 @@ def test_run_dir_node0_does_not_see_fails_on_the_other_node(tmp_path):
 
 
 def test_run_dir_check_is_off_with_shared_run_dir_false(tmp_path):
-    lib = _launcher_lib(tmp_path, free_port(), "launch.shared_run_dir=false")
+    lib = launcher_lib(tmp_path, free_port(), "launch.shared_run_dir=false")
     r1 = _preflight_node(lib, 1)
     assert r1.returncode == 0, r1.stdout + r1.stderr
     assert (

@@ -7,18 +7,15 @@ line, and that preflight_all names the node and the field."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from sshkit import free_port, launcher_lib
+from sshkit import free_port, launcher_lib, run_lib, scrubbed_env
 
 from sbatch_gen.testing.fakenode import FakeNode, path_without
-
-REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.slow,  # runs the launcher's preflight on a fake node
@@ -45,17 +42,10 @@ def _launcher_lib(tmp_path: Path, *overrides: str) -> Path:
 
 
 def _bash(lib: Path, node: FakeNode, code: str, path: str | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "SBATCH_GEN"))}
+    env = scrubbed_env()
     env.pop("CUDA_VISIBLE_DEVICES", None)
     env.update(node.env(f"{Path(sys.executable).parent}:{path if path is not None else env['PATH']}"))
-    return subprocess.run(
-        ["bash", "-c", f'source "$1"\n{code}', "launcher", str(lib)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_lib(lib, code, env)
 
 
 def _preflight_node0(lib: Path, node: FakeNode, path: str | None = None) -> subprocess.CompletedProcess:
