@@ -2,7 +2,9 @@
 
 Torch-free. The site profile's ``cross_region`` section *is* :class:`CrossRegion`; the renderer turns it
 into ``--xr-*`` trainer flags with :func:`to_argv`; the trainer parses them back with
-:func:`add_arguments` / :func:`from_namespace`. So a setting exists exactly once.
+:func:`add_arguments` / :func:`from_namespace`. A trainer whose command line cannot take the flags gets the
+same options as ``SBATCH_GEN_XR_*`` environment variables (:func:`to_env` / :func:`from_env`). So a setting
+exists exactly once.
 
 Credentials are referenced, never given: an AWS profile name, or the *names* of environment variables
 that hold the keys. There is no field that could carry a secret value.
@@ -11,7 +13,9 @@ that hold the keys. There is no field that could carry a secret value.
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -409,6 +413,7 @@ _CREDS = {
 }
 
 
+_VALUE_FLAGS = [*_FLAT.values(), *_TRANSPORT.values(), *_CREDS.values()]  # every flag that takes a value
 _NULLABLE = {"heartbeat_s"}  # fields whose null is spelled "none" on the command line
 _NONE = "none"
 
@@ -425,24 +430,30 @@ def _fmt(v: object) -> str:
     return str(v)
 
 
+def _flag_values(xr: CrossRegion) -> list[tuple[str, str]]:
+    """(flag, value) for every option of ``xr`` but --xr-enabled, in the order of the flags."""
+    out = [(flag, _fmt(getattr(xr, field))) for field, flag in _FLAT.items()]
+    t = xr.transport
+    for field, flag in _TRANSPORT.items():
+        v = getattr(t, field, None)
+        if v is not None:
+            out.append((flag, _fmt(v)))
+    if isinstance(t, S3Transport):
+        for field, flag in _CREDS.items():
+            v = getattr(t.credentials, field)
+            if v is not None:
+                out.append((flag, v))
+    return out
+
+
 def to_argv(xr: CrossRegion) -> list[str]:
     """Trainer flags for ``xr`` (empty when disabled). Every field is spelled out: a render never depends
     on the trainer's defaults."""
     if not xr.enabled:
         return []
     argv = ["--xr-enabled"]
-    for field, flag in _FLAT.items():
-        argv += [flag, _fmt(getattr(xr, field))]
-    t = xr.transport
-    for field, flag in _TRANSPORT.items():
-        v = getattr(t, field, None)
-        if v is not None:
-            argv += [flag, _fmt(v)]
-    if isinstance(t, S3Transport):
-        for field, flag in _CREDS.items():
-            v = getattr(t.credentials, field)
-            if v is not None:
-                argv += [flag, v]
+    for flag, value in _flag_values(xr):
+        argv += [flag, value]
     return argv
 
 
@@ -450,7 +461,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the --xr-* flags on the trainer's parser (all optional; validated by from_namespace)."""
     g = parser.add_argument_group("cross-region sync")
     g.add_argument("--xr-enabled", action="store_true", help="synchronise with other regions")
-    for flag in [*_FLAT.values(), *_TRANSPORT.values(), *_CREDS.values()]:
+    for flag in _VALUE_FLAGS:
         g.add_argument(flag, dest=_dest(flag), default=None)
 
 
@@ -458,32 +469,113 @@ def _dest(flag: str) -> str:
     return "xr_" + flag[len("--xr-") :].replace("-", "_")
 
 
-def from_namespace(ns: argparse.Namespace) -> CrossRegion:
-    """Build a validated CrossRegion from parsed flags (raises pydantic.ValidationError)."""
-    data: dict = {"enabled": bool(ns.xr_enabled)}
+def _model_data(enabled: bool, given: Mapping[str, str]) -> dict:
+    """The CrossRegion input for ``enabled`` and the value flags that were given (flag -> its string, as
+    :func:`to_argv` writes it): the one place flags become model fields, for flags and environment alike."""
+    data: dict = {"enabled": enabled}
     for field, flag in _FLAT.items():
-        v = getattr(ns, _dest(flag))
-        if v is not None:
+        if flag in given:
+            v: object = given[flag]
             if field == "regions":
-                v = [x for x in v.split(",") if x]
+                v = [x for x in given[flag].split(",") if x]
             elif field in _NULLABLE and v == _NONE:
                 v = None
             data[field] = v
-    transport: dict = {}
-    for field, flag in _TRANSPORT.items():
-        v = getattr(ns, _dest(flag))
-        if v is not None:
-            transport[field] = v
-    creds = {
-        f: getattr(ns, _dest(flag)) for f, flag in _CREDS.items() if getattr(ns, _dest(flag)) is not None
-    }
+    transport: dict = {field: given[flag] for field, flag in _TRANSPORT.items() if flag in given}
+    creds = {field: given[flag] for field, flag in _CREDS.items() if flag in given}
     if creds:
         transport["credentials"] = creds
     if transport:
         transport.setdefault("kind", "fs")
         data["transport"] = transport
-    return CrossRegion.model_validate(data)
+    return data
+
+
+def from_namespace(ns: argparse.Namespace) -> CrossRegion:
+    """Build a validated CrossRegion from parsed flags (raises pydantic.ValidationError)."""
+    given = {flag: v for flag in _VALUE_FLAGS if (v := getattr(ns, _dest(flag))) is not None}
+    return CrossRegion.model_validate(_model_data(bool(ns.xr_enabled), given))
 
 
 def flag_names() -> list[str]:
-    return ["--xr-enabled", *_FLAT.values(), *_TRANSPORT.values(), *_CREDS.values()]
+    return ["--xr-enabled", *_VALUE_FLAGS]
+
+
+def flag_of(loc: Sequence[str | int]) -> str | None:
+    """The flag of the field at a pydantic error location of CrossRegion (``("transport", "fs", "root")``:
+    ``--xr-root``); None for an error of the whole model (between fields)."""
+    names = [x for x in loc if isinstance(x, str)]
+    if not names:
+        return None
+    if names[0] == "enabled":
+        return "--xr-enabled"
+    if names[0] in _FLAT:
+        return _FLAT[names[0]]
+    if names[0] == "transport":
+        rest = [x for x in names[1:] if x not in ("fs", "s3")]  # the union's tag
+        if not rest:
+            return _TRANSPORT["kind"]
+        if rest[0] == "credentials":
+            return _CREDS.get(rest[1]) if len(rest) > 1 else None
+        return _TRANSPORT.get(rest[0])
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The same options as environment variables, for a trainer whose command line cannot take the flags (a
+# profile whose trainer.args has no {xr_args}): --xr-foo-bar VALUE is SBATCH_GEN_XR_FOO_BAR=VALUE, and
+# --xr-enabled is SBATCH_GEN_XR_ENABLED=1.
+
+ENV_PREFIX = "SBATCH_GEN_XR_"
+# SBATCH_GEN_XR_* names that are not options: the fault injection of the cross-region sync's tests and
+# benchmarks (sbatch_gen.train.xr.exchange.ENV_WITHHOLD_ROUNDS). from_env leaves them alone.
+ENV_NOT_OPTIONS = frozenset({"SBATCH_GEN_XR_WITHHOLD_ROUNDS"})
+_TRUE = ("1", "true", "yes")
+_FALSE = ("0", "false", "no", "")
+
+
+def env_name(flag: str) -> str:
+    """The environment variable of a flag: ``--xr-inner-steps`` -> ``SBATCH_GEN_XR_INNER_STEPS``."""
+    return ENV_PREFIX + flag[len("--xr-") :].replace("-", "_").upper()
+
+
+def env_names() -> list[str]:
+    """Every variable :func:`to_env` may set, in its order."""
+    return [env_name(f) for f in flag_names()]
+
+
+def to_env(xr: CrossRegion) -> dict[str, str]:
+    """The environment that carries ``xr`` to a trainer (empty when disabled): what :func:`to_argv` says, in
+    its order, each ``--xr-foo-bar VALUE`` as ``SBATCH_GEN_XR_FOO_BAR=VALUE``."""
+    if not xr.enabled:
+        return {}
+    env = {env_name("--xr-enabled"): "1"}
+    env.update((env_name(flag), value) for flag, value in _flag_values(xr))
+    return env
+
+
+def from_env(environ: Mapping[str, str]) -> CrossRegion:
+    """Build a validated CrossRegion from the SBATCH_GEN_XR_* variables of ``environ`` (other names are
+    ignored; none set: disabled). Raises ValueError for an unknown SBATCH_GEN_XR_* name or an
+    SBATCH_GEN_XR_ENABLED that is not a boolean, pydantic.ValidationError for a bad value."""
+    flags = {env_name(f): f for f in _VALUE_FLAGS}
+    enabled_name = env_name("--xr-enabled")
+    known = [enabled_name, *flags]
+    given: dict[str, str] = {}
+    enabled = False
+    for name, value in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX) or name in ENV_NOT_OPTIONS:
+            continue
+        if name == enabled_name:
+            if value.lower() not in _TRUE + _FALSE:
+                raise ValueError(
+                    f"{name}: {value!r} is not a boolean (1, true or yes; 0, false, no or empty)"
+                )
+            enabled = value.lower() in _TRUE
+        elif name in flags:
+            given[flags[name]] = value
+        else:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ValueError(f"{name}: unknown cross-region variable ({hint}known: {', '.join(known)})")
+    return CrossRegion.model_validate(_model_data(enabled, given))

@@ -16,7 +16,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from sbatch_gen.errors import FieldError
 from sbatch_gen.launch import PLACEHOLDERS, PlaceholderError, Ref, parse_arg, placeholders_used
-from sbatch_gen.profiles.environment import RESERVED_ENV
+from sbatch_gen.profiles.environment import RESERVED_ENV, RESERVED_ENV_PREFIXES
 from sbatch_gen.profiles.types import (
     EnvName,
     Int,
@@ -193,8 +193,10 @@ ARGS_DESCRIPTION = (
     + ". A placeholder may be part of an argument (--job.dump_folder={run_dir}/titan); run-time values "
     "(the node count, the resume mode) stay shell variables of the launcher. Write {{ and }} for a literal "
     "brace; any other brace, and an unknown placeholder, is an error. Unset: the fixed flags. Not with "
-    "extra_args; trainer.max_steps, when set, must appear as {max_steps}; with cross_region enabled, {xr_args} "
-    "must be one of the arguments."
+    "extra_args; trainer.max_steps, when set, must appear as {max_steps}. With cross_region enabled and no "
+    "{xr_args}, the job exports the same options to the trainer as environment variables instead "
+    "(--xr-foo-bar VALUE as SBATCH_GEN_XR_FOO_BAR=VALUE, --xr-enabled as SBATCH_GEN_XR_ENABLED=1), which "
+    "sbatch_gen.train.api.cross_region_from_env reads."
 )
 
 
@@ -455,6 +457,12 @@ def _env_names(v: object) -> object:
     for k in v:
         if not isinstance(k, str):
             continue
+        prefix = next((x for x in RESERVED_ENV_PREFIXES if k.startswith(x)), None)
+        if prefix is not None:
+            field = RESERVED_ENV_PREFIXES[prefix]
+            raise FieldError(
+                (k,), f"{k}: {prefix}* variables are set by sbatch-gen from {field}; set it there"
+            )
         if k in RESERVED_ENV:
             raise FieldError((k,), f"{k} is set by sbatch-gen from other profile fields; set it there")
         if k.startswith(("SLURM_", "SBATCH_")):
@@ -562,8 +570,8 @@ class ProfileBase(ProfileSection):
 
     @model_validator(mode="after")
     def _trainer_args_against_the_profile(self) -> ProfileBase:
-        """trainer.args against the other sections: {data_path} needs paths.data, and an enabled
-        cross_region needs {xr_args} (the trainer would not know it syncs)."""
+        """trainer.args against the other sections: {data_path} needs paths.data. (An enabled cross_region
+        without {xr_args} reaches the trainer as SBATCH_GEN_XR_* variables: environment.xr_in_environment.)"""
         args = self.trainer.args
         if args is None:
             return self
@@ -574,12 +582,6 @@ class ProfileBase(ProfileSection):
                     ("trainer", "args", i),
                     "{data_path}: paths.data is not set (set it, or write the path here)",
                 )
-        if self.cross_region.enabled and not any("xr_args" in names for _, names in used):
-            raise FieldError(
-                ("trainer", "args"),
-                "cross_region is enabled, but trainer.args has no {xr_args}: the trainer would not get the "
-                "--xr-* flags; add {xr_args} as an argument of its own",
-            )
         return self
 
     @model_validator(mode="after")

@@ -2,7 +2,8 @@
 
 :func:`job_environment` builds the variables every job step gets from the table :data:`_ENV_TABLE`, so the
 names sbatch-gen sets are known without a profile (:data:`JOB_ENV_NAMES`), and ``extra_env`` refuses exactly
-those plus what the scripts export at run time (:data:`RESERVED_ENV`).
+those plus what the scripts export at run time (:data:`RESERVED_ENV`) and every ``SBATCH_GEN_XR_*`` name
+(:data:`RESERVED_ENV_PREFIXES`: cross_region's variables, for a trainer.args without ``{xr_args}``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sbatch_gen import contract
+from sbatch_gen import contract, xr_options
+from sbatch_gen.launch import placeholders_used
 
 if TYPE_CHECKING:
     from sbatch_gen.profiles.base import ProfileBase
@@ -57,6 +59,14 @@ class _Block:
     key: str  # EnvBlock.key
     when: Callable[[ProfileBase], bool]  # whether the block is exported at all
     vars: tuple[_Var, ...]
+
+
+def xr_in_environment(p: ProfileBase) -> bool:
+    """Whether the job carries cross_region to the trainer as SBATCH_GEN_XR_* variables: it is enabled, and
+    trainer.args has no {xr_args} (the fixed flags and {xr_args} carry it as --xr-* flags instead)."""
+    if not p.cross_region.enabled or p.trainer.args is None:
+        return False
+    return not any("xr_args" in names for _, names in placeholders_used(p.trainer.args))
 
 
 # Every variable sbatch-gen sets from profile fields, grouped by the profile section they come from, in the
@@ -107,7 +117,8 @@ _ENV_TABLE: tuple[_Block, ...] = (
     ),
 )
 
-# Every name job_environment can set from profile fields (extra_env aside).
+# Every name job_environment can set from profile fields (extra_env and cross_region's SBATCH_GEN_XR_*
+# aside: which of those a job gets depends on the transport; RESERVED_ENV_PREFIXES covers them).
 JOB_ENV_NAMES: frozenset[str] = frozenset(name for b in _ENV_TABLE for name, _ in b.vars)
 
 # Variables the scripts set at run time (besides job_environment), for pyxis --container-env.
@@ -128,6 +139,13 @@ RESERVED_ENV: frozenset[str] = (
 )
 
 
+# Prefixes of names extra_env may not set, and the profile field that sets them instead.
+RESERVED_ENV_PREFIXES: dict[str, str] = {xr_options.ENV_PREFIX: "cross_region"}
+
+# The comment above cross_region's variables (after the table's blocks, before extra_env).
+XR_ENV_KEY = "cross_region, for the trainer as variables: trainer.args has no {xr_args}"
+
+
 def job_environment(p: ProfileBase) -> list[EnvBlock]:
     """Environment variables every job step gets, grouped by the profile section they come from."""
     blocks: list[EnvBlock] = []
@@ -136,6 +154,10 @@ def job_environment(p: ProfileBase) -> list[EnvBlock]:
             continue
         values = ((name, value(p)) for name, value in b.vars)
         blocks.append(EnvBlock(b.key, tuple((name, v) for name, v in values if v is not None)))
+    # A trainer with its own command line that takes no --xr-* flags reads the same options from the
+    # environment (sbatch_gen.train.api.cross_region_from_env).
+    if xr_in_environment(p):
+        blocks.append(EnvBlock(XR_ENV_KEY, tuple(xr_options.to_env(p.cross_region).items())))
     if p.extra_env:
         blocks.append(EnvBlock("extra_env", tuple(p.extra_env.items())))
     return blocks

@@ -222,14 +222,18 @@ def test_extra_args_and_args_together_is_an_error(work):
     )
 
 
-def test_cross_region_without_the_xr_flags_is_an_error(work):
+def test_cross_region_without_xr_args_goes_to_the_environment(work):
+    """Not an error: the trainer gets the options as SBATCH_GEN_XR_* variables (test_xr_env.py)."""
     xr = "cross_region:\n  enabled: true\n  region: a\n  regions: [a, b]\n"
-    err, path = _error(work, SCRIPT + _args("--cfg", "{config}"), xr)
-    line = _line_of(path, "  args:")
-    assert err == (
-        f"sbatch-gen: sites/local.yaml:{line}: trainer.args: cross_region is enabled, but trainer.args has no "
-        "{xr_args}: the trainer would not get the --xr-* flags; add {xr_args} as an argument of its own"
-    )
+    _write(work, SCRIPT + _args("--cfg", "{config}"), xr)
+    r = sg("render", "--site", "local", "--out", "o")
+    assert r.code == 0, r.err
+    text = (work / "o" / "local.sbatch").read_text()
+    assert (
+        "# cross_region, for the trainer as variables: trainer.args has no {xr_args}\n"
+        "export SBATCH_GEN_XR_ENABLED=1\nexport SBATCH_GEN_XR_RUN_ID=run\nexport SBATCH_GEN_XR_REGION=a\n"
+    ) in text
+    assert "--xr-" not in text
 
 
 def test_module_and_script_together_is_an_error(work):
