@@ -8,15 +8,14 @@ _PROCESS_START = time.time()
 def _main() -> int:
     import sys
 
+    from .api import StopRequest
     from .cli import parse_args
-    from .signals import StopRequest, fast_exit_if_acked, resolve_stop_file
     from .spec import EXIT_CONFIG, RunSpec, SpecError
 
     args = parse_args()
-    stop_file = resolve_stop_file(args.stop_file)
-    fast_exit_if_acked(stop_file)
+    stop = StopRequest.from_env(args.stop_file)
+    stop.exit_if_acked()
     # Handlers before the slow imports: a SIGUSR1/SIGTERM during start-up is a stop request, not a death.
-    stop = StopRequest(stop_file)
     stop.install()
     try:
         spec = RunSpec.from_args(args)  # the only place the flags are read

@@ -102,6 +102,40 @@ def dist_info_from_env(backend: str = "none") -> DistInfo:
     )
 
 
+def dist_info_from_process_group() -> DistInfo:
+    """This process's place from an initialised default process group (rank, world size, backend) and
+    torchrun's variables for what the group does not know (local rank, node rank); a single process when
+    no group is initialised. For trainers that set up ``torch.distributed`` themselves."""
+    env = dist_info_from_env()
+    if not (dist.is_available() and dist.is_initialized()):
+        if env.world_size > 1:
+            raise RuntimeError(
+                f"WORLD_SIZE={env.world_size} but torch.distributed is not initialised: call "
+                "torch.distributed.init_process_group() first"
+            )
+        return DistInfo()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if "WORLD_SIZE" in os.environ and (env.rank, env.world_size) != (rank, world):
+        raise RuntimeError(
+            f"the default process group is rank {rank} of {world}, the environment says RANK={env.rank} "
+            f"WORLD_SIZE={env.world_size}: the region's group must be the default one"
+        )
+    local_world = env.local_world_size if "LOCAL_WORLD_SIZE" in os.environ else world
+    local_rank = env.local_rank if "LOCAL_RANK" in os.environ else rank % local_world
+    return DistInfo(
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        local_world_size=local_world,
+        node_rank=env.node_rank if "GROUP_RANK" in os.environ else rank // local_world,
+        num_nodes=env.num_nodes if "GROUP_WORLD_SIZE" in os.environ else max(world // local_world, 1),
+        is_distributed=True,
+        backend=str(dist.get_backend()),
+        master_addr=env.master_addr,
+        master_port=env.master_port,
+    )
+
+
 def pick_device(info: DistInfo) -> torch.device:
     if torch.cuda.is_available():
         n = torch.cuda.device_count()

@@ -4,7 +4,8 @@ The handler only records the request (it never raises), so a second signal while
 being written changes nothing: the save runs to its end. The trainer folds :meth:`StopRequest.local`
 into the one collective it does every step, so all ranks agree on the same stop step.
 
-Torch-free; :func:`fast_exit_if_acked` runs before torch is imported.
+Part of the public library (:mod:`sbatch_gen.train.api` re-exports :class:`StopRequest`). Torch-free at
+import (:meth:`StopRequest.agree` imports torch); :func:`fast_exit_if_acked` runs before torch is imported.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from ..contract import ACK_SUFFIX, ENV_STOP_FILE, EXIT_REQUEUE
 from ..fsutil import write_atomic
@@ -48,41 +51,107 @@ def fast_exit_if_acked(stop_file: Path | None) -> None:
 
 
 class StopRequest:
-    """Collects stop requests from signals and the stop file (checked on every :meth:`local` call)."""
+    """A stop request from a signal (``SIGUSR1``/``SIGTERM`` by default) or the stop file, which the rendered
+    Slurm job creates when Slurm's warning signal arrives (``trainer.stop_protocol: sbatch-gen``).
 
-    def __init__(self, stop_file: Path | None):
-        self.stop_file = stop_file
+    The signal handler only records the request: a second signal during a save changes nothing. Call
+    :meth:`agree` once per step (or fold :meth:`local` into a collective of your own, as the companion
+    trainer does): every rank gets the same answer at the same step. After the stop checkpoint,
+    :meth:`acknowledge` and exit ``EXIT_REQUEUE``: the launcher requeues the job once it sees the ack."""
+
+    def __init__(
+        self, stop_file: str | Path | None = None, signals: Iterable[signal.Signals] = STOP_SIGNALS
+    ) -> None:
+        self.stop_file = Path(stop_file) if stop_file else None
+        self.handled = tuple(signals)
         self.signals: list[str] = []
         self.first_time: float | None = None
         self._prev: dict[int, object] = {}
 
+    @classmethod
+    def from_env(cls, stop_file: str | Path | None = None, **kw: Any) -> StopRequest:
+        """``stop_file`` when given, else ``$SBATCH_GEN_STOP_FILE`` (neither: signals only)."""
+        return cls(resolve_stop_file(str(stop_file) if stop_file else None), **kw)
+
     def install(self) -> None:
+        """Handle the signals (main thread only; elsewhere a no-op)."""
         if threading.current_thread() is not threading.main_thread():
             return
-        for sig in STOP_SIGNALS:
+        for sig in self.handled:
             self._prev[sig] = signal.signal(sig, self._handler)
 
     def uninstall(self) -> None:
+        """Put the previous handlers back."""
         for sig, prev in self._prev.items():
             signal.signal(sig, prev)  # type: ignore[arg-type]
         self._prev.clear()
+
+    def __enter__(self) -> StopRequest:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
 
     def _handler(self, signum, frame) -> None:  # noqa: ARG002 - signal API
         self.signals.append(signal.Signals(signum).name)
         if self.first_time is None:
             self.first_time = time.time()
 
+    def exit_if_acked(self) -> None:
+        """Exit ``EXIT_REQUEUE`` at once when the stop file and its ack both exist: this attempt has already
+        checkpointed and handed over (torchrun restarting the workers must not train again)."""
+        fast_exit_if_acked(self.stop_file)
+
     def local(self) -> bool:
         """Whether this rank has seen a request (signal, or the stop file exists)."""
         return bool(self.signals) or (self.stop_file is not None and self.stop_file.exists())
 
+    def agree(self, device: Any = None) -> bool:
+        """Collective (every rank of the default process group, at the same step): whether any rank has
+        seen a request. One all-reduce of one number; without an initialised process group, :meth:`local`.
+        ``device``: where the number goes (default: the current CUDA device with NCCL, else the CPU)."""
+        import torch
+        import torch.distributed as tdist
+
+        if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+            return self.local()
+        if device is None:
+            nccl = tdist.get_backend() == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        flag = torch.tensor([1.0 if self.local() else 0.0], device=device)
+        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
     def reason(self) -> str:
+        """What asked to stop, for logs and the ack: the signals seen, the stop file, or "another rank"."""
         parts = []
         if self.signals:
             parts.append("+".join(dict.fromkeys(self.signals)))
         if self.stop_file is not None and self.stop_file.exists():
             parts.append(f"stop file {self.stop_file}")
         return ", ".join(parts) or "another rank"
+
+    def acknowledge(
+        self, step: int, checkpoint: str | Path | None = None, reason: str | None = None
+    ) -> Path | None:
+        """Rank 0 (torch.distributed's, else ``$RANK``): write ``<stop file>.ack`` (JSON: step, checkpoint,
+        reason, time) atomically once the stop checkpoint is complete on every rank (call it after a
+        collective save or a barrier). Returns its path; None on the other ranks or without a stop file."""
+        if self.stop_file is None or _rank() != 0:
+            return None
+        return write_ack(
+            self.stop_file, step, Path(checkpoint) if checkpoint else None, reason or self.reason()
+        )
+
+
+def _rank() -> int:
+    """torch.distributed's rank when it is initialised (looked up only if torch is already imported), else
+    ``$RANK``, else 0."""
+    tdist = sys.modules.get("torch.distributed")
+    if tdist is not None and tdist.is_available() and tdist.is_initialized():
+        return int(tdist.get_rank())
+    return int(os.environ.get("RANK", "0") or 0)
 
 
 def write_ack(stop_file: Path, step: int, checkpoint: Path | None, reason: str) -> Path:

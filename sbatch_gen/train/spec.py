@@ -12,10 +12,9 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from .. import xr_options
 from ..errors import UserError
+from .api import CrossRegionError, cross_region_from_args, xr_flags_given
 from .config import TrainConfig, load_config, xr_problems
 from .signals import resolve_stop_file
 
@@ -66,14 +65,12 @@ class RunSpec:
             loaded = load_config(args.config)
         except UserError as e:
             raise SpecError(f"config error:\n{e}") from None
-        try:
-            xr = xr_options.from_namespace(args)
-        except ValidationError as e:
-            probs = [
-                f"--xr-{'.'.join(str(x) for x in err['loc']).replace('_', '-')}: {err['msg']}"
-                for err in e.errors(include_url=False)
-            ]
-            raise SpecError("cross-region flag error:\n" + "\n".join(probs)) from None
+        try:  # the --xr-* flags, else the SBATCH_GEN_XR_* environment: as any trainer reads them
+            xr, _ = cross_region_from_args(namespace=args)
+        except CrossRegionError as e:
+            raise SpecError(
+                f"cross-region {'flag' if xr_flags_given(args) else 'environment'} error:\n{e}"
+            ) from None
         cfg = loaded.model_copy(
             update={
                 "run_dir": args.run_dir or loaded.run_dir,

@@ -22,11 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..contract import EXIT_REQUEUE
+from .api import EXIT_REQUEUE, DiLoCo, StopRequest, XRError, XRNoQuorum, XRTimeout
 from .config import TrainConfig
-from .signals import StopRequest, write_ack
 from .spec import EXIT_CONFIG, RunSpec
-from .xr.errors import XRError, XRNoQuorum, XRTimeout
 
 log = logging.getLogger("sbatch_gen.train")
 
@@ -434,13 +432,12 @@ class Trainer:
             crc=cfg.checkpoint.verify == "crc32",
         )
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl" if info.is_main else None)
-        self.sync = None
-        if xr.enabled:
-            from .xr import build_outer_sync
-
-            self.sync = build_outer_sync(
-                xr=xr, model=self.model, device=device, dist=info, run_dir=self.run_dir, log=self._log_record
-            )
+        # cross-region: the public wrapper (sbatch_gen.train.api), the same one a foreign trainer uses
+        self.sync = (
+            DiLoCo(self.model, xr, run_dir=self.run_dir, log=self._log_record, device=device)
+            if xr.enabled
+            else None
+        )
         self.step = 0
         self.tokens_seen = 0
 
@@ -665,8 +662,7 @@ class Trainer:
             return
         loop = self.loop
         try:
-            self.sync.align(self.step)
-            adopted = self.sync.catch_up(self.step)
+            adopted: int | None = self.sync.start(self.step)
         except XRTimeout as e:
             adopted, loop.no_quorum, loop.exit_reason = None, e, "no_quorum"
         if adopted is not None:
@@ -715,9 +711,7 @@ class Trainer:
         self.step = step
         self.tokens_seen += self.tokens_per_step
         try:
-            xr_timings = (
-                self.sync.after_optimizer_step(step, self.tokens_per_step) if self.sync is not None else None
-            )
+            xr_timings = self.sync.after_step(step, self.tokens_per_step) if self.sync is not None else None
         except XRNoQuorum as e:  # every rank raised it; the model holds this step's local parameters
             loop.no_quorum, loop.exit_reason = e, "no_quorum"
             return
@@ -918,6 +912,8 @@ class Trainer:
         else:
             self._hand_off()
         self.ckpt.close()
+        if self.sync is not None:
+            self.sync.close()  # the heartbeat stops, the mailbox's connections close
         self._barrier()
         if self.info.is_main:
             self._write_summary()
@@ -938,7 +934,7 @@ class Trainer:
                 self.stop.stop_file.parent.mkdir(parents=True, exist_ok=True)
                 self.stop.stop_file.touch()
             reason = "no quorum" if no_quorum is not None else self.stop.reason()
-            ack = write_ack(self.stop.stop_file, self.step, res.path if res else None, reason)
+            ack = self.stop.acknowledge(self.step, res.path if res else None, reason)
             log.info("wrote %s", ack)
 
     def _complete(self) -> None:
