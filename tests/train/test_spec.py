@@ -93,6 +93,22 @@ def test_bad_cross_region_flags_raise_one_line_each(cfg):
     assert "region 'eu' is not in regions ['us', 'asia']" in str(e.value).splitlines()[1]
 
 
+def test_without_flags_the_cross_region_options_come_from_the_environment(cfg, monkeypatch):
+    """A profile whose trainer.args has no {xr_args} exports SBATCH_GEN_XR_*; flags, when given, win."""
+    monkeypatch.setenv("SBATCH_GEN_XR_ENABLED", "1")
+    monkeypatch.setenv("SBATCH_GEN_XR_REGION", "us")
+    monkeypatch.setenv("SBATCH_GEN_XR_REGIONS", "eu,us")
+    monkeypatch.setenv("SBATCH_GEN_XR_ROOT", "/mb")
+    s = _spec(cfg)
+    assert s.xr.enabled and s.xr.region == "us" and s.xr.transport.root == "/mb"
+    assert _spec(cfg, "--xr-enabled --xr-region eu --xr-regions eu").xr.regions == ["eu"]
+    monkeypatch.setenv("SBATCH_GEN_XR_INNER_STEPS", "0")
+    with pytest.raises(SpecError) as e:
+        _spec(cfg)
+    head, line = str(e.value).splitlines()
+    assert head == "cross-region environment error:" and line.startswith("SBATCH_GEN_XR_INNER_STEPS: ")
+
+
 def test_bad_config_raises_with_file_line_field(tmp_path):
     bad = write_config(tmp_path / "bad.yaml", optim={"lr": 0})
     with pytest.raises(SpecError) as e:
