@@ -7,7 +7,6 @@ line, and that preflight_all names the node and the field."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,13 +16,7 @@ from sshkit import free_port, launcher_lib, run_lib, scrubbed_env
 
 from sbatch_gen.testing.fakenode import FakeNode, path_without
 
-pytestmark = [
-    pytest.mark.slow,  # runs the launcher's preflight on a fake node
-    pytest.mark.skipif(
-        shutil.which("ip") is None or shutil.which("ss") is None,
-        reason="needs iproute2 (ip, ss), as the launcher does",
-    ),
-]
+pytestmark = pytest.mark.slow  # runs the launcher's preflight on a fake node (iproute2's ip: make install)
 
 IB = {"mlx5_0": {1: "InfiniBand"}, "mlx5_1": {1: "InfiniBand"}}
 
