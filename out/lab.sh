@@ -676,6 +676,7 @@ node_main() {
     --rdzv-conf="join_timeout=900,is_host=$IS_HOST"  # torchrun.rdzv_timeout_s
     --local-addr="$NODE_ADDR"
     --max-restarts 0  # torchrun.max_restarts
+    --shutdown-timeout=60  # launch.kill_grace_s
   ) trainer_args=(
     --config "$TRAIN_CONFIG"
     --run-dir "$RUN_DIR"

@@ -381,8 +381,9 @@ def torchrun_argv(p: Profile, launcher: Launcher) -> list[Option]:
         # before SIGKILL; without --signals-to-handle it would die of SIGUSR1/SIGUSR2 (their default action).
         signals = ",".join(dict.fromkeys([*TORCHRUN_DEFAULT_SIGNALS, "SIG" + p.stop_signal()]))
         opts.append(Option((f"--signals-to-handle={signals}",), "trainer.stop_protocol: signal"))
-        grace, source = p.stop_grace()
-        opts.append(Option((f"--shutdown-timeout={grace}",), source))
+    shutdown = p.torchrun_shutdown_timeout()
+    if shutdown is not None:
+        opts.append(Option((f"--shutdown-timeout={shutdown[0]}",), shutdown[1]))
     return opts
 
 

@@ -556,6 +556,11 @@ class ProfileBase(ProfileSection):
             return self.trainer.stop_grace_s, "trainer.stop_grace_s"
         return self.default_stop_grace()
 
+    def torchrun_shutdown_timeout(self) -> tuple[int, str] | None:
+        """torchrun's --shutdown-timeout: how long its agent lets the workers exit after passing a signal on,
+        before SIGKILL (seconds, the fields it comes from); None: torchrun's default (30 s)."""
+        return self.stop_grace() if self.trainer.stop_protocol == "signal" else None
+
     def nproc_per_node(self) -> int:
         g = self.gpus_per_node()
         return g if g > 0 else (self.torchrun.procs_per_node or 1)

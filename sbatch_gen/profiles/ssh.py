@@ -135,7 +135,8 @@ class SshLaunch(ProfileSection):
         default=30,
         ge=1,
         le=3600,
-        description="Cleanup: seconds between SIGTERM (the trainer checkpoints on it) and SIGKILL. With "
+        description="Cleanup: seconds between SIGTERM (the trainer checkpoints on it) and SIGKILL; also "
+        "torchrun's --shutdown-timeout, so that its agent waits as long before it SIGKILLs the workers. With "
         "trainer.stop_protocol signal the default of trainer.stop_grace_s; unused with none (SIGKILL at once).",
     )
     failure_grace_s: Int = Field(
@@ -194,6 +195,13 @@ class SshProfile(ProfileBase):
 
     def default_stop_grace(self) -> tuple[int, str]:
         return self.launch.kill_grace_s, "launch.kill_grace_s (trainer.stop_grace_s unset)"
+
+    def torchrun_shutdown_timeout(self) -> tuple[int, str] | None:
+        # stop_protocol sbatch-gen: the cleanup's SIGTERM reaches torchrun too, whose agent would SIGKILL the
+        # saving workers after its own 30 s whatever launch.kill_grace_s says
+        if self.trainer.stop_protocol == "sbatch-gen":
+            return self.launch.kill_grace_s, "launch.kill_grace_s"
+        return super().torchrun_shutdown_timeout()
 
     def enabled_hosts(self) -> list[str]:
         return [h.name for h in self.hosts if h.enabled]

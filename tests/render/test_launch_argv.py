@@ -241,6 +241,7 @@ def test_the_rendered_torchrun_flags_agree(variant):
         "--local-addr=10.0.0.1",
         "--max-restarts",
         "1",
+        "--shutdown-timeout=10",  # launch.kill_grace_s: the SSH cleanup's SIGTERM reaches torchrun too
     ]
 
 

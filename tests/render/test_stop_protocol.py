@@ -1,7 +1,7 @@
 """trainer.stop_protocol and trainer.stop_grace_s: what they render and what they refuse.
 
-- sbatch-gen (the default) renders nothing new: torchrun gets no stop flags (the goldens in out/ stay as
-  they are, test_golden.py);
+- sbatch-gen (the default): no stop flags for Slurm (the batch shell never signals torchrun); SSH gives
+  torchrun launch.kill_grace_s as its --shutdown-timeout (the cleanup's SIGTERM reaches torchrun too);
 - signal: torchrun is told to handle the stop signal (Slurm: preemption.signal; SSH: SIGTERM, which is
   what the launcher sends) and to give its workers the grace before SIGKILL; the grace is
   trainer.stop_grace_s, else preemption.checkpoint_s + margin_s (Slurm) or launch.kill_grace_s (SSH);
@@ -36,10 +36,18 @@ def _flags(site: str, *sets: str) -> dict[str, str | None]:
     return out
 
 
-@pytest.mark.parametrize("site", ["local", "ssh-local", "eu"])
-@pytest.mark.parametrize("protocol", ["sbatch-gen", "none"])
+@pytest.mark.parametrize(
+    ("site", "protocol"),
+    [("local", "sbatch-gen"), ("eu", "sbatch-gen"), ("local", "none"), ("eu", "none"), ("ssh-local", "none")],
+)
 def test_no_stop_flags_without_the_signal_protocol(site, protocol):
     assert _flags(site, f"trainer.stop_protocol={protocol}") == {}
+
+
+def test_ssh_default_protocol_gives_torchrun_the_kill_grace():
+    """The SSH cleanup's SIGTERM reaches torchrun too: its agent must wait launch.kill_grace_s before it
+    SIGKILLs the saving workers, not its own 30 s."""
+    assert _flags("ssh-local", "launch.kill_grace_s=95") == {"--shutdown-timeout=95": "launch.kill_grace_s"}
 
 
 def test_slurm_signal_protocol_makes_torchrun_forward_the_preemption_signal():
