@@ -36,16 +36,16 @@ check: install  ## fail (exit 1, with a diff) if out/ differs from a fresh rende
 	$(SG) validate
 	$(SG) check
 
-lint: install  ## ruff check, ruff format --check, mypy on sbatch_gen/, bash -n + shellcheck on every rendered script (no root)
-	$(VENV)/bin/ruff check sbatch_gen tests bench scripts
-	$(VENV)/bin/ruff format --check sbatch_gen tests bench scripts
+lint: install  ## ruff check, ruff format --check, mypy on sbatch_gen/ and examples/, bash -n + shellcheck on every rendered script (no root)
+	$(VENV)/bin/ruff check sbatch_gen tests bench scripts examples
+	$(VENV)/bin/ruff format --check sbatch_gen tests bench scripts examples
 	$(VENV)/bin/mypy
 	for f in out/*.sbatch out/*.sh examples/out/*.sbatch examples/out/*.sh; do [ -e "$$f" ] || continue; bash -n "$$f"; $(VENV)/bin/shellcheck -x "$$f"; done
 	$(VENV)/bin/shellcheck scripts/*.sh
 
 format: install  ## rewrite the Python sources in the project's style (ruff format, ruff check --fix)
-	$(VENV)/bin/ruff format sbatch_gen tests bench scripts
-	$(VENV)/bin/ruff check --fix sbatch_gen tests bench scripts
+	$(VENV)/bin/ruff format sbatch_gen tests bench scripts examples
+	$(VENV)/bin/ruff check --fix sbatch_gen tests bench scripts examples
 
 test-fast: install  ## the unit tier: no real servers, no subprocess training, no Slurm; under a minute
 	$(PY) -m pytest -m "not slow and not e2e" $(PYTEST_ARGS)

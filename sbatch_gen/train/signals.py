@@ -43,8 +43,8 @@ def fast_exit_if_acked(stop_file: Path | None) -> None:
     ack = ack_path(stop_file)
     if stop_file.exists() and ack.exists():
         sys.stderr.write(
-            f"sbatch_gen.train: stop file {stop_file} and {ack} exist: already checkpointed, "
-            f"exiting {EXIT_REQUEUE} without starting\n"
+            f"{Path(sys.argv[0]).name or 'python'}: stop file {stop_file} and {ack} exist: already "
+            f"checkpointed, exiting {EXIT_REQUEUE} without starting\n"
         )
         sys.stderr.flush()
         raise SystemExit(EXIT_REQUEUE)
@@ -137,9 +137,14 @@ class StopRequest:
     ) -> Path | None:
         """Rank 0 (torch.distributed's, else ``$RANK``): write ``<stop file>.ack`` (JSON: step, checkpoint,
         reason, time) atomically once the stop checkpoint is complete on every rank (call it after a
-        collective save or a barrier). Returns its path; None on the other ranks or without a stop file."""
+        collective save or a barrier). Creates the stop file first when nothing did (a stop of the
+        trainer's own, e.g. no cross-region quorum): workers torchrun restarts then exit at once
+        (:meth:`exit_if_acked`). Returns the ack's path; None on the other ranks or without a stop file."""
         if self.stop_file is None or _rank() != 0:
             return None
+        if not self.stop_file.exists():
+            self.stop_file.parent.mkdir(parents=True, exist_ok=True)
+            self.stop_file.touch()
         return write_ack(
             self.stop_file, step, Path(checkpoint) if checkpoint else None, reason or self.reason()
         )

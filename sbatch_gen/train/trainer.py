@@ -923,18 +923,15 @@ class Trainer:
     def _hand_off(self) -> None:
         """Stopped or no quorum: leave the cross-region run (the other regions stop waiting for this one),
         a complete checkpoint of where we are (a fresh start that found no theta0 has nothing to save), and
-        rank 0 acks the stop file for the launcher. Without a quorum rank 0 creates the stop file first: a
-        restart by torchrun must not wait for a quorum again."""
+        rank 0 acks the stop file for the launcher (creating it without a quorum: a restart by torchrun
+        must not wait for a quorum again)."""
         no_quorum = self.loop.no_quorum
         if self.sync is not None:
             self.sync.leave(self.step, "no quorum" if no_quorum else self.stop.reason())
         res = self.ckpt.save(self.step, self._state(), block=True) if self.step > 0 else None
-        if self.info.is_main and self.stop.stop_file is not None:
-            if no_quorum is not None:
-                self.stop.stop_file.parent.mkdir(parents=True, exist_ok=True)
-                self.stop.stop_file.touch()
-            reason = "no quorum" if no_quorum is not None else self.stop.reason()
-            ack = self.stop.acknowledge(self.step, res.path if res else None, reason)
+        reason = "no quorum" if no_quorum is not None else self.stop.reason()
+        ack = self.stop.acknowledge(self.step, res.path if res else None, reason)  # rank 0 only
+        if ack is not None:
             log.info("wrote %s", ack)
 
     def _complete(self) -> None:

@@ -95,11 +95,14 @@ def test_rank_0_writes_the_ack_and_an_acked_attempt_exits_42_before_any_work(tmp
     assert ack == tmp_path / "d" / "stop.ack"
     rec = json.loads(ack.read_text())
     assert (rec["step"], rec["checkpoint"], rec["reason"]) == (7, str(tmp_path / "ckpt-7"), "SIGUSR1")
-    stop.exit_if_acked()  # the ack alone: the stop file is not there, this is not the acked attempt
-    stop_file.touch()
+    # nothing had created the stop file (a stop of the trainer's own): the ack creates it, so that workers
+    # torchrun restarts in this attempt exit at once
+    assert stop_file.exists()
     with pytest.raises(SystemExit) as e:
         stop.exit_if_acked()
     assert e.value.code == EXIT_REQUEUE == 42
+    stop_file.unlink()  # the next attempt's stop file is another one: start normally
+    stop.exit_if_acked()
     assert StopRequest().acknowledge(1) is None  # signals only: nobody to tell
 
 
