@@ -333,9 +333,14 @@ def next_port() -> int:
     return next(_ports)
 
 
-def render(out_dir: Path, site: str = "local", sets: dict | None = None) -> Path:
-    """`sbatch-gen render --site SITE --set k=v ... --out OUT_DIR` from the checkout; return the script."""
+def render(
+    out_dir: Path, site: str = "local", sets: dict | None = None, sites_dir: Path | None = None
+) -> Path:
+    """`sbatch-gen render --site SITE --set k=v ... --out OUT_DIR` from the checkout (``sites_dir``: instead
+    of sites/); return the script."""
     cmd = [str(REPO / ".venv" / "bin" / "sbatch-gen"), "render", "--site", site, "--out", str(out_dir)]
+    if sites_dir is not None:
+        cmd += ["--sites-dir", str(sites_dir)]
     for k, v in (sets or {}).items():
         cmd += ["--set", f"{k}={json.dumps(v)}"]  # VALUE is YAML; JSON is YAML
     run(cmd, cwd=REPO, timeout=60)
@@ -421,9 +426,18 @@ class LocalJob:
 
 
 def local_job(
-    cluster: Cluster, root: Path, name: str, sets: dict | None = None, *, config: Path, data: Path
+    cluster: Cluster,
+    root: Path,
+    name: str,
+    sets: dict | None = None,
+    *,
+    config: Path | None,
+    data: Path,
+    site: str = "local",
+    sites_dir: Path | None = None,
 ) -> LocalJob:
-    """Render the `local` site for a job of its own (run dir, logs, rendezvous port) and return it."""
+    """Render the `local` site (or ``site`` of ``sites_dir``, with ``sets`` pointing it at this cluster) for a
+    job of its own (run dir, logs, rendezvous port) and return it. ``config``: the train config, if any."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "logs").mkdir(exist_ok=True)
     base = {
@@ -431,16 +445,20 @@ def local_job(
         "paths.run_dir": str(root / "run"),
         "paths.log_dir": str(root / "logs"),
         "paths.data": str(data),
-        "trainer.config": str(config),
         "torchrun.rdzv_port": next_port(),
     }
+    if config is not None:
+        base["trainer.config"] = str(config)
     base.update(sets or {})
-    script = render(root / "out", "local", base)
+    script = render(root / "out", site, base, sites_dir)
     return LocalJob(cluster=cluster, root=root, script=script, name=name)
 
 
-def trainer_workers(cluster: Cluster, node: str, module: str = "sbatch_gen.train") -> list[int]:
-    """PIDs of the training worker processes on ``node`` (not torchrun's agent, not srun/slurmstepd)."""
+def trainer_workers(
+    cluster: Cluster, node: str, module: str = "sbatch_gen.train", script: str | None = None
+) -> list[int]:
+    """PIDs of the training worker processes on ``node`` (not torchrun's agent, not srun/slurmstepd):
+    ``python -m MODULE``, or ``python SCRIPT`` when ``script`` is given (as the render names it)."""
     pids = []
     for pid in cluster.node_pids(node):
         try:
@@ -448,7 +466,8 @@ def trainer_workers(cluster: Cluster, node: str, module: str = "sbatch_gen.train
         except OSError:
             continue
         args = [a.decode(errors="replace") for a in argv if a]
-        if "-m" in args and module in args and not any(a.endswith("torchrun") for a in args):
+        entry = script in args if script is not None else "-m" in args and module in args
+        if entry and not any(a.endswith("torchrun") for a in args):
             pids.append(pid)
     return pids
 
@@ -467,13 +486,24 @@ S3_ACCESS_KEY, S3_SECRET_KEY = "e2e-access", "e2e-secret"
 
 
 def region_jobs(
-    cluster: Cluster, root: Path, prefix: str, cross_region: dict, *, config: Path, data: Path
+    cluster: Cluster,
+    root: Path,
+    prefix: str,
+    cross_region: dict,
+    *,
+    config: Path | None,
+    data: Path,
+    sets: dict | None = None,
+    site: str = "local",
+    sites_dir: Path | None = None,
 ) -> dict[str, LocalJob]:
-    """One `local` job per region of REGION_NODES (``<prefix>-<region>``, one node, pinned to the region's
-    node), with ``cross_region`` (its ``region`` and ``regions`` filled in), not yet submitted."""
+    """One `local` job (or ``site`` of ``sites_dir`` with ``sets``) per region of REGION_NODES
+    (``<prefix>-<region>``, one node, pinned to the region's node), with ``cross_region`` (its ``region``
+    and ``regions`` filled in), not yet submitted."""
     jobs = {}
     for region, node in REGION_NODES.items():
-        sets = {
+        job_sets = {
+            **(sets or {}),
             "slurm.nodes": 1,
             "slurm.extra_directives": [f"--nodelist={node}"],
             "cross_region": {
@@ -483,7 +513,16 @@ def region_jobs(
                 "regions": sorted(REGION_NODES),
             },
         }
-        jobs[region] = local_job(cluster, root / region, f"{prefix}-{region}", sets, config=config, data=data)
+        jobs[region] = local_job(
+            cluster,
+            root / region,
+            f"{prefix}-{region}",
+            job_sets,
+            config=config,
+            data=data,
+            site=site,
+            sites_dir=sites_dir,
+        )
     return jobs
 
 

@@ -4,7 +4,12 @@ and the example renders pass bash -n and shellcheck like every other render."""
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
+
+from sbatch_gen.loader import load_site
+from sbatch_gen.train.api import cross_region_from_args
 
 from .conftest import REPO, sg_proc
 from .test_shell import lint
@@ -46,9 +51,42 @@ def test_the_torchtitan_style_profile_starts_its_script_with_its_own_flags():
     assert "--xr-" not in text and "--run-dir" not in text
 
 
+def _trainer_argv(script: str) -> list[str]:
+    """TRAINER_ARGS of a rendered batch script as bash expands it (its settings block first)."""
+    settings = script[
+        script.index("# ---- settings from the profile") : script.index("# ---- environment of")
+    ]
+    start = script.index("\nTRAINER_ARGS=(\n")
+    array = script[start : script.index("\n)\n", start) + 3]
+    code = "set -eu\n" + settings + array + "printf '%s\\0' \"${TRAINER_ARGS[@]}\"\n"
+    r = subprocess.run(["bash", "-c", code], capture_output=True, timeout=30, check=True)
+    return r.stdout.decode().split("\0")[:-1]
+
+
+@pytest.mark.parametrize(("site", "region"), [("plain", "eu"), ("plain-us", "us")])
+def test_the_plain_example_script_reads_back_its_profile_from_the_rendered_arguments(site, region):
+    """examples/train_plain.py splits its argv with the public library's cross_region_from_args: the --xr-*
+    flags of the rendered job give back the profile's cross_region exactly, the rest are the script's own."""
+    text = (REPO / "examples" / "out" / f"{site}.sbatch").read_text()
+    assert "TRAINER_SCRIPT=examples/train_plain.py  # trainer.script\n" in text
+    assert '  torchrun "${TORCHRUN_ARGS[@]}" "$TRAINER_SCRIPT" "${TRAINER_ARGS[@]}" &\n' in text
+    assert 'export SBATCH_GEN_STOP_FILE="$STOP_FILE"\n' in text  # stop_protocol sbatch-gen
+    xr, rest = cross_region_from_args(_trainer_argv(text), environ={})
+    assert xr == load_site(REPO / "examples" / "sites", site).profile.cross_region
+    assert xr.enabled and xr.region == region and xr.regions == ["eu", "us"]
+    data = "/scratch/plain/data" + ("-us" if region == "us" else "")
+    assert rest == ["--run-dir", f"/scratch/plain/runs/{region}", "--data", data] + [
+        "--steps",
+        "5000",
+        "--save-every",
+        "500",
+    ]
+
+
 def test_examples_out_holds_renders():
     names = {p.name for p in EXAMPLES_OUT}
     assert {"titan.sbatch", "titan.setup.sbatch"} <= names
+    assert {"plain.sbatch", "plain.setup.sbatch", "plain-us.sbatch", "plain-us.setup.sbatch"} <= names
 
 
 @pytest.mark.slow  # shellcheck on every example render
