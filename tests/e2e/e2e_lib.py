@@ -526,6 +526,18 @@ def region_jobs(
     return jobs
 
 
+def assert_regions_completed(
+    jobs: dict[str, LocalJob], infos: dict[str, dict[str, str]], restarts: dict[str, int]
+) -> None:
+    """Every region's job COMPLETED on its own node (REGION_NODES), requeued ``restarts[region]`` times (by its
+    batch script)."""
+    for region, job in jobs.items():
+        info = infos[region]
+        assert info["JobState"] == "COMPLETED", job.describe()
+        assert info["NodeList"] == REGION_NODES[region], info
+        assert info["Restarts"] == str(restarts[region]), job.describe()
+
+
 def assert_same_final_params(jobs: dict[str, LocalJob]) -> None:
     """Every region's exported model.safetensors holds bitwise the same parameters."""
     import numpy as np

@@ -11,9 +11,9 @@ from contextlib import contextmanager
 import pytest
 import yaml
 from e2e_lib import (
-    REGION_NODES,
     REPO,
     TERMINAL,
+    assert_regions_completed,
     assert_same_final_params,
     local_job,
     region_jobs,
@@ -136,11 +136,7 @@ def _run_and_check(cluster, root, elastic_config, kind, transport, env, count):
     info_a = cluster.wait_done(a.job_id, timeout=300)
     t_a_done = time.monotonic() - t_sig
     info_b = cluster.wait_done(b.job_id, timeout=300)
-    for region, job, info in (("a", a, info_a), ("b", b, info_b)):
-        assert info["JobState"] == "COMPLETED", job.describe()
-        assert info["NodeList"] == REGION_NODES[region], info
-    assert info_a["Restarts"] == "0", a.describe()
-    assert info_b["Restarts"] == "1", b.describe()  # requeued once, by its batch script
+    assert_regions_completed({"a": a, "b": b}, {"a": info_a, "b": info_b}, restarts={"a": 0, "b": 1})
 
     # b: stopped on USR1 at an agreed step, checkpointed, announced its leave, was requeued and resumed
     ack = json.loads((b.run_dir / "stop" / f"{b.job_id}.attempt-0.ack").read_text())

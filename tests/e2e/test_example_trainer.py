@@ -13,7 +13,16 @@ import signal
 import time
 
 import pytest
-from e2e_lib import REGION_NODES, REPO, TERMINAL, LocalJob, region_jobs, report, trainer_workers
+from e2e_lib import (
+    REGION_NODES,
+    REPO,
+    TERMINAL,
+    LocalJob,
+    assert_regions_completed,
+    region_jobs,
+    report,
+    trainer_workers,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -101,11 +110,7 @@ def test_the_example_trains_two_regions_and_resumes_after_a_preemption(cluster, 
 
     info_b = cluster.wait_done(b.job_id, timeout=300)
     info_a = cluster.wait_done(a.job_id, timeout=300)
-    for region, job, info in (("a", a, info_a), ("b", b, info_b)):
-        assert info["JobState"] == "COMPLETED", job.describe()
-        assert info["NodeList"] == REGION_NODES[region], info
-    assert info_a["Restarts"] == "0", a.describe()
-    assert info_b["Restarts"] == "1", b.describe()  # requeued once, by its batch script
+    assert_regions_completed(jobs, {"a": info_a, "b": info_b}, restarts={"a": 0, "b": 1})
 
     # b: checkpointed at a step its ranks agreed on, acked naming the checkpoint, requeued, resumed from it
     ack = json.loads(stop_file.with_name(stop_file.name + ".ack").read_text())
