@@ -165,7 +165,7 @@ try:
             path = save(step)
             if diloco:
                 diloco.leave(step, stop.reason())  # elastic runs: the other regions stop waiting for us
-            # rank 0 writes <stop file>.ack; save() has returned on every rank: the checkpoint is complete
+            # save() has returned on every rank (the checkpoint is complete): rank 0 writes <stop file>.ack
             stop.acknowledge(step, path)
             say(f"stop requested ({stop.reason()}): checkpointed at step {step}, exiting {EXIT_REQUEUE}")
             code = EXIT_REQUEUE

@@ -22,7 +22,7 @@ the option parsing are torch-free, :class:`DiLoCo` imports torch when it is buil
         if stop.agree():                   # one collective: every rank stops after the same step
             ... save a checkpoint holding diloco.state_dict() ...
             diloco.leave(step, stop.reason())
-            stop.acknowledge(step, path)   # rank 0: <stop file>.ack, the launcher then requeues
+            stop.acknowledge(step, path)   # collective: rank 0 writes <stop file>.ack; the job requeues
             raise SystemExit(EXIT_REQUEUE)
 
 ``step`` is the 1-based number of the optimizer step just taken, the same on every rank; ``tokens`` is the

@@ -135,28 +135,45 @@ class StopRequest:
     def acknowledge(
         self, step: int, checkpoint: str | Path | None = None, reason: str | None = None
     ) -> Path | None:
-        """Rank 0 (torch.distributed's, else ``$RANK``): write ``<stop file>.ack`` (JSON: step, checkpoint,
-        reason, time) atomically once the stop checkpoint is complete on every rank (call it after a
-        collective save or a barrier). Creates the stop file first when nothing did (a stop of the
-        trainer's own, e.g. no cross-region quorum): workers torchrun restarts then exit at once
-        (:meth:`exit_if_acked`). Returns the ack's path; None on the other ranks or without a stop file."""
-        if self.stop_file is None or _rank() != 0:
-            return None
-        if not self.stop_file.exists():
-            self.stop_file.parent.mkdir(parents=True, exist_ok=True)
-            self.stop_file.touch()
-        return write_ack(
-            self.stop_file, step, Path(checkpoint) if checkpoint else None, reason or self.reason()
-        )
+        """Collective (every rank calls it, once the stop checkpoint is complete on every rank): rank 0
+        (torch.distributed's, else ``$RANK``) writes ``<stop file>.ack`` (JSON: step, checkpoint, reason,
+        time) atomically, then all ranks meet in a barrier, so that no rank exits before the ack is there
+        (torchrun SIGTERMs a node's other workers once one exits). Creates the stop file first when nothing
+        did (a stop of the trainer's own, e.g. no cross-region quorum): workers torchrun restarts then exit
+        at once (:meth:`exit_if_acked`). Returns the ack's path; None on the other ranks or without a stop
+        file."""
+        ack = None
+        if self.stop_file is not None and _rank() == 0:
+            if not self.stop_file.exists():
+                self.stop_file.parent.mkdir(parents=True, exist_ok=True)
+                self.stop_file.touch()
+            ack = write_ack(
+                self.stop_file, step, Path(checkpoint) if checkpoint else None, reason or self.reason()
+            )
+        _barrier()
+        return ack
+
+
+def _initialised_group() -> Any:
+    """torch.distributed when a default process group is initialised (and torch already imported), else
+    None."""
+    tdist = sys.modules.get("torch.distributed")
+    if tdist is not None and tdist.is_available() and tdist.is_initialized():
+        return tdist
+    return None
+
+
+def _barrier() -> None:
+    tdist = _initialised_group()
+    if tdist is not None and tdist.get_world_size() > 1:
+        tdist.barrier()
 
 
 def _rank() -> int:
     """torch.distributed's rank when it is initialised (looked up only if torch is already imported), else
     ``$RANK``, else 0."""
-    tdist = sys.modules.get("torch.distributed")
-    if tdist is not None and tdist.is_available() and tdist.is_initialized():
-        return int(tdist.get_rank())
-    return int(os.environ.get("RANK", "0") or 0)
+    tdist = _initialised_group()
+    return int(tdist.get_rank()) if tdist is not None else int(os.environ.get("RANK", "0") or 0)
 
 
 def write_ack(stop_file: Path, step: int, checkpoint: Path | None, reason: str) -> Path:
