@@ -3,6 +3,7 @@ against references computed here, independently, in float64."""
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -11,6 +12,7 @@ from torch import nn
 
 from sbatch_gen.train.dist import DistInfo
 from sbatch_gen.train.xr.errors import XRLayoutError, XRTimeout
+from sbatch_gen.train.xr.protocol import QBLOCK
 from sbatch_gen.train.xr.sync import create
 from sbatch_gen.xr_options import CrossRegion, FsTransport
 
@@ -225,14 +227,60 @@ def test_timings_add_up_and_bytes_are_counted(tmp_path):
     assert t["xr_round"] == 1 and t["xr_step"] == 4 and t["xr_reused"] is False
 
 
-@pytest.mark.parametrize("dtype,itemsize", [("bf16", 2), ("fp32", 4)])
-def test_shard_objects_are_exactly_numel_times_itemsize(tmp_path, dtype, itemsize):
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "int8", "fp8"])
+def test_shard_objects_are_exactly_their_documented_size(tmp_path, dtype):
+    """numel x itemsize; int8/fp8: one byte per element plus one fp32 scale per QBLOCK of the shard."""
     recs = in_threads(lambda r: train(r, tmp_path, 1, payload_dtype=dtype, shard_mb=0.00005))
     s = recs["eu"]["sync"]
     files = sorted((tmp_path / "t" / "r000001" / "eu").iterdir())
     assert len(files) == len(s.ex.plan) > 1
+    itemsize = {"bf16": 2, "fp32": 4, "int8": 1, "fp8": 1}[dtype]
     for f, (lo, hi) in zip(files, s.ex.plan.bounds, strict=True):
-        assert f.stat().st_size == (hi - lo) * itemsize
+        scales = 4 * math.ceil((hi - lo) / QBLOCK) if dtype in ("int8", "fp8") else 0
+        assert f.stat().st_size == (hi - lo) * itemsize + scales
+    t = recs["eu"]["rounds"][0]["timings"]
+    assert t["xr_bytes_up"] == sum(f.stat().st_size for f in files) == t["xr_bytes_down"]
+
+
+def _dequantized_int8(x: torch.Tensor) -> torch.Tensor:
+    """The reference int8 wire round trip, per block of QBLOCK, written here in float64."""
+    out = torch.empty_like(x, dtype=torch.float64)
+    for lo in range(0, x.numel(), QBLOCK):
+        b = x[lo : lo + QBLOCK].double()
+        scale = float(torch.tensor(float(b.abs().max()) / 127.0, dtype=torch.float32)) or 1.0
+        out[lo : lo + QBLOCK] = torch.round(b / scale).clamp(-127, 127) * scale
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_scaled_payloads_keep_regions_bitwise_equal_and_follow_the_formula(tmp_path, dtype):
+    """Every region averages the same decoded deltas: identical bits, and (int8) the Nesterov step on the
+    reference's dequantized deltas."""
+    lr, mu, tokens = 0.7, 0.9, {"eu": 100, "us": 300}
+    recs = in_threads(
+        lambda r: train(r, tmp_path, 3, tokens=tokens, outer_lr=lr, outer_momentum=mu, payload_dtype=dtype)
+    )
+    theta = recs["eu"]["theta0"].double()
+    m = torch.zeros_like(theta)
+    w = {"eu": 0.25, "us": 0.75}
+    for k in range(3):
+        eu, us = recs["eu"]["rounds"][k], recs["us"]["rounds"][k]
+        assert torch.equal(eu["after"], us["after"]) and torch.equal(eu["momentum"], us["momentum"])
+        if dtype == "int8":
+            g = sum(
+                w[r]
+                * _dequantized_int8(recs[r]["rounds"][k]["theta_before"] - recs[r]["rounds"][k]["local"])
+                for r in REGIONS
+            )
+            m = mu * m + g
+            theta = theta - lr * (g + mu * m)
+            torch.testing.assert_close(eu["theta_outer"].double(), theta, rtol=0, atol=1e-5)
+    assert recs["eu"]["rounds"][-1]["loss"] < recs["eu"]["rounds"][0]["loss"]
+
+
+def test_scaled_payloads_need_raw_serialization(tmp_path):
+    with pytest.raises(ValueError, match="payload_dtype int8 needs serialization: raw"):
+        xr_for("eu", tmp_path, payload_dtype="int8", serialization="torch_save")
 
 
 def test_failed_exchange_changes_nothing(tmp_path):

@@ -3,8 +3,8 @@
 A round (DiLoCo delta or grad-mode gradient), in phases:
 
 1. *publish*: the flat payload is cut into shards; shard ``s`` belongs to node ``s mod num_nodes``, whose
-   local rank 0 encodes it to the wire dtype and uploads it (thread pool); rank 0 writes the region's
-   manifest last. Skipped when the round is already committed (this region is late) or when this
+   local rank 0 encodes it to the wire dtype (bf16, fp32, or int8/fp8 with per-block scales: :mod:`.scaled`)
+   and uploads it (thread pool); rank 0 writes the region's manifest last. Skipped when the round is already committed (this region is late) or when this
    region published the round before (a requeued job re-entering it: it keeps what it published).
 2. *close*: rank 0 waits until the round has a commit (:mod:`.membership`): every region, or a quorum
    after ``grace_s``, or the rest announced a leave. Whoever closes first writes it; all obey it.
@@ -28,10 +28,11 @@ import torch
 
 from sbatch_gen.xr_options import CrossRegion
 
+from . import scaled
 from .errors import XRError, XRLayoutError
 from .kernels import CPU_BLOCK, GPU_BLOCK, weighted_average_
 from .membership import Commit, Membership
-from .protocol import ITEMSIZE, Expect, Mailbox, Manifest, ShardInfo, ShardPlan, digest_of_digests
+from .protocol import ITEMSIZE, SCALED, Expect, Mailbox, Manifest, ShardInfo, ShardPlan, digest_of_digests
 from .region import Region, held
 
 _WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -131,6 +132,8 @@ class Exchange:
         return self._tmp[:n]
 
     def _encode(self, vec: torch.Tensor, lo: int, hi: int, wire: str, ser: str) -> bytes | memoryview:
+        if wire in SCALED:  # int8/fp8 with per-block scales (raw only: the options refuse torch_save)
+            return scaled.encode(vec[lo:hi], wire)
         if ser == "torch_save":
             buf = io.BytesIO()
             # clone: torch.save of a view would write its whole backing storage
@@ -143,7 +146,10 @@ class Exchange:
         return st.view(torch.uint8).numpy().data
 
     def _decode(self, buf, info: ShardInfo, wire: str, ser: str) -> torch.Tensor:
-        """The wire-dtype tensor of a shard, on the outer device (not yet converted to fp32)."""
+        """The wire-dtype tensor of a shard, on the outer device (bf16 not yet converted to fp32; int8/fp8
+        decoded to fp32 with their scales, the same bits in every region)."""
+        if wire in SCALED:
+            return scaled.decode(buf, info.numel, wire, self.outer_device)
         if ser == "torch_save":
             t = torch.load(io.BytesIO(bytes(buf)), weights_only=True)
             if t.dtype != _WIRE[wire] or t.numel() != info.numel:
@@ -343,8 +349,8 @@ class Exchange:
                 for r in members:
                     buf = local[s] if (r == region and local) else bufs[(r, s)]
                     xs.append(self._decode(buf, manifests[r].shards[s], expect.dtype, expect.serialization))
-                # out = sum_r w_r * x_r in the order of `regions`; exact bf16->fp32 conversion, then
-                # separate multiply and add (no fused ops): identical bits on every device
+                # out = sum_r w_r * x_r in the order of `regions`; exact bf16->fp32 conversion (int8/fp8:
+                # decoded above), then separate multiply and add (no fused ops): identical bits everywhere
                 weighted_average_(dst[lo:hi], xs, weights, self.scratch(min(hi - lo, self.block)), self.block)
             return sum(len(b) for (r, _), b in bufs.items() if r != region)
 

@@ -33,7 +33,18 @@ from .store import Store
 FORMAT = 2  # 2: per-shard checksums are XXH3-128 ("digest"), named by the manifest's "checksum"
 CHECKSUM = "xxh3_128"
 Buffer = bytes | bytearray | memoryview
-ITEMSIZE = {"bf16": 2, "fp32": 4}
+ITEMSIZE = {"bf16": 2, "fp32": 4, "int8": 1, "fp8": 1}  # bytes per element of each wire dtype
+# int8 and fp8 payloads carry one fp32 scale per QBLOCK elements (of each shard), before the values (.scaled)
+SCALED = frozenset({"int8", "fp8"})
+QBLOCK = 256
+
+
+def wire_nbytes(dtype: str, numel: int) -> int:
+    """Bytes of a raw shard of ``numel`` elements in the wire dtype: the values, and the scales of int8/fp8."""
+    n = numel * ITEMSIZE[dtype]
+    return n + 4 * math.ceil(numel / QBLOCK) if dtype in SCALED else n
+
+
 TAG_INIT = "init"
 _ROUND_RE = re.compile(r"^r(\d{6,})$")
 
@@ -90,7 +101,7 @@ class Manifest:
     tag: str
     kind: str  # "init" | "delta" | "grad"
     step: int
-    dtype: str  # wire dtype: "bf16" | "fp32"
+    dtype: str  # wire dtype: "bf16" | "fp32" | "int8" | "fp8"
     numel: int
     layout: str  # fingerprint of parameter names/shapes/dtypes
     serialization: str  # "raw" | "torch_save"
@@ -149,9 +160,9 @@ class Expect:
                         f"shard {s.index} covers [{s.start}, {s.start + s.numel}), expected [{lo}, {hi})"
                     )
                     break
-                if self.serialization == "raw" and s.nbytes != s.numel * ITEMSIZE[self.dtype]:
+                if self.serialization == "raw" and s.nbytes != wire_nbytes(self.dtype, s.numel):
                     problems.append(
-                        f"shard {s.index} has {s.nbytes} bytes, expected {s.numel * ITEMSIZE[self.dtype]}"
+                        f"shard {s.index} has {s.nbytes} bytes, expected {wire_nbytes(self.dtype, s.numel)}"
                     )
                     break
         if problems:

@@ -1,0 +1,80 @@
+"""The scaled 8-bit wire formats of deltas and gradients: ``int8`` and ``fp8`` (e4m3), one fp32 scale per
+:data:`~.protocol.QBLOCK` elements.
+
+A shard of ``n`` elements is ``ceil(n / QBLOCK)`` fp32 scales (little-endian), then ``n`` one-byte values:
+exactly :func:`~.protocol.wire_nbytes` bytes, half of bf16's plus the scales (1.6% at QBLOCK 256).
+
+Encoding runs once, on the node leader that owns the shard: per block ``scale = amax / QMAX`` (1 for a
+block of zeros), ``value = x / scale`` rounded to nearest (int8: half to even, clamped to +-127; fp8:
+clamped to +-448, then the e4m3 conversion). Decoding is ``float(value) * scale``: an exact conversion
+and one multiplication, so every region, the encoding one included, decodes the same bytes to the same
+fp32 bits on any device. The regions then average those decoded values (:mod:`.kernels`).
+
+A block holding a NaN or an infinity cannot be scaled: encoding raises :class:`~.errors.XRError` (the
+region's training diverged) instead of publishing garbage that every region would apply.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .errors import XRError
+from .protocol import QBLOCK, SCALED, wire_nbytes
+
+QMAX = {"int8": 127.0, "fp8": 448.0}  # the largest magnitude a scaled value takes
+_DTYPE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+__all__ = ["QMAX", "decode", "encode"]
+
+
+def _check(wire: str) -> None:
+    if wire not in SCALED:
+        raise ValueError(f"not a scaled wire dtype: {wire!r} (one of {sorted(SCALED)})")
+
+
+@torch.no_grad()
+def encode(x: torch.Tensor, wire: str) -> memoryview:
+    """The wire bytes of the fp32 vector ``x`` (any device), in host memory."""
+    _check(wire)
+    n = x.numel()
+    nb = math.ceil(n / QBLOCK)
+    blocks = torch.zeros(nb * QBLOCK, dtype=torch.float32, device=x.device)
+    blocks[:n].copy_(x.reshape(-1))
+    blocks = blocks.view(nb, QBLOCK)
+    amax = blocks.abs().amax(dim=1)
+    bad = ~torch.isfinite(amax)
+    if bool(bad.any()):
+        first = int(bad.nonzero()[0, 0])
+        raise XRError(
+            f"the payload holds NaN or infinite values (elements {first * QBLOCK}..{(first + 1) * QBLOCK - 1} "
+            f"of the shard): training diverged in this region; nothing was published"
+        )
+    scale = amax / QMAX[wire]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    v = blocks.div_(scale[:, None])
+    if wire == "int8":
+        q = v.round_().clamp_(-QMAX[wire], QMAX[wire]).to(torch.int8)
+    else:
+        q = v.clamp_(-QMAX[wire], QMAX[wire]).to(torch.float8_e4m3fn)
+    out = torch.empty(wire_nbytes(wire, n), dtype=torch.uint8)
+    out[: 4 * nb].copy_(scale.cpu().view(torch.uint8))
+    out[4 * nb :].copy_(q.reshape(-1)[:n].cpu().view(torch.uint8))
+    return out.numpy().data
+
+
+@torch.no_grad()
+def decode(buf, n: int, wire: str, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The fp32 values of a shard of ``n`` elements from its wire bytes ``buf``, on ``device``."""
+    _check(wire)
+    nb = math.ceil(n / QBLOCK)
+    raw = torch.frombuffer(buf, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+    if raw.numel() != wire_nbytes(wire, n):
+        raise XRError(f"a {wire} shard of {n} elements is {wire_nbytes(wire, n)} bytes, got {raw.numel()}")
+    scale = raw[: 4 * nb].clone().view(torch.float32).to(device)
+    values = raw[4 * nb :].view(_DTYPE[wire]).to(device)
+    out = torch.zeros(nb * QBLOCK, dtype=torch.float32, device=device)
+    out[:n].copy_(values)  # exact: every int8 and e4m3 value is an fp32
+    out.view(nb, QBLOCK).mul_(scale[:, None])  # one rounding per element
+    return out[:n]
