@@ -308,9 +308,10 @@ class CrossRegion(StrictModel):
         "leader 8 B (gradient, average), every other rank 0 B. auto: on the training device while that state "
         "fits in outer_device_max_gib, else in host memory (pinned beside a GPU, except the momentum); cpu: "
         "always in host memory. Either way a leader's host memory also holds its transfer buffers: 2 B/param "
-        "(bf16 payloads) or 4 (fp32, when the state is on a GPU), 4 B/param more once it publishes a snapshot "
-        "from a GPU, and the downloaded payloads of the other regions (up to their count x 2 B/param for bf16, "
-        "split among the leaders). The placement never changes a bit of the result.",
+        "(bf16 payloads), 1 (int8/fp8, plus a scale per 256) or 4 (fp32, when the state is on a GPU), 4 B/param "
+        "more once it publishes a snapshot from a GPU, and the downloaded payloads of the other regions (up to "
+        "their count x the wire size, split among the leaders; int8/fp8 are decoded to fp32 one shard at a "
+        "time). The placement never changes a bit of the result.",
     )
     outer_device_max_gib: float = Field(
         default=16.0,
