@@ -27,9 +27,29 @@ def layout_fingerprint(model: nn.Module) -> str:
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
 
+def _sharded(p: torch.Tensor) -> str | None:
+    """Why ``p`` is not this rank's full copy of the parameter (a DTensor, FSDP's flat parameter), or None."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        return f"a DTensor placed as {list(p.placements)}"
+    if type(p).__name__ == "FlatParameter":
+        return "an FSDP flat parameter"
+    return None
+
+
 class FlatParams:
     def __init__(self, model: nn.Module) -> None:
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        for name, p in named:
+            why = _sharded(p)
+            if why is not None:
+                raise ValueError(
+                    f"parameter {_strip(name)} is {why}: the cross-region sync needs every rank of the region "
+                    "to hold the whole model (DDP, or one process per region); FSDP and tensor-parallel "
+                    "sharding are not supported"
+                )
+        self.params = [p for _, p in named]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
         self.offsets = [0]
