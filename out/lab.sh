@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: b2c8e5b928164c269829b772414febf0951d7c4809e0a94bf45a2b6dbe7cd3ea
+#   inputs sha256: 666bc866239117eb5faea0337920d6f10349751b1d0435cbf87f933c8c2c424d
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -446,6 +446,8 @@ print(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", sys.a
 #   dir=D             cd to D first (the launch directory)
 #   activate=1        activate python_env first (activate_env; the Slurm batch shell has done it already)
 #   module=M          trainer.module: importable, with torch, by this node's python (torchrun on PATH too)
+#   torchrun_flags=L  FLAG=KEY,...: torchrun flags this render uses that older torch releases lack; this
+#                     node's torch must have each (its torch/distributed/run.py names it), KEY the profile field
 #   config=F          trainer.config: readable
 #   data=P            paths.data: exists
 #   ifname=I          network.socket_ifname: exists and has an IPv4 address (NCCL/Gloo bind to it)
@@ -465,7 +467,7 @@ print(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", sys.a
 #                     preflight at the same time, as srun does)
 # shellcheck disable=SC2317,SC2329  # run on the nodes (export -f / declare -f), not called here
 preflight() {
-  local -A s=([dir]='' [activate]=0 [module]='' [config]='' [data]='' [ifname]='' [gpus]=0 [gpus_key]=''
+  local -A s=([dir]='' [activate]=0 [module]='' [torchrun_flags]='' [config]='' [data]='' [ifname]='' [gpus]=0 [gpus_key]=''
     [log_topology]=0 [numa]='' [hcas]='' [link_layer]='' [run_dir]='' [shared_marker]='' [node_id]=0 [nnodes]=1
     [rdzv_port]='' [rdzv_host]='' [connect_timeout_s]=60)
   local a node=${SLURMD_NODENAME:-$(hostname)} python='' out line visible addr names probe m host
@@ -485,6 +487,22 @@ preflight() {
   fi
   if [[ -n $python ]]; then
     if out=$(command -v torchrun); then ok+=("torchrun $out"); else bad+=("torchrun not found on PATH (python_env)"); fi
+  fi
+  if [[ -n $python && -n ${s[torchrun_flags]} ]]; then
+    # read, not imported: torch's own import takes seconds; no torch at all is the torch check's to report
+    out=$(python -c '
+import importlib.util, pathlib, re, sys
+try:
+    root = pathlib.Path(importlib.util.find_spec("torch").origin).parent
+    src = (root / "distributed" / "run.py").read_text()
+    ver = re.search("__version__ = .([0-9][^\x27\x22]*)", (root / "version.py").read_text()).group(1)
+except Exception:
+    sys.exit(0)
+for pair in sys.argv[1].split(","):
+    flag, key = pair.split("=", 1)
+    if flag not in src and flag[:2] + flag[2:].replace("-", "_") not in src:
+        print(f"torchrun of torch {ver} has no {flag} ({key}): use a newer torch")' "${s[torchrun_flags]}" 2>/dev/null) || out=''
+    while IFS= read -r line; do if [[ -n $line ]]; then bad+=("$line"); fi; done <<<"$out"
   fi
   if [[ -n $python && -n ${s[module]} ]]; then
     # find_spec imports the parent packages (a missing one raises) but not the module itself
@@ -650,7 +668,8 @@ preflight_main() {
   preflight dir="$LAUNCH_DIR" activate=1 node_id="$rank" nnodes="$NNODES" module="$TRAINER_MODULE" \
     config="$TRAIN_CONFIG" data="$DATA_PATH" ifname="$IFNAME" gpus="$GPUS_PER_NODE" gpus_key=node.gpus \
     log_topology="$LOG_TOPOLOGY" numa="$NUMA_BINDING" hcas="$IB_HCA" link_layer="$IB_LINK_LAYER" \
-    run_dir="$RUN_DIR" shared_marker="$marker" rdzv_port="$RDZV_PORT"
+    run_dir="$RUN_DIR" shared_marker="$marker" rdzv_port="$RDZV_PORT" \
+    torchrun_flags=--shutdown-timeout=launch.kill_grace_s
 }
 
 # Start torchrun on one node and return its exit status (128+N when signal N killed it). Only

@@ -388,6 +388,23 @@ def torchrun_argv(p: Profile, launcher: Launcher) -> list[Option]:
     return opts
 
 
+# torchrun flags a render may use that older torch releases lack: the preflight checks that every node's
+# torch has the ones a render uses (their names in torch/distributed/run.py), before torchrun refuses them.
+NEWER_TORCHRUN_FLAGS = ("--signals-to-handle", "--shutdown-timeout", "--numa-binding")
+
+
+def torchrun_flags_to_check(p: Profile, launcher: Launcher) -> str:
+    """The preflight's ``torchrun_flags`` setting: ``FLAG=KEY`` for each of :data:`NEWER_TORCHRUN_FLAGS` the
+    render gives torchrun, KEY the profile fields behind it; comma-separated (empty: nothing to check)."""
+    pairs = []
+    for o in torchrun_argv(p, launcher):
+        word = o.words[0]
+        name = word.split("=", 1)[0] if isinstance(word, str) else ""
+        if name in NEWER_TORCHRUN_FLAGS:
+            pairs.append(f"{name}={(o.key or name).replace(',', ';')}")
+    return ",".join(pairs)
+
+
 def container_argv(c: Container, env_names: str) -> list[Option]:
     """pyxis arguments of every srun that runs in the image (c: the profile's container section; env_names:
     the variables --container-env takes from the job rather than from the image)."""

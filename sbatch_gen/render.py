@@ -25,7 +25,15 @@ import jinja2.meta
 from sbatch_gen import contract
 from sbatch_gen.errors import UserError
 from sbatch_gen.fsutil import display_path, write_atomic
-from sbatch_gen.launch import LAUNCHERS, Concat, Var, container_argv, torchrun_argv, trainer_argv
+from sbatch_gen.launch import (
+    LAUNCHERS,
+    Concat,
+    Var,
+    container_argv,
+    torchrun_argv,
+    torchrun_flags_to_check,
+    trainer_argv,
+)
 from sbatch_gen.loader import LoadedSite
 from sbatch_gen.profiles import job_environment, preflight_ib_hca
 from sbatch_gen.profiles.types import SBATCH_LINE_RE
@@ -184,6 +192,9 @@ def context(site: LoadedSite, sha: str) -> dict:
         # the command line on every node, built once for every kind (sbatch_gen/launch.py)
         "trainer_argv": {name: trainer_argv(p, launcher, site.name) for name, launcher in LAUNCHERS.items()},
         "torchrun_argv": {name: torchrun_argv(p, launcher) for name, launcher in LAUNCHERS.items()},
+        "torchrun_flags": {
+            name: torchrun_flags_to_check(p, launcher) for name, launcher in LAUNCHERS.items()
+        },
         "container_argv": container_argv,
         "preflight_ib_hca": preflight_ib_hca(p),
         "EXIT_REQUEUE": contract.EXIT_REQUEUE,

@@ -6,6 +6,7 @@ bash: the Slurm render's preflight function (as srun runs it on a node) and the 
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +132,66 @@ def test_the_ssh_launchers_node_program_checks_the_script(tmp_path):
     r = subprocess.run(["bash", "-c", run], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert f"trainer script {script} not readable from {REPO} (trainer.script)" in r.stderr, r.stderr
+
+
+def _fake_torch(root: Path, version: str, run_py: str) -> Path:
+    """A torch package with only what the flag check reads: version.py and distributed/run.py."""
+    pkg = root / "torch"
+    (pkg / "distributed").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "version.py").write_text(f"__version__ = '{version}'\n")
+    (pkg / "distributed" / "run.py").write_text(run_py)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("run_py", "missing"),
+    [
+        ('parser.add_argument("--nnodes")\n', ["--signals-to-handle", "--shutdown-timeout"]),
+        ('p.add_argument("--shutdown-timeout", "--shutdown_timeout")\n', ["--signals-to-handle"]),
+        ('p.add_argument("--signals_to_handle")\np.add_argument("--shutdown-timeout")\n', []),
+    ],
+)
+def test_a_torch_whose_torchrun_lacks_a_flag_the_render_uses_fails_naming_it(tmp_path, run_py, missing):
+    """trainer.stop_protocol signal renders --signals-to-handle and --shutdown-timeout: a node whose torch
+    predates them fails its preflight, naming the flag, the torch version and the profile field."""
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    port = free_port()
+    text = _render(tmp_path, "local", script, port)
+    functions = text[
+        text.index("# Node checks shared by the launchers' preflights") : text.index("\nexport -f preflight ")
+    ]
+    flags = "--signals-to-handle=trainer.stop_protocol: signal,--shutdown-timeout=trainer.stop_grace_s"
+    settings = [f"script={script}", f"torchrun_flags={flags}", "gpus=0", f"run_dir={tmp_path / 'run'}"]
+    env = _env()
+    env["PYTHONPATH"] = f"{_fake_torch(tmp_path / 'old', '2.4.1', run_py)}:{REPO}"
+    cmd = ["bash", "-c", functions + '\npreflight node_id=0 nnodes=1 "$@"', "preflight", *settings]
+    r = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    if not missing:
+        _ok_line(r)
+        return
+    assert r.returncode == 1, r.stdout
+    keys = {
+        "--signals-to-handle": "trainer.stop_protocol: signal",
+        "--shutdown-timeout": "trainer.stop_grace_s",
+    }
+    want = "; ".join(f"torchrun of torch 2.4.1 has no {f} ({keys[f]}): use a newer torch" for f in missing)
+    assert r.stderr == f"preflight FAILED on node0: {want}\n", r.stderr
+
+
+def test_the_render_passes_the_flags_to_check_only_when_it_uses_them(tmp_path):
+    def preflight_args(text: str) -> list[str]:
+        block = text.split("\nPREFLIGHT_ARGS=(\n", 1)[1].split("\n)\n", 1)[0]
+        return shlex.split(block, comments=True)
+
+    text = _render(tmp_path, "local", tmp_path / "train.py", free_port())
+    assert not [a for a in preflight_args(text) if a.startswith("torchrun_flags=")]
+    out = tmp_path / "signal"
+    r = sg("render", "--site", "local", "--out", str(out), "--set", "trainer.stop_protocol=signal")
+    assert r.code == 0, r.err
+    got = [a for a in preflight_args((out / "local.sbatch").read_text()) if a.startswith("torchrun_flags=")]
+    assert got == [
+        "torchrun_flags=--signals-to-handle=trainer.stop_protocol: signal,--shutdown-timeout="
+        "preemption.checkpoint_s + preemption.margin_s (trainer.stop_grace_s unset)"
+    ]

@@ -268,8 +268,7 @@ def test_scaled_payloads_keep_regions_bitwise_equal_and_follow_the_formula(tmp_p
         assert torch.equal(eu["after"], us["after"]) and torch.equal(eu["momentum"], us["momentum"])
         if dtype == "int8":
             g = sum(
-                w[r]
-                * _dequantized_int8(recs[r]["rounds"][k]["theta_before"] - recs[r]["rounds"][k]["local"])
+                w[r] * _dequantized_int8(recs[r]["rounds"][k]["theta_before"] - recs[r]["rounds"][k]["local"])
                 for r in REGIONS
             )
             m = mu * m + g
