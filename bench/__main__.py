@@ -1,6 +1,6 @@
 """``python -m bench [NAME ...] [--quick] [--out DIR]``: run benchmarks, write Markdown/JSON/PNG results.
 
-Names: mailbox, outer, ddp, diloco, elastic, render (default: all, in that order). ``--quick`` runs tiny sizes in
+Names: mailbox, outer, ddp, diloco, elastic, payload, render (default: all, in that order). ``--quick`` runs tiny sizes in
 seconds (for the tests); results of a quick run go to a temporary directory unless ``--out`` is given.
 """
 
@@ -25,6 +25,7 @@ BENCHES = {
     "ddp": "DDP (gloo, 1/2/4 ranks): compute vs all-reduce, straggler slope",
     "diloco": "DiLoCo (H = 10/50/100) vs per-step gradient averaging, same tokens",
     "elastic": "elastic rounds (min_regions 1 of 2): survivor idle, goodput vs strict, held-out loss vs absence",
+    "payload": "compressed payloads: bf16 vs int8 vs fp8 bytes and round time (WAN, fs), held-out loss",
     "render": "sbatch-gen render --all over 20 sites, as a whole process (no torch)",
 }
 

@@ -177,11 +177,14 @@ def _launch(
     max_steps: int | None = None,
     env: dict | None = None,
     extra: list[str] | None = None,
+    prefix: list[str] | None = None,
 ) -> RegionRun:
     """One region = one trainer process (``python -m sbatch_gen.train``, not under torchrun: a 1-process region
-    needs no agent, and leaving it out halves every start-up on 2 cores). Killed by PID (RegionRun.kill)."""
+    needs no agent, and leaving it out halves every start-up on 2 cores). Killed by PID (RegionRun.kill).
+    ``prefix``: a command that execs the trainer (``ip netns exec NS``: bench/payload.py's WAN regions)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
+        *(prefix or []),
         PY,
         "-m",
         "sbatch_gen.train",
