@@ -204,6 +204,7 @@ def _codec_times(numel: int, reps: int) -> dict[str, tuple[float, float]]:
     import torch
 
     from sbatch_gen.train.xr import scaled
+    from sbatch_gen.train.xr.protocol import wire_nbytes
 
     torch.set_num_threads(1)
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 1e-3
@@ -222,9 +223,16 @@ def _codec_times(numel: int, reps: int) -> dict[str, tuple[float, float]]:
         best(lambda: x.to(torch.bfloat16).view(torch.uint8).numpy().data),
         best(lambda: torch.frombuffer(bf, dtype=torch.bfloat16).float()),
     )
+    # int8/fp8 with the buffers the exchange keeps from round to round (an fp32 block buffer, the encoded
+    # bytes, the decoded values), as the bf16 path keeps its staging buffer
+    scratch, dec = torch.empty(numel + scaled.QBLOCK), torch.empty(numel + scaled.QBLOCK)
     for w in ("int8", "fp8"):
-        buf = scaled.encode(x, w)
-        out[w] = (best(lambda w=w: scaled.encode(x, w)), best(lambda w=w, b=buf: scaled.decode(b, numel, w)))
+        enc = torch.empty(wire_nbytes(w, numel), dtype=torch.uint8)
+        buf = scaled.encode(x, w, scratch=scratch, out=enc)
+        out[w] = (
+            best(lambda w=w, e=enc: scaled.encode(x, w, scratch=scratch, out=e)),
+            best(lambda w=w, b=buf: scaled.decode(b, numel, w, out=dec)),
+        )
     # for scale: what a fresh fp32 buffer of these values costs (page faults) against zeroing one kept
     kept = torch.empty(numel)
     kept.zero_()
@@ -412,8 +420,9 @@ def _report(
         "**fs**: the mailbox is a directory on tmpfs (/dev/shm), so transfer is nearly free and what differs "
         "between dtypes is encoding, checksums and decoding on the 2 cores both regions share.",
         "Encode + decode: the functions the exchange calls on the same number of elements, in the bench "
-        "process, one thread, best of 3: int8/fp8 `xr.scaled.encode`/`decode`; bf16 the conversion of the raw "
-        "path (`to(bfloat16)`, and back with `float()`).",
+        "process, one thread, best of 3: int8/fp8 `xr.scaled.encode`/`decode` into buffers kept between calls, as "
+        "the exchange keeps them between rounds; bf16 the conversion of the raw path (`to(bfloat16)`, and back "
+        "with `float()`).",
         f"Part 2 (quality): the same 2 regions, a {sz.q_model['n_layers']}-layer width-{sz.q_model['d_model']} "
         f"GPT, batch {sz.q_batch} x {sz.q_model['seq_len']} tokens, {sz.q_steps} steps per region, H={sz.q_h} "
         f"({sz.q_steps // sz.q_h} rounds), fs mailbox, min_regions all (every round has both regions: the same "
@@ -548,11 +557,10 @@ def _report(
         f"On fs int8 costs {f8['round_s'] - fb['round_s']:+.3f} s per round against bf16 (upload, which encodes: "
         f"{f8['split']['upload'] - fb['split']['upload']:+.3f} s; average, which decodes: "
         f"{f8['split']['reduce'] - fb['split']['reduce']:+.3f} s). Encode + decode alone differ by {e8:+.3f} s on "
-        "one thread; in a round both regions do it at once on the 2 shared cores, next to checksums. Part of "
-        "encode and decode is fresh memory: each call allocates an fp32 buffer of the shard's values (the "
-        f"blocks, or the decoded output) and its byte output; on this VM a fresh fp32 buffer of {numel / 1e6:.1f}M "
-        f"values takes {fresh:.3f} s to zero against {kept:.3f} s for one kept (first touch), where the bf16 "
-        "path converts into a staging buffer the exchange keeps."
+        "one thread; in a round both regions do it at once on the 2 shared cores, next to checksums. The "
+        "exchange keeps its int8/fp8 buffers between rounds, as the bf16 path keeps its staging buffer: on this "
+        f"VM a fresh fp32 buffer of {numel / 1e6:.1f}M values takes {fresh:.3f} s to zero against {kept:.3f} s "
+        "for one kept (first touch)."
     )
     if "wan" in rounds:
         w8, wb = by[("wan", "int8")], by[("wan", "bf16")]

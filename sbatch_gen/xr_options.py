@@ -284,7 +284,9 @@ class CrossRegion(StrictModel):
         description="Wire dtype of deltas/gradients; the outer state stays fp32. int8 and fp8 (e4m3) carry one "
         "fp32 scale per 256 elements: half of bf16's bytes plus 1.6%; int8 rounds to 0.4% of each block's "
         "largest value, fp8 to 6% of each value (more far below the block's largest). Every region averages the same decoded values, so all stay "
-        "bit-identical. int8/fp8 need serialization raw.",
+        "bit-identical. int8/fp8 need serialization raw. shard_mb counts wire bytes: at the same shard_mb an "
+        "int8/fp8 shard holds twice bf16's elements, so a round has half as many concurrent transfers; over a "
+        "long-haul link, where each stream is window-bound, halve shard_mb to keep them.",
     )
     shard_mb: float = Field(
         default=16.0, ge=0, le=4096, description="Target shard object size in MiB; 0 = one object per region."

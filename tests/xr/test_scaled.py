@@ -98,3 +98,19 @@ def test_the_same_bytes_decode_to_the_same_bits_and_a_wrong_length_is_refused(wi
         scaled.decode(buf[:-1], x.numel(), wire)
     with pytest.raises(ValueError, match="not a scaled wire dtype"):
         scaled.encode(x, "bf16")
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_reused_buffers_holding_garbage_give_the_same_bytes_and_values(wire):
+    """The exchange passes its buffers from round to round: what they held before must not leak in."""
+    x = _data(3 * QBLOCK + 11, seed=5)
+    fresh = bytes(scaled.encode(x, wire))
+    scratch = torch.full((8 * QBLOCK,), float("nan"))
+    out = torch.full((wire_nbytes(wire, x.numel()),), 0xAB, dtype=torch.uint8)
+    assert bytes(scaled.encode(x, wire, scratch=scratch, out=out)) == fresh
+    dec = torch.full((8 * QBLOCK,), float("inf"))
+    got = scaled.decode(bytearray(fresh), x.numel(), wire, out=dec)
+    assert got.data_ptr() == dec.data_ptr()  # decoded in place
+    assert torch.equal(
+        got.view(torch.int32), scaled.decode(bytearray(fresh), x.numel(), wire).view(torch.int32)
+    )

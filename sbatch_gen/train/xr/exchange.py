@@ -20,6 +20,7 @@ Every failure reaches every rank before anything changes (:class:`.region.Region
 from __future__ import annotations
 
 import io
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -32,7 +33,18 @@ from . import scaled
 from .errors import XRError, XRLayoutError
 from .kernels import CPU_BLOCK, GPU_BLOCK, weighted_average_
 from .membership import Commit, Membership
-from .protocol import ITEMSIZE, SCALED, Expect, Mailbox, Manifest, ShardInfo, ShardPlan, digest_of_digests
+from .protocol import (
+    ITEMSIZE,
+    QBLOCK,
+    SCALED,
+    Expect,
+    Mailbox,
+    Manifest,
+    ShardInfo,
+    ShardPlan,
+    digest_of_digests,
+    wire_nbytes,
+)
 from .region import Region, held
 
 _WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -89,6 +101,11 @@ class Exchange:
         self._stage: dict[str, torch.Tensor] = {}  # wire dtype -> host staging buffer
         self._tmp: torch.Tensor | None = None  # fp32 scratch of one block
         self._rx: dict = {}  # (region, shard) -> reused receive buffer
+        # int8/fp8 (.scaled): one fp32 block buffer for encoding, this leader's encoded shards (kept until the
+        # round is averaged), one decoded shard per member being averaged; allocated once, reused every round
+        self._q_scratch: torch.Tensor | None = None
+        self._q_out: dict[int, torch.Tensor] = {}  # by the shard's first element
+        self._q_dec: dict[int, torch.Tensor] = {}  # by the member's position in the round
         self.withheld = _withheld()  # (fault injection: ENV_WITHHOLD_ROUNDS)
 
     def mb(self) -> Mailbox:
@@ -133,7 +150,16 @@ class Exchange:
 
     def _encode(self, vec: torch.Tensor, lo: int, hi: int, wire: str, ser: str) -> bytes | memoryview:
         if wire in SCALED:  # int8/fp8 with per-block scales (raw only: the options refuse torch_save)
-            return scaled.encode(vec[lo:hi], wire)
+            n = hi - lo
+            if self._q_scratch is None or self._q_scratch.numel() < math.ceil(n / QBLOCK) * QBLOCK:
+                self._q_scratch = torch.empty(
+                    math.ceil(n / QBLOCK) * QBLOCK, dtype=torch.float32, device=vec.device
+                )
+            out = self._q_out.get(lo)
+            if out is None or out.numel() != wire_nbytes(wire, n):
+                pin = self.outer_device.type == "cuda"
+                out = self._q_out[lo] = torch.empty(wire_nbytes(wire, n), dtype=torch.uint8, pin_memory=pin)
+            return scaled.encode(vec[lo:hi], wire, scratch=self._q_scratch, out=out)
         if ser == "torch_save":
             buf = io.BytesIO()
             # clone: torch.save of a view would write its whole backing storage
@@ -145,11 +171,15 @@ class Exchange:
         st.copy_(vec[lo:hi])  # dtype conversion (and device-to-host copy) into the reused buffer
         return st.view(torch.uint8).numpy().data
 
-    def _decode(self, buf, info: ShardInfo, wire: str, ser: str) -> torch.Tensor:
+    def _decode(self, buf, info: ShardInfo, wire: str, ser: str, slot: int = 0) -> torch.Tensor:
         """The wire-dtype tensor of a shard, on the outer device (bf16 not yet converted to fp32; int8/fp8
-        decoded to fp32 with their scales, the same bits in every region)."""
+        decoded to fp32 with their scales, the same bits in every region, into the reused buffer ``slot``)."""
         if wire in SCALED:
-            return scaled.decode(buf, info.numel, wire, self.outer_device)
+            padded = math.ceil(info.numel / QBLOCK) * QBLOCK
+            dec = self._q_dec.get(slot)
+            if dec is None or dec.numel() < padded:
+                dec = self._q_dec[slot] = torch.empty(padded, dtype=torch.float32, device=self.outer_device)
+            return scaled.decode(buf, info.numel, wire, self.outer_device, out=dec)
         if ser == "torch_save":
             t = torch.load(io.BytesIO(bytes(buf)), weights_only=True)
             if t.dtype != _WIRE[wire] or t.numel() != info.numel:
@@ -346,9 +376,11 @@ class Exchange:
             for s in mine:
                 lo, hi = expect.plan.bounds[s]
                 xs = []
-                for r in members:
+                for i, r in enumerate(members):
                     buf = local[s] if (r == region and local) else bufs[(r, s)]
-                    xs.append(self._decode(buf, manifests[r].shards[s], expect.dtype, expect.serialization))
+                    xs.append(
+                        self._decode(buf, manifests[r].shards[s], expect.dtype, expect.serialization, i)
+                    )
                 # out = sum_r w_r * x_r in the order of `regions`; exact bf16->fp32 conversion (int8/fp8:
                 # decoded above), then separate multiply and add (no fused ops): identical bits everywhere
                 weighted_average_(dst[lo:hi], xs, weights, self.scratch(min(hi - lo, self.block)), self.block)

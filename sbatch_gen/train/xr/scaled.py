@@ -34,15 +34,26 @@ def _check(wire: str) -> None:
         raise ValueError(f"not a scaled wire dtype: {wire!r} (one of {sorted(SCALED)})")
 
 
+def _buffer(buf: torch.Tensor | None, n: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """The first ``n`` elements of ``buf`` when it is large enough (and of the dtype and device), else a new one."""
+    if buf is not None and buf.numel() >= n and buf.dtype == dtype and buf.device == torch.device(device):
+        return buf[:n]
+    return torch.empty(n, dtype=dtype, device=device)
+
+
 @torch.no_grad()
-def encode(x: torch.Tensor, wire: str) -> memoryview:
-    """The wire bytes of the fp32 vector ``x`` (any device), in host memory."""
+def encode(
+    x: torch.Tensor, wire: str, *, scratch: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> memoryview:
+    """The wire bytes of the fp32 vector ``x`` (any device), in host memory. ``scratch`` (fp32, on ``x``'s
+    device) and ``out`` (uint8, host) are reused when large enough: fresh memory costs more than the math."""
     _check(wire)
     n = x.numel()
     nb = math.ceil(n / QBLOCK)
-    blocks = torch.zeros(nb * QBLOCK, dtype=torch.float32, device=x.device)
-    blocks[:n].copy_(x.reshape(-1))
-    blocks = blocks.view(nb, QBLOCK)
+    flat = _buffer(scratch, nb * QBLOCK, torch.float32, x.device)
+    flat[:n].copy_(x.reshape(-1))
+    flat[n:].zero_()
+    blocks = flat.view(nb, QBLOCK)
     amax = blocks.abs().amax(dim=1)
     bad = ~torch.isfinite(amax)
     if bool(bad.any()):
@@ -58,15 +69,18 @@ def encode(x: torch.Tensor, wire: str) -> memoryview:
         q = v.round_().clamp_(-QMAX[wire], QMAX[wire]).to(torch.int8)
     else:
         q = v.clamp_(-QMAX[wire], QMAX[wire]).to(torch.float8_e4m3fn)
-    out = torch.empty(wire_nbytes(wire, n), dtype=torch.uint8)
-    out[: 4 * nb].copy_(scale.cpu().view(torch.uint8))
-    out[4 * nb :].copy_(q.reshape(-1)[:n].cpu().view(torch.uint8))
-    return out.numpy().data
+    dst = _buffer(out, wire_nbytes(wire, n), torch.uint8, "cpu")
+    dst[: 4 * nb].copy_(scale.view(torch.uint8))
+    dst[4 * nb :].copy_(q.reshape(-1)[:n].view(torch.uint8))
+    return dst.numpy().data
 
 
 @torch.no_grad()
-def decode(buf, n: int, wire: str, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The fp32 values of a shard of ``n`` elements from its wire bytes ``buf``, on ``device``."""
+def decode(
+    buf, n: int, wire: str, device: torch.device | str = "cpu", *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The fp32 values of a shard of ``n`` elements from its wire bytes ``buf``, on ``device``. ``out`` (fp32,
+    on ``device``) is reused when large enough."""
     _check(wire)
     nb = math.ceil(n / QBLOCK)
     raw = torch.frombuffer(buf, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
@@ -74,7 +88,8 @@ def decode(buf, n: int, wire: str, device: torch.device | str = "cpu") -> torch.
         raise XRError(f"a {wire} shard of {n} elements is {wire_nbytes(wire, n)} bytes, got {raw.numel()}")
     scale = raw[: 4 * nb].clone().view(torch.float32).to(device)
     values = raw[4 * nb :].view(_DTYPE[wire]).to(device)
-    out = torch.zeros(nb * QBLOCK, dtype=torch.float32, device=device)
-    out[:n].copy_(values)  # exact: every int8 and e4m3 value is an fp32
-    out.view(nb, QBLOCK).mul_(scale[:, None])  # one rounding per element
-    return out[:n]
+    flat = _buffer(out, nb * QBLOCK, torch.float32, device)
+    flat[:n].copy_(values)  # exact: every int8 and e4m3 value is an fp32
+    flat[n:].zero_()
+    flat.view(nb, QBLOCK).mul_(scale[:, None])  # one rounding per element
+    return flat[:n]
