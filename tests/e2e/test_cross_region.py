@@ -1,6 +1,7 @@
-"""(2) Two regions as two separate Slurm jobs (one node each, 2 processes), trained with DiLoCo through
-the `fs` mailbox and through `s3` on a real S3-compatible server (moto): both finish with bitwise
-identical parameters."""
+"""(2) Two regions as two separate Slurm jobs (one node each, 2 processes), trained with DiLoCo (every round
+with both regions) through `s3` on a real S3-compatible server (moto): both finish with bitwise identical
+parameters. The same over the `fs` mailbox on Slurm: test_example_trainer.py (every round with both regions,
+the example script) and test_elastic_regions.py (the companion trainer, with a preemption and a rejoin)."""
 
 from __future__ import annotations
 
@@ -59,14 +60,6 @@ def _check_identical(jobs):
     # the regions trained on different data in between: their own losses differ
     la, lb = (jobs[r].losses() for r in sorted(jobs))
     assert la != lb
-
-
-def test_two_regions_diloco_over_fs(cluster, e2e_root, xr_config):
-    root = e2e_root / "xr-fs"
-    mailbox = root / "mailbox"
-    jobs = _run_regions(cluster, root, xr_config, {"kind": "fs", "root": str(mailbox)})
-    _check_identical(jobs)
-    assert any(mailbox.rglob("*")), "nothing went through the fs mailbox"
 
 
 def test_two_regions_diloco_over_s3(cluster, e2e_root, xr_config):
