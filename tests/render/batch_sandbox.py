@@ -25,6 +25,25 @@ def render_local(*sets: str) -> str:
     return render_site(load_site(REPO / "sites", "local", list(sets)))[0].text
 
 
+def scontrol_stub(on_requeue: str) -> str:
+    """A `scontrol` stub: `show hostnames` names n1 and n2, `show job` reports the restart count kept in
+    `$STUB_DIR/restarts`, and `requeue` notes the call in `$STUB_DIR/calls`, then runs ``on_requeue`` (bash
+    lines: what the requeue does in the test); exit status 0 unless those lines exit otherwise."""
+    body = "".join(f"    {line}\n" for line in on_requeue.strip("\n").splitlines())
+    return (
+        "#!/bin/bash\n"
+        'case "$1 $2" in\n'
+        '  "show hostnames") echo n1; echo n2 ;;\n'
+        '  "show job") echo "JobId=$3 JobName=x"; echo "   Requeue=1 Restarts=$(cat "$STUB_DIR/restarts") BatchFlag=1" ;;\n'
+        "  requeue*)\n"
+        '    echo "requeue $2" >>"$STUB_DIR/calls"\n'
+        f"{body}"
+        "    ;;\n"
+        "esac\n"
+        "exit 0\n"
+    )
+
+
 def prepare(
     tmp_path: Path,
     stubs: dict[str, str],

@@ -16,31 +16,26 @@ from pathlib import Path
 
 import pytest
 
-from .batch_sandbox import prepare, render_local, start_job
+from .batch_sandbox import prepare, render_local, scontrol_stub, start_job
 
-SCONTROL = r"""#!/bin/bash
-# stub: $STUB_MODE selects what `scontrol requeue` does
-case "$1 $2" in
-  "show hostnames") echo n1; echo n2 ;;
-  "show job") echo "JobId=$3 JobName=x"; echo "   Requeue=1 Restarts=$(cat "$STUB_DIR/restarts") BatchFlag=1" ;;
-  requeue*)
-    echo "requeue $2" >>"$STUB_DIR/calls"
-    case $STUB_MODE in
-      ok-then-term)  # the requeue takes, then Slurm signals every process of the job (this one too)
-        echo 1 >"$STUB_DIR/restarts"
-        kill -TERM "$PPID" "$$"
-        sleep 0.3
-        exit 0 ;;
-      took-but-failed)  # the requeue took, but scontrol reports a failure (e.g. killed, timed out)
-        echo 1 >"$STUB_DIR/restarts"
-        exit 1 ;;
-      fails)
-        echo "scontrol: error: Requeue of job $2 failed" >&2
-        exit 1 ;;
-    esac ;;
-  *) exit 0 ;;
+# $STUB_MODE selects what `scontrol requeue` does
+SCONTROL = scontrol_stub(
+    r"""
+case $STUB_MODE in
+  ok-then-term)  # the requeue takes, then Slurm signals every process of the job (this one too)
+    echo 1 >"$STUB_DIR/restarts"
+    kill -TERM "$PPID" "$$"
+    sleep 0.3
+    exit 0 ;;
+  took-but-failed)  # the requeue took, but scontrol reports a failure (e.g. killed, timed out)
+    echo 1 >"$STUB_DIR/restarts"
+    exit 1 ;;
+  fails)
+    echo "scontrol: error: Requeue of job $2 failed" >&2
+    exit 1 ;;
 esac
 """
+)
 
 SRUN = r"""#!/bin/bash
 # stub: the preflight passes, the training step fails (a node failure): the script requeues

@@ -20,19 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from .batch_sandbox import prepare, render_local, start_job
+from .batch_sandbox import prepare, render_local, scontrol_stub, start_job
 from .conftest import REPO
 
 pytestmark = pytest.mark.slow  # waits out ack timeouts and stop graces in real time (seconds per test)
 
-SCONTROL = r"""#!/bin/bash
-case "$1 $2" in
-  "show hostnames") echo n1; echo n2 ;;
-  "show job") echo "JobId=$3 JobName=x"; echo "   Requeue=1 Restarts=$(cat "$STUB_DIR/restarts") BatchFlag=1" ;;
-  requeue*) echo "requeue $2" >>"$STUB_DIR/calls"; echo 1 >"$STUB_DIR/restarts" ;;
-esac
-exit 0
-"""
+SCONTROL = scontrol_stub('echo 1 >"$STUB_DIR/restarts"')
 
 # The preflight passes. The training step (the trainer, as far as the batch script can tell): `finish`
 # exits 0; otherwise it waits for the stop file like the trainer, then exits 42 with the .ack written
@@ -161,17 +154,12 @@ def test_slurm_version_warning(tmp_path, running, shown):
 # ---- trainer.stop_protocol signal and none ---------------------------------------------------------------
 
 # `scontrol requeue` also ends the training step, as Slurm does (SIGKILL: the stub srun traps TERM).
-SCONTROL_KILLS = r"""#!/bin/bash
-case "$1 $2" in
-  "show hostnames") echo n1; echo n2 ;;
-  "show job") echo "JobId=$3 JobName=x"; echo "   Requeue=1 Restarts=$(cat "$STUB_DIR/restarts") BatchFlag=1" ;;
-  requeue*)
-    echo "requeue $2" >>"$STUB_DIR/calls"
-    echo 1 >"$STUB_DIR/restarts"
-    if [[ -e $STUB_DIR/srun.pid ]]; then kill -KILL "$(cat "$STUB_DIR/srun.pid")" 2>/dev/null || true; fi ;;
-esac
-exit 0
+SCONTROL_KILLS = scontrol_stub(
+    r"""
+echo 1 >"$STUB_DIR/restarts"
+if [[ -e $STUB_DIR/srun.pid ]]; then kill -KILL "$(cat "$STUB_DIR/srun.pid")" 2>/dev/null || true; fi
 """
+)
 
 # The training step as the batch script sees it with a trainer that stops on a signal: srun notes every
 # signal it gets (srun.signals) and, by $STUB_MODE: save: on USR1 saves for 1 s (saved), then exits 1
