@@ -77,6 +77,24 @@ class Concat:
 Word = str | Var | Concat
 
 
+def _starts_option(w: Word) -> bool:
+    """Whether ``w`` looks like an option (``-x``, ``--name``, ``--name=value``), not like a value."""
+    head = w if isinstance(w, str) else w.parts[0] if isinstance(w, Concat) else ""
+    return isinstance(head, str) and re.match(r"--?[A-Za-z]", head) is not None
+
+
+def group_flags(words: list[Word]) -> list[list[Word]]:
+    """One option per line: a word that looks like an option starts a line, the values after it follow it
+    (["--a", "1", "--b", "--c", "x"] -> [["--a", "1"], ["--b"], ["--c", "x"]])."""
+    groups: list[list[Word]] = []
+    for w in words:
+        if _starts_option(w) or not groups:
+            groups.append([w])
+        else:
+            groups[-1].append(w)
+    return groups
+
+
 @dataclass(frozen=True)
 class Option:
     """One line of an argument list: a flag with its value(s), or one extra argument. ``key`` names the
@@ -84,17 +102,6 @@ class Option:
 
     words: tuple[Word, ...]
     key: str | None = None
-
-
-def group_flags(argv: list[str]) -> list[list[str]]:
-    """["--a", "1", "--b", "--c", "x"] -> [["--a", "1"], ["--b"], ["--c", "x"]] (one flag per line)."""
-    groups: list[list[str]] = []
-    for a in argv:
-        if a.startswith("--") or not groups:
-            groups.append([a])
-        else:
-            groups[-1].append(a)
-    return groups
 
 
 @dataclass(frozen=True)
@@ -293,11 +300,6 @@ def _word(parts: list[str | Var]) -> Word:
     return Concat(tuple(parts))
 
 
-def _starts_option(w: Word) -> bool:
-    head = w if isinstance(w, str) else w.parts[0] if isinstance(w, Concat) else ""
-    return isinstance(head, str) and re.match(r"--?[A-Za-z]", head) is not None
-
-
 def _custom_trainer_argv(p: Profile, args: list[str], launcher: Launcher, site: str) -> list[Option]:
     values = _placeholder_values(p, launcher, site)
     words: list[Word] = []
@@ -316,14 +318,7 @@ def _custom_trainer_argv(p: Profile, args: list[str], launcher: Launcher, site: 
             v = values[piece.name]
             parts += list(v.parts) if isinstance(v, Concat) else [v]
         words.append(_word(parts))
-    # one option per line: a word that looks like an option starts a line, its values follow it
-    lines: list[list[Word]] = []
-    for w in words:
-        if _starts_option(w) or not lines:
-            lines.append([w])
-        else:
-            lines[-1].append(w)
-    return [Option(tuple(line)) for line in lines]
+    return [Option(tuple(line)) for line in group_flags(words)]
 
 
 def trainer_argv(p: Profile, launcher: Launcher, site: str) -> list[Option]:
@@ -341,7 +336,7 @@ def trainer_argv(p: Profile, launcher: Launcher, site: str) -> list[Option]:
         opts.append(Option(("--data-path", Var("DATA_PATH"))))
     if p.trainer.max_steps is not None:
         opts.append(Option(("--max-steps", str(p.trainer.max_steps)), "trainer.max_steps"))
-    opts += [Option(tuple(g)) for g in group_flags(to_argv(p.cross_region))]
+    opts += [Option(tuple(g)) for g in group_flags(list(to_argv(p.cross_region)))]
     opts += [Option((a,)) for a in p.trainer.extra_args]
     return opts
 
