@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sbatch_gen import contract, xr_options
-from sbatch_gen.launch import placeholders_used
 
 if TYPE_CHECKING:
     from sbatch_gen.profiles.base import ProfileBase
@@ -64,9 +63,7 @@ class _Block:
 def xr_in_environment(p: ProfileBase) -> bool:
     """Whether the job carries cross_region to the trainer as SBATCH_GEN_XR_* variables: it is enabled, and
     trainer.args has no {xr_args} (the fixed flags and {xr_args} carry it as --xr-* flags instead)."""
-    if not p.cross_region.enabled or p.trainer.args is None:
-        return False
-    return not any("xr_args" in names for _, names in placeholders_used(p.trainer.args))
+    return p.cross_region.enabled and not p.trainer.passes("xr_args")
 
 
 # Every variable sbatch-gen sets from profile fields, grouped by the profile section they come from, in the
