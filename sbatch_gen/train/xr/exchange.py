@@ -20,7 +20,6 @@ Every failure reaches every rank before anything changes (:class:`.region.Region
 from __future__ import annotations
 
 import io
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -35,7 +34,6 @@ from .kernels import CPU_BLOCK, GPU_BLOCK, weighted_average_
 from .membership import Commit, Membership
 from .protocol import (
     ITEMSIZE,
-    QBLOCK,
     SCALED,
     Expect,
     Mailbox,
@@ -151,10 +149,8 @@ class Exchange:
     def _encode(self, vec: torch.Tensor, lo: int, hi: int, wire: str, ser: str) -> bytes | memoryview:
         if wire in SCALED:  # int8/fp8 with per-block scales (raw only: the options refuse torch_save)
             n = hi - lo
-            if self._q_scratch is None or self._q_scratch.numel() < math.ceil(n / QBLOCK) * QBLOCK:
-                self._q_scratch = torch.empty(
-                    math.ceil(n / QBLOCK) * QBLOCK, dtype=torch.float32, device=vec.device
-                )
+            if self._q_scratch is None or self._q_scratch.numel() < scaled.padded(n):
+                self._q_scratch = torch.empty(scaled.padded(n), dtype=torch.float32, device=vec.device)
             out = self._q_out.get(lo)
             if out is None or out.numel() != wire_nbytes(wire, n):
                 pin = self.outer_device.type == "cuda"
@@ -175,7 +171,7 @@ class Exchange:
         """The wire-dtype tensor of a shard, on the outer device (bf16 not yet converted to fp32; int8/fp8
         decoded to fp32 with their scales, the same bits in every region, into the reused buffer ``slot``)."""
         if wire in SCALED:
-            padded = math.ceil(info.numel / QBLOCK) * QBLOCK
+            padded = scaled.padded(info.numel)
             dec = self._q_dec.get(slot)
             if dec is None or dec.numel() < padded:
                 dec = self._q_dec[slot] = torch.empty(padded, dtype=torch.float32, device=self.outer_device)

@@ -26,7 +26,12 @@ from .protocol import QBLOCK, SCALED, wire_nbytes
 QMAX = {"int8": 127.0, "fp8": 448.0}  # the largest magnitude a scaled value takes
 _DTYPE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
-__all__ = ["QMAX", "decode", "encode"]
+__all__ = ["QMAX", "decode", "encode", "padded"]
+
+
+def padded(n: int) -> int:
+    """Elements of the fp32 block buffer a shard of ``n`` elements is encoded or decoded in (whole blocks)."""
+    return math.ceil(n / QBLOCK) * QBLOCK
 
 
 def _check(wire: str) -> None:
