@@ -159,6 +159,8 @@ try:
             record = diloco.after_step(step, tokens)
             if record and "xr_adopted_step" in record:  # this region was behind: it now holds the run's step
                 step = min(record["xr_adopted_step"], args.steps)
+            if step == args.steps:  # overlap eager: the round still in flight, so all regions end alike
+                diloco.finish(step)
         if step % 10 == 0:
             say(f"step {step} loss {loss.item():.4f}")
         if stop.agree():  # one all-reduce: every rank stops after the same step

@@ -50,7 +50,8 @@ class Run:
     def rounds(self) -> list[dict]:
         """Records of the sync rounds this process ran (not the fast-forward records of a region that
         caught up with the run: those carry ``xr_adopted_step`` and no timings)."""
-        return [r for r in self.steps if "xr_round" in r and "xr_adopted_step" not in r]
+        final = [e for e in self.events if e.get("event") == "xr_final_round"]  # overlap eager, the end
+        return [r for r in self.steps if "xr_round" in r and "xr_adopted_step" not in r] + final
 
 
 def _display(p: Path) -> str:
@@ -243,6 +244,14 @@ def participation(runs: list[Run]) -> Participation | None:
     return Participation(regions, min(rounds), max(rounds), status, rejoins, leaves, waits_absent, waits_full)
 
 
+def _exposed(rec: dict) -> float:
+    """Seconds a record's sync round held training up: ``xr_exposed_s`` (the whole round without overlap;
+    with overlap eager the wait for the round in flight and the boundary's own work), else (records from
+    before overlap) ``xr_total_s``; 0 without a round."""
+    v = rec.get("xr_exposed_s", rec.get("xr_total_s"))
+    return float(v) if isinstance(v, int | float) else 0.0
+
+
 def slo(run: Run) -> dict:
     """The baseline numbers of one run (NaN/None where the run has no such data)."""
     times = step_times(run)
@@ -252,8 +261,9 @@ def slo(run: Run) -> dict:
     # Records are sampled (every log_every steps) but every sync round is logged, and a round's step time
     # includes its sync: estimate the whole run as (trained steps x mean step without sync) + all rounds.
     n_steps = sum(seg[-1]["step"] - seg[0]["step"] + 1 for seg in segments(run))
-    xr = sum(float(r.get("xr_total_s") or 0.0) for r in run.rounds)
-    per_step = _mean([float(r["step_time_s"]) - float(r.get("xr_total_s") or 0.0) for r in steps])
+    finals = [e for e in run.events if e.get("event") == "xr_final_round"]
+    xr = sum(_exposed(r) for r in [*steps, *finals])
+    per_step = _mean([float(r["step_time_s"]) - _exposed(r) for r in steps])
     step_sum = per_step * n_steps + xr
     # In-region comm as the trainer measured it; None where the host cannot see it (NCCL): then n/a, not 0.
     ddp = _mean([float(r["comm_time_s"]) for r in steps if r.get("comm_time_s") is not None]) * n_steps

@@ -226,6 +226,18 @@ class CrossRegion(StrictModel):
     inner_steps: int = Field(default=100, ge=1, le=1_000_000, description="H: inner steps per outer round.")
     outer_lr: float = Field(default=0.7, gt=0, le=10, description="Outer SGD learning rate.")
     outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="Outer Nesterov momentum.")
+    overlap: Literal["none", "eager"] = Field(
+        default="none",
+        description="diloco: none = training waits at every round until the round has crossed the WAN and is "
+        "applied; eager = the exchange of round t runs in the background during the inner steps of round t+1 "
+        "and is applied at the next boundary, while this region's own fresh delta is applied at once (Kale et "
+        "al. 2025): the wait at a round boundary is only what the transfer takes beyond H inner steps. The "
+        "shared outer state (theta_outer, momentum) still advances by the committed averages only and stays "
+        "bit-identical across regions; a region's working model differs from it by its own fresh delta "
+        "(outer_lr x (1 + outer_momentum) x its expected token weight). timeout_s then counts from the "
+        "publish. Leaders hold 4 B/param more (the delta in flight). After the last step the trainer waits "
+        "for the round in flight (DiLoCo.finish), so every region ends on the same parameters.",
+    )
     transport: Transport = Field(
         default_factory=lambda: FsTransport(root="xr-mailbox"), description="Mailbox backend."
     )
@@ -351,6 +363,16 @@ class CrossRegion(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _overlap_is_diloco(self) -> CrossRegion:
+        if self.overlap != "none" and self.sync != "diloco":
+            raise FieldError(
+                ("overlap",),
+                f"overlap {self.overlap} needs sync: diloco (grad mode applies each step's average before the "
+                "next step: there is nothing to overlap)",
+            )
+        return self
+
+    @model_validator(mode="after")
     def _region_in_regions(self) -> CrossRegion:
         if len(set(self.regions)) != len(self.regions):
             raise ValueError(f"regions has duplicates: {self.regions}")
@@ -399,6 +421,7 @@ _FLAT = {
     "inner_steps": "--xr-inner-steps",
     "outer_lr": "--xr-outer-lr",
     "outer_momentum": "--xr-outer-momentum",
+    "overlap": "--xr-overlap",
     "timeout_s": "--xr-timeout-s",
     "min_regions": "--xr-min-regions",
     "grace_s": "--xr-grace-s",

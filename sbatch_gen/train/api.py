@@ -222,6 +222,13 @@ class DiLoCo:
         Raises :class:`XRNoQuorum` when the round found too few regions (the model keeps its local step)."""
         return self._sync.after_optimizer_step(step, tokens)
 
+    def finish(self, step: int) -> dict | None:
+        """After the last ``after_step``, before the final checkpoint: with ``overlap: eager`` wait for the
+        round still in flight and give the model the run's shared parameters, so every region ends on the
+        same bits; returns that round's record. A no-op (None) otherwise. Raises :class:`XRNoQuorum` like
+        :meth:`after_step` (checkpoint and requeue: the round runs again after :meth:`start`)."""
+        return self._sync.finish(step)
+
     def leave(self, step: int, reason: str = "stopped") -> None:
         """A planned stop or the end: the other regions stop waiting for this one (best effort)."""
         self._sync.leave(step, reason)

@@ -179,6 +179,7 @@ class _StepDone:
     ddp_exposed: float | None
     xr_timings: dict | None
     ended: float  # time.time() when the host finished the step
+    xr_final: dict | None = None  # overlap eager, the end step: the round that was in flight, finished
 
 
 @dataclass
@@ -710,8 +711,11 @@ class Trainer:
         loss_sum, grad_norm = self._optimizer_step(step, lr)
         self.step = step
         self.tokens_seen += self.tokens_per_step
+        xr_final = None
         try:
             xr_timings = self.sync.after_step(step, self.tokens_per_step) if self.sync is not None else None
+            if self.sync is not None and step == self.end_step:  # overlap eager: the round in flight, ended
+                xr_final = self.sync.finish(step)
         except XRNoQuorum as e:  # every rank raised it; the model holds this step's local parameters
             loop.no_quorum, loop.exit_reason = e, "no_quorum"
             return
@@ -751,10 +755,11 @@ class Trainer:
                 ddp_exposed=exposed,
                 xr_timings=xr_timings,
                 ended=time.time(),
+                xr_final=xr_final,
             ),
         )
         save_now = step % self.cfg.checkpoint.every == 0 or step == self.end_step
-        if xr_timings is not None or save_now:
+        if xr_timings is not None or xr_final is not None or save_now:
             # This step's host waits for the device anyway: a cross-region round ran (on every rank
             # of the region: rounds are collective) or a checkpoint is due (every rank, same steps).
             # Read its agreement now: its record is written before the round's or the checkpoint's
@@ -886,6 +891,8 @@ class Trainer:
         if done.xr_timings:
             rec.update(done.xr_timings)
         self.metrics.write(rec)
+        if done.xr_final:  # a second round ended at this step: its own record
+            self.metrics.write({"event": "xr_final_round", "step": done.step, **done.xr_final})
         log.info(
             "step %d loss %.4f lr %.3g %.0f tok/s step %.3fs data %.3fs%s%s",
             done.step,

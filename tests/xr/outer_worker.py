@@ -26,7 +26,7 @@ from sbatch_gen.train.dist import DistInfo
 from sbatch_gen.train.xr.sync import create
 from sbatch_gen.xr_options import CrossRegion, FsTransport
 
-BUFFERS = ("work", "avg", "theta_outer", "momentum")
+BUFFERS = ("work", "avg", "theta_outer", "momentum", "own")
 W_TRUE = torch.tensor([[1.0], [-2.0], [0.5], [3.0], [-1.0], [0.25]])
 
 
@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--save-at", type=int, default=0)
     ap.add_argument("--resume", default="")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--overlap", default="none")
     a = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -80,6 +81,7 @@ def main() -> None:
         threads=2,
         keep_rounds=8,
         payload_dtype="fp32" if a.sync == "grad" else "bf16",
+        overlap=a.overlap,
     )
     if a.max_gib is not None:
         kw["outer_device_max_gib"] = a.max_gib
@@ -107,6 +109,7 @@ def main() -> None:
 
     after: dict[int, torch.Tensor] = {}
     theta: dict[int, torch.Tensor] = {}  # theta_outer where this rank holds it
+    early: dict[int, tuple[torch.Tensor, float]] = {}  # overlap eager, leaders: (own, early)
     buffers_seen: dict[int, dict] = {}
     for step in range(start + 1, a.steps + 1):
         g = torch.Generator().manual_seed(10_000 * regions.index(a.region) + 100 * rank + step)
@@ -120,6 +123,8 @@ def main() -> None:
             after[step] = flat(net)
             if getattr(sync, "theta_outer", None) is not None:
                 theta[step] = sync.theta_outer.clone()
+            if getattr(sync, "own", None) is not None:
+                early[step] = (sync.own.clone(), sync.early)
             buffers_seen[step] = {
                 n: (t.numel() if (t := getattr(sync, n, None)) is not None else None) for n in BUFFERS
             }
@@ -128,9 +133,12 @@ def main() -> None:
                 {"model": net.state_dict(), "outer": sync.state_dict(), "step": step},
                 checkpoint_id=str(Path(a.out) / "ckpt"),
             )
+    final = sync.finish(a.steps)  # overlap eager: the round in flight; None otherwise
     torch.save(
         {
             "rank": rank,
+            "final": (final is not None, flat(net)),
+            "early": early,
             "after": after,
             "theta": theta,
             "buffers": buffers_seen,

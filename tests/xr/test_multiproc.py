@@ -86,14 +86,16 @@ def s3_transport(server, bucket):
     )
 
 
-@pytest.mark.parametrize("backend", ["s3", "fs-2nodes"])
+@pytest.mark.parametrize("backend", ["s3-eager", "fs-2nodes"])
 def test_diloco_two_regions(backend, tmp_path, repo, data_dir, request):
     """12 steps, H=4: three outer rounds; both regions end bitwise equal; the loss goes down.
-    s3: two regions of one torchrun with 2 processes each. fs-2nodes: region eu is a 2-node job (two
-    torchrun agents, 1 process each), so shards are owned round-robin by two node leaders and broadcast
-    from both. (The grad-mode and kill tests run two 2-process regions over fs.)"""
+    s3-eager: two regions of one torchrun with 2 processes each, overlap eager (round t's exchange runs
+    during round t+1's steps; the trainer finishes the last one after step 12). fs-2nodes: region eu is a
+    2-node job (two torchrun agents, 1 process each), so shards are owned round-robin by two node leaders
+    and broadcast from both. (The grad-mode and kill tests run two 2-process regions over fs.)"""
+    eager = backend == "s3-eager"
     env = {}
-    if backend == "s3":
+    if eager:
         server = request.getfixturevalue("s3server")
         transport = s3_transport(server, request.getfixturevalue("bucket"))
         env = {
@@ -110,7 +112,12 @@ def test_diloco_two_regions(backend, tmp_path, repo, data_dir, request):
         # us keeps its outer state off the training device (outer_device_max_gib 0): same bits either way
         runs.append(
             launch_region(
-                xr(r, transport, **({"outer_device_max_gib": 0} if r == "us" else {})),
+                xr(
+                    r,
+                    transport,
+                    overlap="eager" if eager else "none",
+                    **({"outer_device_max_gib": 0} if r == "us" else {}),
+                ),
                 config=cfg,
                 run_dir=tmp_path / r,
                 data_path=data_dir,
@@ -125,7 +132,12 @@ def test_diloco_two_regions(backend, tmp_path, repo, data_dir, request):
     for r in REGIONS:
         m = metrics(tmp_path / r)
         rounds = [x for x in m if "xr_round" in x]
-        assert [x["xr_round"] for x in rounds] == [1, 2, 3] and [x["step"] for x in rounds] == [4, 8, 12]
+        joined = [8, 12, 12] if eager else [4, 8, 12]
+        assert [x["xr_round"] for x in rounds] == [1, 2, 3] and [x["step"] for x in rounds] == joined
+        if eager:  # launched at 4, 8, 12; joined at the next boundary, the last one after step 12
+            assert [x.get("event") for x in rounds] == [None, None, "xr_final_round"]
+            assert [x["xr_inflight"] for x in m if "xr_inflight" in x] == [1, 2, 3]
+            assert all(x["xr_exposed_s"] <= x["xr_join_s"] + 5 for x in rounds)
         assert all(x["xr_bytes_up"] > 0 and x["xr_bytes_down"] == x["xr_bytes_up"] for x in rounds)
         losses = [x["loss"] for x in m if "loss" in x]
         assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
@@ -135,7 +147,8 @@ def test_diloco_two_regions(backend, tmp_path, repo, data_dir, request):
         (st,) = [x for x in m if x.get("event") == "xr_outer_state"]
         leaders = [0, 1] if backend == "fs-2nodes" and r == "eu" else [0]
         assert st["leaders"] == leaders and st["device"] == "cpu"
-        assert st["bytes_per_rank"] == [16 * st["numel"] if k in leaders else 0 for k in range(2)]
+        per_param = 20 if eager else 16  # eager: the delta in flight
+        assert st["bytes_per_rank"] == [per_param * st["numel"] if k in leaders else 0 for k in range(2)]
         assert ("above outer_device_max_gib 0" in st["why"]) == (r == "us")
     if backend == "fs-2nodes":
         shards = list((tmp_path / "mailbox" / "mp" / "r000003" / "eu").iterdir())
@@ -420,3 +433,63 @@ def test_only_leaders_hold_outer_state(sync, tmp_path):
     for x in again:
         assert sorted(x["after"]) == [6]
         assert torch.equal(x["after"][6], res["eu"][0]["after"][6]), f"resumed rank {x['rank']} differs"
+
+
+def test_eager_overlap_with_two_node_leaders_and_a_resume_mid_round(tmp_path):
+    """overlap eager, eu as 2 nodes of 2 (its leaders run the background round on a gloo group of their
+    own), us 1 node of 2. At every boundary: theta_outer is the same bits on all three leaders of both
+    regions; every rank of a region holds the same parameters, which on a leader are exactly theta_outer -
+    early * own (20 B/param there, none elsewhere). After finish() all 6 ranks hold theta_outer, the same
+    bits. eu then resumes from its DCP checkpoint taken mid-phase with round 2 in flight and ends on exactly
+    the uninterrupted run's parameters."""
+    import torch
+
+    layout = {"eu": (4, 2), "us": (2, 1)}
+    leaders = {"eu": [0, 2], "us": [0]}
+    common = dict(root=tmp_path / "mailbox", steps=6, inner_steps=2, overlap="eager")
+    runs = [
+        (
+            _launch_workers(
+                r,
+                layout[r][0],
+                tmp_path / "run",
+                nodes=layout[r][1],
+                seed=1 + i,
+                **({"save_at": 5} if r == "eu" else {}),
+                **common,
+            ),
+            r,
+        )
+        for i, r in enumerate(REGIONS)
+    ]
+    _wait_workers(runs)
+    res = {r: _results(tmp_path / "run", r, layout[r][0]) for r in REGIONS}
+    numel = res["eu"][0]["numel"]
+    for s in (2, 4, 6):
+        theta = res["eu"][0]["theta"][s]
+        for r in REGIONS:
+            for x in res[r]:
+                assert torch.equal(x["after"][s], res[r][0]["after"][s]), (s, r, x["rank"])
+                lead = x["rank"] in leaders[r]
+                assert x["buffers"][s]["own"] == (numel if lead else None)
+                if lead:
+                    own, early = x["early"][s]
+                    assert torch.equal(x["theta"][s], theta), (s, r, x["rank"])
+                    assert torch.equal(x["after"][s], x["theta"][s] - own * early), (s, r, x["rank"])
+        assert not torch.equal(res["eu"][0]["after"][s], res["us"][0]["after"][s])  # own fresh deltas differ
+    end = res["eu"][0]["final"][1]
+    for r in REGIONS:
+        for x in res[r]:
+            assert x["final"][0] and torch.equal(x["final"][1], end), (r, x["rank"])
+    _wait_workers(
+        [
+            (
+                _launch_workers(
+                    "eu", 4, tmp_path / "resumed", nodes=2, seed=99, resume=tmp_path / "run" / "ckpt", **common
+                ),
+                "eu resumed",
+            )
+        ]
+    )
+    for x in _results(tmp_path / "resumed", "eu", 4):
+        assert torch.equal(x["final"][1], end), f"resumed rank {x['rank']} differs"

@@ -27,6 +27,7 @@ from __future__ import annotations
 from .errors import (
     StoreError,
     XRBehind,
+    XRCancelled,
     XRChecksumError,
     XRError,
     XRLayoutError,
@@ -38,6 +39,7 @@ from .errors import (
 __all__ = [
     "StoreError",
     "XRBehind",
+    "XRCancelled",
     "XRChecksumError",
     "XRError",
     "XRLayoutError",

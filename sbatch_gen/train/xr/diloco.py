@@ -20,7 +20,9 @@ import time
 import torch
 
 from .errors import XRBehind, XRError, XRLayoutError, XRMissingRound, XRNoQuorum
+from .exchange import RoundResult
 from .kernels import blocks, nesterov_block_
+from .overlap import InFlight
 from .protocol import round_tag
 from .region import held
 from .sync import OuterSync, _as_int
@@ -31,12 +33,26 @@ FF_ATTEMPTS = 5  # objects can vanish under a fast-forward (a newer snapshot lan
 class DiLoCo(OuterSync):
     # the outer state (leaders only, see OuterSync): 16 B/param with the delta and the average
     BUFFERS = {**OuterSync.BUFFERS, "theta_outer": (True, True), "momentum": (False, True)}
+    # overlap eager adds this region's delta in flight, as every region decodes it (4 B/param more)
+    EAGER_BUFFERS = {"own": (True, True)}
     theta_outer: torch.Tensor | None
     momentum: torch.Tensor | None
+    own: torch.Tensor | None = None
+
+    def buffers(self) -> dict[str, tuple[bool, bool]]:
+        return {**self.BUFFERS, **self.EAGER_BUFFERS} if self.xr.overlap == "eager" else self.BUFFERS
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
         self.pending = 0  # a round that found no quorum before a requeue: run again at start-up
+        # overlap eager (see _eager_round): the round whose exchange runs in the background (0: none), its
+        # tokens, the factor of `own` in the working model (theta_outer - early * own), the other members'
+        # tokens in the last commit (-1: none seen yet; estimates this region's weight in the next)
+        self.eager = self.xr.overlap == "eager"
+        self.inflight, self.inflight_tokens, self.early, self.others = 0, 0, 0.0, -1
+        self._job: InFlight[RoundResult] | None = None
+        bg = self.group.background() if self.eager else None  # collective: a process group of its own
+        self.bg_ex = self.ex.in_background(bg) if bg is not None else None
         if self.group.rank == 0 and self.membership is not None and self.xr.elastic:
             # liveness for the others' rounds (and theirs judged by it) until leave() or close()
             self.membership.start_heartbeat(self.xr.heartbeat_s)
@@ -57,6 +73,8 @@ class DiLoCo(OuterSync):
         return self._round(step // self.xr.inner_steps, step)
 
     def _round(self, r: int, step: int) -> dict:
+        if self.eager:
+            return self._eager_round(r, step)
         # delta = theta_outer - theta_local (the outer "gradient"; note the sign)
         delta = (
             self.flat.delta_into(held(self.theta_outer, "theta_outer"), held(self.work, "work"))
@@ -82,16 +100,162 @@ class DiLoCo(OuterSync):
         self._cleanup(r, need_snapshot=True)
         t8 = self._now()
         t.update(outer_step_s=t6 - t5, broadcast_s=t["broadcast_s"] + (t7 - t6), cleanup_s=t8 - t7, t_end=t8)
-        rec = self._record(step, res, t)
+        rec = self._record(step, res, t, snap_s)
+        rec["xr_exposed_s"] = rec["xr_total_s"]  # training waited for all of it
+        return rec
+
+    def _record(self, step: int, res: RoundResult, t: dict, snap_s: float | None = None) -> dict:
+        rec = super()._record(step, res, t)
         rec["xr_stale"] = res.commit.stale  # absent regions the closer found crashed (heartbeat stale)
         if snap_s is not None:
             rec["xr_snapshot_s"] = snap_s
         return rec
 
-    def _outer_step(self, avg: torch.Tensor | None) -> None:
-        """Leaders: Nesterov on ``theta_outer`` and theta into the model, block by block: on the CPU each
-        block is written into the parameters while it is still in cache. The other ranks hold no outer
-        state: :meth:`_share_params` follows."""
+    # -- overlap eager ---------------------------------------------------------------------------------------
+    # At boundary b (step b*H): join round b-1's exchange (it ran during these H steps), take this phase's
+    # fresh delta (start - x), advance the shared outer state by the committed average of round b-1 only,
+    # load the working model theta_outer - early * own (own: the fresh delta as every region will decode
+    # it; early = outer_lr * (1 + momentum) * the expected token weight: the immediate effect of the
+    # region's own part on the Nesterov step), and start round b's exchange in the background. So the
+    # shared state is the same bits everywhere, and a region's model differs from it only by its own fresh
+    # delta, which the shared state takes in (weighted as committed, or not at all if late) a round later.
+    def _working(self, out: torch.Tensor) -> torch.Tensor:
+        """Leaders: the working model's flat parameters, ``theta_outer - early * own`` (``theta_outer``
+        itself when nothing is applied early), always with the same ops: the bits the model was given."""
+        theta, own = held(self.theta_outer, "theta_outer"), held(self.own, "own")
+        if self.early == 0.0:
+            return theta
+        torch.mul(own, self.early, out=out)
+        return torch.sub(theta, out, out=out)
+
+    def _launch(self, b: int, step: int, tokens: int, pre: dict | None) -> None:
+        """Start round ``b``'s exchange in a thread of each leader (``pre``: this leader's encoded shards;
+        None: encode ``own`` there, a resumed region publishing the round it had in flight again)."""
+        self.inflight, self.inflight_tokens = b, tokens
+        if self.leader:
+            ex, own, avg = self.bg_ex, self.own, self.avg
+            if ex is None:
+                raise XRError("internal: a leader without its background exchange")
+            self._job = InFlight(
+                lambda cancel: ex.run_round(
+                    round_tag(b), "delta", step, own, avg, tokens, pre=pre, cancel=cancel
+                ),
+                f"xr-round-{b}",
+                self.outer_device,
+            )
+
+    def _relaunch(self) -> None:
+        """A region resumed with a round in flight: that round's exchange runs again (it re-enters the
+        round, or publishes its saved delta again when its manifest never made it)."""
+        if self.inflight and self._job is None:
+            b = self.inflight
+            self._launch(b, b * self.xr.inner_steps, self.inflight_tokens, None)
+
+    def _join(self) -> RoundResult:
+        """Collective: wait for the round in flight; every rank gets its result or raises its error (the
+        round stays in flight then, e.g. for the retry after a requeue). Leaders then hold the average."""
+        self._relaunch()
+        job, self._job = self._job, None
+
+        def wait() -> RoundResult:
+            if job is None:
+                raise XRError("internal: a leader has no round in flight to join")
+            return job.result()
+
+        got = self.group.on_each(wait, active=self.leader)
+        res = got[0]
+        if res is None:
+            raise XRError("internal: rank 0 returned no result for the round in flight")
+        self.ex.broadcast_slices(self.ex.expect("delta").plan, self.avg)
+        return res
+
+    def _drop_inflight(self) -> None:
+        """The round in flight no longer matters (a fast-forward passed it): call it off."""
+        if self._job is not None:
+            self._job.cancel()
+            self._job = None
+        self.inflight, self.inflight_tokens, self.early = 0, 0, 0.0
+
+    def _eager_round(self, b: int, step: int) -> dict:
+        t0 = self._now()
+        res = None
+        if self.inflight:
+            try:
+                res = self._join()
+            except XRBehind:  # the run went on without this region: catch up, this phase's steps are dropped
+                self._drop_inflight()
+                return self._fast_forward(step, "behind") or {}
+            except XRNoQuorum:
+                self.pending = b
+                raise
+        t1 = self._now()
+        tokens, work = self.tokens, self.work
+        if self.leader:  # this phase's fresh delta: where it started minus where it is (fp32)
+            self.flat.delta_into(self._working(held(work, "work")), held(self.own, "own"))
+        snap_s = None
+        if res is not None:
+            self._outer_step(self.avg, scatter=False)  # the shared state takes the committed average only
+            self.round = self.inflight
+            self.others = sum(c.tokens for r, c in res.commit.members.items() if r != self.xr.region)
+            snap_s = self._maybe_snapshot(self.round, res.members, step)
+            self._cleanup(self.round, need_snapshot=True)
+        t2 = self._now()
+        pre = self.ex.encode("delta", self.own)
+        self.ex.decode_into("delta", pre, self.own)  # own = the wire values every region will average
+        others = self.others if self.others >= 0 else tokens * (len(self.xr.regions) - 1)
+        weight = tokens / (tokens + others) if tokens + others > 0 else 1.0
+        self.early = self.xr.outer_lr * (1.0 + self.xr.outer_momentum) * weight
+        if self.leader:
+            self.flat.scatter(self._working(held(work, "work")))
+        self._share_params()
+        self.tokens, self.pending = 0, 0
+        self._launch(b, step, tokens, pre)
+        t3 = self._now()
+        out: dict = {"xr_step": step, "xr_inflight": b, "xr_early_weight": weight}
+        if res is not None:
+            t = dict(res.times)
+            t.update(outer_step_s=t2 - t1, broadcast_s=t["broadcast_s"] + (t3 - t2), cleanup_s=0.0)
+            out.update(self._record(step, res, t, snap_s))
+        out.update(xr_join_s=t1 - t0, xr_exposed_s=t3 - t0)
+        return out
+
+    def finish(self, step: int) -> dict | None:
+        """Collective, after the last step: wait for the round in flight and give the model the shared
+        outer state (plus the steps since the last boundary, when the run does not end on one), so every
+        region ends on the same parameters. None when nothing is in flight (always with overlap none)."""
+        if not self.eager or not self.inflight:
+            return None
+        t0 = self._now()
+        try:
+            res = self._join()
+        except XRBehind:
+            self._drop_inflight()
+            return self._fast_forward(step, "behind") or {}
+        t1 = self._now()
+        partial = self.tokens > 0
+        if self.leader and partial:  # the steps since the last boundary, kept on top of the shared state
+            self.flat.delta_into(self._working(held(self.work, "work")), held(self.own, "own"))
+        self._outer_step(self.avg, scatter=False)
+        self.round, self.inflight, self.early = self.inflight, 0, 0.0
+        if self.leader:
+            theta = held(self.theta_outer, "theta_outer")
+            self.flat.scatter(
+                torch.sub(theta, held(self.own, "own"), out=held(self.work, "work")) if partial else theta
+            )
+        self._share_params()
+        snap_s = self._maybe_snapshot(self.round, res.members, step)
+        self._cleanup(self.round, need_snapshot=True)
+        t2 = self._now()
+        t = dict(res.times)
+        t.update(outer_step_s=t2 - t1, cleanup_s=0.0)
+        rec = self._record(step, res, t, snap_s)
+        rec.update(xr_join_s=t1 - t0, xr_exposed_s=t2 - t0, xr_final=True)
+        return rec
+
+    def _outer_step(self, avg: torch.Tensor | None, scatter: bool = True) -> None:
+        """Leaders: Nesterov on ``theta_outer`` and (``scatter``) theta into the model, block by block: on
+        the CPU each block is written into the parameters while it is still in cache. The other ranks hold
+        no outer state: :meth:`_share_params` follows."""
         if not self.leader:
             return
         theta, mom, g = (
@@ -99,7 +263,7 @@ class DiLoCo(OuterSync):
             held(self.momentum, "momentum"),
             held(avg, "avg"),
         )
-        direct = self.flat.direct(self.outer_device)
+        direct = scatter and self.flat.direct(self.outer_device)
         tmp = self.ex.scratch(min(self.numel, self.ex.block))
         for lo, hi in blocks(self.numel, self.outer_device, self.ex.block):
             nesterov_block_(
@@ -112,7 +276,7 @@ class DiLoCo(OuterSync):
             )
             if direct:
                 self.flat.scatter_range(theta, lo, hi)
-        if not direct:
+        if scatter and not direct:
             self.flat.scatter(theta)
 
     # -- snapshots -----------------------------------------------------------------------------------------
@@ -211,6 +375,7 @@ class DiLoCo(OuterSync):
             )
         if self.round == start:
             return None
+        self._drop_inflight()  # (eager) replayed: the round in flight, if any, was among those rounds
         if self.leader:
             self.flat.scatter(held(self.theta_outer, "theta_outer"))
         self._share_params()
@@ -259,6 +424,7 @@ class DiLoCo(OuterSync):
         announce that this region has joined."""
         rec = self._fast_forward(step, "start")
         adopted = rec["xr_adopted_step"] if rec else None
+        self._relaunch()  # (eager) resumed with a round in flight: it runs again, in the background
         if self.pending and self.round < self.pending:
             r = self.pending
             out = self._round(r, r * self.xr.inner_steps)
@@ -268,6 +434,9 @@ class DiLoCo(OuterSync):
         return adopted
 
     def close(self) -> None:
+        if self._job is not None:  # a stop with a round in flight: the checkpoint holds it, it runs again
+            self._job.cancel()
+            self._job = None
         if self.membership is not None:
             self.membership.stop_heartbeat()
         super().close()
@@ -279,13 +448,30 @@ class DiLoCo(OuterSync):
         out = {**super().state_dict(), "pending": int(self.pending)}
         if self.leader:
             out.update(theta_outer=self.theta_outer, momentum=self.momentum)
+        if self.eager:  # the round in flight (its own delta, as published) runs again on resume
+            out.update(
+                inflight=int(self.inflight),
+                inflight_tokens=int(self.inflight_tokens),
+                early=float(self.early),
+                others=int(self.others),
+            )
+            if self.leader:
+                out["own"] = self.own
         return out
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         """Collective: leaders take ``theta_outer`` and momentum from ``state`` (the other ranks ignore
         them); a leader's error (missing, wrong size) raises on every rank before anything is loaded."""
-        keys = ("theta_outer", "momentum")
+        keys: tuple[str, ...] = ("theta_outer", "momentum")
+        inflight = _as_int(state.get("inflight", 0))
+        if inflight and not self.eager:
+            raise XRLayoutError(
+                f"checkpoint has round {inflight} in flight (saved with overlap: eager): resume with "
+                "cross_region.overlap: eager, which finishes that round first"
+            )
+        if inflight:
+            keys = (*keys, "own")
 
         def check() -> None:
             for k in keys:
@@ -307,3 +493,8 @@ class DiLoCo(OuterSync):
                     dst.copy_(v.reshape(-1))
         super().load_state_dict(state)
         self.pending = _as_int(state.get("pending", 0))
+        if self.eager:  # a checkpoint without overlap: nothing in flight
+            self.inflight = _as_int(state.get("inflight", 0))
+            self.inflight_tokens = _as_int(state.get("inflight_tokens", 0))
+            self.early = float(state.get("early", 0.0)) if self.inflight else 0.0
+            self.others = _as_int(state.get("others", -1))

@@ -44,3 +44,7 @@ class XRBehind(XRError):
     def __init__(self, message: str, latest: int | None = None) -> None:
         super().__init__(message)
         self.latest = latest
+
+
+class XRCancelled(XRError):
+    """A round running in the background was called off (the region is stopping or closing)."""

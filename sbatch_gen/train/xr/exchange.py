@@ -19,8 +19,10 @@ Every failure reaches every rank before anything changes (:class:`.region.Region
 
 from __future__ import annotations
 
+import copy
 import io
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -29,7 +31,7 @@ import torch
 from sbatch_gen.xr_options import CrossRegion
 
 from . import scaled
-from .errors import XRError, XRLayoutError
+from .errors import XRCancelled, XRError, XRLayoutError
 from .kernels import CPU_BLOCK, GPU_BLOCK, weighted_average_
 from .membership import Commit, Membership
 from .protocol import (
@@ -43,10 +45,11 @@ from .protocol import (
     digest_of_digests,
     wire_nbytes,
 )
-from .region import Region, held
+from .region import Region, capture, held
 
 _WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 WAIT_SLICE_S = 30.0  # rank 0 reports to the other ranks at least this often while it waits for peers
+BACKGROUND_SLICE_S = 0.5  # ... and this often in a background round, which a stop may call off
 # Fault injection for tests and benchmarks: this region publishes nothing in the listed rounds (comma-
 # separated numbers), as if its payload always arrived after the round closed. It trains on and applies
 # the committed update like any late region.
@@ -105,6 +108,16 @@ class Exchange:
         self._q_out: dict[int, torch.Tensor] = {}  # by the shard's first element
         self._q_dec: dict[int, torch.Tensor] = {}  # by the member's position in the round
         self.withheld = _withheld()  # (fault injection: ENV_WITHHOLD_ROUNDS)
+        self.background = False  # runs in a thread beside training (see :meth:`in_background`)
+
+    def in_background(self, group: Region) -> Exchange:
+        """This exchange for a thread of the leaders that runs rounds while training goes on: collectives on
+        ``group`` (:meth:`Region.background`), no device synchronisation for its clocks, waits in short
+        slices so a stop can call it off. It shares the buffers: the two never run at the same time (the
+        outer sync joins the background round before it uses its own exchange)."""
+        ex = copy.copy(self)
+        ex.group, ex.background = group, True
+        return ex
 
     def mb(self) -> Mailbox:
         """The mailbox: open on the shard owners (rank 0 among them) only, the other ranks never use it."""
@@ -185,21 +198,65 @@ class Exchange:
         return t.to(self.outer_device, non_blocking=False)
 
     # -- flat transfers ----------------------------------------------------------------------------------
+    def encode(self, kind: str, src: torch.Tensor | None) -> dict[int, bytes | memoryview]:
+        """Collective: each owner encodes its shards of ``src`` to the wire (into the kept buffers; a raw
+        fp32 shard of a host buffer is a view of ``src``). Returns this rank's shards ({} elsewhere)."""
+        expect = self.expect(kind)
+        out: dict[int, bytes | memoryview] = {}
+        err = None
+        if self.my_owner is not None:
+            try:
+                vec = held(src, f"the source of the {kind} payload")
+                for s in self.owned(expect.plan):
+                    out[s] = self._encode(vec, *expect.plan.bounds[s], expect.dtype, expect.serialization)
+            except Exception as e:  # noqa: BLE001 - e.g. a NaN refused by int8: every rank must hear it
+                err = capture(e)
+        self.group.agree(err)  # the bytes stay here: only the outcome goes round
+        return out
+
+    def decode_into(self, kind: str, encoded: dict, out: torch.Tensor | None) -> None:
+        """Collective: ``out`` = the wire values of ``encoded`` (this rank's shards from :meth:`encode`) as
+        every region decodes them, on every leader. Skips what is already exact (raw fp32 of ``out``)."""
+        expect = self.expect(kind)
+
+        def dec() -> None:
+            dst = held(out, f"the buffer the {kind} payload is decoded into")
+            for s, buf in encoded.items():
+                lo, hi = expect.plan.bounds[s]
+                if isinstance(buf, memoryview) and expect.dtype == "fp32":
+                    continue  # a view of dst's own bytes: the exact values already
+                info = ShardInfo(s, lo, hi - lo, len(buf), "")
+                dst[lo:hi].copy_(self._decode(buf, info, expect.dtype, expect.serialization))
+
+        self.group.on_each(dec, active=self.my_owner is not None)
+        self.broadcast_slices(expect.plan, out)
+
     def upload(
-        self, tag: str, name: str, kind: str, step: int, src: torch.Tensor | None, tokens: int, extra_fn=None
+        self,
+        tag: str,
+        name: str,
+        kind: str,
+        step: int,
+        src: torch.Tensor | None,
+        tokens: int,
+        extra_fn=None,
+        pre: dict | None = None,
     ) -> tuple[Manifest | None, dict, int]:
-        """Owners upload their shards of ``src`` as ``name``'s part of ``tag``; rank 0 writes the manifest.
-        Collective. Returns (the manifest on rank 0, this rank's encoded shards, bytes uploaded)."""
+        """Owners upload their shards of ``src`` (or the shards ``pre`` they encoded already, see
+        :meth:`encode`) as ``name``'s part of ``tag``; rank 0 writes the manifest. Collective. Returns (the
+        manifest on rank 0, this rank's encoded shards, bytes uploaded)."""
         expect = self.expect(kind)
         encoded: dict[int, bytes | memoryview] = {}
 
         def up():
-            vec = held(src, f"the source of {name}'s {kind} upload")
-
             def encode_each():  # encode shard after shard; the pool checksums and uploads behind
                 for s in self.owned(expect.plan):
                     lo, hi = expect.plan.bounds[s]
-                    encoded[s] = self._encode(vec, lo, hi, expect.dtype, expect.serialization)
+                    if pre is not None:
+                        encoded[s] = pre[s]
+                    else:
+                        vec = held(src, f"the source of {name}'s {kind} upload")
+                        encoded[s] = self._encode(vec, lo, hi, expect.dtype, expect.serialization)
                     yield s, encoded[s]
 
             return self.mb().upload_shards(tag, encode_each(), region=name)
@@ -260,6 +317,8 @@ class Exchange:
 
     # -- one round -----------------------------------------------------------------------------------------
     def _now(self) -> float:
+        if self.background:  # a thread beside training: never wait for the device's queue
+            return time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.outer_device.type == "cuda" and self.outer_device != self.device:
@@ -267,10 +326,21 @@ class Exchange:
         return time.perf_counter()
 
     def run_round(
-        self, tag: str, kind: str, step: int, src: torch.Tensor | None, out: torch.Tensor | None, tokens: int
+        self,
+        tag: str,
+        kind: str,
+        step: int,
+        src: torch.Tensor | None,
+        out: torch.Tensor | None,
+        tokens: int,
+        *,
+        pre: dict | None = None,
+        cancel: threading.Event | None = None,
     ) -> RoundResult:
         """Phases 1-4. ``out`` receives the committed members' weighted average on every owner (``src`` and
-        ``out`` are None on the other ranks)."""
+        ``out`` are None on the other ranks). ``pre``: this rank's shards, encoded already (:meth:`encode`).
+        In the background (:meth:`in_background`) phase 4 is left to the caller, and ``cancel`` (set on
+        every leader) ends the wait with :class:`XRCancelled`."""
         region = self.xr.region
         expect = self.expect(kind)
         retries0 = self._store_retries()
@@ -290,11 +360,11 @@ class Exchange:
         encoded: dict = {}
         bytes_up = 0
         if own is None and not committed and _round_of(tag) not in self.withheld:
-            _, encoded, bytes_up = self.upload(tag, region, kind, step, src, tokens)
+            _, encoded, bytes_up = self.upload(tag, region, kind, step, src, tokens, pre=pre)
         t1 = self._now()
         started = time.monotonic()
         while True:  # rank 0 waits in slices, so every rank hears about progress or failure
-            res = self.group.on_rank(lambda: self._closed(tag, expect, step, started))
+            res = self.group.on_rank(lambda: self._closed(tag, expect, step, started, cancel))
             if res is not None:
                 break
         commit, manifests = res
@@ -304,7 +374,8 @@ class Exchange:
         local = {} if (own is not None or late) else encoded  # this region's own bytes, where it has them
         bytes_down, t_dl = self._download_and_average(tag, expect, manifests, members, local, out)
         t3 = self._now()
-        self.broadcast_slices(expect.plan, out)
+        if not self.background:
+            self.broadcast_slices(expect.plan, out)
         t4 = self._now()
         dl = min(t_dl, t3 - t2)
         retries = self._store_retries() - retries0
@@ -334,10 +405,13 @@ class Exchange:
         """Requests this process's store has retried so far (0 on ranks without a mailbox)."""
         return int(getattr(self.mailbox.store, "retries", 0)) if self.mailbox is not None else 0
 
-    def _closed(self, tag: str, expect: Expect, step: int, started: float):
+    def _closed(self, tag: str, expect: Expect, step: int, started: float, cancel: threading.Event | None):
         """rank 0: one slice of waiting; (commit, the members' verified manifests) once the round closed."""
+        if cancel is not None and cancel.is_set():
+            raise XRCancelled(f"round {tag}: called off while waiting for the other regions")
         ms = self.ms()
-        got = ms.wait_commit(tag, expect, step=step, started=started, slice_s=WAIT_SLICE_S)
+        slice_s = BACKGROUND_SLICE_S if self.background else WAIT_SLICE_S
+        got = ms.wait_commit(tag, expect, step=step, started=started, slice_s=slice_s)
         if got is None:
             return None
         commit, seen = got

@@ -16,6 +16,7 @@ import torch.distributed as tdist
 from .errors import (
     StoreError,
     XRBehind,
+    XRCancelled,
     XRChecksumError,
     XRError,
     XRLayoutError,
@@ -36,6 +37,7 @@ _ERRORS = {
         StoreError,
         XRNoQuorum,
         XRBehind,
+        XRCancelled,
     )
 }
 Err = tuple[str, str]
@@ -77,8 +79,22 @@ class Region:
         self.rank = tdist.get_rank() if self.on else 0
         self.world = tdist.get_world_size() if self.on else 1
         self.comm_device = comm_device
+        self.pg = None  # the process group of every collective here (None: the default group)
         self.leaders = [0]
         self._leaders_pg = None  # a process group of the leaders when they are some, not all, ranks
+
+    def background(self) -> Region | None:
+        """Collective (every rank, after :meth:`set_leaders`): the leaders as a region of their own, on a
+        separate gloo process group, for the thread that runs a round in the background while training
+        goes on (``overlap: eager``): its collectives never interleave with the trainer's on the default
+        group. Ranks and ``src`` stay global ranks. None on the other ranks."""
+        bg = Region.__new__(Region)
+        bg.on = self.on and len(self.leaders) > 1
+        bg.pg = tdist.new_group(self.leaders, backend="gloo") if bg.on else None
+        bg.rank, bg.world = self.rank, len(self.leaders)
+        bg.comm_device = torch.device("cpu")
+        bg.leaders, bg._leaders_pg = list(self.leaders), bg.pg
+        return bg if self.is_leader else None
 
     def set_leaders(self, ranks: list[int]) -> None:
         """Collective (every rank, same ``ranks``): the leaders' process group, created once."""
@@ -117,7 +133,7 @@ class Region:
             return
         for t in tensors:
             c = t if t.is_contiguous() else t.contiguous()
-            tdist.broadcast(c, src=src)
+            tdist.broadcast(c, src=src, group=self.pg)
             if c is not t:
                 t.copy_(c)
 
@@ -125,19 +141,19 @@ class Region:
         if not self.on:
             return [obj]
         out = [None] * self.world
-        tdist.all_gather_object(out, obj)
+        tdist.all_gather_object(out, obj, group=self.pg)
         return out
 
     def broadcast(self, obj, src: int = 0):
         if not self.on:
             return obj
         box = [obj]
-        tdist.broadcast_object_list(box, src=src)
+        tdist.broadcast_object_list(box, src=src, group=self.pg)
         return box[0]
 
     def broadcast_tensor(self, t: torch.Tensor, src: int) -> None:
         if self.on:
-            tdist.broadcast(t, src=src)
+            tdist.broadcast(t, src=src, group=self.pg)
 
     def agree(self, err: Err | None) -> None:
         """Every rank raises the first error any rank saw."""

@@ -158,7 +158,7 @@ class OuterSync:
         )
 
         # work: flat params, the payload source; avg: the regions' weighted average. See BUFFERS.
-        for name, (pin, zero) in self.BUFFERS.items():
+        for name, (pin, zero) in self.buffers().items():
             buf = None
             if self.leader:
                 new = torch.zeros if zero else torch.empty
@@ -275,6 +275,10 @@ class OuterSync:
         """The round's record for metrics.jsonl when a round ran in this step."""
         return None
 
+    def finish(self, step: int) -> dict | None:
+        """After the last step: the round still in flight, finished (``overlap: eager``); else None."""
+        return None
+
     def leave(self, step: int, reason: str) -> None:
         """A planned stop: tell the other regions not to wait for this one (rank 0 writes; best effort)."""
         if self.group.rank != 0 or self.membership is None:
@@ -293,13 +297,17 @@ class OuterSync:
     def _now(self) -> float:
         return self.ex._now()
 
+    def buffers(self) -> dict[str, tuple[bool, bool]]:
+        """The flat buffers a leader holds with these options (:attr:`BUFFERS`)."""
+        return self.BUFFERS
+
     def state_bytes(self) -> int:
-        """Bytes of the flat buffers a leader holds (:attr:`BUFFERS`)."""
-        return 4 * self.numel * len(self.BUFFERS)
+        """Bytes of the flat buffers a leader holds (:meth:`buffers`)."""
+        return 4 * self.numel * len(self.buffers())
 
     def outer_bytes(self) -> int:
         """Bytes of flat buffers this rank holds: :meth:`state_bytes` on a leader, 0 on the other ranks."""
-        return sum(t.nbytes for t in (getattr(self, n, None) for n in self.BUFFERS) if t is not None)
+        return sum(t.nbytes for t in (getattr(self, n, None) for n in self.buffers()) if t is not None)
 
     def _share_params(self) -> None:
         """The parameters, as rank 0 holds them, into every rank of the region (in place)."""

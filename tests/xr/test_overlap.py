@@ -1,0 +1,184 @@
+"""overlap: eager in one process per region (regions as threads): the exchange of round t runs during the
+inner steps of round t+1. The two invariants, against references computed here: the shared outer state
+(theta_outer, momentum) advances by the committed averages only and is the same bits in every region; a
+region's working model is that state minus its own fresh delta (outer_lr x (1 + momentum) x its weight)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from sbatch_gen.train.xr.errors import XRLayoutError
+from sbatch_gen.train.xr.protocol import round_tag
+
+from .test_sync import REGIONS, batch, flat, in_threads, make
+
+pytestmark = pytest.mark.slow  # real mailbox, background threads
+
+H = 3
+
+
+def step_once(m, opt, region, step):
+    x, y = batch(region, step)
+    opt.zero_grad()
+    ((m(x) - y) ** 2).mean().backward()
+    opt.step()
+
+
+def run(region, root, rounds, *, tokens=None, gate=None, state=None, stop_at=None, **kw):
+    """Train ``rounds`` x H steps with overlap eager (or from ``state``: a resumed region); returns what
+    each boundary left behind and the final parameters. ``gate(region, step)`` runs before each step."""
+    kw.setdefault("overlap", "eager")
+    kw.setdefault("inner_steps", H)
+    m, s = make(region, root, **kw)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    first = 1
+    if state is not None:
+        m.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        s.load_state_dict(state["outer"])
+        first = state["step"] + 1
+    s.align(first - 1)
+    s.catch_up(first - 1)
+    tok = (tokens or {}).get(region, 32)
+    out = {"rounds": {}, "model": m, "sync": s}
+    for step in range(first, rounds * H + 1):
+        if gate:
+            gate(region, step)
+        step_once(m, opt, region, step)
+        local = flat(m)
+        rec = s.after_optimizer_step(step, tok)
+        if rec is not None:
+            out["rounds"][step] = dict(
+                rec=rec,
+                local=local,
+                model=flat(m),
+                theta=s.theta_outer.clone(),
+                momentum=s.momentum.clone(),
+                own=s.own.clone(),
+                early=s.early,
+            )
+        if step == stop_at:  # a stop mid-phase: the checkpoint a trainer would write, then the process ends
+            out["state"] = dict(
+                model={k: v.clone() for k, v in m.state_dict().items()},
+                opt=opt.state_dict(),
+                outer={k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.state_dict().items()},
+                step=step,
+            )
+            s.close()
+            return out
+    out["final"] = s.finish(rounds * H)
+    out["params"] = flat(m)
+    out["theta_end"] = s.theta_outer.clone()
+    s.close()
+    return out
+
+
+def nesterov64(theta, mom, g, lr, mu):
+    mom = mu * mom + g
+    return theta - lr * (g + mu * mom), mom
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
+def test_shared_state_is_identical_and_the_model_is_it_minus_the_own_fresh_delta(tmp_path, dtype):
+    tokens = {"eu": 30, "us": 90}
+    lr, mu = 0.6, 0.5
+    res = in_threads(
+        lambda r: run(r, tmp_path, 4, tokens=tokens, payload_dtype=dtype, outer_lr=lr, outer_momentum=mu)
+    )
+    eu, us = res["eu"], res["us"]
+    boundaries = sorted(eu["rounds"])
+    assert boundaries == [3, 6, 9, 12]
+    theta = eu["rounds"][3]["theta"].double()  # theta0 (nothing committed at the first boundary)
+    mom = torch.zeros_like(theta)
+    w = {"eu": 30 / 120, "us": 90 / 120}
+    for i, b in enumerate(boundaries):
+        E, U = eu["rounds"][b], us["rounds"][b]
+        # 1. the shared state: the same bits in both regions
+        assert torch.equal(E["theta"], U["theta"]) and torch.equal(E["momentum"], U["momentum"]), b
+        # ... advanced by the committed average of the previous round: the regions' own deltas, weighted
+        if i > 0:
+            prev = boundaries[i - 1]
+            g = sum(w[r] * res[r]["rounds"][prev]["own"].double() for r in REGIONS)
+            theta, mom = nesterov64(theta, mom, g, lr, mu)
+            assert torch.allclose(E["theta"].double(), theta, rtol=1e-5, atol=1e-6), b
+            assert E["rec"]["xr_round"] == i and E["rec"]["xr_members"] == REGIONS
+        else:
+            assert "xr_round" not in E["rec"]  # nothing was in flight yet
+        for r in REGIONS:
+            X = res[r]["rounds"][b]
+            assert X["rec"]["xr_inflight"] == i + 1
+            # 2. the working model is the shared state minus the own fresh delta, exactly
+            assert torch.equal(X["model"], X["theta"] - X["own"] * X["early"]), (r, b)
+            # the own delta is this phase's progress (from where the phase started), as the wire carries it
+            start = res[r]["rounds"][prev]["model"] if i > 0 else X["theta"]
+            fresh = start - X["local"]
+            if dtype == "fp32":
+                assert torch.equal(X["own"], fresh)
+            else:
+                assert torch.allclose(X["own"], fresh, atol=fresh.abs().max().item() * 0.01)
+            # its weight: this region's tokens over its own and the others' in the last commit
+            # (the first boundary assumes every region brings as many as this one)
+            est = w[r] if i > 0 else 0.5
+            assert X["early"] == pytest.approx(lr * (1 + mu) * est), (r, b)
+    # finish(): the round in flight is applied, and both regions end on the same bits: the shared state
+    g = sum(w[r] * res[r]["rounds"][12]["own"].double() for r in REGIONS)
+    theta, mom = nesterov64(theta, mom, g, lr, mu)
+    assert torch.equal(eu["params"], us["params"]) and torch.equal(eu["params"], eu["theta_end"])
+    assert torch.allclose(eu["params"].double(), theta, rtol=1e-5, atol=1e-6)
+    assert eu["final"]["xr_round"] == 4 and eu["final"]["xr_final"] is True
+
+
+def test_training_goes_on_while_the_other_region_has_not_published(tmp_path):
+    """us holds back its first boundary until eu has passed its own and trained into the next phase: with
+    overlap none eu would wait at that boundary for us (a deadlock here); eager joins a round later."""
+    eu_ahead = threading.Event()
+
+    def gate(region, step):
+        if region == "eu" and step == H + 1:
+            eu_ahead.set()
+        if region == "us" and step == H:
+            assert eu_ahead.wait(30), "eu waited at its first boundary for us"
+
+    res = in_threads(lambda r: run(r, tmp_path, 3, gate=gate))
+    assert torch.equal(res["eu"]["params"], res["us"]["params"])
+    # the second boundary joined round 1, which us published late: eu waited there, not at the first
+    assert res["eu"]["rounds"][2 * H]["rec"]["xr_round"] == 1
+
+
+@pytest.mark.parametrize("republish", [False, True], ids=["published", "manifest-lost"])
+def test_a_stop_with_a_round_in_flight_resumes_to_the_uninterrupted_bits(tmp_path, republish):
+    """eu stops mid-phase with round 2 in flight and resumes from the state it saved: it runs round 2's
+    exchange again (re-entering it, or publishing it again from the saved delta when its manifest never
+    made it) and both regions end on exactly the bits of an uninterrupted run."""
+    ref = in_threads(lambda r: run(r, tmp_path / "ref", 4))
+    root = tmp_path / "mbx"
+    resumed = threading.Event()
+
+    def gate(region, step):  # us publishes round 2 only once eu has stopped and resumed
+        if region == "us" and step == 2 * H:
+            assert resumed.wait(60)
+
+    def eu_then_resume():
+        first = run("eu", root, 4, stop_at=2 * H + 1)
+        if republish:  # the stop came before the upload finished: no manifest of round 2
+            (root / "t" / round_tag(2) / "eu.done").unlink()
+        resumed.set()
+        return run("eu", root, 4, state=first["state"])
+
+    res = in_threads(lambda r: eu_then_resume() if r == "eu" else run(r, root, 4, gate=gate))
+    for r in REGIONS:
+        assert torch.equal(res[r]["params"], ref[r]["params"]), r
+    assert torch.equal(res["eu"]["params"], res["us"]["params"])
+
+
+def test_a_checkpoint_with_a_round_in_flight_is_refused_without_overlap(tmp_path):
+    res = in_threads(lambda r: run(r, tmp_path, 2, stop_at=H + 1), regions=["eu"])
+    state = res["eu"]["state"]["outer"]
+    assert state["inflight"] == 1
+    _, s = make("eu", tmp_path / "other", regions=["eu"])
+    with pytest.raises(XRLayoutError, match="round 1 in flight .*overlap: eager"):
+        s.load_state_dict(state)
+    s.close()
