@@ -12,6 +12,7 @@ import torch
 
 from sbatch_gen.train.xr.errors import XRLayoutError
 from sbatch_gen.train.xr.protocol import round_tag
+from sbatch_gen.train.xr.sync import ROUND_PARTS
 
 from .test_sync import REGIONS, batch, flat, in_threads, make
 
@@ -105,6 +106,10 @@ def test_shared_state_is_identical_and_the_model_is_it_minus_the_own_fresh_delta
             theta, mom = nesterov64(theta, mom, g, lr, mu)
             assert torch.allclose(E["theta"].double(), theta, rtol=1e-5, atol=1e-6), b
             assert E["rec"]["xr_round"] == i and E["rec"]["xr_members"] == REGIONS
+            # the round's phases, hidden or not, add up to its total; training waited for the join only
+            rec = E["rec"]
+            assert rec["xr_total_s"] == pytest.approx(sum(rec[f"xr_{k}"] for k in ROUND_PARTS))
+            assert rec["xr_join_s"] <= rec["xr_exposed_s"]
         else:
             assert "xr_round" not in E["rec"]  # nothing was in flight yet
         for r in REGIONS:

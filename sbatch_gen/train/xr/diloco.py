@@ -25,7 +25,7 @@ from .kernels import blocks, nesterov_block_
 from .overlap import InFlight
 from .protocol import round_tag
 from .region import held
-from .sync import OuterSync, _as_int
+from .sync import ROUND_PARTS, OuterSync, _as_int
 
 FF_ATTEMPTS = 5  # objects can vanish under a fast-forward (a newer snapshot lands): plan again this often
 
@@ -128,6 +128,14 @@ class DiLoCo(OuterSync):
         torch.mul(own, self.early, out=out)
         return torch.sub(theta, out, out=out)
 
+    @staticmethod
+    def _with_boundary(res: RoundResult, **fg: float) -> dict:
+        """The background round's phase times with the boundary's own (outer step, broadcast); the total
+        stays the sum of the phases, hidden or not (``xr_exposed_s`` says what training waited for)."""
+        t = {**res.times, **fg}
+        t["t_end"] = t["t_start"] + sum(t[k] for k in ROUND_PARTS)
+        return t
+
     def _launch(self, b: int, step: int, tokens: int, pre: dict | None) -> None:
         """Start round ``b``'s exchange in a thread of each leader (``pre``: this leader's encoded shards;
         None: encode ``own`` there, a resumed region publishing the round it had in flight again)."""
@@ -192,9 +200,10 @@ class DiLoCo(OuterSync):
         tokens, work = self.tokens, self.work
         if self.leader:  # this phase's fresh delta: where it started minus where it is (fp32)
             self.flat.delta_into(self._working(held(work, "work")), held(self.own, "own"))
-        snap_s = None
+        snap_s, tc = None, t1
         if res is not None:
             self._outer_step(self.avg, scatter=False)  # the shared state takes the committed average only
+            tc = self._now()
             self.round = self.inflight
             self.others = sum(c.tokens for r, c in res.commit.members.items() if r != self.xr.region)
             snap_s = self._maybe_snapshot(self.round, res.members, step)
@@ -213,8 +222,8 @@ class DiLoCo(OuterSync):
         t3 = self._now()
         out: dict = {"xr_step": step, "xr_inflight": b, "xr_early_weight": weight}
         if res is not None:
-            t = dict(res.times)
-            t.update(outer_step_s=t2 - t1, broadcast_s=t["broadcast_s"] + (t3 - t2), cleanup_s=0.0)
+            bcast = res.times["broadcast_s"] + (t3 - t2)
+            t = self._with_boundary(res, outer_step_s=tc - t1, cleanup_s=t2 - tc, broadcast_s=bcast)
             out.update(self._record(step, res, t, snap_s))
         out.update(xr_join_s=t1 - t0, xr_exposed_s=t3 - t0)
         return out
@@ -236,6 +245,7 @@ class DiLoCo(OuterSync):
         if self.leader and partial:  # the steps since the last boundary, kept on top of the shared state
             self.flat.delta_into(self._working(held(self.work, "work")), held(self.own, "own"))
         self._outer_step(self.avg, scatter=False)
+        tc = self._now()
         self.round, self.inflight, self.early = self.inflight, 0, 0.0
         if self.leader:
             theta = held(self.theta_outer, "theta_outer")
@@ -246,8 +256,7 @@ class DiLoCo(OuterSync):
         snap_s = self._maybe_snapshot(self.round, res.members, step)
         self._cleanup(self.round, need_snapshot=True)
         t2 = self._now()
-        t = dict(res.times)
-        t.update(outer_step_s=t2 - t1, cleanup_s=0.0)
+        t = self._with_boundary(res, outer_step_s=tc - t1, cleanup_s=t2 - tc)
         rec = self._record(step, res, t, snap_s)
         rec.update(xr_join_s=t1 - t0, xr_exposed_s=t2 - t0, xr_final=True)
         return rec

@@ -43,6 +43,8 @@ from .region import Region, held
 from .store import Store, make_store, probe_create
 
 log = logging.getLogger("sbatch_gen.train")
+# The phases of a round in its record (xr_<phase>); xr_total_s is their sum
+ROUND_PARTS = ("upload_s", "wait_s", "download_s", "reduce_s", "broadcast_s", "outer_step_s", "cleanup_s")
 LATE_WARN_AFTER = 3  # consecutive rounds without this region's payload before it warns
 GIB = 1 << 30
 
@@ -323,9 +325,8 @@ class OuterSync:
 
     def _record(self, step: int, res: RoundResult, t: dict) -> dict:
         """The round's fields in the step's metrics record."""
-        parts = ("upload_s", "wait_s", "download_s", "reduce_s", "broadcast_s", "outer_step_s", "cleanup_s")
         out: dict[str, Any] = {"xr_round": self.round, "xr_step": step}
-        for k in parts:
+        for k in ROUND_PARTS:
             out[f"xr_{k}"] = t[k]
         out["xr_total_s"] = t["t_end"] - t["t_start"]
         out["xr_download_MBps"] = res.bytes_down / t["download_s"] / 1e6 if t["download_s"] > 0 else 0.0
