@@ -169,6 +169,28 @@ def test_comm_fractions_account_for_sampled_records(tmp_path):
     assert s["comm_fraction"] == pytest.approx((1.0 + 0.8) / 5.0)
 
 
+def test_overlapped_rounds_count_only_their_exposed_time(tmp_path):
+    """overlap eager: a round's exchange (xr_total_s 0.5 s) runs behind training; only xr_exposed_s held it
+    up. The round after the last step is an xr_final_round event: it is a round too, and its exposed time
+    counts (40 steps x 0.1 s + 0.05 + 0.05 + 0.1 s exposed)."""
+    d = tmp_path / "run"
+    d.mkdir()
+    recs: list[dict] = [{"step": s, "loss": 3.0, "step_time_s": 0.1} for s in (1, 10, 30)]
+    recs.insert(2, {"step": 20, "loss": 3.0, "step_time_s": 0.15, "xr_inflight": 1, "xr_exposed_s": 0.05})
+    recs.append(
+        {"step": 40, "loss": 3.0, "step_time_s": 0.15, "xr_round": 1, "xr_total_s": 0.5, "xr_exposed_s": 0.05}
+    )
+    recs.append(
+        {"event": "xr_final_round", "step": 40, "xr_round": 2, "xr_total_s": 0.5, "xr_exposed_s": 0.1}
+    )
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    run = load_run(d)
+    assert [r["xr_round"] for r in run.rounds] == [1, 2]
+    s = slo(run)
+    assert s["sync_rounds"] == 2 and s["sync_round_mean_s"] == pytest.approx(0.5)
+    assert s["cross_region_sync_fraction"] == pytest.approx(0.2 / 4.2)
+
+
 def _xr_rec(
     step: int, r: int, members: list[str], absent: list[str], wait: float, late: bool = False
 ) -> dict:
