@@ -42,16 +42,20 @@ def run(region, root, rounds, *, tokens=None, gate=None, state=None, stop_at=Non
         s.load_state_dict(state["outer"])
         first = state["step"] + 1
     s.align(first - 1)
-    s.catch_up(first - 1)
+    adopted = s.catch_up(first - 1)  # a region behind the run continues at the run's step
+    step = first - 1 if adopted is None else adopted
     tok = (tokens or {}).get(region, 32)
-    out = {"rounds": {}, "model": m, "sync": s}
-    for step in range(first, rounds * H + 1):
+    out = {"rounds": {}, "model": m, "sync": s, "adopted": adopted}
+    while step < rounds * H:
+        step += 1
         if gate:
             gate(region, step)
         step_once(m, opt, region, step)
         local = flat(m)
         rec = s.after_optimizer_step(step, tok)
-        if rec is not None:
+        if rec and "xr_adopted_step" in rec:
+            step = rec["xr_adopted_step"]
+        elif rec is not None:
             out["rounds"][step] = dict(
                 rec=rec,
                 local=local,
@@ -62,10 +66,13 @@ def run(region, root, rounds, *, tokens=None, gate=None, state=None, stop_at=Non
                 early=s.early,
             )
         if step == stop_at:  # a stop mid-phase: the checkpoint a trainer would write, then the process ends
+            s.leave(step, "stopped")
             out["state"] = dict(
                 model={k: v.clone() for k, v in m.state_dict().items()},
                 opt=opt.state_dict(),
-                outer={k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.state_dict().items()},
+                outer={
+                    k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.state_dict().items()
+                },
                 step=step,
             )
             s.close()
@@ -187,3 +194,33 @@ def test_a_checkpoint_with_a_round_in_flight_is_refused_without_overlap(tmp_path
     with pytest.raises(XRLayoutError, match="round 1 in flight .*overlap: eager"):
         s.load_state_dict(state)
     s.close()
+
+
+def test_elastic_a_region_away_costs_no_stall_and_rejoins_on_the_shared_state(tmp_path):
+    """min_regions 1: us stops mid-phase with round 1 in flight (a planned leave), eu trains on alone;
+    us comes back from its saved state 3 rounds later, fast-forwards (dropping its round in flight) and from
+    its first boundary back holds eu's shared state bit for bit; both end on the same parameters."""
+    root, kw = tmp_path / "mbx", dict(min_regions=1, grace_s=1.0, heartbeat_s=0.2, snapshot_every=2)
+    eu_far = threading.Event()
+
+    def gate(region, step):
+        if region == "eu" and step == 4 * H + 1:
+            eu_far.set()
+
+    def us_away_then_back():
+        first = run("us", root, 6, stop_at=H + 1, **kw)
+        assert first["state"]["outer"]["inflight"] == 1
+        assert eu_far.wait(60)
+        return run("us", root, 6, state=first["state"], **kw)
+
+    res = in_threads(lambda r: us_away_then_back() if r == "us" else run(r, root, 6, gate=gate, **kw))
+    eu, us = res["eu"], res["us"]
+    assert us["adopted"] is not None and us["adopted"] >= 4 * H  # fast-forwarded to the run
+    for b, rec in eu["rounds"].items():  # eu never waited for the absent region beyond its grace
+        assert rec["rec"]["xr_join_s"] < kw["grace_s"] + 1.0, b
+    absent = [b for b, r in eu["rounds"].items() if r["rec"].get("xr_members") == ["eu"]]
+    assert absent, "no round closed without us"
+    back = min(us["rounds"])
+    assert torch.equal(us["rounds"][back]["theta"], eu["rounds"][back]["theta"])
+    assert torch.equal(us["rounds"][back]["momentum"], eu["rounds"][back]["momentum"])
+    assert torch.equal(eu["params"], us["params"])
