@@ -201,17 +201,21 @@ def test_elastic_a_region_away_costs_no_stall_and_rejoins_on_the_shared_state(tm
     us comes back from its saved state 3 rounds later, fast-forwards (dropping its round in flight) and from
     its first boundary back holds eu's shared state bit for bit; both end on the same parameters."""
     root, kw = tmp_path / "mbx", dict(min_regions=1, grace_s=1.0, heartbeat_s=0.2, snapshot_every=2)
-    eu_far = threading.Event()
+    eu_far, us_back = threading.Event(), threading.Event()
 
-    def gate(region, step):
+    def gate(region, step):  # us comes back once eu is past round 4; eu then waits for it to be back
         if region == "eu" and step == 4 * H + 1:
             eu_far.set()
+        if region == "eu" and step == 4 * H + 2:
+            assert us_back.wait(60)
+        if region == "us" and eu_far.is_set():
+            us_back.set()
 
     def us_away_then_back():
         first = run("us", root, 6, stop_at=H + 1, **kw)
         assert first["state"]["outer"]["inflight"] == 1
         assert eu_far.wait(60)
-        return run("us", root, 6, state=first["state"], **kw)
+        return run("us", root, 6, state=first["state"], gate=gate, **kw)
 
     res = in_threads(lambda r: us_away_then_back() if r == "us" else run(r, root, 6, gate=gate, **kw))
     eu, us = res["eu"], res["us"]

@@ -15,12 +15,13 @@ deleted only once a newer one is complete.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
 
 from .errors import XRBehind, XRError, XRLayoutError, XRMissingRound, XRNoQuorum
-from .exchange import RoundResult
+from .exchange import Exchange, RoundResult
 from .kernels import blocks, nesterov_block_
 from .overlap import InFlight
 from .protocol import round_tag
@@ -50,7 +51,8 @@ class DiLoCo(OuterSync):
         # tokens in the last commit (-1: none seen yet; estimates this region's weight in the next)
         self.eager = self.xr.overlap == "eager"
         self.inflight, self.inflight_tokens, self.early, self.others = 0, 0, 0.0, -1
-        self._job: InFlight[RoundResult] | None = None
+        self._job: InFlight[tuple[RoundResult, tuple | None]] | None = None
+        self._snapshot_s: float | None = None
         bg = self.group.background() if self.eager else None  # collective: a process group of its own
         self.bg_ex = self.ex.in_background(bg) if bg is not None else None
         if self.group.rank == 0 and self.membership is not None and self.xr.elastic:
@@ -136,21 +138,23 @@ class DiLoCo(OuterSync):
         t["t_end"] = t["t_start"] + sum(t[k] for k in ROUND_PARTS)
         return t
 
-    def _launch(self, b: int, step: int, tokens: int, pre: dict | None) -> None:
+    def _launch(self, b: int, step: int, tokens: int, pre: dict | None, snap: int | None = None) -> None:
         """Start round ``b``'s exchange in a thread of each leader (``pre``: this leader's encoded shards;
-        None: encode ``own`` there, a resumed region publishing the round it had in flight again)."""
+        None: encode ``own`` there, a resumed region publishing the round it had in flight again), then
+        publish snapshot ``snap`` when one is due (the outer state does not change before the join)."""
         self.inflight, self.inflight_tokens = b, tokens
         if self.leader:
             ex, own, avg = self.bg_ex, self.own, self.avg
             if ex is None:
                 raise XRError("internal: a leader without its background exchange")
-            self._job = InFlight(
-                lambda cancel: ex.run_round(
-                    round_tag(b), "delta", step, own, avg, tokens, pre=pre, cancel=cancel
-                ),
-                f"xr-round-{b}",
-                self.outer_device,
-            )
+
+            def job(cancel: threading.Event) -> tuple[RoundResult, tuple | None]:
+                res = ex.run_round(round_tag(b), "delta", step, own, avg, tokens, pre=pre, cancel=cancel)
+                return res, (
+                    (snap, step, *self._publish_snapshot(ex, snap, step)) if snap is not None else None
+                )
+
+            self._job = InFlight(job, f"xr-round-{b}", self.outer_device)
 
     def _relaunch(self) -> None:
         """A region resumed with a round in flight: that round's exchange runs again (it re-enters the
@@ -165,15 +169,19 @@ class DiLoCo(OuterSync):
         self._relaunch()
         job, self._job = self._job, None
 
-        def wait() -> RoundResult:
+        def wait() -> tuple[RoundResult, tuple | None]:
             if job is None:
                 raise XRError("internal: a leader has no round in flight to join")
             return job.result()
 
-        got = self.group.on_each(wait, active=self.leader)
-        res = got[0]
-        if res is None:
+        got = self.group.on_each(wait, active=self.leader)[0]
+        if got is None:
             raise XRError("internal: rank 0 returned no result for the round in flight")
+        res, snap = got
+        self._snapshot_s = None  # the snapshot the background job published after its round, if any
+        if snap is not None:
+            self._log_snapshot(*snap)
+            self._snapshot_s = snap[2]
         self.ex.broadcast_slices(self.ex.expect("delta").plan, self.avg)
         return res
 
@@ -200,13 +208,14 @@ class DiLoCo(OuterSync):
         tokens, work = self.tokens, self.work
         if self.leader:  # this phase's fresh delta: where it started minus where it is (fp32)
             self.flat.delta_into(self._working(held(work, "work")), held(self.own, "own"))
-        snap_s, tc = None, t1
+        snap, tc = None, t1
         if res is not None:
             self._outer_step(self.avg, scatter=False)  # the shared state takes the committed average only
             tc = self._now()
             self.round = self.inflight
             self.others = sum(c.tokens for r, c in res.commit.members.items() if r != self.xr.region)
-            snap_s = self._maybe_snapshot(self.round, res.members, step)
+            # a snapshot due now crosses the WAN in the background too, after round b's exchange
+            snap = self.round if self._snapshot_due(self.round, res.members) else None
             self._cleanup(self.round, need_snapshot=True)
         t2 = self._now()
         pre = self.ex.encode("delta", self.own)
@@ -218,13 +227,13 @@ class DiLoCo(OuterSync):
             self.flat.scatter(self._working(held(work, "work")))
         self._share_params()
         self.tokens, self.pending = 0, 0
-        self._launch(b, step, tokens, pre)
+        self._launch(b, step, tokens, pre, snap)
         t3 = self._now()
         out: dict = {"xr_step": step, "xr_inflight": b, "xr_early_weight": weight}
         if res is not None:
             bcast = res.times["broadcast_s"] + (t3 - t2)
             t = self._with_boundary(res, outer_step_s=tc - t1, cleanup_s=t2 - tc, broadcast_s=bcast)
-            out.update(self._record(step, res, t, snap_s))
+            out.update(self._record(step, res, t, self._snapshot_s))
         out.update(xr_join_s=t1 - t0, xr_exposed_s=t3 - t0)
         return out
 
@@ -289,16 +298,19 @@ class DiLoCo(OuterSync):
             self.flat.scatter(theta)
 
     # -- snapshots -----------------------------------------------------------------------------------------
-    def _maybe_snapshot(self, r: int, members: list[str], step: int) -> float | None:
+    def _snapshot_due(self, r: int, members: list[str]) -> bool:
         """Every ``snapshot_every`` rounds the round's first member publishes the outer state."""
-        if r % self.xr.snapshot_every or not members or members[0] != self.xr.region:
-            return None
+        return r % self.xr.snapshot_every == 0 and bool(members) and members[0] == self.xr.region
+
+    def _publish_snapshot(self, ex: Exchange, r: int, step: int) -> tuple[float | None, str | None]:
+        """Collective over ``ex``'s group: the outer state of round ``r`` as snapshot ``r``. Returns (seconds,
+        None), or (None, the error) when it failed: the previous snapshot stays, rounds after it are kept."""
         t0 = time.perf_counter()
         ms = self.membership
         tag = ms.snap_tag(r) if ms is not None else ""
         try:
-            mt, _, _ = self.ex.upload(tag, "theta", "snapshot", step, self.theta_outer, 0)
-            mm, _, _ = self.ex.upload(tag, "momentum", "snapshot", step, self.momentum, 0)
+            mt, _, _ = ex.upload(tag, "theta", "snapshot", step, self.theta_outer, 0)
+            mm, _, _ = ex.upload(tag, "momentum", "snapshot", step, self.momentum, 0)
 
             def publish() -> None:  # rank 0: it holds the mailbox and the manifests upload() returned
                 if ms is None or mt is None or mm is None:
@@ -306,13 +318,24 @@ class DiLoCo(OuterSync):
                 ms.complete_snapshot(r, {"theta": mt, "momentum": mm}, r)
                 ms.delete_snapshots_before(r)
 
-            self.group.on_rank(publish)
-        except XRError as e:  # the previous snapshot stays; rounds after it are kept
-            self._log({"event": "xr_snapshot_failed", "round": r, "error": str(e)})
+            ex.group.on_rank(publish)
+        except XRError as e:
+            return None, str(e)
+        return time.perf_counter() - t0, None
+
+    def _log_snapshot(self, r: int, step: int, seconds: float | None, error: str | None) -> None:
+        if error is not None:
+            self._log({"event": "xr_snapshot_failed", "round": r, "error": error})
+        elif seconds is not None:
+            self._log({"event": "xr_snapshot", "round": r, "step": step, "seconds": round(seconds, 3)})
+
+    def _maybe_snapshot(self, r: int, members: list[str], step: int) -> float | None:
+        """The snapshot of round ``r`` when it is due, published now (training waits for it)."""
+        if not self._snapshot_due(r, members):
             return None
-        s = time.perf_counter() - t0
-        self._log({"event": "xr_snapshot", "round": r, "step": step, "seconds": round(s, 3)})
-        return s
+        seconds, error = self._publish_snapshot(self.ex, r, step)
+        self._log_snapshot(r, step, seconds, error)
+        return seconds
 
     def _load_snapshot(self, s: int) -> None:
         """theta_outer and momentum of snapshot ``s`` (all-or-nothing: fetched into scratch first)."""
