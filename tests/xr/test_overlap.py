@@ -6,6 +6,7 @@ region's working model is that state minus its own fresh delta (outer_lr x (1 + 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -160,29 +161,46 @@ def test_training_goes_on_while_the_other_region_has_not_published(tmp_path):
     assert res["eu"]["rounds"][2 * H]["rec"]["xr_round"] == 1
 
 
-@pytest.mark.parametrize("republish", [False, True], ids=["published", "manifest-lost"])
-def test_a_stop_with_a_round_in_flight_resumes_to_the_uninterrupted_bits(tmp_path, republish):
-    """eu stops mid-phase with round 2 in flight and resumes from the state it saved: it runs round 2's
-    exchange again (re-entering it, or publishing it again from the saved delta when its manifest never
-    made it) and both regions end on exactly the bits of an uninterrupted run."""
+@pytest.mark.parametrize("case", ["in-flight", "committed-while-away", "manifest-lost"])
+def test_a_stop_with_a_round_in_flight_resumes_to_the_uninterrupted_bits(tmp_path, case):
+    """eu stops mid-phase with round 2 in flight and resumes from the state it saved; both regions end on
+    exactly the bits of an uninterrupted run. in-flight: round 2 is still open when eu is back, which runs
+    its exchange again (re-entering it); committed-while-away: us closed round 2 (eu's delta was published)
+    before eu came back, which joins that commit instead of fast-forwarding past its own progress;
+    manifest-lost: the stop came before the upload finished, eu publishes the saved delta again."""
     ref = in_threads(lambda r: run(r, tmp_path / "ref", 4))
     root = tmp_path / "mbx"
-    resumed = threading.Event()
+    go_on = threading.Event()  # us publishes round 2 only then
 
-    def gate(region, step):  # us publishes round 2 only once eu has stopped and resumed
+    def gate(region, step):
         if region == "us" and step == 2 * H:
-            assert resumed.wait(60)
+            assert go_on.wait(60)
+        if region == "eu" and step == 2 * H + 2:  # the resumed eu's first step: it has caught up
+            go_on.set()
 
     def eu_then_resume():
         first = run("eu", root, 4, stop_at=2 * H + 1)
-        if republish:  # the stop came before the upload finished: no manifest of round 2
+        commit = root / "t" / round_tag(2) / "_commit.json"
+        if case == "manifest-lost":
             (root / "t" / round_tag(2) / "eu.done").unlink()
-        resumed.set()
-        return run("eu", root, 4, state=first["state"])
+        if case == "committed-while-away":
+            go_on.set()
+            deadline = time.monotonic() + 60
+            while not commit.exists():
+                assert time.monotonic() < deadline, "us never closed round 2"
+                time.sleep(0.01)
+        else:
+            assert not commit.exists()
+        return run("eu", root, 4, state=first["state"], gate=gate)
 
     res = in_threads(lambda r: eu_then_resume() if r == "eu" else run(r, root, 4, gate=gate))
+
+    def rounds(out):
+        keys = ("xr_round", "xr_members", "xr_late", "xr_reused", "xr_early_weight", "xr_tokens")
+        return {b: {k: x["rec"].get(k) for k in keys} for b, x in out["rounds"].items()}
+
     for r in REGIONS:
-        assert torch.equal(res[r]["params"], ref[r]["params"]), r
+        assert torch.equal(res[r]["params"], ref[r]["params"]), (r, rounds(res[r]), rounds(ref[r]))
     assert torch.equal(res["eu"]["params"], res["us"]["params"])
 
 

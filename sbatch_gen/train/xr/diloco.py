@@ -356,7 +356,8 @@ class DiLoCo(OuterSync):
         ms = self.ex.ms()
         keys = ms.run_keys()
         committed = ms.committed_rounds(keys)
-        if not committed or committed[-1] <= self.round:
+        # (eager) a round in flight that the run has committed since is joined as usual, not replayed
+        if not committed or committed[-1] <= max(self.round, self.inflight):
             return None
         latest, have = committed[-1], set(committed)
         need = list(range(self.round + 1, latest + 1))
