@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ..strict import StrictModel
+from ..xr_options import outer_step_warnings
 from ..yamlload import load_model
 
 
@@ -199,6 +200,7 @@ def xr_problems(
                     f"deletes it by hand. Set snapshot_every to at most {rounds}.",
                 )
             )
+    warnings += [XRProblem(f, m) for f, m in outer_step_warnings(xr)]
     if xr.sync == "diloco" and cfg.train.steps % h:
         warnings.append(
             XRProblem(

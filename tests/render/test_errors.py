@@ -209,6 +209,20 @@ def test_steps_not_a_multiple_of_inner_steps_is_a_note_at_inner_steps(work):
     assert note in r.err and r.err.count(note) == 1
 
 
+def test_an_outer_step_that_measured_worse_is_a_note_at_its_line(work):
+    """H=50 with the literature's outer_lr 0.7 / momentum 0.9: a warning at outer_lr's line, once for both
+    sites (a shared base), exit 0."""
+    base = _with_configs(work)
+    _replace(base, "inner_steps: 500", "inner_steps: 50")
+    r = sg("validate")
+    assert r.code == 0, r.err
+    note = (
+        f"note sites/_base/llm-xr-1.yaml:{_line_of(base, 'outer_lr: 0.7')}: warning: cross_region.outer_lr 0.7 "
+        "with outer_momentum 0.9 is an effective outer step outer_lr / (1 - outer_momentum) of 7"
+    )
+    assert note in r.err and r.err.count(note) == 1
+
+
 @pytest.mark.parametrize(
     "field, value, shown",
     [

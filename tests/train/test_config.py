@@ -273,3 +273,37 @@ def test_diloco_steps_not_a_multiple_of_inner_steps_warns():
         [],
         [],
     )
+
+
+@pytest.mark.parametrize(
+    "h, lr, mu, field",
+    [
+        (10, 1.0, 0.5, "outer_momentum"),  # any momentum below H=50
+        (49, 0.4, 0.9, "outer_momentum"),
+        (50, 0.7, 0.9, "outer_lr"),  # effective step 7
+        (100, 0.4, 0.9, "outer_lr"),  # effective step 4
+        (100, 1.0, 0.6, "outer_lr"),  # 2.5
+        (10, 1.0, 0.0, None),  # the defaults: plain averaging
+        (50, 1.0, 0.5, None),  # effective step 2: measured better than plain at H 50-100
+        (100, 0.7, 0.0, None),
+        (101, 0.7, 0.9, None),  # beyond the measured H: no evidence either way
+        (500, 0.7, 0.9, None),
+    ],
+)
+def test_outer_settings_that_measured_worse_than_plain_averaging_warn(h, lr, mu, field):
+    from sbatch_gen.train.config import load_config, xr_problems
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml")
+    xr = _xr(inner_steps=h, outer_lr=lr, outer_momentum=mu, snapshot_every=1)
+    errs, warns = xr_problems(cfg, xr)
+    outer = [w for w in warns if w.field in ("outer_lr", "outer_momentum")]
+    assert errs == [] and [w.field for w in outer] == ([field] if field else [])
+    if field:
+        assert "bench/results/quality.md" in outer[0] and "plain averaging" in outer[0]
+    # grad mode has no outer step
+    assert xr_problems(cfg, xr.model_copy(update={"sync": "grad", "keep_rounds": 1000}))[1] == []
+
+
+def test_the_outer_defaults_are_plain_averaging():
+    xr = _xr()
+    assert (xr.outer_lr, xr.outer_momentum) == (1.0, 0.0)
