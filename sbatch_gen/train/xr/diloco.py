@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -27,6 +28,17 @@ from .overlap import InFlight
 from .protocol import round_tag
 from .region import held
 from .sync import ROUND_PARTS, OuterSync, _as_int
+
+
+class _Done(NamedTuple):
+    """What a background job hands to the join: the round, then the snapshot it published (round, step,
+    seconds, error) and the cleanup behind round ``cleaned`` (its error)."""
+
+    result: RoundResult
+    snapshot: tuple | None
+    cleaned: int
+    cleanup_error: str | None
+
 
 FF_ATTEMPTS = 5  # objects can vanish under a fast-forward (a newer snapshot lands): plan again this often
 
@@ -51,7 +63,7 @@ class DiLoCo(OuterSync):
         # tokens in the last commit (-1: none seen yet; estimates this region's weight in the next)
         self.eager = self.xr.overlap == "eager"
         self.inflight, self.inflight_tokens, self.early, self.others = 0, 0, 0.0, -1
-        self._job: InFlight[tuple[RoundResult, tuple | None]] | None = None
+        self._job: InFlight[_Done] | None = None
         self._snapshot_s: float | None = None
         bg = self.group.background() if self.eager else None  # collective: a process group of its own
         self.bg_ex = self.ex.in_background(bg) if bg is not None else None
@@ -138,21 +150,23 @@ class DiLoCo(OuterSync):
         t["t_end"] = t["t_start"] + sum(t[k] for k in ROUND_PARTS)
         return t
 
-    def _launch(self, b: int, step: int, tokens: int, pre: dict | None, snap: int | None = None) -> None:
+    def _launch(
+        self, b: int, step: int, tokens: int, pre: dict | None, snap: int | None = None, clean: int = 0
+    ) -> None:
         """Start round ``b``'s exchange in a thread of each leader (``pre``: this leader's encoded shards;
         None: encode ``own`` there, a resumed region publishing the round it had in flight again), then
-        publish snapshot ``snap`` when one is due (the outer state does not change before the join)."""
+        publish snapshot ``snap`` when one is due (the outer state does not change before the join) and
+        clean up behind round ``clean``: nothing of it crosses the WAN while training waits."""
         self.inflight, self.inflight_tokens = b, tokens
         if self.leader:
             ex, own, avg = self.bg_ex, self.own, self.avg
             if ex is None:
                 raise XRError("internal: a leader without its background exchange")
 
-            def job(cancel: threading.Event) -> tuple[RoundResult, tuple | None]:
+            def job(cancel: threading.Event) -> _Done:
                 res = ex.run_round(round_tag(b), "delta", step, own, avg, tokens, pre=pre, cancel=cancel)
-                return res, (
-                    (snap, step, *self._publish_snapshot(ex, snap, step)) if snap is not None else None
-                )
+                shot = (snap, step, *self._publish_snapshot(ex, snap, step)) if snap is not None else None
+                return _Done(res, shot, clean, self._cleanup_now(ex, clean, True) if clean else None)
 
             self._job = InFlight(job, f"xr-round-{b}", self.outer_device)
 
@@ -169,19 +183,20 @@ class DiLoCo(OuterSync):
         self._relaunch()
         job, self._job = self._job, None
 
-        def wait() -> tuple[RoundResult, tuple | None]:
+        def wait() -> _Done:
             if job is None:
                 raise XRError("internal: a leader has no round in flight to join")
             return job.result()
 
-        got = self.group.on_each(wait, active=self.leader)[0]
-        if got is None:
+        done = self.group.on_each(wait, active=self.leader)[0]
+        if done is None:
             raise XRError("internal: rank 0 returned no result for the round in flight")
-        res, snap = got
+        res = done.result
         self._snapshot_s = None  # the snapshot the background job published after its round, if any
-        if snap is not None:
-            self._log_snapshot(*snap)
-            self._snapshot_s = snap[2]
+        if done.snapshot is not None:
+            self._log_snapshot(*done.snapshot)
+            self._snapshot_s = done.snapshot[2]
+        self._log_cleanup(done.cleaned, done.cleanup_error)
         self.ex.broadcast_slices(self.ex.expect("delta").plan, self.avg)
         return res
 
@@ -216,7 +231,6 @@ class DiLoCo(OuterSync):
             self.others = sum(c.tokens for r, c in res.commit.members.items() if r != self.xr.region)
             # a snapshot due now crosses the WAN in the background too, after round b's exchange
             snap = self.round if self._snapshot_due(self.round, res.members) else None
-            self._cleanup(self.round, need_snapshot=True)
         t2 = self._now()
         pre = self.ex.encode("delta", self.own)
         self.ex.decode_into("delta", pre, self.own)  # own = the wire values every region will average
@@ -227,7 +241,7 @@ class DiLoCo(OuterSync):
             self.flat.scatter(self._working(held(work, "work")))
         self._share_params()
         self.tokens, self.pending = 0, 0
-        self._launch(b, step, tokens, pre, snap)
+        self._launch(b, step, tokens, pre, snap, self.round)
         t3 = self._now()
         out: dict = {"xr_step": step, "xr_inflight": b, "xr_early_weight": weight}
         if res is not None:

@@ -316,12 +316,22 @@ class OuterSync:
         self.group.broadcast_tensors(self.flat.tensors(), src=0)
 
     def _cleanup(self, r: int, need_snapshot: bool) -> None:
+        self._log_cleanup(r, self._cleanup_now(self.ex, r, need_snapshot))
+
+    def _cleanup_now(self, ex: Exchange, r: int, need_snapshot: bool) -> str | None:
+        """rank 0: delete the rounds ``keep_rounds`` behind ``r`` (through ``ex``'s mailbox); the error or
+        None. Old rounds left behind do not hurt training."""
         if self.group.rank != 0:
-            return
+            return None
         try:
-            self.ex.ms().cleanup(r, self.xr.keep_rounds, len(self.ex.plan), need_snapshot=need_snapshot)
-        except Exception as e:  # noqa: BLE001 - old rounds left behind do not hurt training
-            self._log({"event": "xr_cleanup_failed", "round": r, "error": str(e)})
+            ex.ms().cleanup(r, self.xr.keep_rounds, len(ex.plan), need_snapshot=need_snapshot)
+        except Exception as e:  # noqa: BLE001 - see above
+            return str(e)
+        return None
+
+    def _log_cleanup(self, r: int, error: str | None) -> None:
+        if error is not None:
+            self._log({"event": "xr_cleanup_failed", "round": r, "error": error})
 
     def _record(self, step: int, res: RoundResult, t: dict) -> dict:
         """The round's fields in the step's metrics record."""
