@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,7 @@ from sbatch_gen.train.data import prepare
 from sbatch_gen.train.xr.protocol import ITEMSIZE, QBLOCK, SCALED, ShardPlan, wire_nbytes
 from sbatch_gen.xr_options import CrossRegion, FsTransport, S3Transport
 
-from .common import PY, Result, bench_env, median
+from .common import Result, median
 from .elastic import (
     DATA_BYTES,
     HELDOUT,
@@ -42,8 +41,7 @@ from .elastic import (
     _steps,
     heldout_loss,
 )
-from .servers import make_server
-from .wan import Wan, available
+from .wan import Wan, available, s3_behind
 
 REGIONS = ["a", "b"]
 DTYPES = ("fp32", "bf16", "int8", "fp8")  # round part, fs (fp32: the reference)
@@ -259,37 +257,14 @@ def _rounds(work: Path, data: Path, sz: Sizes, quick: bool, res: Result) -> dict
             f"pair: {w.describe()} (bench/wan.py). Both regions share the link, as two sites share one "
             "object store's."
         )
-        with w:
-            srv = make_server("nanio", host="10.201.7.2", netns=w.server_ns, data_dir=str(work / "nanio"))
-            srv.start()
-            try:
-                endpoint = w.start_proxy(srv.port)
-                subprocess.run(
-                    [*w.exec_prefix(), PY, "-m", "bench.mailbox_worker", "mkbucket", "--endpoint", endpoint]
-                    + ["--bucket", "bench", "--out", "-"],
-                    env=bench_env(srv.env()),
-                    check=True,
-                )
-                t = S3Transport(
-                    bucket="bench",
-                    prefix="payload",
-                    endpoint_url=endpoint,
-                    addressing_style="path",
-                    region_name="us-east-1",
-                )
-                out["wan"] = []
-                # quick (the tests): bf16 and int8 only, the transfer path is the same for fp8
-                for label, dtype, shard_mb in WAN_VARIANTS[:2] if quick else WAN_VARIANTS:
-                    t0 = time.monotonic()
-                    v = _round_variant(
-                        work, data, cfg, sz, "wan", t, dtype, shard_mb, w.exec_prefix(), srv.env()
-                    )
-                    print(
-                        f"  payload: wan {label}: round {v['round_s']:.2f} s ({time.monotonic() - t0:.0f} s)"
-                    )
-                    out["wan"].append(v)
-            finally:
-                srv.stop()
+        with w, s3_behind(w, work, "payload") as (t, env):
+            out["wan"] = []
+            # quick (the tests): bf16 and int8 only, the transfer path is the same for fp8
+            for label, dtype, shard_mb in WAN_VARIANTS[:2] if quick else WAN_VARIANTS:
+                t0 = time.monotonic()
+                v = _round_variant(work, data, cfg, sz, "wan", t, dtype, shard_mb, w.exec_prefix(), env)
+                print(f"  payload: wan {label}: round {v['round_s']:.2f} s ({time.monotonic() - t0:.0f} s)")
+                out["wan"].append(v)
     else:
         res.notes.append(f"WAN part skipped: {why}")
     out["fs"] = []

@@ -14,10 +14,14 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from sbatch_gen.testing.procs import terminate
 from sbatch_gen.testing.s3server import free_port
+from sbatch_gen.xr_options import S3Transport
 
 from .servers import wait_port
 
@@ -143,3 +147,35 @@ class Wan:
 
     def __exit__(self, *exc) -> None:
         self.down()
+
+
+@contextmanager
+def s3_behind(w: Wan, work: Path, prefix: str) -> Iterator[tuple[S3Transport, dict[str, str]]]:
+    """An S3 store (nanio) in ``w``'s server namespace, reached through its delay proxy, with the bucket
+    ``bench``: yields the regions' transport (keys under ``prefix``) and the server's environment (its
+    credentials); the server stops on exit. ``w`` must be entered."""
+    from .common import PY, bench_env
+    from .servers import make_server
+
+    srv = make_server("nanio", host="10.201.7.2", netns=w.server_ns, data_dir=str(work / "nanio"))
+    srv.start()
+    try:
+        endpoint = w.start_proxy(srv.port)
+        subprocess.run(
+            [*w.exec_prefix(), PY, "-m", "bench.mailbox_worker", "mkbucket", "--endpoint", endpoint]
+            + ["--bucket", "bench", "--out", "-"],
+            env=bench_env(srv.env()),
+            check=True,
+        )
+        yield (
+            S3Transport(
+                bucket="bench",
+                prefix=prefix,
+                endpoint_url=endpoint,
+                addressing_style="path",
+                region_name="us-east-1",
+            ),
+            srv.env(),
+        )
+    finally:
+        srv.stop()

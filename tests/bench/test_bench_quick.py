@@ -252,3 +252,87 @@ def test_payload_quick(tmp_path):
     assert all(float(x["held-out loss"]) > 0 for x in q)
     up = {x["payload"]: x["MB up (a, whole run)"] for x in q}
     assert up["int8"] == up["fp8"] and 0.5 < up["int8"] / up["bf16"] < 0.52
+
+
+def test_overlap_accounting(tmp_path):
+    """bench/overlap's figures from a region's metrics records: every ``xr_exposed_s`` counts (eager's first
+    boundary, which closes no round, and the ``xr_final_round`` event included), wall time is the steps' time;
+    and two exported models compare by their tensors and data bytes, not by the order of the metadata keys."""
+    import dataclasses
+
+    import torch
+    from safetensors.torch import save_file
+
+    from bench.overlap import QUICK, _region_figures, _tensors
+
+    sz = dataclasses.replace(QUICK, h=2, rounds=2)
+
+    def step(i: int, **kw) -> dict:
+        return {"step": i, "step_time_s": 1.0, **kw}
+
+    def rnd(r: int, exposed: float, **kw) -> dict:
+        out = {"xr_round": r, "xr_total_s": 0.5, "xr_exposed_s": exposed, "xr_outer_step_s": 0.01}
+        return {**out, "xr_bytes_up": 100, **kw}
+
+    none = [step(1), step(2, **rnd(1, 0.5, xr_cleanup_s=0.0)), step(3), step(4, **rnd(2, 0.4))]
+    f = _region_figures("none", none, sz, "none")
+    assert f["exposed_s"] == pytest.approx(0.9) and f["exposed_final_s"] == 0.0
+    assert f["wall_s"] == 4.0 and f["bytes_up"] == 100 and f["round_s"] == [0.5, 0.5]
+    first = {"xr_step": 2, "xr_inflight": 1, "xr_join_s": 0.0, "xr_exposed_s": 0.05}
+    final = {"event": "xr_final_round", "step": 4, **rnd(2, 0.45, xr_join_s=0.4, xr_final=True)}
+    eager = [step(1), step(2, **first), step(3), step(4, **rnd(1, 0.06, xr_join_s=0.01)), final]
+    f = _region_figures("eager", eager, sz, "eager")
+    assert f["exposed_s"] == pytest.approx(0.56) and f["exposed_final_s"] == 0.45
+    assert f["exposed_each"] == [0.05, 0.06, 0.45] and f["join_s"] == [0.0, 0.01, 0.4]
+    with pytest.raises(RuntimeError, match="rounds"):  # the round in flight at the end must be accounted
+        _region_figures("eager", eager[:-1], sz, "eager")
+    with pytest.raises(RuntimeError, match="xr_final_round"):  # none never has one
+        _region_figures("none", eager, sz, "none")
+
+    a = tmp_path / "a.safetensors"
+    save_file({"w": torch.arange(4.0), "b": torch.ones(2)}, str(a), metadata={"step": "4", "model": "{}"})
+    raw = a.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    header["__metadata__"] = dict(reversed(header["__metadata__"].items()))
+    swapped = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    b = tmp_path / "b.safetensors"
+    b.write_bytes(raw[:8] + swapped + raw[8 + n :])
+    assert a.read_bytes() != b.read_bytes() and _tensors(a) == _tensors(b)
+    b.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))  # one bit of the data
+    assert _tensors(a) != _tensors(b)
+
+
+def test_quality_plan_covers_the_issue():
+    """bench quality's full sweep (not run here: ~25 min): H 10/50/100 with at least 20 rounds at the largest H,
+    a grid holding the defaults and plain averaging, and one run directory per variant; the best grid point per
+    H is picked from bf16 runs without overlap only."""
+    from dataclasses import replace
+
+    from bench.quality import DEFAULT_LR, DEFAULT_MOMENTUM, FULL, PLAIN, Variant, best_per_h
+
+    assert FULL.hs == (10, 50, 100) and FULL.steps // max(FULL.hs) >= 20
+    assert {(DEFAULT_LR, DEFAULT_MOMENTUM), PLAIN} <= set(FULL.grid) and FULL.payload_h in FULL.hs
+    grid = [Variant("diloco", h, lr, m) for h in FULL.hs for lr, m in FULL.grid]
+    plan = [Variant("grad"), Variant("single"), *grid]
+    plan += [replace(v, overlap="eager") for v in grid] + [replace(v, dtype="int8") for v in grid]
+    assert len({v.key for v in plan}) == len(plan)
+
+    def rec(v: Variant, loss: float) -> dict:
+        return {
+            "kind": v.kind,
+            "h": v.h,
+            "dtype": v.dtype,
+            "overlap": v.overlap,
+            "heldout": loss,
+            "key": v.key,
+        }
+
+    a, b = Variant("diloco", 10, *PLAIN), Variant("diloco", 10, DEFAULT_LR, DEFAULT_MOMENTUM)
+    runs = [
+        rec(a, 2.0),
+        rec(b, 2.1),
+        rec(replace(b, overlap="eager"), 1.0),
+        rec(replace(b, dtype="int8"), 1.0),
+    ]
+    assert best_per_h(runs, (10,))[10]["key"] == a.key

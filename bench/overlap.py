@@ -1,0 +1,551 @@
+"""Benchmark: exposed sync time with overlapped rounds (issue 16, item 4): ``cross_region.overlap`` none vs
+eager, payload bf16 vs int8, side by side in one run, over the emulated WAN.
+
+Two regions of the real trainer (each one process, ``python -m sbatch_gen.train``) train the same steps in
+strict DiLoCo rounds over S3 behind :mod:`bench.wan`'s netns + tbf + delay proxy (the regions run in the
+client namespace), once per variant. The model and the step time (the trainer's injected per-step sleep,
+``SBATCH_GEN_STEP_SLEEP_S``, standing in for a GPU's compute) are chosen so that one bf16 round's transfer
+is about half of H x step time, as on the production pair; the ratio actually measured (the none variant's
+round time against its inner steps) is reported. From the regions' metrics.jsonl: the seconds training was
+held up at round boundaries (``xr_exposed_s`` of every round record and of the ``xr_final_round`` event)
+against the training wall time (the sum of the steps' ``step_time_s``, the rounds included), the round time
+(``xr_total_s``), the bytes per round, and whether both regions end with the same ``model.safetensors``.
+
+``--quick``: a tiny model, an fs mailbox on tmpfs instead of the WAN, the four variants at once: the records
+and the regions' agreement only (about half a minute on 2 cores: 8 trainer processes; no transfer to hide,
+so its shares say nothing about overlap). Without root the full run falls back to the same fs mode.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from sbatch_gen.train.data import prepare
+from sbatch_gen.train.trainer import ENV_STEP_SLEEP
+from sbatch_gen.xr_options import CrossRegion, FsTransport, S3Transport
+
+from .common import Result, median
+from .elastic import DATA_BYTES, OUTER_LR, OUTER_MOMENTUM, _config, _finish, _launch, _records, _steps
+from .wan import Wan, available, s3_behind
+
+REGIONS = ["a", "b"]
+VARIANTS = (("none", "bf16"), ("eager", "bf16"), ("none", "int8"), ("eager", "int8"))
+GOAL_SHARE = 0.05  # eager: exposed sync time at most 5% of the wall time
+
+
+@dataclass(frozen=True)
+class Sizes:
+    model: dict
+    batch: int
+    h: int
+    rounds: int
+    sleep_s: float  # injected at the end of every step (the compute a faster device would do)
+    wan: bool  # False: an fs mailbox on tmpfs, the variants at once (quick)
+    wan_mbit: int
+    wan_rtt_ms: float
+    wan_window_kb: int
+
+
+FULL = Sizes(
+    model={"n_layers": 4, "d_model": 384, "n_heads": 6, "seq_len": 32},
+    batch=1,
+    h=12,
+    rounds=12,
+    sleep_s=0.4,
+    wan=True,
+    wan_mbit=400,
+    wan_rtt_ms=80.0,
+    wan_window_kb=1024,
+)
+QUICK = Sizes(
+    model={"n_layers": 1, "d_model": 32, "n_heads": 2, "seq_len": 16},
+    batch=1,
+    h=2,
+    rounds=4,
+    sleep_s=0.02,
+    wan=False,
+    wan_mbit=400,
+    wan_rtt_ms=20.0,
+    wan_window_kb=1024,
+)
+
+
+def _tensors(path: Path) -> tuple[dict, bytes]:
+    """A safetensors file's tensor table (names, dtypes, shapes, offsets) and its data bytes. The header's
+    ``__metadata__`` is left out: its key order differs from process to process (the same keys and values
+    serialize in a different order), so two files of the same tensors need not be the same bytes."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    header.pop("__metadata__", None)
+    return header, raw[8 + n :]
+
+
+def _region_figures(name: str, recs: list[dict], sz: Sizes, overlap: str) -> dict:
+    """One region's figures from its metrics.jsonl: exposed seconds (every record carrying ``xr_exposed_s``:
+    the step records of round boundaries and the ``xr_final_round`` event), wall time, rounds."""
+    steps = _steps(recs)
+    if [r["step"] for r in steps] != list(range(1, sz.h * sz.rounds + 1)):
+        raise RuntimeError(f"{name}: steps {[r['step'] for r in steps][:5]}... of {len(steps)}")
+    final = [r for r in recs if r.get("event") == "xr_final_round"]
+    rounds = [r for r in steps if "xr_round" in r] + final
+    got = [r["xr_round"] for r in rounds]
+    if got != list(range(1, sz.rounds + 1)):
+        raise RuntimeError(f"{name}: rounds {got}")
+    if (overlap == "eager") != bool(final):
+        raise RuntimeError(f"{name}: overlap {overlap} with {len(final)} xr_final_round events")
+    marks = [r for r in steps + final if "xr_exposed_s" in r]  # the boundaries, in order (eager: + the final)
+    exposed = [r["xr_exposed_s"] for r in marks]
+    boundary = {r["step"] for r in steps if "xr_exposed_s" in r}
+    if boundary != {sz.h * b for b in range(1, sz.rounds + 1)}:
+        raise RuntimeError(f"{name}: boundaries at steps {sorted(boundary)}")
+    wall = sum(r["step_time_s"] for r in steps)
+    inner = [r["step_time_s"] for r in steps if r["step"] not in boundary and r["step"] > 1]
+    ups = {r["xr_bytes_up"] for r in rounds}
+    if len(ups) != 1:
+        raise RuntimeError(f"{name}: bytes uploaded per round differ: {sorted(ups)}")
+    final_exposed = final[0]["xr_exposed_s"] if final else 0.0
+    return {
+        "exposed_s": sum(exposed),
+        "exposed_final_s": final_exposed,
+        "exposed_each": exposed,
+        "wall_s": wall,
+        "inner_step_s": median(inner),
+        "round_s": [r["xr_total_s"] for r in rounds],
+        "join_s": [r["xr_join_s"] for r in marks if "xr_join_s" in r],
+        # per boundary: the wait for the round in flight (eager), and the seconds of a snapshot (theta_outer +
+        # momentum, fp32; every snapshot_every rounds, by the round's first member) the record reports
+        "wait_each": [r.get("xr_join_s", 0.0) for r in marks],
+        "snapshot_each": [r.get("xr_snapshot_s", 0.0) for r in marks],
+        # the outer step and the mailbox cleanup at the boundary (the round's own record)
+        "outer_cleanup_s": [r["xr_outer_step_s"] + r.get("xr_cleanup_s", 0.0) for r in rounds],
+        "bytes_up": ups.pop(),
+    }
+
+
+def _variant(
+    work: Path,
+    data: Path,
+    cfg: Path,
+    sz: Sizes,
+    overlap: str,
+    dtype: str,
+    transport: S3Transport | None,
+    prefix: list[str] | None = None,
+    env: dict | None = None,
+) -> dict:
+    name = f"o-{overlap}-{dtype}"
+    root = work / name
+    t0 = time.monotonic()
+    runs = [
+        _launch(
+            CrossRegion(
+                enabled=True,
+                run_id=name,
+                region=region,
+                regions=REGIONS,
+                sync="diloco",
+                inner_steps=sz.h,
+                outer_lr=OUTER_LR,
+                outer_momentum=OUTER_MOMENTUM,
+                overlap=overlap,
+                payload_dtype=dtype,
+                transport=transport or FsTransport(root=str(root / "mailbox")),
+                timeout_s=600,
+                keep_rounds=1,
+            ),
+            config=cfg,
+            run_dir=root / region,
+            data=data,
+            resume="none",
+            log_dir=root / "logs",
+            env={**(env or {}), ENV_STEP_SLEEP: repr(sz.sleep_s)},
+            prefix=prefix,
+        )
+        for region in REGIONS
+    ]
+    _finish(runs, name)
+    took = time.monotonic() - t0
+    per = {
+        region: _region_figures(f"{name} {region}", _records(root / region), sz, overlap)
+        for region in REGIONS
+    }
+    models = [root / region / "model.safetensors" for region in REGIONS]
+    same = _tensors(models[0]) == _tensors(models[1])
+    # the transfer of one round: per round the smaller of the two regions' xr_total_s (the region that arrived
+    # last, whose round holds no wait for the other's compute), median over the rounds
+    transfer = median([min(x) for x in zip(*(per[r]["round_s"] for r in REGIONS), strict=True)])
+    shutil.rmtree(root, ignore_errors=True)
+    if {per[r]["bytes_up"] for r in REGIONS} != {per["a"]["bytes_up"]}:
+        raise RuntimeError(f"{name}: regions upload different bytes per round")
+    return {
+        "overlap": overlap,
+        "dtype": dtype,
+        "label": f"{overlap}, {dtype}",
+        "regions": per,
+        "same": same,
+        "transfer_s": transfer,
+        "bytes_up": per["a"]["bytes_up"],
+        "took_s": took,
+    }
+
+
+def _run_variants(work: Path, data: Path, sz: Sizes, res: Result) -> list[dict]:
+    cfg = _config(
+        work / "overlap.yaml",
+        steps=sz.h * sz.rounds,
+        model=sz.model,
+        batch=sz.batch,
+        data_dir=data,
+        ckpt_every=1_000_000,
+        warmup=1,
+    )
+
+    def show(v: dict) -> dict:
+        share = max(v["regions"][r]["exposed_s"] / v["regions"][r]["wall_s"] for r in REGIONS)
+        print(
+            f"  overlap: {v['label']}: exposed {share:.1%} of wall, round {v['transfer_s']:.2f} s "
+            f"({v['took_s']:.0f} s)",
+            flush=True,
+        )
+        return v
+
+    why = available() if sz.wan else "--quick"
+    if why is not None:
+        res.setup.append(
+            "**fs**: the mailbox is a directory on tmpfs and the four variants run at once: no transfer to hide, "
+            f"the records and the regions' agreement only (no WAN: {why})."
+        )
+        if sz.wan:
+            res.notes.append(f"WAN not available ({why}): fs mailbox, the goals not judged.")
+        with ThreadPoolExecutor(len(VARIANTS)) as pool:
+            return list(pool.map(lambda v: show(_variant(work, data, cfg, sz, v[0], v[1], None)), VARIANTS))
+    w = Wan(rate_mbit=sz.wan_mbit, rtt_ms=sz.wan_rtt_ms, window_kb=sz.wan_window_kb)
+    res.setup.append(
+        f"**WAN**: the regions run in one network namespace, the S3 store (nanio) in another behind a veth "
+        f"pair: {w.describe()} (bench/wan.py). Both regions share the link, as two sites share one object "
+        "store's. The variants run one after the other."
+    )
+    out = []
+    with w, s3_behind(w, work, "overlap") as (t, env):
+        for overlap, dtype in VARIANTS:
+            out.append(show(_variant(work, data, cfg, sz, overlap, dtype, t, w.exec_prefix(), env)))
+    return out
+
+
+def run(out_dir: Path, quick: bool = False) -> Result:
+    sz = QUICK if quick else FULL
+    res = Result(
+        "overlap",
+        "Overlapped rounds over the emulated WAN: exposed sync time, overlap none vs eager, bf16 vs int8",
+        quick,
+    )
+    shm = Path("/dev/shm")
+    work = Path(tempfile.mkdtemp(prefix="sbgen-bench-overlap-", dir=shm if shm.is_dir() else None))
+    try:
+        data = work / "data"
+        prepare(data, REGIONS, "python-stdlib", DATA_BYTES)
+        vs = _run_variants(work, data, sz, res)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _report(res, sz, vs, wan=sz.wan and available() is None)
+    _plot(res, out_dir, vs)
+    return res
+
+
+def _share(v: dict, region: str) -> float:
+    f = v["regions"][region]
+    return f["exposed_s"] / f["wall_s"]
+
+
+def _report(res: Result, sz: Sizes, vs: list[dict], wan: bool) -> None:
+    m = sz.model
+    numel = next(v["bytes_up"] for v in vs if v["dtype"] == "bf16") / 2
+    res.setup += [
+        f"2 regions (a, b), each one process of the real trainer (`python -m sbatch_gen.train`, gloo, CPU, one "
+        f"thread), a {m['n_layers']}-layer width-{m['d_model']} GPT ({numel / 1e6:.2f}M parameters: bf16's bytes "
+        f"per round / 2), batch {sz.batch} x {m['seq_len']} tokens, "
+        f"DiLoCo H={sz.h}, {sz.rounds} rounds ({sz.h * sz.rounds} steps), strict rounds (min_regions all), outer "
+        f"lr {OUTER_LR:g}, momentum {OUTER_MOMENTUM:g}; a per-step sleep of {sz.sleep_s:g} s "
+        f"(`{ENV_STEP_SLEEP}`) stands in for a faster device's compute. One run per variant: overlap "
+        f"{' / '.join(dict.fromkeys(v[0] for v in VARIANTS))} x payload "
+        f"{' / '.join(dict.fromkeys(v[1] for v in VARIANTS))}, the same steps, data and seed. CrossRegion "
+        "defaults otherwise (16 MiB shards, 16 threads, raw).",
+        "Exposed: the sum of `xr_exposed_s` over every record that has it: the step records of the round "
+        "boundaries (none: the whole round; eager: the wait for the round in flight plus the boundary's own "
+        "work, encoding and applying the fresh delta) and, with eager, the `xr_final_round` event (after the "
+        "last step the trainer waits for the round still in flight). Wall: the sum of the steps' "
+        "`step_time_s` (the rounds, the final join and the first step's warm-up included; start-up and the "
+        "final checkpoint left out). Share = exposed / wall, per region.",
+        "Round: `xr_total_s`, the round's own duration (publish, wait, fetch, average; with eager in the "
+        "background thread). Transfer: per round the smaller of the two regions' `xr_total_s` (the region "
+        "that arrived last, so no wait for the other's compute), median over the rounds. H x step: H times "
+        "the median step time of the steps without a round boundary (step 1 left out).",
+        "Same model: a's and b's exported `model.safetensors` hold the same tensor table and the same data bytes "
+        "(the header's `__metadata__` is left out: safetensors writes its keys in an order that differs from "
+        "process to process).",
+    ]
+    by = {v["label"]: v for v in vs}
+    rows = []
+    for v in vs:
+        a, b = v["regions"]["a"], v["regions"]["b"]
+        hstep = _hstep(v, sz)
+        rows.append(
+            [
+                v["overlap"],
+                v["dtype"],
+                f"{_share(v, 'a'):.2%}",
+                f"{_share(v, 'b'):.2%}",
+                statistics.mean([a["exposed_s"], b["exposed_s"]]),
+                statistics.mean([a["exposed_final_s"], b["exposed_final_s"]]),
+                statistics.mean([a["wall_s"], b["wall_s"]]),
+                statistics.mean(a["round_s"] + b["round_s"]),
+                v["transfer_s"],
+                hstep,
+                f"{v['transfer_s'] / hstep:.2f}",
+                v["bytes_up"],
+                v["same"],
+            ]
+        )
+    res.table(
+        f"Exposed sync time per variant ({sz.rounds} rounds of H={sz.h}; a and b, or their mean)",
+        [
+            "overlap",
+            "payload",
+            "exposed / wall, a",
+            "exposed / wall, b",
+            "exposed s",
+            "of which final round s",
+            "wall s",
+            "round s (mean xr_total_s)",
+            "transfer s",
+            "H x step s",
+            "transfer / (H x step)",
+            "bytes up per round",
+            "a == b tensors (bitwise)",
+        ],
+        rows,
+        "variants",
+    )
+    res.table(
+        "Exposed seconds per round boundary, in order (eager: the last is the xr_final_round event)",
+        [
+            "variant",
+            "region",
+            "exposed s per boundary",
+            "join s (eager)",
+            "snapshot s (boundary: seconds)",
+        ],
+        [
+            [
+                v["label"],
+                r,
+                ", ".join(f"{x:.3f}" for x in v["regions"][r]["exposed_each"]),
+                ", ".join(f"{x:.3f}" for x in v["regions"][r]["join_s"]) or "-",
+                ", ".join(f"{i + 1}: {x:.3f}" for i, x in enumerate(v["regions"][r]["snapshot_each"]) if x)
+                or "-",
+            ]
+            for v in vs
+            for r in REGIONS
+        ],
+        "boundaries",
+    )
+
+    res.table(
+        "Where the exposed time went, per region (seconds, and share of that region's wall time)",
+        [
+            "variant",
+            "region",
+            "exposed s",
+            "final round's join s",
+            "waits for the round in flight s",
+            "the rest s (none: the rounds; eager: boundary work)",
+            "boundary work s per boundary (median)",
+            "outer step + cleanup s per round (median)",
+            "exposed / wall",
+            "without the final join / wall",
+        ],
+        [
+            [
+                v["label"],
+                r,
+                f["exposed_s"],
+                pt["final"],
+                pt["wait"],
+                pt["rest"],
+                median(_boundary_work(f, v["overlap"] == "eager")),
+                median(f["outer_cleanup_s"]),
+                f"{f['exposed_s'] / f['wall_s']:.2%}",
+                f"{(f['exposed_s'] - pt['final']) / f['wall_s']:.2%}",
+            ]
+            for v in vs
+            for r in REGIONS
+            for f in [v["regions"][r]]
+            for pt in [_parts(f, v["overlap"] == "eager")]
+        ],
+        "parts",
+    )
+
+    # goals
+    dtypes = list(dict.fromkeys(v[1] for v in VARIANTS))
+    for dtype in dtypes:
+        e, n = by[f"eager, {dtype}"], by[f"none, {dtype}"]
+        worse = max(REGIONS, key=lambda r: _share(e, r))
+        f = e["regions"][worse]
+        pt = {k: x / f["wall_s"] for k, x in _parts(f, True).items()}
+        es, ns = _share(e, worse), max(_share(n, r) for r in REGIONS)
+        res.goal(
+            f"{dtype}: exposed sync time with eager at most {GOAL_SHARE:.0%} of wall time, where none shows the "
+            "full transfer",
+            f"eager {es:.2%} (region {worse}: final round's join {pt['final']:.2%}, waits for the round in flight "
+            f"{pt['wait']:.2%}, boundary work {pt['rest']:.2%}); none "
+            f"{ns:.2%}; transfer / (H x step) {n['transfer_s'] / _hstep(n, sz):.2f}",
+            None if (res.quick or not wan) else es <= GOAL_SHARE,
+        )
+    res.goal(
+        "both regions end with bit-identical model.safetensors tensors, every variant",
+        ", ".join(f"{v['label']}: {'yes' if v['same'] else 'NO'}" for v in vs),
+        all(v["same"] for v in vs),
+    )
+
+    # headline
+    for v in vs:
+        res.headline[f"exposed sync / wall, {v['label']}"] = f"{max(_share(v, r) for r in REGIONS):.2%}" + (
+            f" ({_steady(v):.2%} without the final join)" if v["overlap"] == "eager" else ""
+        )
+    for dtype in dtypes:
+        n = by[f"none, {dtype}"]
+        res.headline[f"transfer / (H x step), {dtype}"] = (
+            f"{n['transfer_s'] / _hstep(n, sz):.2f} ({n['transfer_s']:.2f} s / {_hstep(n, sz):.2f} s)"
+        )
+
+    # notes
+    snaps = [  # (variant, region, boundary, snapshot s, that boundary's own work s, the other region's next join)
+        (v["label"], r, i + 1, x, _own_work(v["regions"][r])[i], _next_wait(v, r, i))
+        for v in vs
+        for r in REGIONS
+        for i, x in enumerate(v["regions"][r]["snapshot_each"])
+        if x
+    ]
+    for dtype in dtypes:
+        e, n = by[f"eager, {dtype}"], by[f"none, {dtype}"]
+        ew = {r: e["regions"][r]["wall_s"] for r in REGIONS}
+        nw = {r: n["regions"][r]["wall_s"] for r in REGIONS}
+        work = [x for r in REGIONS for x in _boundary_work(e["regions"][r], True)]
+        fin = {r: e["regions"][r]["exposed_final_s"] for r in REGIONS}
+        top = []  # per region: the boundary with the most own work (the final event included)
+        for r in REGIONS:
+            own = _own_work(e["regions"][r])
+            i = max(range(len(own)), key=own.__getitem__)
+            top.append(f"{r} {'final' if i == len(own) - 1 else f'boundary {i + 1}'} {own[i]:.2f} s")
+        res.notes.append(
+            f"{dtype}: eager trains the same steps in {statistics.mean(ew.values()):.1f} s against none's "
+            f"{statistics.mean(nw.values()):.1f} s (mean of a and b); exposed sync goes from "
+            f"{statistics.mean(n['regions'][r]['exposed_s'] for r in REGIONS):.1f} s to "
+            f"{statistics.mean(e['regions'][r]['exposed_s'] for r in REGIONS):.1f} s. What stays exposed with "
+            f"eager: the final round's join ({fin['a']:.2f} s in a, {fin['b']:.2f} s in b; after the last step "
+            "nothing is left to train while the last round crosses, so one whole round per run stays exposed "
+            f"whatever the overlap, its share shrinking as 1 / rounds); the boundary's own work, median "
+            f"{median(work):.3f} s per boundary (the fresh delta, its encode and decode, the outer step, the "
+            f"mailbox cleanup's listing and deletes{' over the WAN' if wan else ''}, the scatter; the most, the "
+            f"final event's included: {', '.join(top)}), all in the foreground; the waits for the round in flight"
+            + (" (see the snapshots, next note)." if snaps else ".")
+        )
+    if snaps:
+        res.notes.append(
+            "Every snapshot_every rounds (default 10) the round's first member uploads a snapshot of the outer "
+            "state (theta_outer + momentum, fp32: 8 B per parameter, 4x a bf16 round's payload). As the records "
+            "report them (`xr_snapshot_s`; variant, region, the boundary whose record carries it: the upload's "
+            "seconds; that boundary's own work, exposed minus the join; eager: the other region's longest wait "
+            "for the round in flight over the next two boundaries): "
+            + "; ".join(
+                f"{lbl}, {r}, boundary {i}: {x:.2f} s; {e:.2f} s; {w}" for lbl, r, i, x, e, w in snaps
+            )
+            + ". With none the upload is part of the round: training waits for it, and the other region waits "
+            "for this one at the next boundary. With eager an upload longer than its boundary's own work ran in "
+            "the background, after that round's exchange: it lengthens the job the next boundary joins, and the "
+            "other region waits for the delta published that much later. The mailbox deletes a round's objects "
+            "only once a complete snapshot covers it (keep_rounds 1 here), so the first cleanup after a "
+            "snapshot deletes every round since the previous one, at a boundary, in the foreground."
+        )
+    bf, i8 = by["none, bf16"], by["none, int8"]
+    res.notes.append(
+        f"int8 sends {i8['bytes_up'] / bf['bytes_up']:.4f} of bf16's bytes per round; its round (none) takes "
+        f"{i8['transfer_s']:.2f} s against bf16's {bf['transfer_s']:.2f} s (transfer / (H x step) "
+        f"{i8['transfer_s'] / _hstep(i8, sz):.2f} against {bf['transfer_s'] / _hstep(bf, sz):.2f}). The variants "
+        f"run {'one after the other' if wan else 'at once'} on 2 cores that other work shares, so the step time "
+        "(H x step column) varies between them by that load; exposed time is compared as a share of each "
+        "variant's own wall time."
+    )
+
+
+def _parts(f: dict, eager: bool) -> dict[str, float]:
+    """Where one region's exposed seconds went: the final round's join (eager), the waits for the round in
+    flight at the other boundaries (eager), and the rest (none: the rounds; eager: the boundary's own work:
+    the fresh delta, its encode and decode, the outer step, the mailbox cleanup, the scatter, and whatever
+    else the trainer does there, a snapshot upload included when it runs in the foreground). They add up."""
+    n = len(f["exposed_each"]) - (1 if eager else 0)  # boundaries before the final join
+    final = f["exposed_final_s"]
+    wait = sum(f["wait_each"][:n]) if eager else 0.0
+    return {"final": final, "wait": wait, "rest": f["exposed_s"] - final - wait}
+
+
+def _boundary_work(f: dict, eager: bool) -> list[float]:
+    """Per boundary before the final join: exposed minus the wait for the round in flight."""
+    n = len(f["exposed_each"]) - (1 if eager else 0)
+    return [e - w for e, w in zip(f["exposed_each"][:n], f["wait_each"][:n], strict=True)]
+
+
+def _own_work(f: dict) -> list[float]:
+    """Per boundary, the final event included: exposed minus the wait for the round in flight."""
+    return [e - w for e, w in zip(f["exposed_each"], f["wait_each"], strict=True)]
+
+
+def _next_wait(v: dict, region: str, i: int) -> str:
+    """Eager: the other region's longest wait for the round in flight at boundaries i+1, i+2 (0-based i)."""
+    if v["overlap"] != "eager":
+        return "-"
+    other = next(r for r in REGIONS if r != region)
+    waits = v["regions"][other]["wait_each"][i + 1 : i + 3]
+    return f"{max(waits):.2f} s" if waits else "-"
+
+
+def _hstep(v: dict, sz: Sizes) -> float:
+    """H x the step time without a round (mean of the two regions' medians)."""
+    return sz.h * statistics.mean(v["regions"][r]["inner_step_s"] for r in REGIONS)
+
+
+def _steady(v: dict) -> float:
+    """The worse region's exposed share without the final round's join (eager's xr_final_round)."""
+    return max(
+        (v["regions"][r]["exposed_s"] - v["regions"][r]["exposed_final_s"]) / v["regions"][r]["wall_s"]
+        for r in REGIONS
+    )
+
+
+def _plot(res: Result, out_dir: Path, vs: list[dict]) -> None:
+    from .common import plt, save_fig
+
+    p = plt()
+    fig, ax = p.subplots(1, 1, figsize=(7, 4), layout="constrained")
+    labels = [v["label"].replace(", ", "\n") for v in vs]
+    exposed = [v["regions"]["a"]["exposed_s"] for v in vs]
+    train = [v["regions"]["a"]["wall_s"] - x for v, x in zip(vs, exposed, strict=True)]
+    ax.bar(labels, train, label="training (steps)")
+    ax.bar(labels, exposed, bottom=train, label="exposed sync")
+    for i, v in enumerate(vs):
+        ax.text(i, v["regions"]["a"]["wall_s"], f"{_share(v, 'a'):.1%}", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("s (region a)")
+    ax.set_title("wall time: training vs exposed sync")
+    ax.legend(fontsize=7)
+    save_fig(fig, out_dir / "overlap.png")
+    res.plots.append(
+        ("overlap.png", "Region a's wall time per variant: training steps and exposed sync time")
+    )
