@@ -166,6 +166,43 @@ def _config(
     return path
 
 
+def _launch_pair(
+    root: Path,
+    name: str,
+    *,
+    config: Path,
+    data: Path,
+    env: dict | None = None,
+    prefix: list[str] | None = None,
+    **xr: object,
+) -> list[RegionRun]:
+    """Both regions of a fresh 2-region run ``name`` under ``root`` (run dirs ``root/a``, ``root/b``): the
+    ``CrossRegion`` fields ``xr`` over strict DiLoCo through the fs mailbox ``root/mailbox`` with a 600 s
+    timeout. ``env``, ``prefix``: as :func:`_launch`."""
+    fields: dict = {
+        "enabled": True,
+        "run_id": name,
+        "regions": REGIONS,
+        "sync": "diloco",
+        "transport": FsTransport(root=str(root / "mailbox")),
+        "timeout_s": 600,
+        **xr,
+    }
+    return [
+        _launch(
+            CrossRegion(region=region, **fields),
+            config=config,
+            run_dir=root / region,
+            data=data,
+            resume="none",
+            log_dir=root / "logs",
+            env=env,
+            prefix=prefix,
+        )
+        for region in REGIONS
+    ]
+
+
 def _launch(
     xr: CrossRegion,
     *,

@@ -29,13 +29,22 @@ from pathlib import Path
 
 from sbatch_gen.train.data import prepare
 from sbatch_gen.train.trainer import ENV_STEP_SLEEP
-from sbatch_gen.xr_options import CrossRegion, FsTransport, S3Transport
+from sbatch_gen.xr_options import S3Transport
 
 from .common import Result, median
-from .elastic import DATA_BYTES, OUTER_LR, OUTER_MOMENTUM, _config, _finish, _launch, _records, _steps
+from .elastic import (
+    DATA_BYTES,
+    OUTER_LR,
+    OUTER_MOMENTUM,
+    REGIONS,
+    _config,
+    _finish,
+    _launch_pair,
+    _records,
+    _steps,
+)
 from .wan import Wan, available, s3_behind
 
-REGIONS = ["a", "b"]
 VARIANTS = (("none", "bf16"), ("eager", "bf16"), ("none", "int8"), ("eager", "int8"))
 GOAL_SHARE = 0.05  # eager: exposed sync time at most 5% of the wall time
 
@@ -144,33 +153,21 @@ def _variant(
     name = f"o-{overlap}-{dtype}"
     root = work / name
     t0 = time.monotonic()
-    runs = [
-        _launch(
-            CrossRegion(
-                enabled=True,
-                run_id=name,
-                region=region,
-                regions=REGIONS,
-                sync="diloco",
-                inner_steps=sz.h,
-                outer_lr=OUTER_LR,
-                outer_momentum=OUTER_MOMENTUM,
-                overlap=overlap,
-                payload_dtype=dtype,
-                transport=transport or FsTransport(root=str(root / "mailbox")),
-                timeout_s=600,
-                keep_rounds=1,
-            ),
-            config=cfg,
-            run_dir=root / region,
-            data=data,
-            resume="none",
-            log_dir=root / "logs",
-            env={**(env or {}), ENV_STEP_SLEEP: repr(sz.sleep_s)},
-            prefix=prefix,
-        )
-        for region in REGIONS
-    ]
+    runs = _launch_pair(
+        root,
+        name,
+        config=cfg,
+        data=data,
+        env={**(env or {}), ENV_STEP_SLEEP: repr(sz.sleep_s)},
+        prefix=prefix,
+        inner_steps=sz.h,
+        outer_lr=OUTER_LR,
+        outer_momentum=OUTER_MOMENTUM,
+        overlap=overlap,
+        payload_dtype=dtype,
+        keep_rounds=1,
+        **({"transport": transport} if transport is not None else {}),
+    )
     _finish(runs, name)
     took = time.monotonic() - t0
     per = {

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from sbatch_gen.train.data import prepare
 from sbatch_gen.train.xr.protocol import ITEMSIZE, QBLOCK, SCALED, ShardPlan, wire_nbytes
-from sbatch_gen.xr_options import CrossRegion, FsTransport, S3Transport
+from sbatch_gen.xr_options import FsTransport, S3Transport
 
 from .common import Result, median
 from .elastic import (
@@ -33,9 +33,10 @@ from .elastic import (
     HELDOUT,
     OUTER_LR,
     OUTER_MOMENTUM,
+    REGIONS,
     _config,
     _finish,
-    _launch,
+    _launch_pair,
     _records,
     _same_params,
     _steps,
@@ -43,7 +44,6 @@ from .elastic import (
 )
 from .wan import Wan, available, s3_behind
 
-REGIONS = ["a", "b"]
 DTYPES = ("fp32", "bf16", "int8", "fp8")  # round part, fs (fp32: the reference)
 # round part, WAN: (label, dtype, shard_mb). shard_mb counts wire bytes, so int8 at the default 16 MiB has half
 # bf16's shards, i.e. half its concurrent streams; at 8 MiB it has as many shards as bf16 at 16 MiB
@@ -136,33 +136,21 @@ def _round_variant(
 ) -> dict:
     name = f"r-{where}-{dtype}-{shard_mb:g}"
     root = work / name
-    runs = [
-        _launch(
-            CrossRegion(
-                enabled=True,
-                run_id=name,
-                region=region,
-                regions=REGIONS,
-                sync="diloco",
-                inner_steps=sz.r_h,
-                outer_lr=OUTER_LR,
-                outer_momentum=OUTER_MOMENTUM,
-                payload_dtype=dtype,
-                shard_mb=shard_mb,
-                transport=transport,
-                timeout_s=600,
-                keep_rounds=1,
-            ),
-            config=cfg,
-            run_dir=root / region,
-            data=data,
-            resume="none",
-            log_dir=root / "logs",
-            env=env,
-            prefix=prefix,
-        )
-        for region in REGIONS
-    ]
+    runs = _launch_pair(
+        root,
+        name,
+        config=cfg,
+        data=data,
+        env=env,
+        prefix=prefix,
+        inner_steps=sz.r_h,
+        outer_lr=OUTER_LR,
+        outer_momentum=OUTER_MOMENTUM,
+        payload_dtype=dtype,
+        shard_mb=shard_mb,
+        transport=transport,
+        keep_rounds=1,
+    )
     _finish(runs, name)
     recs = {region: _records(root / region) for region in REGIONS}
     rounds = {region: [r for r in _steps(recs[region]) if "xr_round" in r] for region in REGIONS}
@@ -285,29 +273,16 @@ def _rounds(work: Path, data: Path, sz: Sizes, quick: bool, res: Result) -> dict
 def _quality_variant(work: Path, data: Path, cfg: Path, sz: Sizes, dtype: str, seed: int) -> dict:
     name = f"q-{dtype}-s{seed}"
     root = work / name
-    runs = [
-        _launch(
-            CrossRegion(
-                enabled=True,
-                run_id=name,
-                region=region,
-                regions=REGIONS,
-                sync="diloco",
-                inner_steps=sz.q_h,
-                outer_lr=OUTER_LR,
-                outer_momentum=OUTER_MOMENTUM,
-                payload_dtype=dtype,
-                transport=FsTransport(root=str(root / "mailbox")),
-                timeout_s=600,
-            ),
-            config=cfg,
-            run_dir=root / region,
-            data=data,
-            resume="none",
-            log_dir=root / "logs",
-        )
-        for region in REGIONS
-    ]
+    runs = _launch_pair(
+        root,
+        name,
+        config=cfg,
+        data=data,
+        inner_steps=sz.q_h,
+        outer_lr=OUTER_LR,
+        outer_momentum=OUTER_MOMENTUM,
+        payload_dtype=dtype,
+    )
     _finish(runs, name)
     rounds = [r for r in _steps(_records(root / "a")) if "xr_round" in r]
     model = root / "a" / "model.safetensors"

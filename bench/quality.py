@@ -24,12 +24,22 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sbatch_gen.train.data import prepare
-from sbatch_gen.xr_options import CrossRegion, FsTransport
+from sbatch_gen.xr_options import CrossRegion
 
 from .common import Result, fmt
-from .elastic import DATA_BYTES, HELDOUT, _config, _finish, _launch, _records, _same_params, heldout_loss
+from .elastic import (
+    DATA_BYTES,
+    HELDOUT,
+    REGIONS,
+    _config,
+    _finish,
+    _launch,
+    _launch_pair,
+    _records,
+    _same_params,
+    heldout_loss,
+)
 
-REGIONS = ["a", "b"]
 DEFAULT_LR, DEFAULT_MOMENTUM = 0.7, 0.9  # CrossRegion's defaults
 PLAIN = (1.0, 0.0)  # plain averaging: every region adopts the token-weighted mean each round
 
@@ -120,30 +130,18 @@ def _launch_variant(work: Path, data: Path, cfg: Path, v: Variant) -> list:
                 log_dir=root / "logs",
             )
         ]
-    return [
-        _launch(
-            CrossRegion(
-                enabled=True,
-                run_id=v.key,
-                region=region,
-                regions=REGIONS,
-                sync=v.kind,
-                inner_steps=max(1, v.h),
-                outer_lr=v.lr,
-                outer_momentum=v.momentum,
-                payload_dtype=v.dtype,
-                overlap=v.overlap,
-                transport=FsTransport(root=str(root / "mailbox")),
-                timeout_s=600,
-            ),
-            config=cfg,
-            run_dir=root / region,
-            data=data,
-            resume="none",
-            log_dir=root / "logs",
-        )
-        for region in REGIONS
-    ]
+    return _launch_pair(
+        root,
+        v.key,
+        config=cfg,
+        data=data,
+        sync=v.kind,
+        inner_steps=max(1, v.h),
+        outer_lr=v.lr,
+        outer_momentum=v.momentum,
+        payload_dtype=v.dtype,
+        overlap=v.overlap,
+    )
 
 
 def _checkpoint_model(ckpt: Path, model_cfg: dict, out: Path) -> Path:
@@ -449,7 +447,7 @@ def _report(res: Result, sz: Sizes, first: list[dict], second: list[dict], best:
     res.goal(
         f"DiLoCo H={g50['h']} (bf16, no overlap) at its best outer lr within 2% of grad mode",
         f"{g50['heldout']:.4f} ({g50['label']}) vs {grad['heldout']:.4f}: {gap:+.2%}",
-        gap <= 0.02,
+        None if res.quick else gap <= 0.02,
     )
     worst = None
     for h in sz.hs:
@@ -462,13 +460,17 @@ def _report(res: Result, sz: Sizes, first: list[dict], second: list[dict], best:
         f"H={h} {_gap(by[replace(_as_variant(best[h]), overlap='eager').key]['heldout'], best[h]['heldout']):+.2%}"
         for h in sz.hs
     ]
-    res.goal("eager within +1% of no overlap (held-out, best lr per H)", ", ".join(eg), worst[0] <= 0.01)
+    res.goal(
+        "eager within +1% of no overlap (held-out, best lr per H)",
+        ", ".join(eg),
+        None if res.quick else worst[0] <= 0.01,
+    )
     q8 = by[replace(_as_variant(bp), dtype="int8").key]
     g8 = _gap(q8["heldout"], bp["heldout"])
     res.goal(
         f"int8 within +0.5% of bf16 (held-out, H={sz.payload_h}, best lr)",
         f"{q8['heldout']:.4f} vs {bp['heldout']:.4f}: {g8:+.2%}",
-        g8 <= 0.005,
+        None if res.quick else g8 <= 0.005,
     )
 
     # which settings are never worse than plain averaging
