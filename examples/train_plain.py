@@ -159,8 +159,6 @@ try:
             record = diloco.after_step(step, tokens)
             if record and "xr_adopted_step" in record:  # this region was behind: it now holds the run's step
                 step = min(record["xr_adopted_step"], args.steps)
-            if step == args.steps:  # overlap eager: the round still in flight, so all regions end alike
-                diloco.finish(step)
         if step % 10 == 0:
             say(f"step {step} loss {loss.item():.4f}")
         if stop.agree():  # one all-reduce: every rank stops after the same step
@@ -176,6 +174,7 @@ try:
             save(step)
     else:  # no stop: the end
         if diloco:
+            diloco.finish(step)  # overlap eager: the round still in flight, so all regions end alike
             diloco.leave(step, "finished")
         if rank == 0:
             write_atomic(args.run_dir / "final.pt", model.state_dict())

@@ -915,6 +915,8 @@ class Trainer:
             self._read_agreement(*loop.pending, last=True)
             loop.pending = None
         if loop.exit_reason is None:
+            self._finish_round_in_flight()
+        if loop.exit_reason is None:
             self._complete()
         else:
             self._hand_off()
@@ -926,6 +928,20 @@ class Trainer:
             self._write_summary()
         self.metrics.close()
         return self._exit_code()
+
+    def _finish_round_in_flight(self) -> None:
+        """overlap eager: a round still in flight at the end (the last step's own join found no quorum, and
+        this process resumed at the end step from that checkpoint) is finished here: the others' final
+        round record, or no quorum again. A no-op otherwise (the last step finished it)."""
+        if self.sync is None or self.step < self.end_step:
+            return
+        try:
+            rec = self.sync.finish(self.step)
+        except XRNoQuorum as e:
+            self.loop.no_quorum, self.loop.exit_reason = e, "no_quorum"
+            return
+        if rec and self.info.is_main:
+            self.metrics.write({"event": "xr_final_round", "step": self.step, **rec})
 
     def _hand_off(self) -> None:
         """Stopped or no quorum: leave the cross-region run (the other regions stop waiting for this one),

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from sbatch_gen.train.xr.errors import XRLayoutError
+from sbatch_gen.train.xr.errors import XRLayoutError, XRNoQuorum
 from sbatch_gen.train.xr.protocol import round_tag
 from sbatch_gen.train.xr.sync import ROUND_PARTS
 
@@ -68,19 +68,24 @@ def run(region, root, rounds, *, tokens=None, gate=None, state=None, stop_at=Non
             )
         if step == stop_at:  # a stop mid-phase: the checkpoint a trainer would write, then the process ends
             s.leave(step, "stopped")
-            out["state"] = dict(
-                model={k: v.clone() for k, v in m.state_dict().items()},
-                opt=opt.state_dict(),
-                outer={
-                    k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.state_dict().items()
-                },
-                step=step,
-            )
-            s.close()
-            return out
-    out["final"] = s.finish(rounds * H)
+            return save_and_close(out, m, opt, s, step)
+    try:
+        out["final"] = s.finish(rounds * H)
+    except XRNoQuorum:  # the last round found no quorum: checkpoint (a trainer then exits for a requeue)
+        return save_and_close(out, m, opt, s, rounds * H)
     out["params"] = flat(m)
     out["theta_end"] = s.theta_outer.clone()
+    s.close()
+    return out
+
+
+def save_and_close(out, m, opt, s, step):
+    out["state"] = dict(
+        model={k: v.clone() for k, v in m.state_dict().items()},
+        opt=opt.state_dict(),
+        outer={k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.state_dict().items()},
+        step=step,
+    )
     s.close()
     return out
 
@@ -246,3 +251,26 @@ def test_elastic_a_region_away_costs_no_stall_and_rejoins_on_the_shared_state(tm
     assert torch.equal(us["rounds"][back]["theta"], eu["rounds"][back]["theta"])
     assert torch.equal(us["rounds"][back]["momentum"], eu["rounds"][back]["momentum"])
     assert torch.equal(eu["params"], us["params"])
+
+
+def test_no_quorum_for_the_last_round_then_a_restart_at_the_end_finishes_it(tmp_path):
+    """eu's finish() finds no quorum for the last round (us is late): eu checkpoints with the round in flight,
+    as the trainer does before exiting for a requeue. Restarted at the end step (no step left to train),
+    start() runs that round again and finish() joins it: eu ends on us's parameters, the run's last state."""
+    root = tmp_path / "mbx"
+    eu_gave_up = threading.Event()
+
+    def gate(region, step):
+        if region == "us" and step == 3 * H:
+            assert eu_gave_up.wait(60)
+
+    def eu():
+        first = run("eu", root, 3, timeout_s=3.0)  # us keeps up until its gate, then is away
+        assert "final" not in first and first["state"]["outer"]["inflight"] == 3
+        eu_gave_up.set()
+        return run("eu", root, 3, state=first["state"])
+
+    res = in_threads(lambda r: eu() if r == "eu" else run(r, root, 3, gate=gate))
+    assert res["eu"]["rounds"] == {}  # nothing left to train after the restart
+    assert res["eu"]["final"]["xr_round"] == 3 and res["eu"]["final"]["xr_members"] == REGIONS
+    assert torch.equal(res["eu"]["params"], res["us"]["params"])
