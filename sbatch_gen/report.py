@@ -50,8 +50,12 @@ class Run:
     def rounds(self) -> list[dict]:
         """Records of the sync rounds this process ran (not the fast-forward records of a region that
         caught up with the run: those carry ``xr_adopted_step`` and no timings)."""
-        final = [e for e in self.events if e.get("event") == "xr_final_round"]  # overlap eager, the end
-        return [r for r in self.steps if "xr_round" in r and "xr_adopted_step" not in r] + final
+        return [r for r in self.steps if "xr_round" in r and "xr_adopted_step" not in r] + self.final_rounds
+
+    @property
+    def final_rounds(self) -> list[dict]:
+        """overlap eager: the round joined after the last step (an ``xr_final_round`` event, no step record)."""
+        return [e for e in self.events if e.get("event") == "xr_final_round"]
 
 
 def _display(p: Path) -> str:
@@ -261,8 +265,7 @@ def slo(run: Run) -> dict:
     # Records are sampled (every log_every steps) but every sync round is logged, and a round's step time
     # includes its sync: estimate the whole run as (trained steps x mean step without sync) + all rounds.
     n_steps = sum(seg[-1]["step"] - seg[0]["step"] + 1 for seg in segments(run))
-    finals = [e for e in run.events if e.get("event") == "xr_final_round"]
-    xr = sum(_exposed(r) for r in [*steps, *finals])
+    xr = sum(_exposed(r) for r in [*steps, *run.final_rounds])
     per_step = _mean([float(r["step_time_s"]) - _exposed(r) for r in steps])
     step_sum = per_step * n_steps + xr
     # In-region comm as the trainer measured it; None where the host cannot see it (NCCL): then n/a, not 0.
