@@ -225,8 +225,10 @@ class DiLoCo:
     def finish(self, step: int) -> dict | None:
         """After the last ``after_step``, before the final checkpoint: with ``overlap: eager`` wait for the
         round still in flight and give the model the run's shared parameters, so every region ends on the
-        same bits; returns that round's record. A no-op (None) otherwise. Raises :class:`XRNoQuorum` like
-        :meth:`after_step` (checkpoint and requeue: the round runs again after :meth:`start`)."""
+        same bits; returns that round's record (None without a round in flight). In every mode it marks the
+        run as finished: :meth:`close` then waits (up to ``timeout_s``) for an outer snapshot still
+        uploading, which it calls off otherwise. Raises :class:`XRNoQuorum` like :meth:`after_step`
+        (checkpoint and requeue: the round runs again after :meth:`start`)."""
         return self._sync.finish(step)
 
     def leave(self, step: int, reason: str = "stopped") -> None:
@@ -247,7 +249,7 @@ class DiLoCo:
         return self._sync.outer_bytes()
 
     def close(self) -> None:
-        """Stop the heartbeat and close the mailbox."""
+        """Stop the heartbeat and close the mailbox (after :meth:`finish`: once the last snapshot is up)."""
         self._sync.close()
 
     def __enter__(self) -> DiLoCo:

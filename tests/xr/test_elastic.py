@@ -117,7 +117,9 @@ def test_a_returning_region_fast_forwards_and_is_bitwise_equal_after_its_first_r
     )
     syncs, saved = _round_one_then_us_goes(tmp_path, regions, kw, lambda s: s.leave(H, "test"))
     m_eu, s_eu, opt_eu = syncs["eu"]
-    recs = _rounds(m_eu, s_eu, opt_eu, "eu", [2, 3, 4, 5])
+    recs = _rounds(m_eu, s_eu, opt_eu, "eu", [2, 3, 4])
+    s_eu.wait_snapshot()  # snapshot 4 uploads in the background: complete before round 5's cleanup
+    recs += _rounds(m_eu, s_eu, opt_eu, "eu", [5])
     assert [x["xr_members"] for x in recs] == [["eu"]] * 4
     assert all(x["xr_close_reason"] == "leave" for x in recs)  # us announced its leave: no grace wait
     mailbox = tmp_path / "t"

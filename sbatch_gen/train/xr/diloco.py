@@ -10,7 +10,9 @@ committed rounds still in the mailbox, or loads the newest outer snapshot first 
 momentum, published every ``snapshot_every`` rounds by the round's first member) and replays the rounds
 after it. It then continues at the run's round and step; its own data position goes on from where it
 left off. The rounds between the newest snapshot and now are never cleaned up, and a snapshot is
-deleted only once a newer one is complete.
+deleted only once a newer one is complete. A snapshot crosses the WAN in the background (a thread of the
+leaders, from a host copy of the outer state, a few streams at a time) while training and the next rounds
+go on.
 """
 
 from __future__ import annotations
@@ -24,23 +26,26 @@ import torch
 from .errors import XRBehind, XRError, XRLayoutError, XRMissingRound, XRNoQuorum
 from .exchange import Exchange, RoundResult
 from .kernels import blocks, nesterov_block_
-from .overlap import InFlight
+from .overlap import CANCEL_WAIT_S, InFlight
 from .protocol import round_tag
 from .region import held
 from .sync import ROUND_PARTS, OuterSync, _as_int
 
 
 class _Done(NamedTuple):
-    """What a background job hands to the join: the round, then the snapshot it published (round, step,
-    seconds, error) and the cleanup behind round ``cleaned`` (its error)."""
+    """What a background round hands to the join: the round, the snapshot due after it (round, step: its
+    leaders copied the outer state for the upload) and the cleanup behind round ``cleaned`` (its error)."""
 
     result: RoundResult
-    snapshot: tuple | None
+    snapshot: tuple[int, int] | None
     cleaned: int
     cleanup_error: str | None
 
 
 FF_ATTEMPTS = 5  # objects can vanish under a fast-forward (a newer snapshot lands): plan again this often
+# A snapshot (8 B/param, 4x a bf16 round) uploads this many shards at a time, in the background: the rounds
+# that cross the WAN meanwhile keep the rest of the link.
+SNAPSHOT_STREAMS = 2
 
 
 class DiLoCo(OuterSync):
@@ -64,9 +69,16 @@ class DiLoCo(OuterSync):
         self.eager = self.xr.overlap == "eager"
         self.inflight, self.inflight_tokens, self.early, self.others = 0, 0, 0.0, -1
         self._job: InFlight[_Done] | None = None
-        self._snapshot_s: float | None = None
         bg = self.group.background() if self.eager else None  # collective: a process group of its own
         self.bg_ex = self.ex.in_background(bg) if bg is not None else None
+        # the snapshot upload in flight (leaders), the host copy of the outer state the next one uploads,
+        # and whether the run is over (finish(): close() then waits for the upload, else calls it off)
+        self._snap: InFlight[tuple] | None = None
+        self._snap_round, self._snap_s = 0, None  # its round; the seconds of the last one reaped
+        self._snap_copy: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._finished = False
+        sg = self.group.background()  # collective: the snapshot uploads' own process group
+        self.snap_ex = self.ex.for_snapshots(sg, SNAPSHOT_STREAMS) if sg is not None else None
         if self.group.rank == 0 and self.membership is not None and self.xr.elastic:
             # liveness for the others' rounds (and theirs judged by it) until leave() or close()
             self.membership.start_heartbeat(self.xr.heartbeat_s)
@@ -110,7 +122,7 @@ class DiLoCo(OuterSync):
         self._share_params()
         self.round, self.tokens, self.pending = r, 0, 0
         t7 = self._now()
-        snap_s = self._maybe_snapshot(r, res.members, step)
+        snap_s = self._snapshot(r, res.members, step)
         self._cleanup(r, need_snapshot=True)
         t8 = self._now()
         t.update(outer_step_s=t6 - t5, broadcast_s=t["broadcast_s"] + (t7 - t6), cleanup_s=t8 - t7, t_end=t8)
@@ -155,8 +167,9 @@ class DiLoCo(OuterSync):
     ) -> None:
         """Start round ``b``'s exchange in a thread of each leader (``pre``: this leader's encoded shards;
         None: encode ``own`` there, a resumed region publishing the round it had in flight again), then
-        publish snapshot ``snap`` when one is due (the outer state does not change before the join) and
-        clean up behind round ``clean``: nothing of it crosses the WAN while training waits."""
+        copy the outer state for snapshot ``snap`` when one is due (it does not change before the join,
+        which starts the upload) and clean up behind round ``clean``: nothing of it crosses the WAN while
+        training waits."""
         self.inflight, self.inflight_tokens = b, tokens
         if self.leader:
             ex, own, avg = self.bg_ex, self.own, self.avg
@@ -165,7 +178,9 @@ class DiLoCo(OuterSync):
 
             def job(cancel: threading.Event) -> _Done:
                 res = ex.run_round(round_tag(b), "delta", step, own, avg, tokens, pre=pre, cancel=cancel)
-                shot = (snap, step, *self._publish_snapshot(ex, snap, step)) if snap is not None else None
+                if snap is not None:
+                    self._snap_copy = self._copy_outer()
+                shot = (snap, step) if snap is not None else None
                 return _Done(res, shot, clean, self._cleanup_now(ex, clean, True) if clean else None)
 
             self._job = InFlight(job, f"xr-round-{b}", self.outer_device)
@@ -192,10 +207,8 @@ class DiLoCo(OuterSync):
         if done is None:
             raise XRError("internal: rank 0 returned no result for the round in flight")
         res = done.result
-        self._snapshot_s = None  # the snapshot the background job published after its round, if any
-        if done.snapshot is not None:
-            self._log_snapshot(*done.snapshot)
-            self._snapshot_s = done.snapshot[2]
+        if done.snapshot is not None:  # the round copied the outer state: its upload starts now
+            self._upload_snapshot(*done.snapshot)
         self._log_cleanup(done.cleaned, done.cleanup_error)
         self.ex.broadcast_slices(self.ex.expect("delta").plan, self.avg)
         return res
@@ -224,6 +237,8 @@ class DiLoCo(OuterSync):
         if self.leader:  # this phase's fresh delta: where it started minus where it is (fp32)
             self.flat.delta_into(self._working(held(work, "work")), held(self.own, "own"))
         snap, tc = None, t1
+        self._reap_snapshot()
+        snap_s = self._take_snapshot_s()
         if res is not None:
             self._outer_step(self.avg, scatter=False)  # the shared state takes the committed average only
             tc = self._now()
@@ -247,7 +262,7 @@ class DiLoCo(OuterSync):
         if res is not None:
             bcast = res.times["broadcast_s"] + (t3 - t2)
             t = self._with_boundary(res, outer_step_s=tc - t1, cleanup_s=t2 - tc, broadcast_s=bcast)
-            out.update(self._record(step, res, t, self._snapshot_s))
+            out.update(self._record(step, res, t, snap_s))
         out.update(xr_join_s=t1 - t0, xr_exposed_s=t3 - t0)
         return out
 
@@ -255,6 +270,7 @@ class DiLoCo(OuterSync):
         """Collective, after the last step: wait for the round in flight and give the model the shared
         outer state (plus the steps since the last boundary, when the run does not end on one), so every
         region ends on the same parameters. None when nothing is in flight (always with overlap none)."""
+        self._finished = True  # close() waits for a snapshot still uploading
         if not self.eager or not self.inflight:
             return None
         t0 = self._now()
@@ -276,7 +292,7 @@ class DiLoCo(OuterSync):
                 torch.sub(theta, held(self.own, "own"), out=held(self.work, "work")) if partial else theta
             )
         self._share_params()
-        snap_s = self._maybe_snapshot(self.round, res.members, step)
+        snap_s = self._snapshot(self.round, res.members, step)
         self._cleanup(self.round, need_snapshot=True)
         t2 = self._now()
         t = self._with_boundary(res, outer_step_s=tc - t1, cleanup_s=t2 - tc)
@@ -316,15 +332,30 @@ class DiLoCo(OuterSync):
         """Every ``snapshot_every`` rounds the round's first member publishes the outer state."""
         return r % self.xr.snapshot_every == 0 and bool(members) and members[0] == self.xr.region
 
-    def _publish_snapshot(self, ex: Exchange, r: int, step: int) -> tuple[float | None, str | None]:
-        """Collective over ``ex``'s group: the outer state of round ``r`` as snapshot ``r``. Returns (seconds,
-        None), or (None, the error) when it failed: the previous snapshot stays, rounds after it are kept."""
+    def _copy_outer(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Leaders: ``theta_outer`` and momentum copied to host memory for a snapshot upload; only the
+        shards this leader uploads are written (the rest of each buffer stays untouched)."""
+        theta, mom = held(self.theta_outer, "theta_outer"), held(self.momentum, "momentum")
+        out = (torch.empty(self.numel, dtype=torch.float32), torch.empty(self.numel, dtype=torch.float32))
+        plan = self.ex.fp32_plan
+        for sh in self.ex.owned(plan):
+            lo, hi = plan.bounds[sh]
+            out[0][lo:hi].copy_(theta[lo:hi])
+            out[1][lo:hi].copy_(mom[lo:hi])
+        return out
+
+    def _publish_snapshot(
+        self, ex: Exchange, r: int, step: int, state: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[float | None, str | None]:
+        """Collective over ``ex``'s group: ``state`` (the outer state of round ``r``) as snapshot ``r``.
+        Returns (seconds, None), or (None, the error) when it failed: the previous snapshot stays, rounds
+        after it are kept."""
         t0 = time.perf_counter()
         ms = self.membership
         tag = ms.snap_tag(r) if ms is not None else ""
         try:
-            mt, _, _ = ex.upload(tag, "theta", "snapshot", step, self.theta_outer, 0)
-            mm, _, _ = ex.upload(tag, "momentum", "snapshot", step, self.momentum, 0)
+            mt, _, _ = ex.upload(tag, "theta", "snapshot", step, state[0], 0)
+            mm, _, _ = ex.upload(tag, "momentum", "snapshot", step, state[1], 0)
 
             def publish() -> None:  # rank 0: it holds the mailbox and the manifests upload() returned
                 if ms is None or mt is None or mm is None:
@@ -333,23 +364,68 @@ class DiLoCo(OuterSync):
                 ms.delete_snapshots_before(r)
 
             ex.group.on_rank(publish)
-        except XRError as e:
+        except Exception as e:  # noqa: BLE001 - a failed snapshot costs nothing but the rounds kept longer
             return None, str(e)
         return time.perf_counter() - t0, None
 
-    def _log_snapshot(self, r: int, step: int, seconds: float | None, error: str | None) -> None:
-        if error is not None:
-            self._log({"event": "xr_snapshot_failed", "round": r, "error": error})
-        elif seconds is not None:
-            self._log({"event": "xr_snapshot", "round": r, "step": step, "seconds": round(seconds, 3)})
+    def _snapshot(self, r: int, members: list[str], step: int) -> float | None:
+        """At round ``r``'s boundary: reap a snapshot upload that has ended since the last one and, when
+        snapshot ``r`` is due, copy the outer state and start uploading it. Returns the seconds of the
+        upload reaped (for the round's record), if any."""
+        self._reap_snapshot()
+        if self._snapshot_due(r, members):
+            if self.leader:
+                self._snap_copy = self._copy_outer()
+            self._upload_snapshot(r, step)
+        return self._take_snapshot_s()
 
-    def _maybe_snapshot(self, r: int, members: list[str], step: int) -> float | None:
-        """The snapshot of round ``r`` when it is due, published now (training waits for it)."""
-        if not self._snapshot_due(r, members):
-            return None
-        seconds, error = self._publish_snapshot(self.ex, r, step)
-        self._log_snapshot(r, step, seconds, error)
+    def _upload_snapshot(self, r: int, step: int) -> None:
+        """Leaders: upload snapshot ``r`` from their copy of the outer state in a thread while training goes
+        on (an upload still running is waited for first: one at a time)."""
+        self._reap_snapshot(wait=True)
+        state, self._snap_copy = self._snap_copy, None
+        if not self.leader:
+            return
+        ex = self.snap_ex
+        if ex is None or state is None:
+            raise XRError("internal: a leader without its snapshot exchange or its copy of the outer state")
+
+        def job(cancel: threading.Event) -> tuple:
+            return (r, step, *self._publish_snapshot(ex, r, step, state))
+
+        self._snap, self._snap_round = InFlight(job, f"xr-snapshot-{r}", self.outer_device), r
+
+    def _reap_snapshot(self, wait: bool = False, timeout_s: float | None = None, **extra: float) -> bool:
+        """The snapshot upload in flight, once it has ended (``wait``: wait for it, up to ``timeout_s``):
+        logged (with ``extra``), its seconds kept for the next record. Whether none is left in flight."""
+        job = self._snap
+        if job is None:
+            return True
+        if not (job.wait(timeout_s) if wait else job.done()):
+            return False
+        self._snap = None
+        r, step, seconds, error = job.result()
+        self._log_snapshot(r, step, seconds, error, **extra)
+        self._snap_s = seconds if seconds is not None else self._snap_s
+        return True
+
+    def _take_snapshot_s(self) -> float | None:
+        seconds, self._snap_s = self._snap_s, None
         return seconds
+
+    def wait_snapshot(self) -> None:
+        """Wait for the snapshot upload in flight, if any (it is logged as ``xr_snapshot``)."""
+        self._reap_snapshot(wait=True)
+
+    def _log_snapshot(
+        self, r: int, step: int, seconds: float | None, error: str | None, **extra: float
+    ) -> None:
+        if error is not None:
+            self._log({"event": "xr_snapshot_failed", "round": r, "error": error, **extra})
+        elif seconds is not None:
+            self._log(
+                {"event": "xr_snapshot", "round": r, "step": step, "seconds": round(seconds, 3), **extra}
+            )
 
     def _load_snapshot(self, s: int) -> None:
         """theta_outer and momentum of snapshot ``s`` (all-or-nothing: fetched into scratch first)."""
@@ -484,9 +560,34 @@ class DiLoCo(OuterSync):
         if self._job is not None:  # a stop with a round in flight: the checkpoint holds it, it runs again
             self._job.cancel()
             self._job = None
+        self._close_snapshots()
         if self.membership is not None:
             self.membership.stop_heartbeat()
         super().close()
+
+    def _close_snapshots(self) -> None:
+        """A run that finished waits up to ``timeout_s`` for its last snapshot upload. A region that stops
+        (or fails) calls it off: the shards not yet sent are dropped, the ones on the way get
+        ``CANCEL_WAIT_S``. Half-written, a snapshot is in no manifest, and the rounds after the previous one
+        are still kept."""
+        job, mb = self._snap, self.snap_ex.mailbox if self.snap_ex is not None else None
+        if job is not None:
+            finishing = self._finished
+            if not finishing and mb is not None:
+                mb.close(wait=False)
+            t0 = time.perf_counter()
+            ended = job.wait(self.xr.timeout_s if finishing else CANCEL_WAIT_S)
+            if ended and (finishing or job.result()[3] is None):
+                # logged: done (with the seconds the end waited for it), or failed
+                self._reap_snapshot(end_wait_s=round(time.perf_counter() - t0, 3))
+            else:
+                self._snap = None
+                why = (
+                    f"not done after timeout_s ({self.xr.timeout_s:g} s)" if finishing else "the region stops"
+                )
+                self._log({"event": "xr_snapshot_abandoned", "round": self._snap_round, "reason": why})
+        if mb is not None:
+            mb.close(wait=False)
 
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

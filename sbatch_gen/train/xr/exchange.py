@@ -119,6 +119,18 @@ class Exchange:
         ex.group, ex.background = group, True
         return ex
 
+    def for_snapshots(self, group: Region, streams: int) -> Exchange:
+        """This exchange for the thread that uploads outer snapshots while training and rounds go on:
+        collectives on ``group`` (another :meth:`Region.background`), a pool of its own of ``streams``
+        uploads (the rounds keep the rest of the link), no buffer shared with the rounds (it uploads fp32
+        from host memory, which needs none)."""
+        ex = self.in_background(group)
+        ex._stage, ex._rx, ex._q_out, ex._q_dec = {}, {}, {}, {}
+        ex._tmp = ex._q_scratch = None
+        if self.mailbox is not None:
+            ex.mailbox = self.mailbox.with_threads(streams, "xr-snapshot-io")
+        return ex
+
     def mb(self) -> Mailbox:
         """The mailbox: open on the shard owners (rank 0 among them) only, the other ranks never use it."""
         if self.mailbox is None:

@@ -1,11 +1,12 @@
-"""A round in flight: the exchange of one round running in a thread of a region's leaders while training
-goes on (``overlap: eager``).
+"""A job in flight in a thread of a region's leaders while training goes on: the exchange of one round
+(``overlap: eager``), or the upload of an outer snapshot.
 
-The thread runs :meth:`.exchange.Exchange.run_round` on the leaders' own gloo process group
-(:meth:`.region.Region.background`), so its collectives never interleave with the trainer's; it writes
-only the average buffer, which the outer sync reads after :meth:`InFlight.result`. The thread is a daemon:
-a job that exits (a stop, a crash) never waits for an upload to finish; what it left half-written is
-not in any manifest, and the region publishes the round again when it resumes.
+Each kind of job runs on a gloo process group of the leaders of its own
+(:meth:`.region.Region.background`), so its collectives never interleave with the trainer's or the other
+kind's; a round writes only the average buffer, which the outer sync reads after :meth:`InFlight.result`,
+a snapshot reads only its own copy of the outer state. The thread is a daemon: a job that exits (a stop,
+a crash) never waits for an upload to finish; what it left half-written is not in any manifest, and the
+region publishes the round again when it resumes (a snapshot: at the next one due).
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class InFlight(Generic[T]):
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait up to ``timeout_s`` (None: for ever) for the job to end; whether it has."""
+        return self._done.wait(timeout_s)
 
     def result(self) -> T:
         """Wait for the round; its result, or its error raised here."""

@@ -19,6 +19,7 @@ shard index means the same slice everywhere.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -413,5 +414,14 @@ class Mailbox:
 
         return dict(self.pool.map(one, wants))
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
+    def with_threads(self, threads: int, name: str) -> Mailbox:
+        """This mailbox (the same store and client) with a thread pool of its own: at most ``threads``
+        transfers at a time, beside the ones of this mailbox's pool."""
+        mb = copy.copy(self)
+        mb.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+        return mb
+
+    def close(self, wait: bool = True) -> None:
+        """Shut the pool down; ``wait=False``: transfers not yet started are dropped, the running ones are
+        left to finish or to die with the process."""
+        self.pool.shutdown(wait=wait, cancel_futures=not wait)
