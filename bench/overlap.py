@@ -129,10 +129,13 @@ def _region_figures(name: str, recs: list[dict], sz: Sizes, overlap: str) -> dic
         "inner_step_s": median(inner),
         "round_s": [r["xr_total_s"] for r in rounds],
         "join_s": [r["xr_join_s"] for r in marks if "xr_join_s" in r],
-        # per boundary: the wait for the round in flight (eager), and the seconds of a snapshot (theta_outer +
-        # momentum, fp32; every snapshot_every rounds, by the round's first member) the record reports
+        # per boundary: the wait for the round in flight (eager)
         "wait_each": [r.get("xr_join_s", 0.0) for r in marks],
-        "snapshot_each": [r.get("xr_snapshot_s", 0.0) for r in marks],
+        # the snapshots this region uploaded (theta_outer + momentum, fp32; every snapshot_every rounds, by the
+        # round's first member, in the background): (round, upload s, the end's wait for it s or None)
+        "snapshots": [
+            (e["round"], e["seconds"], e.get("end_wait_s")) for e in recs if e.get("event") == "xr_snapshot"
+        ],
         # the outer step and the mailbox cleanup at the boundary (the round's own record)
         "outer_cleanup_s": [r["xr_outer_step_s"] + r.get("xr_cleanup_s", 0.0) for r in rounds],
         "bytes_up": ups.pop(),
@@ -338,7 +341,7 @@ def _report(res: Result, sz: Sizes, vs: list[dict], wan: bool) -> None:
             "region",
             "exposed s per boundary",
             "join s (eager)",
-            "snapshot s (boundary: seconds)",
+            "snapshots (round: upload s, the end's wait s)",
         ],
         [
             [
@@ -346,7 +349,10 @@ def _report(res: Result, sz: Sizes, vs: list[dict], wan: bool) -> None:
                 r,
                 ", ".join(f"{x:.3f}" for x in v["regions"][r]["exposed_each"]),
                 ", ".join(f"{x:.3f}" for x in v["regions"][r]["join_s"]) or "-",
-                ", ".join(f"{i + 1}: {x:.3f}" for i, x in enumerate(v["regions"][r]["snapshot_each"]) if x)
+                ", ".join(
+                    f"{rd}: {x:.3f}" + (f", {w:.3f}" if w is not None else "")
+                    for rd, x, w in v["regions"][r]["snapshots"]
+                )
                 or "-",
             ]
             for v in vs
@@ -424,13 +430,18 @@ def _report(res: Result, sz: Sizes, vs: list[dict], wan: bool) -> None:
         )
 
     # notes
-    snaps = [  # (variant, region, boundary, snapshot s, that boundary's own work s, the other region's next join)
-        (v["label"], r, i + 1, x, _own_work(v["regions"][r])[i], _next_wait(v, r, i))
-        for v in vs
-        for r in REGIONS
-        for i, x in enumerate(v["regions"][r]["snapshot_each"])
-        if x
-    ]
+    # (variant, region, round, upload s, the end's wait s, the boundary it started at, that boundary's own
+    # work s, the other region's most exposed s over the next two boundaries, that region's median exposed s)
+    snaps = []
+    for v in vs:
+        eager = v["overlap"] == "eager"
+        for r in REGIONS:
+            for rd, x, w in v["regions"][r]["snapshots"]:
+                i = rd + (1 if eager else 0)  # eager: snapshot rd starts where round rd is joined
+                own = _own_work(v["regions"][r])
+                snaps.append(
+                    (v["label"], r, rd, x, w, i, own[i - 1] if i <= len(own) else 0.0, *_next(v, r, i))
+                )
     for dtype in dtypes:
         e, n = by[f"eager, {dtype}"], by[f"none, {dtype}"]
         ew = {r: e["regions"][r]["wall_s"] for r in REGIONS}
@@ -451,26 +462,29 @@ def _report(res: Result, sz: Sizes, vs: list[dict], wan: bool) -> None:
             "nothing is left to train while the last round crosses, so one whole round per run stays exposed "
             f"whatever the overlap, its share shrinking as 1 / rounds); the boundary's own work, median "
             f"{median(work):.3f} s per boundary (the fresh delta, its encode and decode, the outer step, the "
-            f"mailbox cleanup's listing and deletes{' over the WAN' if wan else ''}, the scatter; the most, the "
+            "start of the housekeeping (snapshot upload, mailbox cleanup: in the background), the scatter; the "
+            "most, the "
             f"final event's included: {', '.join(top)}), all in the foreground; the waits for the round in flight"
             + (" (see the snapshots, next note)." if snaps else ".")
         )
     if snaps:
         res.notes.append(
             "Every snapshot_every rounds (default 10) the round's first member uploads a snapshot of the outer "
-            "state (theta_outer + momentum, fp32: 8 B per parameter, 4x a bf16 round's payload). As the records "
-            "report them (`xr_snapshot_s`; variant, region, the boundary whose record carries it: the upload's "
-            "seconds; that boundary's own work, exposed minus the join; eager: the other region's longest wait "
-            "for the round in flight over the next two boundaries): "
+            "state (theta_outer + momentum, fp32: 8 B per parameter, 4x a bf16 round's payload) in the "
+            "background: at the boundary it copies the state to host memory (with eager the background round "
+            "makes the copy), then a thread uploads it, 2 shards at a time, while training and the next rounds "
+            "go on, sharing the link with them. Per snapshot (variant, region, round: the upload's seconds; the "
+            "end's wait for it; the boundary it started at and that boundary's own work, exposed minus the "
+            "join; the other region's most exposed seconds over the next two boundaries, against its median): "
             + "; ".join(
-                f"{lbl}, {r}, boundary {i}: {x:.2f} s; {e:.2f} s; {w}" for lbl, r, i, x, e, w in snaps
+                f"{lbl}, {r}, round {rd}: {x:.2f} s; "
+                + (f"end wait {w:.2f} s" if w is not None else "no end wait")
+                + f"; boundary {i}: {e:.2f} s; {o:.2f} s against {med:.2f} s"
+                for lbl, r, rd, x, w, i, e, o, med in snaps
             )
-            + ". With none the upload is part of the round: training waits for it, and the other region waits "
-            "for this one at the next boundary. With eager an upload longer than its boundary's own work ran in "
-            "the background, after that round's exchange: it lengthens the job the next boundary joins, and the "
-            "other region waits for the delta published that much later. The mailbox deletes a round's objects "
-            "only once a complete snapshot covers it (keep_rounds 1 here), so the first cleanup after a "
-            "snapshot deletes every round since the previous one, at a boundary, in the foreground."
+            + ". The mailbox deletes a round's objects only once a complete snapshot covers it (keep_rounds 1 "
+            "here), so the cleanup after a snapshot deletes every round since the previous one: in the same "
+            "background job, after the upload."
         )
     bf, i8 = by["none, bf16"], by["none, int8"]
     res.notes.append(
@@ -505,13 +519,11 @@ def _own_work(f: dict) -> list[float]:
     return [e - w for e, w in zip(f["exposed_each"], f["wait_each"], strict=True)]
 
 
-def _next_wait(v: dict, region: str, i: int) -> str:
-    """Eager: the other region's longest wait for the round in flight at boundaries i+1, i+2 (0-based i)."""
-    if v["overlap"] != "eager":
-        return "-"
-    other = next(r for r in REGIONS if r != region)
-    waits = v["regions"][other]["wait_each"][i + 1 : i + 3]
-    return f"{max(waits):.2f} s" if waits else "-"
+def _next(v: dict, region: str, i: int) -> tuple[float, float]:
+    """The other region's most exposed seconds at boundaries i+1, i+2 (1-based i; the final event counts),
+    and its median exposed seconds per boundary."""
+    other = v["regions"][next(r for r in REGIONS if r != region)]["exposed_each"]
+    return max(other[i : i + 2], default=0.0), median(other)
 
 
 def _hstep(v: dict, sz: Sizes) -> float:

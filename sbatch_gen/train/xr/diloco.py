@@ -33,18 +33,25 @@ from .sync import ROUND_PARTS, OuterSync, _as_int
 
 
 class _Done(NamedTuple):
-    """What a background round hands to the join: the round, the snapshot due after it (round, step: its
-    leaders copied the outer state for the upload) and the cleanup behind round ``cleaned`` (its error)."""
+    """What a background round hands to the join: the round, and the snapshot due after it (round, step:
+    its leaders copied the outer state, which the housekeeping then uploads)."""
 
     result: RoundResult
     snapshot: tuple[int, int] | None
+
+
+class _Kept(NamedTuple):
+    """What a housekeeping job hands back: the snapshot it uploaded (round, step, seconds, error) and the
+    cleanup behind round ``cleaned`` (rank 0; its error)."""
+
+    snapshot: tuple | None
     cleaned: int
     cleanup_error: str | None
 
 
 FF_ATTEMPTS = 5  # objects can vanish under a fast-forward (a newer snapshot lands): plan again this often
-# A snapshot (8 B/param, 4x a bf16 round) uploads this many shards at a time, in the background: the rounds
-# that cross the WAN meanwhile keep the rest of the link.
+# A snapshot (8 B/param, 4x a bf16 round) uploads this many shards at a time, in the background (the
+# housekeeping): the rounds that cross the WAN meanwhile keep the rest of the link.
 SNAPSHOT_STREAMS = 2
 
 
@@ -71,13 +78,15 @@ class DiLoCo(OuterSync):
         self._job: InFlight[_Done] | None = None
         bg = self.group.background() if self.eager else None  # collective: a process group of its own
         self.bg_ex = self.ex.in_background(bg) if bg is not None else None
-        # the snapshot upload in flight (leaders), the host copy of the outer state the next one uploads,
-        # and whether the run is over (finish(): close() then waits for the upload, else calls it off)
-        self._snap: InFlight[tuple] | None = None
-        self._snap_round, self._snap_s = 0, None  # its round; the seconds of the last one reaped
+        # the housekeeping job in flight (leaders: a snapshot upload, then rank 0's mailbox cleanup) and the
+        # round of its snapshot (0: none), the seconds of the last snapshot reaped, the host copy of the
+        # outer state the next snapshot uploads, and whether the run is over (finish(): close() then waits
+        # for the job, else calls it off)
+        self._hk: InFlight[_Kept] | None = None
+        self._hk_snap, self._snap_s = 0, None
         self._snap_copy: tuple[torch.Tensor, torch.Tensor] | None = None
         self._finished = False
-        sg = self.group.background()  # collective: the snapshot uploads' own process group
+        sg = self.group.background()  # collective: the housekeeping's own process group
         self.snap_ex = self.ex.for_snapshots(sg, SNAPSHOT_STREAMS) if sg is not None else None
         if self.group.rank == 0 and self.membership is not None and self.xr.elastic:
             # liveness for the others' rounds (and theirs judged by it) until leave() or close()
@@ -122,8 +131,8 @@ class DiLoCo(OuterSync):
         self._share_params()
         self.round, self.tokens, self.pending = r, 0, 0
         t7 = self._now()
-        snap_s = self._snapshot(r, res.members, step)
-        self._cleanup(r, need_snapshot=True)
+        self._housekeeping(r, self._copy_if_due(r, res.members, step))
+        snap_s = self._take_snapshot_s()
         t8 = self._now()
         t.update(outer_step_s=t6 - t5, broadcast_s=t["broadcast_s"] + (t7 - t6), cleanup_s=t8 - t7, t_end=t8)
         rec = self._record(step, res, t, snap_s)
@@ -162,14 +171,11 @@ class DiLoCo(OuterSync):
         t["t_end"] = t["t_start"] + sum(t[k] for k in ROUND_PARTS)
         return t
 
-    def _launch(
-        self, b: int, step: int, tokens: int, pre: dict | None, snap: int | None = None, clean: int = 0
-    ) -> None:
+    def _launch(self, b: int, step: int, tokens: int, pre: dict | None, snap: int | None = None) -> None:
         """Start round ``b``'s exchange in a thread of each leader (``pre``: this leader's encoded shards;
         None: encode ``own`` there, a resumed region publishing the round it had in flight again), then
-        copy the outer state for snapshot ``snap`` when one is due (it does not change before the join,
-        which starts the upload) and clean up behind round ``clean``: nothing of it crosses the WAN while
-        training waits."""
+        copy the outer state for snapshot ``snap`` when one is due: it does not change before the join,
+        which hands the copy to the housekeeping. Nothing of it crosses the WAN while training waits."""
         self.inflight, self.inflight_tokens = b, tokens
         if self.leader:
             ex, own, avg = self.bg_ex, self.own, self.avg
@@ -180,8 +186,7 @@ class DiLoCo(OuterSync):
                 res = ex.run_round(round_tag(b), "delta", step, own, avg, tokens, pre=pre, cancel=cancel)
                 if snap is not None:
                     self._snap_copy = self._copy_outer()
-                shot = (snap, step) if snap is not None else None
-                return _Done(res, shot, clean, self._cleanup_now(ex, clean, True) if clean else None)
+                return _Done(res, (snap, step) if snap is not None else None)
 
             self._job = InFlight(job, f"xr-round-{b}", self.outer_device)
 
@@ -192,7 +197,7 @@ class DiLoCo(OuterSync):
             b = self.inflight
             self._launch(b, b * self.xr.inner_steps, self.inflight_tokens, None)
 
-    def _join(self) -> RoundResult:
+    def _join(self) -> _Done:
         """Collective: wait for the round in flight; every rank gets its result or raises its error (the
         round stays in flight then, e.g. for the retry after a requeue). Leaders then hold the average."""
         self._relaunch()
@@ -206,12 +211,8 @@ class DiLoCo(OuterSync):
         done = self.group.on_each(wait, active=self.leader)[0]
         if done is None:
             raise XRError("internal: rank 0 returned no result for the round in flight")
-        res = done.result
-        if done.snapshot is not None:  # the round copied the outer state: its upload starts now
-            self._upload_snapshot(*done.snapshot)
-        self._log_cleanup(done.cleaned, done.cleanup_error)
         self.ex.broadcast_slices(self.ex.expect("delta").plan, self.avg)
-        return res
+        return done
 
     def _drop_inflight(self) -> None:
         """The round in flight no longer matters (a fast-forward passed it): call it off."""
@@ -219,13 +220,14 @@ class DiLoCo(OuterSync):
             self._job.cancel()
             self._job = None
         self.inflight, self.inflight_tokens, self.early = 0, 0, 0.0
+        self._snap_copy = None  # a copy it made for a snapshot, if any, is not uploaded
 
     def _eager_round(self, b: int, step: int) -> dict:
         t0 = self._now()
-        res = None
+        res, copied = None, None
         if self.inflight:
             try:
-                res = self._join()
+                res, copied = self._join()
             except XRBehind:  # the run went on without this region: catch up, this phase's steps are dropped
                 self._drop_inflight()
                 return self._fast_forward(step, "behind") or {}
@@ -237,15 +239,15 @@ class DiLoCo(OuterSync):
         if self.leader:  # this phase's fresh delta: where it started minus where it is (fp32)
             self.flat.delta_into(self._working(held(work, "work")), held(self.own, "own"))
         snap, tc = None, t1
-        self._reap_snapshot()
-        snap_s = self._take_snapshot_s()
         if res is not None:
             self._outer_step(self.avg, scatter=False)  # the shared state takes the committed average only
             tc = self._now()
             self.round = self.inflight
             self.others = sum(c.tokens for r, c in res.commit.members.items() if r != self.xr.region)
-            # a snapshot due now crosses the WAN in the background too, after round b's exchange
+            # a snapshot due now: round b's job copies the state after its exchange, the next join uploads it
             snap = self.round if self._snapshot_due(self.round, res.members) else None
+            self._housekeeping(self.round, copied)  # the snapshot copied last round, the cleanup
+        snap_s = self._take_snapshot_s()
         t2 = self._now()
         pre = self.ex.encode("delta", self.own)
         self.ex.decode_into("delta", pre, self.own)  # own = the wire values every region will average
@@ -256,7 +258,7 @@ class DiLoCo(OuterSync):
             self.flat.scatter(self._working(held(work, "work")))
         self._share_params()
         self.tokens, self.pending = 0, 0
-        self._launch(b, step, tokens, pre, snap, self.round)
+        self._launch(b, step, tokens, pre, snap)
         t3 = self._now()
         out: dict = {"xr_step": step, "xr_inflight": b, "xr_early_weight": weight}
         if res is not None:
@@ -269,13 +271,18 @@ class DiLoCo(OuterSync):
     def finish(self, step: int) -> dict | None:
         """Collective, after the last step: wait for the round in flight and give the model the shared
         outer state (plus the steps since the last boundary, when the run does not end on one), so every
-        region ends on the same parameters. None when nothing is in flight (always with overlap none)."""
-        self._finished = True  # close() waits for a snapshot still uploading
+        region ends on the same parameters. None when nothing is in flight (always with overlap none).
+        Once it returns, the run is finished: :meth:`close` waits for a snapshot still uploading."""
+        rec = self._finish(step)
+        self._finished = True
+        return rec
+
+    def _finish(self, step: int) -> dict | None:
         if not self.eager or not self.inflight:
             return None
         t0 = self._now()
         try:
-            res = self._join()
+            res, copied = self._join()
         except XRBehind:
             self._drop_inflight()
             return self._fast_forward(step, "behind") or {}
@@ -292,8 +299,9 @@ class DiLoCo(OuterSync):
                 torch.sub(theta, held(self.own, "own"), out=held(self.work, "work")) if partial else theta
             )
         self._share_params()
-        snap_s = self._snapshot(self.round, res.members, step)
-        self._cleanup(self.round, need_snapshot=True)
+        newest = self._copy_if_due(self.round, res.members, step)  # supersedes the one copied last round
+        self._housekeeping(self.round, newest or copied)
+        snap_s = self._take_snapshot_s()
         t2 = self._now()
         t = self._with_boundary(res, outer_step_s=tc - t1, cleanup_s=t2 - tc)
         rec = self._record(step, res, t, snap_s)
@@ -368,45 +376,62 @@ class DiLoCo(OuterSync):
             return None, str(e)
         return time.perf_counter() - t0, None
 
-    def _snapshot(self, r: int, members: list[str], step: int) -> float | None:
-        """At round ``r``'s boundary: reap a snapshot upload that has ended since the last one and, when
-        snapshot ``r`` is due, copy the outer state and start uploading it. Returns the seconds of the
-        upload reaped (for the round's record), if any."""
-        self._reap_snapshot()
-        if self._snapshot_due(r, members):
-            if self.leader:
-                self._snap_copy = self._copy_outer()
-            self._upload_snapshot(r, step)
-        return self._take_snapshot_s()
+    def _copy_if_due(self, r: int, members: list[str], step: int) -> tuple[int, int] | None:
+        """Snapshot ``r`` (round, step) when it is due, its leaders' copy of the outer state made now."""
+        if not self._snapshot_due(r, members):
+            return None
+        if self.leader:
+            self._snap_copy = self._copy_outer()
+        return r, step
 
-    def _upload_snapshot(self, r: int, step: int) -> None:
-        """Leaders: upload snapshot ``r`` from their copy of the outer state in a thread while training goes
-        on (an upload still running is waited for first: one at a time)."""
-        self._reap_snapshot(wait=True)
+    # -- housekeeping: snapshot uploads and the mailbox cleanup, in the background ------------------------------
+    def _housekeeping(self, r: int, snap: tuple[int, int] | None) -> None:
+        """After round ``r`` was applied: reap the housekeeping job if it has ended, then start the next one
+        in a thread of the leaders: the upload of snapshot ``snap`` (round, step) from their copy of the
+        outer state when one is due (the previous job waited for first: one at a time), then on rank 0 the
+        mailbox cleanup behind round ``r``. A cleanup alone is skipped while the previous job still runs:
+        the next one deletes what it would have."""
+        self._reap()
+        if snap is None and (self._hk is not None or self.group.rank != 0):
+            return
+        if snap is not None:
+            self._reap(wait=True)
         state, self._snap_copy = self._snap_copy, None
         if not self.leader:
             return
         ex = self.snap_ex
-        if ex is None or state is None:
-            raise XRError("internal: a leader without its snapshot exchange or its copy of the outer state")
+        if ex is None or (snap is not None and state is None):
+            raise XRError(
+                "internal: a leader without its housekeeping exchange or its copy of the outer state"
+            )
 
-        def job(cancel: threading.Event) -> tuple:
-            return (r, step, *self._publish_snapshot(ex, r, step, state))
+        def job(cancel: threading.Event) -> _Kept:
+            shot = None
+            if snap is not None and state is not None:
+                shot = (*snap, *self._publish_snapshot(ex, snap[0], snap[1], state))
+            return _Kept(shot, r, self._cleanup_now(ex, r, need_snapshot=True))
 
-        self._snap, self._snap_round = InFlight(job, f"xr-snapshot-{r}", self.outer_device), r
+        self._hk, self._hk_snap = (
+            InFlight(job, f"xr-housekeeping-{r}", self.outer_device),
+            snap[0] if snap else 0,
+        )
 
-    def _reap_snapshot(self, wait: bool = False, timeout_s: float | None = None, **extra: float) -> bool:
-        """The snapshot upload in flight, once it has ended (``wait``: wait for it, up to ``timeout_s``):
-        logged (with ``extra``), its seconds kept for the next record. Whether none is left in flight."""
-        job = self._snap
+    def _reap(self, wait: bool = False, timeout_s: float | None = None, **extra: float) -> bool:
+        """The housekeeping job, once it has ended (``wait``: wait for it, up to ``timeout_s``): its snapshot
+        logged (with ``extra``) and its seconds kept for the next record, a cleanup error logged. Whether no
+        job is left in flight."""
+        job = self._hk
         if job is None:
             return True
         if not (job.wait(timeout_s) if wait else job.done()):
             return False
-        self._snap = None
-        r, step, seconds, error = job.result()
-        self._log_snapshot(r, step, seconds, error, **extra)
-        self._snap_s = seconds if seconds is not None else self._snap_s
+        self._hk = None
+        kept = job.result()
+        if kept.snapshot is not None:
+            r, step, seconds, error = kept.snapshot
+            self._log_snapshot(r, step, seconds, error, **extra)
+            self._snap_s = seconds if seconds is not None else self._snap_s
+        self._log_cleanup(kept.cleaned, kept.cleanup_error)
         return True
 
     def _take_snapshot_s(self) -> float | None:
@@ -414,8 +439,9 @@ class DiLoCo(OuterSync):
         return seconds
 
     def wait_snapshot(self) -> None:
-        """Wait for the snapshot upload in flight, if any (it is logged as ``xr_snapshot``)."""
-        self._reap_snapshot(wait=True)
+        """Wait for the housekeeping in flight, if any: a snapshot upload (logged as ``xr_snapshot``), the
+        mailbox cleanup."""
+        self._reap(wait=True)
 
     def _log_snapshot(
         self, r: int, step: int, seconds: float | None, error: str | None, **extra: float
@@ -560,32 +586,35 @@ class DiLoCo(OuterSync):
         if self._job is not None:  # a stop with a round in flight: the checkpoint holds it, it runs again
             self._job.cancel()
             self._job = None
-        self._close_snapshots()
+        self._close_housekeeping()
         if self.membership is not None:
             self.membership.stop_heartbeat()
         super().close()
 
-    def _close_snapshots(self) -> None:
-        """A run that finished waits up to ``timeout_s`` for its last snapshot upload. A region that stops
-        (or fails) calls it off: the shards not yet sent are dropped, the ones on the way get
-        ``CANCEL_WAIT_S``. Half-written, a snapshot is in no manifest, and the rounds after the previous one
-        are still kept."""
-        job, mb = self._snap, self.snap_ex.mailbox if self.snap_ex is not None else None
+    def _close_housekeeping(self) -> None:
+        """A run that finished waits up to ``timeout_s`` for its last housekeeping (snapshot, cleanup). A
+        region that stops (or fails) calls it off: the shards not yet sent are dropped, the ones on the way
+        get ``CANCEL_WAIT_S``. Half-written, a snapshot is in no manifest, and the rounds after the previous
+        one are still kept."""
+        job, mb = self._hk, self.snap_ex.mailbox if self.snap_ex is not None else None
         if job is not None:
-            finishing = self._finished
-            if not finishing and mb is not None:
+            if not self._finished and mb is not None:
                 mb.close(wait=False)
             t0 = time.perf_counter()
-            ended = job.wait(self.xr.timeout_s if finishing else CANCEL_WAIT_S)
-            if ended and (finishing or job.result()[3] is None):
+            ended = job.wait(self.xr.timeout_s if self._finished else CANCEL_WAIT_S)
+            shot = job.result().snapshot if ended else None
+            if ended and (self._finished or shot is None or shot[3] is None):
                 # logged: done (with the seconds the end waited for it), or failed
-                self._reap_snapshot(end_wait_s=round(time.perf_counter() - t0, 3))
+                self._reap(end_wait_s=round(time.perf_counter() - t0, 3))
             else:
-                self._snap = None
-                why = (
-                    f"not done after timeout_s ({self.xr.timeout_s:g} s)" if finishing else "the region stops"
-                )
-                self._log({"event": "xr_snapshot_abandoned", "round": self._snap_round, "reason": why})
+                self._hk = None
+                if self._hk_snap:
+                    why = (
+                        f"not done after timeout_s ({self.xr.timeout_s:g} s)"
+                        if self._finished
+                        else "the region stops"
+                    )
+                    self._log({"event": "xr_snapshot_abandoned", "round": self._hk_snap, "reason": why})
         if mb is not None:
             mb.close(wait=False)
 
