@@ -1021,13 +1021,12 @@ class Trainer:
         return 0
 
     def _export(self) -> None:
-        from safetensors.torch import save_file
-
         from ..fsutil import atomic_path
+        from .export import save_model
 
         out = self.run_dir / "model.safetensors"
         tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in self.model.state_dict().items()}
         meta = {"step": str(self.step), "model": json.dumps(self.cfg.model.model_dump(), sort_keys=True)}
         with atomic_path(out, fsync=False) as tmp:
-            save_file(tensors, str(tmp), metadata=meta)
+            save_model(tensors, tmp, meta)  # the same bytes in every region that ends on the same bits
         log.info("exported %d tensors to %s", len(tensors), out)

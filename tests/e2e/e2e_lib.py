@@ -550,6 +550,8 @@ def assert_same_final_params(jobs: dict[str, LocalJob]) -> None:
         assert sorted(got) == sorted(ref)
         differ = [k for k in ref if not np.array_equal(ref[k], got[k])]
         assert not differ, f"final parameters differ between regions {ref_region} and {region}: {differ[:5]}"
+        a, b = (jobs[r].run_dir / "model.safetensors" for r in (ref_region, region))
+        assert a.read_bytes() == b.read_bytes(), f"{a} and {b}: the same parameters, other bytes"
 
 
 @contextmanager

@@ -45,7 +45,7 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
 
 
 def same_weights(a: Path, b: Path) -> bool:
-    """Bitwise-equal tensors in two model.safetensors exports (the header's metadata order may differ)."""
+    """Bitwise-equal tensors in two model.safetensors exports (whatever their metadata)."""
     import torch
     from safetensors.torch import load_file
 

@@ -67,6 +67,8 @@ def assert_same_params(a: Path, b: Path) -> None:
     assert pa.keys() == pb.keys()
     diff = [k for k in pa if not torch.equal(pa[k], pb[k])]
     assert not diff, f"parameters differ between regions: {diff[:5]}"
+    # and the exports are the same bytes: a checksum comparison agrees (canonical header)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
 
 
 def run_both(runs):
@@ -117,6 +119,8 @@ def test_diloco_two_regions(backend, tmp_path, repo, data_dir, request):
                     transport,
                     overlap="eager" if eager else "none",
                     **({"outer_device_max_gib": 0} if r == "us" else {}),
+                    # fs-2nodes: eu's two node leaders upload snapshot 2 together, in the background
+                    **({"snapshot_every": 2} if not eager else {}),
                 ),
                 config=cfg,
                 run_dir=tmp_path / r,
@@ -155,6 +159,11 @@ def test_diloco_two_regions(backend, tmp_path, repo, data_dir, request):
         assert len(shards) >= 4  # several shards, owned round-robin by the two node leaders
         logs = "".join(p.read_text() for p in tmp_path.glob("eu.node*.log"))
         assert "node 0/2" in logs and "node 1/2" in logs
+        # snapshot 2 (eu is the rounds' first member), complete, with both leaders' shards
+        snap = tmp_path / "mailbox" / "mp" / "_snap" / "r000002"
+        assert (snap / "_complete.json").exists() and len(list((snap / "theta").iterdir())) >= 4
+        events = [x.get("event") for x in metrics(tmp_path / "eu")]
+        assert "xr_snapshot" in events and "xr_snapshot_failed" not in events
 
 
 def test_grad_mode_matches_one_ddp_run_over_both_regions(tmp_path, repo, data_dir):

@@ -32,14 +32,6 @@ from .region import held
 from .sync import ROUND_PARTS, OuterSync, _as_int
 
 
-class _Done(NamedTuple):
-    """What a background round hands to the join: the round, and the snapshot due after it (round, step:
-    its leaders copied the outer state, which the housekeeping then uploads)."""
-
-    result: RoundResult
-    snapshot: tuple[int, int] | None
-
-
 class _Kept(NamedTuple):
     """What a housekeeping job hands back: the snapshot it uploaded (round, step, seconds, error) and the
     cleanup behind round ``cleaned`` (rank 0; its error)."""
@@ -75,16 +67,15 @@ class DiLoCo(OuterSync):
         # tokens in the last commit (-1: none seen yet; estimates this region's weight in the next)
         self.eager = self.xr.overlap == "eager"
         self.inflight, self.inflight_tokens, self.early, self.others = 0, 0, 0.0, -1
-        self._job: InFlight[_Done] | None = None
+        self._job: InFlight[RoundResult] | None = None
         bg = self.group.background() if self.eager else None  # collective: a process group of its own
         self.bg_ex = self.ex.in_background(bg) if bg is not None else None
         # the housekeeping job in flight (leaders: a snapshot upload, then rank 0's mailbox cleanup) and the
-        # round of its snapshot (0: none), the seconds of the last snapshot reaped, the host copy of the
-        # outer state the next snapshot uploads, and whether the run is over (finish(): close() then waits
-        # for the job, else calls it off)
+        # round of its snapshot (0: none), the seconds of the last snapshot reaped, and whether the run is
+        # over (finish(): close() then waits for the job, else calls it off)
         self._hk: InFlight[_Kept] | None = None
         self._hk_snap, self._snap_s = 0, None
-        self._snap_copy: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._copied: threading.Event | None = None  # set once the job copied the outer state (see _mutable)
         self._finished = False
         sg = self.group.background()  # collective: the housekeeping's own process group
         self.snap_ex = self.ex.for_snapshots(sg, SNAPSHOT_STREAMS) if sg is not None else None
@@ -94,6 +85,7 @@ class DiLoCo(OuterSync):
 
     def _aligned(self) -> None:
         if self.leader:
+            self._mutable()
             held(self.theta_outer, "theta_outer").copy_(self.flat.gather(held(self.work, "work")))
 
     # -- the live round ----------------------------------------------------------------------------------
@@ -131,7 +123,7 @@ class DiLoCo(OuterSync):
         self._share_params()
         self.round, self.tokens, self.pending = r, 0, 0
         t7 = self._now()
-        self._housekeeping(r, self._copy_if_due(r, res.members, step))
+        self._housekeeping(r, self._due(r, res.members, step))
         snap_s = self._take_snapshot_s()
         t8 = self._now()
         t.update(outer_step_s=t6 - t5, broadcast_s=t["broadcast_s"] + (t7 - t6), cleanup_s=t8 - t7, t_end=t8)
@@ -171,22 +163,18 @@ class DiLoCo(OuterSync):
         t["t_end"] = t["t_start"] + sum(t[k] for k in ROUND_PARTS)
         return t
 
-    def _launch(self, b: int, step: int, tokens: int, pre: dict | None, snap: int | None = None) -> None:
+    def _launch(self, b: int, step: int, tokens: int, pre: dict | None) -> None:
         """Start round ``b``'s exchange in a thread of each leader (``pre``: this leader's encoded shards;
-        None: encode ``own`` there, a resumed region publishing the round it had in flight again), then
-        copy the outer state for snapshot ``snap`` when one is due: it does not change before the join,
-        which hands the copy to the housekeeping. Nothing of it crosses the WAN while training waits."""
+        None: encode ``own`` there, a resumed region publishing the round it had in flight again): nothing
+        of it crosses the WAN while training waits."""
         self.inflight, self.inflight_tokens = b, tokens
         if self.leader:
             ex, own, avg = self.bg_ex, self.own, self.avg
             if ex is None:
                 raise XRError("internal: a leader without its background exchange")
 
-            def job(cancel: threading.Event) -> _Done:
-                res = ex.run_round(round_tag(b), "delta", step, own, avg, tokens, pre=pre, cancel=cancel)
-                if snap is not None:
-                    self._snap_copy = self._copy_outer()
-                return _Done(res, (snap, step) if snap is not None else None)
+            def job(cancel: threading.Event) -> RoundResult:
+                return ex.run_round(round_tag(b), "delta", step, own, avg, tokens, pre=pre, cancel=cancel)
 
             self._job = InFlight(job, f"xr-round-{b}", self.outer_device)
 
@@ -197,13 +185,13 @@ class DiLoCo(OuterSync):
             b = self.inflight
             self._launch(b, b * self.xr.inner_steps, self.inflight_tokens, None)
 
-    def _join(self) -> _Done:
+    def _join(self) -> RoundResult:
         """Collective: wait for the round in flight; every rank gets its result or raises its error (the
         round stays in flight then, e.g. for the retry after a requeue). Leaders then hold the average."""
         self._relaunch()
         job, self._job = self._job, None
 
-        def wait() -> _Done:
+        def wait() -> RoundResult:
             if job is None:
                 raise XRError("internal: a leader has no round in flight to join")
             return job.result()
@@ -220,14 +208,13 @@ class DiLoCo(OuterSync):
             self._job.cancel()
             self._job = None
         self.inflight, self.inflight_tokens, self.early = 0, 0, 0.0
-        self._snap_copy = None  # a copy it made for a snapshot, if any, is not uploaded
 
     def _eager_round(self, b: int, step: int) -> dict:
         t0 = self._now()
-        res, copied = None, None
+        res = None
         if self.inflight:
             try:
-                res, copied = self._join()
+                res = self._join()
             except XRBehind:  # the run went on without this region: catch up, this phase's steps are dropped
                 self._drop_inflight()
                 return self._fast_forward(step, "behind") or {}
@@ -238,15 +225,13 @@ class DiLoCo(OuterSync):
         tokens, work = self.tokens, self.work
         if self.leader:  # this phase's fresh delta: where it started minus where it is (fp32)
             self.flat.delta_into(self._working(held(work, "work")), held(self.own, "own"))
-        snap, tc = None, t1
+        tc = t1
         if res is not None:
             self._outer_step(self.avg, scatter=False)  # the shared state takes the committed average only
             tc = self._now()
             self.round = self.inflight
             self.others = sum(c.tokens for r, c in res.commit.members.items() if r != self.xr.region)
-            # a snapshot due now: round b's job copies the state after its exchange, the next join uploads it
-            snap = self.round if self._snapshot_due(self.round, res.members) else None
-            self._housekeeping(self.round, copied)  # the snapshot copied last round, the cleanup
+            self._housekeeping(self.round, self._due(self.round, res.members, step))
         snap_s = self._take_snapshot_s()
         t2 = self._now()
         pre = self.ex.encode("delta", self.own)
@@ -258,7 +243,7 @@ class DiLoCo(OuterSync):
             self.flat.scatter(self._working(held(work, "work")))
         self._share_params()
         self.tokens, self.pending = 0, 0
-        self._launch(b, step, tokens, pre, snap)
+        self._launch(b, step, tokens, pre)
         t3 = self._now()
         out: dict = {"xr_step": step, "xr_inflight": b, "xr_early_weight": weight}
         if res is not None:
@@ -282,7 +267,7 @@ class DiLoCo(OuterSync):
             return None
         t0 = self._now()
         try:
-            res, copied = self._join()
+            res = self._join()
         except XRBehind:
             self._drop_inflight()
             return self._fast_forward(step, "behind") or {}
@@ -299,8 +284,7 @@ class DiLoCo(OuterSync):
                 torch.sub(theta, held(self.own, "own"), out=held(self.work, "work")) if partial else theta
             )
         self._share_params()
-        newest = self._copy_if_due(self.round, res.members, step)  # supersedes the one copied last round
-        self._housekeeping(self.round, newest or copied)
+        self._housekeeping(self.round, self._due(self.round, res.members, step))
         snap_s = self._take_snapshot_s()
         t2 = self._now()
         t = self._with_boundary(res, outer_step_s=tc - t1, cleanup_s=t2 - tc)
@@ -314,6 +298,7 @@ class DiLoCo(OuterSync):
         no outer state: :meth:`_share_params` follows."""
         if not self.leader:
             return
+        self._mutable()
         theta, mom, g = (
             held(self.theta_outer, "theta_outer"),
             held(self.momentum, "momentum"),
@@ -376,45 +361,53 @@ class DiLoCo(OuterSync):
             return None, str(e)
         return time.perf_counter() - t0, None
 
-    def _copy_if_due(self, r: int, members: list[str], step: int) -> tuple[int, int] | None:
-        """Snapshot ``r`` (round, step) when it is due, its leaders' copy of the outer state made now."""
-        if not self._snapshot_due(r, members):
-            return None
-        if self.leader:
-            self._snap_copy = self._copy_outer()
-        return r, step
+    def _due(self, r: int, members: list[str], step: int) -> tuple[int, int] | None:
+        """Snapshot ``r`` (round, step) when it is due, else None."""
+        return (r, step) if self._snapshot_due(r, members) else None
 
     # -- housekeeping: snapshot uploads and the mailbox cleanup, in the background ------------------------------
     def _housekeeping(self, r: int, snap: tuple[int, int] | None) -> None:
         """After round ``r`` was applied: reap the housekeeping job if it has ended, then start the next one
-        in a thread of the leaders: the upload of snapshot ``snap`` (round, step) from their copy of the
-        outer state when one is due (the previous job waited for first: one at a time), then on rank 0 the
-        mailbox cleanup behind round ``r``. A cleanup alone is skipped while the previous job still runs:
-        the next one deletes what it would have."""
+        in a thread of the leaders: when snapshot ``snap`` (round, step) is due, copy the outer state to
+        host memory and upload the copy (the previous job waited for first: one at a time); then on rank 0
+        the mailbox cleanup behind round ``r``. A cleanup alone is skipped while the previous job still
+        runs: the next one deletes what it would have. Whatever changes the outer state next waits for the
+        copy first (:meth:`_mutable`), a few milliseconds after the start."""
         self._reap()
         if snap is None and (self._hk is not None or self.group.rank != 0):
             return
         if snap is not None:
             self._reap(wait=True)
-        state, self._snap_copy = self._snap_copy, None
         if not self.leader:
             return
         ex = self.snap_ex
-        if ex is None or (snap is not None and state is None):
-            raise XRError(
-                "internal: a leader without its housekeeping exchange or its copy of the outer state"
-            )
+        if ex is None:
+            raise XRError("internal: a leader without its housekeeping exchange")
+        copied = threading.Event()
 
         def job(cancel: threading.Event) -> _Kept:
             shot = None
-            if snap is not None and state is not None:
+            if snap is not None:
+                try:
+                    state = self._copy_outer()
+                finally:
+                    copied.set()
                 shot = (*snap, *self._publish_snapshot(ex, snap[0], snap[1], state))
             return _Kept(shot, r, self._cleanup_now(ex, r, need_snapshot=True))
 
+        if snap is None:
+            copied.set()
+        self._copied = copied
         self._hk, self._hk_snap = (
             InFlight(job, f"xr-housekeeping-{r}", self.outer_device),
             snap[0] if snap else 0,
         )
+
+    def _mutable(self) -> None:
+        """Before the outer state changes: wait until the housekeeping has copied it for its snapshot."""
+        if self._copied is not None:
+            self._copied.wait()
+            self._copied = None
 
     def _reap(self, wait: bool = False, timeout_s: float | None = None, **extra: float) -> bool:
         """The housekeeping job, once it has ended (``wait``: wait for it, up to ``timeout_s``): its snapshot
@@ -462,6 +455,7 @@ class DiLoCo(OuterSync):
         self.ex.fetch(tag, mans["theta"], self.work, self.ex.fp32_plan)
         self.ex.fetch(tag, mans["momentum"], self.avg, self.ex.fp32_plan)
         if self.leader:
+            self._mutable()
             held(self.theta_outer, "theta_outer").copy_(held(self.work, "work"))
             held(self.momentum, "momentum").copy_(held(self.avg, "avg"))
         self.round = s
@@ -664,6 +658,7 @@ class DiLoCo(OuterSync):
 
         self.group.on_each(check, active=self.leader)
         if self.leader:
+            self._mutable()
             for k in keys:
                 v, dst = state[k], getattr(self, k)
                 if v is not dst:
