@@ -471,9 +471,8 @@ def _report(res: Result, sz: Sizes, vs: list[dict], wan: bool) -> None:
         res.notes.append(
             "Every snapshot_every rounds (default 10) the round's first member uploads a snapshot of the outer "
             "state (theta_outer + momentum, fp32: 8 B per parameter, 4x a bf16 round's payload) in the "
-            "background: at the boundary it copies the state to host memory (with eager the background round "
-            "makes the copy), then a thread uploads it, 2 shards at a time, while training and the next rounds "
-            "go on, sharing the link with them. Per snapshot (variant, region, round: the upload's seconds; the "
+            "background: at the boundary a thread of its leaders copies the state to host memory and uploads "
+            "it, 2 shards at a time, while training and the next rounds go on, sharing the link with them. Per snapshot (variant, region, round: the upload's seconds; the "
             "end's wait for it; the boundary it started at and that boundary's own work, exposed minus the "
             "join; the other region's most exposed seconds over the next two boundaries, against its median): "
             + "; ".join(
