@@ -1,9 +1,9 @@
-"""Benchmark: compressed cross-region payloads (issue 16): ``payload_dtype`` bf16 vs int8 vs fp8 (fp32 as a
-reference), side by side in one run.
+"""Benchmark: compressed cross-region payloads (issue 16): ``payload_dtype`` bf16 vs int8 vs fp8 vs int4 (fp32
+as a reference), side by side in one run.
 
 1. **Bytes and round time**: two regions of the real trainer (each one process, ``python -m sbatch_gen.train``)
    train a ~25M-parameter GPT for a few DiLoCo rounds, once per payload dtype (and int8 with bf16's shard
-   count), over the emulated WAN (S3
+   count, int4 likewise), over the emulated WAN (S3
    behind :mod:`bench.wan`'s netns + tbf + delay proxy; the regions run in the client namespace) and over
    the fs mailbox on tmpfs (where encoding and decoding show). From the regions' metrics.jsonl: the bytes
    each region uploads per round and the round time with its phases. Plus the encode + decode time of the
@@ -44,7 +44,7 @@ from .elastic import (
 )
 from .wan import Wan, available, s3_behind
 
-DTYPES = ("fp32", "bf16", "int8", "fp8")  # round part, fs (fp32: the reference)
+DTYPES = ("fp32", "bf16", "int8", "fp8", "int4")  # round part, fs (fp32: the reference)
 # round part, WAN: (label, dtype, shard_mb). shard_mb counts wire bytes, so int8 at the default 16 MiB has half
 # bf16's shards, i.e. half its concurrent streams; at 8 MiB it has as many shards as bf16 at 16 MiB
 WAN_VARIANTS = (
@@ -52,8 +52,10 @@ WAN_VARIANTS = (
     ("int8", "int8", 16.0),
     ("fp8", "fp8", 16.0),
     ("int8, shard_mb 8", "int8", 8.0),
+    ("int4", "int4", 16.0),
+    ("int4, shard_mb 4", "int4", 4.0),
 )
-Q_DTYPES = ("bf16", "int8", "fp8")  # quality part
+Q_DTYPES = ("bf16", "int8", "fp8", "int4")  # quality part
 SHARD_MB = 16.0  # CrossRegion's default shard size
 
 
@@ -212,7 +214,7 @@ def _codec_times(numel: int, reps: int) -> dict[str, tuple[float, float]]:
     # int8/fp8 with the buffers the exchange keeps from round to round (an fp32 block buffer, the encoded
     # bytes, the decoded values), as the bf16 path keeps its staging buffer
     scratch, dec = torch.empty(numel + scaled.QBLOCK), torch.empty(numel + scaled.QBLOCK)
-    for w in ("int8", "fp8"):
+    for w in ("int8", "fp8", "int4"):
         enc = torch.empty(wire_nbytes(w, numel), dtype=torch.uint8)
         buf = scaled.encode(x, w, scratch=scratch, out=enc)
         out[w] = (
@@ -332,7 +334,9 @@ def _quality(work: Path, data: Path, sz: Sizes, quick: bool) -> list[dict]:
 def run(out_dir: Path, quick: bool = False) -> Result:
     sz = QUICK if quick else FULL
     res = Result(
-        "payload", "Compressed payloads: bf16 vs int8 vs fp8 per round, over the WAN and fs; quality", quick
+        "payload",
+        "Compressed payloads: bf16 vs int8 vs fp8 vs int4 per round, over the WAN and fs; quality",
+        quick,
     )
     shm = Path("/dev/shm")
     work = Path(tempfile.mkdtemp(prefix="sbgen-bench-payload-", dir=shm if shm.is_dir() else None))
@@ -364,14 +368,15 @@ def _report(
         f"of the budget). CrossRegion defaults otherwise ({SHARD_MB:g} MiB shards, 16 threads, raw).",
         "Bytes per round: `xr_bytes_up` (one region's payload objects, manifest left out), the same in every "
         "round and both regions; expected: the exchange's shard plan for the dtype with each shard "
-        "`wire_nbytes` long (int8/fp8: one fp32 scale per 256 elements).",
+        "`wire_nbytes` long (int8/fp8/int4: one fp32 scale per 256 elements; int4 two values per byte).",
         "Round time: per round the smaller of the two regions' `xr_total_s` (publish, wait, fetch, average, "
         "outer step): the region that arrived last, so the other's wait for its compute is left out; median "
         "over the measured rounds. The split is that region's, in the median round.",
         "**fs**: the mailbox is a directory on tmpfs (/dev/shm), so transfer is nearly free and what differs "
         "between dtypes is encoding, checksums and decoding on the 2 cores both regions share.",
         "Encode + decode: the functions the exchange calls on the same number of elements, in the bench "
-        "process, one thread, best of 3: int8/fp8 `xr.scaled.encode`/`decode` into buffers kept between calls, as "
+        "process, one thread, best of 3: int8/fp8/int4 `xr.scaled.encode`/`decode` into buffers kept between "
+        "calls, as "
         "the exchange keeps them between rounds; bf16 the conversion of the raw path (`to(bfloat16)`, and back "
         "with `float()`).",
         f"Part 2 (quality): the same 2 regions, a {sz.q_model['n_layers']}-layer width-{sz.q_model['d_model']} "
@@ -471,6 +476,16 @@ def _report(
         f"({i8_scales / (bf // 2):.3%}; 4 B per {QBLOCK} values of each shard)",
         exact,
     )
+    i4, i4_scales = by[("fs", "int4")]["bytes_up"], expected_bytes("int4", numel)[1]
+    pad = expected_bytes("int4", numel)[0] - i4_scales - bf // 4  # half a byte per shard of an odd count
+    exact4 = all(by[(w, "int4")]["bytes_up"] == bf // 4 + pad + i4_scales for w in rounds) and bf % 4 == 0
+    res.goal(
+        "int4 bytes per round (optional 4-bit): exactly 1/4 of bf16, plus scales",
+        f"int4/bf16 = {i4 / bf:.6f}: {i4} B = {bf} / 4 + {i4_scales} B of scales"
+        + (f" + {pad} B of padding" if pad else "")
+        + f" ({i4_scales / (bf // 4):.3%})",
+        exact4,
+    )
 
     def gap(dtype: str) -> tuple[float, str]:
         qs = [q for q in qual if q["dtype"] == dtype]
@@ -485,9 +500,12 @@ def _report(
     res.goal("held-out loss: int8 within +0.5% of bf16", txt8, None if res.quick else d8 <= 0.005)
     df8, txtf8 = gap("fp8")
     res.goal("held-out loss: fp8 vs bf16 (no goal set; reported)", txtf8, None)
+    d4, txt4 = gap("int4")
+    res.goal("held-out loss: int4 vs bf16 (no goal set; reported)", txt4, None)
 
     # headline
     res.headline["int8 bytes per round / bf16"] = f"{i8 / bf:.6f} (1/2 + {i8_scales / bf:.4%} scales)"
+    res.headline["int4 bytes per round / bf16"] = f"{i4 / bf:.6f} (1/4 + {(i4 - bf // 4) / bf:.4%} scales)"
     for where, vs in rounds.items():
         b = by[(where, "bf16")]["round_s"]
         for v in vs:
@@ -501,6 +519,11 @@ def _report(
     )
     res.headline["held-out loss, int8 vs bf16"] = f"{d8:+.3%}"
     res.headline["held-out loss, fp8 vs bf16"] = f"{df8:+.3%}"
+    res.headline["held-out loss, int4 vs bf16"] = f"{d4:+.3%}"
+    e4 = sum(codec["int4"]) - sum(codec["bf16"])
+    res.headline["encode + decode, int4 - bf16, one thread"] = (
+        f"{e4 * 1e3:+.0f} ms ({sum(codec['int4']) / sum(codec['bf16']):.1f}x bf16's) for {numel / 1e6:.1f}M values"
+    )
 
     # notes
     f8, fb = by[("fs", "int8")], by[("fs", "bf16")]

@@ -1,6 +1,6 @@
 """Benchmark: DiLoCo quality on held-out data (issue 16 item 3): H = 10 / 50 / 100, an outer lr x momentum
-sweep per H, grad mode (the data-parallel reference), one region alone, payload bf16 / int8 / fp8 and overlap
-none / eager, side by side in one run.
+sweep per H, grad mode (the data-parallel reference), one region alone, payload bf16 / int8 / fp8 / int4
+and overlap none / eager, side by side in one run.
 
 Every variant: two regions (a, b), each one process of the real trainer (``python -m sbatch_gen.train``,
 :func:`.elastic._launch`), meeting only in an fs mailbox, strict rounds (every round has both regions), the
@@ -11,7 +11,7 @@ for loss against bytes) and the time a round held training up (``xr_exposed_s``)
 
 Phase 1 runs grad mode, one region alone and the lr x momentum grid for every H; phase 2 takes the best
 (lowest held-out loss) grid point of each H and runs it with ``overlap: eager``, and the best of
-``payload_h`` with int8 and fp8 payloads.
+``payload_h`` with int8, fp8 and int4 payloads.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from .elastic import (
 
 DEFAULT_LR, DEFAULT_MOMENTUM = 0.7, 0.9  # CrossRegion's defaults
 PLAIN = (1.0, 0.0)  # plain averaging: every region adopts the token-weighted mean each round
+PAYLOADS = ("int8", "fp8", "int4")  # phase 2: the compressed payloads against bf16
 
 
 @dataclass(frozen=True)
@@ -298,7 +299,7 @@ def run(out_dir: Path, quick: bool = False) -> Result:
         best = best_per_h(first, sz.hs)
         b = best[sz.payload_h]
         phase2 = [replace(_as_variant(best[h]), overlap="eager") for h in sz.hs]
-        phase2 += [replace(_as_variant(b), dtype=d) for d in ("int8", "fp8")]
+        phase2 += [replace(_as_variant(b), dtype=d) for d in PAYLOADS]
         second = _run_all(work, data, cfg, sz, phase2)
         wall = time.monotonic() - t0
     finally:
@@ -351,7 +352,7 @@ def _report(res: Result, sz: Sizes, first: list[dict], second: list[dict], best:
         "reference. One region alone: the trainer without cross-region sync on region a's shard, the same "
         "steps and batch (the same tokens per region, half the total): what the second region buys.",
         f"Phase 2, from the best grid point (lowest held-out loss) of each H: `overlap: eager`; and of "
-        f"H={sz.payload_h}: `payload_dtype` int8 and fp8 (bf16 is the grid run itself).",
+        f"H={sz.payload_h}: `payload_dtype` {', '.join(PAYLOADS)} (bf16 is the grid run itself).",
         f"Held-out loss: mean next-byte cross-entropy over {sz.eval_windows} fixed windows spread over the "
         f"`{HELDOUT}` shard (the stdlib source cut into a, b, {HELDOUT}; {DATA_BYTES / 1e6:g} MB), no region "
         "trains on it; of region a's final `model.safetensors` (b's checked bit-identical) and, for the curves, "
@@ -411,7 +412,7 @@ def _report(res: Result, sz: Sizes, first: list[dict], second: list[dict], best:
             ]
         )
     bp = best[sz.payload_h]
-    for d in ("int8", "fp8"):
+    for d in PAYLOADS:
         q = by[replace(_as_variant(bp), dtype=d).key]
         rows2.append(
             [

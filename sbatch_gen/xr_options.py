@@ -302,14 +302,16 @@ class CrossRegion(StrictModel):
         description="Rounds each region keeps in the mailbox behind the newest; older ones are deleted by their "
         "own region once an outer snapshot covers them.",
     )
-    payload_dtype: Literal["bf16", "fp32", "int8", "fp8"] = Field(
+    payload_dtype: Literal["bf16", "fp32", "int8", "fp8", "int4"] = Field(
         default="bf16",
-        description="Wire dtype of deltas/gradients; the outer state stays fp32. int8 and fp8 (e4m3) carry one "
-        "fp32 scale per 256 elements: half of bf16's bytes plus 1.6%; int8 rounds to 0.4% of each block's "
-        "largest value, fp8 to 6% of each value (more far below the block's largest). Every region averages the same decoded values, so all stay "
-        "bit-identical. int8/fp8 need serialization raw. shard_mb counts wire bytes: at the same shard_mb an "
-        "int8/fp8 shard holds twice bf16's elements, so a round has half as many concurrent transfers; over a "
-        "long-haul link, where each stream is window-bound, halve shard_mb to keep them.",
+        description="Wire dtype of deltas/gradients; the outer state stays fp32. int8, fp8 (e4m3) and int4 carry "
+        "one fp32 scale per 256 elements: int8/fp8 half of bf16's bytes plus 1.6%, int4 a quarter plus 3.1%; "
+        "int8 rounds to 0.4% of each block's largest value, int4 to 7%, fp8 to 6% of each value (more far "
+        "below the block's largest). Every region averages the same decoded values, so all stay "
+        "bit-identical. The scaled dtypes need serialization raw. shard_mb counts wire bytes: at the same "
+        "shard_mb an int8/fp8 shard holds twice bf16's elements (int4: four times), so a round has that many "
+        "times fewer concurrent transfers; over a long-haul link, where each stream is window-bound, shrink "
+        "shard_mb by as much to keep them.",
     )
     shard_mb: float = Field(
         default=16.0, ge=0, le=4096, description="Target shard object size in MiB; 0 = one object per region."
@@ -333,10 +335,11 @@ class CrossRegion(StrictModel):
         "leader 8 B (gradient, average), every other rank 0 B. auto: on the training device while that state "
         "fits in outer_device_max_gib, else in host memory (pinned beside a GPU, except the momentum); cpu: "
         "always in host memory. Either way a leader's host memory also holds its transfer buffers: 2 B/param "
-        "(bf16 payloads), 1 (int8/fp8, plus a scale per 256) or 4 (fp32, when the state is on a GPU), 4 B/param "
-        "more once it publishes a snapshot from a GPU, and the downloaded payloads of the other regions (up to "
-        "their count x the wire size, split among the leaders; int8/fp8 are decoded to fp32 one shard at a "
-        "time). The placement never changes a bit of the result.",
+        "(bf16 payloads), 1 (int8/fp8, plus a scale per 256), 0.5 (int4, likewise) or 4 (fp32, when the state "
+        "is on a GPU), while it uploads an outer snapshot 8 B more per parameter it uploads (a copy of the "
+        "outer state), and the downloaded payloads of the other regions (up to their count x the wire size, "
+        "split among the leaders; the scaled dtypes are decoded to fp32 one shard at a time). The placement "
+        "never changes a bit of the result.",
     )
     outer_device_max_gib: float = Field(
         default=16.0,
@@ -366,7 +369,7 @@ class CrossRegion(StrictModel):
 
     @model_validator(mode="after")
     def _scaled_payloads_are_raw(self) -> CrossRegion:
-        if self.payload_dtype in ("int8", "fp8") and self.serialization != "raw":
+        if self.payload_dtype in ("int8", "fp8", "int4") and self.serialization != "raw":
             raise FieldError(
                 ("payload_dtype",),
                 f"payload_dtype {self.payload_dtype} needs serialization: raw (torch_save carries bf16 and fp32 only)",

@@ -218,7 +218,7 @@ def test_delay_proxy_delays_and_keeps_bytes():
 
 def test_payload_quick(tmp_path):
     """Real regions per payload dtype (fs, and the emulated WAN where it runs): the bytes on the wire are exactly
-    the documented sizes (int8/fp8 half of bf16 plus one fp32 scale per 256 values), the same over every
+    the documented sizes (int8/fp8 half of bf16, int4 a quarter, plus one fp32 scale per 256 values), the same over every
     transport, and every dtype trains to bit-identical regions with a held-out loss. Never timings."""
     from bench.payload import QUICK, expected_bytes
     from bench.wan import available
@@ -226,7 +226,7 @@ def test_payload_quick(tmp_path):
     d = _bench("payload", tmp_path, timeout=900)
     headers, rows = _table(d, "bytes")
     by = {r[0]: dict(zip(headers, r, strict=True)) for r in rows}
-    assert list(by) == ["fp32", "bf16", "int8", "fp8"]
+    assert list(by) == ["fp32", "bf16", "int8", "fp8", "int4"]
     numel = by["fp32"]["bytes up per round"] // 4
     for dtype, row in by.items():
         assert row["bytes up per round"] == row["expected"] == expected_bytes(dtype, numel)[0]
@@ -238,7 +238,11 @@ def test_payload_quick(tmp_path):
     assert bf16 == 2 * numel and by["fp32"]["bytes up per round"] == 2 * bf16
     assert int8 == by["fp8"]["bytes up per round"] == bf16 // 2 + by["int8"]["of which scales"]
     assert by["int8"]["of which scales"] == 4 * -(-numel // 256)  # one shard at this size
-    assert d["goals"][0]["met"] is True
+    int4 = by["int4"]["bytes up per round"]
+    assert int4 == -(-numel // 2) + by["int4"]["of which scales"] and by["int4"]["of which scales"] == 4 * -(
+        -numel // 256
+    )
+    assert d["goals"][0]["met"] is True and d["goals"][1]["met"] is True
     for where, labels in [("fs", list(by))] + ([("wan", ["bf16", "int8"])] if available() is None else []):
         h, rs = _table(d, where)
         assert [r[0] for r in rs] == labels and all(r[h.index("round s (median)")] > 0 for r in rs)
@@ -246,12 +250,13 @@ def test_payload_quick(tmp_path):
     headers, rows = _table(d, "quality")
     q = [dict(zip(headers, r, strict=True)) for r in rows]
     assert [(x["payload"], x["seed"]) for x in q] == [
-        (t, s) for s in QUICK.q_seeds for t in ("bf16", "int8", "fp8")
+        (t, s) for s in QUICK.q_seeds for t in ("bf16", "int8", "fp8", "int4")
     ]
     assert all(x["rounds"] == QUICK.q_steps // QUICK.q_h and x["a == b bitwise"] is True for x in q)
     assert all(float(x["held-out loss"]) > 0 for x in q)
     up = {x["payload"]: x["MB up (a, whole run)"] for x in q}
     assert up["int8"] == up["fp8"] and 0.5 < up["int8"] / up["bf16"] < 0.52
+    assert 0.25 < up["int4"] / up["bf16"] < 0.27
 
 
 def test_overlap_accounting(tmp_path):

@@ -1,4 +1,4 @@
-"""The int8/fp8 wire formats (sbatch_gen.train.xr.scaled) against a reference written here: exact object
+"""The int8/fp8/int4 wire formats (sbatch_gen.train.xr.scaled) against a reference written here: exact object
 sizes, rounding within the documented bounds, the same decoded bits whoever decodes, and no NaN on the
 wire."""
 
@@ -13,7 +13,7 @@ from sbatch_gen.train.xr import scaled
 from sbatch_gen.train.xr.errors import XRError
 from sbatch_gen.train.xr.protocol import ITEMSIZE, QBLOCK, wire_nbytes
 
-WIRES = ["int8", "fp8"]
+WIRES = ["int8", "fp8", "int4"]
 
 
 def _data(n: int, seed: int = 0) -> torch.Tensor:
@@ -23,35 +23,51 @@ def _data(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, generator=g) * mags
 
 
-def _reference_int8(x: torch.Tensor) -> torch.Tensor:
-    """Per block of QBLOCK: scale = amax/127, round half to even, times the scale (float64 then fp32)."""
-    out = torch.empty_like(x)
+def _reference_int(x: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of QBLOCK: scale = amax/qmax, round half to even, times the scale (float64 then fp32).
+    Returns (the decoded values, the integer values)."""
+    out, ints = torch.empty_like(x), torch.empty(x.numel(), dtype=torch.int64)
     for lo in range(0, x.numel(), QBLOCK):
         b = x[lo : lo + QBLOCK].double()
-        scale = torch.tensor(float(b.abs().max()) / 127.0, dtype=torch.float32).double()
+        scale = torch.tensor(float(b.abs().max()) / qmax, dtype=torch.float32).double()
         scale = scale if scale > 0 else torch.tensor(1.0, dtype=torch.float64)
-        q = torch.round(b / scale).clamp(-127, 127)
+        q = torch.round(b / scale).clamp(-qmax, qmax)
         out[lo : lo + QBLOCK] = (q * scale).float()
-    return out
+        ints[lo : lo + QBLOCK] = q.long()
+    return out, ints
 
 
 @pytest.mark.parametrize("wire", WIRES)
 @pytest.mark.parametrize("n", [1, QBLOCK - 1, QBLOCK, 3 * QBLOCK + 17])
 def test_objects_are_exactly_the_values_plus_one_fp32_scale_per_block(wire, n):
     buf = scaled.encode(_data(n), wire)
-    assert len(buf) == wire_nbytes(wire, n) == n + 4 * math.ceil(n / QBLOCK)
-    # half of bf16's bytes, plus the scales
-    assert wire_nbytes(wire, n) - 4 * math.ceil(n / QBLOCK) == n * ITEMSIZE["bf16"] // 2
+    values = n if wire != "int4" else (n + 1) // 2  # int4: two values per byte, an odd count padded
+    assert len(buf) == wire_nbytes(wire, n) == values + 4 * math.ceil(n / QBLOCK)
+    # half (int4: a quarter) of bf16's bytes, rounded up, plus the scales
+    share = 4 if wire == "int4" else 2
+    assert values == math.ceil(n * ITEMSIZE["bf16"] / share)
 
 
-def test_int8_rounds_as_the_reference_within_half_a_step_of_each_block():
+@pytest.mark.parametrize(("wire", "qmax"), [("int8", 127), ("int4", 7)])
+def test_ints_round_as_the_reference_within_half_a_step_of_each_block(wire, qmax):
     x = _data(5 * QBLOCK + 3)
-    y = scaled.decode(scaled.encode(x, "int8"), x.numel(), "int8")
-    torch.testing.assert_close(y, _reference_int8(x), rtol=1e-6, atol=0)
+    y = scaled.decode(scaled.encode(x, wire), x.numel(), wire)
+    ref, _ = _reference_int(x, qmax)
+    torch.testing.assert_close(y, ref, rtol=1e-6, atol=0)
     for lo in range(0, x.numel(), QBLOCK):
         b, d = x[lo : lo + QBLOCK], y[lo : lo + QBLOCK]
-        step = float(b.abs().max()) / 127
+        step = float(b.abs().max()) / qmax
         assert float((d - b).abs().max()) <= step / 2 * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 2, QBLOCK + 1])
+def test_int4_packs_two_values_per_byte_low_nibble_first(n):
+    x = _data(n, seed=7)
+    buf = bytes(scaled.encode(x, "int4"))
+    _, q = _reference_int(x, 7)
+    nibbles = (q + 8).tolist() + ([8] if n % 2 else [])  # stored as value + 8; the padding nibble is 8
+    want = bytes(lo | (hi << 4) for lo, hi in zip(nibbles[0::2], nibbles[1::2], strict=True))
+    assert buf[4 * math.ceil(n / QBLOCK) :] == want
 
 
 def test_fp8_keeps_each_value_to_its_three_mantissa_bits():

@@ -227,35 +227,40 @@ def test_timings_add_up_and_bytes_are_counted(tmp_path):
     assert t["xr_round"] == 1 and t["xr_step"] == 4 and t["xr_reused"] is False
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32", "int8", "fp8"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "int8", "fp8", "int4"])
 def test_shard_objects_are_exactly_their_documented_size(tmp_path, dtype):
-    """numel x itemsize; int8/fp8: one byte per element plus one fp32 scale per QBLOCK of the shard."""
-    recs = in_threads(lambda r: train(r, tmp_path, 1, payload_dtype=dtype, shard_mb=0.00005))
+    """numel x itemsize; int8/fp8: one byte per element, int4 half a byte (rounded up), plus one fp32 scale
+    per QBLOCK of the shard."""
+    shard_mb = 0.00002 if dtype == "int4" else 0.00005  # several shards; int4's last one an odd count
+    recs = in_threads(lambda r: train(r, tmp_path, 1, payload_dtype=dtype, shard_mb=shard_mb))
     s = recs["eu"]["sync"]
     files = sorted((tmp_path / "t" / "r000001" / "eu").iterdir())
     assert len(files) == len(s.ex.plan) > 1
-    itemsize = {"bf16": 2, "fp32": 4, "int8": 1, "fp8": 1}[dtype]
+    itemsize = {"bf16": 2, "fp32": 4, "int8": 1, "fp8": 1, "int4": 0.5}[dtype]
     for f, (lo, hi) in zip(files, s.ex.plan.bounds, strict=True):
-        scales = 4 * math.ceil((hi - lo) / QBLOCK) if dtype in ("int8", "fp8") else 0
-        assert f.stat().st_size == (hi - lo) * itemsize + scales
+        scales = 4 * math.ceil((hi - lo) / QBLOCK) if dtype in ("int8", "fp8", "int4") else 0
+        assert f.stat().st_size == math.ceil((hi - lo) * itemsize) + scales
     t = recs["eu"]["rounds"][0]["timings"]
     assert t["xr_bytes_up"] == sum(f.stat().st_size for f in files) == t["xr_bytes_down"]
 
 
-def _dequantized_int8(x: torch.Tensor) -> torch.Tensor:
-    """The reference int8 wire round trip, per block of QBLOCK, written here in float64."""
+QMAX = {"int8": 127, "int4": 7}
+
+
+def _dequantized(x: torch.Tensor, qmax: int) -> torch.Tensor:
+    """The reference int8/int4 wire round trip, per block of QBLOCK, written here in float64."""
     out = torch.empty_like(x, dtype=torch.float64)
     for lo in range(0, x.numel(), QBLOCK):
         b = x[lo : lo + QBLOCK].double()
-        scale = float(torch.tensor(float(b.abs().max()) / 127.0, dtype=torch.float32)) or 1.0
-        out[lo : lo + QBLOCK] = torch.round(b / scale).clamp(-127, 127) * scale
+        scale = float(torch.tensor(float(b.abs().max()) / qmax, dtype=torch.float32)) or 1.0
+        out[lo : lo + QBLOCK] = torch.round(b / scale).clamp(-qmax, qmax) * scale
     return out
 
 
-@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", ["int8", "fp8", "int4"])
 def test_scaled_payloads_keep_regions_bitwise_equal_and_follow_the_formula(tmp_path, dtype):
-    """Every region averages the same decoded deltas: identical bits, and (int8) the Nesterov step on the
-    reference's dequantized deltas."""
+    """Every region averages the same decoded deltas: identical bits, and (int8, int4) the Nesterov step on
+    the reference's dequantized deltas."""
     lr, mu, tokens = 0.7, 0.9, {"eu": 100, "us": 300}
     recs = in_threads(
         lambda r: train(r, tmp_path, 3, tokens=tokens, outer_lr=lr, outer_momentum=mu, payload_dtype=dtype)
@@ -266,9 +271,12 @@ def test_scaled_payloads_keep_regions_bitwise_equal_and_follow_the_formula(tmp_p
     for k in range(3):
         eu, us = recs["eu"]["rounds"][k], recs["us"]["rounds"][k]
         assert torch.equal(eu["after"], us["after"]) and torch.equal(eu["momentum"], us["momentum"])
-        if dtype == "int8":
+        if dtype in QMAX:
             g = sum(
-                w[r] * _dequantized_int8(recs[r]["rounds"][k]["theta_before"] - recs[r]["rounds"][k]["local"])
+                w[r]
+                * _dequantized(
+                    recs[r]["rounds"][k]["theta_before"] - recs[r]["rounds"][k]["local"], QMAX[dtype]
+                )
                 for r in REGIONS
             )
             m = mu * m + g

@@ -3,7 +3,7 @@
 A round (DiLoCo delta or grad-mode gradient), in phases:
 
 1. *publish*: the flat payload is cut into shards; shard ``s`` belongs to node ``s mod num_nodes``, whose
-   local rank 0 encodes it to the wire dtype (bf16, fp32, or int8/fp8 with per-block scales: :mod:`.scaled`)
+   local rank 0 encodes it to the wire dtype (bf16, fp32, or int8/fp8/int4 with per-block scales: :mod:`.scaled`)
    and uploads it (thread pool); rank 0 writes the region's manifest last. Skipped when the round is already committed (this region is late) or when this
    region published the round before (a requeued job re-entering it: it keeps what it published).
 2. *close*: rank 0 waits until the round has a commit (:mod:`.membership`): every region, or a quorum
@@ -102,7 +102,7 @@ class Exchange:
         self._stage: dict[str, torch.Tensor] = {}  # wire dtype -> host staging buffer
         self._tmp: torch.Tensor | None = None  # fp32 scratch of one block
         self._rx: dict = {}  # (region, shard) -> reused receive buffer
-        # int8/fp8 (.scaled): one fp32 block buffer for encoding, this leader's encoded shards (kept until the
+        # int8/fp8/int4 (.scaled): one fp32 block buffer for encoding, this leader's encoded shards (kept until the
         # round is averaged), one decoded shard per member being averaged; allocated once, reused every round
         self._q_scratch: torch.Tensor | None = None
         self._q_out: dict[int, torch.Tensor] = {}  # by the shard's first element
@@ -172,7 +172,7 @@ class Exchange:
         return self._tmp[:n]
 
     def _encode(self, vec: torch.Tensor, lo: int, hi: int, wire: str, ser: str) -> bytes | memoryview:
-        if wire in SCALED:  # int8/fp8 with per-block scales (raw only: the options refuse torch_save)
+        if wire in SCALED:  # int8/fp8/int4 with per-block scales (raw only: the options refuse torch_save)
             n = hi - lo
             if self._q_scratch is None or self._q_scratch.numel() < scaled.padded(n):
                 self._q_scratch = torch.empty(scaled.padded(n), dtype=torch.float32, device=vec.device)
@@ -193,7 +193,7 @@ class Exchange:
         return st.view(torch.uint8).numpy().data
 
     def _decode(self, buf, info: ShardInfo, wire: str, ser: str, slot: int = 0) -> torch.Tensor:
-        """The wire-dtype tensor of a shard, on the outer device (bf16 not yet converted to fp32; int8/fp8
+        """The wire-dtype tensor of a shard, on the outer device (bf16 not yet converted to fp32; int8/fp8/int4
         decoded to fp32 with their scales, the same bits in every region, into the reused buffer ``slot``)."""
         if wire in SCALED:
             padded = scaled.padded(info.numel)
@@ -463,7 +463,7 @@ class Exchange:
                     xs.append(
                         self._decode(buf, manifests[r].shards[s], expect.dtype, expect.serialization, i)
                     )
-                # out = sum_r w_r * x_r in the order of `regions`; exact bf16->fp32 conversion (int8/fp8:
+                # out = sum_r w_r * x_r in the order of `regions`; exact bf16->fp32 conversion (scaled:
                 # decoded above), then separate multiply and add (no fused ops): identical bits everywhere
                 weighted_average_(dst[lo:hi], xs, weights, self.scratch(min(hi - lo, self.block)), self.block)
             return sum(len(b) for (r, _), b in bufs.items() if r != region)

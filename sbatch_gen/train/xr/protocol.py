@@ -34,15 +34,18 @@ from .store import Store
 FORMAT = 2  # 2: per-shard checksums are XXH3-128 ("digest"), named by the manifest's "checksum"
 CHECKSUM = "xxh3_128"
 Buffer = bytes | bytearray | memoryview
-ITEMSIZE = {"bf16": 2, "fp32": 4, "int8": 1, "fp8": 1}  # bytes per element of each wire dtype
-# int8 and fp8 payloads carry one fp32 scale per QBLOCK elements (of each shard), before the values (.scaled)
-SCALED = frozenset({"int8", "fp8"})
+# bytes per element of each wire dtype (int4: two values per byte)
+ITEMSIZE: dict[str, float] = {"bf16": 2, "fp32": 4, "int8": 1, "fp8": 1, "int4": 0.5}
+# int8, fp8 and int4 payloads carry one fp32 scale per QBLOCK elements (of each shard), before the values
+# (.scaled)
+SCALED = frozenset({"int8", "fp8", "int4"})
 QBLOCK = 256
 
 
 def wire_nbytes(dtype: str, numel: int) -> int:
-    """Bytes of a raw shard of ``numel`` elements in the wire dtype: the values, and the scales of int8/fp8."""
-    n = numel * ITEMSIZE[dtype]
+    """Bytes of a raw shard of ``numel`` elements in the wire dtype: the values (int4: a shard of an odd
+    count ends in half a byte of padding), and the scales of the scaled dtypes."""
+    n = math.ceil(numel * ITEMSIZE[dtype])
     return n + 4 * math.ceil(numel / QBLOCK) if dtype in SCALED else n
 
 
@@ -69,12 +72,12 @@ class ShardPlan:
     bounds: tuple[tuple[int, int], ...]
 
     @classmethod
-    def make(cls, numel: int, itemsize: int, shard_mb: float) -> ShardPlan:
+    def make(cls, numel: int, itemsize: float, shard_mb: float) -> ShardPlan:
         if numel <= 0:
             raise ValueError(f"numel must be > 0, got {numel}")
         if shard_mb <= 0:
             return cls(numel, ((0, numel),))
-        per = max(1, int(shard_mb * (1 << 20)) // itemsize)
+        per = max(1, int(int(shard_mb * (1 << 20)) / itemsize))
         n = math.ceil(numel / per)
         return cls(numel, tuple((i * per, min(numel, (i + 1) * per)) for i in range(n)))
 
@@ -102,7 +105,7 @@ class Manifest:
     tag: str
     kind: str  # "init" | "delta" | "grad"
     step: int
-    dtype: str  # wire dtype: "bf16" | "fp32" | "int8" | "fp8"
+    dtype: str  # wire dtype: "bf16" | "fp32" | "int8" | "fp8" | "int4"
     numel: int
     layout: str  # fingerprint of parameter names/shapes/dtypes
     serialization: str  # "raw" | "torch_save"

@@ -1,14 +1,17 @@
-"""The scaled 8-bit wire formats of deltas and gradients: ``int8`` and ``fp8`` (e4m3), one fp32 scale per
-:data:`~.protocol.QBLOCK` elements.
+"""The scaled wire formats of deltas and gradients: ``int8``, ``fp8`` (e4m3) and ``int4``, one fp32 scale
+per :data:`~.protocol.QBLOCK` elements.
 
-A shard of ``n`` elements is ``ceil(n / QBLOCK)`` fp32 scales (little-endian), then ``n`` one-byte values:
-exactly :func:`~.protocol.wire_nbytes` bytes, half of bf16's plus the scales (1.6% at QBLOCK 256).
+A shard of ``n`` elements is ``ceil(n / QBLOCK)`` fp32 scales (little-endian), then the values: ``n``
+bytes (int8, fp8: half of bf16's bytes plus the scales, 1.6% at QBLOCK 256), or ``ceil(n / 2)`` bytes of
+two 4-bit values each (int4: element ``2i`` in the low nibble, ``2i + 1`` in the high one, each stored as
+``value + 8``; a quarter of bf16's bytes plus the scales, 3.1%). Exactly :func:`~.protocol.wire_nbytes`
+bytes.
 
 Encoding runs once, on the node leader that owns the shard: per block ``scale = amax / QMAX`` (1 for a
-block of zeros), ``value = x / scale`` rounded to nearest (int8: half to even, clamped to +-127; fp8:
-clamped to +-448, then the e4m3 conversion). Decoding is ``float(value) * scale``: an exact conversion
-and one multiplication, so every region, the encoding one included, decodes the same bytes to the same
-fp32 bits on any device. The regions then average those decoded values (:mod:`.kernels`).
+block of zeros), ``value = x / scale`` rounded to nearest (int8, int4: half to even, clamped to +-127 or
++-7; fp8: clamped to +-448, then the e4m3 conversion). Decoding is ``float(value) * scale``: an exact
+conversion and one multiplication, so every region, the encoding one included, decodes the same bytes to
+the same fp32 bits on any device. The regions then average those decoded values (:mod:`.kernels`).
 
 A block holding a NaN or an infinity cannot be scaled: encoding raises :class:`~.errors.XRError` (the
 region's training diverged) instead of publishing garbage that every region would apply.
@@ -23,8 +26,9 @@ import torch
 from .errors import XRError
 from .protocol import QBLOCK, SCALED, wire_nbytes
 
-QMAX = {"int8": 127.0, "fp8": 448.0}  # the largest magnitude a scaled value takes
+QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}  # the largest magnitude a scaled value takes
 _DTYPE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+NIBBLE_BIAS = 8  # an int4 value v in -7..7 is stored as the nibble v + 8 (1..15; a padding nibble is 8)
 
 __all__ = ["QMAX", "decode", "encode", "padded"]
 
@@ -70,12 +74,16 @@ def encode(
     scale = amax / QMAX[wire]
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     v = blocks.div_(scale[:, None])
+    dst = _buffer(out, wire_nbytes(wire, n), torch.uint8, "cpu")
+    dst[: 4 * nb].copy_(scale.view(torch.uint8))
+    if wire == "int4":  # whole blocks hold an even count; the padding (zeros) packs as nibbles of 8
+        u = v.round_().clamp_(-QMAX[wire], QMAX[wire]).add_(NIBBLE_BIAS).reshape(-1).to(torch.uint8)
+        dst[4 * nb :].copy_((u[0::2] | (u[1::2] << 4))[: (n + 1) // 2])
+        return dst.numpy().data
     if wire == "int8":
         q = v.round_().clamp_(-QMAX[wire], QMAX[wire]).to(torch.int8)
     else:
         q = v.clamp_(-QMAX[wire], QMAX[wire]).to(torch.float8_e4m3fn)
-    dst = _buffer(out, wire_nbytes(wire, n), torch.uint8, "cpu")
-    dst[: 4 * nb].copy_(scale.view(torch.uint8))
     dst[4 * nb :].copy_(q.reshape(-1)[:n].view(torch.uint8))
     return dst.numpy().data
 
@@ -92,9 +100,16 @@ def decode(
     if raw.numel() != wire_nbytes(wire, n):
         raise XRError(f"a {wire} shard of {n} elements is {wire_nbytes(wire, n)} bytes, got {raw.numel()}")
     scale = raw[: 4 * nb].clone().view(torch.float32).to(device)
-    values = raw[4 * nb :].view(_DTYPE[wire]).to(device)
     flat = _buffer(out, nb * QBLOCK, torch.float32, device)
-    flat[:n].copy_(values)  # exact: every int8 and e4m3 value is an fp32
+    if wire == "int4":
+        packed = raw[4 * nb :].to(device)
+        nibbles = torch.stack((packed & 0xF, packed >> 4), dim=1).reshape(-1)[:n]
+        flat[:n].copy_(nibbles)
+        flat[:n].sub_(NIBBLE_BIAS)  # exact: small integers
+    else:
+        flat[:n].copy_(
+            raw[4 * nb :].view(_DTYPE[wire]).to(device)
+        )  # exact: every int8 and e4m3 value is an fp32
     flat[n:].zero_()
     flat.view(nb, QBLOCK).mul_(scale[:, None])  # one rounding per element
     return flat[:n]
