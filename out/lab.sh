@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 666bc866239117eb5faea0337920d6f10349751b1d0435cbf87f933c8c2c424d
+#   inputs sha256: fe6d11fee603485a8cba9e0c519384e523a506815ef9f7b0b677569b2439af6b
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -651,6 +651,9 @@ PY
     out=${bad[0]}
     for line in "${bad[@]:1}"; do out+="; $line"; done
     printf 'preflight FAILED on %s: %s\n' "$node" "$out" >&2
+    # under srun --kill-on-bad-exit this task's exit tears the step down at once, and the line above could
+    # be lost on its way to the batch log: give the forwarding a moment first
+    sleep 1
     return 1
   fi
   out=${ok[0]-}
