@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: fe6d11fee603485a8cba9e0c519384e523a506815ef9f7b0b677569b2439af6b
+#   inputs sha256: 474faf23631f680f2d8b3e6dbb11e770bede01d20cffabcbca8708383f12c6f6
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -653,7 +653,7 @@ PY
     printf 'preflight FAILED on %s: %s\n' "$node" "$out" >&2
     # under srun --kill-on-bad-exit this task's exit tears the step down at once, and the line above could
     # be lost on its way to the batch log: give the forwarding a moment first
-    sleep 1
+    if [[ -n ${SLURM_STEP_ID-} ]]; then sleep 1; fi
     return 1
   fi
   out=${ok[0]-}

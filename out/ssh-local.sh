@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: e89a4a8d9eecc885c4fbd20db9dc0949de98c6b79bab82ed480f43b8e99a77b7
+#   inputs sha256: 0af622c1cdf9cf37d7a8234c4fe54db4730db8b7911c413e8828e922c8d2ecb9
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -642,7 +642,7 @@ PY
     printf 'preflight FAILED on %s: %s\n' "$node" "$out" >&2
     # under srun --kill-on-bad-exit this task's exit tears the step down at once, and the line above could
     # be lost on its way to the batch log: give the forwarding a moment first
-    sleep 1
+    if [[ -n ${SLURM_STEP_ID-} ]]; then sleep 1; fi
     return 1
   fi
   out=${ok[0]-}
