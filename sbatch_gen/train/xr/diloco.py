@@ -123,8 +123,7 @@ class DiLoCo(OuterSync):
         self._share_params()
         self.round, self.tokens, self.pending = r, 0, 0
         t7 = self._now()
-        self._housekeeping(r, self._due(r, res.members, step))
-        snap_s = self._take_snapshot_s()
+        snap_s = self._housekeeping(r, res.members, step)
         t8 = self._now()
         t.update(outer_step_s=t6 - t5, broadcast_s=t["broadcast_s"] + (t7 - t6), cleanup_s=t8 - t7, t_end=t8)
         rec = self._record(step, res, t, snap_s)
@@ -225,14 +224,13 @@ class DiLoCo(OuterSync):
         tokens, work = self.tokens, self.work
         if self.leader:  # this phase's fresh delta: where it started minus where it is (fp32)
             self.flat.delta_into(self._working(held(work, "work")), held(self.own, "own"))
-        tc = t1
+        tc, snap_s = t1, None
         if res is not None:
             self._outer_step(self.avg, scatter=False)  # the shared state takes the committed average only
             tc = self._now()
             self.round = self.inflight
             self.others = sum(c.tokens for r, c in res.commit.members.items() if r != self.xr.region)
-            self._housekeeping(self.round, self._due(self.round, res.members, step))
-        snap_s = self._take_snapshot_s()
+            snap_s = self._housekeeping(self.round, res.members, step)
         t2 = self._now()
         pre = self.ex.encode("delta", self.own)
         self.ex.decode_into("delta", pre, self.own)  # own = the wire values every region will average
@@ -284,8 +282,7 @@ class DiLoCo(OuterSync):
                 torch.sub(theta, held(self.own, "own"), out=held(self.work, "work")) if partial else theta
             )
         self._share_params()
-        self._housekeeping(self.round, self._due(self.round, res.members, step))
-        snap_s = self._take_snapshot_s()
+        snap_s = self._housekeeping(self.round, res.members, step)
         t2 = self._now()
         t = self._with_boundary(res, outer_step_s=tc - t1, cleanup_s=t2 - tc)
         rec = self._record(step, res, t, snap_s)
@@ -361,12 +358,15 @@ class DiLoCo(OuterSync):
             return None, str(e)
         return time.perf_counter() - t0, None
 
-    def _due(self, r: int, members: list[str], step: int) -> tuple[int, int] | None:
-        """Snapshot ``r`` (round, step) when it is due, else None."""
-        return (r, step) if self._snapshot_due(r, members) else None
-
     # -- housekeeping: snapshot uploads and the mailbox cleanup, in the background ------------------------------
-    def _housekeeping(self, r: int, snap: tuple[int, int] | None) -> None:
+    def _housekeeping(self, r: int, members: list[str], step: int) -> float | None:
+        """After round ``r`` (of ``members``, at ``step``) was applied: the housekeeping job started, with
+        snapshot ``r`` when it is due. Returns the seconds of a snapshot upload reaped since the last
+        record (for this round's record), if any."""
+        self._start_housekeeping(r, (r, step) if self._snapshot_due(r, members) else None)
+        return self._take_snapshot_s()
+
+    def _start_housekeeping(self, r: int, snap: tuple[int, int] | None) -> None:
         """After round ``r`` was applied: reap the housekeeping job if it has ended, then start the next one
         in a thread of the leaders: when snapshot ``snap`` (round, step) is due, copy the outer state to
         host memory and upload the copy (the previous job waited for first: one at a time); then on rank 0
