@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager
 
 import pytest
 import yaml
@@ -67,38 +66,27 @@ def _wait_round(job, r: int, others, timeout: float = 180) -> None:
         time.sleep(0.2)
 
 
-@contextmanager
-def _mailbox(kind: str, root, cluster):
-    """The mailbox of the run: a directory both jobs see, or a bucket on a real S3-compatible server
-    (moto, with conditional creates). Yields (transport, extra job environment, count of mailbox
-    objects whose name ends with a given suffix)."""
-    if kind == "fs":
-        mailbox = root / "mailbox"
-        yield {"kind": "fs", "root": str(mailbox)}, {}, lambda suffix: len(list(mailbox.rglob(f"*{suffix}")))
-        return
+# One transport on the cluster: S3 (the production one). The fs mailbox's elastic paths (leave, rejoin
+# through rounds and snapshots) are the same code above the transport and run in
+# tests/xr/test_elastic_multiproc.py; what this test adds is Slurm's side (USR1, requeue, a second attempt).
+def test_preempted_region_rejoins_and_the_other_never_stalls(cluster, e2e_root, elastic_config):
+    """Both regions train; once b has taken part in round 2 it gets `scancel --signal=USR1 --batch`: it
+    checkpoints, announces a planned leave and is requeued by its batch script. a goes on alone: the rounds
+    b misses close without waiting for it. b's second attempt resumes from its stop checkpoint,
+    fast-forwards (outer snapshot and/or committed rounds) to the run's round, takes part in the rounds
+    after that, and both jobs end COMPLETED with bitwise identical final parameters."""
+    root = e2e_root / "xr-elastic-s3"
+    root.mkdir()
     with s3_mailbox(cluster, root, "e2e-elastic") as (transport, env, s3):
 
         def count(suffix: str) -> int:
             pages = s3.get_paginator("list_objects_v2").paginate(Bucket="e2e-elastic", Prefix="e2e/")
             return sum(1 for page in pages for o in page.get("Contents", []) if o["Key"].endswith(suffix))
 
-        yield transport, env, count
+        _run_and_check(cluster, root, elastic_config, transport, env, count)
 
 
-@pytest.mark.parametrize("kind", ["fs", "s3"])
-def test_preempted_region_rejoins_and_the_other_never_stalls(cluster, e2e_root, elastic_config, kind):
-    """Both regions train; once b has taken part in round 2 it gets `scancel --signal=USR1 --batch`: it
-    checkpoints, announces a planned leave and is requeued by its batch script. a goes on alone: the rounds
-    b misses close without waiting for it. b's second attempt resumes from its stop checkpoint,
-    fast-forwards (outer snapshot and/or committed rounds) to the run's round, takes part in the rounds
-    after that, and both jobs end COMPLETED with bitwise identical final parameters."""
-    root = e2e_root / f"xr-elastic-{kind}"
-    root.mkdir()
-    with _mailbox(kind, root, cluster) as (transport, env, count):
-        _run_and_check(cluster, root, elastic_config, kind, transport, env, count)
-
-
-def _run_and_check(cluster, root, elastic_config, kind, transport, env, count):
+def _run_and_check(cluster, root, elastic_config, transport, env, count):
     data = root / "data"
     data.mkdir()
     jobs = region_jobs(
@@ -206,11 +194,11 @@ def _run_and_check(cluster, root, elastic_config, kind, transport, env, count):
         assert by_round[x["xr_round"]]["xr_members"] == x["xr_members"], (x, by_round[x["xr_round"]])
     assert b.summary()["last_step"] == STEPS and a.summary()["last_step"] == STEPS
     assert_same_final_params(jobs)
-    assert count("/_commit.json") > 0, f"no round commit in the {kind} mailbox"
+    assert count("/_commit.json") > 0, "no round commit in the S3 mailbox"
 
     away_s = rj["time"] - leave[0]["time"]
     report(
-        f"elastic regions ({kind}): b left at step {stop_step}, rejoined {away_s:.0f} s later at round {back} "
+        f"elastic regions (s3): b left at step {stop_step}, rejoined {away_s:.0f} s later at round {back} "
         f"via {rj['via']} (fast-forward {rj['seconds']} s); a finished {t_a_done:.0f} s after the USR1; "
         f"rounds a closed without b (round, reason, wait s): {timeline}"
     )

@@ -82,7 +82,7 @@ def test_a_requeue_by_the_time_limit_is_not_reported_as_failed(cluster, e2e_root
         cluster,
         e2e_root / "timelimit",
         "timelimit",
-        {"slurm.time": "00:02:00", "preemption.lead_time_s": 60},
+        {"slurm.time": "00:02:00", "preemption.lead_time_s": 90},
         config=train_config,
         data=data_dir,
     )
@@ -90,7 +90,8 @@ def test_a_requeue_by_the_time_limit_is_not_reported_as_failed(cluster, e2e_root
     shim.mkdir()
     (shim / "scontrol").write_text(SLOW_SCONTROL)
     (shim / "scontrol").chmod(0o755)
-    # 40 steps of >= 2.5 s: still training when the signal comes (60-90 s in: Slurm checks every ~30 s)
+    # 40 steps of >= 2.5 s: still training when the signal comes (30-60 s in: Slurm checks the limits every
+    # ~30 s; the trainer is up ~15 s in)
     job.submit({"SBATCH_GEN_STEP_SLEEP_S": "2.5", "PATH": f"{shim}:{cluster.env['PATH']}"})
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
