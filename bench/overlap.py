@@ -18,7 +18,6 @@ so its shares say nothing about overlap). Without root the full run falls back t
 
 from __future__ import annotations
 
-import json
 import shutil
 import statistics
 import tempfile
@@ -84,17 +83,6 @@ QUICK = Sizes(
     wan_rtt_ms=20.0,
     wan_window_kb=1024,
 )
-
-
-def _tensors(path: Path) -> tuple[dict, bytes]:
-    """A safetensors file's tensor table (names, dtypes, shapes, offsets) and its data bytes. The header's
-    ``__metadata__`` is left out: its key order differs from process to process (the same keys and values
-    serialize in a different order), so two files of the same tensors need not be the same bytes."""
-    raw = path.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8 : 8 + n])
-    header.pop("__metadata__", None)
-    return header, raw[8 + n :]
 
 
 def _region_figures(name: str, recs: list[dict], sz: Sizes, overlap: str) -> dict:
@@ -178,7 +166,9 @@ def _variant(
         for region in REGIONS
     }
     models = [root / region / "model.safetensors" for region in REGIONS]
-    same = _tensors(models[0]) == _tensors(models[1])
+    same = (
+        models[0].read_bytes() == models[1].read_bytes()
+    )  # the export is canonical: same tensors, same bytes
     # the transfer of one round: per round the smaller of the two regions' xr_total_s (the region that arrived
     # last, whose round holds no wait for the other's compute), median over the rounds
     transfer = median([min(x) for x in zip(*(per[r]["round_s"] for r in REGIONS), strict=True)])

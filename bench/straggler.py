@@ -14,6 +14,6 @@ if os.environ.get("RANK") is not None and os.environ.get("RANK") == os.environ.g
 else:
     os.environ.pop("SBATCH_GEN_STEP_SLEEP_S", None)
 
-from sbatch_gen.train.__main__ import _main  # noqa: E402
+from sbatch_gen.train.__main__ import _entry  # noqa: E402
 
-raise SystemExit(_main())
+_entry()  # the trainer's own ending (flushed, no interpreter teardown), as `python -m sbatch_gen.train`

@@ -259,16 +259,12 @@ def test_payload_quick(tmp_path):
     assert 0.25 < up["int4"] / up["bf16"] < 0.27
 
 
-def test_overlap_accounting(tmp_path):
+def test_overlap_accounting():
     """bench/overlap's figures from a region's metrics records: every ``xr_exposed_s`` counts (eager's first
-    boundary, which closes no round, and the ``xr_final_round`` event included), wall time is the steps' time;
-    and two exported models compare by their tensors and data bytes, not by the order of the metadata keys."""
+    boundary, which closes no round, and the ``xr_final_round`` event included), wall time is the steps' time."""
     import dataclasses
 
-    import torch
-    from safetensors.torch import save_file
-
-    from bench.overlap import QUICK, _region_figures, _tensors
+    from bench.overlap import QUICK, _region_figures
 
     sz = dataclasses.replace(QUICK, h=2, rounds=2)
 
@@ -293,19 +289,6 @@ def test_overlap_accounting(tmp_path):
         _region_figures("eager", eager[:-1], sz, "eager")
     with pytest.raises(RuntimeError, match="xr_final_round"):  # none never has one
         _region_figures("none", eager, sz, "none")
-
-    a = tmp_path / "a.safetensors"
-    save_file({"w": torch.arange(4.0), "b": torch.ones(2)}, str(a), metadata={"step": "4", "model": "{}"})
-    raw = a.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8 : 8 + n])
-    header["__metadata__"] = dict(reversed(header["__metadata__"].items()))
-    swapped = json.dumps(header, separators=(",", ":")).encode().ljust(n)
-    b = tmp_path / "b.safetensors"
-    b.write_bytes(raw[:8] + swapped + raw[8 + n :])
-    assert a.read_bytes() != b.read_bytes() and _tensors(a) == _tensors(b)
-    b.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))  # one bit of the data
-    assert _tensors(a) != _tensors(b)
 
 
 def test_quality_plan_covers_the_issue():
