@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import subprocess
 import sys
@@ -61,3 +62,13 @@ def edit_site(path: Path, **changes) -> None:
             cur = cur.setdefault(k, {})
         cur[last] = value
     path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def python_without_torch(bindir: Path) -> Path:
+    """``bindir/python``: the test's own interpreter without the site module (-S: no site-packages, the
+    venv's or the system's), so torch is never importable through it. Put ``bindir`` first on PATH."""
+    bindir.mkdir(exist_ok=True)
+    py = bindir / "python"
+    py.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -S "$@"\n')
+    py.chmod(0o755)
+    return py

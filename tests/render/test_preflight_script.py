@@ -15,7 +15,7 @@ import pytest
 
 from sbatch_gen.testing.s3server import free_port
 
-from .conftest import REPO, sg
+from .conftest import REPO, python_without_torch, sg
 
 CONFIG = REPO / "configs" / "tiny.yaml"
 
@@ -97,16 +97,10 @@ def test_a_missing_script_fails_naming_the_field(tmp_path):
     ]
 
 
-@pytest.mark.skipif(
-    subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode == 0,
-    reason="the system python has torch",
-)
 def test_a_python_without_torch_fails_as_for_a_module(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
-    bindir = tmp_path / "no-torch"
-    bindir.mkdir()
-    (bindir / "python").symlink_to("/usr/bin/python3")
+    bindir = python_without_torch(tmp_path / "no-torch").parent
     r = _slurm_preflight(tmp_path, script, path_first=bindir)
     assert r.returncode == 1
     assert (

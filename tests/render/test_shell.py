@@ -13,7 +13,7 @@ import pytest
 
 from sbatch_gen.testing.s3server import free_port
 
-from .conftest import REPO, edit_site, sg
+from .conftest import REPO, edit_site, python_without_torch, sg
 
 pytestmark = pytest.mark.slow  # shellcheck and bash on every render
 
@@ -293,14 +293,8 @@ def test_preflight_names_every_problem_of_the_node_in_one_line(tmp_path):
     ], r.stderr
 
 
-@pytest.mark.skipif(
-    subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode == 0,
-    reason="the system python has torch",
-)
 def test_preflight_fails_without_torch(tmp_path):
-    bindir = tmp_path / "no-torch"
-    bindir.mkdir()
-    (bindir / "python").symlink_to("/usr/bin/python3")
+    bindir = python_without_torch(tmp_path / "no-torch").parent
     r = _run_preflight(tmp_path, extra_path=bindir)
     assert r.returncode != 0
     assert (
