@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 474faf23631f680f2d8b3e6dbb11e770bede01d20cffabcbca8708383f12c6f6
+#   inputs sha256: d67afc672c14a7a5e79f1f740cf1c3d5ddde9164e23a8695ec9bbd68f29e5b64
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -351,11 +351,12 @@ check_numa_binding() {
 # name:port selects one port, a bare name every port of the adapter. NCCL uses a selected port whatever
 # its link layer, so an Ethernet storage or management port in the list carries training traffic.
 # Every name must match an adapter in /sys/class/infiniband (a prefix: at least one), and every port it
-# selects must have LINK_LAYER in ports/<port>/link_layer (InfiniBand, or Ethernet for RoCE).
+# selects must have LINK_LAYER in ports/<port>/link_layer (InfiniBand, or Ethernet for RoCE) and be
+# ACTIVE in ports/<port>/state: NCCL silently skips a port that is down, leaving the node a link short.
 # shellcheck disable=SC2317,SC2329  # run on the nodes by the preflight (shipped with it), not called here
 check_ib_hcas() {
   local spec=$1 want=$2 dir=${SBATCH_GEN_SYSFS_ROOT:-}/sys/class/infiniband exact=0 bad=0
-  local entry name port dev d p ll lls have='' what
+  local entry name port dev d p ll lls st have='' what
   local -a entries=() devs=() ports=() checked=()
   if [[ $spec == =* ]]; then
     exact=1
@@ -412,7 +413,16 @@ check_ib_hcas() {
             "nccl.ib_link_layer)"
           bad=1
         else
-          checked+=("$dev:$p")
+          st='unreadable'
+          read_line st "$dir/$dev/ports/$p/state" || true
+          if [[ $st == *ACTIVE ]]; then
+            checked+=("$dev:$p")
+          else
+            echo "nccl.ib_hca: $dev port $p is not active (state: $st): NCCL leaves out a port that is not" \
+              "ACTIVE, so this node would train on fewer links than the others (bring the link up or drain" \
+              "the node)"
+            bad=1
+          fi
         fi
       done
     done

@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 0af622c1cdf9cf37d7a8234c4fe54db4730db8b7911c413e8828e922c8d2ecb9
+#   inputs sha256: a67b7eeb1304f38bce0ab27c41b3b77d7fac1e89ef46cf8cd360160e30ddad61
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -340,11 +340,12 @@ check_numa_binding() {
 # name:port selects one port, a bare name every port of the adapter. NCCL uses a selected port whatever
 # its link layer, so an Ethernet storage or management port in the list carries training traffic.
 # Every name must match an adapter in /sys/class/infiniband (a prefix: at least one), and every port it
-# selects must have LINK_LAYER in ports/<port>/link_layer (InfiniBand, or Ethernet for RoCE).
+# selects must have LINK_LAYER in ports/<port>/link_layer (InfiniBand, or Ethernet for RoCE) and be
+# ACTIVE in ports/<port>/state: NCCL silently skips a port that is down, leaving the node a link short.
 # shellcheck disable=SC2317,SC2329  # run on the nodes by the preflight (shipped with it), not called here
 check_ib_hcas() {
   local spec=$1 want=$2 dir=${SBATCH_GEN_SYSFS_ROOT:-}/sys/class/infiniband exact=0 bad=0
-  local entry name port dev d p ll lls have='' what
+  local entry name port dev d p ll lls st have='' what
   local -a entries=() devs=() ports=() checked=()
   if [[ $spec == =* ]]; then
     exact=1
@@ -401,7 +402,16 @@ check_ib_hcas() {
             "nccl.ib_link_layer)"
           bad=1
         else
-          checked+=("$dev:$p")
+          st='unreadable'
+          read_line st "$dir/$dev/ports/$p/state" || true
+          if [[ $st == *ACTIVE ]]; then
+            checked+=("$dev:$p")
+          else
+            echo "nccl.ib_hca: $dev port $p is not active (state: $st): NCCL leaves out a port that is not" \
+              "ACTIVE, so this node would train on fewer links than the others (bring the link up or drain" \
+              "the node)"
+            bad=1
+          fi
         fi
       done
     done

@@ -144,7 +144,8 @@ class Nccl(ProfileSection):
         description="The link layer the adapters of ib_hca must have (Ethernet: RoCE). NCCL uses a listed port "
         "whatever its link layer, so a storage or management Ethernet port in the list carries training traffic; "
         "the preflight reads /sys/class/infiniband/<hca>/ports/<port>/link_layer on every node (the port an "
-        "entry names with ':port', else every port of the adapter) and fails on another value.",
+        "entry names with ':port', else every port of the adapter) and fails on another value, or on a port "
+        "whose state is not ACTIVE (NCCL silently leaves such a port out).",
     )
     ib_disable: bool = Field(default=False, description="NCCL_IB_DISABLE=1: no InfiniBand/RoCE.")
     p2p_disable: bool = Field(default=False, description="NCCL_P2P_DISABLE=1: no NVLink/PCIe peer-to-peer.")

@@ -8,7 +8,7 @@ to put first on PATH. Torch-free; standard library only.
 
 The layout follows the kernel's: /sys/bus/pci/devices/<0000:bb:00.0>/numa_node,
 /sys/devices/system/node/{possible,node<N>/cpulist}, /sys/devices/system/cpu/cpu<N>/topology/
-thread_siblings_list, /sys/class/infiniband/<hca>/ports/<port>/link_layer and /proc/self/status
+thread_siblings_list, /sys/class/infiniband/<hca>/ports/<port>/{link_layer,state} and /proc/self/status
 (Cpus_allowed_list). nvidia-smi answers ``-L``, ``--query-gpu=index,uuid,pci.bus_id --format=csv,noheader``
 and ``topo -m`` the way the real one does.
 """
@@ -55,7 +55,8 @@ class FakeNode:
 
     ``numa_cpus`` maps each NUMA node to its cpulist ("" for a memory-only node); ``allowed`` is the
     process's Cpus_allowed_list; ``threads_per_core`` consecutive CPUs make one physical core (CPUs 8 and 9
-    with 2); ``hcas`` maps an adapter to {port: link_layer}. ``numactl`` False leaves the stub out.
+    with 2); ``hcas`` maps an adapter to {port: link_layer}; every port's state is ``4: ACTIVE`` unless
+    ``port_state`` says otherwise ({"mlx5_3:1": "1: DOWN"}). ``numactl`` False leaves the stub out.
     """
 
     def __init__(
@@ -67,6 +68,7 @@ class FakeNode:
         allowed: str,
         threads_per_core: int = 1,
         hcas: dict[str, dict[int, str]] | None = None,
+        port_state: dict[str, str] | None = None,
         numactl: bool = True,
     ):
         self.root = root
@@ -115,7 +117,7 @@ class FakeNode:
                 d = ib / hca / "ports" / str(port)
                 d.mkdir(parents=True)
                 (d / "link_layer").write_text(link_layer + "\n")
-                (d / "state").write_text("4: ACTIVE\n")
+                (d / "state").write_text((port_state or {}).get(f"{hca}:{port}", "4: ACTIVE") + "\n")
 
     def env(self, path: str | None = None) -> dict[str, str]:
         """SBATCH_GEN_SYSFS_ROOT and PATH with the stubs first (``path``: the rest, default this PATH)."""

@@ -253,6 +253,23 @@ def test_an_hca_with_the_wrong_link_layer_fails(tmp_path):
     assert "HCAs mlx5_8:1: Ethernet" in r.stdout
 
 
+def test_a_port_that_is_not_active_fails(tmp_path):
+    """NCCL leaves out a port that is not ACTIVE: the node would train a link short of the others."""
+    node = _node(tmp_path, port_state={"mlx5_3:1": "1: DOWN", "mlx5_5:1": "2: INIT"})
+    (node.root / "sys/class/infiniband/mlx5_6/ports/1/state").unlink()
+    r = _preflight(tmp_path, node)
+    assert r.returncode != 0
+    assert (
+        FAILED + "nccl.ib_hca: mlx5_3 port 1 is not active (state: 1: DOWN): NCCL leaves out a port that is "
+        "not ACTIVE, so this node would train on fewer links than the others (bring the link up or drain the "
+        "node); nccl.ib_hca: mlx5_5 port 1 is not active (state: 2: INIT)"
+    ) in r.stderr, r.stderr
+    assert "nccl.ib_hca: mlx5_6 port 1 is not active (state: unreadable)" in r.stderr, r.stderr
+    # the adapters not in nccl.ib_hca are not checked
+    hcas = "=" + ",".join(h for h in IB8 if h not in ("mlx5_3", "mlx5_5", "mlx5_6"))
+    assert _preflight(tmp_path, node, hcas=hcas).returncode == 0
+
+
 def test_a_named_port_is_the_only_one_checked(tmp_path):
     node = _node(tmp_path, hcas={"mlx5_0": {1: "InfiniBand", 2: "Ethernet"}})
     r = _preflight(tmp_path, node, hcas="=mlx5_0")
