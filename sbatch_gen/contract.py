@@ -15,3 +15,8 @@ ENV_STOP_FILE = "SBATCH_GEN_STOP_FILE"
 # Rank 0 writes "<stop file>.ack" (JSON: step, checkpoint path) once the stop checkpoint is complete.
 # The batch shell waits for it before `scontrol requeue`.
 ACK_SUFFIX = ".ack"
+
+# A trainer that stops on an error no requeue can fix (a bad config or flag, the run dir leased by another
+# live job) writes "<stop file>.fatal": one line, why. The batch shell then ends the job without a requeue
+# and logs that line; torchrun's restarted workers exit at once.
+FATAL_SUFFIX = ".fatal"

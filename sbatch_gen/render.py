@@ -200,6 +200,7 @@ def context(site: LoadedSite, sha: str) -> dict:
         "EXIT_REQUEUE": contract.EXIT_REQUEUE,
         "ENV_STOP_FILE": contract.ENV_STOP_FILE,
         "ACK_SUFFIX": contract.ACK_SUFFIX,
+        "FATAL_SUFFIX": contract.FATAL_SUFFIX,
     }
     ctx.update(p.template_context(site.name))
     return ctx

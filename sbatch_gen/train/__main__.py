@@ -29,6 +29,7 @@ def _main() -> int:
         spec = RunSpec.from_args(args)  # the only place the flags are read
     except SpecError as e:
         print(e, file=sys.stderr)
+        stop.fatal(str(e))  # no requeue: the next attempt would read the same flags and config
         return EXIT_CONFIG
     from .trainer import run  # torch is imported from here on
 

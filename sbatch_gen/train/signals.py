@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..contract import ACK_SUFFIX, ENV_STOP_FILE, EXIT_REQUEUE
+from ..contract import ACK_SUFFIX, ENV_STOP_FILE, EXIT_REQUEUE, FATAL_SUFFIX
 from ..fsutil import write_atomic
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -33,6 +33,10 @@ def resolve_stop_file(flag: str | None) -> Path | None:
 
 def ack_path(stop_file: Path) -> Path:
     return stop_file.with_name(stop_file.name + ACK_SUFFIX)
+
+
+def fatal_path(stop_file: Path) -> Path:
+    return stop_file.with_name(stop_file.name + FATAL_SUFFIX)
 
 
 def fast_exit_if_acked(stop_file: Path | None) -> None:
@@ -152,6 +156,20 @@ class StopRequest:
             )
         _barrier()
         return ack
+
+    def fatal(self, reason: str) -> Path | None:
+        """Not collective. The trainer cannot run and no requeue would change that (a bad config or flag,
+        the run dir leased by another job): rank 0 writes ``<stop file>.fatal``, ``reason`` on one line, so
+        the batch shell ends the job without a requeue and logs it. Returns its path; None on the other
+        ranks or without a stop file. Call it just before exiting non-zero."""
+        if self.stop_file is None or _rank() != 0:
+            return None
+        lines = [ln.strip() for ln in reason.splitlines() if ln.strip()]
+        one = " ".join([lines[0], "; ".join(lines[1:])]) if len(lines) > 1 else "".join(lines)
+        path = fatal_path(self.stop_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, one + "\n")
+        return path
 
 
 def _initialised_group() -> Any:

@@ -217,10 +217,12 @@ def run(spec: RunSpec, process_start: float | None = None, stop: StopRequest | N
     try:
         lease, held_by = _take_lease(spec.run_dir, info)
         if held_by is not None:  # rank 0 said why, in one line
+            stop.fatal(held_by)  # no requeue: it would find the run dir taken again, or race the other job
             return EXIT_CONFIG
         return Trainer(spec, info, device, stop, process_start).train()
     except _Fatal as e:
         log.error("%s", e)
+        stop.fatal(str(e))
         return EXIT_CONFIG
     except XRError as e:  # every rank raised it: one line each, no traceback
         log.error("cross-region sync failed: %s: %s", type(e).__name__, e)

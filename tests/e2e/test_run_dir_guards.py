@@ -16,23 +16,28 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 def test_a_second_job_on_a_running_jobs_run_dir_refuses_to_start(cluster, e2e_root, train_config, data_dir):
     """Job 1 trains; job 2, rendered with job 1's run dir (a resubmit, a copy-pasted profile), starts while
-    it does: job 2's trainer refuses in one line naming job 1, trains nothing, and job 1 trains on to
-    the end."""
+    it does: job 2's trainer refuses in one line naming job 1, trains nothing, and job 2 fails without a
+    requeue, saying so in its batch log; job 1 trains on to the end."""
     first = local_job(cluster, e2e_root / "lease-first", "lease1", config=train_config, data=data_dir)
     first.submit({"SBATCH_GEN_STEP_SLEEP_S": "1"})  # 40 steps: time for job 2 to start and be refused
     first.wait_step(2)
-    # max_requeues 0: a refused job fails at once instead of trying again (the lease stays job 1's)
+    # the site's requeue budget (2) is left as it is: a refused job must not spend it (every requeue would
+    # be refused again, after its queue wait)
     second = local_job(
         cluster,
         e2e_root / "lease-second",
         "lease2",
-        {"paths.run_dir": str(first.run_dir), "preemption.max_requeues": 0},
+        {"paths.run_dir": str(first.run_dir)},
         config=train_config,
         data=data_dir,
     )
     second.submit()
     info = cluster.wait_done(second.job_id, timeout=240)
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", second.describe()
+    batch = second.batch_log()
+    ends = [ln for ln in batch.splitlines() if "ERROR: the trainer cannot run: run dir " in ln]
+    assert len(ends) == 1 and ends[0].endswith("not requeueing (fix it, then resubmit)"), batch
+    assert "requeueing job" not in batch, batch
     state = cluster.job(first.job_id)["JobState"]
     assert state == "RUNNING", f"job 1 ended ({state}) before job 2 was refused:\n{first.describe()}"
 

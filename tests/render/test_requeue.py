@@ -71,6 +71,35 @@ def test_a_failed_requeue_still_says_resubmit(tmp_path):
     assert r.returncode == 1, out
 
 
+# stub: the preflight passes; the trainer cannot run (a bad config, the run dir leased by another job): it
+# writes why to "<stop file>.fatal" (one line; a second one must not reach the log) and the step fails
+SRUN_FATAL = r"""#!/bin/bash
+for a in "$@"; do [[ $a == preflight ]] && exit 0; done
+printf 'run dir /r is in use by job 12 on host n9 (pid 7)\nsecond line\n' >"$SBATCH_GEN_STOP_FILE.fatal"
+exit 1
+"""
+
+
+def test_a_trainer_that_cannot_run_is_not_requeued(tmp_path):
+    """Every further attempt would fail the same way after its queue wait: the job fails at once with the
+    trainer's one line, and never calls `scontrol requeue` (the local site allows 2 requeues)."""
+    job, env, stub_dir = prepare(
+        tmp_path, {"scontrol": SCONTROL, "srun": SRUN_FATAL, "sinfo": SINFO}, "fails"
+    )
+    r = subprocess.run(
+        ["bash", str(job)], cwd=job.parent, env=env, capture_output=True, text=True, timeout=60
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert not (stub_dir / "calls").exists(), out  # no requeue was attempted
+    errors = [ln for ln in out.splitlines() if "ERROR:" in ln]
+    assert len(errors) == 1 and errors[0].endswith(
+        "ERROR: the trainer cannot run: run dir /r is in use by job 12 on host n9 (pid 7); not requeueing "
+        "(fix it, then resubmit)"
+    ), out
+    assert "second line" not in out and "requeueing job" not in out, out
+
+
 # stub: the preflight passes, the training step runs until it is killed (its output to a file, so that a
 # step left behind does not hold the test's pipe open)
 SRUN_RUNS = r"""#!/bin/bash

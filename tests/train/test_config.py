@@ -143,10 +143,23 @@ def test_not_a_mapping(tmp_path):
 
 
 def test_cli_exits_2_before_importing_torch(tmp_path):
+    """A bad config: exit 2, the error, and "<stop file>.fatal" on one line (the batch shell does not
+    requeue then), all before torch is imported."""
     p = tmp_path / "bad.yaml"
-    p.write_text(GOOD.replace("lr: 1.0e-3", "lr: 0"))
+    p.write_text(GOOD.replace("lr: 1.0e-3", "lr: 0").replace("steps: 10", "steps: -1"))
+    stop = tmp_path / "stop" / "7.attempt-0"
     r = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "sbatch_gen.train", "--config", str(p)],
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "sbatch_gen.train",
+            "--config",
+            str(p),
+            "--stop-file",
+            str(stop),
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -154,6 +167,11 @@ def test_cli_exits_2_before_importing_torch(tmp_path):
     )
     assert r.returncode == 2
     assert f"{p}:10: optim.lr: Input should be greater than 0 (got 0)" in r.stderr
+    fatal = (tmp_path / "stop" / "7.attempt-0.fatal").read_text()
+    problems = [ln.strip() for ln in r.stderr.splitlines() if ln.startswith(("  ", str(p)))]
+    assert fatal.count("\n") == 1 and len(problems) >= 2, (fatal, r.stderr)
+    assert all(x in fatal for x in problems), (fatal, r.stderr)  # every problem, on the one line
+    assert not stop.exists()  # the stop file itself is the batch shell's
     imported = [
         line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")
     ]

@@ -156,6 +156,8 @@ def test_a_second_trainer_on_the_same_run_dir_refuses_to_start(tmp_path, data_di
             str(run_dir),
             "--data-path",
             str(data_dir),
+            "--stop-file",
+            str(tmp_path / "stop-second"),
         ],
         cwd=REPO,
         env=train_env(env),
@@ -166,6 +168,9 @@ def test_a_second_trainer_on_the_same_run_dir_refuses_to_start(tmp_path, data_di
     assert second.returncode == 2, second.stderr
     lines = [ln for ln in second.stderr.splitlines() if "in use by" in ln]
     assert len(lines) == 1, second.stderr
+    # the same line for the batch shell, which then does not requeue (the next attempt would be refused too)
+    fatal = (tmp_path / "stop-second.fatal").read_text()
+    assert fatal.endswith("\n") and fatal.count("\n") == 1 and fatal.strip() in lines[0], (fatal, lines)
     assert f"job {holder['job_id']} on host {holder['host']} (pid {holder['pid']})" in lines[0]
     assert "heartbeat" in lines[0] and "s ago" in lines[0]
     assert "Traceback" not in second.stderr
