@@ -8,6 +8,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SG := $(VENV)/bin/sbatch-gen
 PYTEST_ARGS ?=
+# make test-fast: pytest-xdist processes (the unit tier is CPU-bound and its tests are isolated)
+TEST_WORKERS ?= 2
 APT_PACKAGES := shellcheck slurmctld slurmd slurm-client munge openssh-server iproute2 procps psmisc
 
 help:  ## list the targets
@@ -47,8 +49,8 @@ format: install  ## rewrite the Python sources in the project's style (ruff form
 	$(VENV)/bin/ruff format sbatch_gen tests bench scripts examples
 	$(VENV)/bin/ruff check --fix sbatch_gen tests bench scripts examples
 
-test-fast: install  ## the unit tier: no real servers, no subprocess training, no Slurm; under a minute
-	$(PY) -m pytest -m "not slow and not e2e" $(PYTEST_ARGS)
+test-fast: install  ## the unit tier: no real servers, no subprocess training, no Slurm; under a minute (TEST_WORKERS processes)
+	$(PY) -m pytest -m "not slow and not e2e" -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test: install system-deps  ## the whole test suite: unit, multi-process (torchrun/gloo), end to end on local Slurm
 	$(PY) -m pytest $(PYTEST_ARGS)
