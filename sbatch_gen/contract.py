@@ -18,5 +18,5 @@ ACK_SUFFIX = ".ack"
 
 # A trainer that stops on an error no requeue can fix (a bad config or flag, the run dir leased by another
 # live job) writes "<stop file>.fatal": one line, why. The batch shell then ends the job without a requeue
-# and logs that line; torchrun's restarted workers exit at once.
+# and logs that line.
 FATAL_SUFFIX = ".fatal"
