@@ -402,39 +402,26 @@ def _report(res: Result, sz: Sizes, first: list[dict], second: list[dict], best:
     # phase 2: eager vs none (each at its best grid point, and at none's), int8/fp8/int4 vs bf16
     beste = best_per_h(allv, sz.hs, "eager")
     rows2 = []
+
+    def cmp(what: str, point: str, ref: dict, var: dict) -> list:
+        return [
+            what,
+            point,
+            _l(ref["heldout"]),
+            _l(var["heldout"]),
+            f"{_gap(var['heldout'], ref['heldout']):+.2%}",
+        ]
+
     for h in sz.hs:
         b, e = best[h], beste[h]
+        rows2.append(cmp(f"H={h}: eager vs none, each at its best", f"{e['label']} vs {b['label']}", b, e))
         same = by[replace(_as_variant(b), overlap="eager").key]
-        rows2.append(
-            [
-                f"H={h}: eager vs none, each at its best",
-                f"{e['label']} vs {b['label']}",
-                _l(b["heldout"]),
-                _l(e["heldout"]),
-                f"{_gap(e['heldout'], b['heldout']):+.2%}",
-            ]
-        )
         if same is not e:
-            rows2.append(
-                [
-                    f"H={h}: eager vs none, at none's best",
-                    b["label"],
-                    _l(b["heldout"]),
-                    _l(same["heldout"]),
-                    f"{_gap(same['heldout'], b['heldout']):+.2%}",
-                ]
-            )
+            rows2.append(cmp(f"H={h}: eager vs none, at none's best", b["label"], b, same))
     bp = best[sz.payload_h]
     for d in PAYLOADS:
-        q = by[replace(_as_variant(bp), dtype=d).key]
         rows2.append(
-            [
-                f"H={sz.payload_h}: {d} vs bf16",
-                bp["label"],
-                _l(bp["heldout"]),
-                _l(q["heldout"]),
-                f"{_gap(q['heldout'], bp['heldout']):+.2%}",
-            ]
+            cmp(f"H={sz.payload_h}: {d} vs bf16", bp["label"], bp, by[replace(_as_variant(bp), dtype=d).key])
         )
     res.table(
         "At the best outer lr x momentum per H: overlap and payload",

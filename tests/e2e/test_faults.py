@@ -9,7 +9,6 @@ import signal
 import time
 
 import pytest
-import yaml
 from e2e_lib import assert_resumed_losses_match, local_job, report, trainer_workers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -175,14 +174,26 @@ def test_preflight_fails_fast_with_clear_message(
     assert end - start < 60  # the rendezvous would have waited 120 s (torchrun.rdzv_timeout_s)
 
 
+# A trainer with a bug: it crashes on every start. It writes no "<stop file>.fatal" (a bad config does, and
+# is not requeued: tests/e2e/test_run_dir_guards.py, tests/render/test_requeue.py), so every failure counts
+# against the requeue budget.
+CRASHING_TRAINER = """import sys
+print("crashing trainer: started with", sys.argv[1:], flush=True)
+raise RuntimeError("a bug in the trainer")
+"""
+
+
 def test_requeue_budget_stops_a_job_that_keeps_failing(cluster, e2e_root, train_config, data_dir):
     """(6) A job that fails on every attempt is requeued preemption.max_requeues times, then no more."""
-    bad = yaml.safe_load(train_config.read_text())
-    bad["optim"]["warmup_steps"] = bad["train"]["steps"]  # the trainer rejects this at start-up
-    cfg = e2e_root / "bad-train-config.yaml"
-    cfg.write_text(yaml.safe_dump(bad, sort_keys=False))
+    script = e2e_root / "crashing_trainer.py"
+    script.write_text(CRASHING_TRAINER)
     job = local_job(
-        cluster, e2e_root / "budget", "budget", {"preemption.max_requeues": 2}, config=cfg, data=data_dir
+        cluster,
+        e2e_root / "budget",
+        "budget",
+        {"preemption.max_requeues": 2, "trainer.module": None, "trainer.script": str(script)},
+        config=train_config,
+        data=data_dir,
     )
     job.submit()
     info = cluster.wait_done(job.job_id, timeout=240)
@@ -193,4 +204,7 @@ def test_requeue_budget_stops_a_job_that_keeps_failing(cluster, e2e_root, train_
     assert attempts == ["0", "1", "2"], log
     assert len(re.findall(r"requeueing job", log)) == 2
     assert "not requeueing: budget of 2 requeues used up (preemption.max_requeues)" in log
-    assert "warmup_steps" in job.train_log(0, "n1").read_text()  # the cause is in the per-node log
+    assert (
+        "RuntimeError: a bug in the trainer" in job.train_log(0, "n1").read_text()
+    )  # the cause: per-node log
+    assert "cannot run" not in log, log
