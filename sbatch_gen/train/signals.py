@@ -161,14 +161,20 @@ class StopRequest:
         """Not collective. The trainer cannot run and no requeue would change that (a bad config or flag,
         the run dir leased by another job): rank 0 writes ``<stop file>.fatal``, ``reason`` on one line, so
         the batch shell ends the job without a requeue and logs it. Returns its path; None on the other
-        ranks or without a stop file. Call it just before exiting non-zero."""
+        ranks, without a stop file, or when it cannot be written (said on stderr: the error being reported
+        stays the one that counts, and the job is requeued as before). Call it just before exiting
+        non-zero."""
         if self.stop_file is None or _rank() != 0:
             return None
         lines = [ln.strip() for ln in reason.splitlines() if ln.strip()]
         one = " ".join([lines[0], "; ".join(lines[1:])]) if len(lines) > 1 else "".join(lines)
         path = fatal_path(self.stop_file)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, one + "\n")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, one + "\n")
+        except OSError as e:
+            sys.stderr.write(f"cannot write {path} ({e}): the launcher may requeue this job\n")
+            return None
         return path
 
 

@@ -106,6 +106,23 @@ def test_rank_0_writes_the_ack_and_an_acked_attempt_exits_42_before_any_work(tmp
     assert StopRequest().acknowledge(1) is None  # signals only: nobody to tell
 
 
+def test_rank_0_writes_why_it_cannot_run_on_one_line_and_never_fails_for_it(tmp_path, monkeypatch, capsys):
+    """<stop file>.fatal: "no requeue can fix this" for the batch shell. A reason of several lines becomes one;
+    other ranks and a trainer without a stop file write nothing; an unwritable place is said, not raised (the
+    error being reported must stay the one the user sees)."""
+    stop = StopRequest(tmp_path / "d" / "stop")
+    monkeypatch.setenv("RANK", "1")
+    assert stop.fatal("bad") is None and not (tmp_path / "d").exists()
+    monkeypatch.setenv("RANK", "0")
+    path = stop.fatal("config error:\n  a.yaml:3: lr: must be > 0\n\n  a.yaml:4: steps: must be >= 1\n")
+    assert path == tmp_path / "d" / "stop.fatal"
+    assert path.read_text() == "config error: a.yaml:3: lr: must be > 0; a.yaml:4: steps: must be >= 1\n"
+    assert StopRequest().fatal("bad") is None
+    (tmp_path / "file").write_text("")
+    assert StopRequest(tmp_path / "file" / "stop").fatal("bad") is None  # its directory is a file
+    assert "cannot write" in capsys.readouterr().err
+
+
 # -- the --xr-* flags ---------------------------------------------------------------------------------------
 def test_the_xr_flags_are_taken_out_and_the_rest_stays_in_order(tmp_path):
     argv = ["--lr", "0.1", "--xr-enabled", "--xr-region", "eu", "--xr-regions", "eu,us", "pos"]
