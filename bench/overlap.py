@@ -166,9 +166,8 @@ def _variant(
         for region in REGIONS
     }
     models = [root / region / "model.safetensors" for region in REGIONS]
-    same = (
-        models[0].read_bytes() == models[1].read_bytes()
-    )  # the export is canonical: same tensors, same bytes
+    # the export is canonical: the same tensors are the same bytes
+    same = models[0].read_bytes() == models[1].read_bytes()
     # the transfer of one round: per round the smaller of the two regions' xr_total_s (the region that arrived
     # last, whose round holds no wait for the other's compute), median over the rounds
     transfer = median([min(x) for x in zip(*(per[r]["round_s"] for r in REGIONS), strict=True)])

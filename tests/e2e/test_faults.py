@@ -204,7 +204,6 @@ def test_requeue_budget_stops_a_job_that_keeps_failing(cluster, e2e_root, train_
     assert attempts == ["0", "1", "2"], log
     assert len(re.findall(r"requeueing job", log)) == 2
     assert "not requeueing: budget of 2 requeues used up (preemption.max_requeues)" in log
-    assert (
-        "RuntimeError: a bug in the trainer" in job.train_log(0, "n1").read_text()
-    )  # the cause: per-node log
+    # the cause is in the per-node log
+    assert "RuntimeError: a bug in the trainer" in job.train_log(0, "n1").read_text()
     assert "cannot run" not in log, log
