@@ -9,6 +9,9 @@
 #   scripts/local-slurm.sh status   exit 0 when the cluster is up and both nodes answer, 3 when it is
 #                                   stopped, 1 when it is half up (run stop, then start)
 #   scripts/local-slurm.sh env      print the variables a client needs (SLURM_CONF=...), one per line
+#   scripts/local-slurm.sh preempt-signal on|off
+#                                   preemption sends the job's --signal to the batch shell (on) or SIGTERM to
+#                                   the job steps (off, Slurm's default); see "Preemption" below
 #
 # Both start and stop are idempotent. Run as root.
 #
@@ -22,7 +25,20 @@
 # Settings (environment): SBATCH_GEN_SLURM_STATE (state dir, default /tmp/sbatch-gen-slurm),
 # SBATCH_GEN_SLURM_LAYOUT, SBATCH_GEN_SLURM_SUBNET (first three octets, default 10.200.0),
 # SBATCH_GEN_SLURM_PORT (slurmctld port, default 6817), SBATCH_GEN_SLURM_CPUS (CPUs each node
-# advertises, default 8), SBATCH_GEN_SLURM_MEM_MB (memory each node advertises, default 16000).
+# advertises, default 8), SBATCH_GEN_SLURM_MEM_MB (memory each node advertises, default 16000),
+# SBATCH_GEN_SLURM_GRACE_S (GraceTime of partition debug, default 120), SBATCH_GEN_SLURM_KILLWAIT_S
+# (KillWait, default 5).
+#
+# Preemption (docs/slurm.md, "Preemption on your cluster"): PreemptType=preempt/partition_prio with
+# PreemptMode=REQUEUE. A job in partition "high" (PriorityTier 10) preempts the jobs it needs the nodes of:
+#   debug   (default) GraceTime=SBATCH_GEN_SLURM_GRACE_S: the job steps get SIGTERM at once, the job is
+#           killed and requeued by Slurm when the grace ends (if it still runs)
+#   sunk    the same nodes, GraceTime=0: killed at once (SIGTERM, SIGKILL KillWait later), as SUNK's pod
+#           scheduler preempts a Slurm job by default
+#   lab     the same nodes, AllowAccounts=lab AllowQos=normal: a partition that restricts who may use it
+#   scripts/local-slurm.sh preempt-signal on|off   sets SlurmctldParameters=preempt_send_user_signal (a
+#           preemption then sends the job's --signal to the batch shell instead of SIGTERM to the steps)
+#           and reconfigures the running cluster; `start` always begins with it off.
 #
 # The processes live in the same mount namespace as the caller, so every path (the repository, its
 # .venv) is the same on the nodes as here.
@@ -35,6 +51,8 @@ SUBNET=${SBATCH_GEN_SLURM_SUBNET:-10.200.0}
 CTLD_PORT=${SBATCH_GEN_SLURM_PORT:-6817}
 NODE_CPUS=${SBATCH_GEN_SLURM_CPUS:-8}
 NODE_MEM_MB=${SBATCH_GEN_SLURM_MEM_MB:-16000}
+GRACE_S=${SBATCH_GEN_SLURM_GRACE_S:-120}
+KILLWAIT_S=${SBATCH_GEN_SLURM_KILLWAIT_S:-5}
 
 # Compute nodes that run jobs: small, CPU only, partition "debug" (the default).
 CPU_NODES=(n1 n2)
@@ -56,6 +74,9 @@ NODES=("${CPU_NODES[@]}")
 [[ ${SBATCH_GEN_SLURM_GPU_SHAPES:-1} == 0 ]] || NODES+=("${SHAPE_NODES[@]}")
 CTLD_HOST=slurmctl
 PARTITION=debug
+PREEMPTOR_PARTITION=high
+SUNK_PARTITION=sunk
+ACCOUNTS_PARTITION=lab
 BRIDGE=br-sbgen
 NS_PREFIX=sbgen-
 VETH_PREFIX=sbgen-v
@@ -74,6 +95,8 @@ case $LAYOUT in
   *) die "SBATCH_GEN_SLURM_LAYOUT must be netns or loopback, not '$LAYOUT'" ;;
 esac
 [[ $SUBNET =~ ^[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}$ ]] || die "SBATCH_GEN_SLURM_SUBNET must look like 10.200.0, not '$SUBNET'"
+[[ $GRACE_S =~ ^[0-9]+$ ]] || die "SBATCH_GEN_SLURM_GRACE_S must be a number of seconds, not '$GRACE_S'"
+[[ $KILLWAIT_S =~ ^[0-9]+$ ]] || die "SBATCH_GEN_SLURM_KILLWAIT_S must be a number of seconds, not '$KILLWAIT_S'"
 [[ $STATE == /* ]] || die "SBATCH_GEN_SLURM_STATE must be an absolute path, not '$STATE'"
 
 node_addr() {  # node index (1-based) -> address
@@ -301,7 +324,10 @@ SlurmdPort=6818
 SlurmdParameters=config_overrides
 ReturnToService=2
 InactiveLimit=0
-KillWait=5
+KillWait=$KILLWAIT_S
+# preemption by partition priority: jobs of "high" requeue those of debug (with a grace), sunk (none), lab
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 MinJobAge=3600
 Waittime=0
 MailProg=/bin/true
@@ -323,7 +349,13 @@ EOF
         echo "NodeName=${NODES[$i]} NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((17001 + i)) $spec State=UNKNOWN"
       fi
     done
-    echo "PartitionName=$PARTITION Nodes=$(IFS=,; echo "${cpu_list[*]}") Default=YES MaxTime=INFINITE State=UP"
+    local cpus
+    cpus=$(IFS=,; echo "${cpu_list[*]}")
+    echo "PartitionName=$PARTITION Nodes=$cpus Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=$GRACE_S"
+    echo "PartitionName=$SUNK_PARTITION Nodes=$cpus MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=0"
+    echo "PartitionName=$ACCOUNTS_PARTITION Nodes=$cpus MaxTime=INFINITE State=UP PriorityTier=1 AllowAccounts=lab AllowQos=normal"
+    echo "PartitionName=$PREEMPTOR_PARTITION Nodes=$cpus MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF"
+    if [[ ${PREEMPT_SIGNAL:-off} == on ]]; then echo "SlurmctldParameters=preempt_send_user_signal"; fi
     if ((${#shape_list[@]})); then
       echo "PartitionName=$GPU_PARTITION Nodes=$(IFS=,; echo "${shape_list[*]}") MaxTime=INFINITE State=UP"
     fi
@@ -413,6 +445,11 @@ cmd_env() {
   echo "SBATCH_GEN_SLURM_HOST_ADDR=$(ctld_addr)"
   echo "SBATCH_GEN_SLURM_NODES=$(IFS=,; echo "${CPU_NODES[*]}")"
   echo "SBATCH_GEN_SLURM_PARTITION=$PARTITION"
+  echo "SBATCH_GEN_SLURM_PREEMPTOR_PARTITION=$PREEMPTOR_PARTITION"
+  echo "SBATCH_GEN_SLURM_SUNK_PARTITION=$SUNK_PARTITION"
+  echo "SBATCH_GEN_SLURM_ACCOUNTS_PARTITION=$ACCOUNTS_PARTITION"
+  echo "SBATCH_GEN_SLURM_GRACE_S=$GRACE_S"
+  echo "SBATCH_GEN_SLURM_KILLWAIT_S=$KILLWAIT_S"
   if [[ ${SBATCH_GEN_SLURM_GPU_SHAPES:-1} != 0 ]]; then
     echo "SBATCH_GEN_SLURM_GPU_NODES=$(IFS=,; echo "${SHAPE_NODES[*]}")"
     echo "SBATCH_GEN_SLURM_GPU_PARTITION=$GPU_PARTITION"
@@ -500,21 +537,33 @@ cmd_stop() {
   log "stopped"
 }
 
+# preempt-signal on|off: SlurmctldParameters=preempt_send_user_signal in the running cluster's config
+cmd_preempt_signal() {
+  local want=${1:-}
+  [[ $want == on || $want == off ]] || die "usage: $0 preempt-signal on|off"
+  ctld_up || die "the cluster is not running (start it first)"
+  PREEMPT_SIGNAL=$want write_conf
+  slurm scontrol reconfigure || die "scontrol reconfigure failed"
+  wait_for 15 "slurmctld to answer" ctld_up || die "slurmctld does not answer after reconfigure"
+  log "preempt_send_user_signal $want"
+}
+
 main() {
   local action=${1:-}
   case $action in
-    start | stop) ;;
+    start | stop | preempt-signal) ;;
     status) cmd_status; return ;;
     env) cmd_env; return ;;
     -h | --help | help) sed -n '2,/^$/p' "$0" | sed 's/^# \{0,1\}//'; return 0 ;;
-    *) echo "usage: $0 start|stop|status|env" >&2; return 2 ;;
+    *) echo "usage: $0 start|stop|status|env|preempt-signal on|off" >&2; return 2 ;;
   esac
   ((EUID == 0)) || die "must run as root (it starts daemons, network namespaces and edits /etc/hosts)"
   mkdir -p "$STATE"
   # one start/stop at a time
   exec 9>"$STATE/.lock"
   flock -w 120 9 || die "another $0 holds $STATE/.lock"
-  "cmd_$action"
+  shift
+  "cmd_${action//-/_}" "$@"
 }
 
 main "$@"
