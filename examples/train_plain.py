@@ -17,7 +17,6 @@ import zlib
 from pathlib import Path
 
 from sbatch_gen.train.api import (
-    EXIT_REQUEUE,
     CrossRegionError,
     DiLoCo,
     StopRequest,
@@ -162,13 +161,15 @@ try:
         if step % 10 == 0:
             say(f"step {step} loss {loss.item():.4f}")
         if stop.agree():  # one all-reduce: every rank stops after the same step
+            last = (step - 1) // args.save_every * args.save_every  # the newest periodic save before this step
+            say(stop.saving(step, last or None))  # what is redone if the save is cut short
             path = save(step)
             if diloco:
                 diloco.leave(step, stop.reason())  # elastic runs: the other regions stop waiting for us
-            # save() has returned on every rank (the checkpoint is complete): rank 0 writes <stop file>.ack
+            # save() has returned on every rank (the checkpoint is complete): each node writes <stop file>.ack
             stop.acknowledge(step, path)
-            say(f"stop requested ({stop.reason()}): checkpointed at step {step}, exiting {EXIT_REQUEUE}")
-            code = EXIT_REQUEUE
+            code = stop.exit_code()  # 0 under a launcher (it reads the ack: no torchrun traceback), else 42
+            say(f"stop requested ({stop.reason()}): checkpointed at step {step}, exiting {code}")
             break
         if step % args.save_every == 0 or step == args.steps:
             save(step)
@@ -183,10 +184,10 @@ except XRTimeout as e:  # XRNoQuorum too: every rank raises it alike; not enough
     path = save(step) if step else None
     if diloco:
         diloco.leave(step, "no quorum")
-    stop.acknowledge(step, path, reason="no cross-region quorum")  # the job requeues on .ack and exit 42
+    stop.acknowledge(step, path, reason="no cross-region quorum")  # the job requeues on the .ack
+    code = stop.exit_code()
     saved = f"checkpointed at step {step}" if path else "nothing to checkpoint yet"
-    say(f"no cross-region quorum ({e}); {saved}, exiting {EXIT_REQUEUE}")
-    code = EXIT_REQUEUE
+    say(f"no cross-region quorum ({e}); {saved}, exiting {code}")
 except XRError as e:  # a broken mailbox, a layout mismatch between regions, ...
     say(f"cross-region sync failed: {type(e).__name__}: {e}")
     code = 1

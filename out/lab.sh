@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: d67afc672c14a7a5e79f1f740cf1c3d5ddde9164e23a8695ec9bbd68f29e5b64
+#   inputs sha256: 977655886b585dbf310ac2007ad2e2a6195b8231f5ed5b0ec7116f3f8e178a28
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -671,6 +671,70 @@ PY
   printf 'preflight ok on %s: %s\n' "$node" "$out"
 }
 
+# stop_outcome STOP_FILE: one line on what a stop left behind: from STOP_FILE.ack (JSON, the first rank of
+# every node writes it once the stop checkpoint is complete) "stopped after step N (why): checkpoint PATH
+# complete"; else the trainer's own line in STOP_FILE.stopping (the save it began did not complete:
+# what the next attempt redoes); status 1 when there is neither.
+# shellcheck disable=SC2317,SC2329  # run on the nodes (export -f / declare -f)
+stop_outcome() {
+  local ack=$1.ack stopping=$1.stopping py line
+  if [[ -e $ack ]]; then
+    py=$(command -v python3 || command -v python || true)
+    if [[ -n $py ]] && line=$("$py" -c 'import json, sys
+a = json.load(open(sys.argv[1], encoding="utf-8"))
+c = a.get("checkpoint")
+print("stopped after step %s (%s): %s" % (a.get("step"), a.get("reason") or "stop requested",
+      "checkpoint %s complete" % c if c else "nothing to checkpoint yet"))' "$ack" 2>/dev/null); then
+      printf '%s\n' "$line"
+    else
+      printf 'stopped; ack %s\n' "$(head -c 300 -- "$ack" | tr -d '\n')"
+    fi
+  elif [[ -e $stopping ]]; then
+    printf 'WARNING: the stop checkpoint did not complete: %s\n' "$(head -n 1 -- "$stopping" | cut -c 1-500)"
+  else
+    return 1
+  fi
+}
+
+# node_lines LOG...: run_trainer's last "node NAME: ..." line of each node's log, through log (launcher side).
+# shellcheck disable=SC2317,SC2329  # called by the launcher after a stop
+node_lines() {
+  local f said
+  for f in "$@"; do
+    [[ -e $f ]] || continue
+    said=$(grep -a -E '^\[sbatch-gen [^]]*\] node [^ ]+: ' -- "$f" | tail -n 1 | sed 's/^\[sbatch-gen [^]]*\] //' || true)
+    [[ -z $said ]] || log "$said"
+  done
+}
+
+# run_trainer STOP_FILE STOPPED_RC COMMAND...: run COMMAND (torchrun) on this node with SIGTERM ignored. A
+# SIGTERM that reached torchrun's agent (Slurm signals every process of a job step on a preemption, a requeue
+# or scancel; the SSH launcher's stop) would make it pass the signal on, SIGKILL the workers
+# --shutdown-timeout s later and print a traceback. Instead, SIGTERM to this shell appends a line to the stop
+# file: the workers (which may get the SIGTERM themselves too) agree on a step, checkpoint, and exit 0 once
+# the first rank of every node has written the ack. This node then says in one line what happened ("node
+# NAME: ..."): STOPPED_RC after a complete stop checkpoint, else COMMAND's exit status.
+# shellcheck disable=SC2317,SC2329  # run on the nodes (export -f / declare -f)
+run_trainer() {
+  local stop_file=$1 stopped_rc=$2 node=${SLURMD_NODENAME:-$HOSTNAME} pid rc said
+  shift 2
+  trap 'log "SIGTERM on $node: asking the trainer to checkpoint and stop ($stop_file)"
+        printf "SIGTERM to the training step on %s\n" "$node" >>"$stop_file" 2>/dev/null || true' TERM
+  (trap '' TERM; exec "$@") &
+  pid=$!
+  while :; do  # a trapped SIGTERM ends `wait` early: wait again until COMMAND has exited
+    rc=0
+    wait "$pid" || rc=$?
+    kill -0 "$pid" 2>/dev/null || break
+  done
+  trap - TERM
+  if said=$(stop_outcome "$stop_file"); then
+    log "node $node: $said"
+    if [[ -e $stop_file.ack ]]; then return "$stopped_rc"; fi
+  fi
+  return "$rc"
+}
+
 # Preflight on one node (templates/_node.j2: preflight) with this launcher's settings: one line, "preflight
 # ok on HOST: ..." or "preflight FAILED on HOST: ...", and status 1 if a check failed. Starts nothing.
 preflight_main() {
@@ -682,7 +746,7 @@ preflight_main() {
     config="$TRAIN_CONFIG" data="$DATA_PATH" ifname="$IFNAME" gpus="$GPUS_PER_NODE" gpus_key=node.gpus \
     log_topology="$LOG_TOPOLOGY" numa="$NUMA_BINDING" hcas="$IB_HCA" link_layer="$IB_LINK_LAYER" \
     run_dir="$RUN_DIR" shared_marker="$marker" rdzv_port="$RDZV_PORT" \
-    torchrun_flags=--shutdown-timeout=launch.kill_grace_s
+    torchrun_flags=--signals-to-handle='trainer.stop_protocol: sbatch-gen,--shutdown-timeout=launch.kill_grace_s'
 }
 
 # Start torchrun on one node and return its exit status (128+N when signal N killed it). Only
@@ -708,6 +772,7 @@ node_main() {
     --rdzv-conf="join_timeout=900,is_host=$IS_HOST"  # torchrun.rdzv_timeout_s
     --local-addr="$NODE_ADDR"
     --max-restarts 0  # torchrun.max_restarts
+    --signals-to-handle='SIGINT,SIGHUP,SIGQUIT'  # trainer.stop_protocol: sbatch-gen
     --shutdown-timeout=60  # launch.kill_grace_s
   ) trainer_args=(
     --config "$TRAIN_CONFIG"
@@ -715,7 +780,13 @@ node_main() {
     --resume "$RESUME"
     --data-path "$DATA_PATH"
   )
-  torchrun "${torchrun_args[@]}" -m "$TRAINER_MODULE" "${trainer_args[@]}" || rc=$?
+  # The trainer's stop file of this attempt: it writes the ack (and .stopping, .fatal) next to it
+  local stop_file="$RUN_DIR/stop/$TAG.attempt-$ATTEMPT"
+  mkdir -p -- "$RUN_DIR/stop" || return 1
+  rm -f -- "$stop_file" "$stop_file.ack" "$stop_file.fatal" "$stop_file.stopping"
+  export SBATCH_GEN_STOP_FILE="$stop_file"
+  # torchrun with SIGTERM ignored; 42 after a complete stop checkpoint (templates/_node.j2)
+  run_trainer "$stop_file" 42 torchrun "${torchrun_args[@]}" -m "$TRAINER_MODULE" "${trainer_args[@]}" || rc=$?
   return "$rc"
 }
 
@@ -757,7 +828,7 @@ NODE_VARS=(LAUNCH_DIR NNODES TAG NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT N
   DATA_PATH RUN_DIR SHARED_RUN_DIR)
 NODE_PROGRAM="set -euo pipefail
 $(declare -p "${NODE_VARS[@]}")
-$(declare -f preflight_main node_main cleanup_main preflight iface_ipv4 load_modules activate_env read_line cpulist_cpus check_numa_binding check_ib_hcas)
+$(declare -f preflight_main node_main cleanup_main preflight iface_ipv4 load_modules activate_env read_line cpulist_cpus check_numa_binding check_ib_hcas log run_trainer stop_outcome)
 \"\$@\""
 
 # POSIX single quoting, for the remote login shell.
@@ -782,6 +853,7 @@ node_label() { printf 'node %s (%s)' "$1" "${HOSTS[$1]}"; }
 
 exit_meaning() {
   if (($1 == 255)); then printf ' (ssh failed or lost the connection)'
+  elif (($1 == 42)); then printf ' (the trainer checkpointed and stopped)'
   elif (($1 > 128 && $1 < 160)); then printf ' (SIG%s)' "$(kill -l "$(($1 - 128))")"
   fi
 }
@@ -891,6 +963,8 @@ on_signal() {
   mapfile -t pids < <(jobs -p)
   if ((${#pids[@]})); then kill -TERM "${pids[@]}" 2>/dev/null || true; fi
   wait || true
+  node_lines "$LOGS/attempt-$ATTEMPT".node-*.log  # what each node said about the stop, one line each
+
   log "stopped by SIG$sig"
   exit "$code"
 }

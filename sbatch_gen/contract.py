@@ -3,8 +3,11 @@
 Torch-free: the CLI (renderer) and the trainer both import it, so the names below are defined once.
 """
 
-# The trainer exits with this code after it has written a complete checkpoint because a stop was
-# requested (SIGUSR1/SIGTERM or the stop file): "checkpointed, requeue me".
+# "Checkpointed, requeue me": after a complete stop checkpoint (a stop was requested by SIGUSR1/SIGTERM or
+# the stop file, or the trainer stopped on its own), once the ack below is written. Under a launcher (a stop
+# file is set) the trainer exits 0 instead: the ack is what the launcher reads, and a non-zero exit would
+# make torchrun print a ChildFailedError traceback for a planned stop. A trainer that exits 42 after its
+# ack still works (with that traceback). Without a stop file (run by hand), 42 is the only signal.
 EXIT_REQUEUE = 42
 
 # Path of the stop file. The batch shell traps the Slurm signal and creates this file instead of
@@ -12,9 +15,15 @@ EXIT_REQUEUE = 42
 # step with a collective.
 ENV_STOP_FILE = "SBATCH_GEN_STOP_FILE"
 
-# Rank 0 writes "<stop file>.ack" (JSON: step, checkpoint path) once the stop checkpoint is complete.
-# The batch shell waits for it before `scontrol requeue`.
+# The first rank of every node writes "<stop file>.ack" (JSON: step, checkpoint path, reason, time) once the
+# stop checkpoint is complete on every rank, so every node's launcher shell sees it on its own filesystem.
+# The batch shell waits for it before `scontrol requeue`; each node says in one line what it holds.
 ACK_SUFFIX = ".ack"
+
+# The first rank of every node writes "<stop file>.stopping" (one line) when the stop checkpoint starts:
+# its step, the newest complete checkpoint and the steps redone if the save does not complete (the cluster
+# may kill the job first). Without an ack next to it, the launcher says that line: what will be redone.
+STOPPING_SUFFIX = ".stopping"
 
 # A trainer that stops on an error no requeue can fix (a bad config or flag, the run dir leased by another
 # live job) writes "<stop file>.fatal": one line, why. The batch shell then ends the job without a requeue

@@ -377,6 +377,11 @@ def torchrun_argv(p: Profile, launcher: Launcher) -> list[Option]:
         # before SIGKILL; without --signals-to-handle it would die of SIGUSR1/SIGUSR2 (their default action).
         signals = ",".join(dict.fromkeys([*TORCHRUN_DEFAULT_SIGNALS, "SIG" + p.stop_signal()]))
         opts.append(Option((f"--signals-to-handle={signals}",), "trainer.stop_protocol: signal"))
+    elif p.trainer.stop_protocol == "sbatch-gen":
+        # SIGTERM is a stop request for the workers, never for the agent: it runs with SIGTERM ignored
+        # (run_trainer in templates/_node.j2), so it must not install a handler of its own for it.
+        signals = ",".join(s for s in TORCHRUN_DEFAULT_SIGNALS if s != "SIGTERM")
+        opts.append(Option((f"--signals-to-handle={signals}",), "trainer.stop_protocol: sbatch-gen"))
     shutdown = p.torchrun_shutdown_timeout()
     if shutdown is not None:
         opts.append(Option((f"--shutdown-timeout={shutdown[0]}",), shutdown[1]))

@@ -201,6 +201,7 @@ def context(site: LoadedSite, sha: str) -> dict:
         "ENV_STOP_FILE": contract.ENV_STOP_FILE,
         "ACK_SUFFIX": contract.ACK_SUFFIX,
         "FATAL_SUFFIX": contract.FATAL_SUFFIX,
+        "STOPPING_SUFFIX": contract.STOPPING_SUFFIX,
     }
     ctx.update(p.template_context(site.name))
     return ctx

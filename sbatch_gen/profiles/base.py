@@ -547,20 +547,26 @@ class ProfileBase(ProfileSection):
         """The signal (without SIG) that trainer.stop_protocol signal delivers to the workers."""
         raise NotImplementedError
 
-    def default_stop_grace(self) -> tuple[int, str]:
-        """trainer.stop_grace_s when it is unset: (seconds, the fields it comes from)."""
+    def stop_budget(self) -> tuple[int, str]:
+        """What the profile budgets for a stop checkpoint: (seconds, the fields it comes from)."""
         raise NotImplementedError
 
     def stop_grace(self) -> tuple[int, str]:
         """How long stop_protocol signal gives the workers to save and exit: (seconds, the fields it comes from)."""
         if self.trainer.stop_grace_s is not None:
             return self.trainer.stop_grace_s, "trainer.stop_grace_s"
-        return self.default_stop_grace()
+        secs, key = self.stop_budget()
+        return secs, f"{key} (trainer.stop_grace_s unset)"
 
     def torchrun_shutdown_timeout(self) -> tuple[int, str] | None:
-        """torchrun's --shutdown-timeout: how long its agent lets the workers exit after passing a signal on,
-        before SIGKILL (seconds, the fields it comes from); None: torchrun's default (30 s)."""
-        return self.stop_grace() if self.trainer.stop_protocol == "signal" else None
+        """torchrun's --shutdown-timeout: how long its agent lets the workers exit after passing a signal on
+        (or after a worker failed), before SIGKILL (seconds, the fields it comes from). Its default, 30 s,
+        would cut a longer stop checkpoint short; None with stop_protocol none (no stop checkpoint)."""
+        if self.trainer.stop_protocol == "signal":
+            return self.stop_grace()
+        if self.trainer.stop_protocol == "sbatch-gen":
+            return self.stop_budget()
+        return None
 
     def nproc_per_node(self) -> int:
         g = self.gpus_per_node()

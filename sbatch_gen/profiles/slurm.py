@@ -378,11 +378,8 @@ class SlurmProfile(ProfileBase):
     def stop_signal(self) -> str:
         return self.preemption.signal
 
-    def default_stop_grace(self) -> tuple[int, str]:
-        return (
-            self.preemption.checkpoint_s + self.preemption.margin_s,
-            "preemption.checkpoint_s + preemption.margin_s (trainer.stop_grace_s unset)",
-        )
+    def stop_budget(self) -> tuple[int, str]:
+        return self.preemption.checkpoint_s + self.preemption.margin_s, "preemption.checkpoint_s + preemption.margin_s"
 
     def template_context(self, site_name: str) -> dict[str, object]:
         s = self.slurm

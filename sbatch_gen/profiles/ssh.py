@@ -193,15 +193,8 @@ class SshProfile(ProfileBase):
     def stop_signal(self) -> str:
         return "TERM"
 
-    def default_stop_grace(self) -> tuple[int, str]:
-        return self.launch.kill_grace_s, "launch.kill_grace_s (trainer.stop_grace_s unset)"
-
-    def torchrun_shutdown_timeout(self) -> tuple[int, str] | None:
-        # stop_protocol sbatch-gen: the cleanup's SIGTERM reaches torchrun too, whose agent would SIGKILL the
-        # saving workers after its own 30 s whatever launch.kill_grace_s says
-        if self.trainer.stop_protocol == "sbatch-gen":
-            return self.launch.kill_grace_s, "launch.kill_grace_s"
-        return super().torchrun_shutdown_timeout()
+    def stop_budget(self) -> tuple[int, str]:
+        return self.launch.kill_grace_s, "launch.kill_grace_s"
 
     def enabled_hosts(self) -> list[str]:
         return [h.name for h in self.hosts if h.enabled]

@@ -20,10 +20,11 @@ the option parsing are torch-free, :class:`DiLoCo` imports torch when it is buil
         rec = diloco.after_step(step, tokens) if diloco else None   # an outer round every inner_steps steps
         if rec and "xr_adopted_step" in rec: step = rec["xr_adopted_step"]   # was behind: fast-forwarded
         if stop.agree():                   # one collective: every rank stops after the same step
+            log.info(stop.saving(step, last_saved_step))   # what is redone if the save does not complete
             ... save a checkpoint holding diloco.state_dict() ...
             diloco.leave(step, stop.reason())
-            stop.acknowledge(step, path)   # collective: rank 0 writes <stop file>.ack; the job requeues
-            raise SystemExit(EXIT_REQUEUE)
+            stop.acknowledge(step, path)   # collective: each node's first rank writes <stop file>.ack
+            raise SystemExit(stop.exit_code())   # 0 under a launcher (it reads the ack), else EXIT_REQUEUE
 
 ``step`` is the 1-based number of the optimizer step just taken, the same on every rank; ``tokens`` is the
 number of tokens the whole REGION consumed in that step (all its ranks together), the same on every rank.

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..contract import ACK_SUFFIX, ENV_STOP_FILE, EXIT_REQUEUE, FATAL_SUFFIX
+from ..contract import ACK_SUFFIX, ENV_STOP_FILE, EXIT_REQUEUE, FATAL_SUFFIX, STOPPING_SUFFIX
 from ..fsutil import write_atomic
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -39,6 +39,20 @@ def fatal_path(stop_file: Path) -> Path:
     return stop_file.with_name(stop_file.name + FATAL_SUFFIX)
 
 
+def stopping_path(stop_file: Path) -> Path:
+    return stop_file.with_name(stop_file.name + STOPPING_SUFFIX)
+
+
+def _first_line(path: Path, limit: int = 200) -> str:
+    """The first line of a small file the launcher wrote (who asked to stop), or "" when unreadable."""
+    try:
+        with path.open("r", encoding="utf-8", errors="replace") as f:
+            line = f.readline(limit)
+    except OSError:
+        return ""
+    return " ".join(line.split())
+
+
 def fast_exit_if_acked(stop_file: Path | None) -> None:
     """Exit 42 at once when the stop file and its .ack both exist: this attempt already checkpointed
     and handed over; torchrun restarting workers after our exit 42 must not train again."""
@@ -54,6 +68,27 @@ def fast_exit_if_acked(stop_file: Path | None) -> None:
         raise SystemExit(EXIT_REQUEUE)
 
 
+def die_with_agent() -> bool:
+    """Under torchrun (``$TORCHELASTIC_RUN_ID`` set) on Linux: SIGKILL this worker when its parent, torchrun's
+    agent, dies. torchrun starts every worker in a session of its own, so a cluster that kills a job by
+    process group (Slurm's proctrack/pgid) or a launcher that kills the agent would otherwise leave the
+    workers running on, e.g. still writing a stop checkpoint into the run dir while the requeued job's next
+    attempt already uses it. Returns whether it is armed."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID") or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        armed = libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+    if armed and (parent == 1 or os.getppid() != parent):  # the agent died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+    return armed
+
+
 class StopRequest:
     """A stop request from a signal (``SIGUSR1``/``SIGTERM`` by default) or the stop file, which the rendered
     Slurm job creates when Slurm's warning signal arrives (``trainer.stop_protocol: sbatch-gen``).
@@ -61,7 +96,7 @@ class StopRequest:
     The signal handler only records the request: a second signal during a save changes nothing. Call
     :meth:`agree` once per step (or fold :meth:`local` into a collective of your own, as the companion
     trainer does): every rank gets the same answer at the same step. After the stop checkpoint,
-    :meth:`acknowledge` and exit ``EXIT_REQUEUE``: the launcher requeues the job once it sees the ack."""
+    :meth:`acknowledge` and exit :meth:`exit_code`: the launcher requeues the job once it sees the ack."""
 
     def __init__(
         self, stop_file: str | Path | None = None, signals: Iterable[signal.Signals] = STOP_SIGNALS
@@ -78,11 +113,13 @@ class StopRequest:
         return cls(resolve_stop_file(str(stop_file) if stop_file else None), **kw)
 
     def install(self) -> None:
-        """Handle the signals (main thread only; elsewhere a no-op)."""
+        """Handle the signals (main thread only; elsewhere a no-op). Under torchrun, also ask the kernel to
+        SIGKILL this process if torchrun's agent dies (:func:`die_with_agent`)."""
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in self.handled:
             self._prev[sig] = signal.signal(sig, self._handler)
+        die_with_agent()
 
     def uninstall(self) -> None:
         """Put the previous handlers back."""
@@ -128,26 +165,58 @@ class StopRequest:
         return bool(flag.item() > 0)
 
     def reason(self) -> str:
-        """What asked to stop, for logs and the ack: the signals seen, the stop file, or "another rank"."""
+        """What asked to stop, for logs and the ack: the signals seen, the stop file (with the first line the
+        launcher wrote into it: which signal reached which shell), or "another rank"."""
         parts = []
         if self.signals:
             parts.append("+".join(dict.fromkeys(self.signals)))
         if self.stop_file is not None and self.stop_file.exists():
-            parts.append(f"stop file {self.stop_file}")
+            said = _first_line(self.stop_file)
+            parts.append(f"stop file: {said}" if said else f"stop file {self.stop_file}")
         return ", ".join(parts) or "another rank"
+
+    def saving(self, step: int, resume_step: int | None) -> str:
+        """Not collective; call it on every rank as the stop checkpoint of ``step`` starts. ``resume_step``: the
+        newest complete checkpoint's step (None: there is none). Returns one line for the log: what is
+        redone if the save does not complete (the cluster may end the job first); the first rank of every
+        node also writes it to ``<stop file>.stopping``, where the launcher finds it when no ack follows."""
+        since = resume_step or 0
+        where = f"the newest complete checkpoint is step {since}" if resume_step else "there is no complete checkpoint"
+        redone = step - since
+        line = (
+            f"stop checkpoint of step {step} started ({self.reason()}); {where}: if the job ends before this "
+            f"save completes, the next attempt resumes from step {since} and redoes steps {since + 1}-{step} "
+            f"({redone} step{'s' if redone != 1 else ''})"
+        )
+        if self.stop_file is not None and _node_leader():
+            try:
+                self.stop_file.parent.mkdir(parents=True, exist_ok=True)
+                write_atomic(stopping_path(self.stop_file), line + "\n", fsync=False)
+            except OSError as e:
+                sys.stderr.write(f"cannot write {stopping_path(self.stop_file)} ({e})\n")
+        return line
+
+    def exit_code(self) -> int:
+        """The exit code after :meth:`acknowledge`: 0 under a launcher (a stop file is set: the launcher reads
+        the ack, and torchrun stays quiet about a clean exit), else ``EXIT_REQUEUE`` (nobody reads an ack:
+        the exit code says "checkpointed, requeue me")."""
+        return 0 if self.stop_file is not None else EXIT_REQUEUE
 
     def acknowledge(
         self, step: int, checkpoint: str | Path | None = None, reason: str | None = None
     ) -> Path | None:
-        """Collective (every rank calls it, once the stop checkpoint is complete on every rank): rank 0
-        (torch.distributed's, else ``$RANK``) writes ``<stop file>.ack`` (JSON: step, checkpoint, reason,
-        time) atomically, then all ranks meet in a barrier, so that no rank exits before the ack is there
-        (torchrun SIGTERMs a node's other workers once one exits). Creates the stop file first when nothing
-        did (a stop of the trainer's own, e.g. no cross-region quorum): workers torchrun restarts then exit
-        at once (:meth:`exit_if_acked`). Returns the ack's path; None on the other ranks or without a stop
-        file."""
+        """Collective (every rank calls it, once the stop checkpoint is complete on every rank): all ranks meet
+        in a barrier (every rank's part of the checkpoint is written), then the first rank of every node
+        (``$LOCAL_RANK`` 0, else rank 0) writes ``<stop file>.ack`` (JSON: step, checkpoint, reason, time)
+        atomically, so that the launcher shell of every node finds it on its own filesystem, and all ranks
+        meet again, so that no rank exits before the acks are there (torchrun SIGTERMs a node's other
+        workers once one exits). Creates the stop file first when nothing did (a stop of the trainer's own,
+        e.g. no cross-region quorum): workers torchrun restarts then exit at once (:meth:`exit_if_acked`).
+        Then exit with :meth:`exit_code`. Returns the ack's path where this rank wrote one, else None (also
+        without a stop file)."""
         ack = None
-        if self.stop_file is not None and _rank() == 0:
+        _barrier()
+        if self.stop_file is not None and _node_leader():
             if not self.stop_file.exists():
                 self.stop_file.parent.mkdir(parents=True, exist_ok=True)
                 self.stop_file.touch()
@@ -191,6 +260,12 @@ def _barrier() -> None:
     tdist = _initialised_group()
     if tdist is not None and tdist.get_world_size() > 1:
         tdist.barrier()
+
+
+def _node_leader() -> bool:
+    """Whether this process is the first of its node: ``$LOCAL_RANK`` 0 (torchrun sets it), else rank 0."""
+    local = os.environ.get("LOCAL_RANK", "")
+    return int(local) == 0 if local.strip().isdigit() else _rank() == 0
 
 
 def _rank() -> int:

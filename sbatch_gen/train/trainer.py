@@ -36,6 +36,15 @@ ENV_STEP_SLEEP = "SBATCH_GEN_STEP_SLEEP_S"
 ENV_STEP_SLEEP_RANKS = "SBATCH_GEN_STEP_SLEEP_RANKS"
 
 
+# For tests: the stop checkpoint waits this long between writing its files and marking them complete, as
+# a checkpoint that takes long to save would (tests/e2e/test_preemption.py).
+ENV_STOP_SAVE_HOLD = "SBATCH_GEN_STOP_SAVE_HOLD_S"
+
+
+def _stop_save_hold() -> float:
+    return max(0.0, float(os.environ.get(ENV_STOP_SAVE_HOLD, "0") or 0))
+
+
 def _step_sleep(rank: int) -> float:
     s = float(os.environ.get(ENV_STEP_SLEEP, "0") or 0)
     ranks = os.environ.get(ENV_STEP_SLEEP_RANKS, "").strip()
@@ -953,10 +962,18 @@ class Trainer:
         no_quorum = self.loop.no_quorum
         if self.sync is not None:
             self.sync.leave(self.step, "no quorum" if no_quorum else self.stop.reason())
-        res = self.ckpt.save(self.step, self._state(), block=True) if self.step > 0 else None
+        res = None
+        if self.step > 0:
+            self.ckpt.wait()  # a periodic save in flight completes first: it is what a cut-short stop falls back to
+            last = self.ckpt.last_saved
+            newest = last.step if last is not None else self.loop.resumed_from
+            said = self.stop.saving(self.step, newest or None)  # <stop file>.stopping for the launcher
+            if self.info.is_main:
+                log.info("%s", said)
+            res = self.ckpt.save(self.step, self._state(), block=True, hold_s=_stop_save_hold())
         reason = "no quorum" if no_quorum is not None else self.stop.reason()
-        ack = self.stop.acknowledge(self.step, res.path if res else None, reason)  # rank 0 only
-        if ack is not None:
+        ack = self.stop.acknowledge(self.step, res.path if res else None, reason)  # each node's first rank
+        if ack is not None and self.info.is_main:
             log.info("wrote %s", ack)
 
     def _complete(self) -> None:
@@ -1006,20 +1023,17 @@ class Trainer:
             print(format_summary(s), file=sys.stderr, flush=True)
 
     def _exit_code(self) -> int:
-        """0 when completed; EXIT_REQUEUE (with one line saying why) after a stop or without a quorum."""
+        """0 when completed; after a stop or without a quorum (with one line saying why) the stop request's
+        exit code: 0 under a launcher, which reads the ack, else EXIT_REQUEUE."""
         loop = self.loop
+        code = self.stop.exit_code()
         if loop.no_quorum is not None:
             saved = f"checkpointed at step {self.step}" if self.step > 0 else "nothing to checkpoint yet"
-            log.error(
-                "no cross-region quorum: %s; %s, exiting %d for a requeue",
-                loop.no_quorum,
-                saved,
-                EXIT_REQUEUE,
-            )
-            return EXIT_REQUEUE
+            log.error("no cross-region quorum: %s; %s, exiting %d for a requeue", loop.no_quorum, saved, code)
+            return code
         if loop.exit_reason == "stopped":
-            log.info("exiting %d: checkpointed at step %d, requeue me", EXIT_REQUEUE, self.step)
-            return EXIT_REQUEUE
+            log.info("exiting %d: checkpointed at step %d, requeue me", code, self.step)
+            return code
         return 0
 
     def _export(self) -> None:

@@ -157,19 +157,13 @@ def _rendered_argv(variant: str) -> tuple[dict[str, list[str]], dict[str, list[s
     s_settings = _block(sb, "# ---- settings from the profile", "# ---- environment of every job step")
     s_arrays = _block(sb, "\nTORCHRUN_ARGS=(\n", "\n)\n") + _block(sb, "\nTRAINER_ARGS=(\n", "\n)\n")
     h_settings = _block(sh, "\nHOSTS=(", "\nSITE=")
-    h_arrays = _block(sh, "  local -a torchrun_args=(\n", "\n  )\n  torchrun ").replace(
-        "local -a ", "declare -a "
-    )
-    h_arrays = h_arrays[: -len("  torchrun ")]
+    # the two arrays of node_main: the first "  )" line closes the second (the first ends in ") trainer_args=(")
+    h_arrays = _block(sh, "  local -a torchrun_args=(\n", "\n  )\n").replace("local -a ", "declare -a ")
     # the words between torchrun's arguments and the trainer's: the entry point (-m MODULE, or SCRIPT)
-    s_entry = _block(sb, '  torchrun "${TORCHRUN_ARGS[@]}" ', ' "${TRAINER_ARGS[@]}"')
-    h_entry = _block(sh, '  torchrun "${torchrun_args[@]}" ', ' "${trainer_args[@]}"')
-    s_entry = (
-        "\nENTRY=(" + s_entry[len('  torchrun "${TORCHRUN_ARGS[@]}" ') : -len(' "${TRAINER_ARGS[@]}"')] + ")"
-    )
-    h_entry = (
-        "\nENTRY=(" + h_entry[len('  torchrun "${torchrun_args[@]}" ') : -len(' "${trainer_args[@]}"')] + ")"
-    )
+    s_entry = _block(sb, 'torchrun "${TORCHRUN_ARGS[@]}" ', ' "${TRAINER_ARGS[@]}"')
+    h_entry = _block(sh, 'torchrun "${torchrun_args[@]}" ', ' "${trainer_args[@]}"')
+    s_entry = "\nENTRY=(" + s_entry[len('torchrun "${TORCHRUN_ARGS[@]}" ') : -len(' "${TRAINER_ARGS[@]}"')] + ")"
+    h_entry = "\nENTRY=(" + h_entry[len('torchrun "${torchrun_args[@]}" ') : -len(' "${trainer_args[@]}"')] + ")"
     a = _expand(s_settings + s_arrays + s_entry, ["TORCHRUN_ARGS", "TRAINER_ARGS", "ENTRY"])
     b = _expand(h_settings + h_arrays + h_entry, ["torchrun_args", "trainer_args", "ENTRY"])
     return (
@@ -228,6 +222,8 @@ def test_the_rendered_torchrun_flags_agree(variant):
         "--rdzv-conf=join_timeout=300",
         "--max-restarts",
         "1",
+        "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT",  # not SIGTERM: the workers' stop request (run_trainer)
+        "--shutdown-timeout=30",  # preemption.checkpoint_s + margin_s: torchrun's own 30 s by chance
     ]
     assert ssh["torchrun"] == [
         "--nnodes",
@@ -241,7 +237,8 @@ def test_the_rendered_torchrun_flags_agree(variant):
         "--local-addr=10.0.0.1",
         "--max-restarts",
         "1",
-        "--shutdown-timeout=10",  # launch.kill_grace_s: the SSH cleanup's SIGTERM reaches torchrun too
+        "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT",
+        "--shutdown-timeout=10",  # launch.kill_grace_s
     ]
 
 

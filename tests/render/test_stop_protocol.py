@@ -1,7 +1,8 @@
 """trainer.stop_protocol and trainer.stop_grace_s: what they render and what they refuse.
 
-- sbatch-gen (the default): no stop flags for Slurm (the batch shell never signals torchrun); SSH gives
-  torchrun launch.kill_grace_s as its --shutdown-timeout (the cleanup's SIGTERM reaches torchrun too);
+- sbatch-gen (the default): torchrun handles every default signal but SIGTERM (run_trainer runs it with
+  SIGTERM ignored: a SIGTERM is the workers' stop request), and gives its workers the stop budget before
+  SIGKILL when it does stop them: preemption.checkpoint_s + margin_s (Slurm), launch.kill_grace_s (SSH);
 - signal: torchrun is told to handle the stop signal (Slurm: preemption.signal; SSH: SIGTERM, which is
   what the launcher sends) and to give its workers the grace before SIGKILL; the grace is
   trainer.stop_grace_s, else preemption.checkpoint_s + margin_s (Slurm) or launch.kill_grace_s (SSH);
@@ -36,18 +37,26 @@ def _flags(site: str, *sets: str) -> dict[str, str | None]:
     return out
 
 
-@pytest.mark.parametrize(
-    ("site", "protocol"),
-    [("local", "sbatch-gen"), ("eu", "sbatch-gen"), ("local", "none"), ("eu", "none"), ("ssh-local", "none")],
-)
-def test_no_stop_flags_without_the_signal_protocol(site, protocol):
-    assert _flags(site, f"trainer.stop_protocol={protocol}") == {}
+@pytest.mark.parametrize("site", ["local", "eu", "ssh-local"])
+def test_no_stop_flags_with_the_none_protocol(site):
+    assert _flags(site, "trainer.stop_protocol=none") == {}
 
 
-def test_ssh_default_protocol_gives_torchrun_the_kill_grace():
-    """The SSH cleanup's SIGTERM reaches torchrun too: its agent must wait launch.kill_grace_s before it
-    SIGKILLs the saving workers, not its own 30 s."""
-    assert _flags("ssh-local", "launch.kill_grace_s=95") == {"--shutdown-timeout=95": "launch.kill_grace_s"}
+NOT_TERM = "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT"
+
+
+def test_default_protocol_keeps_sigterm_from_torchrun_and_gives_it_the_stop_budget():
+    """Whatever stops torchrun's workers (a signal it handles, a failed worker) waits the stop budget before
+    SIGKILL, not torchrun's own 30 s; SIGTERM is no signal of torchrun's (the workers' stop request)."""
+    assert _flags("local") == {
+        NOT_TERM: "trainer.stop_protocol: sbatch-gen",
+        "--shutdown-timeout=30": "preemption.checkpoint_s + preemption.margin_s",  # local: 10 + 20
+    }
+    assert _flags("eu")["--shutdown-timeout=300"] == "preemption.checkpoint_s + preemption.margin_s"  # 180 + 120
+    assert _flags("ssh-local", "launch.kill_grace_s=95") == {
+        NOT_TERM: "trainer.stop_protocol: sbatch-gen",
+        "--shutdown-timeout=95": "launch.kill_grace_s",
+    }
 
 
 def test_slurm_signal_protocol_makes_torchrun_forward_the_preemption_signal():

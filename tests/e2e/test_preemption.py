@@ -1,0 +1,210 @@
+"""Preemption the way shared and SUNK clusters do it, on the real local Slurm (scripts/local-slurm.sh: a job in
+partition "high" preempts the jobs of "debug", GraceTime 120 s, and of "sunk", no GraceTime; KillWait 5 s).
+
+Every stop checkpoint here takes longer than torchrun's own shutdown timeout (30 s): the trainer holds it
+SBATCH_GEN_STOP_SAVE_HOLD_S seconds before marking it complete, as a large checkpoint would.
+
+- partition priority with a GraceTime: Slurm sends SIGTERM to the job steps only (torchrun's agent and the
+  node shells), never to the batch shell. torchrun ignores it (run_trainer); the stop file carries it to the
+  workers, they checkpoint in their budget, every node says so in one line, and the batch script requeues
+  (Slurm would not: the script has exited before the grace ended).
+- the same with SlurmctldParameters=preempt_send_user_signal: the profile's USR1 to the batch shell.
+- `scontrol requeue` by an administrator: TERM to everything, SIGKILL KillWait later; Slurm requeues.
+- SUNK-style, no GraceTime: the stop checkpoint cannot complete within KillWait. The newest periodic
+  checkpoint survives, the job resumes from it and the log names the steps that are redone.
+
+Each ends COMPLETED after exactly one requeue, with no traceback in any log.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from e2e_lib import SCRIPT, LocalJob, local_job, run
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+HOLD_S = 32  # longer than torchrun's default --shutdown-timeout (30 s)
+NODES = ("n1", "n2")
+
+
+def _job(cluster, root: Path, name: str, train_config, data_dir, sets: dict | None = None) -> LocalJob:
+    """The local site with a stop budget that covers HOLD_S (checkpoint_s 40 + margin_s 20 = 60 s, torchrun's
+    --shutdown-timeout): the cluster's GraceTime (120 s) leaves room for it."""
+    base = {"preemption.checkpoint_s": 40, "preemption.margin_s": 20, "preemption.lead_time_s": 60}
+    return local_job(cluster, root, name, {**base, **(sets or {})}, config=train_config, data=data_dir)
+
+
+def _preempt(cluster) -> int:
+    """A job in the high-priority partition that needs both nodes whole: Slurm preempts what runs there."""
+    out = cluster.run(
+        "sbatch",
+        "--parsable",
+        f"--partition={cluster.info['SBATCH_GEN_SLURM_PREEMPTOR_PARTITION']}",
+        "--nodes=2",
+        "--exclusive",
+        "--job-name=preemptor",
+        "--output=/dev/null",
+        "--wrap",
+        "sleep 1",
+    ).stdout
+    job_id = int(out.strip().split(";")[0])
+    cluster.submitted.add(job_id)
+    return job_id
+
+
+@contextmanager
+def _preempt_send_user_signal(cluster):
+    p = run([str(SCRIPT), "preempt-signal", "on"], env=cluster.env, check=False)
+    assert p.returncode == 0, p.stderr
+    try:
+        yield
+    finally:
+        p = run([str(SCRIPT), "preempt-signal", "off"], env=cluster.env, check=False)
+        assert p.returncode == 0, p.stderr
+
+
+def _logs(job: LocalJob) -> dict[str, str]:
+    logs = {"batch": job.batch_log()}
+    for p in sorted(job.log_dir.glob(f"{job.name}-{job.job_id}.attempt-*.log")):
+        logs[p.name] = p.read_text(errors="replace")
+    return logs
+
+
+def _assert_no_traceback(job: LocalJob) -> None:
+    for name, text in _logs(job).items():
+        assert "Traceback" not in text, f"{name}:\n{text[-4000:]}"
+        assert "forcefully exiting via 9" not in text, f"{name}: torchrun SIGKILLed a worker\n{text[-4000:]}"
+
+
+def _attempt(log: str, job: LocalJob, n: int) -> str:
+    """The batch log's lines of attempt ``n``."""
+    start = log.index(f"job {job.job_id}, attempt {n}")
+    nxt = log.find(f"job {job.job_id}, attempt {n + 1}")
+    return log[start : nxt if nxt >= 0 else len(log)]
+
+
+def _steps(job: LocalJob) -> Counter:
+    return Counter(r["step"] for r in job.metrics() if "loss" in r and "step" in r)
+
+
+def _stop_save_s(job: LocalJob, step: int) -> float:
+    """How long the trainer took for the stop checkpoint of ``step`` (its log line)."""
+    text = job.train_log(0, "n1").read_text(errors="replace") + job.train_log(0, "n2").read_text(errors="replace")
+    m = re.search(rf"checkpoint step {step} saved to \S+ in ([0-9.]+)s", text)
+    assert m, text[-3000:]
+    return float(m.group(1))
+
+
+def _assert_complete_stop(job: LocalJob, why: str) -> int:
+    """Attempt 0 stopped with a complete checkpoint held HOLD_S s, every node said so in one line (in its own
+    log and the batch log), attempt 1 resumed from it, every step was trained exactly once. Returns the stop
+    step."""
+    info = job.cluster.job(job.job_id)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
+    ack = json.loads((job.run_dir / "stop" / f"{job.job_id}.attempt-0.ack").read_text())
+    step = ack["step"]
+    assert why in ack["reason"], ack
+    assert ack["checkpoint"].rstrip("/").endswith(f"checkpoints/step-{step}"), ack
+    assert _stop_save_s(job, step) >= HOLD_S, "the stop checkpoint was not held"
+    log = job.batch_log()
+    first = _attempt(log, job, 0)
+    for node in NODES:
+        said = f"node {node}: stopped after step {step} ("
+        assert first.count(said) == 1, first
+        assert said in job.train_log(0, node).read_text(errors="replace")
+    assert job.summary()["resumed_from_step"] == step
+    counts = _steps(job)
+    assert sorted(counts) == list(range(1, 41)) and set(counts.values()) == {1}, counts
+    assert "training finished" in _attempt(log, job, 1), log
+    _assert_no_traceback(job)
+    return step
+
+
+def test_partition_preemption_with_grace_time_checkpoints_and_requeues_once(
+    cluster, e2e_root, train_config, data_dir
+):
+    job = _job(cluster, e2e_root / "preempt-grace", "pgrace", train_config, data_dir)
+    job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": str(HOLD_S)})
+    job.wait_step(6)
+    _preempt(cluster)
+    cluster.wait_done(job.job_id, timeout=400)
+    _assert_complete_stop(job, "SIGTERM to the training step on")
+    first = _attempt(job.batch_log(), job, 0)
+    assert "received" not in first, "the batch shell got a signal: not the preemption this test is about"
+    assert "trainer checkpointed and asked for a requeue" in first and "requeueing job" in first, first
+
+
+def test_partition_preemption_with_preempt_send_user_signal(cluster, e2e_root, train_config, data_dir):
+    with _preempt_send_user_signal(cluster):
+        job = _job(cluster, e2e_root / "preempt-usr1", "pusr1", train_config, data_dir)
+        job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": str(HOLD_S)})
+        job.wait_step(6)
+        _preempt(cluster)
+        cluster.wait_done(job.job_id, timeout=400)
+    _assert_complete_stop(job, "SIGUSR1 to the batch shell")
+    first = _attempt(job.batch_log(), job, 0)
+    assert "SIGUSR1 received" in first and "requeueing job" in first, first
+
+
+def test_an_administrators_requeue_checkpoints_within_kill_wait_and_slurm_requeues(
+    cluster, e2e_root, train_config, data_dir
+):
+    """`scontrol requeue`: Slurm TERMs every process of the job and SIGKILLs it KillWait (5 s) later, then
+    requeues it itself. The small stop checkpoint fits in those 5 s; the batch script does not requeue too."""
+    job = _job(cluster, e2e_root / "admin-requeue", "adminrq", train_config, data_dir)
+    job.submit({"SBATCH_GEN_STEP_SLEEP_S": "0.3"})
+    job.wait_step(6)
+    cluster.run("scontrol", "requeue", str(job.job_id))
+    cluster.wait_done(job.job_id, timeout=400)
+    info = cluster.job(job.job_id)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
+    ack = json.loads((job.run_dir / "stop" / f"{job.job_id}.attempt-0.ack").read_text())
+    assert job.summary()["resumed_from_step"] == ack["step"], (ack, job.summary())
+    counts = _steps(job)
+    assert sorted(counts) == list(range(1, 41)) and set(counts.values()) == {1}, counts
+    first = _attempt(job.batch_log(), job, 0)
+    assert "SIGTERM received" in first and "requeueing job" not in first, first
+    _assert_no_traceback(job)
+
+
+def test_sunk_style_preemption_keeps_the_periodic_checkpoint_and_names_the_redone_steps(
+    cluster, e2e_root, train_config, data_dir
+):
+    """No GraceTime: SIGTERM, then SIGKILL after KillWait (5 s), shorter than the 32 s stop checkpoint. The
+    cut-short save never becomes a checkpoint; the newest periodic one survives, Slurm requeues the job,
+    it resumes from the newest periodic checkpoint and its batch log says which steps are trained again."""
+    job = _job(
+        cluster,
+        e2e_root / "preempt-sunk",
+        "psunk",
+        train_config,
+        data_dir,
+        {"slurm.partition": cluster.info["SBATCH_GEN_SLURM_SUNK_PARTITION"]},
+    )
+    job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": str(HOLD_S), "SBATCH_GEN_STEP_SLEEP_S": "0.3"})
+    job.wait_step(7)
+    _preempt(cluster)
+    cluster.wait_done(job.job_id, timeout=400)
+    info = cluster.job(job.job_id)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
+    stop = job.run_dir / "stop" / f"{job.job_id}.attempt-0"
+    assert not Path(f"{stop}.ack").exists(), "the stop checkpoint could not have completed within KillWait"
+    said = Path(f"{stop}.stopping").read_text().strip()
+    m = re.search(r"stop checkpoint of step (\d+) started .*the newest complete checkpoint is step (\d+)", said)
+    assert m, said
+    stop_step, newest = int(m.group(1)), int(m.group(2))
+    assert newest == (stop_step - 1) // 5 * 5 and newest >= 5, said  # the periodic saves: every 5 steps
+    assert f"redoes steps {newest + 1}-{stop_step} ({stop_step - newest} step" in said, said
+    second = _attempt(job.batch_log(), job, 1)
+    assert f"WARNING: attempt 0 was ended before its stop checkpoint completed: {said}" in second, second
+    assert job.summary()["resumed_from_step"] == newest
+    counts = _steps(job)
+    assert sorted(counts) == list(range(1, 41)), counts
+    assert {s for s, n in counts.items() if n > 1} == set(range(newest + 1, stop_step + 1)), counts
+    _assert_no_traceback(job)
