@@ -5,7 +5,8 @@ DiLoCo across regions, checkpoints of its own, and the stop/requeue hand-off of 
 
 examples/sites/plain.yaml launches it on a Slurm cluster, adding the --xr-* flags and the stop file. The model
 is a toy (the next byte from the previous --context bytes); what surrounds it is what a real trainer needs.
-Exit codes: 0 done, 42 checkpointed and asking for a requeue, 2 bad arguments, 1 a failure.
+Exit codes: 0 done (or, with a stop file, checkpointed: the .ack says so), 42 checkpointed and asking for a
+requeue without a stop file, 2 bad arguments, 1 a failure.
 """
 
 from __future__ import annotations
@@ -161,7 +162,9 @@ try:
         if step % 10 == 0:
             say(f"step {step} loss {loss.item():.4f}")
         if stop.agree():  # one all-reduce: every rank stops after the same step
-            last = (step - 1) // args.save_every * args.save_every  # the newest periodic save before this step
+            last = (
+                (step - 1) // args.save_every * args.save_every
+            )  # the newest periodic save before this step
             say(stop.saving(step, last or None))  # what is redone if the save is cut short
             path = save(step)
             if diloco:

@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 977655886b585dbf310ac2007ad2e2a6195b8231f5ed5b0ec7116f3f8e178a28
+#   inputs sha256: c7a54feb58bf3ab68610e77c45fcd4133e6e53b63d7dab0ede61ae275cc35242
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -677,18 +677,17 @@ PY
 # what the next attempt redoes); status 1 when there is neither.
 # shellcheck disable=SC2317,SC2329  # run on the nodes (export -f / declare -f)
 stop_outcome() {
-  local ack=$1.ack stopping=$1.stopping py line
+  local ack=$1.ack stopping=$1.stopping
   if [[ -e $ack ]]; then
-    py=$(command -v python3 || command -v python || true)
-    if [[ -n $py ]] && line=$("$py" -c 'import json, sys
-a = json.load(open(sys.argv[1], encoding="utf-8"))
-c = a.get("checkpoint")
-print("stopped after step %s (%s): %s" % (a.get("step"), a.get("reason") or "stop requested",
-      "checkpoint %s complete" % c if c else "nothing to checkpoint yet"))' "$ack" 2>/dev/null); then
-      printf '%s\n' "$line"
-    else
-      printf 'stopped; ack %s\n' "$(head -c 300 -- "$ack" | tr -d '\n')"
-    fi
+    # the ack is one line of JSON, {"step": N, "checkpoint": "PATH" or null, "reason": "...", ...}; strings
+    # are shown as JSON writes them
+    local json step ckpt why
+    json=$(head -c 4000 -- "$ack" | tr -d '\n')
+    step=$(sed -n 's/.*"step": *\([0-9][0-9]*\).*/\1/p' <<<"$json")
+    ckpt=$(sed -n 's/.*"checkpoint": *"\(\([^"\\]\|\\.\)*\)".*/\1/p' <<<"$json")
+    why=$(sed -n 's/.*"reason": *"\(\([^"\\]\|\\.\)*\)".*/\1/p' <<<"$json")
+    printf 'stopped after step %s (%s): %s\n' "${step:-?}" "${why:-stop requested}" \
+      "$(if [[ -n $ckpt ]]; then printf 'checkpoint %s complete' "$ckpt"; else printf 'nothing to checkpoint yet'; fi)"
   elif [[ -e $stopping ]]; then
     printf 'WARNING: the stop checkpoint did not complete: %s\n' "$(head -n 1 -- "$stopping" | cut -c 1-500)"
   else

@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 4f65aaeaedb4fdb477b252583d8720cdcc62d861d9977ab871bd2f039731fd12
+#   inputs sha256: 656a66d97545ae54161eeee0283d59d4bb18759c6d8d83cac3b80440451fba34
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -666,18 +666,17 @@ PY
 # what the next attempt redoes); status 1 when there is neither.
 # shellcheck disable=SC2317,SC2329  # run on the nodes (export -f / declare -f)
 stop_outcome() {
-  local ack=$1.ack stopping=$1.stopping py line
+  local ack=$1.ack stopping=$1.stopping
   if [[ -e $ack ]]; then
-    py=$(command -v python3 || command -v python || true)
-    if [[ -n $py ]] && line=$("$py" -c 'import json, sys
-a = json.load(open(sys.argv[1], encoding="utf-8"))
-c = a.get("checkpoint")
-print("stopped after step %s (%s): %s" % (a.get("step"), a.get("reason") or "stop requested",
-      "checkpoint %s complete" % c if c else "nothing to checkpoint yet"))' "$ack" 2>/dev/null); then
-      printf '%s\n' "$line"
-    else
-      printf 'stopped; ack %s\n' "$(head -c 300 -- "$ack" | tr -d '\n')"
-    fi
+    # the ack is one line of JSON, {"step": N, "checkpoint": "PATH" or null, "reason": "...", ...}; strings
+    # are shown as JSON writes them
+    local json step ckpt why
+    json=$(head -c 4000 -- "$ack" | tr -d '\n')
+    step=$(sed -n 's/.*"step": *\([0-9][0-9]*\).*/\1/p' <<<"$json")
+    ckpt=$(sed -n 's/.*"checkpoint": *"\(\([^"\\]\|\\.\)*\)".*/\1/p' <<<"$json")
+    why=$(sed -n 's/.*"reason": *"\(\([^"\\]\|\\.\)*\)".*/\1/p' <<<"$json")
+    printf 'stopped after step %s (%s): %s\n' "${step:-?}" "${why:-stop requested}" \
+      "$(if [[ -n $ckpt ]]; then printf 'checkpoint %s complete' "$ckpt"; else printf 'nothing to checkpoint yet'; fi)"
   elif [[ -e $stopping ]]; then
     printf 'WARNING: the stop checkpoint did not complete: %s\n' "$(head -n 1 -- "$stopping" | cut -c 1-500)"
   else

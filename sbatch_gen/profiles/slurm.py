@@ -379,7 +379,10 @@ class SlurmProfile(ProfileBase):
         return self.preemption.signal
 
     def stop_budget(self) -> tuple[int, str]:
-        return self.preemption.checkpoint_s + self.preemption.margin_s, "preemption.checkpoint_s + preemption.margin_s"
+        return (
+            self.preemption.checkpoint_s + self.preemption.margin_s,
+            "preemption.checkpoint_s + preemption.margin_s",
+        )
 
     def template_context(self, site_name: str) -> dict[str, object]:
         s = self.slurm

@@ -7,7 +7,7 @@ the option parsing are torch-free, :class:`DiLoCo` imports torch when it is buil
     from sbatch_gen.train.api import EXIT_REQUEUE, DiLoCo, StopRequest, XRTimeout, cross_region_from_args
 
     stop = StopRequest.from_env()          # $SBATCH_GEN_STOP_FILE, set by the rendered job
-    stop.exit_if_acked()                   # this attempt already checkpointed: exit 42 before any work
+    stop.exit_if_acked()                   # this attempt already checkpointed: exit 0 before any work
     stop.install()                         # SIGUSR1/SIGTERM become a stop request, never a crash
     xr, argv = cross_region_from_args()    # the --xr-* flags (else SBATCH_GEN_XR_*); argv: your own flags
     ... init_process_group, model, DDP, optimizer, load your checkpoint ...

@@ -57,13 +57,18 @@ def current_job_id(pid: int | None = None, host: str | None = None) -> str:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (dead, not yet reaped by its parent or init) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, someone else's
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no /proc (not Linux), or it just went
+        return True
+    return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]
 
 
 def stale_reason(holder: dict, *, job_id: str, host: str, now: float, period_s: float) -> str | None:

@@ -54,18 +54,19 @@ def _first_line(path: Path, limit: int = 200) -> str:
 
 
 def fast_exit_if_acked(stop_file: Path | None) -> None:
-    """Exit 42 at once when the stop file and its .ack both exist: this attempt already checkpointed
-    and handed over; torchrun restarting workers after our exit 42 must not train again."""
+    """Exit 0 at once when the stop file and its .ack both exist: this attempt already checkpointed and
+    handed over (the ack says so); workers torchrun restarts, or the same attempt started again, must not
+    train again."""
     if stop_file is None:
         return
     ack = ack_path(stop_file)
     if stop_file.exists() and ack.exists():
         sys.stderr.write(
             f"{Path(sys.argv[0]).name or 'python'}: stop file {stop_file} and {ack} exist: already "
-            f"checkpointed, exiting {EXIT_REQUEUE} without starting\n"
+            f"checkpointed, exiting 0 without starting\n"
         )
         sys.stderr.flush()
-        raise SystemExit(EXIT_REQUEUE)
+        raise SystemExit(0)
 
 
 def die_with_agent() -> bool:
@@ -140,8 +141,8 @@ class StopRequest:
             self.first_time = time.time()
 
     def exit_if_acked(self) -> None:
-        """Exit ``EXIT_REQUEUE`` at once when the stop file and its ack both exist: this attempt has already
-        checkpointed and handed over (torchrun restarting the workers must not train again)."""
+        """Exit 0 at once when the stop file and its ack both exist: this attempt has already checkpointed and
+        handed over (torchrun restarting the workers must not train again; the ack tells the launcher)."""
         fast_exit_if_acked(self.stop_file)
 
     def local(self) -> bool:
@@ -181,7 +182,11 @@ class StopRequest:
         redone if the save does not complete (the cluster may end the job first); the first rank of every
         node also writes it to ``<stop file>.stopping``, where the launcher finds it when no ack follows."""
         since = resume_step or 0
-        where = f"the newest complete checkpoint is step {since}" if resume_step else "there is no complete checkpoint"
+        where = (
+            f"the newest complete checkpoint is step {since}"
+            if resume_step
+            else "there is no complete checkpoint"
+        )
         redone = step - since
         line = (
             f"stop checkpoint of step {step} started ({self.reason()}); {where}: if the job ends before this "

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .api import EXIT_REQUEUE, DiLoCo, StopRequest, XRError, XRNoQuorum, XRTimeout
+from .api import DiLoCo, StopRequest, XRError, XRNoQuorum, XRTimeout
 from .config import TrainConfig
 from .spec import EXIT_CONFIG, RunSpec
 

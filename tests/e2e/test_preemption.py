@@ -95,7 +95,9 @@ def _steps(job: LocalJob) -> Counter:
 
 def _stop_save_s(job: LocalJob, step: int) -> float:
     """How long the trainer took for the stop checkpoint of ``step`` (its log line)."""
-    text = job.train_log(0, "n1").read_text(errors="replace") + job.train_log(0, "n2").read_text(errors="replace")
+    text = job.train_log(0, "n1").read_text(errors="replace") + job.train_log(0, "n2").read_text(
+        errors="replace"
+    )
     m = re.search(rf"checkpoint step {step} saved to \S+ in ([0-9.]+)s", text)
     assert m, text[-3000:]
     return float(m.group(1))
@@ -196,7 +198,9 @@ def test_sunk_style_preemption_keeps_the_periodic_checkpoint_and_names_the_redon
     stop = job.run_dir / "stop" / f"{job.job_id}.attempt-0"
     assert not Path(f"{stop}.ack").exists(), "the stop checkpoint could not have completed within KillWait"
     said = Path(f"{stop}.stopping").read_text().strip()
-    m = re.search(r"stop checkpoint of step (\d+) started .*the newest complete checkpoint is step (\d+)", said)
+    m = re.search(
+        r"stop checkpoint of step (\d+) started .*the newest complete checkpoint is step (\d+)", said
+    )
     assert m, said
     stop_step, newest = int(m.group(1)), int(m.group(2))
     assert newest == (stop_step - 1) // 5 * 5 and newest >= 5, said  # the periodic saves: every 5 steps

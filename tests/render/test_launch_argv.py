@@ -162,8 +162,12 @@ def _rendered_argv(variant: str) -> tuple[dict[str, list[str]], dict[str, list[s
     # the words between torchrun's arguments and the trainer's: the entry point (-m MODULE, or SCRIPT)
     s_entry = _block(sb, 'torchrun "${TORCHRUN_ARGS[@]}" ', ' "${TRAINER_ARGS[@]}"')
     h_entry = _block(sh, 'torchrun "${torchrun_args[@]}" ', ' "${trainer_args[@]}"')
-    s_entry = "\nENTRY=(" + s_entry[len('torchrun "${TORCHRUN_ARGS[@]}" ') : -len(' "${TRAINER_ARGS[@]}"')] + ")"
-    h_entry = "\nENTRY=(" + h_entry[len('torchrun "${torchrun_args[@]}" ') : -len(' "${trainer_args[@]}"')] + ")"
+    s_entry = (
+        "\nENTRY=(" + s_entry[len('torchrun "${TORCHRUN_ARGS[@]}" ') : -len(' "${TRAINER_ARGS[@]}"')] + ")"
+    )
+    h_entry = (
+        "\nENTRY=(" + h_entry[len('torchrun "${torchrun_args[@]}" ') : -len(' "${trainer_args[@]}"')] + ")"
+    )
     a = _expand(s_settings + s_arrays + s_entry, ["TORCHRUN_ARGS", "TRAINER_ARGS", "ENTRY"])
     b = _expand(h_settings + h_arrays + h_entry, ["torchrun_args", "trainer_args", "ENTRY"])
     return (

@@ -182,8 +182,14 @@ def test_the_render_passes_the_flags_to_check_only_when_it_uses_them(tmp_path):
     out = tmp_path / "none"
     r = sg("render", "--site", "local", "--out", str(out), "--set", "trainer.stop_protocol=none")
     assert r.code == 0, r.err
-    assert not [a for a in preflight_args((out / "local.sbatch").read_text()) if a.startswith("torchrun_flags=")]
-    got = [a for a in preflight_args(_render(tmp_path, "local", tmp_path / "train.py", free_port())) if "_flags=" in a]
+    assert not [
+        a for a in preflight_args((out / "local.sbatch").read_text()) if a.startswith("torchrun_flags=")
+    ]
+    got = [
+        a
+        for a in preflight_args(_render(tmp_path, "local", tmp_path / "train.py", free_port()))
+        if "_flags=" in a
+    ]
     assert got == [
         "torchrun_flags=--signals-to-handle=trainer.stop_protocol: sbatch-gen,--shutdown-timeout="
         "preemption.checkpoint_s + preemption.margin_s"

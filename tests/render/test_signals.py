@@ -100,7 +100,8 @@ def test_sigterm_creates_the_stop_file_and_does_not_requeue(tmp_path):
     out = _finish(proc)
     assert (work / STOP_FILE).exists(), out
     assert f"SIGTERM received: asking the trainer to checkpoint and stop ({STOP_FILE})" in out, out
-    assert "SIGTERM: Slurm is ending this job (scancel, time limit or preemption); not requeueing" in out, out
+    assert "SIGTERM: Slurm is ending this job (scancel, time limit, requeue, or preemption)" in out, out
+    assert "not requeueing here" in out, out
     assert _requeues(stub_dir) == [], out
     assert "requeueing" not in out.replace("not requeueing", ""), out
     assert proc.returncode == 143, out
@@ -257,7 +258,8 @@ def test_sigterm_is_passed_on_to_nobody_and_never_requeues(tmp_path, protocol):
     _signal_when_training(proc, stub_dir, signal.SIGTERM)
     out = _finish(proc)
     assert f"SIGTERM received (trainer.stop_protocol {protocol})" in out, out
-    assert "SIGTERM: Slurm is ending this job (scancel, time limit or preemption); not requeueing" in out, out
+    assert "SIGTERM: Slurm is ending this job (scancel, time limit, requeue, or preemption)" in out, out
+    assert "not requeueing here" in out, out
     assert _srun_signals(stub_dir) == [] and _requeues(stub_dir) == [], out
     assert not (work / "runs/local/stop/77.attempt-0").exists(), out
     assert proc.returncode == 143, out

@@ -52,7 +52,9 @@ def test_default_protocol_keeps_sigterm_from_torchrun_and_gives_it_the_stop_budg
         NOT_TERM: "trainer.stop_protocol: sbatch-gen",
         "--shutdown-timeout=30": "preemption.checkpoint_s + preemption.margin_s",  # local: 10 + 20
     }
-    assert _flags("eu")["--shutdown-timeout=300"] == "preemption.checkpoint_s + preemption.margin_s"  # 180 + 120
+    assert (
+        _flags("eu")["--shutdown-timeout=300"] == "preemption.checkpoint_s + preemption.margin_s"
+    )  # 180 + 120
     assert _flags("ssh-local", "launch.kill_grace_s=95") == {
         NOT_TERM: "trainer.stop_protocol: sbatch-gen",
         "--shutdown-timeout=95": "launch.kill_grace_s",

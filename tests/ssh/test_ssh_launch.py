@@ -113,12 +113,17 @@ def test_sigint_through_the_launcher_makes_the_trainer_write_its_stop_checkpoint
     for rank in (
         0,
         1,
-    ):  # each host's trainer took the stop request (SIGTERM), saved, and exited 42: not killed
+    ):  # each host's trainer took the stop request (SIGTERM), saved, and exited 0 after its ack: not killed
         node_log = launch.node_log(1, rank)
         assert (
             f"[rank {rank}/2] stop requested (SIGTERM): all ranks stop after step {stop_step}" in node_log
         ), node_log
-        assert f"[rank {rank}/2] exiting 42: checkpointed at step {stop_step}" in node_log, node_log
+        assert f"[rank {rank}/2] exiting 0: checkpointed at step {stop_step}" in node_log, node_log
+        # torchrun ignored the SIGTERM (run_trainer): no traceback; the node says in one line what it holds
+        assert "Traceback" not in node_log, node_log
+        assert f": stopped after step {stop_step} (SIGTERM): checkpoint " in node_log, node_log
+        assert f"/checkpoints/step-{stop_step} complete" in node_log, node_log
+        assert f"stopped after step {stop_step} (SIGTERM)" in out, out  # and the launcher's log repeats it
     assert "SIGKILL to" not in (launch.logs / "cleanup.log").read_text()
     _assert_no_tagged(launch)
 

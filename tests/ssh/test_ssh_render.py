@@ -266,6 +266,7 @@ def test_hostile_values_reach_torchrun_on_every_host_exactly(sshd, tmp_path, cle
             "--local-addr=127.0.0.1",
             "--max-restarts",
             "0",
+            "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT",
             "--shutdown-timeout=10",
             "-m",
             "sbatch_gen.train",

@@ -19,7 +19,6 @@ from torch import nn
 
 from sbatch_gen.train import api
 from sbatch_gen.train.api import (
-    EXIT_REQUEUE,
     CrossRegion,
     CrossRegionError,
     DiLoCo,
@@ -84,7 +83,7 @@ def test_only_the_named_signals_are_handled():
         assert signal.getsignal(signal.SIGTERM) == stop._handler
 
 
-def test_rank_0_writes_the_ack_and_an_acked_attempt_exits_42_before_any_work(tmp_path, monkeypatch):
+def test_rank_0_writes_the_ack_and_an_acked_attempt_exits_before_any_work(tmp_path, monkeypatch):
     stop_file = tmp_path / "d" / "stop"
     stop = StopRequest(stop_file)
     monkeypatch.setenv("RANK", "1")
@@ -100,7 +99,7 @@ def test_rank_0_writes_the_ack_and_an_acked_attempt_exits_42_before_any_work(tmp
     assert stop_file.exists()
     with pytest.raises(SystemExit) as e:
         stop.exit_if_acked()
-    assert e.value.code == EXIT_REQUEUE == 42
+    assert e.value.code == 0  # the ack says "checkpointed": torchrun must not print a failure
     stop_file.unlink()  # the next attempt's stop file is another one: start normally
     stop.exit_if_acked()
     assert StopRequest().acknowledge(1) is None  # signals only: nobody to tell
