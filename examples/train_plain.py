@@ -162,9 +162,8 @@ try:
         if step % 10 == 0:
             say(f"step {step} loss {loss.item():.4f}")
         if stop.agree():  # one all-reduce: every rank stops after the same step
-            last = (
-                (step - 1) // args.save_every * args.save_every
-            )  # the newest periodic save before this step
+            # the newest periodic save before this step
+            last = (step - 1) // args.save_every * args.save_every
             say(stop.saving(step, last or None))  # what is redone if the save is cut short
             path = save(step)
             if diloco:

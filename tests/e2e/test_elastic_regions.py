@@ -120,7 +120,7 @@ def _run_and_check(cluster, root, elastic_config, transport, env, count):
     _wait_round(b, 2, [a, b])
     t_sig = time.monotonic()
     cluster.run("scancel", "--signal=USR1", "--batch", str(b.job_id))
-    # b checkpoints, leaves, exits 42 and is requeued by its batch script; a goes on meanwhile
+    # b checkpoints, leaves, acks and is requeued by its batch script; a goes on meanwhile
     info_a = cluster.wait_done(a.job_id, timeout=300)
     t_a_done = time.monotonic() - t_sig
     info_b = cluster.wait_done(b.job_id, timeout=300)
@@ -138,7 +138,7 @@ def _run_and_check(cluster, root, elastic_config, transport, env, count):
     leave = _events(b, "xr_leave")
     # (the batch shell's USR1 trap hands the request to the trainer through the stop file)
     assert leave and leave[0]["step"] == stop_step and leave[0]["round"] == stop_step // H, leave
-    assert leave[0]["reason"].startswith("stop file "), leave
+    assert leave[0]["reason"] == "stop file: SIGUSR1 to the batch shell", leave
     assert b.summary()["resumed_from_step"] == stop_step, b.summary()
 
     # b rejoined: fast-forwarded from its round at the stop to the run's round, adopting the run's step
