@@ -87,7 +87,7 @@ def test_a_requeue_by_the_time_limit_is_not_reported_as_failed(cluster, e2e_root
         cluster,
         e2e_root / "timelimit",
         "timelimit",
-        {"slurm.time": "00:02:00", "preemption.lead_time_s": 90},
+        {"slurm.time": "00:02:00", "preemption.lead_time_s": 90, "preemption.checkpoint_s": 40},
         config=train_config,
         data=data_dir,
     )
@@ -97,7 +97,14 @@ def test_a_requeue_by_the_time_limit_is_not_reported_as_failed(cluster, e2e_root
     (shim / "scontrol").chmod(0o755)
     # 40 steps of >= 2.5 s: still training when the signal comes (30-60 s in: Slurm checks the limits every
     # ~30 s; the trainer is up ~15 s in)
-    job.submit({"SBATCH_GEN_STEP_SLEEP_S": "2.5", "PATH": f"{shim}:{cluster.env['PATH']}"})
+    # and a stop checkpoint of 32 s: longer than torchrun's own shutdown timeout, within lead_time_s
+    job.submit(
+        {
+            "SBATCH_GEN_STEP_SLEEP_S": "2.5",
+            "SBATCH_GEN_STOP_SAVE_HOLD_S": "32",
+            "PATH": f"{shim}:{cluster.env['PATH']}",
+        }
+    )
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         info = cluster.job(job.job_id)
@@ -117,4 +124,6 @@ def test_a_requeue_by_the_time_limit_is_not_reported_as_failed(cluster, e2e_root
     assert "requeue failed" not in log and "resubmit" not in log, log
     assert "requeued: this attempt is over" in attempt0, log
     ack = json.loads((job.run_dir / "stop" / f"{job.job_id}.attempt-0.ack").read_text())
-    assert ack["reason"].startswith("stop file") and ack["checkpoint"].endswith(f"step-{ack['step']}"), ack
+    assert ack["reason"] == "stop file: SIGUSR1 to the batch shell", ack
+    assert ack["checkpoint"].endswith(f"step-{ack['step']}"), ack
+    assert "Traceback" not in job.train_log(0, "n1").read_text() + job.train_log(0, "n2").read_text()

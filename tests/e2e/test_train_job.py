@@ -52,8 +52,16 @@ def test_preempt_requeue_resume_matches_uninterrupted(
     and finishes; its losses match the uninterrupted run's; attempt 1's log is still there."""
     ref = reference_run.losses()
     assert sorted(ref) == list(range(1, 41)), reference_run.describe()
-    job = local_job(cluster, e2e_root / "preempt", "preempt", config=train_config, data=data_dir)
-    job.submit()
+    # a stop checkpoint of 32 s, longer than torchrun's own shutdown timeout (30 s), within the budget of 40 + 20
+    job = local_job(
+        cluster,
+        e2e_root / "preempt",
+        "preempt",
+        {"preemption.checkpoint_s": 40, "preemption.margin_s": 20},
+        config=train_config,
+        data=data_dir,
+    )
+    job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": "32"})
     job.wait_step(6)  # past the periodic checkpoint at 5: the stop usually lands between two (7..9)
     cluster.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
     info = cluster.wait_done(job.job_id, timeout=300)
@@ -77,6 +85,11 @@ def test_preempt_requeue_resume_matches_uninterrupted(
     assert "trainer checkpointed" in log[:a1] and "training finished" in log[a1:], log
     for node in ("n1", "n2"):
         assert job.train_log(0, node).exists() and job.train_log(1, node).exists()
+        # one line per node says what the stop left, in its log and in the batch log; no traceback anywhere
+        said = f"node {node}: stopped after step {stop_step} (stop file: SIGUSR1 to the batch shell): checkpoint "
+        assert said in job.train_log(0, node).read_text() and log[:a1].count(said) == 1, log
+        assert "Traceback" not in job.train_log(0, node).read_text() + job.train_log(1, node).read_text()
+    assert "Traceback" not in log
 
     # attempt 1 resumed from the stop checkpoint and reproduced the uninterrupted run
     summary = job.summary()
