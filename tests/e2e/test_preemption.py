@@ -128,14 +128,20 @@ def _assert_complete_stop(job: LocalJob, why: str) -> int:
     return step
 
 
-def test_partition_preemption_with_grace_time_checkpoints_and_requeues_once(
-    cluster, e2e_root, train_config, data_dir
-):
-    job = _job(cluster, e2e_root / "preempt-grace", "pgrace", train_config, data_dir)
+def _preempted_with_a_slow_stop(cluster, root: Path, name: str, train_config, data_dir) -> LocalJob:
+    """A job whose stop checkpoint takes HOLD_S, preempted by a job of partition high mid-run, to its end."""
+    job = _job(cluster, root, name, train_config, data_dir)
     job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": str(HOLD_S)})
     job.wait_step(6)
     _preempt(cluster)
     cluster.wait_done(job.job_id, timeout=400)
+    return job
+
+
+def test_partition_preemption_with_grace_time_checkpoints_and_requeues_once(
+    cluster, e2e_root, train_config, data_dir
+):
+    job = _preempted_with_a_slow_stop(cluster, e2e_root / "preempt-grace", "pgrace", train_config, data_dir)
     _assert_complete_stop(job, "SIGTERM to the training step on")
     first = _attempt(job.batch_log(), job, 0)
     assert "received" not in first, "the batch shell got a signal: not the preemption this test is about"
@@ -144,11 +150,7 @@ def test_partition_preemption_with_grace_time_checkpoints_and_requeues_once(
 
 def test_partition_preemption_with_preempt_send_user_signal(cluster, e2e_root, train_config, data_dir):
     with _preempt_send_user_signal(cluster):
-        job = _job(cluster, e2e_root / "preempt-usr1", "pusr1", train_config, data_dir)
-        job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": str(HOLD_S)})
-        job.wait_step(6)
-        _preempt(cluster)
-        cluster.wait_done(job.job_id, timeout=400)
+        job = _preempted_with_a_slow_stop(cluster, e2e_root / "preempt-usr1", "pusr1", train_config, data_dir)
     _assert_complete_stop(job, "SIGUSR1 to the batch shell")
     first = _attempt(job.batch_log(), job, 0)
     assert "SIGUSR1 received" in first and "requeueing job" in first, first
