@@ -1,9 +1,9 @@
 """The ``sbatch-gen`` command line. Torch-free: it must never import torch, directly or indirectly.
 
-Exit status: 0 ok, 1 drift found by ``check``/``diff``, a mailbox ``status`` cannot read, or an I/O error
-while ``render`` writes (then nothing was changed) or ``check`` reads out/, 2 bad input (profile, override,
-usage, an --out that cannot take the files: a file, under a file, not writable, an output path that is a
-directory).
+Exit status: 0 ok, 1 drift found by ``check``/``diff``, a mailbox ``status`` cannot read, an error row of
+``doctor``, or an I/O error while ``render`` writes (then nothing was changed) or ``check`` reads out/, 2 bad
+input (profile, override, usage, an --out that cannot take the files: a file, under a file, not writable, an
+output path that is a directory; ``doctor`` away from the cluster: no sbatch/scontrol).
 Errors go to stderr as ``file:line: field: message`` (or ``path: message``), one line, without a traceback.
 """
 
@@ -27,6 +27,7 @@ from sbatch_gen.render import OutputError, Rendered, check_out_dir, render_site,
 EXIT_DRIFT = 1
 EXIT_IO = 1  # `render`: an output file could not be written (nothing was changed); `check`: out/ unreadable
 EXIT_STORE = 1  # `status`: the mailbox could not be read
+EXIT_DOCTOR = 1  # `doctor`: a check found an error
 EXIT_BAD_INPUT = 2
 
 
@@ -403,6 +404,48 @@ def status(name, as_json, overrides, sites_dir) -> None:
         click.echo(json.dumps(st.to_dict(), indent=2))
         return
     click.echo("\n".join(_format_status(st)))
+
+
+@cli.command()
+@click.option("--site", "name", required=True, metavar="NAME", help="Site to check.")
+@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.IntRange(1, 3600),
+    default=60,
+    show_default=True,
+    help="Seconds each command (scontrol, sbatch --test-only, ssh to a host) may take.",
+)
+@_set_option
+@_sites_dir_option
+@_templates_option
+def doctor(name, as_json, timeout_s, overrides, sites_dir, templates_dir) -> None:
+    """Check the live cluster against a site profile and its render, before the job waits in the queue.
+
+    Slurm sites (run it on the login node, from the directory you submit from): sbatch --test-only of a
+    fresh render, the partition and its MaxTime, the nodes' GPUs, CPUs, memory and features, account and
+    QOS, the Slurm version, the preemption grace against the stop checkpoint, requeue, pyxis. SSH sites
+    (run it on the first host, from the launch directory): every host over ssh, torch in python_env, the
+    GPU count, the run dir. Read-only: no job runs, no GPU is used.
+
+    Exit 1 if a check is an error (warnings do not fail it), 2 on bad input or when Slurm's commands are
+    not installed here.
+
+    \b
+    sbatch-gen doctor --site eu
+    sbatch-gen doctor --site eu --set slurm.partition=h200-long --json
+    """
+    from sbatch_gen.doctor import SubprocessRunner, format_report, run_doctor  # lazy: only this command
+
+    site = load_site(sites_dir, name, overrides)
+    report = run_doctor(site, SubprocessRunner(timeout_s), templates_dir)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        click.echo("\n".join(format_report(report)))
+    if not report.ok:
+        sys.exit(EXIT_DOCTOR)
 
 
 def _format_status(st) -> list[str]:

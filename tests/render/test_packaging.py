@@ -52,8 +52,22 @@ sys.exit(code)
             ],
             0,
         ),
+        # doctor runs Slurm's client commands (read-only); its exit depends on whether a cluster answers here
+        (["doctor", "--site", "local", "--timeout", "5"], None),
     ],
-    ids=["render", "check", "validate", "show", "schema", "sites", "diff", "error", "status", "status-json"],
+    ids=[
+        "render",
+        "check",
+        "validate",
+        "show",
+        "schema",
+        "sites",
+        "diff",
+        "error",
+        "status",
+        "status-json",
+        "doctor",
+    ],
 )
 def test_cli_never_imports_torch(tmp_path, args, code):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]

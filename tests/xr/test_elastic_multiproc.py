@@ -226,9 +226,7 @@ def test_no_quorum_checkpoints_and_exits_with_the_requeue_code_in_one_line(tmp_p
     assert eu.wait(TIMEOUT) == [0], eu.tail()
     assert _stopped_quietly(eu, stop), eu.tail()
     log = eu.tail(400)
-    assert not re.search(r'File ".*/sbatch_gen/', log), (
-        log
-    )  # no traceback through the trainer
+    assert not re.search(r'File ".*/sbatch_gen/', log), log  # no traceback through the trainer
     lines = [ln for ln in log.splitlines() if "no cross-region quorum" in ln]
     assert len(lines) >= 1 and all("missing: us" in ln and "checkpointed at step 4" in ln for ln in lines), (
         lines

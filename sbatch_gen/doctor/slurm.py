@@ -1,0 +1,261 @@
+"""``sbatch-gen doctor`` for a ``kind: slurm`` site: the live cluster against the profile and its render.
+Torch-free.
+
+Read-only: Slurm is asked with ``scontrol show``, ``sacctmgr show``, ``srun --help`` and ``sbatch
+--test-only`` (which schedules nothing). Each check is one small function that returns its rows; the
+cluster's answers are fetched once (:mod:`.slurm_facts`) and shared. The node checks are in
+:mod:`.slurm_nodes`, account, QOS and preemption in :mod:`.slurm_policy`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import getpass
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from sbatch_gen.doctor.common import (
+    Check,
+    CommandMissing,
+    Runner,
+    cut,
+    error,
+    leading_int,
+    limit_seconds,
+    ok,
+    skip,
+    warn,
+)
+from sbatch_gen.doctor.slurm_facts import QueryFailed, SlurmDoctor, SlurmFacts
+from sbatch_gen.doctor.slurm_nodes import check_nodes
+from sbatch_gen.doctor.slurm_policy import check_account, check_associations, check_preemption
+from sbatch_gen.errors import UserError
+from sbatch_gen.loader import LoadedSite
+from sbatch_gen.profiles.slurm import SlurmProfile
+from sbatch_gen.profiles.types import slurm_time_seconds
+from sbatch_gen.render import Rendered
+
+# Without these the doctor is on the wrong machine: it stops with one line.
+CORE_COMMANDS = {"sbatch", "scontrol", "sinfo"}
+LOGIN_NODE_HINT = "run doctor on the cluster's login node"
+
+# ---------------------------------------------------------------------------------------------------
+# 1. sbatch --test-only of a fresh render
+
+_WOULD_START = re.compile(
+    r"Job (\d+) to start at (\S+) using (\d+) processors on nodes? (\S+) in partition (\S+)"
+)
+
+
+def check_test_only(d: SlurmDoctor) -> list[Check]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="sbatch-gen-doctor-") as tmp:
+        for r in d.renders:
+            name = f"test-only {r.filename}"
+            expected = "sbatch --test-only accepts it"
+            path = Path(tmp) / r.filename
+            path.write_text(r.text)
+            res = d.runner(["sbatch", "--test-only", str(path)], cwd=d.cwd)
+            m = _WOULD_START.search(res.err + res.out)
+            if res.rc == 0 and m:
+                found = f"would start {m.group(2)} on {m.group(4)} ({m.group(3)} CPUs)"
+                rows.append(ok(name, expected, found))
+            elif res.rc == 0:
+                rows.append(ok(name, expected, cut(res.message(), 120)))
+            else:
+                rows.append(
+                    error(
+                        name,
+                        expected,
+                        cut(res.message(), 120),
+                        f"Slurm refuses {r.filename}: {res.message()} (the other rows may say which field)",
+                    )
+                )
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. the partition and its time limit
+
+
+def check_partition(d: SlurmDoctor) -> list[Check]:
+    expected = f"partition {d.partition} exists, State UP"
+    part = d.part()
+    if part is None:
+        known = sorted(d.facts.partitions())
+        close = difflib.get_close_matches(d.partition, known, n=1)
+        return [
+            error(
+                "partition",
+                expected,
+                f"no partition {d.partition} (there are: {', '.join(known) or 'none'})",
+                f"set slurm.partition to one of {', '.join(known) or '(none)'}"
+                + (f"; did you mean {close[0]!r}?" if close else ""),
+            )
+        ]
+    state = part.get("State", "?")
+    if state.upper() != "UP":
+        return [
+            error(
+                "partition",
+                expected,
+                f"State={state}",
+                f"partition {d.partition} is {state}: jobs queue but do not start (DOWN) or are refused "
+                "(DRAIN, INACTIVE); ask the administrators, or use another partition",
+            )
+        ]
+    return [
+        ok("partition", expected, f"State=UP, {part.get('TotalNodes', '?')} nodes ({part.get('Nodes', '?')})")
+    ]
+
+
+def check_time(d: SlurmDoctor) -> list[Check]:
+    want = slurm_time_seconds(d.profile.slurm.time)
+    expected = f"MaxTime >= slurm.time {d.profile.slurm.time} ({want} s)"
+    part = d.part()
+    if part is None:
+        return [skip("time limit", expected, f"no partition {d.partition}")]
+    raw = part.get("MaxTime", "UNLIMITED")
+    limit = limit_seconds(raw)
+    if limit is None:
+        return [
+            warn("time limit", expected, f"MaxTime={raw}", f"cannot read MaxTime={raw!r}; check it by hand")
+        ]
+    if limit < want:
+        return [
+            error(
+                "time limit",
+                expected,
+                f"MaxTime={raw} ({limit:.0f} s)",
+                f"partition {d.partition} ends jobs after {raw}: lower slurm.time to at most {raw} "
+                "(the job requeues itself and resumes), or use a partition with a longer MaxTime",
+            )
+        ]
+    return [ok("time limit", expected, f"MaxTime={raw}")]
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. the nodes: slurm_nodes.py; 4. account and QOS: slurm_policy.py
+
+# ---------------------------------------------------------------------------------------------------
+# 5. the Slurm version
+
+
+def version_matches(profile: str, running: str) -> bool:
+    """``22.05`` matches 22.05.x; ``22.05.8`` only 22.05.8."""
+    return running == profile or running.startswith(profile + ".")
+
+
+def check_version(d: SlurmDoctor) -> list[Check]:
+    want = d.profile.slurm.version
+    expected = f"Slurm {want} (slurm.version)"
+    running = d.facts.config().get("SLURM_VERSION", "")
+    if not running:
+        r = d.runner(["scontrol", "version"])
+        m = re.search(r"\d+\.\d+(\.\d+)?", r.out)
+        running = m.group(0) if r.rc == 0 and m else ""
+    if not running:
+        return [warn("version", expected, "unknown", "cannot read the Slurm version (scontrol version)")]
+    if version_matches(want, running):
+        return [ok("version", expected, f"Slurm {running}")]
+    major = ".".join(running.split(".")[:2])
+    return [
+        warn(
+            "version",
+            expected,
+            f"Slurm {running}",
+            f"the cluster runs Slurm {running}: set slurm.version to {major!r} and review the render "
+            "(the job warns about the mismatch too)",
+        )
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------
+# 6. preemption: slurm_policy.py
+
+# ---------------------------------------------------------------------------------------------------
+# 7. requeue, 8. pyxis
+
+
+def check_requeue(d: SlurmDoctor) -> list[Check]:
+    expected = "requeue allowed (--requeue or JobRequeue=1)"
+    job_template = SlurmProfile.OUTPUTS[0][0]  # the training job (the setup job is not requeued)
+    main = next(r for r in d.renders if r.template == job_template).text.splitlines()
+    asks = "#SBATCH --requeue" in main
+    raw = d.facts.config().get("JobRequeue", "?")
+    found = f"JobRequeue={raw}; the render {'has' if asks else 'lacks'} #SBATCH --requeue"
+    if not asks and leading_int(raw) == 0:
+        return [
+            error(
+                "requeue",
+                expected,
+                found,
+                "the job cannot be requeued (JobRequeue=0 and no --requeue in the render): re-render it",
+            )
+        ]
+    return [ok("requeue", expected, found)]
+
+
+def check_pyxis(d: SlurmDoctor) -> list[Check]:
+    c = d.profile.container
+    if c is None:
+        return [skip("pyxis", "srun --container-image (container:)", "the profile has no container:")]
+    expected = f"srun --container-image (container.image {c.image})"
+    try:
+        r = d.runner(["srun", "--help"])
+    except CommandMissing:
+        return [error("pyxis", expected, "srun not found", f"srun is missing: {LOGIN_NODE_HINT}")]
+    if "--container-image" in r.out + r.err:
+        return [ok("pyxis", expected, "srun --help lists --container-image (pyxis)")]
+    return [
+        error(
+            "pyxis",
+            expected,
+            "srun has no --container-image",
+            "pyxis is not installed for this cluster's srun: ask the administrators for pyxis/enroot, or drop "
+            "container: and use a python_env",
+        )
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):  # no USER/LOGNAME and no passwd entry (a bare container)
+        return str(os.getuid())
+
+
+CHECKS: list[tuple[str, Callable[[SlurmDoctor], list[Check]]]] = [
+    ("test-only", check_test_only),
+    ("partition", check_partition),
+    ("time limit", check_time),
+    ("nodes", check_nodes),
+    ("account", check_account),
+    ("associations", check_associations),
+    ("version", check_version),
+    ("preemption", check_preemption),
+    ("requeue", check_requeue),
+    ("pyxis", check_pyxis),
+]
+
+
+def run_checks(site: LoadedSite, renders: list[Rendered], runner: Runner, cwd: Path) -> list[Check]:
+    assert isinstance(site.profile, SlurmProfile)
+    d = SlurmDoctor(site, site.profile, renders, SlurmFacts(runner), runner, cwd, _user())
+    rows: list[Check] = []
+    for name, fn in CHECKS:
+        try:
+            rows += fn(d)
+        except CommandMissing as e:
+            if e.name in CORE_COMMANDS:
+                raise UserError(f"{e.name} not found: {LOGIN_NODE_HINT}") from None
+            rows.append(error(name, "-", f"{e.name} not found", LOGIN_NODE_HINT))
+        except QueryFailed as e:
+            rows.append(error(name, "-", cut(str(e), 120), f"{e.what} failed: {e.result.message()}"))
+    return rows
