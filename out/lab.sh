@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: c7a54feb58bf3ab68610e77c45fcd4133e6e53b63d7dab0ede61ae275cc35242
+#   inputs sha256: 251f699af30981144a3d219cbc902ba0d7d0ce1b411ebae952c7539911a3ec6e
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).

@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 656a66d97545ae54161eeee0283d59d4bb18759c6d8d83cac3b80440451fba34
+#   inputs sha256: 5dc0fa78b5ce38abaebfef2bdf6d520de5e0574d830b7942dd6b1f69bd1161e6
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
