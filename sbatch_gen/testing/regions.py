@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sbatch_gen.proc import process_state
 from sbatch_gen.xr_options import CrossRegion, to_argv
 
 from .s3server import free_port
@@ -93,7 +94,7 @@ class RegionRun:
         for p in self.procs:
             p.wait(timeout=30)
         deadline = time.monotonic() + 30
-        while any(os.path.exists(f"/proc/{w}") and _state(w) not in ("Z", "X") for w in workers):
+        while any(process_state(w) not in ("Z", "X") for w in workers):
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
@@ -107,14 +108,6 @@ class RegionRun:
                 continue
             out.append(f"--- {log} ---\n" + "\n".join(lines[-n:]))
         return "\n".join(out)
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "X"
 
 
 def launch_region(

@@ -31,6 +31,8 @@ import time
 import uuid
 from pathlib import Path
 
+from ..proc import pid_alive
+
 log = logging.getLogger("sbatch_gen.train")
 
 LEASE_FILE = "lease.json"
@@ -56,21 +58,6 @@ def current_job_id(pid: int | None = None, host: str | None = None) -> str:
     return f"pid:{pid or os.getpid()}@{host or socket.gethostname()}"
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether ``pid`` runs: a zombie (dead, not yet reaped by its parent or init) does not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, someone else's
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:  # no /proc (not Linux), or it just went
-        return True
-    return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]
-
-
 def stale_reason(holder: dict, *, job_id: str, host: str, now: float, period_s: float) -> str | None:
     """Why the lease ``holder`` may be taken over by ``job_id`` on ``host``, or None while it is live."""
     try:
@@ -84,7 +71,7 @@ def stale_reason(holder: dict, *, job_id: str, host: str, now: float, period_s: 
     if now - beat > limit:
         return f"its heartbeat is {now - beat:.0f} s old (stale after {limit:g} s)"
     pid = holder.get("pid")
-    if holder.get("host") == host and isinstance(pid, int) and not _pid_alive(pid):
+    if holder.get("host") == host and isinstance(pid, int) and not pid_alive(pid):
         return f"its pid {pid} is gone from this host"
     return None
 
