@@ -1,12 +1,22 @@
 """Shared test helpers. Each area keeps its own fixtures in tests/<area>/conftest.py."""
 
 import os
+import signal
 import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+# A suite started in the background (`make test &`, nohup, a CI runner without job control) inherits SIGINT
+# and SIGQUIT ignored, and every launcher and torchrun the tests start would inherit that too (bash cannot
+# trap a signal that was ignored when it started): Ctrl-C on a launcher would do nothing. The tests press
+# Ctrl-C the way a terminal delivers it, so give their children the dispositions a terminal gives.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN:
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="session")
