@@ -10,7 +10,7 @@ SG := $(VENV)/bin/sbatch-gen
 PYTEST_ARGS ?=
 # make test-fast: pytest-xdist processes (the unit tier is CPU-bound and its tests are isolated)
 TEST_WORKERS ?= 2
-APT_PACKAGES := shellcheck slurmctld slurmd slurm-client munge openssh-server iproute2 procps psmisc
+APT_PACKAGES := shellcheck slurmctld slurmd slurm-client slurmdbd mariadb-server munge openssh-server iproute2 procps psmisc
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'

@@ -12,6 +12,9 @@
 #   scripts/local-slurm.sh preempt-signal on|off
 #                                   preemption sends the job's --signal to the batch shell (on) or SIGTERM to
 #                                   the job steps (off, Slurm's default); see "Preemption" below
+#   scripts/local-slurm.sh preempt-type partition|qos
+#                                   who may preempt whom: partition priority (the default) or the job's QOS
+#                                   (needs the accounting database); restarts slurmctld
 #
 # Both start and stop are idempotent. Run as root.
 #
@@ -26,8 +29,17 @@
 # SBATCH_GEN_SLURM_LAYOUT, SBATCH_GEN_SLURM_SUBNET (first three octets, default 10.200.0),
 # SBATCH_GEN_SLURM_PORT (slurmctld port, default 6817), SBATCH_GEN_SLURM_CPUS (CPUs each node
 # advertises, default 8), SBATCH_GEN_SLURM_MEM_MB (memory each node advertises, default 16000),
-# SBATCH_GEN_SLURM_GRACE_S (GraceTime of partition debug, default 120), SBATCH_GEN_SLURM_KILLWAIT_S
-# (KillWait, default 5).
+# SBATCH_GEN_SLURM_GRACE_S (GraceTime of partition debug and of QOS normal, default 120),
+# SBATCH_GEN_SLURM_KILLWAIT_S (KillWait, default 5), SBATCH_GEN_SLURM_ACCOUNTING (1, the default: an
+# accounting database that Slurm enforces; 0: none), SBATCH_GEN_SLURM_DB_PORT (MariaDB on 127.0.0.1,
+# default 6833), SBATCH_GEN_SLURM_DBD_PORT (slurmdbd on 127.0.0.1, default 6819).
+#
+# Accounting (SBATCH_GEN_SLURM_ACCOUNTING=1): a MariaDB server of this cluster's own (data in the state dir,
+# listening on 127.0.0.1 only, wiped on every start) behind slurmdbd, with
+# AccountingStorageEnforce=associations,limits,qos: a job must name an account and QOS its user may use.
+# Accounts sbgen (root's default), lab and llm-xr (the account the committed GPU sites name); QOS normal
+# (GraceTime=SBATCH_GEN_SLURM_GRACE_S) and urgent (may preempt normal, PreemptMode=REQUEUE). Only root has
+# associations: submit as root.
 #
 # Preemption (docs/slurm.md, "Preemption on your cluster"): PreemptType=preempt/partition_prio with
 # PreemptMode=REQUEUE. A job in partition "high" (PriorityTier 10) preempts the jobs it needs the nodes of:
@@ -36,9 +48,13 @@
 #   sunk    the same nodes, GraceTime=0: killed at once (SIGTERM, SIGKILL KillWait later), as SUNK's pod
 #           scheduler preempts a Slurm job by default
 #   lab     the same nodes, AllowAccounts=lab AllowQos=normal: a partition that restricts who may use it
+#   short   the same nodes, MaxTime=SBATCH_GEN_SLURM_SHORT_MAXTIME (00:10:00): a partition with a time limit
 #   scripts/local-slurm.sh preempt-signal on|off   sets SlurmctldParameters=preempt_send_user_signal (a
 #           preemption then sends the job's --signal to the batch shell instead of SIGTERM to the steps)
 #           and reconfigures the running cluster; `start` always begins with it off.
+#   scripts/local-slurm.sh preempt-type qos   sets PreemptType=preempt/qos: a job of QOS urgent preempts
+#           jobs of QOS normal (whose GraceTime applies) in any partition; partition priority no longer
+#           counts. `preempt-type partition` goes back; `start` always begins with partition.
 #
 # The processes live in the same mount namespace as the caller, so every path (the repository, its
 # .venv) is the same on the nodes as here.
@@ -53,6 +69,10 @@ NODE_CPUS=${SBATCH_GEN_SLURM_CPUS:-8}
 NODE_MEM_MB=${SBATCH_GEN_SLURM_MEM_MB:-16000}
 GRACE_S=${SBATCH_GEN_SLURM_GRACE_S:-120}
 KILLWAIT_S=${SBATCH_GEN_SLURM_KILLWAIT_S:-5}
+ACCOUNTING=${SBATCH_GEN_SLURM_ACCOUNTING:-1}
+DB_PORT=${SBATCH_GEN_SLURM_DB_PORT:-6833}
+DBD_PORT=${SBATCH_GEN_SLURM_DBD_PORT:-6819}
+SHORT_MAXTIME=00:10:00
 
 # Compute nodes that run jobs: small, CPU only, partition "debug" (the default).
 CPU_NODES=(n1 n2)
@@ -77,6 +97,10 @@ PARTITION=debug
 PREEMPTOR_PARTITION=high
 SUNK_PARTITION=sunk
 ACCOUNTS_PARTITION=lab
+SHORT_PARTITION=short
+# accounting: root's default account first; llm-xr is what sites/eu.yaml and sites/us.yaml name
+ACCOUNTS=(sbgen lab llm-xr)
+PREEMPTOR_QOS=urgent
 BRIDGE=br-sbgen
 NS_PREFIX=sbgen-
 VETH_PREFIX=sbgen-v
@@ -86,6 +110,9 @@ PACKAGES=(slurmctld slurmd slurm-client munge)
 CONF=$STATE/etc/slurm.conf
 LOG=$STATE/log
 OURS=$STATE/started   # one line per daemon this script started: "<name> <pid>"
+# what preempt-signal and preempt-type set on the running cluster (write_conf reads it); reset by start
+RUNTIME=$STATE/preempt.env
+DB_DIR=$STATE/db
 
 log() { printf 'local-slurm: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -97,6 +124,13 @@ esac
 [[ $SUBNET =~ ^[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}$ ]] || die "SBATCH_GEN_SLURM_SUBNET must look like 10.200.0, not '$SUBNET'"
 [[ $GRACE_S =~ ^[0-9]+$ ]] || die "SBATCH_GEN_SLURM_GRACE_S must be a number of seconds, not '$GRACE_S'"
 [[ $KILLWAIT_S =~ ^[0-9]+$ ]] || die "SBATCH_GEN_SLURM_KILLWAIT_S must be a number of seconds, not '$KILLWAIT_S'"
+[[ $ACCOUNTING == 0 || $ACCOUNTING == 1 ]] || die "SBATCH_GEN_SLURM_ACCOUNTING must be 0 or 1, not '$ACCOUNTING'"
+for _port in "$DB_PORT" "$DBD_PORT"; do
+  if ! [[ $_port =~ ^[0-9]{1,5}$ ]] || ((_port == 0 || _port > 65535)); then
+    die "SBATCH_GEN_SLURM_DB_PORT and SBATCH_GEN_SLURM_DBD_PORT must be TCP ports, not '$_port'"
+  fi
+done
+((ACCOUNTING)) && PACKAGES+=(slurmdbd mariadb-server)
 [[ $STATE == /* ]] || die "SBATCH_GEN_SLURM_STATE must be an absolute path, not '$STATE'"
 
 node_addr() {  # node index (1-based) -> address
@@ -185,6 +219,85 @@ start_munge() {
   local pid
   pid=$(pid_from_file /run/munge/munged.pid munged) || die "munged runs but /run/munge/munged.pid names no munged"
   echo "munged $pid" >>"$OURS"
+}
+
+# --- accounting: MariaDB and slurmdbd ---------------------------------------------------------------
+
+port_free() {  # port -> 0 if nothing listens on it
+  ! command -v ss >/dev/null || [[ -z $(ss -Hltn "sport = :$1" 2>/dev/null) ]]
+}
+
+db_sql() { mariadb --no-defaults --socket="$STATE/mariadb.sock" -u root "$@"; }
+db_up() { db_sql -e 'SELECT 1' >/dev/null 2>&1; }
+db_pid() { pid_from_file "$STATE/mariadbd.pid" mariadbd; }
+dbd_pid() { pid_from_file "$STATE/slurmdbd.pid" slurmdbd; }
+dbd_up() { slurm sacctmgr -n -P show cluster format=cluster >/dev/null 2>&1; }
+
+start_db() {
+  port_free "$DB_PORT" || die "port $DB_PORT is in use on this machine: stop what listens there or set SBATCH_GEN_SLURM_DB_PORT"
+  rm -rf "$DB_DIR" "$STATE/mariadb.sock" "$STATE/mariadbd.pid"
+  mariadb-install-db --no-defaults --datadir="$DB_DIR" --user=root --auth-root-authentication-method=socket \
+    --skip-test-db >"$LOG/mariadb-install.log" 2>&1 || { tail -n 20 "$LOG/mariadb-install.log" >&2; die "mariadb-install-db failed"; }
+  # a database for this cluster only: no other option file, TCP on 127.0.0.1 for slurmdbd, the socket for root
+  /usr/sbin/mariadbd --no-defaults --datadir="$DB_DIR" --user=root --socket="$STATE/mariadb.sock" \
+    --bind-address=127.0.0.1 --port="$DB_PORT" --pid-file="$STATE/mariadbd.pid" --log-error="$LOG/mariadb.log" \
+    --skip-name-resolve --innodb-buffer-pool-size=128M --innodb-lock-wait-timeout=900 9>&- >/dev/null 2>&1 &
+  wait_for 30 "MariaDB" db_up || { tail -n 20 "$LOG/mariadb.log" >&2 || true; die "MariaDB did not come up"; }
+  wait_for 5 "mariadbd pid file" db_pid || die "MariaDB answers but $STATE/mariadbd.pid names no mariadbd"
+  echo "mariadbd $(db_pid)" >>"$OURS"
+  # slurmdbd's login, local to this machine: the password guards nothing but this throwaway database
+  db_sql -e "CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY 'sbgen-local';
+             GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';" || die "could not create slurmdbd's database user"
+}
+
+write_dbd_conf() {
+  local f=$STATE/etc/slurmdbd.conf
+  # slurmdbd refuses a config others can read (it holds the database password)
+  (
+    umask 077
+    cat >"$f.tmp" <<EOF
+# Written by scripts/local-slurm.sh. Regenerated on every start.
+AuthType=auth/munge
+DbdAddr=127.0.0.1
+DbdHost=localhost
+DbdPort=$DBD_PORT
+SlurmUser=root
+LogFile=$LOG/slurmdbd.log
+PidFile=$STATE/slurmdbd.pid
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$DB_PORT
+StorageUser=slurm
+StoragePass=sbgen-local
+StorageLoc=slurm_acct_db
+EOF
+  )
+  mv -f "$f.tmp" "$f"
+}
+
+start_dbd() {
+  port_free "$DBD_PORT" || die "port $DBD_PORT is in use on this machine: stop what listens there or set SBATCH_GEN_SLURM_DBD_PORT"
+  write_dbd_conf
+  # slurmdbd reads slurmdbd.conf from the directory of SLURM_CONF
+  slurm /usr/sbin/slurmdbd 9>&-
+  wait_for 15 "slurmdbd pid file" dbd_pid || { tail -n 20 "$LOG/slurmdbd.log" >&2 || true; die "slurmdbd did not start"; }
+  echo "slurmdbd $(dbd_pid)" >>"$OURS"
+  wait_for 30 "slurmdbd to answer" dbd_up || { tail -n 20 "$LOG/slurmdbd.log" >&2 || true; die "slurmdbd does not answer"; }
+}
+
+sam() {  # sacctmgr, answering yes, its output in the log
+  slurm sacctmgr -i "$@" >>"$LOG/sacctmgr.log" 2>&1 || { tail -n 5 "$LOG/sacctmgr.log" >&2; die "sacctmgr $*: failed"; }
+}
+
+add_associations() {  # before slurmctld starts, so that it loads them at once
+  local accounts
+  accounts=$(IFS=,; echo "${ACCOUNTS[*]}")
+  sam add cluster sbgenlocal
+  sam add account "$accounts" Cluster=sbgenlocal Description=local-slurm Organization=sbatch-gen
+  sam add qos "$PREEMPTOR_QOS" Preempt=normal PreemptMode=requeue
+  sam modify qos normal set GraceTime="$GRACE_S"
+  sam add user root Account="$accounts" DefaultAccount="${ACCOUNTS[0]}" Cluster=sbgenlocal
+  sam modify user root set qos+="$PREEMPTOR_QOS"
 }
 
 # --- network ----------------------------------------------------------------------------------------
@@ -286,9 +399,22 @@ write_gres() {  # fake GPU devices and gres.conf for the shape nodes
   mv -f "$tmp" "$STATE/etc/gres.conf"
 }
 
+runtime() {  # setting default -> what preempt-signal / preempt-type last set on this cluster
+  local v
+  v=$(sed -n "s/^$1=//p" "$RUNTIME" 2>/dev/null | tail -n 1)
+  echo "${v:-$2}"
+}
+
+set_runtime() {  # setting value
+  local tmp=$RUNTIME.tmp
+  { grep -v "^$1=" "$RUNTIME" 2>/dev/null || true; echo "$1=$2"; } >"$tmp"
+  mv -f "$tmp" "$RUNTIME"
+}
+
 write_conf() {
   mkdir -p "$STATE/etc" "$LOG" "$STATE/state" "$STATE/spool"
-  local tmp=$CONF.tmp i spec cpu_list shape_list
+  local tmp=$CONF.tmp i spec cpu_list shape_list preempt_type
+  preempt_type=$(runtime preempt_type partition)
   {
     echo "# Written by scripts/local-slurm.sh ($LAYOUT layout). Regenerated on every start."
     echo "ClusterName=sbgenlocal"
@@ -309,7 +435,6 @@ TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
-AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/filetxt
 JobCompLoc=$LOG/jobcomp.txt
 StateSaveLocation=$STATE/state
@@ -325,13 +450,27 @@ SlurmdParameters=config_overrides
 ReturnToService=2
 InactiveLimit=0
 KillWait=$KILLWAIT_S
-# preemption by partition priority: jobs of "high" requeue those of debug (with a grace), sunk (none), lab
-PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 MinJobAge=3600
 Waittime=0
 MailProg=/bin/true
 EOF
+    if ((ACCOUNTING)); then
+      echo "# accounting: slurmdbd on 127.0.0.1; a job needs an account and a QOS its user may use"
+      echo "AccountingStorageType=accounting_storage/slurmdbd"
+      echo "AccountingStorageHost=127.0.0.1"
+      echo "AccountingStoragePort=$DBD_PORT"
+      echo "AccountingStorageEnforce=associations,limits,qos"
+    else
+      echo "AccountingStorageType=accounting_storage/none"
+    fi
+    if [[ $preempt_type == qos ]]; then
+      echo "# preemption by QOS (local-slurm.sh preempt-type qos): urgent requeues normal, with normal's GraceTime"
+      echo "PreemptType=preempt/qos"
+    else
+      echo "# preemption by partition priority: jobs of \"high\" requeue those of debug (with a grace), sunk (none), lab, short"
+      echo "PreemptType=preempt/partition_prio"
+    fi
     for i in "${NODES[@]}"; do if is_shape "$i"; then echo "GresTypes=gpu"; break; fi; done
     shape_list=()
     cpu_list=()
@@ -354,8 +493,9 @@ EOF
     echo "PartitionName=$PARTITION Nodes=$cpus Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=$GRACE_S"
     echo "PartitionName=$SUNK_PARTITION Nodes=$cpus MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=0"
     echo "PartitionName=$ACCOUNTS_PARTITION Nodes=$cpus MaxTime=INFINITE State=UP PriorityTier=1 AllowAccounts=lab AllowQos=normal"
+    echo "PartitionName=$SHORT_PARTITION Nodes=$cpus MaxTime=$SHORT_MAXTIME State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=$GRACE_S"
     echo "PartitionName=$PREEMPTOR_PARTITION Nodes=$cpus MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF"
-    if [[ ${PREEMPT_SIGNAL:-off} == on ]]; then echo "SlurmctldParameters=preempt_send_user_signal"; fi
+    if [[ $(runtime preempt_signal off) == on ]]; then echo "SlurmctldParameters=preempt_send_user_signal"; fi
     if ((${#shape_list[@]})); then
       echo "PartitionName=$GPU_PARTITION Nodes=$(IFS=,; echo "${shape_list[*]}") MaxTime=INFINITE State=UP"
     fi
@@ -413,6 +553,10 @@ start_slurmd() {
 status_code() {  # 0 up, 3 stopped, 1 partial
   local any=0 all=1 n
   if ctld_pid >/dev/null; then any=1; else all=0; fi
+  if ((ACCOUNTING)); then
+    if db_pid >/dev/null; then any=1; else all=0; fi
+    if dbd_pid >/dev/null; then any=1; else all=0; fi
+  fi
   for n in "${NODES[@]}"; do if slurmd_pid "$n" >/dev/null; then any=1; else all=0; fi; done
   if [[ $LAYOUT == netns ]]; then
     for n in "${NODES[@]}"; do [[ -e /run/netns/$(ns_of "$n") ]] && any=1; done
@@ -450,6 +594,13 @@ cmd_env() {
   echo "SBATCH_GEN_SLURM_ACCOUNTS_PARTITION=$ACCOUNTS_PARTITION"
   echo "SBATCH_GEN_SLURM_GRACE_S=$GRACE_S"
   echo "SBATCH_GEN_SLURM_KILLWAIT_S=$KILLWAIT_S"
+  echo "SBATCH_GEN_SLURM_SHORT_PARTITION=$SHORT_PARTITION"
+  echo "SBATCH_GEN_SLURM_SHORT_MAXTIME=$SHORT_MAXTIME"
+  echo "SBATCH_GEN_SLURM_ACCOUNTING=$ACCOUNTING"
+  if ((ACCOUNTING)); then
+    echo "SBATCH_GEN_SLURM_ACCOUNTS=$(IFS=,; echo "${ACCOUNTS[*]}")"
+    echo "SBATCH_GEN_SLURM_PREEMPTOR_QOS=$PREEMPTOR_QOS"
+  fi
   if [[ ${SBATCH_GEN_SLURM_GPU_SHAPES:-1} != 0 ]]; then
     echo "SBATCH_GEN_SLURM_GPU_NODES=$(IFS=,; echo "${SHAPE_NODES[*]}")"
     echo "SBATCH_GEN_SLURM_GPU_PARTITION=$GPU_PARTITION"
@@ -467,12 +618,17 @@ cmd_start() {
   # whatever makes start fail (die, a failing command under set -e): take down what was started
   trap 'start_failed' EXIT
   # a fresh cluster: job ids restart at 1, so the spool (job credentials) must go with the state
-  rm -rf "$STATE/state" "$STATE/spool" "$STATE/slurmctld.pid" "$STATE"/slurmd-*.pid
+  rm -rf "$STATE/state" "$STATE/spool" "$STATE/slurmctld.pid" "$STATE"/slurmd-*.pid "$RUNTIME"
   # keep the previous cluster's logs one start longer (log.prev/), for a look after a failed run
   if [[ -d $LOG ]]; then rm -rf "$STATE/log.prev"; mv "$LOG" "$STATE/log.prev"; fi
   write_conf
   write_gres
   start_munge
+  if ((ACCOUNTING)); then
+    start_db
+    start_dbd
+    add_associations
+  fi
   net_up
   hosts_add
   start_ctld
@@ -515,6 +671,8 @@ do_stop() {
     pid=$(slurmd_pid "$n") && stop_pid "$pid" 10
   done
   pid=$(ctld_pid) && stop_pid "$pid" 10
+  pid=$(dbd_pid) && stop_pid "$pid" 10
+  pid=$(db_pid) && stop_pid "$pid" 30
   # munged only if this script started it
   if [[ -f $OURS ]]; then
     while read -r name pid; do
@@ -525,7 +683,7 @@ do_stop() {
   net_down
   hosts_remove
   rm -f "$OURS" "$STATE/slurmctld.pid" "$STATE"/slurmd-*.pid
-  rm -rf "$STATE/state" "$STATE/spool"
+  rm -rf "$STATE/state" "$STATE/spool" "$DB_DIR" "$STATE/mariadb.sock" "$STATE/mariadbd.pid" "$STATE/slurmdbd.pid" "$RUNTIME"
 }
 
 cmd_stop() {
@@ -542,20 +700,37 @@ cmd_preempt_signal() {
   local want=${1:-}
   [[ $want == on || $want == off ]] || die "usage: $0 preempt-signal on|off"
   ctld_up || die "the cluster is not running (start it first)"
-  PREEMPT_SIGNAL=$want write_conf
+  set_runtime preempt_signal "$want"
+  write_conf
   slurm scontrol reconfigure || die "scontrol reconfigure failed"
   wait_for 15 "slurmctld to answer" ctld_up || die "slurmctld does not answer after reconfigure"
   log "preempt_send_user_signal $want"
 }
 
+# preempt-type partition|qos: PreemptType of the running cluster (slurmctld reads it only when it starts)
+cmd_preempt_type() {
+  local want=${1:-}
+  [[ $want == partition || $want == qos ]] || die "usage: $0 preempt-type partition|qos"
+  ctld_up || die "the cluster is not running (start it first)"
+  [[ $want == partition ]] || ((ACCOUNTING)) || die "preempt-type qos needs the accounting database (SBATCH_GEN_SLURM_ACCOUNTING=1)"
+  if [[ $(runtime preempt_type partition) == "$want" ]]; then log "PreemptType already preempt/$want"; return 0; fi
+  set_runtime preempt_type "$want"
+  write_conf
+  local pid
+  pid=$(ctld_pid) && stop_pid "$pid" 10
+  start_ctld  # its job state survives in StateSaveLocation
+  wait_for 30 "nodes ${NODES[*]} to answer" nodes_idle || die "nodes do not answer after the slurmctld restart"
+  log "PreemptType=preempt/${want/partition/partition_prio}"
+}
+
 main() {
   local action=${1:-}
   case $action in
-    start | stop | preempt-signal) ;;
+    start | stop | preempt-signal | preempt-type) ;;
     status) cmd_status; return ;;
     env) cmd_env; return ;;
     -h | --help | help) sed -n '2,/^$/p' "$0" | sed 's/^# \{0,1\}//'; return 0 ;;
-    *) echo "usage: $0 start|stop|status|env|preempt-signal on|off" >&2; return 2 ;;
+    *) echo "usage: $0 start|stop|status|env|preempt-signal on|off|preempt-type partition|qos" >&2; return 2 ;;
   esac
   ((EUID == 0)) || die "must run as root (it starts daemons, network namespaces and edits /etc/hosts)"
   mkdir -p "$STATE"

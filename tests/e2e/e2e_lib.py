@@ -307,7 +307,10 @@ def leftovers() -> list[str]:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
-        if comm in ("slurmctld", "slurmd", "slurmstepd") and stat.rsplit(")", 1)[1].split()[0] not in "ZX":
+        if (
+            comm in ("slurmctld", "slurmd", "slurmstepd", "slurmdbd", "mariadbd")
+            and stat.rsplit(")", 1)[1].split()[0] not in "ZX"
+        ):
             left.append(f"process {pid} {comm}")
     ns = run(["ip", "netns", "list"], check=False).stdout
     left += [f"netns {line.split()[0]}" for line in ns.splitlines() if line.startswith("sbgen-")]

@@ -3,9 +3,9 @@ clean, and each check fails with its own row when its field is wrong. Only `sbat
 scontrol: no job is submitted.
 
 What the local cluster has (docs/local-slurm.md): debug (GraceTime 120, PreemptMode REQUEUE), sunk (GraceTime
-0, so KillWait 5 s), lab (AllowAccounts=lab AllowQos=normal), high (PreemptMode OFF), gpu (g1, g2: gpu:h200:8;
-gh1: gpu:gh200:1); no slurmdbd; Slurm 22.05. No partition has a finite MaxTime, so the time-limit row is
-only tested against canned outputs (tests/cli/test_doctor.py).
+0, so KillWait 5 s), lab (AllowAccounts=lab AllowQos=normal), short (MaxTime 00:10:00), high (PreemptMode
+OFF), gpu (g1, g2: gpu:h200:8; gh1: gpu:gh200:1); Slurm 22.05; slurmdbd enforcing associations and QOS:
+root may use accounts sbgen (its default), lab and llm-xr with QOS normal and urgent.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def test_local_profile_is_clean(cluster, tmp_path):
     pre = rows["preemption"]
     grace = cluster.info["SBATCH_GEN_SLURM_GRACE_S"]
     assert pre["verdict"] == "ok" and f"GraceTime={grace} s" in pre["found"] and ">= 30 s" in pre["expected"]
-    assert rows["associations"]["verdict"] == "skip" and "not enforced" in rows["associations"]["found"]
+    assoc = rows["associations"]
+    assert assoc["verdict"] == "ok" and "sbgen" in assoc["found"] and "llm-xr" in assoc["found"], assoc
     assert rows["requeue"]["verdict"] == "ok"
     # the table: the same rows, aligned, nothing to do
     code, _, text = doctor(cluster, tmp_path, as_json=False)
@@ -106,13 +107,50 @@ def test_account_the_partition_does_not_allow(cluster, tmp_path):
     r = rows["account"]
     assert r["verdict"] == "error" and r["found"] == "AllowAccounts=lab"
     assert "set slurm.account to one of lab" in r["hint"]
-    # this cluster has no slurmdbd: Slurm accepts the job today, and the doctor says why it still flags it
-    assert rows["test-only local.sbatch"]["verdict"] == "ok"
-    assert "without an accounting database" in r["hint"]
+    # the accounting database enforces it: Slurm refuses the render too, and the user has no such account
+    assert rows["test-only local.sbatch"]["verdict"] == "error"
+    assert "account" in rows["test-only local.sbatch"]["hint"].lower()
+    assert rows["associations"]["verdict"] == "error"
     code, rows, _ = doctor(
         cluster, tmp_path, "local", f"slurm.partition={lab}", "slurm.account=lab", "slurm.qos=normal"
     )
     assert rows["account"]["verdict"] == rows["qos"]["verdict"] == "ok"
+
+
+def test_account_without_an_association(cluster, tmp_path):
+    """An account that exists nowhere, on a partition that allows every account: only the association check
+    (and Slurm's own --test-only) catch it."""
+    code, rows, _ = doctor(cluster, tmp_path, "local", "slurm.account=nope")
+    assert code == 1
+    r = rows["associations"]
+    assert r["verdict"] == "error" and "no association with account nope" in r["hint"]
+    assert "sbgen" in r["hint"] and "llm-xr" in r["hint"]
+    assert rows["account"]["verdict"] != "error"  # the partition has no AllowAccounts list
+    assert rows["test-only local.sbatch"]["verdict"] == "error"
+
+
+def test_qos_the_user_may_not_use(cluster, tmp_path):
+    code, rows, _ = doctor(cluster, tmp_path, "local", "slurm.qos=nope")
+    assert code == 1
+    r = rows["associations"]
+    assert r["verdict"] == "error" and "QOS nope is not among your association's" in r["hint"], r
+    assert "normal" in r["hint"]
+    assert rows["test-only local.sbatch"]["verdict"] == "error"
+
+
+def test_time_beyond_the_partitions_max_time(cluster, tmp_path):
+    """The short partition ends jobs after 00:10:00; the local profile asks for 00:30:00."""
+    short = cluster.info["SBATCH_GEN_SLURM_SHORT_PARTITION"]
+    max_time = cluster.info["SBATCH_GEN_SLURM_SHORT_MAXTIME"]
+    code, rows, _ = doctor(cluster, tmp_path, "local", f"slurm.partition={short}")
+    assert code == 1
+    r = rows["time limit"]
+    assert r["verdict"] == "error" and f"MaxTime={max_time}" in r["found"], r
+    assert f"lower slurm.time to at most {max_time}" in r["hint"]
+    # Slurm accepts it (EnforcePartLimits=NO, its default): the job would pend for ever (PartitionTimeLimit)
+    assert rows["test-only local.sbatch"]["verdict"] == "ok"
+    code, rows, _ = doctor(cluster, tmp_path, "local", f"slurm.partition={short}", "slurm.time=00:10:00")
+    assert rows["time limit"]["verdict"] == "ok" and rows["test-only local.sbatch"]["verdict"] == "ok"
 
 
 def test_version_mismatch_is_a_warning(cluster, tmp_path):

@@ -9,6 +9,8 @@ SBATCH_GEN_STOP_SAVE_HOLD_S seconds before marking it complete, as a large check
   workers, they checkpoint in their budget, every node says so in one line, and the batch script requeues
   (Slurm would not: the script has exited before the grace ended).
 - the same with SlurmctldParameters=preempt_send_user_signal: the profile's USR1 to the batch shell.
+- QOS preemption (PreemptType=preempt/qos, `local-slurm.sh preempt-type qos`): a job of QOS urgent preempts
+  one of QOS normal in the same partition; normal's GraceTime (120 s) applies, with the same signals.
 - `scontrol requeue` by an administrator: TERM to everything, SIGKILL KillWait later; Slurm requeues.
 - SUNK-style, no GraceTime: the stop checkpoint cannot complete within KillWait. The newest periodic
   checkpoint survives, the job resumes from it and the log names the steps that are redone.
@@ -20,12 +22,13 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from e2e_lib import SCRIPT, LocalJob, local_job, run
+from e2e_lib import REPO, SCRIPT, LocalJob, local_job, run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -40,12 +43,16 @@ def _job(cluster, root: Path, name: str, train_config, data_dir, sets: dict | No
     return local_job(cluster, root, name, {**base, **(sets or {})}, config=train_config, data=data_dir)
 
 
-def _preempt(cluster) -> int:
-    """A job in the high-priority partition that needs both nodes whole: Slurm preempts what runs there."""
+def _preempt(cluster, qos: str | None = None) -> int:
+    """A job that needs both nodes whole, in the high-priority partition (or, with ``qos``, in the default
+    partition with that QOS): Slurm preempts what runs there."""
+    where = (
+        [f"--qos={qos}"] if qos else [f"--partition={cluster.info['SBATCH_GEN_SLURM_PREEMPTOR_PARTITION']}"]
+    )
     out = cluster.run(
         "sbatch",
         "--parsable",
-        f"--partition={cluster.info['SBATCH_GEN_SLURM_PREEMPTOR_PARTITION']}",
+        *where,
         "--nodes=2",
         "--exclusive",
         "--job-name=preemptor",
@@ -66,6 +73,17 @@ def _preempt_send_user_signal(cluster):
         yield
     finally:
         p = run([str(SCRIPT), "preempt-signal", "off"], env=cluster.env, check=False)
+        assert p.returncode == 0, p.stderr
+
+
+@contextmanager
+def _preempt_by_qos(cluster):
+    p = run([str(SCRIPT), "preempt-type", "qos"], env=cluster.env, check=False)
+    assert p.returncode == 0, p.stderr
+    try:
+        yield
+    finally:
+        p = run([str(SCRIPT), "preempt-type", "partition"], env=cluster.env, check=False)
         assert p.returncode == 0, p.stderr
 
 
@@ -154,6 +172,48 @@ def test_partition_preemption_with_preempt_send_user_signal(cluster, e2e_root, t
     _assert_complete_stop(job, "SIGUSR1 to the batch shell")
     first = _attempt(job.batch_log(), job, 0)
     assert "SIGUSR1 received" in first and "requeueing job" in first, first
+
+
+def test_qos_preemption_with_grace_time_checkpoints_and_requeues_once(
+    cluster, e2e_root, train_config, data_dir
+):
+    """PreemptType=preempt/qos: QOS urgent preempts QOS normal, whose GraceTime (120 s) gives the stop
+    checkpoint its budget. `sbatch-gen doctor` reads that grace from the QOS and says it is enough."""
+    with _preempt_by_qos(cluster):
+        job = _job(cluster, e2e_root / "preempt-qos", "pqos", train_config, data_dir, {"slurm.qos": "normal"})
+        doc = subprocess.run(
+            [
+                str(REPO / ".venv" / "bin" / "sbatch-gen"),
+                "doctor",
+                "--site",
+                "local",
+                "--json",
+                "--sites-dir",
+                str(REPO / "sites"),
+            ]
+            + [
+                a
+                for kv in ("slurm.qos=normal", "preemption.checkpoint_s=40", "preemption.margin_s=20")
+                for a in ("--set", kv)
+            ],
+            env=cluster.env,
+            cwd=job.root,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert doc.returncode == 0, doc.stdout + doc.stderr
+        rows = {c["check"]: c for c in json.loads(doc.stdout)["checks"]}
+        pre = rows["preemption"]
+        grace = cluster.info["SBATCH_GEN_SLURM_GRACE_S"]
+        assert pre["verdict"] == "ok" and f"(QOS normal), GraceTime={grace} s" in pre["found"], pre
+        job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": str(HOLD_S)})
+        job.wait_step(6)
+        _preempt(cluster, qos=cluster.info["SBATCH_GEN_SLURM_PREEMPTOR_QOS"])
+        cluster.wait_done(job.job_id, timeout=400)
+    _assert_complete_stop(job, "SIGTERM to the training step on")
+    first = _attempt(job.batch_log(), job, 0)
+    assert "received" not in first and "requeueing job" in first, first
 
 
 def test_an_administrators_requeue_checkpoints_within_kill_wait_and_slurm_requeues(
