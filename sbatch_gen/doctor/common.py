@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
+from sbatch_gen import errors
 from sbatch_gen.profiles.types import slurm_time_seconds
 
 Verdict = Literal["ok", "warn", "error", "skip"]
@@ -193,4 +194,5 @@ def split_list(value: str | None) -> list[str]:
 
 
 def cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+    """``text`` in at most ``limit`` characters, the ellipsis included (a table cell)."""
+    return text if len(text) <= limit else errors.cut(text, limit - 1)

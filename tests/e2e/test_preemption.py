@@ -66,24 +66,15 @@ def _preempt(cluster, qos: str | None = None) -> int:
 
 
 @contextmanager
-def _preempt_send_user_signal(cluster):
-    p = run([str(SCRIPT), "preempt-signal", "on"], env=cluster.env, check=False)
+def _cluster_set(cluster, setting: str, value: str, back: str):
+    """`local-slurm.sh SETTING VALUE` on the running cluster for the block, then `SETTING BACK`:
+    preempt-signal on|off, preempt-type qos|partition."""
+    p = run([str(SCRIPT), setting, value], env=cluster.env, check=False)
     assert p.returncode == 0, p.stderr
     try:
         yield
     finally:
-        p = run([str(SCRIPT), "preempt-signal", "off"], env=cluster.env, check=False)
-        assert p.returncode == 0, p.stderr
-
-
-@contextmanager
-def _preempt_by_qos(cluster):
-    p = run([str(SCRIPT), "preempt-type", "qos"], env=cluster.env, check=False)
-    assert p.returncode == 0, p.stderr
-    try:
-        yield
-    finally:
-        p = run([str(SCRIPT), "preempt-type", "partition"], env=cluster.env, check=False)
+        p = run([str(SCRIPT), setting, back], env=cluster.env, check=False)
         assert p.returncode == 0, p.stderr
 
 
@@ -167,7 +158,7 @@ def test_partition_preemption_with_grace_time_checkpoints_and_requeues_once(
 
 
 def test_partition_preemption_with_preempt_send_user_signal(cluster, e2e_root, train_config, data_dir):
-    with _preempt_send_user_signal(cluster):
+    with _cluster_set(cluster, "preempt-signal", "on", back="off"):
         job = _preempted_with_a_slow_stop(cluster, e2e_root / "preempt-usr1", "pusr1", train_config, data_dir)
     _assert_complete_stop(job, "SIGUSR1 to the batch shell")
     first = _attempt(job.batch_log(), job, 0)
@@ -179,7 +170,7 @@ def test_qos_preemption_with_grace_time_checkpoints_and_requeues_once(
 ):
     """PreemptType=preempt/qos: QOS urgent preempts QOS normal, whose GraceTime (120 s) gives the stop
     checkpoint its budget. `sbatch-gen doctor` reads that grace from the QOS and says it is enough."""
-    with _preempt_by_qos(cluster):
+    with _cluster_set(cluster, "preempt-type", "qos", back="partition"):
         job = _job(cluster, e2e_root / "preempt-qos", "pqos", train_config, data_dir, {"slurm.qos": "normal"})
         doc = subprocess.run(
             [
