@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A real two-node Slurm cluster on this one machine, for the end-to-end tests and for trying renders.
 #
-#   scripts/local-slurm.sh start    install Slurm + munge if missing, write the config, start munged,
-#                                   slurmctld and one slurmd per node (n1, n2), wait until both are idle
+#   scripts/local-slurm.sh start    install Slurm, slurmdbd, MariaDB and munge if missing, write the
+#                                   config, start munged, MariaDB, slurmdbd (with the accounts, see
+#                                   "Accounting"), slurmctld and one slurmd per node, wait until all are idle
 #   scripts/local-slurm.sh stop     cancel every job, stop the daemons this script started (by PID), kill
 #                                   what is left in the node namespaces, remove namespaces, bridge and
 #                                   the /etc/hosts lines this script added
