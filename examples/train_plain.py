@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import zlib
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from sbatch_gen.train.api import (
     XRError,
     XRTimeout,
     cross_region_from_args,
+    exit_process,
 )
 
 # First, before the slow imports: a stop that arrives while we start up is a request, not a crash.
@@ -197,4 +197,4 @@ finally:
     if diloco:
         diloco.close()
     dist.destroy_process_group()
-sys.exit(code)
+exit_process(code)  # sys.exit without the interpreter teardown that can abort gloo (SIGABRT)

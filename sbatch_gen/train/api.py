@@ -4,7 +4,7 @@ The whole surface is this module; the companion trainer (``python -m sbatch_gen.
 Importing it pulls in neither the renderer (jinja2, the site profiles) nor torch: :class:`StopRequest` and
 the option parsing are torch-free, :class:`DiLoCo` imports torch when it is built. A training script::
 
-    from sbatch_gen.train.api import EXIT_REQUEUE, DiLoCo, StopRequest, XRTimeout, cross_region_from_args
+    from sbatch_gen.train.api import DiLoCo, StopRequest, XRTimeout, cross_region_from_args, exit_process
 
     stop = StopRequest.from_env()          # $SBATCH_GEN_STOP_FILE, set by the rendered job
     stop.exit_if_acked()                   # this attempt already checkpointed: exit 0 before any work
@@ -14,6 +14,7 @@ the option parsing are torch-free, :class:`DiLoCo` imports torch when it is buil
     diloco = DiLoCo(model, xr, run_dir=run_dir) if xr.enabled else None   # collective
     if diloco and checkpoint: diloco.load_state_dict(checkpoint["diloco"])
     step = diloco.start(step) if diloco else step   # theta0 alignment; a region that was away catches up
+    code = 0
     while step < total:
         step += 1
         ... forward, backward, optimizer.step() ...
@@ -24,7 +25,10 @@ the option parsing are torch-free, :class:`DiLoCo` imports torch when it is buil
             ... save a checkpoint holding diloco.state_dict() ...
             diloco.leave(step, stop.reason())
             stop.acknowledge(step, path)   # collective: each node's first rank writes <stop file>.ack
-            raise SystemExit(stop.exit_code())   # 0 under a launcher (it reads the ack), else EXIT_REQUEUE
+            code = stop.exit_code()        # 0 under a launcher (it reads the ack), else EXIT_REQUEUE
+            break
+    ... destroy_process_group() ...
+    exit_process(code)                     # sys.exit without the teardown that can abort gloo (SIGABRT)
 
 ``step`` is the 1-based number of the optimizer step just taken, the same on every rank; ``tokens`` is the
 number of tokens the whole REGION consumed in that step (all its ranks together), the same on every rank.
@@ -44,6 +48,7 @@ from typing import TYPE_CHECKING
 from .. import xr_options
 from ..contract import ENV_STOP_FILE, EXIT_REQUEUE
 from ..xr_options import CrossRegion
+from .exiting import exit_process
 from .signals import StopRequest
 from .xr.errors import XRError, XRNoQuorum, XRTimeout
 
@@ -66,6 +71,7 @@ __all__ = [
     "add_cross_region_arguments",
     "cross_region_from_args",
     "cross_region_from_env",
+    "exit_process",
 ]
 
 

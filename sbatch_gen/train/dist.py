@@ -218,6 +218,6 @@ def shutdown(info: DistInfo) -> None:
     """Destroy every process group (the default one and every ``new_group``, shut down in reverse order of
     creation). A group an object still references (DDP's reducer, the async checkpoint's gloo group, the
     cross-region sync's groups) keeps its gloo worker threads until that object is freed: ``python -m
-    sbatch_gen.train`` therefore ends without the interpreter's teardown (``__main__._exit``)."""
+    sbatch_gen.train`` therefore ends without the interpreter's teardown (``exiting.exit_process``)."""
     if info.is_distributed and dist.is_initialized():
         dist.destroy_process_group()

@@ -50,6 +50,25 @@ def test_importing_the_library_pulls_in_neither_the_renderer_nor_torch():
         assert name in names
 
 
+def test_exit_process_runs_what_a_normal_exit_runs_then_skips_the_teardown(tmp_path):
+    code = (
+        "import atexit, sys, threading, time\n"
+        "from sbatch_gen.train.api import exit_process\n"
+        "class Global:\n"
+        "    def __del__(self):\n"
+        "        print('teardown ran', flush=True)\n"  # a gloo worker thread's abort would come here
+        "kept = Global()\n"
+        "atexit.register(lambda: print('atexit ran'))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.3), print('thread joined'))).start()\n"
+        "sys.stdout.write('buffered, no newline')\n"
+        "exit_process(7)\n"
+        "print('not reached')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 7, r.stderr
+    assert r.stdout == "buffered, no newlinethread joined\natexit ran\n", r.stdout
+
+
 # -- the stop request ---------------------------------------------------------------------------------------
 def test_the_stop_file_comes_from_the_flag_else_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("SBATCH_GEN_STOP_FILE", str(tmp_path / "env.stop"))
