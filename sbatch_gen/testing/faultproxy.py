@@ -48,30 +48,54 @@ _SLOWDOWN = (
 )
 
 
+_FAILS = ("503", "reset", "truncate", "corrupt")  # the faults that make a request fail ("slow" only delays)
+
+
 def cycle_plan(
-    every: int = 4, faults: tuple[str, ...] = ("503", "reset", "truncate", "slow"), burst: int = 2
+    every: int = 4,
+    faults: tuple[str, ...] = ("503", "reset", "truncate", "slow"),
+    burst: int = 2,
+    max_in_a_row: int = 3,
 ) -> Plan:
     """Every ``every``-th request gets the next fault of ``faults`` in turn; a ``503`` comes as a burst of
     ``burst`` consecutive requests. Body faults (reset, truncate) only hit GETs of objects and PUTs;
-    ``corrupt`` (not in the default ``faults``) only GETs of objects."""
+    ``corrupt`` (not in the default ``faults``) only GETs of objects.
+
+    One request (the same method and path) fails at most ``max_in_a_row`` times in a row; its next try
+    passes. Concurrent clients shift which request lands on a fault slot, and a retry that kept landing on
+    one would exhaust any retry budget by chance: a client whose budget is above ``max_in_a_row`` always
+    gets through, so a test of recovery never depends on the interleaving."""
     state = {"k": 0, "burst": 0}
+    in_a_row: Counter = Counter()
     lock = threading.Lock()
 
+    def pick(method: str, path: str, n: int) -> str | None:
+        if state["burst"] > 0:
+            state["burst"] -= 1
+            return "503"
+        if n % every != every - 1:
+            return None
+        fault = faults[state["k"] % len(faults)]
+        state["k"] += 1
+        if fault in ("reset", "truncate", "corrupt") and (
+            method not in ("GET", "PUT") or "?" in path or (method == "PUT" and fault != "reset")
+        ):
+            return None  # listings, deletes: only throttled
+        if fault == "503":
+            state["burst"] = burst - 1
+        return fault
+
     def plan(method: str, path: str, n: int) -> str | None:
+        key = f"{method} {path}"
         with lock:
-            if state["burst"] > 0:
-                state["burst"] -= 1
-                return "503"
-            if n % every != every - 1:
+            if in_a_row[key] >= max_in_a_row:
+                del in_a_row[key]
                 return None
-            fault = faults[state["k"] % len(faults)]
-            state["k"] += 1
-            if fault in ("reset", "truncate", "corrupt") and (
-                method not in ("GET", "PUT") or "?" in path or (method == "PUT" and fault != "reset")
-            ):
-                return None  # listings, deletes: only throttled
-            if fault == "503":
-                state["burst"] = burst - 1
+            fault = pick(method, path, n)
+            if fault in _FAILS:
+                in_a_row[key] += 1
+            else:
+                in_a_row.pop(key, None)
             return fault
 
     return plan
