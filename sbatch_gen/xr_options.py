@@ -237,7 +237,7 @@ class CrossRegion(StrictModel):
     outer_momentum: float = Field(
         default=0.0, ge=0, lt=1, description="Outer Nesterov momentum (see outer_lr for the default)."
     )
-    overlap: Literal["none", "eager"] = Field(
+    overlap: Literal["none", "eager", "streaming"] = Field(
         default="none",
         description="diloco: none = training waits at every round until the round has crossed the WAN and is "
         "applied; eager = the exchange of round t runs in the background during the inner steps of round t+1 "
@@ -247,7 +247,39 @@ class CrossRegion(StrictModel):
         "bit-identical across regions; a region's working model differs from it by its own fresh delta "
         "(outer_lr x (1 + outer_momentum) x its expected token weight). timeout_s then counts from the "
         "publish. Leaders hold 4 B/param more (the delta in flight). After the last step the trainer waits "
-        "for the round in flight (DiLoCo.finish), so every region ends on the same parameters.",
+        "for the round in flight (DiLoCo.finish), so every region ends on the same parameters. streaming = "
+        "Streaming DiLoCo (Douillard et al. 2025): the parameters are split into `fragments` fragments, each "
+        "synchronised once every H steps at its own offset (fragment p at step c*H + floor(H*(p+1)/F)), so a "
+        "round carries 1/F of the model; its exchange runs in the background for fragment_delay_steps inner "
+        "steps and is then merged into the live parameters (fragment_alpha). Leaders hold 4 B/param more (the "
+        "fragment in flight); every region ends on the shared outer state.",
+    )
+    fragments: int = Field(
+        default=4,
+        ge=1,
+        le=1024,
+        description="overlap streaming: F, the number of fragments. Each round exchanges one fragment (about "
+        "1/F of the parameters: whole transformer blocks, strided, when the model has at least F numbered "
+        "layers, else single tensors, balanced by size), so the bytes in flight at once drop by about F. "
+        "Rounds come every H/F steps; round k syncs fragment (k-1) mod F. Ignored unless overlap is streaming.",
+    )
+    fragment_delay_steps: int = Field(
+        default=5,
+        ge=0,
+        le=1_000_000,
+        description="overlap streaming: tau, the inner steps a fragment's exchange runs in the background "
+        "before its result is merged (0: training waits for the exchange, as with overlap none but for 1/F "
+        "of the bytes). Must be below H/F (the next fragment's round starts then). Ignored unless overlap is "
+        "streaming.",
+    )
+    fragment_alpha: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="overlap streaming: the merge, tau steps after a fragment's round started: the "
+        "fragment's live parameters become (1 - alpha) x the new shared outer state + alpha x the local "
+        "parameters, which trained on for those tau steps. 0 drops the local steps (DiLoCo's replace); the "
+        "paper merges with 0.5. Ignored unless overlap is streaming.",
     )
     transport: Transport = Field(
         default_factory=lambda: FsTransport(root="xr-mailbox"), description="Mailbox backend."
@@ -355,6 +387,9 @@ class CrossRegion(StrictModel):
         "inner_steps",
         "outer_lr",
         "outer_momentum",
+        "fragments",
+        "fragment_delay_steps",
+        "fragment_alpha",
         "timeout_s",
         "min_regions",
         "grace_s",
@@ -387,6 +422,27 @@ class CrossRegion(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _streaming_schedule(self) -> CrossRegion:
+        if self.overlap != "streaming":
+            return self
+        h, f, tau = self.inner_steps, self.fragments, self.fragment_delay_steps
+        if f > h:
+            raise FieldError(
+                ("fragments",),
+                f"fragments {f} is more than inner_steps {h}: each of the H steps of a cycle starts at most "
+                "one fragment's round",
+            )
+        gap = h // f  # the fewest steps between two rounds (fragment offsets floor(H*(p+1)/F))
+        if tau >= gap:
+            raise FieldError(
+                ("fragment_delay_steps",),
+                f"fragment_delay_steps {tau} must be below inner_steps / fragments ({h} / {f}: rounds start "
+                f"every {gap} steps or more): a fragment's exchange must be merged before the next round "
+                "starts",
+            )
+        return self
+
+    @model_validator(mode="after")
     def _region_in_regions(self) -> CrossRegion:
         if len(set(self.regions)) != len(self.regions):
             raise ValueError(f"regions has duplicates: {self.regions}")
@@ -413,6 +469,11 @@ class CrossRegion(StrictModel):
     def quorum(self) -> int:
         """How many regions a round needs (``min_regions`` resolved)."""
         return len(self.regions) if self.min_regions == "all" else int(self.min_regions)
+
+    @property
+    def fragment_count(self) -> int:
+        """The fragments the parameters are split into: ``fragments`` with overlap streaming, else 1."""
+        return self.fragments if self.overlap == "streaming" else 1
 
     @property
     def elastic(self) -> bool:
@@ -465,6 +526,9 @@ _FLAT = {
     "outer_lr": "--xr-outer-lr",
     "outer_momentum": "--xr-outer-momentum",
     "overlap": "--xr-overlap",
+    "fragments": "--xr-fragments",
+    "fragment_delay_steps": "--xr-fragment-delay-steps",
+    "fragment_alpha": "--xr-fragment-alpha",
     "timeout_s": "--xr-timeout-s",
     "min_regions": "--xr-min-regions",
     "grace_s": "--xr-grace-s",

@@ -166,6 +166,93 @@ def test_diloco_two_regions(backend, tmp_path, repo, data_dir, request):
         assert "xr_snapshot" in events and "xr_snapshot_failed" not in events
 
 
+def test_streaming_stop_and_resume_mid_cycle_end_on_the_uninterrupted_bits(
+    tmp_path, repo, data_dir, s3server, bucket
+):
+    """Streaming DiLoCo in the real trainer (F 2, tau 1, H 4: a round every 2 steps, merged one step later,
+    the last one in finish). The reference: two 2-process regions over fs, uninterrupted. Then the same over
+    S3, with eu a 2-node region (two node leaders), and us stopped through its stop file mid-run (its stop
+    checkpoint holds the round in flight and each fragment's tokens) and resumed with --resume auto: every
+    region of both runs ends on the same bits."""
+    cfg = write_config(tmp_path, repo)
+    kw = dict(overlap="streaming", fragments=2, fragment_delay_steps=1, outer_momentum=0.5)
+    ref = [
+        launch_region(
+            xr(r, FsTransport(root=str(tmp_path / "mailbox")), **kw),
+            config=cfg,
+            run_dir=tmp_path / "ref" / r,
+            data_path=data_dir,
+            max_steps=12,
+        )
+        for r in REGIONS
+    ]
+    run_both(ref)
+    env = {
+        **s3server.env(),
+        KEY_ENV: s3server.env()["AWS_ACCESS_KEY_ID"],
+        SECRET_ENV: s3server.env()["AWS_SECRET_ACCESS_KEY"],
+    }
+    transport = s3_transport(s3server, bucket)
+    stop = tmp_path / "us.stop"
+
+    def us(extra):
+        return launch_region(
+            xr("us", transport, **kw),
+            config=cfg,
+            run_dir=tmp_path / "us",
+            data_path=data_dir,
+            max_steps=12,
+            env={**env, "SBATCH_GEN_STEP_SLEEP_S": "0.2"},
+            extra_args=extra,
+        )
+
+    eu = launch_region(
+        xr("eu", transport, **kw),
+        config=cfg,
+        run_dir=tmp_path / "eu",
+        data_path=data_dir,
+        max_steps=12,
+        env=env,
+        nproc=1,
+        nnodes=2,
+    )
+    first = us(["--stop-file", str(stop)])
+    deadline = time.monotonic() + TIMEOUT
+    while not any(x.get("step", 0) >= 5 for x in metrics_or_none(tmp_path / "us")):
+        assert time.monotonic() < deadline and first.poll()[0] is None, first.tail()
+        time.sleep(0.05)
+    stop.touch()
+    assert first.wait(TIMEOUT) == [0], first.tail()
+    ack = json.loads(stop.with_name(stop.name + ".ack").read_text())
+    assert 5 <= ack["step"] < 12, ack
+    stop.unlink()
+    second = us([])
+    run_both([eu, second])
+    for r in REGIONS:
+        assert_same_params(tmp_path / "ref" / r, tmp_path / r)
+    assert_same_params(tmp_path / "eu", tmp_path / "us")
+    for run_dir in (tmp_path / "ref" / "eu", tmp_path / "eu"):
+        m = metrics(run_dir)
+        rounds = [x for x in m if "xr_round" in x]
+        # rounds every 2 steps, fragments 0, 1 in turn, each merged a step after it started
+        assert [x["xr_round"] for x in rounds] == [1, 2, 3, 4, 5, 6]
+        assert [x["xr_fragment"] for x in rounds] == [0, 1, 0, 1, 0, 1]
+        assert [x["step"] for x in rounds] == [3, 5, 7, 9, 11, 12]
+        assert rounds[-1]["event"] == "xr_final_round"
+        assert [x["xr_inflight"] for x in m if "xr_inflight" in x] == [1, 2, 3, 4, 5, 6]
+        (st,) = [x for x in m if x.get("event") == "xr_outer_state"]
+        assert all(b in (0, 20 * st["numel"]) for b in st["bytes_per_rank"])  # the fragment in flight: +4 B
+    resumed = tmp_path / "us" / "checkpoints" / f"step-{ack['step']}"
+    assert f"resumed from {resumed}" in second.tail(400)
+
+
+def metrics_or_none(run_dir: Path) -> list[dict]:
+    try:
+        return metrics(run_dir)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
 def test_grad_mode_matches_one_ddp_run_over_both_regions(tmp_path, repo, data_dir):
     """Per-step gradient averaging across two 2-process regions == one data-parallel run over all four
     ranks' batches (reference computed here, in one process, from the same shards and samplers)."""

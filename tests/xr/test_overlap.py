@@ -63,7 +63,7 @@ def run(region, root, rounds, *, tokens=None, gate=None, state=None, stop_at=Non
                 model=flat(m),
                 theta=s.theta_outer.clone(),
                 momentum=s.momentum.clone(),
-                own=s.own.clone(),
+                own=s.own.clone() if s.own is not None else None,  # (overlap none: no own)
                 early=s.early,
             )
         if step == stop_at:  # a stop mid-phase: the checkpoint a trainer would write, then the process ends

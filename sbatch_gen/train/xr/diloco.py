@@ -168,7 +168,7 @@ class DiLoCo(OuterSync):
         of it crosses the WAN while training waits."""
         self.inflight, self.inflight_tokens = b, tokens
         if self.leader:
-            ex, own, avg = self.bg_ex, self.own, self.avg
+            ex, own, avg = self._in_background(b)
             if ex is None:
                 raise XRError("internal: a leader without its background exchange")
 
@@ -177,12 +177,28 @@ class DiLoCo(OuterSync):
 
             self._job = InFlight(job, f"xr-round-{b}", self.outer_device)
 
+    def _in_background(self, b: int) -> tuple[Exchange | None, torch.Tensor | None, torch.Tensor | None]:
+        """Round ``b``'s background exchange, the buffer it publishes and the one it averages into."""
+        return self.bg_ex, self.own, self.avg
+
+    def _in_foreground(self, b: int) -> tuple[Exchange, torch.Tensor | None]:
+        """Round ``b``'s exchange on the trainer's group, and the buffer its average lands in."""
+        return self.ex, self.avg
+
+    def _round_step(self, r: int) -> int:
+        """The step at which round ``r`` starts."""
+        return r * self.xr.inner_steps
+
+    def _round_gap(self) -> int:
+        """The fewest steps between the starts of two rounds."""
+        return self.xr.inner_steps
+
     def _relaunch(self) -> None:
         """A region resumed with a round in flight: that round's exchange runs again (it re-enters the
         round, or publishes its saved delta again when its manifest never made it)."""
         if self.inflight and self._job is None:
             b = self.inflight
-            self._launch(b, b * self.xr.inner_steps, self.inflight_tokens, None)
+            self._launch(b, self._round_step(b), self.inflight_tokens, None)
 
     def _join(self) -> RoundResult:
         """Collective: wait for the round in flight; every rank gets its result or raises its error (the
@@ -198,7 +214,8 @@ class DiLoCo(OuterSync):
         done = self.group.on_each(wait, active=self.leader)[0]
         if done is None:
             raise XRError("internal: rank 0 returned no result for the round in flight")
-        self.ex.broadcast_slices(self.ex.expect("delta").plan, self.avg)
+        ex, avg = self._in_foreground(self.inflight)
+        ex.broadcast_slices(ex.expect("delta").plan, avg)
         return done
 
     def _drop_inflight(self) -> None:
@@ -289,10 +306,13 @@ class DiLoCo(OuterSync):
         rec.update(xr_join_s=t1 - t0, xr_exposed_s=t2 - t0, xr_final=True)
         return rec
 
-    def _outer_step(self, avg: torch.Tensor | None, scatter: bool = True) -> None:
+    def _outer_step(
+        self, avg: torch.Tensor | None, scatter: bool = True, part: tuple[int, int] | None = None
+    ) -> None:
         """Leaders: Nesterov on ``theta_outer`` and (``scatter``) theta into the model, block by block: on
-        the CPU each block is written into the parameters while it is still in cache. The other ranks hold
-        no outer state: :meth:`_share_params` follows."""
+        the CPU each block is written into the parameters while it is still in cache. ``part``: only the
+        flat range ``(lo, hi)`` (a fragment; ``avg`` holds its average at those offsets). The other ranks
+        hold no outer state: :meth:`_share_params` follows."""
         if not self.leader:
             return
         self._mutable()
@@ -301,9 +321,11 @@ class DiLoCo(OuterSync):
             held(self.momentum, "momentum"),
             held(avg, "avg"),
         )
+        start, end = part or (0, self.numel)
         direct = scatter and self.flat.direct(self.outer_device)
-        tmp = self.ex.scratch(min(self.numel, self.ex.block))
-        for lo, hi in blocks(self.numel, self.outer_device, self.ex.block):
+        tmp = self.ex.scratch(min(end - start, self.ex.block))
+        for lo, hi in blocks(end - start, self.outer_device, self.ex.block):
+            lo, hi = lo + start, hi + start
             nesterov_block_(
                 theta[lo:hi],
                 mom[lo:hi],
@@ -315,7 +337,7 @@ class DiLoCo(OuterSync):
             if direct:
                 self.flat.scatter_range(theta, lo, hi)
         if scatter and not direct:
-            self.flat.scatter(theta)
+            self.flat.scatter_part(theta, start, end)
 
     # -- snapshots -----------------------------------------------------------------------------------------
     def _snapshot_due(self, r: int, members: list[str]) -> bool:
@@ -505,8 +527,7 @@ class DiLoCo(OuterSync):
                     self._load_snapshot(snap)
                     via.append(f"snapshot {round_tag(snap)}")
                 for r in rounds:
-                    self.ex.replay(round_tag(r), "delta", self.avg)
-                    self._outer_step(self.avg)
+                    self._replay(r)
                     self.round = r
                     replayed += 1
             except XRBehind:
@@ -522,9 +543,10 @@ class DiLoCo(OuterSync):
         if self.leader:
             self.flat.scatter(held(self.theta_outer, "theta_outer"))
         self._share_params()
-        self.tokens, self.pending = 0, 0
+        self._reset_tokens()
+        self.pending = 0
         into = self.group.on_rank(self._steps_into_round)
-        adopted = self.round * self.xr.inner_steps + into
+        adopted = self._round_step(self.round) + into
         rec = {
             "event": "xr_rejoin",
             "step": step,
@@ -540,13 +562,18 @@ class DiLoCo(OuterSync):
         self._log(rec)
         return {"xr_round": self.round, "xr_step": step, "xr_adopted_step": adopted, "xr_rejoin_from": start}
 
+    def _replay(self, r: int) -> None:
+        """A committed round from the mailbox, applied to the outer state and the model."""
+        self.ex.replay(round_tag(r), "delta", self.avg)
+        self._outer_step(self.avg)
+
     def _steps_into_round(self) -> int:
         """rank 0: how far the run is into the round after the newest commit, in inner steps, estimated
         from the commits' close times (the last few rounds' wall time). A returning region continues at
         the run's current step, so its first round back ends about when the others' does: else they
         would wait up to grace_s for it, or it would be late. 0 without an estimate, or when no round has
         closed for two rounds' time (every region was away: the run stands at the commit); at most H - 1."""
-        ms, h = self.ex.ms(), self.xr.inner_steps
+        ms, h = self.ex.ms(), self._round_gap()
         closed = []  # (round, close time) of the last few rounds up to this one
         for r in [r for r in ms.committed_rounds() if r <= self.round][-4:]:
             c = ms.read_commit(round_tag(r))
@@ -570,11 +597,19 @@ class DiLoCo(OuterSync):
         self._relaunch()  # (eager) resumed with a round in flight: it runs again, in the background
         if self.pending and self.round < self.pending:
             r = self.pending
-            out = self._round(r, r * self.xr.inner_steps)
-            self._log({"event": "xr_pending_round", "step": r * self.xr.inner_steps, **out})
+            out = self._run_pending(r)
+            self._log({"event": "xr_pending_round", "step": self._round_step(r), **out})
             adopted = out.get("xr_adopted_step", adopted)
         self._joined(adopted if adopted is not None else step)
         return adopted
+
+    def _run_pending(self, r: int) -> dict:
+        """Round ``r``, which found no quorum before the requeue, run again at start-up."""
+        return self._round(r, self._round_step(r))
+
+    def _reset_tokens(self) -> None:
+        """A fast-forward: the tokens counted since the last round no longer belong to any round."""
+        self.tokens = 0
 
     def close(self) -> None:
         if self._job is not None:  # a stop with a round in flight: the checkpoint holds it, it runs again
@@ -613,10 +648,15 @@ class DiLoCo(OuterSync):
             mb.close(wait=False)
 
     # -- state ---------------------------------------------------------------------------------------------
+    def _fragments_saved(self) -> int:
+        """What a checkpoint records as ``fragments``: F with overlap streaming, 0 without (the outer state's
+        flat order and the round numbering depend on it)."""
+        return 0
+
     def state_dict(self) -> dict:
         """Leaders add ``theta_outer`` and momentum (the same bits on every leader, so DCP stores one copy,
         under the keys every version used); the other ranks hold no outer state and leave them out."""
-        out = {**super().state_dict(), "pending": int(self.pending)}
+        out = {**super().state_dict(), "pending": int(self.pending), "fragments": self._fragments_saved()}
         if self.leader:
             out.update(theta_outer=self.theta_outer, momentum=self.momentum)
         if self.eager:  # the round in flight (its own delta, as published) runs again on resume
@@ -636,7 +676,15 @@ class DiLoCo(OuterSync):
         them); a leader's error (missing, wrong size) raises on every rank before anything is loaded."""
         keys: tuple[str, ...] = ("theta_outer", "momentum")
         inflight = _as_int(state.get("inflight", 0))
-        if inflight and not self.eager:
+        saved, mine = _as_int(state.get("fragments", 0)), self._fragments_saved()
+        if saved != mine:
+            said = {0: "without overlap: streaming"}
+            raise XRLayoutError(
+                f"checkpoint's outer state was saved {said.get(saved, f'with overlap: streaming, fragments {saved}')}"
+                f", this run has {said.get(mine, f'overlap: streaming, fragments {mine}')}: the outer state's "
+                "order and the rounds differ; resume with the checkpoint's cross_region.overlap and fragments"
+            )
+        if inflight and not self.eager and not mine:
             raise XRLayoutError(
                 f"checkpoint has round {inflight} in flight (saved with overlap: eager): resume with "
                 "cross_region.overlap: eager, which finishes that round first"

@@ -131,6 +131,19 @@ class Exchange:
             ex.mailbox = self.mailbox.with_threads(streams, "xr-snapshot-io")
         return ex
 
+    def for_fragment(self, index: int, numel: int) -> Exchange:
+        """This exchange for the rounds of one fragment (Streaming DiLoCo): payloads of ``numel`` elements
+        (the fragment's flat range, passed as views), their own shard plan and a layout that names the
+        fragment, buffers of their own. theta0 and the snapshots stay whole-model (this exchange)."""
+        ex = copy.copy(self)
+        ex.numel, ex.layout = numel, f"{self.layout}.f{index}"
+        ex.plan = ShardPlan.make(numel, ITEMSIZE[self.xr.payload_dtype], self.xr.shard_mb)
+        ex.fp32_plan = ShardPlan.make(numel, ITEMSIZE["fp32"], self.xr.shard_mb)
+        ex.block = CPU_BLOCK if self.outer_device.type == "cpu" else min(numel, GPU_BLOCK)
+        ex._stage, ex._rx, ex._q_out, ex._q_dec = {}, {}, {}, {}
+        ex._tmp = ex._q_scratch = None
+        return ex
+
     def mb(self) -> Mailbox:
         """The mailbox: open on the shard owners (rank 0 among them) only, the other ranks never use it."""
         if self.mailbox is None:

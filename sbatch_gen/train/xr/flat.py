@@ -14,6 +14,8 @@ import json
 import torch
 from torch import nn
 
+from .fragments import assign
+
 
 def _strip(name: str) -> str:
     for pre in ("module.", "_orig_mod."):
@@ -39,7 +41,11 @@ def _sharded(p: torch.Tensor) -> str | None:
 
 
 class FlatParams:
-    def __init__(self, model: nn.Module) -> None:
+    """``fragments`` > 1 (Streaming DiLoCo): the flat order holds the fragments one after the other
+    (:mod:`.fragments`), fragment p at ``fragment_bounds[p]:fragment_bounds[p+1]``, and the layout
+    fingerprint names the split."""
+
+    def __init__(self, model: nn.Module, fragments: int = 1) -> None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         for name, p in named:
             why = _sharded(p)
@@ -49,14 +55,32 @@ class FlatParams:
                     "to hold the whole model (DDP, or one process per region); FSDP and tensor-parallel "
                     "sharding are not supported"
                 )
-        self.params = [p for _, p in named]
-        if not self.params:
+        if not named:
             raise ValueError("the model has no trainable parameters")
+        self.layout = layout_fingerprint(model)
+        self.fragment_bounds = [0, sum(p.numel() for _, p in named)]
+        if fragments > 1:
+            which = assign([_strip(n) for n, _ in named], [p.numel() for _, p in named], fragments)
+            named = [named[i] for i in sorted(range(len(named)), key=lambda i: (which[i], i))]
+            counts = [
+                sum(p.numel() for (_, p), f in zip(named, sorted(which), strict=True) if f == k)
+                for k in range(fragments)
+            ]
+            self.fragment_bounds = [0]
+            for c in counts:
+                self.fragment_bounds.append(self.fragment_bounds[-1] + c)
+            split = json.dumps([self.layout, fragments, which])
+            self.layout = hashlib.sha256(split.encode()).hexdigest()[:16]
+        self.names = [_strip(n) for n, _ in named]
+        self.params = [p for _, p in named]
         self.offsets = [0]
         for p in self.params:
             self.offsets.append(self.offsets[-1] + p.numel())
         self.numel = self.offsets[-1]
-        self.layout = layout_fingerprint(model)
+
+    def fragment(self, p: int) -> tuple[int, int]:
+        """The flat range ``(lo, hi)`` of fragment ``p``."""
+        return self.fragment_bounds[p], self.fragment_bounds[p + 1]
 
     def views(self, flat: torch.Tensor):
         for p, lo, hi in zip(self.params, self.offsets[:-1], self.offsets[1:], strict=True):
@@ -72,6 +96,40 @@ class FlatParams:
     def scatter(self, flat: torch.Tensor) -> None:
         for p, v in self.views(flat):
             p.copy_(v)
+
+    def _part(self, lo: int, hi: int) -> list[tuple[torch.Tensor, int, int]]:
+        """The parameters that make up the flat range ``lo:hi`` (which starts and ends at parameter
+        boundaries: a fragment), with their flat ranges."""
+        i, j = bisect.bisect_left(self.offsets, lo), bisect.bisect_left(self.offsets, hi)
+        if self.offsets[i] != lo or self.offsets[j] != hi:
+            raise ValueError(f"flat range {lo}:{hi} does not start and end at parameter boundaries")
+        return [(self.params[k], self.offsets[k], self.offsets[k + 1]) for k in range(i, j)]
+
+    @torch.no_grad()
+    def scatter_part(self, flat: torch.Tensor, lo: int, hi: int) -> None:
+        """``flat[lo:hi]`` into the parameters of that range (any device)."""
+        for p, a, b in self._part(lo, hi):
+            p.copy_(flat[a:b].view(p.shape))
+
+    @torch.no_grad()
+    def delta_part_into(self, theta_outer: torch.Tensor, out: torch.Tensor, lo: int, hi: int) -> None:
+        """``out[lo:hi] = theta_outer[lo:hi] - theta_local[lo:hi]`` (:meth:`delta_into` of one range)."""
+        for p, a, b in self._part(lo, hi):
+            local = p.detach().reshape(-1)
+            if local.device != out.device:
+                local = out[a:b].copy_(local)
+            torch.sub(theta_outer[a:b], local, out=out[a:b])
+
+    @torch.no_grad()
+    def gather_part(self, out: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """The parameters of the range ``lo:hi`` into ``out[lo:hi]``; returns that slice."""
+        for p, a, b in self._part(lo, hi):
+            out[a:b].copy_(p.detach().reshape(-1))
+        return out[lo:hi]
+
+    def tensors_part(self, lo: int, hi: int) -> list[torch.Tensor]:
+        """:meth:`tensors` of the parameters in the range ``lo:hi``."""
+        return [p.detach() for p, _, _ in self._part(lo, hi)]
 
     def direct(self, device: torch.device) -> bool:
         """Can slices of flat buffers on ``device`` be copied straight into the parameters' storage?"""

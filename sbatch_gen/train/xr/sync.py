@@ -97,7 +97,7 @@ class OuterSync:
         self.device = torch.device(device)
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self._log = log or (lambda d: None)
-        self.flat = FlatParams(model)
+        self.flat = FlatParams(model, xr.fragment_count)
         self.numel = self.flat.numel
         self.outer_device, self.pinned, placement = outer_placement(xr, self.device, self.state_bytes())
 
@@ -401,6 +401,10 @@ def create(
     **kw,
 ) -> OuterSync:
     """The outer sync of ``xr.sync`` (collective: every rank of the region calls it)."""
+    if xr.sync == "diloco" and xr.overlap == "streaming":
+        from .streaming import StreamingDiLoCo
+
+        return StreamingDiLoCo(xr, model, device, dist, run_dir, log, **kw)
     if xr.sync == "diloco":
         from .diloco import DiLoCo
 

@@ -1,0 +1,228 @@
+"""Streaming DiLoCo (``overlap: streaming``; Douillard et al. 2025, arXiv 2501.18512), elastic.
+
+The parameters are split into F fragments (:mod:`.fragments`); the flat buffers hold them one after the
+other. Fragment p is synced once every H steps, at its own offset: round k starts at
+:func:`~.fragments.round_step` ``(k)`` and syncs fragment ``p = (k-1) mod F``. With tau =
+``fragment_delay_steps``, over the fragment's elements only:
+
+1. at step s = round_step(k): ``delta_p = theta_outer_p - x_p`` (x: the live parameters), published;
+   its exchange runs in a thread of the leaders during the next tau inner steps (tau = 0: training waits);
+2. at step s + tau: the committed average ``g_p`` of the members' deltas (as decoded from the wire, the
+   same bits in every region) takes the outer Nesterov step ``m_p = mu*m_p + g_p;
+   theta_outer_p -= lr*(g_p + mu*m_p)``; then the merge ``x_p = theta_outer_p + alpha*(x_p -
+   theta_outer_p)``: the local parameters, which trained on for tau steps, keep weight alpha
+   (``fragment_alpha``; 0 is DiLoCo's replace).
+
+The shared outer state thus advances by committed averages only and stays bit-identical across regions;
+a region's model differs from it by its own local training since each fragment's last round (the
+part alpha kept of it). Everything else is DiLoCo's: rounds are elastic one by one (membership, late and
+absent regions, leave and rejoin), a snapshot holds every fragment's outer state, a returning region
+replays each committed round on its fragment. At most one round is in flight (tau is below H/F). After
+the last step, :meth:`StreamingDiLoCo.finish` joins the round in flight and gives the model
+``theta_outer`` for every fragment, so every region ends on the same parameters (the local steps each
+fragment took since its last round are dropped there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .diloco import DiLoCo
+from .errors import XRBehind, XRError, XRNoQuorum
+from .exchange import Exchange, RoundResult
+from .fragments import fragment_of, round_at, round_step
+from .protocol import round_tag
+from .region import held
+from .sync import _as_int
+
+
+class StreamingDiLoCo(DiLoCo):
+    # the fragment in flight: its delta as published, at its own offsets (a resumed region publishes it again)
+    STREAMING_BUFFERS = {"own": (True, True)}
+
+    def buffers(self) -> dict[str, tuple[bool, bool]]:
+        return {**self.BUFFERS, **self.STREAMING_BUFFERS}
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        xr = self.xr
+        self.nfrag, self.tau, self.alpha = xr.fragments, xr.fragment_delay_steps, xr.fragment_alpha
+        self.frag_ex = [self.ex.for_fragment(p, self._numel_of(p)) for p in range(self.nfrag)]
+        bg = self.group.background() if self.tau > 0 else None  # collective: the rounds' own group
+        self.bg_frag_ex = [ex.in_background(bg) for ex in self.frag_ex] if bg is not None else None
+        # tokens each fragment's next round carries: the region's tokens since that fragment's last round
+        self.frag_tokens = [0] * self.nfrag
+        self.launch_s = 0.0  # what the start of the round in flight held training up for (its record's)
+
+    def _numel_of(self, p: int) -> int:
+        lo, hi = self.flat.fragment(p)
+        return hi - lo
+
+    def _part(self, buf: torch.Tensor | None, p: int) -> torch.Tensor | None:
+        """Fragment ``p``'s range of a flat buffer (None on the ranks that hold none)."""
+        if buf is None:
+            return None
+        lo, hi = self.flat.fragment(p)
+        return buf[lo:hi]
+
+    # -- the schedule (DiLoCo's hooks) ----------------------------------------------------------------------
+    def _round_step(self, r: int) -> int:
+        return round_step(r, self.xr.inner_steps, self.nfrag)
+
+    def _round_gap(self) -> int:
+        return self.xr.inner_steps // self.nfrag
+
+    def _in_background(self, b: int) -> tuple[Exchange | None, torch.Tensor | None, torch.Tensor | None]:
+        p = fragment_of(b, self.nfrag)
+        ex = self.bg_frag_ex[p] if self.bg_frag_ex is not None else None
+        return ex, self._part(self.own, p), self._part(self.avg, p)
+
+    def _in_foreground(self, b: int) -> tuple[Exchange, torch.Tensor | None]:
+        p = fragment_of(b, self.nfrag)
+        return self.frag_ex[p], self._part(self.avg, p)
+
+    def _fragments_saved(self) -> int:
+        return self.nfrag
+
+    def _reset_tokens(self) -> None:
+        self.tokens = 0
+        self.frag_tokens = [0] * self.nfrag
+
+    # -- the live rounds ------------------------------------------------------------------------------------
+    def after_optimizer_step(self, step: int, tokens: int) -> dict | None:
+        """Count tokens; merge the round in flight tau steps after it started; start the round due at this
+        step. Returns the record of what ran (None: nothing). ``xr_adopted_step``: fast-forwarded."""
+        self.frag_tokens = [n + int(tokens) for n in self.frag_tokens]
+        if not self.aligned:
+            raise XRError("OuterSync.align() must run before the first outer round")
+        if self.inflight and step == self._round_step(self.inflight) + self.tau:
+            return self._merge_inflight(step)
+        k = round_at(step, self.xr.inner_steps, self.nfrag)
+        return self._start(k, step) if k else None
+
+    def _start(self, k: int, step: int) -> dict:
+        """Round ``k`` at its step: the fragment's delta published; with tau = 0 the round is waited for and
+        merged at once, else it runs in the background until :meth:`_merge_inflight`."""
+        p = fragment_of(k, self.nfrag)
+        t0 = self._now()
+        own = self._part(self.own, p)
+        if self.leader:
+            lo, hi = self.flat.fragment(p)
+            self.flat.delta_part_into(held(self.theta_outer, "theta_outer"), held(self.own, "own"), lo, hi)
+        tokens = self.frag_tokens[p]
+        if self.tau == 0:
+            try:
+                res = self.frag_ex[p].run_round(
+                    round_tag(k), "delta", step, own, self._part(self.avg, p), tokens
+                )
+            except XRBehind:
+                return self._fast_forward(step, "behind") or {}
+            except XRNoQuorum:
+                self.pending = k
+                raise
+            self.frag_tokens[p] = 0
+            return self._merge(k, step, res, t0, res.times["t_end"])
+        pre = self.frag_ex[p].encode("delta", own)  # nothing crosses the WAN while training waits
+        self.frag_tokens[p] = 0
+        self._launch(k, step, tokens, pre)
+        self.launch_s = self._now() - t0
+        return {"xr_step": step, "xr_inflight": k, "xr_fragment": p, "xr_exposed_s": self.launch_s}
+
+    def _merge_inflight(self, step: int) -> dict:
+        """tau steps after round ``inflight`` started: join its exchange (training waits here only for what
+        it takes beyond those steps) and merge it."""
+        k, t0 = self.inflight, self._now()
+        try:
+            res = self._join()
+        except XRBehind:  # the run went on without this region: catch up
+            self._drop_inflight()
+            return self._fast_forward(step, "behind") or {}
+        except XRNoQuorum:
+            self.pending = k
+            raise
+        t1 = self._now()
+        rec = self._merge(k, step, res, t0, t1)
+        rec.update(xr_join_s=t1 - t0, xr_launch_s=self.launch_s)
+        return rec
+
+    def _merge(self, k: int, step: int, res: RoundResult, t0: float, t1: float) -> dict:
+        """Round ``k``'s committed average into its fragment: the outer step on the fragment's outer state,
+        then its live parameters merged with the new ``theta_outer`` (``fragment_alpha``). Its record."""
+        p = fragment_of(k, self.nfrag)
+        lo, hi = self.flat.fragment(p)
+        self._outer_step(self.avg, scatter=False, part=(lo, hi))
+        tc = self._now()
+        if self.leader:
+            theta = held(self.theta_outer, "theta_outer")
+            merged = theta
+            if self.alpha != 0.0:  # theta + alpha * (x - theta) into `work`, one rounding per op
+                merged = held(self.work, "work")
+                x = self.flat.gather_part(merged, lo, hi)
+                torch.sub(x, theta[lo:hi], out=x).mul_(self.alpha).add_(theta[lo:hi])
+            self.flat.scatter_part(merged, lo, hi)
+        self.group.broadcast_tensors(self.flat.tensors_part(lo, hi), src=0)
+        self.round, self.inflight, self.inflight_tokens, self.pending = k, 0, 0, 0
+        t2 = self._now()
+        snap_s = self._housekeeping(k, res.members, step)
+        t3 = self._now()
+        t = self._with_boundary(
+            res, outer_step_s=tc - t1, broadcast_s=res.times["broadcast_s"] + (t2 - tc), cleanup_s=t3 - t2
+        )
+        rec = self._record(step, res, t, snap_s)
+        rec.update(xr_fragment=p, xr_exposed_s=t3 - t0)
+        return rec
+
+    # -- returning regions, the end --------------------------------------------------------------------------
+    def _replay(self, r: int) -> None:
+        p = fragment_of(r, self.nfrag)
+        self.frag_ex[p].replay(round_tag(r), "delta", self._part(self.avg, p))
+        self._outer_step(self.avg, scatter=False, part=self.flat.fragment(p))
+
+    def _run_pending(self, r: int) -> dict:
+        if self.inflight == r:  # resumed with it in flight (relaunched): merge it now
+            return self._merge_inflight(self._round_step(r) + self.tau)
+        return self._start(r, self._round_step(r))
+
+    def _drop_inflight(self) -> None:
+        super()._drop_inflight()
+        self.inflight_tokens = 0
+
+    def _finish(self, step: int) -> dict | None:
+        """After the last step: the round in flight joined and merged, then the model takes the shared
+        outer state for every fragment, so every region ends on the same parameters."""
+        rec = None
+        if self.inflight:
+            rec = self._merge_inflight(step)
+            if "xr_adopted_step" in rec:
+                return rec
+            rec["xr_final"] = True
+        if self.leader:
+            self.flat.scatter(held(self.theta_outer, "theta_outer"))
+        self._share_params()
+        return rec
+
+    # -- state ------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """DiLoCo's, plus the round in flight (its number and tokens; leaders: its delta, in ``own``) and
+        each fragment's tokens since its last round."""
+        out = super().state_dict()
+        out.update(
+            inflight=int(self.inflight),
+            inflight_tokens=int(self.inflight_tokens),
+            frag_tokens=torch.tensor(self.frag_tokens, dtype=torch.int64),
+        )
+        if self.leader:
+            out["own"] = self.own
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.inflight = _as_int(state.get("inflight", 0))
+        self.inflight_tokens = _as_int(state.get("inflight_tokens", 0))
+        saved = state.get("frag_tokens")
+        self.frag_tokens = [int(x) for x in saved.tolist()] if saved is not None else [0] * self.nfrag
+        if len(self.frag_tokens) != self.nfrag:
+            raise XRError(
+                f"checkpoint has tokens of {len(self.frag_tokens)} fragments, this run {self.nfrag}"
+            )
