@@ -437,8 +437,8 @@ class CrossRegion(StrictModel):
             raise FieldError(
                 ("fragment_delay_steps",),
                 f"fragment_delay_steps {tau} must be below inner_steps / fragments ({h} / {f}: rounds start "
-                f"every {gap} steps or more): a fragment's exchange must be merged before the next round "
-                "starts",
+                f"every {gap} step{'s' if gap > 1 else ''} or more): a fragment's exchange must be merged before the "
+                "next round starts",
             )
         return self
 

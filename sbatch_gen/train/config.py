@@ -13,6 +13,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ..strict import StrictModel
 from ..xr_options import outer_step_warnings
+from .xr.fragments import rounds_through, too_few
 from ..yamlload import load_model
 
 
@@ -30,6 +31,16 @@ class ModelConfig(StrictModel):
     activation_checkpointing: bool = Field(
         default=False, description="Recompute each block's forward during backward (HFU > MFU)."
     )
+
+    def parameter_names(self) -> list[str]:
+        """The GPT's trainable parameters, as ``named_parameters()`` names them (the model is built with
+        torch; validate needs the names without it: Streaming DiLoCo's fragments, :mod:`.xr.fragments`)."""
+        block = ["ln1.weight", "ln1.bias", "attn.qkv.weight", "attn.proj.weight", "ln2.weight", "ln2.bias"]
+        block += ["mlp.up.weight", "mlp.down.weight"]
+        names = ["tok.weight", "pos.weight"]
+        names += [f"blocks.{i}.{n}" for i in range(self.n_layers) for n in block]
+        names += ["ln_f.weight", "ln_f.bias"]
+        return names if self.tie_embeddings else [*names, "head.weight"]
 
     @field_validator("n_heads")
     @classmethod
@@ -188,17 +199,28 @@ def xr_problems(
                 )
             )
     else:
-        rounds = cfg.train.steps // h
+        f = xr.fragment_count
+        rounds = rounds_through(cfg.train.steps, h, f)
+        per = (
+            f"// inner_steps {h}"
+            if f == 1
+            else f"with fragments {f}: a round every inner_steps {h} / {f} steps"
+        )
         if rounds >= 1 and xr.snapshot_every > rounds:
             errors.append(
                 XRProblem(
                     "snapshot_every",
                     f"cross_region.snapshot_every ({xr.snapshot_every}) is more than the {rounds} outer rounds of "
-                    f"the run (train.steps {cfg.train.steps}{in_cfg} // inner_steps {h}): no outer snapshot is "
+                    f"the run (train.steps {cfg.train.steps}{in_cfg} {per}): no outer snapshot is "
                     "ever written, and rounds are deleted only once a snapshot covers them, so keep_rounds never "
                     "takes effect and the mailbox keeps every region's payload of every round until someone "
                     f"deletes it by hand. Set snapshot_every to at most {rounds}.",
                 )
+            )
+        why = too_few(cfg.model.parameter_names(), f) if f > 1 else None
+        if why is not None:
+            errors.append(
+                XRProblem("fragments", f"cross_region.{why} (model.n_layers {cfg.model.n_layers}{in_cfg})")
             )
     warnings += [XRProblem(f, m) for f, m in outer_step_warnings(xr)]
     if xr.sync == "diloco" and cfg.train.steps % h:

@@ -272,3 +272,29 @@ def test_a_bad_train_config_is_one_line_per_problem_with_a_close_match(work):
         "unknown key 'warmup_stepz' (valid keys: lr, "
     )
     assert unknown[0].endswith("; did you mean 'warmup_steps'?")
+
+
+def test_streaming_schedule_and_fragments_are_checked_at_their_lines(work):
+    """overlap: streaming: a fragment's delay must end before the next round starts (tau < H / F), and the
+    model must have a parameter tensor for every fragment; each error names its line."""
+    base = _with_configs(work)
+    _replace(base, "  overlap: none", "  overlap: streaming\n  fragments: 4\n  fragment_delay_steps: 125")
+    err = _fails("validate")
+    assert (
+        f"sites/_base/llm-xr-1.yaml:{_line_of(base, 'fragment_delay_steps: 125')}: "
+        "cross_region.fragment_delay_steps: fragment_delay_steps 125 must be below inner_steps / fragments "
+        "(500 / 4: rounds start every 125 steps or more)" in err
+    )
+    _replace(base, "fragment_delay_steps: 125", "fragment_delay_steps: 5")
+    _replace(base, "fragment_delay_steps: 5", "fragment_delay_steps: 1")
+    _replace(base, "  fragments: 4", "  fragments: 200")  # gpt-125m: 18 layers, 148 parameter tensors
+    err = _fails("validate")
+    msg = (
+        f"sites/_base/llm-xr-1.yaml:{_line_of(base, 'fragments: 200')}: cross_region.fragments 200: the "
+        "model has only 148 parameter tensors to split (each fragment needs one at least); lower "
+        "cross_region.fragments (model.n_layers 18 in configs/gpt-125m.yaml)"
+    )
+    assert msg in err and err.count(msg) == 1, err
+    _replace(base, "  fragments: 200", "  fragments: 4")
+    r = sg("validate")
+    assert r.code == 0, r.err

@@ -84,3 +84,50 @@ def test_flat_order_holds_each_fragment_contiguous():
         two.scatter_part(theta, lo + 1, hi)
     # the split is part of the layout: another F is another layout
     assert FlatParams(m, 3).layout not in (one.layout, two.layout)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_validate_knows_the_companion_models_parameters(tie):
+    """validate splits the companion GPT without torch: its names must be what the model has."""
+    from sbatch_gen.train.config import ModelConfig
+    from sbatch_gen.train.model import GPT
+
+    cfg = ModelConfig(n_layers=3, d_model=32, n_heads=2, seq_len=8, tie_embeddings=tie)
+    assert cfg.parameter_names() == [n for n, _ in GPT(cfg).named_parameters()]
+
+
+def test_the_runs_rounds_count_fragment_rounds():
+    from pathlib import Path
+
+    from sbatch_gen.train.config import load_config, xr_problems
+    from sbatch_gen.xr_options import CrossRegion
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")  # 30 steps, 2 layers
+    xr = CrossRegion(
+        enabled=True,
+        region="eu",
+        regions=["eu", "us"],
+        inner_steps=10,
+        overlap="streaming",
+        fragments=4,
+        fragment_delay_steps=1,
+        snapshot_every=13,
+    )
+    errs, _ = xr_problems(cfg, xr)  # 3 cycles of 4 fragment rounds: 12 rounds
+    assert [e.field for e in errs] == ["snapshot_every"]
+    assert (
+        "more than the 12 outer rounds of the run (train.steps 30 with fragments 4: a round every " in errs[0]
+    )
+    assert xr_problems(cfg, xr.model_copy(update={"snapshot_every": 12}))[0] == []
+    # 2 layers of 8 tensors and 4 others: 20 tensors to split
+    errs, _ = xr_problems(cfg, xr.model_copy(update={"fragments": 10, "snapshot_every": 1}))
+    assert (
+        errs == []
+        and xr_problems(
+            cfg,
+            xr.model_copy(
+                update={"fragments": 21, "inner_steps": 21, "fragment_delay_steps": 0, "snapshot_every": 1}
+            ),
+        )[0][0].field
+        == "fragments"
+    )

@@ -29,42 +29,54 @@ def layer_of(name: str) -> str | None:
     return m.group(1) if m else None
 
 
-def assign(names: Sequence[str], numels: Sequence[int], fragments: int) -> list[int]:
-    """The fragment of each parameter (in the order given). Raises ValueError when the model has fewer
-    units than ``fragments`` (a fragment would be empty)."""
-    if fragments < 1:
-        raise ValueError(f"fragments must be at least 1, not {fragments}")
+def units(names: Sequence[str], fragments: int) -> list[list[int]]:
+    """The units ``fragments`` fragments are made of, as lists of parameter indices, in model order: whole
+    layers (and the tensors outside them) when there are at least ``fragments`` layers, else tensors."""
     layers: dict[str, list[int]] = {}
     for i, n in enumerate(names):
         key = layer_of(n)
         if key is not None:
             layers.setdefault(key, []).append(i)
-    units: list[list[int]] = []
-    if len(layers) >= fragments:
-        in_layer = {i for idx in layers.values() for i in idx}
-        seen: set[str] = set()
-        for i, n in enumerate(names):  # model order: a layer where its first parameter is
-            key = layer_of(n)
-            if i not in in_layer:
-                units.append([i])
-            elif key is not None and key not in seen:
-                seen.add(key)
-                units.append(layers[key])
-    else:
-        units = [[i] for i in range(len(names))]
-    if len(units) < fragments:
-        raise ValueError(
-            f"fragments {fragments}: the model has only {len(units)} parameter tensors to split (each "
-            "fragment needs one at least); lower cross_region.fragments"
-        )
+    if len(layers) < fragments:
+        return [[i] for i in range(len(names))]
+    out: list[list[int]] = []
+    for i, n in enumerate(names):  # a layer where its first parameter is
+        key = layer_of(n)
+        if key is None:
+            out.append([i])
+        elif layers[key][0] == i:
+            out.append(layers[key])
+    return out
+
+
+def too_few(names: Sequence[str], fragments: int) -> str | None:
+    """Why a model with these parameters cannot be split into ``fragments`` fragments, or None."""
+    n = len(units(names, fragments))
+    if n >= fragments:
+        return None
+    return (
+        f"fragments {fragments}: the model has only {n} parameter tensors to split (each fragment needs one "
+        "at least); lower cross_region.fragments"
+    )
+
+
+def assign(names: Sequence[str], numels: Sequence[int], fragments: int) -> list[int]:
+    """The fragment of each parameter (in the order given). Raises ValueError when the model has fewer
+    units than ``fragments`` (a fragment would be empty)."""
+    if fragments < 1:
+        raise ValueError(f"fragments must be at least 1, not {fragments}")
+    why = too_few(names, fragments)
+    if why is not None:
+        raise ValueError(why)
+    units_ = units(names, fragments)
     sizes = [0] * fragments
     out = [0] * len(names)
-    order = sorted(range(len(units)), key=lambda u: (-sum(numels[i] for i in units[u]), u))
+    order = sorted(range(len(units_)), key=lambda u: (-sum(numels[i] for i in units_[u]), u))
     for u in order:
         f = min(range(fragments), key=lambda k: (sizes[k], k))
-        for i in units[u]:
+        for i in units_[u]:
             out[i] = f
-        sizes[f] += sum(numels[i] for i in units[u])
+        sizes[f] += sum(numels[i] for i in units_[u])
     return out
 
 
