@@ -13,8 +13,8 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ..strict import StrictModel
 from ..xr_options import outer_step_warnings
-from .xr.fragments import rounds_through, too_few
 from ..yamlload import load_model
+from .xr.fragments import rounds_through, too_few
 
 
 class ModelConfig(StrictModel):
