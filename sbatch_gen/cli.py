@@ -465,8 +465,9 @@ def _format_status(st) -> list[str]:
         waited = f", waited {c.waited_s:g} s" if c.reason != "all" else ""
         absent = f"; absent: {', '.join(c.absent)}" if c.absent else ""
         stale = f" (heartbeat stale: {', '.join(c.stale)})" if c.stale else ""
+        frag = f", fragment {c.fragment} of {st.fragments}" if c.fragment is not None else ""
         lines.append(
-            f"committed: round {c.round} (step {c.step}), closed {age(st.now - c.time) if c.time else '-'} "
+            f"committed: round {c.round} (step {c.step}{frag}), closed {age(st.now - c.time) if c.time else '-'} "
             f"by {c.closed_by} ({c.reason}{waited}); members: {', '.join(c.members) or '-'}{absent}{stale}"
         )
     lines.append(

@@ -36,6 +36,7 @@ class CommitInfo:
     waited_s: float
     time: float  # wall clock, seconds since the epoch (0: unknown)
     stale: list[str] = field(default_factory=list)  # absent regions whose heartbeat the closer found stale
+    fragment: int | None = None  # overlap streaming: the fragment the round synced (None: the whole model)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class MailboxStatus:
     regions_total: int
     grace_s: float
     heartbeat_s: float | None  # None: heartbeats off
+    fragments: int  # overlap streaming: F (a round syncs fragment (round - 1) mod F); else 1
     exists: bool  # False: an fs mailbox directory that does not exist (yet)
     now: float
     newest_commit: CommitInfo | None = None
@@ -95,6 +97,7 @@ def read_status(xr: CrossRegion, store: Store | None = None, *, now: float | Non
         regions_total=len(xr.regions),
         grace_s=xr.grace_s,
         heartbeat_s=xr.heartbeat_s if xr.elastic else None,
+        fragments=xr.fragment_count,
         now=now,
     )
     t = xr.transport
@@ -136,6 +139,7 @@ def read_status(xr: CrossRegion, store: Store | None = None, *, now: float | Non
                 waited_s=commit.waited_s,
                 time=commit.time,
                 stale=list(commit.stale),
+                fragment=(commit_round - 1) % xr.fragment_count if xr.fragment_count > 1 else None,
             )
         return status(
             location=store.describe(),

@@ -182,6 +182,9 @@ class Participation:
     leaves: dict[str, list[dict]]  # region -> its xr_leave events
     waits_absent: dict[str, list[float]]  # region -> xr_wait_s of its rounds while another region was missing
     waits_full: dict[str, list[float]]  # ... and of its rounds with every region in the commit
+    fragments: dict[int, int] = field(
+        default_factory=dict
+    )  # overlap streaming: round -> the fragment it synced
 
     def count(self, region: str, status: str) -> int:
         return sum(1 for v in self.status.get(region, {}).values() if v == status)
@@ -245,7 +248,12 @@ def participation(runs: list[Run]) -> Participation | None:
         e["round"] for es in leaves.values() for e in es
     ]
     rounds = list(commits) + marks
-    return Participation(regions, min(rounds), max(rounds), status, rejoins, leaves, waits_absent, waits_full)
+    fragments = {
+        r: int(c["xr_fragment"]) for r, c in commits.items() if isinstance(c.get("xr_fragment"), int)
+    }
+    return Participation(
+        regions, min(rounds), max(rounds), status, rejoins, leaves, waits_absent, waits_full, fragments
+    )
 
 
 def _exposed(rec: dict) -> float:
@@ -483,6 +491,11 @@ def plot_participation(plt, part: Participation, path: Path) -> None:
     ax.set_yticks(range(len(part.regions)), part.regions)
     ax.set_xlabel("round")
     ax.set_title("participation per round")
+    if part.fragments:  # Streaming DiLoCo: each round synced one fragment, named above its column
+        nfrag = max(part.fragments.values()) + 1
+        for r, f in part.fragments.items():
+            ax.text(r, -0.5, f"f{f}", ha="center", va="bottom", fontsize=6 if n > 40 else 8, clip_on=False)
+        ax.set_title(f"participation per round (fN: the fragment of {nfrag} the round synced)", pad=14)
     handles: list[Artist] = [
         Patch(color=STATUS_COLORS[k], label=lab)
         for k, lab in (
@@ -518,6 +531,17 @@ def _participation_md(part: Participation) -> list[str]:
         ["wait per round while a region was missing, max", *[wait(g, part.waits_absent, max) for g in regs]],
         ["wait per round with every region, median", *[wait(g, part.waits_full, median) for g in regs]],
     ]
+    for f in sorted(set(part.fragments.values())):  # Streaming DiLoCo: the rounds of each fragment
+        of_f = {r for r, x in part.fragments.items() if x == f}
+        rows.append(
+            [
+                f"rounds taken part, fragment {f}",
+                *[
+                    str(sum(1 for r, v in part.status.get(g, {}).items() if r in of_f and v == TOOK_PART))
+                    for g in regs
+                ],
+            ]
+        )
     return [
         "## Participation",
         "",

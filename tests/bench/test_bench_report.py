@@ -293,3 +293,21 @@ def test_no_participation_section_without_membership_records(tmp_path):
     path = write_report([d], tmp_path / "out")
     assert "## Participation" not in path.read_text()
     assert not (tmp_path / "out" / "participation.png").exists()
+
+
+def test_participation_names_each_rounds_fragment_under_streaming(tmp_path):
+    """overlap streaming (F 2): round k synced fragment (k-1) mod 2; us missed round 3 (fragment 0)."""
+    both, eu_only = ["eu", "us"], ["eu"]
+    recs = []
+    for r in range(1, 5):
+        rec = _xr_rec(5 * r + 1, r, eu_only if r == 3 else both, ["us"] if r == 3 else [], 0.1)
+        rec["xr_fragment"] = (r - 1) % 2
+        recs.append(rec)
+    d = tmp_path / "eu"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    path = write_report([d], tmp_path / "out")
+    md = path.read_text()
+    assert _is_png(tmp_path / "out" / "participation.png")
+    assert "| rounds taken part, fragment 0 | 2 | 1 |" in md
+    assert "| rounds taken part, fragment 1 | 2 | 2 |" in md

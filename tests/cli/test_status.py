@@ -142,6 +142,19 @@ def test_status_table_from_an_fs_mailbox(tmp_path, sites):
     assert "ages of heartbeats use the writing region's clock" in out
 
 
+def test_status_names_the_fragment_of_the_newest_round_under_streaming(tmp_path, sites):
+    mbx = tmp_path / "mailbox"
+    build_mailbox(FsStore(mbx))
+    xr = XR + "inner_steps: 100\noverlap: streaming\nfragments: 4\n"
+    write_site(sites, "eu", xr + f"transport: {{kind: fs, root: '{mbx}'}}\n")
+    code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites))
+    assert code == 0, err
+    assert "committed: round 42 (step 4200, fragment 1 of 4), closed" in out  # round k: fragment (k-1) mod F
+    code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites), "--json")
+    st = json.loads(out)
+    assert st["fragments"] == 4 and st["newest_commit"]["fragment"] == 1
+
+
 def test_status_json(tmp_path, sites):
     mbx = tmp_path / "mailbox"
     build_mailbox(FsStore(mbx))
