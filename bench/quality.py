@@ -11,8 +11,9 @@ for loss against bytes) and the time a round held training up (``xr_exposed_s``)
 
 Phase 1 runs grad mode, one region alone and the lr x momentum grid for every H; phase 2 runs the same grid
 with ``overlap: eager`` (eager is compared at its own best grid point: the delay may want other outer
-hyper-parameters), and the best (lowest held-out loss) grid point of ``payload_h`` with int8, fp8 and int4
-payloads.
+hyper-parameters), the same grid with ``overlap: streaming`` for every fragment count F and delay tau of the
+sweep at the H of ``stream_hs`` (each (F, tau) compared at its own best grid point), and the best (lowest
+held-out loss) grid point of ``payload_h`` with int8, fp8 and int4 payloads.
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ class Sizes:
     eval_windows: int
     evals: int  # held-out loss on this many evenly spaced checkpoints (the last: the final model)
     parallel: int  # variants at once (deterministic: changes only the wall time)
+    stream_hs: tuple[int, ...] = ()  # overlap streaming: at these H
+    stream_frags: tuple[int, ...] = ()  # ... with these fragment counts F
+    stream_taus: tuple[int, ...] = (1, 5)  # ... and delays tau, plus the longest, floor(H/F) - 1
+
+    def taus(self, h: int, f: int) -> list[int]:
+        """The delays swept at (H, F): ``stream_taus`` and the longest one H/F allows, each below floor(H/F)."""
+        return sorted({t for t in (*self.stream_taus, h // f - 1) if 0 <= t < h // f})
 
 
 FULL = Sizes(
@@ -75,6 +83,8 @@ FULL = Sizes(
     eval_windows=1024,
     evals=4,
     parallel=2,
+    stream_hs=(50, 100),
+    stream_frags=(2, 4),
 )
 QUICK = Sizes(
     steps=8,
@@ -89,6 +99,9 @@ QUICK = Sizes(
     eval_windows=32,
     evals=2,
     parallel=4,
+    stream_hs=(4,),
+    stream_frags=(2,),
+    stream_taus=(1,),
 )
 
 
@@ -100,12 +113,15 @@ class Variant:
     momentum: float = PLAIN[1]
     dtype: str = "bf16"
     overlap: str = "none"
+    frags: int = 1  # overlap streaming: F
+    tau: int = 0  # overlap streaming: fragment_delay_steps
 
     @property
     def key(self) -> str:
         if self.kind != "diloco":
             return self.kind
-        return f"h{self.h}-lr{self.lr:g}-m{self.momentum:g}-{self.dtype}-{self.overlap}"
+        stream = f"-f{self.frags}-t{self.tau}" if self.overlap == "streaming" else ""
+        return f"h{self.h}-lr{self.lr:g}-m{self.momentum:g}-{self.dtype}-{self.overlap}{stream}"
 
     @property
     def label(self) -> str:
@@ -113,9 +129,8 @@ class Variant:
             return "grad (every step)"
         if self.kind == "single":
             return "one region alone"
-        extra = "".join(
-            [f", {self.dtype}" if self.dtype != "bf16" else "", ", eager" if self.overlap != "none" else ""]
-        )
+        over = {"none": "", "eager": ", eager", "streaming": f", streaming F={self.frags} tau={self.tau}"}
+        extra = "".join([f", {self.dtype}" if self.dtype != "bf16" else "", over[self.overlap]])
         return f"H={self.h}, lr {self.lr:g}, mom {self.momentum:g}{extra}"
 
 
@@ -143,6 +158,7 @@ def _launch_variant(work: Path, data: Path, cfg: Path, v: Variant) -> list:
         outer_momentum=v.momentum,
         payload_dtype=v.dtype,
         overlap=v.overlap,
+        **({"fragments": v.frags, "fragment_delay_steps": v.tau} if v.overlap == "streaming" else {}),
     )
 
 
@@ -206,10 +222,18 @@ def _variant(work: Path, data: Path, cfg: Path, sz: Sizes, v: Variant) -> dict:
     curve.append((sz.steps, final))
     tok_per_step = tokens[-1] / common[-1] if common else 0
     cum_at = dict(zip(common, cum, strict=True))
-    exposed = sum(
-        max(x.get("xr_exposed_s", x.get("xr_total_s", 0.0)) for x in xs)
-        for xs in zip(*rounds.values(), strict=False)
+    # what the rounds held training up for: every record with xr_exposed_s (a round's start and its merge
+    # are separate records with streaming), the worse region
+    exposed = max(
+        sum(
+            x.get("xr_exposed_s", x.get("xr_total_s", 0.0))
+            for x in recs[r]
+            if "xr_exposed_s" in x or "xr_round" in x
+        )
+        for r in regions
     )
+    # the most one round moves (region a, up + down): what crosses at once, or within its overlap window
+    peak = max((x.get("xr_bytes_up", 0) + x.get("xr_bytes_down", 0) for x in rounds[regions[0]]), default=0)
     train_s = sum(x["step_time_s"] for x in steps["a"].values())
     out = {
         "key": v.key,
@@ -220,6 +244,9 @@ def _variant(work: Path, data: Path, cfg: Path, sz: Sizes, v: Variant) -> dict:
         "momentum": v.momentum,
         "dtype": v.dtype,
         "overlap": v.overlap,
+        "frags": v.frags,
+        "tau": v.tau,
+        "peak_round_bytes": peak,
         "heldout": final,
         "curve": [[s, round(s * tok_per_step), cum_at.get(s, total), ls] for s, ls in curve],
         "train_loss_last": sum(loss[-50:]) / max(1, len(loss[-50:])),
@@ -260,14 +287,25 @@ def _run_all(work: Path, data: Path, cfg: Path, sz: Sizes, plan: list[Variant]) 
         return list(pool.map(one, plan))
 
 
-def best_per_h(res: list[dict], hs: tuple[int, ...], overlap: str = "none") -> dict[int, dict]:
-    """The grid point with the lowest held-out loss per H (bf16, with this ``overlap``)."""
+def best_per_h(
+    res: list[dict], hs: tuple[int, ...], overlap: str = "none", frags: int = 1, tau: int = 0
+) -> dict[int, dict]:
+    """The grid point with the lowest held-out loss per H (bf16, with this ``overlap``; streaming: with
+    these ``frags`` and ``tau``)."""
     out = {}
     for h in hs:
         grid = [r for r in res if r["kind"] == "diloco" and r["h"] == h]
         grid = [r for r in grid if r["dtype"] == "bf16" and r["overlap"] == overlap]
-        out[h] = min(grid, key=lambda r: r["heldout"])
+        if overlap == "streaming":
+            grid = [r for r in grid if r["frags"] == frags and r["tau"] == tau]
+        if grid:
+            out[h] = min(grid, key=lambda r: r["heldout"])
     return out
+
+
+def stream_configs(sz: Sizes) -> list[tuple[int, int, int]]:
+    """(H, F, tau) of the streaming sweep."""
+    return [(h, f, t) for h in sz.stream_hs if h in sz.hs for f in sz.stream_frags for t in sz.taus(h, f)]
 
 
 def run(out_dir: Path, quick: bool = False) -> Result:
@@ -299,7 +337,12 @@ def run(out_dir: Path, quick: bool = False) -> Result:
         first = _run_all(work, data, cfg, sz, phase1)
         best = best_per_h(first, sz.hs)
         b = best[sz.payload_h]
-        phase2 = [replace(v, overlap="eager") for v in grid]
+        stream = [
+            Variant("diloco", h, lr, m, overlap="streaming", frags=f, tau=t)
+            for h, f, t in stream_configs(sz)
+            for lr, m in sz.grid
+        ]
+        phase2 = [*stream, *[replace(v, overlap="eager") for v in grid]]
         phase2 += [replace(_as_variant(b), dtype=d) for d in PAYLOADS]
         second = _run_all(work, data, cfg, sz, phase2)
         wall = time.monotonic() - t0
@@ -319,7 +362,7 @@ def _keep_all(cfg: Path, keep: int) -> None:
 
 
 def _as_variant(r: dict) -> Variant:
-    return Variant(r["kind"], r["h"], r["lr"], r["momentum"], r["dtype"], r["overlap"])
+    return Variant(r["kind"], r["h"], r["lr"], r["momentum"], r["dtype"], r["overlap"], r["frags"], r["tau"])
 
 
 def _l(x: float) -> str:
@@ -353,17 +396,25 @@ def _report(res: Result, sz: Sizes, first: list[dict], second: list[dict], best:
         "reference. One region alone: the trainer without cross-region sync on region a's shard, the same "
         "steps and batch (the same tokens per region, half the total): what the second region buys.",
         "Phase 2: the same grid with `overlap: eager` (compared at its own best grid point, and at no "
-        f"overlap's); from the best grid point (lowest held-out loss) of H={sz.payload_h}: `payload_dtype` "
-        f"{', '.join(PAYLOADS)} (bf16 is the grid run itself).",
+        "overlap's); the same grid with `overlap: streaming` (Streaming DiLoCo, `fragment_alpha` "
+        f"{CrossRegion.model_fields['fragment_alpha'].default:g}) for every (H, F, tau) of "
+        + ", ".join(f"({h}, {f}, {t})" for h, f, t in stream_configs(sz))
+        + f" (tau: {', '.join(map(str, sz.stream_taus))} and the longest below floor(H/F); each compared at its "
+        "own best grid point); from the "
+        f"best grid point (lowest held-out loss) of H={sz.payload_h}: `payload_dtype` {', '.join(PAYLOADS)} "
+        "(bf16 is the grid run itself).",
         f"Held-out loss: mean next-byte cross-entropy over {sz.eval_windows} fixed windows spread over the "
         f"`{HELDOUT}` shard (the stdlib source cut into a, b, {HELDOUT}; {DATA_BYTES / 1e6:g} MB), no region "
         "trains on it; of region a's final `model.safetensors` (b's checked bit-identical) and, for the curves, "
         f"of a's checkpoints every {_ckpt_every(sz)} steps (the `model` of the DCP checkpoint: region a's "
         "working model at that step).",
-        "Bytes: cumulative `xr_bytes_up + xr_bytes_down` of both regions over the rounds (with eager the last "
-        "round's `xr_final_round` event too); the one-off fp32 alignment round at the start is the same for "
-        "every variant and not counted. Exposed: per round the larger of the two regions' `xr_exposed_s`, "
-        "summed (fs on tmpfs, both regions on the shared cores: mostly waiting for the other region; the WAN figure is item 4's).",
+        "Bytes: cumulative `xr_bytes_up + xr_bytes_down` of both regions over the rounds (with eager and "
+        "streaming the last round's `xr_final_round` event too); the one-off fp32 alignment round at the start "
+        "is the same for every variant and not counted. Peak round: the most bytes one round of region a "
+        "moves (up + down): without overlap all of it crosses while training waits, with eager during the next "
+        "H steps, with streaming during the next tau steps. Exposed: the sum of `xr_exposed_s` over the "
+        "records that have it (a streaming round's start and merge are two), the worse region (fs on tmpfs, "
+        "both regions on the shared cores: mostly waiting for the other region; the WAN figure is item 4's).",
         f"Variants ran {sz.parallel} at a time on the shared cores (deterministic: no effect on the losses); "
         f"the whole sweep took {wall:.0f} s.",
     ]
@@ -423,6 +474,17 @@ def _report(res: Result, sz: Sizes, first: list[dict], second: list[dict], best:
         rows2.append(
             cmp(f"H={sz.payload_h}: {d} vs bf16", bp["label"], bp, by[replace(_as_variant(bp), dtype=d).key])
         )
+    confs = stream_configs(sz)
+    bests = {(h, f, t): best_per_h(allv, (h,), "streaming", f, t)[h] for h, f, t in confs}
+    for (h, f, t), st in bests.items():
+        rows2.append(
+            cmp(
+                f"H={h}: streaming F={f} tau={t} vs none, each at its best",
+                f"{st['label']} vs {best[h]['label']}",
+                best[h],
+                st,
+            )
+        )
     res.table(
         "At the best outer lr x momentum per H: overlap and payload",
         ["comparison", "best grid point", "held-out (reference)", "held-out (variant)", "gap"],
@@ -441,14 +503,76 @@ def _report(res: Result, sz: Sizes, first: list[dict], second: list[dict], best:
         [[f"lr {lr:g}, momentum {mo:g}", *[pair(h, lr, mo) for h in sz.hs]] for lr, mo in sz.grid],
         "eager_grid",
     )
+    if confs:
+        srows = []
+        for (h, f, t), st in bests.items():
+            none, eag = best[h], beste[h]
+            srows.append(
+                [
+                    h,
+                    f,
+                    t,
+                    f"lr {st['lr']:g}, momentum {st['momentum']:g}",
+                    _l(st["heldout"]),
+                    f"{_gap(st['heldout'], none['heldout']):+.2%}",
+                    f"{_gap(st['heldout'], eag['heldout']):+.2%}",
+                    st["rounds"],
+                    st["bytes_total"] / 1e6,
+                    st["peak_round_bytes"] / 1e6,
+                    f"{st['peak_round_bytes'] / none['peak_round_bytes']:.3f}",
+                    st["peak_round_bytes"] / max(t, 1) / 1e6,
+                ]
+            )
+        res.table(
+            "Streaming DiLoCo (bf16) at its best outer lr x momentum per (H, F, tau), against no overlap and "
+            "eager at theirs",
+            [
+                "H",
+                "F",
+                "tau",
+                "best grid point",
+                "held-out loss",
+                "vs none (best)",
+                "vs eager (best)",
+                "rounds",
+                "MB crossed",
+                "peak round MB",
+                "peak round / none's",
+                "MB per step to hide it (peak / tau)",
+            ],
+            srows,
+            "streaming",
+        )
+
+        def cell(h: int, f: int, t: int, lr: float, mo: float) -> str:
+            x = by[Variant("diloco", h, lr, mo, overlap="streaming", frags=f, tau=t).key]["heldout"]
+            return f"{_l(x)} ({_gap(x, by[Variant('diloco', h, lr, mo).key]['heldout']):+.2%})"
+
+        res.table(
+            "Streaming at every grid point (held-out loss, and its gap to no overlap at the same point)",
+            ["outer lr, momentum", *[f"H={h} F={f} tau={t}" for h, f, t in confs]],
+            [
+                [f"lr {lr:g}, momentum {mo:g}", *[cell(h, f, t, lr, mo) for h, f, t in confs]]
+                for lr, mo in sz.grid
+            ],
+            "streaming_grid",
+        )
+    # the curves: grad, one region, and the best grid point of each overlap (and F, tau) per H, the payloads
+    shown = {"grad", "single"} | {
+        r["key"] for o in ("none", "eager") for r in best_per_h(allv, sz.hs, o).values()
+    }
+    shown |= {st["key"] for st in bests.values()}
+    shown |= {replace(_as_variant(bp), dtype=d).key for d in PAYLOADS}
     rows3 = []
     for r in allv:
-        if r["kind"] == "single":
+        if r["kind"] == "single" or r["key"] not in shown:
             continue
         for s, t, bts, ls in r["curve"]:
             rows3.append([r["label"], s, t, bts / 1e6, _l(ls)])
     res.table(
-        "Held-out loss against tokens and bytes (region a's checkpoints; the last row of each: the final model)",
+        "Held-out loss against tokens and bytes (region a's checkpoints; the last row of each: the final "
+        "model), for grad mode, each overlap's (and each streaming F and tau's) best grid point per H and the "
+        "payloads",
         ["variant", "step", "tokens (both regions)", "MB crossed so far", "held-out loss"],
         rows3,
         "curves",
@@ -468,6 +592,26 @@ def _report(res: Result, sz: Sizes, first: list[dict], second: list[dict], best:
         ", ".join(f"H={h} {g:+.2%}" for h, g in egaps.items()),
         None if res.quick else max(egaps.values()) <= 0.01,
     )
+    if confs:
+        sg = {c: _gap(st["heldout"], best[c[0]]["heldout"]) for c, st in bests.items()}
+        res.goal(
+            "streaming within +1% of no overlap (held-out, each at its best outer lr x momentum, same H)",
+            ", ".join(f"H={h} F={f} tau={t} {g:+.2%}" for (h, f, t), g in sg.items()),
+            None if res.quick else max(sg.values()) <= 0.01,
+        )
+        ratios = {
+            f: max(
+                st["peak_round_bytes"] / best[h]["peak_round_bytes"]
+                for (h, ff, _), st in bests.items()
+                if ff == f
+            )
+            for f in sz.stream_frags
+        }
+        res.goal(
+            "streaming: the peak bytes of one round about 1/F of no overlap's (within 25%)",
+            ", ".join(f"F={f}: {r:.3f} (1/F = {1 / f:.3f})" for f, r in ratios.items()),
+            None if res.quick else all(r <= 1.25 / f for f, r in ratios.items()),
+        )
     q8 = by[replace(_as_variant(bp), dtype="int8").key]
     g8 = _gap(q8["heldout"], bp["heldout"])
     res.goal(
@@ -501,6 +645,11 @@ def _report(res: Result, sz: Sizes, first: list[dict], second: list[dict], best:
         res.headline[f"H={h} best: {best[h]['label']}"] = (
             f"{best[h]['heldout']:.4f} ({_gap(best[h]['heldout'], grad['heldout']):+.2%} vs grad)"
         )
+    for (h, _f, _t), st in bests.items():
+        if st is min((x for (hh, _, _), x in bests.items() if hh == h), key=lambda x: x["heldout"]):
+            res.headline[f"H={h} streaming best: {st['label']}"] = (
+                f"{st['heldout']:.4f} ({_gap(st['heldout'], best[h]['heldout']):+.2%} vs none)"
+            )
     gain = single["heldout"] - grad["heldout"]
     if gain > 0:
         share = ", ".join(f"H={h} {(single['heldout'] - best[h]['heldout']) / gain:.0%}" for h in sz.hs)
@@ -526,6 +675,13 @@ def _plot(res: Result, out_dir: Path, allv: list[dict], sz: Sizes) -> None:
     keys = {"grad", "single"} | {
         r["key"] for o in ("none", "eager") for r in best_per_h(allv, sz.hs, o).values()
     }
+    streaming: dict[tuple[int, int], dict] = {}  # the best streaming run per (H, F), over tau and the grid
+    for r in allv:
+        if r["overlap"] == "streaming" and r["dtype"] == "bf16":
+            k = (r["h"], r["frags"])
+            if k not in streaming or r["heldout"] < streaming[k]["heldout"]:
+                streaming[k] = r
+    keys |= {r["key"] for r in streaming.values()}
     for r in allv:
         if r["key"] not in keys:
             continue
@@ -547,6 +703,6 @@ def _plot(res: Result, out_dir: Path, allv: list[dict], sz: Sizes) -> None:
         (
             "quality.png",
             "Held-out loss vs tokens (left) and vs bytes crossed (right): grad, one region, the best grid point "
-            "per H without overlap and with eager",
+            "per H without overlap and with eager, and the best streaming run per H and F",
         )
     )

@@ -264,7 +264,7 @@ def test_overlap_accounting():
     boundary, which closes no round, and the ``xr_final_round`` event included), wall time is the steps' time."""
     import dataclasses
 
-    from bench.overlap import QUICK, _region_figures
+    from bench.overlap import QUICK, V, _region_figures
 
     sz = dataclasses.replace(QUICK, h=2, rounds=2)
 
@@ -276,19 +276,60 @@ def test_overlap_accounting():
         return {**out, "xr_bytes_up": 100, **kw}
 
     none = [step(1), step(2, **rnd(1, 0.5, xr_cleanup_s=0.0)), step(3), step(4, **rnd(2, 0.4))]
-    f = _region_figures("none", none, sz, "none")
+    f = _region_figures("none", none, sz, V("none", "bf16"))
     assert f["exposed_s"] == pytest.approx(0.9) and f["exposed_final_s"] == 0.0
     assert f["wall_s"] == 4.0 and f["bytes_up"] == 100 and f["round_s"] == [0.5, 0.5]
     first = {"xr_step": 2, "xr_inflight": 1, "xr_join_s": 0.0, "xr_exposed_s": 0.05}
     final = {"event": "xr_final_round", "step": 4, **rnd(2, 0.45, xr_join_s=0.4, xr_final=True)}
     eager = [step(1), step(2, **first), step(3), step(4, **rnd(1, 0.06, xr_join_s=0.01)), final]
-    f = _region_figures("eager", eager, sz, "eager")
+    f = _region_figures("eager", eager, sz, V("eager", "bf16"))
     assert f["exposed_s"] == pytest.approx(0.56) and f["exposed_final_s"] == 0.45
     assert f["exposed_each"] == [0.05, 0.06, 0.45] and f["join_s"] == [0.0, 0.01, 0.4]
     with pytest.raises(RuntimeError, match="rounds"):  # the round in flight at the end must be accounted
-        _region_figures("eager", eager[:-1], sz, "eager")
+        _region_figures("eager", eager[:-1], sz, V("eager", "bf16"))
     with pytest.raises(RuntimeError, match="xr_final_round"):  # none never has one
-        _region_figures("none", eager, sz, "none")
+        _region_figures("none", eager, sz, V("none", "bf16"))
+
+
+def test_overlap_accounting_streaming():
+    """Streaming (F 2, tau 1, H 4): a round starts every 2 steps and merges a step later; the starts, the
+    merges and the final event (the last round, merged after the last step) all count; the rounds' bytes
+    differ by fragment: the largest is the peak, the sum the run's."""
+    import dataclasses
+
+    from bench.overlap import QUICK, V, _region_figures
+
+    sz = dataclasses.replace(QUICK, h=4, rounds=2)
+    v = V("streaming", "bf16", 2, 1)
+
+    def step(i: int, **kw) -> dict:
+        return {"step": i, "step_time_s": 1.0, **kw}
+
+    def start(k: int) -> dict:
+        return {"xr_inflight": k, "xr_fragment": (k - 1) % 2, "xr_exposed_s": 0.01}
+
+    def merge(k: int, **kw) -> dict:
+        up = 60 if k % 2 else 40
+        rec = {
+            "xr_round": k,
+            "xr_total_s": 0.5,
+            "xr_exposed_s": 0.1,
+            "xr_join_s": 0.08,
+            "xr_outer_step_s": 0.01,
+        }
+        return {**rec, "xr_bytes_up": up, **kw}
+
+    recs = [step(1), step(2, **start(1)), step(3, **merge(1)), step(4, **start(2)), step(5, **merge(2))]
+    recs += [step(6, **start(3)), step(7, **merge(3)), step(8, **start(4))]
+    recs.append({"event": "xr_final_round", "step": 8, **merge(4, xr_exposed_s=0.3, xr_final=True)})
+    f = _region_figures("s", recs, sz, v)
+    assert f["exposed_s"] == pytest.approx(4 * 0.01 + 3 * 0.1 + 0.3) and f["exposed_final_s"] == 0.3
+    assert f["start_each"] == [0.01] * 4 and f["merge_each"] == [0.1] * 3
+    assert f["bytes_up"] == 60 and f["bytes_up_total"] == 200 and f["wall_s"] == 8.0
+    with pytest.raises(RuntimeError, match="xr_final_round"):  # tau 0 leaves nothing in flight at the end
+        _region_figures("s", recs, sz, V("streaming", "bf16", 2, 0))
+    with pytest.raises(RuntimeError, match="boundaries"):  # a round start that was not accounted
+        _region_figures("s", [step(1), step(2), *recs[2:]], sz, v)
 
 
 def test_quality_plan_covers_the_issue():
@@ -305,6 +346,23 @@ def test_quality_plan_covers_the_issue():
     plan = [Variant("grad"), Variant("single"), *grid]
     plan += [replace(v, overlap="eager") for v in grid] + [replace(v, dtype="int8") for v in grid]
     assert len({v.key for v in plan}) == len(plan)
+    # streaming (issue 26): F 2 and 4, tau 1, 5 and H/F - 1, at H 50 and 100, over the whole grid
+    from bench.quality import stream_configs
+
+    assert stream_configs(FULL) == [
+        (50, 2, 1),
+        (50, 2, 5),
+        (50, 2, 24),
+        (50, 4, 1),
+        (50, 4, 5),
+        (50, 4, 11),
+        (100, 2, 1),
+        (100, 2, 5),
+        (100, 2, 49),
+        (100, 4, 1),
+        (100, 4, 5),
+        (100, 4, 24),
+    ]
 
     def rec(v: Variant, loss: float) -> dict:
         return {
