@@ -64,7 +64,9 @@ def test_exit_process_runs_what_a_normal_exit_runs_then_skips_the_teardown(tmp_p
         "exit_process(7)\n"
         "print('not reached')\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert r.returncode == 7, r.stderr
     assert r.stdout == "buffered, no newlinethread joined\natexit ran\n", r.stdout
 
