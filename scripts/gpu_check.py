@@ -11,6 +11,9 @@ of this node, NCCL, bf16 autocast) on the ~125M config (configs/gpt-125m.yaml) u
              uninterrupted run (deterministic mode: bitwise, else the largest difference is reported)
   diloco     DiLoCo with one region over the fs mailbox, outer step on the GPU: outer-step time against
              the bytes it must move and the copy bandwidth measured in phase hbm
+  streaming  Streaming DiLoCo (overlap streaming, 4 fragments, the exchange behind 1-2 steps) with one
+             region over the fs mailbox, outer state on the GPU: every fragment's rounds merged, the time
+             a round's start and its merge held training up, the final join
 
 ``--smoke`` runs the same phases on the CPU with the tiny config in one process (gloo): the script's own
 logic, tested by ``make test`` (tests/train/test_gpu_check.py). Its figures mean nothing.
@@ -290,6 +293,53 @@ class Check:
         ok = rc == 0 and len(rounds) >= 2 and str(state.get("device", "")).startswith(want_dev)
         self.row("diloco", ok, fig, f"outer step must move >= {OUTER_BYTES_PER_PARAM} B/param")
 
+    def streaming(self) -> None:
+        frags = 4
+        h = max(frags, self.steps // 5 // frags * frags)  # 60 steps: H 12, a round every 3 steps
+        tau = min(2, h // frags - 1)
+        xr = CrossRegion(
+            enabled=True,
+            run_id="gpu-check-streaming",
+            region="solo",
+            regions=["solo"],
+            sync="diloco",
+            inner_steps=h,
+            overlap="streaming",
+            fragments=frags,
+            fragment_delay_steps=tau,
+            transport=FsTransport(root=str(self.out / "mailbox-streaming")),
+            outer_device="auto",
+        )
+        shutil.rmtree(self.out / "mailbox-streaming", ignore_errors=True)
+        rc, run = self.train("streaming", self.config("streaming"), extra=to_argv(xr))
+        recs = records(run)
+        merges = [r for r in recs if "xr_round" in r and "xr_fragment" in r]
+        starts = [r["xr_exposed_s"] for r in recs if "xr_inflight" in r and "xr_round" not in r]
+        state = next((r for r in recs if r.get("event") == "xr_outer_state"), {})
+        final = [r for r in recs if r.get("event") == "xr_final_round"]
+        fig = {
+            "rounds": len(merges),
+            "fragments_seen": len({r["xr_fragment"] for r in merges}),
+            "tau": tau,
+            "outer_device": state.get("device"),
+        }
+        if merges:
+            fig["merge_exposed_p50_s"] = rnd(sorted(r["xr_exposed_s"] for r in merges)[len(merges) // 2])
+        if starts:
+            fig["start_exposed_p50_s"] = rnd(sorted(starts)[len(starts) // 2])
+        if final:
+            fig["final_join_s"] = rnd(final[0]["xr_exposed_s"])
+        want_dev = "cpu" if self.smoke else "cuda"
+        ok = (
+            rc == 0
+            and fig["fragments_seen"] == frags
+            and bool(final) == (tau > 0)
+            and str(state.get("device", "")).startswith(want_dev)
+        )
+        self.row(
+            "streaming", ok, fig, f"every one of {frags} fragments merged; the last round joined at the end"
+        )
+
     def run(self, only: list[str]) -> int:
         phases = {
             "hbm": self.hbm,
@@ -298,6 +348,7 @@ class Check:
             "async-dcp": self.async_dcp,
             "stop": self.stop_resume,
             "diloco": self.diloco,
+            "streaming": self.streaming,
         }
         for name, fn in phases.items():
             if not only or name in only:
