@@ -230,9 +230,9 @@ class DiLoCo:
         return self._sync.after_optimizer_step(step, tokens)
 
     def finish(self, step: int) -> dict | None:
-        """After the last ``after_step``, before the final checkpoint: with ``overlap: eager`` wait for the
-        round still in flight and give the model the run's shared parameters, so every region ends on the
-        same bits; returns that round's record (None without a round in flight). In every mode it marks the
+        """After the last ``after_step``, before the final checkpoint: with ``overlap: eager`` or
+        ``streaming`` wait for the round still in flight (streaming: merge it) and give the model the run's
+        shared parameters, so every region ends on the same bits; returns that round's record (None without a round in flight). In every mode it marks the
         run as finished: :meth:`close` then waits (up to ``timeout_s``) for an outer snapshot still
         uploading, which it calls off otherwise. Raises :class:`XRNoQuorum` like :meth:`after_step`
         (checkpoint and requeue: the round runs again after :meth:`start`)."""
