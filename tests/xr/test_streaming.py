@@ -42,15 +42,19 @@ def run(
     stop_at=None,
     save_at=None,
     crash_at=None,
+    setup=None,
     **kw,
 ):
     """Train ``cycles`` x H steps with overlap streaming (or from ``state``: a resumed region). Records, at
     every step where the sync did something, the parameters before and after it and the outer state.
     ``stop_at``: a planned stop there (leave, checkpoint, exit); ``save_at``: a periodic checkpoint there;
-    ``crash_at``: the process dies there (no leave, no checkpoint: its heartbeat stops)."""
+    ``crash_at``: the process dies there (no leave, no checkpoint: its heartbeat stops). ``setup(s)``:
+    called with the sync once it is built."""
     kw.setdefault("overlap", "streaming")
     kw.setdefault("inner_steps", H)
     m, s = make(region, root, **kw)
+    if setup is not None:
+        setup(s)
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
     first = 1
     if state is not None:
@@ -288,11 +292,13 @@ def test_elastic_a_region_that_crashes_mid_cycle_rejoins_and_every_round_closes_
         if region == "eu" and step == far + 1:  # eu goes on once us is back (the rest is in lock-step)
             assert us_back.wait(60)
 
+    events: list[dict] = []
+
     def us():
         first = run("us", root, 6, save_at=H, crash_at=crash_at, **kw)
         assert eu_far.wait(60)
         us_back.set()
-        return run("us", root, 6, state=first["state"], **kw)
+        return run("us", root, 6, state=first["state"], log=events.append, **kw)
 
     res = in_threads(lambda r: us() if r == "us" else run(r, root, 6, gate=gate, **kw))
     eu, usr = res["eu"], res["us"]
@@ -303,6 +309,10 @@ def test_elastic_a_region_that_crashes_mid_cycle_rejoins_and_every_round_closes_
     away = [r["xr_round"] for r in merges.values() if r["xr_members"] == ["eu"]]
     assert 6 in away or 7 in away, away  # the round us died in, or the next, closed without it
     assert usr["adopted"] is not None and usr["adopted"] >= far - H // 4  # fast-forwarded to the run
+    (rejoin,) = [e for e in events if e["event"] == "xr_rejoin"]
+    # its rounds since the checkpoint were cleaned up behind a snapshot (keep_rounds 2): every fragment's
+    # outer state came from the snapshot, the rounds after it were replayed each on its fragment
+    assert rejoin["from_round"] == 3 and any(v.startswith("snapshot") for v in rejoin["via"]), rejoin
     back = sorted(s for s, x in usr["steps"].items() if "xr_round" in x["rec"])
     assert back
     for s in back:
@@ -310,3 +320,37 @@ def test_elastic_a_region_that_crashes_mid_cycle_rejoins_and_every_round_closes_
         assert torch.equal(usr["steps"][s]["momentum"], eu["steps"][s]["momentum"]), s
     assert usr["steps"][back[-1]]["rec"]["xr_members"] == REGIONS
     assert torch.equal(eu["params"], usr["params"])
+
+
+def test_elastic_a_late_region_applies_the_round_it_missed_and_a_planned_leave_closes_rounds_at_once(
+    tmp_path,
+):
+    """min_regions 1. us's delta for round 3 arrives after eu closed it (withheld: as if late): us applies
+    the committed update like eu, its record says late, and the shared state stays the same bits. Then us
+    leaves (a planned stop, announced): eu closes the next rounds without waiting out its grace."""
+    root = tmp_path / "mbx"
+    kw = dict(fragments=4, fragment_delay_steps=1, min_regions=1, grace_s=1.0, heartbeat_s=0.2)
+    stop_at = round_step(6, H, 4) + 1
+
+    def withhold_round_3(s):  # the fault injection of ENV_WITHHOLD_ROUNDS, for this region only
+        for ex in [*s.frag_ex, *(s.bg_frag_ex or [])]:
+            ex.withheld = frozenset({3})
+
+    res = in_threads(
+        lambda r: (
+            run(r, root, 3, stop_at=stop_at, setup=withhold_round_3, **kw)
+            if r == "us"
+            else run(r, root, 3, **kw)
+        )
+    )
+    eu, us = res["eu"], res["us"]
+    by_round = {x["rec"]["xr_round"]: x for x in eu["steps"].values() if "xr_round" in x["rec"]}
+    assert by_round[3]["rec"]["xr_members"] == ["eu"] and by_round[3]["rec"]["xr_close_reason"] == "grace"
+    us3 = next(x for x in us["steps"].values() if x["rec"].get("xr_round") == 3)
+    assert us3["rec"]["xr_late"] is True
+    assert torch.equal(us3["theta"], by_round[3]["theta"]) and torch.equal(
+        us3["momentum"], by_round[3]["momentum"]
+    )
+    # after us left (round 6 in flight): eu's next rounds closed at once, for the leave
+    after = [by_round[k]["rec"] for k in sorted(by_round) if k > 6]
+    assert after and all(r["xr_close_reason"] == "leave" and r["xr_exposed_s"] < 1.0 for r in after), after
