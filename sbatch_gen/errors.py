@@ -58,6 +58,8 @@ _SECRET_RES = [
 _SECRET_ASSIGN = re.compile(
     r"(?i)((?:password|passwd|secret|token|apikey|api_key)=['\"]?)[^\s'\"]+?(?=:?(?:[\s'\"]|$))"
 )
+# the user part of a URL that carries a password (scheme://user:password@host): all of it goes
+_URL_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\s:'\"]*:[^/?#@\s'\"]*@")
 _BASE64ISH = re.compile(r"(?<![A-Za-z0-9+/])[A-Za-z0-9+/]{32,}={0,2}(?![A-Za-z0-9+/=])")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 # A quoted value (as repr() writes one), else a run without spaces.
@@ -80,6 +82,7 @@ def mask_secrets(text: str) -> str:
     for rx in _SECRET_RES:
         text = rx.sub(MASK, text)
     text = _SECRET_ASSIGN.sub(lambda m: m.group(1) + MASK, text)
+    text = _URL_USERINFO.sub(lambda m: m.group(1) + MASK + "@", text)
     return _BASE64ISH.sub(lambda m: MASK if _looks_random(m.group()) else m.group(), text)
 
 

@@ -73,6 +73,8 @@ _KEY_SHAPES = (
     ("a private key", re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY")),
 )
 _SECRET40 = re.compile(r"(?<![A-Za-z0-9/+])[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+])")
+# a URL whose user part carries a password: scheme://user:password@host
+URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s:]*:[^/?#@\s]*@")
 
 
 def _random_looking(tok: str) -> bool:
@@ -90,6 +92,8 @@ def credential_shape(v: str) -> str | None:
     for what, rx in _KEY_SHAPES:
         if rx.search(v):
             return what
+    if URL_PASSWORD.search(v):
+        return "a URL with a password in its user part (scheme://user:password@host)"
     if any(_random_looking(m.group(0)) for m in _SECRET40.finditer(v)):
         return "a secret key (40 random-looking characters)"
     return None

@@ -17,9 +17,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ModelWrapValidatorHandler,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import ErrorDetails, InitErrorDetails
+from typing_extensions import Self
 
 from sbatch_gen.errors import FieldError
 from sbatch_gen.strict import StrictModel
@@ -201,30 +210,85 @@ Url = Annotated[str, AfterValidator(pattern_check(r"https?://[A-Za-z0-9.:\[\]_~%
 class ProfileSection(StrictModel):
     """A :class:`StrictModel` that applies the rules for every string before any field is validated."""
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _every_string(cls, data: object) -> object:
+    def _every_string(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
         """The rules for every string (values and keys) of the section, before any field is validated, so
-        no other message can quote a credential."""
-        _check_strings(data, ())
-        return data
+        no other message can quote a credential. A string that breaks them is reported and left out (a bad
+        key with its value; a bad value replaced by a placeholder), and the rest is validated all the same:
+        every other bad field is reported in the same run, the errors the placeholder itself causes left
+        out."""
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        clean = _without_bad_strings(data, (), problems)
+        if not problems:
+            return handler(data)
+        errors = [_field_error(path, msg) for path, msg in problems]
+        try:
+            handler(clean)
+        except ValidationError as e:
+            bad = [path for path, _ in problems]
+            for err in e.errors(include_url=False):
+                if not any(_within(_data_path(cls, err), b) for b in bad):
+                    errors.append(_as_init_error(err))
+        raise ValidationError.from_exception_data(cls.__name__, errors)
 
 
-def _check_strings(data: object, path: tuple[str | int, ...]) -> None:
-    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
-    for k, v in items:
-        if isinstance(k, str):
-            _check_string(k, (*path, k))
-        if isinstance(v, str):
-            _check_string(v, (*path, k))
-        else:
-            _check_strings(v, (*path, k))
+_PLACEHOLDER = "redacted"  # stands in for a string the rules refused (its own errors are left out)
 
 
-def _check_string(v: str, path: tuple[str | int, ...]) -> None:
+def _without_bad_strings(data: object, path: tuple[str | int, ...], problems: list) -> object:
+    """A copy of ``data`` without the strings that break the rules (see :meth:`ProfileSection._every_string`),
+    each one's problem appended to ``problems``."""
+    if isinstance(data, dict):
+        out: dict = {}
+        for k, v in data.items():
+            at = (*path, k)
+            why = _string_problem(k) if isinstance(k, str) else None
+            if why is not None:
+                problems.append((at, why))
+                continue
+            out[k] = _without_bad_strings(v, at, problems)
+        return out
+    if isinstance(data, list):
+        return [_without_bad_strings(v, (*path, i), problems) for i, v in enumerate(data)]
+    if isinstance(data, str):
+        why = _string_problem(data)
+        if why is not None:
+            problems.append((path, why))
+            return _PLACEHOLDER
+    return data
+
+
+def _string_problem(v: str) -> str | None:
     what = credential_shape(v)
     if what is not None:
-        raise FieldError(path, credential_message(what))
+        return credential_message(what)
     bad = unsafe_chars(v)
-    if bad:
-        raise FieldError(path, unsafe_chars_message(bad))
+    return unsafe_chars_message(bad) if bad else None
+
+
+def _field_error(path: tuple[str | int, ...], msg: str) -> InitErrorDetails:
+    return {"type": "value_error", "loc": (), "input": _PLACEHOLDER, "ctx": {"error": FieldError(path, msg)}}
+
+
+def _data_path(root: type[BaseModel], err: ErrorDetails) -> tuple:
+    """The data path a pydantic error is about (a model validator's FieldError included; union tags out)."""
+    from sbatch_gen.yamlload import resolve_loc
+
+    loc = tuple(err["loc"])
+    ctx_error = (err.get("ctx") or {}).get("error")
+    if isinstance(ctx_error, FieldError):
+        loc = loc + ctx_error.path
+    return resolve_loc(root, loc)[0]
+
+
+def _within(path: tuple, prefix: tuple) -> bool:
+    return path[: len(prefix)] == prefix
+
+
+def _as_init_error(err: ErrorDetails) -> InitErrorDetails:
+    """A pydantic error as :meth:`ValidationError.from_exception_data` takes it back."""
+    out: InitErrorDetails = {"type": err["type"], "loc": err["loc"], "input": err["input"]}
+    if "ctx" in err:
+        out["ctx"] = err["ctx"]
+    return out

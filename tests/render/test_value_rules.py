@@ -315,6 +315,52 @@ def test_key_shaped_values_are_refused_without_echoing_them(work, field, changes
     assert secret not in line
 
 
+def test_a_password_in_a_urls_user_part_is_refused_by_name(work):
+    line = _refused(
+        work,
+        "local",
+        "cross_region.transport.endpoint_url",
+        "<redacted>",
+        "a URL with a password in its user part",
+        **{
+            "cross_region.transport": {
+                "kind": "s3",
+                "bucket": "my-bucket",
+                "endpoint_url": "https://alice:hunter2secret@s3.example.org",
+            }
+        },
+    )
+    assert "hunter2secret" not in line and "alice" not in line
+
+
+def test_every_bad_field_is_reported_in_one_run_none_echoing_a_credential(work):
+    """A credential-shaped value no longer hides the profile's other problems: each is one line, in one run;
+    the placeholder that stands in for the refused value adds no line of its own."""
+    edit_site(
+        work / "sites" / "local.yaml",
+        **{
+            "slurm.partition": "bad partition!",
+            "cross_region.transport": {
+                "kind": "s3",
+                "bucket": "b",
+                "endpoint_url": "https://user:pa55word@host",
+                "credentials": {"access_key_id_env": "XR_KEY_ID", "secret_access_key_env": AWS_SECRET},
+            },
+        },
+    )
+    r = sg("validate")
+    assert r.code == 2 and "Traceback" not in r.err, r.err
+    lines = [ln for ln in r.err.splitlines() if "sites/local.yaml" in ln]
+    fields = [re.match(r"sbatch-gen: sites/local\.yaml:\d+: (\S+):", ln).group(1) for ln in lines]
+    assert fields == [
+        "slurm.partition",
+        "cross_region.transport.bucket",
+        "cross_region.transport.endpoint_url",
+        "cross_region.transport.credentials.secret_access_key_env",
+    ], r.err
+    assert "pa55word" not in r.err and AWS_SECRET not in r.err and "redacted" in lines[2]
+
+
 def test_credential_lookalikes_that_are_not_keys_pass(work):
     # A git commit id (40 hex digits), a long path and the *names* of the variables holding the keys.
     _accepted(
