@@ -490,9 +490,14 @@ class CrossRegion(StrictModel):
 
 
 def outer_step_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
-    """(field, message) for outer lr / momentum / H combinations that measured worse than plain averaging
-    in bench/results/quality.md (H 10, 50, 100). Nothing outside that range: no evidence either way."""
-    if not xr.enabled or xr.sync != "diloco" or xr.inner_steps > 100:
+    """(field, message) for outer lr / momentum / H combinations (and, with overlap streaming, delays) that
+    measured worse in bench/results/quality.md: H 10, 50 and 100 without overlap, H 50 and 100 with
+    streaming. Nothing outside those ranges: no evidence either way."""
+    if not xr.enabled or xr.sync != "diloco":
+        return []
+    if xr.overlap == "streaming":
+        return _streaming_warnings(xr)
+    if xr.inner_steps > 100:
         return []
     h, lr, mu = xr.inner_steps, xr.outer_lr, xr.outer_momentum
     if mu > 0 and h < 50:
@@ -500,7 +505,7 @@ def outer_step_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
             (
                 "outer_momentum",
                 f"cross_region.outer_momentum {mu:g} with inner_steps {h}: at H=10 every outer momentum in "
-                "bench/results/quality.md ended 9.9-13% above plain averaging's held-out loss (outer_lr 1, "
+                "bench/results/quality.md ended 9.2-13% above plain averaging's held-out loss (outer_lr 1, "
                 "outer_momentum 0). Use outer_momentum 0 below H=50 unless you measured otherwise.",
             )
         ]
@@ -510,12 +515,42 @@ def outer_step_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
                 "outer_lr",
                 f"cross_region.outer_lr {lr:g} with outer_momentum {mu:g} is an effective outer step "
                 f"outer_lr / (1 - outer_momentum) of {lr / (1 - mu):.3g}: above 2, every setting in "
-                "bench/results/quality.md ended 1.6-10.8% above plain averaging's held-out loss at H 10-100 "
+                "bench/results/quality.md ended 1.6-10.5% above plain averaging's held-out loss at H 10-100 "
                 "(it overshoots in runs of few rounds). Try outer_lr 1 with outer_momentum 0, or 0.5 at "
-                "H >= 50.",
+                "H >= 50; with overlap streaming the opposite holds (0.7 with 0.9 measured best).",
             )
         ]
     return []
+
+
+def _streaming_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
+    """overlap streaming, from bench/results/quality.md (H 50 and 100; F 2 and 4; tau 1, 5, H/F - 1)."""
+    h, mu, tau = xr.inner_steps, xr.outer_momentum, xr.fragment_delay_steps
+    if not 50 <= h <= 100:
+        return []
+    out = []
+    if mu < 0.9:
+        out.append(
+            (
+                "outer_momentum",
+                f"cross_region.outer_momentum {mu:g} with overlap streaming: at H 50 and 100 (F 2 and 4, "
+                "fragment_delay_steps 1 and 5) every other setting of bench/results/quality.md ended 0.6-5.5% "
+                "above outer_lr 0.7 with outer_momentum 0.9, the best in each (plain averaging, the defaults: "
+                "1.8-3.3%). Use outer_lr 0.7, outer_momentum 0.9 with streaming unless you measured otherwise.",
+            )
+        )
+    gap = h // xr.fragments
+    if tau > 5 and 2 * tau >= gap:
+        out.append(
+            (
+                "fragment_delay_steps",
+                f"cross_region.fragment_delay_steps {tau} is half or more of the {gap} steps between two "
+                "rounds: at the longest delay (inner_steps / fragments - 1) bench/results/quality.md measured "
+                "+1.25% (fragments 4) and +2.89% (fragments 2) held-out loss over no overlap at H=100, against "
+                "-1.7% to +0.14% at delays 1 and 5. Use the shortest delay that hides the exchange.",
+            )
+        )
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------

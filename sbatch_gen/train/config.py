@@ -201,11 +201,7 @@ def xr_problems(
     else:
         f = xr.fragment_count
         rounds = rounds_through(cfg.train.steps, h, f)
-        per = (
-            f"// inner_steps {h}"
-            if f == 1
-            else f"with fragments {f}: a round every inner_steps {h} / {f} steps"
-        )
+        per = f"// inner_steps {h}" if f == 1 else f"with fragments {f}: {f} rounds per inner_steps {h}"
         if rounds >= 1 and xr.snapshot_every > rounds:
             errors.append(
                 XRProblem(

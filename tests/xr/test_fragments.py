@@ -116,7 +116,7 @@ def test_the_runs_rounds_count_fragment_rounds():
     errs, _ = xr_problems(cfg, xr)  # 3 cycles of 4 fragment rounds: 12 rounds
     assert [e.field for e in errs] == ["snapshot_every"]
     assert (
-        "more than the 12 outer rounds of the run (train.steps 30 with fragments 4: a round every " in errs[0]
+        "more than the 12 outer rounds of the run (train.steps 30 with fragments 4: 4 rounds per " in errs[0]
     )
     assert xr_problems(cfg, xr.model_copy(update={"snapshot_every": 12}))[0] == []
     # 2 layers of 8 tensors and 4 others: 20 tensors to split
@@ -131,3 +131,26 @@ def test_the_runs_rounds_count_fragment_rounds():
         )[0][0].field
         == "fragments"
     )
+
+
+def test_streaming_warns_where_the_benchmark_measured_worse():
+    from sbatch_gen.xr_options import CrossRegion, outer_step_warnings
+
+    def warn(**kw):
+        xr = CrossRegion(enabled=True, region="eu", regions=["eu", "us"], overlap="streaming", **kw)
+        return [f for f, _ in outer_step_warnings(xr)]
+
+    # the best of the sweep at H 50 and 100: no warning (without streaming the same setting warns)
+    assert warn(inner_steps=100, outer_lr=0.7, outer_momentum=0.9, fragments=4, fragment_delay_steps=5) == []
+    none = CrossRegion(
+        enabled=True, region="eu", regions=["eu", "us"], inner_steps=100, outer_lr=0.7, outer_momentum=0.9
+    )
+    assert [f for f, _ in outer_step_warnings(none)] == ["outer_lr"]
+    # plain averaging (the defaults) with streaming, and a delay of half the gap or more
+    assert warn(inner_steps=100, fragments=4, fragment_delay_steps=5) == ["outer_momentum"]
+    assert warn(inner_steps=100, outer_lr=0.7, outer_momentum=0.9, fragments=4, fragment_delay_steps=13) == [
+        "fragment_delay_steps"
+    ]
+    assert warn(inner_steps=100, outer_lr=0.7, outer_momentum=0.9, fragments=4, fragment_delay_steps=12) == []
+    # outside the measured H: no evidence either way
+    assert warn(inner_steps=500, fragments=4, fragment_delay_steps=100) == []

@@ -572,7 +572,8 @@ class DiLoCo(OuterSync):
         from the commits' close times (the last few rounds' wall time). A returning region continues at
         the run's current step, so its first round back ends about when the others' does: else they
         would wait up to grace_s for it, or it would be late. 0 without an estimate, or when no round has
-        closed for two rounds' time (every region was away: the run stands at the commit); at most H - 1."""
+        closed for two rounds' time (every region was away: the run stands at the commit); at most the
+        steps between two rounds (:meth:`_round_gap`: H, with streaming H/F) - 1."""
         ms, h = self.ex.ms(), self._round_gap()
         closed = []  # (round, close time) of the last few rounds up to this one
         for r in [r for r in ms.committed_rounds() if r <= self.round][-4:]:
