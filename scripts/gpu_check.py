@@ -261,19 +261,25 @@ class Check:
             else "NOT bitwise equal to one uninterrupted run (deterministic mode)",
         )
 
-    def diloco(self) -> None:
-        h = max(2, self.steps // 5)
-        xr = CrossRegion(
+    def solo_region(self, run_id: str, h: int, mailbox: str, **kw) -> CrossRegion:
+        """DiLoCo with one region over a fresh fs mailbox ``OUT/mailbox``, outer state where ``auto`` puts
+        it (the GPU)."""
+        shutil.rmtree(self.out / mailbox, ignore_errors=True)
+        return CrossRegion(
             enabled=True,
-            run_id="gpu-check",
+            run_id=run_id,
             region="solo",
             regions=["solo"],
             sync="diloco",
             inner_steps=h,
-            transport=FsTransport(root=str(self.out / "mailbox")),
+            transport=FsTransport(root=str(self.out / mailbox)),
             outer_device="auto",
+            **kw,
         )
-        shutil.rmtree(self.out / "mailbox", ignore_errors=True)
+
+    def diloco(self) -> None:
+        h = max(2, self.steps // 5)
+        xr = self.solo_region("gpu-check", h, "mailbox")
         rc, run = self.train("diloco", self.config("diloco"), extra=to_argv(xr))
         recs = records(run)
         rounds = [r for r in recs if "xr_round" in r and "loss" in r and r.get("xr_outer_step_s") is not None]
@@ -297,20 +303,14 @@ class Check:
         frags = 4
         h = max(frags, self.steps // 5 // frags * frags)  # 60 steps: H 12, a round every 3 steps
         tau = min(2, h // frags - 1)
-        xr = CrossRegion(
-            enabled=True,
-            run_id="gpu-check-streaming",
-            region="solo",
-            regions=["solo"],
-            sync="diloco",
-            inner_steps=h,
+        xr = self.solo_region(
+            "gpu-check-streaming",
+            h,
+            "mailbox-streaming",
             overlap="streaming",
             fragments=frags,
             fragment_delay_steps=tau,
-            transport=FsTransport(root=str(self.out / "mailbox-streaming")),
-            outer_device="auto",
         )
-        shutil.rmtree(self.out / "mailbox-streaming", ignore_errors=True)
         rc, run = self.train("streaming", self.config("streaming"), extra=to_argv(xr))
         recs = records(run)
         merges = [r for r in recs if "xr_round" in r and "xr_fragment" in r]

@@ -11,82 +11,25 @@ import time
 import pytest
 import torch
 
-from sbatch_gen.train.xr.errors import XRLayoutError, XRNoQuorum
+from sbatch_gen.train.xr.errors import XRLayoutError
 from sbatch_gen.train.xr.protocol import round_tag
 from sbatch_gen.train.xr.sync import ROUND_PARTS
 
-from .test_sync import REGIONS, batch, flat, in_threads, make
+from .region_loop import run_region
+from .test_sync import REGIONS, in_threads, make
 
 pytestmark = pytest.mark.slow  # real mailbox, background threads
 
 H = 3
 
 
-def step_once(m, opt, region, step):
-    x, y = batch(region, step)
-    opt.zero_grad()
-    ((m(x) - y) ** 2).mean().backward()
-    opt.step()
-
-
-def run(region, root, rounds, *, tokens=None, gate=None, state=None, stop_at=None, **kw):
-    """Train ``rounds`` x H steps with overlap eager (or from ``state``: a resumed region); returns what
-    each boundary left behind and the final parameters. ``gate(region, step)`` runs before each step."""
+def run(region, root, rounds, **kw):
+    """Train ``rounds`` x H steps with overlap eager (or from ``state``: a resumed region); ``out["rounds"]``:
+    what each boundary left behind; the final parameters. See :func:`.region_loop.run_region`."""
     kw.setdefault("overlap", "eager")
     kw.setdefault("inner_steps", H)
-    m, s = make(region, root, **kw)
-    opt = torch.optim.SGD(m.parameters(), lr=0.05)
-    first = 1
-    if state is not None:
-        m.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        s.load_state_dict(state["outer"])
-        first = state["step"] + 1
-    s.align(first - 1)
-    adopted = s.catch_up(first - 1)  # a region behind the run continues at the run's step
-    step = first - 1 if adopted is None else adopted
-    tok = (tokens or {}).get(region, 32)
-    out = {"rounds": {}, "model": m, "sync": s, "adopted": adopted}
-    while step < rounds * H:
-        step += 1
-        if gate:
-            gate(region, step)
-        step_once(m, opt, region, step)
-        local = flat(m)
-        rec = s.after_optimizer_step(step, tok)
-        if rec and "xr_adopted_step" in rec:
-            step = rec["xr_adopted_step"]
-        elif rec is not None:
-            out["rounds"][step] = dict(
-                rec=rec,
-                local=local,
-                model=flat(m),
-                theta=s.theta_outer.clone(),
-                momentum=s.momentum.clone(),
-                own=s.own.clone() if s.own is not None else None,  # (overlap none: no own)
-                early=s.early,
-            )
-        if step == stop_at:  # a stop mid-phase: the checkpoint a trainer would write, then the process ends
-            s.leave(step, "stopped")
-            return save_and_close(out, m, opt, s, step)
-    try:
-        out["final"] = s.finish(rounds * H)
-    except XRNoQuorum:  # the last round found no quorum: checkpoint (a trainer then exits for a requeue)
-        return save_and_close(out, m, opt, s, rounds * H)
-    out["params"] = flat(m)
-    out["theta_end"] = s.theta_outer.clone()
-    s.close()
-    return out
-
-
-def save_and_close(out, m, opt, s, step):
-    out["state"] = dict(
-        model={k: v.clone() for k, v in m.state_dict().items()},
-        opt=opt.state_dict(),
-        outer={k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.state_dict().items()},
-        step=step,
-    )
-    s.close()
+    out = run_region(region, root, rounds * kw["inner_steps"], **kw)
+    out["rounds"] = out["steps"]
     return out
 
 

@@ -18,7 +18,8 @@ from sbatch_gen.train.xr.fragments import fragment_of, round_step
 from sbatch_gen.train.xr.protocol import round_tag
 from sbatch_gen.train.xr.sync import ROUND_PARTS
 
-from .test_overlap import nesterov64, step_once
+from .region_loop import run_region
+from .test_overlap import nesterov64
 from .test_sync import REGIONS, in_threads, make
 
 pytestmark = pytest.mark.slow  # real mailbox, background threads
@@ -26,80 +27,11 @@ pytestmark = pytest.mark.slow  # real mailbox, background threads
 H = 12  # with F = 4: a round every 3 steps, tau up to 2
 
 
-def flat_of(s) -> torch.Tensor:
-    """The model's parameters in the sync's flat order (fragment after fragment)."""
-    return s.flat.gather(torch.empty(s.numel)).clone()
-
-
-def run(
-    region,
-    root,
-    cycles,
-    *,
-    tokens=None,
-    gate=None,
-    state=None,
-    stop_at=None,
-    save_at=None,
-    crash_at=None,
-    setup=None,
-    **kw,
-):
-    """Train ``cycles`` x H steps with overlap streaming (or from ``state``: a resumed region). Records, at
-    every step where the sync did something, the parameters before and after it and the outer state.
-    ``stop_at``: a planned stop there (leave, checkpoint, exit); ``save_at``: a periodic checkpoint there;
-    ``crash_at``: the process dies there (no leave, no checkpoint: its heartbeat stops). ``setup(s)``:
-    called with the sync once it is built."""
+def run(region, root, cycles, **kw):
+    """Train ``cycles`` x H steps with overlap streaming; see :func:`.region_loop.run_region`."""
     kw.setdefault("overlap", "streaming")
     kw.setdefault("inner_steps", H)
-    m, s = make(region, root, **kw)
-    if setup is not None:
-        setup(s)
-    opt = torch.optim.SGD(m.parameters(), lr=0.05)
-    first = 1
-    if state is not None:
-        m.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        s.load_state_dict(state["outer"])
-        first = state["step"] + 1
-    s.align(first - 1)
-    out = {"steps": {}, "model": m, "sync": s, "theta0": s.theta_outer.clone()}
-    adopted = s.catch_up(first - 1)
-    out["adopted"] = adopted
-    step = first - 1 if adopted is None else adopted
-    tok = (tokens or {}).get(region, 32)
-    end = cycles * s.xr.inner_steps
-    while step < end:
-        step += 1
-        if gate:
-            gate(region, step)
-        step_once(m, opt, region, step)
-        local = flat_of(s)
-        rec = s.after_optimizer_step(step, tok)
-        if rec and "xr_adopted_step" in rec:
-            step = rec["xr_adopted_step"]
-        elif rec is not None:
-            out["steps"][step] = dict(
-                rec=rec,
-                local=local,
-                model=flat_of(s),
-                theta=s.theta_outer.clone(),
-                momentum=s.momentum.clone(),
-                own=s.own.clone(),
-            )
-        if step == stop_at:  # a stop mid-cycle: the checkpoint a trainer would write, then the process ends
-            s.leave(step, "stopped")
-            return save_and_close(out, m, opt, s, step)
-        if step == save_at:
-            out["state"] = checkpoint(m, opt, s, step)
-        if step == crash_at:
-            s.close()
-            return out
-    out["final"] = s.finish(end)
-    out["params"] = flat_of(s)
-    out["theta_end"] = s.theta_outer.clone()
-    s.close()
-    return out
+    return run_region(region, root, cycles * kw["inner_steps"], **kw)
 
 
 def on_the_wire(vec: torch.Tensor, plan, dtype: str) -> torch.Tensor:
@@ -109,21 +41,6 @@ def on_the_wire(vec: torch.Tensor, plan, dtype: str) -> torch.Tensor:
     out = torch.empty(vec.numel(), dtype=torch.float64)
     for lo, hi in plan.bounds:
         out[lo:hi] = scaled.decode(scaled.encode(vec[lo:hi], dtype), hi - lo, dtype).double()
-    return out
-
-
-def checkpoint(m, opt, s, step) -> dict:
-    return dict(
-        model={k: v.clone() for k, v in m.state_dict().items()},
-        opt=opt.state_dict(),
-        outer={k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.state_dict().items()},
-        step=step,
-    )
-
-
-def save_and_close(out, m, opt, s, step):
-    out["state"] = checkpoint(m, opt, s, step)
-    s.close()
     return out
 
 
