@@ -17,7 +17,9 @@ from sbatch_gen.train.xr.errors import XRLayoutError
 from sbatch_gen.train.xr.fragments import fragment_of, round_step
 from sbatch_gen.train.xr.protocol import round_tag
 from sbatch_gen.train.xr.sync import ROUND_PARTS
+from sbatch_gen.xr_options import S3Credentials, S3Transport
 
+from .conftest import KEY_ENV, SECRET_ENV
 from .region_loop import run_region
 from .test_overlap import nesterov64
 from .test_sync import REGIONS, in_threads, make
@@ -38,6 +40,8 @@ def on_the_wire(vec: torch.Tensor, plan, dtype: str) -> torch.Tensor:
     """``vec`` as every region decodes it (float64): scaled dtypes quantised shard by shard."""
     if dtype == "fp32":
         return vec.double()
+    if dtype == "bf16":
+        return vec.to(torch.bfloat16).double()
     out = torch.empty(vec.numel(), dtype=torch.float64)
     for lo, hi in plan.bounds:
         out[lo:hi] = scaled.decode(scaled.encode(vec[lo:hi], dtype), hi - lo, dtype).double()
@@ -51,16 +55,36 @@ CASES = [  # (fragments, tau, alpha, payload)
     (4, 2, 0.0, "fp32"),
     (2, 3, 0.5, "int8"),
     (4, 1, 0.5, "int4"),
+    (2, 2, 0.5, "fp8"),
 ]
 
 
 @pytest.mark.parametrize(("frags", "tau", "alpha", "dtype"), CASES)
 def test_the_update_rule_fragment_by_fragment_against_float64(tmp_path, frags, tau, alpha, dtype):
+    check_update_rule(tmp_path, frags, tau, alpha, dtype)
+
+
+@pytest.mark.parametrize("frags", [2, 4])
+def test_the_update_rule_over_s3(tmp_path, s3server, bucket, frags):
+    """The same rounds through the S3 mailbox (the local test server): the same references hold."""
+    transport = S3Transport(
+        bucket=bucket,
+        prefix="streaming",
+        endpoint_url=s3server.endpoint_url,
+        addressing_style="path",
+        region_name="us-east-1",
+        credentials=S3Credentials(access_key_id_env=KEY_ENV, secret_access_key_env=SECRET_ENV),
+    )
+    check_update_rule(tmp_path, frags, 1, 0.5, "bf16", transport=transport)
+
+
+def check_update_rule(tmp_path, frags, tau, alpha, dtype, **extra):
     tokens = {"eu": 30, "us": 90}
     lr, mu = 0.6, 0.5
     kw = dict(
         fragments=frags, fragment_delay_steps=tau, fragment_alpha=alpha, payload_dtype=dtype, outer_lr=lr
     )
+    kw.update(extra)
     res = in_threads(lambda r: run(r, tmp_path, 3, tokens=tokens, outer_momentum=mu, **kw))
     eu, us = res["eu"], res["us"]
     s = eu["sync"]
