@@ -95,7 +95,7 @@ class StreamingDiLoCo(DiLoCo):
         self.frag_tokens = [n + int(tokens) for n in self.frag_tokens]
         if not self.aligned:
             raise XRError("OuterSync.align() must run before the first outer round")
-        if self.inflight and step == self._round_step(self.inflight) + self.tau:
+        if self.inflight and step >= self._round_step(self.inflight) + self.tau:  # (never later than due)
             return self._merge_inflight(step)
         k = round_at(step, self.xr.inner_steps, self.nfrag)
         return self._start(k, step) if k else None
