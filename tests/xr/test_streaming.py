@@ -295,3 +295,25 @@ def test_elastic_a_late_region_applies_the_round_it_missed_and_a_planned_leave_c
     # after us left (round 6 in flight): eu's next rounds closed at once, for the leave
     after = [by_round[k]["rec"] for k in sorted(by_round) if k > 6]
     assert after and all(r["xr_close_reason"] == "leave" and r["xr_exposed_s"] < 1.0 for r in after), after
+
+
+def test_a_round_in_flight_past_its_merge_step_is_merged_not_left_behind(tmp_path):
+    """Should a trainer ever skip steps (it never does: the test calls the sync directly), a round in flight
+    whose merge step went by is merged at the next step, and a round due at that step still starts."""
+    _, s = make(
+        "eu",
+        tmp_path,
+        regions=["eu"],
+        overlap="streaming",
+        inner_steps=H,
+        fragments=4,
+        fragment_delay_steps=2,
+    )
+    s.align(0)
+    start = s.after_optimizer_step(3, 32)  # round 1 starts; due to merge at step 5
+    assert start["xr_inflight"] == 1 and s.inflight == 1
+    rec = s.after_optimizer_step(6, 32)  # step 5 skipped; round 2 is due at 6
+    assert rec["xr_round"] == 1 and rec["xr_inflight"] == 2 and s.round == 1 and s.inflight == 2
+    s.finish(6)
+    assert s.round == 2 and s.inflight == 0
+    s.close()

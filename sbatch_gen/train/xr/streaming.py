@@ -95,9 +95,16 @@ class StreamingDiLoCo(DiLoCo):
         self.frag_tokens = [n + int(tokens) for n in self.frag_tokens]
         if not self.aligned:
             raise XRError("OuterSync.align() must run before the first outer round")
-        if self.inflight and step >= self._round_step(self.inflight) + self.tau:  # (never later than due)
-            return self._merge_inflight(step)
         k = round_at(step, self.xr.inner_steps, self.nfrag)
+        if self.inflight and step >= self._round_step(self.inflight) + self.tau:
+            rec = self._merge_inflight(step)
+            if k and "xr_adopted_step" not in rec:  # (only when steps were skipped: never later than due)
+                started = self._start(k, step)
+                rec.update(
+                    xr_inflight=started["xr_inflight"],
+                    xr_exposed_s=rec["xr_exposed_s"] + started["xr_exposed_s"],
+                )
+            return rec
         return self._start(k, step) if k else None
 
     def _start(self, k: int, step: int) -> dict:
