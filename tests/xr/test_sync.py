@@ -421,7 +421,9 @@ def test_state_dict_roundtrip(tmp_path):
     s = recs["eu"]["sync"]
     sd = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.state_dict().items()}
     assert (
-        set(sd) == {"theta_outer", "momentum", "round", "aligned", "tokens", "pending"} and sd["round"] == 1
+        set(sd) == {"theta_outer", "momentum", "round", "aligned", "tokens", "pending", "fragments"}
+        and sd["round"] == 1
+        and sd["fragments"] == 0  # not streaming
     )
     _, s2 = make("eu", tmp_path)
     s2.load_state_dict({**sd, "round": torch.tensor(1)})
