@@ -59,7 +59,7 @@ _SECRET_ASSIGN = re.compile(
     r"(?i)((?:password|passwd|secret|token|apikey|api_key)=['\"]?)[^\s'\"]+?(?=:?(?:[\s'\"]|$))"
 )
 # the user part of a URL that carries a password (scheme://user:password@host): all of it goes
-_URL_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\s:'\"]*:[^/?#@\s'\"]*@")
+_URL_USERINFO = re.compile(r"(://)[^/?#@\s:'\"]*:[^/?#@\s'\"]*@")  # (from "://": linear on long values)
 _BASE64ISH = re.compile(r"(?<![A-Za-z0-9+/])[A-Za-z0-9+/]{32,}={0,2}(?![A-Za-z0-9+/=])")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 # A quoted value (as repr() writes one), else a run without spaces.

@@ -215,7 +215,8 @@ class ProfileSection(StrictModel):
     def _every_string(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
         """The rules for every string (values and keys) of the section, before any field is validated, so
         no other message can quote a credential. A string that breaks them is reported and left out (a bad
-        key with its value; a bad value replaced by a placeholder), and the rest is validated all the same:
+        key with its value; a bad value replaced by a stand-in, :func:`_stand_in`), and the rest is validated
+        all the same:
         every other bad field is reported in the same run, the errors the placeholder itself causes left
         out."""
         problems: list[tuple[tuple[str | int, ...], str]] = []
@@ -233,7 +234,7 @@ class ProfileSection(StrictModel):
         raise ValidationError.from_exception_data(cls.__name__, errors)
 
 
-_PLACEHOLDER = "redacted"  # stands in for a string the rules refused (its own errors are left out)
+_PLACEHOLDER = "redacted"  # stands in for a credential-shaped string (its own errors are left out)
 
 
 def _without_bad_strings(data: object, path: tuple[str | int, ...], problems: list) -> object:
@@ -255,8 +256,18 @@ def _without_bad_strings(data: object, path: tuple[str | int, ...], problems: li
         why = _string_problem(data)
         if why is not None:
             problems.append((path, why))
-            return _PLACEHOLDER
+            return _stand_in(data)
     return data
+
+
+def _stand_in(v: str) -> str:
+    """What validates in place of a refused string: a credential-shaped one is replaced whole (nothing of it
+    may reach a message); from any other, the forbidden characters are dropped, so that checks between
+    fields still see the rest (a ``{max_steps}`` in ``trainer.args``, say) and report nothing the refused
+    value did not cause."""
+    if credential_shape(v) is not None:
+        return _PLACEHOLDER
+    return "".join(c for c in v if not unsafe_chars(c))
 
 
 def _string_problem(v: str) -> str | None:
