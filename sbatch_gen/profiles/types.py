@@ -216,9 +216,8 @@ class ProfileSection(StrictModel):
         """The rules for every string (values and keys) of the section, before any field is validated, so
         no other message can quote a credential. A string that breaks them is reported and left out (a bad
         key with its value; a bad value replaced by a stand-in, :func:`_stand_in`), and the rest is validated
-        all the same:
-        every other bad field is reported in the same run, the errors the placeholder itself causes left
-        out."""
+        all the same: every other bad field is reported in the same run, the errors at a refused string's
+        own path left out."""
         problems: list[tuple[tuple[str | int, ...], str]] = []
         clean = _without_bad_strings(data, (), problems)
         if not problems:
