@@ -77,7 +77,7 @@ def run(out_dir: Path, quick: bool = False) -> Result:
     import torch
     from torch import nn
 
-    from bench.peer import publish
+    from bench.scripted import publish
     from sbatch_gen.train.dist import DistInfo
     from sbatch_gen.train.xr import kernels as sync_mod
     from sbatch_gen.train.xr.flat import layout_fingerprint

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from bench import peer
+from bench import scripted
 from sbatch_gen.train.xr.errors import XRBehind, XRNoQuorum
 from sbatch_gen.train.xr.membership import STALE_BEATS, Commit, Heartbeat, HeartbeatWriter, Membership, decide
 from sbatch_gen.train.xr.protocol import Expect, Mailbox, ShardPlan, round_tag
@@ -49,7 +49,7 @@ def members(
 
 
 def pub(ms: Membership, r: int, tokens=100, payload=None):
-    peer.publish(
+    scripted.publish(
         ms.mb,
         round_tag(r),
         payload or os.urandom(4 * N),

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from bench import peer
+from bench import scripted
 from sbatch_gen.train.xr.errors import XRChecksumError, XRLayoutError, XRMissingRound, XRTimeout
 from sbatch_gen.train.xr.protocol import Mailbox, Manifest, ShardPlan, parse_tag, round_tag
 from sbatch_gen.train.xr.store import make_store
@@ -49,11 +49,11 @@ def _args(kw):
 
 
 def xchg(box, tag, payload, **kw):
-    return peer.exchange(box, tag, payload, **_args(kw))
+    return scripted.exchange(box, tag, payload, **_args(kw))
 
 
 def publish(box, tag, payload, **kw):
-    return peer.publish(box, tag, payload, **_args(kw))
+    return scripted.publish(box, tag, payload, **_args(kw))
 
 
 def test_tags_and_plan():
