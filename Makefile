@@ -10,7 +10,7 @@ SG := $(VENV)/bin/sbatch-gen
 PYTEST_ARGS ?=
 # make test-fast: pytest-xdist processes (the unit tier is CPU-bound and its tests are isolated)
 TEST_WORKERS ?= 2
-APT_PACKAGES := shellcheck slurmctld slurmd slurm-client slurmdbd mariadb-server munge openssh-server iproute2 procps psmisc
+APT_PACKAGES := shellcheck slurmctld slurmd slurm-client slurmdbd mariadb-server munge openssh-server iproute2 iptables procps psmisc
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -18,7 +18,7 @@ help:  ## list the targets
 $(VENV)/.installed: pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints-dev.txt -e '.[dev,train,s3,report]'
+	$(PY) -m pip install -q -c constraints-dev.txt -e '.[dev,train,s3,report,peer]'
 	touch $@
 
 install: $(VENV)/.installed  ## create .venv, install the package editable with dev extras
