@@ -280,11 +280,13 @@ def _finish(runs: list[RegionRun], what: str) -> None:
 
 
 class _Watch:
-    """Region a's step records as the bench sees them appear (wall time, step): a's progress over time."""
+    """A region's step records as the bench sees them appear (wall time, step): its progress over time
+    (``records``: every record, events included)."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.pos, self.buf = path, 0, b""
         self.seen: list[tuple[float, dict]] = []
+        self.records: list[tuple[float, dict]] = []
 
     def poll(self) -> None:
         try:
@@ -300,6 +302,7 @@ class _Watch:
         for line in lines:
             if line.strip():
                 rec = json.loads(line)
+                self.records.append((now, rec))
                 if "event" not in rec and "step" in rec:
                     self.seen.append((now, rec))
 

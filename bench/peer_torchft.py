@@ -16,9 +16,9 @@ of them the seconds torchft's sync took -- it runs in DiLoCo's optimizer-step ho
 participants and step) and, on rank 0,
 ``<out>/model.safetensors`` the way our trainer exports it (:func:`save_model`).
 
-A replica restarted after a kill (``--restarted``) heals from a live peer, as torchft does: its first
-quorum finds it behind and fetches the peer's state; its inner step count is then derived from the
-healed state.
+A replica restarted after a kill heals from a live peer, as torchft does: its first quorum finds it
+behind and loads the peer's state; it then goes on from the group's step (an ``healed`` event). With no
+live peer (both restarted) it starts again from step 0: torchft keeps no durable checkpoint of its own.
 """
 
 from __future__ import annotations
@@ -66,10 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alpha", type=float, default=0.0, help="fragment_update_alpha")
     ap.add_argument("--outer-lr", type=float, required=True)
     ap.add_argument("--outer-momentum", type=float, required=True)
-    ap.add_argument(
-        "--hostname", default=None, help="the address the replica advertises (default: the host's)"
-    )
-    ap.add_argument("--timeout-s", type=float, default=120.0)
+    ap.add_argument("--timeout-s", type=float, default=60.0, help="torchft's own default")
     a = ap.parse_args(argv)
 
     from torchft import Manager, ProcessGroupGloo
@@ -132,12 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         use_async_quorum=False,  # DiLoCo requires the synchronous quorum
         replica_id=f"replica-{a.replica}",
         timeout=timeout,
-        quorum_timeout=timedelta(seconds=600),
+        quorum_timeout=timeout,  # torchft's default (60 s); a sync here is seconds apart
         # every replica starts from the same seeded model, the case torchft's docs give for init_sync=False.
         # With the default (True) the first quorum heals one replica from the other, and DiLoCo's first
         # quorum comes only after H inner steps: that replica's first round would be thrown away.
         init_sync=False,
-        **({"hostname": a.hostname} if a.hostname else {}),
     )
     a.out.mkdir(parents=True, exist_ok=True)
     log = open(a.out / f"rank{rank}.jsonl", "a")
@@ -157,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         fragment_update_alpha=a.alpha,
         backup_device=torch.device("cpu"),
     ):
-        # a restarted replica resumes where its healed state is (torchft's step counts fragment syncs)
-        step = manager.current_step() * per_frag
+        step = 0
         while step < t.steps:
             step += 1
             t0 = time.perf_counter()
@@ -187,6 +182,14 @@ def main(argv: list[str] | None = None) -> int:
                 "time": time.time(),
             }
             log.write(json.dumps(rec) + "\n")
+            # healed from a live peer (a restarted replica's first quorum): go on from the group's step
+            if manager.current_step() * per_frag > step:
+                healed = manager.current_step() * per_frag
+                log.write(
+                    json.dumps({"event": "healed", "step": step, "to_step": healed, "time": time.time()})
+                    + "\n"
+                )
+                step = healed
             log.flush()
     log.write(json.dumps({"event": "end", "time": time.time()}) + "\n")
     log.close()

@@ -125,7 +125,26 @@ class NanioServer:
 
 
 class MotoServer(S3Server):
+    """moto's server (objects in memory; honours conditional writes, which nanio ignores), optionally in a
+    network namespace (``netns``: then it binds ``host`` there and is probed from inside it)."""
+
     kind = "moto"
+
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, netns: str | None = None) -> None:
+        super().__init__(port=port, host=host)
+        self.netns = netns
+
+    def start(self, timeout_s: float = 30.0) -> MotoServer:
+        if self.netns is None:
+            super().start(timeout_s)
+            return self
+        self.port = self.port or free_port()
+        cmd = ["ip", "netns", "exec", self.netns, _bin("moto_server"), "-H", self.host, "-p", str(self.port)]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        wait_port(self.host, self.port, timeout_s, self.proc, self.netns)
+        return self
 
     def env(self) -> dict[str, str]:
         return {**super().env(), "NO_PROXY": "*", "no_proxy": "*"}
@@ -135,7 +154,7 @@ def make_server(kind: str, **kw):
     if kind == "nanio":
         return NanioServer(**kw)
     if kind == "moto":
-        return MotoServer()
+        return MotoServer(**{k: v for k, v in kw.items() if k in ("host", "port", "netns")})
     raise ValueError(f"unknown server {kind!r} (nanio, moto)")
 
 

@@ -220,9 +220,19 @@ class Star:
     def region_ip(self, region: str) -> str:
         return f"{self.subnet_base}.{4 * self._index(region) + 6}"
 
-    def region_dev(self, region: str) -> str:
-        """The region's end of its link (for ``GLOO_SOCKET_IFNAME``: gloo binds the address on it)."""
-        return f"{self.prefix}r{self._index(region)}"
+    def host_prefix(self, region: str) -> list[str]:
+        """:meth:`exec_prefix` as a host of its own: a UTS namespace whose hostname is the region's address,
+        so software that advertises ``gethostname()`` to its peers (torchft's checkpoint server, gloo's
+        default device) is reachable from the other regions (all namespaces share /etc/hosts)."""
+        return [
+            *self.exec_prefix(region),
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            self.region_ip(region),
+        ]
 
     def _hub_side_ip(self, region: str) -> str:
         return f"{self.subnet_base}.{4 * self._index(region) + 5}"
@@ -261,7 +271,7 @@ class Star:
             _run("ip", "netns", "exec", h, "sysctl", "-qw", "net.ipv4.ip_forward=1")
             self.proxy_port = free_port()  # any free port will do: each region's loopback is its own
             for i, r in enumerate(self.regions):
-                ns, ra, ha = self.region_ns(r), self.region_dev(r), f"{self.prefix}h{i}"
+                ns, ra, ha = self.region_ns(r), f"{self.prefix}r{i}", f"{self.prefix}h{i}"
                 self._add_ns(ns)
                 _ip("-n", ns, "link", "set", "lo", "up")
                 _ip("link", "add", ra, "type", "veth", "peer", "name", ha)

@@ -382,3 +382,33 @@ def test_quality_plan_covers_the_issue():
         rec(replace(b, dtype="int8"), 1.0),
     ]
     assert best_per_h(runs, (10,))[10]["key"] == a.key
+
+
+def test_peer_quick(tmp_path):
+    """torchft and ours on the same work: without overlap ours (fp32 payload) trains the same model, step by
+    step, as torchft does (the comparison is of the same work, not of two trainers); the fault runs end with
+    both replicas completed and one model between them."""
+    d = _bench("peer", tmp_path)
+    headers, rows = _table(d, "runs")
+    col = {h: headers.index(h) for h in headers}
+    by = {(r[col["system"]], r[col["payload"]], r[col["overlap"]].split()[0]): r for r in rows}
+    assert set(by) == {(s, "fp32", o) for s in ("torchft", "ours") for o in ("none", "streaming")}
+    gap = float(by["ours", "fp32", "none"][col["training loss vs torchft's (largest gap)"]])
+    assert gap < 1e-4, gap
+    held = {s: float(by[s, "fp32", "none"][col["held-out loss"]]) for s in ("torchft", "ours")}
+    assert abs(held["torchft"] - held["ours"]) < 1e-3, held
+    # strict rounds end on the same model in both replicas (torchft's streaming ends on each one's own mix)
+    for key in [("torchft", "fp32", "none"), ("ours", "fp32", "none"), ("ours", "fp32", "streaming")]:
+        assert by[key][col["a == b"]] == "identical", key
+    fh, faults = _table(d, "faults")
+    fc = {h: fh.index(h) for h in fh}
+    assert sorted(r[fc["system"]] for r in faults) == ["ours", "torchft"]
+    for r in faults:
+        assert (
+            r[fc["fault"]] == "one"
+            and r[fc["ended (seconds after the fault)"]] == "a: completed, b: completed"
+        ), r
+        assert r[fc["catch-up"]] != "-" and r[fc["a == b"]] in ("identical", "differ"), r
+    goals = [g["goal"] for g in d["goals"]]
+    assert any("fault one" in g for g in goals) and any("none: wall time" in g for g in goals)
+    assert all(g["met"] is None for g in d["goals"])  # --quick judges nothing
