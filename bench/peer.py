@@ -43,7 +43,7 @@ from sbatch_gen.train.trainer import ENV_STEP_SLEEP
 from sbatch_gen.xr_options import CrossRegion, FsTransport, S3Transport, to_argv
 
 from .common import PY, REPO, Result, bench_env, median
-from .elastic import DATA_BYTES, HELDOUT, REGIONS, _config, _Watch, heldout_loss
+from .elastic import DATA_BYTES, HELDOUT, REGIONS, _config, _finish, _Watch, heldout_loss
 from .wan import Star, available_star
 
 TIMEOUT = 900  # seconds one run may take
@@ -176,20 +176,6 @@ def _start(cmd: list[str], env: dict, log: Path, region: str, run_dir: Path) -> 
             cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
         )
     return RegionRun(region, run_dir, [p], [log], cmd)
-
-
-def _finish(runs: list[RegionRun], what: str) -> None:
-    for r in runs:
-        try:
-            rcs = r.wait(TIMEOUT)
-        except TimeoutError:
-            for o in runs:
-                o.kill()
-            raise
-        if any(rcs):
-            for o in runs:
-                o.kill()
-            raise RuntimeError(f"{what}: replica {r.region} exited {rcs}\n{r.tail()}")
 
 
 class Net:
@@ -487,6 +473,9 @@ FAULTS = {
 }
 
 
+_SURVIVORS = {"one": {"a"}, "both": set(), "coordinator": set(REGIONS)}  # who trains on through each fault
+
+
 def _fault_run(net: Net, work: Path, cfg: Path, data: Path, sz: Sizes, system: str, fault: str) -> dict:
     """One fault run: both replicas train, elastic (torchft: lighthouse ``--min_replicas 1``; ours:
     ``min_regions: 1``, grace and heartbeat at their defaults), without overlap; when a has logged
@@ -576,7 +565,7 @@ def _fault_run(net: Net, work: Path, cfg: Path, data: Path, sz: Sizes, system: s
     }
     resumed = None
     if system == "ours" and (root / "b" / "summary.json").is_file():
-        resumed = json.loads((root / "b" / "summary.json").read_text()).get("resumed_from")
+        resumed = json.loads((root / "b" / "summary.json").read_text()).get("resumed_from_step")
     out.update(_fault_figures(watch, sz, system, fault, t_fault, t_back, resumed))
     models = {r: root / r / "model.safetensors" for r in REGIONS}
     out["heldout"] = {
@@ -611,7 +600,7 @@ def _fault_figures(
     step (the stall), when the restarted replica b stepped again and rejoined the group, and how (ours:
     ``resumed``, the checkpoint step its summary names)."""
     normal = median([rec["step_time_s"] for t, rec in watch["a"].seen if t < t_fault][1:])
-    survivors = {"one": ["a"], "both": [], "coordinator": list(REGIONS)}[fault]
+    survivors = _SURVIVORS[fault]
     stall = max(
         (rec["step_time_s"] - normal for r in survivors for t, rec in watch[r].seen if t > t_fault),
         default=None,
@@ -911,7 +900,7 @@ def _report_faults(res: Result, sz: Sizes, faults: list[dict], link: str) -> Non
                     else f"{r}: exited {x} after {f['failed'][r][0] or float('nan'):.0f} s"
                     for r, x in f["rcs"].items()
                 ),
-                f["stall_s"],
+                _stall(f) if set(f["failed"]) & _SURVIVORS[f["fault"]] else f["stall_s"],
                 f["back_s"],
                 f["rejoin_s"],
                 f["killed_at"] if f["killed_at"] is not None else "-",
@@ -965,7 +954,7 @@ def _report_faults(res: Result, sz: Sizes, faults: list[dict], link: str) -> Non
         )
         if kind != "both":
             # a survivor that failed stalled for good
-            surv = {"a"} if kind == "one" else set(REGIONS)
+            surv = _SURVIVORS[kind]
             st = {k: float("inf") if surv & set(x["failed"]) else x["stall_s"] for k, x in by.items()}
             if None not in st.values():
                 res.goal(
@@ -977,7 +966,7 @@ def _report_faults(res: Result, sz: Sizes, faults: list[dict], link: str) -> Non
 
 def _stall(f: dict) -> str:
     if f["failed"]:
-        return "failed (" + ", ".join(f"{r} exited {f['rcs'][r]}" for r in f["failed"]) + ")"
+        return "failed (" + ", ".join(f"{r} exited {f['rcs'][r]}" for r in sorted(f["failed"])) + ")"
     return f"{f['stall_s']:.1f} s"
 
 
