@@ -20,12 +20,15 @@ The network (:class:`bench.wan.Star`): every replica in its own network namespac
 (``tc tbf``) to a hub namespace; every TCP connection a replica opens gets the RTT and a per-stream
 window from a transparent delay proxy, which also counts the bytes. torchft's lighthouse and our object
 store both live in the hub: a replica's traffic to its peer (torchft) or to the store (ours) crosses its
-own link. ``--quick``: a tiny model, no WAN (everything on this host's loopback, ours over fs).
+own link. Faults, the same schedule on both sides (:data:`FAULTS`): one replica killed and restarted, both,
+and the coordinator lost (torchft's lighthouse, our store). ``--quick``: a tiny model, no WAN (everything on
+this host's loopback, ours over fs), and the one-replica fault only.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import statistics
@@ -752,7 +755,7 @@ def _report(res: Result, sz: Sizes, rows: list[dict], why: str | None) -> None:
     m = sz.model
     res.setup[:0] = [
         f"2 replicas (a, b), each a torchrun of {NPROC} processes (a DDP group over gloo, CPU, one thread each) on "
-        f"this machine's {__import__('os').cpu_count()} cores; a {m['n_layers']}-layer width-{m['d_model']} GPT, "
+        f"this machine's {os.cpu_count()} cores; a {m['n_layers']}-layer width-{m['d_model']} GPT, "
         f"batch {sz.batch} x {m['seq_len']} tokens per process, {sz.h * sz.rounds} steps, DiLoCo H={sz.h} "
         f"({sz.rounds} rounds), outer Nesterov lr {OUTER_LR:g} momentum {OUTER_MOMENTUM:g}, inner AdamW and the "
         f"trainer's schedule; a per-step sleep of {sz.sleep_s:g} s (`{ENV_STEP_SLEEP}`) stands in for a faster "
