@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SG := $(VENV)/bin/sbatch-gen
 PYTEST_ARGS ?=
-# make test-fast: pytest-xdist processes (the unit tier is CPU-bound and its tests are isolated)
+# pytest-xdist processes for make test-fast and make test (tests/conftest.py groups what must run serially)
 TEST_WORKERS ?= 2
 APT_PACKAGES := shellcheck slurmctld slurmd slurm-client slurmdbd mariadb-server munge openssh-server iproute2 iptables procps psmisc
 
@@ -52,8 +52,8 @@ format: install  ## rewrite the Python sources in the project's style (ruff form
 test-fast: install  ## the unit tier: no real servers, no subprocess training, no Slurm; under a minute (TEST_WORKERS processes)
 	$(PY) -m pytest -m "not slow and not e2e" -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
-test: install system-deps  ## the whole test suite: unit, multi-process (torchrun/gloo), end to end on local Slurm
-	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
+test: install system-deps  ## the whole test suite: unit, multi-process (torchrun/gloo), end to end on local Slurm (TEST_WORKERS processes)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 demo: install  ## render the sites, then train two regions with DiLoCo over the fs mailbox and summarise
 	$(SG) render --all

@@ -44,3 +44,29 @@ def clean_env(monkeypatch):
         ):
             monkeypatch.delenv(k, raising=False)
     return os.environ
+
+
+# `make test` runs the suite in TEST_WORKERS pytest-xdist processes with `--dist loadgroup`. Each test
+# joins one group, and a group runs in one process, in order:
+# - "slurm": tests/e2e. There is one local Slurm cluster and its tests assume they own it (its
+#   partitions, its nodes' processes, preemption between jobs); they run one after another, first, since
+#   they are the longest chain and mostly wait on Slurm.
+# - "netns": tests/bench. The WAN emulations create network namespaces with fixed names.
+# - every other test file is its own group, so its module fixtures (a reference run, a clone) are built once.
+_SERIAL_GROUPS = {"e2e": "slurm", "bench": "netns"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("dist", default="no") != "loadgroup":
+        return
+    tests_dir = Path(__file__).resolve().parent
+
+    def group(item) -> str:
+        rel = Path(str(item.path)).resolve().relative_to(tests_dir)
+        return _SERIAL_GROUPS.get(rel.parts[0], rel.as_posix())
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    # the groups go out in collection order (make test passes --no-loadscope-reorder): Slurm's first
+    items.sort(key=lambda item: group(item) != "slurm")
