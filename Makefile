@@ -18,7 +18,7 @@ help:  ## list the targets
 $(VENV)/.installed: pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints-dev.txt -e '.[dev,train,s3,report,peer]'
+	$(PY) -m pip install -q -c constraints-dev.txt -e '.[dev,train,s3,report,metrics,peer]'
 	touch $@
 
 install: $(VENV)/.installed  ## create .venv, install the package editable with dev extras

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .. import xr_options
+from .. import metrics_options, xr_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="end after this step (<= train.steps; the LR schedule still spans train.steps)",
     )
     xr_options.add_arguments(ap)
+    metrics_options.add_arguments(ap)
     return ap
 
 

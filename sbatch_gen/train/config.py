@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from ..metrics_options import MetricsOptions
 from ..strict import StrictModel
 from ..xr_options import outer_step_warnings
 from ..yamlload import load_model
@@ -135,6 +136,11 @@ class TrainConfig(StrictModel):
     optim: OptimConfig
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     dist: DistConfig = Field(default_factory=DistConfig)
+    metrics: MetricsOptions = Field(
+        default_factory=MetricsOptions,
+        description="Metric sinks besides metrics.jsonl; the --metrics-* flags (a site profile's metrics "
+        "section) replace this section.",
+    )
     run_dir: str = Field(default="runs/default", min_length=1, description="Default for --run-dir.")
 
     @model_validator(mode="after")

@@ -3,7 +3,8 @@
 Torch-free. :meth:`RunSpec.from_args` is the only place where the trainer's flags meet the train config
 and the cross-region options: ``--run-dir`` and ``--data-path`` are merged into the config (``run_dir``,
 ``data.path``), ``--max-steps`` caps the end step, the ``--xr-*`` flags become a validated
-:class:`~sbatch_gen.xr_options.CrossRegion`. Below the entry point nothing reads the flags again.
+:class:`~sbatch_gen.xr_options.CrossRegion`, and the ``--metrics-*`` flags, when given, replace the
+config's ``metrics`` section. Below the entry point nothing reads the flags again.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import xr_options
+import pydantic
+
+from .. import metrics_options, xr_options
 from ..errors import UserError
 from .api import CrossRegionError, cross_region_from_args, xr_flags_given
 from .config import TrainConfig, load_config, xr_problems
@@ -71,10 +74,15 @@ class RunSpec:
             raise SpecError(
                 f"cross-region {'flag' if xr_flags_given(args) else 'environment'} error:\n{e}"
             ) from None
+        try:
+            metrics = metrics_options.from_namespace(args)
+        except pydantic.ValidationError as e:
+            raise SpecError("metrics flag error:\n" + metrics_options.flag_errors(e)) from None
         cfg = loaded.model_copy(
             update={
                 "run_dir": args.run_dir or loaded.run_dir,
                 "data": loaded.data.model_copy(update={"path": args.data_path or loaded.data.path}),
+                "metrics": metrics or loaded.metrics,
             }
         )
         steps = cfg.train.steps

@@ -147,3 +147,39 @@ def test_an_end_step_beyond_the_config_is_refused(cfg):
         dataclasses.replace(s, end_step=21)
     with pytest.raises(ValueError, match="end_step -1"):
         dataclasses.replace(s, end_step=-1)
+
+
+def test_metrics_flags_replace_the_configs_metrics_section(tmp_path):
+    cfg = write_config(tmp_path / "m.yaml", metrics={"sinks": ["tensorboard"], "prometheus_every": 3})
+    s = _spec(cfg)
+    assert s.cfg.metrics.sinks == ["tensorboard"] and s.cfg.metrics.prometheus_every == 3
+    s = _spec(cfg, "--metrics-sinks prometheus,wandb --metrics-wandb-project p1")
+    m = s.cfg.metrics
+    assert m.sinks == ["prometheus", "wandb"] and m.wandb_project == "p1"
+    assert m.prometheus_every == 10  # the section is replaced as a whole: the flags are the profile's
+    assert _spec(write_config(tmp_path / "n.yaml")).cfg.metrics.sinks == []
+
+
+def test_metrics_flags_round_trip_and_bad_ones_are_named(tmp_path):
+    from sbatch_gen.metrics_options import MetricsOptions, to_argv
+
+    opts = MetricsOptions(
+        sinks=["wandb", "prometheus"], prometheus_dir="/var/lib/node_exporter", wandb_entity="team"
+    )
+    cfg = write_config(tmp_path / "c.yaml")
+    assert _spec(cfg, " ".join(to_argv(opts))).cfg.metrics == opts
+    assert to_argv(None) == []
+    with pytest.raises(SpecError) as e:
+        _spec(cfg, "--metrics-sinks tensorboard,tensorboard --metrics-wandb-api-key-env 1BAD")
+    assert str(e.value).splitlines() == [
+        "metrics flag error:",
+        "--metrics-sinks: Value error, listed twice: tensorboard",
+        "--metrics-wandb-api-key-env: String should match pattern '^[A-Za-z_][A-Za-z0-9_]{0,127}$'",
+    ]
+
+
+def test_a_metrics_section_error_names_the_file_and_line(tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", metrics={"sinks": ["tensorbord"]})
+    with pytest.raises(SpecError) as e:
+        _spec(cfg)
+    assert f"{cfg}:" in str(e.value) and "metrics.sinks" in str(e.value) and "tensorboard" in str(e.value)

@@ -1,0 +1,348 @@
+"""Metric sinks beside metrics.jsonl: TensorBoard, Weights & Biases, a Prometheus textfile.
+
+metrics.jsonl stays the source of truth and is always written; the sinks get the same records after it.
+Rank 0 of a region writes. What they carry is one set of scalars (:func:`scalars`), under the same names in
+every sink (Prometheus adds its ``sbatch_gen_`` namespace):
+
+- per step: ``loss``, ``lr``, ``tokens_per_s``, ``step_time_s``, ``data_time_s``, ``comm_time_s``,
+  ``slowest_rank``, ``grad_norm``, ``mem_bytes``, ``mfu``, ``hfu``;
+- per cross-region round: its phases (``xr_upload_s`` ... ``xr_total_s``), ``xr_exposed_s``,
+  ``xr_bytes_up``/``xr_bytes_down``, ``xr_participants``, ``xr_absent_regions``, ``xr_late`` (1 when this
+  region was late) and ``xr_round``.
+
+The training thread only puts a record on a queue; one background thread starts the sinks and writes
+them, so a slow sink (W&B's start or upload, a disk) costs the step nothing. A sink that raises is logged once, with the
+reason, and dropped: it never stops training, and metrics.jsonl is unaffected.
+
+Resumed attempts continue the same runs: TensorBoard writes to the same directory with ``purge_step`` at
+the attempt's first step (its readers drop what an earlier attempt logged from there on), W&B resumes the
+run of the same id and skips the steps an earlier attempt already logged (the last step of
+metrics.jsonl when this attempt started), and the Prometheus file is a snapshot, rewritten atomically.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..metrics_options import MetricsOptions
+
+log = logging.getLogger("sbatch_gen.train")
+
+STEP_SCALARS = (
+    "loss",
+    "lr",
+    "tokens_per_s",
+    "step_time_s",
+    "data_time_s",
+    "comm_time_s",
+    "slowest_rank",
+    "grad_norm",
+    "mem_bytes",
+    "mfu",
+    "hfu",
+)
+ROUND_SCALARS = (
+    "xr_round",
+    "xr_upload_s",
+    "xr_wait_s",
+    "xr_download_s",
+    "xr_reduce_s",
+    "xr_broadcast_s",
+    "xr_outer_step_s",
+    "xr_cleanup_s",
+    "xr_total_s",
+    "xr_exposed_s",
+    "xr_join_s",
+    "xr_bytes_up",
+    "xr_bytes_down",
+)
+# counted from the round's membership lists, or 0/1 from a flag
+ROUND_COUNTS = {"xr_participants": "xr_members", "xr_absent_regions": "xr_absent"}
+PROMETHEUS_PREFIX = "sbatch_gen_"
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, int | float):
+        return float(v)
+    return None
+
+
+def scalars(record: dict) -> tuple[int, dict[str, float]] | None:
+    """(step, {name: value}) of a metrics.jsonl record, or None for a record without a step.
+
+    A step record gives the step scalars it has (a missing or null field is left out), plus the round
+    scalars when a cross-region round ended at that step; an ``xr_final_round`` event gives the round
+    scalars only. Other events give None."""
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        return None
+    event = record.get("event")
+    if event is not None and event != "xr_final_round":
+        return None
+    out: dict[str, float] = {}
+    if event is None:
+        for name in STEP_SCALARS:
+            if (v := _number(record.get(name))) is not None:
+                out[name] = v
+    if "xr_round" in record:
+        for name in ROUND_SCALARS:
+            if (v := _number(record.get(name))) is not None:
+                out[name] = v
+        for name, field in ROUND_COUNTS.items():
+            if isinstance(record.get(field), list):
+                out[name] = float(len(record[field]))
+        if "xr_late" in record:
+            out["xr_late"] = float(bool(record["xr_late"]))
+    return step, out
+
+
+def last_logged_step(path: Path, chunk: int = 1 << 16) -> int | None:
+    """The step of the last step record in metrics.jsonl (None: no file, or no step record), read from the
+    end, so a two-day run's file is not read whole."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return None
+    with f:
+        end = f.seek(0, os.SEEK_END)
+        tail = b""
+        while end > 0:
+            start = max(0, end - chunk)
+            f.seek(start)
+            tail = f.read(end - start) + tail
+            end = start
+            lines = tail.split(b"\n")
+            complete = lines if start == 0 else lines[1:]  # the first may be cut
+            for line in reversed(complete):
+                m = re.match(rb'\{"step": (\d+),', line)
+                if m:
+                    return int(m.group(1))
+            tail = lines[0] if start else b""
+    return None
+
+
+class Sink(Protocol):
+    name: str
+
+    def write(self, step: int, values: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TensorBoardSink:
+    """Event files under ``<run-dir>/tensorboard``, flushed after every write."""
+
+    name = "tensorboard"
+
+    def __init__(self, run_dir: Path, first_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        # purge_step: TensorBoard's readers drop what an earlier attempt logged from this step on
+        self.writer = SummaryWriter(
+            log_dir=str(run_dir / "tensorboard"), purge_step=first_step if first_step > 1 else None
+        )
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        for name, v in values.items():
+            self.writer.add_scalar(name, v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """One W&B run per region, in a group named by the run id; online when the API key's variable is set
+    (or ``wandb_mode: online``), offline otherwise, its files under ``<run-dir>/wandb``."""
+
+    name = "wandb"
+
+    def __init__(
+        self, opts: MetricsOptions, run_dir: Path, run_id: str, region: str, skip_through: int | None
+    ) -> None:
+        import wandb  # needs the wandb package
+
+        key = os.environ.get(opts.wandb_api_key_env)
+        mode = opts.wandb_mode
+        if mode == "auto":
+            mode = "online" if key else "offline"
+        if key and opts.wandb_api_key_env != "WANDB_API_KEY":
+            os.environ["WANDB_API_KEY"] = key  # wandb reads this one; the render never holds the key
+        self.skip_through = skip_through
+        self.run = wandb.init(
+            project=opts.wandb_project,
+            entity=opts.wandb_entity,
+            group=run_id,
+            name=region,
+            id=_wandb_id(run_id, region),
+            resume="allow",
+            dir=str(run_dir),
+            mode=mode,
+            settings=wandb.Settings(init_timeout=opts.wandb_init_timeout_s, silent=True, console="off"),
+        )
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        if self.skip_through is not None and step <= self.skip_through:
+            return  # an earlier attempt logged it (W&B steps only move forward)
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _wandb_id(run_id: str, region: str) -> str:
+    """A W&B run id for (run, region): W&B ids may not hold '/' and some other characters."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{run_id}-{region}")[:128]
+
+
+class PrometheusSink:
+    """A node_exporter textfile-collector file, rewritten atomically every ``prometheus_every`` steps (and
+    at the end): every scalar as a gauge labelled with the run id and region, plus the last step and the
+    write time."""
+
+    name = "prometheus"
+
+    def __init__(self, opts: MetricsOptions, run_dir: Path, run_id: str, region: str) -> None:
+        import prometheus_client  # needs the prometheus-client package
+
+        self._client = prometheus_client
+        self.every = opts.prometheus_every
+        directory = Path(opts.prometheus_dir) if opts.prometheus_dir else run_dir
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{run_id}_{region}")
+        self.path = directory / f"sbatch_gen_{safe}.prom"
+        self.labels = {"run_id": run_id, "region": region}
+        self.values: dict[str, float] = {}
+        self.step: int | None = None
+        self.written: int | None = None
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        self.values.update(values)
+        self.step = step
+        if self.written is None or step - self.written >= self.every:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.step is None:
+            return
+        c = self._client
+        reg = c.CollectorRegistry()
+        names = sorted(self.labels)
+        gauge = {"step": self.step, "last_write_timestamp_seconds": time.time(), **self.values}
+        for name, v in gauge.items():
+            g = c.Gauge(PROMETHEUS_PREFIX + name, _HELP.get(name, name), names, registry=reg)
+            g.labels(**self.labels).set(v)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        c.write_to_textfile(str(self.path), reg)  # a temp file, then a rename
+        self.written = self.step
+
+    def close(self) -> None:
+        if self.step != self.written:
+            self._flush()
+
+
+_HELP = {
+    "step": "the last step logged",
+    "last_write_timestamp_seconds": "when this file was written (Unix time)",
+    "loss": "training loss, mean over the region's ranks",
+    "tokens_per_s": "tokens per second, the whole region",
+    "xr_exposed_s": "seconds training waited for the last cross-region round",
+    "xr_participants": "regions that took part in the last round",
+    "xr_absent_regions": "regions absent from the last round",
+}
+
+
+class Sinks:
+    """The sinks of rank 0, fed from :meth:`write`. One background thread starts them (W&B's start may
+    wait on the network for ``wandb_init_timeout_s``: training does not), then writes every record."""
+
+    def __init__(self, makers: dict[str, Callable[[], Sink]]) -> None:
+        self.sinks: list[Sink] = []
+        self._q: queue.SimpleQueue[dict | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, args=(makers,), name="metric-sinks", daemon=True)
+        self._thread.start()
+
+    def write(self, record: dict) -> None:
+        self._q.put(record)
+
+    def _run(self, makers: dict[str, Callable[[], Sink]]) -> None:
+        for name, make in makers.items():
+            self._start(name, make)
+        while (record := self._q.get()) is not None:
+            got = scalars(record)
+            if got is None or not got[1]:
+                continue
+            for sink in list(self.sinks):
+                self._call(sink, "write", *got)
+
+    def _start(self, name: str, make: Callable[[], Sink]) -> None:
+        try:
+            self.sinks.append(make())
+        except ImportError as e:
+            log.warning(
+                "metrics sink %s not started: %s (pip install 'sbatch-gen[metrics]'); metrics.jsonl is written",
+                name,
+                e,
+            )
+        except Exception as e:
+            log.warning(
+                "metrics sink %s not started (%s: %s); metrics.jsonl is written",
+                name,
+                type(e).__name__,
+                _short(e),
+            )
+
+    def _call(self, sink: Sink, what: str, *args: Any) -> None:
+        try:
+            getattr(sink, what)(*args)
+        except Exception as e:  # a sink never stops training
+            if sink in self.sinks:
+                self.sinks.remove(sink)
+                log.warning(
+                    "metrics sink %s failed (%s: %s): disabled; metrics.jsonl is unaffected",
+                    sink.name,
+                    type(e).__name__,
+                    _short(e),
+                )
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Write what is queued, then close every sink (W&B's finish uploads what is left online); gives up
+        waiting after ``timeout`` seconds (the thread is a daemon)."""
+        self._q.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("metrics sinks still busy after %.0f s: not waiting for them", timeout)
+            return
+        for sink in list(self.sinks):
+            self._call(sink, "close")
+
+
+def _short(e: BaseException) -> str:
+    s = " ".join(str(e).split())
+    return s if len(s) <= 200 else s[:197] + "..."
+
+
+def open_sinks(
+    opts: MetricsOptions, run_dir: Path, *, run_id: str, region: str, first_step: int
+) -> Sinks | None:
+    """The sinks ``opts`` turns on, for rank 0 of a region whose attempt logs from ``first_step`` on; None
+    when none is. They start in the background; one that cannot start (its package missing, W&B
+    unreachable) is logged once and left out."""
+    if not opts.sinks:
+        return None
+    skip = last_logged_step(run_dir / "metrics.jsonl")  # before this attempt writes its first record
+    makers: dict[str, Callable[[], Sink]] = {
+        "tensorboard": lambda: TensorBoardSink(run_dir, first_step),
+        "wandb": lambda: WandbSink(opts, run_dir, run_id, region, skip),
+        "prometheus": lambda: PrometheusSink(opts, run_dir, run_id, region),
+    }
+    return Sinks({name: makers[name] for name in opts.sinks})

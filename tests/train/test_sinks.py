@@ -1,0 +1,213 @@
+"""The metric sinks (sbatch_gen/train/sinks.py) on their own: the scalars a record gives, the tail read of
+metrics.jsonl, a failing sink, and each sink read back with its project's own reader (tests/train/readback.py).
+The whole trainer with every sink on is in test_single.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+
+import pytest
+
+from sbatch_gen.metrics_options import MetricsOptions
+from sbatch_gen.train import sinks
+from sbatch_gen.train.sinks import Sinks, last_logged_step, open_sinks, scalars
+
+from .readback import prometheus_samples, tensorboard_scalars, wandb_scalars
+
+pytestmark = pytest.mark.slow  # imports tensorboard and wandb (seconds each); wandb starts its service
+
+STEP = {
+    "step": 7,
+    "loss": 3.5,
+    "lr": 1e-3,
+    "tokens": 96,
+    "tokens_per_s": 1000.0,
+    "step_time_s": 0.02,
+    "data_time_s": 0.001,
+    "comm_time_s": None,
+    "grad_norm": 1.5,
+    "mem_bytes": 123,
+    "mfu": None,
+    "hfu": None,
+    "slowest_rank": 1,
+    "rank_losses": [3.4, 3.6],
+}
+ROUND = {
+    "xr_round": 2,
+    "xr_upload_s": 0.1,
+    "xr_total_s": 0.5,
+    "xr_exposed_s": 0.25,
+    "xr_bytes_up": 1000,
+    "xr_members": ["eu", "us"],
+    "xr_absent": ["ap"],
+    "xr_late": False,
+}
+
+
+def test_scalars_of_a_step_a_round_and_events():
+    step, vals = scalars(STEP)
+    assert step == 7
+    assert vals == {
+        "loss": 3.5,
+        "lr": 1e-3,
+        "tokens_per_s": 1000.0,
+        "step_time_s": 0.02,
+        "data_time_s": 0.001,
+        "slowest_rank": 1.0,
+        "grad_norm": 1.5,
+        "mem_bytes": 123.0,
+    }
+    _, vals = scalars({**STEP, **ROUND})
+    assert vals["xr_participants"] == 2 and vals["xr_absent_regions"] == 1 and vals["xr_late"] == 0
+    assert vals["xr_exposed_s"] == 0.25 and vals["xr_round"] == 2
+    _, final = scalars({"event": "xr_final_round", "step": 9, **ROUND, "xr_late": True})
+    assert "loss" not in final and final["xr_late"] == 1 and final["xr_total_s"] == 0.5
+    assert scalars({"event": "xr_align", "step": 0}) is None
+    assert scalars({"time": 1.0, "event": "xr_outer_state"}) is None
+    assert math.isnan(scalars({**STEP, "loss": float("nan")})[1]["loss"])
+
+
+def test_last_logged_step_reads_the_tail(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    assert last_logged_step(p) is None
+    lines = [json.dumps({"step": i, "loss": 1.0, "pad": "x" * 300}) for i in range(1, 2001)]
+    lines.append(json.dumps({"time": 1.0, "event": "xr_leave", "step": 5000}))
+    p.write_text("\n".join(lines) + "\n")
+    assert last_logged_step(p, chunk=1000) == 2000  # many chunks, lines cut at chunk edges
+    p.write_text(json.dumps({"time": 1.0, "event": "xr_align"}) + "\n")
+    assert last_logged_step(p) is None
+
+
+class _Boom:
+    name = "boom"
+
+    def __init__(self):
+        self.calls = 0
+
+    def write(self, step, values):
+        self.calls += 1
+        raise OSError(28, "No space left on device")
+
+    def close(self):
+        raise AssertionError("a disabled sink is not closed")
+
+
+class _Keep:
+    name = "keep"
+
+    def __init__(self):
+        self.got = []
+        self.closed = False
+
+    def write(self, step, values):
+        self.got.append((step, values["loss"]))
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_failing_sink_is_disabled_with_one_warning(caplog):
+    boom, keep = _Boom(), _Keep()
+    s = Sinks({"boom": lambda: boom, "keep": lambda: keep})
+    with caplog.at_level(logging.WARNING, logger="sbatch_gen.train"):
+        for i in range(1, 6):
+            s.write({**STEP, "step": i})
+        s.close()
+    assert boom.calls == 1 and keep.got == [(i, 3.5) for i in range(1, 6)] and keep.closed
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "metrics sink boom failed (OSError: [Errno 28] No space left on device): disabled; "
+        "metrics.jsonl is unaffected"
+    ]
+
+
+def _feed(run_dir, opts, records, first_step=1):
+    s = open_sinks(opts, run_dir, run_id="run/1", region="eu", first_step=first_step)
+    assert s is not None
+    for r in records:
+        s.write(r)
+    s.close()
+    return s
+
+
+def test_every_sink_reads_back_the_same_values(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    opts = MetricsOptions(sinks=["tensorboard", "wandb", "prometheus"], prometheus_every=2)
+    records = [{**STEP, "step": i, "loss": 4.0 - i / 8} for i in range(1, 6)]
+    records[2].update(ROUND)
+    s = _feed(tmp_path, opts, records)
+    assert [x.name for x in s.sinks] == ["tensorboard", "wandb", "prometheus"]
+    want = {}
+    for r in records:
+        step, vals = scalars(r)
+        for k, v in vals.items():
+            want.setdefault(k, {})[step] = v
+    tb = tensorboard_scalars(tmp_path)
+    assert tb.keys() == want.keys()
+    for k in want:
+        assert tb[k] == pytest.approx(want[k], rel=1e-6)  # TensorBoard stores float32
+    wb, runs = wandb_scalars(tmp_path)
+    assert wb == want
+    assert [(r.run_id, r.run_group, r.display_name) for r in runs] == [("run_1-eu", "run/1", "eu")]
+    prom = prometheus_samples(tmp_path / "sbatch_gen_run_1_eu.prom")
+    labels, v = prom["sbatch_gen_loss"]
+    assert labels == {"run_id": "run/1", "region": "eu"} and v == records[-1]["loss"]
+    assert prom["sbatch_gen_step"][1] == 5 and prom["sbatch_gen_xr_participants"][1] == 2
+
+
+def test_a_resumed_attempt_continues_the_runs_without_a_step_twice(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    opts = MetricsOptions(sinks=["tensorboard", "wandb"])
+    first = [{**STEP, "step": i, "loss": float(i)} for i in range(1, 8)]
+    _feed(tmp_path, opts, first)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
+    # the second attempt resumes from the checkpoint of step 4: steps 5-7 are done again, then 8-10
+    again = [{**STEP, "step": i, "loss": float(i) + 0.5} for i in range(5, 11)]
+    _feed(tmp_path, opts, again, first_step=5)
+    tb = tensorboard_scalars(tmp_path)["loss"]
+    assert tb == {**{i: float(i) for i in range(1, 5)}, **{i: i + 0.5 for i in range(5, 11)}}  # purged
+    wb, runs = wandb_scalars(tmp_path)
+    assert wb["loss"] == {**{i: float(i) for i in range(1, 8)}, **{i: i + 0.5 for i in range(8, 11)}}
+    assert [r.run_id for r in runs] == ["run_1-eu", "run_1-eu"]  # one run, continued
+
+
+def test_a_sink_that_fails_on_its_first_write_is_left_out(tmp_path, monkeypatch, caplog):
+    blocked = tmp_path / "ro"
+    blocked.write_text("a file where the Prometheus directory should be")
+    opts = MetricsOptions(sinks=["prometheus"], prometheus_dir=str(blocked / "d"), prometheus_every=1)
+    with caplog.at_level(logging.WARNING, logger="sbatch_gen.train"):
+        s = _feed(tmp_path, opts, [{**STEP, "step": i} for i in range(1, 4)])
+    assert s.sinks == []
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("metrics sink prometheus failed (")
+
+
+def test_wandb_unreachable_is_left_out_without_holding_training_up(tmp_path, monkeypatch, caplog):
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    opts = MetricsOptions(sinks=["wandb", "prometheus"], wandb_init_timeout_s=5)
+    with caplog.at_level(logging.WARNING, logger="sbatch_gen.train"):
+        t0 = time.monotonic()
+        s = open_sinks(opts, tmp_path, run_id="run/1", region="eu", first_step=1)
+        s.write(STEP)
+        assert time.monotonic() - t0 < 1  # training does not wait for W&B
+        s.close()
+    assert [x.name for x in s.sinks] == ["prometheus"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("metrics sink wandb not started ("), warnings
+    assert "x" * 40 not in warnings[0]
+
+
+def test_the_sinks_module_imports_no_sink_package():
+    # the packages are imported by the sink that needs them, so a run without sinks needs none of them
+    src = (sinks.__file__ and open(sinks.__file__).read()) or ""
+    top = [line for line in src.splitlines() if line.startswith(("import ", "from "))]
+    assert not [line for line in top if any(p in line for p in ("wandb", "tensorboard", "prometheus"))]
