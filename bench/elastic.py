@@ -19,32 +19,34 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from sbatch_gen.testing.regions import RegionRun, clean_env
+from sbatch_gen.testing.regions import RegionRun
 from sbatch_gen.train.data import prepare
 from sbatch_gen.train.signals import ack_path
 from sbatch_gen.train.xr.protocol import round_tag
-from sbatch_gen.xr_options import CrossRegion, FsTransport, to_argv
+from sbatch_gen.xr_options import CrossRegion, FsTransport
 
-from .common import PY, REPO, Result, fmt
+from .common import Result, fmt
+from .finalmodel import heldout_loss, same_params
+from .regionruns import (
+    DATA_BYTES,
+    HELDOUT,
+    OUTER_LR,
+    OUTER_MOMENTUM,
+    REGIONS,
+    TIMEOUT,
+    finish,
+    launch_region,
+    train_config,
+)
+from .rundir import Watch, read_records, read_summary, step_records
 
-REGIONS = ["a", "b"]
-HELDOUT = "heldout"
 POLL_S = 1.0  # OuterSync's poll_max_s: the longest sleep between two polls of the mailbox ("one poll")
-# Plain averaging: every region adopts the token-weighted mean of the regions' models each round. The
-# defaults (0.7 / Nesterov 0.9) are tuned for long runs; from scratch over a few hundred steps they
-# train worse here (bench/diloco.py: H=10 under momentum 0.9 ended at 2.75 against 2.27-2.38).
-OUTER_LR, OUTER_MOMENTUM = 1.0, 0.0
-DATA_BYTES = 4_000_000  # stdlib source, cut into 3 shards: a, b, heldout (~1.3 MB each)
-TIMEOUT = 900  # seconds any one region process may take
 
 
 @dataclass(frozen=True)
@@ -142,169 +144,8 @@ QUICK = Sizes(
 )
 
 
-def _config(
-    path: Path,
-    *,
-    steps: int,
-    model: dict,
-    batch: int,
-    data_dir: Path,
-    ckpt_every: int,
-    warmup: int,
-    lr: float = 2e-3,
-    seed: int = 1234,
-) -> Path:
-    cfg = {
-        "model": {**model, "dropout": 0.0},
-        "data": {"path": str(data_dir), "source": "python-stdlib", "max_bytes": DATA_BYTES},
-        "train": {"steps": steps, "batch_size": batch, "log_every": 1, "seed": seed},
-        "optim": {"lr": lr, "min_lr": lr / 10, "warmup_steps": min(warmup, steps - 1)},
-        "checkpoint": {"every": ckpt_every, "keep_last": 2, "export_safetensors": True},
-        "run_dir": str(path.parent / "run"),
-    }
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
-
-
-def _launch_pair(
-    root: Path,
-    name: str,
-    *,
-    config: Path,
-    data: Path,
-    env: dict | None = None,
-    prefix: list[str] | None = None,
-    **xr: object,
-) -> list[RegionRun]:
-    """Both regions of a fresh 2-region run ``name`` under ``root`` (run dirs ``root/a``, ``root/b``): the
-    ``CrossRegion`` fields ``xr`` over strict DiLoCo through the fs mailbox ``root/mailbox`` with a 600 s
-    timeout. ``env``, ``prefix``: as :func:`_launch`."""
-    fields: dict = {
-        "enabled": True,
-        "run_id": name,
-        "regions": REGIONS,
-        "sync": "diloco",
-        "transport": FsTransport(root=str(root / "mailbox")),
-        "timeout_s": 600,
-        **xr,
-    }
-    return [
-        _launch(
-            CrossRegion(region=region, **fields),
-            config=config,
-            run_dir=root / region,
-            data=data,
-            resume="none",
-            log_dir=root / "logs",
-            env=env,
-            prefix=prefix,
-        )
-        for region in REGIONS
-    ]
-
-
-def _launch(
-    xr: CrossRegion,
-    *,
-    config: Path,
-    run_dir: Path,
-    data: Path,
-    resume: str,
-    log_dir: Path,
-    max_steps: int | None = None,
-    env: dict | None = None,
-    extra: list[str] | None = None,
-    prefix: list[str] | None = None,
-) -> RegionRun:
-    """One region = one trainer process (``python -m sbatch_gen.train``, not under torchrun: a 1-process region
-    needs no agent, and leaving it out halves every start-up on 2 cores). Killed by PID (RegionRun.kill).
-    ``prefix``: a command that execs the trainer (``ip netns exec NS``: bench/payload.py's WAN regions)."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        *(prefix or []),
-        PY,
-        "-m",
-        "sbatch_gen.train",
-        "--config",
-        str(config),
-        "--run-dir",
-        str(run_dir),
-        "--resume",
-        resume,
-        "--data-path",
-        str(data),
-        *(["--max-steps", str(max_steps)] if max_steps is not None else []),
-        *to_argv(xr),
-        *(extra or []),
-    ]
-    log = log_dir / f"{xr.region}.log"
-    e = clean_env(env)
-    e["PYTHONPATH"] = str(REPO)
-    with open(log, "ab") as f:
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=e, cwd=REPO, start_new_session=True)
-    return RegionRun(xr.region, run_dir, [p], [log], cmd)
-
-
-def _records(run_dir: Path) -> list[dict]:
-    f = run_dir / "metrics.jsonl"
-    if not f.is_file():
-        return []
-    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-
-
-def _steps(recs: list[dict]) -> list[dict]:
-    return [r for r in recs if "event" not in r and "step_time_s" in r]
-
-
-def _summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
-
-
-def _finish(runs: list[RegionRun], what: str) -> None:
-    for r in runs:
-        try:
-            rcs = r.wait(TIMEOUT)
-        except TimeoutError:
-            for o in runs:
-                o.kill()
-            raise
-        if any(rcs):
-            for o in runs:
-                if o is not r:
-                    o.kill()
-            raise RuntimeError(f"{what}: region {r.region} exited {rcs}\n{r.tail()}")
-
-
 # ---------------------------------------------------------------------------------------------------
 # Parts 1 and 2: survivor idle time and goodput under a scripted absence of b
-
-
-class _Watch:
-    """A region's step records as the bench sees them appear (wall time, step): its progress over time
-    (``records``: every record, events included)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.pos, self.buf = path, 0, b""
-        self.seen: list[tuple[float, dict]] = []
-        self.records: list[tuple[float, dict]] = []
-
-    def poll(self) -> None:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.pos)
-                chunk = f.read()
-        except FileNotFoundError:
-            return
-        self.pos += len(chunk)
-        self.buf += chunk
-        *lines, self.buf = self.buf.split(b"\n")
-        now = time.time()
-        for line in lines:
-            if line.strip():
-                rec = json.loads(line)
-                self.records.append((now, rec))
-                if "event" not in rec and "step" in rec:
-                    self.seen.append((now, rec))
 
 
 def _goodput_variant(
@@ -338,7 +179,7 @@ def _goodput_variant(
             keep_rounds=sz.g_keep_rounds,
         )
         extra = ["--stop-file", str(stop)] if (region == "b" and mode == "stop") else []
-        return _launch(
+        return launch_region(
             xr,
             config=cfg,
             run_dir=root / region,
@@ -351,7 +192,7 @@ def _goodput_variant(
 
     a, b = launch("a", "none"), launch("b", "none")
     started = [a, b]
-    watch = _Watch(root / "a" / "metrics.jsonl")
+    watch = Watch(root / "a" / "metrics.jsonl")
     commit = root / "mailbox" / name / round_tag(sz.g_leave_round) / "_commit.json"
     deadline = time.monotonic() + TIMEOUT
     attempts = {"a": 1, "b": 1}
@@ -384,7 +225,7 @@ def _goodput_variant(
             if not back and time.time() >= t_back:
                 if mode == "stop":
                     b.wait(TIMEOUT)
-                    if _summary(root / "b").get("exit") != "stopped":
+                    if read_summary(root / "b").get("exit") != "stopped":
                         raise RuntimeError(f"{name}: b did not stop through its stop file:\n{b.tail()}")
                     stop.unlink()
                     ack_path(stop).unlink(missing_ok=True)
@@ -402,7 +243,7 @@ def _goodput_variant(
                 rc = r.poll()[0]
                 if rc is None:
                     continue
-                ex = _summary(root / region).get("exit")
+                ex = read_summary(root / region).get("exit")
                 if strict and ex == "no_quorum" and attempts[region] < 30:
                     live[region] = launch(region, "auto")  # requeued at once (no queue wait)
                     started.append(live[region])
@@ -425,9 +266,9 @@ def _goodput_variant(
             if r.poll()[0] is None:
                 r.kill()
     watch.poll()
-    g = _goodput_stats(root, name, _records(root / "a"), watch)
-    b_recs = _records(root / "b")
-    b_rounds = [r for r in _steps(b_recs) if "xr_round" in r]
+    g = _goodput_stats(root, name, read_records(root / "a"), watch)
+    b_recs = read_records(root / "b")
+    b_rounds = [r for r in step_records(b_recs) if "xr_round" in r]
     rejoin = [r["time"] for r in b_recs if r.get("event") == "xr_rejoin" and r["time"] > t_gone]
     if rejoin:  # b's own record of its fast-forward (its presence says "joined" right after)
         t_joined = rejoin[0]
@@ -446,9 +287,9 @@ def _goodput_variant(
     return g
 
 
-def _goodput_stats(root: Path, name: str, recs: list[dict], watch: _Watch) -> dict:
+def _goodput_stats(root: Path, name: str, recs: list[dict], watch: Watch) -> dict:
     """Survivor a's goodput and waits from its metrics.jsonl (see the setup notes for the definitions)."""
-    steps = _steps(recs)
+    steps = step_records(recs)
     rounds = [r for r in steps if "xr_round" in r]
     align = [r for r in recs if r.get("event") == "xr_align"]
     leaves = [r for r in recs if r.get("event") == "xr_leave"]
@@ -560,7 +401,7 @@ def _quality_variant(
 
             rounds = range(sz.q_first + 1, sz.q_first + absent + 1)
             env = {ENV_WITHHOLD_ROUNDS: ",".join(map(str, rounds))}
-        return _launch(
+        return launch_region(
             xr,
             config=cfg,
             run_dir=root / region,
@@ -572,17 +413,17 @@ def _quality_variant(
         )
 
     if absent is None:
-        _finish([launch("a")], name)
+        finish([launch("a")], name)
     elif not absent or withhold:
-        _finish([launch("a"), launch("b")], name)
+        finish([launch("a"), launch("b")], name)
     elif at_end:
-        _finish([launch("a"), launch("b", max_steps=(n_rounds - absent) * h)], name)
+        finish([launch("a"), launch("b", max_steps=(n_rounds - absent) * h)], name)
     else:
         r1, r2 = sz.q_first, sz.q_first + absent
         a = launch("a")
         try:
-            _finish([launch("b", max_steps=r1 * h)], name)
-            startup = float(_summary(root / "b").get("startup_to_first_step_s") or 0.0)
+            finish([launch("b", max_steps=r1 * h)], name)
+            startup = float(read_summary(root / "b").get("startup_to_first_step_s") or 0.0)
             seen: dict[int, float] = {}  # round -> when its commit appeared
             deadline = time.monotonic() + TIMEOUT
             while True:
@@ -604,15 +445,15 @@ def _quality_variant(
                 elif latest >= r2 - 1:
                     break
                 time.sleep(0.01)
-            _finish([a, launch("b", resume="auto")], name)
+            finish([a, launch("b", resume="auto")], name)
         finally:
             if a.poll()[0] is None:
                 a.kill()
-    rounds = [r for r in _steps(_records(root / "a")) if "xr_round" in r]
+    rounds = [r for r in step_records(read_records(root / "a")) if "xr_round" in r]
     if [r["xr_round"] for r in rounds] != list(range(1, n_rounds + 1)):
         raise RuntimeError(f"{name}: a's rounds are {[r['xr_round'] for r in rounds]}")
     missed = [r["xr_round"] for r in rounds if "b" not in r["xr_members"]] if absent is not None else []
-    b_steps = len(_steps(_records(root / "b"))) if absent is not None else 0
+    b_steps = len(step_records(read_records(root / "b"))) if absent is not None else 0
     withheld = list(range(sz.q_first + 1, sz.q_first + absent + 1)) if withhold else []
     out = {
         "name": name,
@@ -623,53 +464,15 @@ def _quality_variant(
         "rounds": len(rounds),
         "missed": missed,
         "b_steps": b_steps,
-        "a_steps": len(_steps(_records(root / "a"))),
+        "a_steps": len(step_records(read_records(root / "a"))),
         "model": root / "a" / "model.safetensors",
     }
     out["same"] = (
-        _same_params(root / "a" / "model.safetensors", root / "b" / "model.safetensors")
+        same_params(root / "a" / "model.safetensors", root / "b" / "model.safetensors")
         if absent is not None and not at_end
         else None
     )  # (b that left for good keeps its older model)
     return out
-
-
-def _same_params(x: Path, y: Path) -> bool:
-    import torch
-    from safetensors.torch import load_file
-
-    px, py = load_file(str(x)), load_file(str(y))
-    return px.keys() == py.keys() and all(torch.equal(px[k], py[k]) for k in px)
-
-
-def heldout_loss(model_file: Path, model_cfg: dict, shard: Path, n_windows: int, batch: int = 64) -> float:
-    """Mean next-byte cross-entropy of the exported model over ``n_windows`` fixed windows spread evenly
-    over ``shard`` (fp32, CPU, eval mode)."""
-    import numpy as np
-    import torch
-    from safetensors.torch import load_file
-
-    from sbatch_gen.train.config import ModelConfig
-    from sbatch_gen.train.model import GPT
-
-    mc = ModelConfig(**model_cfg)
-    model = GPT(mc)
-    model.load_state_dict(load_file(str(model_file)))
-    model.eval()
-    tokens = np.fromfile(shard, dtype=np.uint8)
-    seq = mc.seq_len
-    total = (tokens.size - 1) // seq
-    if total < n_windows:
-        raise ValueError(f"{shard}: {total} windows of {seq}, fewer than {n_windows}")
-    offs = np.linspace(0, total - 1, n_windows).astype(np.int64) * seq
-    loss_sum = 0.0
-    with torch.no_grad():
-        for i in range(0, n_windows, batch):
-            win = torch.from_numpy(
-                np.stack([tokens[o : o + seq + 1] for o in offs[i : i + batch]]).astype(np.int64)
-            )
-            loss_sum += float(model(win[:, :-1], win[:, 1:])) * win.shape[0]
-    return loss_sum / n_windows
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -686,7 +489,7 @@ def run(out_dir: Path, quick: bool = False) -> Result:
     try:
         data = work / "data"
         prepare(data, [*REGIONS, HELDOUT], "python-stdlib", DATA_BYTES)
-        g_cfg = _config(
+        g_cfg = train_config(
             work / "goodput.yaml",
             steps=sz.g_steps,
             model=sz.g_model,
@@ -696,7 +499,7 @@ def run(out_dir: Path, quick: bool = False) -> Result:
             warmup=10,
         )
         q_cfgs = {
-            seed: _config(
+            seed: train_config(
                 work / f"quality-{seed}.yaml",
                 steps=sz.q_steps,
                 model=sz.q_model,

@@ -46,7 +46,9 @@ from sbatch_gen.train.trainer import ENV_STEP_SLEEP
 from sbatch_gen.xr_options import CrossRegion, FsTransport, S3Transport, to_argv
 
 from .common import PY, REPO, Result, bench_env, median
-from .elastic import DATA_BYTES, HELDOUT, REGIONS, _config, _finish, _Watch, heldout_loss
+from .finalmodel import distance, heldout_loss
+from .regionruns import DATA_BYTES, HELDOUT, REGIONS, finish, train_config
+from .rundir import Watch, read_jsonl
 from .wan import Star, available_star
 
 TIMEOUT = 900  # seconds one run may take
@@ -362,10 +364,6 @@ def _launch(
 # what a run measured
 
 
-def _jsonl(f: Path) -> list[dict]:
-    return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.is_file() else []
-
-
 def _figures_torchft(ranks: list[list[dict]], sz: Sizes, what: str) -> dict:
     """Rank 0's times; the loss as ours logs it (the mean over the replica's ranks)."""
     steps = [[r for r in recs if "step" in r] for recs in ranks]
@@ -401,18 +399,6 @@ def _figures_ours(recs: list[dict], sz: Sizes, v: V, what: str) -> dict:
     }
 
 
-def _distance(x: Path, y: Path) -> tuple[bool, float]:
-    """Whether the two exported models hold the same tensors bitwise, and the largest difference."""
-    import torch
-    from safetensors.torch import load_file
-
-    px, py = load_file(str(x)), load_file(str(y))
-    if px.keys() != py.keys():
-        raise RuntimeError(f"{x} and {y} hold different tensors")
-    same = all(torch.equal(px[k], py[k]) for k in px)
-    return same, max(float((px[k].float() - py[k].float()).abs().max()) for k in px)
-
-
 def _one(net: Net, work: Path, cfg: Path, data: Path, sz: Sizes, v: V, link: str) -> dict:
     root = work / f"{re.sub(r'[^a-z0-9]+', '-', link.lower()).strip('-')}-{v.name}"
     before = net.bytes()
@@ -420,7 +406,7 @@ def _one(net: Net, work: Path, cfg: Path, data: Path, sz: Sizes, v: V, link: str
     if v.system == "torchft":
         net.start_lighthouse(len(REGIONS))
     try:
-        _finish([_launch(net, root, cfg, data, sz, v, r) for r in REGIONS], f"{link} {v.label}")
+        finish([_launch(net, root, cfg, data, sz, v, r) for r in REGIONS], f"{link} {v.label}")
     finally:
         net.stop_lighthouse()
     took = time.monotonic() - t0
@@ -429,12 +415,14 @@ def _one(net: Net, work: Path, cfg: Path, data: Path, sz: Sizes, v: V, link: str
     for r in REGIONS:
         what = f"{link} {v.label} {r}"
         if v.system == "torchft":
-            per[r] = _figures_torchft([_jsonl(root / r / f"rank{i}.jsonl") for i in range(NPROC)], sz, what)
+            per[r] = _figures_torchft(
+                [read_jsonl(root / r / f"rank{i}.jsonl") for i in range(NPROC)], sz, what
+            )
         else:
-            per[r] = _figures_ours(_jsonl(root / r / "metrics.jsonl"), sz, v, what)
+            per[r] = _figures_ours(read_jsonl(root / r / "metrics.jsonl"), sz, v, what)
         per[r]["wire_bytes"] = after[r] - before[r]
     models = [root / r / "model.safetensors" for r in REGIONS]
-    same, dist = _distance(*models)
+    same, dist = distance(*models)
     loss = {
         r: heldout_loss(m, {**sz.model, "dropout": 0.0}, data / f"{HELDOUT}.bin", sz.eval_windows)
         for r, m in zip(REGIONS, models, strict=True)
@@ -487,7 +475,7 @@ def _fault_run(net: Net, work: Path, cfg: Path, data: Path, sz: Sizes, system: s
     v = V(system, "gloo", "fp32") if system == "torchft" else V(system, "s3", "bf16")
     root = work / f"fault-{fault}-{system}"
     log = "rank0.jsonl" if system == "torchft" else "metrics.jsonl"
-    watch = {r: _Watch(root / r / log) for r in REGIONS}
+    watch = {r: Watch(root / r / log) for r in REGIONS}
     if system == "torchft":
         net.start_lighthouse(1)
     runs = {r: _launch(net, root, cfg, data, sz, v, r, elastic=True) for r in REGIONS}
@@ -576,7 +564,7 @@ def _fault_run(net: Net, work: Path, cfg: Path, data: Path, sz: Sizes, system: s
         for r, m in models.items()
         if m.is_file() and rcs.get(r) == 0
     }
-    out["same"] = _distance(*models.values())[0] if len(out["heldout"]) == len(REGIONS) else None
+    out["same"] = distance(*models.values())[0] if len(out["heldout"]) == len(REGIONS) else None
     shutil.rmtree(root, ignore_errors=True)
     print(
         f"  peer fault {fault}: {system}: exits {rcs}, survivor stall {out['stall_s']}, back {out['back_s']}, "
@@ -662,7 +650,7 @@ def run(out_dir: Path, quick: bool = False) -> Result:
     try:
         data = work / "data"
         prepare(data, [*REGIONS, HELDOUT], "python-stdlib", DATA_BYTES)
-        cfg = _config(
+        cfg = train_config(
             work / "peer.yaml",
             steps=sz.h * sz.rounds,
             model=sz.model,
@@ -671,7 +659,7 @@ def run(out_dir: Path, quick: bool = False) -> Result:
             ckpt_every=1_000_000,
             warmup=1,
         )
-        fcfg = _config(
+        fcfg = train_config(
             work / "fault.yaml",
             steps=sz.h * sz.fault_rounds,
             model=sz.model,
