@@ -20,7 +20,7 @@ The network (:class:`bench.wan.Star`): every replica in its own network namespac
 (``tc tbf``) to a hub namespace; every TCP connection a replica opens gets the RTT and a per-stream
 window from a transparent delay proxy, which also counts the bytes. torchft's lighthouse and our object
 store both live in the hub: a replica's traffic to its peer (torchft) or to the store (ours) crosses its
-own link. Faults, the same schedule on both sides (:data:`FAULTS`): one replica killed and restarted, both,
+own link. Faults, the same schedule on both sides (:data:`.peer_faults.FAULTS`): one replica killed and restarted, both,
 and the coordinator lost (torchft's lighthouse, our store). ``--quick``: a tiny model, no WAN (everything on
 this host's loopback, ours over fs), and the one-replica fault only.
 
