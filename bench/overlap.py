@@ -33,17 +33,8 @@ from sbatch_gen.train.xr.fragments import round_step
 from sbatch_gen.xr_options import CrossRegion, S3Transport
 
 from .common import Result, median
-from .elastic import (
-    DATA_BYTES,
-    OUTER_LR,
-    OUTER_MOMENTUM,
-    REGIONS,
-    _config,
-    _finish,
-    _launch_pair,
-    _records,
-    _steps,
-)
+from .regionruns import DATA_BYTES, OUTER_LR, OUTER_MOMENTUM, REGIONS, finish, launch_pair, train_config
+from .rundir import read_records, step_records
 from .wan import Wan, available, s3_behind
 
 
@@ -140,7 +131,7 @@ def _region_figures(name: str, recs: list[dict], sz: Sizes, v: V) -> dict:
     """One region's figures from its metrics.jsonl: exposed seconds (every record carrying ``xr_exposed_s``:
     the step records of round boundaries, a streaming round's start and merge, and the ``xr_final_round``
     event), wall time, rounds."""
-    steps = _steps(recs)
+    steps = step_records(recs)
     if [r["step"] for r in steps] != list(range(1, sz.h * sz.rounds + 1)):
         raise RuntimeError(f"{name}: steps {[r['step'] for r in steps][:5]}... of {len(steps)}")
     final = [r for r in recs if r.get("event") == "xr_final_round"]
@@ -200,7 +191,7 @@ def _variant(
     name = v.name
     root = work / name
     t0 = time.monotonic()
-    runs = _launch_pair(
+    runs = launch_pair(
         root,
         name,
         config=cfg,
@@ -216,9 +207,11 @@ def _variant(
         **({"fragments": v.frags, "fragment_delay_steps": v.tau} if v.overlap == "streaming" else {}),
         **({"transport": transport} if transport is not None else {}),
     )
-    _finish(runs, name)
+    finish(runs, name)
     took = time.monotonic() - t0
-    per = {region: _region_figures(f"{name} {region}", _records(root / region), sz, v) for region in REGIONS}
+    per = {
+        region: _region_figures(f"{name} {region}", read_records(root / region), sz, v) for region in REGIONS
+    }
     models = [root / region / "model.safetensors" for region in REGIONS]
     # the export is canonical: the same tensors are the same bytes
     same = models[0].read_bytes() == models[1].read_bytes()
@@ -245,7 +238,7 @@ def _variant(
 
 
 def _run_variants(work: Path, data: Path, sz: Sizes, res: Result) -> list[dict]:
-    cfg = _config(
+    cfg = train_config(
         work / "overlap.yaml",
         steps=sz.h * sz.rounds,
         model=sz.model,

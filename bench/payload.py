@@ -9,7 +9,7 @@ as a reference), side by side in one run.
    each region uploads per round and the round time with its phases. Plus the encode + decode time of the
    same number of elements in this process (the functions the exchange calls, one thread).
 2. **Quality**: the same short two-region DiLoCo run (same seeds, tokens, H) per payload dtype, twice (two
-   seeds); the final model's loss on a held-out shard neither region trained on (:func:`.elastic.heldout_loss`).
+   seeds); the final model's loss on a held-out shard neither region trained on (:func:`.finalmodel.heldout_loss`).
 """
 
 from __future__ import annotations
@@ -28,20 +28,18 @@ from sbatch_gen.train.xr.protocol import ITEMSIZE, QBLOCK, SCALED, ShardPlan, wi
 from sbatch_gen.xr_options import FsTransport, S3Transport
 
 from .common import Result, median
-from .elastic import (
+from .finalmodel import heldout_loss, same_params
+from .regionruns import (
     DATA_BYTES,
     HELDOUT,
     OUTER_LR,
     OUTER_MOMENTUM,
     REGIONS,
-    _config,
-    _finish,
-    _launch_pair,
-    _records,
-    _same_params,
-    _steps,
-    heldout_loss,
+    finish,
+    launch_pair,
+    train_config,
 )
+from .rundir import read_records, step_records
 from .wan import Wan, available, s3_behind
 
 DTYPES = ("fp32", "bf16", "int8", "fp8", "int4")  # round part, fs (fp32: the reference)
@@ -138,7 +136,7 @@ def _round_variant(
 ) -> dict:
     name = f"r-{where}-{dtype}-{shard_mb:g}"
     root = work / name
-    runs = _launch_pair(
+    runs = launch_pair(
         root,
         name,
         config=cfg,
@@ -153,9 +151,9 @@ def _round_variant(
         transport=transport,
         keep_rounds=1,
     )
-    _finish(runs, name)
-    recs = {region: _records(root / region) for region in REGIONS}
-    rounds = {region: [r for r in _steps(recs[region]) if "xr_round" in r] for region in REGIONS}
+    finish(runs, name)
+    recs = {region: read_records(root / region) for region in REGIONS}
+    rounds = {region: [r for r in step_records(recs[region]) if "xr_round" in r] for region in REGIONS}
     numel = next(r["numel"] for r in recs["a"] if r.get("event") == "xr_outer_state")
     if [r["xr_round"] for r in rounds["a"]] != list(range(1, sz.r_rounds + 1)):
         raise RuntimeError(f"{name}: a's rounds are {[r['xr_round'] for r in rounds['a']]}")
@@ -229,7 +227,7 @@ def _codec_times(numel: int, reps: int) -> dict[str, tuple[float, float]]:
 
 
 def _rounds(work: Path, data: Path, sz: Sizes, quick: bool, res: Result) -> dict[str, list[dict]]:
-    cfg = _config(
+    cfg = train_config(
         work / "round.yaml",
         steps=sz.r_h * sz.r_rounds,
         model=sz.r_model,
@@ -279,7 +277,7 @@ def _rounds(work: Path, data: Path, sz: Sizes, quick: bool, res: Result) -> dict
 def _quality_variant(work: Path, data: Path, cfg: Path, sz: Sizes, dtype: str, seed: int) -> dict:
     name = f"q-{dtype}-s{seed}"
     root = work / name
-    runs = _launch_pair(
+    runs = launch_pair(
         root,
         name,
         config=cfg,
@@ -289,8 +287,8 @@ def _quality_variant(work: Path, data: Path, cfg: Path, sz: Sizes, dtype: str, s
         outer_momentum=OUTER_MOMENTUM,
         payload_dtype=dtype,
     )
-    _finish(runs, name)
-    rounds = [r for r in _steps(_records(root / "a")) if "xr_round" in r]
+    finish(runs, name)
+    rounds = [r for r in step_records(read_records(root / "a")) if "xr_round" in r]
     model = root / "a" / "model.safetensors"
     loss = heldout_loss(model, {**sz.q_model, "dropout": 0.0}, data / f"{HELDOUT}.bin", sz.q_eval_windows)
     return {
@@ -299,14 +297,14 @@ def _quality_variant(work: Path, data: Path, cfg: Path, sz: Sizes, dtype: str, s
         "rounds": len(rounds),
         "bytes_up": sum(r["xr_bytes_up"] for r in rounds),
         "loss": loss,
-        "same": _same_params(model, root / "b" / "model.safetensors"),
+        "same": same_params(model, root / "b" / "model.safetensors"),
     }
 
 
 def _quality(work: Path, data: Path, sz: Sizes, quick: bool) -> list[dict]:
     tasks = []
     for seed in sz.q_seeds:
-        cfg = _config(
+        cfg = train_config(
             work / f"quality-{seed}.yaml",
             steps=sz.q_steps,
             model=sz.q_model,

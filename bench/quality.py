@@ -3,9 +3,9 @@ sweep per H, grad mode (the data-parallel reference), one region alone, payload 
 and overlap none / eager, side by side in one run.
 
 Every variant: two regions (a, b), each one process of the real trainer (``python -m sbatch_gen.train``,
-:func:`.elastic._launch`), meeting only in an fs mailbox, strict rounds (every round has both regions), the
+:func:`.regionruns.launch_region`), meeting only in an fs mailbox, strict rounds (every round has both regions), the
 same seed, data and number of steps (so the same tokens). The final model's loss on a held-out shard neither
-region trained on (:func:`.elastic.heldout_loss`), and the same loss on the periodic checkpoints (held-out
+region trained on (:func:`.finalmodel.heldout_loss`), and the same loss on the periodic checkpoints (held-out
 loss against tokens); from the regions' metrics.jsonl the bytes crossing per round (``xr_bytes_up + down``,
 for loss against bytes) and the time a round held training up (``xr_exposed_s``).
 
@@ -29,18 +29,9 @@ from sbatch_gen.train.data import prepare
 from sbatch_gen.xr_options import CrossRegion
 
 from .common import Result, fmt
-from .elastic import (
-    DATA_BYTES,
-    HELDOUT,
-    REGIONS,
-    _config,
-    _finish,
-    _launch,
-    _launch_pair,
-    _records,
-    _same_params,
-    heldout_loss,
-)
+from .finalmodel import heldout_loss, same_params
+from .regionruns import DATA_BYTES, HELDOUT, REGIONS, finish, launch_pair, launch_region, train_config
+from .rundir import read_records
 
 DEFAULT_LR, DEFAULT_MOMENTUM = 0.7, 0.9  # CrossRegion's defaults
 PLAIN = (1.0, 0.0)  # plain averaging: every region adopts the token-weighted mean each round
@@ -138,7 +129,7 @@ def _launch_variant(work: Path, data: Path, cfg: Path, v: Variant) -> list:
     root = work / v.key
     if v.kind == "single":  # the trainer without cross-region sync, on region a's shard
         return [
-            _launch(
+            launch_region(
                 CrossRegion(enabled=False, region="a", regions=["a"]),
                 config=cfg,
                 run_dir=root / "a",
@@ -147,7 +138,7 @@ def _launch_variant(work: Path, data: Path, cfg: Path, v: Variant) -> list:
                 log_dir=root / "logs",
             )
         ]
-    return _launch_pair(
+    return launch_pair(
         root,
         v.key,
         config=cfg,
@@ -182,11 +173,11 @@ def _checkpoint_model(ckpt: Path, model_cfg: dict, out: Path) -> Path:
 def _variant(work: Path, data: Path, cfg: Path, sz: Sizes, v: Variant) -> dict:
     t0 = time.monotonic()
     runs = _launch_variant(work, data, cfg, v)
-    _finish(runs, v.key)
+    finish(runs, v.key)
     wall = time.monotonic() - t0
     root = work / v.key
     regions = REGIONS if v.kind != "single" else ["a"]
-    recs = {r: _records(root / r) for r in regions}
+    recs = {r: read_records(root / r) for r in regions}
     steps = {r: {x["step"]: x for x in recs[r] if "event" not in x and "step_time_s" in x} for r in regions}
     # a round's record: a step record with xr_round; with eager the last round is the xr_final_round event
     rounds = {
@@ -259,7 +250,7 @@ def _variant(work: Path, data: Path, cfg: Path, sz: Sizes, v: Variant) -> dict:
         "exposed_s": exposed,
         "train_s": train_s,
         "wall_s": wall,
-        "same": _same_params(root / "a" / "model.safetensors", root / "b" / "model.safetensors")
+        "same": same_params(root / "a" / "model.safetensors", root / "b" / "model.safetensors")
         if v.kind != "single"
         else None,
     }
@@ -318,7 +309,7 @@ def run(out_dir: Path, quick: bool = False) -> Result:
     try:
         data = work / "data"
         prepare(data, [*REGIONS, HELDOUT], "python-stdlib", DATA_BYTES)
-        cfg = _config(
+        cfg = train_config(
             work / "quality.yaml",
             steps=sz.steps,
             model=sz.model,

@@ -1,0 +1,127 @@
+"""``bench peer``: one replica of a run, a torchrun of :data:`.peer_sizes.NPROC` processes, torchft's
+(:mod:`bench.peer_torchft`) or our trainer, in its own namespace (the WAN) or on this host."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from sbatch_gen.testing.regions import RegionRun
+from sbatch_gen.testing.s3server import free_port
+from sbatch_gen.train.trainer import ENV_STEP_SLEEP
+from sbatch_gen.xr_options import CrossRegion, FsTransport, to_argv
+
+from .common import PY, REPO, bench_env
+from .peer_net import Net
+from .peer_sizes import ALPHA, NPROC, OUTER_LR, OUTER_MOMENTUM, Sizes, V
+from .regionruns import REGIONS
+
+
+def launch(
+    net: Net,
+    root: Path,
+    cfg: Path,
+    data: Path,
+    sz: Sizes,
+    v: V,
+    r: str,
+    *,
+    restart: bool = False,
+    elastic: bool = False,
+) -> RegionRun:
+    """Replica ``r`` of run ``v``: a torchrun of :data:`NPROC` processes in its own namespace (the WAN) or on
+    this host. ``restart``: after a kill (torchft heals from a live peer; ours resumes from its checkpoint and
+    catches up from the mailbox). ``elastic``: ours with ``min_regions: 1`` (torchft's lighthouse decides
+    that side: :meth:`Net.start_lighthouse`)."""
+    env = {ENV_STEP_SLEEP: repr(sz.sleep_s)}
+    if v.system == "torchft":
+        env["TORCHFT_LIGHTHOUSE"] = net.lighthouse_url
+        cmd = _torchft_cmd(net, root, cfg, sz, v, r)
+    else:
+        cmd, env_s3 = _ours_cmd(net, root, cfg, data, sz, v, r, restart=restart, elastic=elastic)
+        env.update(env_s3)
+    return _start(cmd, bench_env(env), root / "logs" / f"{r}.log", r, root / r)
+
+
+def _torchft_cmd(net: Net, root: Path, cfg: Path, sz: Sizes, v: V, r: str) -> list[str]:
+    args = ["--config", str(cfg), "--replica", r, "--out", str(root / r), "--inner-steps", str(sz.h)]
+    args += [
+        "--fragments",
+        str(v.frags),
+        "--delay",
+        str(v.tau),
+        "--alpha",
+        str(ALPHA if v.frags > 1 else 0.0),
+    ]
+    args += ["--outer-lr", repr(OUTER_LR), "--outer-momentum", repr(OUTER_MOMENTUM)]
+    # the replica's store is the rendezvous of torchft's cross-replica group: on the replica's address
+    return _torchrun(net.prefix(r), net.addr(r), "bench.peer_torchft", args)
+
+
+def _ours_cmd(
+    net: Net, root: Path, cfg: Path, data: Path, sz: Sizes, v: V, r: str, *, restart: bool, elastic: bool
+) -> tuple[list[str], dict[str, str]]:
+    """Our trainer's command for replica ``r``, and the environment its S3 clients need."""
+    env_s3: dict[str, str] = {}
+    if v.transport == "s3":
+        transport, env_s3 = net.s3("moto" if elastic else "nanio")
+    else:
+        transport = FsTransport(root=str(root / "mailbox"))
+    fields: dict = {
+        "enabled": True,
+        "run_id": root.name,  # one per link and run: the store outlives a run
+        "regions": REGIONS,
+        "sync": "diloco",
+        "transport": transport,
+        "timeout_s": 600,
+        "inner_steps": sz.h,
+        "outer_lr": OUTER_LR,
+        "outer_momentum": OUTER_MOMENTUM,
+        "payload_dtype": v.dtype,
+        "overlap": v.overlap,
+        **({"min_regions": 1} if elastic else {"keep_rounds": 1}),
+        **(
+            {"fragments": v.frags, "fragment_delay_steps": v.tau, "fragment_alpha": ALPHA}
+            if v.frags > 1
+            else {}
+        ),
+    }
+    xr = CrossRegion(region=r, **fields)
+    resume = "auto" if restart else "none"
+    args = [
+        "--config",
+        str(cfg),
+        "--run-dir",
+        str(root / r),
+        "--resume",
+        resume,
+        "--data-path",
+        str(data),
+    ]
+    return _torchrun(net.prefix(r), "127.0.0.1", "sbatch_gen.train", [*args, *to_argv(xr)]), env_s3
+
+
+def _torchrun(prefix: list[str], master: str, module: str, args: list[str]) -> list[str]:
+    return [
+        *prefix,
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc-per-node={NPROC}",
+        f"--master-addr={master}",
+        f"--master-port={free_port()}",
+        "--max-restarts=0",
+        "-m",
+        module,
+        *args,
+    ]
+
+
+def _start(cmd: list[str], env: dict, log: Path, region: str, run_dir: Path) -> RegionRun:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as f:
+        p = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+        )
+    return RegionRun(region, run_dir, [p], [log], cmd)
