@@ -117,6 +117,11 @@ def _shq(ctx: jinja2.runtime.Context, value: object) -> str:
     return q
 
 
+def _sha256(text: str) -> str:
+    """The hex sha256 of a rendered block (the node library's fence names its own)."""
+    return hashlib.sha256(str(text).encode()).hexdigest()
+
+
 def make_env(templates_dir: Path) -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir)),
@@ -129,6 +134,7 @@ def make_env(templates_dir: Path) -> jinja2.Environment:
     env.filters["shq"] = _shq
     env.filters["sbatch"] = _sbatch
     env.filters["comment"] = _comment
+    env.filters["sha256"] = _sha256
     return env
 
 
