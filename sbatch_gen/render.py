@@ -9,7 +9,6 @@ random ids or absolute checkout paths, so renders are byte-identical across runs
 
 from __future__ import annotations
 
-import difflib
 import functools
 import hashlib
 import os
@@ -364,16 +363,3 @@ def _roll_back(paths: list[Path], old: list, temps: list[str], done: list[int], 
             os.rmdir(d)
         except OSError:
             pass
-
-
-def unified_diff(path: Path, old: str | None, new: str | None) -> str:
-    name = display_path(path)
-    a = [] if old is None else old.splitlines(keepends=True)
-    b = [] if new is None else new.splitlines(keepends=True)
-    lines = difflib.unified_diff(
-        a,
-        b,
-        fromfile=f"a/{name}" if old is not None else "/dev/null",
-        tofile=f"b/{name}" if new is not None else "/dev/null",
-    )
-    return "".join(x if x.endswith("\n") else x + "\n\\ No newline at end of file\n" for x in lines)
