@@ -10,6 +10,7 @@ Errors go to stderr as ``file:line: field: message`` (or ``path: message``), one
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
@@ -168,7 +169,7 @@ def _git_renders(rev: str, dirs: tuple[Path, ...]) -> list[FileChange]:
     suffixes = _output_suffixes()
     try:
         listed = subprocess.run(
-            ["git", "ls-tree", "-r", "--name-only", "--full-tree", rev, "--", *map(str, dirs)],
+            ["git", "ls-tree", "-r", "--name-only", "--full-name", rev, "--", *map(str, dirs)],
             capture_output=True,
             text=True,
             check=True,
@@ -177,12 +178,9 @@ def _git_renders(rev: str, dirs: tuple[Path, ...]) -> list[FileChange]:
             ["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        raise UserError(
-            [f"--against {rev}: git cannot list it: {detail.strip().splitlines()[-1:]}"]
-        ) from None
-    here = Path.cwd().resolve()
-    names = {Path(top, n).resolve().relative_to(here).as_posix() for n in listed}
+        detail = (getattr(e, "stderr", "") or str(e)).strip().splitlines() or ["git failed"]
+        raise UserError([f"--against {rev}: git cannot list it: {detail[-1]}"]) from None
+    names = {Path(os.path.relpath(Path(top, n))).as_posix() for n in listed}
     names |= {f.as_posix() for d in dirs if d.is_dir() for f in sorted(d.iterdir()) if f.is_file()}
     changes = []
     for name in sorted(n for n in names if any(n.endswith(s) for s in suffixes)):
