@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass, field
 
 _HUNK_HEAD = re.compile(r"^@@ -(\d+)(?:,\d+)? \+(\d+)(?:,\d+)? @@")
+# The header line every render changes whenever an input does (sbatch_gen/render.py, _common.j2 header)
+_INPUTS_SHA = "#   inputs sha256: "
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,11 @@ class Hunk:
     def key(self) -> tuple[str, ...]:
         """What the hunk changes, without its place: its removed and added lines, in order."""
         return tuple(x for x in self.lines if x[:1] in "-+")
+
+    @property
+    def inputs_sha_only(self) -> bool:
+        """The hunk changes the header's inputs sha256 and nothing else."""
+        return all(x[1:].startswith(_INPUTS_SHA) for x in self.key)
 
 
 @dataclass
@@ -84,10 +91,11 @@ def grouped_diff(changes: list[FileChange]) -> str:
     """The diff of every file in `changes`, each hunk that two or more files carry printed once.
 
     Shared hunks come first, numbered, each with the files that carry it (and where, in each) and its body
-    as the first of them has it (context lines may differ between files; the changed lines do not). Then
-    each file's own hunks, as a unified diff with its ---/+++ lines; a file whose every hunk is shared
-    gets one line naming the shared changes it carries. A file created or deleted is never grouped.
-    Without shared hunks the result is the files' plain unified diffs, one after the other."""
+    as the first of them has it (context lines may differ between files; the changed lines do not). A
+    header's new inputs sha256, which every render whose inputs changed has, is then one line naming
+    those files. Then each file's own hunks, as a unified diff with its ---/+++ lines; a file whose every
+    hunk is shared gets one line naming the shared changes it carries. A file created or deleted is never
+    grouped. Without shared hunks the result is the files' plain unified diffs, one after the other."""
     files = [_hunks(c) for c in changes]
     files = [f for f in files if f.hunks]
     carriers: dict[tuple[str, ...], list[tuple[_FileHunks, Hunk]]] = {}
@@ -109,8 +117,13 @@ def grouped_diff(changes: list[FileChange]) -> str:
         out.append(f"--- a/{names[0]} (and the files above)\n+++ b/{names[0]} (and the files above)\n")
         first = where[0][1]
         out.append(first.head + "".join(first.lines))
+    header_only = []
+    if shared:
+        header_only = [f.change.name for f in files if any(h.inputs_sha_only for h in f.hunks)]
+        if header_only:
+            out.append(f"# the header's inputs sha256 changed in: {', '.join(header_only)}\n")
     for f in files:
-        own = [h for h in f.hunks if h.key not in number]
+        own = [h for h in f.hunks if h.key not in number and not (header_only and h.inputs_sha_only)]
         carried = sorted({number[h.key] for h in f.hunks if h.key in number})
         also = ""
         if carried:

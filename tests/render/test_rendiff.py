@@ -93,6 +93,11 @@ def test_check_shows_a_template_change_once_and_diff_all_too(work):
     # in its own part only
     own = r.out[r.out.index("# out/us.sbatch: also shared changes 1, 2 (above)\n") :]
     assert r.out.count("--cpus-per-task=64") == own.count("--cpus-per-task=64") == 3
+    # every file's new inputs sha256: one line, not a hunk per file
+    assert (
+        "\n# the header's inputs sha256 changed in: " + ", ".join(sorted(trainers + setups)) + "\n" in r.out
+    )
+    assert "+#   inputs sha256: " not in r.out
     assert "differ from a fresh render" in r.err
     d = sg("diff", "--all", "--templates-dir", "templates")
     assert d.code == 1 and d.out == r.out
