@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: b95174d721c22e9b4d21cd4235bec963e3afde93e61f377866ed99792343e06c
+#   inputs sha256: 5be874bfee22e6bc0de347184a5bd3af1c009a2b8d7af8edfcace7c6afe552c5
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).

@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 2627fcf75701d7046f2a9fe2de866b54f2805a70c3b1add949992c2ac626cc0d
+#   inputs sha256: 2e143bb47fc116cfad40d47ee0d22d84c83491f14c5351239058ad6c13ccf31f
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
