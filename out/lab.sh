@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 251f699af30981144a3d219cbc902ba0d7d0ce1b411ebae952c7539911a3ec6e
+#   inputs sha256: 5be874bfee22e6bc0de347184a5bd3af1c009a2b8d7af8edfcace7c6afe552c5
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -93,17 +93,6 @@ PREFLIGHT_TIMEOUT_S=120  # launch.preflight_timeout_s
 SHARED_RUN_DIR=1  # launch.shared_run_dir
 SITE=lab
 
-# log MESSAGE...: one timestamped line on stderr, also appended to $LOG_FILE when that is set. Never fails
-# (the terminal may be gone when a trap logs).
-log() {
-  local line
-  printf -v line '[sbatch-gen %s] %s' "$(date -u +%FT%TZ)" "$*"
-  { printf '%s\n' "$line" >&3; if [[ -n ${LOG_FILE:-} ]]; then printf '%s\n' "$line" >>"$LOG_FILE"; fi; } 3>&2 2>/dev/null \
-    || true
-}
-# die CODE MESSAGE...: log "ERROR: MESSAGE" and exit with CODE.
-die() { local code=$1; shift; log "ERROR: $*"; exit "$code"; }
-
 # ===============================================================================================
 # Below: fixed logic, the same for every site.
 # ===============================================================================================
@@ -116,7 +105,340 @@ TAG="sbg-${USER_NAME//[^A-Za-z0-9_.-]/_}-${RDZV_PORT}-$$"
 LOGS="$LOG_DIR/$SITE.$TAG"
 LOG_FILE="$LOGS/launcher.log"  # log() appends its lines here too
 
-# ---- functions shipped to every node (node 0 runs them locally, the others over ssh) ----------
+# ---- main: what a launch does, in order ------------------------------------------------------------
+# For each attempt: the preflight on every node (preflight_all), the launch (launch_all: node_main on every
+# node, torchrun there), wait for every node (wait_all) and clean up; then the relaunch decision (at most
+# launch.max_attempts attempts, launch.cooldown_s apart, none once launch.stop_file exists). The
+# functions it calls follow it, then the node library (sbatch-gen's node functions, the same lines in every
+# render with the same library sha256), then the program shipped to the nodes and `main "$@"`. This file
+# is all that runs: the nodes get its functions over ssh.
+main() {
+  local r ok resume=$FIRST_RESUME waited
+  case ${1-} in
+    "") ;;
+    cleanup) shift; cleanup_command "$@" ;;
+    *) usage ;;
+  esac
+  if [[ -e $STOP_FILE ]]; then die 2 "stop file $STOP_FILE exists: remove it to launch"; fi
+  mkdir -p -- "$LOGS"
+  ln -sfn -- "$SITE.$TAG" "$LOG_DIR/$SITE.latest"
+  MASTER_ADDR=$(iface_ipv4 "$IFNAME") || die 2 "interface $IFNAME has no IPv4 address on this host (node 0)"
+  trap 'on_signal INT 130' INT
+  trap 'on_signal TERM 143' TERM
+  trap 'on_signal HUP 129' HUP
+  log "site $SITE: $NNODES nodes x $NPROC_PER_NODE processes, rendezvous $MASTER_ADDR:$RDZV_PORT ($IFNAME), tag $TAG"
+  log "hosts: ${HOSTS[*]}; logs in $LOGS; touch $STOP_FILE to stop after the current attempt"
+  check_launcher_host
+  for ((ATTEMPT = 1; ; ATTEMPT++)); do
+    if preflight_all; then
+      log "attempt $ATTEMPT/$MAX_ATTEMPTS: preflight passed on every node"
+      launch_all "$resume"
+      wait_all
+      cleanup_all || log "warning: cleanup did not complete on every node"
+      ok=1
+      for r in "${!HOSTS[@]}"; do
+        if [[ ${NODE_RCS[r]} != 0 ]]; then ok=0; fi
+      done
+      if ((ok)); then log "attempt $ATTEMPT: every node finished: training complete"; exit 0; fi
+    elif ((ATTEMPT == 1)); then
+      log "aborting: preflight failed, nothing was started (details: $LOGS/preflight.attempt-$ATTEMPT.node-*.log)"
+      exit 3
+    else
+      # A host that went down with the last attempt may come back during the cool-down: retry.
+      log "attempt $ATTEMPT: preflight failed, nothing was started; it counts as a failed attempt"
+    fi
+    # The relaunch decision: at most launch.max_attempts, none once launch.stop_file exists, launch.cooldown_s apart
+    if ((ATTEMPT >= MAX_ATTEMPTS)); then log "attempt $ATTEMPT failed and no attempts are left (max $MAX_ATTEMPTS)"; exit 1; fi
+    if [[ -e $STOP_FILE ]]; then log "attempt $ATTEMPT failed; $STOP_FILE exists: not relaunching"; exit 4; fi
+    log "attempt $ATTEMPT failed: relaunching with --resume auto in ${COOLDOWN_S}s (touch $STOP_FILE to stop instead)"
+    for ((waited = 0; waited < COOLDOWN_S; waited++)); do
+      if [[ -e $STOP_FILE ]]; then log "$STOP_FILE exists: not relaunching"; exit 4; fi
+      nap 1
+    done
+    resume=auto
+  done
+}
+
+# ---- functions shipped to every node: this launcher's (node 0 runs them locally, the others over ssh;
+# with the node library's, below) ----------------------------------------------------------------------
+# Preflight on one node (templates/_node.j2: preflight) with this launcher's settings: one line, "preflight
+# ok on HOST: ..." or "preflight FAILED on HOST: ...", and status 1 if a check failed. Starts nothing.
+preflight_main() {
+  local rank=$1 marker=''
+  if ((SHARED_RUN_DIR)); then marker="$RUN_DIR/.sbatch-gen-shared.$TAG"; fi
+  # The environment torchrun gets (a CUDA_VISIBLE_DEVICES in extra_env counts)
+  if ((${#NODE_ENV[@]})); then export "${NODE_ENV[@]}"; fi
+  preflight dir="$LAUNCH_DIR" activate=1 node_id="$rank" nnodes="$NNODES" module="$TRAINER_MODULE" \
+    config="$TRAIN_CONFIG" data="$DATA_PATH" ifname="$IFNAME" gpus="$GPUS_PER_NODE" gpus_key=node.gpus \
+    log_topology="$LOG_TOPOLOGY" numa="$NUMA_BINDING" hcas="$IB_HCA" link_layer="$IB_LINK_LAYER" \
+    run_dir="$RUN_DIR" shared_marker="$marker" rdzv_port="$RDZV_PORT" \
+    torchrun_flags=--signals-to-handle='trainer.stop_protocol: sbatch-gen,--shutdown-timeout=launch.kill_grace_s'
+}
+
+# Start torchrun on one node and return its exit status (128+N when signal N killed it). Only
+# torchrun and what it starts carry the tag; this shell does not (its environment is fixed at exec).
+node_main() {
+  local rank=$1 MASTER_ADDR=$2 ATTEMPT=$3 RESUME=$4 MASTER_PORT=$RDZV_PORT NODE_ADDR IS_HOST=0 rc=0
+  cd -- "$LAUNCH_DIR" || return 1
+  if ((${#NODE_ENV[@]})); then export "${NODE_ENV[@]}"; fi
+  activate_env || { echo "$NODE_ERROR"; return 1; }
+  NODE_ADDR=$(iface_ipv4 "$IFNAME") || { echo "interface $IFNAME has no IPv4 address"; return 1; }
+  if ((rank == 0)); then IS_HOST=1; fi
+  export SBATCH_GEN_TAG="$TAG" SBATCH_GEN_NODE_RANK="$rank" SBATCH_GEN_ATTEMPT="$ATTEMPT"
+  printf 'node %s host %s addr %s rendezvous %s:%s attempt %s resume %s tag %s\n' \
+    "$rank" "$HOSTNAME" "$NODE_ADDR" "$MASTER_ADDR" "$MASTER_PORT" "$ATTEMPT" "$RESUME" "$TAG"
+  env | grep -E '^(NCCL|GLOO|TORCH|CUDA|OMP)_' | sort || true
+  # torchrun's and the trainer's arguments: built once for every launcher (sbatch_gen/launch.py)
+  local -a torchrun_args=(
+    --nnodes "$NNODES"
+    --nproc-per-node "$NPROC_PER_NODE"
+    --rdzv-backend=c10d
+    --rdzv-id="$TAG.$ATTEMPT"
+    --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
+    --rdzv-conf="join_timeout=900,is_host=$IS_HOST"  # torchrun.rdzv_timeout_s
+    --local-addr="$NODE_ADDR"
+    --max-restarts 0  # torchrun.max_restarts
+    --signals-to-handle='SIGINT,SIGHUP,SIGQUIT'  # trainer.stop_protocol: sbatch-gen
+    --shutdown-timeout=60  # launch.kill_grace_s
+  ) trainer_args=(
+    --config "$TRAIN_CONFIG"
+    --run-dir "$RUN_DIR"
+    --resume "$RESUME"
+    --data-path "$DATA_PATH"
+  )
+  # The trainer's stop file of this attempt: it writes the ack (and .stopping, .fatal) next to it
+  local stop_file="$RUN_DIR/stop/$TAG.attempt-$ATTEMPT"
+  mkdir -p -- "$RUN_DIR/stop" || return 1
+  rm -f -- "$stop_file" "$stop_file.ack" "$stop_file.fatal" "$stop_file.stopping"
+  export SBATCH_GEN_STOP_FILE="$stop_file"
+  # torchrun with SIGTERM ignored; 42 after a complete stop checkpoint (templates/_node.j2)
+  run_trainer "$stop_file" 42 torchrun "${torchrun_args[@]}" -m "$TRAINER_MODULE" "${trainer_args[@]}" || rc=$?
+  return "$rc"
+}
+
+# Kill exactly the processes whose environment holds SBATCH_GEN_TAG=<tag> on this host: SIGTERM,
+# up to <grace> seconds, then SIGKILL. The shell running this never carries the tag itself.
+cleanup_main() {
+  local tag=$1 grace=$2 deadline pids=() _
+  tagged() {
+    grep -lzxFs -e "SBATCH_GEN_TAG=$tag" /proc/[0-9]*/environ 2>/dev/null \
+      | sed -n 's#^/proc/\([0-9][0-9]*\)/environ$#\1#p' | grep -vxF -e "$$" -e "$BASHPID" || true
+  }
+  mapfile -t pids < <(tagged)
+  if ((${#pids[@]} == 0)); then printf 'host %s: no process tagged %s\n' "$HOSTNAME" "$tag"; return 0; fi
+  printf 'host %s: SIGTERM to %s processes tagged %s: %s\n' "$HOSTNAME" "${#pids[@]}" "$tag" "${pids[*]}"
+  kill -TERM "${pids[@]}" 2>/dev/null || true
+  deadline=$((SECONDS + grace))
+  while ((SECONDS < deadline)); do
+    sleep 0.5
+    mapfile -t pids < <(tagged)
+    ((${#pids[@]})) || break
+  done
+  for _ in 1 2 3 4 5 6 7 8 9 10; do
+    mapfile -t pids < <(tagged)
+    if ((${#pids[@]} == 0)); then printf 'host %s: every process tagged %s is gone\n' "$HOSTNAME" "$tag"; return 0; fi
+    printf 'host %s: SIGKILL to %s\n' "$HOSTNAME" "${pids[*]}"
+    kill -KILL "${pids[@]}" 2>/dev/null || true
+    sleep 0.5
+  done
+  printf 'host %s: tagged processes survive SIGKILL: %s\n' "$HOSTNAME" "${pids[*]}"
+  return 1
+}
+
+# ---- launcher side -----------------------------------------------------------------------------
+
+# POSIX single quoting, for the remote login shell.
+sq() { printf "'%s'" "${1//\'/\'\\\'\'}"; }
+
+# run_on RANK LIMIT FUNCTION ARGS...: run a shipped function on node RANK with stdin closed, for at
+# most LIMIT seconds (0: no limit). Exit status 255: ssh could not reach the host; 124: timed out.
+run_on() {
+  local rank=$1 limit=() cmd a
+  if (($2 > 0)); then limit=(timeout "$2"); fi
+  shift 2
+  if ((rank == 0)); then
+    "${limit[@]}" bash -c "$NODE_PROGRAM" sbatch-gen-node "$@" </dev/null
+  else
+    cmd="bash -c $(sq "$NODE_PROGRAM") sbatch-gen-node"
+    for a in "$@"; do cmd+=" $(sq "$a")"; done
+    "${limit[@]}" ssh "${SSH_OPTS[@]}" -- "${HOSTS[rank]}" "$cmd" </dev/null
+  fi
+}
+
+node_label() { printf 'node %s (%s)' "$1" "${HOSTS[$1]}"; }
+
+exit_meaning() {
+  if (($1 == 255)); then printf ' (ssh failed or lost the connection)'
+  elif (($1 == 42)); then printf ' (the trainer checkpointed and stopped)'
+  elif (($1 > 128 && $1 < 160)); then printf ' (SIG%s)' "$(kill -l "$(($1 - 128))")"
+  fi
+}
+
+# Preflight on every node in parallel; on any failure say what failed where and return 1.
+preflight_all() {
+  local r rc failed=0 pids=() out marker="$RUN_DIR/.sbatch-gen-shared.$TAG"
+  if ((SHARED_RUN_DIR)); then mkdir -p -- "$RUN_DIR" && : >"$marker"; fi
+  for r in "${!HOSTS[@]}"; do
+    run_on "$r" "$PREFLIGHT_TIMEOUT_S" preflight_main "$r" >"$LOGS/preflight.attempt-$ATTEMPT.node-$r.log" 2>&1 &
+    pids[r]=$!
+  done
+  for r in "${!HOSTS[@]}"; do
+    out="$LOGS/preflight.attempt-$ATTEMPT.node-$r.log"
+    rc=0
+    wait "${pids[r]}" || rc=$?
+    if ((rc == 0)); then continue; fi
+    failed=1
+    case $rc in
+      124) log "preflight FAILED on $(node_label "$r"): no answer within ${PREFLIGHT_TIMEOUT_S}s" ;;
+      255) log "preflight FAILED on $(node_label "$r"): ssh cannot reach it: $(tail -n 2 "$out" | paste -sd ' ' -)" ;;
+      *) log "preflight FAILED on $(node_label "$r"): $(sed -n 's/^preflight FAILED on [^:]*: //p' "$out")" ;;
+    esac
+  done
+  rm -f -- "$marker"
+  ((failed == 0))
+}
+
+# Kill every tagged process on every node, in parallel; returns 1 if a node could not be cleaned.
+cleanup_all() {
+  local r rc=0 pids=()
+  for r in "${!HOSTS[@]}"; do
+    run_on "$r" $((KILL_GRACE_S + 60)) cleanup_main "$TAG" "$KILL_GRACE_S" >>"$LOGS/cleanup.log" 2>&1 &
+    pids[r]=$!
+  done
+  for r in "${!HOSTS[@]}"; do
+    wait "${pids[r]}" || { rc=1; log "cleanup FAILED on $(node_label "$r"): see $LOGS/cleanup.log"; }
+  done
+  return "$rc"
+}
+
+NODE_PIDS=()
+NODE_RCS=()
+SLEEP_PID=""
+ATTEMPT=0
+
+# Sleep in the background and wait for it, so that a signal's trap runs at once.
+nap() { sleep "$1" & SLEEP_PID=$!; wait "$SLEEP_PID" || true; SLEEP_PID=""; }
+
+launch_all() {
+  local r resume=$1
+  for r in "${!HOSTS[@]}"; do
+    run_on "$r" 0 node_main "$r" "$MASTER_ADDR" "$ATTEMPT" "$resume" \
+      >"$LOGS/attempt-$ATTEMPT.node-$r.${HOSTS[r]}.log" 2>&1 &
+    NODE_PIDS[r]=$!
+    NODE_RCS[r]=""
+  done
+  log "attempt $ATTEMPT: started $NNODES nodes (resume $resume); logs $LOGS/attempt-$ATTEMPT.node-*.log"
+}
+
+# Wait for every node. Once one has failed, the others get FAILURE_GRACE_S to end on their own, then
+# every node is cleaned up; a local ssh client still hanging 15 s after that is killed.
+wait_all() {
+  local r rc running failed_at="" killed_at=""
+  while true; do
+    running=0
+    for r in "${!HOSTS[@]}"; do
+      [[ -n ${NODE_PIDS[r]} ]] || continue
+      if kill -0 "${NODE_PIDS[r]}" 2>/dev/null; then running=$((running + 1)); continue; fi
+      rc=0
+      wait "${NODE_PIDS[r]}" || rc=$?
+      NODE_PIDS[r]=""
+      NODE_RCS[r]=$rc
+      printf '%s\t%s\t%s\t%s\n' "$ATTEMPT" "$r" "${HOSTS[r]}" "$rc" >>"$LOGS/exits.tsv"
+      if ((rc == 0)); then
+        log "attempt $ATTEMPT: $(node_label "$r") finished"
+      else
+        log "attempt $ATTEMPT: $(node_label "$r") exited with $rc$(exit_meaning "$rc")"
+        if [[ -z $failed_at ]]; then
+          failed_at=$SECONDS
+          log "attempt $ATTEMPT: the other nodes get ${FAILURE_GRACE_S}s to end before they are killed"
+        fi
+      fi
+    done
+    ((running > 0)) || return 0
+    if [[ -n $failed_at && -z $killed_at ]] && ((SECONDS - failed_at >= FAILURE_GRACE_S)); then
+      log "attempt $ATTEMPT: killing the remaining nodes"
+      cleanup_all || true
+      killed_at=$SECONDS
+    elif [[ -n $killed_at ]] && ((SECONDS - killed_at >= 15)); then
+      for r in "${!HOSTS[@]}"; do
+        if [[ -n ${NODE_PIDS[r]} ]]; then kill -KILL "${NODE_PIDS[r]}" 2>/dev/null || true; fi
+      done
+    fi
+    nap 1
+  done
+}
+
+# First signal: SIGTERM to every tagged process on every host (the trainer checkpoints if it can),
+# SIGKILL after KILL_GRACE_S. A second signal while that runs: SIGKILL at once.
+on_signal() {
+  local sig=$1 code=$2 pids=()
+  trap 'on_second_signal' INT TERM HUP
+  log "caught SIG$sig: stopping every node (SIGTERM, SIGKILL after ${KILL_GRACE_S}s; signal again to SIGKILL now)"
+  if [[ -n $SLEEP_PID ]]; then kill "$SLEEP_PID" 2>/dev/null || true; fi
+  cleanup_all || true
+  mapfile -t pids < <(jobs -p)
+  if ((${#pids[@]})); then kill -TERM "${pids[@]}" 2>/dev/null || true; fi
+  wait || true
+  node_lines "$LOGS/attempt-$ATTEMPT".node-*.log  # what each node said about the stop, one line each
+
+  log "stopped by SIG$sig"
+  exit "$code"
+}
+
+on_second_signal() {
+  trap '' INT TERM HUP
+  log "second signal: SIGKILL to every tagged process now"
+  KILL_GRACE_S=0
+  cleanup_all || true
+}
+
+# Node 0 runs where the launcher runs: warn when that does not look like hosts[0] (its name is not
+# this host's, nor does it resolve to one of this host's addresses), e.g. when started on another host.
+check_launcher_host() {
+  local h=${HOSTS[0]} addrs=() a mine
+  if [[ $h == "$HOSTNAME" || $h == "${HOSTNAME%%.*}" ]]; then return 0; fi
+  mapfile -t addrs < <(getent ahostsv4 "$h" 2>/dev/null | awk '{ print $1 }' | sort -u)
+  mine=$(ip -4 -o addr show 2>/dev/null || true)
+  for a in "${addrs[@]}"; do
+    if [[ $mine == *" inet $a/"* ]]; then return 0; fi
+  done
+  log "WARNING: node 0 is hosts[0] = $h, but this host is $HOSTNAME and $h is none of its addresses: run the launcher on $h"
+}
+
+usage() {
+  die 2 "usage: $0                launch (run it on ${HOSTS[0]}, from the launch directory)
+       $0 cleanup TAG    kill what an earlier launch left behind (its tag is in its log lines)"
+}
+
+# `cleanup TAG`: for a launch that could not clean up itself (the launcher was SIGKILLed, the launch
+# host rebooted): kill the processes tagged TAG on every host.
+cleanup_command() {
+  [[ $# -eq 1 && $1 =~ ^sbg-[A-Za-z0-9_.-]+-[0-9]+-[0-9]+$ ]] || usage
+  TAG=$1
+  LOGS="$LOG_DIR/$SITE.$TAG"
+  LOG_FILE="$LOGS/launcher.log"
+  mkdir -p -- "$LOGS"
+  log "cleanup of $TAG on every host: ${HOSTS[*]}"
+  if cleanup_all; then log "no process tagged $TAG is left"; exit 0; fi
+  exit 1
+}
+
+# ==== node library =================================================================================
+# sbatch-gen's node functions (templates/_node.j2), no site settings: log/die, the python_env activation,
+# and those of the preflight (its NUMA and HCA checks) and run_trainer when this render uses them. Every
+# render with the same library sha256 carries these same lines: review them once (`sbatch-gen diff --all`
+# shows a change to them once, naming the files).
+# library sha256: 3e8fefac0caa78e77969fd18adda65adc09ac6e879e65575fbabfbd90d5b8973
+# log MESSAGE...: one timestamped line on stderr, also appended to $LOG_FILE when that is set. Never fails
+# (the terminal may be gone when a trap logs).
+log() {
+  local line
+  printf -v line '[sbatch-gen %s] %s' "$(date -u +%FT%TZ)" "$*"
+  { printf '%s\n' "$line" >&3; if [[ -n ${LOG_FILE:-} ]]; then printf '%s\n' "$line" >>"$LOG_FILE"; fi; } 3>&2 2>/dev/null \
+    || true
+}
+# die CODE MESSAGE...: log "ERROR: MESSAGE" and exit with CODE.
+die() { local code=$1; shift; log "ERROR: $*"; exit "$code"; }
 
 # load_modules: `module load` python_env.modules ($MODULES), after sourcing the module system's shell set-up
 # where `module` is not defined (ssh's non-login shells). Sets NODE_ERROR and returns 1 if that fails.
@@ -734,91 +1056,7 @@ run_trainer() {
   return "$rc"
 }
 
-# Preflight on one node (templates/_node.j2: preflight) with this launcher's settings: one line, "preflight
-# ok on HOST: ..." or "preflight FAILED on HOST: ...", and status 1 if a check failed. Starts nothing.
-preflight_main() {
-  local rank=$1 marker=''
-  if ((SHARED_RUN_DIR)); then marker="$RUN_DIR/.sbatch-gen-shared.$TAG"; fi
-  # The environment torchrun gets (a CUDA_VISIBLE_DEVICES in extra_env counts)
-  if ((${#NODE_ENV[@]})); then export "${NODE_ENV[@]}"; fi
-  preflight dir="$LAUNCH_DIR" activate=1 node_id="$rank" nnodes="$NNODES" module="$TRAINER_MODULE" \
-    config="$TRAIN_CONFIG" data="$DATA_PATH" ifname="$IFNAME" gpus="$GPUS_PER_NODE" gpus_key=node.gpus \
-    log_topology="$LOG_TOPOLOGY" numa="$NUMA_BINDING" hcas="$IB_HCA" link_layer="$IB_LINK_LAYER" \
-    run_dir="$RUN_DIR" shared_marker="$marker" rdzv_port="$RDZV_PORT" \
-    torchrun_flags=--signals-to-handle='trainer.stop_protocol: sbatch-gen,--shutdown-timeout=launch.kill_grace_s'
-}
-
-# Start torchrun on one node and return its exit status (128+N when signal N killed it). Only
-# torchrun and what it starts carry the tag; this shell does not (its environment is fixed at exec).
-node_main() {
-  local rank=$1 MASTER_ADDR=$2 ATTEMPT=$3 RESUME=$4 MASTER_PORT=$RDZV_PORT NODE_ADDR IS_HOST=0 rc=0
-  cd -- "$LAUNCH_DIR" || return 1
-  if ((${#NODE_ENV[@]})); then export "${NODE_ENV[@]}"; fi
-  activate_env || { echo "$NODE_ERROR"; return 1; }
-  NODE_ADDR=$(iface_ipv4 "$IFNAME") || { echo "interface $IFNAME has no IPv4 address"; return 1; }
-  if ((rank == 0)); then IS_HOST=1; fi
-  export SBATCH_GEN_TAG="$TAG" SBATCH_GEN_NODE_RANK="$rank" SBATCH_GEN_ATTEMPT="$ATTEMPT"
-  printf 'node %s host %s addr %s rendezvous %s:%s attempt %s resume %s tag %s\n' \
-    "$rank" "$HOSTNAME" "$NODE_ADDR" "$MASTER_ADDR" "$MASTER_PORT" "$ATTEMPT" "$RESUME" "$TAG"
-  env | grep -E '^(NCCL|GLOO|TORCH|CUDA|OMP)_' | sort || true
-  # torchrun's and the trainer's arguments: built once for every launcher (sbatch_gen/launch.py)
-  local -a torchrun_args=(
-    --nnodes "$NNODES"
-    --nproc-per-node "$NPROC_PER_NODE"
-    --rdzv-backend=c10d
-    --rdzv-id="$TAG.$ATTEMPT"
-    --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
-    --rdzv-conf="join_timeout=900,is_host=$IS_HOST"  # torchrun.rdzv_timeout_s
-    --local-addr="$NODE_ADDR"
-    --max-restarts 0  # torchrun.max_restarts
-    --signals-to-handle='SIGINT,SIGHUP,SIGQUIT'  # trainer.stop_protocol: sbatch-gen
-    --shutdown-timeout=60  # launch.kill_grace_s
-  ) trainer_args=(
-    --config "$TRAIN_CONFIG"
-    --run-dir "$RUN_DIR"
-    --resume "$RESUME"
-    --data-path "$DATA_PATH"
-  )
-  # The trainer's stop file of this attempt: it writes the ack (and .stopping, .fatal) next to it
-  local stop_file="$RUN_DIR/stop/$TAG.attempt-$ATTEMPT"
-  mkdir -p -- "$RUN_DIR/stop" || return 1
-  rm -f -- "$stop_file" "$stop_file.ack" "$stop_file.fatal" "$stop_file.stopping"
-  export SBATCH_GEN_STOP_FILE="$stop_file"
-  # torchrun with SIGTERM ignored; 42 after a complete stop checkpoint (templates/_node.j2)
-  run_trainer "$stop_file" 42 torchrun "${torchrun_args[@]}" -m "$TRAINER_MODULE" "${trainer_args[@]}" || rc=$?
-  return "$rc"
-}
-
-# Kill exactly the processes whose environment holds SBATCH_GEN_TAG=<tag> on this host: SIGTERM,
-# up to <grace> seconds, then SIGKILL. The shell running this never carries the tag itself.
-cleanup_main() {
-  local tag=$1 grace=$2 deadline pids=() _
-  tagged() {
-    grep -lzxFs -e "SBATCH_GEN_TAG=$tag" /proc/[0-9]*/environ 2>/dev/null \
-      | sed -n 's#^/proc/\([0-9][0-9]*\)/environ$#\1#p' | grep -vxF -e "$$" -e "$BASHPID" || true
-  }
-  mapfile -t pids < <(tagged)
-  if ((${#pids[@]} == 0)); then printf 'host %s: no process tagged %s\n' "$HOSTNAME" "$tag"; return 0; fi
-  printf 'host %s: SIGTERM to %s processes tagged %s: %s\n' "$HOSTNAME" "${#pids[@]}" "$tag" "${pids[*]}"
-  kill -TERM "${pids[@]}" 2>/dev/null || true
-  deadline=$((SECONDS + grace))
-  while ((SECONDS < deadline)); do
-    sleep 0.5
-    mapfile -t pids < <(tagged)
-    ((${#pids[@]})) || break
-  done
-  for _ in 1 2 3 4 5 6 7 8 9 10; do
-    mapfile -t pids < <(tagged)
-    if ((${#pids[@]} == 0)); then printf 'host %s: every process tagged %s is gone\n' "$HOSTNAME" "$tag"; return 0; fi
-    printf 'host %s: SIGKILL to %s\n' "$HOSTNAME" "${pids[*]}"
-    kill -KILL "${pids[@]}" 2>/dev/null || true
-    sleep 0.5
-  done
-  printf 'host %s: tagged processes survive SIGKILL: %s\n' "$HOSTNAME" "${pids[*]}"
-  return 1
-}
-
-# ---- launcher side -----------------------------------------------------------------------------
+# ==== end of node library ==========================================================================
 
 # The program a node runs: strict mode, the settings and functions above (declare -p/-f print them
 # as bash code, every value quoted), then "$@".
@@ -829,227 +1067,5 @@ NODE_PROGRAM="set -euo pipefail
 $(declare -p "${NODE_VARS[@]}")
 $(declare -f preflight_main node_main cleanup_main preflight iface_ipv4 load_modules activate_env read_line cpulist_cpus check_numa_binding check_ib_hcas log run_trainer stop_outcome)
 \"\$@\""
-
-# POSIX single quoting, for the remote login shell.
-sq() { printf "'%s'" "${1//\'/\'\\\'\'}"; }
-
-# run_on RANK LIMIT FUNCTION ARGS...: run a shipped function on node RANK with stdin closed, for at
-# most LIMIT seconds (0: no limit). Exit status 255: ssh could not reach the host; 124: timed out.
-run_on() {
-  local rank=$1 limit=() cmd a
-  if (($2 > 0)); then limit=(timeout "$2"); fi
-  shift 2
-  if ((rank == 0)); then
-    "${limit[@]}" bash -c "$NODE_PROGRAM" sbatch-gen-node "$@" </dev/null
-  else
-    cmd="bash -c $(sq "$NODE_PROGRAM") sbatch-gen-node"
-    for a in "$@"; do cmd+=" $(sq "$a")"; done
-    "${limit[@]}" ssh "${SSH_OPTS[@]}" -- "${HOSTS[rank]}" "$cmd" </dev/null
-  fi
-}
-
-node_label() { printf 'node %s (%s)' "$1" "${HOSTS[$1]}"; }
-
-exit_meaning() {
-  if (($1 == 255)); then printf ' (ssh failed or lost the connection)'
-  elif (($1 == 42)); then printf ' (the trainer checkpointed and stopped)'
-  elif (($1 > 128 && $1 < 160)); then printf ' (SIG%s)' "$(kill -l "$(($1 - 128))")"
-  fi
-}
-
-# Preflight on every node in parallel; on any failure say what failed where and return 1.
-preflight_all() {
-  local r rc failed=0 pids=() out marker="$RUN_DIR/.sbatch-gen-shared.$TAG"
-  if ((SHARED_RUN_DIR)); then mkdir -p -- "$RUN_DIR" && : >"$marker"; fi
-  for r in "${!HOSTS[@]}"; do
-    run_on "$r" "$PREFLIGHT_TIMEOUT_S" preflight_main "$r" >"$LOGS/preflight.attempt-$ATTEMPT.node-$r.log" 2>&1 &
-    pids[r]=$!
-  done
-  for r in "${!HOSTS[@]}"; do
-    out="$LOGS/preflight.attempt-$ATTEMPT.node-$r.log"
-    rc=0
-    wait "${pids[r]}" || rc=$?
-    if ((rc == 0)); then continue; fi
-    failed=1
-    case $rc in
-      124) log "preflight FAILED on $(node_label "$r"): no answer within ${PREFLIGHT_TIMEOUT_S}s" ;;
-      255) log "preflight FAILED on $(node_label "$r"): ssh cannot reach it: $(tail -n 2 "$out" | paste -sd ' ' -)" ;;
-      *) log "preflight FAILED on $(node_label "$r"): $(sed -n 's/^preflight FAILED on [^:]*: //p' "$out")" ;;
-    esac
-  done
-  rm -f -- "$marker"
-  ((failed == 0))
-}
-
-# Kill every tagged process on every node, in parallel; returns 1 if a node could not be cleaned.
-cleanup_all() {
-  local r rc=0 pids=()
-  for r in "${!HOSTS[@]}"; do
-    run_on "$r" $((KILL_GRACE_S + 60)) cleanup_main "$TAG" "$KILL_GRACE_S" >>"$LOGS/cleanup.log" 2>&1 &
-    pids[r]=$!
-  done
-  for r in "${!HOSTS[@]}"; do
-    wait "${pids[r]}" || { rc=1; log "cleanup FAILED on $(node_label "$r"): see $LOGS/cleanup.log"; }
-  done
-  return "$rc"
-}
-
-NODE_PIDS=()
-NODE_RCS=()
-SLEEP_PID=""
-ATTEMPT=0
-
-# Sleep in the background and wait for it, so that a signal's trap runs at once.
-nap() { sleep "$1" & SLEEP_PID=$!; wait "$SLEEP_PID" || true; SLEEP_PID=""; }
-
-launch_all() {
-  local r resume=$1
-  for r in "${!HOSTS[@]}"; do
-    run_on "$r" 0 node_main "$r" "$MASTER_ADDR" "$ATTEMPT" "$resume" \
-      >"$LOGS/attempt-$ATTEMPT.node-$r.${HOSTS[r]}.log" 2>&1 &
-    NODE_PIDS[r]=$!
-    NODE_RCS[r]=""
-  done
-  log "attempt $ATTEMPT: started $NNODES nodes (resume $resume); logs $LOGS/attempt-$ATTEMPT.node-*.log"
-}
-
-# Wait for every node. Once one has failed, the others get FAILURE_GRACE_S to end on their own, then
-# every node is cleaned up; a local ssh client still hanging 15 s after that is killed.
-wait_all() {
-  local r rc running failed_at="" killed_at=""
-  while true; do
-    running=0
-    for r in "${!HOSTS[@]}"; do
-      [[ -n ${NODE_PIDS[r]} ]] || continue
-      if kill -0 "${NODE_PIDS[r]}" 2>/dev/null; then running=$((running + 1)); continue; fi
-      rc=0
-      wait "${NODE_PIDS[r]}" || rc=$?
-      NODE_PIDS[r]=""
-      NODE_RCS[r]=$rc
-      printf '%s\t%s\t%s\t%s\n' "$ATTEMPT" "$r" "${HOSTS[r]}" "$rc" >>"$LOGS/exits.tsv"
-      if ((rc == 0)); then
-        log "attempt $ATTEMPT: $(node_label "$r") finished"
-      else
-        log "attempt $ATTEMPT: $(node_label "$r") exited with $rc$(exit_meaning "$rc")"
-        if [[ -z $failed_at ]]; then
-          failed_at=$SECONDS
-          log "attempt $ATTEMPT: the other nodes get ${FAILURE_GRACE_S}s to end before they are killed"
-        fi
-      fi
-    done
-    ((running > 0)) || return 0
-    if [[ -n $failed_at && -z $killed_at ]] && ((SECONDS - failed_at >= FAILURE_GRACE_S)); then
-      log "attempt $ATTEMPT: killing the remaining nodes"
-      cleanup_all || true
-      killed_at=$SECONDS
-    elif [[ -n $killed_at ]] && ((SECONDS - killed_at >= 15)); then
-      for r in "${!HOSTS[@]}"; do
-        if [[ -n ${NODE_PIDS[r]} ]]; then kill -KILL "${NODE_PIDS[r]}" 2>/dev/null || true; fi
-      done
-    fi
-    nap 1
-  done
-}
-
-# First signal: SIGTERM to every tagged process on every host (the trainer checkpoints if it can),
-# SIGKILL after KILL_GRACE_S. A second signal while that runs: SIGKILL at once.
-on_signal() {
-  local sig=$1 code=$2 pids=()
-  trap 'on_second_signal' INT TERM HUP
-  log "caught SIG$sig: stopping every node (SIGTERM, SIGKILL after ${KILL_GRACE_S}s; signal again to SIGKILL now)"
-  if [[ -n $SLEEP_PID ]]; then kill "$SLEEP_PID" 2>/dev/null || true; fi
-  cleanup_all || true
-  mapfile -t pids < <(jobs -p)
-  if ((${#pids[@]})); then kill -TERM "${pids[@]}" 2>/dev/null || true; fi
-  wait || true
-  node_lines "$LOGS/attempt-$ATTEMPT".node-*.log  # what each node said about the stop, one line each
-
-  log "stopped by SIG$sig"
-  exit "$code"
-}
-
-on_second_signal() {
-  trap '' INT TERM HUP
-  log "second signal: SIGKILL to every tagged process now"
-  KILL_GRACE_S=0
-  cleanup_all || true
-}
-
-# Node 0 runs where the launcher runs: warn when that does not look like hosts[0] (its name is not
-# this host's, nor does it resolve to one of this host's addresses), e.g. when started on another host.
-check_launcher_host() {
-  local h=${HOSTS[0]} addrs=() a mine
-  if [[ $h == "$HOSTNAME" || $h == "${HOSTNAME%%.*}" ]]; then return 0; fi
-  mapfile -t addrs < <(getent ahostsv4 "$h" 2>/dev/null | awk '{ print $1 }' | sort -u)
-  mine=$(ip -4 -o addr show 2>/dev/null || true)
-  for a in "${addrs[@]}"; do
-    if [[ $mine == *" inet $a/"* ]]; then return 0; fi
-  done
-  log "WARNING: node 0 is hosts[0] = $h, but this host is $HOSTNAME and $h is none of its addresses: run the launcher on $h"
-}
-
-usage() {
-  die 2 "usage: $0                launch (run it on ${HOSTS[0]}, from the launch directory)
-       $0 cleanup TAG    kill what an earlier launch left behind (its tag is in its log lines)"
-}
-
-# `cleanup TAG`: for a launch that could not clean up itself (the launcher was SIGKILLed, the launch
-# host rebooted): kill the processes tagged TAG on every host.
-cleanup_command() {
-  [[ $# -eq 1 && $1 =~ ^sbg-[A-Za-z0-9_.-]+-[0-9]+-[0-9]+$ ]] || usage
-  TAG=$1
-  LOGS="$LOG_DIR/$SITE.$TAG"
-  LOG_FILE="$LOGS/launcher.log"
-  mkdir -p -- "$LOGS"
-  log "cleanup of $TAG on every host: ${HOSTS[*]}"
-  if cleanup_all; then log "no process tagged $TAG is left"; exit 0; fi
-  exit 1
-}
-
-main() {
-  local r ok resume=$FIRST_RESUME waited
-  case ${1-} in
-    "") ;;
-    cleanup) shift; cleanup_command "$@" ;;
-    *) usage ;;
-  esac
-  if [[ -e $STOP_FILE ]]; then die 2 "stop file $STOP_FILE exists: remove it to launch"; fi
-  mkdir -p -- "$LOGS"
-  ln -sfn -- "$SITE.$TAG" "$LOG_DIR/$SITE.latest"
-  MASTER_ADDR=$(iface_ipv4 "$IFNAME") || die 2 "interface $IFNAME has no IPv4 address on this host (node 0)"
-  trap 'on_signal INT 130' INT
-  trap 'on_signal TERM 143' TERM
-  trap 'on_signal HUP 129' HUP
-  log "site $SITE: $NNODES nodes x $NPROC_PER_NODE processes, rendezvous $MASTER_ADDR:$RDZV_PORT ($IFNAME), tag $TAG"
-  log "hosts: ${HOSTS[*]}; logs in $LOGS; touch $STOP_FILE to stop after the current attempt"
-  check_launcher_host
-  for ((ATTEMPT = 1; ; ATTEMPT++)); do
-    if preflight_all; then
-      log "attempt $ATTEMPT/$MAX_ATTEMPTS: preflight passed on every node"
-      launch_all "$resume"
-      wait_all
-      cleanup_all || log "warning: cleanup did not complete on every node"
-      ok=1
-      for r in "${!HOSTS[@]}"; do
-        if [[ ${NODE_RCS[r]} != 0 ]]; then ok=0; fi
-      done
-      if ((ok)); then log "attempt $ATTEMPT: every node finished: training complete"; exit 0; fi
-    elif ((ATTEMPT == 1)); then
-      log "aborting: preflight failed, nothing was started (details: $LOGS/preflight.attempt-$ATTEMPT.node-*.log)"
-      exit 3
-    else
-      # A host that went down with the last attempt may come back during the cool-down: retry.
-      log "attempt $ATTEMPT: preflight failed, nothing was started; it counts as a failed attempt"
-    fi
-    if ((ATTEMPT >= MAX_ATTEMPTS)); then log "attempt $ATTEMPT failed and no attempts are left (max $MAX_ATTEMPTS)"; exit 1; fi
-    if [[ -e $STOP_FILE ]]; then log "attempt $ATTEMPT failed; $STOP_FILE exists: not relaunching"; exit 4; fi
-    log "attempt $ATTEMPT failed: relaunching with --resume auto in ${COOLDOWN_S}s (touch $STOP_FILE to stop instead)"
-    for ((waited = 0; waited < COOLDOWN_S; waited++)); do
-      if [[ -e $STOP_FILE ]]; then log "$STOP_FILE exists: not relaunching"; exit 4; fi
-      nap 1
-    done
-    resume=auto
-  done
-}
 
 main "$@"

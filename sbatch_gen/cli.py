@@ -10,6 +10,8 @@ Errors go to stderr as ``file:line: field: message`` (or ``path: message``), one
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -22,7 +24,8 @@ from sbatch_gen.errors import UserError
 from sbatch_gen.fsutil import display_path
 from sbatch_gen.loader import LoadedSite, list_sites, load_site
 from sbatch_gen.profiles import PROFILE_KINDS
-from sbatch_gen.render import OutputError, Rendered, check_out_dir, render_site, unified_diff, write_outputs
+from sbatch_gen.render import OutputError, Rendered, check_out_dir, render_site, write_outputs
+from sbatch_gen.rendiff import FileChange, grouped_diff
 
 EXIT_DRIFT = 1
 EXIT_IO = 1  # `render`: an output file could not be written (nothing was changed); `check`: out/ unreadable
@@ -141,7 +144,8 @@ def _read_output(path: Path) -> str | None:
         ) from None
 
 
-def _drift(pairs: list[tuple[LoadedSite, Rendered]], out_dir: Path, stale_check: bool) -> list[str]:
+def _drift(pairs: list[tuple[LoadedSite, Rendered]], out_dir: Path, stale_check: bool) -> list[FileChange]:
+    """The files of out_dir that differ from a fresh render (and, with stale_check, those no site renders)."""
     check_out_dir(out_dir, writing=False)
     diffs = []
     expected = set()
@@ -150,16 +154,42 @@ def _drift(pairs: list[tuple[LoadedSite, Rendered]], out_dir: Path, stale_check:
         expected.add(r.filename)
         old = _read_output(path)
         if old != r.text:
-            diffs.append(unified_diff(path, old, r.text))
+            diffs.append(FileChange(display_path(path), old, r.text))
     if stale_check and out_dir.is_dir():
         suffixes = _output_suffixes()
         for f in sorted(out_dir.iterdir()):
             if f.is_file() and f.name not in expected and any(f.name.endswith(s) for s in suffixes):
-                diffs.append(
-                    f"# {display_path(f)}: no site renders this file any more (delete it)\n"
-                    + unified_diff(f, _read_output(f), None)
-                )
+                note = "no site renders this file any more (delete it)"
+                diffs.append(FileChange(display_path(f), _read_output(f), None, note))
     return diffs
+
+
+def _git_renders(rev: str, dirs: tuple[Path, ...]) -> list[FileChange]:
+    """The rendered files under dirs as committed at git revision rev against the working tree's."""
+    suffixes = _output_suffixes()
+    try:
+        listed = subprocess.run(
+            ["git", "ls-tree", "-r", "--name-only", "--full-name", rev, "--", *map(str, dirs)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
+        top = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = (getattr(e, "stderr", "") or str(e)).strip().splitlines() or ["git failed"]
+        raise UserError([f"--against {rev}: git cannot list it: {detail[-1]}"]) from None
+    names = {Path(os.path.relpath(Path(top, n))).as_posix() for n in listed}
+    names |= {f.as_posix() for d in dirs if d.is_dir() for f in sorted(d.iterdir()) if f.is_file()}
+    changes = []
+    for name in sorted(n for n in names if any(n.endswith(s) for s in suffixes)):
+        shown = subprocess.run(["git", "show", f"{rev}:./{name}"], capture_output=True, check=False)
+        old = shown.stdout.decode("utf-8", errors="replace") if shown.returncode == 0 else None
+        new = _read_output(Path(name))
+        if old != new:
+            changes.append(FileChange(name, old, new))
+    return changes
 
 
 @cli.command()
@@ -195,6 +225,8 @@ def render(names, all_, out_dir, overrides, sites_dir, templates_dir) -> None:
 def check(out_dir, sites_dir, templates_dir) -> None:
     """Exit 1 with a unified diff if any file in out/ differs from a fresh render (CI runs it through `make check`).
 
+    A hunk that several files carry (a template change) is printed once, with the files that carry it.
+
     \b
     sbatch-gen check
     """
@@ -202,7 +234,7 @@ def check(out_dir, sites_dir, templates_dir) -> None:
     pairs = _render_all(loaded, templates_dir)
     diffs = _drift(pairs, out_dir, stale_check=True)
     if diffs:
-        click.echo("".join(diffs), nl=False)
+        click.echo(grouped_diff(diffs), nl=False)
         click.echo(
             f"sbatch-gen: {len(diffs)} file(s) in {display_path(out_dir)} differ from a fresh render; "
             "run `sbatch-gen render --all` and review the diff",
@@ -213,23 +245,48 @@ def check(out_dir, sites_dir, templates_dir) -> None:
 
 
 @cli.command()
-@click.option("--site", "names", multiple=True, metavar="NAME", required=True, help="Site (repeatable).")
+@click.option("--site", "names", multiple=True, metavar="NAME", help="Site (repeatable).")
+@click.option("--all", "all_", is_flag=True, help="Every site in the sites directory.")
+@click.option(
+    "--against",
+    metavar="GIT-REV",
+    help="Compare the renders committed at GIT-REV with the working tree's files (no rendering).",
+)
+@click.argument("dirs", nargs=-1, type=click.Path(path_type=Path))
 @_out_option
 @_set_option
 @_sites_dir_option
 @_templates_option
-def diff(names, out_dir, overrides, sites_dir, templates_dir) -> None:
-    """Show what `render` would change for one site (exit 1 if anything differs).
+def diff(names, all_, against, dirs, out_dir, overrides, sites_dir, templates_dir) -> None:
+    """Show what `render` would change (exit 1 if anything differs).
+
+    A hunk that several files carry (a template change) is printed once, with the files that carry it;
+    then each file's own hunks. With --against, the renders in DIRS (default: out) as committed at GIT-REV
+    against the files in the working tree: a pull request's render changes, each shared one once.
 
     \b
     sbatch-gen diff --site eu
+    sbatch-gen diff --all
+    sbatch-gen diff --against origin/main out examples/out
     """
-    loaded = _load_many(sites_dir, names, overrides)
+    if against is not None:
+        if names or all_ or overrides:
+            raise click.UsageError("--against compares committed files: no --site, --all or --set")
+        changes = _git_renders(against, dirs or (out_dir,))
+        if changes:
+            click.echo(grouped_diff(changes), nl=False)
+            sys.exit(EXIT_DRIFT)
+        click.echo(f"no changes against {against} in {', '.join(str(d) for d in dirs or (out_dir,))}")
+        return
+    if dirs:
+        raise click.UsageError("DIRS go with --against; the renders of --site/--all are compared with --out")
+    selected = _select(sites_dir, names, all_)
+    loaded = _load_many(sites_dir, selected, overrides)
     diffs = _drift(_render_all(loaded, templates_dir), out_dir, stale_check=False)
     if diffs:
-        click.echo("".join(diffs), nl=False)
+        click.echo(grouped_diff(diffs), nl=False)
         sys.exit(EXIT_DRIFT)
-    click.echo(f"no changes for {', '.join(names)}")
+    click.echo(f"no changes for {'every site' if all_ else ', '.join(names)}")
 
 
 @cli.command()

@@ -9,7 +9,6 @@ random ids or absolute checkout paths, so renders are byte-identical across runs
 
 from __future__ import annotations
 
-import difflib
 import functools
 import hashlib
 import os
@@ -117,6 +116,11 @@ def _shq(ctx: jinja2.runtime.Context, value: object) -> str:
     return q
 
 
+def _sha256(text: str) -> str:
+    """The hex sha256 of a rendered block (the node library's fence names its own)."""
+    return hashlib.sha256(str(text).encode()).hexdigest()
+
+
 def make_env(templates_dir: Path) -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir)),
@@ -129,6 +133,7 @@ def make_env(templates_dir: Path) -> jinja2.Environment:
     env.filters["shq"] = _shq
     env.filters["sbatch"] = _sbatch
     env.filters["comment"] = _comment
+    env.filters["sha256"] = _sha256
     return env
 
 
@@ -358,16 +363,3 @@ def _roll_back(paths: list[Path], old: list, temps: list[str], done: list[int], 
             os.rmdir(d)
         except OSError:
             pass
-
-
-def unified_diff(path: Path, old: str | None, new: str | None) -> str:
-    name = display_path(path)
-    a = [] if old is None else old.splitlines(keepends=True)
-    b = [] if new is None else new.splitlines(keepends=True)
-    lines = difflib.unified_diff(
-        a,
-        b,
-        fromfile=f"a/{name}" if old is not None else "/dev/null",
-        tofile=f"b/{name}" if new is not None else "/dev/null",
-    )
-    return "".join(x if x.endswith("\n") else x + "\n\\ No newline at end of file\n" for x in lines)

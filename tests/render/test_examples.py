@@ -12,6 +12,7 @@ from sbatch_gen.loader import load_site
 from sbatch_gen.train.api import cross_region_from_args
 
 from .conftest import REPO, sg_proc
+from .script_parts import flat
 from .test_shell import lint
 
 EXAMPLES_OUT = sorted(
@@ -32,7 +33,7 @@ def test_the_example_sites_validate():
 
 
 def test_the_torchtitan_style_profile_starts_its_script_with_its_own_flags():
-    text = (REPO / "examples" / "out" / "titan.sbatch").read_text()
+    text = flat((REPO / "examples" / "out" / "titan.sbatch").read_text())
     assert "TRAINER_SCRIPT=torchtitan/train.py  # trainer.script\n" in text
     assert '  torchrun "${TORCHRUN_ARGS[@]}" "$TRAINER_SCRIPT" "${TRAINER_ARGS[@]}" &\n' in text
     assert '  script="$TRAINER_SCRIPT" config="$TRAIN_CONFIG" ' in text
@@ -56,6 +57,7 @@ def _trainer_argv(script: str) -> list[str]:
     settings = script[
         script.index("# ---- settings from the profile") : script.index("# ---- environment of")
     ]
+    script = flat(script)
     start = script.index("\nTRAINER_ARGS=(\n")
     array = script[start : script.index("\n)\n", start) + 3]
     code = "set -eu\n" + settings + array + "printf '%s\\0' \"${TRAINER_ARGS[@]}\"\n"

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from sbatch_gen.xr_options import credential_shape, unsafe_chars
 
 from .conftest import REPO, sg
+from .script_parts import flat
 
 pytestmark = pytest.mark.slow  # runs rendered scripts in a sandbox
 
@@ -44,14 +45,15 @@ BASE = yaml.safe_load((REPO / "sites" / "local.yaml").read_text())
 
 
 def _settings_block(script: str) -> str:
-    """The profile's settings: the settings block, then python_env's (up to its functions)."""
+    """The profile's settings: the settings block, then python_env's (up to main())."""
     start = script.index("# ---- settings from the profile")
-    end = script.index("load_modules() {")
+    end = script.index("\nmain() {")
     return script[start:end]
 
 
 def _trainer_args(script: str) -> str:
     """The trainer's argument list (TRAINER_ARGS=(...), built by sbatch_gen/launch.py)."""
+    script = flat(script)
     start = script.index("\nTRAINER_ARGS=(\n")
     return script[start : script.index("\n)\n", start) + 3]
 

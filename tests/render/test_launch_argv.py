@@ -15,6 +15,7 @@ from sbatch_gen.loader import load_site
 from sbatch_gen.render import render_site, shell_quote
 
 from .conftest import REPO
+from .script_parts import flat
 
 XR = "cross_region={enabled: true, region: eu, regions: [eu, us], transport: {kind: fs, root: /mnt/xr mail}}"
 SHARED = [
@@ -152,7 +153,7 @@ def _expand(code: str, arrays: list[str]) -> dict[str, list[str]]:
 
 def _rendered_argv(variant: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     slurm, ssh = _profiles(variant)
-    sb = render_site(slurm)[0].text
+    sb = flat(render_site(slurm)[0].text)
     sh = render_site(ssh)[0].text
     s_settings = _block(sb, "# ---- settings from the profile", "# ---- environment of every job step")
     s_arrays = _block(sb, "\nTORCHRUN_ARGS=(\n", "\n)\n") + _block(sb, "\nTRAINER_ARGS=(\n", "\n)\n")

@@ -26,6 +26,7 @@ from sbatch_gen.testing.s3server import free_port
 
 from .batch_sandbox import prepare
 from .conftest import REPO, edit_site, sg
+from .script_parts import flat, node_library
 
 EU = (REPO / "out" / "eu.sbatch").read_text()
 
@@ -43,9 +44,7 @@ def _node(tmp_path: Path, **kw) -> FakeNode:
 
 def _functions_and_preflight(text: str) -> str:
     """The shared node checks and preflight(), as srun runs them on a node (export -f)."""
-    start = text.index("# Node checks shared by the launchers' preflights")
-    end = text.index("\nexport -f preflight ")
-    return text[start:end]
+    return node_library(text)
 
 
 def _preflight(
@@ -96,7 +95,7 @@ FAILED = "preflight FAILED on gpu-n7: "
 
 
 def test_the_committed_eu_render_checks_numa_binding_and_its_hcas():
-    lines = EU.splitlines()
+    lines = flat(EU).splitlines()
     assert "  numa=node  # topology.numa_binding" in lines
     assert f"  hcas='{EU_HCAS}'  # nccl.ib_hca as NCCL_IB_HCA (empty: no check)" in lines
     assert "  link_layer=InfiniBand  # nccl.ib_link_layer" in lines
@@ -455,5 +454,5 @@ def test_ib_disable_turns_the_hca_check_off(work):
     assert r.code == 0, r.err
     assert (
         "  hcas=''  # nccl.ib_hca as NCCL_IB_HCA (empty: no check)"
-        in (work / "o" / "eu.sbatch").read_text().splitlines()
+        in flat((work / "o" / "eu.sbatch").read_text()).splitlines()
     )

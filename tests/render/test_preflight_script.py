@@ -16,6 +16,7 @@ import pytest
 from sbatch_gen.testing.s3server import free_port
 
 from .conftest import REPO, python_without_torch, sg
+from .script_parts import flat, node_library
 
 CONFIG = REPO / "configs" / "tiny.yaml"
 
@@ -56,9 +57,7 @@ def _slurm_preflight(tmp_path: Path, script: Path, path_first: Path | None = Non
     port = free_port()
     text = _render(tmp_path, "local", script, port)
     assert '  script="$TRAINER_SCRIPT" config="$TRAIN_CONFIG" ' in text
-    functions = text[
-        text.index("# Node checks shared by the launchers' preflights") : text.index("\nexport -f preflight ")
-    ]
+    functions = node_library(text)
     settings = [
         f"script={script}",
         f"config={CONFIG}",
@@ -115,7 +114,7 @@ def test_the_ssh_launchers_node_program_checks_the_script(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
     text = _render(tmp_path, "ssh-local", script, free_port())
-    head = text[: text.index("\n# POSIX single quoting")]
+    head = text[: text.rindex('\nmain "$@"')]
     run = head + '\nbash -c "$NODE_PROGRAM" sbatch-gen-node preflight_main 0\n'
     env = _env()
     env["HOSTNAME"] = "node0"
@@ -153,9 +152,7 @@ def test_a_torch_whose_torchrun_lacks_a_flag_the_render_uses_fails_naming_it(tmp
     script.write_text("print('hi')\n")
     port = free_port()
     text = _render(tmp_path, "local", script, port)
-    functions = text[
-        text.index("# Node checks shared by the launchers' preflights") : text.index("\nexport -f preflight ")
-    ]
+    functions = node_library(text)
     flags = "--signals-to-handle=trainer.stop_protocol: signal,--shutdown-timeout=trainer.stop_grace_s"
     settings = [f"script={script}", f"torchrun_flags={flags}", "gpus=0", f"run_dir={tmp_path / 'run'}"]
     env = _env()
@@ -176,7 +173,7 @@ def test_a_torch_whose_torchrun_lacks_a_flag_the_render_uses_fails_naming_it(tmp
 
 def test_the_render_passes_the_flags_to_check_only_when_it_uses_them(tmp_path):
     def preflight_args(text: str) -> list[str]:
-        block = text.split("\nPREFLIGHT_ARGS=(\n", 1)[1].split("\n)\n", 1)[0]
+        block = flat(text).split("\nPREFLIGHT_ARGS=(\n", 1)[1].split("\n)\n", 1)[0]
         return shlex.split(block, comments=True)
 
     out = tmp_path / "none"

@@ -14,6 +14,7 @@ import pytest
 from sbatch_gen.testing.s3server import free_port
 
 from .conftest import REPO, edit_site, python_without_torch, sg
+from .script_parts import node_library
 
 pytestmark = pytest.mark.slow  # shellcheck and bash on every render
 
@@ -115,9 +116,7 @@ def test_every_option_renders_lint_clean(work):
 
 def _preflight_script(text: str) -> str:
     """The preflight and the functions it calls, as srun ships them to the nodes (export -f)."""
-    start = text.index("# Node checks shared by the launchers' preflights")
-    end = text.index("\nexport -f preflight ")
-    return text[start:end]
+    return node_library(text)
 
 
 # What srun runs on every node: each node adds its rank and the node count (templates/slurm.sbatch.j2).

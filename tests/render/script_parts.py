@@ -1,0 +1,41 @@
+"""The parts of a rendered script, for tests that run or compare one part of it.
+
+A render reads top-down: the settings, then ``main() { ... }`` with the job's flow, its helpers, then the
+node library between its fences, then ``main "$@"`` (templates/slurm.sbatch.j2, ssh-launcher.sh.j2)."""
+
+from __future__ import annotations
+
+import hashlib
+
+LIBRARY_START = "# ==== node library ="
+LIBRARY_SHA = "# library sha256: "
+LIBRARY_END = "# ==== end of node library ="
+
+
+def flat(text: str) -> str:
+    """The render with main()'s body dedented in place, so a block of the job's flow (TRAINER_ARGS=(...),
+    an srun line) can be cut out and run at the top level, as it could before the flow became main()."""
+    lines = text.splitlines(keepends=True)
+    start = lines.index("main() {\n")
+    end = lines.index("}\n", start)
+    body = [line[2:] if line.startswith("  ") else line for line in lines[start + 1 : end]]
+    return "".join(lines[: start + 1] + body + lines[end:])
+
+
+def library_lines(text: str) -> tuple[str, str]:
+    """(the sha256 the library's fence names, the library: the lines between that line and the end fence)."""
+    i = text.index("\n" + LIBRARY_SHA) + 1
+    j = text.index("\n", i) + 1
+    k = text.index("\n" + LIBRARY_END, j) + 1
+    return text[i + len(LIBRARY_SHA) : j - 1], text[j:k]
+
+
+def node_library(text: str) -> str:
+    """The node library: log/die, the python_env activation, the preflight and run_trainer functions the
+    render uses (what srun's and the node program's bash run on the nodes)."""
+    return library_lines(text)[1]
+
+
+def library_sha_ok(text: str) -> bool:
+    named, body = library_lines(text)
+    return hashlib.sha256(body.encode()).hexdigest() == named
