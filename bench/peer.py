@@ -42,7 +42,7 @@ from sbatch_gen.testing.procs import terminate
 from sbatch_gen.testing.regions import RegionRun
 from sbatch_gen.testing.s3server import free_port
 from sbatch_gen.train.data import prepare
-from sbatch_gen.train.trainer import ENV_STEP_SLEEP
+from sbatch_gen.train.loop import ENV_STEP_SLEEP
 from sbatch_gen.xr_options import CrossRegion, FsTransport, S3Transport, to_argv
 
 from .common import PY, REPO, Result, bench_env, median

@@ -37,8 +37,9 @@ from sbatch_gen.train.api import exit_process
 from sbatch_gen.train.config import load_config
 from sbatch_gen.train.data import Batches, Sampler, Shard, shard_path
 from sbatch_gen.train.export import save_model
+from sbatch_gen.train.loop import ENV_STEP_SLEEP
 from sbatch_gen.train.model import GPT
-from sbatch_gen.train.trainer import ENV_STEP_SLEEP, lr_at
+from sbatch_gen.train.optim import lr_at
 from sbatch_gen.train.xr.fragments import assign
 
 
