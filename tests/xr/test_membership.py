@@ -245,7 +245,7 @@ def test_elastic_needs_a_store_that_refuses_a_second_create(tmp_path, monkeypatc
     from bench.servers import NanioServer, s3_client
     from sbatch_gen.train.dist import DistInfo
     from sbatch_gen.train.xr.errors import XRError
-    from sbatch_gen.train.xr.sync import create
+    from sbatch_gen.train.xr.modes import create
     from sbatch_gen.xr_options import CrossRegion, S3Credentials, S3Transport
 
     with NanioServer() as server:

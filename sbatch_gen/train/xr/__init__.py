@@ -14,7 +14,8 @@ Layers, each usable on its own:
 * :mod:`.flat`       - the model's parameters as one flat vector;
 * :mod:`.sync`       - ``OuterSync``: what both algorithms share (theta0 alignment, state, records);
 * :mod:`.diloco`     - elastic DiLoCo: late regions, fast-forward from rounds or snapshots;
-* :mod:`.grad`       - per-step gradient averaging (strict).
+* :mod:`.grad`       - per-step gradient averaging (strict);
+* :mod:`.modes`      - ``create``: the outer sync of ``xr.sync`` and ``xr.overlap``.
 
 A trainer reaches all of this through one public class, :class:`sbatch_gen.train.api.DiLoCo` (the
 companion trainer too); its docstrings say when to call what. The layers listed above are internal.

@@ -4,7 +4,7 @@ Inside a region every rank holds the same parameters (DDP). Across regions nothi
 mailbox (:mod:`.protocol`, :mod:`.membership`). The two algorithms are subclasses:
 :class:`.diloco.DiLoCo` (an outer Nesterov round every H steps; elastic: rounds close without absent
 regions, which fast-forward when they return) and :class:`.grad.GradSync` (gradients averaged every
-step, strict). :func:`create` picks one.
+step, strict). :func:`.modes.create` picks one.
 
 All-or-nothing: every rank learns about any rank's failure (timeouts, checksums, layouts) before
 anything is changed, raises the same error, and the parameters and outer state stay as they were.
@@ -389,28 +389,3 @@ class OuterSync:
 
 def _as_int(v) -> int:
     return int(v.item()) if isinstance(v, torch.Tensor) else int(v)
-
-
-def create(
-    xr: CrossRegion,
-    model: nn.Module,
-    device: torch.device,
-    dist,
-    run_dir: Path | None = None,
-    log: Callable[[dict], None] | None = None,
-    **kw,
-) -> OuterSync:
-    """The outer sync of ``xr.sync`` (collective: every rank of the region calls it)."""
-    if xr.sync == "diloco" and xr.overlap == "streaming":
-        from .streaming import StreamingDiLoCo
-
-        return StreamingDiLoCo(xr, model, device, dist, run_dir, log, **kw)
-    if xr.sync == "diloco":
-        from .diloco import DiLoCo
-
-        return DiLoCo(xr, model, device, dist, run_dir, log, **kw)
-    if xr.sync == "grad":
-        from .grad import GradSync
-
-        return GradSync(xr, model, device, dist, run_dir, log, **kw)
-    raise ValueError(f"unknown sync mode {xr.sync!r}")
