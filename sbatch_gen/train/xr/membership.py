@@ -392,13 +392,7 @@ class Membership:
             c = self.read_commit(tag)
             if c is not None:
                 return c, got
-            for r in self.regions:
-                if r in got:
-                    continue
-                m = mb.read_manifest(tag, r)
-                if m is not None:
-                    expect.check(m, self.run_id, tag, r, self.store.describe(mb.manifest_key(tag, r)))
-                    got[r] = m
+            self._read_manifests(tag, expect, got)
             now = self._clock()
             if now >= min(next_check, stale_due):
                 leaving, stale, stale_due = self._absentees(got)
@@ -415,13 +409,7 @@ class Membership:
                     tag, step if step is not None else -1, got, reason, now - t0, stale
                 ), got
             if now - t0 >= mb.timeout_s:
-                missing = [r for r in self.regions if r not in got]
-                at = f" (step {step})" if step is not None else ""
-                raise XRNoQuorum(
-                    f"round {tag}{at}: no quorum after {mb.timeout_s:g} s: {len(got)} of {len(self.regions)} "
-                    f"regions published, {self.quorum} needed (min_regions); missing: {', '.join(missing)}",
-                    missing,
-                )
+                raise self._no_quorum(tag, step, got)
             if slice_s is not None and now - now0 >= slice_s:
                 self._waiting = (wait_id, quorum_since)
                 return None
@@ -431,6 +419,27 @@ class Membership:
                 wake = mb.timeout_s - (now - t0)
             time.sleep(max(0.0, min(delay, wake + 1e-3)))
             delay = min(mb.poll_max_s, delay * 1.5)
+
+    def _read_manifests(self, tag: str, expect: Expect, got: dict[str, Manifest]) -> None:
+        """Add to ``got`` the manifests of round ``tag`` published since the last look (verified)."""
+        mb = self.mb
+        for r in self.regions:
+            if r in got:
+                continue
+            m = mb.read_manifest(tag, r)
+            if m is not None:
+                expect.check(m, self.run_id, tag, r, self.store.describe(mb.manifest_key(tag, r)))
+                got[r] = m
+
+    def _no_quorum(self, tag: str, step: int | None, got: dict[str, Manifest]) -> XRNoQuorum:
+        """The error of a wait for round ``tag`` that timed out without a quorum, naming the missing."""
+        missing = [r for r in self.regions if r not in got]
+        at = f" (step {step})" if step is not None else ""
+        return XRNoQuorum(
+            f"round {tag}{at}: no quorum after {self.mb.timeout_s:g} s: {len(got)} of {len(self.regions)} "
+            f"regions published, {self.quorum} needed (min_regions); missing: {', '.join(missing)}",
+            missing,
+        )
 
     def _absentees(self, got: dict[str, Manifest]) -> tuple[set[str], set[str], float]:
         """rank 0, waiting in a round: read the presence record (and, with heartbeats, the heartbeat) of every
