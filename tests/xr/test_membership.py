@@ -15,8 +15,10 @@ import time
 import pytest
 
 from bench import scripted
+from sbatch_gen.train.xr.commit import Commit, decide
 from sbatch_gen.train.xr.errors import XRBehind, XRNoQuorum
-from sbatch_gen.train.xr.membership import STALE_BEATS, Commit, Heartbeat, HeartbeatWriter, Membership, decide
+from sbatch_gen.train.xr.heartbeat import STALE_BEATS, Heartbeat, HeartbeatWriter
+from sbatch_gen.train.xr.membership import Membership
 from sbatch_gen.train.xr.protocol import Expect, Mailbox, ShardPlan, round_tag
 from sbatch_gen.train.xr.store import FsStore, make_store, probe_create
 

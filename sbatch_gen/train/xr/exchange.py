@@ -31,9 +31,10 @@ import torch
 from sbatch_gen.xr_options import CrossRegion
 
 from . import scaled
+from .commit import Commit
 from .errors import XRCancelled, XRError, XRLayoutError
 from .kernels import CPU_BLOCK, GPU_BLOCK, weighted_average_
-from .membership import Commit, Membership
+from .membership import Membership
 from .protocol import (
     ITEMSIZE,
     SCALED,
