@@ -61,7 +61,7 @@ def ours(a) -> list[dict]:
     from torch import nn
 
     from sbatch_gen.train.dist import DistInfo
-    from sbatch_gen.train.xr.sync import create
+    from sbatch_gen.train.xr.modes import create
     from sbatch_gen.xr_options import CrossRegion
 
     torch.set_num_threads(1)

@@ -81,9 +81,9 @@ def run(out_dir: Path, quick: bool = False) -> Result:
     from sbatch_gen.train.dist import DistInfo
     from sbatch_gen.train.xr import kernels as sync_mod
     from sbatch_gen.train.xr.flat import layout_fingerprint
+    from sbatch_gen.train.xr.modes import create
     from sbatch_gen.train.xr.protocol import Mailbox, round_tag
     from sbatch_gen.train.xr.store import FsStore
-    from sbatch_gen.train.xr.sync import create
     from sbatch_gen.xr_options import CrossRegion, FsTransport
 
     res = Result("outer", "Outer step vs memory bandwidth (CPU)", quick)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sbatch_gen.train.data import prepare
-from sbatch_gen.train.trainer import ENV_STEP_SLEEP
+from sbatch_gen.train.loop import ENV_STEP_SLEEP
 from sbatch_gen.train.xr.fragments import round_step
 from sbatch_gen.xr_options import CrossRegion, S3Transport
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from sbatch_gen.testing.regions import RegionRun
 from sbatch_gen.testing.s3server import free_port
-from sbatch_gen.train.trainer import ENV_STEP_SLEEP
+from sbatch_gen.train.loop import ENV_STEP_SLEEP
 from sbatch_gen.xr_options import CrossRegion, FsTransport, to_argv
 
 from .common import PY, REPO, bench_env

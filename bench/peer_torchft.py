@@ -37,8 +37,9 @@ from sbatch_gen.train.api import exit_process
 from sbatch_gen.train.config import load_config
 from sbatch_gen.train.data import Batches, Sampler, Shard, shard_path
 from sbatch_gen.train.export import save_model
+from sbatch_gen.train.loop import ENV_STEP_SLEEP
 from sbatch_gen.train.model import GPT
-from sbatch_gen.train.trainer import ENV_STEP_SLEEP, lr_at
+from sbatch_gen.train.optim import build_optimizer, lr_at
 from sbatch_gen.train.xr.fragments import assign
 
 
@@ -82,16 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     model = GPT(cfg.model)
     torch.manual_seed(t.seed + 1 + rank)
     ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    o = cfg.optim
-    inner = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr_at(cfg, 1),
-        betas=(o.beta1, o.beta2),
-        eps=o.eps,
-        foreach=True,
-    )
+    inner = build_optimizer(model, cfg, torch.device("cpu"))  # the trainer's AdamW (foreach off CUDA)
     # one outer optimizer per fragment, as torchft's own DiLoCo trainer sets it up: a fragment's sync sets the
     # pseudo-gradients of its parameters only, and one optimizer over the whole model would also step the
     # other fragments on their inner gradients (still set inside the optimizer-step hook)
@@ -163,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             loss = ddp(x, y)
             loss.backward()
             batches.prefetch()
-            if o.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip, foreach=True)
+            if cfg.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=True)
             t1 = time.perf_counter()
             inner.step()
             t2 = time.perf_counter()

@@ -8,14 +8,35 @@ those plus what the scripts export at run time (:data:`RESERVED_ENV`) and every 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from sbatch_gen import contract, xr_options
 
-if TYPE_CHECKING:
-    from sbatch_gen.profiles.base import ProfileBase
+
+class JobProfile(Protocol):
+    """What the job environment reads of a profile: :class:`sbatch_gen.profiles.base.ProfileBase` has it
+    all. A protocol, so that this module need not import the profile's, which imports it (the names
+    ``extra_env`` may not set)."""
+
+    @property
+    def network(self) -> Any: ...
+    @property
+    def nccl(self) -> Any: ...
+    @property
+    def topology(self) -> Any: ...
+    @property
+    def torchrun(self) -> Any: ...
+    @property
+    def trainer(self) -> Any: ...
+    @property
+    def cross_region(self) -> xr_options.CrossRegion: ...
+    @property
+    def extra_env(self) -> Mapping[str, str]: ...
+    def uses_gpus(self) -> bool: ...
+    def cpus_per_node(self) -> int: ...
+    def nproc_per_node(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -24,12 +45,12 @@ class EnvBlock:
     vars: tuple[tuple[str, str], ...]
 
 
-def nccl_ib_hca(p: ProfileBase) -> str:
+def nccl_ib_hca(p: JobProfile) -> str:
     """NCCL_IB_HCA as NCCL reads it: '=' first for exact names (else prefixes), then name[:port],..."""
     return ("=" if p.nccl.ib_hca_exact else "") + ",".join(p.nccl.ib_hca)
 
 
-def preflight_ib_hca(p: ProfileBase) -> str:
+def preflight_ib_hca(p: JobProfile) -> str:
     """The NCCL_IB_HCA value the preflight checks on every node; empty when NCCL will not use the adapters
     (a CPU site, no nccl.ib_hca, or nccl.ib_disable)."""
     if not p.uses_gpus() or not p.nccl.ib_hca or p.nccl.ib_disable:
@@ -45,22 +66,22 @@ def _unless_none(v: object) -> str | None:
     return None if v is None else str(v)
 
 
-def _omp_threads(p: ProfileBase) -> str:
+def _omp_threads(p: JobProfile) -> str:
     return str(max(1, p.cpus_per_node() // p.nproc_per_node()))
 
 
 # A variable: its name and its value for a profile (None: not exported for this profile).
-_Var = tuple[str, Callable[["ProfileBase"], "str | None"]]
+_Var = tuple[str, Callable[["JobProfile"], "str | None"]]
 
 
 @dataclass(frozen=True)
 class _Block:
     key: str  # EnvBlock.key
-    when: Callable[[ProfileBase], bool]  # whether the block is exported at all
+    when: Callable[[JobProfile], bool]  # whether the block is exported at all
     vars: tuple[_Var, ...]
 
 
-def xr_in_environment(p: ProfileBase) -> bool:
+def xr_in_environment(p: JobProfile) -> bool:
     """Whether the job carries cross_region to the trainer as SBATCH_GEN_XR_* variables: it is enabled, and
     trainer.args has no {xr_args} (the fixed flags and {xr_args} carry it as --xr-* flags instead)."""
     return p.cross_region.enabled and not p.trainer.passes("xr_args")
@@ -143,7 +164,7 @@ RESERVED_ENV_PREFIXES: dict[str, str] = {xr_options.ENV_PREFIX: "cross_region"}
 XR_ENV_KEY = "cross_region, for the trainer as variables: trainer.args has no {xr_args}"
 
 
-def job_environment(p: ProfileBase) -> list[EnvBlock]:
+def job_environment(p: JobProfile) -> list[EnvBlock]:
     """Environment variables every job step gets, grouped by the profile section they come from."""
     blocks: list[EnvBlock] = []
     for b in _ENV_TABLE:
@@ -160,7 +181,7 @@ def job_environment(p: ProfileBase) -> list[EnvBlock]:
     return blocks
 
 
-def container_env_names(p: ProfileBase) -> list[str]:
+def container_env_names(p: JobProfile) -> list[str]:
     """The variables pyxis passes into the container (--container-env)."""
     names = [n for b in job_environment(p) for n, _ in b.vars]
     return sorted(set(names) | set(RUNTIME_EXPORTS))

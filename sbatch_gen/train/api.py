@@ -184,7 +184,7 @@ class DiLoCo:
         import torch
 
         from .dist import dist_info_from_process_group
-        from .xr.sync import create
+        from .xr.modes import create
 
         if device is None:
             device = next(iter(model.parameters())).device

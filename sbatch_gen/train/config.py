@@ -192,38 +192,9 @@ def xr_problems(
     in_cfg = f" in {config_name}" if config_name else ""
     h = xr.inner_steps
     if xr.sync == "grad":
-        # No replay can span more steps than the run has (end_step: a --max-steps cap).
-        every = min(cfg.checkpoint.every, end_step or cfg.train.steps)
-        if xr.keep_rounds < every:
-            errors.append(
-                XRProblem(
-                    "keep_rounds",
-                    f"cross_region.keep_rounds ({xr.keep_rounds}) must cover the {every} rounds between two "
-                    f"checkpoints (checkpoint.every {every} steps{in_cfg}, one round per step with sync: grad): "
-                    "a region resumed after a crash re-enters those rounds and grad mode cannot fast-forward. "
-                    f"Raise keep_rounds to {every}, or lower checkpoint.every to {xr.keep_rounds}.",
-                )
-            )
+        errors += _grad_problems(cfg, xr, end_step, in_cfg)
     else:
-        f = xr.fragment_count
-        rounds = rounds_through(cfg.train.steps, h, f)
-        per = f"// inner_steps {h}" if f == 1 else f"with fragments {f}: {f} rounds per inner_steps {h}"
-        if rounds >= 1 and xr.snapshot_every > rounds:
-            errors.append(
-                XRProblem(
-                    "snapshot_every",
-                    f"cross_region.snapshot_every ({xr.snapshot_every}) is more than the {rounds} outer rounds of "
-                    f"the run (train.steps {cfg.train.steps}{in_cfg} {per}): no outer snapshot is "
-                    "ever written, and rounds are deleted only once a snapshot covers them, so keep_rounds never "
-                    "takes effect and the mailbox keeps every region's payload of every round until someone "
-                    f"deletes it by hand. Set snapshot_every to at most {rounds}.",
-                )
-            )
-        why = too_few(cfg.model.parameter_names(), f) if f > 1 else None
-        if why is not None:
-            errors.append(
-                XRProblem("fragments", f"cross_region.{why} (model.n_layers {cfg.model.n_layers}{in_cfg})")
-            )
+        errors += _diloco_problems(cfg, xr, in_cfg)
     warnings += [XRProblem(f, m) for f, m in outer_step_warnings(xr)]
     if xr.sync == "diloco" and cfg.train.steps % h:
         warnings.append(
@@ -235,3 +206,47 @@ def xr_problems(
             )
         )
     return errors, warnings
+
+
+def _grad_problems(cfg: TrainConfig, xr, end_step: int | None, in_cfg: str) -> list[XRProblem]:
+    """grad mode: keep_rounds must cover the rounds between two checkpoints (no fast-forward)."""
+    errors: list[XRProblem] = []
+    # No replay can span more steps than the run has (end_step: a --max-steps cap).
+    every = min(cfg.checkpoint.every, end_step or cfg.train.steps)
+    if xr.keep_rounds < every:
+        errors.append(
+            XRProblem(
+                "keep_rounds",
+                f"cross_region.keep_rounds ({xr.keep_rounds}) must cover the {every} rounds between two "
+                f"checkpoints (checkpoint.every {every} steps{in_cfg}, one round per step with sync: grad): "
+                "a region resumed after a crash re-enters those rounds and grad mode cannot fast-forward. "
+                f"Raise keep_rounds to {every}, or lower checkpoint.every to {xr.keep_rounds}.",
+            )
+        )
+    return errors
+
+
+def _diloco_problems(cfg: TrainConfig, xr, in_cfg: str) -> list[XRProblem]:
+    """DiLoCo: an outer snapshot is written at all, and the model has blocks enough for the fragments."""
+    errors: list[XRProblem] = []
+    h = xr.inner_steps
+    f = xr.fragment_count
+    rounds = rounds_through(cfg.train.steps, h, f)
+    per = f"// inner_steps {h}" if f == 1 else f"with fragments {f}: {f} rounds per inner_steps {h}"
+    if rounds >= 1 and xr.snapshot_every > rounds:
+        errors.append(
+            XRProblem(
+                "snapshot_every",
+                f"cross_region.snapshot_every ({xr.snapshot_every}) is more than the {rounds} outer rounds of "
+                f"the run (train.steps {cfg.train.steps}{in_cfg} {per}): no outer snapshot is "
+                "ever written, and rounds are deleted only once a snapshot covers them, so keep_rounds never "
+                "takes effect and the mailbox keeps every region's payload of every round until someone "
+                f"deletes it by hand. Set snapshot_every to at most {rounds}.",
+            )
+        )
+    why = too_few(cfg.model.parameter_names(), f) if f > 1 else None
+    if why is not None:
+        errors.append(
+            XRProblem("fragments", f"cross_region.{why} (model.n_layers {cfg.model.n_layers}{in_cfg})")
+        )
+    return errors

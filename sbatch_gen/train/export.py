@@ -10,11 +10,14 @@ with spaces to a multiple of 8 bytes as the format prescribes. The data section 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger("sbatch_gen.train")
 
 HEADER_LEN = 8  # the little-endian u64 before the JSON header
 ALIGN = 8  # the data section starts at a multiple of this
@@ -50,3 +53,16 @@ def save_model(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str,
 
     save_file(tensors, str(path), metadata=metadata)
     canonical_header(path)
+
+
+def export_model(model, step: int, model_cfg: dict, run_dir: Path) -> None:
+    """rank 0, at the end: ``run_dir/model.safetensors``, the model's tensors on the CPU with the step and
+    the model config as metadata."""
+    from ..fsutil import atomic_path
+
+    out = run_dir / "model.safetensors"
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
+    meta = {"step": str(step), "model": json.dumps(model_cfg, sort_keys=True)}
+    with atomic_path(out, fsync=False) as tmp:
+        save_model(tensors, tmp, meta)  # the same bytes in every region that ends on the same bits
+    log.info("exported %d tensors to %s", len(tensors), out)

@@ -180,12 +180,7 @@ def summarize(
         "first_step": first_step,
         "last_step": last_step,
         "resumed_from_step": resumed_from,
-        "step_time_s": {
-            "mean": mean,
-            "p50": percentile(times, 50),
-            "p99": percentile(times, 99),
-            "max": max(times) if times else float("nan"),
-        },
+        "step_time_s": _step_time_stats(times, mean),
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_s,
         "world_size": world_size,
@@ -193,11 +188,7 @@ def summarize(
         "hfu": utilization(tokens_per_s, world_size, hw_f, peak_flops) if hw_f else None,
         "peak_flops": peak_flops,
         "memory": memory,
-        "checkpoint_save_s": {
-            "count": len(checkpoint_save_s),
-            "mean": sum(checkpoint_save_s) / len(checkpoint_save_s) if checkpoint_save_s else None,
-            "max": max(checkpoint_save_s) if checkpoint_save_s else None,
-        },
+        "checkpoint_save_s": _save_stats(checkpoint_save_s),
         "checkpoint_load_s": load_s,
         # Process start to the end of the first step this process trained.
         "startup_to_first_step_s": (first_step_done - process_start) if first_step_done else None,
@@ -210,6 +201,23 @@ def summarize(
     if extra:
         s.update(extra)
     return s
+
+
+def _step_time_stats(times: list[float], mean: float) -> dict:
+    return {
+        "mean": mean,
+        "p50": percentile(times, 50),
+        "p99": percentile(times, 99),
+        "max": max(times) if times else float("nan"),
+    }
+
+
+def _save_stats(save_s: list[float]) -> dict:
+    return {
+        "count": len(save_s),
+        "mean": sum(save_s) / len(save_s) if save_s else None,
+        "max": max(save_s) if save_s else None,
+    }
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:

@@ -8,15 +8,9 @@ import re
 import time
 from dataclasses import asdict
 
-from sbatch_gen.train.xr.membership import (
-    Commit,
-    Heartbeat,
-    HeartbeatWriter,
-    Member,
-    Membership,
-    Presence,
-    manifest_digest,
-)
+from sbatch_gen.train.xr.commit import Commit, Member, Presence
+from sbatch_gen.train.xr.heartbeat import Heartbeat, HeartbeatWriter
+from sbatch_gen.train.xr.membership import Membership, manifest_digest
 from sbatch_gen.train.xr.protocol import Mailbox, Manifest, ShardInfo, round_tag
 from sbatch_gen.train.xr.store import FsStore, S3Store
 

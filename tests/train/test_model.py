@@ -62,7 +62,7 @@ def test_peaks_and_percentile():
 
 def test_lr_schedule(tmp_path):
     from sbatch_gen.train.config import load_config
-    from sbatch_gen.train.trainer import lr_at
+    from sbatch_gen.train.optim import lr_at
 
     from .conftest import write_config
 

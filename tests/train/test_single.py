@@ -244,12 +244,12 @@ def test_signal_storm_during_training_and_save(tmp_path, data_dir, capfd, clean_
 
 
 def _also_asking_for_cuda_rng(rng_state):
-    """Trainer._rng_state as a GPU process runs it: the CPU generator's state and the CUDA one's."""
+    """state.rng_state as a GPU process runs it: the CPU generator's state and the CUDA one's."""
 
-    def wrapped(self):
+    def wrapped(device):
         import torch
 
-        return {**rng_state(self), "cuda": torch.zeros(16, dtype=torch.uint8)}
+        return {**rng_state(device), "cuda": torch.zeros(16, dtype=torch.uint8)}
 
     return wrapped
 
@@ -259,11 +259,11 @@ def test_a_cpu_checkpoint_resumes_in_a_process_that_also_asks_for_cuda_rng(
 ):
     """A GPU process asks for rng.rank0.cuda, which a CPU process never wrote: it must resume from the
     checkpoint anyway (CPU RNG restored), not fail on every checkpoint and start fresh."""
-    from sbatch_gen.train.trainer import Trainer
+    from sbatch_gen.train import state
 
     part = tmp_path / "part"
     assert _train(cfg12, part, data_dir, "--max-steps", "6") == 0
-    monkeypatch.setattr(Trainer, "_rng_state", _also_asking_for_cuda_rng(Trainer._rng_state))
+    monkeypatch.setattr(state, "rng_state", _also_asking_for_cuda_rng(state.rng_state))
     capfd.readouterr()
     assert _train(cfg12, part, data_dir) == 0
     err = capfd.readouterr().err

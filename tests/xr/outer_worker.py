@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sbatch_gen.train.dist import DistInfo
-from sbatch_gen.train.xr.sync import create
+from sbatch_gen.train.xr.modes import create
 from sbatch_gen.xr_options import CrossRegion, FsTransport
 
 BUFFERS = ("work", "avg", "theta_outer", "momentum", "own")

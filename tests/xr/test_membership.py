@@ -15,8 +15,10 @@ import time
 import pytest
 
 from bench import scripted
+from sbatch_gen.train.xr.commit import Commit, decide
 from sbatch_gen.train.xr.errors import XRBehind, XRNoQuorum
-from sbatch_gen.train.xr.membership import STALE_BEATS, Commit, Heartbeat, HeartbeatWriter, Membership, decide
+from sbatch_gen.train.xr.heartbeat import STALE_BEATS, Heartbeat, HeartbeatWriter
+from sbatch_gen.train.xr.membership import Membership
 from sbatch_gen.train.xr.protocol import Expect, Mailbox, ShardPlan, round_tag
 from sbatch_gen.train.xr.store import FsStore, make_store, probe_create
 
@@ -245,7 +247,7 @@ def test_elastic_needs_a_store_that_refuses_a_second_create(tmp_path, monkeypatc
     from bench.servers import NanioServer, s3_client
     from sbatch_gen.train.dist import DistInfo
     from sbatch_gen.train.xr.errors import XRError
-    from sbatch_gen.train.xr.sync import create
+    from sbatch_gen.train.xr.modes import create
     from sbatch_gen.xr_options import CrossRegion, S3Credentials, S3Transport
 
     with NanioServer() as server:

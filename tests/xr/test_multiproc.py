@@ -261,7 +261,7 @@ def test_grad_mode_matches_one_ddp_run_over_both_regions(tmp_path, repo, data_di
     from sbatch_gen.train.config import load_config
     from sbatch_gen.train.data import Sampler, Shard, shard_path
     from sbatch_gen.train.model import GPT
-    from sbatch_gen.train.trainer import lr_at
+    from sbatch_gen.train.optim import lr_at
 
     steps = 3
     cfg_path = write_config(tmp_path, repo)

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from sbatch_gen.train.xr import diloco
+from sbatch_gen.train.xr import snapshots
 
 from .test_sync import inner_steps, make
 
@@ -96,7 +96,7 @@ def test_rounds_go_on_while_a_snapshot_uploads_and_it_holds_its_own_rounds_state
 
 
 def test_a_stopping_region_leaves_its_snapshot_upload_behind(tmp_path, monkeypatch):
-    monkeypatch.setattr(diloco, "CANCEL_WAIT_S", 0.5)
+    monkeypatch.setattr(snapshots, "CANCEL_WAIT_S", 0.5)
     events: list[dict] = []
     m, s, opt, held = _region(tmp_path, events)
     try:

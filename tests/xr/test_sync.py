@@ -13,8 +13,8 @@ from torch import nn
 
 from sbatch_gen.train.dist import DistInfo
 from sbatch_gen.train.xr.errors import XRLayoutError, XRTimeout
+from sbatch_gen.train.xr.modes import create
 from sbatch_gen.train.xr.protocol import QBLOCK
-from sbatch_gen.train.xr.sync import create
 from sbatch_gen.xr_options import CrossRegion, FsTransport
 
 from .concurrent import in_threads as run_in_threads

@@ -7,14 +7,17 @@ Layers, each usable on its own:
 * :mod:`.protocol`   - ``Mailbox``: round tags, shard objects, manifests written last, polling, checksum
   (XXH3-128) checks (torch-free);
 * :mod:`.membership` - round commits (who takes part, decided once), presence, outer snapshots, cleanup
-  (torch-free);
+  (torch-free); the records and the closing rule in :mod:`.commit`, the heartbeat in :mod:`.heartbeat`;
 * :mod:`.region`     - collectives inside the region: any rank's failure raises on every rank;
 * :mod:`.exchange`   - one round: publish, close, download and average, broadcast;
 * :mod:`.kernels`    - the elementwise average and Nesterov step, same bits on every device;
 * :mod:`.flat`       - the model's parameters as one flat vector;
 * :mod:`.sync`       - ``OuterSync``: what both algorithms share (theta0 alignment, state, records);
 * :mod:`.diloco`     - elastic DiLoCo: late regions, fast-forward from rounds or snapshots;
-* :mod:`.grad`       - per-step gradient averaging (strict).
+* :mod:`.snapshots`  - DiLoCo's outer snapshots and background housekeeping (uploads, mailbox cleanup);
+* :mod:`.rejoin`     - a returning region's plan: the rounds to replay, the snapshot to load first;
+* :mod:`.grad`       - per-step gradient averaging (strict);
+* :mod:`.modes`      - ``create``: the outer sync of ``xr.sync`` and ``xr.overlap``.
 
 A trainer reaches all of this through one public class, :class:`sbatch_gen.train.api.DiLoCo` (the
 companion trainer too); its docstrings say when to call what. The layers listed above are internal.

@@ -13,47 +13,37 @@ left off. The rounds between the newest snapshot and now are never cleaned up, a
 deleted only once a newer one is complete. A snapshot crosses the WAN in the background (a thread of the
 leaders, from a host copy of the outer state, a few streams at a time) while training and the next rounds
 go on.
+
+Here: the live round, overlap eager, the fast-forward, the outer state in checkpoints. Built on
+:class:`.snapshots.SnapshotSync` (the snapshots and the background housekeeping); the catch-up plan is
+:mod:`.rejoin`'s.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import NamedTuple
 
 import torch
 
 from .errors import XRBehind, XRError, XRLayoutError, XRMissingRound, XRNoQuorum
 from .exchange import Exchange, RoundResult
 from .kernels import blocks, nesterov_block_
-from .overlap import CANCEL_WAIT_S, InFlight
+from .overlap import InFlight
 from .protocol import round_tag
 from .region import held
+from .rejoin import plan_catch_up, steps_into_round
+from .snapshots import SnapshotSync
 from .sync import ROUND_PARTS, OuterSync, _as_int
 
-
-class _Kept(NamedTuple):
-    """What a housekeeping job hands back: the snapshot it uploaded (round, step, seconds, error) and the
-    cleanup behind round ``cleaned`` (rank 0; its error)."""
-
-    snapshot: tuple | None
-    cleaned: int
-    cleanup_error: str | None
-
-
 FF_ATTEMPTS = 5  # objects can vanish under a fast-forward (a newer snapshot lands): plan again this often
-# A snapshot (8 B/param, 4x a bf16 round) uploads this many shards at a time, in the background (the
-# housekeeping): the rounds that cross the WAN meanwhile keep the rest of the link.
-SNAPSHOT_STREAMS = 2
 
 
-class DiLoCo(OuterSync):
+class DiLoCo(SnapshotSync):
     # the outer state (leaders only, see OuterSync): 16 B/param with the delta and the average
     BUFFERS = {**OuterSync.BUFFERS, "theta_outer": (True, True), "momentum": (False, True)}
     # overlap eager adds this region's delta in flight, as every region decodes it (4 B/param more)
     EAGER_BUFFERS = {"own": (True, True)}
-    theta_outer: torch.Tensor | None
-    momentum: torch.Tensor | None
     own: torch.Tensor | None = None
 
     def buffers(self) -> dict[str, tuple[bool, bool]]:
@@ -70,15 +60,7 @@ class DiLoCo(OuterSync):
         self._job: InFlight[RoundResult] | None = None
         bg = self.group.background() if self.eager else None  # collective: a process group of its own
         self.bg_ex = self.ex.in_background(bg) if bg is not None else None
-        # the housekeeping job in flight (leaders: a snapshot upload, then rank 0's mailbox cleanup) and the
-        # round of its snapshot (0: none), the seconds of the last snapshot reaped, and whether the run is
-        # over (finish(): close() then waits for the job, else calls it off)
-        self._hk: InFlight[_Kept] | None = None
-        self._hk_snap, self._snap_s = 0, None
-        self._copied: threading.Event | None = None  # set once the job copied the outer state (see _mutable)
-        self._finished = False
-        sg = self.group.background()  # collective: the housekeeping's own process group
-        self.snap_ex = self.ex.for_snapshots(sg, SNAPSHOT_STREAMS) if sg is not None else None
+        self._init_housekeeping()  # collective
         if self.group.rank == 0 and self.membership is not None and self.xr.elastic:
             # liveness for the others' rounds (and theirs judged by it) until leave() or close()
             self.membership.start_heartbeat(self.xr.heartbeat_s)
@@ -339,176 +321,11 @@ class DiLoCo(OuterSync):
         if scatter and not direct:
             self.flat.scatter_part(theta, start, end)
 
-    # -- snapshots -----------------------------------------------------------------------------------------
-    def _snapshot_due(self, r: int, members: list[str]) -> bool:
-        """Every ``snapshot_every`` rounds the round's first member publishes the outer state."""
-        return r % self.xr.snapshot_every == 0 and bool(members) and members[0] == self.xr.region
-
-    def _copy_outer(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Leaders: ``theta_outer`` and momentum copied to host memory for a snapshot upload; only the
-        shards this leader uploads are written (the rest of each buffer stays untouched)."""
-        theta, mom = held(self.theta_outer, "theta_outer"), held(self.momentum, "momentum")
-        out = (torch.empty(self.numel, dtype=torch.float32), torch.empty(self.numel, dtype=torch.float32))
-        plan = self.ex.fp32_plan
-        for sh in self.ex.owned(plan):
-            lo, hi = plan.bounds[sh]
-            out[0][lo:hi].copy_(theta[lo:hi])
-            out[1][lo:hi].copy_(mom[lo:hi])
-        return out
-
-    def _publish_snapshot(
-        self, ex: Exchange, r: int, step: int, state: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[float | None, str | None]:
-        """Collective over ``ex``'s group: ``state`` (the outer state of round ``r``) as snapshot ``r``.
-        Returns (seconds, None), or (None, the error) when it failed: the previous snapshot stays, rounds
-        after it are kept."""
-        t0 = time.perf_counter()
-        ms = self.membership
-        tag = ms.snap_tag(r) if ms is not None else ""
-        try:
-            mt, _, _ = ex.upload(tag, "theta", "snapshot", step, state[0], 0)
-            mm, _, _ = ex.upload(tag, "momentum", "snapshot", step, state[1], 0)
-
-            def publish() -> None:  # rank 0: it holds the mailbox and the manifests upload() returned
-                if ms is None or mt is None or mm is None:
-                    raise XRError(f"internal: rank 0 holds no mailbox or no manifest of snapshot {tag}")
-                ms.complete_snapshot(r, {"theta": mt, "momentum": mm}, r)
-                ms.delete_snapshots_before(r)
-
-            ex.group.on_rank(publish)
-        except Exception as e:  # noqa: BLE001 - a failed snapshot costs nothing but the rounds kept longer
-            return None, str(e)
-        return time.perf_counter() - t0, None
-
-    # -- housekeeping: snapshot uploads and the mailbox cleanup, in the background ------------------------------
-    def _housekeeping(self, r: int, members: list[str], step: int) -> float | None:
-        """After round ``r`` (of ``members``, at ``step``) was applied: the housekeeping job started, with
-        snapshot ``r`` when it is due. Returns the seconds of a snapshot upload reaped since the last
-        record (for this round's record), if any."""
-        self._start_housekeeping(r, (r, step) if self._snapshot_due(r, members) else None)
-        return self._take_snapshot_s()
-
-    def _start_housekeeping(self, r: int, snap: tuple[int, int] | None) -> None:
-        """After round ``r`` was applied: reap the housekeeping job if it has ended, then start the next one
-        in a thread of the leaders: when snapshot ``snap`` (round, step) is due, copy the outer state to
-        host memory and upload the copy (the previous job waited for first: one at a time); then on rank 0
-        the mailbox cleanup behind round ``r``. A cleanup alone is skipped while the previous job still
-        runs: the next one deletes what it would have. Whatever changes the outer state next waits for the
-        copy first (:meth:`_mutable`), a few milliseconds after the start."""
-        self._reap()
-        if snap is None and (self._hk is not None or self.group.rank != 0):
-            return
-        if snap is not None:
-            self._reap(wait=True)
-        if not self.leader:
-            return
-        ex = self.snap_ex
-        if ex is None:
-            raise XRError("internal: a leader without its housekeeping exchange")
-        copied = threading.Event()
-
-        def job(cancel: threading.Event) -> _Kept:
-            shot = None
-            if snap is not None:
-                try:
-                    state = self._copy_outer()
-                finally:
-                    copied.set()
-                shot = (*snap, *self._publish_snapshot(ex, snap[0], snap[1], state))
-            return _Kept(shot, r, self._cleanup_now(ex, r, need_snapshot=True))
-
-        if snap is None:
-            copied.set()
-        self._copied = copied
-        self._hk, self._hk_snap = (
-            InFlight(job, f"xr-housekeeping-{r}", self.outer_device),
-            snap[0] if snap else 0,
-        )
-
-    def _mutable(self) -> None:
-        """Before the outer state changes: wait until the housekeeping has copied it for its snapshot."""
-        if self._copied is not None:
-            self._copied.wait()
-            self._copied = None
-
-    def _reap(self, wait: bool = False, timeout_s: float | None = None, **extra: float) -> bool:
-        """The housekeeping job, once it has ended (``wait``: wait for it, up to ``timeout_s``): its snapshot
-        logged (with ``extra``) and its seconds kept for the next record, a cleanup error logged. Whether no
-        job is left in flight."""
-        job = self._hk
-        if job is None:
-            return True
-        if not (job.wait(timeout_s) if wait else job.done()):
-            return False
-        self._hk = None
-        kept = job.result()
-        if kept.snapshot is not None:
-            r, step, seconds, error = kept.snapshot
-            self._log_snapshot(r, step, seconds, error, **extra)
-            self._snap_s = seconds if seconds is not None else self._snap_s
-        self._log_cleanup(kept.cleaned, kept.cleanup_error)
-        return True
-
-    def _take_snapshot_s(self) -> float | None:
-        seconds, self._snap_s = self._snap_s, None
-        return seconds
-
-    def wait_snapshot(self) -> None:
-        """Wait for the housekeeping in flight, if any: a snapshot upload (logged as ``xr_snapshot``), the
-        mailbox cleanup."""
-        self._reap(wait=True)
-
-    def _log_snapshot(
-        self, r: int, step: int, seconds: float | None, error: str | None, **extra: float
-    ) -> None:
-        if error is not None:
-            self._log({"event": "xr_snapshot_failed", "round": r, "error": error, **extra})
-        elif seconds is not None:
-            self._log(
-                {"event": "xr_snapshot", "round": r, "step": step, "seconds": round(seconds, 3), **extra}
-            )
-
-    def _load_snapshot(self, s: int) -> None:
-        """theta_outer and momentum of snapshot ``s`` (all-or-nothing: fetched into scratch first)."""
-        ms = self.membership
-        expect = self.ex.expect("snapshot")
-        mans = self.group.on_rank(lambda: self.ex.ms().read_snapshot(s, expect))
-        tag = ms.snap_tag(s) if ms is not None else ""
-        self.ex.fetch(tag, mans["theta"], self.work, self.ex.fp32_plan)
-        self.ex.fetch(tag, mans["momentum"], self.avg, self.ex.fp32_plan)
-        if self.leader:
-            self._mutable()
-            held(self.theta_outer, "theta_outer").copy_(held(self.work, "work"))
-            held(self.momentum, "momentum").copy_(held(self.avg, "avg"))
-        self.round = s
-
     # -- returning regions ---------------------------------------------------------------------------------
     def _plan(self):
         """rank 0: how to reach the run's newest committed round, or None when already there."""
-        ms = self.ex.ms()
-        keys = ms.run_keys()
-        committed = ms.committed_rounds(keys)
         # (eager) a round in flight that the run has committed since is joined as usual, not replayed
-        if not committed or committed[-1] <= max(self.round, self.inflight):
-            return None
-        latest, have = committed[-1], set(committed)
-        need = list(range(self.round + 1, latest + 1))
-        if all(r in have for r in need):
-            return latest, None, need
-        snaps = [
-            s
-            for s in ms.snapshot_rounds(keys)
-            if self.round < s <= latest and all(r in have for r in range(s + 1, latest + 1))
-        ]
-        if not snaps:
-            gone = [r for r in need if r not in have]
-            raise XRMissingRound(
-                f"region {self.xr.region!r} at round {self.round} cannot rejoin the run at round {latest}: "
-                f"round(s) {round_tag(gone[0])}..{round_tag(gone[-1])} are gone from "
-                f"{ms.store.describe(self.xr.run_id)} and no outer snapshot covers them"
-            )
-        s = max(snaps)
-        return latest, s, list(range(s + 1, latest + 1))
+        return plan_catch_up(self.ex.ms(), self.xr, self.round, max(self.round, self.inflight))
 
     def _fast_forward(self, step: int, why: str) -> dict | None:
         """Replay committed rounds (after the newest snapshot if the rounds are gone) until this region is
@@ -568,27 +385,9 @@ class DiLoCo(OuterSync):
         self._outer_step(self.avg)
 
     def _steps_into_round(self) -> int:
-        """rank 0: how far the run is into the round after the newest commit, in inner steps, estimated
-        from the commits' close times (the last few rounds' wall time). A returning region continues at
-        the run's current step, so its first round back ends about when the others' does: else they
-        would wait up to grace_s for it, or it would be late. 0 without an estimate, or when no round has
-        closed for two rounds' time (every region was away: the run stands at the commit); at most the
-        steps between two rounds (:meth:`_round_gap`: H, with streaming H/F) - 1."""
-        ms, h = self.ex.ms(), self._round_gap()
-        closed = []  # (round, close time) of the last few rounds up to this one
-        for r in [r for r in ms.committed_rounds() if r <= self.round][-4:]:
-            c = ms.read_commit(round_tag(r))
-            if c is not None and c.time > 0:
-                closed.append((r, c.time))
-        if len(closed) < 2 or closed[-1][0] != self.round:
-            return 0
-        per_round = (closed[-1][1] - closed[0][1]) / (closed[-1][0] - closed[0][0])
-        since = time.time() - closed[-1][1]  # (the regions' clocks: NTP-synchronised; a skew shifts this)
-        if per_round <= 0 or since <= 0 or since > 2 * per_round:
-            return (
-                0  # no round closed for two rounds' time: nobody is training ahead (all stopped), start at 0
-            )
-        return max(0, min(h - 1, int(h * since / per_round)))
+        """rank 0: how far the run is into the round after the newest commit, in inner steps
+        (:func:`.rejoin.steps_into_round`; at most the steps between two rounds, :meth:`_round_gap`, - 1)."""
+        return steps_into_round(self.ex.ms(), self.round, self._round_gap())
 
     def catch_up(self, step: int) -> int | None:
         """Start-up: fast-forward to the run, run a round that found no quorum before the requeue, then
@@ -620,33 +419,6 @@ class DiLoCo(OuterSync):
         if self.membership is not None:
             self.membership.stop_heartbeat()
         super().close()
-
-    def _close_housekeeping(self) -> None:
-        """A run that finished waits up to ``timeout_s`` for its last housekeeping (snapshot, cleanup). A
-        region that stops (or fails) calls it off: the shards not yet sent are dropped, the ones on the way
-        get ``CANCEL_WAIT_S``. Half-written, a snapshot is in no manifest, and the rounds after the previous
-        one are still kept."""
-        job, mb = self._hk, self.snap_ex.mailbox if self.snap_ex is not None else None
-        if job is not None:
-            if not self._finished and mb is not None:
-                mb.close(wait=False)
-            t0 = time.perf_counter()
-            ended = job.wait(self.xr.timeout_s if self._finished else CANCEL_WAIT_S)
-            shot = job.result().snapshot if ended else None
-            if ended and (self._finished or shot is None or shot[3] is None):
-                # logged: done (with the seconds the end waited for it), or failed
-                self._reap(end_wait_s=round(time.perf_counter() - t0, 3))
-            else:
-                self._hk = None
-                if self._hk_snap:
-                    why = (
-                        f"not done after timeout_s ({self.xr.timeout_s:g} s)"
-                        if self._finished
-                        else "the region stops"
-                    )
-                    self._log({"event": "xr_snapshot_abandoned", "round": self._hk_snap, "reason": why})
-        if mb is not None:
-            mb.close(wait=False)
 
     # -- state ---------------------------------------------------------------------------------------------
     def _fragments_saved(self) -> int:

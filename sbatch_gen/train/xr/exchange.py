@@ -31,9 +31,10 @@ import torch
 from sbatch_gen.xr_options import CrossRegion
 
 from . import scaled
+from .commit import Commit
 from .errors import XRCancelled, XRError, XRLayoutError
 from .kernels import CPU_BLOCK, GPU_BLOCK, weighted_average_
-from .membership import Commit, Membership
+from .membership import Membership
 from .protocol import (
     ITEMSIZE,
     SCALED,
@@ -370,29 +371,13 @@ class Exchange:
         expect = self.expect(kind)
         retries0 = self._store_retries()
         t0 = self._now()
-
-        def state():  # (already committed?, this region's earlier manifest)
-            mb = self.mb()
-            c = self.ms().read_commit(tag)
-            own = mb.read_manifest(tag, region)
-            if own is not None:
-                expect.check(
-                    own, self.xr.run_id, tag, region, mb.store.describe(mb.manifest_key(tag, region))
-                )
-            return c is not None, own
-
-        committed, own = self.group.on_rank(state)
+        committed, own = self.group.on_rank(lambda: self._round_state(tag, expect))
         encoded: dict = {}
         bytes_up = 0
         if own is None and not committed and _round_of(tag) not in self.withheld:
             _, encoded, bytes_up = self.upload(tag, region, kind, step, src, tokens, pre=pre)
         t1 = self._now()
-        started = time.monotonic()
-        while True:  # rank 0 waits in slices, so every rank hears about progress or failure
-            res = self.group.on_rank(lambda: self._closed(tag, expect, step, started, cancel))
-            if res is not None:
-                break
-        commit, manifests = res
+        commit, manifests = self._wait_closed(tag, expect, step, cancel)
         t2 = self._now()
         members = [r for r in self.xr.regions if r in commit.members]
         late = region not in commit.members
@@ -425,6 +410,25 @@ class Exchange:
             ),
             retries,
         )
+
+    def _round_state(self, tag: str, expect):
+        """rank 0: (whether round ``tag`` is committed already, this region's earlier manifest of it, checked
+        against what this round expects)."""
+        mb, region = self.mb(), self.xr.region
+        c = self.ms().read_commit(tag)
+        own = mb.read_manifest(tag, region)
+        if own is not None:
+            expect.check(own, self.xr.run_id, tag, region, mb.store.describe(mb.manifest_key(tag, region)))
+        return c is not None, own
+
+    def _wait_closed(self, tag: str, expect, step: int, cancel: threading.Event | None):
+        """Wait until round ``tag`` is closed: (its commit, the members' manifests). rank 0 waits in
+        slices, so every rank hears about progress or failure."""
+        started = time.monotonic()
+        while True:
+            res = self.group.on_rank(lambda: self._closed(tag, expect, step, started, cancel))
+            if res is not None:
+                return res
 
     def _store_retries(self) -> int:
         """Requests this process's store has retried so far (0 on ranks without a mailbox)."""

@@ -1,4 +1,6 @@
-"""Round membership, decided once in the mailbox: commits, presence, outer snapshots. Torch-free.
+"""Round membership, decided once in the mailbox: commits, presence, outer snapshots. Torch-free. The
+records and the closing rule (:func:`~.commit.decide`) are :mod:`.commit`'s, the heartbeat writer
+:mod:`.heartbeat`'s; this module reads and writes them in the mailbox.
 
 Keys, next to the rounds of :mod:`.protocol` (region names start with a letter or digit, so the
 ``_``-prefixed names below never collide with a region's objects)::
@@ -37,216 +39,30 @@ never committed can be closed.
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import math
 import re
-import threading
 import time
-import uuid
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Collection
+from dataclasses import asdict
 
+from .commit import Commit, Member, Presence, decide
 from .errors import XRBehind, XRLayoutError, XRNoQuorum
+from .heartbeat import STALE_BEATS, Heartbeat, HeartbeatWriter
 from .protocol import Expect, Mailbox, Manifest, digest, parse_tag, round_tag
-from .store import Store
 
-COMMIT_FORMAT = 1
 COMMIT_NAME = "_commit.json"
 PRESENCE_DIR = "_presence"
 SNAP_DIR = "_snap"
 SNAP_PARTS = ("theta", "momentum")
 ALIVE_DIR = "_alive"
-STALE_BEATS = 3  # heartbeat intervals without a new value (watched on the reader's clock): the region is gone
 _SNAP_RE = re.compile(r"^r(\d{6,})$")
 log = logging.getLogger("sbatch_gen.train")
 
 
-@dataclass
-class Member:
-    digest: str  # checksum of the member's manifest bytes
-    tokens: int
-
-
-@dataclass
-class Commit:
-    run_id: str
-    tag: str
-    step: int
-    members: dict[str, Member]  # region -> its manifest's digest and tokens
-    closed_by: str
-    # "all": every region arrived; "leave": the missing ones announced a leave; "stale": the missing ones
-    # left or crashed (a heartbeat unchanged for STALE_BEATS intervals); "grace": grace_s ran out
-    reason: str
-    waited_s: float  # how long the closing region waited for peers in this round
-    absent: list[str] = field(default_factory=list)  # regions not in the commit
-    time: float = 0.0
-    stale: list[str] = field(default_factory=list)  # absent regions whose heartbeat the closer found stale
-    format: int = COMMIT_FORMAT
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes, where: str) -> Commit:
-        try:
-            d = json.loads(raw)
-            if d.get("format") != COMMIT_FORMAT:
-                raise ValueError(f"format {d.get('format')!r}, this version reads {COMMIT_FORMAT}")
-            d["members"] = {r: Member(**m) for r, m in d["members"].items()}
-            return cls(**d)
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
-            raise XRLayoutError(f"unreadable round commit {where}: {e}") from e
-
-    @property
-    def round(self) -> int | None:
-        return parse_tag(self.tag)
-
-
-@dataclass
-class Presence:
-    region: str
-    state: str  # "joined" | "leaving"
-    round: int
-    step: int
-    time: float
-    job: str = ""
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> Presence | None:
-        try:
-            return cls(**json.loads(raw))
-        except (ValueError, TypeError):
-            return None
-
-
-@dataclass
-class Heartbeat:
-    """A region's liveness record, ``<run>/_alive/<region>.json``. Readers compare its VALUE over time on
-    their own clock; ``time`` is the writer's wall clock, shown to people (``sbatch-gen status``), never
-    used to decide anything (clocks of different regions may disagree)."""
-
-    region: str
-    incarnation: (
-        str  # random per writing process: a restarted region's counter starts again, its value changes
-    )
-    beat: int  # 1, 2, 3, ... one per write
-    interval_s: float
-    time: float
-    job: str = ""
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> Heartbeat | None:
-        try:
-            return cls(**json.loads(raw))
-        except (ValueError, TypeError):
-            return None
-
-    @property
-    def value(self) -> tuple[str, int]:
-        return self.incarnation, self.beat
-
-
-class HeartbeatWriter:
-    """Overwrites one region's heartbeat every ``interval_s`` from a daemon thread until :meth:`stop`
-    (also called at interpreter exit). A failed write is logged (once per run of failures) and the next
-    beat tries again: a region that cannot beat only makes the others stop waiting for it sooner.
-
-    Thread safety: the thread only calls ``store.put`` (``FsStore``: a temp file with a unique name, then a
-    rename; ``S3Store``: the one boto3 client, which is thread-safe, and its retry counter is locked).
-    Its retried requests therefore count in the ``xr_retries`` of the round they fall in."""
-
-    def __init__(self, store: Store, key: str, region: str, interval_s: float, job: str = "") -> None:
-        self.store, self.key, self.region, self.interval_s, self.job = store, key, region, interval_s, job
-        self.incarnation = uuid.uuid4().hex[:12]
-        self.beats = 0  # writes attempted
-        self.failures = 0  # consecutive failed writes
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"xr-heartbeat-{region}", daemon=True)
-
-    def start(self) -> None:
-        atexit.register(self.stop)
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def beat(self) -> None:
-        self.beats += 1
-        hb = Heartbeat(self.region, self.incarnation, self.beats, self.interval_s, time.time(), self.job)
-        try:
-            self.store.put(self.key, hb.to_json())
-        except Exception as e:  # noqa: BLE001 - a missed beat is retried at the next one
-            self.failures += 1
-            if self.failures == 1:
-                log.warning(
-                    "cross-region heartbeat: writing %s failed (%s); retrying every %g s. Other regions "
-                    "stop waiting for this one after %d missed beats",
-                    self.store.describe(self.key),
-                    e,
-                    self.interval_s,
-                    STALE_BEATS,
-                )
-            return
-        if self.failures:
-            log.info("cross-region heartbeat: written again after %d failed writes", self.failures)
-            self.failures = 0
-
-    def _run(self) -> None:
-        next_at = time.monotonic()
-        while not self._stop.is_set():
-            self.beat()
-            next_at += self.interval_s
-            now = time.monotonic()
-            if next_at < now:  # a write took longer than an interval: no burst of catch-up beats
-                next_at = now
-            self._stop.wait(next_at - now)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop beating; waits up to ``timeout`` for a write in flight."""
-        self._stop.set()
-        atexit.unregister(self.stop)
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-
 def manifest_digest(m: Manifest) -> str:
     return digest(m.to_json())
-
-
-def decide(
-    regions: Iterable[str],
-    arrived: Iterable[str],
-    leaving: Iterable[str],
-    quorum: int,
-    grace_s: float,
-    now: float,
-    quorum_since: float | None,
-    stale: Iterable[str] = (),
-) -> tuple[str | None, float | None]:
-    """The closing rule, as a pure function: ``(reason or None, quorum_since)``. ``reason`` is "all",
-    "leave", "stale" or "grace" when the round may close now. ``stale``: regions whose heartbeat has gone
-    stale (crashed); like ``leaving`` they are not waited for, but only once ``quorum`` have arrived."""
-    regions, arrived, leaving, stale = list(regions), set(arrived), set(leaving), set(stale)
-    if arrived >= set(regions):
-        return "all", quorum_since
-    if len(arrived) < quorum:
-        return None, None
-    if quorum_since is None:
-        quorum_since = now
-    missing = set(regions) - arrived
-    if missing <= leaving:
-        return "leave", quorum_since
-    if missing <= leaving | stale:
-        return "stale", quorum_since
-    if now - quorum_since >= grace_s:
-        return "grace", quorum_since
-    return None, quorum_since
 
 
 class Membership:
@@ -392,13 +208,7 @@ class Membership:
             c = self.read_commit(tag)
             if c is not None:
                 return c, got
-            for r in self.regions:
-                if r in got:
-                    continue
-                m = mb.read_manifest(tag, r)
-                if m is not None:
-                    expect.check(m, self.run_id, tag, r, self.store.describe(mb.manifest_key(tag, r)))
-                    got[r] = m
+            self._read_manifests(tag, expect, got)
             now = self._clock()
             if now >= min(next_check, stale_due):
                 leaving, stale, stale_due = self._absentees(got)
@@ -415,13 +225,7 @@ class Membership:
                     tag, step if step is not None else -1, got, reason, now - t0, stale
                 ), got
             if now - t0 >= mb.timeout_s:
-                missing = [r for r in self.regions if r not in got]
-                at = f" (step {step})" if step is not None else ""
-                raise XRNoQuorum(
-                    f"round {tag}{at}: no quorum after {mb.timeout_s:g} s: {len(got)} of {len(self.regions)} "
-                    f"regions published, {self.quorum} needed (min_regions); missing: {', '.join(missing)}",
-                    missing,
-                )
+                raise self._no_quorum(tag, step, got)
             if slice_s is not None and now - now0 >= slice_s:
                 self._waiting = (wait_id, quorum_since)
                 return None
@@ -431,6 +235,27 @@ class Membership:
                 wake = mb.timeout_s - (now - t0)
             time.sleep(max(0.0, min(delay, wake + 1e-3)))
             delay = min(mb.poll_max_s, delay * 1.5)
+
+    def _read_manifests(self, tag: str, expect: Expect, got: dict[str, Manifest]) -> None:
+        """Add to ``got`` the manifests of round ``tag`` published since the last look (verified)."""
+        mb = self.mb
+        for r in self.regions:
+            if r in got:
+                continue
+            m = mb.read_manifest(tag, r)
+            if m is not None:
+                expect.check(m, self.run_id, tag, r, self.store.describe(mb.manifest_key(tag, r)))
+                got[r] = m
+
+    def _no_quorum(self, tag: str, step: int | None, got: dict[str, Manifest]) -> XRNoQuorum:
+        """The error of a wait for round ``tag`` that timed out without a quorum, naming the missing."""
+        missing = [r for r in self.regions if r not in got]
+        at = f" (step {step})" if step is not None else ""
+        return XRNoQuorum(
+            f"round {tag}{at}: no quorum after {self.mb.timeout_s:g} s: {len(got)} of {len(self.regions)} "
+            f"regions published, {self.quorum} needed (min_regions); missing: {', '.join(missing)}",
+            missing,
+        )
 
     def _absentees(self, got: dict[str, Manifest]) -> tuple[set[str], set[str], float]:
         """rank 0, waiting in a round: read the presence record (and, with heartbeats, the heartbeat) of every

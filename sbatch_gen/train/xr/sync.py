@@ -4,7 +4,7 @@ Inside a region every rank holds the same parameters (DDP). Across regions nothi
 mailbox (:mod:`.protocol`, :mod:`.membership`). The two algorithms are subclasses:
 :class:`.diloco.DiLoCo` (an outer Nesterov round every H steps; elastic: rounds close without absent
 regions, which fast-forward when they return) and :class:`.grad.GradSync` (gradients averaged every
-step, strict). :func:`create` picks one.
+step, strict). :func:`.modes.create` picks one.
 
 All-or-nothing: every rank learns about any rank's failure (timeouts, checksums, layouts) before
 anything is changed, raises the same error, and the parameters and outer state stay as they were.
@@ -103,45 +103,13 @@ class OuterSync:
 
         # Who moves which shard. Comm tensors live on the training device (NCCL wants CUDA, gloo CPU).
         self.group = Region(dist, self.device)
-        rank, local_rank = self.group.rank, int(getattr(dist, "local_rank", 0))
-        node = int(getattr(dist, "node_rank", 0))
-        nodes = self.group.all_gather((node, local_rank, rank))
-        if xr.node_leaders:
-            leaders = sorted({n: r for n, lr, r in nodes if lr == 0}.items())
-            if [n for n, _ in leaders] != list(range(len(leaders))):
-                raise ValueError(f"node ranks of the local-rank-0 processes are not 0..N-1: {leaders}")
-            owner_ranks = [r for _, r in leaders]
-        else:
-            owner_ranks = [0]
-        if 0 not in owner_ranks:
-            raise ValueError("rank 0 must be a node leader (local rank 0 of node 0)")
+        owner_ranks = self._owner_ranks(dist)
         self.group.set_leaders(owner_ranks)
         self.leader = self.group.is_leader  # holds the outer state
         self.mailbox: Mailbox | None = None
-
-        def open_mailbox():  # e.g. S3 credentials missing on one node: every rank must hear about it
-            mb = Mailbox(
-                store if store is not None else make_store(xr.transport, xr.threads),
-                xr.run_id,
-                xr.region,
-                xr.regions,
-                timeout_s=xr.timeout_s,
-                keep_rounds=xr.keep_rounds,
-                threads=xr.threads,
-                poll_min_s=poll_min_s,
-                poll_max_s=poll_max_s,
-            )
-            if self.group.rank == 0 and xr.elastic and not probe_create(mb.store, xr.run_id):
-                mb.close()
-                raise XRError(
-                    f"the mailbox {mb.store.describe()} does not refuse a second conditional create (S3 "
-                    f"If-None-Match ignored): rounds could be closed twice, so min_regions "
-                    f"({xr.min_regions}) below the {len(xr.regions)} regions is refused. Use a store with "
-                    "conditional writes (AWS S3, MinIO, a shared filesystem) or min_regions: all"
-                )
-            self.mailbox = mb
-
-        self.group.on_each(open_mailbox, active=rank in owner_ranks)
+        self.group.on_each(
+            lambda: self._open_mailbox(store, poll_min_s, poll_max_s), active=self.group.rank in owner_ranks
+        )
         self.membership = (
             Membership(self.mailbox, xr.quorum, xr.grace_s, job=os.environ.get("SLURM_JOB_ID", ""))
             if self.mailbox is not None
@@ -158,16 +126,58 @@ class OuterSync:
             self.outer_device,
             self.device,
         )
+        self._allocate_buffers()
+        self._log_outer_state(placement, owner_ranks)
+        self.round = 0
+        self.aligned = False
+        self.tokens = 0  # the region's tokens since the last round (the trainer passes region-wide counts)
+        self.late_streak = 0
 
-        # work: flat params, the payload source; avg: the regions' weighted average. See BUFFERS.
-        for name, (pin, zero) in self.buffers().items():
-            buf = None
-            if self.leader:
-                new = torch.zeros if zero else torch.empty
-                buf = new(
-                    self.numel, dtype=torch.float32, device=self.outer_device, pin_memory=pin and self.pinned
-                )
-            setattr(self, name, buf)
+    def _owner_ranks(self, dist) -> list[int]:
+        """The shard owners (the leaders): local rank 0 of each node, in node order, or rank 0 alone
+        without ``node_leaders``. Collective."""
+        rank, local_rank = self.group.rank, int(getattr(dist, "local_rank", 0))
+        node = int(getattr(dist, "node_rank", 0))
+        nodes = self.group.all_gather((node, local_rank, rank))
+        if self.xr.node_leaders:
+            leaders = sorted({n: r for n, lr, r in nodes if lr == 0}.items())
+            if [n for n, _ in leaders] != list(range(len(leaders))):
+                raise ValueError(f"node ranks of the local-rank-0 processes are not 0..N-1: {leaders}")
+            owner_ranks = [r for _, r in leaders]
+        else:
+            owner_ranks = [0]
+        if 0 not in owner_ranks:
+            raise ValueError("rank 0 must be a node leader (local rank 0 of node 0)")
+        return owner_ranks
+
+    def _open_mailbox(self, store: Store | None, poll_min_s: float, poll_max_s: float) -> None:
+        """A leader's mailbox (run through :meth:`Region.on_each`: e.g. S3 credentials missing on one node,
+        every rank must hear about it); refused when elastic rounds meet a store without conditional
+        creates."""
+        xr = self.xr
+        mb = Mailbox(
+            store if store is not None else make_store(xr.transport, xr.threads),
+            xr.run_id,
+            xr.region,
+            xr.regions,
+            timeout_s=xr.timeout_s,
+            keep_rounds=xr.keep_rounds,
+            threads=xr.threads,
+            poll_min_s=poll_min_s,
+            poll_max_s=poll_max_s,
+        )
+        if self.group.rank == 0 and xr.elastic and not probe_create(mb.store, xr.run_id):
+            mb.close()
+            raise XRError(
+                f"the mailbox {mb.store.describe()} does not refuse a second conditional create (S3 "
+                f"If-None-Match ignored): rounds could be closed twice, so min_regions "
+                f"({xr.min_regions}) below the {len(xr.regions)} regions is refused. Use a store with "
+                "conditional writes (AWS S3, MinIO, a shared filesystem) or min_regions: all"
+            )
+        self.mailbox = mb
+
+    def _log_outer_state(self, placement: str, owner_ranks: list[int]) -> None:
+        """The record of where the outer state lives, and how much of it each rank holds (collective)."""
         self._log(
             {
                 "event": "xr_outer_state",
@@ -179,10 +189,17 @@ class OuterSync:
                 "bytes_per_rank": self.group.all_gather(self.outer_bytes()),
             }
         )
-        self.round = 0
-        self.aligned = False
-        self.tokens = 0  # the region's tokens since the last round (the trainer passes region-wide counts)
-        self.late_streak = 0
+
+    def _allocate_buffers(self) -> None:
+        """work: flat params, the payload source; avg: the regions' weighted average. See BUFFERS."""
+        for name, (pin, zero) in self.buffers().items():
+            buf = None
+            if self.leader:
+                new = torch.zeros if zero else torch.empty
+                buf = new(
+                    self.numel, dtype=torch.float32, device=self.outer_device, pin_memory=pin and self.pinned
+                )
+            setattr(self, name, buf)
 
     # -- theta0 ----------------------------------------------------------------------------------------
     def align(self, step: int = 0) -> None:
@@ -389,28 +406,3 @@ class OuterSync:
 
 def _as_int(v) -> int:
     return int(v.item()) if isinstance(v, torch.Tensor) else int(v)
-
-
-def create(
-    xr: CrossRegion,
-    model: nn.Module,
-    device: torch.device,
-    dist,
-    run_dir: Path | None = None,
-    log: Callable[[dict], None] | None = None,
-    **kw,
-) -> OuterSync:
-    """The outer sync of ``xr.sync`` (collective: every rank of the region calls it)."""
-    if xr.sync == "diloco" and xr.overlap == "streaming":
-        from .streaming import StreamingDiLoCo
-
-        return StreamingDiLoCo(xr, model, device, dist, run_dir, log, **kw)
-    if xr.sync == "diloco":
-        from .diloco import DiLoCo
-
-        return DiLoCo(xr, model, device, dist, run_dir, log, **kw)
-    if xr.sync == "grad":
-        from .grad import GradSync
-
-        return GradSync(xr, model, device, dist, run_dir, log, **kw)
-    raise ValueError(f"unknown sync mode {xr.sync!r}")

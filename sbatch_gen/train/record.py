@@ -1,0 +1,94 @@
+"""A step's metrics record (``metrics.jsonl``, rank 0) and its log line, from the rows every rank gathered
+for that step (:class:`~.agreement.Agreement`) and what the host kept of it (:class:`StepDone`)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .metrics import memory_record, utilization
+
+log = logging.getLogger("sbatch_gen.train")
+
+
+@dataclass
+class StepDone:
+    """What the metrics record of a step needs, kept until the step's agreement is read."""
+
+    step: int
+    lr: float
+    tokens: int
+    step_s: float
+    data_s: float
+    wait_s: float  # blocked reading the previous step's agreement, during this step
+    ddp_span: float | None
+    ddp_exposed: float | None
+    xr_timings: dict | None
+    ended: float  # time.time() when the host finished the step
+    xr_final: dict | None = None  # overlap eager, the end step: the round that was in flight, finished
+
+
+def step_record(t, done: StepDone, col: dict) -> dict:
+    """Trainer ``t``'s record of a step, from the gathered rows ``col`` (one column per
+    :attr:`~.agreement.Agreement.FIELDS`, one entry per rank)."""
+    loss = float(col["loss"].mean().item())
+    tok_s = t.tokens_per_step / done.step_s
+    rank_own = [float(v) for v in col["own_s"]]
+    grad_norm = float(col["grad_norm"][0].item())  # the same on every rank (clipped after DDP's average)
+    # In-region comm the host can see: gloo's all-reduce span, and on CPU the wait for the per-step
+    # agreement. On CUDA that wait is the device finishing the previous step, and NCCL's all-reduce is
+    # not visible from the host: comm_time_s is then None (absent), not 0.
+    cpu = t.device.type == "cpu"
+    comm = (
+        None
+        if (done.ddp_span is None and not cpu)
+        else (done.ddp_span or 0.0) + (done.wait_s if cpu else 0.0)
+    )
+    return {
+        "step": done.step,
+        "loss": loss,
+        "lr": done.lr,
+        "tokens": done.tokens,
+        "tokens_per_s": tok_s,
+        "step_time_s": done.step_s,
+        "data_time_s": done.data_s,
+        "compute_time_s": rank_own[0],
+        "comm_time_s": comm,
+        "ddp_allreduce_s": done.ddp_span,
+        "ddp_wait_s": done.ddp_exposed,
+        "sync_wait_s": done.wait_s,
+        "grad_norm": grad_norm if t.cfg.optim.grad_clip > 0 else None,
+        **memory_record(t.device),
+        "mfu": utilization(tok_s, t.info.world_size, t.flops_model, t.peak),
+        "hfu": utilization(tok_s, t.info.world_size, t.flops_hw, t.peak),
+        "rank_losses": [float(v) for v in col["loss"]],
+        "rank_step_time_s": rank_own,
+        "rank_data_time_s": [float(v) for v in col["data_s"]],
+        "slowest_rank": int(max(range(len(rank_own)), key=lambda i: rank_own[i])),
+        "world_size": t.info.world_size,
+    }
+
+
+def record(t, done: StepDone, col: dict, ckpt_done) -> None:
+    """rank 0: write a step's record (with the background save that completed at it, and the cross-region
+    round's timings when one ran), the record of an eager round that ended there, and the log line."""
+    rec = step_record(t, done, col)
+    loss, tok_s, comm, mfu = rec["loss"], rec["tokens_per_s"], rec["comm_time_s"], rec["mfu"]
+    if ckpt_done is not None:
+        rec["checkpoint_save_s"] = ckpt_done.seconds
+    if done.xr_timings:
+        rec.update(done.xr_timings)
+    t.metrics.write(rec)
+    if done.xr_final:  # a second round ended at this step: its own record
+        t.metrics.write({"event": "xr_final_round", "step": done.step, **done.xr_final})
+    log.info(
+        "step %d loss %.4f lr %.3g %.0f tok/s step %.3fs data %.3fs%s%s",
+        done.step,
+        loss,
+        done.lr,
+        tok_s,
+        done.step_s,
+        done.data_s,
+        f" comm {comm:.3f}s" if comm is not None else "",
+        f" mfu {mfu:.3f}" if mfu is not None else "",
+    )

@@ -1,0 +1,102 @@
+"""A round's commit (who takes part, decided once: created atomically in the mailbox), the rule that
+closes a round (:func:`decide`), and a region's presence record (joined, leaving). How they are written
+and read: :mod:`.membership`. Torch-free."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+from .errors import XRLayoutError
+from .protocol import parse_tag
+
+COMMIT_FORMAT = 1
+
+
+@dataclass
+class Member:
+    digest: str  # checksum of the member's manifest bytes
+    tokens: int
+
+
+@dataclass
+class Commit:
+    run_id: str
+    tag: str
+    step: int
+    members: dict[str, Member]  # region -> its manifest's digest and tokens
+    closed_by: str
+    # "all": every region arrived; "leave": the missing ones announced a leave; "stale": the missing ones
+    # left or crashed (a heartbeat unchanged for STALE_BEATS intervals); "grace": grace_s ran out
+    reason: str
+    waited_s: float  # how long the closing region waited for peers in this round
+    absent: list[str] = field(default_factory=list)  # regions not in the commit
+    time: float = 0.0
+    stale: list[str] = field(default_factory=list)  # absent regions whose heartbeat the closer found stale
+    format: int = COMMIT_FORMAT
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, where: str) -> Commit:
+        try:
+            d = json.loads(raw)
+            if d.get("format") != COMMIT_FORMAT:
+                raise ValueError(f"format {d.get('format')!r}, this version reads {COMMIT_FORMAT}")
+            d["members"] = {r: Member(**m) for r, m in d["members"].items()}
+            return cls(**d)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise XRLayoutError(f"unreadable round commit {where}: {e}") from e
+
+    @property
+    def round(self) -> int | None:
+        return parse_tag(self.tag)
+
+
+@dataclass
+class Presence:
+    region: str
+    state: str  # "joined" | "leaving"
+    round: int
+    step: int
+    time: float
+    job: str = ""
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Presence | None:
+        try:
+            return cls(**json.loads(raw))
+        except (ValueError, TypeError):
+            return None
+
+
+def decide(
+    regions: Iterable[str],
+    arrived: Iterable[str],
+    leaving: Iterable[str],
+    quorum: int,
+    grace_s: float,
+    now: float,
+    quorum_since: float | None,
+    stale: Iterable[str] = (),
+) -> tuple[str | None, float | None]:
+    """The closing rule, as a pure function: ``(reason or None, quorum_since)``. ``reason`` is "all",
+    "leave", "stale" or "grace" when the round may close now. ``stale``: regions whose heartbeat has gone
+    stale (crashed); like ``leaving`` they are not waited for, but only once ``quorum`` have arrived."""
+    regions, arrived, leaving, stale = list(regions), set(arrived), set(leaving), set(stale)
+    if arrived >= set(regions):
+        return "all", quorum_since
+    if len(arrived) < quorum:
+        return None, None
+    if quorum_since is None:
+        quorum_since = now
+    missing = set(regions) - arrived
+    if missing <= leaving:
+        return "leave", quorum_since
+    if missing <= leaving | stale:
+        return "stale", quorum_since
+    if now - quorum_since >= grace_s:
+        return "grace", quorum_since
+    return None, quorum_since
