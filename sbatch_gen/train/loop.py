@@ -82,7 +82,8 @@ def join_run(t) -> None:
 
 def begin_loop(t) -> None:
     """What every step reuses (autocast, the parameter list, the NaN sent for an unclipped grad norm,
-    the injected per-step sleep); the model in train mode; one line naming the steps to train."""
+    the injected per-step sleep); the model in train mode; the metric sinks; one line naming the steps
+    to train."""
     import torch
 
     loop = t.loop
@@ -92,6 +93,15 @@ def begin_loop(t) -> None:
     t.params = list(t.model.parameters())
     t.nan = torch.full((1,), float("nan"), dtype=torch.float64, device=t.device)
     t.ddp.train()
+    # train config / profile `metrics.sinks`: rank 0 starts them here, after the resume, so a resumed
+    # attempt's TensorBoard and W&B runs continue from its first step
+    xr = t.xr
+    t.metrics.open_sinks(
+        t.cfg.metrics,
+        run_id=xr.run_id if xr.enabled else t.run_dir.name,
+        region=xr.region,
+        first_step=loop.first_step,
+    )
     if t.step < t.end_step and loop.exit_reason is None:
         log.info(
             "training steps %d..%d (%d tokens per step)",

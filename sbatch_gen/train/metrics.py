@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 from ..fsutil import write_atomic
+from ..metrics_options import MetricsOptions
+from .sinks import Sinks, open_sinks
 
 # Dense BF16 tensor-core peaks (FLOP/s) per GPU, without 2:4 sparsity. NVIDIA's data sheets print the
 # sparse figure ("with sparsity"); the dense one is half of it:
@@ -121,21 +123,37 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 class MetricsWriter:
+    """rank 0's metrics.jsonl (``path``; None on the other ranks: a no-op), and after it the metric sinks
+    (:mod:`.sinks`) once :meth:`open_sinks` started them."""
+
     def __init__(self, path: Path | None):
         self.path = path
         self._f = None
+        self.sinks: Sinks | None = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(path, "a", buffering=1)
 
+    def open_sinks(self, opts: MetricsOptions, *, run_id: str, region: str, first_step: int) -> None:
+        """Start the sinks ``opts`` lists (rank 0; before this attempt's first step record)."""
+        if self.path is not None:
+            self.sinks = open_sinks(
+                opts, self.path.parent, run_id=run_id, region=region, first_step=first_step
+            )
+
     def write(self, record: dict) -> None:
         if self._f is not None:
             self._f.write(json.dumps(record, allow_nan=True) + "\n")
+            if self.sinks is not None:
+                self.sinks.write(record)
 
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
             self._f = None
+        if self.sinks is not None:
+            self.sinks.close()
+            self.sinks = None
 
 
 def restarts_seen() -> dict[str, int]:

@@ -211,3 +211,58 @@ def test_the_sinks_module_imports_no_sink_package():
     src = (sinks.__file__ and open(sinks.__file__).read()) or ""
     top = [line for line in src.splitlines() if line.startswith(("import ", "from "))]
     assert not [line for line in top if any(p in line for p in ("wandb", "tensorboard", "prometheus"))]
+
+
+def test_the_trainer_writes_every_sink_and_a_resume_continues_them(tmp_path, data_dir, clean_env):
+    """A tiny run with every sink on, cut after step 6, its last checkpoint (6) lost, resumed from step 4
+    to the end: each sink holds what metrics.jsonl holds, every step once, in one TensorBoard run and one
+    W&B run (two attempts of the same id)."""
+    import shutil
+
+    from sbatch_gen.train.checkpoint import step_dir
+    from sbatch_gen.train.cli import parse_args
+    from sbatch_gen.train.spec import RunSpec
+    from sbatch_gen.train.trainer import run
+
+    from .conftest import read_metrics, write_config
+
+    clean_env.pop("WANDB_API_KEY", None)
+    cfg = write_config(
+        tmp_path / "c.yaml",
+        train={"steps": 8, "log_every": 1},
+        checkpoint={"every": 4},
+        metrics={"sinks": ["tensorboard", "wandb", "prometheus"], "prometheus_every": 3},
+    )
+    rd = tmp_path / "run"
+
+    def train(*extra):
+        args = ["--config", str(cfg), "--run-dir", str(rd), "--data-path", str(data_dir), *extra]
+        assert run(RunSpec.from_args(parse_args(args))) == 0
+
+    train("--max-steps", "6")
+    shutil.rmtree(step_dir(rd, 6))  # as if the job died after step 6, before that checkpoint
+    train()
+    jsonl = read_metrics(rd)  # a step logged twice keeps its last record
+    assert sorted(jsonl) == list(range(1, 9))
+    want: dict[str, dict[int, float]] = {}
+    for rec in jsonl.values():
+        step, vals = scalars(rec)
+        for k, v in vals.items():
+            want.setdefault(k, {})[step] = v
+    assert {"loss", "lr", "tokens_per_s", "step_time_s", "mem_bytes"} <= want.keys()
+    tb = tensorboard_scalars(rd)
+    assert tb.keys() == want.keys()
+    for k in want:
+        assert tb[k] == pytest.approx(want[k], rel=1e-6), k
+    wb, runs = wandb_scalars(rd)
+    assert wb.keys() == want.keys()
+    for k in want:  # steps 5 and 6 were trained twice: W&B keeps the first attempt's (timings differ)
+        assert {s: v for s, v in wb[k].items() if s not in (5, 6)} == {
+            s: v for s, v in want[k].items() if s not in (5, 6)
+        }, k
+        assert wb[k].keys() == want[k].keys(), k
+    for k in ("loss", "lr", "grad_norm"):  # bit for bit the same in both attempts
+        assert wb[k] == want[k], k
+    assert [(r.run_id, r.run_group, r.display_name) for r in runs] == [("run-local", "run", "local")] * 2
+    prom = prometheus_samples(rd / "sbatch_gen_run_local.prom")
+    assert prom["sbatch_gen_step"][1] == 8 and prom["sbatch_gen_loss"][1] == jsonl[8]["loss"]
