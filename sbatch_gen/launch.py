@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import Protocol
 
+from sbatch_gen.metrics_options import MetricsOptions
+from sbatch_gen.metrics_options import to_argv as metrics_argv
 from sbatch_gen.xr_options import CrossRegion, to_argv
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -174,6 +176,8 @@ class Profile(Protocol):
     def topology(self) -> _Topology: ...
     @property
     def cross_region(self) -> CrossRegion: ...
+    @property
+    def metrics(self) -> MetricsOptions | None: ...
     def stop_signal(self) -> str: ...
     def stop_grace(self) -> tuple[int, str]: ...
     def torchrun_shutdown_timeout(self) -> tuple[int, str] | None: ...
@@ -199,12 +203,14 @@ PLACEHOLDERS: dict[str, str] = {
     "max_steps": "trainer.max_steps (must be set)",
     "xr_args": "the --xr-* flags of cross_region, several arguments (none when cross_region is disabled); "
     "only as an argument of its own",
+    "metrics_args": "the --metrics-* flags of the metrics section, several arguments (none without one); only "
+    "as an argument of its own",
     "nnodes": "the node count of this attempt (Slurm: $SLURM_NNODES of the allocation; SSH: the enabled hosts)",
     "nproc_per_node": "processes per node (the GPU count, or torchrun.procs_per_node on a CPU site)",
     "site": "the site name",
 }
 # Placeholders that stand for several arguments: only allowed as a whole argument.
-LIST_PLACEHOLDERS = frozenset({"xr_args"})
+LIST_PLACEHOLDERS = frozenset({"xr_args", "metrics_args"})
 
 
 @dataclass(frozen=True)
@@ -305,8 +311,8 @@ def _custom_trainer_argv(p: Profile, args: list[str], launcher: Launcher, site: 
     words: list[Word] = []
     for arg in args:
         pieces = parse_arg(arg)
-        if len(pieces) == 1 and isinstance(pieces[0], Ref) and pieces[0].name == "xr_args":
-            words += to_argv(p.cross_region)
+        if len(pieces) == 1 and isinstance(pieces[0], Ref) and pieces[0].name in LIST_PLACEHOLDERS:
+            words += to_argv(p.cross_region) if pieces[0].name == "xr_args" else metrics_argv(p.metrics)
             continue
         parts: list[str | Var] = []
         for piece in pieces:
@@ -337,6 +343,7 @@ def trainer_argv(p: Profile, launcher: Launcher, site: str) -> list[Option]:
     if p.trainer.max_steps is not None:
         opts.append(Option(("--max-steps", str(p.trainer.max_steps)), "trainer.max_steps"))
     opts += [Option(tuple(g)) for g in group_flags(list(to_argv(p.cross_region)))]
+    opts += [Option(tuple(g)) for g in group_flags(list(metrics_argv(p.metrics)))]
     opts += [Option((a,)) for a in p.trainer.extra_args]
     return opts
 

@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from sbatch_gen.errors import FieldError
 from sbatch_gen.launch import PLACEHOLDERS, PlaceholderError, Ref, parse_arg, placeholders_used
+from sbatch_gen.metrics_options import MetricsOptions
 from sbatch_gen.profiles.environment import RESERVED_ENV, RESERVED_ENV_PREFIXES
 from sbatch_gen.profiles.types import (
     EnvName,
@@ -517,6 +518,12 @@ class ProfileBase(ProfileSection):
     torchrun: Torchrun = Field(default_factory=Torchrun)
     topology: Topology = Field(default_factory=Topology)
     cross_region: CrossRegion = Field(default_factory=CrossRegion)
+    metrics: MetricsOptions | None = Field(
+        default=None,
+        description="The companion trainer's metric sinks (TensorBoard, W&B, a Prometheus textfile), as "
+        "--metrics-* flags that replace the train config's metrics section; with trainer.args, placed by "
+        "{metrics_args}. Secrets stay in the environment: wandb_api_key_env names the variable.",
+    )
 
     # The files this kind renders: (template, output file name pattern with {site}).
     OUTPUTS: ClassVar[tuple[tuple[str, str], ...]] = ()
@@ -588,6 +595,12 @@ class ProfileBase(ProfileSection):
         if args is None:
             return self
         used = placeholders_used(args)  # Trainer has refused malformed ones
+        if self.metrics is not None and not self.trainer.passes("metrics_args"):
+            raise FieldError(
+                ("metrics",),
+                "trainer.args has no {metrics_args}: the trainer would not get these settings (add "
+                "{metrics_args} as an argument of its own, or remove metrics)",
+            )
         for i, names in used:
             if "data_path" in names and self.paths.data is None:
                 raise FieldError(

@@ -405,9 +405,74 @@ def test_validate_does_not_read_a_foreign_train_config_as_the_companion_trainers
     eu.write_text(
         eu.read_text()
         + "\ntrainer:\n  module: titan.train\n  config: titan.toml\n  args: [--c, '{config}', '{xr_args}']\n"
+        + "metrics: null  # the base's sinks are the companion trainer's\n"
     )
     r = sg("validate")
     assert r.code == 0, r.err
     line = _line_of(eu, "  args: ")
     assert f"sites/eu.yaml:{line}: trainer.args is set: the train config is not cross-checked" in r.err
     assert "titan.toml" not in r.err
+
+
+# ---- the metrics section ------------------------------------------------------------------------------
+
+
+def test_the_metrics_section_becomes_the_trainers_metrics_flags():
+    """The fixed flags carry it after the cross-region flags; the trainer parses them back to the same
+    options (the one model, sbatch_gen.metrics_options); the W&B key is only named."""
+    from sbatch_gen.metrics_options import MetricsOptions, from_namespace
+    from sbatch_gen.train.cli import parse_args
+
+    p = _profile(
+        "metrics={sinks: [wandb, prometheus], prometheus_dir: '/var/lib/node exporter', wandb_entity: team}",
+        "metrics.wandb_api_key_env=TEAM_WANDB_KEY",
+    )
+    words = [w for o in trainer_argv(p, SLURM, "local") for w in o.words]
+    flags = words[words.index("--metrics-sinks") :]
+    assert flags[:2] == ["--metrics-sinks", "wandb,prometheus"]
+    assert all(isinstance(w, str) for w in flags)
+    got = from_namespace(parse_args(["--config", "c.yaml", *flags]))
+    assert (
+        got
+        == p.metrics
+        == MetricsOptions(
+            sinks=["wandb", "prometheus"],
+            prometheus_dir="/var/lib/node exporter",
+            wandb_entity="team",
+            wandb_api_key_env="TEAM_WANDB_KEY",
+        )
+    )
+    assert "--metrics-" not in " ".join(
+        str(w) for o in trainer_argv(_profile(), SLURM, "local") for w in o.words
+    )
+
+
+def test_metrics_args_places_them_in_a_trainers_own_command_line():
+    p = _profile("metrics={sinks: [tensorboard]}", "trainer.args=[--a, '{metrics_args}', --b]")
+    lines = [o.words for o in trainer_argv(p, SLURM, "local")]
+    assert lines[0] == ("--a",) and lines[-1] == ("--b",)
+    assert ("--metrics-sinks", "tensorboard") in lines
+
+
+def test_metrics_without_metrics_args_in_a_trainers_own_command_line_is_an_error(work):
+    err, path = _error(work, SCRIPT + _args("--cfg", "{config}"), "metrics:\n  sinks: [tensorboard]\n")
+    assert err == (
+        f"sbatch-gen: {path.relative_to(work)}:{_line_of(path, 'metrics:')}: metrics: trainer.args has no {{metrics_args}}: "
+        "the trainer would not get these settings (add {metrics_args} as an argument of its own, or remove metrics)"
+    )
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (
+            "  sinks: [tensorbord]\n",
+            "metrics.sinks[0]: Input should be 'tensorboard', 'wandb' or 'prometheus'",
+        ),
+        ("  wandb_api_key_env: 'a key'\n", "metrics.wandb_api_key_env: String should match pattern"),
+        ("  prometheus_every: 0\n", "metrics.prometheus_every: Input should be greater than or equal to 1"),
+    ],
+)
+def test_a_bad_metrics_field_is_named(work, value, message):
+    err, path = _error(work, TRAINER, "metrics:\n" + value)
+    assert message in err and f"{path.relative_to(work)}:" in err, err
