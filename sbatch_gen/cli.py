@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -421,19 +422,33 @@ def report(run_dirs, out_dir) -> None:
 
 @cli.command()
 @click.option("--site", "name", required=True, metavar="NAME", help="A site of the cross-region run.")
-@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the status as JSON (--watch: one object per line)."
+)
+@click.option("--watch", is_flag=True, help="Refresh every --interval seconds until Ctrl-C.")
+@click.option(
+    "--interval",
+    "interval_s",
+    type=click.FloatRange(0.2, 3600),
+    default=5,
+    show_default=True,
+    help="Seconds between two reads of the mailbox with --watch.",
+)
 @_set_option
 @_sites_dir_option
-def status(name, as_json, overrides, sites_dir) -> None:
-    """Show a cross-region run's state from its mailbox: newest committed round, newest snapshot, and per
-    region its newest published round, presence (joined / leaving / absent) and rounds behind.
+def status(name, as_json, watch, interval_s, overrides, sites_dir) -> None:
+    """Show a cross-region run's state from its mailbox: newest committed round (how long it took, who it
+    waited for), newest snapshot, and per region its newest published round, presence (joined / leaving /
+    absent), rounds behind, whether it took part in the newest round, and its heartbeat's age.
 
     Reads the mailbox with the site's transport and credentials (env var names from the profile); an fs
-    mailbox path is relative to the current directory, as for the job. Exit 1 if the mailbox cannot be read.
+    mailbox path is relative to the current directory, as for the job. Exit 1 if the mailbox cannot be read
+    (with --watch: the error is shown and the next read tried; Ctrl-C ends it, exit 0).
 
     \b
     sbatch-gen status --site eu
     sbatch-gen status --site eu --json
+    sbatch-gen status --site eu --watch --interval 2
     """
     site = load_site(sites_dir, name, overrides)
     xr = site.profile.cross_region
@@ -445,15 +460,22 @@ def status(name, as_json, overrides, sites_dir) -> None:
     from sbatch_gen.mailbox_status import location, read_status  # lazy: the mailbox modules only here
     from sbatch_gen.train.xr.errors import XRError
 
+    def read():
+        try:
+            return read_status(xr)
+        except ImportError as e:
+            click.echo(
+                f"sbatch-gen: mailbox {location(xr.transport)}: reading it needs {e.name or e}: "
+                "pip install 'sbatch-gen[s3]'",
+                err=True,
+            )
+            sys.exit(EXIT_STORE)
+
+    if watch:
+        _watch(read, as_json, interval_s, location(xr.transport), (XRError, OSError))
+        return
     try:
-        st = read_status(xr)
-    except ImportError as e:
-        click.echo(
-            f"sbatch-gen: mailbox {location(xr.transport)}: reading it needs {e.name or e}: "
-            "pip install 'sbatch-gen[s3]'",
-            err=True,
-        )
-        sys.exit(EXIT_STORE)
+        st = read()
     except (XRError, OSError) as e:  # StoreError, an unreadable commit, OSError: one line, no traceback
         click.echo(f"sbatch-gen: mailbox {location(xr.transport)}: {e}", err=True)
         sys.exit(EXIT_STORE)
@@ -461,6 +483,34 @@ def status(name, as_json, overrides, sites_dir) -> None:
         click.echo(json.dumps(st.to_dict(), indent=2))
         return
     click.echo("\n".join(_format_status(st)))
+
+
+def _watch(read, as_json: bool, interval_s: float, where: str, errors: tuple) -> None:
+    """`status --watch`: read and print every ``interval_s`` until Ctrl-C (exit 0). On a terminal each
+    read replaces the screen; otherwise (a pipe, a log) reads follow each other, --json one per line."""
+    tty = sys.stdout.isatty() and not as_json
+    try:
+        while True:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            try:
+                st = read()
+                if as_json:
+                    out = json.dumps(st.to_dict())
+                else:
+                    out = "\n".join(
+                        [f"{stamp}  (every {interval_s:g} s; Ctrl-C to stop)", *_format_status(st)]
+                    )
+            except errors as e:
+                out = (
+                    json.dumps({"error": str(e), "time": time.time()})
+                    if as_json
+                    else f"{stamp}  mailbox {where}: {e} (trying again in {interval_s:g} s)"
+                )
+            click.echo(("\x1b[H\x1b[2J" if tty else "" if as_json else "\n") + out)
+            time.sleep(interval_s)
+    except KeyboardInterrupt:
+        if not as_json:
+            click.echo("")
 
 
 @cli.command()
@@ -519,13 +569,18 @@ def _format_status(st) -> list[str]:
     if c is None:
         lines.append("committed: no rounds committed yet")
     else:
-        waited = f", waited {c.waited_s:g} s" if c.reason != "all" else ""
+        waited = (
+            f", waited {c.waited_s:g} s for {', '.join(c.absent) or 'a late region'}"
+            if c.reason != "all"
+            else ""
+        )
+        took = f", {c.interval_s:.1f} s after the round before" if c.interval_s is not None else ""
         absent = f"; absent: {', '.join(c.absent)}" if c.absent else ""
         stale = f" (heartbeat stale: {', '.join(c.stale)})" if c.stale else ""
         frag = f", fragment {c.fragment} of {st.fragments}" if c.fragment is not None else ""
         lines.append(
             f"committed: round {c.round} (step {c.step}{frag}), closed {age(st.now - c.time) if c.time else '-'} "
-            f"by {c.closed_by} ({c.reason}{waited}); members: {', '.join(c.members) or '-'}{absent}{stale}"
+            f"by {c.closed_by} ({c.reason}{waited}){took}; members: {', '.join(c.members) or '-'}{absent}{stale}"
         )
     lines.append(
         f"snapshot:  round {st.newest_snapshot}"

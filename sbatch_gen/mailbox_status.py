@@ -37,6 +37,9 @@ class CommitInfo:
     time: float  # wall clock, seconds since the epoch (0: unknown)
     stale: list[str] = field(default_factory=list)  # absent regions whose heartbeat the closer found stale
     fragment: int | None = None  # overlap streaming: the fragment the round synced (None: the whole model)
+    interval_s: float | None = (
+        None  # since the previous round's commit (None: that one is not in the mailbox)
+    )
 
 
 @dataclass
@@ -124,6 +127,7 @@ def read_status(xr: CrossRegion, store: Store | None = None, *, now: float | Non
             if commit is not None:  # read_commit checked that its tag is round_tag(r)
                 commit_round = r
                 break
+        prev = ms.read_commit(round_tag(commit_round - 1)) if commit_round - 1 in committed else None
         snaps = ms.snapshot_rounds(keys)
         presences = ms.presences(keys)
         beats = ms.heartbeats(keys)
@@ -140,6 +144,9 @@ def read_status(xr: CrossRegion, store: Store | None = None, *, now: float | Non
                 time=commit.time,
                 stale=list(commit.stale),
                 fragment=(commit_round - 1) % xr.fragment_count if xr.fragment_count > 1 else None,
+                interval_s=commit.time - prev.time
+                if prev is not None and commit.time and prev.time
+                else None,
             )
         return status(
             location=store.describe(),

@@ -8,6 +8,8 @@ import re
 import time
 from dataclasses import asdict
 
+import pytest
+
 from sbatch_gen.train.xr.commit import Commit, Member, Presence
 from sbatch_gen.train.xr.heartbeat import Heartbeat, HeartbeatWriter
 from sbatch_gen.train.xr.membership import Membership, manifest_digest
@@ -118,7 +120,7 @@ def test_status_table_from_an_fs_mailbox(tmp_path, sites):
     assert code == 0, err
     assert "t-run" in out and f"fs:{mbx}" in out
     assert re.search(
-        r"committed: round 42 \(step 4200\), closed 9\ds ago by ap \(leave, waited 12.5 s\); "
+        r"committed: round 42 \(step 4200\), closed 9\ds ago by ap \(leave, waited 12.5 s for us\), 0.0 s after the round before; "
         r"members: eu, ap; absent: us",
         out,
     ), out
@@ -182,7 +184,7 @@ def test_status_names_the_regions_a_round_closed_without_for_a_stale_heartbeat(t
     code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites))
     assert code == 0, err
     assert re.search(
-        r"committed: round 43 .* by eu \(stale, waited 12.5 s\); members: eu, us; absent: ap "
+        r"committed: round 43 .* by eu \(stale, waited 12.5 s for ap\), 0.0 s after the round before; members: eu, us; absent: ap "
         r"\(heartbeat stale: ap\)",
         out,
     ), out
@@ -265,3 +267,98 @@ def test_status_from_an_s3_mailbox(s3server, bucket, sites):
     assert "committed: round 42" in out and "snapshot:  round 40" in out
     rows = _table(out)
     assert rows["us"][1:5] == ["round 40", "leaving (round 40)", "2", "no"]
+
+
+def _watch(sites, *flags):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).parent / "sbatch-gen"
+    cmd = [
+        str(exe),
+        "status",
+        "--site",
+        "eu",
+        "--sites-dir",
+        str(sites),
+        "--watch",
+        "--interval",
+        "0.2",
+        *flags,
+    ]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _read_until(proc, pred, what: str, timeout: float = 60):
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        if sel.select(timeout=1):
+            line = proc.stdout.readline()
+            assert line, f"status --watch ended before {what}: {proc.stderr.read()}"
+            seen.append(line)
+            if pred(line):
+                return line
+    raise AssertionError(f"no {what} within {timeout} s; last lines: {seen[-3:]}")
+
+
+@pytest.mark.slow  # sbatch-gen in a subprocess, for Ctrl-C
+def test_status_watch_follows_a_region_back_and_ends_on_ctrl_c(tmp_path, sites):
+    """--watch --json: one object per read; us, away since round 40, comes back and takes part in round 43;
+    the watch shows it on its next read; Ctrl-C ends it with exit 0, nothing on stderr."""
+    import signal
+
+    store = FsStore(tmp_path / "mailbox")
+    build_mailbox(store)
+    write_site(sites, "eu", XR + f"transport: {{kind: fs, root: '{tmp_path / 'mailbox'}'}}\n")
+    proc = _watch(sites, "--json")
+    try:
+        first = json.loads(_read_until(proc, lambda line: line.startswith("{"), "a first read"))
+        us = {r["region"]: r for r in first["regions"]}["us"]
+        assert first["newest_commit"]["round"] == 42 and us["presence"] == "leaving" and us["behind"] == 2
+        ms = _membership(store, "us")  # us is back: joins, and rounds 43 closes with everyone
+        ms.announce("joined", 43, 4300)
+        ms.mb.close()
+        _commit(store, 43, {x: _publish(store, x, 43) for x in REGIONS}, "us", "all")
+
+        def back(line):
+            st = json.loads(line)
+            regions = {r["region"]: r for r in st["regions"]}
+            return st["newest_commit"]["round"] == 43 and regions["us"]["presence"] == "joined"
+
+        st = json.loads(_read_until(proc, back, "us back in round 43"))
+        us = {r["region"]: r for r in st["regions"]}["us"]
+        assert us["behind"] == 0 and us["in_newest_commit"] is True
+        assert st["newest_commit"]["interval_s"] is not None  # round 42's commit is still there
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert proc.stderr.read() == ""
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow  # sbatch-gen in a subprocess, for Ctrl-C
+def test_status_watch_shows_a_read_error_and_keeps_watching(tmp_path, sites):
+    import signal
+
+    mbx = tmp_path / "mailbox"
+    build_mailbox(FsStore(mbx))
+    write_site(sites, "eu", XR + f"transport: {{kind: fs, root: '{mbx}'}}\n")
+    proc = _watch(sites)
+    try:
+        _read_until(proc, lambda line: line.startswith("committed: round 42"), "the table")
+        commit = mbx / RUN / "r000042" / "_commit.json"
+        commit.write_text("{not json")  # a damaged commit: the read fails, the watch goes on
+        line = _read_until(proc, lambda line: "mailbox fs:" in line, "the read error")
+        assert "trying again in 0.2 s" in line
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0 and "Traceback" not in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
