@@ -657,6 +657,21 @@ def build(runs: list[Run]) -> tuple[str, dict]:
     return "\n".join(lines), slos
 
 
+def _tell_apart(runs: list[Run]) -> None:
+    """Two runs of the same region get their directory in the label: its name, or as many of its last
+    components as it takes (a baseline's ``base/eu`` against a later ``later/eu``: ``eu (base/eu)``)."""
+    base = [run.label for run in runs]
+    for depth in range(1, 1 + max(len(run.path.resolve().parts) for run in runs)):
+        labels = [
+            b if base.count(b) == 1 else f"{b} ({'/'.join(run.path.resolve().parts[-depth:])})"
+            for b, run in zip(base, runs, strict=True)
+        ]
+        if len(set(labels)) == len(labels):
+            break
+    for run, label in zip(runs, labels, strict=True):
+        run.label = label
+
+
 def write_report(run_dirs: list[Path], out_dir: Path | None = None) -> Path:
     """Read the runs, write ``report.md``, the PNGs and ``slo.json`` into ``out_dir``; return report.md's path.
 
@@ -665,12 +680,7 @@ def write_report(run_dirs: list[Path], out_dir: Path | None = None) -> Path:
     if not run_dirs:
         raise ReportError("give at least one run directory")
     runs = [load_run(Path(p)) for p in run_dirs]
-    seen: dict[str, int] = {}
-    for run in runs:  # two runs of the same region: tell them apart by directory
-        seen[run.label] = seen.get(run.label, 0) + 1
-    for run in runs:
-        if seen[run.label] > 1:
-            run.label = f"{run.label} ({run.path.name})"
+    _tell_apart(runs)
     if out_dir is None:
         if len(runs) == 1:
             out_dir = runs[0].path / "report"

@@ -266,3 +266,13 @@ def test_the_trainer_writes_every_sink_and_a_resume_continues_them(tmp_path, dat
     assert [(r.run_id, r.run_group, r.display_name) for r in runs] == [("run-local", "run", "local")] * 2
     prom = prometheus_samples(rd / "sbatch_gen_run_local.prom")
     assert prom["sbatch_gen_step"][1] == 8 and prom["sbatch_gen_loss"][1] == jsonl[8]["loss"]
+    # `sbatch-gen report` reads the same run dir (metrics.jsonl; the sinks' files beside it are left alone),
+    # and compares it with a baseline of the same region: the directories tell the two apart
+    from sbatch_gen.report import write_report
+
+    shutil.copytree(rd, tmp_path / "base" / "run")
+    shutil.copytree(rd, tmp_path / "later" / "run")
+    md = write_report([tmp_path / "base" / "run", tmp_path / "later" / "run"], tmp_path / "cmp")
+    slo = json.loads((tmp_path / "cmp" / "slo.json").read_text())
+    assert sorted(slo) == ["local (base/run)", "local (later/run)"], sorted(slo)
+    assert "local (base/run)" in md.read_text()
