@@ -53,7 +53,7 @@ test-fast: install  ## the unit tier: no real servers, no subprocess training, n
 	$(PY) -m pytest -m "not slow and not e2e" -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test: install system-deps  ## the whole test suite: unit, multi-process (torchrun/gloo), end to end on local Slurm (TEST_WORKERS processes)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 demo: install  ## render the sites, then train two regions with DiLoCo over the fs mailbox and summarise
 	$(SG) render --all
