@@ -1,6 +1,6 @@
 """``python -m bench [NAME ...] [--quick] [--out DIR]``: run benchmarks, write Markdown/JSON/PNG results.
 
-Names: mailbox, outer, ddp, diloco, elastic, payload, overlap, quality, peer, render (default: all, in that order). ``--quick`` runs tiny sizes in
+Names: mailbox, outer, ddp, diloco, elastic, payload, overlap, quality, peer, sinks, render (default: all, in that order). ``--quick`` runs tiny sizes in
 seconds (for the tests); results of a quick run go to a temporary directory unless ``--out`` is given.
 """
 
@@ -29,6 +29,7 @@ BENCHES = {
     "overlap": "overlapped rounds over the emulated WAN: exposed sync time, overlap none vs eager, bf16 vs int8",
     "quality": "DiLoCo held-out loss: H 10/50/100 x outer lr/momentum, grad mode, one region, int8/fp8, eager",
     "peer": "torchft vs ours on the same work and WAN: wall, exposed sync, bytes per round, held-out loss",
+    "sinks": "metric sinks (TensorBoard, W&B, Prometheus) on vs off: step time of a tiny CPU trainer",
     "render": "sbatch-gen render --all over 20 sites, as a whole process (no torch)",
 }
 

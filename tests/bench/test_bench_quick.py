@@ -412,3 +412,14 @@ def test_peer_quick(tmp_path):
     goals = [g["goal"] for g in d["goals"]]
     assert any("fault one" in g for g in goals) and any("none: wall time" in g for g in goals)
     assert all(g["met"] is None for g in d["goals"])  # --quick judges nothing
+
+
+def test_sinks_quick(tmp_path):
+    """The sink benchmark runs the trainer with and without the sinks, and the runs with sinks wrote all
+    three; its ratio is a measurement, never asserted."""
+    d = _bench("sinks", tmp_path)
+    headers, rows = _table(d, "pairs")
+    assert headers == ["pair", "no sinks", "all sinks", "all / none"] and len(rows) == 1
+    assert all(isinstance(v, float) and v > 0 for v in rows[0][1:])
+    goals = {g["goal"]: g for g in d["goals"]}
+    assert goals["every 'all' run's sinks wrote"]["met"] is True
