@@ -15,9 +15,10 @@ import pydantic
 from pydantic import Field, field_validator
 
 from sbatch_gen.strict import StrictModel
+from sbatch_gen.xr_options import ENV_NAME_RE, NAME_RE
 
 SinkName = Literal["tensorboard", "wandb", "prometheus"]
-_name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+_name = Annotated[str, Field(pattern=NAME_RE)]
 
 
 class MetricsOptions(StrictModel):
@@ -41,7 +42,7 @@ class MetricsOptions(StrictModel):
     )
     wandb_project: _name = Field(default="sbatch-gen", description="W&B project.")
     wandb_entity: _name | None = Field(default=None, description="W&B entity (team); default: the key's.")
-    wandb_api_key_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")] = Field(
+    wandb_api_key_env: Annotated[str, Field(pattern=ENV_NAME_RE)] = Field(
         default="WANDB_API_KEY",
         description="Name of the environment variable holding the W&B API key (never the key itself).",
     )

@@ -58,15 +58,12 @@ def clean_env(monkeypatch):
 _SERIAL_GROUPS = {"tests/e2e/": "slurm", "tests/bench/": "netns"}
 
 
-def test_group(nodeid: str) -> str:
+def suite_group(nodeid: str) -> str:
     """The xdist group of a test, from its node id (relative to the repository root)."""
     for prefix, name in _SERIAL_GROUPS.items():
         if nodeid.startswith(prefix):
             return name
     return nodeid.split("::", 1)[0]
-
-
-test_group.__test__ = False  # type: ignore[attr-defined]  # not a test
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -76,7 +73,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class GroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return test_group(nodeid)
+            return suite_group(nodeid)
 
     return GroupScheduling(config, log)
 
@@ -85,4 +82,4 @@ def pytest_collection_modifyitems(config, items):
     # in an xdist worker: the Slurm group first (make test passes --no-loadscope-reorder, so the groups go
     # out in collection order); a plain run keeps pytest's order
     if hasattr(config, "workerinput"):
-        items.sort(key=lambda item: test_group(item.nodeid) != "slurm")
+        items.sort(key=lambda item: suite_group(item.nodeid) != "slurm")

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..errors import clean_message, cut
 from ..metrics_options import MetricsOptions
 
 log = logging.getLogger("sbatch_gen.train")
@@ -202,7 +203,7 @@ class WandbSink:
 
 def _wandb_id(run_id: str, region: str) -> str:
     """A W&B run id for (run, region): W&B ids may not hold '/' and some other characters."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{run_id}-{region}")[:128]
+    return _safe(f"{run_id}-{region}")[:128]
 
 
 class PrometheusSink:
@@ -218,8 +219,7 @@ class PrometheusSink:
         self._client = prometheus_client
         self.every = opts.prometheus_every
         directory = Path(opts.prometheus_dir) if opts.prometheus_dir else run_dir
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{run_id}_{region}")
-        self.path = directory / f"sbatch_gen_{safe}.prom"
+        self.path = directory / f"sbatch_gen_{_safe(f'{run_id}_{region}')}.prom"
         self.labels = {"run_id": run_id, "region": region}
         self.values: dict[str, float] = {}
         self.step: int | None = None
@@ -327,8 +327,14 @@ class Sinks:
 
 
 def _short(e: BaseException) -> str:
-    s = " ".join(str(e).split())
-    return s if len(s) <= 200 else s[:197] + "..."
+    """An exception as one line for the warning: the project's message cleaning (credentials masked,
+    control characters escaped), cut to 200 characters."""
+    return cut(clean_message(str(e)), 200)
+
+
+def _safe(name: str) -> str:
+    """``name`` with what W&B ids and file names may not hold replaced by ``_``."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
 def open_sinks(

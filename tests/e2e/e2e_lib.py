@@ -613,6 +613,7 @@ def without_torch_exit_barrier_race(text: str) -> str:
     closed connection and logs it with a traceback (pytorch/pytorch#69520; torch 2.13 still has it). It is
     torch's, after the job's outcome is decided; every other traceback still counts. The error is one log
     record: each of its lines starts with the same header."""
-    for m in _EXIT_BARRIER.finditer(text):
-        text = "\n".join(line for line in text.splitlines() if not line.startswith(m.group(1)))
-    return text
+    heads = tuple({m.group(1) for m in _EXIT_BARRIER.finditer(text)})
+    if not heads:
+        return text
+    return "\n".join(line for line in text.splitlines() if not line.startswith(heads))
