@@ -119,7 +119,7 @@ class Check:
         env = {
             **os.environ,
             "SBATCH_GEN_STOP_FILE": str(stop_file),
-            "PYTHONPATH": str(REPO),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             **(env or {}),
         }
