@@ -326,7 +326,8 @@ class Checkpointer:
         if async_save and not dist_info.is_distributed:
             log.info("checkpoint.async_save needs a process group; saving synchronously in a single process")
         self._pg = dist.new_group(backend="gloo") if self.async_save else None
-        self._stager: DefaultStager | None = None  # created by the first async save, closed by close()
+        # created by the first async save, closed by close(); replaced when staging closed it (torch 2.11)
+        self._stager: DefaultStager | None = None
         # The background save in flight: (its future, step, path, t0, blocking seconds).
         self._pending: tuple[Future[None], int, Path, float, float] | None = None
         self.save_times: list[float] = []
@@ -425,6 +426,7 @@ class Checkpointer:
             )
             # An AsyncSaveResponse comes back only with asynchronous staging, which stager() turns off.
             assert isinstance(fut, Future), f"async_save returned {type(fut).__name__}, not the upload future"
+            self._drop_spent_stager()
             self._pending = (fut, step, path, t0, time.perf_counter() - t0)
             return None
         try:
@@ -454,6 +456,15 @@ class Checkpointer:
                 )
             )
         return self._stager
+
+    def _drop_spent_stager(self) -> None:
+        """Forget the stager if staging closed it. torch 2.11's ``DefaultStager`` closes its copier at the
+        end of every stage (pytorch#183413), so a second save through it fails (``KeyError: <class
+        'type'>``, first seen by scripts/gpu-check.sh on an H200); there the next save gets a new stager,
+        and its pinned buffers (freed by that close anyway). Where staging leaves it open, it is kept."""
+        copier = getattr(self._stager, "_state_dict_stager", None)
+        if copier is not None and not getattr(copier, "_deepcopy_dispatch", True):
+            self._stager = None
 
     def load(self, path: Path, state: dict, optional: tuple[str, ...] = ()) -> list[str]:
         """Load ``path`` into ``state`` in place (DCP resharding; non-tensor leaves replaced).

@@ -241,3 +241,43 @@ def test_async_saves_share_one_stager_and_each_saves_its_own_values(tmp_path, on
         assert state["train"]["step"] == step
         for k, v in expect.items():
             assert torch.equal(state["model"][k], v), (step, k)
+
+
+def test_async_saves_survive_a_stager_that_closes_itself_after_staging(tmp_path, one_rank_group, monkeypatch):
+    """torch 2.11's DefaultStager closes its copier at the end of every stage (pytorch#183413): the next
+    save through the same stager failed with KeyError: <class 'type'> (seen on an H200 with torch 2.11).
+    Emulated here on the pinned torch: every save must still complete with its own values."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    staged = DefaultStager._stage
+
+    def stage_then_close(self, state_dict, **kw):
+        out = staged(self, state_dict, **kw)
+        self._state_dict_stager.close()
+        return out
+
+    monkeypatch.setattr(DefaultStager, "_stage", stage_then_close)
+    torch.manual_seed(0)
+    model = GPT(_tiny())
+    ck = Checkpointer(
+        tmp_path,
+        one_rank_group,
+        torch.device("cpu"),
+        keep_last=5,
+        async_save=True,
+        marker_extra={"model": _tiny().model_dump()},
+    )
+    expect = {}
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(float(step))
+        expect[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        assert ck.save(step, {"model": model.state_dict(), "train": {"step": step}}) is None
+    ck.close()
+    for step, want in expect.items():
+        assert check_complete(step_dir(tmp_path, step)) is None
+        state = {"model": GPT(_tiny()).state_dict(), "train": {"step": 0}}
+        ck.load(step_dir(tmp_path, step), state)
+        for k, v in want.items():
+            assert torch.equal(state["model"][k], v), (step, k)
