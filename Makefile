@@ -10,7 +10,9 @@ SG := $(VENV)/bin/sbatch-gen
 PYTEST_ARGS ?=
 # pytest-xdist processes for make test-fast and make test (tests/conftest.py groups what must run serially)
 TEST_WORKERS ?= 2
-APT_PACKAGES := shellcheck slurmctld slurmd slurm-client slurmdbd mariadb-server munge openssh-server iproute2 iptables procps psmisc
+APT_PACKAGES := shellcheck slurmctld slurmd slurm-client slurmdbd mariadb-server munge openssh-server iproute2 iptables procps psmisc tmux
+# make screenshots only: a headless browser (and a font) for TensorBoard, tmux for the terminal screens
+SCREENSHOT_APT_PACKAGES := chromium fonts-dejavu-core tmux
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -23,13 +25,18 @@ $(VENV)/.installed: pyproject.toml constraints-dev.txt
 
 install: $(VENV)/.installed  ## create .venv, install the package editable with dev extras
 
-system-deps:  ## apt packages the tests use (shellcheck, Slurm, munge, sshd); no-op once present
-	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+# $(call apt_install,PACKAGES): apt-get install those not installed yet (root); nothing once all are there
+define apt_install
+	@missing=""; for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  export DEBIAN_FRONTEND=noninteractive; \
 	  apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	fi
+endef
+
+system-deps:  ## apt packages the tests use (shellcheck, Slurm, munge, sshd, tmux); no-op once present
+	$(call apt_install,$(APT_PACKAGES))
 
 render: install  ## render every site to out/
 	$(SG) render --all
@@ -59,9 +66,14 @@ demo: install  ## render the sites, then train two regions with DiLoCo over the 
 	$(SG) render --all
 	$(PY) -m sbatch_gen.demo
 
+screenshots: install  ## the pictures of docs/watching.md (docs/img/) from a tiny two-region run; installs chromium, tmux, rich
+	$(call apt_install,$(SCREENSHOT_APT_PACKAGES))
+	$(PY) -m pip install -q -c constraints-dev.txt -e '.[docs]'
+	$(PY) scripts/screenshots.py
+
 bench: install system-deps  ## benchmarks: Markdown table + PNG plots in bench/results/
 	@# the naive baseline shells out to `aws s3 cp`; awscli pins its own botocore, so not in .venv
 	command -v aws >/dev/null || $(PYTHON) -m pip install -q awscli
 	$(PY) -m bench
 
-.PHONY: help install system-deps render check lint format test test-fast demo bench
+.PHONY: help install system-deps render check lint format test test-fast demo bench screenshots

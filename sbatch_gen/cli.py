@@ -569,11 +569,12 @@ def _format_status(st) -> list[str]:
     if c is None:
         lines.append("committed: no rounds committed yet")
     else:
-        waited = (
-            f", waited {c.waited_s:g} s for {', '.join(c.absent) or 'a late region'}"
-            if c.reason != "all"
-            else ""
-        )
+        if c.reason == "all":  # the closer waited, after publishing, until the last of the others arrived
+            others = [r for r in c.members if r != c.closed_by]
+            whom = others[0] if len(others) == 1 else f"the last of {', '.join(others)}" if others else ""
+        else:
+            whom = ", ".join(c.absent) or "a late region"
+        waited = f", waited {c.waited_s:g} s for {whom}" if whom else ""
         took = f", {c.interval_s:.1f} s after the round before" if c.interval_s is not None else ""
         absent = f"; absent: {', '.join(c.absent)}" if c.absent else ""
         stale = f" (heartbeat stale: {', '.join(c.stale)})" if c.stale else ""

@@ -192,6 +192,21 @@ def test_status_names_the_regions_a_round_closed_without_for_a_stale_heartbeat(t
     assert json.loads(out)["newest_commit"]["stale"] == ["ap"]
 
 
+def test_status_names_whom_a_round_with_everyone_waited_for(tmp_path, sites):
+    """A round every region took part in: its closer waited, after publishing, for the last of the others."""
+    mbx = tmp_path / "mailbox"
+    store = FsStore(mbx)
+    build_mailbox(store)
+    _commit(store, 43, {x: _publish(store, x, 43) for x in REGIONS}, "us", "all")
+    write_site(sites, "eu", XR + f"transport: {{kind: fs, root: '{mbx}'}}\n")
+    code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites))
+    assert code == 0, err
+    assert (
+        "by us (all, waited 12.5 s for the last of eu, ap), 0.0 s after the round before; members: eu, us, ap\n"
+        in out
+    )
+
+
 def test_empty_or_missing_mailbox_is_not_a_crash(tmp_path, sites):
     mbx = tmp_path / "not-there"
     write_site(sites, "eu", XR + f"transport: {{kind: fs, root: '{mbx}'}}\n")
