@@ -457,7 +457,7 @@ def status(name, as_json, watch, interval_s, overrides, sites_dir) -> None:
             f"{site.at('cross_region', 'enabled')}: cross_region.enabled: site {name!r} is not part "
             "of a cross-region run: there is no mailbox to read"
         )
-    from sbatch_gen.mailbox_status import location, read_status  # lazy: the mailbox modules only here
+    from sbatch_gen.mailbox_status import HeartbeatWatch, location, read_status  # lazy: only here
     from sbatch_gen.train.xr.errors import XRError
 
     def read():
@@ -472,7 +472,8 @@ def status(name, as_json, watch, interval_s, overrides, sites_dir) -> None:
             sys.exit(EXIT_STORE)
 
     if watch:
-        _watch(read, as_json, interval_s, location(xr.transport), (XRError, OSError))
+        beats = HeartbeatWatch()
+        _watch(lambda: beats.mark(read()), as_json, interval_s, location(xr.transport), (XRError, OSError))
         return
     try:
         st = read()
@@ -600,6 +601,11 @@ def _format_status(st) -> list[str]:
     rows = []
     for r in st.regions:
         pres = r.presence + (f" (round {r.presence_round})" if r.presence_round is not None else "")
+        if r.gone:
+            pres = f"GONE, was {pres}"
+        beat = "-" if r.heartbeat is None else f"{age(r.heartbeat_age_s)} (#{r.heartbeat})"
+        if r.silent_s is not None and r.silent_s >= 1:
+            beat += f", unchanged {r.silent_s:.0f} s"
         rows.append(
             [
                 r.region + (" *" if r.region == st.site_region else ""),
@@ -608,7 +614,7 @@ def _format_status(st) -> list[str]:
                 "-" if r.behind is None else str(r.behind),
                 "-" if r.in_newest_commit is None else ("yes" if r.in_newest_commit else "no"),
                 age(r.presence_age_s) + (f" (job {r.job})" if r.job else ""),
-                "-" if r.heartbeat is None else f"{age(r.heartbeat_age_s)} (#{r.heartbeat})",
+                beat,
             ]
         )
     widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
@@ -619,6 +625,11 @@ def _format_status(st) -> list[str]:
         "(* this site's region; behind: rounds behind the newest commit; ages of heartbeats use the "
         "writing region's clock)"
     )
+    if any(r.gone for r in st.regions):
+        lines.append(
+            "(GONE: its heartbeat unchanged for 3 intervals on this machine's clock, without a leave: killed or "
+            "crashed; the regions close rounds without it)"
+        )
     return lines
 
 

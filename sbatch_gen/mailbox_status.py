@@ -15,6 +15,7 @@ Needs ``boto3`` (the ``s3`` extra) for an S3 mailbox; nothing beyond the base in
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -58,6 +59,11 @@ class RegionStatus:
     heartbeat_interval_s: float | None = None
     heartbeat_time: float | None = None  # the WRITER's wall clock when it wrote it
     heartbeat_age_s: float | None = None  # this reader's wall clock minus the writer's: includes their skew
+    # --watch only (:class:`HeartbeatWatch`), on this machine's monotonic clock: for how long the heartbeat has
+    # not changed (None: not watched, or no heartbeat), and whether that makes the region gone (killed or
+    # crashed: quiet for STALE_BEATS intervals without a leave), the rule the regions themselves apply
+    silent_s: float | None = None
+    gone: bool = False
 
 
 @dataclass
@@ -162,6 +168,35 @@ def read_status(xr: CrossRegion, store: Store | None = None, *, now: float | Non
         mb.close()
         if own:
             store.close()
+
+
+class HeartbeatWatch:
+    """``status --watch``: each region's heartbeat across reads, timed on this machine's monotonic clock, so
+    no region's clock is compared with ours. A region whose heartbeat stays unchanged for ``STALE_BEATS``
+    intervals (its own interval when longer) without having announced a leave is ``gone``: the rule the
+    regions apply before closing a round without it (:mod:`sbatch_gen.train.xr.membership`). One reading
+    alone cannot tell: only a watch marks regions gone."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._seen: dict[str, tuple[tuple[int | None, float | None], float]] = {}  # value, since when
+
+    def mark(self, st: MailboxStatus) -> MailboxStatus:
+        from sbatch_gen.train.xr.heartbeat import STALE_BEATS
+
+        now = self.clock()
+        for r in st.regions:
+            if st.heartbeat_s is None or r.heartbeat is None:
+                self._seen.pop(r.region, None)
+                continue
+            value = (r.heartbeat, r.heartbeat_time)  # the writer's clock changes with every beat
+            seen = self._seen.get(r.region)
+            if seen is None or seen[0] != value:
+                self._seen[r.region] = seen = (value, now)
+            r.silent_s = now - seen[1]
+            limit = STALE_BEATS * max(st.heartbeat_s, r.heartbeat_interval_s or 0.0)
+            r.gone = r.presence != "leaving" and r.silent_s >= limit
+        return st
 
 
 def location(transport: FsTransport | S3Transport) -> str:

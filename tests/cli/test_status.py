@@ -377,3 +377,46 @@ def test_status_watch_shows_a_read_error_and_keeps_watching(tmp_path, sites):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_watch_marks_a_joined_region_gone_once_its_heartbeat_stops(tmp_path, sites):
+    """--watch: a joined region whose heartbeat stays unchanged for 3 intervals on the watcher's own clock,
+    without a leave, is GONE (killed or crashed); one that beats again is not; a leaving one never is."""
+    from sbatch_gen.cli import _format_status
+    from sbatch_gen.loader import load_site
+    from sbatch_gen.mailbox_status import HeartbeatWatch, read_status
+
+    store = FsStore(tmp_path / "mailbox")
+    build_mailbox(store)
+    ms = _membership(store, "ap")
+    ms.announce("joined", 42, 4200)
+    store.put(ms.alive_key("ap"), Heartbeat("ap", "x2", 7, 5.0, time.time(), "job-ap").to_json())
+    write_site(sites, "eu", XR + f"transport: {{kind: fs, root: '{tmp_path / 'mailbox'}'}}\n")
+    xr = load_site(sites, "eu", []).profile.cross_region
+    assert xr.heartbeat_s == 5.0
+    clock = [100.0]
+    watch = HeartbeatWatch(lambda: clock[0])
+
+    def read() -> dict:
+        return {r.region: r for r in watch.mark(read_status(xr)).regions}
+
+    first = read()
+    assert {r: (x.silent_s, x.gone) for r, x in first.items()} == {
+        "eu": (0.0, False),
+        "us": (0.0, False),
+        "ap": (0.0, False),
+    }
+    clock[0] += 14.9  # eu beats meanwhile; us (leaving) and ap do not
+    HeartbeatWriter(store, ms.alive_key("eu"), "eu", 5.0, "job-eu").beat()
+    second = read()
+    assert second["eu"].silent_s == 0.0 and not second["ap"].gone
+    clock[0] += 0.2  # ap: 15.1 s unchanged, over 3 x 5 s
+    st = watch.mark(read_status(xr))
+    third = {r.region: r for r in st.regions}
+    assert third["ap"].gone and not third["us"].gone and not third["eu"].gone
+    assert abs(third["us"].silent_s - 15.1) < 1e-9
+    rows = _table("\n".join(_format_status(st)))
+    assert rows["ap"][2] == "GONE, was joined (round 42)", rows["ap"]
+    assert rows["ap"][-1].endswith(", unchanged 15 s"), rows["ap"]
+    assert rows["us"][2].startswith("leaving"), rows["us"]
+    ms.mb.close()
