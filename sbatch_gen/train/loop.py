@@ -5,10 +5,10 @@ per-step sleep the tests and benchmarks inject.
 One step, in order: data (prefetched one micro-batch ahead) -> forward/backward (DDP averages gradients
 in-region, no DDP at world size 1; FSDP reduce-scatters them) -> ``sync.before_optimizer_step``
 (cross-region grad mode) -> clip -> optimizer step -> ``sync.after_optimizer_step`` (DiLoCo outer round)
--> read the previous step's agreement
-(its metrics record; a stop requested there stops every rank after this step) -> issue this step's
-agreement, one small asynchronous all_gather (loss, stop request, this rank's timings, grad norm) ->
-checkpoint when due or stopping. The host never waits for the step it has just queued on the device.
+-> read the previous step's agreement (its metrics record; a stop requested there stops every rank after
+this step) -> issue this step's agreement, one small asynchronous all_gather (loss, stop request, this
+rank's timings, grad norm) -> checkpoint when due or stopping. The host never waits for the step it has
+just queued on the device.
 """
 
 from __future__ import annotations

@@ -93,3 +93,20 @@ def test_full_state_dict_is_the_plain_models(info):
     assert full.keys() == want.keys()
     assert all(type(v) is torch.Tensor and torch.equal(v, want[k]) for k, v in full.items())
     assert par.param_device == CPU and par.amp_dtype is None and par.comm is None
+
+
+def test_bf16_computes_in_bf16_and_keeps_fp32_shards_and_gradients(info):
+    """train.precision bf16: the policy gathers bf16 parameters for compute, no autocast; the shards,
+    their gradients (reduced in fp32) and so AdamW stay fp32."""
+    from sbatch_gen.train.fsdp import shard
+
+    model = _gpt()
+    par = shard(model, ParallelismConfig(kind="fsdp"), info, CPU, torch.bfloat16)
+    seen = []
+    model.blocks[0].mlp.up.register_forward_hook(
+        lambda m, args, out: seen.append((m.weight.dtype, out.dtype))
+    )
+    x = _batch()
+    model(x, x).backward()
+    assert seen == [(torch.bfloat16, torch.bfloat16)] and par.amp_dtype is None
+    assert {(p.dtype, p.grad.dtype) for p in model.parameters()} == {(torch.float32, torch.float32)}
