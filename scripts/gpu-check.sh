@@ -4,7 +4,8 @@
 # ~125M config in bf16 with activation checkpointing off and on (tokens/s, MFU, HFU, memory); async DCP
 # saves every few steps; stop file -> checkpoint -> resume, compared bitwise with one uninterrupted run;
 # DiLoCo with one region over the fs mailbox, outer step on the GPU against the measured bandwidth;
-# Streaming DiLoCo (4 fragments, the exchange behind 1-2 steps) likewise.
+# Streaming DiLoCo (4 fragments, the exchange behind 1-2 steps) likewise; FSDP2 on one GPU with the CPU
+# offload off and on (tokens/s, MFU, memory), and its stop -> resume compared bitwise.
 #
 #   scripts/gpu-check.sh [--out DIR] [--steps N] [--phase NAME]...   (default: runs/gpu-check, 60 steps)
 #   scripts/gpu-check.sh --smoke                                      (CPU, tiny: tests the script itself)

@@ -14,6 +14,8 @@ of this node, NCCL, bf16 autocast) on the ~125M config (configs/gpt-125m.yaml) u
   streaming  Streaming DiLoCo (overlap streaming, 4 fragments, the exchange behind 1-2 steps) with one
              region over the fs mailbox, outer state on the GPU: every fragment's rounds merged, the time
              a round's start and its merge held training up, the final join
+  fsdp       FSDP2 (parallelism.kind fsdp) on one GPU, bf16: tokens/s, MFU and memory with the CPU offload
+             off and on (offload must lower the device's peak), and stop -> resume bitwise as in phase stop
 
 ``--smoke`` runs the same phases on the CPU with the tiny config in one process (gloo): the script's own
 logic, tested by ``make test`` (tests/train/test_gpu_check.py). Its figures mean nothing.
@@ -78,7 +80,9 @@ class Check:
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         return path
 
-    def command(self, cfg: Path, run: Path, resume: str, max_steps: int, extra: list[str]) -> list[str]:
+    def command(
+        self, cfg: Path, run: Path, resume: str, max_steps: int, extra: list[str], nproc: int
+    ) -> list[str]:
         data = (
             self.data.with_name("data-xr") if extra else self.data
         )  # (the trainer prepares shards on demand)
@@ -98,7 +102,7 @@ class Check:
         if self.smoke:
             return [self.py, "-m", "sbatch_gen.train", *train]
         torchrun = str(Path(self.py).parent / "torchrun")
-        return [torchrun, "--standalone", f"--nproc-per-node={self.nproc}", "-m", "sbatch_gen.train", *train]
+        return [torchrun, "--standalone", f"--nproc-per-node={nproc}", "-m", "sbatch_gen.train", *train]
 
     def train(
         self,
@@ -111,8 +115,10 @@ class Check:
         stop_at: int | None = None,
         run: Path | None = None,
         env: dict | None = None,
+        nproc: int | None = None,
     ) -> tuple[int, Path]:
-        """One trainer run; ``stop_at``: create the stop file once metrics show that step."""
+        """One trainer run (on every GPU, or ``nproc`` of them); ``stop_at``: create the stop file once
+        metrics show that step."""
         run = run or self.out / "runs" / name
         stop_file = run.parent / f"{run.name}.stop"
         stop_file.unlink(missing_ok=True)
@@ -124,7 +130,7 @@ class Check:
             **(env or {}),
         }
         env.setdefault("OMP_NUM_THREADS", "4")
-        cmd = self.command(cfg, run, resume, max_steps or self.steps, extra or [])
+        cmd = self.command(cfg, run, resume, max_steps or self.steps, extra or [], nproc or self.nproc)
         logf = self.out / "logs" / f"{name}.log"
         logf.parent.mkdir(parents=True, exist_ok=True)
         log(f"{name}: {' '.join(cmd)}")
@@ -175,11 +181,7 @@ class Check:
         s = steady(run)
         peak = summary(run).get("peak_flops")
         s["peak_TFLOPs"] = rnd(peak / 1e12, 1) if peak else None
-        ddp = [
-            line.split("DDP: ", 1)[1].strip()
-            for line in (self.out / "logs" / f"{name}.log").read_text(errors="replace").splitlines()
-            if "DDP: " in line
-        ]
+        ddp = log_lines(self.out / "logs" / f"{name}.log", "DDP: ")
         s["ddp"] = ddp[0] if ddp else None
         problems = []
         if rc != 0 or not s["steps"]:
@@ -232,16 +234,27 @@ class Check:
         )
 
     def stop_resume(self) -> None:
-        cfg = self.config("stop", train__deterministic="on")
-        rc_ref, ref = self.train("stop-ref", cfg)
+        ok, fig = self.interrupted("stop", self.config("stop", train__deterministic="on"))
+        self.row(
+            "stop",
+            ok,
+            fig,
+            "bitwise equal to one uninterrupted run"
+            if fig["max_abs_diff"] == 0.0
+            else "NOT bitwise equal to one uninterrupted run (deterministic mode)",
+        )
+
+    def interrupted(self, name: str, cfg: Path, nproc: int | None = None) -> tuple[bool, dict]:
+        """One uninterrupted run of ``cfg``, and one stopped by the stop file a third of the way in, then
+        resumed: whether every exit and the ack are right and the final weights equal, and the figures."""
+        rc_ref, ref = self.train(f"{name}-ref", cfg, nproc=nproc)
         stop_at = max(2, self.steps // 3)
         # paced (sleep after each step: the math is unchanged) so the stop file lands mid-run, not after it
-        rc1, run = self.train(
-            "stop", cfg, stop_at=stop_at, env={"SBATCH_GEN_STEP_SLEEP_S": "0.3" if self.smoke else "0.1"}
-        )
+        pace = {"SBATCH_GEN_STEP_SLEEP_S": "0.3" if self.smoke else "0.1"}
+        rc1, run = self.train(name, cfg, stop_at=stop_at, env=pace, nproc=nproc)
         stopped = summary(run).get("last_step")
         ack = run.parent / f"{run.name}.stop.ack"
-        rc2, run = self.train("stop-resume", cfg, resume="auto", run=run)
+        rc2, run = self.train(f"{name}-resume", cfg, resume="auto", run=run, nproc=nproc)
         diff = max_abs_diff(ref / "model.safetensors", run / "model.safetensors")
         fig = {
             "stop_exit": rc1,
@@ -251,15 +264,44 @@ class Check:
             "resumed_from": summary(run).get("resumed_from_step"),
             "max_abs_diff": diff,
         }
-        ok = rc_ref == 0 and rc1 == 0 and ack.exists() and rc2 == 0 and diff == 0.0
-        self.row(
-            "stop",
-            ok,
-            fig,
-            "bitwise equal to one uninterrupted run"
-            if diff == 0.0
-            else "NOT bitwise equal to one uninterrupted run (deterministic mode)",
+        return rc_ref == 0 and rc1 == 0 and ack.exists() and rc2 == 0 and diff == 0.0, fig
+
+    def fsdp(self) -> None:
+        """FSDP2 on one GPU (bf16 parameters, fp32 reduction): throughput and memory with the CPU offload
+        off and on (the offload run is half as long: its optimizer step runs on the host), then stop ->
+        resume against one uninterrupted run, offload off."""
+        fig: dict = {}
+        problems: list[str] = []
+        for off in (False, True):
+            name = "fsdp-offload" if off else "fsdp"
+            cfg = self.config(name, parallelism__kind="fsdp", parallelism__cpu_offload=off)
+            steps = max(4, self.steps // 2) if off else self.steps
+            rc, run = self.train(name, cfg, max_steps=steps, nproc=1)
+            s = steady(run)
+            said = log_lines(self.out / "logs" / f"{name}.log", "FSDP: ")
+            where = "cpu" if off or self.smoke else "cuda"
+            if rc != 0 or not s["steps"]:
+                problems.append(f"{name}: exit {rc}, {s['steps']} step records")
+            if not said or f"parameters on {where}" not in said[0] or "1 ranks" not in said[0]:
+                problems.append(f"{name}: expected 'FSDP: 1 ranks ... parameters on {where}' in the log")
+            if not self.smoke and s.get("mfu") is None:
+                problems.append(f"{name}: no MFU (BF16 peak unknown?)")
+            pre = "offload_" if off else ""
+            for k in ("tokens_per_s", "mfu", "max_allocated_GiB", "max_rss_GiB"):
+                fig[pre + k] = s.get(k)
+        dev, dev_off = fig.get("max_allocated_GiB"), fig.get("offload_max_allocated_GiB")
+        if not self.smoke and not (dev and dev_off and dev_off < dev):
+            problems.append("the CPU offload did not lower the device's peak allocated memory")
+        cfg = self.config("fsdp-stop", parallelism__kind="fsdp", train__deterministic="on")
+        ok, stop = self.interrupted("fsdp-stop", cfg, nproc=1)
+        fig.update({f"stop_{k}": v for k, v in stop.items() if k in ("stopped_at", "resumed_from")})
+        fig["stop_max_abs_diff"] = stop["max_abs_diff"]
+        if not ok:
+            problems.append("stop -> resume: not bitwise equal to one uninterrupted run, or a bad exit/ack")
+        checked = (
+            "stop -> resume bitwise" if self.smoke else "offload lowers device memory; stop -> resume bitwise"
         )
+        self.row("fsdp", not problems, fig, "; ".join(problems) or checked)
 
     def solo_region(self, run_id: str, h: int, mailbox: str, **kw) -> CrossRegion:
         """DiLoCo with one region over a fresh fs mailbox ``OUT/mailbox``, outer state where ``auto`` puts
@@ -349,6 +391,7 @@ class Check:
             "stop": self.stop_resume,
             "diloco": self.diloco,
             "streaming": self.streaming,
+            "fsdp": self.fsdp,
         }
         for name, fn in phases.items():
             if not only or name in only:
@@ -399,6 +442,12 @@ def last_step(run: Path) -> int:
     return max(steps, default=-1)
 
 
+def log_lines(path: Path, prefix: str) -> list[str]:
+    """What follows ``prefix`` on each line of a trainer log that has it."""
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return [line.split(prefix, 1)[1].strip() for line in lines if prefix in line]
+
+
 def summary(run: Path) -> dict:
     p = run / "summary.json"
     return json.loads(p.read_text()) if p.exists() else {}
@@ -427,7 +476,7 @@ def steady(run: Path) -> dict:
             if s.get(k) is not None:
                 out[k] = rnd(s[k] * scale)
     mem = s.get("memory") or {}
-    for k in ("max_allocated_bytes", "max_reserved_bytes", "device_total_bytes"):
+    for k in ("max_allocated_bytes", "max_reserved_bytes", "device_total_bytes", "max_rss_bytes"):
         if mem.get(k) is not None:
             out[k.replace("_bytes", "_GiB")] = round(mem[k] / GIB, 2)
     out["last_loss"] = rnd(steps[-1]["loss"])

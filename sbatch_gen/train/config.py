@@ -14,7 +14,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from ..metrics_options import MetricsOptions
 from ..strict import StrictModel
 from ..xr_options import outer_step_warnings
-from ..yamlload import load_model
+from ..yamlload import Where, load_model, lookup_where, read_mapping
 from .xr.fragments import rounds_through, too_few
 
 
@@ -129,6 +129,49 @@ class DistConfig(StrictModel):
     timeout_s: float = Field(default=600, gt=0, le=86_400, description="Collective timeout.")
 
 
+class ParallelismConfig(StrictModel):
+    """How the ranks of one region share the model (cross-region sync is separate: ``cross_region``)."""
+
+    kind: Literal["ddp", "fsdp"] = Field(
+        default="ddp",
+        description="ddp (default): every rank holds the whole model, its gradients and its AdamW state "
+        "(16 B/param in fp32) and the gradients are all-reduced; no wrapper at world size 1. fsdp: FSDP2 "
+        "(torch fully_shard on every transformer block and on the root): parameters, gradients and AdamW "
+        "state are split over the region's ranks (16/N B/param), each block's parameters are all-gathered "
+        "for its forward and backward and the gradients reduce-scattered; also at world size 1.",
+    )
+    cpu_offload: bool = Field(
+        default=False,
+        description="fsdp only (default false): keep the sharded parameters, gradients and AdamW state in "
+        "host memory (FSDP2's CPUOffloadPolicy, pinned on CUDA); each block is copied to the device for its "
+        "forward and backward, and the optimizer step runs on the CPU.",
+    )
+    reshard_after_forward: bool = Field(
+        default=True,
+        description="fsdp only (default true): free each block's gathered parameters after its forward and "
+        "gather them again for its backward. false: keep them until the backward (one all-gather fewer per "
+        "block and micro-batch; every block's full parameters held between forward and backward).",
+    )
+    grad_accumulation: Literal["sharded", "unsharded"] = Field(
+        default="sharded",
+        description="fsdp with train.grad_accum > 1. sharded (default): reduce-scatter after every "
+        "micro-batch and accumulate the 1/N gradient shards. unsharded: accumulate the full gradients on "
+        "each rank and reduce-scatter once per step (grad_accum times fewer reduce-scatters, full-size "
+        "gradients held, as DDP's no_sync).",
+    )
+
+    @field_validator("cpu_offload", "reshard_after_forward", "grad_accumulation")
+    @classmethod
+    def _fsdp_only(cls, v: object, info: ValidationInfo) -> object:
+        default = cls.model_fields[str(info.field_name)].default
+        if v != default and info.data.get("kind") == "ddp":
+            said = str(v).lower() if isinstance(v, bool) else v
+            raise ValueError(
+                f"{said} needs parallelism.kind: fsdp (kind is ddp: every rank holds the whole model)"
+            )
+        return v
+
+
 class TrainConfig(StrictModel):
     model: ModelConfig
     data: DataConfig = Field(default_factory=DataConfig)
@@ -136,6 +179,10 @@ class TrainConfig(StrictModel):
     optim: OptimConfig
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     dist: DistConfig = Field(default_factory=DistConfig)
+    parallelism: ParallelismConfig = Field(
+        default_factory=ParallelismConfig,
+        description="In-region data parallelism: DDP (default) or FSDP2, with their options.",
+    )
     metrics: MetricsOptions = Field(
         default_factory=MetricsOptions,
         description="Metric sinks besides metrics.jsonl; the --metrics-* flags (a site profile's metrics "
@@ -156,6 +203,24 @@ def load_config(path: str | Path) -> TrainConfig:
     """Load and validate a train config; raise :class:`~sbatch_gen.errors.UserError` (one
     ``file:line: field: message`` per problem; the file named as ``path`` is written)."""
     return load_model(TrainConfig, Path(path), "train config", label=str(path))
+
+
+def field_where(path: str | Path, *field: str) -> str:
+    """``file:line`` of ``field`` (a dotted path, one key per argument) in the train config at ``path``,
+    or of the nearest section above it that the file writes; for a message about a valid config."""
+    _, where = read_mapping(Path(path), "train config", label=str(path))
+    return str(lookup_where(where, field, Where(str(path), 1)))
+
+
+def sharded_xr_problem(cfg: TrainConfig, xr) -> str | None:
+    """Why ``cfg`` cannot run with cross-region settings ``xr``: FSDP with cross-region sync, refused until
+    the DiLoCo library takes sharded (DTensor) parameters; None otherwise."""
+    if not (xr.enabled and cfg.parallelism.kind == "fsdp"):
+        return None
+    return (
+        "fsdp cannot be combined with cross-region sync yet: the cross-region sync takes whole "
+        "(unsharded) parameters only; set parallelism.kind: ddp for a cross-region run"
+    )
 
 
 class XRProblem(str):
@@ -190,6 +255,9 @@ def xr_problems(
     if not xr.enabled:
         return errors, warnings
     in_cfg = f" in {config_name}" if config_name else ""
+    sharded = sharded_xr_problem(cfg, xr)
+    if sharded is not None:
+        errors.append(XRProblem("enabled", f"parallelism.kind{in_cfg}: {sharded}"))
     h = xr.inner_steps
     if xr.sync == "grad":
         errors += _grad_problems(cfg, xr, end_step, in_cfg)

@@ -149,12 +149,18 @@ def relevant_env() -> dict[str, str]:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES}
 
 
-def init(backend: str = "auto", timeout_s: float = 600.0) -> tuple[DistInfo, torch.device]:
-    """Initialise the process group when started by torchrun (or any launcher setting RANK/WORLD_SIZE).
+def init(
+    backend: str = "auto", timeout_s: float = 600.0, need_group: bool = False
+) -> tuple[DistInfo, torch.device]:
+    """Initialise the process group when started by torchrun (or any launcher setting RANK/WORLD_SIZE);
+    with ``need_group`` (FSDP shards over a process group) a plain process gets a group of its own, of one
+    rank over an in-memory store.
 
     ``backend``: ``auto`` (NCCL with CUDA, gloo without), ``nccl`` or ``gloo``.
     """
     pre = dist_info_from_env()
+    if need_group and not pre.is_distributed:
+        pre = DistInfo(**{**pre.__dict__, "is_distributed": True})
     device = pick_device(pre)
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -200,6 +206,8 @@ def init(backend: str = "auto", timeout_s: float = 600.0) -> tuple[DistInfo, tor
             world_size=info.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if backend == "nccl" else None,  # None: the default
+            # a plain process: no launcher's rendezvous to join
+            store=dist.HashStore() if "RANK" not in os.environ and info.world_size == 1 else None,
         )
         log.info("process group ready in %.2fs", time.perf_counter() - t0)
     return info, device

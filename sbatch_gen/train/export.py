@@ -55,13 +55,13 @@ def save_model(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str,
     canonical_header(path)
 
 
-def export_model(model, step: int, model_cfg: dict, run_dir: Path) -> None:
-    """rank 0, at the end: ``run_dir/model.safetensors``, the model's tensors on the CPU with the step and
-    the model config as metadata."""
+def export_model(state: dict[str, torch.Tensor], step: int, model_cfg: dict, run_dir: Path) -> None:
+    """rank 0, at the end: ``run_dir/model.safetensors``, the model's whole tensors (``state``, a state
+    dict) on the CPU with the step and the model config as metadata."""
     from ..fsutil import atomic_path
 
     out = run_dir / "model.safetensors"
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
     meta = {"step": str(step), "model": json.dumps(model_cfg, sort_keys=True)}
     with atomic_path(out, fsync=False) as tmp:
         save_model(tensors, tmp, meta)  # the same bytes in every region that ends on the same bits

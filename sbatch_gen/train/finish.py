@@ -97,8 +97,10 @@ def complete(t) -> None:
     last = t.ckpt.last_saved
     if t.step > 0 and (last is None or last.step != t.step):
         t.ckpt.save(t.step, train_state(t), block=True)
-    if t.info.is_main and t.cfg.checkpoint.export_safetensors and t.step > 0:
-        export_model(t.model, t.step, t.cfg.model.model_dump(), t.run_dir)
+    if t.cfg.checkpoint.export_safetensors and t.step > 0:
+        tensors = t.par.full_state_dict()  # collective under FSDP: every rank gathers, rank 0 keeps
+        if t.info.is_main:
+            export_model(tensors, t.step, t.cfg.model.model_dump(), t.run_dir)
 
 
 def write_summary(t) -> None:

@@ -3,11 +3,12 @@ round, the previous step's agreement read and this step's issued, the periodic c
 per-step sleep the tests and benchmarks inject.
 
 One step, in order: data (prefetched one micro-batch ahead) -> forward/backward (DDP averages gradients
-in-region; no DDP at world size 1) -> ``sync.before_optimizer_step`` (cross-region grad mode) -> clip ->
-optimizer step -> ``sync.after_optimizer_step`` (DiLoCo outer round) -> read the previous step's agreement
-(its metrics record; a stop requested there stops every rank after this step) -> issue this step's
-agreement, one small asynchronous all_gather (loss, stop request, this rank's timings, grad norm) ->
-checkpoint when due or stopping. The host never waits for the step it has just queued on the device.
+in-region, no DDP at world size 1; FSDP reduce-scatters them) -> ``sync.before_optimizer_step``
+(cross-region grad mode) -> clip -> optimizer step -> ``sync.after_optimizer_step`` (DiLoCo outer round)
+-> read the previous step's agreement (its metrics record; a stop requested there stops every rank after
+this step) -> issue this step's agreement, one small asynchronous all_gather (loss, stop request, this
+rank's timings, grad norm) -> checkpoint when due or stopping. The host never waits for the step it has
+just queued on the device.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from typing import Any
 
 from .agreement import read_agreement
 from .api import XRNoQuorum, XRTimeout
-from .ddp import autocast
 from .optim import lr_at
+from .parallel import autocast
 from .record import StepDone
 from .state import train_state
 
@@ -89,10 +90,10 @@ def begin_loop(t) -> None:
     loop = t.loop
     loop.first_step = t.step + 1
     loop.sleep_s = _step_sleep(t.info.rank)
-    t.autocast = autocast(t.device, t.amp_dtype)
+    t.autocast = autocast(t.device, t.par.amp_dtype)
     t.params = list(t.model.parameters())
     t.nan = torch.full((1,), float("nan"), dtype=torch.float64, device=t.device)
-    t.ddp.train()
+    t.par.module.train()
     # train config / profile `metrics.sinks`: rank 0 starts them here, after the resume, so a resumed
     # attempt's TensorBoard and W&B runs continue from its first step
     xr = t.xr
@@ -137,7 +138,8 @@ def train_step(t) -> None:
     # record, and whether a stop was requested anywhere. If so, every rank stops after this step.
     stop_now = read_agreement(t, *loop.pending) if loop.pending is not None else False
     wait_s = time.perf_counter() - ta
-    exposed = t.comm.exposed() if t.time_allreduce else None
+    comm = t.par.comm
+    exposed = comm.exposed() if comm is not None else None
     if t.device.type == "cuda":  # the host's step, up to here (it waited for the device above)
         own_s = time.perf_counter() - t0
     else:  # the step without the waits for other ranks this host saw
@@ -152,7 +154,7 @@ def train_step(t) -> None:
         step_s=step_s,
         data_s=data_s,
         wait_s=wait_s,
-        ddp_span=t.comm.span() if t.time_allreduce else None,
+        ddp_span=comm.span() if comm is not None else None,
         ddp_exposed=exposed,
         xr_timings=xr_timings,
         ended=time.time(),
@@ -215,25 +217,39 @@ def optimizer_step(t, step: int, lr: float):
     cfg = t.cfg
     for g in t.optimizer.param_groups:
         g["lr"] = lr
-    t.comm.reset()
+    if t.par.comm is not None:
+        t.par.comm.reset()
     accum = cfg.train.grad_accum
     loss_sum = torch.zeros((), device=t.device, dtype=torch.float32)
     for micro in range(accum):
         x, y = t.batches.next()
-        skip_sync = t.use_ddp and micro < accum - 1
-        with t.no_sync() if skip_sync else contextlib.nullcontext(), t.autocast:
-            loss = t.ddp(x, y)
-        (loss / accum).backward()
+        # before the last micro-batch: no gradient reduction (DDP, FSDP's unsharded accumulation)
+        with t.par.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+            with t.autocast:
+                loss = t.par.module(x, y)
+            (loss / accum).backward()
         loss_sum += loss.detach()
         t.batches.prefetch()  # the next micro-batch, while the device runs this backward
     if t.sync is not None:
         t.sync.before_optimizer_step(step, t.tokens_per_step)
-    grad_norm = None
-    if cfg.optim.grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(t.params, cfg.optim.grad_clip, foreach=True)
+    grad_norm = clip_grads(t.params, cfg.optim.grad_clip, t.device) if cfg.optim.grad_clip > 0 else None
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
+
+
+def clip_grads(params, max_norm: float, device):
+    """Clip the gradients to a global L2 norm of ``max_norm``; returns the norm before clipping, on
+    ``device``. Under FSDP the gradients are DTensor shards (on the CPU with offload): the norm of the
+    local shards is reduced over the ranks (``full_tensor``) before it scales them."""
+    import torch
+
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if hasattr(norm, "full_tensor"):  # a DTensor: each rank's partial norm
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm.to(device, non_blocking=True)
 
 
 def agreement_row(t, loss_sum, grad_norm, own_s: float, data_s: float):

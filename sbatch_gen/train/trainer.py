@@ -3,7 +3,7 @@
 metrics and the cross-region sync. The trainer's other parts, by concern: :mod:`.loop` (the steps),
 :mod:`.agreement` (the per-step collective), :mod:`.record` (a step's metrics record), :mod:`.resume` and
 :mod:`.state` (checkpoints in and out), :mod:`.finish` (the stop hand-off, the completion, the summary),
-:mod:`.ddp` and :mod:`.optim`.
+:mod:`.parallel` (DDP in :mod:`.ddp` or FSDP2 in :mod:`.fsdp`) and :mod:`.optim`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def run(spec: RunSpec, process_start: float | None = None, stop: StopRequest | N
 
     from . import dist as dist_mod
 
-    info, device = dist_mod.init(spec.cfg.dist.backend, spec.cfg.dist.timeout_s)
+    cfg = spec.cfg
+    info, device = dist_mod.init(cfg.dist.backend, cfg.dist.timeout_s, cfg.parallelism.kind == "fsdp")
     lease = None
     try:
         lease, held_by = _take_lease(spec.run_dir, info)
@@ -175,17 +176,16 @@ class Trainer:
 
     def _build_model(self) -> None:
         """The model (identical initialisation on every rank, then per-rank RNG streams for dropout), its
-        FLOPs per token and the device's peak, DDP around it, its optimizer."""
+        FLOPs per token and the device's peak, DDP or FSDP around it (``parallelism.kind``), its optimizer."""
         import numpy as np
         import torch
 
-        from .ddp import replicate
         from .model import GPT, flops_per_token
         from .optim import build_optimizer
 
         cfg, info, device, t = self.cfg, self.info, self.device, self.cfg.train
         torch.manual_seed(t.seed)
-        self.model = GPT(cfg.model).to(device)
+        self.model = GPT(cfg.model)  # on the CPU: FSDP moves each rank's shards to where they live
         n_params = self.model.num_params()
         self.flops_model, self.flops_hw = flops_per_token(
             cfg.model, self.model.num_params(exclude_embeddings=True)
@@ -202,10 +202,15 @@ class Trainer:
             n_params / 1e6,
             self.flops_model,
         )
-        rep = replicate(self.model, info, device)
-        self.comm, self.use_ddp, self.time_allreduce = rep.comm, rep.use_ddp, rep.time_allreduce
-        self.ddp, self.no_sync = rep.module, rep.no_sync  # what a step calls; DDP's skip of the all-reduce
-        self.optimizer = build_optimizer(self.model, cfg, device)
+        if cfg.parallelism.kind == "fsdp":
+            from .fsdp import shard
+
+            self.par = shard(self.model, cfg.parallelism, info, device, self.amp_dtype)
+        else:
+            from .ddp import replicate
+
+            self.par = replicate(self.model.to(device), info, device, self.amp_dtype)
+        self.optimizer = build_optimizer(self.model, cfg, self.par.param_device)
 
     def _set_peak(self) -> None:
         """The device's peak FLOP/s for MFU: train.peak_tflops, else the known BF16 peak of a CUDA device."""
@@ -268,6 +273,7 @@ class Trainer:
             cfg.checkpoint.async_save,
             marker_extra={
                 "model": cfg.model.model_dump(),
+                "parallelism": cfg.parallelism.kind,
                 "world_size": info.world_size,
                 "region": self.xr.region,
                 "data_sha256": self.shard.sha256,

@@ -325,3 +325,68 @@ def test_outer_settings_that_measured_worse_than_plain_averaging_warn(h, lr, mu,
 def test_the_outer_defaults_are_plain_averaging():
     xr = _xr()
     assert (xr.outer_lr, xr.outer_momentum) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "section, expected",
+    [
+        (
+            "  cpu_offload: true\n",
+            ":12: parallelism.cpu_offload: true needs parallelism.kind: fsdp (kind is ddp",
+        ),
+        (
+            "  kind: ddp\n  reshard_after_forward: false\n",
+            ":13: parallelism.reshard_after_forward: false needs",
+        ),
+        (
+            "  grad_accumulation: unsharded\n",
+            ":12: parallelism.grad_accumulation: unsharded needs parallelism",
+        ),
+        (
+            "  kind: zero3\n  cpu_offload: true\n",
+            ":12: parallelism.kind: Input should be 'ddp' or 'fsdp' (got 'zero3')",
+        ),
+    ],
+)
+def test_fsdp_options_need_fsdp_and_kind_is_ddp_or_fsdp(tmp_path, section, expected):
+    msg = _err(tmp_path, GOOD + "parallelism:\n" + section)
+    assert msg.startswith(f"{tmp_path / 'c.yaml'}{expected}") and "\n" not in msg, msg
+
+
+def test_fsdp_options_with_fsdp(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(GOOD + "parallelism:\n  kind: fsdp\n  cpu_offload: true\n  grad_accumulation: unsharded\n")
+    par = load_config(p).parallelism
+    assert (par.kind, par.cpu_offload, par.reshard_after_forward, par.grad_accumulation) == (
+        "fsdp",
+        True,
+        True,
+        "unsharded",
+    )
+    assert load_config(REPO / "configs" / "tiny.yaml").parallelism.kind == "ddp"  # the default
+
+
+def test_fsdp_with_cross_region_sync_is_refused_at_start_and_by_validate(tmp_path):
+    """Until the cross-region sync takes sharded parameters: one line naming the config's parallelism.kind,
+    exit 2 before torch is imported; xr_problems (sbatch-gen validate) reports it against cross_region.enabled."""
+    from sbatch_gen.train.config import xr_problems
+
+    p = tmp_path / "c.yaml"
+    p.write_text(GOOD + "parallelism:\n  kind: fsdp\n")
+    xr = ["--xr-enabled", "--xr-region", "eu", "--xr-regions", "eu,us"]
+    r = subprocess.run(
+        [sys.executable, "-m", "sbatch_gen.train", "--config", str(p), *xr],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[-1] == (
+        f"{p}:12: parallelism.kind: fsdp cannot be combined with cross-region sync yet: the cross-region "
+        "sync takes whole (unsharded) parameters only; set parallelism.kind: ddp for a cross-region run"
+    )
+    errs, _ = xr_problems(load_config(p), _xr(snapshot_every=1), config_name="c.yaml")
+    assert [e.field for e in errs] == ["enabled"] and errs[0].startswith(
+        "parallelism.kind in c.yaml: fsdp cannot"
+    )

@@ -9,7 +9,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # the GPU check script in subprocesses
 
-PHASES = ["hbm", "ac-off", "ac-on", "async-dcp", "stop", "diloco", "streaming"]
+PHASES = ["hbm", "ac-off", "ac-on", "async-dcp", "stop", "diloco", "streaming", "fsdp"]
 
 
 def _run(repo, *args, env=None, timeout=600):
@@ -44,6 +44,8 @@ def test_smoke_runs_every_phase_and_prints_one_table(repo, tmp_path, clean_env):
     assert by["async-dcp"]["complete"] == by["async-dcp"]["saves"] >= 3
     assert by["diloco"]["rounds"] >= 2 and by["diloco"]["outer_device"] == "cpu"
     assert by["streaming"]["fragments_seen"] == 4 and by["streaming"]["outer_device"] == "cpu"
+    assert by["fsdp"]["stop_max_abs_diff"] == 0.0 and 0 < by["fsdp"]["stop_resumed_from"] < 6
+    assert by["fsdp"]["tokens_per_s"] > 0 and by["fsdp"]["offload_tokens_per_s"] > 0
     assert by["ac-off"]["steps"] == 6  # only this run's records: the stale file was removed, not appended to
     assert json.loads((out / "runs" / "ac-off" / "metrics.jsonl").read_text().splitlines()[0])["step"] != 999
     table = p.stdout[p.stdout.index("| phase |") :]
