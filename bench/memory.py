@@ -330,8 +330,17 @@ def _gb(x: float) -> float:
     return round(x / GB, 2)
 
 
-def _per_mode(isl: Island, m: Model, async_save: bool | None = None) -> dict[str, list[Rank]]:
-    return {mode: ranks(isl, mode, m, async_save) for mode in MODES}
+def _per_mode(isl: Island, m: Model) -> dict[str, list[Rank]]:
+    return {mode: ranks(isl, mode, m) for mode in MODES}
+
+
+def _positions(per: dict[str, list[Rank]]) -> list[tuple[str, dict[str, Rank]]]:
+    """DDP's kinds of rank (a node leader, the others), each with the rank at that place in every mode
+    (FSDP's ranks are all alike)."""
+    return [
+        (r.label, {mode: rs[min(j, len(rs) - 1)] for mode, rs in per.items()})
+        for j, r in enumerate(per["ddp"])
+    ]
 
 
 def _machines(isls: list[Island]) -> list[list]:
@@ -427,10 +436,9 @@ def _per_rank(isls: list[Island]) -> tuple[list[list], list[list]]:
         m = Model(s, s.n_layers)
         for isl in isls:
             per = _per_mode(isl, m)
-            for j, r in enumerate(per["ddp"]):
-                cells: list = [s.name, r.label]
-                for mode in MODES:
-                    x = per[mode][min(j, len(per[mode]) - 1)]
+            for label, at in _positions(per):
+                cells: list = [s.name, label]
+                for x in at.values():
                     cells += [_gb(sum(x.hbm.values())), _gb(sum(x.host.values()))]
                 rows.append([*cells, _over_text(isl, per)])
             node = [_gb(sum(r.per_node * sum(r.host.values()) for r in per[mode])) for mode in MODES]
@@ -450,17 +458,15 @@ def _breakdown(isls: list[Island]) -> list[list]:
     for s in SHAPES:
         m = Model(s, s.n_layers)
         for isl in isls:
-            per = _per_mode(isl, m)
-            for j, r in enumerate(per["ddp"]):
-                picked = {mode: per[mode][min(j, len(per[mode]) - 1)] for mode in MODES}
-                items = list(dict.fromkeys(k for x in picked.values() for k in (*x.hbm, *x.host)))
+            for label, at in _positions(_per_mode(isl, m)):
+                items = list(dict.fromkeys(k for x in at.values() for k in (*x.hbm, *x.host)))
                 for item in items:
                     cells = []
-                    for x in picked.values():
+                    for x in at.values():
                         where = "HBM" if item in x.hbm else "host" if item in x.host else None
                         b = x.hbm.get(item, x.host.get(item))
                         cells.append(f"{fmt(_gb(b))} {where}" if where else "-")
-                    rows.append([s.name, r.label, item, *cells])
+                    rows.append([s.name, label, item, *cells])
     return rows
 
 
@@ -508,8 +514,7 @@ def _setup(isls: list[Island]) -> list[str]:
     xr = isls[0].xr
     eu = isls[0]
     return [
-        "Analytic: every figure is computed (bench/memory.py) from the inputs stated here; nothing was measured. "
-        "GB = 10^9 bytes.",
+        "The computation: bench/memory.py. GB = 10^9 bytes.",
         f"Islands from the production profiles sites/{'.yaml, sites/'.join(SITES)}.yaml: nodes, GPUs and "
         f"slurm.gpu_type; their cross_region (sync {xr.sync}, overlap {xr.overlap}, payload_dtype "
         f"{xr.payload_dtype}, {len(xr.regions)} regions, outer_device {xr.outer_device}, outer_device_max_gib "
