@@ -1,8 +1,8 @@
 """``python -m bench [NAME ...] [--quick] [--out DIR]``: run benchmarks, write Markdown/JSON/PNG results.
 
-Names: mailbox, outer, ddp, diloco, elastic, payload, overlap, quality, peer, sinks, render, memory (default: all, in that
-order). ``--quick`` runs tiny sizes in
-seconds (for the tests); results of a quick run go to a temporary directory unless ``--out`` is given.
+Names: mailbox, outer, ddp, diloco, elastic, payload, overlap, quality, peer, sinks, render, memory (default: all,
+in that order). ``--quick`` runs tiny sizes in seconds (for the tests); results of a quick run go to a temporary
+directory unless ``--out`` is given.
 """
 
 from __future__ import annotations

@@ -558,8 +558,8 @@ NOTES = [
     "The checkpoint staging is a real share of host memory: with async_save off the host-bound limits move "
     "(the last column of the largest-model table).",
     "The outer state follows outer_device auto: above outer_device_max_gib per rank it goes to host "
-    "memory, where it then competes with the checkpoint staging; a larger outer_device_max_gib would move "
-    "it back to HBM where that has room (FSDP on eu).",
+    "memory, where it competes with the checkpoint staging; a larger outer_device_max_gib keeps it in HBM "
+    "instead, trading one for the other (not tabulated).",
     "To be replaced by measurements where a GPU is at hand: issue 30 item 5's GPU check (memory per phase "
     "with FSDP, offload on and off).",
 ]
