@@ -70,8 +70,8 @@ def test_a_small_known_case_by_hand(tmp_path):
     assert sum(leader.hbm.values()) == sum(other.hbm.values()) == 18 * n + act
     assert leader.host == {
         "outer state": 16 * n,
-        # the bf16 staging of a whole upload, 2 other regions' bf16 payloads and a snapshot's 8 B, each
-        # split between the 2 node leaders
+        # the bf16 staging of a whole upload; the 2 other regions' bf16 payloads and a snapshot's 8 B,
+        # these two split between the 2 node leaders
         "transfer buffers": 2 * n + 2 * (2 * n / 2) + 8 * n / 2,
         "checkpoint staging": (12 + 8) * n,
     }
