@@ -1,7 +1,8 @@
 """``python -m bench [NAME ...] [--quick] [--out DIR]``: run benchmarks, write Markdown/JSON/PNG results.
 
-Names: mailbox, outer, ddp, diloco, elastic, payload, overlap, quality, peer, sinks, render (default: all, in that order). ``--quick`` runs tiny sizes in
-seconds (for the tests); results of a quick run go to a temporary directory unless ``--out`` is given.
+Names: mailbox, outer, ddp, diloco, elastic, payload, overlap, quality, peer, sinks, render, memory (default: all,
+in that order). ``--quick`` runs tiny sizes in seconds (for the tests); results of a quick run go to a temporary
+directory unless ``--out`` is given.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ BENCHES = {
     "peer": "torchft vs ours on the same work and WAN: wall, exposed sync, bytes per round, held-out loss",
     "sinks": "metric sinks (TensorBoard, W&B, Prometheus) on vs off: step time of a tiny CPU trainer",
     "render": "sbatch-gen render --all over 20 sites, as a whole process (no torch)",
+    "memory": "analytic, not measured: HBM and host bytes per rank, DDP vs FSDP vs FSDP+offload, largest model",
 }
 
 
@@ -91,7 +93,8 @@ def _summary(out: Path) -> None:
         if not f.is_file():
             continue
         d = json.loads(f.read_text())
-        when = f"{d['date']}{' (quick)' if d.get('quick') else ''}"
+        when = "analytic, not measured" if d.get("analytic") else d["date"]
+        when += " (quick)" if d.get("quick") else ""
         for k, v in d.get("headline", {}).items():
             rows.append([f"[{n}]({n}.md)", k, v, when])
         for g in d.get("goals", []):

@@ -95,6 +95,9 @@ class Result:
     headline: dict = field(default_factory=dict)  # {label: value}, shown in the summary
     goals: list[tuple[str, str, bool | None]] = field(default_factory=list)  # (goal, measured, met)
     started: float = field(default_factory=time.time)
+    # computed from stated inputs, nothing measured: the files carry no date, machine or duration, so a
+    # fresh computation reproduces them byte for byte
+    analytic: bool = False
 
     def table(self, caption: str, headers: list[str], rows: list[list], key: str = "") -> None:
         self.tables.append(Table(caption, headers, rows, key))
@@ -103,14 +106,16 @@ class Result:
         self.goals.append((text, measured, met))
 
     def markdown(self) -> str:
-        lines = [
-            f"# {self.title}",
-            "",
-            f"Measured {now_utc()} on {machine()}; {'--quick (tiny sizes, for tests)' if self.quick else 'full run'}; "
-            f"took {time.time() - self.started:.0f} s. Reproduce: `python -m bench {self.name}"
-            f"{' --quick' if self.quick else ''}`.",
-            "",
-        ]
+        again = f"Reproduce: `python -m bench {self.name}{' --quick' if self.quick else ''}`."
+        if self.analytic:
+            about = f"Analytic figures: computed from the inputs stated below, nothing measured. {again}"
+        else:
+            about = (
+                f"Measured {now_utc()} on {machine()}; "
+                f"{'--quick (tiny sizes, for tests)' if self.quick else 'full run'}; "
+                f"took {time.time() - self.started:.0f} s. {again}"
+            )
+        lines = [f"# {self.title}", "", about, ""]
         if self.setup:
             lines += ["## Setup", ""] + [f"- {s}" for s in self.setup] + [""]
         if self.goals:
@@ -132,26 +137,28 @@ class Result:
         return "\n".join(lines)
 
     def to_json(self) -> dict:
+        when = (
+            {"analytic": True}
+            if self.analytic
+            else {"date": now_utc(), "machine": machine(), "seconds": round(time.time() - self.started, 1)}
+        )
         return {
             "name": self.name,
             "title": self.title,
             "quick": self.quick,
-            "date": now_utc(),
-            "machine": machine(),
-            "seconds": round(time.time() - self.started, 1),
+            **when,
             "headline": self.headline,
             "goals": [{"goal": g, "measured": m, "met": ok} for g, m, ok in self.goals],
             "tables": {t.key or t.caption: {"headers": t.headers, "rows": t.rows} for t in self.tables},
         }
 
+    def json_text(self) -> str:
+        return json.dumps(self.to_json(), indent=1, default=str) + "\n"
+
     def write(self, out_dir: Path) -> Path:
         md = out_dir / f"{self.name}.md"
         out_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(
-            out_dir / f"{self.name}.json",
-            json.dumps(self.to_json(), indent=1, default=str) + "\n",
-            fsync=False,
-        )
+        write_atomic(out_dir / f"{self.name}.json", self.json_text(), fsync=False)
         write_atomic(md, self.markdown(), fsync=False)
         return md
 
