@@ -22,8 +22,9 @@ from e2e_lib import (
     region_jobs,
     report,
     trainer_workers,
-    without_torch_exit_barrier_race,
 )
+
+from sbatch_gen.testing.torchlogs import without_torch_exit_barrier_race
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

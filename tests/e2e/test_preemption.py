@@ -28,7 +28,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from e2e_lib import REPO, SCRIPT, LocalJob, local_job, run, without_torch_exit_barrier_race
+from e2e_lib import REPO, SCRIPT, LocalJob, local_job, run
+
+from sbatch_gen.testing.torchlogs import without_torch_exit_barrier_race
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

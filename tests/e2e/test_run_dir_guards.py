@@ -9,7 +9,9 @@ import re
 import time
 
 import pytest
-from e2e_lib import local_job, without_torch_exit_barrier_race
+from e2e_lib import local_job
+
+from sbatch_gen.testing.torchlogs import without_torch_exit_barrier_race
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -8,7 +8,9 @@ import re
 from datetime import datetime, timezone
 
 import pytest
-from e2e_lib import assert_resumed_losses_match, local_job, report, without_torch_exit_barrier_race
+from e2e_lib import assert_resumed_losses_match, local_job, report
+
+from sbatch_gen.testing.torchlogs import without_torch_exit_barrier_race
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
