@@ -9,7 +9,7 @@ for its metrics.jsonl line only. The process:
 - reads metrics.jsonl from the byte where this attempt began (a resumed attempt continues the runs as
   :mod:`.sinks` says), every ``poll_s`` seconds, and hands the complete lines read to the sinks as one batch;
   a line not yet ended by its newline waits for the next read, one that is not JSON (cut by a crash, then
-  appended to) is skipped;
+  appended to) is skipped with a warning;
 - watches the trainer: its stdin is a pipe whose other end only the trainer holds, so EOF comes when the
   trainer closes it (its normal end, a stop) or dies (SIGKILL included); a changed parent pid says the same.
   Then it reads the file to its end, closes the sinks (W&B's finish) and exits: it never outlives its
@@ -132,8 +132,9 @@ class Tail:
         for line in lines:
             try:
                 rec = json.loads(line)
-            except ValueError:
-                continue  # cut by a crash, then appended to: metrics.jsonl's readers skip it too
+            except ValueError:  # cut by a crash, then appended to by the next attempt
+                log.warning("metrics sinks: a line of %s is not JSON: skipped", self.path)
+                continue
             if isinstance(rec, dict):
                 out.append(rec)
         return out

@@ -321,8 +321,8 @@ def test_the_sinks_module_imports_no_sink_package():
 
 def test_the_trainer_writes_every_sink_and_a_resume_continues_them(tmp_path, data_dir, clean_env):
     """A tiny run with every sink on, cut after step 6, its last checkpoint (6) lost, resumed from step 4
-    to the end: each sink holds what metrics.jsonl holds, every step once, in one TensorBoard run and one
-    W&B run (two attempts of the same id)."""
+    and stopped (a stop file: checkpoint 6), resumed again to the end: each sink holds what metrics.jsonl
+    holds, every step once, in one TensorBoard run and one W&B run (three attempts of the same id)."""
     import shutil
 
     from sbatch_gen.train.checkpoint import step_dir
@@ -347,6 +347,12 @@ def test_the_trainer_writes_every_sink_and_a_resume_continues_them(tmp_path, dat
 
     train("--max-steps", "6")
     shutil.rmtree(step_dir(rd, 6))  # as if the job died after step 6, before that checkpoint
+    stop = tmp_path / "stop"
+    stop.write_text("preempted\n")  # read at the end of the attempt's second step: 6
+    train("--stop-file", str(stop))
+    assert json.loads((tmp_path / "stop.ack").read_text())["step"] == 6
+    stop.unlink()
+    (tmp_path / "stop.ack").unlink()
     train()
     jsonl = read_metrics(rd)  # a step logged twice keeps its last record
     assert sorted(jsonl) == list(range(1, 9))
@@ -369,7 +375,7 @@ def test_the_trainer_writes_every_sink_and_a_resume_continues_them(tmp_path, dat
         assert wb[k].keys() == want[k].keys(), k
     for k in ("loss", "lr", "grad_norm"):  # bit for bit the same in both attempts
         assert wb[k] == want[k], k
-    assert [(r.run_id, r.run_group, r.display_name) for r in runs] == [("run-local", "run", "local")] * 2
+    assert [(r.run_id, r.run_group, r.display_name) for r in runs] == [("run-local", "run", "local")] * 3
     prom = prometheus_samples(rd / "sbatch_gen_run_local.prom")
     assert prom["sbatch_gen_step"][1] == 8 and prom["sbatch_gen_loss"][1] == jsonl[8]["loss"]
     # `sbatch-gen report` reads the same run dir (metrics.jsonl; the sinks' files beside it are left alone),
