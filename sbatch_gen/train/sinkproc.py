@@ -13,7 +13,8 @@ for its metrics.jsonl line only. The process:
 - watches the trainer: its stdin is a pipe whose other end only the trainer holds, so EOF comes when the
   trainer closes it (its normal end, a stop) or dies (SIGKILL included); a changed parent pid says the same.
   Then it reads the file to its end, closes the sinks (W&B's finish) and exits: it never outlives its
-  trainer by more than that, and a requeued attempt starts a fresh one;
+  trainer by more than that (or than W&B's start, which it waits for first: up to
+  ``wandb_init_timeout_s``), and a requeued attempt starts a fresh one;
 - ignores the stop signals (SIGUSR1/SIGTERM, which Slurm sends to every process of the step) and SIGINT:
   the trainer stops on them and closes the pipe, and the last records still reach the sinks;
 - logs to the trainer's stderr in the trainer's format: its warnings (a sink not started, a sink failed and

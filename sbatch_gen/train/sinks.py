@@ -217,8 +217,8 @@ def _wandb_id(run_id: str, region: str) -> str:
 
 class PrometheusSink:
     """A node_exporter textfile-collector file, rewritten atomically after a batch that reached
-    ``prometheus_every`` steps past the last rewrite (and at the end): every scalar as a gauge labelled with the run id and region, plus the last step and the
-    write time."""
+    ``prometheus_every`` steps past the last rewrite (and at the end): every scalar as a gauge labelled
+    with the run id and region, plus the last step and the write time."""
 
     name = "prometheus"
 
@@ -318,14 +318,13 @@ class Sinks:
             getattr(sink, what)(*args)
             return True
         except Exception as e:  # a sink never stops training
-            if sink in self.sinks:
-                self.sinks.remove(sink)
-                log.warning(
-                    "metrics sink %s failed (%s: %s): disabled; metrics.jsonl is unaffected",
-                    sink.name,
-                    type(e).__name__,
-                    _short(e),
-                )
+            self.sinks.remove(sink)
+            log.warning(
+                "metrics sink %s failed (%s: %s): disabled; metrics.jsonl is unaffected",
+                sink.name,
+                type(e).__name__,
+                _short(e),
+            )
             return False
 
     def close(self) -> None:
