@@ -236,6 +236,22 @@ def test_the_tail_waits_for_a_line_s_end_and_skips_a_cut_line(tmp_path):
     assert tail.read() == []
 
 
+def test_the_trainer_says_when_the_sinks_did_not_finish_in_time(tmp_path, caplog):
+    w = MetricsWriter(tmp_path / "metrics.jsonl")
+    w.open_sinks(MetricsOptions(sinks=["prometheus"]), run_id="r", region="eu", first_step=1)
+    assert w.sinks is not None
+    proc = w.sinks
+    w.write({"step": 1, "loss": 1.0})
+    with caplog.at_level(logging.WARNING, logger="sbatch_gen.train"):
+        assert proc.close(timeout=0) is False  # it has not even started its sinks yet
+    assert [r.getMessage() for r in caplog.records] == [
+        f"metrics sinks (pid {proc.pid}) still writing after 0 s: not waiting for them; the last records "
+        "may be missing from them (metrics.jsonl is complete)"
+    ]
+    assert proc.proc.wait(60) == 0  # it finishes alone
+    assert _prom_step(tmp_path / "sbatch_gen_r_eu.prom") == 1
+
+
 # A trainer's rank 0 (MetricsWriter) with the Prometheus sink: logs steps 1-3, says its sinks' pid, waits
 # for a line on stdin, logs step 4 and SIGKILLs itself.
 _KILLED = """
