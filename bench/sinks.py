@@ -180,6 +180,11 @@ def run_bench(out: Path, quick: bool) -> Result:
         f"and {os.getloadavg()[0]:.1f} after it, on 2 cores. A single run's median can move by a factor "
         "either way (the table), in both variants: the headline is the median of the pairs' ratios, and the "
         "spread says how far one pair is to be trusted.",
+        "Where the last window costs more than the goal: the sinks' process needs CPU for every record "
+        "(TensorBoard's event, one per record since this change, no longer one per scalar; W&B's log call and "
+        "its service process; the CPU columns' difference grows with the records), and on 2 cores shared "
+        "with other work every CPU second it takes is one the others, the trainer among them, wait for: "
+        "`nice` lowers its share, not to zero. With a spare core it would cost the step nothing.",
     ]
     return res
 
