@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..fsutil import write_atomic
 from ..metrics_options import MetricsOptions
-from .sinks import Sinks, open_sinks
+from .sinkproc import SinkProcess
 
 # Dense BF16 tensor-core peaks (FLOP/s) per GPU, without 2:4 sparsity. NVIDIA's data sheets print the
 # sparse figure ("with sparsity"); the dense one is half of it:
@@ -123,31 +123,37 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 class MetricsWriter:
-    """rank 0's metrics.jsonl (``path``; None on the other ranks: a no-op), and after it the metric sinks
-    (:mod:`.sinks`) once :meth:`open_sinks` started them."""
+    """rank 0's metrics.jsonl (``path``; None on the other ranks: a no-op), and the process that feeds the
+    metric sinks from it (:mod:`.sinkproc`) once :meth:`open_sinks` started it."""
 
     def __init__(self, path: Path | None):
         self.path = path
         self._f = None
-        self.sinks: Sinks | None = None
+        self.sinks: SinkProcess | None = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(path, "a", buffering=1)
 
     def open_sinks(self, opts: MetricsOptions, *, run_id: str, region: str, first_step: int) -> None:
-        """Start the sinks ``opts`` lists (rank 0; before this attempt's first step record)."""
-        if self.path is not None:
-            self.sinks = open_sinks(
-                opts, self.path.parent, run_id=run_id, region=region, first_step=first_step
+        """Start the process of the sinks ``opts`` lists (rank 0; before this attempt's first step record):
+        it follows metrics.jsonl from here on."""
+        if self._f is not None and self.path is not None and opts.sinks:
+            self._f.flush()
+            self.sinks = SinkProcess(
+                opts,
+                self.path,
+                run_id=run_id,
+                region=region,
+                first_step=first_step,
+                start=os.fstat(self._f.fileno()).st_size,
             )
 
     def write(self, record: dict) -> None:
         if self._f is not None:
             self._f.write(json.dumps(record, allow_nan=True) + "\n")
-            if self.sinks is not None:
-                self.sinks.write(record)
 
     def close(self) -> None:
+        """Close metrics.jsonl, then wait (bounded) for the sinks to write its last records."""
         if self._f is not None:
             self._f.close()
             self._f = None

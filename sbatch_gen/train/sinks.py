@@ -10,9 +10,11 @@ every sink (Prometheus adds its ``sbatch_gen_`` namespace):
   ``xr_bytes_up``/``xr_bytes_down``, ``xr_participants``, ``xr_absent_regions``, ``xr_late`` (1 when this
   region was late) and ``xr_round``.
 
-The training thread only puts a record on a queue; one background thread starts the sinks and writes
-them, so a slow sink (W&B's start or upload, a disk) costs the step nothing. A sink that raises is logged once, with the
-reason, and dropped: it never stops training, and metrics.jsonl is unaffected.
+They are written outside the training process: rank 0 starts :mod:`.sinkproc`, a low-priority process
+that follows metrics.jsonl and feeds :class:`Sinks` in batches, so neither a slow sink (W&B's start or
+upload, a disk) nor the sinks' Python work costs the step anything but its metrics.jsonl line. A sink that
+raises is logged once, with the reason, and dropped: it never stops training, and metrics.jsonl is
+unaffected.
 
 Resumed attempts continue the same runs: TensorBoard writes to the same directory with ``purge_step`` at
 the attempt's first step (its readers drop what an earlier attempt logged from there on), W&B resumes the
@@ -24,9 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import re
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -107,15 +107,16 @@ def scalars(record: dict) -> tuple[int, dict[str, float]] | None:
     return step, out
 
 
-def last_logged_step(path: Path, chunk: int = 1 << 16) -> int | None:
-    """The step of the last step record in metrics.jsonl (None: no file, or no step record), read from the
-    end, so a two-day run's file is not read whole."""
+def last_logged_step(path: Path, chunk: int = 1 << 16, end: int | None = None) -> int | None:
+    """The step of the last step record in metrics.jsonl before byte ``end`` (default: the whole file;
+    None: no file, or no step record), read backwards, so a two-day run's file is not read whole."""
     try:
         f = open(path, "rb")
     except FileNotFoundError:
         return None
     with f:
-        end = f.seek(0, os.SEEK_END)
+        size = f.seek(0, os.SEEK_END)
+        end = size if end is None else min(end, size)
         tail = b""
         while end > 0:
             start = max(0, end - chunk)
@@ -137,11 +138,14 @@ class Sink(Protocol):
 
     def write(self, step: int, values: dict[str, float]) -> None: ...
 
+    def flush(self) -> None:
+        """After a batch of writes."""
+
     def close(self) -> None: ...
 
 
 class TensorBoardSink:
-    """Event files under ``<run-dir>/tensorboard``, flushed after every write."""
+    """Event files under ``<run-dir>/tensorboard``, one event per record, flushed after every batch."""
 
     name = "tensorboard"
 
@@ -154,8 +158,18 @@ class TensorBoardSink:
         )
 
     def write(self, step: int, values: dict[str, float]) -> None:
-        for name, v in values.items():
-            self.writer.add_scalar(name, v, step)
+        # one event per record, every scalar in its summary (as add_scalar encodes it): add_scalar per
+        # scalar would write an event each, the most CPU of every sink's per record
+        from torch.utils.tensorboard.summary import scalar
+
+        summary, *rest = (scalar(name, v) for name, v in values.items())  # never empty (Sinks)
+        for more in rest:
+            summary.value.extend(more.value)
+        events = self.writer.file_writer
+        assert events is not None  # SummaryWriter opens it at once
+        events.add_summary(summary, step)
+
+    def flush(self) -> None:
         self.writer.flush()
 
     def close(self) -> None:
@@ -197,6 +211,9 @@ class WandbSink:
             return  # an earlier attempt logged it (W&B steps only move forward)
         self.run.log(values, step=step)
 
+    def flush(self) -> None:
+        pass  # W&B's own process uploads and syncs
+
     def close(self) -> None:
         self.run.finish()
 
@@ -207,9 +224,9 @@ def _wandb_id(run_id: str, region: str) -> str:
 
 
 class PrometheusSink:
-    """A node_exporter textfile-collector file, rewritten atomically every ``prometheus_every`` steps (and
-    at the end): every scalar as a gauge labelled with the run id and region, plus the last step and the
-    write time."""
+    """A node_exporter textfile-collector file, rewritten atomically after a batch that reached
+    ``prometheus_every`` steps past the last rewrite (and at the end): every scalar as a gauge labelled
+    with the run id and region, plus the last step and the write time."""
 
     name = "prometheus"
 
@@ -228,12 +245,12 @@ class PrometheusSink:
     def write(self, step: int, values: dict[str, float]) -> None:
         self.values.update(values)
         self.step = step
-        if self.written is None or step - self.written >= self.every:
-            self._flush()
 
-    def _flush(self) -> None:
-        if self.step is None:
-            return
+    def flush(self) -> None:
+        if self.step is not None and (self.written is None or self.step - self.written >= self.every):
+            self._rewrite()
+
+    def _rewrite(self) -> None:
         c = self._client
         reg = c.CollectorRegistry()
         names = sorted(self.labels)
@@ -246,8 +263,8 @@ class PrometheusSink:
         self.written = self.step
 
     def close(self) -> None:
-        if self.step != self.written:
-            self._flush()
+        if self.step is not None and self.step != self.written:
+            self._rewrite()
 
 
 _HELP = {
@@ -262,27 +279,27 @@ _HELP = {
 
 
 class Sinks:
-    """The sinks of rank 0, fed from :meth:`write`. One background thread starts them (W&B's start may
-    wait on the network for ``wandb_init_timeout_s``: training does not), then writes every record."""
+    """The sinks :func:`open_sinks` started (in :mod:`.sinkproc`'s process), fed batches of metrics.jsonl
+    records by :meth:`write_batch`."""
 
     def __init__(self, makers: dict[str, Callable[[], Sink]]) -> None:
         self.sinks: list[Sink] = []
-        self._q: queue.SimpleQueue[dict | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, args=(makers,), name="metric-sinks", daemon=True)
-        self._thread.start()
-
-    def write(self, record: dict) -> None:
-        self._q.put(record)
-
-    def _run(self, makers: dict[str, Callable[[], Sink]]) -> None:
         for name, make in makers.items():
             self._start(name, make)
-        while (record := self._q.get()) is not None:
-            got = scalars(record)
-            if got is None or not got[1]:
-                continue
-            for sink in list(self.sinks):
-                self._call(sink, "write", *got)
+
+    def write(self, record: dict) -> None:
+        self.write_batch([record])
+
+    def write_batch(self, records: list[dict]) -> None:
+        """Every record's scalars to every sink, then one flush each."""
+        got = [g for r in records if (g := scalars(r)) is not None and g[1]]
+        if not got:
+            return
+        for sink in list(self.sinks):
+            for step, values in got:
+                if not self._call(sink, "write", step, values):
+                    break
+            self._call(sink, "flush")
 
     def _start(self, name: str, make: Callable[[], Sink]) -> None:
         try:
@@ -301,27 +318,25 @@ class Sinks:
                 _short(e),
             )
 
-    def _call(self, sink: Sink, what: str, *args: Any) -> None:
+    def _call(self, sink: Sink, what: str, *args: Any) -> bool:
+        """Whether ``sink`` is still on after ``sink.what(*args)``."""
+        if sink not in self.sinks:
+            return False
         try:
             getattr(sink, what)(*args)
+            return True
         except Exception as e:  # a sink never stops training
-            if sink in self.sinks:
-                self.sinks.remove(sink)
-                log.warning(
-                    "metrics sink %s failed (%s: %s): disabled; metrics.jsonl is unaffected",
-                    sink.name,
-                    type(e).__name__,
-                    _short(e),
-                )
+            self.sinks.remove(sink)
+            log.warning(
+                "metrics sink %s failed (%s: %s): disabled; metrics.jsonl is unaffected",
+                sink.name,
+                type(e).__name__,
+                _short(e),
+            )
+            return False
 
-    def close(self, timeout: float = 60.0) -> None:
-        """Write what is queued, then close every sink (W&B's finish uploads what is left online); gives up
-        waiting after ``timeout`` seconds (the thread is a daemon)."""
-        self._q.put(None)
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            log.warning("metrics sinks still busy after %.0f s: not waiting for them", timeout)
-            return
+    def close(self) -> None:
+        """Close every sink (W&B's finish uploads what is left online)."""
         for sink in list(self.sinks):
             self._call(sink, "close")
 
@@ -338,14 +353,21 @@ def _safe(name: str) -> str:
 
 
 def open_sinks(
-    opts: MetricsOptions, run_dir: Path, *, run_id: str, region: str, first_step: int
+    opts: MetricsOptions,
+    run_dir: Path,
+    *,
+    run_id: str,
+    region: str,
+    first_step: int,
+    start: int | None = None,
 ) -> Sinks | None:
-    """The sinks ``opts`` turns on, for rank 0 of a region whose attempt logs from ``first_step`` on; None
-    when none is. They start in the background; one that cannot start (its package missing, W&B
-    unreachable) is logged once and left out."""
+    """The sinks ``opts`` turns on, for rank 0 of a region whose attempt logs from ``first_step`` on, from
+    byte ``start`` of metrics.jsonl (default: its end now); None when none is. One that cannot start (its
+    package missing, W&B unreachable) is logged once and left out."""
     if not opts.sinks:
         return None
-    skip = last_logged_step(run_dir / "metrics.jsonl")  # before this attempt writes its first record
+    # the last step an earlier attempt logged: before this attempt's first record
+    skip = last_logged_step(run_dir / "metrics.jsonl", end=start)
     makers: dict[str, Callable[[], Sink]] = {
         "tensorboard": lambda: TensorBoardSink(run_dir, first_step),
         "wandb": lambda: WandbSink(opts, run_dir, run_id, region, skip),

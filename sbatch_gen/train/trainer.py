@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 
 from .api import DiLoCo, StopRequest, XRError
 from .ddp import settle_buckets
 from .finish import finish
+from .logsetup import setup_logging
 from .loop import Loop, begin_loop, join_run, train_step
 from .resume import Fatal, resume
 from .spec import EXIT_CONFIG, RunSpec
@@ -26,22 +26,11 @@ log = logging.getLogger("sbatch_gen.train")
 EXIT_DISK_FULL = 1  # no space left on device; the last complete checkpoint stays loadable
 
 
-def _setup_logging() -> None:
-    rank = os.environ.get("RANK", "0")
-    world = os.environ.get("WORLD_SIZE", "1")
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s [rank {rank}/{world}] %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
-
-
 def run(spec: RunSpec, process_start: float | None = None, stop: StopRequest | None = None) -> int:
     """Train one process's part of ``spec``; returns the exit code (0, EXIT_CONFIG, EXIT_DISK_FULL, 1 on
     a cross-region failure, EXIT_REQUEUE after a stop or without a cross-region quorum)."""
     process_start = process_start or time.time()
-    _setup_logging()
+    setup_logging()
     # `sbatch-gen validate` rejects these at review time; here they only warn: the run itself is correct,
     # only its recovery after a crash (replaying rounds peers have deleted) would fail.
     for w in spec.xr_warnings:

@@ -419,7 +419,9 @@ def test_sinks_quick(tmp_path):
     three; its ratio is a measurement, never asserted."""
     d = _bench("sinks", tmp_path)
     headers, rows = _table(d, "pairs")
-    assert headers == ["pair", "no sinks", "all sinks", "all / none"] and len(rows) == 1
+    want = ["pair", "no sinks", "all sinks", "all / none", "last: no sinks", "last: all sinks"]
+    want += ["last: all / none", "CPU s, no sinks", "CPU s, all sinks"]
+    assert headers == want and len(rows) == 1
     assert all(isinstance(v, float) and v > 0 for v in rows[0][1:])
     goals = {g["goal"]: g for g in d["goals"]}
     assert goals["every 'all' run's sinks wrote"]["met"] is True

@@ -1,19 +1,29 @@
-"""The metric sinks (sbatch_gen/train/sinks.py) on their own: the scalars a record gives, the tail read of
-metrics.jsonl, a failing sink, and each sink read back with its project's own reader (tests/train/readback.py).
-The whole trainer with every sink on is in test_single.py."""
+"""The metric sinks (sbatch_gen/train/sinks.py), fed by their own process (sbatch_gen/train/sinkproc.py)
+through the trainer's MetricsWriter: the scalars a record gives, the tail read of metrics.jsonl, a failing
+sink, each sink read back with its project's own reader (tests/train/readback.py), the sinks' process
+following a cut line and outliving no trainer, and the whole trainer with every sink on, stopped and
+resumed."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from sbatch_gen.metrics_options import MetricsOptions
-from sbatch_gen.train import sinks
-from sbatch_gen.train.sinks import Sinks, last_logged_step, open_sinks, scalars
+from sbatch_gen.proc import pid_alive
+from sbatch_gen.train import sinkproc, sinks
+from sbatch_gen.train.metrics import MetricsWriter
+from sbatch_gen.train.sinkproc import Tail
+from sbatch_gen.train.sinks import Sinks, last_logged_step, scalars
 
 from .readback import prometheus_samples, tensorboard_scalars, wandb_scalars
 
@@ -77,6 +87,7 @@ def test_last_logged_step_reads_the_tail(tmp_path):
     lines.append(json.dumps({"time": 1.0, "event": "xr_leave", "step": 5000}))
     p.write_text("\n".join(lines) + "\n")
     assert last_logged_step(p, chunk=1000) == 2000  # many chunks, lines cut at chunk edges
+    assert last_logged_step(p, chunk=1000, end=len("\n".join(lines[:700])) + 1) == 700  # before a byte
     p.write_text(json.dumps({"time": 1.0, "event": "xr_align"}) + "\n")
     assert last_logged_step(p) is None
 
@@ -105,6 +116,9 @@ class _Keep:
     def write(self, step, values):
         self.got.append((step, values["loss"]))
 
+    def flush(self):
+        pass
+
     def close(self):
         self.closed = True
 
@@ -125,21 +139,29 @@ def test_a_failing_sink_is_disabled_with_one_warning(caplog):
 
 
 def _feed(run_dir, opts, records, first_step=1):
-    s = open_sinks(opts, run_dir, run_id="run/1", region="eu", first_step=first_step)
-    assert s is not None
+    """An attempt that logs ``records`` with the sinks of ``opts`` on, as the trainer's rank 0 does: they
+    are in every sink once it closed."""
+    w = MetricsWriter(run_dir / "metrics.jsonl")
+    w.open_sinks(opts, run_id="run/1", region="eu", first_step=first_step)
+    proc = w.sinks
+    assert proc is not None
     for r in records:
-        s.write(r)
-    s.close()
-    return s
+        w.write(r)
+    w.close()
+    assert proc.proc.returncode == 0
+
+
+def _warnings(err: str) -> list[str]:
+    return [line.split("] ", 1)[1] for line in err.splitlines() if "] metrics sink" in line]
 
 
 def test_every_sink_reads_back_the_same_values(tmp_path, monkeypatch):
+    """The last records are in every sink as soon as the writer closed."""
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     opts = MetricsOptions(sinks=["tensorboard", "wandb", "prometheus"], prometheus_every=2)
     records = [{**STEP, "step": i, "loss": 4.0 - i / 8} for i in range(1, 6)]
     records[2].update(ROUND)
-    s = _feed(tmp_path, opts, records)
-    assert [x.name for x in s.sinks] == ["tensorboard", "wandb", "prometheus"]
+    _feed(tmp_path, opts, records)
     want = {}
     for r in records:
         step, vals = scalars(r)
@@ -161,12 +183,10 @@ def test_every_sink_reads_back_the_same_values(tmp_path, monkeypatch):
 def test_a_resumed_attempt_continues_the_runs_without_a_step_twice(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     opts = MetricsOptions(sinks=["tensorboard", "wandb"])
-    first = [{**STEP, "step": i, "loss": float(i)} for i in range(1, 8)]
-    _feed(tmp_path, opts, first)
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
-    # the second attempt resumes from the checkpoint of step 4: steps 5-7 are done again, then 8-10
-    again = [{**STEP, "step": i, "loss": float(i) + 0.5} for i in range(5, 11)]
-    _feed(tmp_path, opts, again, first_step=5)
+    _feed(tmp_path, opts, [{**STEP, "step": i, "loss": float(i)} for i in range(1, 8)])
+    # the second attempt resumes from the checkpoint of step 4: steps 5-7 are done again, then 8-10; its
+    # sinks start at the end of the first attempt's metrics.jsonl
+    _feed(tmp_path, opts, [{**STEP, "step": i, "loss": float(i) + 0.5} for i in range(5, 11)], first_step=5)
     tb = tensorboard_scalars(tmp_path)["loss"]
     assert tb == {**{i: float(i) for i in range(1, 5)}, **{i: i + 0.5 for i in range(5, 11)}}  # purged
     wb, runs = wandb_scalars(tmp_path)
@@ -174,18 +194,17 @@ def test_a_resumed_attempt_continues_the_runs_without_a_step_twice(tmp_path, mon
     assert [r.run_id for r in runs] == ["run_1-eu", "run_1-eu"]  # one run, continued
 
 
-def test_a_sink_that_fails_on_its_first_write_is_left_out(tmp_path, monkeypatch, caplog):
+def test_a_sink_that_fails_on_its_first_write_is_left_out_with_one_warning_line(tmp_path, capfd):
     blocked = tmp_path / "ro"
     blocked.write_text("a file where the Prometheus directory should be")
     opts = MetricsOptions(sinks=["prometheus"], prometheus_dir=str(blocked / "d"), prometheus_every=1)
-    with caplog.at_level(logging.WARNING, logger="sbatch_gen.train"):
-        s = _feed(tmp_path, opts, [{**STEP, "step": i} for i in range(1, 4)])
-    assert s.sinks == []
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and warnings[0].startswith("metrics sink prometheus failed (")
+    _feed(tmp_path, opts, [{**STEP, "step": i} for i in range(1, 4)])
+    warnings = _warnings(capfd.readouterr().err)  # the sinks' process writes to the trainer's stderr
+    assert len(warnings) == 1 and warnings[0].startswith("metrics sink prometheus failed ("), warnings
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
 
 
-def test_wandb_unreachable_is_left_out_without_holding_training_up(tmp_path, monkeypatch, caplog):
+def test_wandb_unreachable_is_left_out_without_holding_training_up(tmp_path, monkeypatch, capfd):
     import socket
 
     with socket.socket() as sock:  # a port nothing listens on
@@ -194,29 +213,132 @@ def test_wandb_unreachable_is_left_out_without_holding_training_up(tmp_path, mon
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
     opts = MetricsOptions(sinks=["wandb", "prometheus"], wandb_init_timeout_s=5)
-    with caplog.at_level(logging.WARNING, logger="sbatch_gen.train"):
-        t0 = time.monotonic()
-        s = open_sinks(opts, tmp_path, run_id="run/1", region="eu", first_step=1)
-        s.write(STEP)
-        assert time.monotonic() - t0 < 1  # training does not wait for W&B
-        s.close()
-    assert [x.name for x in s.sinks] == ["prometheus"]
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    w = MetricsWriter(tmp_path / "metrics.jsonl")
+    t0 = time.monotonic()
+    w.open_sinks(opts, run_id="run/1", region="eu", first_step=1)
+    w.write(STEP)
+    assert time.monotonic() - t0 < 1  # training does not wait for W&B
+    w.close()
+    warnings = _warnings(capfd.readouterr().err)
     assert len(warnings) == 1 and warnings[0].startswith("metrics sink wandb not started ("), warnings
     assert "x" * 40 not in warnings[0]
+    assert prometheus_samples(tmp_path / "sbatch_gen_run_1_eu.prom")["sbatch_gen_step"][1] == 7
+
+
+def test_the_tail_waits_for_a_line_s_end_and_skips_a_cut_line(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_bytes(b'{"event": "before"}\n{"step": 1}\n{"step": 2, "lo')
+    tail = Tail(p, len(b'{"event": "before"}\n'))  # this attempt's start
+    assert tail.read() == [{"step": 1}]
+    with open(p, "ab") as f:  # step 2's line ends; step 3's is cut by a crash, and step 4 appended to it
+        f.write(b'ss": 2.0}\n{"step": 3, "lo{"step": 4}\n{"step": 5}\n')
+    assert tail.read() == [{"step": 2, "loss": 2.0}, {"step": 5}]
+    assert tail.read() == []
+
+
+def test_the_trainer_says_when_the_sinks_did_not_finish_in_time(tmp_path, caplog):
+    w = MetricsWriter(tmp_path / "metrics.jsonl")
+    w.open_sinks(MetricsOptions(sinks=["prometheus"]), run_id="r", region="eu", first_step=1)
+    assert w.sinks is not None
+    proc = w.sinks
+    w.write({"step": 1, "loss": 1.0})
+    with caplog.at_level(logging.WARNING, logger="sbatch_gen.train"):
+        assert proc.close(timeout=0) is False  # it has not even started its sinks yet
+    assert [r.getMessage() for r in caplog.records] == [
+        f"metrics sinks (pid {proc.pid}) still writing after 0 s: not waiting for them; the last records "
+        "may be missing from them (metrics.jsonl is complete)"
+    ]
+    assert proc.proc.wait(60) == 0  # it finishes alone
+    assert _prom_step(tmp_path / "sbatch_gen_r_eu.prom") == 1
+
+
+# A trainer's rank 0 (MetricsWriter) with the Prometheus sink: logs steps 1-3, says its sinks' pid, waits
+# for a line on stdin, logs step 4 and SIGKILLs itself.
+_KILLED = """
+import os, signal, sys
+from pathlib import Path
+from sbatch_gen.metrics_options import MetricsOptions
+from sbatch_gen.train.metrics import MetricsWriter
+
+w = MetricsWriter(Path(sys.argv[1]) / "metrics.jsonl")
+w.open_sinks(MetricsOptions(sinks=["prometheus"], prometheus_every=1), run_id="r", region="eu", first_step=1)
+for i in range(1, 4):
+    w.write({"step": i, "loss": float(i)})
+print(w.sinks.pid, flush=True)
+sys.stdin.readline()
+w.write({"step": 4, "loss": 4.0})
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _until(what, deadline_s: float = 60.0):
+    end = time.monotonic() + deadline_s
+    while not (got := what()):
+        assert time.monotonic() < end, f"not within {deadline_s} s: {what}"
+        time.sleep(0.05)
+    return got
+
+
+def _prom_step(path: Path) -> float | None:
+    try:
+        return prometheus_samples(path)["sbatch_gen_step"][1]
+    except (FileNotFoundError, KeyError):
+        return None
+
+
+def test_the_sinks_process_writes_the_last_records_and_exits_when_the_trainer_is_killed(tmp_path):
+    prom = tmp_path / "sbatch_gen_r_eu.prom"
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _KILLED, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert trainer.stdout is not None and trainer.stdin is not None
+    pid = int(trainer.stdout.readline())
+    try:
+        _until(lambda: _prom_step(prom) == 3)  # it follows the file while the trainer runs
+        assert pid_alive(pid)
+        trainer.stdin.write("go\n")
+        trainer.stdin.close()
+        assert trainer.wait(60) == -signal.SIGKILL
+        _until(lambda: not pid_alive(pid))  # no orphan
+    finally:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert _prom_step(prom) == 4  # what the trainer logged before it died reached the sink
+
+
+def test_the_sinks_process_ignores_the_stop_signals(tmp_path):
+    """Slurm signals every process of the step: the trainer stops on it, the sinks' process waits for the
+    trainer's end to write the last records."""
+    w = MetricsWriter(tmp_path / "metrics.jsonl")
+    w.open_sinks(
+        MetricsOptions(sinks=["prometheus"], prometheus_every=1), run_id="r", region="eu", first_step=1
+    )
+    assert w.sinks is not None
+    proc = w.sinks.proc
+    w.write({"step": 1, "loss": 1.0})
+    _until(lambda: _prom_step(tmp_path / "sbatch_gen_r_eu.prom") == 1)  # started, handlers installed
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        os.kill(proc.pid, sig)
+    w.write({"step": 2, "loss": 2.0})
+    w.close()
+    assert proc.returncode == 0 and _prom_step(tmp_path / "sbatch_gen_r_eu.prom") == 2
 
 
 def test_the_sinks_module_imports_no_sink_package():
     # the packages are imported by the sink that needs them, so a run without sinks needs none of them
-    src = (sinks.__file__ and open(sinks.__file__).read()) or ""
-    top = [line for line in src.splitlines() if line.startswith(("import ", "from "))]
-    assert not [line for line in top if any(p in line for p in ("wandb", "tensorboard", "prometheus"))]
+    for mod in (sinks, sinkproc):
+        src = Path(mod.__file__ or "").read_text()
+        top = [line for line in src.splitlines() if line.startswith(("import ", "from "))]
+        assert not [line for line in top if any(p in line for p in ("wandb", "tensorboard", "prometheus"))]
 
 
 def test_the_trainer_writes_every_sink_and_a_resume_continues_them(tmp_path, data_dir, clean_env):
     """A tiny run with every sink on, cut after step 6, its last checkpoint (6) lost, resumed from step 4
-    to the end: each sink holds what metrics.jsonl holds, every step once, in one TensorBoard run and one
-    W&B run (two attempts of the same id)."""
+    and stopped (a stop file: checkpoint 6), resumed again to the end: each sink holds what metrics.jsonl
+    holds, every step once, in one TensorBoard run and one W&B run (three attempts of the same id)."""
     import shutil
 
     from sbatch_gen.train.checkpoint import step_dir
@@ -241,6 +363,12 @@ def test_the_trainer_writes_every_sink_and_a_resume_continues_them(tmp_path, dat
 
     train("--max-steps", "6")
     shutil.rmtree(step_dir(rd, 6))  # as if the job died after step 6, before that checkpoint
+    stop = tmp_path / "stop"
+    stop.write_text("preempted\n")  # read at the end of the attempt's second step: 6
+    train("--stop-file", str(stop))
+    assert json.loads((tmp_path / "stop.ack").read_text())["step"] == 6
+    stop.unlink()
+    (tmp_path / "stop.ack").unlink()
     train()
     jsonl = read_metrics(rd)  # a step logged twice keeps its last record
     assert sorted(jsonl) == list(range(1, 9))
@@ -263,7 +391,7 @@ def test_the_trainer_writes_every_sink_and_a_resume_continues_them(tmp_path, dat
         assert wb[k].keys() == want[k].keys(), k
     for k in ("loss", "lr", "grad_norm"):  # bit for bit the same in both attempts
         assert wb[k] == want[k], k
-    assert [(r.run_id, r.run_group, r.display_name) for r in runs] == [("run-local", "run", "local")] * 2
+    assert [(r.run_id, r.run_group, r.display_name) for r in runs] == [("run-local", "run", "local")] * 3
     prom = prometheus_samples(rd / "sbatch_gen_run_local.prom")
     assert prom["sbatch_gen_step"][1] == 8 and prom["sbatch_gen_loss"][1] == jsonl[8]["loss"]
     # `sbatch-gen report` reads the same run dir (metrics.jsonl; the sinks' files beside it are left alone),
