@@ -122,6 +122,38 @@ def percentile(xs: list[float], q: float) -> float:
     return s[k]
 
 
+def drop_cut_record(path: Path) -> int:
+    """Cut ``path`` back to its last complete line: a process killed mid-write (SIGKILL, node failure) leaves
+    its last record without a newline, and the next attempt's first record would be appended onto it, one
+    line that is no JSON. Returns the bytes dropped (0: the file ends with a newline, is empty or absent)."""
+    try:
+        f = open(path, "r+b")
+    except FileNotFoundError:
+        return 0
+    with f:
+        end = pos = f.seek(0, os.SEEK_END)
+        if end == 0:
+            return 0
+        while pos > 0:
+            step = min(pos, 1 << 16)
+            f.seek(pos - step)
+            chunk = f.read(step)
+            if pos == end and chunk.endswith(b"\n"):
+                return 0
+            nl = chunk.rfind(b"\n")
+            if nl >= 0:
+                pos = pos - step + nl + 1
+                break
+            pos -= step
+        f.truncate(pos)
+    print(
+        f"metrics: {path}: dropped a cut last record ({end - pos} bytes) left by a process killed mid-write",
+        file=sys.stderr,
+        flush=True,
+    )
+    return end - pos
+
+
 class MetricsWriter:
     """rank 0's metrics.jsonl (``path``; None on the other ranks: a no-op), and the process that feeds the
     metric sinks from it (:mod:`.sinkproc`) once :meth:`open_sinks` started it."""
@@ -132,6 +164,7 @@ class MetricsWriter:
         self.sinks: SinkProcess | None = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
+            drop_cut_record(path)
             self._f = open(path, "a", buffering=1)
 
     def open_sinks(self, opts: MetricsOptions, *, run_id: str, region: str, first_step: int) -> None:

@@ -404,3 +404,27 @@ def test_the_trainer_writes_every_sink_and_a_resume_continues_them(tmp_path, dat
     slo = json.loads((tmp_path / "cmp" / "slo.json").read_text())
     assert sorted(slo) == ["local (base/run)", "local (later/run)"], sorted(slo)
     assert "local (base/run)" in md.read_text()
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        (b"", b""),
+        (b'{"step": 1}\n', b'{"step": 1}\n'),
+        (b'{"step": 1}\n{"step": 2, "lo', b'{"step": 1}\n'),
+        (b'{"step": 1, "lo', b""),
+    ],
+)
+def test_a_record_cut_by_a_kill_is_dropped_before_the_next_attempt_appends(tmp_path, before, after, capsys):
+    """A trainer killed mid-write leaves its last record without a newline: the next attempt's writer cuts
+    the file back to its last complete line (and says so), instead of gluing its first record onto it."""
+    from sbatch_gen.train.metrics import MetricsWriter
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(before)
+    w = MetricsWriter(path)
+    w._f.write('{"step": 9}\n')
+    w._f.close()
+    assert path.read_bytes() == after + b'{"step": 9}\n'
+    err = capsys.readouterr().err
+    assert ("dropped a cut last record" in err) == (before != after), err
