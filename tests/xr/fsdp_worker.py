@@ -134,7 +134,7 @@ def main() -> None:
             state = {"model": net.state_dict(), "outer": sync.state_dict(), "step": step}
             dcp.save(state, checkpoint_id=str(Path(a.out) / "ckpt"))
     if rank == 0:
-        out = {"rounds": rounds, "numel": sync.numel, "bytes": sync.outer_bytes()}
+        out = {"rounds": rounds, "numel": sync.numel, "local": sync.local_numel, "bytes": sync.outer_bytes()}
         torch.save(out, Path(a.out) / f"{a.region}.pt")
     sync.close()
     dist.barrier()

@@ -89,8 +89,10 @@ def test_regions_of_different_shapes_hold_the_same_outer_state(us, payload, tmp_
         for got, want in ((t1, ref_t), (m1, ref_m)):
             err = (got.double() - want).abs() / (1 + want.abs())
             assert err.max() <= 1e-6, f"step {step}: {err.max():.3g} from the float64 reference"
-    # FSDP: each rank holds about its share of the outer state (4 buffers x 4 B x its elements)
-    assert res["eu"]["bytes"] < 16 * res["eu"]["numel"]
+    # FSDP: eu's rank 0 holds the outer state of its own shards only, 4 buffers x 4 B each: rows 0:3 of the
+    # first layer (18 + 3 elements) and the last layer's only row (5 + 1), 27 of the model's 41 elements
+    eu0 = res["eu"]
+    assert (eu0["numel"], eu0["local"], eu0["bytes"]) == (41, 27, 16 * 27)
 
 
 @pytest.mark.slow
@@ -144,6 +146,7 @@ def _placed(placements, mesh_shape):
 
 
 def test_tensor_parallel_dtensors_are_refused_naming_the_parameter(one_rank):
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard
 
     with pytest.raises(
@@ -156,6 +159,12 @@ def test_tensor_parallel_dtensors_are_refused_naming_the_parameter(one_rank):
         FlatParams(_placed([Shard(0), Replicate()], (1, 1)))
     with pytest.raises(ValueError, match=r"^parameter 0.weight is a DTensor placed as \[Shard\(dim=1\)\]"):
         FlatParams(_placed([Shard(1)], (1,)))
+    half = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    fully_shard(half[0])  # the root left whole: 1.weight stays a plain tensor
+    with pytest.raises(
+        ValueError, match=r"^parameter 1.weight is a plain tensor beside sharded \(DTensor\) ones"
+    ):
+        FlatParams(half)
 
 
 def test_a_sharded_model_is_refused_where_the_library_cannot_sync_it_yet(one_rank, tmp_path):
@@ -213,3 +222,29 @@ def test_the_trainer_trains_an_fsdp_region_beside_a_ddp_region_to_the_same_model
         assert [x["xr_round"] for x in m if "xr_round" in x] == [1, 2, 3]
     shots = [x for x in metrics(tmp_path / "eu") if x.get("event") == "xr_snapshot"]
     assert [x["round"] for x in shots] == [2]
+
+
+def test_a_manifest_may_tile_the_payload_any_way_but_not_leave_gaps():
+    """A reader takes any contiguous tiling in order (another region's cut) and finds the shards over a range;
+    a gap, an overlap or a short cover is refused, naming the shard."""
+    from sbatch_gen.train.xr.errors import XRLayoutError
+    from sbatch_gen.train.xr.protocol import Expect, Manifest, ShardInfo, overlapping
+
+    mine = ShardPlan.make(10, 4, 16 / (1 << 20))  # 4 elements a shard: [0,4) [4,8) [8,10)
+
+    def manifest(cuts):
+        shards = [ShardInfo(i, a, b - a, 4 * (b - a), "") for i, (a, b) in enumerate(cuts)]
+        return Manifest("t", "us", "r000001", "delta", 1, "fp32", 10, "L", "raw", 1, shards)
+
+    expect = Expect("delta", "fp32", 10, "L", "raw", mine)
+    other = manifest([(0, 3), (3, 5), (5, 10)])
+    expect.check(other, "t", "r000001", "us", "here")
+    assert [s.index for s in overlapping(other.shards, 4, 8)] == [1, 2]
+    assert [s.index for s in overlapping(other.shards, 0, 3)] == [0]
+    for cuts, why in (
+        ([(0, 3), (4, 10)], "shard 1 covers \\[4, 10\\), expected shard 1 from element 3"),
+        ([(0, 5), (3, 10)], "shard 1 covers \\[3, 10\\), expected shard 1 from element 5"),
+        ([(0, 5), (5, 9)], "the shards cover \\[0, 9\\), expected \\[0, 10\\)"),
+    ):
+        with pytest.raises(XRLayoutError, match=why):
+            expect.check(manifest(cuts), "t", "r000001", "us", "here")

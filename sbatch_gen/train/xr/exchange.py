@@ -14,6 +14,11 @@ A round (DiLoCo delta or grad-mode gradient), in phases:
 4. *broadcast*: with several node leaders, each averaged shard goes from its owner to the other leaders
    (they hold the outer state; the other ranks hold none and get the parameters from the outer sync).
 
+A sharded (FSDP2) region has every rank as an owner: its shards are its own parameter slices (cut at
+``shard_mb``), held in buffers of its slices only (:meth:`Exchange.at`), and phase 4 does not exist. Since
+regions cut their payloads differently, a reader takes each member's values of its shard from whichever of
+that member's objects overlap it (whole objects, verified by their checksums).
+
 Every failure reaches every rank before anything changes (:class:`.region.Region`).
 """
 
@@ -522,7 +527,7 @@ class Exchange:
         out = []
         for r in members:
             for s in mine:
-                for info in overlapping(manifests[r].shards, *plan.bounds[s]):
+                for info in _cover(manifests[r], s, *plan.bounds[s]):
                     if (r, info.index) not in seen:
                         seen.add((r, info.index))
                         out.append((r, info))
@@ -534,7 +539,7 @@ class Exchange:
         """Region ``m.region``'s decoded values of ``[lo, hi)`` from its downloaded shards ``bufs``: its shard
         itself when it covers exactly that range, else assembled (into the reused buffer ``slot``) from
         the pieces of the shards that overlap it."""
-        infos = overlapping(m.shards, lo, hi)
+        infos = _cover(m, None, lo, hi)
         if len(infos) == 1 and (infos[0].start, infos[0].numel) == (lo, hi - lo):
             return self._decode(bufs[(m.region, infos[0].index)], infos[0], wire, ser, slot)
         dt = torch.float32 if wire in SCALED else _WIRE[wire]
@@ -567,6 +572,14 @@ class Exchange:
         self._download_and_average(tag, expect, manifests, members, {}, out)
         self.broadcast_slices(expect.plan, out)
         return commit
+
+
+def _cover(m: Manifest, s: int | None, lo: int, hi: int) -> list[ShardInfo]:
+    """``m``'s shards that hold ``[lo, hi)``: its shard ``s`` alone when that is exactly the range (a region
+    cut alike), else those that overlap it."""
+    if s is not None and s < len(m.shards) and (m.shards[s].start, m.shards[s].numel) == (lo, hi - lo):
+        return [m.shards[s]]
+    return overlapping(m.shards, lo, hi)
 
 
 def theta0_extra(shards: list[ShardInfo]) -> dict:

@@ -2,7 +2,9 @@
 
 The outer sync works on flat fp32 buffers (``theta_outer``, momentum, the average), held by the region's
 leaders only; :class:`FlatParams` moves data between them and the parameters (or their ``.grad``) by
-offset, without a per-step allocation, and names the tensors the other ranks receive by broadcast.
+offset, without a per-step allocation, and names the tensors the other ranks receive by broadcast. A model
+sharded with FSDP2: the buffers hold this rank's local shards one after the other (``offsets``), and
+``ranges`` says where each lies in the canonical flat layout (the payload's, the same as a DDP region's).
 """
 
 from __future__ import annotations
@@ -74,7 +76,11 @@ class FlatParams:
 
         kinds = {isinstance(p, DTensor) for _, p in named}
         if len(kinds) > 1:
-            raise ValueError("the model mixes sharded (DTensor) and plain parameters: shard all or none")
+            plain = next(n for n, p in named if not isinstance(p, DTensor))
+            raise ValueError(
+                f"parameter {_strip(plain)} is a plain tensor beside sharded (DTensor) ones: shard every "
+                "parameter (fully_shard the root module too) or none"
+            )
         # FSDP2: this rank holds a Shard(0) slice of each parameter: one contiguous range of it
         self.sharded = kinds == {True}
         if not named:

@@ -119,7 +119,7 @@ class ShardPlan:
 def overlapping(shards: list[ShardInfo], lo: int, hi: int) -> list[ShardInfo]:
     """The shards (of a checked manifest: they tile the payload in order) that hold elements of
     ``[lo, hi)``."""
-    i = bisect.bisect_right([s.start for s in shards], lo) - 1
+    i = max(0, bisect.bisect_right(shards, lo, key=lambda s: s.start) - 1)
     out = []
     while i < len(shards) and shards[i].start < hi:
         out.append(shards[i])

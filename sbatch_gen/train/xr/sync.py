@@ -18,6 +18,12 @@ broadcasts the new parameters (grad mode: gradients) in place over the region. A
 buffers on the training device with ``outer_device: auto`` while they fit in ``outer_device_max_gib``,
 else in host memory (pinned beside a GPU; the blocked CPU kernels run the step there). Checkpoints:
 leaders put ``theta_outer``/momentum into :meth:`state_dict`, DCP stores one copy, every leader loads it.
+
+**A sharded region (FSDP2).** Each rank holds a Shard(0) slice of every parameter: one contiguous range of
+the canonical flat layout each. Every rank is then an owner: it keeps the buffers for its own ranges only
+(:attr:`local_numel` elements), uploads and averages the shards cut from them, and writes the outer step
+into its local shards; no broadcast follows. Its shards are cut unlike a DDP region's: readers take what
+overlaps their own (:mod:`.exchange`), so regions of any shape average the same bits.
 """
 
 from __future__ import annotations
