@@ -218,7 +218,7 @@ def leader_bytes_per_param(xr: CrossRegion) -> int:
 
     cls = GradSync if xr.sync == "grad" else StreamingDiLoCo if xr.overlap == "streaming" else DiLoCo
     probe = object.__new__(cls)
-    probe.xr, probe.numel = xr, 1
+    probe.xr, probe.numel, probe.local_numel = xr, 1, 1
     return probe.state_bytes()
 
 

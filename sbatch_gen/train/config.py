@@ -14,7 +14,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from ..metrics_options import MetricsOptions
 from ..strict import StrictModel
 from ..xr_options import outer_step_warnings
-from ..yamlload import Where, load_model, lookup_where, read_mapping
+from ..yamlload import load_model
 from .xr.fragments import rounds_through, too_few
 
 
@@ -205,24 +205,6 @@ def load_config(path: str | Path) -> TrainConfig:
     return load_model(TrainConfig, Path(path), "train config", label=str(path))
 
 
-def field_where(path: str | Path, *field: str) -> str:
-    """``file:line`` of ``field`` (a dotted path, one key per argument) in the train config at ``path``,
-    or of the nearest section above it that the file writes; for a message about a valid config."""
-    _, where = read_mapping(Path(path), "train config", label=str(path))
-    return str(lookup_where(where, field, Where(str(path), 1)))
-
-
-def sharded_xr_problem(cfg: TrainConfig, xr) -> str | None:
-    """Why ``cfg`` cannot run with cross-region settings ``xr``: FSDP with cross-region sync, refused until
-    the DiLoCo library takes sharded (DTensor) parameters; None otherwise."""
-    if not (xr.enabled and cfg.parallelism.kind == "fsdp"):
-        return None
-    return (
-        "fsdp cannot be combined with cross-region sync yet: the cross-region sync takes whole "
-        "(unsharded) parameters only; set parallelism.kind: ddp for a cross-region run"
-    )
-
-
 class XRProblem(str):
     """One message of :func:`xr_problems`; ``field`` is the ``cross_region`` field it is about, so
     ``sbatch-gen validate`` can point at the line that sets it. A plain ``str`` everywhere else."""
@@ -255,9 +237,16 @@ def xr_problems(
     if not xr.enabled:
         return errors, warnings
     in_cfg = f" in {config_name}" if config_name else ""
-    sharded = sharded_xr_problem(cfg, xr)
-    if sharded is not None:
-        errors.append(XRProblem("enabled", f"parallelism.kind{in_cfg}: {sharded}"))
+    unsupported = xr.sharded_unsupported if cfg.parallelism.kind == "fsdp" else None
+    if unsupported is not None:
+        field, what = unsupported
+        errors.append(
+            XRProblem(
+                field,
+                f"parallelism.kind{in_cfg}: fsdp with cross_region {what} is not supported yet: use sync "
+                "diloco with overlap none, or parallelism.kind: ddp",
+            )
+        )
     h = xr.inner_steps
     if xr.sync == "grad":
         errors += _grad_problems(cfg, xr, end_step, in_cfg)

@@ -18,7 +18,7 @@ import pydantic
 from .. import metrics_options, xr_options
 from ..errors import UserError
 from .api import CrossRegionError, cross_region_from_args, xr_flags_given
-from .config import TrainConfig, field_where, load_config, sharded_xr_problem, xr_problems
+from .config import TrainConfig, load_config, xr_problems
 from .signals import resolve_stop_file
 
 EXIT_CONFIG = 2  # a bad config or flag; also: the run dir is leased by another live trainer (lease.json)
@@ -85,10 +85,6 @@ class RunSpec:
                 "metrics": metrics or loaded.metrics,
             }
         )
-        sharded = sharded_xr_problem(cfg, xr)
-        if sharded is not None:
-            where = field_where(args.config, "parallelism", "kind")
-            raise SpecError(f"config error:\n{where}: parallelism.kind: {sharded}")
         steps = cfg.train.steps
         end_step = steps if args.max_steps is None else min(steps, args.max_steps)
         errors, warnings = xr_problems(cfg, xr, end_step)

@@ -368,19 +368,20 @@ def test_the_companion_trainer_reaches_stops_and_the_sync_only_through_the_publi
         assert call in src
 
 
-def test_a_sharded_model_is_refused_naming_the_parameter(tmp_path):
-    """FSDP2 / tensor parallelism hold DTensor shards: averaging them as whole parameters would be wrong."""
+def test_a_tensor_parallel_model_is_refused_naming_the_parameter(tmp_path):
+    """A DTensor placed other than FSDP2's Shard(0) (tensor parallelism: Replicate or Shard(1)) is not one
+    contiguous range of the parameter: the wrapper refuses it in one line naming the parameter."""
     from sbatch_gen.testing.s3server import free_port
 
     code = f"""
 import torch, torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, distribute_tensor
 from sbatch_gen.train.api import DiLoCo, cross_region_from_args
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-m[1].weight = nn.Parameter(distribute_tensor(m[1].weight.detach(), init_device_mesh("cpu", (1,)), [Shard(0)]))
+m[1].weight = nn.Parameter(distribute_tensor(m[1].weight.detach(), init_device_mesh("cpu", (1,)), [Replicate()]))
 xr, _ = cross_region_from_args(["--xr-enabled", "--xr-region", "eu", "--xr-regions", "eu",
                                 "--xr-root", {str(tmp_path)!r}], environ={{}})
 try:
@@ -391,5 +392,7 @@ dist.destroy_process_group()
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("refused: parameter 1.weight is a DTensor placed as [Shard(dim=0)]"), r.stdout
-    assert "FSDP and tensor-parallel sharding are not supported" in r.stdout
+    assert r.stdout.strip() == (
+        "refused: parameter 1.weight is a DTensor placed as [Replicate()] on a 1-D mesh: only FSDP2's Shard(0) "
+        "on a 1-D mesh over the whole region is supported (no tensor or pipeline parallelism)"
+    ), r.stdout

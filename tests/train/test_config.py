@@ -366,27 +366,23 @@ def test_fsdp_options_with_fsdp(tmp_path):
     assert load_config(REPO / "configs" / "tiny.yaml").parallelism.kind == "ddp"  # the default
 
 
-def test_fsdp_with_cross_region_sync_is_refused_at_start_and_by_validate(tmp_path):
-    """Until the cross-region sync takes sharded parameters: one line naming the config's parallelism.kind,
-    exit 2 before torch is imported; xr_problems (sbatch-gen validate) reports it against cross_region.enabled."""
+def test_fsdp_with_cross_region_sync_is_validated_for_what_sharded_regions_cannot_do_yet(tmp_path):
+    """fsdp with DiLoCo (overlap none) validates clean; with grad mode or an overlap, xr_problems (sbatch-gen
+    validate) names the config's parallelism.kind against the cross_region field at fault, one line."""
     from sbatch_gen.train.config import xr_problems
 
     p = tmp_path / "c.yaml"
     p.write_text(GOOD + "parallelism:\n  kind: fsdp\n")
-    xr = ["--xr-enabled", "--xr-region", "eu", "--xr-regions", "eu,us"]
-    r = subprocess.run(
-        [sys.executable, "-m", "sbatch_gen.train", "--config", str(p), *xr],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-    )
-    assert r.returncode == 2
-    assert r.stderr.splitlines()[-1] == (
-        f"{p}:12: parallelism.kind: fsdp cannot be combined with cross-region sync yet: the cross-region "
-        "sync takes whole (unsharded) parameters only; set parallelism.kind: ddp for a cross-region run"
-    )
-    errs, _ = xr_problems(load_config(p), _xr(snapshot_every=1), config_name="c.yaml")
-    assert [e.field for e in errs] == ["enabled"] and errs[0].startswith(
-        "parallelism.kind in c.yaml: fsdp cannot"
-    )
+    cfg = load_config(p)
+    errs, _ = xr_problems(cfg, _xr(snapshot_every=1), config_name="c.yaml")
+    assert errs == []
+    for opts, field, what in (
+        (dict(sync="grad"), "sync", "sync grad"),
+        (dict(overlap="eager"), "overlap", "overlap eager"),
+    ):
+        errs, _ = xr_problems(cfg, _xr(snapshot_every=1, **opts), config_name="c.yaml")
+        mine = [e for e in errs if e.field == field and "fsdp" in e]
+        assert [str(e) for e in mine] == [
+            f"parallelism.kind in c.yaml: fsdp with cross_region {what} is not supported yet: use sync diloco "
+            "with overlap none, or parallelism.kind: ddp"
+        ]

@@ -303,7 +303,7 @@ class DiLoCo(SnapshotSync):
             held(self.momentum, "momentum"),
             held(avg, "avg"),
         )
-        start, end = part or (0, self.numel)
+        start, end = part or (0, self.local_numel)
         direct = scatter and self.flat.direct(self.outer_device)
         tmp = self.ex.scratch(min(end - start, self.ex.block))
         for lo, hi in blocks(end - start, self.outer_device, self.ex.block):
@@ -430,7 +430,10 @@ class DiLoCo(SnapshotSync):
         """Leaders add ``theta_outer`` and momentum (the same bits on every leader, so DCP stores one copy,
         under the keys every version used); the other ranks hold no outer state and leave them out."""
         out = {**super().state_dict(), "pending": int(self.pending), "fragments": self._fragments_saved()}
-        if self.leader:
+        if self.sharded:  # each rank its shards, as DTensors placed like the parameters (DCP reshards them)
+            t, m = held(self.theta_outer, "theta_outer"), held(self.momentum, "momentum")
+            out.update(theta_outer=self.flat.as_dtensors(t), momentum=self.flat.as_dtensors(m))
+        elif self.leader:
             out.update(theta_outer=self.theta_outer, momentum=self.momentum)
         if self.eager:  # the round in flight (its own delta, as published) runs again on resume
             out.update(
@@ -471,6 +474,18 @@ class DiLoCo(SnapshotSync):
                     raise XRLayoutError(
                         f"checkpoint has no outer state {k!r} (saved without --xr-sync diloco?)"
                     )
+                if self.sharded != isinstance(state[k], dict):
+                    how = ("per parameter (a sharded region)", "as one flat vector (a DDP region)")
+                    raise XRLayoutError(
+                        f"checkpoint outer state {k!r} is saved {how[self.sharded]}, this region keeps it "
+                        f"{how[not self.sharded]}: resume with the parallelism.kind it was saved with"
+                    )
+                if self.sharded:
+                    if list(state[k]) != self.flat.names:
+                        raise XRLayoutError(
+                            f"checkpoint outer state {k!r} names other parameters than the model"
+                        )
+                    continue
                 if state[k].numel() != self.numel:
                     raise XRLayoutError(
                         f"checkpoint outer state {k!r} has {state[k].numel()} elements, the model "
@@ -482,7 +497,11 @@ class DiLoCo(SnapshotSync):
             self._mutable()
             for k in keys:
                 v, dst = state[k], getattr(self, k)
-                if v is not dst:
+                if self.sharded:  # DCP loaded into views of dst unless the caller passed other DTensors
+                    for name, d in self.flat.as_dtensors(dst).items():
+                        if v[name].to_local().data_ptr() != d.to_local().data_ptr():
+                            d.to_local().copy_(v[name].to_local())
+                elif v is not dst:
                     dst.copy_(v.reshape(-1))
         super().load_state_dict(state)
         self.pending = _as_int(state.get("pending", 0))

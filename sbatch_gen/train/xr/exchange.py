@@ -14,6 +14,11 @@ A round (DiLoCo delta or grad-mode gradient), in phases:
 4. *broadcast*: with several node leaders, each averaged shard goes from its owner to the other leaders
    (they hold the outer state; the other ranks hold none and get the parameters from the outer sync).
 
+A sharded (FSDP2) region has every rank as an owner: its shards are its own parameter slices (cut at
+``shard_mb``), held in buffers of its slices only (:meth:`Exchange.at`), and phase 4 does not exist. Since
+regions cut their payloads differently, a reader takes each member's values of its shard from whichever of
+that member's objects overlap it (whole objects, verified by their checksums).
+
 Every failure reaches every rank before anything changes (:class:`.region.Region`).
 """
 
@@ -24,6 +29,7 @@ import io
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +50,7 @@ from .protocol import (
     ShardInfo,
     ShardPlan,
     digest_of_digests,
+    overlapping,
     wire_nbytes,
 )
 from .region import Region, capture, held
@@ -91,14 +98,28 @@ class Exchange:
         owner_ranks: list[int],
         outer_device: torch.device,
         device: torch.device,
+        *,
+        pieces: list[tuple[int, int, int]] | None = None,
+        local_at: Callable[[int, int], tuple[int, int]] | None = None,
+        buf_numel: int | None = None,
     ) -> None:
+        """``pieces`` (a sharded region): every rank's canonical ranges ``(start, end, rank)``; each rank
+        then owns the shards of its own ranges, and holds buffers of ``buf_numel`` elements (its ranges one
+        after the other) where ``local_at`` maps a canonical range."""
         self.xr, self.group, self.mailbox, self.membership = xr, group, mailbox, membership
         self.numel, self.layout = numel, layout
         self.owner_ranks = owner_ranks
         self.my_owner = owner_ranks.index(group.rank) if group.rank in owner_ranks else None
         self.outer_device, self.device = outer_device, device
-        self.plan = ShardPlan.make(numel, ITEMSIZE[xr.payload_dtype], xr.shard_mb)
-        self.fp32_plan = ShardPlan.make(numel, ITEMSIZE["fp32"], xr.shard_mb)
+        self.sharded = pieces is not None
+        self.buf_numel = buf_numel if buf_numel is not None else numel
+        self.local_at = local_at or (lambda lo, hi: (lo, hi))
+        if pieces is not None:
+            self.plan = ShardPlan.pieces(numel, pieces, ITEMSIZE[xr.payload_dtype], xr.shard_mb)
+            self.fp32_plan = ShardPlan.pieces(numel, pieces, ITEMSIZE["fp32"], xr.shard_mb)
+        else:
+            self.plan = ShardPlan.make(numel, ITEMSIZE[xr.payload_dtype], xr.shard_mb)
+            self.fp32_plan = ShardPlan.make(numel, ITEMSIZE["fp32"], xr.shard_mb)
         self.block = CPU_BLOCK if outer_device.type == "cpu" else min(numel, GPU_BLOCK)
         self._stage: dict[str, torch.Tensor] = {}  # wire dtype -> host staging buffer
         self._tmp: torch.Tensor | None = None  # fp32 scratch of one block
@@ -108,6 +129,7 @@ class Exchange:
         self._q_scratch: torch.Tensor | None = None
         self._q_out: dict[int, torch.Tensor] = {}  # by the shard's first element
         self._q_dec: dict[int, torch.Tensor] = {}  # by the member's position in the round
+        self._asm: dict[int, torch.Tensor] = {}  # a member's values assembled from shards cut elsewhere
         self.withheld = _withheld()  # (fault injection: ENV_WITHHOLD_ROUNDS)
         self.background = False  # runs in a thread beside training (see :meth:`in_background`)
 
@@ -126,7 +148,7 @@ class Exchange:
         uploads (the rounds keep the rest of the link), no buffer shared with the rounds (it uploads fp32
         from host memory, which needs none)."""
         ex = self.in_background(group)
-        ex._stage, ex._rx, ex._q_out, ex._q_dec = {}, {}, {}, {}
+        ex._stage, ex._rx, ex._q_out, ex._q_dec, ex._asm = {}, {}, {}, {}, {}
         ex._tmp = ex._q_scratch = None
         if self.mailbox is not None:
             ex.mailbox = self.mailbox.with_threads(streams, "xr-snapshot-io")
@@ -136,12 +158,14 @@ class Exchange:
         """This exchange for the rounds of one fragment (Streaming DiLoCo): payloads of ``numel`` elements
         (the fragment's flat range, passed as views), their own shard plan and a layout that names the
         fragment, buffers of their own. theta0 and the snapshots stay whole-model (this exchange)."""
+        if self.sharded:
+            raise XRError("internal: fragments of a sharded region's payload")
         ex = copy.copy(self)
-        ex.numel, ex.layout = numel, f"{self.layout}.f{index}"
+        ex.numel, ex.buf_numel, ex.layout = numel, numel, f"{self.layout}.f{index}"
         ex.plan = ShardPlan.make(numel, ITEMSIZE[self.xr.payload_dtype], self.xr.shard_mb)
         ex.fp32_plan = ShardPlan.make(numel, ITEMSIZE["fp32"], self.xr.shard_mb)
         ex.block = CPU_BLOCK if self.outer_device.type == "cpu" else min(numel, GPU_BLOCK)
-        ex._stage, ex._rx, ex._q_out, ex._q_dec = {}, {}, {}, {}
+        ex._stage, ex._rx, ex._q_out, ex._q_dec, ex._asm = {}, {}, {}, {}, {}
         ex._tmp = ex._q_scratch = None
         return ex
 
@@ -167,13 +191,17 @@ class Exchange:
     def owned(self, plan: ShardPlan) -> list[int]:
         return plan.owned(self.my_owner, len(self.owner_ranks)) if self.my_owner is not None else []
 
+    def at(self, plan: ShardPlan, s: int) -> tuple[int, int]:
+        """Shard ``s``'s slice of this rank's buffers (its canonical range, but for a sharded region)."""
+        return self.local_at(*plan.bounds[s])
+
     # -- encoding: raw contiguous bytes of exactly the slice (never a slice's whole storage) -----------
     # Buffers are allocated once and reused every round: fresh large allocations cost page faults that
     # are slower than the conversions themselves.
     def _staging(self, wire: str) -> torch.Tensor:
         st = self._stage.get(wire)
         if st is None:
-            st = torch.empty(self.numel, dtype=_WIRE[wire], pin_memory=self.outer_device.type == "cuda")
+            st = torch.empty(self.buf_numel, dtype=_WIRE[wire], pin_memory=self.outer_device.type == "cuda")
             self._stage[wire] = st
         return st
 
@@ -234,7 +262,7 @@ class Exchange:
             try:
                 vec = held(src, f"the source of the {kind} payload")
                 for s in self.owned(expect.plan):
-                    out[s] = self._encode(vec, *expect.plan.bounds[s], expect.dtype, expect.serialization)
+                    out[s] = self._encode(vec, *self.at(expect.plan, s), expect.dtype, expect.serialization)
             except Exception as e:  # noqa: BLE001 - e.g. a NaN refused by int8: every rank must hear it
                 err = capture(e)
         self.group.agree(err)  # the bytes stay here: only the outcome goes round
@@ -248,7 +276,7 @@ class Exchange:
         def dec() -> None:
             dst = held(out, f"the buffer the {kind} payload is decoded into")
             for s, buf in encoded.items():
-                lo, hi = expect.plan.bounds[s]
+                lo, hi = self.at(expect.plan, s)
                 if isinstance(buf, memoryview) and expect.dtype == "fp32":
                     continue  # a view of dst's own bytes: the exact values already
                 info = ShardInfo(s, lo, hi - lo, len(buf), "")
@@ -277,7 +305,7 @@ class Exchange:
         def up():
             def encode_each():  # encode shard after shard; the pool checksums and uploads behind
                 for s in self.owned(expect.plan):
-                    lo, hi = expect.plan.bounds[s]
+                    lo, hi = self.at(expect.plan, s)
                     if pre is not None:
                         encoded[s] = pre[s]
                     else:
@@ -322,10 +350,10 @@ class Exchange:
         def down():
             dst = held(out, f"the buffer {tag} is fetched into")
             mine = self.owned(plan)
-            bufs = self.mb().download(tag, [(m.region, m.shards[s]) for s in mine])
+            bufs = self.mb().download(tag, self._wants({m.region: m}, [m.region], mine, plan))
             for s in mine:
-                lo, hi = plan.bounds[s]
-                dst[lo:hi].copy_(torch.frombuffer(bufs[(m.region, s)], dtype=torch.float32))
+                a, b = self.at(plan, s)
+                dst[a:b].copy_(self._values(bufs, m, *plan.bounds[s], "fp32", "raw", 0))
             return sum(len(b) for b in bufs.values())
 
         n = sum(x or 0 for x in self.group.on_each(down, active=self.my_owner is not None))
@@ -335,8 +363,8 @@ class Exchange:
     def broadcast_slices(self, plan: ShardPlan, buf: torch.Tensor | None) -> None:
         """Every owner gets every shard of ``buf`` from its owner (the leaders' group); the other ranks
         take no part."""
-        if len(self.owner_ranks) == 1 or self.my_owner is None:
-            return
+        if len(self.owner_ranks) == 1 or self.my_owner is None or self.sharded:
+            return  # (sharded: each rank needs only its own shards)
         t = held(buf, "the buffer broadcast among the leaders")
         for s, (lo, hi) in enumerate(plan.bounds):
             self.group.leaders_broadcast(t[lo:hi], src=self.owner_ranks[s % len(self.owner_ranks)])
@@ -465,28 +493,65 @@ class Exchange:
             dst = held(out, f"the buffer round {tag} is averaged into")
             t0 = time.perf_counter()
             mine = self.owned(expect.plan)
-            wants = [
-                (r, manifests[r].shards[s]) for r in members for s in mine if not (r == region and local)
-            ]
-            bufs = self.mb().download(tag, wants, reuse=self._rx)
+            remote = [r for r in members if not (r == region and local)]
+            bufs = self.mb().download(tag, self._wants(manifests, remote, mine, expect.plan), reuse=self._rx)
             t_dl[0] = time.perf_counter() - t0
             total = sum(manifests[r].tokens for r in members)
             weights = [manifests[r].tokens / total if total > 0 else 1.0 / len(members) for r in members]
+            wire, ser = expect.dtype, expect.serialization
             for s in mine:
                 lo, hi = expect.plan.bounds[s]
                 xs = []
                 for i, r in enumerate(members):
-                    buf = local[s] if (r == region and local) else bufs[(r, s)]
-                    xs.append(
-                        self._decode(buf, manifests[r].shards[s], expect.dtype, expect.serialization, i)
-                    )
-                # out = sum_r w_r * x_r in the order of `regions`; exact bf16->fp32 conversion (scaled:
-                # decoded above), then separate multiply and add (no fused ops): identical bits everywhere
-                weighted_average_(dst[lo:hi], xs, weights, self.scratch(min(hi - lo, self.block)), self.block)
+                    if r == region and local:  # this region's own bytes: cut by its own plan
+                        xs.append(self._decode(local[s], manifests[r].shards[s], wire, ser, i))
+                    else:
+                        xs.append(self._values(bufs, manifests[r], lo, hi, wire, ser, i))
+                # out = sum_r w_r * x_r in the order of `regions`, elementwise; exact bf16->fp32 conversion
+                # (scaled: decoded above), then separate multiply and add (no fused ops): identical bits
+                # everywhere, however each region cuts its payload into shards
+                a, b = self.at(expect.plan, s)
+                weighted_average_(dst[a:b], xs, weights, self.scratch(min(hi - lo, self.block)), self.block)
             return sum(len(b) for (r, _), b in bufs.items() if r != region)
 
         n = sum(x or 0 for x in self.group.on_each(work, active=self.my_owner is not None))
         return n, t_dl[0]
+
+    @staticmethod
+    def _wants(
+        manifests: dict[str, Manifest], members: list[str], mine: list[int], plan: ShardPlan
+    ) -> list[tuple[str, ShardInfo]]:
+        """The members' shards that overlap this rank's shards ``mine`` of ``plan``, each once (whole
+        objects, verified by their digest; a region cut like this one gives exactly ``mine``)."""
+        seen: set[tuple[str, int]] = set()
+        out = []
+        for r in members:
+            for s in mine:
+                for info in _cover(manifests[r], s, *plan.bounds[s]):
+                    if (r, info.index) not in seen:
+                        seen.add((r, info.index))
+                        out.append((r, info))
+        return out
+
+    def _values(
+        self, bufs: dict, m: Manifest, lo: int, hi: int, wire: str, ser: str, slot: int
+    ) -> torch.Tensor:
+        """Region ``m.region``'s decoded values of ``[lo, hi)`` from its downloaded shards ``bufs``: its shard
+        itself when it covers exactly that range, else assembled (into the reused buffer ``slot``) from
+        the pieces of the shards that overlap it."""
+        infos = _cover(m, None, lo, hi)
+        if len(infos) == 1 and (infos[0].start, infos[0].numel) == (lo, hi - lo):
+            return self._decode(bufs[(m.region, infos[0].index)], infos[0], wire, ser, slot)
+        dt = torch.float32 if wire in SCALED else _WIRE[wire]
+        asm = self._asm.get(slot)
+        if asm is None or asm.numel() < hi - lo or asm.dtype != dt:
+            asm = self._asm[slot] = torch.empty(hi - lo, dtype=dt, device=self.outer_device)
+        x = asm[: hi - lo]
+        for info in infos:
+            d = self._decode(bufs[(m.region, info.index)], info, wire, ser, slot)
+            a, b = max(lo, info.start), min(hi, info.start + info.numel)
+            x[a - lo : b - lo].copy_(d[a - info.start : b - info.start])
+        return x
 
     def replay(self, tag: str, kind: str, out: torch.Tensor | None) -> Commit:
         """A committed round, entirely from the mailbox (a region fast-forwarding): ``out`` = the members'
@@ -507,6 +572,14 @@ class Exchange:
         self._download_and_average(tag, expect, manifests, members, {}, out)
         self.broadcast_slices(expect.plan, out)
         return commit
+
+
+def _cover(m: Manifest, s: int | None, lo: int, hi: int) -> list[ShardInfo]:
+    """``m``'s shards that hold ``[lo, hi)``: its shard ``s`` alone when that is exactly the range (a region
+    cut alike), else those that overlap it."""
+    if s is not None and s < len(m.shards) and (m.shards[s].start, m.shards[s].numel) == (lo, hi - lo):
+        return [m.shards[s]]
+    return overlapping(m.shards, lo, hi)
 
 
 def theta0_extra(shards: list[ShardInfo]) -> dict:

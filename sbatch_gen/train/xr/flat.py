@@ -2,7 +2,9 @@
 
 The outer sync works on flat fp32 buffers (``theta_outer``, momentum, the average), held by the region's
 leaders only; :class:`FlatParams` moves data between them and the parameters (or their ``.grad``) by
-offset, without a per-step allocation, and names the tensors the other ranks receive by broadcast.
+offset, without a per-step allocation, and names the tensors the other ranks receive by broadcast. A model
+sharded with FSDP2: the buffers hold this rank's local shards one after the other (``offsets``), and
+``ranges`` says where each lies in the canonical flat layout (the payload's, the same as a DDP region's).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,14 +34,31 @@ def layout_fingerprint(model: nn.Module) -> str:
 
 
 def _sharded(p: torch.Tensor) -> str | None:
-    """Why ``p`` is not this rank's full copy of the parameter (a DTensor, FSDP's flat parameter), or None."""
-    from torch.distributed.tensor import DTensor
+    """Why the sync cannot take ``p`` (a DTensor other than FSDP2's Shard(0) over a 1-D mesh of the whole
+    region, FSDP1's flat parameter), or None."""
+    from torch.distributed.tensor import DTensor, Shard
 
     if isinstance(p, DTensor):
-        return f"a DTensor placed as {list(p.placements)}"
+        mesh = p.device_mesh
+        if mesh.ndim != 1 or list(p.placements) != [Shard(0)]:
+            return (
+                f"a DTensor placed as {list(p.placements)} on a {mesh.ndim}-D mesh: only FSDP2's Shard(0) on "
+                "a 1-D mesh over the whole region is supported (no tensor or pipeline parallelism)"
+            )
+        if p.ndim == 0:
+            return "a 0-dim DTensor"
+        return None
     if type(p).__name__ == "FlatParameter":
-        return "an FSDP flat parameter"
+        return "an FSDP flat parameter: the sync takes FSDP2 (fully_shard), not FSDP1"
     return None
+
+
+def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """The rows ``[lo, hi)`` of dim 0 that Shard(0) over ``world`` ranks gives ``rank`` (torch.chunk's
+    split: chunks of ceil(rows / world), the last ranks possibly empty)."""
+    chunk = -(-rows // world)
+    lo = min(rank * chunk, rows)
+    return lo, min(lo + chunk, rows)
 
 
 class FlatParams:
@@ -50,15 +71,27 @@ class FlatParams:
         for name, p in named:
             why = _sharded(p)
             if why is not None:
-                raise ValueError(
-                    f"parameter {_strip(name)} is {why}: the cross-region sync needs every rank of the region "
-                    "to hold the whole model (DDP, or one process per region); FSDP and tensor-parallel "
-                    "sharding are not supported"
-                )
+                raise ValueError(f"parameter {_strip(name)} is {why}")
+        from torch.distributed.tensor import DTensor
+
+        kinds = {isinstance(p, DTensor) for _, p in named}
+        if len(kinds) > 1:
+            plain = next(n for n, p in named if not isinstance(p, DTensor))
+            raise ValueError(
+                f"parameter {_strip(plain)} is a plain tensor beside sharded (DTensor) ones: shard every "
+                "parameter (fully_shard the root module too) or none"
+            )
+        # FSDP2: this rank holds a Shard(0) slice of each parameter: one contiguous range of it
+        self.sharded = kinds == {True}
         if not named:
             raise ValueError("the model has no trainable parameters")
         self.layout = layout_fingerprint(model)
         self.fragment_bounds = [0, sum(p.numel() for _, p in named)]
+        if fragments > 1 and self.sharded:
+            raise ValueError(
+                "overlap streaming (fragments) with a sharded (FSDP2) model is not supported yet: use overlap "
+                "none, or DDP in this region"
+            )
         if fragments > 1:
             which = assign([_strip(n) for n, _ in named], [p.numel() for _, p in named], fragments)
             named = [named[i] for i in sorted(range(len(named)), key=lambda i: (which[i], i))]
@@ -72,11 +105,74 @@ class FlatParams:
             split = json.dumps([self.layout, fragments, which])
             self.layout = hashlib.sha256(split.encode()).hexdigest()[:16]
         self.names = [_strip(n) for n, _ in named]
-        self.params = [p for _, p in named]
+        self._dparams: list[Any] = [p for _, p in named]  # (sharded: DTensors)
+        self.world, self.rank = 1, 0
+        self.canonical = [0]  # each parameter's start in the canonical flat layout (the payload's)
+        for p in self._dparams:
+            self.canonical.append(self.canonical[-1] + p.numel())
+        self.numel = self.canonical[-1]  # the payload's elements (the whole model)
+        # the buffers' coordinates: the whole model, or (sharded) this rank's shards one after the other
         self.offsets = [0]
-        for p in self.params:
-            self.offsets.append(self.offsets[-1] + p.numel())
-        self.numel = self.offsets[-1]
+        self.ranges: list[tuple[int, int]] = []  # (sharded) this rank's canonical range of each parameter
+        if self.sharded:
+            mesh = self._dparams[0].device_mesh
+            self.world, self.rank = mesh.size(), mesh.get_local_rank()
+            for name, p, start in zip(self.names, self._dparams, self.canonical, strict=False):
+                lo, hi = shard_rows(p.shape[0], self.world, self.rank)
+                local = p.to_local()
+                if tuple(local.shape) != (hi - lo, *p.shape[1:]) or not local.is_contiguous():
+                    raise ValueError(
+                        f"parameter {name}: local shard {tuple(local.shape)} is not rows {lo}:{hi} of "
+                        f"{tuple(p.shape)} split over {self.world} ranks (uneven Shard(0) placement)"
+                    )
+                row = math.prod(p.shape[1:])
+                self.ranges.append((start + lo * row, start + hi * row))
+        for t in self.params:
+            self.offsets.append(self.offsets[-1] + t.numel())
+        self.local_numel = self.offsets[-1]
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The tensors this rank holds: the parameters, or (sharded) their local shards."""
+        if not self.sharded:
+            return self._dparams
+        return [p.to_local().detach() for p in self._dparams]
+
+    def held(self, plan_world: int | None = None) -> list[tuple[int, int, int]]:
+        """(sharded) Every rank's canonical ranges ``(start, end, rank)``, in canonical order (they tile the
+        layout): each parameter's Shard(0) rows of each rank; empty ranges left out."""
+        out = []
+        for p, start in zip(self._dparams, self.canonical, strict=False):
+            row = math.prod(p.shape[1:])
+            for k in range(self.world):
+                lo, hi = shard_rows(p.shape[0], self.world, k)
+                if hi > lo:
+                    out.append((start + lo * row, start + hi * row, k))
+        return out
+
+    def as_dtensors(self, buf: torch.Tensor) -> dict[str, Any]:
+        """(sharded) A buffer of this rank's shards as one DTensor per parameter, placed like it (views of
+        ``buf``): what a checkpoint saves, and what DCP loads in place, resharded when the region comes
+        back with another world size."""
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for name, p, t, a in zip(self.names, self._dparams, self.params, self.offsets, strict=False):
+            view = buf[a : a + t.numel()].view(t.shape)
+            out[name] = DTensor.from_local(
+                view, p.device_mesh, list(p.placements), run_check=False, shape=p.shape, stride=p.stride()
+            )
+        return out
+
+    def local_at(self, lo: int, hi: int) -> tuple[int, int]:
+        """The buffers' slice of the canonical range ``[lo, hi)`` (inside one of this rank's ranges)."""
+        if not self.sharded:
+            return lo, hi
+        i = bisect.bisect_right(self.canonical, lo) - 1
+        a, b = self.ranges[i]
+        if not (a <= lo and hi <= b):
+            raise ValueError(f"internal: canonical range {lo}:{hi} is not held by rank {self.rank}")
+        return self.offsets[i] + lo - a, self.offsets[i] + hi - a
 
     def fragment(self, p: int) -> tuple[int, int]:
         """The flat range ``(lo, hi)`` of fragment ``p``."""

@@ -13,12 +13,15 @@ shard plan with a checksum per shard (XXH3-128: it catches torn, truncated or co
 would buy nothing more), and the region's token count (the averaging weight).
 
 The payload is a flat vector of ``numel`` elements; :class:`ShardPlan` cuts it into contiguous element
-ranges of about ``shard_mb`` MiB each. Every region derives the same plan from the same inputs, so a
-shard index means the same slice everywhere.
+ranges of about ``shard_mb`` MiB each. Every region of the same shape derives the same plan; a sharded
+(FSDP) region cuts the payload where its ranks' parameter shards end, too (:meth:`ShardPlan.pieces`). A
+manifest's shards may thus tile the payload differently from the reader's plan: a reader takes the
+elements it needs from the shards that overlap them (:func:`overlapping`).
 """
 
 from __future__ import annotations
 
+import bisect
 import copy
 import json
 import math
@@ -31,7 +34,10 @@ from dataclasses import asdict, dataclass, field
 from .errors import XRChecksumError, XRLayoutError, XRMissingRound, XRTimeout
 from .store import Store
 
-FORMAT = 2  # 2: per-shard checksums are XXH3-128 ("digest"), named by the manifest's "checksum"
+# 2: per-shard checksums are XXH3-128 ("digest"), named by the manifest's "checksum"; 3: a region's shards
+# are any contiguous tiling of the flat payload (a sharded region cuts it where its ranks' parameter shards
+# end), which a reader of another shape reads by overlap: a format-2 reader would misread them
+FORMAT = 3
 CHECKSUM = "xxh3_128"
 Buffer = bytes | bytearray | memoryview
 # bytes per element of each wire dtype (int4: two values per byte)
@@ -70,6 +76,8 @@ class ShardPlan:
 
     numel: int
     bounds: tuple[tuple[int, int], ...]
+    # the owner (position among the region's owners) of each shard; None: round-robin (s mod owners)
+    owners: tuple[int, ...] | None = None
 
     @classmethod
     def make(cls, numel: int, itemsize: float, shard_mb: float) -> ShardPlan:
@@ -81,12 +89,42 @@ class ShardPlan:
         n = math.ceil(numel / per)
         return cls(numel, tuple((i * per, min(numel, (i + 1) * per)) for i in range(n)))
 
+    @classmethod
+    def pieces(
+        cls, numel: int, held: list[tuple[int, int, int]], itemsize: float, shard_mb: float
+    ) -> ShardPlan:
+        """A sharded region's plan: ``held`` lists ``(start, end, owner)`` ranges that tile ``numel`` in
+        order (each rank's parameter shards); each range is cut into shards of about ``shard_mb`` MiB,
+        owned by the range's owner."""
+        per = max(1, int(int(shard_mb * (1 << 20)) / itemsize)) if shard_mb > 0 else numel
+        bounds, owners = [], []
+        for lo, hi, who in held:
+            for a in range(lo, hi, per):
+                bounds.append((a, min(hi, a + per)))
+                owners.append(who)
+        if not bounds or bounds[0][0] != 0 or bounds[-1][1] != numel:
+            raise ValueError(f"the held ranges do not cover 0..{numel}")
+        return cls(numel, tuple(bounds), tuple(owners))
+
     def __len__(self) -> int:
         return len(self.bounds)
 
     def owned(self, owner: int, owners: int) -> list[int]:
         """Shards owned by ``owner`` of ``owners`` (round-robin: shard s belongs to s mod owners)."""
+        if self.owners is not None:
+            return [s for s, o in enumerate(self.owners) if o == owner]
         return [s for s in range(len(self.bounds)) if s % owners == owner]
+
+
+def overlapping(shards: list[ShardInfo], lo: int, hi: int) -> list[ShardInfo]:
+    """The shards (of a checked manifest: they tile the payload in order) that hold elements of
+    ``[lo, hi)``."""
+    i = max(0, bisect.bisect_right(shards, lo, key=lambda s: s.start) - 1)
+    out = []
+    while i < len(shards) and shards[i].start < hi:
+        out.append(shards[i])
+        i += 1
+    return out
 
 
 @dataclass
@@ -153,22 +191,27 @@ class Expect:
             ("layout", m.layout, self.layout),
             ("serialization", m.serialization, self.serialization),
             ("checksum", m.checksum, CHECKSUM),
-            ("shard count", len(m.shards), len(self.plan)),
         ):
             if got != want:
                 problems.append(f"{name} is {got!r}, expected {want!r}")
         if not problems:
-            for s, (lo, hi) in zip(m.shards, self.plan.bounds, strict=True):
-                if (s.start, s.numel) != (lo, hi - lo):
+            # any contiguous tiling of the payload, in order (another region's shape may cut it elsewhere)
+            at = 0
+            for i, s in enumerate(m.shards):
+                if s.index != i or s.start != at or s.numel <= 0:
                     problems.append(
-                        f"shard {s.index} covers [{s.start}, {s.start + s.numel}), expected [{lo}, {hi})"
+                        f"shard {s.index} covers [{s.start}, {s.start + s.numel}), expected "
+                        f"shard {i} from element {at}"
                     )
                     break
+                at += s.numel
                 if self.serialization == "raw" and s.nbytes != wire_nbytes(self.dtype, s.numel):
                     problems.append(
                         f"shard {s.index} has {s.nbytes} bytes, expected {wire_nbytes(self.dtype, s.numel)}"
                     )
                     break
+            if not problems and at != self.numel:
+                problems.append(f"the shards cover [0, {at}), expected [0, {self.numel})")
         if problems:
             hint = " (a different model or config in that region?)" if "layout" in problems[0] else ""
             raise XRLayoutError(

@@ -61,10 +61,11 @@ class SnapshotSync(OuterSync):
         """Leaders: ``theta_outer`` and momentum copied to host memory for a snapshot upload; only the
         shards this leader uploads are written (the rest of each buffer stays untouched)."""
         theta, mom = held(self.theta_outer, "theta_outer"), held(self.momentum, "momentum")
-        out = (torch.empty(self.numel, dtype=torch.float32), torch.empty(self.numel, dtype=torch.float32))
+        n = self.local_numel
+        out = (torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32))
         plan = self.ex.fp32_plan
         for sh in self.ex.owned(plan):
-            lo, hi = plan.bounds[sh]
+            lo, hi = self.ex.at(plan, sh)
             out[0][lo:hi].copy_(theta[lo:hi])
             out[1][lo:hi].copy_(mom[lo:hi])
         return out

@@ -18,6 +18,12 @@ broadcasts the new parameters (grad mode: gradients) in place over the region. A
 buffers on the training device with ``outer_device: auto`` while they fit in ``outer_device_max_gib``,
 else in host memory (pinned beside a GPU; the blocked CPU kernels run the step there). Checkpoints:
 leaders put ``theta_outer``/momentum into :meth:`state_dict`, DCP stores one copy, every leader loads it.
+
+**A sharded region (FSDP2).** Each rank holds a Shard(0) slice of every parameter: one contiguous range of
+the canonical flat layout each. Every rank is then an owner: it keeps the buffers for its own ranges only
+(:attr:`local_numel` elements), uploads and averages the shards cut from them, and writes the outer step
+into its local shards; no broadcast follows. Its shards are cut unlike a DDP region's: readers take what
+overlaps their own (:mod:`.exchange`), so regions of any shape average the same bits.
 """
 
 from __future__ import annotations
@@ -98,12 +104,16 @@ class OuterSync:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self._log = log or (lambda d: None)
         self.flat = FlatParams(model, xr.fragment_count)
-        self.numel = self.flat.numel
+        self.numel = self.flat.numel  # the payload's elements: the whole model
+        self.local_numel = self.flat.local_numel  # the buffers' (a sharded region: this rank's shards)
+        self.sharded = self.flat.sharded
+        if self.sharded and xr.sharded_unsupported:
+            raise ValueError(f"a sharded (FSDP2) model: {xr.sharded_unsupported[1]} is not supported yet")
         self.outer_device, self.pinned, placement = outer_placement(xr, self.device, self.state_bytes())
 
         # Who moves which shard. Comm tensors live on the training device (NCCL wants CUDA, gloo CPU).
         self.group = Region(dist, self.device)
-        owner_ranks = self._owner_ranks(dist)
+        owner_ranks = self._owner_ranks(dist) if not self.sharded else self._shard_owners()
         self.group.set_leaders(owner_ranks)
         self.leader = self.group.is_leader  # holds the outer state
         self.mailbox: Mailbox | None = None
@@ -125,6 +135,9 @@ class OuterSync:
             owner_ranks,
             self.outer_device,
             self.device,
+            pieces=self.flat.held() if self.sharded else None,
+            local_at=self.flat.local_at,
+            buf_numel=self.local_numel,
         )
         self._allocate_buffers()
         self._log_outer_state(placement, owner_ranks)
@@ -149,6 +162,16 @@ class OuterSync:
         if 0 not in owner_ranks:
             raise ValueError("rank 0 must be a node leader (local rank 0 of node 0)")
         return owner_ranks
+
+    def _shard_owners(self) -> list[int]:
+        """A sharded region: every rank owns the shards of its own parameter slices (the mesh's rank must
+        be the region's rank: one 1-D mesh over the whole region)."""
+        if (self.flat.world, self.flat.rank) != (self.group.world, self.group.rank):
+            raise ValueError(
+                f"the parameters are sharded over a mesh of {self.flat.world} ranks (this one {self.flat.rank}), "
+                f"the region has {self.group.world} (this one {self.group.rank}): the mesh must span the region"
+            )
+        return list(range(self.group.world))
 
     def _open_mailbox(self, store: Store | None, poll_min_s: float, poll_max_s: float) -> None:
         """A leader's mailbox (run through :meth:`Region.on_each`: e.g. S3 credentials missing on one node,
@@ -197,7 +220,10 @@ class OuterSync:
             if self.leader:
                 new = torch.zeros if zero else torch.empty
                 buf = new(
-                    self.numel, dtype=torch.float32, device=self.outer_device, pin_memory=pin and self.pinned
+                    self.local_numel,
+                    dtype=torch.float32,
+                    device=self.outer_device,
+                    pin_memory=pin and self.pinned,
                 )
             setattr(self, name, buf)
 
@@ -252,22 +278,24 @@ class OuterSync:
     def _verify_init(self, scratch: torch.Tensor | None) -> str:
         """Hash what the MODEL now holds (not a copy; each leader its own shards) and compare with the
         published theta0."""
-        flat = self.flat.gather(held(scratch, "work")) if self.leader else None
 
         def published():
             mb = self.ex.mb()
             m = mb.read_manifest(TAG_INIT, self.xr.regions[0])
             if m is None:
                 raise XRError(f"theta0 manifest vanished from {mb.store.describe()}")
-            return m.extra.get("theta0")
+            return m.extra.get("theta0"), [[x.start, x.start + x.numel] for x in m.shards]
 
-        want = self.group.on_rank(published)
+        want, cut = self.group.on_rank(published)
         plan = self.ex.fp32_plan
+        if cut != [list(b) for b in plan.bounds]:  # cut elsewhere: each rank compares the model with the
+            return self._verify_copy(scratch, want)  # verified bytes it fetched
+        flat = self.flat.gather(held(scratch, "work")) if self.leader else None
         mine = (
             [
                 (s, digest(flat[lo:hi].cpu().contiguous().numpy().data))
                 for s in self.ex.owned(plan)
-                for lo, hi in [plan.bounds[s]]
+                for lo, hi in [self.ex.at(plan, s)]
             ]
             if flat is not None
             else []
@@ -280,6 +308,21 @@ class OuterSync:
                 f"{self.xr.regions[0]!r} hashes to {str(want)[:16]}: alignment was not written into the model"
             )
         return got
+
+    def _verify_copy(self, fetched: torch.Tensor | None, want: str) -> str:
+        """theta0 published in shards cut unlike this region's (another shape): every shard was verified
+        by its digest when fetched; each leader checks that the model now holds exactly those values."""
+
+        def same() -> None:
+            got = self.flat.gather(held(self.avg, "avg"))
+            if not torch.equal(got, held(fetched, "theta0")):
+                raise XRLayoutError(
+                    f"region {self.xr.region!r}: parameters after alignment differ from theta0 published by "
+                    f"{self.xr.regions[0]!r}: alignment was not written into the model"
+                )
+
+        self.group.on_each(same, active=self.leader)
+        return want
 
     # -- the trainer's interface ---------------------------------------------------------------------------
     def catch_up(self, step: int) -> int | None:
@@ -321,15 +364,19 @@ class OuterSync:
         return self.BUFFERS
 
     def state_bytes(self) -> int:
-        """Bytes of the flat buffers a leader holds (:meth:`buffers`)."""
-        return 4 * self.numel * len(self.buffers())
+        """Bytes of the flat buffers a leader holds (:meth:`buffers`); a sharded region's ranks hold them
+        for their own shards only."""
+        return 4 * self.local_numel * len(self.buffers())
 
     def outer_bytes(self) -> int:
         """Bytes of flat buffers this rank holds: :meth:`state_bytes` on a leader, 0 on the other ranks."""
         return sum(t.nbytes for t in (getattr(self, n, None) for n in self.buffers()) if t is not None)
 
     def _share_params(self) -> None:
-        """The parameters, as rank 0 holds them, into every rank of the region (in place)."""
+        """The parameters, as rank 0 holds them, into every rank of the region (in place). A sharded
+        region: nothing to do (each rank wrote its own shards)."""
+        if self.sharded:
+            return
         self.group.broadcast_tensors(self.flat.tensors(), src=0)
 
     def _cleanup(self, r: int, need_snapshot: bool) -> None:

@@ -1,0 +1,147 @@
+"""One rank of a test region whose model is FSDP2 (``--kind fsdp``) or DDP (``--kind ddp``), driven by a small
+loop (no trainer; ``--save-at STEP`` writes a DCP checkpoint of the model and the outer state, ``--resume DIR``
+loads one), under torchrun with gloo; ``tests/xr/test_fsdp.py`` starts one torchrun per region.
+
+The model's dims are chosen to shard unevenly: over 2 ranks the first layer's 5 rows split 3 + 2 and the
+last layer's single row leaves rank 1 with none. Before each round every rank records the region's whole
+flat parameters (what its delta is taken from); after it, the region's whole ``theta_outer`` and momentum,
+assembled from every rank's part (FSDP: each rank holds its shards' only; DDP: the leader holds all). Rank 0
+writes ``<out>/<region>.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from sbatch_gen.train.dist import DistInfo
+from sbatch_gen.train.xr.modes import create
+from sbatch_gen.xr_options import CrossRegion, FsTransport
+
+
+def whole_params(net: nn.Module) -> torch.Tensor:
+    """The region's parameters as one canonical flat vector (FSDP: gathered; collective)."""
+    from torch.distributed.tensor import DTensor
+
+    parts = [p.full_tensor() if isinstance(p, DTensor) else p for p in net.parameters()]
+    return torch.cat([p.detach().reshape(-1) for p in parts]).clone()
+
+
+def whole_state(sync) -> tuple[torch.Tensor, torch.Tensor]:
+    """theta_outer and momentum over the whole canonical layout, from every rank's part (collective)."""
+    flat = sync.flat
+    mine = None
+    if sync.theta_outer is not None:
+        ranges = flat.ranges if flat.sharded else [(0, flat.numel)]
+        mine = (ranges, list(flat.offsets), sync.theta_outer.clone(), sync.momentum.clone())
+    got: list = [None] * dist.get_world_size()
+    dist.all_gather_object(got, mine)
+    theta, mom = torch.full((flat.numel,), float("nan")), torch.full((flat.numel,), float("nan"))
+    for part in got:
+        if part is None:
+            continue
+        ranges, offs, t, m = part
+        for (lo, hi), a in zip(ranges, offs, strict=False):
+            theta[lo:hi] = t[a : a + hi - lo]
+            mom[lo:hi] = m[a : a + hi - lo]
+    return theta, mom
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--region", required=True)
+    ap.add_argument("--regions", required=True)
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--kind", default="fsdp")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--payload", default="bf16")
+    ap.add_argument("--save-at", type=int, default=0)
+    ap.add_argument("--resume", default="")
+    a = ap.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    info = DistInfo(
+        rank=rank,
+        world_size=world,
+        local_rank=rank,
+        local_world_size=world,
+        node_rank=0,
+        num_nodes=1,
+        is_distributed=True,
+        backend="gloo",
+    )
+    regions = a.regions.split(",")
+    torch.manual_seed(regions.index(a.region))  # the regions start apart: alignment must fix that
+    net = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 1))
+    if a.kind == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(net, mesh=init_device_mesh("cpu", (world,)))
+        model: nn.Module = net
+    else:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(net)
+    xr = CrossRegion(
+        enabled=True,
+        run_id="f",
+        region=a.region,
+        regions=regions,
+        inner_steps=2,
+        transport=FsTransport(root=a.root),
+        timeout_s=120,
+        shard_mb=0.00004,  # 10 fp32 / 20 bf16 elements a shard: many shards, cut unlike the other region
+        threads=2,
+        payload_dtype=a.payload,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+    )
+    sync = create(xr, model, torch.device("cpu"), info, None, None, poll_min_s=0.005, poll_max_s=0.05)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    start = 0
+    if a.resume:  # the model and the outer state from a DCP checkpoint, resharded to this world size
+        state = {"model": net.state_dict(), "outer": sync.state_dict(), "step": 0}
+        dcp.load(state, checkpoint_id=a.resume)
+        net.load_state_dict(state["model"])
+        sync.load_state_dict(state["outer"])
+        start = int(state["step"])
+    sync.align(start)
+    rounds = [(start, *whole_state(sync), None)]
+    for step in range(start + 1, a.steps + 1):
+        g = torch.Generator().manual_seed(10_000 * regions.index(a.region) + 100 * rank + step)
+        x = torch.randn(8, 6, generator=g)
+        opt.zero_grad()
+        ((model(x) - x.sum(1, keepdim=True)) ** 2).mean().backward()
+        opt.step()
+        before = whole_params(net) if step % xr.inner_steps == 0 else None
+        rec = sync.after_optimizer_step(step, 8 * world)
+        if rec:
+            rounds.append((step, *whole_state(sync), before))
+            assert torch.equal(whole_params(net), rounds[-1][1]), (
+                "the model is not theta_outer after the round"
+            )
+        if step == a.save_at:
+            state = {"model": net.state_dict(), "outer": sync.state_dict(), "step": step}
+            dcp.save(state, checkpoint_id=str(Path(a.out) / "ckpt"))
+    if rank == 0:
+        out = {"rounds": rounds, "numel": sync.numel, "local": sync.local_numel, "bytes": sync.outer_bytes()}
+        torch.save(out, Path(a.out) / f"{a.region}.pt")
+    sync.close()
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # see tests/xr/outer_worker.py: no process-group teardown at exit
+
+
+if __name__ == "__main__":
+    main()

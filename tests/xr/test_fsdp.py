@@ -1,0 +1,250 @@
+"""Sharded (FSDP2) regions in the DiLoCo library: regions of different shapes exchange deltas through the
+mailbox (each cuts its payload into shards where its ranks' parameter shards end; a reader takes what
+overlaps its own) and hold bit-identical outer state after every round, equal to a float64 reference; and
+what the library refuses, one line naming the parameter."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from sbatch_gen.train.dist import DistInfo
+from sbatch_gen.train.xr.flat import FlatParams, shard_rows
+from sbatch_gen.train.xr.protocol import ShardPlan
+from sbatch_gen.train.xr.sync import OuterSync
+
+from .test_multiproc import REPO, _wait_workers
+from .test_sync import xr_for
+
+REGIONS = ["eu", "us"]
+LR, MU = 0.7, 0.9  # tests/xr/fsdp_worker.py's outer_lr and outer_momentum
+
+
+def _launch(region: str, kind: str, nproc: int, out: Path, root: Path, payload: str, *extra: str):
+    from sbatch_gen.testing.regions import clean_env
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += ["--module", "tests.xr.fsdp_worker", "--region", region, "--regions", ",".join(REGIONS)]
+    cmd += ["--out", str(out), "--root", str(root), "--kind", kind, "--payload", payload, *extra]
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / f"{region}.log", "ab")  # noqa: SIM115 - closed by _wait_workers
+    p = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=clean_env(), cwd=REPO, start_new_session=True
+    )
+    return p, log
+
+
+def _reference(theta, mom, xs, tokens, payload):
+    """The round in float64 from the unsharded inputs: each region's delta (theta - x in fp32, as it is
+    published: bf16-rounded for a bf16 payload), their token-weighted average, the Nesterov step."""
+    ds = []
+    for x in xs:
+        d = theta - x
+        ds.append((d.to(torch.bfloat16) if payload == "bf16" else d).double())
+    g = sum(t / sum(tokens) * d for t, d in zip(tokens, ds, strict=True))
+    m = MU * mom.double() + g
+    return theta.double() - LR * (g + MU * m), m
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "us, payload",
+    [(("fsdp", 1), "bf16"), (("ddp", 2), "bf16"), (("ddp", 2), "int8")],
+    ids=["fsdp2-fsdp1-bf16", "fsdp2-ddp2-bf16", "fsdp2-ddp2-int8"],
+)
+def test_regions_of_different_shapes_hold_the_same_outer_state(us, payload, tmp_path):
+    """eu: FSDP2 over 2 ranks (uneven rows; rank 1 holds no row of the last layer), each rank holding the
+    outer state of its own shards only; us: FSDP2 over 1 rank or DDP over 2. Three rounds. After each one
+    both regions' whole theta_outer and momentum (assembled from their ranks) are the same bits, and (bf16)
+    equal to the float64 reference computed here from the unsharded deltas within 1e-6 * (1 + |value|):
+    the library computes in fp32, each element through about 8 roundings (the weighted sum's multiplies and
+    adds, the momentum and the step), each at most 2**-24 relative; values are O(1). int8: the same bits in
+    both regions (the reference would need the quantisation; tests/xr/test_scaled.py covers it)."""
+    shapes = {"eu": ("fsdp", 2), "us": us}
+    runs = [
+        (_launch(r, kind, n, tmp_path / "out", tmp_path / "mailbox", payload), r)
+        for r, (kind, n) in shapes.items()
+    ]
+    _wait_workers(runs)
+    res = {r: torch.load(tmp_path / "out" / f"{r}.pt", weights_only=False) for r in REGIONS}
+    eu, other = res["eu"]["rounds"], res["us"]["rounds"]
+    assert [s for s, *_ in eu] == [s for s, *_ in other] == [0, 2, 4, 6]
+    tokens = [8 * 2 * n for _, n in shapes.values()]  # 8 a rank a step, 2 steps a round
+    for (step, theta, mom, _), (_, theta_us, mom_us, _) in zip(eu, other, strict=True):
+        assert not theta.isnan().any() and not mom.isnan().any(), step
+        assert torch.equal(theta, theta_us) and torch.equal(mom, mom_us), (
+            f"the regions differ after step {step}"
+        )
+    for i in range(1, len(eu)):
+        (_, t0, m0, _), (step, t1, m1, x_eu) = eu[i - 1], eu[i]
+        assert not torch.equal(t1, t0), f"round at step {step} changed nothing"
+        if payload != "bf16":
+            continue
+        ref_t, ref_m = _reference(t0, m0, [x_eu, other[i][3]], tokens, payload)
+        for got, want in ((t1, ref_t), (m1, ref_m)):
+            err = (got.double() - want).abs() / (1 + want.abs())
+            assert err.max() <= 1e-6, f"step {step}: {err.max():.3g} from the float64 reference"
+    # FSDP: eu's rank 0 holds the outer state of its own shards only, 4 buffers x 4 B each: rows 0:3 of the
+    # first layer (18 + 3 elements) and the last layer's only row (5 + 1), 27 of the model's 41 elements
+    eu0 = res["eu"]
+    assert (eu0["numel"], eu0["local"], eu0["bytes"]) == (41, 27, 16 * 27)
+
+
+@pytest.mark.slow
+def test_a_sharded_region_resumes_with_another_world_size_from_its_checkpoint(tmp_path):
+    """eu (FSDP over 2 ranks) checkpoints after round 2 (DCP: the outer state as DTensors placed like the
+    parameters) beside us (DDP over 2). eu then comes back as ONE rank from that checkpoint and re-enters
+    round 3 (its delta is in the mailbox already): DCP reshards its outer state, and it ends on exactly the
+    outer state and parameters of the uninterrupted run, which only a correctly resharded theta_outer and
+    momentum give."""
+    mb, first, again = tmp_path / "mailbox", tmp_path / "first", tmp_path / "again"
+    runs = [
+        (_launch("eu", "fsdp", 2, first, mb, "bf16", "--save-at", "4"), "eu"),
+        (_launch("us", "ddp", 2, first, mb, "bf16"), "us"),
+    ]
+    _wait_workers(runs)
+    _wait_workers(
+        [(_launch("eu", "fsdp", 1, again, mb, "bf16", "--resume", str(first / "ckpt")), "eu again")]
+    )
+    done = torch.load(first / "eu.pt", weights_only=False)["rounds"]
+    back = torch.load(again / "eu.pt", weights_only=False)["rounds"]
+    assert [s for s, *_ in back] == [4, 6]
+    for (s0, t0, m0, _), (s1, t1, m1, _) in zip(done[2:], back, strict=True):
+        assert s0 == s1 and torch.equal(t0, t1) and torch.equal(m0, m1), (
+            f"step {s0}: the resumed region differs"
+        )
+
+
+# -- refusals and the plan, in this process (a one-rank gloo group) ----------------------------------------------
+
+
+@pytest.fixture
+def one_rank():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield DistInfo(is_distributed=True, backend="gloo")
+    finally:
+        dist.destroy_process_group()
+
+
+def _placed(placements, mesh_shape):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", mesh_shape)
+    net = nn.Sequential(nn.Linear(3, 4))
+    net[0].weight = nn.Parameter(distribute_tensor(net[0].weight.detach(), mesh, placements))
+    net[0].bias = nn.Parameter(distribute_tensor(net[0].bias.detach(), mesh, [Replicate()] * len(mesh_shape)))
+    return net
+
+
+def test_tensor_parallel_dtensors_are_refused_naming_the_parameter(one_rank):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+
+    with pytest.raises(
+        ValueError, match=r"^parameter 0.weight is a DTensor placed as \[Replicate\(\)\] on a 1-D "
+    ):
+        FlatParams(_placed([Replicate()], (1,)))
+    with pytest.raises(
+        ValueError, match=r"^parameter 0.weight is a DTensor placed as .* on a 2-D mesh: only "
+    ):
+        FlatParams(_placed([Shard(0), Replicate()], (1, 1)))
+    with pytest.raises(ValueError, match=r"^parameter 0.weight is a DTensor placed as \[Shard\(dim=1\)\]"):
+        FlatParams(_placed([Shard(1)], (1,)))
+    half = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    fully_shard(half[0])  # the root left whole: 1.weight stays a plain tensor
+    with pytest.raises(
+        ValueError, match=r"^parameter 1.weight is a plain tensor beside sharded \(DTensor\) ones"
+    ):
+        FlatParams(half)
+
+
+def test_a_sharded_model_is_refused_where_the_library_cannot_sync_it_yet(one_rank, tmp_path):
+    from torch.distributed.fsdp import fully_shard
+
+    net = nn.Sequential(nn.Linear(3, 4))
+    fully_shard(net)
+    for opts, what in (({"sync": "grad"}, "sync grad"), ({"overlap": "eager"}, "overlap eager")):
+        xr = xr_for("eu", str(tmp_path), **opts)
+        with pytest.raises(ValueError, match=f"^a sharded \\(FSDP2\\) model: {what} is not supported yet$"):
+            OuterSync(xr, net, torch.device("cpu"), one_rank)
+    with pytest.raises(ValueError, match=r"overlap streaming \(fragments\) with a sharded"):
+        FlatParams(net, fragments=2)
+
+
+def test_a_sharded_region_cuts_its_payload_where_each_ranks_rows_end():
+    """Shard(0)'s rows (torch.chunk's split, the last ranks possibly empty) and the plan every rank of a
+    region derives from them: each rank owns the shards of its own ranges, cut at shard_mb."""
+    assert [shard_rows(5, 2, k) for k in range(2)] == [(0, 3), (3, 5)]
+    assert [shard_rows(1, 2, k) for k in range(2)] == [(0, 1), (1, 1)]
+    assert [shard_rows(3, 4, k) for k in range(4)] == [(0, 1), (1, 2), (2, 3), (3, 3)]
+    plan = ShardPlan.pieces(10, [(0, 6, 0), (6, 10, 1)], 4, 16 / (1 << 20))  # 4 elements a shard
+    assert plan.bounds == ((0, 4), (4, 6), (6, 10))
+    assert plan.owned(0, 2) == [0, 1] and plan.owned(1, 2) == [2]
+
+
+@pytest.mark.slow
+def test_the_trainer_trains_an_fsdp_region_beside_a_ddp_region_to_the_same_model(tmp_path, repo, data_dir):
+    """The trainer with ``parallelism.kind: fsdp`` and cross-region DiLoCo: eu FSDP over 2 ranks, us DDP on 1
+    rank, over a directory mailbox; 12 steps, H=4, a snapshot every 2 rounds (eu, the first member,
+    publishes snapshot 2 from its ranks' shards). Both end on the same exported bytes."""
+    from sbatch_gen.testing.regions import launch_region
+    from sbatch_gen.xr_options import FsTransport
+
+    from .test_multiproc import assert_same_params, metrics, run_both, write_config, xr
+
+    transport = FsTransport(root=str(tmp_path / "mailbox"))
+    runs = []
+    for r, kind, nproc in (("eu", "fsdp", 2), ("us", "ddp", 1)):
+        cfg = write_config(tmp_path, repo, name=f"{r}.yaml", parallelism={"kind": kind})
+        runs.append(
+            launch_region(
+                xr(r, transport, snapshot_every=2),
+                config=cfg,
+                run_dir=tmp_path / r,
+                data_path=data_dir,
+                max_steps=12,
+                nproc=nproc,
+            )
+        )
+    run_both(runs)
+    assert_same_params(tmp_path / "eu", tmp_path / "us")
+    for r in REGIONS:
+        m = metrics(tmp_path / r)
+        assert [x["xr_round"] for x in m if "xr_round" in x] == [1, 2, 3]
+    shots = [x for x in metrics(tmp_path / "eu") if x.get("event") == "xr_snapshot"]
+    assert [x["round"] for x in shots] == [2]
+
+
+def test_a_manifest_may_tile_the_payload_any_way_but_not_leave_gaps():
+    """A reader takes any contiguous tiling in order (another region's cut) and finds the shards over a range;
+    a gap, an overlap or a short cover is refused, naming the shard."""
+    from sbatch_gen.train.xr.errors import XRLayoutError
+    from sbatch_gen.train.xr.protocol import Expect, Manifest, ShardInfo, overlapping
+
+    mine = ShardPlan.make(10, 4, 16 / (1 << 20))  # 4 elements a shard: [0,4) [4,8) [8,10)
+
+    def manifest(cuts):
+        shards = [ShardInfo(i, a, b - a, 4 * (b - a), "") for i, (a, b) in enumerate(cuts)]
+        return Manifest("t", "us", "r000001", "delta", 1, "fp32", 10, "L", "raw", 1, shards)
+
+    expect = Expect("delta", "fp32", 10, "L", "raw", mine)
+    other = manifest([(0, 3), (3, 5), (5, 10)])
+    expect.check(other, "t", "r000001", "us", "here")
+    assert [s.index for s in overlapping(other.shards, 4, 8)] == [1, 2]
+    assert [s.index for s in overlapping(other.shards, 0, 3)] == [0]
+    for cuts, why in (
+        ([(0, 3), (4, 10)], "shard 1 covers \\[4, 10\\), expected shard 1 from element 3"),
+        ([(0, 5), (3, 10)], "shard 1 covers \\[3, 10\\), expected shard 1 from element 5"),
+        ([(0, 5), (5, 9)], "the shards cover \\[0, 9\\), expected \\[0, 10\\)"),
+    ):
+        with pytest.raises(XRLayoutError, match=why):
+            expect.check(manifest(cuts), "t", "r000001", "us", "here")
