@@ -319,3 +319,32 @@ def test_a_crashed_region_is_found_by_its_heartbeat_and_rejoins_bit_identical(tm
     assert torch.equal(flat(m_eu), flat(m_us)) and torch.equal(s_eu.theta_outer, s_us.theta_outer)
     s_eu.close()
     assert not s_eu.membership.beating
+
+
+def test_a_payload_cleaned_up_under_a_fast_forward_makes_it_plan_again(tmp_path, monkeypatch):
+    """A round's payload can be deleted (the other region's cleanup) between reading its commit and
+    downloading it: the returning region plans its catch-up again instead of failing (seen once in an e2e
+    run: StoreError "object missing" ended the attempt), and still holds exactly eu's outer state."""
+    from sbatch_gen.train.xr.errors import StoreError
+    from sbatch_gen.train.xr.protocol import Mailbox
+
+    regions = ["eu", "us"]
+    kw = dict(keep_rounds=10, snapshot_every=100)
+    syncs, saved = _round_one_then_us_goes(tmp_path, regions, kw, lambda s: s.leave(H, "test"))
+    m_eu, s_eu, opt_eu = syncs["eu"]
+    _rounds(m_eu, s_eu, opt_eu, "eu", [2, 3])
+    download, failed = Mailbox.download, []
+
+    def vanishing_once(self, tag, *a, **k):
+        if not failed and self.region == "us":
+            failed.append(tag)
+            raise StoreError(f"object missing: {tag}/eu/s00000.bin")
+        return download(self, tag, *a, **k)
+
+    monkeypatch.setattr(Mailbox, "download", vanishing_once)
+    events = []
+    m_us, s_us, _adopted = _us_back(tmp_path, regions, kw, saved, log=events.append)
+    assert failed, "the fast-forward never downloaded a round"
+    assert torch.equal(s_us.theta_outer, s_eu.theta_outer) and torch.equal(s_us.momentum, s_eu.momentum)
+    ev = [e for e in events if e.get("event") == "xr_rejoin"][0]
+    assert ev["from_round"] == 1 and ev["to_round"] == 3

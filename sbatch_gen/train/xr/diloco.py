@@ -334,6 +334,7 @@ class DiLoCo(SnapshotSync):
         start = self.round
         via: list[str] = []
         replayed = 0
+        last: XRBehind | None = None
         for _ in range(FF_ATTEMPTS):
             plan = self.group.on_rank(self._plan)
             if plan is None:
@@ -347,12 +348,13 @@ class DiLoCo(SnapshotSync):
                     self._replay(r)
                     self.round = r
                     replayed += 1
-            except XRBehind:
-                continue  # something we planned on was cleaned up meanwhile: plan again from here
+            except XRBehind as e:
+                last = e  # something we planned on was cleaned up meanwhile: plan again from here
+                continue
         else:
             raise XRMissingRound(
                 f"region {self.xr.region!r} could not catch up with the run in {FF_ATTEMPTS} "
-                "attempts (rounds kept disappearing): is keep_rounds very small?"
+                f"attempts (rounds kept disappearing; last: {last}): is keep_rounds very small?"
             )
         if self.round == start:
             return None

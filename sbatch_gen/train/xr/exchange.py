@@ -38,7 +38,7 @@ from sbatch_gen.xr_options import CrossRegion
 
 from . import scaled
 from .commit import Commit
-from .errors import XRCancelled, XRError, XRLayoutError
+from .errors import StoreError, XRCancelled, XRError, XRLayoutError
 from .kernels import CPU_BLOCK, GPU_BLOCK, weighted_average_
 from .membership import Membership
 from .protocol import (
@@ -569,7 +569,12 @@ class Exchange:
 
         commit, manifests = self.group.on_rank(read)
         members = [r for r in self.xr.regions if r in commit.members]
-        self._download_and_average(tag, expect, manifests, members, {}, out)
+        try:
+            self._download_and_average(tag, expect, manifests, members, {}, out)
+        except StoreError as e:  # (every rank: on_each) a payload cleaned up after its commit was read
+            from .errors import XRBehind
+
+            raise XRBehind(f"round {tag}: {e} while fast-forwarding", None) from e
         self.broadcast_slices(expect.plan, out)
         return commit
 
