@@ -96,6 +96,38 @@ def test_regions_of_different_shapes_hold_the_same_outer_state(us, payload, tmp_
 
 
 @pytest.mark.slow
+def test_an_fsdp_rank_reads_its_part_of_a_peer_and_writes_one_object_a_round(tmp_path):
+    """eu: FSDP2 over 2 ranks; us: FSDP2 over 1. A model of 3169 elements (bf16: 6338 bytes a payload),
+    shard_mb large enough for a rank's part, chunks of 256 bytes. Every rank writes ONE object a round; an
+    eu rank reads only the chunks of us's object that hold its rows (about half of the payload: its rows'
+    bytes rounded out to whole chunks), us reads both of eu's objects whole; both regions end each round
+    on the same bits."""
+    out = tmp_path / "out"
+    extra = ("--dims", "64,48,1", "--shard-mb", "1", "--chunk-bytes", "256")
+    runs = [
+        (_launch(r, "fsdp", n, out, tmp_path / "mailbox", "bf16", *extra), r)
+        for r, n in (("eu", 2), ("us", 1))
+    ]
+    _wait_workers(runs)
+    res = {r: torch.load(out / f"{r}.pt", weights_only=False) for r in REGIONS}
+    for (step, theta, mom, _), (_, theta_us, mom_us, _) in zip(
+        res["eu"]["rounds"], res["us"]["rounds"], strict=True
+    ):
+        assert torch.equal(theta, theta_us) and torch.equal(mom, mom_us), (
+            f"the regions differ after step {step}"
+        )
+    payload = 2 * res["eu"]["numel"]  # bf16
+    assert payload == 6338 and len(res["eu"]["io"]) == len(res["us"]["io"]) == 3
+    for eu, us in zip(res["eu"]["io"], res["us"]["io"], strict=True):
+        assert [n for _, n in eu] == [1, 1] and [n for _, n in us] == [1], (eu, us)
+        # us's object: W1 at bytes 0..6144, b1 6144..6240, W2 ..6336, b2 ..6338. eu rank 0 needs W1's rows
+        # 0:24 (chunks 0-11) and b1[:24], W2, b2 (chunk 24: 194 bytes); rank 1 W1's rows 24:48 (chunks
+        # 12-23) and b1[24:] (chunk 24): 3072 + 194 bytes each
+        assert [b for b, _ in eu] == [3266, 3266], eu
+        assert all(0.45 < b / payload < 0.6 for b, _ in eu) and us == [(payload, 1)], (eu, us)
+
+
+@pytest.mark.slow
 def test_a_sharded_region_resumes_with_another_world_size_from_its_checkpoint(tmp_path):
     """eu (FSDP over 2 ranks) checkpoints after round 2 (DCP: the outer state as DTensors placed like the
     parameters) beside us (DDP over 2). eu then comes back as ONE rank from that checkpoint and re-enters

@@ -139,15 +139,17 @@ def test_mismatched_layout_and_run_id_are_clear_errors(transport):
     # a peer on another protocol version: older format, or shards checksummed another way
     d = json.loads(mb["us"].store.get(mb["us"].manifest_key("r000001", "us")))
     assert (
-        d["format"] == 3 and d["checksum"] == "xxh3_128" and all(len(s["digest"]) == 32 for s in d["shards"])
+        d["format"] == 4 and d["checksum"] == "xxh3_128" and all(len(s["digest"]) == 32 for s in d["shards"])
     )
     d.update(tag="r000004", layout="L1", format=2)  # format 2: shards cut only by the shard_mb plan
     mb["us"].store.put(mb["us"].manifest_key("r000004", "us"), json.dumps(d).encode())
     with pytest.raises(
-        XRLayoutError, match=r"unreadable manifest .*us\.done: format 2, this version reads 3"
+        XRLayoutError,
+        match=r"unreadable manifest .*us\.done: format 2, this version reads formats 3 and 4: every region "
+        "of a run must run the same sbatch-gen version",
     ):
         xchg(mb["eu"], "r000004", os.urandom(400))
-    d.update(tag="r000005", format=3, checksum="sha256")
+    d.update(tag="r000005", format=4, checksum="sha256")
     mb["us"].store.put(mb["us"].manifest_key("r000005", "us"), json.dumps(d).encode())
     with pytest.raises(XRLayoutError, match=r"checksum is 'sha256', expected 'xxh3_128'"):
         xchg(mb["eu"], "r000005", os.urandom(400))
