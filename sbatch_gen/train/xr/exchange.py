@@ -332,11 +332,16 @@ class Exchange:
 
         def manifest():
             mb = self.mb()
-            shards = [ShardInfo(s, 0, 0, 0, "") for s in range(len(expect.plan))]
+            index: dict[int, ShardInfo] = {}
             for k, (st, where) in objects.items():
                 for (s, (a, b)), d in zip(where, st.digests, strict=True):
                     lo, hi = expect.plan.bounds[s]
-                    shards[s] = ShardInfo(s, lo, hi - lo, b - a, d, k, a)
+                    index[s] = ShardInfo(s, lo, hi - lo, b - a, d, k, a)
+            if len(index) != len(expect.plan):
+                raise XRError(
+                    f"internal: {len(expect.plan) - len(index)} shards of {name}'s {tag} not uploaded"
+                )
+            shards = [index[s] for s in range(len(expect.plan))]
             m = Manifest(
                 self.xr.run_id,
                 name,

@@ -303,8 +303,8 @@ class Expect:
                 if bad is None
                 else [f"shard {bad.index}{self.param(bad.start)} names an object; none listed"]
             )
-        if m.chunk <= 0:
-            return [f"chunk is {m.chunk} bytes"]
+        if m.chunk <= 0 or m.chunk % 4:
+            return [f"chunk is {m.chunk} bytes, not a positive multiple of 4"]
         for k, o in enumerate(m.objects):
             if o.index != k or o.nbytes <= 0 or len(o.chunks) != -(-o.nbytes // m.chunk):
                 return [
@@ -316,6 +316,9 @@ class Expect:
             if s.obj is None or not 0 <= s.obj < len(m.objects):
                 return [f"{where} is in object {s.obj}; the manifest lists objects 0..{len(m.objects) - 1}"]
             n = m.objects[s.obj].nbytes
+            align = 1 if self.dtype in SCALED or self.serialization != "raw" else int(ITEMSIZE[self.dtype])
+            if s.offset % align:
+                return [f"{where} starts at byte {s.offset} of object {s.obj}, not a multiple of {align}"]
             if s.offset < 0 or s.nbytes <= 0 or s.offset + s.nbytes > n:
                 return [
                     f"{where} lies at bytes {s.offset}..{s.offset + s.nbytes} of object {s.obj}, which holds {n}"

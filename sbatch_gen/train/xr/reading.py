@@ -81,7 +81,7 @@ class ObjectBytes:
         """The bytes of ``spans`` one after the other: a view when they are adjacent, else a copy."""
         if all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1)):
             return self.view(spans[0][0], spans[-1][1])
-        return b"".join(self.view(lo, hi) for lo, hi in spans)
+        return bytearray().join(self.view(lo, hi) for lo, hi in spans)  # writable: torch takes it as is
 
 
 Want = tuple[str, Manifest, int, list[tuple[int, int]]]  # (region, its manifest, object, byte spans needed)
