@@ -96,16 +96,32 @@ def test_regions_of_different_shapes_hold_the_same_outer_state(us, payload, tmp_
 
 
 @pytest.mark.slow
-def test_an_fsdp_rank_reads_its_part_of_a_peer_and_writes_one_object_a_round(tmp_path):
-    """eu: FSDP2 over 2 ranks; us: FSDP2 over 1. A model of 3169 elements (bf16: 6338 bytes a payload),
-    shard_mb large enough for a rank's part, chunks of 256 bytes. Every rank writes ONE object a round; an
-    eu rank reads only the chunks of us's object that hold its rows (about half of the payload: its rows'
-    bytes rounded out to whole chunks), us reads both of eu's objects whole; both regions end each round
-    on the same bits."""
+@pytest.mark.parametrize(
+    "payload, size, part, whole",
+    # us's one object: W1 (48 x 64), b1, W2 (1 x 48), b2 one after the other; eu rank 0 needs W1's rows 0:24
+    # and the first half of b1, W2 and b2; rank 1 W1's rows 24:48 and the rest of b1
+    [
+        # bf16: W1 at bytes 0..6144, b1 ..6240, W2 ..6336, b2 ..6338. Rank 0 reads chunks 0-11 of W1 and
+        # chunk 24 (6144..6338: b1, W2, b2), rank 1 chunks 12-23 and chunk 24: 3072 + 194 bytes each
+        ("bf16", 6338, [3266, 3266], 6338),
+        # int8 (12 scales, then the values, of each shard): W1 at 0..3120, b1 ..3172, W2 ..3224, b2 ..3229.
+        # Rank 0: W1's first 6 blocks (scales 0..24, values 48..1584: chunks 0-6) and chunk 12 (3072..3229);
+        # rank 1: the other 6 blocks (scales 24..48: chunk 0; values 1584..3120: chunks 6-12). eu's two
+        # objects hold 4 bytes more than us's: b1, cut in two there, has one more scale
+        ("int8", 3229, [1792 + 157, 256 + 1693], 3233),
+    ],
+)
+def test_an_fsdp_rank_reads_its_part_of_a_peer_and_writes_one_object_a_round(
+    payload, size, part, whole, tmp_path
+):
+    """eu: FSDP2 over 2 ranks; us: FSDP2 over 1. A model of 3169 elements, shard_mb large enough for a
+    rank's part, chunks of 256 bytes. Every rank writes ONE object a round; an eu rank reads only the chunks
+    of us's object that hold its rows (about half of the payload: its rows' bytes rounded out to whole
+    chunks), us reads both of eu's objects whole; both regions end each round on the same bits."""
     out = tmp_path / "out"
     extra = ("--dims", "64,48,1", "--shard-mb", "1", "--chunk-bytes", "256")
     runs = [
-        (_launch(r, "fsdp", n, out, tmp_path / "mailbox", "bf16", *extra), r)
+        (_launch(r, "fsdp", n, out, tmp_path / "mailbox", payload, *extra), r)
         for r, n in (("eu", 2), ("us", 1))
     ]
     _wait_workers(runs)
@@ -116,15 +132,10 @@ def test_an_fsdp_rank_reads_its_part_of_a_peer_and_writes_one_object_a_round(tmp
         assert torch.equal(theta, theta_us) and torch.equal(mom, mom_us), (
             f"the regions differ after step {step}"
         )
-    payload = 2 * res["eu"]["numel"]  # bf16
-    assert payload == 6338 and len(res["eu"]["io"]) == len(res["us"]["io"]) == 3
+    assert res["eu"]["numel"] == 3169 and len(res["eu"]["io"]) == len(res["us"]["io"]) == 3
     for eu, us in zip(res["eu"]["io"], res["us"]["io"], strict=True):
-        assert [n for _, n in eu] == [1, 1] and [n for _, n in us] == [1], (eu, us)
-        # us's object: W1 at bytes 0..6144, b1 6144..6240, W2 ..6336, b2 ..6338. eu rank 0 needs W1's rows
-        # 0:24 (chunks 0-11) and b1[:24], W2, b2 (chunk 24: 194 bytes); rank 1 W1's rows 24:48 (chunks
-        # 12-23) and b1[24:] (chunk 24): 3072 + 194 bytes each
-        assert [b for b, _ in eu] == [3266, 3266], eu
-        assert all(0.45 < b / payload < 0.6 for b, _ in eu) and us == [(payload, 1)], (eu, us)
+        assert [n for _, n in eu] == [1, 1] and us == [(whole, 1)], (eu, us)
+        assert [b for b, _ in eu] == part and all(0.45 < b / size < 0.65 for b in part), eu
 
 
 @pytest.mark.slow

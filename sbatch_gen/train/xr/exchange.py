@@ -14,10 +14,11 @@ A round (DiLoCo delta or grad-mode gradient), in phases:
 4. *broadcast*: with several node leaders, each averaged shard goes from its owner to the other leaders
    (they hold the outer state; the other ranks hold none and get the parameters from the outer sync).
 
-A sharded (FSDP2) region has every rank as an owner: its shards are its own parameter slices (cut at
-``shard_mb``), held in buffers of its slices only (:meth:`Exchange.at`), and phase 4 does not exist. Since
-regions cut their payloads differently, a reader takes each member's values of its shard from whichever of
-that member's objects overlap it (whole objects, verified by their checksums).
+A sharded (FSDP2) region has every rank as an owner: its shards are its own parameter slices, packed into
+one object per rank (more only past ``shard_mb``), held in buffers of its slices only (:meth:`Exchange.at`),
+and phase 4 does not exist. Since regions cut their payloads differently, a reader takes each member's
+values of its shard from whichever of that member's shards overlap it, reading only the chunks of their
+objects that hold them (:mod:`.reading`: ranged reads, each chunk verified by its checksum).
 
 Every failure reaches every rank before anything changes (:class:`.region.Region`).
 """
@@ -330,39 +331,43 @@ class Exchange:
         for part in self.group.on_each(up, active=self.my_owner is not None):
             objects.update(part or {})
 
-        def manifest():
-            mb = self.mb()
-            index: dict[int, ShardInfo] = {}
-            for k, (st, where) in objects.items():
-                for (s, (a, b)), d in zip(where, st.digests, strict=True):
-                    lo, hi = expect.plan.bounds[s]
-                    index[s] = ShardInfo(s, lo, hi - lo, b - a, d, k, a)
-            if len(index) != len(expect.plan):
-                raise XRError(
-                    f"internal: {len(expect.plan) - len(index)} shards of {name}'s {tag} not uploaded"
-                )
-            shards = [index[s] for s in range(len(expect.plan))]
-            m = Manifest(
-                self.xr.run_id,
-                name,
-                tag,
-                kind,
-                step,
-                expect.dtype,
-                self.numel,
-                self.layout,
-                expect.serialization,
-                tokens,
-                shards,
-                extra_fn(shards) if extra_fn else {},
-                objects=[ObjectInfo(k, st.nbytes, st.chunks) for k, (st, _) in sorted(objects.items())],
-                chunk=mb.chunk_bytes,
-            )
-            mb.store.put(mb.manifest_key(tag, name), m.to_json())
-            return m
-
-        m = self.group.on_rank(manifest)
+        m = self.group.on_rank(
+            lambda: self._write_manifest(tag, name, step, tokens, expect, objects, extra_fn)
+        )
         return m, encoded, sum(st.nbytes for st, _ in objects.values())
+
+    def _write_manifest(
+        self, tag: str, name: str, step: int, tokens: int, expect: Expect, objects: dict, extra_fn
+    ) -> Manifest:
+        """rank 0: ``name``'s manifest of ``tag``, indexing the shards of every rank's ``objects``
+        ({object: (Stored, [(shard, byte span)])}), written last."""
+        mb = self.mb()
+        index: dict[int, ShardInfo] = {}
+        for k, (st, where) in objects.items():
+            for (s, (a, b)), d in zip(where, st.digests, strict=True):
+                lo, hi = expect.plan.bounds[s]
+                index[s] = ShardInfo(s, lo, hi - lo, b - a, d, k, a)
+        if len(index) != len(expect.plan):
+            raise XRError(f"internal: {len(expect.plan) - len(index)} shards of {name}'s {tag} not uploaded")
+        shards = [index[s] for s in range(len(expect.plan))]
+        m = Manifest(
+            self.xr.run_id,
+            name,
+            tag,
+            expect.kind,
+            step,
+            expect.dtype,
+            self.numel,
+            self.layout,
+            expect.serialization,
+            tokens,
+            shards,
+            extra_fn(shards) if extra_fn else {},
+            objects=[ObjectInfo(k, st.nbytes, st.chunks) for k, (st, _) in sorted(objects.items())],
+            chunk=mb.chunk_bytes,
+        )
+        mb.store.put(mb.manifest_key(tag, name), m.to_json())
+        return m
 
     def owned_objects(self, plan: ShardPlan) -> list[tuple[int, list[int]]]:
         """This rank's objects of ``plan``: (object, its shards in order)."""
