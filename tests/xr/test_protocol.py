@@ -241,6 +241,8 @@ def test_part_of_an_object_is_read_in_whole_checked_chunks(transport):
         got[("us", 0)].nbytes == 1024
         and bytes(got[("us", 0)].span_bytes([(2200, 2400), (2400, 2600)])) == (payload[2200:2600])
     )
+    with pytest.raises(XRLayoutError, match=r"shard 1 of region 'us' is packed in object 0: read it with"):
+        mb["eu"].download("r000001", [("us", m.shards[1])])  # whole-shard reads are for unpacked shards
     whole = read_objects(mb["eu"], "r000001", [("us", m, 0, [(0, 10), (3990, 4000), (10, 3990)])])
     assert whole[("us", 0)].nbytes == 4000 and bytes(whole[("us", 0)].view(0, 4000)) == payload
     bad = bytearray(payload)

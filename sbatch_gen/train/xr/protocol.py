@@ -576,13 +576,18 @@ class Mailbox:
     def download(
         self, tag: str, wants: Iterable[tuple[str, ShardInfo]], reuse: dict | None = None
     ) -> dict[tuple[str, int], Buffer]:
-        """Fetch shards stored one an object (format 3) concurrently and verify each against its manifest
-        entry. A store that can map objects (fs) hands out read-only-in-practice views without copying;
+        """Fetch shards stored one an object (a DDP region's, format 3) concurrently and verify each against
+        its manifest entry. A store that can map objects (fs) hands out read-only-in-practice views without copying;
         otherwise objects are read into buffers, reused between rounds when the caller keeps ``reuse`` (a
         dict) for that. Re-reads as :meth:`verified`'s."""
 
         def one(item: tuple[str, ShardInfo]):
             region, info = item
+            if info.obj not in (None, info.index) or info.offset:
+                raise XRLayoutError(
+                    f"round {tag}: shard {info.index} of region {region!r} is packed in object {info.obj}: "
+                    "read it with reading.read_objects"
+                )
             key = self.shard_key(tag, region, info.index)
             what = f"shard {info.index} of region {region!r}"
             return (region, info.index), self.verified(
