@@ -381,3 +381,20 @@ def test_format_3_manifests_are_still_read_whole(transport):
     assert got[("us", 1)].nbytes == m.shards[1].nbytes
     res = xchg(mb["eu"], "r000001", os.urandom(4 * 3000))
     assert res["us"][1] == payload
+
+
+def test_a_manifest_whose_index_is_not_numbers_is_unreadable():
+    m = _hostile([(0, 6, 0, 0), (6, 2, 0, 24)], [32])
+    good = json.loads(m.to_json())
+    assert Manifest.from_json(m.to_json(), "x") == m
+    for path, value in (
+        (("shards", 1, "obj"), "0"),
+        (("shards", 0, "offset"), 1.5),
+        (("objects", 0, "chunks"), 7),
+    ):
+        d = json.loads(json.dumps(good))
+        d[path[0]][path[1]][path[2]] = value
+        with pytest.raises(
+            XRLayoutError, match=r"^unreadable manifest fs:/mb/us\.done: (its index|an object|'int')"
+        ):
+            Manifest.from_json(json.dumps(d).encode(), "fs:/mb/us.done")

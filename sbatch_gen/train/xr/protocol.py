@@ -217,9 +217,27 @@ class Manifest:
                 )
             d["shards"] = [ShardInfo(**s) for s in d["shards"]]
             d["objects"] = [ObjectInfo(**o) for o in d.get("objects", [])]
-            return cls(**d)
+            m = cls(**d)
+            m._check_types()
+            return m
         except (ValueError, TypeError, KeyError) as e:
             raise XRLayoutError(f"unreadable manifest {where}: {e}") from e
+
+    def _check_types(self) -> None:
+        """The index's numbers are integers and its checksums strings (a hostile manifest fails here, in
+        one line, rather than deep in a read)."""
+        ints = [self.numel, self.chunk] + [
+            v for s in self.shards for v in (s.index, s.start, s.numel, s.nbytes)
+        ]
+        ints += [s.offset for s in self.shards] + [s.obj for s in self.shards if s.obj is not None]
+        ints += [v for o in self.objects for v in (o.index, o.nbytes)]
+        sums = [s.digest for s in self.shards] + [c for o in self.objects for c in o.chunks]
+        if not all(type(v) is int for v in ints) or not all(type(c) is str for c in sums):
+            raise ValueError(
+                "its index holds a number that is not an integer, or a checksum that is not a string"
+            )
+        if not all(isinstance(o.chunks, list) for o in self.objects):
+            raise ValueError("an object's chunks are not a list")
 
     def object_of(self, s: ShardInfo) -> int:
         """The object shard ``s`` is stored in."""
