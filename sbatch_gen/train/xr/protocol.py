@@ -226,6 +226,8 @@ class Manifest:
     def _check_types(self) -> None:
         """The index's numbers are integers and its checksums strings (a hostile manifest fails here, in
         one line, rather than deep in a read)."""
+        if not all(isinstance(o.chunks, list) for o in self.objects):
+            raise ValueError("an object's chunks are not a list")
         ints = [self.numel, self.chunk] + [
             v for s in self.shards for v in (s.index, s.start, s.numel, s.nbytes)
         ]
@@ -236,8 +238,6 @@ class Manifest:
             raise ValueError(
                 "its index holds a number that is not an integer, or a checksum that is not a string"
             )
-        if not all(isinstance(o.chunks, list) for o in self.objects):
-            raise ValueError("an object's chunks are not a list")
 
     def object_of(self, s: ShardInfo) -> int:
         """The object shard ``s`` is stored in."""
