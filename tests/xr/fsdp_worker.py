@@ -5,8 +5,9 @@ loads one), under torchrun with gloo; ``tests/xr/test_fsdp.py`` starts one torch
 The model's dims are chosen to shard unevenly: over 2 ranks the first layer's 5 rows split 3 + 2 and the
 last layer's single row leaves rank 1 with none. Before each round every rank records the region's whole
 flat parameters (what its delta is taken from); after it, the region's whole ``theta_outer`` and momentum,
-assembled from every rank's part (FSDP: each rank holds its shards' only; DDP: the leader holds all). Rank 0
-writes ``<out>/<region>.pt``.
+assembled from every rank's part (FSDP: each rank holds its shards' only; DDP: the leader holds all), and
+what each rank read and wrote of the round's objects (:class:`CountingStore`). Rank 0 writes
+``<out>/<region>.pt``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -23,7 +25,35 @@ from torch import nn
 
 from sbatch_gen.train.dist import DistInfo
 from sbatch_gen.train.xr.modes import create
+from sbatch_gen.train.xr.store import FsStore
 from sbatch_gen.xr_options import CrossRegion, FsTransport
+
+
+class CountingStore(FsStore):
+    """A directory mailbox that counts the bytes this rank reads of objects (whole or in ranges) and the
+    objects it writes."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.bytes_read, self.objects_put = 0, 0
+        self._lock = threading.Lock()
+
+    def _add(self, nbytes: int, objects: int) -> None:
+        with self._lock:
+            self.bytes_read += nbytes
+            self.objects_put += objects
+
+    def put(self, key, data) -> None:
+        self._add(0, key.endswith(".bin"))
+        super().put(key, data)
+
+    def get_range(self, key, offset, out, total) -> None:  # get_into reads through it too
+        self._add(memoryview(out).nbytes, 0)
+        super().get_range(key, offset, out, total)
+
+    def get_view(self, key, nbytes):
+        self._add(nbytes, 0)
+        return super().get_view(key, nbytes)
 
 
 def whole_params(net: nn.Module) -> torch.Tensor:
@@ -65,6 +95,9 @@ def main() -> None:
     ap.add_argument("--payload", default="bf16")
     ap.add_argument("--save-at", type=int, default=0)
     ap.add_argument("--resume", default="")
+    ap.add_argument("--dims", default="6,5,1", help="the two Linear layers' in,hidden,out")
+    ap.add_argument("--shard-mb", type=float, default=0.00004)  # 10 fp32 / 20 bf16 elements a shard
+    ap.add_argument("--chunk-bytes", type=int, default=0, help="the mailbox's integrity chunk (0: its own)")
     a = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -81,7 +114,8 @@ def main() -> None:
     )
     regions = a.regions.split(",")
     torch.manual_seed(regions.index(a.region))  # the regions start apart: alignment must fix that
-    net = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 1))
+    d_in, hidden, d_out = (int(x) for x in a.dims.split(","))
+    net = nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, d_out))
     if a.kind == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -100,13 +134,18 @@ def main() -> None:
         inner_steps=2,
         transport=FsTransport(root=a.root),
         timeout_s=120,
-        shard_mb=0.00004,  # 10 fp32 / 20 bf16 elements a shard: many shards, cut unlike the other region
+        shard_mb=a.shard_mb,  # (by default many shards, cut unlike the other region)
         threads=2,
         payload_dtype=a.payload,
         outer_lr=0.7,
         outer_momentum=0.9,
     )
-    sync = create(xr, model, torch.device("cpu"), info, None, None, poll_min_s=0.005, poll_max_s=0.05)
+    store = CountingStore(a.root)
+    sync = create(
+        xr, model, torch.device("cpu"), info, None, None, store=store, poll_min_s=0.005, poll_max_s=0.05
+    )
+    if a.chunk_bytes and sync.mailbox is not None:
+        sync.mailbox.chunk_bytes = a.chunk_bytes
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     start = 0
     if a.resume:  # the model and the outer state from a DCP checkpoint, resharded to this world size
@@ -117,16 +156,22 @@ def main() -> None:
         start = int(state["step"])
     sync.align(start)
     rounds = [(start, *whole_state(sync), None)]
+    io = []  # per round: every rank's (bytes read, objects written) during it
     for step in range(start + 1, a.steps + 1):
         g = torch.Generator().manual_seed(10_000 * regions.index(a.region) + 100 * rank + step)
-        x = torch.randn(8, 6, generator=g)
+        x = torch.randn(8, d_in, generator=g)
         opt.zero_grad()
         ((model(x) - x.sum(1, keepdim=True)) ** 2).mean().backward()
         opt.step()
         before = whole_params(net) if step % xr.inner_steps == 0 else None
+        counts = (store.bytes_read, store.objects_put)
         rec = sync.after_optimizer_step(step, 8 * world)
         if rec:
             rounds.append((step, *whole_state(sync), before))
+            mine = (store.bytes_read - counts[0], store.objects_put - counts[1])
+            got: list = [None] * world
+            dist.all_gather_object(got, mine)
+            io.append(got)
             assert torch.equal(whole_params(net), rounds[-1][1]), (
                 "the model is not theta_outer after the round"
             )
@@ -134,7 +179,13 @@ def main() -> None:
             state = {"model": net.state_dict(), "outer": sync.state_dict(), "step": step}
             dcp.save(state, checkpoint_id=str(Path(a.out) / "ckpt"))
     if rank == 0:
-        out = {"rounds": rounds, "numel": sync.numel, "local": sync.local_numel, "bytes": sync.outer_bytes()}
+        out = {
+            "rounds": rounds,
+            "numel": sync.numel,
+            "local": sync.local_numel,
+            "bytes": sync.outer_bytes(),
+            "io": io,
+        }
         torch.save(out, Path(a.out) / f"{a.region}.pt")
     sync.close()
     dist.barrier()

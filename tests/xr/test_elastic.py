@@ -325,23 +325,23 @@ def test_a_payload_cleaned_up_under_a_fast_forward_makes_it_plan_again(tmp_path,
     """A round's payload can be deleted (the other region's cleanup) between reading its commit and
     downloading it: the returning region plans its catch-up again instead of failing (seen once in an e2e
     run: StoreError "object missing" ended the attempt), and still holds exactly eu's outer state."""
+    from sbatch_gen.train.xr import exchange
     from sbatch_gen.train.xr.errors import StoreError
-    from sbatch_gen.train.xr.protocol import Mailbox
 
     regions = ["eu", "us"]
     kw = dict(keep_rounds=10, snapshot_every=100)
     syncs, saved = _round_one_then_us_goes(tmp_path, regions, kw, lambda s: s.leave(H, "test"))
     m_eu, s_eu, opt_eu = syncs["eu"]
     _rounds(m_eu, s_eu, opt_eu, "eu", [2, 3])
-    download, failed = Mailbox.download, []
+    download, failed = exchange.read_objects, []
 
-    def vanishing_once(self, tag, *a, **k):
-        if not failed and self.region == "us":
+    def vanishing_once(mb, tag, *a, **k):
+        if not failed and mb.region == "us":
             failed.append(tag)
             raise StoreError(f"object missing: {tag}/eu/s00000.bin")
-        return download(self, tag, *a, **k)
+        return download(mb, tag, *a, **k)
 
-    monkeypatch.setattr(Mailbox, "download", vanishing_once)
+    monkeypatch.setattr(exchange, "read_objects", vanishing_once)
     events = []
     m_us, s_us, _adopted = _us_back(tmp_path, regions, kw, saved, log=events.append)
     assert failed, "the fast-forward never downloaded a round"

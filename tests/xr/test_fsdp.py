@@ -96,6 +96,49 @@ def test_regions_of_different_shapes_hold_the_same_outer_state(us, payload, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "payload, size, part, whole",
+    # us's one object: W1 (48 x 64), b1, W2 (1 x 48), b2 one after the other; eu rank 0 needs W1's rows 0:24
+    # and the first half of b1, W2 and b2; rank 1 W1's rows 24:48 and the rest of b1
+    [
+        # bf16: W1 at bytes 0..6144, b1 ..6240, W2 ..6336, b2 ..6338. Rank 0 reads chunks 0-11 of W1 and
+        # chunk 24 (6144..6338: b1, W2, b2), rank 1 chunks 12-23 and chunk 24: 3072 + 194 bytes each
+        ("bf16", 6338, [3266, 3266], 6338),
+        # int8 (12 scales, then the values, of each shard): W1 at 0..3120, b1 ..3172, W2 ..3224, b2 ..3229.
+        # Rank 0: W1's first 6 blocks (scales 0..24, values 48..1584: chunks 0-6) and chunk 12 (3072..3229);
+        # rank 1: the other 6 blocks (scales 24..48: chunk 0; values 1584..3120: chunks 6-12). eu's two
+        # objects hold 4 bytes more than us's: b1, cut in two there, has one more scale
+        ("int8", 3229, [1792 + 157, 256 + 1693], 3233),
+    ],
+)
+def test_an_fsdp_rank_reads_its_part_of_a_peer_and_writes_one_object_a_round(
+    payload, size, part, whole, tmp_path
+):
+    """eu: FSDP2 over 2 ranks; us: FSDP2 over 1. A model of 3169 elements, shard_mb large enough for a
+    rank's part, chunks of 256 bytes. Every rank writes ONE object a round; an eu rank reads only the chunks
+    of us's object that hold its rows (about half of the payload: its rows' bytes rounded out to whole
+    chunks), us reads both of eu's objects whole; both regions end each round on the same bits."""
+    out = tmp_path / "out"
+    extra = ("--dims", "64,48,1", "--shard-mb", "1", "--chunk-bytes", "256")
+    runs = [
+        (_launch(r, "fsdp", n, out, tmp_path / "mailbox", payload, *extra), r)
+        for r, n in (("eu", 2), ("us", 1))
+    ]
+    _wait_workers(runs)
+    res = {r: torch.load(out / f"{r}.pt", weights_only=False) for r in REGIONS}
+    for (step, theta, mom, _), (_, theta_us, mom_us, _) in zip(
+        res["eu"]["rounds"], res["us"]["rounds"], strict=True
+    ):
+        assert torch.equal(theta, theta_us) and torch.equal(mom, mom_us), (
+            f"the regions differ after step {step}"
+        )
+    assert res["eu"]["numel"] == 3169 and len(res["eu"]["io"]) == len(res["us"]["io"]) == 3
+    for eu, us in zip(res["eu"]["io"], res["us"]["io"], strict=True):
+        assert [n for _, n in eu] == [1, 1] and us == [(whole, 1)], (eu, us)
+        assert [b for b, _ in eu] == part and all(0.45 < b / size < 0.65 for b in part), eu
+
+
+@pytest.mark.slow
 def test_a_sharded_region_resumes_with_another_world_size_from_its_checkpoint(tmp_path):
     """eu (FSDP over 2 ranks) checkpoints after round 2 (DCP: the outer state as DTensors placed like the
     parameters) beside us (DDP over 2). eu then comes back as ONE rank from that checkpoint and re-enters

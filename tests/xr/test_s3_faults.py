@@ -4,6 +4,7 @@ Retries happen, are bounded, and are counted in the round records (``xr_retries`
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 
 from sbatch_gen.testing.faultproxy import FaultProxy, cycle_plan
 from sbatch_gen.train.xr.errors import StoreError, XRChecksumError
-from sbatch_gen.train.xr.protocol import Mailbox, ShardInfo
+from sbatch_gen.train.xr.protocol import Mailbox, Manifest, ObjectInfo, ShardInfo
+from sbatch_gen.train.xr.reading import read_objects
 from sbatch_gen.train.xr.store import FsStore, S3Store
 from sbatch_gen.xr_options import FsTransport, S3Credentials, S3Transport
 
@@ -170,6 +172,53 @@ def test_a_shard_corrupted_on_every_read_fails_after_bounded_reads(s3server, buc
         assert mb.store.retries == 3
         mb.close()
         mb.store.close()
+
+
+@pytest.mark.parametrize("fault", ["truncate", "reset", "503", "corrupt"])
+def test_a_ranged_read_that_fails_on_the_way_is_read_again(s3server, bucket, fault):
+    """An FSDP rank reads part of a packed object: the first Range GET of each run of chunks is cut off,
+    reset, refused or damaged in transit. The store (a body that broke off, a 503) or the chunk checksums
+    (damaged bytes) read it again, each re-read counted, and exactly the chunks that hold the bytes asked
+    for come back whole."""
+    payload = os.urandom(4096)
+    with FaultProxy(s3server.endpoint_url, plan=_first_get_of_each_key(fault, ".bin")) as proxy:
+        mb = Mailbox(_store(proxy, bucket), "run1", "eu", ["eu", "us"], threads=2, chunk_bytes=512)
+        m = _packed_manifest(mb, "r000004", payload)
+        # elements 300..500 of shard 1 (fp32, from byte 2048 of the object): bytes 3248..4048, chunks 6-7
+        got = read_objects(mb, "r000004", [("eu", m, 0, [(2048 + 4 * 300, 2048 + 4 * 500)])])[("eu", 0)]
+        assert got.nbytes == 1024 and bytes(got.view(3072, 4096)) == payload[3072:]
+        assert proxy.injected[fault] == 1 and mb.store.retries >= 1
+        mb.close()
+        mb.store.close()
+
+
+def test_a_chunk_corrupted_on_every_ranged_read_fails_after_bounded_reads(s3server, bucket):
+    with FaultProxy(
+        s3server.endpoint_url, plan=lambda m, p, n: "corrupt" if m == "GET" and p.endswith(".bin") else None
+    ) as proxy:
+        mb = Mailbox(
+            _store(proxy, bucket), "run1", "eu", ["eu", "us"], threads=2, read_attempts=3, chunk_bytes=512
+        )
+        m = _packed_manifest(mb, "r000005", os.urandom(4096))
+        with pytest.raises(
+            XRChecksumError,
+            match=r"^round r000005: object 0 \(bytes 512\.\.1023\) of region 'eu' is corrupted: xxh3_128 "
+            r"differs from its manifest in 3 reads \(s3://.*/r000005/eu/s00000\.bin\)$",
+        ):
+            read_objects(mb, "r000005", [("eu", m, 0, [(600, 700)])])
+        assert proxy.injected["corrupt"] == 3 and mb.store.retries == 2
+        mb.close()
+        mb.store.close()
+
+
+def _packed_manifest(mb: Mailbox, tag: str, payload: bytes) -> Manifest:
+    """``payload`` (fp32) uploaded as ONE object holding two shards of 512 elements each, and its manifest."""
+    (st,) = mb.upload_objects(tag, [(0, payload, [(0, 2048), (2048, 4096)])]).values()
+    shards = [ShardInfo(i, 512 * i, 512, 2048, st.digests[i], 0, 2048 * i) for i in range(2)]
+    objects = [ObjectInfo(0, 4096, st.chunks)]
+    return Manifest(
+        "run1", "eu", tag, "delta", 1, "fp32", 1024, "L", "raw", 1, shards, objects=objects, chunk=512
+    )
 
 
 class _TornFirstView(FsStore):

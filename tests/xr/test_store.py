@@ -48,6 +48,25 @@ def test_get_into_size_mismatch_and_missing(store):
         store.get_into("k/none", memoryview(bytearray(4)))
 
 
+def test_get_range_reads_bytes_of_an_object_of_the_size_expected(store):
+    payload = os.urandom(5000)
+    store.put("k/obj", payload)
+    out = bytearray(700)
+    store.get_range("k/obj", 1234, memoryview(out), 5000)  # fs: a seek and a read; S3: a Range GET
+    assert bytes(out) == payload[1234:1934]
+    store.get_range("k/obj", 4999, memoryview(out)[:1], 5000)  # the last byte
+    assert out[0] == payload[-1]
+    store.get_range("k/obj", 10, memoryview(bytearray()), 5000)  # nothing asked, nothing read
+    with pytest.raises(
+        XRChecksumError, match=r"5000 bytes, the manifest says 6000|of 6000, got bytes 0-699/5000"
+    ):
+        store.get_range("k/obj", 0, memoryview(out), 6000)  # another object than the manifest's
+    with pytest.raises(ValueError, match=r"bytes 4500\.\.5200 are not in an object of 5000"):
+        store.get_range("k/obj", 4500, memoryview(out), 5000)
+    with pytest.raises(StoreError, match="object missing"):
+        store.get_range("k/none", 0, memoryview(out), 5000)
+
+
 def test_fs_atomic_no_temp_files_and_bad_keys(tmp_path):
     s = FsStore(tmp_path / "mb")
     s.put("a/b/c.bin", b"x" * 10)

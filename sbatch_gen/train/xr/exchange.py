@@ -14,10 +14,11 @@ A round (DiLoCo delta or grad-mode gradient), in phases:
 4. *broadcast*: with several node leaders, each averaged shard goes from its owner to the other leaders
    (they hold the outer state; the other ranks hold none and get the parameters from the outer sync).
 
-A sharded (FSDP2) region has every rank as an owner: its shards are its own parameter slices (cut at
-``shard_mb``), held in buffers of its slices only (:meth:`Exchange.at`), and phase 4 does not exist. Since
-regions cut their payloads differently, a reader takes each member's values of its shard from whichever of
-that member's objects overlap it (whole objects, verified by their checksums).
+A sharded (FSDP2) region has every rank as an owner: its shards are its own parameter slices, packed into
+one object per rank (more only past ``shard_mb``), held in buffers of its slices only (:meth:`Exchange.at`),
+and phase 4 does not exist. Since regions cut their payloads differently, a reader takes each member's
+values of its shard from whichever of that member's shards overlap it, reading only the chunks of their
+objects that hold them (:mod:`.reading`: ranged reads, each chunk verified by its checksum).
 
 Every failure reaches every rank before anything changes (:class:`.region.Region`).
 """
@@ -29,7 +30,7 @@ import io
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -44,15 +45,19 @@ from .membership import Membership
 from .protocol import (
     ITEMSIZE,
     SCALED,
+    Buffer,
     Expect,
     Mailbox,
     Manifest,
+    ObjectInfo,
     ShardInfo,
     ShardPlan,
+    Stored,
     digest_of_digests,
     overlapping,
     wire_nbytes,
 )
+from .reading import ObjectBytes, Want, read_objects, shard_bytes
 from .region import Region, capture, held
 
 _WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -102,10 +107,13 @@ class Exchange:
         pieces: list[tuple[int, int, int]] | None = None,
         local_at: Callable[[int, int], tuple[int, int]] | None = None,
         buf_numel: int | None = None,
+        params: Sequence[tuple[int, str]] = (),
     ) -> None:
         """``pieces`` (a sharded region): every rank's canonical ranges ``(start, end, rank)``; each rank
-        then owns the shards of its own ranges, and holds buffers of ``buf_numel`` elements (its ranges one
-        after the other) where ``local_at`` maps a canonical range."""
+        then owns the shards of its own ranges, packed into objects of about ``shard_mb`` MiB (one when they
+        fit), and holds buffers of ``buf_numel`` elements (its ranges one after the other) where
+        ``local_at`` maps a canonical range. ``params``: each parameter's (canonical start, name), which a
+        refused manifest's message names."""
         self.xr, self.group, self.mailbox, self.membership = xr, group, mailbox, membership
         self.numel, self.layout = numel, layout
         self.owner_ranks = owner_ranks
@@ -114,6 +122,7 @@ class Exchange:
         self.sharded = pieces is not None
         self.buf_numel = buf_numel if buf_numel is not None else numel
         self.local_at = local_at or (lambda lo, hi: (lo, hi))
+        self.params = tuple(params)
         if pieces is not None:
             self.plan = ShardPlan.pieces(numel, pieces, ITEMSIZE[xr.payload_dtype], xr.shard_mb)
             self.fp32_plan = ShardPlan.pieces(numel, pieces, ITEMSIZE["fp32"], xr.shard_mb)
@@ -162,6 +171,7 @@ class Exchange:
             raise XRError("internal: fragments of a sharded region's payload")
         ex = copy.copy(self)
         ex.numel, ex.buf_numel, ex.layout = numel, numel, f"{self.layout}.f{index}"
+        ex.params = ()  # (a fragment's own coordinates)
         ex.plan = ShardPlan.make(numel, ITEMSIZE[self.xr.payload_dtype], self.xr.shard_mb)
         ex.fp32_plan = ShardPlan.make(numel, ITEMSIZE["fp32"], self.xr.shard_mb)
         ex.block = CPU_BLOCK if self.outer_device.type == "cpu" else min(numel, GPU_BLOCK)
@@ -185,8 +195,11 @@ class Exchange:
     def expect(self, kind: str) -> Expect:
         """What every manifest of a ``kind`` round must agree on. init and snapshot parts are fp32 raw."""
         if kind in ("init", "snapshot"):
-            return Expect(kind, "fp32", self.numel, self.layout, "raw", self.fp32_plan)
-        return Expect(kind, self.xr.payload_dtype, self.numel, self.layout, self.xr.serialization, self.plan)
+            return Expect(kind, "fp32", self.numel, self.layout, "raw", self.fp32_plan, self.params)
+        xr = self.xr
+        return Expect(
+            kind, xr.payload_dtype, self.numel, self.layout, xr.serialization, self.plan, self.params
+        )
 
     def owned(self, plan: ShardPlan) -> list[int]:
         return plan.owned(self.my_owner, len(self.owner_ranks)) if self.my_owner is not None else []
@@ -234,19 +247,20 @@ class Exchange:
         st.copy_(vec[lo:hi])  # dtype conversion (and device-to-host copy) into the reused buffer
         return st.view(torch.uint8).numpy().data
 
-    def _decode(self, buf, info: ShardInfo, wire: str, ser: str, slot: int = 0) -> torch.Tensor:
-        """The wire-dtype tensor of a shard, on the outer device (bf16 not yet converted to fp32; int8/fp8/int4
+    def _decode(self, buf, numel: int, wire: str, ser: str, slot: int = 0, what: str = "") -> torch.Tensor:
+        """The wire-dtype tensor of ``numel`` elements encoded in ``buf`` (a shard, or whole blocks of one:
+        each block decodes alone), on the outer device (bf16 not yet converted to fp32; int8/fp8/int4
         decoded to fp32 with their scales, the same bits in every region, into the reused buffer ``slot``)."""
         if wire in SCALED:
-            padded = scaled.padded(info.numel)
+            padded = scaled.padded(numel)
             dec = self._q_dec.get(slot)
             if dec is None or dec.numel() < padded:
                 dec = self._q_dec[slot] = torch.empty(padded, dtype=torch.float32, device=self.outer_device)
-            return scaled.decode(buf, info.numel, wire, self.outer_device, out=dec)
+            return scaled.decode(buf, numel, wire, self.outer_device, out=dec)
         if ser == "torch_save":
             t = torch.load(io.BytesIO(bytes(buf)), weights_only=True)
-            if t.dtype != _WIRE[wire] or t.numel() != info.numel:
-                raise XRLayoutError(f"shard {info.index}: torch.save payload is {t.dtype} x {t.numel()}")
+            if t.dtype != _WIRE[wire] or t.numel() != numel:
+                raise XRLayoutError(f"{what}: torch.save payload is {t.dtype} x {t.numel()}")
         else:
             t = torch.frombuffer(buf, dtype=_WIRE[wire])
         return t.to(self.outer_device, non_blocking=False)
@@ -279,8 +293,7 @@ class Exchange:
                 lo, hi = self.at(expect.plan, s)
                 if isinstance(buf, memoryview) and expect.dtype == "fp32":
                     continue  # a view of dst's own bytes: the exact values already
-                info = ShardInfo(s, lo, hi - lo, len(buf), "")
-                dst[lo:hi].copy_(self._decode(buf, info, expect.dtype, expect.serialization))
+                dst[lo:hi].copy_(self._decode(buf, hi - lo, expect.dtype, expect.serialization))
 
         self.group.on_each(dec, active=self.my_owner is not None)
         self.broadcast_slices(expect.plan, out)
@@ -296,52 +309,98 @@ class Exchange:
         extra_fn=None,
         pre: dict | None = None,
     ) -> tuple[Manifest | None, dict, int]:
-        """Owners upload their shards of ``src`` (or the shards ``pre`` they encoded already, see
-        :meth:`encode`) as ``name``'s part of ``tag``; rank 0 writes the manifest. Collective. Returns (the
-        manifest on rank 0, this rank's encoded shards, bytes uploaded)."""
+        """Owners upload their objects (their shards of ``src`` packed, or the shards ``pre`` they encoded
+        already, see :meth:`encode`) as ``name``'s part of ``tag``; rank 0 writes the manifest. Collective.
+        Returns (the manifest on rank 0, this rank's encoded shards, bytes uploaded)."""
         expect = self.expect(kind)
         encoded: dict[int, bytes | memoryview] = {}
 
         def up():
-            def encode_each():  # encode shard after shard; the pool checksums and uploads behind
-                for s in self.owned(expect.plan):
-                    lo, hi = self.at(expect.plan, s)
-                    if pre is not None:
-                        encoded[s] = pre[s]
-                    else:
-                        vec = held(src, f"the source of {name}'s {kind} upload")
-                        encoded[s] = self._encode(vec, lo, hi, expect.dtype, expect.serialization)
-                    yield s, encoded[s]
+            packed: dict[int, list[tuple[int, tuple[int, int]]]] = {}  # object -> (shard, byte span)
 
-            return self.mb().upload_shards(tag, encode_each(), region=name)
+            def encode_each():  # encode object after object; the pool checksums and uploads behind
+                for k, shards in self.owned_objects(expect.plan):
+                    buf, spans = self._pack(expect, shards, src, pre, encoded, f"{name}'s {kind} upload")
+                    packed[k] = list(zip(shards, spans, strict=True))
+                    yield k, buf, spans
 
-        sums: dict[int, tuple[int, str]] = {}
+            stored = self.mb().upload_objects(tag, encode_each(), region=name)
+            return {k: (st, packed[k]) for k, st in stored.items()}
+
+        objects: dict[int, tuple[Stored, list]] = {}
         for part in self.group.on_each(up, active=self.my_owner is not None):
-            sums.update(part or {})
+            objects.update(part or {})
 
-        def manifest():
-            shards = [ShardInfo(i, lo, hi - lo, *sums[i]) for i, (lo, hi) in enumerate(expect.plan.bounds)]
-            extra = extra_fn(shards) if extra_fn else {}
-            m = Manifest(
-                self.xr.run_id,
-                name,
-                tag,
-                kind,
-                step,
-                expect.dtype,
-                self.numel,
-                self.layout,
-                expect.serialization,
-                tokens,
-                shards,
-                extra,
-            )
-            mb = self.mb()
-            mb.store.put(mb.manifest_key(tag, name), m.to_json())
-            return m
+        m = self.group.on_rank(
+            lambda: self._write_manifest(tag, name, step, tokens, expect, objects, extra_fn)
+        )
+        return m, encoded, sum(st.nbytes for st, _ in objects.values())
 
-        m = self.group.on_rank(manifest)
-        return m, encoded, sum(n for n, _ in sums.values())
+    def _write_manifest(
+        self, tag: str, name: str, step: int, tokens: int, expect: Expect, objects: dict, extra_fn
+    ) -> Manifest:
+        """rank 0: ``name``'s manifest of ``tag``, indexing the shards of every rank's ``objects``
+        ({object: (Stored, [(shard, byte span)])}), written last."""
+        mb = self.mb()
+        index: dict[int, ShardInfo] = {}
+        for k, (st, where) in objects.items():
+            for (s, (a, b)), d in zip(where, st.digests, strict=True):
+                lo, hi = expect.plan.bounds[s]
+                index[s] = ShardInfo(s, lo, hi - lo, b - a, d, k, a)
+        if len(index) != len(expect.plan):
+            raise XRError(f"internal: {len(expect.plan) - len(index)} shards of {name}'s {tag} not uploaded")
+        shards = [index[s] for s in range(len(expect.plan))]
+        m = Manifest(
+            self.xr.run_id,
+            name,
+            tag,
+            expect.kind,
+            step,
+            expect.dtype,
+            self.numel,
+            self.layout,
+            expect.serialization,
+            tokens,
+            shards,
+            extra_fn(shards) if extra_fn else {},
+            objects=[ObjectInfo(k, st.nbytes, st.chunks) for k, (st, _) in sorted(objects.items())],
+            chunk=mb.chunk_bytes,
+        )
+        mb.store.put(mb.manifest_key(tag, name), m.to_json())
+        return m
+
+    def owned_objects(self, plan: ShardPlan) -> list[tuple[int, list[int]]]:
+        """This rank's objects of ``plan``: (object, its shards in order)."""
+        return plan.owned_objects(self.my_owner, len(self.owner_ranks)) if self.my_owner is not None else []
+
+    def _pack(
+        self, expect: Expect, shards: list[int], src, pre: dict | None, encoded: dict, what: str
+    ) -> tuple[Buffer, list[tuple[int, int]]]:
+        """One object: the wire bytes of ``shards`` one after the other (each also kept in ``encoded``), and
+        each one's byte span. Raw bf16/fp32 shards, which follow each other in this rank's buffers, are
+        encoded as one range (a view, no copy); the others are encoded one by one and joined."""
+        plan, wire, ser = expect.plan, expect.dtype, expect.serialization
+        buf: Buffer | None = None
+        if pre is None and len(shards) > 1 and ser == "raw" and wire not in SCALED:
+            a, b = self.at(plan, shards[0])[0], self.at(plan, shards[-1])[1]
+            if b - a == sum(hi - lo for lo, hi in (plan.bounds[s] for s in shards)):  # contiguous here
+                buf = memoryview(self._encode(held(src, f"the source of {what}"), a, b, wire, ser)).cast("B")
+                size = int(ITEMSIZE[wire])
+                for s in shards:
+                    lo, hi = self.at(plan, s)
+                    encoded[s] = buf[(lo - a) * size : (hi - a) * size]
+        for s in shards:
+            if pre is not None:
+                encoded[s] = pre[s]
+            elif s not in encoded:
+                encoded[s] = self._encode(held(src, f"the source of {what}"), *self.at(plan, s), wire, ser)
+        spans, at = [], 0
+        for s in shards:
+            spans.append((at, at + memoryview(encoded[s]).nbytes))
+            at = spans[-1][1]
+        if buf is None:
+            buf = encoded[shards[0]] if len(shards) == 1 else b"".join(encoded[s] for s in shards)
+        return buf, spans
 
     def fetch(self, tag: str, m: Manifest, out: torch.Tensor | None, plan: ShardPlan) -> int:
         """Owners download their shards of ``m`` (fp32 raw) into ``out``; every owner then has all of
@@ -350,11 +409,11 @@ class Exchange:
         def down():
             dst = held(out, f"the buffer {tag} is fetched into")
             mine = self.owned(plan)
-            bufs = self.mb().download(tag, self._wants({m.region: m}, [m.region], mine, plan))
+            got = read_objects(self.mb(), tag, self._wants({m.region: m}, [m.region], mine, plan))
             for s in mine:
                 a, b = self.at(plan, s)
-                dst[a:b].copy_(self._values(bufs, m, *plan.bounds[s], "fp32", "raw", 0))
-            return sum(len(b) for b in bufs.values())
+                dst[a:b].copy_(self._values(got, m, *plan.bounds[s], "fp32", "raw", 0))
+            return sum(o.nbytes for o in got.values())
 
         n = sum(x or 0 for x in self.group.on_each(down, active=self.my_owner is not None))
         self.broadcast_slices(plan, out)
@@ -494,7 +553,8 @@ class Exchange:
             t0 = time.perf_counter()
             mine = self.owned(expect.plan)
             remote = [r for r in members if not (r == region and local)]
-            bufs = self.mb().download(tag, self._wants(manifests, remote, mine, expect.plan), reuse=self._rx)
+            wants = self._wants(manifests, remote, mine, expect.plan)
+            got = read_objects(self.mb(), tag, wants, reuse=self._rx)
             t_dl[0] = time.perf_counter() - t0
             total = sum(manifests[r].tokens for r in members)
             weights = [manifests[r].tokens / total if total > 0 else 1.0 / len(members) for r in members]
@@ -504,15 +564,15 @@ class Exchange:
                 xs = []
                 for i, r in enumerate(members):
                     if r == region and local:  # this region's own bytes: cut by its own plan
-                        xs.append(self._decode(local[s], manifests[r].shards[s], wire, ser, i))
+                        xs.append(self._decode(local[s], hi - lo, wire, ser, i, f"shard {s}"))
                     else:
-                        xs.append(self._values(bufs, manifests[r], lo, hi, wire, ser, i))
+                        xs.append(self._values(got, manifests[r], lo, hi, wire, ser, i))
                 # out = sum_r w_r * x_r in the order of `regions`, elementwise; exact bf16->fp32 conversion
                 # (scaled: decoded above), then separate multiply and add (no fused ops): identical bits
                 # everywhere, however each region cuts its payload into shards
                 a, b = self.at(expect.plan, s)
                 weighted_average_(dst[a:b], xs, weights, self.scratch(min(hi - lo, self.block)), self.block)
-            return sum(len(b) for (r, _), b in bufs.items() if r != region)
+            return sum(o.nbytes for (r, _), o in got.items() if r != region)
 
         n = sum(x or 0 for x in self.group.on_each(work, active=self.my_owner is not None))
         return n, t_dl[0]
@@ -520,37 +580,52 @@ class Exchange:
     @staticmethod
     def _wants(
         manifests: dict[str, Manifest], members: list[str], mine: list[int], plan: ShardPlan
-    ) -> list[tuple[str, ShardInfo]]:
-        """The members' shards that overlap this rank's shards ``mine`` of ``plan``, each once (whole
-        objects, verified by their digest; a region cut like this one gives exactly ``mine``)."""
-        seen: set[tuple[str, int]] = set()
-        out = []
+    ) -> list[Want]:
+        """What to read of the members' objects for this rank's shards ``mine`` of ``plan``: per object, the
+        byte spans of the elements it needs (a region cut like this one: whole objects, read whole)."""
+        out: list[Want] = []
         for r in members:
+            m = manifests[r]
+            spans: dict[int, list[tuple[int, int]]] = {}
             for s in mine:
-                for info in _cover(manifests[r], s, *plan.bounds[s]):
-                    if (r, info.index) not in seen:
-                        seen.add((r, info.index))
-                        out.append((r, info))
+                lo, hi = plan.bounds[s]
+                for info in _cover(m, s, lo, hi):
+                    a, b = max(lo, info.start), min(hi, info.start + info.numel)
+                    spans.setdefault(m.object_of(info), []).extend(shard_bytes(m, info, a, b)[2])
+            out += [(r, m, k, sp) for k, sp in spans.items()]
         return out
 
     def _values(
-        self, bufs: dict, m: Manifest, lo: int, hi: int, wire: str, ser: str, slot: int
+        self,
+        got: dict[tuple[str, int], ObjectBytes],
+        m: Manifest,
+        lo: int,
+        hi: int,
+        wire: str,
+        ser: str,
+        slot: int,
     ) -> torch.Tensor:
-        """Region ``m.region``'s decoded values of ``[lo, hi)`` from its downloaded shards ``bufs``: its shard
-        itself when it covers exactly that range, else assembled (into the reused buffer ``slot``) from
-        the pieces of the shards that overlap it."""
+        """Region ``m.region``'s decoded values of ``[lo, hi)`` from what was read of its objects ``got``: its
+        shard itself when it covers exactly that range, else assembled (into the reused buffer ``slot``)
+        from the parts of the shards that overlap it."""
         infos = _cover(m, None, lo, hi)
+
+        def part(info: ShardInfo, a: int, b: int) -> tuple[int, torch.Tensor]:
+            a2, b2, spans = shard_bytes(m, info, a, b)
+            buf = got[(m.region, m.object_of(info))].span_bytes(spans)
+            return a2, self._decode(buf, b2 - a2, wire, ser, slot, f"shard {info.index} of {m.region!r}")
+
         if len(infos) == 1 and (infos[0].start, infos[0].numel) == (lo, hi - lo):
-            return self._decode(bufs[(m.region, infos[0].index)], infos[0], wire, ser, slot)
+            return part(infos[0], lo, hi)[1]
         dt = torch.float32 if wire in SCALED else _WIRE[wire]
         asm = self._asm.get(slot)
         if asm is None or asm.numel() < hi - lo or asm.dtype != dt:
             asm = self._asm[slot] = torch.empty(hi - lo, dtype=dt, device=self.outer_device)
         x = asm[: hi - lo]
         for info in infos:
-            d = self._decode(bufs[(m.region, info.index)], info, wire, ser, slot)
             a, b = max(lo, info.start), min(hi, info.start + info.numel)
-            x[a - lo : b - lo].copy_(d[a - info.start : b - info.start])
+            a2, d = part(info, a, b)
+            x[a - lo : b - lo].copy_(d[a - a2 : b - a2])
         return x
 
     def replay(self, tag: str, kind: str, out: torch.Tensor | None) -> Commit:

@@ -9,6 +9,8 @@ protocol (:mod:`.protocol`) does. Both backends give the same guarantees the pro
 * ``get_into`` reads an object into a caller-provided buffer and fails if the size differs, so a
   payload is never copied more than once on the way in;
 * ``get_view`` (stores with ``maps_objects``: fs) maps an object into memory instead: no copy at all;
+* ``get_range`` reads a byte range of an object into a caller-provided buffer (fs: seek and read; S3: a
+  ``Range`` GET), and fails if the object's size is not the one the caller expects;
 * ``create`` stores an object only if the key is still free, atomically: of two writers racing for one key
   exactly one wins (fs: ``link()`` of a complete temp file; S3: conditional PUT, ``If-None-Match: *``).
   Round commits rely on it; :func:`probe_create` checks that a store really refuses the second create.
@@ -59,6 +61,11 @@ class Store(ABC):
     @abstractmethod
     def get_into(self, key: str, out: memoryview) -> None:
         """Read object ``key`` into ``out``; raise if it is missing or its size is not ``len(out)``."""
+
+    @abstractmethod
+    def get_range(self, key: str, offset: int, out: memoryview, total: int) -> None:
+        """Read ``len(out)`` bytes of object ``key`` from byte ``offset`` into ``out``; raise if it is missing
+        or its size is not ``total`` (the manifest's: another object under the key is not read)."""
 
     def get_view(self, key: str, nbytes: int) -> memoryview:
         """Object ``key`` (``nbytes`` long) as a memoryview, without copying it (``maps_objects`` stores)."""
@@ -160,9 +167,15 @@ class FsStore(Store):
         return f
 
     def get_into(self, key: str, out: memoryview) -> None:
+        self.get_range(key, 0, out, memoryview(out).nbytes)
+
+    def get_range(self, key: str, offset: int, out: memoryview, total: int) -> None:
         view = memoryview(out).cast("B")
         size = len(view)
-        with self._open_sized(key, size) as f:
+        if offset < 0 or offset + size > total:
+            raise ValueError(f"bytes {offset}..{offset + size} are not in an object of {total}")
+        with self._open_sized(key, total) as f:
+            f.seek(offset)
             got = 0
             while got < size:
                 n = f.readinto(view[got:])
@@ -339,11 +352,11 @@ class S3Store(Store):
                 raise StoreError(f"conditional create of {self.describe(key)} failed: {e}") from e
         raise AssertionError("unreachable")
 
-    def _get_object(self, key: str):
+    def _get_object(self, key: str, **kw):
         from botocore.exceptions import ClientError
 
         try:
-            resp = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+            resp = self.client.get_object(Bucket=self.bucket, Key=self._key(key), **kw)
             self._count(resp)
             return resp
         except self._errors.NoSuchKey as e:
@@ -395,12 +408,42 @@ class S3Store(Store):
         resp = self._get_object(key)
         if resp is None:
             raise StoreError(f"object missing: {self.describe(key)}")
-        size = int(resp["ContentLength"])
         view = memoryview(out).cast("B")
+        size = int(resp["ContentLength"])
+        if size != len(view):
+            resp["Body"].close()
+            raise XRChecksumError(f"{self.describe(key)}: {size} bytes, the manifest says {len(view)}")
+        self._fill(key, resp, view)
+
+    def get_range(self, key: str, offset: int, out: memoryview, total: int) -> None:
+        view = memoryview(out).cast("B")
+        if offset < 0 or offset + len(view) > total:
+            raise ValueError(f"bytes {offset}..{offset + len(view)} are not in an object of {total}")
+        if len(view):
+            self._reading(key, lambda: self._get_range_once(key, offset, view, total))
+
+    def _get_range_once(self, key: str, offset: int, view: memoryview, total: int) -> None:
+        """One ``Range`` GET (through the one client, with its retries); the answer's ``Content-Range``
+        names the object's size, checked like a whole read's length."""
+        last = offset + len(view) - 1
+        resp = self._get_object(key, Range=f"bytes={offset}-{last}")
+        if resp is None:
+            raise StoreError(f"object missing: {self.describe(key)}")
+        got = str(resp.get("ContentRange", ""))
+        if got != f"bytes {offset}-{last}/{total}" or int(resp["ContentLength"]) != len(view):
+            resp["Body"].close()
+            raise XRChecksumError(
+                f"{self.describe(key)}: asked for bytes {offset}-{last} of {total}, got {got or 'no range'} "
+                f"({resp['ContentLength']} bytes): not the object the manifest describes"
+            )
+        self._fill(key, resp, view)
+
+    def _fill(self, key: str, resp, view: memoryview) -> None:
+        """The body of ``resp`` (its length checked already) into ``view``; a body that ends early raises
+        :class:`_ShortRead` (read again)."""
+        size = len(view)
         body = resp["Body"]
         try:
-            if size != len(view):
-                raise XRChecksumError(f"{self.describe(key)}: {size} bytes, the manifest says {len(view)}")
             got = 0
             for chunk in body.iter_chunks(chunk_size=1 << 20):
                 n = len(chunk)

@@ -138,6 +138,7 @@ class OuterSync:
             pieces=self.flat.held() if self.sharded else None,
             local_at=self.flat.local_at,
             buf_numel=self.local_numel,
+            params=list(zip(self.flat.canonical, self.flat.names, strict=False)),
         )
         self._allocate_buffers()
         self._log_outer_state(placement, owner_ranks)
