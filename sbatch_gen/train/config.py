@@ -237,16 +237,6 @@ def xr_problems(
     if not xr.enabled:
         return errors, warnings
     in_cfg = f" in {config_name}" if config_name else ""
-    unsupported = xr.sharded_unsupported if cfg.parallelism.kind == "fsdp" else None
-    if unsupported is not None:
-        field, what = unsupported
-        errors.append(
-            XRProblem(
-                field,
-                f"parallelism.kind{in_cfg}: fsdp with cross_region {what} is not supported yet: use sync "
-                "diloco with overlap none, or parallelism.kind: ddp",
-            )
-        )
     h = xr.inner_steps
     if xr.sync == "grad":
         errors += _grad_problems(cfg, xr, end_step, in_cfg)

@@ -75,13 +75,13 @@ def test_regions_of_different_shapes_hold_the_same_outer_state(us, payload, tmp_
     eu, other = res["eu"]["rounds"], res["us"]["rounds"]
     assert [s for s, *_ in eu] == [s for s, *_ in other] == [0, 2, 4, 6]
     tokens = [8 * 2 * n for _, n in shapes.values()]  # 8 a rank a step, 2 steps a round
-    for (step, theta, mom, _), (_, theta_us, mom_us, _) in zip(eu, other, strict=True):
+    for (step, theta, mom, *_), (_, theta_us, mom_us, *_) in zip(eu, other, strict=True):
         assert not theta.isnan().any() and not mom.isnan().any(), step
         assert torch.equal(theta, theta_us) and torch.equal(mom, mom_us), (
             f"the regions differ after step {step}"
         )
     for i in range(1, len(eu)):
-        (_, t0, m0, _), (step, t1, m1, x_eu) = eu[i - 1], eu[i]
+        (_, t0, m0, *_), (step, t1, m1, x_eu, _) = eu[i - 1], eu[i]
         assert not torch.equal(t1, t0), f"round at step {step} changed nothing"
         if payload != "bf16":
             continue
@@ -114,7 +114,7 @@ def test_a_sharded_region_resumes_with_another_world_size_from_its_checkpoint(tm
     done = torch.load(first / "eu.pt", weights_only=False)["rounds"]
     back = torch.load(again / "eu.pt", weights_only=False)["rounds"]
     assert [s for s, *_ in back] == [4, 6]
-    for (s0, t0, m0, _), (s1, t1, m1, _) in zip(done[2:], back, strict=True):
+    for (s0, t0, m0, *_), (s1, t1, m1, *_) in zip(done[2:], back, strict=True):
         assert s0 == s1 and torch.equal(t0, t1) and torch.equal(m0, m1), (
             f"step {s0}: the resumed region differs"
         )
@@ -167,17 +167,29 @@ def test_tensor_parallel_dtensors_are_refused_naming_the_parameter(one_rank):
         FlatParams(half)
 
 
-def test_a_sharded_model_is_refused_where_the_library_cannot_sync_it_yet(one_rank, tmp_path):
+def test_a_sharded_model_takes_every_sync_mode(one_rank, tmp_path):
+    """Each mode builds its sync on a sharded model (tests/xr/test_fsdp_modes.py runs them across regions);
+    with fragments, each fragment's payload is tiled by the ranks' pieces of it, counted from its start."""
     from torch.distributed.fsdp import fully_shard
 
-    net = nn.Sequential(nn.Linear(3, 4))
+    from sbatch_gen.train.xr.modes import create
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     fully_shard(net)
-    for opts, what in (({"sync": "grad"}, "sync grad"), ({"overlap": "eager"}, "overlap eager")):
-        xr = xr_for("eu", str(tmp_path), **opts)
-        with pytest.raises(ValueError, match=f"^a sharded \\(FSDP2\\) model: {what} is not supported yet$"):
-            OuterSync(xr, net, torch.device("cpu"), one_rank)
-    with pytest.raises(ValueError, match=r"overlap streaming \(fragments\) with a sharded"):
-        FlatParams(net, fragments=2)
+    for opts in (
+        {"sync": "grad"},
+        {"overlap": "eager"},
+        {"overlap": "streaming", "fragments": 2, "fragment_delay_steps": 1},
+    ):
+        sync = create(xr_for("eu", str(tmp_path), **opts), net, torch.device("cpu"), one_rank)
+        assert sync.sharded, opts
+        sync.close()
+    flat = FlatParams(net, fragments=2)
+    assert flat.fragment_bounds == [0, 16, 26] and [flat.fragment(p) for p in (0, 1)] == [(0, 16), (16, 26)]
+    numel, pieces, at, mine = flat.fragment_payload(1)
+    assert (
+        (numel, pieces, mine) == (10, [(0, 8, 0), (8, 10, 0)], 10) and at is not None and at(8, 10) == (8, 10)
+    )
 
 
 def test_a_sharded_region_cuts_its_payload_where_each_ranks_rows_end():
