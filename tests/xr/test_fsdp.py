@@ -16,7 +16,6 @@ from torch import nn
 from sbatch_gen.train.dist import DistInfo
 from sbatch_gen.train.xr.flat import FlatParams, shard_rows
 from sbatch_gen.train.xr.protocol import ShardPlan
-from sbatch_gen.train.xr.sync import OuterSync
 
 from .test_multiproc import REPO, _wait_workers
 from .test_sync import xr_for
@@ -204,10 +203,23 @@ def test_a_sharded_region_cuts_its_payload_where_each_ranks_rows_end():
 
 
 @pytest.mark.slow
-def test_the_trainer_trains_an_fsdp_region_beside_a_ddp_region_to_the_same_model(tmp_path, repo, data_dir):
-    """The trainer with ``parallelism.kind: fsdp`` and cross-region DiLoCo: eu FSDP over 2 ranks, us DDP on 1
-    rank, over a directory mailbox; 12 steps, H=4, a snapshot every 2 rounds (eu, the first member,
-    publishes snapshot 2 from its ranks' shards). Both end on the same exported bytes."""
+@pytest.mark.parametrize(
+    "opts, last",
+    [
+        ({"snapshot_every": 2}, 3),
+        ({"snapshot_every": 2, "overlap": "eager"}, 3),
+        ({"snapshot_every": 2, "overlap": "streaming", "fragments": 2, "fragment_delay_steps": 1}, 6),
+        ({"sync": "grad", "keep_rounds": 12}, 12),
+    ],
+    ids=["diloco", "eager", "streaming", "grad"],
+)
+def test_the_trainer_trains_an_fsdp_region_beside_a_ddp_region_to_the_same_model(
+    opts, last, tmp_path, repo, data_dir
+):
+    """The trainer with ``parallelism.kind: fsdp`` and each cross-region sync mode: eu FSDP over 2 ranks, us
+    DDP on 1 rank, over a directory mailbox; 12 steps, H=4 (DiLoCo: a snapshot every 2 rounds; eu, the first
+    member, publishes every second round's snapshot from its ranks' shards; grad mode: no clipping). Both
+    record the same rounds, up to ``last``, and end on the same exported bytes."""
     from sbatch_gen.testing.regions import launch_region
     from sbatch_gen.xr_options import FsTransport
 
@@ -216,10 +228,12 @@ def test_the_trainer_trains_an_fsdp_region_beside_a_ddp_region_to_the_same_model
     transport = FsTransport(root=str(tmp_path / "mailbox"))
     runs = []
     for r, kind, nproc in (("eu", "fsdp", 2), ("us", "ddp", 1)):
-        cfg = write_config(tmp_path, repo, name=f"{r}.yaml", parallelism={"kind": kind})
+        # grad mode: no clipping (the clip norm is summed in each region's shard order: see config.py)
+        optim = {"grad_clip": 0.0} if opts.get("sync") == "grad" else {}
+        cfg = write_config(tmp_path, repo, name=f"{r}.yaml", parallelism={"kind": kind}, optim=optim)
         runs.append(
             launch_region(
-                xr(r, transport, snapshot_every=2),
+                xr(r, transport, **opts),
                 config=cfg,
                 run_dir=tmp_path / r,
                 data_path=data_dir,
@@ -229,11 +243,10 @@ def test_the_trainer_trains_an_fsdp_region_beside_a_ddp_region_to_the_same_model
         )
     run_both(runs)
     assert_same_params(tmp_path / "eu", tmp_path / "us")
-    for r in REGIONS:
-        m = metrics(tmp_path / r)
-        assert [x["xr_round"] for x in m if "xr_round" in x] == [1, 2, 3]
+    rounds = [[x["xr_round"] for x in metrics(tmp_path / r) if "xr_round" in x] for r in REGIONS]
+    assert rounds[0] == rounds[1] and rounds[0][-1] == last, rounds
     shots = [x for x in metrics(tmp_path / "eu") if x.get("event") == "xr_snapshot"]
-    assert [x["round"] for x in shots] == [2]
+    assert [x["round"] for x in shots] == (list(range(2, last + 1, 2)) if "snapshot_every" in opts else [])
 
 
 def test_a_manifest_may_tile_the_payload_any_way_but_not_leave_gaps():
