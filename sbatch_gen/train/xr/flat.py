@@ -64,8 +64,9 @@ def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
 
 class FlatParams:
     """``fragments`` > 1 (Streaming DiLoCo): the flat order holds the fragments one after the other
-    (:mod:`.fragments`), fragment p at ``fragment_bounds[p]:fragment_bounds[p+1]``, and the layout
-    fingerprint names the split."""
+    (:mod:`.fragments`), fragment p at ``fragment_bounds[p]:fragment_bounds[p+1]`` of the canonical layout
+    (and at :meth:`fragment` of the buffers: a sharded region's hold its shards of each fragment in turn),
+    and the layout fingerprint names the split."""
 
     def __init__(self, model: nn.Module, fragments: int = 1) -> None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
