@@ -1,11 +1,13 @@
 """One rank of a test region whose model is FSDP2 (``--kind fsdp``) or DDP (``--kind ddp``), driven by a small
 loop (no trainer; ``--save-at STEP`` writes a DCP checkpoint of the model and the outer state, ``--resume DIR``
-loads one), under torchrun with gloo; ``tests/xr/test_fsdp.py`` starts one torchrun per region.
+loads one), under torchrun with gloo; ``tests/xr/test_fsdp.py`` and ``test_fsdp_modes.py`` start one torchrun
+per region. ``--sync``, ``--overlap``, ``--inner-steps``, ``--fragments`` and ``--tau`` pick the mode.
 
 The model's dims are chosen to shard unevenly: over 2 ranks the first layer's 5 rows split 3 + 2 and the
 last layer's single row leaves rank 1 with none. Before each round every rank records the region's whole
 flat parameters (what its delta is taken from); after it, the region's whole ``theta_outer`` and momentum,
-assembled from every rank's part (FSDP: each rank holds its shards' only; DDP: the leader holds all). Rank 0
+assembled from every rank's part (FSDP: each rank holds its shards' only; DDP: the leader holds all), and
+its parameters (grad mode: each step's gradients before and after the sync; see :func:`train`). Rank 0
 writes ``<out>/<region>.pt``.
 """
 
