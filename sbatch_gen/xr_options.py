@@ -480,16 +480,6 @@ class CrossRegion(StrictModel):
         return self.fragments if self.overlap == "streaming" else 1
 
     @property
-    def sharded_unsupported(self) -> tuple[str, str] | None:
-        """What of these settings a sharded (FSDP2) region cannot do yet: (the field, in a few words), or
-        None. One place for the library (at construction) and ``sbatch-gen validate`` (train config)."""
-        if self.sync != "diloco":
-            return "sync", f"sync {self.sync}"
-        if self.overlap != "none":
-            return "overlap", f"overlap {self.overlap}"
-        return None
-
-    @property
     def elastic(self) -> bool:
         """Rounds may close without every region."""
         return self.quorum < len(self.regions)

@@ -366,23 +366,32 @@ def test_fsdp_options_with_fsdp(tmp_path):
     assert load_config(REPO / "configs" / "tiny.yaml").parallelism.kind == "ddp"  # the default
 
 
-def test_fsdp_with_cross_region_sync_is_validated_for_what_sharded_regions_cannot_do_yet(tmp_path):
-    """fsdp with DiLoCo (overlap none) validates clean; with grad mode or an overlap, xr_problems (sbatch-gen
-    validate) names the config's parallelism.kind against the cross_region field at fault, one line."""
+def test_fsdp_with_cross_region_sync_validates_like_ddp_in_every_mode(tmp_path):
+    """A sharded region takes every sync mode (DiLoCo with overlap none, eager or streaming; grad mode):
+    xr_problems (sbatch-gen validate) finds no error in an fsdp config, and warns of nothing it does not
+    with ddp but of grad clipping in grad mode (regions of other shapes would drift apart)."""
     from sbatch_gen.train.config import xr_problems
 
-    p = tmp_path / "c.yaml"
-    p.write_text(GOOD + "parallelism:\n  kind: fsdp\n")
-    cfg = load_config(p)
-    errs, _ = xr_problems(cfg, _xr(snapshot_every=1), config_name="c.yaml")
-    assert errs == []
-    for opts, field, what in (
-        (dict(sync="grad"), "sync", "sync grad"),
-        (dict(overlap="eager"), "overlap", "overlap eager"),
+    cfgs = []
+    for kind in ("fsdp", "ddp"):
+        p = tmp_path / f"{kind}.yaml"
+        p.write_text(GOOD + f"parallelism:\n  kind: {kind}\n")
+        cfgs.append(load_config(p))
+    for opts in (
+        {},
+        dict(overlap="eager"),
+        dict(overlap="streaming", fragments=2),
+        dict(sync="grad", keep_rounds=10),
     ):
-        errs, _ = xr_problems(cfg, _xr(snapshot_every=1, **opts), config_name="c.yaml")
-        mine = [e for e in errs if e.field == field and "fsdp" in e]
-        assert [str(e) for e in mine] == [
-            f"parallelism.kind in c.yaml: fsdp with cross_region {what} is not supported yet: use sync diloco "
-            "with overlap none, or parallelism.kind: ddp"
-        ]
+        fsdp, ddp = (xr_problems(c, _xr(snapshot_every=1, **opts), config_name="c.yaml") for c in cfgs)
+        assert fsdp[0] == ddp[0] == [], opts
+        extra = [str(w) for w in fsdp[1] if w not in ddp[1]]
+        assert extra == ([CLIP_WARNING] if opts.get("sync") == "grad" else []), opts
+
+
+CLIP_WARNING = (
+    "parallelism.kind in c.yaml: fsdp with sync grad and optim.grad_clip 1: the clip norm is summed in the "
+    "order of this region's shards, so a region sharded otherwise (another world size, or DDP) clips by a "
+    "norm a last bit apart and its parameters drift from this one's. Shard every region alike, or set "
+    "optim.grad_clip: 0."
+)

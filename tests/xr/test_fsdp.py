@@ -16,7 +16,6 @@ from torch import nn
 from sbatch_gen.train.dist import DistInfo
 from sbatch_gen.train.xr.flat import FlatParams, shard_rows
 from sbatch_gen.train.xr.protocol import ShardPlan
-from sbatch_gen.train.xr.sync import OuterSync
 
 from .test_multiproc import REPO, _wait_workers
 from .test_sync import xr_for
@@ -75,13 +74,13 @@ def test_regions_of_different_shapes_hold_the_same_outer_state(us, payload, tmp_
     eu, other = res["eu"]["rounds"], res["us"]["rounds"]
     assert [s for s, *_ in eu] == [s for s, *_ in other] == [0, 2, 4, 6]
     tokens = [8 * 2 * n for _, n in shapes.values()]  # 8 a rank a step, 2 steps a round
-    for (step, theta, mom, _), (_, theta_us, mom_us, _) in zip(eu, other, strict=True):
+    for (step, theta, mom, *_), (_, theta_us, mom_us, *_) in zip(eu, other, strict=True):
         assert not theta.isnan().any() and not mom.isnan().any(), step
         assert torch.equal(theta, theta_us) and torch.equal(mom, mom_us), (
             f"the regions differ after step {step}"
         )
     for i in range(1, len(eu)):
-        (_, t0, m0, _), (step, t1, m1, x_eu) = eu[i - 1], eu[i]
+        (_, t0, m0, *_), (step, t1, m1, x_eu, _) = eu[i - 1], eu[i]
         assert not torch.equal(t1, t0), f"round at step {step} changed nothing"
         if payload != "bf16":
             continue
@@ -126,7 +125,7 @@ def test_an_fsdp_rank_reads_its_part_of_a_peer_and_writes_one_object_a_round(
     ]
     _wait_workers(runs)
     res = {r: torch.load(out / f"{r}.pt", weights_only=False) for r in REGIONS}
-    for (step, theta, mom, _), (_, theta_us, mom_us, _) in zip(
+    for (step, theta, mom, *_), (_, theta_us, mom_us, *_) in zip(
         res["eu"]["rounds"], res["us"]["rounds"], strict=True
     ):
         assert torch.equal(theta, theta_us) and torch.equal(mom, mom_us), (
@@ -157,7 +156,7 @@ def test_a_sharded_region_resumes_with_another_world_size_from_its_checkpoint(tm
     done = torch.load(first / "eu.pt", weights_only=False)["rounds"]
     back = torch.load(again / "eu.pt", weights_only=False)["rounds"]
     assert [s for s, *_ in back] == [4, 6]
-    for (s0, t0, m0, _), (s1, t1, m1, _) in zip(done[2:], back, strict=True):
+    for (s0, t0, m0, *_), (s1, t1, m1, *_) in zip(done[2:], back, strict=True):
         assert s0 == s1 and torch.equal(t0, t1) and torch.equal(m0, m1), (
             f"step {s0}: the resumed region differs"
         )
@@ -210,17 +209,29 @@ def test_tensor_parallel_dtensors_are_refused_naming_the_parameter(one_rank):
         FlatParams(half)
 
 
-def test_a_sharded_model_is_refused_where_the_library_cannot_sync_it_yet(one_rank, tmp_path):
+def test_a_sharded_model_takes_every_sync_mode(one_rank, tmp_path):
+    """Each mode builds its sync on a sharded model (tests/xr/test_fsdp_modes.py runs them across regions);
+    with fragments, each fragment's payload is tiled by the ranks' pieces of it, counted from its start."""
     from torch.distributed.fsdp import fully_shard
 
-    net = nn.Sequential(nn.Linear(3, 4))
+    from sbatch_gen.train.xr.modes import create
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     fully_shard(net)
-    for opts, what in (({"sync": "grad"}, "sync grad"), ({"overlap": "eager"}, "overlap eager")):
-        xr = xr_for("eu", str(tmp_path), **opts)
-        with pytest.raises(ValueError, match=f"^a sharded \\(FSDP2\\) model: {what} is not supported yet$"):
-            OuterSync(xr, net, torch.device("cpu"), one_rank)
-    with pytest.raises(ValueError, match=r"overlap streaming \(fragments\) with a sharded"):
-        FlatParams(net, fragments=2)
+    for opts in (
+        {"sync": "grad"},
+        {"overlap": "eager"},
+        {"overlap": "streaming", "fragments": 2, "fragment_delay_steps": 1},
+    ):
+        sync = create(xr_for("eu", str(tmp_path), **opts), net, torch.device("cpu"), one_rank)
+        assert sync.sharded, opts
+        sync.close()
+    flat = FlatParams(net, fragments=2)
+    assert flat.fragment_bounds == [0, 16, 26] and [flat.fragment(p) for p in (0, 1)] == [(0, 16), (16, 26)]
+    numel, pieces, at, mine = flat.fragment_payload(1)
+    assert (
+        (numel, pieces, mine) == (10, [(0, 8, 0), (8, 10, 0)], 10) and at is not None and at(8, 10) == (8, 10)
+    )
 
 
 def test_a_sharded_region_cuts_its_payload_where_each_ranks_rows_end():
@@ -235,10 +246,23 @@ def test_a_sharded_region_cuts_its_payload_where_each_ranks_rows_end():
 
 
 @pytest.mark.slow
-def test_the_trainer_trains_an_fsdp_region_beside_a_ddp_region_to_the_same_model(tmp_path, repo, data_dir):
-    """The trainer with ``parallelism.kind: fsdp`` and cross-region DiLoCo: eu FSDP over 2 ranks, us DDP on 1
-    rank, over a directory mailbox; 12 steps, H=4, a snapshot every 2 rounds (eu, the first member,
-    publishes snapshot 2 from its ranks' shards). Both end on the same exported bytes."""
+@pytest.mark.parametrize(
+    "opts, last",
+    [
+        ({"snapshot_every": 2}, 3),
+        ({"snapshot_every": 2, "overlap": "eager"}, 3),
+        ({"snapshot_every": 2, "overlap": "streaming", "fragments": 2, "fragment_delay_steps": 1}, 6),
+        ({"sync": "grad", "keep_rounds": 12}, 12),
+    ],
+    ids=["diloco", "eager", "streaming", "grad"],
+)
+def test_the_trainer_trains_an_fsdp_region_beside_a_ddp_region_to_the_same_model(
+    opts, last, tmp_path, repo, data_dir
+):
+    """The trainer with ``parallelism.kind: fsdp`` and each cross-region sync mode: eu FSDP over 2 ranks, us
+    DDP on 1 rank, over a directory mailbox; 12 steps, H=4 (DiLoCo: a snapshot every 2 rounds; eu, the first
+    member, publishes every second round's snapshot from its ranks' shards; grad mode: no clipping). Both
+    record the same rounds, up to ``last``, and end on the same exported bytes."""
     from sbatch_gen.testing.regions import launch_region
     from sbatch_gen.xr_options import FsTransport
 
@@ -247,10 +271,12 @@ def test_the_trainer_trains_an_fsdp_region_beside_a_ddp_region_to_the_same_model
     transport = FsTransport(root=str(tmp_path / "mailbox"))
     runs = []
     for r, kind, nproc in (("eu", "fsdp", 2), ("us", "ddp", 1)):
-        cfg = write_config(tmp_path, repo, name=f"{r}.yaml", parallelism={"kind": kind})
+        # grad mode: no clipping (the clip norm is summed in each region's shard order: see config.py)
+        optim = {"grad_clip": 0.0} if opts.get("sync") == "grad" else {}
+        cfg = write_config(tmp_path, repo, name=f"{r}.yaml", parallelism={"kind": kind}, optim=optim)
         runs.append(
             launch_region(
-                xr(r, transport, snapshot_every=2),
+                xr(r, transport, **opts),
                 config=cfg,
                 run_dir=tmp_path / r,
                 data_path=data_dir,
@@ -260,11 +286,10 @@ def test_the_trainer_trains_an_fsdp_region_beside_a_ddp_region_to_the_same_model
         )
     run_both(runs)
     assert_same_params(tmp_path / "eu", tmp_path / "us")
-    for r in REGIONS:
-        m = metrics(tmp_path / r)
-        assert [x["xr_round"] for x in m if "xr_round" in x] == [1, 2, 3]
+    rounds = [[x["xr_round"] for x in metrics(tmp_path / r) if "xr_round" in x] for r in REGIONS]
+    assert rounds[0] == rounds[1] and rounds[0][-1] == last, rounds
     shots = [x for x in metrics(tmp_path / "eu") if x.get("event") == "xr_snapshot"]
-    assert [x["round"] for x in shots] == [2]
+    assert [x["round"] for x in shots] == (list(range(2, last + 1, 2)) if "snapshot_every" in opts else [])
 
 
 def test_a_manifest_may_tile_the_payload_any_way_but_not_leave_gaps():

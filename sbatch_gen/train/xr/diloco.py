@@ -432,11 +432,8 @@ class DiLoCo(SnapshotSync):
         """Leaders add ``theta_outer`` and momentum (the same bits on every leader, so DCP stores one copy,
         under the keys every version used); the other ranks hold no outer state and leave them out."""
         out = {**super().state_dict(), "pending": int(self.pending), "fragments": self._fragments_saved()}
-        if self.sharded:  # each rank its shards, as DTensors placed like the parameters (DCP reshards them)
-            t, m = held(self.theta_outer, "theta_outer"), held(self.momentum, "momentum")
-            out.update(theta_outer=self.flat.as_dtensors(t), momentum=self.flat.as_dtensors(m))
-        elif self.leader:
-            out.update(theta_outer=self.theta_outer, momentum=self.momentum)
+        if self.leader:  # (sharded: each rank its shards, see _saved)
+            out.update(theta_outer=self._saved("theta_outer"), momentum=self._saved("momentum"))
         if self.eager:  # the round in flight (its own delta, as published) runs again on resume
             out.update(
                 inflight=int(self.inflight),
@@ -445,7 +442,7 @@ class DiLoCo(SnapshotSync):
                 others=int(self.others),
             )
             if self.leader:
-                out["own"] = self.own
+                out["own"] = self._saved("own")
         return out
 
     @torch.no_grad()

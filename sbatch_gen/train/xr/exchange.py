@@ -123,12 +123,7 @@ class Exchange:
         self.buf_numel = buf_numel if buf_numel is not None else numel
         self.local_at = local_at or (lambda lo, hi: (lo, hi))
         self.params = tuple(params)
-        if pieces is not None:
-            self.plan = ShardPlan.pieces(numel, pieces, ITEMSIZE[xr.payload_dtype], xr.shard_mb)
-            self.fp32_plan = ShardPlan.pieces(numel, pieces, ITEMSIZE["fp32"], xr.shard_mb)
-        else:
-            self.plan = ShardPlan.make(numel, ITEMSIZE[xr.payload_dtype], xr.shard_mb)
-            self.fp32_plan = ShardPlan.make(numel, ITEMSIZE["fp32"], xr.shard_mb)
+        self.plan, self.fp32_plan = self._plans(numel, pieces)
         self.block = CPU_BLOCK if outer_device.type == "cpu" else min(numel, GPU_BLOCK)
         self._stage: dict[str, torch.Tensor] = {}  # wire dtype -> host staging buffer
         self._tmp: torch.Tensor | None = None  # fp32 scratch of one block
@@ -141,6 +136,16 @@ class Exchange:
         self._asm: dict[int, torch.Tensor] = {}  # a member's values assembled from shards cut elsewhere
         self.withheld = _withheld()  # (fault injection: ENV_WITHHOLD_ROUNDS)
         self.background = False  # runs in a thread beside training (see :meth:`in_background`)
+
+    def _plans(self, numel: int, pieces: list[tuple[int, int, int]] | None) -> tuple[ShardPlan, ShardPlan]:
+        """The payload's shard plan and theta0's / the snapshots' (fp32): cut where ``pieces`` end, if given."""
+
+        def plan(wire: str) -> ShardPlan:
+            if pieces is not None:
+                return ShardPlan.pieces(numel, pieces, ITEMSIZE[wire], self.xr.shard_mb)
+            return ShardPlan.make(numel, ITEMSIZE[wire], self.xr.shard_mb)
+
+        return plan(self.xr.payload_dtype), plan("fp32")
 
     def in_background(self, group: Region) -> Exchange:
         """This exchange for a thread of the leaders that runs rounds while training goes on: collectives on
@@ -163,17 +168,27 @@ class Exchange:
             ex.mailbox = self.mailbox.with_threads(streams, "xr-snapshot-io")
         return ex
 
-    def for_fragment(self, index: int, numel: int) -> Exchange:
+    def for_fragment(
+        self,
+        index: int,
+        numel: int,
+        pieces: list[tuple[int, int, int]] | None = None,
+        local_at: Callable[[int, int], tuple[int, int]] | None = None,
+        buf_numel: int | None = None,
+    ) -> Exchange:
         """This exchange for the rounds of one fragment (Streaming DiLoCo): payloads of ``numel`` elements
         (the fragment's flat range, passed as views), their own shard plan and a layout that names the
-        fragment, buffers of their own. theta0 and the snapshots stay whole-model (this exchange)."""
-        if self.sharded:
-            raise XRError("internal: fragments of a sharded region's payload")
+        fragment, buffers of their own. theta0 and the snapshots stay whole-model (this exchange). A sharded
+        region passes the fragment's ``pieces``, ``local_at`` and ``buf_numel`` (as :meth:`__init__` takes
+        them, counted from the fragment's start: :meth:`.flat.FlatParams.fragment_payload`)."""
+        if self.sharded != (pieces is not None):
+            raise XRError("internal: a fragment's pieces are given exactly for a sharded region")
         ex = copy.copy(self)
-        ex.numel, ex.buf_numel, ex.layout = numel, numel, f"{self.layout}.f{index}"
+        ex.numel, ex.layout = numel, f"{self.layout}.f{index}"
         ex.params = ()  # (a fragment's own coordinates)
-        ex.plan = ShardPlan.make(numel, ITEMSIZE[self.xr.payload_dtype], self.xr.shard_mb)
-        ex.fp32_plan = ShardPlan.make(numel, ITEMSIZE["fp32"], self.xr.shard_mb)
+        ex.buf_numel = buf_numel if buf_numel is not None else numel
+        ex.local_at = local_at or (lambda lo, hi: (lo, hi))
+        ex.plan, ex.fp32_plan = self._plans(numel, pieces)
         ex.block = CPU_BLOCK if self.outer_device.type == "cpu" else min(numel, GPU_BLOCK)
         ex._stage, ex._rx, ex._q_out, ex._q_dec, ex._asm = {}, {}, {}, {}, {}
         ex._tmp = ex._q_scratch = None

@@ -13,6 +13,7 @@ import bisect
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,8 +64,9 @@ def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
 
 class FlatParams:
     """``fragments`` > 1 (Streaming DiLoCo): the flat order holds the fragments one after the other
-    (:mod:`.fragments`), fragment p at ``fragment_bounds[p]:fragment_bounds[p+1]``, and the layout
-    fingerprint names the split."""
+    (:mod:`.fragments`), fragment p at ``fragment_bounds[p]:fragment_bounds[p+1]`` of the canonical layout
+    (and at :meth:`fragment` of the buffers: a sharded region's hold its shards of each fragment in turn),
+    and the layout fingerprint names the split."""
 
     def __init__(self, model: nn.Module, fragments: int = 1) -> None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -86,22 +88,11 @@ class FlatParams:
         if not named:
             raise ValueError("the model has no trainable parameters")
         self.layout = layout_fingerprint(model)
-        self.fragment_bounds = [0, sum(p.numel() for _, p in named)]
-        if fragments > 1 and self.sharded:
-            raise ValueError(
-                "overlap streaming (fragments) with a sharded (FSDP2) model is not supported yet: use overlap "
-                "none, or DDP in this region"
-            )
+        frag = [0] * len(named)  # each parameter's fragment, in the flat order
         if fragments > 1:
             which = assign([_strip(n) for n, _ in named], [p.numel() for _, p in named], fragments)
             named = [named[i] for i in sorted(range(len(named)), key=lambda i: (which[i], i))]
-            counts = [
-                sum(p.numel() for (_, p), f in zip(named, sorted(which), strict=True) if f == k)
-                for k in range(fragments)
-            ]
-            self.fragment_bounds = [0]
-            for c in counts:
-                self.fragment_bounds.append(self.fragment_bounds[-1] + c)
+            frag = sorted(which)
             split = json.dumps([self.layout, fragments, which])
             self.layout = hashlib.sha256(split.encode()).hexdigest()[:16]
         self.names = [_strip(n) for n, _ in named]
@@ -130,6 +121,11 @@ class FlatParams:
         for t in self.params:
             self.offsets.append(self.offsets[-1] + t.numel())
         self.local_numel = self.offsets[-1]
+        # each fragment's first parameter, then where the fragments start in the canonical layout and in
+        # the buffers (the same but for a sharded region, whose buffers hold its shards of each fragment)
+        firsts = [bisect.bisect_left(frag, k) for k in range(max(fragments, 1) + 1)]
+        self.fragment_bounds = [self.canonical[i] for i in firsts]
+        self._local_bounds = [self.offsets[i] for i in firsts]
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -175,8 +171,26 @@ class FlatParams:
         return self.offsets[i] + lo - a, self.offsets[i] + hi - a
 
     def fragment(self, p: int) -> tuple[int, int]:
-        """The flat range ``(lo, hi)`` of fragment ``p``."""
-        return self.fragment_bounds[p], self.fragment_bounds[p + 1]
+        """The buffers' range ``(lo, hi)`` of fragment ``p`` (a sharded region: this rank's shards of it)."""
+        return self._local_bounds[p], self._local_bounds[p + 1]
+
+    def fragment_payload(
+        self, p: int
+    ) -> tuple[int, list[tuple[int, int, int]] | None, Callable[[int, int], tuple[int, int]] | None, int]:
+        """Fragment ``p``'s payload, counted from its start: its elements; (sharded) every rank's ranges of
+        it (:meth:`held`) and the slice of the fragment's buffers (:meth:`fragment`) that holds a range of
+        it, else None; this rank's elements of it. What :meth:`.exchange.Exchange.for_fragment` takes."""
+        clo, chi = self.fragment_bounds[p], self.fragment_bounds[p + 1]
+        lo, hi = self.fragment(p)
+        if not self.sharded:
+            return chi - clo, None, None, hi - lo
+        pieces = [(a - clo, b - clo, k) for a, b, k in self.held() if clo <= a < chi]
+
+        def at(a: int, b: int) -> tuple[int, int]:
+            x, y = self.local_at(a + clo, b + clo)
+            return x - lo, y - lo
+
+        return chi - clo, pieces, at, hi - lo
 
     def views(self, flat: torch.Tensor):
         for p, lo, hi in zip(self.params, self.offsets[:-1], self.offsets[1:], strict=True):
@@ -251,13 +265,24 @@ class FlatParams:
             torch.sub(theta_outer[lo:hi], p.detach().view(-1), out=out[lo:hi])
         return out
 
+    def _grads(self, create: bool) -> list[torch.Tensor | None]:
+        """Each parameter's gradient as this rank holds it (sharded: the local shard of its DTensor
+        gradient, sharing its storage), None where there is none; ``create``: zeros there first."""
+        out: list[torch.Tensor | None] = []
+        for p in self._dparams:
+            if p.grad is None and create:
+                p.grad = torch.zeros_like(p)
+            g = p.grad
+            out.append(None if g is None else (g.to_local() if self.sharded else g).detach())
+        return out
+
     @torch.no_grad()
     def gather_grads(self, out: torch.Tensor) -> torch.Tensor:
-        for p, v in self.views(out):
-            if p.grad is None:
+        for g, (_, v) in zip(self._grads(False), self.views(out), strict=True):
+            if g is None:
                 v.zero_()
             else:
-                v.copy_(p.grad.detach())
+                v.copy_(g)
         return out
 
     def tensors(self) -> list[torch.Tensor]:
@@ -266,17 +291,9 @@ class FlatParams:
 
     def grads(self) -> list[torch.Tensor]:
         """The parameters' ``.grad`` (zeros where there is none yet): what a broadcast writes into."""
-        out = []
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            out.append(p.grad)
-        return out
+        return [g for g in self._grads(True) if g is not None]
 
     @torch.no_grad()
     def scatter_grads(self, flat: torch.Tensor) -> None:
-        for p, v in self.views(flat):
-            if p.grad is None:
-                p.grad = v.to(device=p.device, dtype=p.dtype, copy=True)
-            else:
-                p.grad.copy_(v)
+        for g, (_, v) in zip(self.grads(), self.views(flat), strict=True):
+            g.copy_(v)

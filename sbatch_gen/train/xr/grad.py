@@ -39,7 +39,7 @@ class GradSync(OuterSync):
         if self.leader:
             self.flat.scatter_grads(held(self.avg, "avg"))
         t6 = self._now()
-        self.group.broadcast_tensors(self.flat.grads(), src=0)  # the other ranks hold no average
+        self._share(self.flat.grads())  # a DDP region's other ranks hold no average
         t7 = self._now()
         self.round, self.tokens = step, 0
         self._cleanup(step, need_snapshot=False)

@@ -47,16 +47,12 @@ class StreamingDiLoCo(DiLoCo):
         super().__init__(*args, **kw)
         xr = self.xr
         self.nfrag, self.tau, self.alpha = xr.fragments, xr.fragment_delay_steps, xr.fragment_alpha
-        self.frag_ex = [self.ex.for_fragment(p, self._numel_of(p)) for p in range(self.nfrag)]
+        self.frag_ex = [self.ex.for_fragment(p, *self.flat.fragment_payload(p)) for p in range(self.nfrag)]
         bg = self.group.background() if self.tau > 0 else None  # collective: the rounds' own group
         self.bg_frag_ex = [ex.in_background(bg) for ex in self.frag_ex] if bg is not None else None
         # tokens each fragment's next round carries: the region's tokens since that fragment's last round
         self.frag_tokens = [0] * self.nfrag
         self.launch_s = 0.0  # what the start of the round in flight held training up for (its record's)
-
-    def _numel_of(self, p: int) -> int:
-        lo, hi = self.flat.fragment(p)
-        return hi - lo
 
     def _part(self, buf: torch.Tensor | None, p: int) -> torch.Tensor | None:
         """Fragment ``p``'s range of a flat buffer (None on the ranks that hold none)."""
@@ -167,7 +163,7 @@ class StreamingDiLoCo(DiLoCo):
                 x = self.flat.gather_part(merged, lo, hi)
                 torch.sub(x, theta[lo:hi], out=x).mul_(self.alpha).add_(theta[lo:hi])
             self.flat.scatter_part(merged, lo, hi)
-        self.group.broadcast_tensors(self.flat.tensors_part(lo, hi), src=0)
+        self._share(self.flat.tensors_part(lo, hi))
         self.round, self.inflight, self.inflight_tokens, self.pending = k, 0, 0, 0
         t2 = self._now()
         snap_s = self._housekeeping(k, res.members, step)
@@ -219,7 +215,7 @@ class StreamingDiLoCo(DiLoCo):
             frag_tokens=torch.tensor(self.frag_tokens, dtype=torch.int64),
         )
         if self.leader:
-            out["own"] = self.own
+            out["own"] = self._saved("own")
         return out
 
     @torch.no_grad()

@@ -107,8 +107,6 @@ class OuterSync:
         self.numel = self.flat.numel  # the payload's elements: the whole model
         self.local_numel = self.flat.local_numel  # the buffers' (a sharded region: this rank's shards)
         self.sharded = self.flat.sharded
-        if self.sharded and xr.sharded_unsupported:
-            raise ValueError(f"a sharded (FSDP2) model: {xr.sharded_unsupported[1]} is not supported yet")
         self.outer_device, self.pinned, placement = outer_placement(xr, self.device, self.state_bytes())
 
         # Who moves which shard. Comm tensors live on the training device (NCCL wants CUDA, gloo CPU).
@@ -374,11 +372,21 @@ class OuterSync:
         return sum(t.nbytes for t in (getattr(self, n, None) for n in self.buffers()) if t is not None)
 
     def _share_params(self) -> None:
-        """The parameters, as rank 0 holds them, into every rank of the region (in place). A sharded
-        region: nothing to do (each rank wrote its own shards)."""
-        if self.sharded:
-            return
-        self.group.broadcast_tensors(self.flat.tensors(), src=0)
+        """The parameters, as rank 0 holds them, into every rank of the region (in place)."""
+        self._share(self.flat.tensors())
+
+    def _share(self, tensors: list[torch.Tensor]) -> None:
+        """``tensors`` (parameters or gradients, or some of them), as rank 0 holds them, into every rank of
+        the region (in place). A sharded region: nothing to do (each rank wrote its own shards)."""
+        if not self.sharded:
+            self.group.broadcast_tensors(tensors, src=0)
+
+    def _saved(self, name: str) -> Any:
+        """The flat buffer ``name`` as a checkpoint holds it: itself, or (a sharded region) one DTensor per
+        parameter placed like it (views of the buffer: DCP saves this rank's shards and loads into them,
+        resharded when the region comes back with another world size)."""
+        buf = getattr(self, name)
+        return self.flat.as_dtensors(held(buf, name)) if self.sharded else buf
 
     def _cleanup(self, r: int, need_snapshot: bool) -> None:
         self._log_cleanup(r, self._cleanup_now(self.ex, r, need_snapshot))
