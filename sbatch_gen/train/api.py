@@ -189,6 +189,7 @@ class DiLoCo:
         if device is None:
             device = next(iter(model.parameters())).device
         self.xr = xr
+        self._model = model
         self._sync: OuterSync = create(
             xr,
             model,
@@ -221,6 +222,17 @@ class DiLoCo:
         """``sync: grad`` only (a no-op for DiLoCo): replace ``.grad`` with the token-weighted average over
         regions. Call it after backward (and DDP's all-reduce), before clipping and ``optimizer.step()``."""
         self._sync.before_optimizer_step(step, tokens)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the model's gradients to a global L2 norm of ``max_norm`` and return the norm before
+        clipping, like ``torch.nn.utils.clip_grad_norm_``, but summed in one fixed order
+        (:mod:`.gradnorm`): the same bits in every region whatever its sharding (FSDP2 over any number of
+        ranks, or DDP). With ``sync: grad`` clip with this, after :meth:`before_optimizer_step`: torch's
+        norm differs in the last bits between regions sharded differently, and their models drift apart.
+        Collective in a sharded region."""
+        from .gradnorm import clip_grads
+
+        return clip_grads(list(self._model.parameters()), max_norm, self._sync.device, canonical=True)
 
     def after_step(self, step: int, tokens: int) -> dict | None:
         """After ``optimizer.step()``: count the step's tokens; every ``inner_steps`` steps run the outer

@@ -243,17 +243,6 @@ def xr_problems(
     else:
         errors += _diloco_problems(cfg, xr, in_cfg)
     warnings += [XRProblem(f, m) for f, m in outer_step_warnings(xr)]
-    clip = cfg.optim.grad_clip
-    if xr.sync == "grad" and cfg.parallelism.kind == "fsdp" and clip > 0:
-        warnings.append(
-            XRProblem(
-                "sync",
-                f"parallelism.kind{in_cfg}: fsdp with sync grad and optim.grad_clip {clip:g}: the clip norm "
-                "is summed in the order of this region's shards, so a region sharded otherwise (another "
-                "world size, or DDP) clips by a norm a last bit apart and its parameters drift from this "
-                "one's. Shard every region alike, or set optim.grad_clip: 0.",
-            )
-        )
     if xr.sync == "diloco" and cfg.train.steps % h:
         warnings.append(
             XRProblem(

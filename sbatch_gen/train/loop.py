@@ -22,6 +22,7 @@ from typing import Any
 
 from .agreement import read_agreement
 from .api import XRNoQuorum, XRTimeout
+from .gradnorm import clip_grads
 from .optim import lr_at
 from .parallel import autocast
 from .record import StepDone
@@ -232,24 +233,13 @@ def optimizer_step(t, step: int, lr: float):
         t.batches.prefetch()  # the next micro-batch, while the device runs this backward
     if t.sync is not None:
         t.sync.before_optimizer_step(step, t.tokens_per_step)
-    grad_norm = clip_grads(t.params, cfg.optim.grad_clip, t.device) if cfg.optim.grad_clip > 0 else None
+    canonical = t.xr.enabled and t.xr.sync == "grad"  # every region must clip by the same bits
+    grad_norm = (
+        clip_grads(t.params, cfg.optim.grad_clip, t.device, canonical) if cfg.optim.grad_clip > 0 else None
+    )
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
-
-
-def clip_grads(params, max_norm: float, device):
-    """Clip the gradients to a global L2 norm of ``max_norm``; returns the norm before clipping, on
-    ``device``. Under FSDP the gradients are DTensor shards (on the CPU with offload): the norm of the
-    local shards is reduced over the ranks (``full_tensor``) before it scales them."""
-    import torch
-
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if hasattr(norm, "full_tensor"):  # a DTensor: each rank's partial norm
-        norm = norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    return norm.to(device, non_blocking=True)
 
 
 def agreement_row(t, loss_sum, grad_norm, own_s: float, data_s: float):

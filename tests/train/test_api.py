@@ -318,6 +318,22 @@ def test_the_wrapper_refuses_a_disabled_xr_and_a_bad_checkpoint(tmp_path):
             diloco.load_state_dict(bad)
 
 
+def test_the_wrappers_clip_is_the_canonical_norm(tmp_path):
+    """``DiLoCo.clip_grad_norm_`` clips by the norm of sbatch_gen.train.gradnorm (the same bits whatever a
+    region's sharding), within rounding of torch's, and returns it."""
+    from sbatch_gen.train.gradnorm import canonical_grad_norm
+
+    model = _model(1)
+    model(torch.randn(3, 4)).square().sum().backward()
+    want = canonical_grad_norm(list(model.parameters()), torch.device("cpu"))
+    torch_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    with DiLoCo(model, _xr("eu", tmp_path, regions="eu", sync="grad")) as diloco:
+        got = diloco.clip_grad_norm_(want.item() / 4)
+    assert torch.equal(got, want) and abs(got.item() - torch_norm.item()) <= 1e-6 * torch_norm.item()
+    after = canonical_grad_norm(list(model.parameters()), torch.device("cpu"))
+    assert abs(after.item() - want.item() / 4) <= 1e-5 * want.item()
+
+
 def test_without_a_process_group_the_wrapper_sees_one_process(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
         monkeypatch.delenv(k, raising=False)

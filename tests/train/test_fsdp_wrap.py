@@ -71,7 +71,7 @@ def test_reshard_after_forward_frees_or_keeps_the_gathered_blocks(info, reshard)
 def test_clipping_dtensor_gradients_equals_clipping_the_plain_model(info):
     """The norm of the local shards is reduced over the ranks before it scales them: at one rank exactly
     torch's clip_grad_norm_ on the unsharded model, bit for bit."""
-    from sbatch_gen.train.loop import clip_grads
+    from sbatch_gen.train.gradnorm import clip_grads
 
     plain = _gpt()
     model, _ = _sharded(info)

@@ -261,7 +261,7 @@ def test_the_trainer_trains_an_fsdp_region_beside_a_ddp_region_to_the_same_model
 ):
     """The trainer with ``parallelism.kind: fsdp`` and each cross-region sync mode: eu FSDP over 2 ranks, us
     DDP on 1 rank, over a directory mailbox; 12 steps, H=4 (DiLoCo: a snapshot every 2 rounds; eu, the first
-    member, publishes every second round's snapshot from its ranks' shards; grad mode: no clipping). Both
+    member, publishes every second round's snapshot from its ranks' shards; grad mode clips, by the canonical norm). Both
     record the same rounds, up to ``last``, and end on the same exported bytes."""
     from sbatch_gen.testing.regions import launch_region
     from sbatch_gen.xr_options import FsTransport
@@ -271,9 +271,7 @@ def test_the_trainer_trains_an_fsdp_region_beside_a_ddp_region_to_the_same_model
     transport = FsTransport(root=str(tmp_path / "mailbox"))
     runs = []
     for r, kind, nproc in (("eu", "fsdp", 2), ("us", "ddp", 1)):
-        # grad mode: no clipping (the clip norm is summed in each region's shard order: see config.py)
-        optim = {"grad_clip": 0.0} if opts.get("sync") == "grad" else {}
-        cfg = write_config(tmp_path, repo, name=f"{r}.yaml", parallelism={"kind": kind}, optim=optim)
+        cfg = write_config(tmp_path, repo, name=f"{r}.yaml", parallelism={"kind": kind})
         runs.append(
             launch_region(
                 xr(r, transport, **opts),
