@@ -16,8 +16,8 @@ upload, a disk) nor the sinks' Python work costs the step anything but its metri
 raises is logged once, with the reason, and dropped: it never stops training, and metrics.jsonl is
 unaffected.
 
-Resumed attempts continue the same runs: TensorBoard writes to the same directory with ``purge_step`` at
-the attempt's first step (its readers drop what an earlier attempt logged from there on), W&B resumes the
+Resumed attempts continue the same runs: TensorBoard writes to the same directory with a purge at the
+attempt's first step (its readers drop what an earlier attempt logged from there on), W&B resumes the
 run of the same id and skips the steps an earlier attempt already logged (the last step of
 metrics.jsonl when this attempt started), and the Prometheus file is a snapshot, rewritten atomically.
 """
@@ -145,29 +145,30 @@ class Sink(Protocol):
 
 
 class TensorBoardSink:
-    """Event files under ``<run-dir>/tensorboard``, one event per record, flushed after every batch."""
+    """Event files under ``<run-dir>/tensorboard``, one event per record, flushed after every batch; written
+    with the tensorboard package's own event writer, so the sinks' process never imports torch."""
 
     name = "tensorboard"
 
     def __init__(self, run_dir: Path, first_step: int) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+        # the tensorboard package, without torch nor TensorFlow
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-        # purge_step: TensorBoard's readers drop what an earlier attempt logged from this step on
-        self.writer = SummaryWriter(
-            log_dir=str(run_dir / "tensorboard"), purge_step=first_step if first_step > 1 else None
-        )
+        self._event, self._summary = Event, Summary
+        # its queue holds a whole batch (Sinks flushes once per batch): a small one makes this process wait
+        # on the writer's thread every few events
+        self.writer = EventFileWriter(str(run_dir / "tensorboard"), max_queue_size=1024, flush_secs=3600)
+        if first_step > 1:
+            # a session restart at the attempt's first step: TensorBoard's readers drop what an earlier
+            # attempt logged from this step on (the purge_step of torch's SummaryWriter, the same event)
+            self.writer.add_event(Event(step=first_step, session_log=SessionLog(status=SessionLog.START)))
 
     def write(self, step: int, values: dict[str, float]) -> None:
-        # one event per record, every scalar in its summary (as add_scalar encodes it): add_scalar per
-        # scalar would write an event each, the most CPU of every sink's per record
-        from torch.utils.tensorboard.summary import scalar
-
-        summary, *rest = (scalar(name, v) for name, v in values.items())  # never empty (Sinks)
-        for more in rest:
-            summary.value.extend(more.value)
-        events = self.writer.file_writer
-        assert events is not None  # SummaryWriter opens it at once
-        events.add_summary(summary, step)
+        # one event per record, its scalars in one summary: an event per scalar costs several times the CPU
+        summary = self._summary(value=[self._summary.Value(tag=k, simple_value=v) for k, v in values.items()])
+        self.writer.add_event(self._event(wall_time=time.time(), step=step, summary=summary))
 
     def flush(self) -> None:
         self.writer.flush()
