@@ -156,8 +156,8 @@ class Tail:
 
 class Watch:
     """The trainer, watched by a thread from this process's start: :attr:`ended` is set once it closed
-    the pipe on stdin (``fd``) or died (EOF), or the parent changed; ``deadline_s`` later the process exits, saying
-    what it was still doing (:attr:`doing`, kept by the main thread)."""
+    the pipe on stdin (``fd``) or died (EOF), or the parent changed; ``deadline_s`` later the process
+    exits, saying what it was still doing (:attr:`doing`, kept by the main thread)."""
 
     def __init__(self, metrics: Path, parent: int, deadline_s: float, poll_s: float, fd: int = 0) -> None:
         self.ended = threading.Event()

@@ -16,6 +16,7 @@ import pytest
 from sbatch_gen.metrics_options import MetricsOptions
 from sbatch_gen.train.sinkproc import LOCK_FILE, SinkProcess, Tail, Watch
 
+from .conftest import wait_for
 from .readback import prometheus_samples, tensorboard_scalars
 
 pytestmark = pytest.mark.slow  # starts the sinks' process (imports tensorboard, wandb)
@@ -41,14 +42,6 @@ def _prom_step(run_dir: Path) -> float | None:
         return prometheus_samples(run_dir / "sbatch_gen_r_eu.prom")["sbatch_gen_step"][1]
     except (FileNotFoundError, KeyError):
         return None
-
-
-def _until(what, deadline_s: float = 60.0):
-    end = time.monotonic() + deadline_s
-    while not (got := what()):
-        assert time.monotonic() < end, f"not within {deadline_s} s: {what}"
-        time.sleep(0.05)
-    return got
 
 
 class _Log:
@@ -116,7 +109,7 @@ def test_the_sinks_process_has_a_deadline_once_its_trainer_ended(tmp_path, wandb
     saying what it was still doing, instead of waiting out W&B's init timeout."""
     log = _Log(capfd)
     proc = _start(tmp_path, ["wandb"], deadline_s=2)
-    _until(lambda: (tmp_path / "wandb").exists())  # W&B's start has begun
+    wait_for(lambda: (tmp_path / "wandb").exists(), 60, "W&B's start")
     t0 = time.monotonic()
     assert proc.close(60), "still running after 60 s"
     assert time.monotonic() - t0 < 30 and proc.proc.returncode == 1
@@ -132,7 +125,7 @@ def test_two_attempts_sinks_processes_never_write_at_once(tmp_path, wandb_hangs,
     once the old one ended (its deadline), and writes the new attempt's records."""
     log = _Log(capfd)
     old = _start(tmp_path, ["wandb"], deadline_s=3)
-    _until(lambda: (tmp_path / "wandb").exists())  # it holds the lock
+    wait_for(lambda: (tmp_path / "wandb").exists(), 60, "W&B's start: it holds the lock")
     assert (tmp_path / LOCK_FILE).read_text() == f"{old.pid}\n"
     monkeypatch.delenv("WANDB_BASE_URL")  # the new attempt writes Prometheus only
     brief = _start(tmp_path, ["prometheus"], lock_wait_s=1)
@@ -149,14 +142,14 @@ def test_two_attempts_sinks_processes_never_write_at_once(tmp_path, wandb_hangs,
     ]
     assert _prom_step(tmp_path) is None
     new = _start(tmp_path, ["prometheus"], lock_wait_s=60)
-    _until(lambda: log.has(waiting + "60 s"))
+    wait_for(lambda: log.has(waiting + "60 s"), 60, "the waiting line")
     _append(tmp_path, 2, 3)
     time.sleep(0.5)
     assert _prom_step(tmp_path) is None  # waits for the old one
     assert old.proc.poll() is None
     old.proc.stdin.close()  # the old attempt's trainer is gone: its sinks' process ends at its deadline
-    _until(lambda: _prom_step(tmp_path) == 3)
-    assert old.proc.poll() == 1  # ended before the new one wrote
+    wait_for(lambda: _prom_step(tmp_path) == 3, 60, "the new attempt's records")
+    assert old.proc.wait(10) == 1  # at its deadline (its line comes before the new one started: below)
     assert new.close(60) and new.proc.returncode == 0
     lines = log()
     assert lines.index(next(ln for ln in lines if "still starting the sinks 3 s" in ln)) < lines.index(
