@@ -229,13 +229,17 @@ def run_bench(out: Path, quick: bool) -> Result:
     res.headline["steady state: step time, all sinks / none (median of pairs)"] = f"{ratio:.4f}"
     res.headline["start-up: step time, all sinks / none (median of pairs)"] = f"{start_ratio:.4f}"
     res.headline["CPU per record, all three sinks (ms)"] = f"{total:.3f}"
+    # met only when the median of the pairs is under 1.01 by more than its own noise: its rough 95% upper
+    # bound (the median's standard error is about 1.25 pstdev / sqrt(pairs))
+    bound = ratio + 2 * 1.25 * spread / max(1, len(ratios)) ** 0.5
     res.goal(
-        "all sinks cost < 1% of a tiny CPU step (steady state, a record to the sinks every step)",
-        f"{(ratio - 1) * 100:+.2f}% (pairs: {pairs}; spread {spread:.4f} (pstdev), "
-        f"{min(ratios, default=float('nan')):.4f}-{max(ratios, default=float('nan')):.4f})"
+        "all sinks cost < 1% of a tiny CPU step (steady state, a record to the sinks every step; met when "
+        "the median's rough 95% upper bound is under 1.01)",
+        f"{(ratio - 1) * 100:+.2f}%, upper bound {(bound - 1) * 100:+.2f}% (pairs: {pairs}; spread "
+        f"{spread:.4f} (pstdev), {min(ratios, default=float('nan')):.4f}-{max(ratios, default=float('nan')):.4f})"
         if ratios
         else "no steady steps (--quick: the run ends before the sinks started)",
-        None if quick else ratio < 1.01,
+        None if quick else bound < 1.01,
     )
     res.goal("every 'all' run's sinks wrote", f"{sum(wrote)} of {len(wrote)}", all(wrote))
     extra_cpu = median([r[10] - r[9] for r in rows])

@@ -21,5 +21,5 @@ def complete_lines(path: Path, start: int = 0, end: int | None = None) -> tuple[
     with f:
         f.seek(start)
         data = f.read() if end is None else f.read(max(0, end - start))
-    end = data.rfind(b"\n") + 1
-    return data[: end - 1].split(b"\n") if end else [], start + end
+    done = data.rfind(b"\n") + 1  # the bytes of complete lines
+    return data[: done - 1].split(b"\n") if done else [], start + done
