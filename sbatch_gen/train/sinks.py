@@ -165,7 +165,7 @@ class TensorBoardSink:
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{os.urandom(4).hex()}"
         self._file = open(directory / name, "xb")
         # written here, not through its EventFileWriter: that one hands every event to a thread of its own,
-        # about a third more CPU per record (bench/results/sinks.md)
+        # which costs this process more CPU per record than the write itself
         self._records = RecordWriter(self._file)
         self._add(Event(wall_time=time.time(), file_version="brain.Event:2"))
         if first_step > 1:
