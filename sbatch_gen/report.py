@@ -21,6 +21,7 @@ from pathlib import Path
 from statistics import median
 
 from sbatch_gen.fsutil import atomic_path, write_atomic
+from sbatch_gen.jsonl import complete_lines
 
 PHASES = [  # (metrics key, label) in the order a round runs them
     ("xr_upload_s", "upload"),
@@ -76,26 +77,23 @@ def load_run(path: Path) -> Run:
             "python -m sbatch_gen.train?)"
         )
     run = Run(path=path, label=path.name)
-    with open(mpath, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                # a crash can cut the last line short: tolerate that one, nothing else
-                if not line.endswith("\n"):
-                    break
-                raise ReportError(f"{_display(mpath)}:{lineno}: not valid JSON: {e.msg}") from None
-            if not isinstance(rec, dict):
-                raise ReportError(f"{_display(mpath)}:{lineno}: expected a JSON object")
-            if "event" in rec:
-                run.events.append(rec)
-            elif "step" in rec:
-                for k in ("loss", "step_time_s"):
-                    if not isinstance(rec.get(k), int | float):
-                        raise ReportError(f"{_display(mpath)}:{lineno}: step record without a numeric {k!r}")
-                run.steps.append(rec)
+    lines, _ = complete_lines(mpath)  # a last line cut short by a crash is left out, nothing else
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ReportError(f"{_display(mpath)}:{lineno}: not valid JSON: {e.msg}") from None
+        if not isinstance(rec, dict):
+            raise ReportError(f"{_display(mpath)}:{lineno}: expected a JSON object")
+        if "event" in rec:
+            run.events.append(rec)
+        elif "step" in rec:
+            for k in ("loss", "step_time_s"):
+                if not isinstance(rec.get(k), int | float):
+                    raise ReportError(f"{_display(mpath)}:{lineno}: step record without a numeric {k!r}")
+            run.steps.append(rec)
     if not run.steps:
         raise ReportError(f"{_display(mpath)}: no step records (did the run train at least one step?)")
     spath = path / "summary.json"

@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
+from sbatch_gen.jsonl import complete_lines  # noqa: E402
 from sbatch_gen.xr_options import CrossRegion, FsTransport, to_argv  # noqa: E402
 
 # The outer step (DiLoCo, Nesterov) must at least read the averaged delta, read and write the momentum and
@@ -425,21 +426,13 @@ class Check:
 
 # -- reading a run --------------------------------------------------------------------------------------------
 def records(run: Path) -> list[dict]:
-    p = run / "metrics.jsonl"
-    if not p.exists():
-        return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    lines, _ = complete_lines(run / "metrics.jsonl")
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def last_step(run: Path) -> int:
-    p = run / "metrics.jsonl"
-    if not p.exists():
-        return -1
-    try:
-        steps = [json.loads(line).get("step", -1) for line in p.read_text().splitlines()[-5:] if line.strip()]
-    except json.JSONDecodeError:  # a line being written
-        return -1
-    return max(steps, default=-1)
+    lines, _ = complete_lines(run / "metrics.jsonl")  # a line being written is not one yet
+    return max((json.loads(line).get("step", -1) for line in lines[-5:] if line.strip()), default=-1)
 
 
 def log_lines(path: Path, prefix: str) -> list[str]:

@@ -8,6 +8,7 @@ losses can be compared bitwise.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -19,6 +20,8 @@ from pathlib import Path
 from ..fsutil import write_atomic
 from ..metrics_options import MetricsOptions
 from .sinkproc import SinkProcess
+
+log = logging.getLogger("sbatch_gen.train")
 
 # Dense BF16 tensor-core peaks (FLOP/s) per GPU, without 2:4 sparsity. NVIDIA's data sheets print the
 # sparse figure ("with sparsity"); the dense one is half of it:
@@ -146,10 +149,10 @@ def drop_cut_record(path: Path) -> int:
                 break
             pos -= step
         f.truncate(pos)
-    print(
-        f"metrics: {path}: dropped a cut last record ({end - pos} bytes) left by a process killed mid-write",
-        file=sys.stderr,
-        flush=True,
+    log.warning(
+        "metrics: %s: dropped a cut last record (%d bytes) left by a process killed mid-write",
+        path,
+        end - pos,
     )
     return end - pos
 

@@ -16,8 +16,8 @@ upload, a disk) nor the sinks' Python work costs the step anything but its metri
 raises is logged once, with the reason, and dropped: it never stops training, and metrics.jsonl is
 unaffected.
 
-Resumed attempts continue the same runs: TensorBoard writes to the same directory with ``purge_step`` at
-the attempt's first step (its readers drop what an earlier attempt logged from there on), W&B resumes the
+Resumed attempts continue the same runs: TensorBoard writes to the same directory with a purge at the
+attempt's first step (its readers drop what an earlier attempt logged from there on), W&B resumes the
 run of the same id and skips the steps an earlier attempt already logged (the last step of
 metrics.jsonl when this attempt started), and the Prometheus file is a snapshot, rewritten atomically.
 """
@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -145,35 +146,46 @@ class Sink(Protocol):
 
 
 class TensorBoardSink:
-    """Event files under ``<run-dir>/tensorboard``, one event per record, flushed after every batch."""
+    """Event files under ``<run-dir>/tensorboard``, one event per record, flushed after every batch; written
+    with the tensorboard package's own record writer, so the sinks' process never imports torch."""
 
     name = "tensorboard"
 
     def __init__(self, run_dir: Path, first_step: int) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+        # the tensorboard package, without torch nor TensorFlow
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.record_writer import RecordWriter
 
-        # purge_step: TensorBoard's readers drop what an earlier attempt logged from this step on
-        self.writer = SummaryWriter(
-            log_dir=str(run_dir / "tensorboard"), purge_step=first_step if first_step > 1 else None
-        )
+        self._event, self._summary = Event, Summary
+        directory = run_dir / "tensorboard"
+        directory.mkdir(parents=True, exist_ok=True)
+        # TensorBoard's file name (it reads the files of a directory in name order: the time first); never
+        # an earlier attempt's file ("x"), whatever the pid
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{os.urandom(4).hex()}"
+        self._file = open(directory / name, "xb")
+        # written here, not through its EventFileWriter: that one hands every event to a thread of its own,
+        # which costs this process more CPU per record than the write itself
+        self._records = RecordWriter(self._file)
+        self._add(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        if first_step > 1:
+            # a session restart at the attempt's first step: TensorBoard's readers drop what an earlier
+            # attempt logged from this step on (the purge_step of torch's SummaryWriter, the same event)
+            self._add(Event(step=first_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def _add(self, event: Any) -> None:
+        self._records.write(event.SerializeToString())
 
     def write(self, step: int, values: dict[str, float]) -> None:
-        # one event per record, every scalar in its summary (as add_scalar encodes it): add_scalar per
-        # scalar would write an event each, the most CPU of every sink's per record
-        from torch.utils.tensorboard.summary import scalar
-
-        summary, *rest = (scalar(name, v) for name, v in values.items())  # never empty (Sinks)
-        for more in rest:
-            summary.value.extend(more.value)
-        events = self.writer.file_writer
-        assert events is not None  # SummaryWriter opens it at once
-        events.add_summary(summary, step)
+        # one event per record, its scalars in one summary: an event per scalar costs several times the CPU
+        summary = self._summary(value=[self._summary.Value(tag=k, simple_value=v) for k, v in values.items()])
+        self._add(self._event(wall_time=time.time(), step=step, summary=summary))
 
     def flush(self) -> None:
-        self.writer.flush()
+        self._file.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        self._file.close()
 
 
 class WandbSink:
