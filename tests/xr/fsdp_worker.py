@@ -6,14 +6,18 @@ The model's dims are chosen to shard unevenly: over 2 ranks the first layer's 5 
 last layer's single row leaves rank 1 with none. Before each round every rank records the region's whole
 flat parameters (what its delta is taken from); after it, the region's whole ``theta_outer`` and momentum,
 assembled from every rank's part (FSDP: each rank holds its shards' only; DDP: the leader holds all). Rank 0
-writes ``<out>/<region>.pt``.
+writes ``<out>/<region>.pt`` (the rounds, the sync's round records and events).
+
+Elastic runs (``--min-regions N``) start as the trainer does, fast-forwarding a region that was away; the
+region can leave (``--leave-at``: announced) or crash (``--crash-at``: nothing announced, its heartbeat
+stops) after a step, and the tests order the regions through files: ``--wait-at STEP --wait-for F`` waits
+before that step until F exists (creating ``F.asked`` first), ``--started F`` creates F once the region has
+joined the run.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
+import time
 from pathlib import Path
 
 import torch
@@ -21,9 +25,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from sbatch_gen.train.dist import DistInfo
 from sbatch_gen.train.xr.modes import create
-from sbatch_gen.xr_options import CrossRegion, FsTransport
+from sbatch_gen.xr_options import CrossRegion
+
+from .workers import exit_now, init_region, parser, transport
 
 
 def whole_params(net: nn.Module) -> torch.Tensor:
@@ -54,31 +59,59 @@ def whole_state(sync) -> tuple[torch.Tensor, torch.Tensor]:
     return theta, mom
 
 
+def options(a, regions: list[str]) -> CrossRegion:
+    """The run's cross-region options: strict, or elastic with ``--min-regions``."""
+    elastic = {}
+    if a.min_regions:
+        elastic = dict(min_regions=a.min_regions, grace_s=a.grace_s, heartbeat_s=a.heartbeat_s)
+    return CrossRegion(
+        enabled=True,
+        run_id="f",
+        region=a.region,
+        regions=regions,
+        inner_steps=2,
+        transport=transport(a),
+        timeout_s=120,
+        shard_mb=0.00004,  # 10 fp32 / 20 bf16 elements a shard: many shards, cut unlike the other region
+        threads=2,
+        payload_dtype=a.payload,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        keep_rounds=a.keep_rounds,
+        snapshot_every=a.snapshot_every,
+        **elastic,
+    )
+
+
+def wait_for(path: Path, rank: int, timeout_s: float = 200) -> None:
+    """Wait until ``path`` exists; rank 0 first creates ``<path>.asked`` (the test sees where we are)."""
+    if rank == 0:
+        path.with_name(path.name + ".asked").touch()
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear in {timeout_s:g} s")
+        time.sleep(0.05)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--region", required=True)
-    ap.add_argument("--regions", required=True)
-    ap.add_argument("--root", required=True)
-    ap.add_argument("--out", required=True)
+    ap = parser()
     ap.add_argument("--kind", default="fsdp")
-    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--payload", default="bf16")
-    ap.add_argument("--save-at", type=int, default=0)
-    ap.add_argument("--resume", default="")
+    ap.add_argument("--min-regions", type=int, default=0, help="0: strict (all); N: elastic")
+    ap.add_argument("--grace-s", type=float, default=60)
+    ap.add_argument("--heartbeat-s", type=float, default=None)
+    ap.add_argument("--keep-rounds", type=int, default=4)
+    ap.add_argument("--snapshot-every", type=int, default=10)
+    ap.add_argument("--leave-at", type=int, default=0, help="after this step: announce a leave and exit")
+    ap.add_argument("--crash-at", type=int, default=0, help="after this step: exit, announcing nothing")
+    ap.add_argument("--wait-at", type=int, default=0, help="before this step, wait for --wait-for")
+    ap.add_argument("--wait-for", default="")
+    ap.add_argument("--started", default="", help="rank 0 creates this file once the region has joined")
     a = ap.parse_args()
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    info = DistInfo(
-        rank=rank,
-        world_size=world,
-        local_rank=rank,
-        local_world_size=world,
-        node_rank=0,
-        num_nodes=1,
-        is_distributed=True,
-        backend="gloo",
-    )
+    info = init_region()
+    rank, world = info.rank, info.world_size
     regions = a.regions.split(",")
     torch.manual_seed(regions.index(a.region))  # the regions start apart: alignment must fix that
     net = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 1))
@@ -92,21 +125,11 @@ def main() -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(net)
-    xr = CrossRegion(
-        enabled=True,
-        run_id="f",
-        region=a.region,
-        regions=regions,
-        inner_steps=2,
-        transport=FsTransport(root=a.root),
-        timeout_s=120,
-        shard_mb=0.00004,  # 10 fp32 / 20 bf16 elements a shard: many shards, cut unlike the other region
-        threads=2,
-        payload_dtype=a.payload,
-        outer_lr=0.7,
-        outer_momentum=0.9,
+    xr = options(a, regions)
+    events: list[dict] = []
+    sync = create(
+        xr, model, torch.device("cpu"), info, None, events.append, poll_min_s=0.005, poll_max_s=0.05
     )
-    sync = create(xr, model, torch.device("cpu"), info, None, None, poll_min_s=0.005, poll_max_s=0.05)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     start = 0
     if a.resume:  # the model and the outer state from a DCP checkpoint, resharded to this world size
@@ -116,8 +139,26 @@ def main() -> None:
         sync.load_state_dict(state["outer"])
         start = int(state["step"])
     sync.align(start)
+    if xr.elastic:  # as the trainer starts: a region that was away fast-forwards to the run
+        start = sync.catch_up(start) or start
+    if a.started and rank == 0:
+        Path(a.started).touch()
     rounds = [(start, *whole_state(sync), None)]
-    for step in range(start + 1, a.steps + 1):
+    records: list[dict] = []
+
+    def finish() -> None:
+        if rank == 0:
+            out = {"rounds": rounds, "records": records, "events": events, "numel": sync.numel}
+            out.update(local=sync.local_numel, bytes=sync.outer_bytes())
+            torch.save(out, Path(a.out) / f"{a.region}.pt")
+        dist.barrier()
+        exit_now()
+
+    step = start
+    while step < a.steps:
+        step += 1
+        if step == a.wait_at:
+            wait_for(Path(a.wait_for), rank)
         g = torch.Generator().manual_seed(10_000 * regions.index(a.region) + 100 * rank + step)
         x = torch.randn(8, 6, generator=g)
         opt.zero_grad()
@@ -126,6 +167,8 @@ def main() -> None:
         before = whole_params(net) if step % xr.inner_steps == 0 else None
         rec = sync.after_optimizer_step(step, 8 * world)
         if rec:
+            records.append(rec)
+            step = rec.get("xr_adopted_step", step)  # behind the run: fast-forwarded
             rounds.append((step, *whole_state(sync), before))
             assert torch.equal(whole_params(net), rounds[-1][1]), (
                 "the model is not theta_outer after the round"
@@ -133,14 +176,14 @@ def main() -> None:
         if step == a.save_at:
             state = {"model": net.state_dict(), "outer": sync.state_dict(), "step": step}
             dcp.save(state, checkpoint_id=str(Path(a.out) / "ckpt"))
-    if rank == 0:
-        out = {"rounds": rounds, "numel": sync.numel, "local": sync.local_numel, "bytes": sync.outer_bytes()}
-        torch.save(out, Path(a.out) / f"{a.region}.pt")
+        if step == a.crash_at:  # no leave, no close: its heartbeat stops with the process
+            finish()
+        if step == a.leave_at:
+            sync.leave(step, "test")
+            sync.close()
+            finish()
     sync.close()
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # see tests/xr/outer_worker.py: no process-group teardown at exit
+    finish()
 
 
 if __name__ == "__main__":

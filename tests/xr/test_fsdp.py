@@ -5,8 +5,6 @@ what the library refuses, one line naming the parameter."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,25 +16,17 @@ from sbatch_gen.train.xr.flat import FlatParams, shard_rows
 from sbatch_gen.train.xr.protocol import ShardPlan
 from sbatch_gen.train.xr.sync import OuterSync
 
-from .test_multiproc import REPO, _wait_workers
 from .test_sync import xr_for
+from .workers import launch
+from .workers import wait as _wait_workers
 
 REGIONS = ["eu", "us"]
 LR, MU = 0.7, 0.9  # tests/xr/fsdp_worker.py's outer_lr and outer_momentum
 
 
 def _launch(region: str, kind: str, nproc: int, out: Path, root: Path, payload: str, *extra: str):
-    from sbatch_gen.testing.regions import clean_env
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd += ["--module", "tests.xr.fsdp_worker", "--region", region, "--regions", ",".join(REGIONS)]
-    cmd += ["--out", str(out), "--root", str(root), "--kind", kind, "--payload", payload, *extra]
-    out.mkdir(parents=True, exist_ok=True)
-    log = open(out / f"{region}.log", "ab")  # noqa: SIM115 - closed by _wait_workers
-    p = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=clean_env(), cwd=REPO, start_new_session=True
-    )
-    return p, log
+    args = ["--root", str(root), "--kind", kind, "--payload", payload, *extra]
+    return launch("fsdp_worker", region, REGIONS, nproc, out, *args)
 
 
 def _reference(theta, mom, xs, tokens, payload):
