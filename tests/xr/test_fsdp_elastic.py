@@ -63,8 +63,8 @@ def _load(out: Path, region: str) -> dict:
 @pytest.mark.parametrize("via", ["rounds", "snapshot"])
 def test_a_sharded_region_that_was_away_rejoins_and_the_other_never_stalls(via, tmp_path, request):
     """eu (FSDP over 2 ranks, uneven shards) takes part in rounds 1-2, checkpoints (DCP) and goes: with a
-    planned leave (rounds: over S3, every round kept) or a crash (snapshot: over a directory, heartbeats
-    every 0.5 s, one round kept, a snapshot every 2 rounds). us goes on alone through rounds 3-4 without
+    planned leave (rounds: over S3, int8 deltas, every round kept) or a crash (snapshot: over a directory,
+    int4 deltas, heartbeats every 0.5 s, one round kept, a snapshot every 2 rounds). us goes on alone through rounds 3-4 without
     waiting for eu (the leave closes them at once; the crash after 3 heartbeats, far below grace_s), then
     waits before step 9 until eu is back. eu resumes from its checkpoint and fast-forwards: it replays rounds
     3-4, or loads snapshot 4 (written by us, FSDP over 1 rank: another cut) once rounds 1-3 are cleaned up.
@@ -73,11 +73,12 @@ def test_a_sharded_region_that_was_away_rejoins_and_the_other_never_stalls(via, 
     if via == "rounds":
         t = s3_transport(request.getfixturevalue("s3server"), request.getfixturevalue("bucket"))
         mailbox, us_kind = ["--transport", t.model_dump_json()], "ddp"
-        opts = ["--keep-rounds", "10", "--snapshot-every", "100", "--grace-s", "60"]
+        opts = ["--keep-rounds", "10", "--snapshot-every", "100", "--grace-s", "60", "--payload", "int8"]
         goes = ["--leave-at", "4"]
     else:
         mailbox, us_kind = ["--root", str(mb)], "fsdp"
         opts = ["--keep-rounds", "1", "--snapshot-every", "2", "--grace-s", "60", "--heartbeat-s", "0.5"]
+        opts += ["--payload", "int4"]
         goes = ["--crash-at", "4"]
     common = [*mailbox, "--min-regions", "1", "--steps", "12", *opts]
     first, again, back = tmp_path / "first", tmp_path / "again", tmp_path / "eu-back"
