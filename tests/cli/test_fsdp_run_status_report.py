@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 from xr.conftest import data_dir  # noqa: F401 - fixture, reused
-from xr.test_multiproc import assert_same_params, metrics, run_both, write_config, xr
-
-from sbatch_gen.testing.regions import launch_region
-from sbatch_gen.xr_options import FsTransport
+from xr.test_multiproc import assert_same_params, metrics, train_regions
 
 from .conftest import sg, write_site
 
@@ -29,21 +27,7 @@ def fsdp_run(tmp_path_factory, repo, data_dir) -> Path:  # noqa: F811 - the fixt
     steps, H=4 (3 rounds), a snapshot every 2 rounds. Returns the directory holding ``mailbox``, ``eu``
     and ``us``."""
     d = tmp_path_factory.mktemp("fsdp-run")
-    transport = FsTransport(root=str(d / "mailbox"))
-    runs = []
-    for r, (parallelism, nproc) in SHAPES.items():
-        cfg = write_config(d, repo, name=f"{r}.yaml", parallelism=parallelism)
-        runs.append(
-            launch_region(
-                xr(r, transport, snapshot_every=2),
-                config=cfg,
-                run_dir=d / r,
-                data_path=data_dir,
-                max_steps=12,
-                nproc=nproc,
-            )
-        )
-    run_both(runs)
+    train_regions(d, repo, data_dir, SHAPES, snapshot_every=2)
     return d
 
 
@@ -71,13 +55,12 @@ def test_status_reads_a_mailbox_written_by_sharded_regions(fsdp_run, tmp_path, m
     st = json.loads(out)
     assert st["exists"] and st["newest_commit"]["round"] == 3 and st["newest_commit"]["members"] == REGIONS
     assert st["newest_snapshot"] == 2
-    assert {r["region"]: (r["last_published"], r["behind"]) for r in st["regions"]} == {
-        "eu": (3, 0),
-        "us": (3, 0),
-    }
+    got = {r["region"]: (r["last_published"], r["behind"], r["presence"]) for r in st["regions"]}
+    assert got == {r: (3, 0, "leaving") for r in REGIONS}  # both finished: a planned leave
     code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites))
     assert code == 0, err
-    assert "r000003" in out or "round 3" in out, out
+    assert "committed: round 3 (step 12)" in out and "snapshot:  round 2" in out, out
+    assert re.search(r"^eu \*\s+round 3\s+leaving \(round 3\)\s+0\s+yes", out, re.M), out
 
 
 def test_report_reads_the_runs_of_sharded_regions(fsdp_run, tmp_path):

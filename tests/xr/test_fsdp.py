@@ -186,26 +186,10 @@ def test_the_trainer_trains_an_fsdp_region_beside_a_ddp_region_to_the_same_model
     """The trainer with ``parallelism.kind: fsdp`` and cross-region DiLoCo: eu FSDP over 2 ranks, us DDP on 1
     rank, over a directory mailbox; 12 steps, H=4, a snapshot every 2 rounds (eu, the first member,
     publishes snapshot 2 from its ranks' shards). Both end on the same exported bytes."""
-    from sbatch_gen.testing.regions import launch_region
-    from sbatch_gen.xr_options import FsTransport
+    from .test_multiproc import assert_same_params, metrics, train_regions
 
-    from .test_multiproc import assert_same_params, metrics, run_both, write_config, xr
-
-    transport = FsTransport(root=str(tmp_path / "mailbox"))
-    runs = []
-    for r, kind, nproc in (("eu", "fsdp", 2), ("us", "ddp", 1)):
-        cfg = write_config(tmp_path, repo, name=f"{r}.yaml", parallelism={"kind": kind})
-        runs.append(
-            launch_region(
-                xr(r, transport, snapshot_every=2),
-                config=cfg,
-                run_dir=tmp_path / r,
-                data_path=data_dir,
-                max_steps=12,
-                nproc=nproc,
-            )
-        )
-    run_both(runs)
+    shapes = {"eu": ({"kind": "fsdp"}, 2), "us": ({"kind": "ddp"}, 1)}
+    train_regions(tmp_path, repo, data_dir, shapes, snapshot_every=2)
     assert_same_params(tmp_path / "eu", tmp_path / "us")
     for r in REGIONS:
         m = metrics(tmp_path / r)

@@ -79,6 +79,26 @@ def run_both(runs):
         assert rcs == [0] * len(rcs), f"region {r.region} exited {rcs}:\n{r.tail()}"
 
 
+def train_regions(d: Path, repo: Path, data_dir: Path, shapes: dict, steps: int = 12, **xr_kw) -> None:
+    """One trainer region per entry of ``shapes`` (``{region: (parallelism section, nproc)}``) over the
+    directory mailbox ``d/mailbox``, run dirs ``d/<region>``, ``steps`` steps; every rank must exit 0."""
+    transport = FsTransport(root=str(d / "mailbox"))
+    runs = []
+    for r, (parallelism, nproc) in shapes.items():
+        cfg = write_config(d, repo, name=f"{r}.yaml", parallelism=parallelism)
+        runs.append(
+            launch_region(
+                xr(r, transport, **xr_kw),
+                config=cfg,
+                run_dir=d / r,
+                data_path=data_dir,
+                max_steps=steps,
+                nproc=nproc,
+            )
+        )
+    run_both(runs)
+
+
 def s3_transport(server, bucket):
     return S3Transport(
         bucket=bucket,
