@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from sbatch_gen.train.dist import DistInfo
-from sbatch_gen.xr_options import FsTransport, Transport
+from sbatch_gen.xr_options import FsTransport, S3Transport, Transport
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 240  # per worker run; generous: the 2 cores are shared
@@ -35,12 +35,14 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def transport(a: argparse.Namespace) -> FsTransport:
+def transport(a: argparse.Namespace) -> FsTransport | S3Transport:
     """The mailbox's transport: ``--transport`` (JSON) or the directory ``--root``."""
     if a.transport:
         from pydantic import TypeAdapter
 
         return TypeAdapter(Transport).validate_json(a.transport)
+    if not a.root:
+        raise SystemExit("a worker needs --root or --transport")
     return FsTransport(root=a.root)
 
 
