@@ -103,11 +103,14 @@ def wait(runs, timeout: float = TIMEOUT) -> None:
                 rc = f"nothing (killed after {timeout} s)"
             assert rc == 0, f"{name} exited {rc}:\n{Path(log.name).read_text()[-4000:]}"
     finally:
-        for (p, log), _ in runs:
-            if (
-                p.poll() is None
-            ):  # the torchrun agent's session: the agent; its workers run in sessions of their own
-                from sbatch_gen.testing.regions import RegionRun
+        stop(runs)
 
-                RegionRun("", Path(), [p], []).kill()
-            log.close()
+
+def stop(runs) -> None:
+    """Kill what is left of each ``((process, log), name)`` and close its log."""
+    from sbatch_gen.testing.regions import RegionRun
+
+    for (p, log), _ in runs:
+        if p.poll() is None:  # the torchrun agent's session (its workers run in sessions of their own)
+            RegionRun("", Path(), [p], []).kill()
+        log.close()
