@@ -9,6 +9,7 @@ the group's regions. Each problem is reported with both files and the differing 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from sbatch_gen.errors import UserError
 from sbatch_gen.loader import LoadedSite
@@ -81,18 +82,21 @@ def check_train_configs(sites: Iterable[LoadedSite]) -> tuple[list[str], list[st
     """Cross-check each cross-region site against its train config (``trainer.config``), where that file
     is readable from here (relative paths: from the current directory, as at submit time).
 
-    Returns (errors, notes). Errors: bad train config, or cross-region settings that do not fit it
+    Returns (errors, notes). Errors: bad train config, cross-region settings that do not fit it
     (grad mode: ``keep_rounds`` shorter than the rounds between checkpoints; DiLoCo: ``snapshot_every``
-    beyond the run's rounds). Notes: configs not found here, and warnings. The trainer repeats the same
-    check at start-up, so nothing depends on running this.
+    beyond the run's rounds), or a model whose parameter names and shapes differ from another site's of the
+    same run (:func:`_same_models`). Notes: configs not found here, and warnings. The trainer repeats the
+    per-site checks at start-up, so nothing depends on running this.
     """
     from pathlib import Path
 
     from sbatch_gen.train.config import load_config, xr_problems  # torch-free
+    from sbatch_gen.train.shapes import parameter_shapes  # torch-free
     from sbatch_gen.xr_options import outer_step_warnings
 
     errors: list[str] = []
     notes: list[str] = []
+    models: dict[str, list[_Model]] = {}  # run id -> its sites' models, where their train config was read
     for s in sites:
         xr = s.profile.cross_region
         if not xr.enabled:
@@ -118,9 +122,46 @@ def check_train_configs(sites: Iterable[LoadedSite]) -> tuple[list[str], list[st
                 f"{where}: trainer.config {str(cfg_path)!r} does not validate: {m}" for m in e.messages
             ]
             continue
+        models.setdefault(xr.run_id, []).append(_Model(s, str(cfg_path), parameter_shapes(cfg.model)))
         errs, warns = xr_problems(cfg, xr, config_name=str(cfg_path))
         # Each message points at the line that sets its field (the `cross_region:` section when the field
         # is left at its default). Sites sharing a base file get the same line: reported once.
         errors += [f"{s.at('cross_region', m.field)}: {m}" for m in errs]
         notes += [f"{s.at('cross_region', m.field)}: warning: {m}" for m in warns]
+    errors += [e for run_id, group in sorted(models.items()) for e in _same_models(run_id, group)]
     return list(dict.fromkeys(errors)), list(dict.fromkeys(notes))
+
+
+class _Model(NamedTuple):
+    """A site's model, from its train config: ``(name, shape)`` of each parameter, in order."""
+
+    site: LoadedSite
+    config: str
+    params: list[tuple[str, tuple[int, ...]]]
+
+
+def _same_models(run_id: str, group: list[_Model]) -> list[str]:
+    """The sites of run ``run_id`` train the same parameters (names and shapes, in order: the flat vector
+    their regions exchange), whatever their parallelism (DDP or FSDP, any world size): one message per site
+    whose model differs from the first site's (in name order), at the first parameter that differs."""
+    ref, *others = sorted(group, key=lambda m: m.site.name)
+    errors = []
+    for m in others:
+        if m.params == ref.params:
+            continue
+        pairs = zip(m.params, ref.params, strict=False)
+        i = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(m.params), len(ref.params)))
+        errors.append(
+            f"{m.site.at('trainer', 'config')}: trainer.config: {m.config!r} has {_param(m, i)}, where "
+            f"{ref.config!r} ({ref.site.at('trainer', 'config')}, site {ref.site.name!r}) has "
+            f"{_param(ref, i)}: the regions of run {run_id!r} must train the same parameters (their "
+            "parallelism may differ)"
+        )
+    return errors
+
+
+def _param(m: _Model, i: int) -> str:
+    if i >= len(m.params):
+        return f"no parameter {i} (it has {len(m.params)})"
+    name, shape = m.params[i]
+    return f"parameter {i} {name} of shape {list(shape)}"

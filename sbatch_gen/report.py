@@ -262,6 +262,11 @@ def _exposed(rec: dict) -> float:
     return float(v) if isinstance(v, int | float) else 0.0
 
 
+def fsdp(run: Run) -> bool:
+    """Whether the run's region sharded its model (the trainer's ``parallelism.kind: fsdp``)."""
+    return str((run.summary or {}).get("parallelism", "")).startswith("fsdp")
+
+
 def slo(run: Run) -> dict:
     """The baseline numbers of one run (NaN/None where the run has no such data)."""
     times = step_times(run)
@@ -275,7 +280,9 @@ def slo(run: Run) -> dict:
     per_step = _mean([float(r["step_time_s"]) - _exposed(r) for r in steps])
     step_sum = per_step * n_steps + xr
     # In-region comm as the trainer measured it; None where the host cannot see it (NCCL): then n/a, not 0.
-    ddp = _mean([float(r["comm_time_s"]) for r in steps if r.get("comm_time_s") is not None]) * n_steps
+    # FSDP's all-gathers and reduce-scatters run inside forward and backward, untimed: n/a too.
+    comm = [float(r["comm_time_s"]) for r in steps if r.get("comm_time_s") is not None]
+    ddp = float("nan") if fsdp(run) else _mean(comm) * n_steps
     ck = [float(r["checkpoint_save_s"]) for r in steps if isinstance(r.get("checkpoint_save_s"), int | float)]
     if not ck and s.get("checkpoint_save_s", {}).get("count"):
         ck = [s["checkpoint_save_s"]["mean"]]
@@ -571,11 +578,13 @@ def build(runs: list[Run]) -> tuple[str, dict]:
                 str(len(segs)),
                 _fmt(s.get("world_size", run.steps[-1].get("world_size"))),
                 _fmt(s.get("device")),
+                _fmt(s.get("parallelism")),
                 _fmt(s.get("exit")),
             ]
         )
+    head = ["region", "run dir", "steps logged", "processes", "world size", "device", "parallelism", "exit"]
     lines += [
-        _md_table(["region", "run dir", "steps logged", "processes", "world size", "device", "exit"], rows),
+        _md_table(head, rows),
         "",
     ]
     lines += [
@@ -619,6 +628,12 @@ def build(runs: list[Run]) -> tuple[str, dict]:
         lines += _participation_md(part)
     notes = []
     for run in runs:
+        if fsdp(run):
+            notes.append(
+                f"{run.label}: FSDP ({(run.summary or {}).get('parallelism')}): its in-region communication "
+                "(all-gathers, reduce-scatters) runs inside forward and backward and is not timed: its "
+                "in-region and total comm fractions are n/a; the cross-region one is measured."
+            )
         segs = segments(run)
         gaps = [b["step"] - a["step"] for seg in segs for a, b in zip(seg, seg[1:], strict=False)]
         if any(g > 1 for g in gaps):

@@ -15,6 +15,7 @@ from ..metrics_options import MetricsOptions
 from ..strict import StrictModel
 from ..xr_options import outer_step_warnings
 from ..yamlload import load_model
+from .shapes import parameter_shapes
 from .xr.fragments import rounds_through, too_few
 
 
@@ -36,12 +37,7 @@ class ModelConfig(StrictModel):
     def parameter_names(self) -> list[str]:
         """The GPT's trainable parameters, as ``named_parameters()`` names them (the model is built with
         torch; validate needs the names without it: Streaming DiLoCo's fragments, :mod:`.xr.fragments`)."""
-        block = ["ln1.weight", "ln1.bias", "attn.qkv.weight", "attn.proj.weight", "ln2.weight", "ln2.bias"]
-        block += ["mlp.up.weight", "mlp.down.weight"]
-        names = ["tok.weight", "pos.weight"]
-        names += [f"blocks.{i}.{n}" for i in range(self.n_layers) for n in block]
-        names += ["ln_f.weight", "ln_f.bias"]
-        return names if self.tie_embeddings else [*names, "head.weight"]
+        return [name for name, _ in parameter_shapes(self)]
 
     @field_validator("n_heads")
     @classmethod

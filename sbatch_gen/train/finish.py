@@ -113,6 +113,7 @@ def write_summary(t) -> None:
         "model_flops_per_token": t.flops_model,
         "hardware_flops_per_token": t.flops_hw,
         "device": str(t.device),
+        "parallelism": t.par.kind + (" + cpu offload" if t.cfg.parallelism.cpu_offload else ""),
         "region": t.xr.region,
         "stop_reason": t.stop.reason() if exit_reason == "stopped" else None,
     }

@@ -168,6 +168,49 @@ def test_grad_mode_keep_rounds_must_cover_the_checkpoint_interval(work):
     assert r.code == 0, r.err
 
 
+def test_the_regions_of_a_run_must_train_the_same_parameters(work):
+    """validate compares the companion model's parameter names and shapes (the flat vector the regions
+    exchange) across the sites of a run, whatever their parallelism: us training with FSDP and CPU offload
+    is fine; a longer context or a deeper model is one line at us's trainer.config naming both files, the
+    first parameter that differs and both shapes."""
+    import shutil
+
+    base = _with_configs(work)
+    _replace(base, "overlap: streaming", "overlap: none")  # (FSDP regions: overlap none for now)
+    us = work / "sites" / "us.yaml"
+    own = work / "configs" / "gpt-us.yaml"
+    shutil.copy(work / "configs" / "gpt-125m.yaml", own)
+    _replace(own, "  kind: ddp ", "  kind: fsdp\n  cpu_offload: true ")
+    with us.open("a") as f:
+        f.write("\ntrainer:\n  config: configs/gpt-us.yaml\n")
+    r = sg("validate")
+    assert r.code == 0, r.err
+    at_us = f"sites/us.yaml:{_line_of(us, 'config: configs/gpt-us.yaml')}"
+    at_eu = f"sites/_base/llm-xr-1.yaml:{_line_of(base, 'config: configs/')}"
+    tail = "the regions of run 'llm-xr-1' must train the same parameters (their parallelism may differ)"
+    for old, new, ours, theirs in (
+        (
+            "seq_len: 1024",
+            "seq_len: 2048",
+            "parameter 1 pos.weight of shape [2048, 768]",
+            "parameter 1 pos.weight of shape [1024, 768]",
+        ),
+        (
+            "n_layers: 18",
+            "n_layers: 19",
+            "parameter 146 blocks.18.ln1.weight of shape [768]",
+            "parameter 146 ln_f.weight of shape [768]",
+        ),
+    ):
+        _replace(own, old, new)
+        err = _fails("validate")
+        assert err.splitlines() == [
+            f"sbatch-gen: {at_us}: trainer.config: 'configs/gpt-us.yaml' has {ours}, where "
+            f"'configs/gpt-125m.yaml' ({at_eu}, site 'eu') has {theirs}: {tail}"
+        ], err
+        _replace(own, new, old)
+
+
 def test_snapshot_every_must_fit_in_the_runs_rounds(work):
     """gpt-125m has 20000 steps: 40 cycles of 500, each 4 rounds of one fragment (overlap streaming, 4
     fragments): 160 rounds. A snapshot every 161 rounds is never written; without streaming, 40 rounds."""

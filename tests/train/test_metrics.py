@@ -162,3 +162,12 @@ def test_report_shows_absent_in_region_comm_as_na_and_the_gpu_memory(tmp_path):
     )
     s = slo(load_run(d))
     assert s["in_region_comm_fraction"] == pytest.approx(0.25) and s["gpu_mem_max_allocated_gib"] is None
+    # an FSDP region's collectives are untimed: its comm_time_s (the agreement wait alone) is not its comm
+    (d / "summary.json").write_text(json.dumps({"exit": "completed", "parallelism": "fsdp + cpu offload"}))
+    run = load_run(d)
+    s = slo(run)
+    assert math.isnan(s["in_region_comm_fraction"]) and math.isnan(s["comm_fraction"])
+    md, _ = build([run])
+    assert "| n/a | fsdp + cpu offload | completed |" in md
+    assert "| comm fraction: in-region (DDP all-reduce + per-step collective) | n/a |" in md
+    assert "FSDP (fsdp + cpu offload): its in-region communication" in md

@@ -1,22 +1,29 @@
 """One rank of a test region whose model is FSDP2 (``--kind fsdp``) or DDP (``--kind ddp``), driven by a small
 loop (no trainer; ``--save-at STEP`` writes a DCP checkpoint of the model and the outer state, ``--resume DIR``
-loads one), under torchrun with gloo; ``tests/xr/test_fsdp.py`` and ``test_fsdp_modes.py`` start one torchrun
-per region. ``--sync``, ``--overlap``, ``--inner-steps``, ``--fragments`` and ``--tau`` pick the mode.
+loads one), under torchrun with gloo; ``tests/xr/test_fsdp.py``, ``test_fsdp_modes.py`` and
+``test_fsdp_elastic.py`` start one torchrun per region. ``--sync``, ``--overlap``, ``--inner-steps``,
+``--fragments`` and ``--tau`` pick the mode.
 
 The model's dims are chosen to shard unevenly: over 2 ranks the first layer's 5 rows split 3 + 2 and the
 last layer's single row leaves rank 1 with none. Before each round every rank records the region's whole
 flat parameters (what its delta is taken from); after it, the region's whole ``theta_outer`` and momentum,
 assembled from every rank's part (FSDP: each rank holds its shards' only; DDP: the leader holds all), its
 parameters (grad mode: each step's gradients before and after the sync; see :func:`train`), and what each
-rank read and wrote of the round's objects (:class:`CountingStore`). Rank 0 writes ``<out>/<region>.pt``.
+rank read and wrote of the round's objects (:class:`CountingStore`, over a directory). Rank 0 writes
+``<out>/<region>.pt`` (also the sync's round records and events).
+
+Elastic runs (``--min-regions N``) start as the trainer does, fast-forwarding a region that was away; the
+region can leave (``--leave-at``: announced) or crash (``--crash-at``: nothing announced, its heartbeat
+stops) after a step, and the tests order the regions through files: ``--wait-at STEP --wait-for F`` waits
+before that step until F exists (creating ``F.asked`` first), ``--started F`` creates F once the region has
+joined the run.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -24,10 +31,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from sbatch_gen.train.dist import DistInfo
 from sbatch_gen.train.xr.modes import create
 from sbatch_gen.train.xr.store import FsStore
 from sbatch_gen.xr_options import CrossRegion, FsTransport
+
+from .workers import exit_now, init_region, parser, transport
 
 
 class CountingStore(FsStore):
@@ -94,16 +102,9 @@ def whole_grads(net: nn.Module) -> torch.Tensor:
 
 
 def parse() -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--region", required=True)
-    ap.add_argument("--regions", required=True)
-    ap.add_argument("--root", required=True)
-    ap.add_argument("--out", required=True)
+    ap = parser()
     ap.add_argument("--kind", default="fsdp")
-    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--payload", default="bf16")
-    ap.add_argument("--save-at", type=int, default=0)
-    ap.add_argument("--resume", default="")
     ap.add_argument("--sync", default="diloco")
     ap.add_argument("--overlap", default="none")
     ap.add_argument("--inner-steps", type=int, default=2)
@@ -112,6 +113,18 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--dims", default="6,5,1", help="the two Linear layers' in,hidden,out")
     ap.add_argument("--shard-mb", type=float, default=0.00004)  # 10 fp32 / 20 bf16 elements a shard
     ap.add_argument("--chunk-bytes", type=int, default=0, help="the mailbox's integrity chunk (0: its own)")
+    ap.add_argument("--min-regions", type=int, default=0, help="0: strict (all); N: elastic")
+    ap.add_argument("--grace-s", type=float, default=60)
+    ap.add_argument("--heartbeat-s", type=float, default=None)
+    ap.add_argument(
+        "--keep-rounds", type=int, default=0, help="0: max(4, steps + 1) (grad mode: a round a step)"
+    )
+    ap.add_argument("--snapshot-every", type=int, default=10)
+    ap.add_argument("--leave-at", type=int, default=0, help="after this step: announce a leave and exit")
+    ap.add_argument("--crash-at", type=int, default=0, help="after this step: exit, announcing nothing")
+    ap.add_argument("--wait-at", type=int, default=0, help="before this step, wait for --wait-for")
+    ap.add_argument("--wait-for", default="")
+    ap.add_argument("--started", default="", help="rank 0 creates this file once the region has joined")
     return ap.parse_args()
 
 
@@ -133,6 +146,10 @@ def build(a: argparse.Namespace, world: int) -> tuple[nn.Module, nn.Module]:
 
 
 def options(a: argparse.Namespace) -> CrossRegion:
+    """The run's cross-region options: strict, or elastic with ``--min-regions``."""
+    elastic = {}
+    if a.min_regions:
+        elastic = dict(min_regions=a.min_regions, grace_s=a.grace_s, heartbeat_s=a.heartbeat_s)
     return CrossRegion(
         enabled=True,
         run_id="f",
@@ -143,36 +160,47 @@ def options(a: argparse.Namespace) -> CrossRegion:
         inner_steps=a.inner_steps,
         fragments=a.fragments,
         fragment_delay_steps=a.tau,
-        transport=FsTransport(root=a.root),
+        transport=transport(a),
         timeout_s=120,
         shard_mb=a.shard_mb,  # (by default many shards, cut unlike the other region)
         threads=2,
         payload_dtype=a.payload,
         outer_lr=0.7,
         outer_momentum=0.9,
-        keep_rounds=max(4, a.steps + 1),  # (grad mode: every step is a round)
+        keep_rounds=a.keep_rounds or max(4, a.steps + 1),
+        snapshot_every=a.snapshot_every,
+        **elastic,
     )
+
+
+def wait_for(path: Path, rank: int, timeout_s: float = 200) -> None:
+    """Wait until ``path`` exists; rank 0 first creates ``<path>.asked`` (the test sees where we are)."""
+    if rank == 0:
+        path.with_name(path.name + ".asked").touch()
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear in {timeout_s:g} s")
+        time.sleep(0.05)
 
 
 def main() -> None:
     a = parse()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    info = DistInfo(
-        rank=rank,
-        world_size=world,
-        local_rank=rank,
-        local_world_size=world,
-        node_rank=0,
-        num_nodes=1,
-        is_distributed=True,
-        backend="gloo",
-    )
-    net, model = build(a, world)
+    info = init_region()
+    net, model = build(a, info.world_size)
     xr = options(a)
-    store = CountingStore(a.root)
+    store = CountingStore(xr.transport.root) if isinstance(xr.transport, FsTransport) else None
+    events: list[dict] = []
     sync = create(
-        xr, model, torch.device("cpu"), info, None, None, store=store, poll_min_s=0.005, poll_max_s=0.05
+        xr,
+        model,
+        torch.device("cpu"),
+        info,
+        None,
+        events.append,
+        store=store,
+        poll_min_s=0.005,
+        poll_max_s=0.05,
     )
     if a.chunk_bytes and sync.mailbox is not None:
         sync.mailbox.chunk_bytes = a.chunk_bytes
@@ -185,29 +213,57 @@ def main() -> None:
         sync.load_state_dict(state["outer"])
         start = int(state["step"])
     sync.align(start)
-    out = {"numel": sync.numel, "local": sync.local_numel, "bytes": sync.outer_bytes()}
-    out.update(train(a, sync, net, model, opt, start, rank, world, store))
-    if rank == 0:
+    if xr.elastic:  # as the trainer starts: a region that was away fast-forwards to the run
+        start = sync.catch_up(start) or start
+    if a.started and info.rank == 0:
+        Path(a.started).touch()
+    out = {"numel": sync.numel, "local": sync.local_numel, "bytes": sync.outer_bytes(), "events": events}
+    out.update(train(a, sync, net, model, opt, start, info.rank, info.world_size, store))
+    if info.rank == 0:
         out["fragment_bounds"] = sync.flat.fragment_bounds
         torch.save(out, Path(a.out) / f"{a.region}.pt")
-    sync.close()
     dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # see tests/xr/outer_worker.py: no process-group teardown at exit
+    exit_now()
 
 
-def train(a, sync, net, model, opt, start: int, rank: int, world: int, store: CountingStore) -> dict:
+class Counts:
+    """What this rank read and wrote through ``store`` since :meth:`mark` (zeros without a counting store)."""
+
+    def __init__(self, store: CountingStore | None) -> None:
+        self.store, self.at = store, (0, 0)
+
+    def now(self) -> tuple[int, int]:
+        return (self.store.bytes_read, self.store.objects_put) if self.store is not None else (0, 0)
+
+    def mark(self) -> None:
+        self.at = self.now()
+
+    def since(self, world: int) -> list:
+        """Every rank's (bytes read, objects written) since its mark (collective)."""
+        now = self.now()
+        got: list = [None] * world
+        dist.all_gather_object(got, (now[0] - self.at[0], now[1] - self.at[1]))
+        return got
+
+
+def train(a, sync, net, model, opt, start: int, rank: int, world: int, store: CountingStore | None) -> dict:
     """The steps. DiLoCo records, at each record of a round (and the final one of ``finish``): (step, the
     region's whole theta_outer and momentum, its parameters before the round and after it); every step's
     parameters before the sync are kept too (``xs``: streaming takes a fragment's delta at its round's
     start). grad mode records each step's gradients before and after the sync, and the parameters after
-    the optimizer step. ``io``: per round, every rank's (bytes read, objects written) during it."""
+    the optimizer step. ``io``: per round, every rank's (bytes read, objects written) during it;
+    ``records``: the sync's round records. A crash or a leave ends the steps early (``--crash-at``,
+    ``--leave-at``)."""
     regions = a.regions.split(",")
     diloco = a.sync == "diloco"
     rounds = [(start, *whole_state(sync), whole_params(net), whole_params(net))] if diloco else []
-    xs, grads, io = {}, [], []
-    for step in range(start + 1, a.steps + 1):
+    xs, grads, io, records = {}, [], [], []
+    counts = Counts(store)
+    step = start
+    while step < a.steps:
+        step += 1
+        if step == a.wait_at:
+            wait_for(Path(a.wait_for), rank)
         g = torch.Generator().manual_seed(10_000 * regions.index(a.region) + 100 * rank + step)
         x = torch.randn(8, net[0].in_features, generator=g)
         opt.zero_grad()
@@ -218,16 +274,15 @@ def train(a, sync, net, model, opt, start: int, rank: int, world: int, store: Co
             grads.append((step, before, whole_grads(net)))
         opt.step()
         xs[step] = whole_params(net)
-        counts = (store.bytes_read, store.objects_put)
+        counts.mark()
         rec = sync.after_optimizer_step(step, 8 * world)
         if not diloco:
             grads[-1] += (whole_params(net),)
         elif rec:
-            rounds.append((step, *whole_state(sync), xs[step], whole_params(net)))
-            mine = (store.bytes_read - counts[0], store.objects_put - counts[1])
-            got: list = [None] * world
-            dist.all_gather_object(got, mine)
-            io.append(got)
+            records.append(rec)
+            step = rec.get("xr_adopted_step", step)  # behind the run: fast-forwarded
+            rounds.append((step, *whole_state(sync), xs.get(step), whole_params(net)))
+            io.append(counts.since(world))
             if a.overlap == "none":
                 assert torch.equal(rounds[-1][4], rounds[-1][1]), (
                     "the model is not theta_outer after the round"
@@ -235,11 +290,18 @@ def train(a, sync, net, model, opt, start: int, rank: int, world: int, store: Co
         if step == a.save_at:
             state = {"model": net.state_dict(), "outer": sync.state_dict(), "step": step}
             dcp.save(state, checkpoint_id=str(Path(a.out) / "ckpt"))
+        if step == a.crash_at:  # no leave, no close: its heartbeat stops with the process
+            return {"rounds": rounds, "xs": xs, "grads": grads, "io": io, "records": records}
+        if step == a.leave_at:
+            sync.leave(step, "test")
+            sync.close()
+            return {"rounds": rounds, "xs": xs, "grads": grads, "io": io, "records": records}
     if diloco and sync.finish(a.steps):
         rounds.append((a.steps, *whole_state(sync), xs[a.steps], whole_params(net)))
     if diloco and a.overlap != "none":
         assert torch.equal(whole_params(net), rounds[-1][1]), "the model is not theta_outer at the end"
-    return {"rounds": rounds, "xs": xs, "grads": grads, "io": io}
+    sync.close()
+    return {"rounds": rounds, "xs": xs, "grads": grads, "io": io, "records": records}
 
 
 if __name__ == "__main__":

@@ -11,9 +11,6 @@ sync's event records.
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 from pathlib import Path
 
 import torch
@@ -22,9 +19,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from sbatch_gen.train.dist import DistInfo
 from sbatch_gen.train.xr.modes import create
-from sbatch_gen.xr_options import CrossRegion, FsTransport
+from sbatch_gen.xr_options import CrossRegion
+
+from .workers import exit_now, init_region, parser, transport
 
 BUFFERS = ("work", "avg", "theta_outer", "momentum", "own")
 W_TRUE = torch.tensor([[1.0], [-2.0], [0.5], [3.0], [-1.0], [0.25]])
@@ -35,35 +33,17 @@ def flat(m: nn.Module) -> torch.Tensor:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--region", required=True)
-    ap.add_argument("--regions", required=True)
-    ap.add_argument("--root", required=True)
-    ap.add_argument("--out", required=True)
+    ap = parser()
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--sync", default="diloco")
-    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--inner-steps", type=int, default=2)
     ap.add_argument("--max-gib", type=float, default=None)
-    ap.add_argument("--save-at", type=int, default=0)
-    ap.add_argument("--resume", default="")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--overlap", default="none")
     a = ap.parse_args()
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per_node = world // a.nodes
-    info = DistInfo(
-        rank=rank,
-        world_size=world,
-        local_rank=rank % per_node,
-        local_world_size=per_node,
-        node_rank=rank // per_node,
-        num_nodes=a.nodes,
-        is_distributed=True,
-        backend="gloo",
-    )
+    info = init_region(a.nodes)
+    rank, world = info.rank, info.world_size
     regions = a.regions.split(",")
     torch.manual_seed(a.seed)  # the same on every rank of a region (DDP would broadcast rank 0's anyway)
     net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
@@ -75,7 +55,7 @@ def main() -> None:
         regions=regions,
         sync=a.sync,
         inner_steps=a.inner_steps,
-        transport=FsTransport(root=a.root),
+        transport=transport(a),
         timeout_s=120,
         shard_mb=0.0005,
         threads=2,
@@ -149,12 +129,7 @@ def main() -> None:
     )
     sync.close()
     dist.barrier()
-    # Leave without tearing the process groups down: gloo frees a finished work that a later barrier still
-    # held on its own thread, which needs the GIL that the thread destroying the group (DDP's reducer, at
-    # exit) holds while it joins that thread; on a loaded machine the worker then hangs at exit.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()
 
 
 if __name__ == "__main__":

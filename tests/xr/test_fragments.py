@@ -86,16 +86,6 @@ def test_flat_order_holds_each_fragment_contiguous():
     assert FlatParams(m, 3).layout not in (one.layout, two.layout)
 
 
-@pytest.mark.parametrize("tie", [True, False])
-def test_validate_knows_the_companion_models_parameters(tie):
-    """validate splits the companion GPT without torch: its names must be what the model has."""
-    from sbatch_gen.train.config import ModelConfig
-    from sbatch_gen.train.model import GPT
-
-    cfg = ModelConfig(n_layers=3, d_model=32, n_heads=2, seq_len=8, tie_embeddings=tie)
-    assert cfg.parameter_names() == [n for n, _ in GPT(cfg).named_parameters()]
-
-
 def test_the_runs_rounds_count_fragment_rounds():
     from pathlib import Path
 

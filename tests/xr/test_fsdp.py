@@ -5,8 +5,6 @@ what the library refuses, one line naming the parameter."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,25 +15,17 @@ from sbatch_gen.train.dist import DistInfo
 from sbatch_gen.train.xr.flat import FlatParams, shard_rows
 from sbatch_gen.train.xr.protocol import ShardPlan
 
-from .test_multiproc import REPO, _wait_workers
 from .test_sync import xr_for
+from .workers import launch
+from .workers import wait as _wait_workers
 
 REGIONS = ["eu", "us"]
 LR, MU = 0.7, 0.9  # tests/xr/fsdp_worker.py's outer_lr and outer_momentum
 
 
 def _launch(region: str, kind: str, nproc: int, out: Path, root: Path, payload: str, *extra: str):
-    from sbatch_gen.testing.regions import clean_env
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd += ["--module", "tests.xr.fsdp_worker", "--region", region, "--regions", ",".join(REGIONS)]
-    cmd += ["--out", str(out), "--root", str(root), "--kind", kind, "--payload", payload, *extra]
-    out.mkdir(parents=True, exist_ok=True)
-    log = open(out / f"{region}.log", "ab")  # noqa: SIM115 - closed by _wait_workers
-    p = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=clean_env(), cwd=REPO, start_new_session=True
-    )
-    return p, log
+    args = ["--root", str(root), "--kind", kind, "--payload", payload, *extra]
+    return launch("fsdp_worker", region, REGIONS, nproc, out, *args)
 
 
 def _reference(theta, mom, xs, tokens, payload):
@@ -261,28 +251,12 @@ def test_the_trainer_trains_an_fsdp_region_beside_a_ddp_region_to_the_same_model
 ):
     """The trainer with ``parallelism.kind: fsdp`` and each cross-region sync mode: eu FSDP over 2 ranks, us
     DDP on 1 rank, over a directory mailbox; 12 steps, H=4 (DiLoCo: a snapshot every 2 rounds; eu, the first
-    member, publishes every second round's snapshot from its ranks' shards; grad mode clips, by the canonical norm). Both
-    record the same rounds, up to ``last``, and end on the same exported bytes."""
-    from sbatch_gen.testing.regions import launch_region
-    from sbatch_gen.xr_options import FsTransport
+    member, publishes every second round's snapshot from its ranks' shards; grad mode clips, by the
+    canonical norm). Both record the same rounds, up to ``last``, and end on the same exported bytes."""
+    from .test_multiproc import assert_same_params, metrics, train_regions
 
-    from .test_multiproc import assert_same_params, metrics, run_both, write_config, xr
-
-    transport = FsTransport(root=str(tmp_path / "mailbox"))
-    runs = []
-    for r, kind, nproc in (("eu", "fsdp", 2), ("us", "ddp", 1)):
-        cfg = write_config(tmp_path, repo, name=f"{r}.yaml", parallelism={"kind": kind})
-        runs.append(
-            launch_region(
-                xr(r, transport, **opts),
-                config=cfg,
-                run_dir=tmp_path / r,
-                data_path=data_dir,
-                max_steps=12,
-                nproc=nproc,
-            )
-        )
-    run_both(runs)
+    shapes = {"eu": ({"kind": "fsdp"}, 2), "us": ({"kind": "ddp"}, 1)}
+    train_regions(tmp_path, repo, data_dir, shapes, **opts)
     assert_same_params(tmp_path / "eu", tmp_path / "us")
     rounds = [[x["xr_round"] for x in metrics(tmp_path / r) if "xr_round" in x] for r in REGIONS]
     assert rounds[0] == rounds[1] and rounds[0][-1] == last, rounds

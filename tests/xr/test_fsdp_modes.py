@@ -12,8 +12,8 @@ import torch
 from sbatch_gen.train.xr.fragments import fragment_of, round_step
 
 from .test_fsdp import LR, MU, REGIONS, _launch
-from .test_multiproc import _wait_workers
 from .test_overlap import nesterov64
+from .workers import wait as _wait_workers
 
 pytestmark = pytest.mark.slow  # torchrun regions over a directory mailbox
 

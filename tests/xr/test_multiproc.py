@@ -14,6 +14,8 @@ from sbatch_gen.testing.regions import launch_region
 from sbatch_gen.xr_options import CrossRegion, FsTransport, S3Credentials, S3Transport
 
 from .conftest import KEY_ENV, SECRET_ENV
+from .workers import launch
+from .workers import wait as _wait_workers
 
 pytestmark = pytest.mark.slow  # torchrun regions: the multi-process tier
 
@@ -75,6 +77,26 @@ def run_both(runs):
     for r in runs:
         rcs = r.wait(TIMEOUT)
         assert rcs == [0] * len(rcs), f"region {r.region} exited {rcs}:\n{r.tail()}"
+
+
+def train_regions(d: Path, repo: Path, data_dir: Path, shapes: dict, steps: int = 12, **xr_kw) -> None:
+    """One trainer region per entry of ``shapes`` (``{region: (parallelism section, nproc)}``) over the
+    directory mailbox ``d/mailbox``, run dirs ``d/<region>``, ``steps`` steps; every rank must exit 0."""
+    transport = FsTransport(root=str(d / "mailbox"))
+    runs = []
+    for r, (parallelism, nproc) in shapes.items():
+        cfg = write_config(d, repo, name=f"{r}.yaml", parallelism=parallelism)
+        runs.append(
+            launch_region(
+                xr(r, transport, **xr_kw),
+                config=cfg,
+                run_dir=d / r,
+                data_path=data_dir,
+                max_steps=steps,
+                nproc=nproc,
+            )
+        )
+    run_both(runs)
 
 
 def s3_transport(server, bucket):
@@ -377,60 +399,10 @@ def test_kill_one_region_then_resume(tmp_path, repo, data_dir):
 
 # -- who holds the outer state: the outer sync alone (tests/xr/outer_worker.py), 2 regions of torchrun+gloo --
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def _launch_workers(region: str, nproc: int, out: Path, **args):
-    import subprocess
-    import sys
-
-    from sbatch_gen.testing.regions import clean_env
-
-    # as a module from the checkout: run as a script, tests/xr/concurrent.py would shadow the standard library's
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "--module",
-        "tests.xr.outer_worker",
-        "--region",
-        region,
-        "--regions",
-        ",".join(REGIONS),
-        "--out",
-        str(out),
-    ]
-    for k, v in args.items():
-        cmd += [f"--{k.replace('_', '-')}", str(v)]
-    out.mkdir(parents=True, exist_ok=True)
-    log = open(out / f"{region}.log", "ab")  # noqa: SIM115 - closed when the run is waited for
-    return subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=clean_env(), cwd=REPO, start_new_session=True
-    ), log
-
-
-def _wait_workers(runs) -> None:
-    import subprocess
-
-    deadline = time.monotonic() + TIMEOUT
-    try:
-        for (p, log), name in runs:
-            try:
-                rc = p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                rc = f"nothing (killed after {TIMEOUT} s)"
-            assert rc == 0, f"{name} exited {rc}:\n{Path(log.name).read_text()[-4000:]}"
-    finally:
-        for (p, log), _ in runs:
-            if (
-                p.poll() is None
-            ):  # the torchrun agent's session: the agent; its workers run in sessions of their own
-                from sbatch_gen.testing.regions import RegionRun
-
-                RegionRun("", Path(), [p], []).kill()
-            log.close()
+    flags = [x for k, v in args.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    return launch("outer_worker", region, REGIONS, nproc, out, *flags)
 
 
 def _results(out: Path, region: str, nproc: int) -> list[dict]:
