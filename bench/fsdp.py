@@ -220,6 +220,19 @@ def _rss_line(by: dict, size: Size) -> str:
     return "; ".join(parts)
 
 
+def _med_line(med: dict, what: str) -> str:
+    """One measure's median ratio under each allocator, with its range, for the notes."""
+    return "; ".join(
+        f"{alloc} {med[alloc][what]:.3g} ({med[alloc]['range: ' + what]})" for alloc in ALLOCATORS
+    )
+
+
+def _ms(by: dict, variant: str, phase: str) -> str:
+    """The range over a variant's runs (every allocator) of one of region a's phases, in ms."""
+    xs = [a["phases"][phase] * 1e3 for (v, _, _), a in by.items() if v == variant]
+    return f"{min(xs):.0f}-{max(xs):.0f}"
+
+
 def _ratio(f: float, d: float) -> float:
     return f / d if d else float("nan")
 
@@ -320,7 +333,7 @@ def _report(res: Result, size: Size, results: list[dict], load_before: float) ->
             table,
             "ratios" if alloc == DEFAULT else "ratios_mmap",
         )
-        med[alloc] = {row[0]: row[1] for row in table}
+        med[alloc] = {row[0]: row[1] for row in table} | {f"range: {row[0]}": row[2] for row in table}
     res.headline["outer state per rank, FSDP x2 / DDP x2 (the rank holding most)"] = fmt(
         med[DEFAULT]["outer state, the rank holding most"]
     )
@@ -349,20 +362,26 @@ def _report(res: Result, size: Size, results: list[dict], load_before: float) ->
         "FSDP's ranks peak lower than DDP's leader by about what the sharding saves. This is the CPU's "
         "case: on GPUs the gathered buffers are device memory under torch's caching allocator, and "
         "`cpu_offload`'s host shards are pinned memory allocated once.",
-        "Round time on CPU: the round's own work is small at this size, so its phases are a few ms to tens of "
-        "ms; the wait for the other region dominates xr_total_s and depends on which region reached the "
-        "round first (it is a property of the run's timing, not of the sharding). Each FSDP rank uploads "
-        "only its own shards (the region's bytes are the same as DDP's, split over its ranks), but at least "
-        "one object per parameter it holds: many small files instead of a few large ones. Each downloads "
-        "every object that overlaps its shards: beside a region sharded the same way exactly its part, "
-        "beside the DDP x1 region (whose objects are cut another way) more (the `MiB down` column of "
-        "`fsdp x2 | ddp x1`). DDP's leader moves the whole payload and then broadcasts the new parameters "
-        "to rank 1 (`broadcast_s`), which FSDP skips. On 2 shared cores the ranks also compete with each "
-        "other for CPU, which on a GPU node (a core per rank, the network per node) they would not.",
+        "Round time on CPU: the round's own work is small at this size (tens of ms); the wait for the other "
+        "region is most of xr_total_s and depends on which region reached the round first (the run's timing, "
+        "not the sharding). The round's own work (total minus that wait), FSDP/DDP: "
+        f"{_med_line(med, 'round time without the wait for the other region')}: on this shared machine no "
+        "firm difference either way. What is firm: the region's payload bytes are the same up and down; "
+        "DDP's leader moves the whole payload and then broadcasts the new parameters to rank 1 "
+        f"(`broadcast_s`, {_ms(by, DDP, 'xr_broadcast_s')} ms here), which FSDP skips; each FSDP rank "
+        "uploads only its own shards but at least one object per parameter it holds (many small files "
+        "instead of a few large ones), and downloads every object that overlaps its shards: download "
+        f"{_med_line(med, 'download')}, on a phase of a few ms. Beside a region sharded another way (the "
+        "DDP x1 region of `fsdp x2 | ddp x1`) the FSDP region downloads twice the bytes (`MiB down`): "
+        "whole objects, not ranges. On 2 shared cores the ranks also compete for CPU, which on a GPU node "
+        "(a core per rank, the network per node) they would not.",
         "Step time: FSDP gathers each block's parameters for its forward and again for its backward, and "
         "reduce-scatters its gradients; on gloo all of it blocks the host (the `FSDP comm s/step` column), "
-        "where DDP does one all-reduce per bucket. On CPU that makes FSDP's steps slower at the same size; on "
-        "GPUs the collectives overlap the compute (not measured here).",
+        "where DDP does one all-reduce per bucket. FSDP/DDP step time: "
+        f"{_med_line(med, 'step time (steps without a round)')}. The mmap threshold costs FSDP's step (every "
+        "gathered buffer is a fresh mapping: page faults each time) and hardly DDP's, whose buffers live "
+        "through the run: on CPU it trades FSDP's step time for its memory. On GPUs the collectives "
+        "overlap the compute and the buffers are the caching allocator's (not measured here).",
         f"`fsdp x2 | ddp x1`: regions of different shapes finished every run and hold the same layout "
         f"({'the same' if same else 'NOT the same'} number of parameters); their equality bit for bit is "
         "tested in tests/xr/test_fsdp.py, not here.",
