@@ -88,7 +88,9 @@ class CollectiveTimer:
       group's earlier collectives included. FSDP runs these streams beside the compute, so this is not the
       time the step lost to them.
 
-    At world size 1 FSDP issues no collective: both are 0."""
+    At world size 1 FSDP issues no collective: both are 0. FSDP issues every collective of the trainer
+    synchronously on its stream; an asynchronous one (only an explicit ``unshard(async_op=True)`` makes one)
+    would be timed to its launch only."""
 
     KINDS = ("all_gather", "reduce_scatter")
 
