@@ -287,6 +287,9 @@ class Check:
                 problems.append(f"{name}: expected 'FSDP: 1 ranks ... parameters on {where}' in the log")
             if not self.smoke and s.get("mfu") is None:
                 problems.append(f"{name}: no MFU (BF16 peak unknown?)")
+            # FSDP's collective times: present in every step record (0 here: one rank issues no collective)
+            if any(r.get("fsdp_all_gather_s") is None for r in records(run) if "loss" in r):
+                problems.append(f"{name}: a step record without fsdp_all_gather_s")
             pre = "offload_" if off else ""
             for k in ("tokens_per_s", "mfu", "max_allocated_GiB", "max_rss_GiB"):
                 fig[pre + k] = s.get(k)

@@ -141,10 +141,11 @@ def train_step(t) -> None:
     wait_s = time.perf_counter() - ta
     comm = t.par.comm
     exposed = comm.exposed() if comm is not None else None
+    fsdp = t.par.collectives.take() if t.par.collectives is not None else None
     if t.device.type == "cuda":  # the host's step, up to here (it waited for the device above)
         own_s = time.perf_counter() - t0
-    else:  # the step without the waits for other ranks this host saw
-        own_s = (ta - t0) - (exposed or 0.0)
+    else:  # the step without the waits for other ranks this host saw (FSDP on gloo: all its collectives)
+        own_s = (ta - t0) - (exposed or 0.0) - ((fsdp.blocking() or 0.0) if fsdp is not None else 0.0)
     in_flight = t.agreement.issue(agreement_row(t, loss_sum, grad_norm, own_s, data_s))
     step_s = time.perf_counter() - t0
     loop.step_times.append(step_s)
@@ -157,6 +158,7 @@ def train_step(t) -> None:
         wait_s=wait_s,
         ddp_span=comm.span() if comm is not None else None,
         ddp_exposed=exposed,
+        fsdp=fsdp,
         xr_timings=xr_timings,
         ended=time.time(),
         xr_final=xr_final,
@@ -220,6 +222,8 @@ def optimizer_step(t, step: int, lr: float):
         g["lr"] = lr
     if t.par.comm is not None:
         t.par.comm.reset()
+    if t.par.collectives is not None:
+        t.par.collectives.reset()
     accum = cfg.train.grad_accum
     loss_sum = torch.zeros((), device=t.device, dtype=torch.float32)
     for micro in range(accum):

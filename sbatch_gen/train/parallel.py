@@ -59,7 +59,8 @@ class Parallel:
     policy casts instead). ``comm`` times the reduction when the host can see it (DDP on gloo), else None.
     ``param_device`` is where the parameters (this rank's shards) and so the optimizer state live: the
     device, or the CPU under FSDP's CPU offload. ``full_state_dict()`` is collective: every rank calls it,
-    rank 0 gets every parameter whole, on the CPU or the device (the export's input)."""
+    rank 0 gets every parameter whole, on the CPU or the device (the export's input). ``collectives`` times
+    FSDP's all-gathers and reduce-scatters (:class:`~.fsdp.CollectiveTimer`; None under DDP)."""
 
     kind: str  # "ddp", "fsdp", or "none": one rank, no wrapper
     module: Any
@@ -68,6 +69,7 @@ class Parallel:
     comm: CommTimer | None
     param_device: Any  # torch.device
     full_state_dict: Callable[[], dict]
+    collectives: Any = None  # fsdp.CollectiveTimer | None
 
 
 def autocast(device, amp_dtype):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from .metrics import memory_record, utilization
 
@@ -23,6 +24,7 @@ class StepDone:
     wait_s: float  # blocked reading the previous step's agreement, during this step
     ddp_span: float | None
     ddp_exposed: float | None
+    fsdp: Any  # fsdp.Times | None: this step's FSDP collectives (None under DDP)
     xr_timings: dict | None
     ended: float  # time.time() when the host finished the step
     xr_final: dict | None = None  # overlap eager, the end step: the round that was in flight, finished
@@ -35,15 +37,13 @@ def step_record(t, done: StepDone, col: dict) -> dict:
     tok_s = t.tokens_per_step / done.step_s
     rank_own = [float(v) for v in col["own_s"]]
     grad_norm = float(col["grad_norm"][0].item())  # the same on every rank (clipped after DDP's average)
-    # In-region comm the host can see: gloo's all-reduce span, and on CPU the wait for the per-step
-    # agreement. On CUDA that wait is the device finishing the previous step, and NCCL's all-reduce is
-    # not visible from the host: comm_time_s is then None (absent), not 0.
+    # In-region comm the host can see: gloo's all-reduce span (FSDP: its collectives on gloo), and on CPU
+    # the wait for the per-step agreement. On CUDA that wait is the device finishing the previous step,
+    # and NCCL's collectives are not visible from the host: comm_time_s is then None (absent), not 0.
     cpu = t.device.type == "cpu"
-    comm = (
-        None
-        if (done.ddp_span is None and not cpu)
-        else (done.ddp_span or 0.0) + (done.wait_s if cpu else 0.0)
-    )
+    fsdp = done.fsdp.seconds() if done.fsdp is not None else dict.fromkeys(("all_gather", "reduce_scatter"))
+    span = done.ddp_span if done.fsdp is None else done.fsdp.blocking()
+    comm = None if (span is None and not cpu) else (span or 0.0) + (done.wait_s if cpu else 0.0)
     return {
         "step": done.step,
         "loss": loss,
@@ -56,6 +56,8 @@ def step_record(t, done: StepDone, col: dict) -> dict:
         "comm_time_s": comm,
         "ddp_allreduce_s": done.ddp_span,
         "ddp_wait_s": done.ddp_exposed,
+        "fsdp_all_gather_s": fsdp["all_gather"],
+        "fsdp_reduce_scatter_s": fsdp["reduce_scatter"],
         "sync_wait_s": done.wait_s,
         "grad_norm": grad_norm if t.cfg.optim.grad_clip > 0 else None,
         **memory_record(t.device),

@@ -431,3 +431,28 @@ def test_sinks_quick(tmp_path):
     assert [r[0] for r in rows] == ["tensorboard", "wandb", "prometheus", "all three"]
     goals = {g["goal"]: g for g in d["goals"]}
     assert goals["every 'all' run's sinks wrote"]["met"] is True
+
+
+def test_fsdp_quick(tmp_path):
+    """Every run went to the end; the fields the comparison rests on are there, and the outer state per rank
+    is what the sharding says: the DDP leader all of it, each FSDP rank its half (never timings)."""
+    from bench.fsdp import DDP, MIXED, MMAP, PHASES, RUNS
+
+    d = _bench("fsdp", tmp_path, timeout=900)
+    headers, rows = _table(d, "runs")
+    by = {(r[0], r[1]): dict(zip(headers, r, strict=True)) for r in rows}
+    assert sorted(by) == sorted(RUNS) and len(rows) == len(RUNS)  # one repetition in --quick
+    for (variant, _), row in by.items():
+        mib = [float(x) for x in row["outer MiB/rank, a"].split(" / ")]
+        ddp = float(by[(DDP, MMAP)]["outer MiB/rank, a"].split(" / ")[0])
+        assert mib == ([ddp, 0.0] if variant == DDP else [pytest.approx(ddp / 2, rel=0.01)] * 2)
+        assert all(float(x) > 100 for x in row["peak RSS MiB/rank, a"].split(" / "))  # every rank sampled
+        assert row["total_s"] > 0 and row["MiB up"] > 0 and row["step s"] > 0
+        assert all(row[p.removeprefix("xr_")] >= 0 for p in PHASES)
+        assert (row["FSDP comm s/step"] > 0) == (variant != DDP)
+        if variant != DDP:
+            assert row["broadcast_s"] == 0  # a sharded region broadcasts nothing after the outer step
+    assert float(by[(MIXED, RUNS[2][1])]["outer MiB/rank, b"]) == pytest.approx(ddp)  # DDP x1: all of it
+    for key in ("ratios", "ratios_mmap"):
+        ratios = dict((r[0], r[1]) for r in _table(d, key)[1])
+        assert ratios["outer state, the rank holding most"] == pytest.approx(0.5, rel=0.01)

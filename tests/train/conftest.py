@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -80,6 +81,16 @@ def data_dir(tmp_path_factory) -> Path:
 
     d = tmp_path_factory.mktemp("data")
     prepare(d, ["local"], source="python-stdlib", max_bytes=300_000)
+    return d
+
+
+@pytest.fixture(scope="module")
+def example_data(tmp_path_factory) -> Path:
+    """A directory of text files (the script reads every file under it): a copy, so that an edit to the
+    docs while the tests run changes nothing."""
+    d = tmp_path_factory.mktemp("plain-data")
+    for p in sorted((REPO / "docs").glob("*.md"))[:3]:
+        shutil.copy(p, d / p.name)
     return d
 
 

@@ -12,115 +12,32 @@ each its own ``torchrun --standalone --nproc-per-node 2`` (CPU, gloo), meeting o
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from sbatch_gen.contract import ENV_STOP_FILE
-from sbatch_gen.testing.regions import clean_env
-from sbatch_gen.xr_options import CrossRegion, FsTransport, to_argv
-
 from .conftest import REPO
+from .example_regions import TIMEOUT, Region, assert_same_weights
 
 pytestmark = pytest.mark.slow  # two torchrun regions running the example script
 
 SCRIPT = REPO / "examples" / "train_plain.py"
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 STEPS, H, SAVE_EVERY = 20, 5, 5  # 4 outer rounds; a checkpoint at the end of each
-TIMEOUT = 240  # per region run: the 2 cores are shared
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    """A directory of text files (the script reads every file under it): a copy, so that an edit to the
-    docs while the tests run changes nothing."""
-    d = tmp_path_factory.mktemp("plain-data")
-    for p in sorted((REPO / "docs").glob("*.md"))[:3]:
-        shutil.copy(p, d / p.name)
-    return d
-
-
-class Region:
-    """One region: a torchrun of 2 workers running the example, its output appended to ``<root>/<name>.log``."""
-
-    def __init__(self, root: Path, name: str, data: Path) -> None:
-        self.root, self.name, self.data = root, name, data
-        self.run_dir = root / name
-        self.log = root / f"{name}.log"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, stop_file: Path | None = None, timeout_s: float = 120) -> None:
-        xr = CrossRegion(
-            enabled=True,
-            run_id="plain",
-            region=self.name,
-            regions=["a", "b"],
-            inner_steps=H,
-            timeout_s=timeout_s,
-            transport=FsTransport(root=str(self.root / "mailbox")),
-        )
-        cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", str(SCRIPT)]
-        cmd += ["--run-dir", str(self.run_dir), "--data", str(self.data), "--steps", str(STEPS)]
-        cmd += ["--save-every", str(SAVE_EVERY), *to_argv(xr)]
-        env = clean_env({ENV_STOP_FILE: str(stop_file)} if stop_file else None)
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.root, start_new_session=True
-            )
-
-    def wait(self, timeout: float = TIMEOUT) -> int:
-        assert self.proc is not None
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"region {self.name} still runs after {timeout} s:\n{self.tail()}") from None
-
-    def workers(self) -> list[int]:
-        """The worker processes torchrun started (in sessions of their own)."""
-        assert self.proc is not None
-        pids = []
-        for task in Path(f"/proc/{self.proc.pid}/task").glob("*"):
-            try:
-                pids += [int(x) for x in (task / "children").read_text().split()]
-            except OSError:
-                continue
-        return pids
-
-    def signal_workers(self, sig: signal.Signals) -> None:
-        for pid in self.workers():
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.signal_workers(signal.SIGKILL)
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-
-    def tail(self, n: int = 40) -> str:
-        lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
-        return f"--- {self.log} ---\n" + "\n".join(lines[-n:])
-
-    def final(self) -> bytes:
-        return (self.run_dir / "final.pt").read_bytes()
+def region(root: Path, name: str, data: Path) -> Region:
+    return Region(root, name, data, SCRIPT, STEPS, H, SAVE_EVERY)
 
 
 @pytest.fixture
-def regions(tmp_path, data):
+def regions(tmp_path, example_data):
     made: list[Region] = []
 
     def make(root: Path) -> dict[str, Region]:
         root.mkdir(parents=True, exist_ok=True)
-        rs = {name: Region(root, name, data) for name in ("a", "b")}
+        rs = {name: region(root, name, example_data) for name in ("a", "b")}
         made.extend(rs.values())
         return rs
 
@@ -129,20 +46,11 @@ def regions(tmp_path, data):
         r.kill()
 
 
-def assert_same_weights(a: Path, b: Path) -> None:
-    import torch
-
-    sa, sb = (torch.load(p, weights_only=True) for p in (a, b))
-    assert sa.keys() == sb.keys()
-    differ = [k for k in sa if not torch.equal(sa[k].view(torch.uint8), sb[k].view(torch.uint8))]
-    assert not differ, f"{a} and {b} differ in {differ}"
-
-
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, data) -> dict[str, Region]:
+def uninterrupted(tmp_path_factory, example_data) -> dict[str, Region]:
     """Both regions from start to end, no stop."""
     root = tmp_path_factory.mktemp("plain-uninterrupted")
-    rs = {name: Region(root, name, data) for name in ("a", "b")}
+    rs = {name: region(root, name, example_data) for name in ("a", "b")}
     try:
         for r in rs.values():
             r.start()

@@ -227,3 +227,4 @@ def test_world_size_1_trains_without_ddp_and_resumes_identically(tmp_path, data_
     assert same_weights(run_dir / "model.safetensors", ref / "model.safetensors")
     rec = read_metrics(run_dir)[8]
     assert rec["world_size"] == 1 and rec["ddp_allreduce_s"] is None and rec["ddp_wait_s"] is None
+    assert rec["fsdp_all_gather_s"] is None and rec["fsdp_reduce_scatter_s"] is None  # not FSDP
