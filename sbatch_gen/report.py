@@ -267,6 +267,12 @@ def fsdp(run: Run) -> bool:
     return str((run.summary or {}).get("parallelism", "")).startswith("fsdp")
 
 
+def fsdp_untimed(run: Run) -> bool:
+    """Whether the run sharded its model with a trainer that did not time FSDP's collectives (no
+    ``fsdp_all_gather_s`` in its records): its ``comm_time_s`` is then the per-step agreement wait alone."""
+    return fsdp(run) and not any(r.get("fsdp_all_gather_s") is not None for r in run.steps)
+
+
 def slo(run: Run) -> dict:
     """The baseline numbers of one run (NaN/None where the run has no such data)."""
     times = step_times(run)
@@ -279,10 +285,11 @@ def slo(run: Run) -> dict:
     xr = sum(_exposed(r) for r in [*steps, *run.final_rounds])
     per_step = _mean([float(r["step_time_s"]) - _exposed(r) for r in steps])
     step_sum = per_step * n_steps + xr
-    # In-region comm as the trainer measured it; None where the host cannot see it (NCCL): then n/a, not 0.
-    # FSDP's all-gathers and reduce-scatters run inside forward and backward, untimed: n/a too.
+    # In-region comm as the trainer measured it (DDP's all-reduce or FSDP's collectives on gloo, and the
+    # agreement wait); None where the host cannot see it (NCCL): then n/a, not 0. An FSDP run of a trainer
+    # that did not time its collectives: n/a too.
     comm = [float(r["comm_time_s"]) for r in steps if r.get("comm_time_s") is not None]
-    ddp = float("nan") if fsdp(run) else _mean(comm) * n_steps
+    ddp = float("nan") if fsdp_untimed(run) else _mean(comm) * n_steps
     ck = [float(r["checkpoint_save_s"]) for r in steps if isinstance(r.get("checkpoint_save_s"), int | float)]
     if not ck and s.get("checkpoint_save_s", {}).get("count"):
         ck = [s["checkpoint_save_s"]["mean"]]
@@ -349,7 +356,7 @@ SLO_ROWS = [  # (key, label, unit)
     ("step_time_p50_s", "step time, p50", " s"),
     ("step_time_p99_s", "step time, p99", " s"),
     ("comm_fraction", "comm fraction of step time (in-region + cross-region)", "%"),
-    ("in_region_comm_fraction", "comm fraction: in-region (DDP all-reduce + per-step collective)", "%"),
+    ("in_region_comm_fraction", "comm fraction: in-region (DDP all-reduce or FSDP collectives, + per-step collective)", "%"),
     ("cross_region_sync_fraction", "comm fraction: cross-region sync", "%"),
     ("sync_round_mean_s", "cross-region round, mean", " s"),
     ("checkpoint_write_mean_s", "checkpoint write, mean", " s"),
@@ -628,11 +635,11 @@ def build(runs: list[Run]) -> tuple[str, dict]:
         lines += _participation_md(part)
     notes = []
     for run in runs:
-        if fsdp(run):
+        if fsdp_untimed(run):
             notes.append(
-                f"{run.label}: FSDP ({(run.summary or {}).get('parallelism')}): its in-region communication "
-                "(all-gathers, reduce-scatters) runs inside forward and backward and is not timed: its "
-                "in-region and total comm fractions are n/a; the cross-region one is measured."
+                f"{run.label}: FSDP ({(run.summary or {}).get('parallelism')}): its trainer did not time the "
+                "in-region collectives (all-gathers, reduce-scatters; no fsdp_all_gather_s in its records): "
+                "its in-region and total comm fractions are n/a; the cross-region one is measured."
             )
         segs = segments(run)
         gaps = [b["step"] - a["step"] for seg in segs for a, b in zip(seg, seg[1:], strict=False)]
