@@ -204,6 +204,8 @@ try:
         loss = F.cross_entropy(model(x), y)  # FSDP gathers each block, then reduce-scatters its gradients
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if diloco:  # sync: grad averages the gradients over the regions here (DiLoCo: nothing to do)
+            diloco.before_optimizer_step(step, tokens)
         opt.step()
         if diloco:  # every xr.inner_steps steps: an outer round with the other regions, on the local shards
             record = diloco.after_step(step, tokens)

@@ -154,6 +154,8 @@ try:
         loss = F.cross_entropy(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if diloco:  # sync: grad averages the gradients over the regions here (DiLoCo: nothing to do)
+            diloco.before_optimizer_step(step, tokens)
         opt.step()
         if diloco:  # every xr.inner_steps steps: an outer round with the other regions
             record = diloco.after_step(step, tokens)

@@ -356,7 +356,11 @@ SLO_ROWS = [  # (key, label, unit)
     ("step_time_p50_s", "step time, p50", " s"),
     ("step_time_p99_s", "step time, p99", " s"),
     ("comm_fraction", "comm fraction of step time (in-region + cross-region)", "%"),
-    ("in_region_comm_fraction", "comm fraction: in-region (DDP all-reduce or FSDP collectives, + per-step collective)", "%"),
+    (
+        "in_region_comm_fraction",
+        "comm fraction: in-region (DDP all-reduce or FSDP collectives, + per-step collective)",
+        "%",
+    ),
     ("cross_region_sync_fraction", "comm fraction: cross-region sync", "%"),
     ("sync_round_mean_s", "cross-region round, mean", " s"),
     ("checkpoint_write_mean_s", "checkpoint write, mean", " s"),

@@ -21,11 +21,22 @@ TIMEOUT = 240  # per region run: the 2 cores are shared
 
 class Region:
     """One region: a torchrun of 2 workers running the example ``script`` (``steps`` steps, an outer round
-    every ``h``, a checkpoint every ``save_every``), its output appended to ``<root>/<name>.log``."""
+    every ``h``, or gradients averaged every step with ``sync="grad"``, a checkpoint every ``save_every``),
+    its output appended to ``<root>/<name>.log``."""
 
-    def __init__(self, root: Path, name: str, data: Path, script: Path, steps: int, h: int, save_every: int):
+    def __init__(
+        self,
+        root: Path,
+        name: str,
+        data: Path,
+        script: Path,
+        steps: int,
+        h: int,
+        save_every: int,
+        sync="diloco",
+    ):
         self.root, self.name, self.data, self.script = root, name, data, script
-        self.steps, self.h, self.save_every = steps, h, save_every
+        self.steps, self.h, self.save_every, self.sync = steps, h, save_every, sync
         self.run_dir = root / name
         self.log = root / f"{name}.log"
         self.proc: subprocess.Popen | None = None
@@ -37,8 +48,10 @@ class Region:
             region=self.name,
             regions=["a", "b"],
             inner_steps=self.h,
+            sync=self.sync,
             timeout_s=timeout_s,
             transport=FsTransport(root=str(self.root / "mailbox")),
+            **({"keep_rounds": self.steps + 1} if self.sync == "grad" else {}),  # grad: a round every step
         )
         cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", str(self.script)]
         cmd += ["--run-dir", str(self.run_dir), "--data", str(self.data), "--steps", str(self.steps)]

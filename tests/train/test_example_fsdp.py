@@ -16,8 +16,12 @@ SCRIPT = REPO / "examples" / "train_fsdp.py"
 STEPS, H, SAVE_EVERY = 10, 5, 5  # 2 outer rounds; a checkpoint at the end of each; a loss line at 10
 
 
-def test_two_fsdp_regions_train_with_diloco_and_end_with_identical_weights(tmp_path, example_data):
-    rs = [Region(tmp_path, name, example_data, SCRIPT, STEPS, H, SAVE_EVERY) for name in ("a", "b")]
+@pytest.mark.parametrize("sync", ["diloco", "grad"])
+def test_two_fsdp_regions_train_with_diloco_and_end_with_identical_weights(sync, tmp_path, example_data):
+    """DiLoCo, and per-step gradient averaging (the example's before_optimizer_step: each rank's gradient
+    shards averaged over the regions)."""
+    rs = [Region(tmp_path, name, example_data, SCRIPT, STEPS, H, SAVE_EVERY, sync) for name in ("a", "b")]
+    rounds = STEPS // H if sync == "diloco" else STEPS
     try:
         for r in rs:
             r.start()
@@ -30,7 +34,7 @@ def test_two_fsdp_regions_train_with_diloco_and_end_with_identical_weights(tmp_p
     for r in rs:
         log = r.log.read_text()
         assert f"region {r.name}, 2 processes (FSDP), steps 1..{STEPS}" in log, r.tail()
-        assert f"done at step {STEPS} after {STEPS // H} outer rounds" in log, r.tail()
+        assert f"done at step {STEPS} after {rounds} outer rounds" in log, r.tail()
         assert "Traceback" not in log, r.tail()
         # a DCP checkpoint: every rank wrote its own shards
         latest = r.run_dir / "ckpt" / (r.run_dir / "ckpt" / "latest").read_text()

@@ -151,7 +151,9 @@ def test_report_shows_absent_in_region_comm_as_na_and_the_gpu_memory(tmp_path):
     assert math.isnan(s["in_region_comm_fraction"]) and math.isnan(s["comm_fraction"])
     assert s["hfu"] == 0.55 and s["gpu_mem_max_reserved_gib"] == 24.0 and s["gpu_mem_total_gib"] == 140.0
     md, _ = build([run])
-    assert "| comm fraction: in-region (DDP all-reduce or FSDP collectives, + per-step collective) | n/a |" in md
+    assert (
+        "| comm fraction: in-region (DDP all-reduce or FSDP collectives, + per-step collective) | n/a |" in md
+    )
     assert "| GPU memory, max reserved (rank 0) | 24 GiB |" in md and "| HFU (GPU only) | 0.55 |" in md
     # CPU runs measure it (gloo span + the agreement wait): a number, and no GPU memory
     for r in recs:
@@ -170,7 +172,9 @@ def test_report_shows_absent_in_region_comm_as_na_and_the_gpu_memory(tmp_path):
     assert math.isnan(s["in_region_comm_fraction"]) and math.isnan(s["comm_fraction"])
     md, _ = build([run])
     assert "| n/a | fsdp + cpu offload | completed |" in md
-    assert "| comm fraction: in-region (DDP all-reduce or FSDP collectives, + per-step collective) | n/a |" in md
+    assert (
+        "| comm fraction: in-region (DDP all-reduce or FSDP collectives, + per-step collective) | n/a |" in md
+    )
     assert "FSDP (fsdp + cpu offload): its trainer did not time the in-region collectives" in md
     # timed (this trainer, on gloo: comm_time_s holds them): a number again, and no note
     for r in recs:

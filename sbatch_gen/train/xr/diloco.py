@@ -102,12 +102,12 @@ class DiLoCo(SnapshotSync):
         # Everything that can fail (the exchange) is behind us and only wrote into `avg`.
         self._outer_step(self.avg)
         t6 = self._now()
-        self._share_params()
+        share_s = self._share_params()
         self.round, self.tokens, self.pending = r, 0, 0
-        t7 = self._now()
         snap_s = self._housekeeping(r, res.members, step)
         t8 = self._now()
-        t.update(outer_step_s=t6 - t5, broadcast_s=t["broadcast_s"] + (t7 - t6), cleanup_s=t8 - t7, t_end=t8)
+        bcast = t["broadcast_s"] + share_s
+        t.update(outer_step_s=t6 - t5, broadcast_s=bcast, cleanup_s=t8 - t6 - share_s, t_end=t8)
         rec = self._record(step, res, t, snap_s)
         rec["xr_exposed_s"] = rec["xr_total_s"]  # training waited for all of it
         return rec

@@ -490,6 +490,7 @@ class Exchange:
             self.broadcast_slices(expect.plan, out)
         t4 = self._now()
         dl = min(t_dl, t3 - t2)
+        bcast = 0.0 if self.sharded else t4 - t3  # (sharded: nothing is broadcast)
         retries = self._store_retries() - retries0
         if self.group.on:
             retries = sum(self.group.all_gather(retries))
@@ -505,8 +506,8 @@ class Exchange:
                 upload_s=t1 - t0,
                 wait_s=t2 - t1,
                 download_s=dl,
-                reduce_s=(t3 - t2) - dl,
-                broadcast_s=t4 - t3,
+                reduce_s=(t4 - t2) - dl - bcast,
+                broadcast_s=bcast,
                 t_start=t0,
                 t_end=t4,
             ),

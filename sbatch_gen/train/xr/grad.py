@@ -39,12 +39,12 @@ class GradSync(OuterSync):
         if self.leader:
             self.flat.scatter_grads(held(self.avg, "avg"))
         t6 = self._now()
-        self._share(self.flat.grads())  # a DDP region's other ranks hold no average
-        t7 = self._now()
+        share_s = self._share(self.flat.grads())  # a DDP region's other ranks hold no average
         self.round, self.tokens = step, 0
         self._cleanup(step, need_snapshot=False)
         t8 = self._now()
-        t.update(outer_step_s=t6 - t5, broadcast_s=t["broadcast_s"] + (t7 - t6), cleanup_s=t8 - t7, t_end=t8)
+        bcast = t["broadcast_s"] + share_s
+        t.update(outer_step_s=t6 - t5, broadcast_s=bcast, cleanup_s=t8 - t6 - share_s, t_end=t8)
         self._pending = self._record(step, res, t)
 
     def after_optimizer_step(self, step: int, tokens: int) -> dict | None:

@@ -371,15 +371,20 @@ class OuterSync:
         """Bytes of flat buffers this rank holds: :meth:`state_bytes` on a leader, 0 on the other ranks."""
         return sum(t.nbytes for t in (getattr(self, n, None) for n in self.buffers()) if t is not None)
 
-    def _share_params(self) -> None:
-        """The parameters, as rank 0 holds them, into every rank of the region (in place)."""
-        self._share(self.flat.tensors())
+    def _share_params(self) -> float:
+        """The parameters, as rank 0 holds them, into every rank of the region (in place); the seconds
+        it took."""
+        return self._share(self.flat.tensors())
 
-    def _share(self, tensors: list[torch.Tensor]) -> None:
+    def _share(self, tensors: list[torch.Tensor]) -> float:
         """``tensors`` (parameters or gradients, or some of them), as rank 0 holds them, into every rank of
-        the region (in place). A sharded region: nothing to do (each rank wrote its own shards)."""
-        if not self.sharded:
-            self.group.broadcast_tensors(tensors, src=0)
+        the region (in place); the seconds it took. A sharded region: nothing to do (each rank wrote its own
+        shards), 0."""
+        if self.sharded:
+            return 0.0
+        t0 = self._now()
+        self.group.broadcast_tensors(tensors, src=0)
+        return self._now() - t0
 
     def _saved(self, name: str) -> Any:
         """The flat buffer ``name`` as a checkpoint holds it: itself, or (a sharded region) one DTensor per
