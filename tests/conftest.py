@@ -83,3 +83,18 @@ def pytest_collection_modifyitems(config, items):
     # out in collection order); a plain run keeps pytest's order
     if hasattr(config, "workerinput"):
         items.sort(key=lambda item: suite_group(item.nodeid) != "slurm")
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo process group in this process (torch.distributed's in-memory store), for code that
+    needs a group (FSDP2, DTensors, the sync's refusals); its DistInfo. Destroyed after the test."""
+    import torch.distributed as dist
+
+    from sbatch_gen.train.dist import DistInfo
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield DistInfo(is_distributed=True, backend="gloo")
+    finally:
+        dist.destroy_process_group()

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from sbatch_gen.train.config import ParallelismConfig, load_config
-from sbatch_gen.train.dist import DistInfo
 from sbatch_gen.train.model import GPT
 
 from .conftest import TINY
@@ -15,27 +14,16 @@ from .conftest import TINY
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def info():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield DistInfo(is_distributed=True, backend="gloo")
-    finally:
-        dist.destroy_process_group()
-
-
 def _gpt() -> GPT:
     torch.manual_seed(0)
     return GPT(load_config(TINY).model.model_copy(update={"dropout": 0.0}))  # the same forward every time
 
 
-def _sharded(info, **options):
+def _sharded(one_rank, **options):
     from sbatch_gen.train.fsdp import shard
 
     model = _gpt()
-    return model, shard(model, ParallelismConfig(kind="fsdp", **options), info, CPU, None)
+    return model, shard(model, ParallelismConfig(kind="fsdp", **options), one_rank, CPU, None)
 
 
 def _batch() -> torch.Tensor:
@@ -43,10 +31,10 @@ def _batch() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("mode, reduced_early", [("sharded", True), ("unsharded", False)])
-def test_grad_accumulation_reduces_every_micro_batch_or_only_the_last(info, mode, reduced_early):
+def test_grad_accumulation_reduces_every_micro_batch_or_only_the_last(one_rank, mode, reduced_early):
     """sharded: a micro-batch before the last already leaves its reduce-scattered gradient shards;
     unsharded: FSDP holds the full gradients back until the last micro-batch's backward."""
-    model, par = _sharded(info, grad_accumulation=mode)
+    model, par = _sharded(one_rank, grad_accumulation=mode)
     x = _batch()
     with par.no_sync():
         model(x, x).backward()
@@ -56,10 +44,10 @@ def test_grad_accumulation_reduces_every_micro_batch_or_only_the_last(info, mode
 
 
 @pytest.mark.parametrize("reshard", [True, False])
-def test_reshard_after_forward_frees_or_keeps_the_gathered_blocks(info, reshard):
+def test_reshard_after_forward_frees_or_keeps_the_gathered_blocks(one_rank, reshard):
     from torch.distributed.tensor import DTensor
 
-    model, _ = _sharded(info, reshard_after_forward=reshard)
+    model, _ = _sharded(one_rank, reshard_after_forward=reshard)
     x = _batch()
     loss = model(x, x)
     # between forward and backward: a resharded block holds its DTensor shards again, else its full tensors
@@ -68,13 +56,13 @@ def test_reshard_after_forward_frees_or_keeps_the_gathered_blocks(info, reshard)
     assert all(isinstance(p, DTensor) for p in model.parameters())
 
 
-def test_clipping_dtensor_gradients_equals_clipping_the_plain_model(info):
+def test_clipping_dtensor_gradients_equals_clipping_the_plain_model(one_rank):
     """The norm of the local shards is reduced over the ranks before it scales them: at one rank exactly
     torch's clip_grad_norm_ on the unsharded model, bit for bit."""
     from sbatch_gen.train.gradnorm import clip_grads
 
     plain = _gpt()
-    model, _ = _sharded(info)
+    model, _ = _sharded(one_rank)
     x = _batch()
     for m in (plain, model):
         m(x, x).backward()
@@ -85,9 +73,9 @@ def test_clipping_dtensor_gradients_equals_clipping_the_plain_model(info):
         assert torch.equal(q.grad.full_tensor(), p.grad), name
 
 
-def test_full_state_dict_is_the_plain_models(info):
+def test_full_state_dict_is_the_plain_models(one_rank):
     plain = _gpt()
-    _, par = _sharded(info, cpu_offload=True)
+    _, par = _sharded(one_rank, cpu_offload=True)
     full = par.full_state_dict()
     want = plain.state_dict()
     assert full.keys() == want.keys()
@@ -95,13 +83,13 @@ def test_full_state_dict_is_the_plain_models(info):
     assert par.param_device == CPU and par.amp_dtype is None and par.comm is None
 
 
-def test_bf16_computes_in_bf16_and_keeps_fp32_shards_and_gradients(info):
+def test_bf16_computes_in_bf16_and_keeps_fp32_shards_and_gradients(one_rank):
     """train.precision bf16: the policy gathers bf16 parameters for compute, no autocast; the shards,
     their gradients (reduced in fp32) and so AdamW stay fp32."""
     from sbatch_gen.train.fsdp import shard
 
     model = _gpt()
-    par = shard(model, ParallelismConfig(kind="fsdp"), info, CPU, torch.bfloat16)
+    par = shard(model, ParallelismConfig(kind="fsdp"), one_rank, CPU, torch.bfloat16)
     seen = []
     model.blocks[0].mlp.up.register_forward_hook(
         lambda m, args, out: seen.append((m.weight.dtype, out.dtype))

@@ -35,7 +35,7 @@ from sbatch_gen.train.xr.modes import create
 from sbatch_gen.train.xr.store import FsStore
 from sbatch_gen.xr_options import CrossRegion, FsTransport
 
-from .workers import exit_now, init_region, parser, transport
+from .workers import exit_now, init_region, parser, resume, transport
 
 
 class CountingStore(FsStore):
@@ -205,13 +205,7 @@ def main() -> None:
     if a.chunk_bytes and sync.mailbox is not None:
         sync.mailbox.chunk_bytes = a.chunk_bytes
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    start = 0
-    if a.resume:  # the model and the outer state from a DCP checkpoint, resharded to this world size
-        state = {"model": net.state_dict(), "outer": sync.state_dict(), "step": 0}
-        dcp.load(state, checkpoint_id=a.resume)
-        net.load_state_dict(state["model"])
-        sync.load_state_dict(state["outer"])
-        start = int(state["step"])
+    start = resume(a.resume, net, sync)
     sync.align(start)
     if xr.elastic:  # as the trainer starts: a region that was away fast-forwards to the run
         start = sync.catch_up(start) or start

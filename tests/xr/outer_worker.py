@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from sbatch_gen.train.xr.modes import create
 from sbatch_gen.xr_options import CrossRegion
 
-from .workers import exit_now, init_region, parser, transport
+from .workers import exit_now, init_region, parser, resume, transport
 
 BUFFERS = ("work", "avg", "theta_outer", "momentum", "own")
 W_TRUE = torch.tensor([[1.0], [-2.0], [0.5], [3.0], [-1.0], [0.25]])
@@ -78,13 +78,7 @@ def main() -> None:
     )
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
 
-    start = 0
-    if a.resume:
-        state = {"model": net.state_dict(), "outer": sync.state_dict(), "step": 0}
-        dcp.load(state, checkpoint_id=a.resume)
-        net.load_state_dict(state["model"])
-        sync.load_state_dict(state["outer"])
-        start = int(state["step"])
+    start = resume(a.resume, net, sync)
     sync.align(start)
 
     after: dict[int, torch.Tensor] = {}

@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from sbatch_gen.train.dist import DistInfo
 from sbatch_gen.train.xr.flat import FlatParams, shard_rows
 from sbatch_gen.train.xr.protocol import ShardPlan
 
@@ -153,17 +152,6 @@ def test_a_sharded_region_resumes_with_another_world_size_from_its_checkpoint(tm
 
 
 # -- refusals and the plan, in this process (a one-rank gloo group) ----------------------------------------------
-
-
-@pytest.fixture
-def one_rank():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield DistInfo(is_distributed=True, backend="gloo")
-    finally:
-        dist.destroy_process_group()
 
 
 def _placed(placements, mesh_shape):

@@ -75,6 +75,20 @@ def exit_now() -> None:
     os._exit(0)
 
 
+def resume(path: str, net, sync) -> int:
+    """The model and the outer state from the DCP checkpoint at ``path`` (``--resume``; resharded to this
+    world size), and its step; 0 without one."""
+    if not path:
+        return 0
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": net.state_dict(), "outer": sync.state_dict(), "step": 0}
+    dcp.load(state, checkpoint_id=path)
+    net.load_state_dict(state["model"])
+    sync.load_state_dict(state["outer"])
+    return int(state["step"])
+
+
 def launch(module: str, region: str, regions: list[str], nproc: int, out: Path, *args: str, env=None):
     """One torchrun of ``nproc`` ranks running ``tests.xr.<module>`` for ``region``; its output goes to
     ``<out>/<region>.log``. Returns (process, log) for :func:`wait`."""
