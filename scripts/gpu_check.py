@@ -15,7 +15,8 @@ of this node, NCCL, bf16 autocast) on the ~125M config (configs/gpt-125m.yaml) u
              region over the fs mailbox, outer state on the GPU: every fragment's rounds merged, the time
              a round's start and its merge held training up, the final join
   fsdp       FSDP2 (parallelism.kind fsdp) on one GPU, bf16: tokens/s, MFU and memory with the CPU offload
-             off and on (offload must lower the device's peak), and stop -> resume bitwise as in phase stop
+             off and on (offload must lower the device's peak), and stop -> resume bitwise as in phase stop;
+             the FSDP collective timer's CUDA clock against a device copy (one GPU issues no collective)
 
 ``--smoke`` runs the same phases on the CPU with the tiny config in one process (gloo): the script's own
 logic, tested by ``make test`` (tests/train/test_gpu_check.py). Its figures mean nothing.
@@ -27,6 +28,7 @@ ran and passed its check, 1 otherwise (the table says which). Needs no network.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -302,9 +304,16 @@ class Check:
         fig["stop_max_abs_diff"] = stop["max_abs_diff"]
         if not ok:
             problems.append("stop -> resume: not bitwise equal to one uninterrupted run, or a bad exit/ack")
+        # the collective timer's own clock (one GPU issues no collective, so the runs above leave its CUDA
+        # path unused): a timed device-to-device copy on a side stream against the copy bandwidth of hbm
+        timed_s, copy_s = timer_check(self.smoke)
+        fig["timer_s"], fig["timer_vs_wall"] = rnd(timed_s, 6), rnd(timed_s / copy_s, 3)
+        # (the CPU's clock is the host's, tested by the unit tests; a shared CPU's copies vary too much)
+        if not (0 < timed_s / copy_s < float("inf") if self.smoke else 0.5 <= timed_s / copy_s <= 1.5):
+            problems.append(f"the collective timer read {timed_s:.6f} s for a copy of {copy_s:.6f} s")
         checked = (
             "stop -> resume bitwise" if self.smoke else "offload lowers device memory; stop -> resume bitwise"
-        )
+        ) + "; the collective timer reads a timed copy"
         self.row("fsdp", not problems, fig, "; ".join(problems) or checked)
 
     def solo_region(self, run_id: str, h: int, mailbox: str, **kw) -> CrossRegion:
@@ -488,6 +497,40 @@ def max_abs_diff(a: Path, b: Path) -> float | None:
     if x.keys() != y.keys():
         return float("inf")
     return max((float((x[k].double() - y[k].double()).abs().max()) for k in x), default=0.0)
+
+
+def timer_check(smoke: bool) -> tuple[float, float]:
+    """The FSDP collective timer (sbatch_gen/train/fsdp.py) around a 1 GiB device-to-device copy issued on a
+    side stream, as FSDP issues its collectives (CPU: a 64 MiB copy, the host clock): (the seconds it read,
+    the copy's own seconds, timed apart on the same stream, the best of 3)."""
+    import torch
+
+    from sbatch_gen.train.fsdp import CollectiveTimer
+
+    cuda = not smoke
+    dev = torch.device("cuda" if cuda else "cpu")
+    n = (64 if smoke else 1024) * 2**20 // 4
+    src = torch.empty(n, dtype=torch.float32, device=dev).uniform_()
+    dst = torch.empty_like(src)
+    timer = CollectiveTimer(cuda)
+    ctx = torch.cuda.stream(torch.cuda.Stream()) if cuda else contextlib.nullcontext()
+    read, own = [], []
+    for _ in range(3):
+        with ctx:
+            timer.timed("all_gather", lambda: dst.copy_(src))
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                dst.copy_(src)
+                b.record()
+                b.synchronize()
+                own.append(a.elapsed_time(b) / 1000.0)
+            else:
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                own.append(time.perf_counter() - t0)
+        read.append(timer.take().seconds()["all_gather"])
+    return min(read), min(own)
 
 
 def copy_bandwidth(smoke: bool) -> float:
