@@ -17,7 +17,8 @@ raises is logged once, with the reason, and dropped: it never stops training, an
 unaffected.
 
 Resumed attempts continue the same runs: TensorBoard writes to the same directory with a purge at the
-attempt's first step (its readers drop what an earlier attempt logged from there on), W&B resumes the
+attempt's first step (its readers drop what an earlier attempt logged from there on; a fresh start over a
+used run dir purges from step 1), W&B resumes the
 run of the same id and skips the steps an earlier attempt already logged (the last step of
 metrics.jsonl when this attempt started), and the Prometheus file is a snapshot, rewritten atomically.
 """
@@ -163,14 +164,16 @@ class TensorBoardSink:
         # TensorBoard's file name (it reads the files of a directory in name order: the time first); never
         # an earlier attempt's file ("x"), whatever the pid
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{os.urandom(4).hex()}"
+        earlier = any(directory.glob("events.out.tfevents.*"))
         self._file = open(directory / name, "xb")
         # written here, not through its EventFileWriter: that one hands every event to a thread of its own,
         # which costs this process more CPU per record than the write itself
         self._records = RecordWriter(self._file)
         self._add(Event(wall_time=time.time(), file_version="brain.Event:2"))
-        if first_step > 1:
+        if first_step > 1 or earlier:
             # a session restart at the attempt's first step: TensorBoard's readers drop what an earlier
-            # attempt logged from this step on (the purge_step of torch's SummaryWriter, the same event)
+            # attempt logged from this step on (the purge_step of torch's SummaryWriter, the same event);
+            # at step 1 too when an earlier run's files are there (a fresh start over a used run dir)
             self._add(Event(step=first_step, session_log=SessionLog(status=SessionLog.START)))
 
     def _add(self, event: Any) -> None:

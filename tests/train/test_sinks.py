@@ -204,6 +204,14 @@ def test_a_resumed_attempt_continues_the_runs_without_a_step_twice(tmp_path, mon
     assert [r.run_id for r in runs] == ["run_1-eu", "run_1-eu"]  # one run, continued
 
 
+def test_a_fresh_start_over_a_used_run_dir_purges_tensorboard_from_step_1(tmp_path):
+    opts = MetricsOptions(sinks=["tensorboard"])
+    _feed(tmp_path, opts, [{**STEP, "step": i, "loss": float(i)} for i in range(1, 8)])
+    # --resume none (or no checkpoint yet): the next attempt trains from step 1 again, and stops sooner
+    _feed(tmp_path, opts, [{**STEP, "step": i, "loss": i + 0.5} for i in range(1, 4)])
+    assert tensorboard_scalars(tmp_path)["loss"] == {i: i + 0.5 for i in range(1, 4)}
+
+
 def test_a_sink_that_fails_on_its_first_write_is_left_out_with_one_warning_line(tmp_path, capfd):
     blocked = tmp_path / "ro"
     blocked.write_text("a file where the Prometheus directory should be")
