@@ -1,18 +1,23 @@
 """Benchmark: what the metric sinks cost a training step (issue 29's goal: under 1% of a tiny CPU step with
-every sink on), in the steady state, and the CPU each sink takes per record.
+every sink on), and the CPU each sink takes per record.
 
-1. The real trainer, one process on the CPU, a tiny model (the step is about 2 ms, so a sink's cost shows),
-   a metrics record every step, hence a record to the sinks every step. Two variants, run alternately in
-   the same session: no sinks, and all three (TensorBoard, W&B offline, the Prometheus textfile every 10
-   steps), which the trainer's rank 0 hands to its sinks' process (sbatch_gen/train/sinkproc.py). That
-   process logs one line once its sinks started, with the last step of metrics.jsonl then: the steady
-   state is every step from there plus ``SETTLE`` (its first batch, the records logged while it started,
-   and one more read) to the end, the same steps in both runs of a pair. Per run the median
-   ``step_time_s`` of those steps; per pair the ratio all / none; the headline is the median of the pairs,
-   with their spread. The steps before (after the first ``SKIP``) are the start-up, shown beside it.
-2. Each sink alone in the sinks' process (``python -m sbatch_gen.train.sinkproc``, its trainer already
-   gone: it writes the file's records and exits), on ``RECORDS`` real records of a run and on none: its
-   CPU per record is the difference over ``RECORDS``, the process and the ones it waited for (W&B's
+The real trainer, one process on the CPU, a tiny model (the step is about 2 ms, so a sink's cost shows), a
+metrics record every step, hence a record to the sinks every step (the trainer's default ``log_every`` is
+10). Its rank 0 hands the records to its sinks' process (sbatch_gen/train/sinkproc.py): TensorBoard, W&B
+offline and the Prometheus textfile every 10 steps. Two placements: ``shared`` (the kernel places every
+process) and ``pinned`` (the trainer on one CPU, every process it starts on another, :class:`_Pinner`).
+
+1. Toggled runs, the goal's judge. Within one run the benchmark stops and continues the sinks' processes
+   in turns of a second (:class:`_Toggler`), and compares each running turn's median step with its two
+   stopped neighbours' (:func:`_turns`): turns a second apart in one process, so what moves a whole run
+   (its memory layout, the machine's state) cancels. A running turn catches up the stopped one's records,
+   so it carries twice the sinks' steady load. The control: the same turns in a run without sinks.
+2. Between runs: pairs of runs without and with the sinks, alternately. Per run the median ``step_time_s``
+   of the steady state, from the sinks' start line (the last step of metrics.jsonl then) plus ``SETTLE``
+   to the end, and of the start-up before it; per pair all / none.
+3. Each sink alone in the sinks' process (``python -m sbatch_gen.train.sinkproc``, its trainer already
+   gone: it writes the file's records and exits), on ``records`` real records of a run (3000) and on none: its
+   CPU per record is the difference over their number, the process and the ones it waited for (W&B's
    service) together.
 """
 
@@ -21,32 +26,45 @@ from __future__ import annotations
 import os
 import re
 import resource
+import signal
 import statistics
 import subprocess
+import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import yaml
 
 from sbatch_gen.metrics_options import MetricsOptions
 from sbatch_gen.train.data import prepare
+from sbatch_gen.train.sinks import last_logged_step
 
 from .common import PY, REPO, Result, bench_env, median
-from .common import run as run_cmd
 from .trainruns import read_metrics, write_config
 
 SKIP = 20  # steps left out of each run: imports, the first allocations
+# the trainer and its sinks' processes on any CPU / on a CPU each (where this process may use both)
+MODES = ("shared", "pinned") if {0, 1} <= os.sched_getaffinity(0) else ("shared",)
 SETTLE = 500  # steps after the sinks' start line before the steady state (about 1 s: two reads)
-FULL = {"steps": 6000, "pairs": 8, "records": 3000, "reps": 2}
-QUICK = {"steps": 40, "pairs": 1, "records": 20, "reps": 1}
+FULL = {"steps": 6000, "pairs": 3, "records": 3000, "reps": 2, "toggle_steps": 16000, "toggle_runs": 2}
+QUICK = {"steps": 40, "pairs": 1, "records": 20, "reps": 1, "toggle_steps": 400, "toggle_runs": 1}
 SINKS = {"sinks": ["tensorboard", "wandb", "prometheus"], "prometheus_every": 10}
+TRAINER_CPU, SINKS_CPU = 0, 1  # the pinned variants: the trainer on one CPU, its sinks' processes on another
+PIN_EVERY_S = 0.02
+# the toggled runs: the sinks stopped and continued in turns of window_s within one run, from a step well
+# after their start (S + SETTLE is about 1300) to a little before the run's end
+TOGGLE = {"window_s": 1.0, "from_step": 2500, "until_before_end": 1000}
+TOGGLE_QUICK = {"window_s": 0.1, "from_step": 50, "until_before_end": 50}
+TURN_GUARD = 2
+CONTROL = "control (no sinks)"
 STARTED = re.compile(r"metrics sinks (.+) started in ([\d.]+) s, metrics.jsonl at step (\d+|None)")
 ENV = {"WANDB_MODE": "offline", "WANDB_API_KEY": "", "OMP_NUM_THREADS": "1"}
 
 
-def _config(work: Path, data: Path, steps: int, sinks: bool) -> Path:
+def _config(work: Path, data: Path, steps: int, sinks: bool, name: str = "") -> Path:
     cfg = write_config(
-        work / f"{'all' if sinks else 'none'}.yaml",
+        work / f"{name or ('all' if sinks else 'none')}.yaml",
         steps=steps,
         data_dir=data,
         d_model=32,
@@ -67,19 +85,168 @@ def _cpu_children() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _train(cfg: Path, run_dir: Path) -> tuple[list[float], int | None, float]:
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (its sinks' process, W&B's service), from /proc's children lists."""
+    out, todo = [], [pid]
+    while todo:
+        for kids in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+            try:
+                found = [int(k) for k in kids.read_text().split()]
+            except (OSError, ValueError):
+                continue  # gone meanwhile
+            out += found
+            todo += found
+    return out
+
+
+class _Pinner(threading.Thread):
+    """Keeps every thread of every process below ``pid`` on ``cpus`` (new ones within ``PIN_EVERY_S``) until
+    :meth:`done`; it runs on ``cpus`` itself (its starter's affinity, set before it starts)."""
+
+    def __init__(self, pid: int, cpus: set[int]) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.cpus, self._done = pid, cpus, threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(PIN_EVERY_S):
+            for child in _descendants(self.pid):
+                for task in Path(f"/proc/{child}/task").glob("*"):
+                    try:
+                        tid = int(task.name)
+                        if os.sched_getaffinity(tid) != self.cpus:
+                            os.sched_setaffinity(tid, self.cpus)
+                    except (OSError, ValueError):
+                        pass  # a thread that ended meanwhile
+
+    def done(self) -> None:
+        self._done.set()
+        self.join()
+
+
+def _sched(pid: int) -> tuple[float, float]:
+    """Seconds every thread of ``pid`` has run on a CPU, and waited on a run queue for one, so far
+    (/proc/<pid>/task/*/schedstat: the scheduler's own clock, without the time a VM's host took the CPU)."""
+    run = wait = 0
+    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            a, b, _ = stat.read_text().split()
+        except (OSError, ValueError):
+            continue  # a thread that ended meanwhile
+        run, wait = run + int(a), wait + int(b)
+    return run / 1e9, wait / 1e9
+
+
+class _Toggler(threading.Thread):
+    """Stops (SIGSTOP) and continues (SIGCONT) every process below ``pid`` (the sinks' process, W&B's
+    service) in turns of ``turns['window_s']`` (:data:`TOGGLE`): from when metrics.jsonl reaches
+    ``turns['from_step']`` until it is within ``turns['until_before_end']`` steps of ``steps``. At each turn it notes whether the sinks
+    run from there and the last step of metrics.jsonl (:attr:`marks`). Every process is continued at the
+    end, whatever happened. A stopped sinks' process catches up when continued: its work of both turns falls
+    in the turn it runs, so a running turn carries twice the sinks' steady load."""
+
+    def __init__(self, pid: int, metrics: Path, steps: int, turns: dict) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.metrics, self.steps, self.turns = pid, metrics, steps, turns
+        self.marks: list[tuple[bool, int]] = []
+        self._done = threading.Event()
+
+    def _signal(self, sig: int) -> None:
+        for child in _descendants(self.pid):
+            try:
+                os.kill(child, sig)
+            except OSError:
+                pass  # gone meanwhile
+
+    def _step(self) -> int:
+        return last_logged_step(self.metrics) or 0
+
+    def _mark(self, running: bool) -> None:
+        self.marks.append((running, self._step(), *_sched(self.pid)))
+
+    def run(self) -> None:
+        try:
+            while self._step() < self.turns["from_step"]:
+                if self._done.wait(0.05):
+                    return
+            running = True
+            while True:
+                running = not running  # the first turn: stopped
+                self._signal(signal.SIGCONT if running else signal.SIGSTOP)
+                self._mark(running)
+                if self._done.wait(self.turns["window_s"]):
+                    return
+                if self._step() >= self.steps - self.turns["until_before_end"]:
+                    self._mark(not running)  # the end of the last turn
+                    return
+        finally:
+            self._signal(signal.SIGCONT)
+
+    def done(self) -> None:
+        self._done.set()
+        self.join()
+
+
+def _train(
+    cfg: Path, run_dir: Path, pinned: bool = False, toggle: dict | None = None, steps: int = 0
+) -> tuple[list[float], int | None, float, list[tuple[bool, int]]]:
     """The run's step times (steps 1, 2, ...), the step metrics.jsonl was at when its sinks started (None:
-    no sinks), and its CPU seconds (the trainer and the processes it waited for)."""
+    no sinks), its CPU seconds (the trainer and the processes it waited for), and the toggler's marks
+    (``toggle``: its sinks stopped and continued in these turns, :class:`_Toggler`; ``steps``: the run's).
+    ``pinned``: the trainer (every thread) on CPU 0, every process it starts on CPU 1, as is this process
+    while it runs."""
     cpu = _cpu_children()
-    p = run_cmd(
-        [PY, "-m", "sbatch_gen.train", "--config", str(cfg), "--run-dir", str(run_dir)],
-        env=bench_env(ENV),
-        cwd=REPO,
-    )
+    argv = [PY, "-m", "sbatch_gen.train", "--config", str(cfg), "--run-dir", str(run_dir)]
+    mine = os.sched_getaffinity(0)
+    watchers: list = []
+    if pinned:
+        os.sched_setaffinity(0, {SINKS_CPU})  # this thread, and the watchers it starts
+    try:
+        proc = subprocess.Popen(
+            argv,
+            env=bench_env(ENV),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, {TRAINER_CPU})) if pinned else None,
+        )
+        if pinned:
+            watchers.append(_Pinner(proc.pid, {SINKS_CPU}))
+        if toggle is not None:
+            watchers.append(_Toggler(proc.pid, run_dir / "metrics.jsonl", steps, toggle))
+        for w in watchers:
+            w.start()
+        try:
+            out, err = proc.communicate(timeout=600)
+        finally:
+            for w in watchers:
+                w.done()
+    finally:
+        os.sched_setaffinity(0, mine)
+    if proc.returncode != 0:
+        raise RuntimeError(f"trainer failed ({proc.returncode}): {' '.join(argv)}\n{err[-4000:]}")
     cpu = _cpu_children() - cpu
-    m = STARTED.search(p.stderr)
+    m = STARTED.search(err)
     started = int(m.group(3)) if m and m.group(3) != "None" else (0 if m else None)
-    return [r["step_time_s"] for r in read_metrics(run_dir)], started, cpu
+    marks = watchers[-1].marks if toggle is not None else []
+    return [r["step_time_s"] for r in read_metrics(run_dir)], started, cpu, marks
+
+
+def _turns(times: list[float], marks: list[tuple], after: int) -> list[float]:
+    """Per running turn that began after step ``after``: its median step time over the mean of the medians
+    of the stopped turns either side of it (a drift of the machine cancels); the first ``TURN_GUARD`` steps
+    of each turn left out (a record is written a step late). ``marks``: the toggler's, (running from here,
+    the last step logged then, ...)."""
+    spans = [
+        (m[0], _window(times, m[1] + TURN_GUARD + 1, n[1]))
+        for m, n in zip(marks, marks[1:], strict=False)
+        if m[1] > after and n[1] > m[1] + TURN_GUARD
+    ]
+    return [
+        med / ((before + after_) / 2)
+        for (r0, before), (r1, med), (r2, after_) in zip(spans, spans[1:], spans[2:], strict=False)
+        if r1 and not r0 and not r2
+    ]
 
 
 def _sinks_wrote(run_dir: Path, steps: int) -> bool:
@@ -151,6 +318,7 @@ def run_bench(out: Path, quick: bool) -> Result:
     res = Result("sinks", "Metric sinks: what they cost a tiny CPU training step", quick)
     load_before = os.getloadavg()[0]
     rows = []
+    toggled: list[list] = []
     wrote = []
     with tempfile.TemporaryDirectory(prefix="sbgen-sinks-") as tmp:
         work = Path(tmp)
@@ -158,35 +326,74 @@ def run_bench(out: Path, quick: bool) -> Result:
         prepare(data, ["local"], "python-stdlib", 2_000_000)
         cfgs = {v: _config(work, data, sz["steps"], v == "all") for v in ("none", "all")}
         for i in range(sz["pairs"]):
-            got = {}
-            for v in ("none", "all") if i % 2 == 0 else ("all", "none"):  # alternate who goes first
-                got[v] = _train(cfgs[v], work / f"{v}-{i}")
-                if v == "all":
-                    wrote.append(_sinks_wrote(work / f"{v}-{i}", sz["steps"]))
-            (none, _, cpu_none), (all_, started, cpu_all) = got["none"], got["all"]
-            cut = (started if started is not None else sz["steps"]) + SETTLE + 1
-            steady = [_window(t, cut, sz["steps"]) for t in (none, all_)]
-            start_up = [_window(t, SKIP + 1, cut - 1) for t in (none, all_)]
-            rows.append([i + 1, started, cut, *steady, steady[1] / steady[0], *start_up])
-            rows[-1] += [start_up[1] / start_up[0], cpu_none, cpu_all]
-        metrics = (work / "none-0" / "metrics.jsonl").read_text().splitlines(keepends=True)
+            for mode in MODES:  # interleaved: a drift of the machine moves both alike
+                got = {}
+                for v in ("none", "all") if i % 2 == 0 else ("all", "none"):  # alternate who goes first
+                    run_dir = work / f"{v}-{mode}-{i}"
+                    got[v] = _train(cfgs[v], run_dir, pinned=mode == "pinned")
+                    if v == "all":
+                        wrote.append(_sinks_wrote(run_dir, sz["steps"]))
+                (none, _, cpu_none, _), (all_, started, cpu_all, _) = got["none"], got["all"]
+                cut = (started if started is not None else sz["steps"]) + SETTLE + 1
+                steady = [_window(t, cut, sz["steps"]) for t in (none, all_)]
+                start_up = [_window(t, SKIP + 1, cut - 1) for t in (none, all_)]
+                rows.append([mode, i + 1, started, cut, *steady, steady[1] / steady[0], *start_up])
+                rows[-1] += [start_up[1] / start_up[0], cpu_none, cpu_all]
+                print(  # progress: a run cut short by a timeout still says how far it got
+                    f"sinks: pair {i + 1}/{sz['pairs']} {mode}: steady median step {steady[0] * 1e3:.3f} ms "
+                    f"none, {steady[1] * 1e3:.3f} ms all, all / none {steady[1] / steady[0]:.4f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        toggle = TOGGLE_QUICK if quick else TOGGLE
+        on = _config(work, data, sz["toggle_steps"], True, name="toggled")
+        off = _config(work, data, sz["toggle_steps"], False, name="toggled-control")
+        # the control: the same turns in a run without sinks (nothing to stop): what the comparison reads
+        # when there is nothing to find, on this machine, at this time
+        variants = [(mode, on, mode == "pinned") for mode in MODES] + [(CONTROL, off, False)]
+        for i in range(sz["toggle_runs"]):
+            for name, cfg, pinned in variants:
+                run_dir = work / f"toggled-{name.split()[0]}-{i}"
+                times, started, _, marks = _train(cfg, run_dir, pinned, toggle, sz["toggle_steps"])
+                if cfg is on:
+                    wrote.append(_sinks_wrote(run_dir, sz["toggle_steps"]))
+                after = (started or 0) + SETTLE
+                ratios = _turns(times, marks, after)
+                toggled.append([name, i + 1, started, after + 1, len(marks) - 1, ratios])
+                print(
+                    f"sinks: toggled run {i + 1}/{sz['toggle_runs']} {name}: {len(ratios)} running turns, "
+                    f"median running / stopped {_med(ratios):.4f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        metrics = (work / "none-shared-0" / "metrics.jsonl").read_text().splitlines(keepends=True)
         records = [line for line in metrics if '"step"' in line][: sz["records"]]
         per_record = _per_record(work, records, sz["reps"])
-    ratios = [r[5] for r in rows if r[5] == r[5]]  # nan: no steady steps (--quick)
-    ratio = median(ratios)
-    spread = statistics.pstdev(ratios) if len(ratios) > 1 else 0.0
-    start_ratio = median([r[8] for r in rows])
-    step_ms = median([r[3] for r in rows if r[3] == r[3]] or [r[6] for r in rows]) * 1e3
+    stats = {mode: _pair_stats([r for r in rows if r[0] == mode]) for mode in MODES}
+    step_ms = median([r[4] for r in rows if r[4] == r[4]] or [r[7] for r in rows]) * 1e3
     res.setup += [
         f"The trainer (`python -m sbatch_gen.train`), one CPU process, `OMP_NUM_THREADS=1`: a GPT of 1 layer, "
         f"d_model 32, seq_len 32, batch 2; {sz['steps']} steps, a metrics record every step, so every record "
         "goes to the sinks.",
-        f"Variants: no sinks; all three (`{SINKS}`; W&B offline). {sz['pairs']} pair(s), run alternately "
-        "(the first of a pair alternates).",
+        f"Variants: no sinks; all three (`{SINKS}`; W&B offline). {sz['pairs']} pair(s) of each placement, "
+        "run alternately (the first of a pair alternates), the placements interleaved.",
+        "Placements: `shared`, every process wherever the kernel puts it (the machine's "
+        f"{os.cpu_count()} CPUs); `pinned`, the trainer (every thread) on CPU {TRAINER_CPU} and every process "
+        f"it starts (the sinks' process, W&B's service, each thread) on CPU {SINKS_CPU}, moved there within "
+        f"{PIN_EVERY_S * 1e3:.0f} ms of appearing by a thread of the benchmark that itself runs on CPU "
+        f"{SINKS_CPU} (in both variants): a node where rank 0 has a core to spare, as a GPU node's rank has.",
         "The sinks' process logs one line when its sinks started, with the last step of metrics.jsonl then "
         f"(S). Steady state: steps S + {SETTLE + 1} to the end (its first batch, the records of its start-up, "
         f"and one more read are before it); start-up: steps {SKIP + 1} to S + {SETTLE}. The same steps in both "
         "runs of a pair; per run the median `step_time_s`, per pair all / none.",
+        f"Toggled runs (the goal's judge): {sz['toggle_steps']} steps with all three sinks; from step "
+        f"{toggle['from_step']} the benchmark stops (SIGSTOP) and continues (SIGCONT) the trainer's sinks' "
+        f"processes in turns of {toggle['window_s']} s, noting the last step of metrics.jsonl at each turn, "
+        f"until {toggle['until_before_end']} steps before the end. A stopped process catches up when it "
+        "runs again, so a running turn carries twice the sinks' steady load. Each running turn that began "
+        f"after S + {SETTLE}: its median step (its first {TURN_GUARD} steps left out) over the mean of its two "
+        f"stopped neighbours'. {sz['toggle_runs']} run(s) per placement, and as many of the control: the "
+        "same turns in a run without sinks, what the comparison reads when there is nothing to find.",
         "Every 'all' run's sinks are checked to have written: TensorBoard events, W&B's transaction log, "
         "the Prometheus file at the last step.",
         "CPU seconds per run: the benchmark's children's user + system time across the run (the trainer and "
@@ -199,6 +406,7 @@ def run_bench(out: Path, quick: bool) -> Result:
     res.table(
         "Per pair: when the sinks started, median step time (ms) in the steady state and the start-up, CPU s",
         [
+            "placement",
             "pair",
             "sinks started at step",
             "steady from step",
@@ -212,8 +420,8 @@ def run_bench(out: Path, quick: bool) -> Result:
             "CPU s, all sinks",
         ],
         [
-            [r[0], r[1] if r[1] is not None else "-", r[2], *(x * 1e3 for x in r[3:5]), r[5]]
-            + [*(x * 1e3 for x in r[6:8]), r[8], r[9], r[10]]
+            [r[0], r[1], r[2] if r[2] is not None else "-", r[3], *(x * 1e3 for x in r[4:6]), r[6]]
+            + [*(x * 1e3 for x in r[7:9]), r[9], r[10], r[11]]
             for r in rows
         ],
         key="pairs",
@@ -225,24 +433,69 @@ def run_bench(out: Path, quick: bool) -> Result:
         [[k, v, v / step_ms] for k, v in per_record.items()],
         key="per_record",
     )
-    pairs = ", ".join(f"{r:.4f}" for r in ratios)
-    res.headline["steady state: step time, all sinks / none (median of pairs)"] = f"{ratio:.4f}"
-    res.headline["start-up: step time, all sinks / none (median of pairs)"] = f"{start_ratio:.4f}"
+    for mode, st in stats.items():
+        res.headline[f"steady state, {mode}: step time, all sinks / none (median of pairs)"] = (
+            f"{st['ratio']:.4f}"
+        )
+        res.headline[f"start-up, {mode}: step time, all sinks / none (median of pairs)"] = (
+            f"{st['start']:.4f}"
+        )
     res.headline["CPU per record, all three sinks (ms)"] = f"{total:.3f}"
-    # met only when the median of the pairs is under 1.01 by more than its own noise: its rough 95% upper
-    # bound (the median's standard error is about 1.25 pstdev / sqrt(pairs))
-    bound = ratio + 2 * 1.25 * spread / max(1, len(ratios)) ** 0.5
-    res.goal(
-        "all sinks cost < 1% of a tiny CPU step (steady state, a record to the sinks every step; met when "
-        "the median's rough 95% upper bound is under 1.01)",
-        f"{(ratio - 1) * 100:+.2f}%, upper bound {(bound - 1) * 100:+.2f}% (pairs: {pairs}; spread "
-        f"{spread:.4f} (pstdev), {min(ratios, default=float('nan')):.4f}-{max(ratios, default=float('nan')):.4f})"
-        if ratios
-        else "no steady steps (--quick: the run ends before the sinks started)",
-        None if quick else bound < 1.01,
+    where = {
+        "pinned": f"the sinks' processes on a CPU of their own (the trainer on CPU {TRAINER_CPU}, they on CPU "
+        f"{SINKS_CPU})",
+        "shared": f"every process on any of the machine's {os.cpu_count()} CPUs",
+    }
+    res.table(
+        "Toggled runs: the sinks stopped and continued in turns within one run; per run the running turns' "
+        "median step over their stopped neighbours'",
+        [
+            "placement",
+            "run",
+            "sinks started at step",
+            "turns from step",
+            "turns",
+            "running turns compared",
+            "running / stopped (median)",
+            "each running turn / stopped",
+        ],
+        [
+            [r[0], r[1], r[2] if r[2] is not None else "-", r[3], r[4], len(r[5]), _med(r[5])]
+            + [" ".join(f"{x:.3f}" for x in r[5]) or "-"]
+            for r in toggled
+        ],
+        key="toggled",
     )
+    turns = {m: _spread([x for r in toggled if r[0] == m for x in r[5]]) for m in (*MODES, CONTROL)}
+    for mode, st in turns.items():
+        res.headline[f"within a run, {mode}: step time, running / stopped turns (median)"] = (
+            f"{st['ratio']:.4f}"
+        )
+    control = turns[CONTROL]
+    res.goal(
+        "the control reads no cost: the same turns in runs without sinks (met when the median's rough 95% "
+        "interval holds 1.00, i.e. the comparison finds nothing where there is nothing)",
+        control["measured_short"],
+        None if quick else abs(control["ratio"] - 1) <= control["bound"] - control["ratio"],
+    )
+    for mode in sorted(MODES, reverse=True):  # pinned first
+        st = turns[mode]
+        res.goal(
+            f"all sinks cost < 1% of a tiny CPU step, {where[mode]} (within one run: the running turns of "
+            "the toggled runs against their stopped neighbours, each running turn carrying twice the sinks' "
+            "steady load; met when the median's rough 95% upper bound is under 1.01)",
+            f"{st['measured_short']}; the control: {control['measured_short']}",
+            None if quick else st["bound"] < 1.01,
+        )
+    for mode in sorted(MODES, reverse=True):
+        res.notes.append(
+            f"Between runs ({mode}): all sinks / none, the median of {sz['pairs']} pairs of runs: "
+            f"{stats[mode]['measured']}. Not the goal's judge: a run's median step moves by a few percent "
+            "from run to run whatever the sinks (the 'no sinks' column), more than the goal; the toggled "
+            "runs compare turns a second apart in one process, where that cancels."
+        )
     res.goal("every 'all' run's sinks wrote", f"{sum(wrote)} of {len(wrote)}", all(wrote))
-    extra_cpu = median([r[10] - r[9] for r in rows])
+    extra_cpu = median([r[11] - r[10] for r in rows])
     res.notes += [
         "The sinks are written by their own process (sbatch_gen/train/sinkproc.py), at `nice` +10, which "
         "imports no torch: it follows metrics.jsonl every 0.5 s and hands what was appended to the sinks as "
@@ -252,16 +505,47 @@ def run_bench(out: Path, quick: bool) -> Result:
         f"over the pairs of all - none; {sz['steps']} records), the sinks' process's start (importing "
         f"tensorboard and wandb, W&B's service) and its {total:.3f} ms of CPU per record (the table above), "
         f"against a median step of {step_ms:.2f} ms: a process that needs about "
-        f"{total / step_ms * 100:.0f}% of a core while the trainer runs. On 2 cores shared with other work "
-        "every CPU second it takes is one the others, the trainer among them, may wait for: `nice` lowers "
-        "its share, not to zero. With a spare core it would cost the step nothing; with a step of 100 ms "
-        "or more (a GPU step of a real model) the same CPU per record is a small fraction of a core.",
-        f"The machine is shared with other developers' work: load average {load_before:.1f} before the run "
-        f"and {os.getloadavg()[0]:.1f} after it, on 2 cores. A single run's median can move either way (the "
-        "table), in both variants: the headline is the median of the pairs' ratios, and the spread says how "
-        "far one pair is to be trusted.",
+        f"{total / step_ms * 100:.0f}% of a core while the trainer runs. Where every core is busy, every CPU "
+        "second it takes is one the others, the trainer among them, may wait for: `nice` lowers its share, "
+        "not to zero. With a spare core (`pinned`) it costs the step only what the two share beyond the CPU "
+        "(caches, memory, the file system); with a step of 100 ms or more (a GPU step of a real model) the "
+        "same CPU per record is a small fraction of a core.",
+        f"Load average {load_before:.1f} before the run and {os.getloadavg()[0]:.1f} after it, on "
+        f"{os.cpu_count()} CPUs. A single run's median can move either way (the table), in both variants: "
+        "the headline is the median of the pairs' ratios, and the spread says how far one pair is to be "
+        "trusted.",
     ]
     return res
+
+
+def _med(xs: list[float]) -> float:
+    return median(xs) if xs else float("nan")
+
+
+def _spread(ratios: list[float]) -> dict:
+    """The median of ``ratios``, its spread, its rough 95% upper bound (the median's standard error is about
+    1.25 pstdev / sqrt(n)), and the line that says them."""
+    ratio = _med(ratios)
+    spread = statistics.pstdev(ratios) if len(ratios) > 1 else 0.0
+    bound = ratio + 2 * 1.25 * spread / max(1, len(ratios)) ** 0.5
+    head = f"{(ratio - 1) * 100:+.2f}%, upper bound {(bound - 1) * 100:+.2f}%"
+    tail = f"spread {spread:.4f} (pstdev), {min(ratios):.4f}-{max(ratios):.4f}" if ratios else ""
+    each = ", ".join(f"{r:.4f}" for r in ratios)
+    none = "none measured (--quick: too few steps)"
+    return {
+        "ratio": ratio,
+        "bound": bound,
+        "n": len(ratios),
+        "measured": f"{head} (pairs: {each}; {tail})" if ratios else none,
+        "measured_short": f"{head} ({len(ratios)} turns; {tail})" if ratios else none,
+    }
+
+
+def _pair_stats(rows: list[list]) -> dict:
+    """:func:`_spread` of one placement's pairs (steady all / none), and the start-up's median."""
+    st = _spread([r[6] for r in rows if r[6] == r[6]])  # nan: no steady steps (--quick)
+    st["start"] = _med([r[9] for r in rows])
+    return st
 
 
 def run(out: Path, quick: bool = False) -> Result:

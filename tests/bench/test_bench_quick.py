@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -415,22 +416,87 @@ def test_peer_quick(tmp_path):
 
 
 def test_sinks_quick(tmp_path):
-    """The sink benchmark runs the trainer with and without the sinks, and the runs with sinks wrote all
-    three; then each sink alone in the sinks' process. Its ratios are measurements, never asserted."""
+    """The sink benchmark runs the trainer with and without the sinks, each placement (shared CPUs, and the
+    sinks pinned to a CPU of their own), and the runs with sinks wrote all three; then each sink alone in
+    the sinks' process. Its ratios are measurements, never asserted."""
+    from bench.sinks import CONTROL, MODES
+
     d = _bench("sinks", tmp_path)
     headers, rows = _table(d, "pairs")
-    want = ["pair", "sinks started at step", "steady from step", "steady: no sinks", "steady: all sinks"]
-    want += ["steady: all / none", "start-up: no sinks", "start-up: all sinks", "start-up: all / none"]
-    want += ["CPU s, no sinks", "CPU s, all sinks"]
-    assert headers == want and len(rows) == 1
-    started, cut = rows[0][1:3]
-    assert isinstance(started, int) and cut == started + 501
-    assert all(v != v for v in rows[0][3:6])  # nan: 40 steps end before a steady state
-    assert all(isinstance(v, float) and v > 0 for v in rows[0][6:])
+    want = ["placement", "pair", "sinks started at step", "steady from step", "steady: no sinks"]
+    want += ["steady: all sinks", "steady: all / none", "start-up: no sinks", "start-up: all sinks"]
+    want += ["start-up: all / none", "CPU s, no sinks", "CPU s, all sinks"]
+    assert MODES == ("shared", "pinned")  # this machine has 2 CPUs
+    assert headers == want and [r[0] for r in rows] == list(MODES)
+    for row in rows:
+        started, cut = row[2:4]
+        assert isinstance(started, int) and cut == started + 501
+        assert all(v != v for v in row[4:7])  # nan: 40 steps end before a steady state
+        assert all(isinstance(v, float) and v > 0 for v in row[7:])
     headers, rows = _table(d, "per_record")
     assert [r[0] for r in rows] == ["tensorboard", "wandb", "prometheus", "all three"]
     goals = {g["goal"]: g for g in d["goals"]}
     assert goals["every 'all' run's sinks wrote"]["met"] is True
+    assert sum(g["goal"].startswith("all sinks cost < 1%") for g in d["goals"]) == 2
+    headers, rows = _table(d, "toggled")
+    assert [r[0] for r in rows] == [*MODES, CONTROL]
+    assert all(r[headers.index("turns")] >= 2 for r in rows)  # the sinks were stopped and continued
+
+
+def test_turns_compare_each_running_turn_with_its_stopped_neighbours():
+    """bench sinks' within-run comparison: a running turn's median over the mean of the stopped turns either
+    side (a drift cancels); turns before the steady state and a turn's first steps are left out."""
+    from bench.sinks import TURN_GUARD, _turns
+
+    # steps 1-100 stopped at 1 ms, then turns of 100 steps: stopped 1.0 ms, running 1.1 ms, stopped 1.2 ms,
+    # running 1.3 ms, stopped 1.4 ms; each turn's first steps (a record a step late) at 9 ms
+    times, marks = [0.001] * 100, []
+    for k, ms in enumerate([1.0, 1.1, 1.2, 1.3, 1.4]):
+        times += [0.009] * TURN_GUARD + [ms / 1e3] * (100 - TURN_GUARD)
+        marks.append((k % 2 == 1, 100 + 100 * k))  # (running from here, the last step logged then)
+    marks.append((True, 600))  # the end of the last turn
+    assert _turns(times, marks, after=50) == pytest.approx([1.1 / 1.1, 1.3 / 1.3])
+    assert _turns(times, marks, after=250) == pytest.approx([1.3 / 1.3])  # the turn from step 200 on
+
+
+def test_the_pinner_moves_every_thread_below_a_process_to_its_cpu():
+    """bench sinks' pinned placement: a grandchild and its threads end up on the pinner's CPU, the process
+    it watches (the trainer's place) stays where it was."""
+    from bench.sinks import _Pinner
+
+    # the watched process starts a child, which starts a grandchild; each has a second thread
+    sleeper = "import threading, time; threading.Thread(target=time.sleep, args=(30,), daemon=True).start(); "
+    grandchild = sleeper + "time.sleep(30)"
+    child = sleeper + f"import subprocess, sys; subprocess.run([sys.executable, '-c', {grandchild!r}])"
+    code = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    pinner = _Pinner(proc.pid, {1})
+    pinner.start()
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            kids = _descendants_threads(proc.pid)
+            if len(kids) >= 4 and all(os.sched_getaffinity(t) == {1} for t in kids):
+                break  # the child and its thread, the grandchild and its thread
+            assert time.monotonic() < deadline, {t: os.sched_getaffinity(t) for t in kids}
+            time.sleep(0.05)
+        assert os.sched_getaffinity(proc.pid) == os.sched_getaffinity(0)  # the watched process: untouched
+    finally:
+        pinner.done()
+        proc.kill()
+        proc.wait()
+
+
+def _descendants_threads(pid: int) -> list[int]:
+    from bench.sinks import _descendants
+
+    out = []
+    for child in _descendants(pid):
+        try:
+            out += [int(t.name) for t in Path(f"/proc/{child}/task").iterdir()]
+        except OSError:
+            pass
+    return out
 
 
 def test_fsdp_quick(tmp_path):
