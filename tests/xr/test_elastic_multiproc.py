@@ -120,7 +120,10 @@ def test_restarted_region_rejoins_midrun_and_is_bitwise_equal_from_its_first_rou
         SECRET_ENV: s3server.env()["AWS_SECRET_ACCESS_KEY"],
         "SBATCH_GEN_STEP_SLEEP_S": "0.1",
     }
-    cfg = write_config(tmp_path, repo, checkpoint={"every": 8, "keep_last": 2}, train={"steps": 48})
+    # 80 steps: eu still has about 10 s to train after round 4 (64 steps of 0.1 s and its rounds), so a
+    # restarted us is back before eu ends even when its start (python, torch) is slow on a loaded machine
+    # (with 48 steps, about 5 s, a run beside two other test processes came back after eu had ended)
+    cfg = write_config(tmp_path, repo, checkpoint={"every": 8, "keep_last": 2}, train={"steps": 80})
     opts = dict(min_regions=1, grace_s=grace, keep_rounds=20, snapshot_every=100, timeout_s=60)
 
     def launch(r):
