@@ -47,7 +47,7 @@ SKIP = 20  # steps left out of each run: imports, the first allocations
 # the trainer and its sinks' processes on any CPU / on a CPU each (where this process may use both)
 MODES = ("shared", "pinned") if {0, 1} <= os.sched_getaffinity(0) else ("shared",)
 SETTLE = 500  # steps after the sinks' start line before the steady state (about 1 s: two reads)
-FULL = {"steps": 6000, "pairs": 3, "records": 3000, "reps": 2, "toggle_steps": 16000, "toggle_runs": 2}
+FULL = {"steps": 6000, "pairs": 2, "records": 3000, "reps": 2, "toggle_steps": 40000, "toggle_runs": 2}
 QUICK = {"steps": 40, "pairs": 1, "records": 20, "reps": 1, "toggle_steps": 400, "toggle_runs": 1}
 SINKS = {"sinks": ["tensorboard", "wandb", "prometheus"], "prometheus_every": 10}
 TRAINER_CPU, SINKS_CPU = 0, 1  # the pinned variants: the trainer on one CPU, its sinks' processes on another
@@ -249,6 +249,17 @@ def _turns(times: list[float], marks: list[tuple], after: int) -> list[float]:
     ]
 
 
+def _queue_waits(marks: list[tuple], after: int) -> tuple[float, float]:
+    """The trainer's wait on a run queue per step (microseconds), in its running turns and in its stopped
+    ones after step ``after``, from the toggler's schedstat readings: the CPU time the sinks took from it."""
+    sums = {True: [0.0, 0], False: [0.0, 0]}
+    for m, n in zip(marks, marks[1:], strict=False):
+        if m[1] > after and n[1] > m[1]:
+            sums[m[0]][0] += n[3] - m[3]
+            sums[m[0]][1] += n[1] - m[1]
+    return tuple(w / k * 1e6 if k else float("nan") for w, k in (sums[True], sums[False]))
+
+
 def _sinks_wrote(run_dir: Path, steps: int) -> bool:
     tb = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     wb = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -359,7 +370,9 @@ def run_bench(out: Path, quick: bool) -> Result:
                     wrote.append(_sinks_wrote(run_dir, sz["toggle_steps"]))
                 after = (started or 0) + SETTLE
                 ratios = _turns(times, marks, after)
-                toggled.append([name, i + 1, started, after + 1, len(marks) - 1, ratios])
+                toggled.append(
+                    [name, i + 1, started, after + 1, len(marks) - 1, ratios, *_queue_waits(marks, after)]
+                )
                 print(
                     f"sinks: toggled run {i + 1}/{sz['toggle_runs']} {name}: {len(ratios)} running turns, "
                     f"median running / stopped {_med(ratios):.4f}",
@@ -457,10 +470,12 @@ def run_bench(out: Path, quick: bool) -> Result:
             "turns",
             "running turns compared",
             "running / stopped (median)",
+            "trainer's run-queue wait per step (us), running turns",
+            "the same, stopped turns",
             "each running turn / stopped",
         ],
         [
-            [r[0], r[1], r[2] if r[2] is not None else "-", r[3], r[4], len(r[5]), _med(r[5])]
+            [r[0], r[1], r[2] if r[2] is not None else "-", r[3], r[4], len(r[5]), _med(r[5]), r[6], r[7]]
             + [" ".join(f"{x:.3f}" for x in r[5]) or "-"]
             for r in toggled
         ],

@@ -441,6 +441,8 @@ def test_sinks_quick(tmp_path):
     headers, rows = _table(d, "toggled")
     assert [r[0] for r in rows] == [*MODES, CONTROL]
     assert all(r[headers.index("turns")] >= 2 for r in rows)  # the sinks were stopped and continued
+    waits = headers.index("trainer's run-queue wait per step (us), running turns")
+    assert all(r[waits] != r[waits] for r in rows)  # nan: no turn after the sinks' start in 400 steps
 
 
 def test_turns_compare_each_running_turn_with_its_stopped_neighbours():
@@ -485,6 +487,15 @@ def test_the_pinner_moves_every_thread_below_a_process_to_its_cpu():
         pinner.done()
         proc.kill()
         proc.wait()
+
+
+def test_queue_waits_are_per_step_and_apart_for_running_and_stopped_turns():
+    from bench.sinks import _queue_waits
+
+    # (running from here, last step, CPU s, run-queue wait s): a turn before step 100 is left out
+    marks = [(True, 50, 0, 0.0), (False, 100, 0, 1.0), (True, 200, 0, 1.001), (False, 300, 0, 1.005)]
+    marks.append((True, 500, 0, 1.007))
+    assert _queue_waits(marks, after=60) == pytest.approx((40.0, 10.0))  # 4 ms / 100, 3 ms / 300 steps
 
 
 def _descendants_threads(pid: int) -> list[int]:
