@@ -79,6 +79,27 @@ def test_the_sinks_process_never_imports_torch(tmp_path, monkeypatch, capfd):
     assert [line for line in _Log(capfd)() if "metrics sink" in line and "started in" not in line] == []
 
 
+def test_the_sinks_process_runs_in_the_idle_scheduling_class_below_the_trainer(tmp_path):
+    """SCHED_IDLE: it never keeps a trainer thread waiting for a CPU (nice +10 as well, where that is all
+    that is allowed)."""
+    proc = _start(tmp_path, ["prometheus"])
+    try:
+        assert os.sched_getscheduler(proc.pid) == os.SCHED_IDLE or _wait_idle(proc.pid)
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+    finally:
+        assert proc.close(60) and proc.proc.returncode == 0
+
+
+def _wait_idle(pid: int) -> bool:
+    """The process sets its class as it starts: wait for it (up to 30 s)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if os.sched_getscheduler(pid) == os.SCHED_IDLE:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_a_stop_signal_while_the_sinks_process_starts_does_not_kill_it(tmp_path):
     """Slurm signals every process of the step: one that reaches the sinks' process before it set its
     handlers (here: right after the spawn, long before Python has started) is blocked, then dropped."""
