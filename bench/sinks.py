@@ -512,7 +512,7 @@ def run_bench(out: Path, quick: bool) -> Result:
     res.goal("every 'all' run's sinks wrote", f"{sum(wrote)} of {len(wrote)}", all(wrote))
     extra_cpu = median([r[11] - r[10] for r in rows])
     res.notes += [
-        "The sinks are written by their own process (sbatch_gen/train/sinkproc.py), at `nice` +10, which "
+        "The sinks are written by their own process (sbatch_gen/train/sinkproc.py), at `nice` +10 in Linux's `SCHED_IDLE` class (a waking trainer thread takes its CPU at once), which "
         "imports no torch: it follows metrics.jsonl every 0.5 s and hands what was appended to the sinks as "
         "one batch. The training process pays for its metrics.jsonl line only and shares no GIL with the "
         "sinks' Python work.",
