@@ -305,7 +305,7 @@ class Check:
         if not ok:
             problems.append("stop -> resume: not bitwise equal to one uninterrupted run, or a bad exit/ack")
         # the collective timer's own clock (one GPU issues no collective, so the runs above leave its CUDA
-        # path unused): a timed device-to-device copy on a side stream against the copy bandwidth of hbm
+        # path unused): a device-to-device copy on a side stream, timed by it and timed apart
         timed_s, copy_s = timer_check(self.smoke)
         fig["timer_s"], fig["timer_vs_wall"] = rnd(timed_s, 6), rnd(timed_s / copy_s, 3)
         # (the CPU's clock is the host's, tested by the unit tests; a shared CPU's copies vary too much)

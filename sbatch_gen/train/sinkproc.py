@@ -2,8 +2,9 @@
 
 Rank 0 starts it (:class:`SinkProcess`, from :meth:`.metrics.MetricsWriter.open_sinks`) when the train config
 lists sinks; it runs ``python -m sbatch_gen.train.sinkproc`` at a lower priority (``os.nice`` and Linux's
-``SCHED_IDLE``: it yields its CPU to the trainer's threads at once), so the sinks' Python work (TensorBoard's protobufs, W&B's log calls) never holds the training process's GIL: the step pays
-for its metrics.jsonl line only. It imports no torch (TensorBoard is written with the tensorboard package's
+``SCHED_IDLE``: it yields its CPU to the trainer's threads at once), so the sinks' Python work (TensorBoard's
+protobufs, W&B's log calls) never holds the training process's GIL: the step pays for its metrics.jsonl line
+only. It imports no torch (TensorBoard is written with the tensorboard package's
 own event writer). The process:
 
 - starts with the stop signals (SIGUSR1/SIGTERM, which Slurm sends to every process of the step) and SIGINT

@@ -18,9 +18,9 @@ unaffected.
 
 Resumed attempts continue the same runs: TensorBoard writes to the same directory with a purge at the
 attempt's first step (its readers drop what an earlier attempt logged from there on; a fresh start over a
-used run dir purges from step 1), W&B resumes the
-run of the same id and skips the steps an earlier attempt already logged (the last step of
-metrics.jsonl when this attempt started), and the Prometheus file is a snapshot, rewritten atomically.
+used run dir purges from step 1), W&B resumes the run of the same id and skips the steps an earlier attempt
+already logged (the last step of metrics.jsonl when this attempt started), and the Prometheus file is a
+snapshot, rewritten atomically.
 """
 
 from __future__ import annotations
