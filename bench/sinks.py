@@ -37,6 +37,7 @@ from pathlib import Path
 import yaml
 
 from sbatch_gen.metrics_options import MetricsOptions
+from sbatch_gen.testing.regions import descendants
 from sbatch_gen.train.data import prepare
 from sbatch_gen.train.sinks import last_logged_step
 
@@ -85,20 +86,6 @@ def _cpu_children() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _descendants(pid: int) -> list[int]:
-    """The processes below ``pid`` (its sinks' process, W&B's service), from /proc's children lists."""
-    out, todo = [], [pid]
-    while todo:
-        for kids in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
-            try:
-                found = [int(k) for k in kids.read_text().split()]
-            except (OSError, ValueError):
-                continue  # gone meanwhile
-            out += found
-            todo += found
-    return out
-
-
 class _Pinner(threading.Thread):
     """Keeps every thread of every process below ``pid`` on ``cpus`` (new ones within ``PIN_EVERY_S``) until
     :meth:`done`; it runs on ``cpus`` itself (its starter's affinity, set before it starts)."""
@@ -109,7 +96,7 @@ class _Pinner(threading.Thread):
 
     def run(self) -> None:
         while not self._done.wait(PIN_EVERY_S):
-            for child in _descendants(self.pid):
+            for child in descendants(self.pid):
                 for task in Path(f"/proc/{child}/task").glob("*"):
                     try:
                         tid = int(task.name)
@@ -123,17 +110,16 @@ class _Pinner(threading.Thread):
         self.join()
 
 
-def _sched(pid: int) -> tuple[float, float]:
-    """Seconds every thread of ``pid`` has run on a CPU, and waited on a run queue for one, so far
-    (/proc/<pid>/task/*/schedstat: the scheduler's own clock, without the time a VM's host took the CPU)."""
-    run = wait = 0
+def _queue_wait(pid: int) -> float:
+    """Seconds every thread of ``pid`` has waited on a run queue for a CPU so far
+    (/proc/<pid>/task/*/schedstat, its second field: the scheduler's own clock)."""
+    wait = 0
     for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
         try:
-            a, b, _ = stat.read_text().split()
-        except (OSError, ValueError):
+            wait += int(stat.read_text().split()[1])
+        except (OSError, ValueError, IndexError):
             continue  # a thread that ended meanwhile
-        run, wait = run + int(a), wait + int(b)
-    return run / 1e9, wait / 1e9
+    return wait / 1e9
 
 
 class _Toggler(threading.Thread):
@@ -147,11 +133,11 @@ class _Toggler(threading.Thread):
     def __init__(self, pid: int, metrics: Path, steps: int, turns: dict) -> None:
         super().__init__(daemon=True)
         self.pid, self.metrics, self.steps, self.turns = pid, metrics, steps, turns
-        self.marks: list[tuple[bool, int]] = []
+        self.marks: list[tuple[bool, int, float]] = []  # (running from here, last step, run-queue wait s)
         self._done = threading.Event()
 
     def _signal(self, sig: int) -> None:
-        for child in _descendants(self.pid):
+        for child in descendants(self.pid):
             try:
                 os.kill(child, sig)
             except OSError:
@@ -161,7 +147,7 @@ class _Toggler(threading.Thread):
         return last_logged_step(self.metrics) or 0
 
     def _mark(self, running: bool) -> None:
-        self.marks.append((running, self._step(), *_sched(self.pid)))
+        self.marks.append((running, self._step(), _queue_wait(self.pid)))
 
     def run(self) -> None:
         try:
@@ -188,7 +174,7 @@ class _Toggler(threading.Thread):
 
 def _train(
     cfg: Path, run_dir: Path, pinned: bool = False, toggle: dict | None = None, steps: int = 0
-) -> tuple[list[float], int | None, float, list[tuple[bool, int]]]:
+) -> tuple[list[float], int | None, float, list[tuple[bool, int, float]]]:
     """The run's step times (steps 1, 2, ...), the step metrics.jsonl was at when its sinks started (None:
     no sinks), its CPU seconds (the trainer and the processes it waited for), and the toggler's marks
     (``toggle``: its sinks stopped and continued in these turns, :class:`_Toggler`; ``steps``: the run's).
@@ -255,7 +241,7 @@ def _queue_waits(marks: list[tuple], after: int) -> tuple[float, float]:
     sums = {True: [0.0, 0], False: [0.0, 0]}
     for m, n in zip(marks, marks[1:], strict=False):
         if m[1] > after and n[1] > m[1]:
-            sums[m[0]][0] += n[3] - m[3]
+            sums[m[0]][0] += n[2] - m[2]
             sums[m[0]][1] += n[1] - m[1]
     return tuple(w / k * 1e6 if k else float("nan") for w, k in (sums[True], sums[False]))
 

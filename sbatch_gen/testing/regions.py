@@ -53,6 +53,16 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, grandchildren, ...), from /proc's children lists."""
+    out, todo = [], [pid]
+    while todo:
+        found = _children(todo.pop())
+        out += found
+        todo += found
+    return out
+
+
 @dataclass
 class RegionRun:
     region: str
