@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 5be874bfee22e6bc0de347184a5bd3af1c009a2b8d7af8edfcace7c6afe552c5
+#   inputs sha256: bcec83f06f120c05f0f387e4a48b35269035b15bf76f9e5a93ea1c8229a20b18
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -428,7 +428,7 @@ cleanup_command() {
 # and those of the preflight (its NUMA and HCA checks) and run_trainer when this render uses them. Every
 # render with the same library sha256 carries these same lines: review them once (`sbatch-gen diff --all`
 # shows a change to them once, naming the files).
-# library sha256: 3e8fefac0caa78e77969fd18adda65adc09ac6e879e65575fbabfbd90d5b8973
+# library sha256: b197c6799bcbc4b6a7a55152496b8572594dbac5ccc87785b715cbf3dd8a42ac
 # log MESSAGE...: one timestamped line on stderr, also appended to $LOG_FILE when that is set. Never fails
 # (the terminal may be gone when a trap logs).
 log() {
@@ -797,11 +797,12 @@ print(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", sys.a
 #   rdzv_port=P       torchrun.rdzv_port: node 0 can listen on it (no other launch holds it)
 #   rdzv_host=H connect_timeout_s=T   and every other node reaches H:P within T s (every node runs its
 #                     preflight at the same time, as srun does)
+#   health_check=CMD  preflight.health_check: the site's own node check, run by bash; non-zero fails the node
 # shellcheck disable=SC2317,SC2329  # run on the nodes (export -f / declare -f), not called here
 preflight() {
   local -A s=([dir]='' [activate]=0 [module]='' [torchrun_flags]='' [config]='' [data]='' [ifname]='' [gpus]=0 [gpus_key]=''
     [log_topology]=0 [numa]='' [hcas]='' [link_layer]='' [run_dir]='' [shared_marker]='' [node_id]=0 [nnodes]=1
-    [rdzv_port]='' [rdzv_host]='' [connect_timeout_s]=60)
+    [rdzv_port]='' [rdzv_host]='' [connect_timeout_s]=60 [health_check]='')
   local a node=${SLURMD_NODENAME:-$(hostname)} python='' out line visible addr names probe m host
   local -a ok=() bad=()
   for a in "$@"; do
@@ -914,6 +915,14 @@ for name in sys.argv[1:]:
   if [[ -n ${s[shared_marker]} ]] && ((s[node_id] > 0)); then
     if [[ -e ${s[shared_marker]} ]]; then ok+=("run dir shared with node 0")
     else bad+=("run dir ${s[run_dir]} is not the one node 0 sees (checkpoints need a filesystem all nodes share)")
+    fi
+  fi
+  if [[ -n ${s[health_check]} ]]; then
+    if out=$(bash -c "${s[health_check]}" 2>&1 </dev/null); then
+      ok+=("health check passed")
+    else
+      line=$(grep . <<<"$out" | tail -n 1 | cut -c 1-300 || true)
+      bad+=("health check failed${line:+: $line} (preflight.health_check)")
     fi
   fi
   # Rendezvous: node 0 listens on the c10d port for a moment and every other node connects to it, so a busy
@@ -1032,15 +1041,18 @@ node_lines() {
 # SIGTERM that reached torchrun's agent (Slurm signals every process of a job step on a preemption, a requeue
 # or scancel; the SSH launcher's stop) would make it pass the signal on, SIGKILL the workers
 # --shutdown-timeout s later and print a traceback. Instead, SIGTERM to this shell appends a line to the stop
-# file: the workers (which may get the SIGTERM themselves too) agree on a step, checkpoint, and exit 0 once
-# the first rank of every node has written the ack. This node then says in one line what happened ("node
+# file and is handed on to torchrun's workers (its children), which may not get Slurm's own (process-group
+# tracking; torchrun starts them in sessions of their own): sbatch-gen's trainer and the library's agree on a
+# step, checkpoint, and exit 0 once the first rank of every node has written the ack; a trainer of one's
+# own saves in its SIGTERM handler. This node then says in one line what happened ("node
 # NAME: ..."): STOPPED_RC after a complete stop checkpoint, else COMMAND's exit status.
 # shellcheck disable=SC2317,SC2329  # run on the nodes (export -f / declare -f)
 run_trainer() {
   local stop_file=$1 stopped_rc=$2 node=${SLURMD_NODENAME:-$HOSTNAME} pid rc said
   shift 2
   trap 'log "SIGTERM on $node: asking the trainer to checkpoint and stop ($stop_file)"
-        printf "SIGTERM to the training step on %s\n" "$node" >>"$stop_file" 2>/dev/null || true' TERM
+        printf "SIGTERM to the training step on %s\n" "$node" >>"$stop_file" 2>/dev/null || true
+        kill -TERM $(cat /proc/"$pid"/task/*/children 2>/dev/null) 2>/dev/null || true' TERM
   (trap '' TERM; exec "$@") &
   pid=$!
   while :; do  # a trapped SIGTERM ends `wait` early: wait again until COMMAND has exited

@@ -29,3 +29,9 @@ STOPPING_SUFFIX = ".stopping"
 # live job) writes "<stop file>.fatal": one line, why. The batch shell then ends the job without a requeue
 # and logs that line.
 FATAL_SUFFIX = ".fatal"
+
+# A checkpoint is "<run dir>/<CHECKPOINTS_DIR>/step-<N>/" and complete once <CHECKPOINT_MARKER> is in it (the
+# trainer writes it last, atomically). The batch shell reads the newest complete step to tell an attempt
+# that made progress from one that did not (preemption.max_requeues_without_progress).
+CHECKPOINTS_DIR = "checkpoints"
+CHECKPOINT_MARKER = "COMPLETE.json"

@@ -207,6 +207,8 @@ def context(site: LoadedSite, sha: str) -> dict:
         "ACK_SUFFIX": contract.ACK_SUFFIX,
         "FATAL_SUFFIX": contract.FATAL_SUFFIX,
         "STOPPING_SUFFIX": contract.STOPPING_SUFFIX,
+        "CHECKPOINTS_DIR": contract.CHECKPOINTS_DIR,
+        "CHECKPOINT_MARKER": contract.CHECKPOINT_MARKER,
     }
     ctx.update(p.template_context(site.name))
     return ctx

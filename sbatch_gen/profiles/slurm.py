@@ -21,6 +21,7 @@ from sbatch_gen.profiles.types import (
     Name,
     ProfileSection,
     SlurmTime,
+    Text,
     numeric_to_str,
     pattern_check,
     slurm_time_seconds,
@@ -29,7 +30,8 @@ from sbatch_gen.profiles.types import (
 
 class Preemption(ProfileSection):
     """The signal plan: Slurm signals the batch shell lead_time_s before the limit; the trainer saves a
-    checkpoint and the job is requeued while the requeue budget lasts."""
+    checkpoint and the job is requeued. A budget stops crash loops, not progress: only attempts in a row that
+    saved no newer checkpoint count against it."""
 
     signal: Literal["USR1", "USR2"] = Field(default="USR1", description="Signal sent to the batch shell.")
     lead_time_s: Int = Field(default=600, ge=30, le=65535, description="Seconds before the time limit.")
@@ -41,7 +43,45 @@ class Preemption(ProfileSection):
         le=3600,
         description="How long the batch shell waits for the trainer's .ack (trainer.stop_protocol sbatch-gen).",
     )
-    max_requeues: Int = Field(default=3, ge=0, le=1000, description="Requeues (SLURM_RESTART_COUNT) allowed.")
+    max_requeues_without_progress: Int = Field(
+        default=3,
+        ge=0,
+        le=1000,
+        description="Requeues allowed in a row after attempts that saved no newer checkpoint (a crash loop). An "
+        "attempt that completed a checkpoint newer than the one it started from, or a stop checkpoint, resets "
+        "the count: a run of many time-limit slices and preemptions is never stopped by it. Counted in "
+        "<paths.run_dir>/stop/requeues-without-progress across requeues and continuation jobs; a new "
+        "submission starts at 0.",
+    )
+    max_excluded_nodes: Int = Field(
+        default=2,
+        ge=0,
+        le=1000,
+        description="Nodes a job leaves behind at most: a node whose preflight fails is excluded from the next "
+        "attempt (scontrol requeuehold, ExcNodeList, release) while fewer than this many are excluded and "
+        "the partition keeps enough other nodes; past that the job stops, naming the nodes. 0: a failed "
+        "preflight ends the job.",
+    )
+    exit_wait_s: Int = Field(
+        default=60,
+        ge=1,
+        le=86400,
+        description="Once the first node's training task has exited, how long the others get to exit before "
+        "srun ends them (srun --wait): a node that hangs after the others stopped or finished cannot hold "
+        "the allocation until the time limit.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: object) -> object:
+        if isinstance(data, dict) and "max_requeues" in data:
+            raise FieldError(
+                ("max_requeues",),
+                "renamed to max_requeues_without_progress: it now counts only requeues in a row after attempts "
+                "that saved no newer checkpoint (time-limit slices and preemptions that checkpointed no "
+                "longer use it up); rename the key, keeping the value",
+            )
+        return data
 
     @model_validator(mode="after")
     def _plan(self) -> Preemption:
@@ -58,6 +98,13 @@ class Preemption(ProfileSection):
 
 class Preflight(ProfileSection):
     enabled: bool = Field(default=True, description="Check every node before training starts.")
+    health_check: Text | None = Field(
+        default=None,
+        description="A site's own node health check (NHC, a dcgmi diag, a script of the cluster's), run by bash "
+        "on every node in the preflight, from the submit directory with python_env active. Non-zero: the node "
+        "fails its preflight with the check's last line of output, and the next attempt leaves it behind "
+        "(preemption.max_excluded_nodes).",
+    )
     connect_timeout_s: Int = Field(
         default=60, ge=1, le=3600, description="How long nodes try to reach the rendezvous endpoint."
     )

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..contract import CHECKPOINT_MARKER, CHECKPOINTS_DIR
 from ..fsutil import write_atomic
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sbatch_gen.train")
 
-MARKER = "COMPLETE.json"
+MARKER = CHECKPOINT_MARKER
 FORMAT = 1
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
@@ -40,7 +41,7 @@ class CheckpointError(Exception):
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return Path(run_dir) / CHECKPOINTS_DIR
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:

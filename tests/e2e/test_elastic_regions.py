@@ -215,7 +215,7 @@ def test_no_quorum_checkpoints_and_the_batch_script_requeues_it(cluster, e2e_roo
     sets = {
         "slurm.nodes": 1,
         "slurm.extra_directives": ["--nodelist=n1"],
-        "preemption.max_requeues": 1,
+        "preemption.max_requeues_without_progress": 1,
         "cross_region": {
             "enabled": True,
             "run_id": "e2e-no-quorum",

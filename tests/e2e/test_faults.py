@@ -188,14 +188,19 @@ raise RuntimeError("a bug in the trainer")
 
 
 def test_requeue_budget_stops_a_job_that_keeps_failing(cluster, e2e_root, train_config, data_dir):
-    """(6) A job that fails on every attempt is requeued preemption.max_requeues times, then no more."""
+    """(6) A job that fails on every attempt (no progress) is requeued preemption.max_requeues_without_progress
+    times, then no more, in one line."""
     script = e2e_root / "crashing_trainer.py"
     script.write_text(CRASHING_TRAINER)
     job = local_job(
         cluster,
         e2e_root / "budget",
         "budget",
-        {"preemption.max_requeues": 2, "trainer.module": None, "trainer.script": str(script)},
+        {
+            "preemption.max_requeues_without_progress": 2,
+            "trainer.module": None,
+            "trainer.script": str(script),
+        },
         config=train_config,
         data=data_dir,
     )
@@ -207,7 +212,10 @@ def test_requeue_budget_stops_a_job_that_keeps_failing(cluster, e2e_root, train_
     attempts = re.findall(rf"job {job.job_id}, attempt (\d)", log)
     assert attempts == ["0", "1", "2"], log
     assert len(re.findall(r"requeueing job", log)) == 2
-    assert "not requeueing: budget of 2 requeues used up (preemption.max_requeues)" in log
+    assert (
+        "not requeueing: 3 attempts in a row saved no newer checkpoint, more than preemption.max_requeues_without_progress (2)"
+        in log
+    )
     # the cause is in the per-node log
     assert "RuntimeError: a bug in the trainer" in job.train_log(0, "n1").read_text()
     assert "cannot run" not in log, log

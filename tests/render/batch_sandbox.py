@@ -27,14 +27,15 @@ def render_local(*sets: str) -> str:
 
 def scontrol_stub(on_requeue: str) -> str:
     """A `scontrol` stub: `show hostnames` names n1 and n2, `show job` reports the restart count kept in
-    `$STUB_DIR/restarts`, and `requeue` notes the call in `$STUB_DIR/calls`, then runs ``on_requeue`` (bash
+    `$STUB_DIR/restarts` and the fields in `$STUB_DIR/fields` (e.g. `Reason=TimeLimit`; `Reason=None` without it), and `requeue` notes the call in `$STUB_DIR/calls`, then runs ``on_requeue`` (bash
     lines: what the requeue does in the test); exit status 0 unless those lines exit otherwise."""
     body = "".join(f"    {line}\n" for line in on_requeue.strip("\n").splitlines())
     return (
         "#!/bin/bash\n"
+        "[[ $1 != -o ]] || shift  # one line per record: the same fields\n"
         'case "$1 $2" in\n'
         '  "show hostnames") echo n1; echo n2 ;;\n'
-        '  "show job") echo "JobId=$3 JobName=x"; echo "   Requeue=1 Restarts=$(cat "$STUB_DIR/restarts") BatchFlag=1" ;;\n'
+        '  "show job") echo "JobId=$3 JobName=x Requeue=1 Restarts=$(cat "$STUB_DIR/restarts") BatchFlag=1 $(cat "$STUB_DIR/fields" 2>/dev/null || echo Reason=None)" ;;\n'
         "  requeue*)\n"
         '    echo "requeue $2" >>"$STUB_DIR/calls"\n'
         f"{body}"

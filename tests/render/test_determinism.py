@@ -63,7 +63,12 @@ def _changed_lines(before: str, after: str) -> tuple[list[str], list[str]]:
         ("eu", "nccl.debug", "INFO", ["export NCCL_DEBUG=INFO"]),
         ("eu", "trainer.config", "configs/other.yaml", ["TRAIN_CONFIG=configs/other.yaml  # trainer.config"]),
         ("us", "torchrun.rdzv_port", 29555, ["MASTER_PORT=29555  # torchrun.rdzv_port"]),
-        ("local", "preemption.max_requeues", 7, ["MAX_REQUEUES=7  # preemption.max_requeues"]),
+        (
+            "local",
+            "preemption.max_requeues_without_progress",
+            7,
+            ["MAX_REQUEUES=7  # preemption.max_requeues_without_progress"],
+        ),
         ("local", "slurm.time", "01:00:00", ["#SBATCH --time=01:00:00"]),
     ],
 )

@@ -22,7 +22,7 @@ TRAINING = [p for p in RENDERS if not p.name.endswith(".setup.sbatch")]
 # everywhere; the requeue decision follows the trainer's argument list, 40 lines of --xr-* flags for the
 # cross-region sites, which puts it at line 240 for eu.
 LAUNCH_BY = 200
-DECISION_BY = 250
+DECISION_BY = 275
 
 
 def _ids(paths):
@@ -55,7 +55,9 @@ def test_the_launch_and_the_requeue_decision_come_early(path):
     main_end = lines.index("}", main) + 1
     if path.suffix == ".sbatch":
         launch = _line(lines, lambda x: x.startswith("  srun "))
-        decision = _line(lines, lambda x: x.startswith("  # ---- the requeue decision: "))
+        decision = _line(
+            lines, lambda x: x.startswith("  # ---- how the attempt ended decides what comes next")
+        )
     else:
         launch = _line(lines, lambda x: x.strip() == 'launch_all "$resume"')
         decision = _line(lines, lambda x: x.strip().startswith("# The relaunch decision: "))

@@ -1,7 +1,9 @@
 """The rendered batch script's signal plan and start-up warnings, run for real under bash with stub
 Slurm commands (srun, scontrol, sinfo) first on PATH, as in test_requeue.py.
 
-- SIGTERM (scancel, the time limit) creates the stop file but never requeues;
+- SIGTERM creates the stop file; what follows is what Slurm's record of the job says (scontrol): a scancel
+  ends the run in one line, Slurm's own requeue is not doubled, the time limit submits a continuation job;
+- a trap whose stop file cannot be written logs it and the flow goes on;
 - after the preemption signal (USR1) the script waits up to ack_timeout_s for `<stop file>.ack`, says
   so when it never comes, and requeues either way;
 - a cluster whose Slurm is not `slurm.version` gets a WARNING line;
@@ -100,8 +102,7 @@ def test_sigterm_creates_the_stop_file_and_does_not_requeue(tmp_path):
     out = _finish(proc)
     assert (work / STOP_FILE).exists(), out
     assert f"SIGTERM received: asking the trainer to checkpoint and stop ({STOP_FILE})" in out, out
-    assert "SIGTERM: Slurm is ending this job (scancel, time limit, requeue, or preemption)" in out, out
-    assert "not requeueing here" in out, out
+    assert "SIGTERM to the batch shell: the job was cancelled (scancel); not requeueing" in out, out
     assert _requeues(stub_dir) == [], out
     assert "requeueing" not in out.replace("not requeueing", ""), out
     assert proc.returncode == 143, out
@@ -258,8 +259,94 @@ def test_sigterm_is_passed_on_to_nobody_and_never_requeues(tmp_path, protocol):
     _signal_when_training(proc, stub_dir, signal.SIGTERM)
     out = _finish(proc)
     assert f"SIGTERM received (trainer.stop_protocol {protocol})" in out, out
-    assert "SIGTERM: Slurm is ending this job (scancel, time limit, requeue, or preemption)" in out, out
-    assert "not requeueing here" in out, out
+    assert "the job was cancelled (scancel); not requeueing" in out, out
     assert _srun_signals(stub_dir) == [] and _requeues(stub_dir) == [], out
     assert not (work / "runs/local/stop/77.attempt-0").exists(), out
     assert proc.returncode == 143, out
+
+
+SBATCH = r"""#!/bin/bash
+printf '%s\n' "$*" >"$STUB_DIR/sbatch.args"
+printf '%s\n' "${SBATCH_GEN_CONTINUES-unset} ${SLURM_JOB_ID-unset}" >"$STUB_DIR/sbatch.env"
+echo 78
+"""
+
+
+def _start_with(tmp_path: Path, mode: str, fields: str | None, restarts_on_signal: bool = False):
+    job, env, stub_dir = prepare(
+        tmp_path,
+        {"scontrol": SCONTROL, "srun": SRUN, "sinfo": SINFO, "sbatch": SBATCH},
+        mode,
+        env={"FAKE_SLURM": "22.05.8"},
+    )
+    if fields is not None:
+        (stub_dir / "fields").write_text(fields)
+    return start_job(job, env), job.parent, stub_dir
+
+
+def test_sigterm_at_the_time_limit_submits_a_continuation_and_does_not_requeue(tmp_path):
+    """Slurm never requeues a TIMEOUT: the stop that the limit cut short is continued by a new job that
+    starts once this one has ended, with this job's script (kept in the run dir) and limits."""
+    proc, work, stub_dir = _start_with(
+        tmp_path,
+        "no-ack",
+        "Partition=debug Account=lab QOS=normal TimeLimit=00:01:00 ExcNodeList=(null) Reason=TimeLimit",
+    )
+    _signal_when_training(proc, stub_dir, signal.SIGTERM)
+    out = _finish(proc)
+    assert _requeues(stub_dir) == [], out
+    args = (stub_dir / "sbatch.args").read_text().split()
+    assert args == [
+        "--parsable",
+        "--job-name=sbatch-gen-local",
+        "--dependency=afterany:77",
+        "--partition=debug",
+        "--account=lab",
+        "--qos=normal",
+        "--time=00:01:00",
+        "runs/local/stop/77.sbatch",
+    ], args
+    # the continuation knows which attempt it continues; this job's own Slurm variables are not passed on
+    assert (stub_dir / "sbatch.env").read_text().split() == ["77.attempt-0", "unset"]
+    assert (work / "runs/local/stop/77.sbatch").read_text() == (work / "job.sbatch").read_text()
+    assert (
+        "the time limit ended this job (Slurm does not requeue a TIMEOUT): continuation job 78 submitted"
+        in out
+    )
+    assert proc.returncode == 143, out
+
+
+def test_sigterm_of_slurms_own_requeue_is_not_requeued_again(tmp_path):
+    """An administrator's `scontrol requeue` (or a preemption without GraceTime): Restarts has grown by the
+    time the shell looks; it says so and leaves the requeue to Slurm."""
+    proc, work, stub_dir = _start_with(tmp_path, "ack-now", None)
+    (stub_dir / "restarts").write_text("1\n")
+    _signal_when_training(proc, stub_dir, signal.SIGTERM)
+    out = _finish(proc)
+    assert "SIGTERM to the batch shell: Slurm requeues this job itself; this attempt is over" in out, out
+    assert _requeues(stub_dir) == [] and not (stub_dir / "sbatch.args").exists(), out
+
+
+def test_a_stop_that_reached_only_the_step_is_a_preemption_even_when_the_trainer_exits_0(tmp_path):
+    """A preemption with GraceTime signals the job steps only; a trainer of one's own saves on its SIGTERM
+    and exits 0 without an .ack. Slurm's record says PreemptTime: requeued, not taken for finished."""
+    proc, work, stub_dir = _start_with(tmp_path, "finish", "PreemptTime=2026-12-06T04:45:09 Reason=None")
+    out = _finish(proc)
+    assert "training finished" not in out, out
+    assert "exited with status 0 after a stop reached the training step" in out, out
+    assert _requeues(stub_dir) == ["requeue 77"] and proc.returncode == 0, out
+
+
+def test_a_trap_that_cannot_write_the_stop_file_does_not_end_the_shell(tmp_path):
+    """The stop directory is gone when USR1 comes: the trap logs it, and the flow goes on to the requeue."""
+    proc, work, stub_dir = _start(tmp_path, "no-ack", ack_timeout_s=1)
+    deadline = time.monotonic() + 30
+    while not (stub_dir / "training").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
+    time.sleep(0.2)
+    (work / "runs/local/stop").rename(work / "runs/local/stop-gone")
+    proc.send_signal(signal.SIGUSR1)
+    out = _finish(proc)
+    assert f"WARNING: cannot write {STOP_FILE}" in out, out
+    assert _requeues(stub_dir) == ["requeue 77"] and proc.returncode == 0, out

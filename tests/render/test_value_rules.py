@@ -223,7 +223,7 @@ def test_abbreviated_directives_must_be_written_out(work):
         ("local", "slurm.cpus_per_task", 2.0),
         ("eu", "slurm.gpus_per_node", True),
         ("local", "torchrun.max_restarts", False),
-        ("local", "preemption.max_requeues", True),
+        ("local", "preemption.max_requeues_without_progress", True),
         ("lab", "launch.max_attempts", True),
         ("lab", "node.cpus", True),
         ("local", "cross_region.inner_steps", True),

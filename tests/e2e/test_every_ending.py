@@ -1,0 +1,242 @@
+"""Every way a job ends, in the phases the other end-to-end tests do not reach, on the real local Slurm
+(scripts/local-slurm.sh; partition debug: GraceTime 120 s, KillWait 5 s):
+
+- a preemption (GraceTime) while the preflight runs: Slurm signals the job steps only; the killed preflight
+  is a stop, not a failed node: requeued once, every step trained once;
+- a user's scancel while training: CANCELLED, one line, no requeue;
+- a run of 4 stops (the time-limit signal, sent exactly with `scancel --signal=USR1 --batch`) with a budget
+  of 1 requeue without progress: every attempt checkpointed, so the run completes;
+- a stop checkpoint slower than what is left before the time limit: the job ends TIMEOUT, which Slurm never
+  requeues; its continuation job resumes from the newest complete checkpoint, naming the redone steps;
+- a node whose preflight fails (preflight.health_check, a marker the test controls): the next attempt
+  excludes it and names it; with too few nodes left the job stops in one line.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from e2e_lib import LocalJob, local_job
+
+from sbatch_gen.testing.torchlogs import without_torch_exit_barrier_race
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def _steps(job: LocalJob) -> Counter:
+    return Counter(r["step"] for r in job.metrics() if "loss" in r and "step" in r)
+
+
+def _logs(job: LocalJob, *job_ids: int) -> dict[str, str]:
+    out = {}
+    for j in job_ids or (job.job_id,):
+        p = job.log_dir / f"{job.name}-{j}.out"
+        out[p.name] = p.read_text(errors="replace") if p.exists() else ""
+        for q in sorted(job.log_dir.glob(f"{job.name}-{j}.attempt-*.log")):
+            out[q.name] = q.read_text(errors="replace")
+    return out
+
+
+def _assert_no_traceback(job: LocalJob, *job_ids: int) -> None:
+    for name, text in _logs(job, *job_ids).items():
+        assert "Traceback" not in without_torch_exit_barrier_race(text), f"{name}:\n{text[-4000:]}"
+
+
+def _wait_log(job: LocalJob, text: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in job.batch_log():
+        assert time.monotonic() < deadline, f"no {text!r} in the batch log:\n{job.describe()}"
+        time.sleep(0.2)
+
+
+def _preempt(cluster) -> None:
+    out = cluster.run(
+        "sbatch",
+        "--parsable",
+        f"--partition={cluster.info['SBATCH_GEN_SLURM_PREEMPTOR_PARTITION']}",
+        "--nodes=2",
+        "--exclusive",
+        "--job-name=preemptor",
+        "--output=/dev/null",
+        "--wrap",
+        "sleep 1",
+    ).stdout
+    cluster.submitted.add(int(out.strip().split(";")[0]))
+
+
+def test_a_preemption_during_the_preflight_is_a_stop_and_requeues_once(
+    cluster, e2e_root, train_config, data_dir
+):
+    slow = e2e_root / "preflight-slow.marker"
+    slow.touch()
+    job = local_job(
+        cluster,
+        e2e_root / "preempt-preflight",
+        "ppre",
+        {"preflight.health_check": f"test ! -e {slow} || sleep 60"},
+        config=train_config,
+        data=data_dir,
+    )
+    job.submit()
+    _wait_log(job, "preflight on 2 nodes")
+    time.sleep(1)  # the health check sleeps on both nodes
+    _preempt(cluster)
+    slow.unlink()  # the next attempt's preflight is quick
+    info = cluster.wait_done(job.job_id, timeout=300)
+    log = job.batch_log()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
+    first = log[: log.index(f"job {job.job_id}, attempt 1")]
+    assert "stopped during the preflight" in first and "requeueing job" in first, first
+    assert "preflight failed" not in log, log
+    counts = _steps(job)
+    assert sorted(counts) == list(range(1, 41)) and set(counts.values()) == {1}, counts
+    _assert_no_traceback(job)
+
+
+def test_a_users_scancel_ends_the_run_in_one_line(cluster, e2e_root, train_config, data_dir):
+    job = local_job(cluster, e2e_root / "scancel", "scancel", config=train_config, data=data_dir)
+    job.submit({"SBATCH_GEN_STEP_SLEEP_S": "0.3"})
+    job.wait_step(6)
+    cluster.run("scancel", str(job.job_id))
+    info = cluster.wait_done(job.job_id, timeout=120)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", job.describe()
+    log = job.batch_log()
+    said = "SIGTERM to the batch shell: the job was cancelled (scancel); not requeueing"
+    assert log.count(said) == 1, log
+    assert "requeueing job" not in log and "ERROR" not in log, log
+    _assert_no_traceback(job)
+
+
+def test_many_stops_that_checkpointed_never_use_up_the_budget(cluster, e2e_root, train_config, data_dir):
+    """4 time-limit stops (USR1 to the batch shell, as `--signal=B:USR1@...` sends it) with a budget of 1
+    requeue without progress: each attempt saved a stop checkpoint, so the run completes."""
+    job = local_job(
+        cluster,
+        e2e_root / "slices",
+        "slices",
+        {"preemption.max_requeues_without_progress": 1},
+        config=train_config,
+        data=data_dir,
+    )
+    job.submit({"SBATCH_GEN_STEP_SLEEP_S": "0.3"})
+    for attempt in range(4):
+        cluster.wait_state(job.job_id, {"RUNNING"}, timeout=120)
+        assert cluster.job(job.job_id)["Restarts"] == str(attempt), job.describe()
+        job.wait_step(6 * (attempt + 1))
+        cluster.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
+        deadline = time.monotonic() + 120
+        while cluster.job(job.job_id)["Restarts"] == str(attempt):
+            assert time.monotonic() < deadline, job.describe()
+            time.sleep(0.3)
+    info = cluster.wait_done(job.job_id, timeout=300)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "4", job.describe()
+    log = job.batch_log()
+    assert log.count("requeues in a row without progress: 0 of at most 1): stop requested by SIGUSR1") == 4, (
+        log
+    )
+    counts = _steps(job)
+    assert sorted(counts) == list(range(1, 41)) and set(counts.values()) == {1}, counts
+    _assert_no_traceback(job)
+
+
+def test_a_stop_that_overruns_the_time_limit_is_continued_by_a_new_job(
+    cluster, e2e_root, train_config, data_dir
+):
+    """slurm.time 1 minute, lead_time_s 30: USR1 comes at most 30 s before the limit and the stop checkpoint
+    takes 300 s. The limit ends the job (TIMEOUT); the batch shell has submitted a continuation job
+    (afterany), which resumes from the newest periodic checkpoint and names the steps it redoes."""
+    job = local_job(
+        cluster,
+        e2e_root / "overrun",
+        "overrun",
+        {
+            "slurm.time": "00:01:00",
+            "preemption.lead_time_s": 30,
+            "preemption.checkpoint_s": 20,
+            "preemption.margin_s": 5,
+        },
+        config=train_config,
+        data=data_dir,
+    )
+    first = job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": "300", "SBATCH_GEN_STEP_SLEEP_S": "2"})
+    info = cluster.wait_done(first, timeout=240)
+    assert info["JobState"] == "TIMEOUT", job.describe()
+    log = job.batch_log()
+    m = re.search(r"continuation job (\d+) submitted", log)
+    assert m, log
+    second = int(m.group(1))
+    cluster.submitted.add(second)
+    # the continuation inherits the 1-minute limit: give it room (it is held by its dependency until now)
+    cluster.run("scontrol", "update", f"JobId={second}", "TimeLimit=10")
+    info2 = cluster.wait_done(second, timeout=300)
+    job.job_id = second
+    assert info2["JobState"] == "COMPLETED", job.describe()
+    log2 = job.batch_log()
+    assert f"(continues job {first})" in log2, log2
+    redone = re.search(
+        rf"WARNING: {first}\.attempt-0 was ended before its stop checkpoint completed: .*redoes steps (\d+)-(\d+)",
+        log2,
+    )
+    assert redone, log2
+    counts = _steps(job)
+    assert sorted(counts) == list(range(1, 41)), counts
+    again = {s for s, n in counts.items() if n > 1}
+    assert again == set(range(int(redone.group(1)), int(redone.group(2)) + 1)), (again, redone.group(0))
+    _assert_no_traceback(job, first, second)
+
+
+def _bad_first_node_check(root: Path) -> str:
+    """A health check that fails on the first node that runs it, and on that one only, from then on."""
+    first = root / "first-node"
+    return (
+        f'[ -e {first} ] || echo "$SLURMD_NODENAME" >{first}; '
+        f'[ "$(cat {first})" != "$SLURMD_NODENAME" ] || {{ echo "GPU 3 fell off the bus (test marker)"; exit 1; }}'
+    )
+
+
+def test_a_node_that_fails_its_preflight_is_left_behind(cluster, e2e_root, train_config, data_dir):
+    root = e2e_root / "bad-node"
+    job = local_job(
+        cluster,
+        root,
+        "badnode",
+        {"slurm.nodes": 1, "preflight.health_check": _bad_first_node_check(root)},
+        config=train_config,
+        data=data_dir,
+    )
+    job.submit()
+    info = cluster.wait_done(job.job_id, timeout=300)
+    bad = (root / "first-node").read_text().strip()
+    good = ({"n1", "n2"} - {bad}).pop()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
+    assert info["NodeList"] == good and info["ExcNodeList"] == bad, info
+    log = job.batch_log()
+    assert f"preflight FAILED on {bad}: health check failed: GPU 3 fell off the bus (test marker)" in log, log
+    assert f"leaving {bad} behind (its preflight failed): the next attempt excludes {bad}" in log, log
+    assert sorted(_steps(job)) == list(range(1, 41))
+    _assert_no_traceback(job)
+
+
+def test_too_few_nodes_left_stops_the_job_in_one_line(cluster, e2e_root, train_config, data_dir):
+    root = e2e_root / "bad-node-2"
+    job = local_job(
+        cluster,
+        root,
+        "badnode2",
+        {"preflight.health_check": _bad_first_node_check(root)},
+        config=train_config,
+        data=data_dir,
+    )
+    job.submit()
+    info = cluster.wait_done(job.job_id, timeout=180)
+    bad = (root / "first-node").read_text().strip()
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", job.describe()
+    log = job.batch_log()
+    assert (
+        f"ERROR: preflight failed on {bad}: without {bad} partition debug has 1 nodes, the job needs 2; "
+        "not requeueing" in log
+    ), log
