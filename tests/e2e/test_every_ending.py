@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections import Counter
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 from e2e_lib import LocalJob, local_job
 
+from sbatch_gen.proc import pid_alive
 from sbatch_gen.testing.torchlogs import without_torch_exit_barrier_race
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -122,11 +124,11 @@ def test_many_stops_that_checkpointed_never_use_up_the_budget(cluster, e2e_root,
         config=train_config,
         data=data_dir,
     )
-    job.submit({"SBATCH_GEN_STEP_SLEEP_S": "0.3"})
+    job.submit({"SBATCH_GEN_STEP_SLEEP_S": "0.2"})
     for attempt in range(4):
         cluster.wait_state(job.job_id, {"RUNNING"}, timeout=120)
         assert cluster.job(job.job_id)["Restarts"] == str(attempt), job.describe()
-        job.wait_step(6 * (attempt + 1))
+        job.wait_step(job.last_step() + 3)
         cluster.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
         deadline = time.monotonic() + 120
         while cluster.job(job.job_id)["Restarts"] == str(attempt):
@@ -240,3 +242,51 @@ def test_too_few_nodes_left_stops_the_job_in_one_line(cluster, e2e_root, train_c
         f"ERROR: preflight failed on {bad}: without {bad} partition debug has 1 nodes, the job needs 2; "
         "not requeueing" in log
     ), log
+
+
+@pytest.mark.parametrize("protocol", ["sbatch-gen", "signal"])
+def test_a_trainer_of_ones_own_that_exits_0_on_sigterm_is_preempted_not_finished(
+    cluster, e2e_root, train_config, data_dir, protocol
+):
+    """A preemption with GraceTime signals the job steps only. A trainer not written for sbatch-gen
+    (tests/probes/sbg_stop_probe.py --probe-mode signal) saves on its SIGTERM and exits 0 without an .ack:
+    every rank gets the SIGTERM (run_trainer hands it on to torchrun's workers, which Slurm's own does not
+    reach under process-group tracking), the job is requeued as a preemption, not taken for finished, and no
+    process of the first attempt is alive once the second starts."""
+    probe = e2e_root / f"own-{protocol}" / "run" / "probe"
+    job = local_job(
+        cluster,
+        e2e_root / f"own-{protocol}",
+        f"own{protocol[:3]}",
+        {
+            "paths.code_dir": str(Path(__file__).resolve().parents[1] / "probes"),
+            "trainer.module": "sbg_stop_probe",
+            "trainer.extra_args": ["--probe-mode", "signal", "--probe-save-s", "2", "--probe-max-s", "200"],
+            "trainer.stop_protocol": protocol,
+        },
+        config=train_config,
+        data=data_dir,
+    )
+    job.submit()
+    starts0 = [probe / f"start.attempt-0.rank-{r}.json" for r in range(4)]
+    deadline = time.monotonic() + 180
+    while not all(p.exists() for p in starts0):
+        assert time.monotonic() < deadline, job.describe()
+        time.sleep(0.2)
+    pids0 = [json.loads(p.read_text())["pid"] for p in starts0]
+    _preempt(cluster)
+    starts1 = [probe / f"start.attempt-1.rank-{r}.json" for r in range(4)]
+    deadline = time.monotonic() + 240
+    while not any(p.exists() for p in starts1):
+        assert time.monotonic() < deadline, job.describe()
+        time.sleep(0.1)
+    assert not [p for p in pids0 if pid_alive(p)], "a process of the first attempt outlived it"
+    info = cluster.wait_done(job.job_id, timeout=240)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
+    for r in range(4):
+        assert "0 SIGTERM" in (probe / f"signals.rank-{r}").read_text(), f"rank {r} never got the SIGTERM"
+        assert json.loads((probe / f"saved.rank-{r}").read_text())["attempt"] == 0
+    log = job.batch_log()
+    first = log[: log.index(f"job {job.job_id}, attempt 1")]
+    assert "a preemption, not the end of training" in first and "requeueing job" in first, first
+    assert "training finished" not in first and "training finished" in log, log
