@@ -35,3 +35,7 @@ FATAL_SUFFIX = ".fatal"
 # that made progress from one that did not (preemption.max_requeues_without_progress).
 CHECKPOINTS_DIR = "checkpoints"
 CHECKPOINT_MARKER = "COMPLETE.json"
+
+# The code a run runs (paths.pin_code): "<commit> <clean|dirty>" of paths.code_dir when the run was submitted,
+# exported by the Slurm job to the trainer, which records it in summary.json as "code".
+ENV_PINNED_CODE = "SBATCH_GEN_PINNED_CODE"

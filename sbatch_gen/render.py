@@ -204,6 +204,7 @@ def context(site: LoadedSite, sha: str) -> dict:
         "preflight_ib_hca": preflight_ib_hca(p),
         "EXIT_REQUEUE": contract.EXIT_REQUEUE,
         "ENV_STOP_FILE": contract.ENV_STOP_FILE,
+        "ENV_PINNED_CODE": contract.ENV_PINNED_CODE,
         "ACK_SUFFIX": contract.ACK_SUFFIX,
         "FATAL_SUFFIX": contract.FATAL_SUFFIX,
         "STOPPING_SUFFIX": contract.STOPPING_SUFFIX,

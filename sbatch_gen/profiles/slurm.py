@@ -12,7 +12,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from sbatch_gen.errors import FieldError
-from sbatch_gen.profiles.base import ProfileBase
+from sbatch_gen.profiles.base import Paths, ProfileBase
 from sbatch_gen.profiles.environment import container_env_names
 from sbatch_gen.profiles.types import (
     SBATCH_CONSTRAINT_CHARS,
@@ -94,6 +94,20 @@ class Preemption(ProfileSection):
                 "raise lead_time_s or lower checkpoint_s/margin_s",
             )
         return self
+
+
+class SlurmPaths(Paths):
+    """Where things are (relative paths: to the submit directory), and whether the code is pinned."""
+
+    pin_code: bool = Field(
+        default=True,
+        description="Run every attempt of a run on the code it was submitted with. A new submission "
+        "copies code_dir's files (a git checkout's tracked and untracked, not ignored) to "
+        "<run_dir>/code/<job id>/ and records the commit and whether the tree was dirty; requeues and "
+        "continuation jobs run that copy (first on PYTHONPATH, with trainer.config and trainer.script when "
+        "they lie in code_dir), whatever the checkout holds by then. A code_dir that is not a git checkout is "
+        "not pinned (a WARNING says so).",
+    )
 
 
 class Preflight(ProfileSection):
@@ -390,6 +404,7 @@ class SlurmProfile(ProfileBase):
     """A Slurm site: renders out/<site>.sbatch (training) and out/<site>.setup.sbatch (env set-up)."""
 
     kind: Literal["slurm"] = "slurm"
+    paths: SlurmPaths
     slurm: SlurmResources
     container: Container | None = Field(default=None, description="pyxis container for the job steps.")
     preemption: Preemption = Field(default_factory=Preemption)

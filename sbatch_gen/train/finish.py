@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from ..contract import ENV_PINNED_CODE
 from .agreement import read_agreement
 from .api import XRNoQuorum
 from .state import train_state
@@ -116,6 +117,8 @@ def write_summary(t) -> None:
         "parallelism": t.par.kind + (" + cpu offload" if t.cfg.parallelism.cpu_offload else ""),
         "region": t.xr.region,
         "stop_reason": t.stop.reason() if exit_reason == "stopped" else None,
+        # the code the launcher pinned for the run: "<commit> <clean|dirty>" (paths.pin_code)
+        "code": os.environ.get(ENV_PINNED_CODE) or None,
     }
     s = summarize(
         step_times=loop.step_times,

@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from e2e_lib import LocalJob, local_job
+from e2e_lib import REPO, LocalJob, local_job
 
 from sbatch_gen.proc import pid_alive
 from sbatch_gen.testing.torchlogs import without_torch_exit_barrier_race
@@ -94,6 +94,9 @@ def test_a_preemption_during_the_preflight_is_a_stop_and_requeues_once(
     first = log[: log.index(f"job {job.job_id}, attempt 1")]
     assert "stopped during the preflight" in first and "requeueing job" in first, first
     assert "preflight failed" not in log, log
+    # the code it ran: the checkout as submitted (paths.code_dir, pinned), in summary.json
+    head = cluster.run("git", "-C", str(REPO), "rev-parse", "HEAD").stdout.strip()
+    assert job.summary()["code"] in (f"{head} clean", f"{head} dirty"), job.summary()
     counts = _steps(job)
     assert sorted(counts) == list(range(1, 41)) and set(counts.values()) == {1}, counts
     _assert_no_traceback(job)
@@ -290,3 +293,56 @@ def test_a_trainer_of_ones_own_that_exits_0_on_sigterm_is_preempted_not_finished
     first = log[: log.index(f"job {job.job_id}, attempt 1")]
     assert "a preemption, not the end of training" in first and "requeueing job" in first, first
     assert "training finished" not in first and "training finished" in log, log
+
+
+def test_every_attempt_runs_the_code_the_run_was_submitted_with(cluster, e2e_root, train_config, data_dir):
+    """paths.pin_code: the trainer (the stop probe, in a git checkout of its own) is changed and committed
+    while attempt 0 runs, as a `git pull` would; attempt 1, after a stop, runs the pinned copy and the
+    batch log names the commit it runs and the one the checkout is at."""
+    code = e2e_root / "pinned-code"
+    code.mkdir()
+    probe = code / "sbg_stop_probe.py"
+    probe.write_text((Path(__file__).resolve().parents[1] / "probes" / "sbg_stop_probe.py").read_text())
+    git = ["git", "-C", str(code), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+
+    def commit(msg: str) -> str:
+        cluster.run(*git, "add", "-A")
+        cluster.run(*git, "commit", "-q", "-m", msg)
+        return cluster.run(*git, "rev-parse", "HEAD").stdout.strip()
+
+    cluster.run(*git, "init", "-q")
+    first = commit("as submitted")
+    job = local_job(
+        cluster,
+        e2e_root / "pin",
+        "pin",
+        {
+            "paths.code_dir": str(code),
+            "trainer.module": "sbg_stop_probe",
+            "trainer.extra_args": ["--probe-mode", "signal", "--probe-save-s", "1", "--probe-max-s", "200"],
+            "trainer.stop_protocol": "signal",
+        },
+        config=train_config,
+        data=data_dir,
+    )
+    job.submit()
+    out = job.run_dir / "probe"
+    deadline = time.monotonic() + 180
+    while not (out / "start.attempt-0.rank-0.json").exists():
+        assert time.monotonic() < deadline, job.describe()
+        time.sleep(0.2)
+    probe.write_text(probe.read_text().replace('VERSION = "as-submitted"', 'VERSION = "pulled"'))
+    pulled = commit("a git pull")
+    cluster.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
+    info = cluster.wait_done(job.job_id, timeout=240)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
+    for r in range(4):
+        for attempt in (0, 1):
+            start = json.loads((out / f"start.attempt-{attempt}.rank-{r}.json").read_text())
+            assert start["version"] == "as-submitted", (attempt, r, start)
+    log = job.batch_log()
+    assert f"code pinned for the run: {code} at commit {first} (clean)" in log, log
+    assert (
+        f"running the code pinned when the run was submitted: commit {first} (clean) from "
+        f"{job.run_dir}/code/{job.job_id}; the checkout is at {pulled} now" in log
+    ), log

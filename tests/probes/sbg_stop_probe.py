@@ -6,7 +6,7 @@ sbg_stop_probe): torchrun runs ``python -m sbg_stop_probe <the rendered trainer 
 ``<run dir>/probe/``, one file per rank R (the ``RANK`` torchrun gives it):
 
 - ``start.attempt-A.rank-R.json`` at start: pid, attempt (``SLURM_RESTART_COUNT`` or
-  ``SBATCH_GEN_ATTEMPT``), and what it resumes from.
+  ``SBATCH_GEN_ATTEMPT``), what it resumes from, and its ``VERSION``.
 - ``--probe-mode signal`` (a trainer that saves on a signal): it records every delivery of SIGUSR1, SIGUSR2
   and SIGTERM in ``signals.rank-R`` (one line each: attempt and signal name); on the first one it saves
   slowly (sleeps ``--probe-save-s``), writes ``saved.rank-R`` (JSON: attempt, signal, save time) and exits
@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 
 SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+# Which code this is, in its start record: the pin test edits it between two attempts.
+VERSION = "as-submitted"
 
 
 def _write(path: Path, text: str) -> None:
@@ -73,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         resumed = int(ckpt.read_text())
     _write(
         d / f"start.attempt-{attempt}.rank-{rank}.json",
-        json.dumps({"pid": os.getpid(), "attempt": attempt, "rank": rank, "resumed": resumed}),
+        json.dumps(
+            {"pid": os.getpid(), "attempt": attempt, "rank": rank, "resumed": resumed, "version": VERSION}
+        ),
     )
     print(f"probe rank {rank} attempt {attempt}: {args.probe_mode}, resumed from {resumed}", flush=True)
 

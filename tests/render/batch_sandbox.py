@@ -81,6 +81,12 @@ def prepare(
     full.update(env or {})  # may replace the defaults above
     job = work / "job.sbatch"
     job.write_text(script if script is not None else (REPO / "out" / "local.sbatch").read_text())
+    # the submit directory is a git checkout, as a user's is: the job pins its code (paths.pin_code)
+    (work / ".gitignore").write_text(".venv/\nruns/\n")
+    git = ["git", "-C", str(work), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "job"], check=True)
     return job, full, stub_dir
 
 
