@@ -438,7 +438,7 @@ def test_a_failing_heartbeat_write_is_logged_once_and_retried(tmp_path, caplog):
     msgs = [r.getMessage() for r in caplog.records]
     assert len([m for m in msgs if "heartbeat: writing" in m and "failed" in m]) == 1, msgs
     assert any("written again after 2 failed writes" in m for m in msgs), msgs
-    hb = Heartbeat.from_json(store.get("run1/_alive/us.json"))
+    hb = Heartbeat.from_json(store.get("run1/_alive/us.json"), "x")
     assert (hb.region, hb.beat, hb.interval_s, hb.job) == ("us", 4, 5.0, "job-1")
     assert json.loads(store.get("run1/_alive/us.json"))["incarnation"] == w.incarnation
 

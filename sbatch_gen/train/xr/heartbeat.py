@@ -5,13 +5,13 @@ of a region's rank 0 that overwrites it every ``heartbeat_s``. How the others re
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+from .records import Record
 from .store import Store
 
 STALE_BEATS = 3  # heartbeat intervals without a new value (watched on the reader's clock): the region is gone
@@ -19,10 +19,12 @@ log = logging.getLogger("sbatch_gen.train")
 
 
 @dataclass
-class Heartbeat:
+class Heartbeat(Record):
     """A region's liveness record, ``<run>/_alive/<region>.json``. Readers compare its VALUE over time on
     their own clock; ``time`` is the writer's wall clock, shown to people (``sbatch-gen status``), never
     used to decide anything (clocks of different regions may disagree)."""
+
+    WHAT = "heartbeat"
 
     region: str
     incarnation: (
@@ -33,13 +35,11 @@ class Heartbeat:
     time: float
     job: str = ""
 
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
-
     @classmethod
-    def from_json(cls, raw: bytes) -> Heartbeat | None:
+    def from_json(cls, raw: bytes, where: str) -> Heartbeat | None:
+        """None for an unreadable record; raises :class:`XRLayoutError` for a version not read here."""
         try:
-            return cls(**json.loads(raw))
+            return cls.read(raw, where)
         except (ValueError, TypeError):
             return None
 

@@ -39,14 +39,13 @@ never committed can be closed.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
 import time
 from collections.abc import Callable, Collection
-from dataclasses import asdict
 
+from . import records
 from .commit import Commit, Member, Presence, decide
 from .errors import XRBehind, XRLayoutError, XRNoQuorum
 from .heartbeat import STALE_BEATS, Heartbeat, HeartbeatWriter
@@ -307,7 +306,7 @@ class Membership:
     # -- per-region records (presence, heartbeat): <run>/<dir>/<region>.json, written by that region only --
     def _read_record(self, cls, key: str, region: str):
         raw = self.store.get(key)
-        rec = cls.from_json(raw) if raw is not None else None
+        rec = cls.from_json(raw, self.store.describe(key)) if raw is not None else None
         return rec if rec is not None and rec.region == region else None
 
     def _read_records(self, cls, folder: str, key_of: Callable[[str], str], keys: list[str] | None) -> dict:
@@ -316,7 +315,7 @@ class Membership:
         out = {}
         for key in self.store.list(prefix) if keys is None else [k for k in keys if k.startswith(prefix)]:
             raw = self.store.get(key)
-            rec = cls.from_json(raw) if raw is not None else None
+            rec = cls.from_json(raw, self.store.describe(key)) if raw is not None else None
             if rec is not None and rec.region in self.regions and key == key_of(rec.region):
                 out[rec.region] = rec
         return out
@@ -381,7 +380,7 @@ class Membership:
         if state == "leaving":
             self.stop_heartbeat()  # a region that left beats no more (its leave is what the others read)
         p = Presence(self.region, state, r, step, time.time(), self.job)
-        self.store.put(self.presence_key(self.region), json.dumps(asdict(p)).encode())
+        self.store.put(self.presence_key(self.region), p.to_json())
 
     def read_presence(self, region: str) -> Presence | None:
         return self._read_record(Presence, self.presence_key(region), region)
@@ -411,14 +410,17 @@ class Membership:
             "by": self.region,
             "time": time.time(),
         }
-        self.store.put(self.snap_complete_key(r), json.dumps(body, sort_keys=True).encode())
+        self.store.put(self.snap_complete_key(r), records.dump(body))
 
     def read_snapshot(self, r: int, expect: Expect) -> dict[str, Manifest]:
         key = self.snap_complete_key(r)
         raw = self.store.get(key)
         if raw is None:
             raise XRBehind(f"outer snapshot {self.store.describe(key)} is gone", None)
-        done = json.loads(raw)
+        try:
+            done = records.load(raw, "outer snapshot marker", self.store.describe(key))
+        except ValueError as e:
+            raise XRLayoutError(f"unreadable outer snapshot marker {self.store.describe(key)}: {e}") from e
         out = {}
         for part in SNAP_PARTS:
             m = self.mb.read_manifest(self.snap_tag(r), part)
