@@ -230,23 +230,21 @@ def test_withheld_rounds_publish_nothing_and_the_region_applies_the_commit(tmp_p
     assert torch.equal(eu_p, us_p)
 
 
-def test_a_returning_region_continues_at_the_runs_current_step(tmp_path):
-    """The run's position inside the next round is estimated from the last rounds' close times: a region
-    that fast-forwards 12 s into a 19 s round after the newest commit continues 6 of 10 steps into it (so its first
-    round back ends about when the others' does), never past H - 1 steps, and at 0 without an estimate or
-    when the whole run stood still."""
+def test_a_returning_region_continues_at_the_runs_current_step(tmp_path, monkeypatch):
+    """The run's position inside the next round is estimated from when the store wrote the last rounds'
+    commits (here their files' mtimes) and a write made now: a region that fast-forwards 12 s into a 19 s
+    round after the newest commit continues 6 of 10 steps into it (so its first round back ends about when
+    the others' does), never past H - 1 steps, and at 0 without an estimate or when the whole run stood
+    still. No other clock takes part: not this host's time.time() (5 hours ahead here), nor the time each
+    closer wrote into its commit (its own clock, a day behind here)."""
     import json
-    import time as _time
+    import os
 
     h = 10
     _, s = _sync("eu", tmp_path, ["eu", "us"], inner_steps=h)
     ms = s.membership
-    now = _time.time()
-    for r, t in (
-        (3, now - 50.0),
-        (4, now - 30.0),
-        (5, now - 12.0),
-    ):  # rounds take 20 s; round 5 closed 12 s ago
+    now = time.time()
+    for r in (3, 4, 5):
         body = {
             "run_id": "t",
             "tag": f"r{r:06d}",
@@ -256,24 +254,25 @@ def test_a_returning_region_continues_at_the_runs_current_step(tmp_path):
             "reason": "all",
             "waited_s": 0.0,
             "absent": [],
-            "time": t,
-            "format": 1,
+            "time": now - 86400.0,
+            "version": 1,
         }
         ms.store.create(ms.commit_key(f"r{r:06d}"), json.dumps(body).encode())
+
+    def closed_ago(ages):  # when the store wrote each commit: its mtime
+        for r, age in zip((3, 4, 5), ages, strict=True):
+            os.utime(ms.store.root / ms.commit_key(f"r{r:06d}"), (now - age, now - age))
+
+    monkeypatch.setattr(time, "time", lambda: now + 5 * 3600.0)
+    closed_ago((50.0, 30.0, 12.0))  # rounds take 20 s; round 5 closed 12 s ago
     s.round = 5
     assert s._steps_into_round() == 6  # (50 - 12) / 2 = 19 s per round; 12 s into it: int(10 * 12 / 19)
     s.round = 3  # one closed round to go by: no estimate
     assert s._steps_into_round() == 0
     s.round = 5
-
-    def closed_at(times):
-        for r, t in zip((3, 4, 5), times, strict=True):
-            key = ms.commit_key(f"r{r:06d}")
-            ms.store.put(key, json.dumps({**json.loads(ms.store.get(key)), "time": now - t}).encode())
-
-    closed_at((70.0, 50.0, 30.0))  # round 6 is 10 s overdue (a region waits out grace_s): at most H - 1
+    closed_ago((70.0, 50.0, 30.0))  # round 6 is 10 s overdue (a region waits out grace_s): at most H - 1
     assert s._steps_into_round() == h - 1
-    closed_at((100.0, 80.0, 60.0))  # nothing closed for 3 rounds' time: every region was away, start at 0
+    closed_ago((100.0, 80.0, 60.0))  # nothing closed for 3 rounds' time: every region was away, start at 0
     assert s._steps_into_round() == 0
 
 

@@ -40,6 +40,21 @@ def test_overwrite_is_whole_object(store):
     assert store.get("k/a") == b"2" * 10
 
 
+def test_modified_is_the_time_of_the_last_write_by_the_stores_clock(store, monkeypatch):
+    """(S3: the server's Last-Modified, to the second; fs: the file's mtime.) Never this process's
+    time.time(): here a day off, which the answer must not follow (the server runs on this host)."""
+    import time
+
+    assert store.modified("k/none") is None
+    real = time.time()
+    monkeypatch.setattr(time, "time", lambda: real + 86400.0)
+    store.put("k/a", b"1")
+    first = store.modified("k/a")
+    assert first is not None and real - 2.0 <= first <= real + 60.0
+    store.put("k/a", b"2")
+    assert first <= store.modified("k/a") <= real + 60.0
+
+
 def test_get_into_size_mismatch_and_missing(store):
     store.put("k/obj", b"abcdef")
     with pytest.raises(XRChecksumError, match="6 bytes, the manifest says 4"):

@@ -32,6 +32,7 @@ class Commit(Record):
     reason: str
     waited_s: float  # how long the closing region waited for peers in this round
     absent: list[str] = field(default_factory=list)  # regions not in the commit
+    # the closer's wall clock: for people (`sbatch-gen status`), never compared with another clock
     time: float = 0.0
     stale: list[str] = field(default_factory=list)  # absent regions whose heartbeat the closer found stale
 

@@ -11,6 +11,7 @@ Keys, next to the rounds of :mod:`.protocol` (region names start with a letter o
     <run>/_snap/r<round>/theta/s00000.bin   outer snapshot of a round: theta_outer and momentum (fp32)
     <run>/_snap/r<round>/theta.done         ... their manifests (the protocol's format)
     <run>/_snap/r<round>/_complete.json     ... and the marker that makes it usable, written last
+    <run>/_clock/<region>                   empty: written to read the store's clock (:meth:`Membership.store_now`)
 
 **Closing a round.** A round closes when every region's manifest is there, or when at least ``quorum``
 regions have arrived and ``grace_s`` has passed since that quorum formed, or at once (with the quorum)
@@ -56,6 +57,7 @@ PRESENCE_DIR = "_presence"
 SNAP_DIR = "_snap"
 SNAP_PARTS = ("theta", "momentum")
 ALIVE_DIR = "_alive"
+CLOCK_DIR = "_clock"
 _SNAP_RE = re.compile(r"^r(\d{6,})$")
 log = logging.getLogger("sbatch_gen.train")
 
@@ -106,6 +108,13 @@ class Membership:
 
     def snap_complete_key(self, r: int) -> str:
         return f"{self.run_id}/{self.snap_tag(r)}/_complete.json"
+
+    def store_now(self) -> float | None:
+        """Now by the STORE's clock (:meth:`~.store.Store.modified` of a write made now), the clock of
+        every object's write time: None if the store does not say."""
+        key = f"{self.run_id}/{CLOCK_DIR}/{self.region}"
+        self.store.put(key, b"")
+        return self.store.modified(key)
 
     # -- commits ---------------------------------------------------------------------------------------
     def read_commit(self, tag: str) -> Commit | None:

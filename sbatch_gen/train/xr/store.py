@@ -72,6 +72,12 @@ class Store(ABC):
         raise NotImplementedError
 
     @abstractmethod
+    def modified(self, key: str) -> float | None:
+        """When object ``key`` was last written, in seconds since the epoch by the STORE's clock (S3: the
+        server's, to the second; fs: the file's mtime, set by the file server, or the writing host on a
+        local filesystem); None if it is missing. Only compared with other times of the same store."""
+
+    @abstractmethod
     def list(self, prefix: str) -> list[str]:
         """Keys that start with ``prefix`` (a folder-like prefix ending in ``/``), any order."""
 
@@ -151,6 +157,12 @@ class FsStore(Store):
     def get(self, key: str) -> bytes | None:
         try:
             return self._path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def modified(self, key: str) -> float | None:
+        try:
+            return self._path(key).stat().st_mtime
         except FileNotFoundError:
             return None
 
@@ -384,6 +396,21 @@ class S3Store(Store):
 
     def get(self, key: str) -> bytes | None:
         return self._reading(key, lambda: self._get_once(key))
+
+    def modified(self, key: str) -> float | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            resp = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except ClientError as e:
+            self._count(e)
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise StoreError(f"reading the time of {self.describe(key)} failed: {e}") from e
+        except Exception as e:
+            raise StoreError(f"reading the time of {self.describe(key)} failed: {e}") from e
+        self._count(resp)
+        return float(resp["LastModified"].timestamp())
 
     def _get_once(self, key: str) -> bytes | None:
         resp = self._get_object(key)
