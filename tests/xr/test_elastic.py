@@ -230,6 +230,43 @@ def test_withheld_rounds_publish_nothing_and_the_region_applies_the_commit(tmp_p
     assert torch.equal(eu_p, us_p)
 
 
+def test_a_region_behind_in_a_background_round_fast_forwards_within_the_behind_check(tmp_path):
+    """ap (overlap eager) waits for its round 1 in the background, in slices of 0.5 s (BACKGROUND_SLICE_S),
+    but the run (eu and us, min_regions 2) closed round 1 without ap and went on to round 5, cleaning round 1
+    up behind the round-4 snapshot: no quorum can form, only the wait's behind check (every
+    behind_check_s of the whole wait, 1.5 s here: longer than a slice) tells. ap fast-forwards at its next
+    boundary, not after timeout_s (which would raise XRNoQuorum)."""
+    regions = ["eu", "us", "ap"]
+    kw = dict(min_regions=2, grace_s=0.2, keep_rounds=1, snapshot_every=2, timeout_s=20)
+    syncs = {}
+    for r in regions:  # eu publishes theta0, the others adopt it
+        m, s = _sync(r, tmp_path, regions, **kw, **({"overlap": "eager"} if r == "ap" else {}))
+        s.align(0)
+        syncs[r] = (m, s, torch.optim.SGD(m.parameters(), lr=0.05))
+    m_ap, s_ap, opt_ap = syncs["ap"]
+    s_ap.membership.behind_check_s = 1.5
+
+    def run(region):  # rounds 1-5 without ap; then rounds 1-4 are cleaned up behind snapshot 4
+        m, s, opt = syncs[region]
+        recs = _rounds(m, s, opt, region, [1, 2, 3, 4])
+        s.wait_snapshot()
+        recs += _rounds(m, s, opt, region, [5])
+        s.wait_snapshot()
+        return [x["xr_members"] for x in recs]
+
+    assert in_threads(run, ["eu", "us"]) == {r: [["eu", "us"]] * 5 for r in ("eu", "us")}
+    ms = s_ap.membership
+    assert ms.latest_commit() == 5 and ms.read_commit("r000001") is None
+
+    first = _rounds(m_ap, s_ap, opt_ap, "ap", [1])[0]  # round 1 starts in the background
+    assert first["xr_inflight"] == 1
+    t0 = time.monotonic()
+    rec = _rounds(m_ap, s_ap, opt_ap, "ap", [2])[0]  # joins round 1: behind, fast-forward
+    assert rec["xr_round"] == 5 and rec["xr_adopted_step"] >= 5 * H and rec["xr_rejoin_from"] == 0, rec
+    assert time.monotonic() - t0 < kw["timeout_s"] / 2
+    assert torch.equal(s_ap.theta_outer, syncs["eu"][1].theta_outer)
+
+
 def test_a_returning_region_continues_at_the_runs_current_step(tmp_path, monkeypatch):
     """The run's position inside the next round is estimated from when the store wrote the last rounds'
     commits (here their files' mtimes) and a write made now: a region that fast-forwards 12 s into a 19 s

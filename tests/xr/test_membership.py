@@ -273,13 +273,14 @@ def test_elastic_needs_a_store_that_refuses_a_second_create(tmp_path, monkeypatc
 
 def test_a_wait_in_slices_keeps_its_grace_clock(transport):
     """The exchange waits in slices (so that the other ranks hear from rank 0): a grace_s longer than a
-    slice must still run out. Each slice carries the quorum's start over to the next one."""
+    slice must still run out. Each slice resumes the round's wait, its quorum's start included."""
     ms = members(transport, quorum=1, grace_s=0.5, timeout_s=4.0)
     pub(ms["eu"], 1)
     started = time.monotonic()
+    wait = ms["eu"].round_wait("r000001", EXPECT, step=4, started=started)
     got, slices = None, 0
     while got is None:
-        got = ms["eu"].wait_commit("r000001", EXPECT, step=4, started=started, slice_s=0.15)
+        got = wait.run(slice_s=0.15)
         slices += 1
     assert got[0].reason == "grace" and slices >= 3
     assert 0.5 <= time.monotonic() - started < 0.5 + 0.5

@@ -57,6 +57,7 @@ PRESENCE_DIR = "_presence"
 SNAP_DIR = "_snap"
 SNAP_PARTS = ("theta", "momentum")
 ALIVE_DIR = "_alive"
+BEHIND_CHECK_S = 10.0  # how often a round's wait lists the run: has it moved past the round (XRBehind)?
 CLOCK_DIR = "_clock"
 _SNAP_RE = re.compile(r"^r(\d{6,})$")
 log = logging.getLogger("sbatch_gen.train")
@@ -89,7 +90,7 @@ class Membership:
         self._writer: HeartbeatWriter | None = None
         # region -> (heartbeat value last seen or None, when it was first seen on self._clock); kept across rounds
         self._watch: dict[str, tuple[tuple[str, int] | None, float]] = {}
-        self._waiting: tuple[tuple[str, float], float | None] | None = None  # ((tag, started), quorum_since)
+        self.behind_check_s = BEHIND_CHECK_S
         self.test_hook: Callable[[str, str], None] | None = None  # (event, tag): tests force races
 
     # -- keys ----------------------------------------------------------------------------------------
@@ -184,65 +185,22 @@ class Membership:
         return won
 
     def wait_commit(
-        self,
-        tag: str,
-        expect: Expect,
-        *,
-        step: int | None = None,
-        started: float | None = None,
-        slice_s: float | None = None,
-    ) -> tuple[Commit, dict[str, Manifest]] | None:
+        self, tag: str, expect: Expect, *, step: int | None = None, started: float | None = None
+    ) -> tuple[Commit, dict[str, Manifest]]:
         """Poll until round ``tag`` is committed (by this region or another); return the commit and the
         manifests of the regions this region saw (verified). Raises :class:`XRNoQuorum` after
         ``timeout_s`` without a quorum, :class:`XRBehind` if the run committed later rounds and ``tag``'s
-        commit is gone. With ``slice_s``, returns ``None`` after that long (the caller keeps its other
-        ranks informed)."""
-        mb = self.mb
-        got: dict[str, Manifest] = {}
-        now0 = self._clock()
-        t0 = now0 if started is None else started
-        delay = mb.poll_min_s
-        # The grace clock of this wait, carried over from its previous slice (same tag and start).
-        wait_id = (tag, t0)
-        quorum_since = self._waiting[1] if self._waiting is not None and self._waiting[0] == wait_id else None
-        self._waiting = None
-        leaving: set[str] = set()
-        stale: set[str] = set()
-        stale_due = math.inf  # when the next missing region's heartbeat would have been quiet long enough
-        next_check = now0  # presence and heartbeats of the missing regions: a few reads, not on every poll
-        tick = min(1.0, max(self.grace_s / 4, 0.05))
-        next_behind = now0 + 10.0  # has the run moved past this round? (a listing of the whole run)
-        while True:
-            c = self.read_commit(tag)
-            if c is not None:
-                return c, got
-            self._read_manifests(tag, expect, got)
-            now = self._clock()
-            if now >= min(next_check, stale_due):
-                leaving, stale, stale_due = self._absentees(got)
-                next_check = now + tick
-            if now >= next_behind:
-                self._check_not_behind(tag)
-                next_behind = now + 10.0
-            reason, quorum_since = decide(
-                self.regions, got, leaving, self.quorum, self.grace_s, now, quorum_since, stale
-            )
-            if reason is not None:
-                self._check_not_behind(tag)
-                return self._try_close(
-                    tag, step if step is not None else -1, got, reason, now - t0, stale
-                ), got
-            if now - t0 >= mb.timeout_s:
-                raise self._no_quorum(tag, step, got)
-            if slice_s is not None and now - now0 >= slice_s:
-                self._waiting = (wait_id, quorum_since)
-                return None
-            if quorum_since is not None:  # grace running out, or a missing region's heartbeat going stale
-                wake = min(self.grace_s - (now - quorum_since), stale_due - now)
-            else:
-                wake = mb.timeout_s - (now - t0)
-            time.sleep(max(0.0, min(delay, wake + 1e-3)))
-            delay = min(mb.poll_max_s, delay * 1.5)
+        commit is gone. In slices: :meth:`round_wait`."""
+        got = self.round_wait(tag, expect, step=step, started=started).run()
+        assert got is not None  # None only when waiting in slices
+        return got
+
+    def round_wait(
+        self, tag: str, expect: Expect, *, step: int | None = None, started: float | None = None
+    ) -> RoundWait:
+        """The wait of :meth:`wait_commit`, to run in slices (``started``: when the round's wait began on
+        this region's clock; default now)."""
+        return RoundWait(self, tag, expect, step, started)
 
     def _read_manifests(self, tag: str, expect: Expect, got: dict[str, Manifest]) -> None:
         """Add to ``got`` the manifests of round ``tag`` published since the last look (verified)."""
@@ -475,3 +433,72 @@ class Membership:
             self.store.delete([self.mb.manifest_key(tag, self.region)])
             self.store.delete([self.mb.shard_key(tag, self.region, i) for i in range(shard_count)])
             self.store.delete([self.commit_key(tag)])
+
+
+class RoundWait:
+    """One wait of a region's rank 0 for round ``tag``'s commit (:meth:`Membership.round_wait`), run in as
+    many slices as its caller needs (the exchange reports to its other ranks between slices, and a round
+    in the background checks between them whether it was called off). What the wait has learnt carries
+    over from one slice to the next, as in one uninterrupted wait: the manifests seen, the absentees, the
+    poll backoff, the grace clock and the behind timer (with slices shorter than ``behind_check_s`` a
+    timer started again each slice would never fire, and a region behind the run without a quorum would
+    wait out ``timeout_s`` instead of fast-forwarding)."""
+
+    def __init__(
+        self, ms: Membership, tag: str, expect: Expect, step: int | None, started: float | None
+    ) -> None:
+        self.ms, self.tag, self.expect, self.step = ms, tag, expect, step
+        now = ms._clock()
+        self.t0 = now if started is None else started
+        self.got: dict[str, Manifest] = {}
+        self.delay = ms.mb.poll_min_s
+        self.quorum_since: float | None = None
+        self.leaving: set[str] = set()
+        self.stale: set[str] = set()
+        self.stale_due = (
+            math.inf
+        )  # when the next missing region's heartbeat would have been quiet long enough
+        self.next_check = (
+            now  # presence and heartbeats of the missing regions: a few reads, not on every poll
+        )
+        self.next_behind = (
+            now + ms.behind_check_s
+        )  # has the run moved past this round? (a listing of the run)
+
+    def run(self, slice_s: float | None = None) -> tuple[Commit, dict[str, Manifest]] | None:
+        """Wait on: (the commit, the manifests seen) once the round closed, or None after ``slice_s``
+        (None: until it closes). Raises as :meth:`Membership.wait_commit`."""
+        ms, mb, tag = self.ms, self.ms.mb, self.tag
+        tick = min(1.0, max(ms.grace_s / 4, 0.05))
+        now0 = ms._clock()
+        while True:
+            c = ms.read_commit(tag)
+            if c is not None:
+                return c, self.got
+            ms._read_manifests(tag, self.expect, self.got)
+            now = ms._clock()
+            if now >= min(self.next_check, self.stale_due):
+                self.leaving, self.stale, self.stale_due = ms._absentees(self.got)
+                self.next_check = now + tick
+            if now >= self.next_behind:
+                ms._check_not_behind(tag)
+                self.next_behind = now + ms.behind_check_s
+            reason, self.quorum_since = decide(
+                ms.regions, self.got, self.leaving, ms.quorum, ms.grace_s, now, self.quorum_since, self.stale
+            )
+            if reason is not None:
+                ms._check_not_behind(tag)
+                step = self.step if self.step is not None else -1
+                return ms._try_close(tag, step, self.got, reason, now - self.t0, self.stale), self.got
+            if now - self.t0 >= mb.timeout_s:
+                raise ms._no_quorum(tag, self.step, self.got)
+            if slice_s is not None and now - now0 >= slice_s:
+                return None
+            if (
+                self.quorum_since is not None
+            ):  # grace running out, or a missing region's heartbeat going stale
+                wake = min(ms.grace_s - (now - self.quorum_since), self.stale_due - now)
+            else:
+                wake = mb.timeout_s - (now - self.t0)
+            time.sleep(max(0.0, min(self.delay, wake + 1e-3)))
+            self.delay = min(mb.poll_max_s, self.delay * 1.5)
