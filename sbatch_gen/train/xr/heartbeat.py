@@ -14,15 +14,15 @@ from dataclasses import dataclass
 from .records import Record
 from .store import Store
 
-STALE_BEATS = 3  # heartbeat intervals without a new value (watched on the reader's clock): the region is gone
+STALE_BEATS = 3  # heartbeat intervals old (store's clock) or unchanged (reader's clock): the region is gone
 log = logging.getLogger("sbatch_gen.train")
 
 
 @dataclass
 class Heartbeat(Record):
-    """A region's liveness record, ``<run>/_alive/<region>.json``. Readers compare its VALUE over time on
-    their own clock; ``time`` is the writer's wall clock, shown to people (``sbatch-gen status``), never
-    used to decide anything (clocks of different regions may disagree)."""
+    """A region's liveness record, ``<run>/_alive/<region>.json``. Readers judge its age on the store's
+    clock and its VALUE over time on their own; ``time`` is the writer's wall clock, shown to people
+    (``sbatch-gen status``), never used to decide anything (clocks of different regions may disagree)."""
 
     WHAT = "heartbeat"
 

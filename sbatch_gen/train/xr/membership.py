@@ -22,15 +22,17 @@ that arrives after the commit, averages exactly the same deltas: the parameters 
 
 **Crashed regions (heartbeats).** A region that crashes (SIGKILL, a lost node) announces nothing. With
 ``heartbeat_s`` set, a thread of each region's rank 0 overwrites its heartbeat object with an increasing
-counter every ``heartbeat_s``. A region waiting in a round reads the heartbeats of the regions still
-missing (with their presence records, at most once per check) and remembers, on its OWN monotonic clock,
-since when it has seen each value: a region whose value has not changed for ``STALE_BEATS`` heartbeat
-intervals of watching (no heartbeat at all counts the same) is treated as gone, like one that announced
-its leave, and the round closes once ``quorum`` regions have arrived, without waiting out ``grace_s``
-(reason ``stale``; the commit names the regions). Clocks are never compared across regions: the
-heartbeat's wall-clock time is for people only. The observations outlive the round, so after the first
-round that detects a crash the next ones close at once. A region that is hung but still beating is
-waited for up to ``grace_s``, as before.
+counter every ``heartbeat_s``. A region waiting in a round reads the
+heartbeats of the regions still missing (with their presence records, at most once per check), each with
+its age on the STORE's clock (:meth:`~.store.Store.get_aged`), and remembers, on its OWN monotonic clock,
+since when it has seen each value: a region whose heartbeat is ``STALE_BEATS`` heartbeat intervals old by
+the store, or unchanged for as long of watching (no heartbeat at all counts the same), is treated as gone,
+like one that announced its leave, and the round closes once ``quorum`` regions have arrived, without
+waiting out ``grace_s`` (reason ``stale``; the commit names the regions). A region that crashed long ago is
+so seen gone at the first read. No host's clock is compared with another's: the heartbeat's wall-clock
+time is for people only. The observations outlive the round, so after the first round that detects a
+crash the next ones close at once. A region that is hung but still beating is waited for up to
+``grace_s``, as before.
 
 **Never closing a round twice.** A round's commit is deleted only after a commit ``keep_rounds`` rounds
 later exists. So a region that finds no commit for its round but a commit for a later one knows its
@@ -240,19 +242,23 @@ class Membership:
             if self.heartbeat_s is None:
                 continue
             before = self._clock()
-            hb = self.read_heartbeat(r)
-            quiet, limit = self._quiet_for(r, hb, before, self._clock())
+            hb, age = self.read_heartbeat_aged(r)
+            after = self._clock()
+            quiet, limit = self._quiet_for(r, hb, before, after)
+            quiet = max(quiet, age or 0.0)
             if quiet >= limit:
                 stale.add(r)
             else:
-                due = min(due, self._watch[r][1] + limit)
+                due = min(due, after + limit - quiet)
         return leaving, stale, due
 
     def _quiet_for(
         self, region: str, hb: Heartbeat | None, before: float, after: float
     ) -> tuple[float, float]:
         """Record one reading of ``region``'s heartbeat, taken between ``before`` and ``after`` (this region's
-        clock). Returns (for how long its value is known not to have changed, how long makes it stale)."""
+        clock). Returns (for how long this region has watched its value not change, how long makes it
+        stale). The store's own age of the object (:meth:`read_heartbeat_aged`) says more from the first
+        reading on; watching covers a missing heartbeat and a store that tells no age."""
         value = hb.value if hb is not None else None
         seen = self._watch.get(region)
         # the writer's own interval when it is longer (regions disagreeing on heartbeat_s never misjudge)
@@ -265,6 +271,16 @@ class Membership:
     # -- heartbeats ------------------------------------------------------------------------------------
     def read_heartbeat(self, region: str) -> Heartbeat | None:
         return self._read_record(Heartbeat, self.alive_key(region), region)
+
+    def read_heartbeat_aged(self, region: str) -> tuple[Heartbeat | None, float | None]:
+        """``region``'s heartbeat and the seconds since it was written, on the store's clock
+        (:meth:`~.store.Store.get_aged`; None: missing, unreadable, or no age told)."""
+        key = self.alive_key(region)
+        got = self.store.get_aged(key)
+        if got is None:
+            return None, None
+        hb = Heartbeat.from_json(got[0], self.store.describe(key))
+        return (hb, got[1]) if hb is not None and hb.region == region else (None, None)
 
     def heartbeats(self, keys: list[str] | None = None) -> dict[str, Heartbeat]:
         """Every region's heartbeat in the mailbox (one listing, or ``keys`` of :meth:`run_keys`)."""
