@@ -482,6 +482,35 @@ def test_the_heartbeat_stops_on_leave(transport):
     assert c.reason == "leave" and c.stale == [] and waited < 1.0  # the leave is on record: not "stale"
 
 
+def test_heartbeats_go_through_a_client_of_their_own(transport, monkeypatch):
+    """S3: every upload of the payload client hangs (a saturated connection pool): us still beats, through
+    a client and pool of its own. fs needs none: the store is the writer's."""
+    ms = members(transport, quorum=1, grace_s=30.0, heartbeat_s=HB)
+    us = ms["us"]
+    if isinstance(us.store, FsStore):
+        us.start_heartbeat()
+        assert us._writer is not None and us._writer.store is us.store
+        us.stop_heartbeat()
+        return
+    release = threading.Event()
+    put_object = us.store.client.put_object
+
+    def saturated(**kw):
+        release.wait(60)
+        return put_object(**kw)
+
+    monkeypatch.setattr(us.store.client, "put_object", saturated)
+    us.start_heartbeat()
+    try:
+        first = _beats(ms["eu"], "us", 1, timeout=10.0)
+        assert _beats(ms["eu"], "us", first.beat + 2, timeout=10.0).incarnation == first.incarnation
+        writer = us._writer
+        assert writer is not None and writer.store.client is not us.store.client
+    finally:
+        release.set()
+        us.stop_heartbeat()
+
+
 def test_a_failing_heartbeat_write_is_logged_once_and_retried(tmp_path, caplog):
     root = tmp_path / "mailbox"
     store = FsStore(root)

@@ -54,8 +54,8 @@ class HeartbeatWriter:
     beat tries again: a region that cannot beat only makes the others stop waiting for it sooner.
 
     Thread safety: the thread only calls ``store.put`` (``FsStore``: a temp file with a unique name, then a
-    rename; ``S3Store``: the one boto3 client, which is thread-safe, and its retry counter is locked).
-    Its retried requests therefore count in the ``xr_retries`` of the round they fall in."""
+    rename; ``S3Store``: a client of its own, :meth:`~.store.Store.clone`, so a beat never waits for a
+    connection that payload uploads hold; its retries are not counted in any round's ``xr_retries``)."""
 
     def __init__(self, store: Store, key: str, region: str, interval_s: float, job: str = "") -> None:
         self.store, self.key, self.region, self.interval_s, self.job = store, key, region, interval_s, job

@@ -310,8 +310,9 @@ class Membership:
             self.heartbeat_s = heartbeat_s
         if self.heartbeat_s is None or self._writer is not None:
             return
+        # its own store client: a beat never queues behind this region's payload uploads
         self._writer = HeartbeatWriter(
-            self.store, self.alive_key(self.region), self.region, self.heartbeat_s, self.job
+            self.store.clone(), self.alive_key(self.region), self.region, self.heartbeat_s, self.job
         )
         self._writer.start()
 
@@ -320,6 +321,8 @@ class Membership:
         STALE_BEATS intervals unless its presence says it left."""
         if self._writer is not None:
             self._writer.stop()
+            if self._writer.store is not self.store:
+                self._writer.store.close()
             self._writer = None
 
     @property
