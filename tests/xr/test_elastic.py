@@ -51,6 +51,7 @@ def _round_one_then_us_goes(tmp_path, regions, kw, us_goes):
     def first_round(r):
         m, s = _sync(r, tmp_path, regions, **kw)
         s.align(0)
+        s.catch_up(0)  # as a trainer starts (api.start): an elastic region beats from here on
         opt = torch.optim.SGD(m.parameters(), lr=0.05)
         _rounds(m, s, opt, r, [1])
         syncs[r] = (m, s, opt)
@@ -355,6 +356,39 @@ def test_a_crashed_region_is_found_by_its_heartbeat_and_rejoins_bit_identical(tm
     assert torch.equal(flat(m_eu), flat(m_us)) and torch.equal(s_eu.theta_outer, s_us.theta_outer)
     s_eu.close()
     assert not s_eu.membership.beating
+
+
+def test_a_returning_region_beats_only_once_caught_up(tmp_path, monkeypatch):
+    """us crashes after round 1 and comes back after eu's round 3: while it loads and replays rounds 2 and 3
+    it writes no heartbeat (its old one goes on ageing: a crash in there looks like what it is); it beats,
+    as a new incarnation, from the end of its catch-up."""
+    regions = ["eu", "us"]
+    kw = dict(grace_s=5.0, heartbeat_s=0.2, keep_rounds=10, snapshot_every=100)
+    syncs, saved = _round_one_then_us_goes(tmp_path, regions, kw, lambda s: s.membership.stop_heartbeat())
+    m_eu, s_eu, opt_eu = syncs["eu"]
+    _rounds(m_eu, s_eu, opt_eu, "eu", [2, 3])
+    old = s_eu.membership.read_heartbeat("us")
+    m_us, s_us = _sync("us", tmp_path, regions, seed=99, **kw)
+    m_us.load_state_dict(saved["model"])
+    s_us.load_state_dict(saved["outer"])
+    beating = []
+    replay = s_us._replay
+
+    def watched(r):
+        beating.append((r, s_us.membership.beating))
+        replay(r)
+
+    monkeypatch.setattr(s_us, "_replay", watched)
+    time.sleep(0.5)  # a region that beat from its start would have written by now
+    assert not s_us.membership.beating and s_eu.membership.read_heartbeat("us") == old
+    s_us.catch_up(H)
+    assert beating == [(2, False), (3, False)] and s_us.round == 3
+    assert s_us.membership.beating
+    deadline = time.monotonic() + 20.0
+    while (hb := s_eu.membership.read_heartbeat("us")) == old:
+        assert time.monotonic() < deadline, "us never beat after its catch-up"
+        time.sleep(0.05)
+    assert hb is not None and old is not None and hb.incarnation != old.incarnation
 
 
 def test_a_payload_cleaned_up_under_a_fast_forward_makes_it_plan_again(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ that arrives after the commit, averages exactly the same deltas: the parameters 
 
 **Crashed regions (heartbeats).** A region that crashes (SIGKILL, a lost node) announces nothing. With
 ``heartbeat_s`` set, a thread of each region's rank 0 overwrites its heartbeat object with an increasing
-counter every ``heartbeat_s``. A region waiting in a round reads the
+counter every ``heartbeat_s``, from the end of its catch-up on. A region waiting in a round reads the
 heartbeats of the regions still missing (with their presence records, at most once per check), each with
 its age on the STORE's clock (:meth:`~.store.Store.get_aged`), and remembers, on its OWN monotonic clock,
 since when it has seen each value: a region whose heartbeat is ``STALE_BEATS`` heartbeat intervals old by
