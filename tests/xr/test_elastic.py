@@ -51,6 +51,7 @@ def _round_one_then_us_goes(tmp_path, regions, kw, us_goes):
     def first_round(r):
         m, s = _sync(r, tmp_path, regions, **kw)
         s.align(0)
+        s.catch_up(0)  # as a trainer starts (api.start): an elastic region beats from here on
         opt = torch.optim.SGD(m.parameters(), lr=0.05)
         _rounds(m, s, opt, r, [1])
         syncs[r] = (m, s, opt)
@@ -230,23 +231,58 @@ def test_withheld_rounds_publish_nothing_and_the_region_applies_the_commit(tmp_p
     assert torch.equal(eu_p, us_p)
 
 
-def test_a_returning_region_continues_at_the_runs_current_step(tmp_path):
-    """The run's position inside the next round is estimated from the last rounds' close times: a region
-    that fast-forwards 12 s into a 19 s round after the newest commit continues 6 of 10 steps into it (so its first
-    round back ends about when the others' does), never past H - 1 steps, and at 0 without an estimate or
-    when the whole run stood still."""
+def test_a_region_behind_in_a_background_round_fast_forwards_within_the_behind_check(tmp_path):
+    """ap (overlap eager) waits for its round 1 in the background, in slices of 0.5 s (BACKGROUND_SLICE_S),
+    but the run (eu and us, min_regions 2) closed round 1 without ap and went on to round 5, cleaning round 1
+    up behind the round-4 snapshot: no quorum can form, only the wait's behind check (every
+    behind_check_s of the whole wait, 1.5 s here: longer than a slice) tells. ap fast-forwards at its next
+    boundary, not after timeout_s (which would raise XRNoQuorum)."""
+    regions = ["eu", "us", "ap"]
+    kw = dict(min_regions=2, grace_s=0.2, keep_rounds=1, snapshot_every=2, timeout_s=20)
+    syncs = {}
+    for r in regions:  # eu publishes theta0, the others adopt it
+        m, s = _sync(r, tmp_path, regions, **kw, **({"overlap": "eager"} if r == "ap" else {}))
+        s.align(0)
+        syncs[r] = (m, s, torch.optim.SGD(m.parameters(), lr=0.05))
+    m_ap, s_ap, opt_ap = syncs["ap"]
+    s_ap.membership.behind_check_s = 1.5
+
+    def run(region):  # rounds 1-5 without ap; then rounds 1-4 are cleaned up behind snapshot 4
+        m, s, opt = syncs[region]
+        recs = _rounds(m, s, opt, region, [1, 2, 3, 4])
+        s.wait_snapshot()
+        recs += _rounds(m, s, opt, region, [5])
+        s.wait_snapshot()
+        return [x["xr_members"] for x in recs]
+
+    assert in_threads(run, ["eu", "us"]) == {r: [["eu", "us"]] * 5 for r in ("eu", "us")}
+    ms = s_ap.membership
+    assert ms.latest_commit() == 5 and ms.read_commit("r000001") is None
+
+    first = _rounds(m_ap, s_ap, opt_ap, "ap", [1])[0]  # round 1 starts in the background
+    assert first["xr_inflight"] == 1
+    t0 = time.monotonic()
+    rec = _rounds(m_ap, s_ap, opt_ap, "ap", [2])[0]  # joins round 1: behind, fast-forward
+    assert rec["xr_round"] == 5 and rec["xr_adopted_step"] >= 5 * H and rec["xr_rejoin_from"] == 0, rec
+    assert time.monotonic() - t0 < kw["timeout_s"] / 2
+    assert torch.equal(s_ap.theta_outer, syncs["eu"][1].theta_outer)
+
+
+def test_a_returning_region_continues_at_the_runs_current_step(tmp_path, monkeypatch):
+    """The run's position inside the next round is estimated from when the store wrote the last rounds'
+    commits (here their files' mtimes) and a write made now: a region that fast-forwards 12 s into a 19 s
+    round after the newest commit continues 6 of 10 steps into it (so its first round back ends about when
+    the others' does), never past H - 1 steps, and at 0 without an estimate or when the whole run stood
+    still. No other clock takes part: not this host's time.time() (5 hours ahead here), nor the time each
+    closer wrote into its commit (its own clock, a day behind here)."""
     import json
-    import time as _time
+    import os
 
     h = 10
     _, s = _sync("eu", tmp_path, ["eu", "us"], inner_steps=h)
     ms = s.membership
-    now = _time.time()
-    for r, t in (
-        (3, now - 50.0),
-        (4, now - 30.0),
-        (5, now - 12.0),
-    ):  # rounds take 20 s; round 5 closed 12 s ago
+    now = time.time()
+    for r in (3, 4, 5):
         body = {
             "run_id": "t",
             "tag": f"r{r:06d}",
@@ -256,24 +292,25 @@ def test_a_returning_region_continues_at_the_runs_current_step(tmp_path):
             "reason": "all",
             "waited_s": 0.0,
             "absent": [],
-            "time": t,
-            "format": 1,
+            "time": now - 86400.0,
+            "version": 1,
         }
         ms.store.create(ms.commit_key(f"r{r:06d}"), json.dumps(body).encode())
+
+    def closed_ago(ages):  # when the store wrote each commit: its mtime
+        for r, age in zip((3, 4, 5), ages, strict=True):
+            os.utime(ms.store.root / ms.commit_key(f"r{r:06d}"), (now - age, now - age))
+
+    monkeypatch.setattr(time, "time", lambda: now + 5 * 3600.0)
+    closed_ago((50.0, 30.0, 12.0))  # rounds take 20 s; round 5 closed 12 s ago
     s.round = 5
     assert s._steps_into_round() == 6  # (50 - 12) / 2 = 19 s per round; 12 s into it: int(10 * 12 / 19)
     s.round = 3  # one closed round to go by: no estimate
     assert s._steps_into_round() == 0
     s.round = 5
-
-    def closed_at(times):
-        for r, t in zip((3, 4, 5), times, strict=True):
-            key = ms.commit_key(f"r{r:06d}")
-            ms.store.put(key, json.dumps({**json.loads(ms.store.get(key)), "time": now - t}).encode())
-
-    closed_at((70.0, 50.0, 30.0))  # round 6 is 10 s overdue (a region waits out grace_s): at most H - 1
+    closed_ago((70.0, 50.0, 30.0))  # round 6 is 10 s overdue (a region waits out grace_s): at most H - 1
     assert s._steps_into_round() == h - 1
-    closed_at((100.0, 80.0, 60.0))  # nothing closed for 3 rounds' time: every region was away, start at 0
+    closed_ago((100.0, 80.0, 60.0))  # nothing closed for 3 rounds' time: every region was away, start at 0
     assert s._steps_into_round() == 0
 
 
@@ -319,6 +356,39 @@ def test_a_crashed_region_is_found_by_its_heartbeat_and_rejoins_bit_identical(tm
     assert torch.equal(flat(m_eu), flat(m_us)) and torch.equal(s_eu.theta_outer, s_us.theta_outer)
     s_eu.close()
     assert not s_eu.membership.beating
+
+
+def test_a_returning_region_beats_only_once_caught_up(tmp_path, monkeypatch):
+    """us crashes after round 1 and comes back after eu's round 3: while it loads and replays rounds 2 and 3
+    it writes no heartbeat (its old one goes on ageing: a crash in there looks like what it is); it beats,
+    as a new incarnation, from the end of its catch-up."""
+    regions = ["eu", "us"]
+    kw = dict(grace_s=5.0, heartbeat_s=0.2, keep_rounds=10, snapshot_every=100)
+    syncs, saved = _round_one_then_us_goes(tmp_path, regions, kw, lambda s: s.membership.stop_heartbeat())
+    m_eu, s_eu, opt_eu = syncs["eu"]
+    _rounds(m_eu, s_eu, opt_eu, "eu", [2, 3])
+    old = s_eu.membership.read_heartbeat("us")
+    m_us, s_us = _sync("us", tmp_path, regions, seed=99, **kw)
+    m_us.load_state_dict(saved["model"])
+    s_us.load_state_dict(saved["outer"])
+    beating = []
+    replay = s_us._replay
+
+    def watched(r):
+        beating.append((r, s_us.membership.beating))
+        replay(r)
+
+    monkeypatch.setattr(s_us, "_replay", watched)
+    time.sleep(0.5)  # a region that beat from its start would have written by now
+    assert not s_us.membership.beating and s_eu.membership.read_heartbeat("us") == old
+    s_us.catch_up(H)
+    assert beating == [(2, False), (3, False)] and s_us.round == 3
+    assert s_us.membership.beating
+    deadline = time.monotonic() + 20.0
+    while (hb := s_eu.membership.read_heartbeat("us")) == old:
+        assert time.monotonic() < deadline, "us never beat after its catch-up"
+        time.sleep(0.05)
+    assert hb is not None and old is not None and hb.incarnation != old.incarnation
 
 
 def test_a_payload_cleaned_up_under_a_fast_forward_makes_it_plan_again(tmp_path, monkeypatch):

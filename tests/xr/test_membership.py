@@ -273,13 +273,14 @@ def test_elastic_needs_a_store_that_refuses_a_second_create(tmp_path, monkeypatc
 
 def test_a_wait_in_slices_keeps_its_grace_clock(transport):
     """The exchange waits in slices (so that the other ranks hear from rank 0): a grace_s longer than a
-    slice must still run out. Each slice carries the quorum's start over to the next one."""
+    slice must still run out. Each slice resumes the round's wait, its quorum's start included."""
     ms = members(transport, quorum=1, grace_s=0.5, timeout_s=4.0)
     pub(ms["eu"], 1)
     started = time.monotonic()
+    wait = ms["eu"].round_wait("r000001", EXPECT, step=4, started=started)
     got, slices = None, 0
     while got is None:
-        got = ms["eu"].wait_commit("r000001", EXPECT, step=4, started=started, slice_s=0.15)
+        got = wait.run(slice_s=0.15)
         slices += 1
     assert got[0].reason == "grace" and slices >= 3
     assert 0.5 <= time.monotonic() - started < 0.5 + 0.5
@@ -328,9 +329,10 @@ def _beats(ms: Membership, region: str, n: int, timeout: float = 20.0) -> Heartb
 
 def test_a_crashed_region_costs_one_stale_wait_then_nothing(transport, repo):
     """us is a real process whose heartbeat thread beats every 0.2 s; it is SIGKILLed (nothing tells eu).
-    eu's first round without it waits until us's heartbeat has stood still for 3 beats on eu's own clock
-    (0.6 s, not grace_s = 4 s) and closes it as "stale", naming us; eu keeps what it saw, so the next rounds
-    close with no wait at all (bounds with room for a loaded machine: a round's requests take time too)."""
+    eu's first round without it waits until us's heartbeat is 3 beats old (0.6 s, not grace_s = 4 s: on the
+    store's clock, or watched on eu's own) and closes it as "stale", naming us; eu keeps what it saw, so the
+    next rounds close with no wait at all (bounds with room for a loaded machine: a round's requests take
+    time too)."""
     ms = members(transport, quorum=1, grace_s=4.0, heartbeat_s=HB)
     proc = subprocess.Popen(
         [sys.executable, "-c", _BEATER, transport.model_dump_json(), str(HB)],
@@ -345,12 +347,14 @@ def test_a_crashed_region_costs_one_stale_wait_then_nothing(transport, repo):
         assert (
             _beats(ms["eu"], "us", first.beat + 2).incarnation == first.incarnation
         )  # alive: the counter moves
+        seen = time.monotonic()  # us wrote its last beat at most a poll (20 ms) before this, or after
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     c, waited = _timed_round(ms["eu"], 1)
     assert c.reason == "stale" and c.stale == ["us"] and c.absent == ["us"] and list(c.members) == ["eu"], c
-    assert STALE * 0.95 <= waited < 2.0, waited  # watched us for 3 beats: well under grace_s
+    assert waited < 2.0, waited  # well under grace_s
+    assert time.monotonic() - seen >= STALE * 0.75  # never before us's last beat was (about) 3 beats old
     later = [_timed_round(ms["eu"], r) for r in (2, 3, 4)]
     assert all(c.reason == "stale" and c.stale == ["us"] for c, _ in later), later
     assert max(w for _, w in later) < 1.0, later  # no wait: us has been known gone since round 1
@@ -363,6 +367,62 @@ def test_a_region_that_never_beat_is_stale_once_watched_long_enough(transport):
     assert c.reason == "stale" and c.stale == ["us"] and STALE * 0.95 <= waited < 2.0, (c, waited)
     c, waited = _timed_round(ms["eu"], 2)
     assert c.reason == "stale" and waited < 1.0, (c, waited)
+
+
+LONG_HB = 1.0  # heartbeat_s of the store-clock tests: stale after 3 s, above the S3 age's 1 s resolution
+SKEWS = [5 * 3600.0, -5 * 3600.0]  # this host's time.time() hours off: the store's clock decides alone
+
+
+def _crashed_long_ago(ms: dict[str, Membership], region: str) -> None:
+    """``region`` beat once, then crashed: its heartbeat object is older than STALE_BEATS x LONG_HB by the
+    STORE's clock before any other region reads it (fs: its mtime an hour back; S3: wait until the server
+    says so, a few seconds)."""
+    w = ms[region]
+    HeartbeatWriter(w.store, w.alive_key(region), region, LONG_HB).beat()
+    if isinstance(w.store, FsStore):
+        past = time.time() - 3600.0
+        os.utime(w.store.root / w.alive_key(region), (past, past))
+        return
+    deadline = time.monotonic() + 30.0
+    while True:
+        got = w.store.get_aged(w.alive_key(region))
+        if got is not None and (got[1] or 0.0) >= STALE_BEATS * LONG_HB:
+            return
+        assert time.monotonic() < deadline, f"the S3 server never aged the heartbeat: {got}"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("skew", SKEWS)
+def test_a_region_crashed_long_ago_is_gone_at_the_first_check(transport, monkeypatch, skew):
+    """us's heartbeat stopped long before eu first reads it: eu's first round closes as "stale" at once, not
+    after watching it for 3 beats (3 s here), whatever this host's time.time() says."""
+    ms = members(transport, quorum=1, grace_s=30.0, heartbeat_s=LONG_HB)
+    _crashed_long_ago(ms, "us")
+    real = time.time()
+    monkeypatch.setattr(time, "time", lambda: real + skew)
+    c, waited = _timed_round(ms["eu"], 1)
+    assert c.reason == "stale" and c.stale == ["us"] and list(c.members) == ["eu"], c
+    assert waited < STALE_BEATS * LONG_HB / 2, waited  # the first check: watching would take 3 s
+
+
+@pytest.mark.parametrize("skew", SKEWS)
+def test_a_live_region_is_never_gone_beside_a_crashed_one(transport, monkeypatch, skew):
+    """ap crashed long ago, us beats (every 1 s) but has not published: eu counts ap gone at the first check
+    and waits out grace_s (1.5 s, under ap's 3 s of watching) for us, round after round, with this host's
+    time.time() hours off."""
+    ms = members(transport, ["eu", "us", "ap"], quorum=1, grace_s=1.5, heartbeat_s=LONG_HB)
+    _crashed_long_ago(ms, "ap")
+    real = time.time()
+    monkeypatch.setattr(time, "time", lambda: real + skew)
+    ms["us"].start_heartbeat()
+    try:
+        _beats(ms["eu"], "us", 1)
+        for r in (1, 2):
+            c, waited = _timed_round(ms["eu"], r)
+            assert (c.reason, c.stale, c.absent) == ("grace", ["ap"], ["us", "ap"]), (c, waited)
+            assert 1.5 <= waited < 1.5 + 1.5, waited
+    finally:
+        ms["us"].stop_heartbeat()
 
 
 class _SkewedWriter(HeartbeatWriter):
@@ -422,6 +482,35 @@ def test_the_heartbeat_stops_on_leave(transport):
     assert c.reason == "leave" and c.stale == [] and waited < 1.0  # the leave is on record: not "stale"
 
 
+def test_heartbeats_go_through_a_client_of_their_own(transport, monkeypatch):
+    """S3: every upload of the payload client hangs (a saturated connection pool): us still beats, through
+    a client and pool of its own. fs needs none: the store is the writer's."""
+    ms = members(transport, quorum=1, grace_s=30.0, heartbeat_s=HB)
+    us = ms["us"]
+    if isinstance(us.store, FsStore):
+        us.start_heartbeat()
+        assert us._writer is not None and us._writer.store is us.store
+        us.stop_heartbeat()
+        return
+    release = threading.Event()
+    put_object = us.store.client.put_object
+
+    def saturated(**kw):
+        release.wait(60)
+        return put_object(**kw)
+
+    monkeypatch.setattr(us.store.client, "put_object", saturated)
+    us.start_heartbeat()
+    try:
+        first = _beats(ms["eu"], "us", 1, timeout=10.0)
+        assert _beats(ms["eu"], "us", first.beat + 2, timeout=10.0).incarnation == first.incarnation
+        writer = us._writer
+        assert writer is not None and writer.store.client is not us.store.client
+    finally:
+        release.set()
+        us.stop_heartbeat()
+
+
 def test_a_failing_heartbeat_write_is_logged_once_and_retried(tmp_path, caplog):
     root = tmp_path / "mailbox"
     store = FsStore(root)
@@ -438,7 +527,7 @@ def test_a_failing_heartbeat_write_is_logged_once_and_retried(tmp_path, caplog):
     msgs = [r.getMessage() for r in caplog.records]
     assert len([m for m in msgs if "heartbeat: writing" in m and "failed" in m]) == 1, msgs
     assert any("written again after 2 failed writes" in m for m in msgs), msgs
-    hb = Heartbeat.from_json(store.get("run1/_alive/us.json"))
+    hb = Heartbeat.from_json(store.get("run1/_alive/us.json"), "x")
     assert (hb.region, hb.beat, hb.interval_s, hb.job) == ("us", 4, 5.0, "job-1")
     assert json.loads(store.get("run1/_alive/us.json"))["incarnation"] == w.incarnation
 

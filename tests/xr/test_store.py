@@ -40,6 +40,62 @@ def test_overwrite_is_whole_object(store):
     assert store.get("k/a") == b"2" * 10
 
 
+def test_modified_is_the_time_of_the_last_write_by_the_stores_clock(store, monkeypatch):
+    """(S3: the server's Last-Modified, to the second; fs: the file's mtime.) Never this process's
+    time.time(): here a day off, which the answer must not follow (the server runs on this host)."""
+    import time
+
+    assert store.modified("k/none") is None
+    real = time.time()
+    monkeypatch.setattr(time, "time", lambda: real + 86400.0)
+    store.put("k/a", b"1")
+    first = store.modified("k/a")
+    assert first is not None and real - 2.0 <= first <= real + 60.0
+    store.put("k/a", b"2")
+    assert first <= store.modified("k/a") <= real + 60.0
+
+
+def test_get_aged_is_an_objects_age_on_the_stores_clock(store, monkeypatch):
+    """The age of an object from the store's clock alone (S3: Date less Last-Modified of one response, at
+    the low end of their second's resolution; fs: a new file's mtime less the object's), whatever this
+    host's time.time() says (here 5 h ahead)."""
+    import time
+
+    real = time.time()
+    monkeypatch.setattr(time, "time", lambda: real + 5 * 3600.0)
+    assert store.get_aged("k/none") is None
+    store.put("k/a", b"abc")
+    data, age = store.get_aged("k/a")
+    assert data == b"abc" and age is not None and 0.0 <= age < 2.0
+    if isinstance(store, FsStore):  # a heartbeat written an hour ago (this host is the file server)
+        os.utime(store.root / "k/a", (real - 3600.0, real - 3600.0))
+        assert 3600.0 - 1.0 <= store.get_aged("k/a")[1] <= 3600.0 + 60.0
+        assert not [n for n in os.listdir(store.root) if n.startswith(".")]  # the clock probe is gone
+    else:  # S3: wait until the server says the object is over a second old
+        deadline = time.monotonic() + 20.0
+        while (age := store.get_aged("k/a")[1]) < 1.0:
+            assert time.monotonic() < deadline, age
+            time.sleep(0.2)
+        assert age < 10.0
+
+
+def test_clone_has_its_own_client(store):
+    """A clone reads and writes the same objects; on S3 through another client (and connection pool)."""
+    other = store.clone()
+    try:
+        other.put("k/c", b"1")
+        assert store.get("k/c") == b"1"
+        if isinstance(store, S3Store):
+            assert isinstance(other, S3Store) and other.client is not store.client
+            assert other.client._endpoint.http_session is not store.client._endpoint.http_session
+            assert other.describe("k/c") == store.describe("k/c")
+        else:
+            assert other is store
+    finally:
+        if other is not store:
+            other.close()
+
+
 def test_get_into_size_mismatch_and_missing(store):
     store.put("k/obj", b"abcdef")
     with pytest.raises(XRChecksumError, match="6 bytes, the manifest says 4"):

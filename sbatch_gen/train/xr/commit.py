@@ -4,14 +4,12 @@ and read: :mod:`.membership`. Torch-free."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from .errors import XRLayoutError
 from .protocol import parse_tag
-
-COMMIT_FORMAT = 1
+from .records import Record, build
 
 
 @dataclass
@@ -21,7 +19,9 @@ class Member:
 
 
 @dataclass
-class Commit:
+class Commit(Record):
+    WHAT = "round commit"
+
     run_id: str
     tag: str
     step: int
@@ -32,21 +32,17 @@ class Commit:
     reason: str
     waited_s: float  # how long the closing region waited for peers in this round
     absent: list[str] = field(default_factory=list)  # regions not in the commit
+    # the closer's wall clock: for people (`sbatch-gen status`), never compared with another clock
     time: float = 0.0
     stale: list[str] = field(default_factory=list)  # absent regions whose heartbeat the closer found stale
-    format: int = COMMIT_FORMAT
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, raw: bytes, where: str) -> Commit:
+        """Raises :class:`XRLayoutError` for an unreadable commit, or one of a version not read here."""
         try:
-            d = json.loads(raw)
-            if d.get("format") != COMMIT_FORMAT:
-                raise ValueError(f"format {d.get('format')!r}, this version reads {COMMIT_FORMAT}")
-            d["members"] = {r: Member(**m) for r, m in d["members"].items()}
-            return cls(**d)
+            c = cls.read(raw, where)
+            c.members = {r: build(Member, m) for r, m in c.members.items()}  # type: ignore[arg-type]
+            return c
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise XRLayoutError(f"unreadable round commit {where}: {e}") from e
 
@@ -56,7 +52,9 @@ class Commit:
 
 
 @dataclass
-class Presence:
+class Presence(Record):
+    WHAT = "presence record"
+
     region: str
     state: str  # "joined" | "leaving"
     round: int
@@ -65,9 +63,10 @@ class Presence:
     job: str = ""
 
     @classmethod
-    def from_json(cls, raw: bytes) -> Presence | None:
+    def from_json(cls, raw: bytes, where: str) -> Presence | None:
+        """None for an unreadable record; raises :class:`XRLayoutError` for a version not read here."""
         try:
-            return cls(**json.loads(raw))
+            return cls.read(raw, where)
         except (ValueError, TypeError):
             return None
 

@@ -61,9 +61,6 @@ class DiLoCo(SnapshotSync):
         bg = self.group.background() if self.eager else None  # collective: a process group of its own
         self.bg_ex = self.ex.in_background(bg) if bg is not None else None
         self._init_housekeeping()  # collective
-        if self.group.rank == 0 and self.membership is not None and self.xr.elastic:
-            # liveness for the others' rounds (and theirs judged by it) until leave() or close()
-            self.membership.start_heartbeat(self.xr.heartbeat_s)
 
     def _aligned(self) -> None:
         if self.leader:
@@ -392,10 +389,15 @@ class DiLoCo(SnapshotSync):
         return steps_into_round(self.ex.ms(), self.round, self._round_gap())
 
     def catch_up(self, step: int) -> int | None:
-        """Start-up: fast-forward to the run, run a round that found no quorum before the requeue, then
-        announce that this region has joined."""
+        """Start-up: fast-forward to the run, start beating (elastic), run a round that found no quorum
+        before the requeue, then announce that this region has joined."""
         rec = self._fast_forward(step, "start")
         adopted = rec["xr_adopted_step"] if rec else None
+        if self.group.rank == 0 and self.membership is not None and self.xr.elastic:
+            # Liveness for the others' rounds (and theirs judged by it) until leave() or close(), from now
+            # on: caught up with the run. A region that crashes while it loads or replays has not beaten
+            # yet (or its last incarnation's heartbeat is old): the others do not wait for it.
+            self.membership.start_heartbeat(self.xr.heartbeat_s)
         self._relaunch()  # (eager) resumed with a round in flight: it runs again, in the background
         if self.pending and self.round < self.pending:
             r = self.pending

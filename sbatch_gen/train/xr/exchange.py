@@ -41,7 +41,7 @@ from . import scaled
 from .commit import Commit
 from .errors import StoreError, XRCancelled, XRError, XRLayoutError
 from .kernels import CPU_BLOCK, GPU_BLOCK, weighted_average_
-from .membership import Membership
+from .membership import Membership, RoundWait
 from .protocol import (
     ITEMSIZE,
     SCALED,
@@ -527,9 +527,9 @@ class Exchange:
     def _wait_closed(self, tag: str, expect, step: int, cancel: threading.Event | None):
         """Wait until round ``tag`` is closed: (its commit, the members' manifests). rank 0 waits in
         slices, so every rank hears about progress or failure."""
-        started = time.monotonic()
+        waits: list[RoundWait] = []  # rank 0's, made at its first slice and resumed by the next ones
         while True:
-            res = self.group.on_rank(lambda: self._closed(tag, expect, step, started, cancel))
+            res = self.group.on_rank(lambda: self._closed(tag, expect, step, waits, cancel))
             if res is not None:
                 return res
 
@@ -537,13 +537,17 @@ class Exchange:
         """Requests this process's store has retried so far (0 on ranks without a mailbox)."""
         return int(getattr(self.mailbox.store, "retries", 0)) if self.mailbox is not None else 0
 
-    def _closed(self, tag: str, expect: Expect, step: int, started: float, cancel: threading.Event | None):
-        """rank 0: one slice of waiting; (commit, the members' verified manifests) once the round closed."""
+    def _closed(
+        self, tag: str, expect: Expect, step: int, waits: list[RoundWait], cancel: threading.Event | None
+    ):
+        """rank 0: one slice of the round's wait (``waits``: empty at the first slice, then the wait it
+        started); (commit, the members' verified manifests) once the round closed."""
         if cancel is not None and cancel.is_set():
             raise XRCancelled(f"round {tag}: called off while waiting for the other regions")
         ms = self.ms()
-        slice_s = BACKGROUND_SLICE_S if self.background else WAIT_SLICE_S
-        got = ms.wait_commit(tag, expect, step=step, started=started, slice_s=slice_s)
+        if not waits:
+            waits.append(ms.round_wait(tag, expect, step=step))
+        got = waits[0].run(BACKGROUND_SLICE_S if self.background else WAIT_SLICE_S)
         if got is None:
             return None
         commit, seen = got

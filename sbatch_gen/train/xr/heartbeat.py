@@ -5,24 +5,26 @@ of a region's rank 0 that overwrites it every ``heartbeat_s``. How the others re
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+from .records import Record
 from .store import Store
 
-STALE_BEATS = 3  # heartbeat intervals without a new value (watched on the reader's clock): the region is gone
+STALE_BEATS = 3  # heartbeat intervals old (store's clock) or unchanged (reader's clock): the region is gone
 log = logging.getLogger("sbatch_gen.train")
 
 
 @dataclass
-class Heartbeat:
-    """A region's liveness record, ``<run>/_alive/<region>.json``. Readers compare its VALUE over time on
-    their own clock; ``time`` is the writer's wall clock, shown to people (``sbatch-gen status``), never
-    used to decide anything (clocks of different regions may disagree)."""
+class Heartbeat(Record):
+    """A region's liveness record, ``<run>/_alive/<region>.json``. Readers judge its age on the store's
+    clock and its VALUE over time on their own; ``time`` is the writer's wall clock, shown to people
+    (``sbatch-gen status``), never used to decide anything (clocks of different regions may disagree)."""
+
+    WHAT = "heartbeat"
 
     region: str
     incarnation: (
@@ -33,13 +35,11 @@ class Heartbeat:
     time: float
     job: str = ""
 
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
-
     @classmethod
-    def from_json(cls, raw: bytes) -> Heartbeat | None:
+    def from_json(cls, raw: bytes, where: str) -> Heartbeat | None:
+        """None for an unreadable record; raises :class:`XRLayoutError` for a version not read here."""
         try:
-            return cls(**json.loads(raw))
+            return cls.read(raw, where)
         except (ValueError, TypeError):
             return None
 
@@ -54,8 +54,8 @@ class HeartbeatWriter:
     beat tries again: a region that cannot beat only makes the others stop waiting for it sooner.
 
     Thread safety: the thread only calls ``store.put`` (``FsStore``: a temp file with a unique name, then a
-    rename; ``S3Store``: the one boto3 client, which is thread-safe, and its retry counter is locked).
-    Its retried requests therefore count in the ``xr_retries`` of the round they fall in."""
+    rename; ``S3Store``: a client of its own, :meth:`~.store.Store.clone`, so a beat never waits for a
+    connection that payload uploads hold; its retries are not counted in any round's ``xr_retries``)."""
 
     def __init__(self, store: Store, key: str, region: str, interval_s: float, job: str = "") -> None:
         self.store, self.key, self.region, self.interval_s, self.job = store, key, region, interval_s, job

@@ -11,6 +11,7 @@ Keys, next to the rounds of :mod:`.protocol` (region names start with a letter o
     <run>/_snap/r<round>/theta/s00000.bin   outer snapshot of a round: theta_outer and momentum (fp32)
     <run>/_snap/r<round>/theta.done         ... their manifests (the protocol's format)
     <run>/_snap/r<round>/_complete.json     ... and the marker that makes it usable, written last
+    <run>/_clock/<region>                   empty: written to read the store's clock (:meth:`Membership.store_now`)
 
 **Closing a round.** A round closes when every region's manifest is there, or when at least ``quorum``
 regions have arrived and ``grace_s`` has passed since that quorum formed, or at once (with the quorum)
@@ -21,15 +22,17 @@ that arrives after the commit, averages exactly the same deltas: the parameters 
 
 **Crashed regions (heartbeats).** A region that crashes (SIGKILL, a lost node) announces nothing. With
 ``heartbeat_s`` set, a thread of each region's rank 0 overwrites its heartbeat object with an increasing
-counter every ``heartbeat_s``. A region waiting in a round reads the heartbeats of the regions still
-missing (with their presence records, at most once per check) and remembers, on its OWN monotonic clock,
-since when it has seen each value: a region whose value has not changed for ``STALE_BEATS`` heartbeat
-intervals of watching (no heartbeat at all counts the same) is treated as gone, like one that announced
-its leave, and the round closes once ``quorum`` regions have arrived, without waiting out ``grace_s``
-(reason ``stale``; the commit names the regions). Clocks are never compared across regions: the
-heartbeat's wall-clock time is for people only. The observations outlive the round, so after the first
-round that detects a crash the next ones close at once. A region that is hung but still beating is
-waited for up to ``grace_s``, as before.
+counter every ``heartbeat_s``, from the end of its catch-up on. A region waiting in a round reads the
+heartbeats of the regions still missing (with their presence records, at most once per check), each with
+its age on the STORE's clock (:meth:`~.store.Store.get_aged`), and remembers, on its OWN monotonic clock,
+since when it has seen each value: a region whose heartbeat is ``STALE_BEATS`` heartbeat intervals old by
+the store, or unchanged for as long of watching (no heartbeat at all counts the same), is treated as gone,
+like one that announced its leave, and the round closes once ``quorum`` regions have arrived, without
+waiting out ``grace_s`` (reason ``stale``; the commit names the regions). A region that crashed long ago is
+so seen gone at the first read. No host's clock is compared with another's: the heartbeat's wall-clock
+time is for people only. The observations outlive the round, so after the first round that detects a
+crash the next ones close at once. A region that is hung but still beating is waited for up to
+``grace_s``, as before.
 
 **Never closing a round twice.** A round's commit is deleted only after a commit ``keep_rounds`` rounds
 later exists. So a region that finds no commit for its round but a commit for a later one knows its
@@ -39,14 +42,13 @@ never committed can be closed.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
 import time
 from collections.abc import Callable, Collection
-from dataclasses import asdict
 
+from . import records
 from .commit import Commit, Member, Presence, decide
 from .errors import XRBehind, XRLayoutError, XRNoQuorum
 from .heartbeat import STALE_BEATS, Heartbeat, HeartbeatWriter
@@ -57,6 +59,8 @@ PRESENCE_DIR = "_presence"
 SNAP_DIR = "_snap"
 SNAP_PARTS = ("theta", "momentum")
 ALIVE_DIR = "_alive"
+BEHIND_CHECK_S = 10.0  # how often a round's wait lists the run: has it moved past the round (XRBehind)?
+CLOCK_DIR = "_clock"
 _SNAP_RE = re.compile(r"^r(\d{6,})$")
 log = logging.getLogger("sbatch_gen.train")
 
@@ -88,7 +92,7 @@ class Membership:
         self._writer: HeartbeatWriter | None = None
         # region -> (heartbeat value last seen or None, when it was first seen on self._clock); kept across rounds
         self._watch: dict[str, tuple[tuple[str, int] | None, float]] = {}
-        self._waiting: tuple[tuple[str, float], float | None] | None = None  # ((tag, started), quorum_since)
+        self.behind_check_s = BEHIND_CHECK_S
         self.test_hook: Callable[[str, str], None] | None = None  # (event, tag): tests force races
 
     # -- keys ----------------------------------------------------------------------------------------
@@ -107,6 +111,13 @@ class Membership:
 
     def snap_complete_key(self, r: int) -> str:
         return f"{self.run_id}/{self.snap_tag(r)}/_complete.json"
+
+    def store_now(self) -> float | None:
+        """Now by the STORE's clock (:meth:`~.store.Store.modified` of a write made now), the clock of
+        every object's write time: None if the store does not say."""
+        key = f"{self.run_id}/{CLOCK_DIR}/{self.region}"
+        self.store.put(key, b"")
+        return self.store.modified(key)
 
     # -- commits ---------------------------------------------------------------------------------------
     def read_commit(self, tag: str) -> Commit | None:
@@ -176,65 +187,22 @@ class Membership:
         return won
 
     def wait_commit(
-        self,
-        tag: str,
-        expect: Expect,
-        *,
-        step: int | None = None,
-        started: float | None = None,
-        slice_s: float | None = None,
-    ) -> tuple[Commit, dict[str, Manifest]] | None:
+        self, tag: str, expect: Expect, *, step: int | None = None, started: float | None = None
+    ) -> tuple[Commit, dict[str, Manifest]]:
         """Poll until round ``tag`` is committed (by this region or another); return the commit and the
         manifests of the regions this region saw (verified). Raises :class:`XRNoQuorum` after
         ``timeout_s`` without a quorum, :class:`XRBehind` if the run committed later rounds and ``tag``'s
-        commit is gone. With ``slice_s``, returns ``None`` after that long (the caller keeps its other
-        ranks informed)."""
-        mb = self.mb
-        got: dict[str, Manifest] = {}
-        now0 = self._clock()
-        t0 = now0 if started is None else started
-        delay = mb.poll_min_s
-        # The grace clock of this wait, carried over from its previous slice (same tag and start).
-        wait_id = (tag, t0)
-        quorum_since = self._waiting[1] if self._waiting is not None and self._waiting[0] == wait_id else None
-        self._waiting = None
-        leaving: set[str] = set()
-        stale: set[str] = set()
-        stale_due = math.inf  # when the next missing region's heartbeat would have been quiet long enough
-        next_check = now0  # presence and heartbeats of the missing regions: a few reads, not on every poll
-        tick = min(1.0, max(self.grace_s / 4, 0.05))
-        next_behind = now0 + 10.0  # has the run moved past this round? (a listing of the whole run)
-        while True:
-            c = self.read_commit(tag)
-            if c is not None:
-                return c, got
-            self._read_manifests(tag, expect, got)
-            now = self._clock()
-            if now >= min(next_check, stale_due):
-                leaving, stale, stale_due = self._absentees(got)
-                next_check = now + tick
-            if now >= next_behind:
-                self._check_not_behind(tag)
-                next_behind = now + 10.0
-            reason, quorum_since = decide(
-                self.regions, got, leaving, self.quorum, self.grace_s, now, quorum_since, stale
-            )
-            if reason is not None:
-                self._check_not_behind(tag)
-                return self._try_close(
-                    tag, step if step is not None else -1, got, reason, now - t0, stale
-                ), got
-            if now - t0 >= mb.timeout_s:
-                raise self._no_quorum(tag, step, got)
-            if slice_s is not None and now - now0 >= slice_s:
-                self._waiting = (wait_id, quorum_since)
-                return None
-            if quorum_since is not None:  # grace running out, or a missing region's heartbeat going stale
-                wake = min(self.grace_s - (now - quorum_since), stale_due - now)
-            else:
-                wake = mb.timeout_s - (now - t0)
-            time.sleep(max(0.0, min(delay, wake + 1e-3)))
-            delay = min(mb.poll_max_s, delay * 1.5)
+        commit is gone. In slices: :meth:`round_wait`."""
+        got = self.round_wait(tag, expect, step=step, started=started).run()
+        assert got is not None  # None only when waiting in slices
+        return got
+
+    def round_wait(
+        self, tag: str, expect: Expect, *, step: int | None = None, started: float | None = None
+    ) -> RoundWait:
+        """The wait of :meth:`wait_commit`, to run in slices (``started``: when the round's wait began on
+        this region's clock; default now)."""
+        return RoundWait(self, tag, expect, step, started)
 
     def _read_manifests(self, tag: str, expect: Expect, got: dict[str, Manifest]) -> None:
         """Add to ``got`` the manifests of round ``tag`` published since the last look (verified)."""
@@ -274,19 +242,23 @@ class Membership:
             if self.heartbeat_s is None:
                 continue
             before = self._clock()
-            hb = self.read_heartbeat(r)
-            quiet, limit = self._quiet_for(r, hb, before, self._clock())
+            hb, age = self.read_heartbeat_aged(r)
+            after = self._clock()
+            quiet, limit = self._quiet_for(r, hb, before, after)
+            quiet = max(quiet, age or 0.0)
             if quiet >= limit:
                 stale.add(r)
             else:
-                due = min(due, self._watch[r][1] + limit)
+                due = min(due, after + limit - quiet)
         return leaving, stale, due
 
     def _quiet_for(
         self, region: str, hb: Heartbeat | None, before: float, after: float
     ) -> tuple[float, float]:
         """Record one reading of ``region``'s heartbeat, taken between ``before`` and ``after`` (this region's
-        clock). Returns (for how long its value is known not to have changed, how long makes it stale)."""
+        clock). Returns (for how long this region has watched its value not change, how long makes it
+        stale). The store's own age of the object (:meth:`read_heartbeat_aged`) says more from the first
+        reading on; watching covers a missing heartbeat and a store that tells no age."""
         value = hb.value if hb is not None else None
         seen = self._watch.get(region)
         # the writer's own interval when it is longer (regions disagreeing on heartbeat_s never misjudge)
@@ -300,6 +272,16 @@ class Membership:
     def read_heartbeat(self, region: str) -> Heartbeat | None:
         return self._read_record(Heartbeat, self.alive_key(region), region)
 
+    def read_heartbeat_aged(self, region: str) -> tuple[Heartbeat | None, float | None]:
+        """``region``'s heartbeat and the seconds since it was written, on the store's clock
+        (:meth:`~.store.Store.get_aged`; None: missing, unreadable, or no age told)."""
+        key = self.alive_key(region)
+        got = self.store.get_aged(key)
+        if got is None:
+            return None, None
+        hb = Heartbeat.from_json(got[0], self.store.describe(key))
+        return (hb, got[1]) if hb is not None and hb.region == region else (None, None)
+
     def heartbeats(self, keys: list[str] | None = None) -> dict[str, Heartbeat]:
         """Every region's heartbeat in the mailbox (one listing, or ``keys`` of :meth:`run_keys`)."""
         return self._read_records(Heartbeat, ALIVE_DIR, self.alive_key, keys)
@@ -307,7 +289,7 @@ class Membership:
     # -- per-region records (presence, heartbeat): <run>/<dir>/<region>.json, written by that region only --
     def _read_record(self, cls, key: str, region: str):
         raw = self.store.get(key)
-        rec = cls.from_json(raw) if raw is not None else None
+        rec = cls.from_json(raw, self.store.describe(key)) if raw is not None else None
         return rec if rec is not None and rec.region == region else None
 
     def _read_records(self, cls, folder: str, key_of: Callable[[str], str], keys: list[str] | None) -> dict:
@@ -316,7 +298,7 @@ class Membership:
         out = {}
         for key in self.store.list(prefix) if keys is None else [k for k in keys if k.startswith(prefix)]:
             raw = self.store.get(key)
-            rec = cls.from_json(raw) if raw is not None else None
+            rec = cls.from_json(raw, self.store.describe(key)) if raw is not None else None
             if rec is not None and rec.region in self.regions and key == key_of(rec.region):
                 out[rec.region] = rec
         return out
@@ -328,8 +310,9 @@ class Membership:
             self.heartbeat_s = heartbeat_s
         if self.heartbeat_s is None or self._writer is not None:
             return
+        # its own store client: a beat never queues behind this region's payload uploads
         self._writer = HeartbeatWriter(
-            self.store, self.alive_key(self.region), self.region, self.heartbeat_s, self.job
+            self.store.clone(), self.alive_key(self.region), self.region, self.heartbeat_s, self.job
         )
         self._writer.start()
 
@@ -338,6 +321,8 @@ class Membership:
         STALE_BEATS intervals unless its presence says it left."""
         if self._writer is not None:
             self._writer.stop()
+            if self._writer.store is not self.store:
+                self._writer.store.close()
             self._writer = None
 
     @property
@@ -381,7 +366,7 @@ class Membership:
         if state == "leaving":
             self.stop_heartbeat()  # a region that left beats no more (its leave is what the others read)
         p = Presence(self.region, state, r, step, time.time(), self.job)
-        self.store.put(self.presence_key(self.region), json.dumps(asdict(p)).encode())
+        self.store.put(self.presence_key(self.region), p.to_json())
 
     def read_presence(self, region: str) -> Presence | None:
         return self._read_record(Presence, self.presence_key(region), region)
@@ -411,14 +396,17 @@ class Membership:
             "by": self.region,
             "time": time.time(),
         }
-        self.store.put(self.snap_complete_key(r), json.dumps(body, sort_keys=True).encode())
+        self.store.put(self.snap_complete_key(r), records.dump(body))
 
     def read_snapshot(self, r: int, expect: Expect) -> dict[str, Manifest]:
         key = self.snap_complete_key(r)
         raw = self.store.get(key)
         if raw is None:
             raise XRBehind(f"outer snapshot {self.store.describe(key)} is gone", None)
-        done = json.loads(raw)
+        try:
+            done = records.load(raw, "outer snapshot marker", self.store.describe(key))
+        except ValueError as e:
+            raise XRLayoutError(f"unreadable outer snapshot marker {self.store.describe(key)}: {e}") from e
         out = {}
         for part in SNAP_PARTS:
             m = self.mb.read_manifest(self.snap_tag(r), part)
@@ -464,3 +452,72 @@ class Membership:
             self.store.delete([self.mb.manifest_key(tag, self.region)])
             self.store.delete([self.mb.shard_key(tag, self.region, i) for i in range(shard_count)])
             self.store.delete([self.commit_key(tag)])
+
+
+class RoundWait:
+    """One wait of a region's rank 0 for round ``tag``'s commit (:meth:`Membership.round_wait`), run in as
+    many slices as its caller needs (the exchange reports to its other ranks between slices, and a round
+    in the background checks between them whether it was called off). What the wait has learnt carries
+    over from one slice to the next, as in one uninterrupted wait: the manifests seen, the absentees, the
+    poll backoff, the grace clock and the behind timer (with slices shorter than ``behind_check_s`` a
+    timer started again each slice would never fire, and a region behind the run without a quorum would
+    wait out ``timeout_s`` instead of fast-forwarding)."""
+
+    def __init__(
+        self, ms: Membership, tag: str, expect: Expect, step: int | None, started: float | None
+    ) -> None:
+        self.ms, self.tag, self.expect, self.step = ms, tag, expect, step
+        now = ms._clock()
+        self.t0 = now if started is None else started
+        self.got: dict[str, Manifest] = {}
+        self.delay = ms.mb.poll_min_s
+        self.quorum_since: float | None = None
+        self.leaving: set[str] = set()
+        self.stale: set[str] = set()
+        self.stale_due = (
+            math.inf
+        )  # when the next missing region's heartbeat would have been quiet long enough
+        self.next_check = (
+            now  # presence and heartbeats of the missing regions: a few reads, not on every poll
+        )
+        self.next_behind = (
+            now + ms.behind_check_s
+        )  # has the run moved past this round? (a listing of the run)
+
+    def run(self, slice_s: float | None = None) -> tuple[Commit, dict[str, Manifest]] | None:
+        """Wait on: (the commit, the manifests seen) once the round closed, or None after ``slice_s``
+        (None: until it closes). Raises as :meth:`Membership.wait_commit`."""
+        ms, mb, tag = self.ms, self.ms.mb, self.tag
+        tick = min(1.0, max(ms.grace_s / 4, 0.05))
+        now0 = ms._clock()
+        while True:
+            c = ms.read_commit(tag)
+            if c is not None:
+                return c, self.got
+            ms._read_manifests(tag, self.expect, self.got)
+            now = ms._clock()
+            if now >= min(self.next_check, self.stale_due):
+                self.leaving, self.stale, self.stale_due = ms._absentees(self.got)
+                self.next_check = now + tick
+            if now >= self.next_behind:
+                ms._check_not_behind(tag)
+                self.next_behind = now + ms.behind_check_s
+            reason, self.quorum_since = decide(
+                ms.regions, self.got, self.leaving, ms.quorum, ms.grace_s, now, self.quorum_since, self.stale
+            )
+            if reason is not None:
+                ms._check_not_behind(tag)
+                step = self.step if self.step is not None else -1
+                return ms._try_close(tag, step, self.got, reason, now - self.t0, self.stale), self.got
+            if now - self.t0 >= mb.timeout_s:
+                raise ms._no_quorum(tag, self.step, self.got)
+            if slice_s is not None and now - now0 >= slice_s:
+                return None
+            if (
+                self.quorum_since is not None
+            ):  # grace running out, or a missing region's heartbeat going stale
+                wake = min(ms.grace_s - (now - self.quorum_since), self.stale_due - now)
+            else:
+                wake = mb.timeout_s - (now - self.t0)
+            time.sleep(max(0.0, min(self.delay, wake + 1e-3)))
+            self.delay = min(mb.poll_max_s, self.delay * 1.5)

@@ -21,11 +21,13 @@ from __future__ import annotations
 import mmap
 import os
 import random
+import tempfile
 import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import TypeVar
 
@@ -70,6 +72,25 @@ class Store(ABC):
     def get_view(self, key: str, nbytes: int) -> memoryview:
         """Object ``key`` (``nbytes`` long) as a memoryview, without copying it (``maps_objects`` stores)."""
         raise NotImplementedError
+
+    @abstractmethod
+    def modified(self, key: str) -> float | None:
+        """When object ``key`` was last written, in seconds since the epoch by the STORE's clock (S3: the
+        server's, to the second; fs: the file's mtime, set by the file server, or the writing host on a
+        local filesystem); None if it is missing. Only compared with other times of the same store."""
+
+    @abstractmethod
+    def get_aged(self, key: str) -> tuple[bytes, float | None] | None:
+        """Object ``key`` and its AGE: seconds since it was last written, on the STORE's clock alone (S3:
+        the ``Date`` of the same response less its ``Last-Modified``; fs: the mtime of a file created
+        just before less the object's), never this host's; None for the age when the store does not say.
+        The age errs low (an object is never older than it says): a liveness judgement built on it waits
+        a little longer rather than calling a live writer gone. None if the object is missing."""
+
+    def clone(self) -> Store:
+        """A store on the same objects with its own connections (S3: another client and connection pool),
+        so that small urgent requests (heartbeats) never queue behind this store's uploads; fs: itself."""
+        return self
 
     @abstractmethod
     def list(self, prefix: str) -> list[str]:
@@ -153,6 +174,31 @@ class FsStore(Store):
             return self._path(key).read_bytes()
         except FileNotFoundError:
             return None
+
+    def modified(self, key: str) -> float | None:
+        try:
+            return self._path(key).stat().st_mtime
+        except FileNotFoundError:
+            return None
+
+    def get_aged(self, key: str) -> tuple[bytes, float | None] | None:
+        now = self._now()  # first: a write that lands meanwhile makes the age smaller, never larger
+        try:
+            with open(self._path(key), "rb") as f:  # open, then fstat: fresh attributes (NFS close-to-open)
+                mtime = os.fstat(f.fileno()).st_mtime
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        return data, max(0.0, now - mtime)
+
+    def _now(self) -> float:
+        """Now by the clock that stamps this store's files: the mtime of a new (hidden) file in the root."""
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".clock-")
+        try:
+            return os.fstat(fd).st_mtime
+        finally:
+            os.close(fd)
+            os.unlink(tmp)
 
     def _open_sized(self, key: str, nbytes: int):
         """Object ``key`` opened for reading, after checking it exists and holds ``nbytes`` bytes."""
@@ -248,7 +294,8 @@ def _lean_config(threads: int, addressing_style: str, retries: int):
 
 class S3Store(Store):
     """An S3 or S3-compatible bucket through ONE boto3 client, created here and reused for every request
-    (boto3 clients are thread-safe; the connection pool is sized to the thread pool)."""
+    (boto3 clients are thread-safe; the connection pool is sized to the thread pool). :meth:`clone` makes
+    another, with a client and pool of its own (the heartbeat's)."""
 
     def __init__(
         self,
@@ -267,6 +314,17 @@ class S3Store(Store):
     ) -> None:
         import boto3
 
+        self._args = (bucket, prefix)
+        self._kw: dict = dict(
+            endpoint_url=endpoint_url,
+            addressing_style=addressing_style,
+            region_name=region_name,
+            profile=profile,
+            access_key_id_env=access_key_id_env,
+            secret_access_key_env=secret_access_key_env,
+            session_token_env=session_token_env,
+            retries=retries,
+        )
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         kwargs: dict = {}
@@ -385,10 +443,43 @@ class S3Store(Store):
     def get(self, key: str) -> bytes | None:
         return self._reading(key, lambda: self._get_once(key))
 
-    def _get_once(self, key: str) -> bytes | None:
+    def modified(self, key: str) -> float | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            resp = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except ClientError as e:
+            self._count(e)
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise StoreError(f"reading the time of {self.describe(key)} failed: {e}") from e
+        except Exception as e:
+            raise StoreError(f"reading the time of {self.describe(key)} failed: {e}") from e
+        self._count(resp)
+        return float(resp["LastModified"].timestamp())
+
+    def clone(self) -> S3Store:
+        return S3Store(*self._args, **self._kw, threads=1)
+
+    def get_aged(self, key: str) -> tuple[bytes, float | None] | None:
+        got: list = []
+        data = self._reading(key, lambda: self._get_once(key, got))
+        if data is None:
+            return None
+        date = got[0].get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        if not date or "LastModified" not in got[0]:
+            return data, None
+        # Both to the second (truncated): the true age is above this by less than a second, or below it by
+        # less than one; take the low end
+        age = parsedate_to_datetime(date).timestamp() - got[0]["LastModified"].timestamp() - 1.0
+        return data, max(0.0, age)
+
+    def _get_once(self, key: str, resp_out: list | None = None) -> bytes | None:
         resp = self._get_object(key)
         if resp is None:
             return None
+        if resp_out is not None:
+            resp_out[:] = [resp]
         body = resp["Body"]
         try:
             data = body.read()  # botocore checks the length against Content-Length
