@@ -469,7 +469,12 @@ def trainer_workers(
         except OSError:
             continue
         args = [a.decode(errors="replace") for a in argv if a]
-        entry = script in args if script is not None else "-m" in args and module in args
+        # a script runs from the run's pinned copy of the code directory (paths.pin_code): <copy>/<script>
+        entry = (
+            any(a == script or a.endswith("/" + script) for a in args)
+            if script is not None
+            else "-m" in args and module in args
+        )
         if entry and not any(a.endswith("torchrun") for a in args):
             pids.append(pid)
     return pids

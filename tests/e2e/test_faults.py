@@ -213,7 +213,7 @@ def test_requeue_budget_stops_a_job_that_keeps_failing(cluster, e2e_root, train_
     assert attempts == ["0", "1", "2"], log
     assert len(re.findall(r"requeueing job", log)) == 2
     assert (
-        "not requeueing: 3 attempts in a row saved no newer checkpoint, more than preemption.max_requeues_without_progress (2)"
+        "not requeueing: 3 attempt(s) in a row saved no newer checkpoint, more than preemption.max_requeues_without_progress (2)"
         in log
     )
     # the cause is in the per-node log

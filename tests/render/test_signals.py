@@ -267,7 +267,7 @@ def test_sigterm_is_passed_on_to_nobody_and_never_requeues(tmp_path, protocol):
 
 SBATCH = r"""#!/bin/bash
 printf '%s\n' "$*" >"$STUB_DIR/sbatch.args"
-printf '%s\n' "${SBATCH_GEN_CONTINUES-unset} ${SLURM_JOB_ID-unset}" >"$STUB_DIR/sbatch.env"
+printf '%s\n' "${SBATCH_GEN_CONTINUES-unset} ${SBATCH_GEN_RUN_JOB-unset} ${SLURM_JOB_ID-unset}" >"$STUB_DIR/sbatch.env"
 echo 78
 """
 
@@ -306,8 +306,9 @@ def test_sigterm_at_the_time_limit_submits_a_continuation_and_does_not_requeue(t
         "--time=00:01:00",
         "runs/local/stop/77.sbatch",
     ], args
-    # the continuation knows which attempt it continues; this job's own Slurm variables are not passed on
-    assert (stub_dir / "sbatch.env").read_text().split() == ["77.attempt-0", "unset"]
+    # the continuation knows which attempt and which run (submission) it continues; this job's own Slurm
+    # variables are not passed on
+    assert (stub_dir / "sbatch.env").read_text().split() == ["77.attempt-0", "77", "unset"]
     assert (work / "runs/local/stop/77.sbatch").read_text() == (work / "job.sbatch").read_text()
     assert (
         "the time limit ended this job (Slurm does not requeue a TIMEOUT): continuation job 78 submitted"
