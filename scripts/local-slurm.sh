@@ -33,7 +33,10 @@
 # SBATCH_GEN_SLURM_GRACE_S (GraceTime of partition debug and of QOS normal, default 120),
 # SBATCH_GEN_SLURM_KILLWAIT_S (KillWait, default 5), SBATCH_GEN_SLURM_ACCOUNTING (1, the default: an
 # accounting database that Slurm enforces; 0: none), SBATCH_GEN_SLURM_DB_PORT (MariaDB on 127.0.0.1,
-# default 6833), SBATCH_GEN_SLURM_DBD_PORT (slurmdbd on 127.0.0.1, default 6819).
+# default 6833), SBATCH_GEN_SLURM_DBD_PORT (slurmdbd on 127.0.0.1, default 6819), SBATCH_GEN_SLURM_PROCTRACK
+# (cgroup, the default: ProctrackType=proctrack/cgroup on the machine's cgroup v1 hierarchies, every process
+# of a job step tracked, signalled and killed with it, as on production clusters and in SUNK's pods; pgid:
+# the step's process groups only, which a process in a session of its own escapes).
 #
 # Accounting (SBATCH_GEN_SLURM_ACCOUNTING=1): a MariaDB server of this cluster's own (data in the state dir,
 # listening on 127.0.0.1 only, wiped on every start) behind slurmdbd, with
@@ -63,6 +66,7 @@
 set -euo pipefail
 
 STATE=${SBATCH_GEN_SLURM_STATE:-/tmp/sbatch-gen-slurm}
+PROCTRACK=${SBATCH_GEN_SLURM_PROCTRACK:-cgroup}
 LAYOUT=${SBATCH_GEN_SLURM_LAYOUT:-netns}
 SUBNET=${SBATCH_GEN_SLURM_SUBNET:-10.200.0}
 CTLD_PORT=${SBATCH_GEN_SLURM_PORT:-6817}
@@ -414,6 +418,13 @@ set_runtime() {  # setting value
 
 write_conf() {
   mkdir -p "$STATE/etc" "$LOG" "$STATE/state" "$STATE/spool"
+  if [[ $PROCTRACK == cgroup ]]; then
+    printf '%s\n' "# Written by scripts/local-slurm.sh: proctrack/cgroup on the machine's cgroup v1 hierarchies" \
+      "CgroupPlugin=cgroup/v1" "CgroupMountpoint=/sys/fs/cgroup" "ConstrainCores=no" "ConstrainRAMSpace=no" \
+      "ConstrainDevices=no" >"$STATE/etc/cgroup.conf"
+  else
+    rm -f "$STATE/etc/cgroup.conf"
+  fi
   local tmp=$CONF.tmp i spec cpu_list shape_list preempt_type
   preempt_type=$(runtime preempt_type partition)
   {
@@ -430,8 +441,16 @@ AuthInfo=cred_expire=5
 SchedulerType=sched/backfill
 SchedulerParameters=bf_interval=1,sched_interval=2
 MpiDefault=none
-# pgid: linuxproc left orphaned background processes after a job
-ProctrackType=proctrack/pgid
+EOF
+    if [[ $PROCTRACK == cgroup ]]; then
+      echo "# cgroup (v1 hierarchies, freezer): every process of a job step is tracked and signalled, as on a"
+      echo "# production cluster and in SUNK's pods; cgroup.conf beside this file"
+      echo "ProctrackType=proctrack/cgroup"
+    else
+      echo "# pgid: the step's process groups only (linuxproc left orphaned background processes after a job)"
+      echo "ProctrackType=proctrack/pgid"
+    fi
+    cat <<EOF
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 SelectType=select/cons_tres
