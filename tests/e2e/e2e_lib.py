@@ -428,6 +428,28 @@ class LocalJob:
         return "\n".join(parts)
 
 
+def preempt(cluster: Cluster, qos: str | None = None) -> int:
+    """A job that needs both nodes whole, in the high-priority partition (or, with ``qos``, in the default
+    partition with that QOS): Slurm preempts what runs there. Returns its id."""
+    where = (
+        [f"--qos={qos}"] if qos else [f"--partition={cluster.info['SBATCH_GEN_SLURM_PREEMPTOR_PARTITION']}"]
+    )
+    out = cluster.run(
+        "sbatch",
+        "--parsable",
+        *where,
+        "--nodes=2",
+        "--exclusive",
+        "--job-name=preemptor",
+        "--output=/dev/null",
+        "--wrap",
+        "sleep 1",
+    ).stdout
+    job_id = int(out.strip().split(";")[0])
+    cluster.submitted.add(job_id)
+    return job_id
+
+
 def local_job(
     cluster: Cluster,
     root: Path,

@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from e2e_lib import REPO, LocalJob, local_job
+from e2e_lib import REPO, LocalJob, local_job, preempt
 
 from sbatch_gen.proc import pid_alive
 from sbatch_gen.testing.torchlogs import without_torch_exit_barrier_race
@@ -55,21 +55,6 @@ def _wait_log(job: LocalJob, text: str, timeout: float = 120) -> None:
         time.sleep(0.2)
 
 
-def _preempt(cluster) -> None:
-    out = cluster.run(
-        "sbatch",
-        "--parsable",
-        f"--partition={cluster.info['SBATCH_GEN_SLURM_PREEMPTOR_PARTITION']}",
-        "--nodes=2",
-        "--exclusive",
-        "--job-name=preemptor",
-        "--output=/dev/null",
-        "--wrap",
-        "sleep 1",
-    ).stdout
-    cluster.submitted.add(int(out.strip().split(";")[0]))
-
-
 def test_a_preemption_during_the_preflight_is_a_stop_and_requeues_once(
     cluster, e2e_root, train_config, data_dir
 ):
@@ -86,7 +71,7 @@ def test_a_preemption_during_the_preflight_is_a_stop_and_requeues_once(
     job.submit()
     _wait_log(job, "preflight on 2 nodes")
     time.sleep(1)  # the health check sleeps on both nodes
-    _preempt(cluster)
+    preempt(cluster)
     slow.unlink()  # the next attempt's preflight is quick
     info = cluster.wait_done(job.job_id, timeout=300)
     log = job.batch_log()
@@ -277,7 +262,7 @@ def test_a_trainer_of_ones_own_that_exits_0_on_sigterm_is_preempted_not_finished
         assert time.monotonic() < deadline, job.describe()
         time.sleep(0.2)
     pids0 = [json.loads(p.read_text())["pid"] for p in starts0]
-    _preempt(cluster)
+    preempt(cluster)
     starts1 = [probe / f"start.attempt-1.rank-{r}.json" for r in range(4)]
     deadline = time.monotonic() + 240
     while not any(p.exists() for p in starts1):

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from e2e_lib import REPO, SCRIPT, LocalJob, local_job, run
+from e2e_lib import REPO, SCRIPT, LocalJob, local_job, preempt, run
 
 from sbatch_gen.testing.torchlogs import without_torch_exit_barrier_race
 
@@ -43,28 +43,6 @@ def _job(cluster, root: Path, name: str, train_config, data_dir, sets: dict | No
     --shutdown-timeout): the cluster's GraceTime (120 s) leaves room for it."""
     base = {"preemption.checkpoint_s": 40, "preemption.margin_s": 20, "preemption.lead_time_s": 60}
     return local_job(cluster, root, name, {**base, **(sets or {})}, config=train_config, data=data_dir)
-
-
-def _preempt(cluster, qos: str | None = None) -> int:
-    """A job that needs both nodes whole, in the high-priority partition (or, with ``qos``, in the default
-    partition with that QOS): Slurm preempts what runs there."""
-    where = (
-        [f"--qos={qos}"] if qos else [f"--partition={cluster.info['SBATCH_GEN_SLURM_PREEMPTOR_PARTITION']}"]
-    )
-    out = cluster.run(
-        "sbatch",
-        "--parsable",
-        *where,
-        "--nodes=2",
-        "--exclusive",
-        "--job-name=preemptor",
-        "--output=/dev/null",
-        "--wrap",
-        "sleep 1",
-    ).stdout
-    job_id = int(out.strip().split(";")[0])
-    cluster.submitted.add(job_id)
-    return job_id
 
 
 @contextmanager
@@ -144,7 +122,7 @@ def _preempted_with_a_slow_stop(cluster, root: Path, name: str, train_config, da
     job = _job(cluster, root, name, train_config, data_dir)
     job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": str(HOLD_S)})
     job.wait_step(6)
-    _preempt(cluster)
+    preempt(cluster)
     cluster.wait_done(job.job_id, timeout=400)
     return job
 
@@ -202,7 +180,7 @@ def test_qos_preemption_with_grace_time_checkpoints_and_requeues_once(
         assert pre["verdict"] == "ok" and f"(QOS normal), GraceTime={grace} s" in pre["found"], pre
         job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": str(HOLD_S)})
         job.wait_step(6)
-        _preempt(cluster, qos=cluster.info["SBATCH_GEN_SLURM_PREEMPTOR_QOS"])
+        preempt(cluster, qos=cluster.info["SBATCH_GEN_SLURM_PREEMPTOR_QOS"])
         cluster.wait_done(job.job_id, timeout=400)
     _assert_complete_stop(job, "SIGTERM to the training step on")
     first = _attempt(job.batch_log(), job, 0)
@@ -246,7 +224,7 @@ def test_sunk_style_preemption_keeps_the_periodic_checkpoint_and_names_the_redon
     )
     job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": str(HOLD_S), "SBATCH_GEN_STEP_SLEEP_S": "0.3"})
     job.wait_step(7)
-    _preempt(cluster)
+    preempt(cluster)
     cluster.wait_done(job.job_id, timeout=400)
     info = cluster.job(job.job_id)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
