@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from sbatch_gen.xr_options import credential_shape, unsafe_chars
@@ -270,3 +270,35 @@ def test_a_hostile_script_path_reaches_the_job_exactly_or_is_rejected():
         assert code == 0, err
         assert _bash_values(script, ['"$TRAINER_SCRIPT"']) == [path]
         assert '  torchrun "${TORCHRUN_ARGS[@]}" "$TRAINER_SCRIPT" "${TRAINER_ARGS[@]}" &\n' in script
+
+
+def _preflight_args(script: str) -> str:
+    """The preflight's settings (PREFLIGHT_ARGS=(...) in main), flattened."""
+    script = flat(script)
+    start = script.index("\nPREFLIGHT_ARGS=(\n")
+    return script[start : script.index("\n)\n", start) + 3]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(value=HOSTILE)
+@example(value="test ! -e \"$HOME/x\" || echo 'a`b` $(id) ${X}'; exit 3")
+def test_a_hostile_health_check_reaches_the_preflight_exactly_or_is_rejected(value):
+    """preflight.health_check is a command the nodes run: the render must hand it on as written, one
+    argument, never interpreted on the way."""
+    data = yaml.safe_load(yaml.safe_dump(BASE))
+    data.setdefault("preflight", {})["health_check"] = value
+    code, err, script = _render(data)
+    if code != 0:
+        assert code == 2 and len(err.splitlines()) == 1, err
+        line = _line_of_key(data, ("preflight", "health_check"))
+        assert re.search(rf"local\.yaml:{line}: preflight\.health_check: \S", err), err
+        return
+    prog = (
+        _settings_block(script)
+        + "\nTRAIN_CONFIG='' PREFLIGHT_MARKER=m MASTER_ADDR=h\n"
+        + _preflight_args(script)
+        + '\nfor a in "${PREFLIGHT_ARGS[@]}"; do [[ $a != health_check=* ]] || printf "%s\\0" "${a#health_check=}"; done\n'
+    )
+    r = subprocess.run(["bash", "-c", prog], capture_output=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.decode().split("\0")[:-1] == [value]
