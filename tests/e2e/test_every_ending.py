@@ -9,19 +9,22 @@
 - a stop checkpoint slower than what is left before the time limit: the job ends TIMEOUT, which Slurm never
   requeues; its continuation job resumes from the newest complete checkpoint, naming the redone steps;
 - a node whose preflight fails (preflight.health_check, a marker the test controls): the next attempt
-  excludes it and names it; with too few nodes left the job stops in one line.
+  excludes it and names it; with too few nodes left the job stops in one line;
+- a node that breaks during the training step: checked again after the failed step, left behind.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from e2e_lib import REPO, LocalJob, local_job, preempt
+from e2e_lib import REPO, LocalJob, local_job, preempt, trainer_workers
 
 from sbatch_gen.proc import pid_alive
 from sbatch_gen.testing.torchlogs import without_torch_exit_barrier_race
@@ -209,6 +212,44 @@ def test_a_node_that_fails_its_preflight_is_left_behind(cluster, e2e_root, train
     assert f"leaving {bad} behind (its preflight failed): the next attempt excludes {bad}" in log, log
     assert sorted(_steps(job)) == list(range(1, 41))
     _assert_no_traceback(job)
+
+
+def test_a_node_that_breaks_during_the_step_is_left_behind(cluster, e2e_root, train_config, data_dir):
+    """The step fails on a node that broke (its workers killed; its health check fails from then on, a
+    marker the test controls): the nodes are checked again, and the next attempt runs without it."""
+    root = e2e_root / "broke"
+    sick = root / "sick"
+    check = f'test ! -e {sick}.$SLURMD_NODENAME || {{ echo "GPU 3 fell off the bus (test marker)"; exit 1; }}'
+    job = local_job(
+        cluster,
+        root,
+        "broke",
+        {"slurm.nodes": 1, "preflight.health_check": check},
+        config=train_config,
+        data=data_dir,
+    )
+    job.submit()
+    job.wait_step(7)  # past the checkpoint at step 5
+    node = cluster.job(job.job_id)["NodeList"]
+    Path(f"{sick}.{node}").touch()
+    victims = trainer_workers(cluster, node)
+    assert victims, job.describe()
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    info = cluster.wait_done(job.job_id, timeout=300)
+    other = ({"n1", "n2"} - {node}).pop()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
+    assert info["NodeList"] == other and info["ExcNodeList"] == node, info
+    log = job.batch_log()
+    assert "training step failed with status 1: checking the nodes again (preflight)" in log, log
+    assert f"preflight FAILED on {node}: health check failed: GPU 3 fell off the bus (test marker)" in log, (
+        log
+    )
+    assert (
+        f"leaving {node} behind (its preflight failed after the training step failed with status 1): "
+        f"the next attempt excludes {node}" in log
+    ), log
+    assert sorted(_steps(job)) == list(range(1, 41))
 
 
 def test_too_few_nodes_left_stops_the_job_in_one_line(cluster, e2e_root, train_config, data_dir):

@@ -139,3 +139,70 @@ def test_none_protocol_a_requeue_that_took_while_training_ran_is_not_reported_as
     assert "requeue failed" not in out and "resubmit" not in out, out
     assert "requeued: this attempt is over" in out, out
     assert proc.returncode == 0, out
+
+
+# stub: the first preflight passes; the training step fails; the preflight after it fails on n2 (its health
+# check: the GPU it lost during the step). Every call is noted.
+SRUN_NODE_BROKE = r"""#!/bin/bash
+for a in "$@"; do
+  if [[ $a == preflight ]]; then
+    echo preflight >>"$STUB_DIR/calls"
+    if [[ -e $STUB_DIR/trained ]]; then
+      echo "preflight ok on n1: 2 CPU procs"
+      echo "preflight FAILED on n2: health check failed: GPU 3 fell off the bus (preflight.health_check)" >&2
+      exit 1
+    fi
+    exit 0
+  fi
+done
+echo train >>"$STUB_DIR/calls"
+: >"$STUB_DIR/trained"
+exit 1
+"""
+SCONTROL_NOTES = r"""#!/bin/bash
+[[ $1 != -o ]] || shift
+case "$1 $2" in
+  "show hostnames") echo n1; echo n2 ;;
+  "show job") echo "JobId=$3 JobName=x Restarts=0 ExcNodeList=(null) Reason=None" ;;
+  *) echo "scontrol $*" >>"$STUB_DIR/calls" ;;
+esac
+"""
+SINFO_3 = r"""#!/bin/bash
+if [[ $1 == --version ]]; then echo 'slurm 22.05.8'; else printf 'n1\nn2\nn3\n'; fi
+"""
+
+
+@pytest.mark.parametrize("sick", [True, False])
+def test_a_node_that_fails_its_check_after_a_failed_step_is_left_behind(tmp_path, sick):
+    """After a failed training step every node is checked again: one that fails (here n2's health check)
+    is left behind (requeuehold, ExcNodeList, release) and named; when all pass, a plain requeue."""
+    srun = SRUN_NODE_BROKE if sick else SRUN_NODE_BROKE.replace("exit 1\n    fi", "exit 0\n    fi")
+    job, env, stub_dir = prepare(
+        tmp_path,
+        {"scontrol": SCONTROL_NOTES, "srun": srun, "sinfo": SINFO_3},
+        "-",
+        env={"SLURM_JOB_PARTITION": "debug"},
+    )
+    r = subprocess.run(
+        ["bash", str(job)], cwd=job.parent, env=env, capture_output=True, text=True, timeout=60
+    )
+    out = r.stdout + r.stderr
+    calls = (stub_dir / "calls").read_text().splitlines()
+    assert r.returncode == 0, out
+    assert "training step failed with status 1: checking the nodes again (preflight)" in out, out
+    if sick:
+        assert calls == [
+            "preflight",
+            "train",
+            "preflight",
+            "scontrol requeuehold 77",
+            "scontrol update JobId=77 ExcNodeList=n2",
+            "scontrol release 77",
+        ], out
+        assert (
+            "leaving n2 behind (its preflight failed after the training step failed with status 1): "
+            "the next attempt excludes n2" in out
+        ), out
+    else:
+        assert calls == ["preflight", "train", "preflight", "scontrol requeue 77"], out
+        assert "requeueing job 77" in out and "training step failed with status 1 (node failure" in out, out
