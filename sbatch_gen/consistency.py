@@ -3,12 +3,15 @@
 Sites whose ``cross_region.enabled`` is true are grouped by ``cross_region.run_id``. Within a group every
 site must have the same :meth:`CrossRegion.shared_view` (regions, sync mode, H, outer optimizer,
 transport location, ...), its own distinct ``region``, and the ``regions`` list must be exactly the set of
-the group's regions. Each problem is reported with both files and the differing field.
+the group's regions. Each problem is reported with both files and the differing field. The version locks
+of a run's sites (``python_env.lock_dir``, one per architecture) must pin one torch release.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
+from pathlib import Path
 from typing import NamedTuple
 
 from sbatch_gen.errors import UserError
@@ -75,7 +78,31 @@ def check_cross_region(sites: Iterable[LoadedSite]) -> list[str]:
                     f"{s.at('cross_region', 'regions')}: cross_region.regions: {sorted(listed)} does not match "
                     f"the regions of run {run_id!r}'s sites {sorted(have)}: {'; '.join(parts)}"
                 )
+        errors += check_locks(group, run_id)
     return list(dict.fromkeys(errors))
+
+
+_TORCH_PIN = re.compile(r"torch==([0-9][^+\s;#]*)")
+
+
+def check_locks(group: list[LoadedSite], run_id: str, root: Path = Path(".")) -> list[str]:
+    """The locks of one run's sites (python_env.lock_dir/<arch>.txt under ``root``, the submit directory;
+    those that exist) pin one torch release: regions on other architectures install other wheels, never
+    another release (a local version such as +cu128 is the build, not the release)."""
+    dirs = {d for s in group if (d := s.profile.python_env.lock_dir) is not None and (root / d).is_dir()}
+    pins: dict[str, str] = {}  # release -> file:line
+    for lock in sorted(lock for d in dirs for lock in (root / d).glob("*.txt")):
+        for n, line in enumerate(lock.read_text(errors="replace").splitlines(), 1):
+            m = _TORCH_PIN.match(line.strip())
+            if m:
+                pins.setdefault(m.group(1), f"{lock.relative_to(root)}:{n}")
+    if len(pins) < 2:
+        return []
+    said = ", ".join(f"{where}: torch=={v}" for v, where in sorted(pins.items()))
+    return [
+        f"the version locks of run {run_id!r} pin {len(pins)} torch releases: {said}; every region must "
+        "train with one (python_env.lock_dir: set the regions up again with one torch_spec, then commit the locks)"
+    ]
 
 
 def check_train_configs(sites: Iterable[LoadedSite]) -> tuple[list[str], list[str]]:

@@ -73,6 +73,14 @@ class _EnvCommon(ProfileSection):
     extras: list[Name] = Field(
         default_factory=lambda: ["train", "s3"], description="Setup job: extras of sbatch-gen to install."
     )
+    lock_dir: PathStr | None = Field(
+        default="locks",
+        description="Setup job: the directory of the version locks the regions share (in the checkout, "
+        "relative to the submit directory): one pip constraints file per architecture, <arch>.txt (`uname "
+        "-m`: x86_64, aarch64). The setup job installs torch and this checkout with the lock of its node's "
+        "architecture (`pip install -c`), and writes one from what it installed when there is none: commit "
+        "it, and every region of that architecture installs the same versions. null: no lock.",
+    )
 
 
 class VenvEnv(_EnvCommon):

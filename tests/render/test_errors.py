@@ -89,6 +89,21 @@ def test_transport_disagrees(work):
     ) in err
 
 
+def test_the_locks_of_a_run_must_pin_one_torch_release(work):
+    """python_env.lock_dir: one lock per architecture; the builds may differ (+cu128), the release may not."""
+    locks = work / "locks"
+    locks.mkdir()
+    (locks / "x86_64.txt").write_text("numpy==2.1.0\ntorch==2.13.0+cu128\n")
+    (locks / "aarch64.txt").write_text("torch==2.13.0\n")
+    assert sg("validate").code == 0
+    (locks / "aarch64.txt").write_text("numpy==2.1.0\ntorch==2.12.1\n")
+    err = _fails("validate")
+    assert (
+        "the version locks of run 'llm-xr-1' pin 2 torch releases: locks/aarch64.txt:2: torch==2.12.1, "
+        "locks/x86_64.txt:2: torch==2.13.0; every region must train with one"
+    ) in err, err
+
+
 def test_real_process_exit_code_and_no_traceback(work):
     (work / "sites" / "local.yaml").write_text("slurm: [\n")
     r = sg_proc("validate", cwd=work)

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from .batch_sandbox import prepare, render_local, scontrol_stub, start_job
+from .conftest import REPO
 
 # $STUB_MODE selects what `scontrol requeue` does
 SCONTROL = scontrol_stub(
@@ -206,3 +209,93 @@ def test_a_node_that_fails_its_check_after_a_failed_step_is_left_behind(tmp_path
     else:
         assert calls == ["preflight", "train", "preflight", "scontrol requeue 77"], out
         assert "requeueing job 77" in out and "training step failed with status 1 (node failure" in out, out
+
+
+SRUN_OK = r"""#!/bin/bash
+for a in "$@"; do [[ $a == preflight ]] && exit 0; done
+echo train >>"$STUB_DIR/calls"
+exit 0
+"""
+
+
+def test_every_attempt_runs_in_the_environment_the_run_started_with(tmp_path):
+    """paths.pin_code: a new submission records python_env's fingerprint (torch, Python, the architecture,
+    every package's version); a requeue finds the same and says so; a requeue that finds another ends in
+    one line before anything runs."""
+    job, env, stub_dir = prepare(tmp_path, {"scontrol": SCONTROL, "srun": SRUN_OK, "sinfo": SINFO}, "-")
+
+    def attempt(n: int) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["bash", str(job)],
+            cwd=job.parent,
+            env={**env, "SLURM_RESTART_COUNT": str(n)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    r = attempt(0)
+    assert r.returncode == 0, r.stderr
+    [record] = job.parent.glob("**/code/77.env")
+    pinned = record.read_text().strip()
+    assert re.fullmatch(r"torch \S+, Python 3\.\d+\.\d+ on \S+, \d+ packages \([0-9a-f]{16}\)", pinned), (
+        pinned
+    )
+    assert f"environment pinned for the run: {pinned}" in r.stderr, r.stderr
+    r = attempt(1)
+    assert r.returncode == 0 and f"running in the environment the run started with: {pinned}" in r.stderr
+    record.write_text("torch 2.1.0, Python 3.11.7 on x86_64, 120 packages (0123456789abcdef)\n")
+    r = attempt(2)
+    errors = [ln for ln in r.stderr.splitlines() if "ERROR" in ln]
+    assert r.returncode == 1 and len(errors) == 1, r.stderr
+    assert errors[0].endswith(
+        "ERROR: python_env changed since the run started: it was torch 2.1.0, Python 3.11.7 on x86_64, "
+        f"120 packages (0123456789abcdef), it is {pinned}; not resuming the run under other versions "
+        "(paths.pin_code): restore the environment, or submit anew to go on with these versions"
+    ), r.stderr
+    assert (stub_dir / "calls").read_text().splitlines() == ["train", "train"]  # nothing ran the third time
+
+
+# stub: pip notes its arguments (and `freeze` lists two packages); anything else is this test's interpreter
+PYTHON_PIP_NOTES = rf"""#!/bin/bash
+if [[ $1 == -m && $2 == pip ]]; then
+  echo "pip ${{*:3}}" >>"$STUB_DIR/calls"
+  [[ $3 != freeze ]] || printf 'numpy==2.1.0\ntorch==2.13.0+cpu\n'
+  exit 0
+fi
+exec {sys.executable} "$@"
+"""
+
+
+def test_the_setup_job_installs_the_shared_lock_and_writes_it_when_there_is_none(tmp_path):
+    """python_env.lock_dir: the first set-up of an architecture installs the newest versions allowed and
+    writes them to locks/<arch>.txt (for the user to commit); every later one installs exactly those."""
+    setup = (REPO / "out" / "local.setup.sbatch").read_text()
+    job, env, stub_dir = prepare(tmp_path, {"python": PYTHON_PIP_NOTES, "sinfo": SINFO}, "-", script=setup)
+    arch = os.uname().machine
+    lock = job.parent / "locks" / f"{arch}.txt"
+
+    def run() -> tuple[str, list[str]]:
+        (stub_dir / "calls").unlink(missing_ok=True)
+        r = subprocess.run(
+            ["bash", str(job)], cwd=job.parent, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stderr, (stub_dir / "calls").read_text().splitlines()
+
+    log, calls = run()
+    assert calls == [
+        "pip install --upgrade pip",
+        "pip install torch",
+        "pip install -e .[train,s3]",
+        "pip freeze --exclude-editable",
+    ], log
+    assert lock.read_text() == "numpy==2.1.0\ntorch==2.13.0+cpu\n"
+    assert f"wrote locks/{arch}.txt (2 packages): commit it, so that every region of {arch}" in log, log
+    log, calls = run()
+    assert calls == [
+        "pip install --upgrade pip",
+        f"pip install -c locks/{arch}.txt torch",
+        f"pip install -c locks/{arch}.txt -e .[train,s3]",
+    ], log
+    assert f"installing the versions of locks/{arch}.txt (python_env.lock_dir)" in log, log
