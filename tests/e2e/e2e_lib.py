@@ -16,6 +16,10 @@ from sbatch_gen.testing.s3server import S3Server
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "local-slurm.sh"
+# How long the tests hold a stop checkpoint (SBATCH_GEN_STOP_SAVE_HOLD_S), as a large one takes: longer than
+# what torchrun's agent gives its workers after a failure (torchrun.teardown_s, 10 s, its --shutdown-timeout)
+# and than the local cluster's KillWait (5 s), so a stop that went through either would be cut short.
+STOP_HOLD_S = 12
 
 # Measurements the tests report (downtimes, ...): printed in the session's terminal summary, so that
 # `make test` shows them without -s.

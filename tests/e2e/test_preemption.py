@@ -28,19 +28,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from e2e_lib import REPO, SCRIPT, LocalJob, local_job, preempt, run
+from e2e_lib import REPO, SCRIPT, STOP_HOLD_S, LocalJob, local_job, preempt, run
 
 from sbatch_gen.testing.torchlogs import without_torch_exit_barrier_race
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-HOLD_S = 32  # longer than torchrun's default --shutdown-timeout (30 s)
+HOLD_S = STOP_HOLD_S
 NODES = ("n1", "n2")
 
 
 def _job(cluster, root: Path, name: str, train_config, data_dir, sets: dict | None = None) -> LocalJob:
-    """The local site with a stop budget that covers HOLD_S (checkpoint_s 40 + margin_s 20 = 60 s, torchrun's
-    --shutdown-timeout): the cluster's GraceTime (120 s) leaves room for it."""
+    """The local site with a stop budget that covers HOLD_S (checkpoint_s 40 + margin_s 20 = 60 s): the
+    cluster's GraceTime (120 s) leaves room for it."""
     base = {"preemption.checkpoint_s": 40, "preemption.margin_s": 20, "preemption.lead_time_s": 60}
     return local_job(cluster, root, name, {**base, **(sets or {})}, config=train_config, data=data_dir)
 
@@ -211,7 +211,7 @@ def test_an_administrators_requeue_checkpoints_within_kill_wait_and_slurm_requeu
 def test_sunk_style_preemption_keeps_the_periodic_checkpoint_and_names_the_redone_steps(
     cluster, e2e_root, train_config, data_dir
 ):
-    """No GraceTime: SIGTERM, then SIGKILL after KillWait (5 s), shorter than the 32 s stop checkpoint. The
+    """No GraceTime: SIGTERM, then SIGKILL after KillWait (5 s), shorter than the stop checkpoint (HOLD_S). The
     cut-short save never becomes a checkpoint; the newest periodic one survives, Slurm requeues the job,
     it resumes from the newest periodic checkpoint and its batch log says which steps are trained again."""
     job = _job(

@@ -9,7 +9,7 @@ import re
 import time
 
 import pytest
-from e2e_lib import local_job
+from e2e_lib import STOP_HOLD_S, local_job
 
 from sbatch_gen.testing.torchlogs import without_torch_exit_barrier_race
 
@@ -99,11 +99,11 @@ def test_a_requeue_by_the_time_limit_is_not_reported_as_failed(cluster, e2e_root
     (shim / "scontrol").chmod(0o755)
     # 40 steps of >= 2.5 s: still training when the signal comes (30-60 s in: Slurm checks the limits every
     # ~30 s; the trainer is up ~15 s in)
-    # and a stop checkpoint of 32 s: longer than torchrun's own shutdown timeout, within lead_time_s
+    # and a stop checkpoint of STOP_HOLD_S: longer than torchrun's own shutdown timeout, within lead_time_s
     job.submit(
         {
             "SBATCH_GEN_STEP_SLEEP_S": "2.5",
-            "SBATCH_GEN_STOP_SAVE_HOLD_S": "32",
+            "SBATCH_GEN_STOP_SAVE_HOLD_S": str(STOP_HOLD_S),
             "PATH": f"{shim}:{cluster.env['PATH']}",
         }
     )

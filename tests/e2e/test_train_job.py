@@ -8,7 +8,7 @@ import re
 from datetime import datetime, timezone
 
 import pytest
-from e2e_lib import assert_resumed_losses_match, local_job, report
+from e2e_lib import STOP_HOLD_S, assert_resumed_losses_match, local_job, report
 
 from sbatch_gen.testing.torchlogs import without_torch_exit_barrier_race
 
@@ -54,7 +54,7 @@ def test_preempt_requeue_resume_matches_uninterrupted(
     and finishes; its losses match the uninterrupted run's; attempt 1's log is still there."""
     ref = reference_run.losses()
     assert sorted(ref) == list(range(1, 41)), reference_run.describe()
-    # a stop checkpoint of 32 s, longer than torchrun's own shutdown timeout (30 s), within the budget of 40 + 20
+    # a stop checkpoint of STOP_HOLD_S, longer than torchrun's own shutdown timeout, within the budget of 40 + 20
     job = local_job(
         cluster,
         e2e_root / "preempt",
@@ -63,7 +63,7 @@ def test_preempt_requeue_resume_matches_uninterrupted(
         config=train_config,
         data=data_dir,
     )
-    job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": "32"})
+    job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": str(STOP_HOLD_S)})
     job.wait_step(6)  # past the periodic checkpoint at 5: the stop usually lands between two (7..9)
     cluster.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
     info = cluster.wait_done(job.job_id, timeout=300)
