@@ -39,3 +39,7 @@ CHECKPOINT_MARKER = "COMPLETE.json"
 # The code a run runs (paths.pin_code): "<commit> <clean|dirty>" of paths.code_dir when the run was submitted,
 # exported by the Slurm job to the trainer, which records it in summary.json as "code".
 ENV_PINNED_CODE = "SBATCH_GEN_PINNED_CODE"
+# The run a Slurm job belongs to: the job id of its submission, shared by its requeues and by the
+# continuation jobs after a time limit (which start only once their predecessor has ended): the run-dir
+# lease lets a job of the same run take over.
+ENV_RUN_JOB = "SBATCH_GEN_RUN_JOB"

@@ -205,6 +205,7 @@ def context(site: LoadedSite, sha: str) -> dict:
         "EXIT_REQUEUE": contract.EXIT_REQUEUE,
         "ENV_STOP_FILE": contract.ENV_STOP_FILE,
         "ENV_PINNED_CODE": contract.ENV_PINNED_CODE,
+        "ENV_RUN_JOB": contract.ENV_RUN_JOB,
         "ACK_SUFFIX": contract.ACK_SUFFIX,
         "FATAL_SUFFIX": contract.FATAL_SUFFIX,
         "STOPPING_SUFFIX": contract.STOPPING_SUFFIX,

@@ -8,8 +8,13 @@ lease is *stale*:
 
 * its heartbeat is older than ``STALE_PERIODS`` x the holder's period (the holder died without
   releasing it: SIGKILL, a node failure), or
-* it is held by the same job id (a requeue, or a torchrun restart, of the same job), or
+* it is held by the same job id (a requeue, or a torchrun restart, of the same job) or by a job of the same
+  run (``$SBATCH_GEN_RUN_JOB``: a continuation job, which Slurm starts only once its predecessor ended), or
 * the holder's pid no longer exists on this host.
+
+A holder whose lease was taken over stops at once (its heartbeat thread finds another token and calls
+``on_lost``; the trainer exits): an attempt left running on a node Slurm has given up on (NODE_FAIL) must not
+write into the run directory beside the attempt that replaced it.
 
 Taking the lease (fresh or over a stale one) happens under an exclusive ``flock`` of
 ``<run_dir>/.lease.lock`` (released by the kernel if the process dies, so it never goes stale itself);
@@ -31,6 +36,7 @@ import time
 import uuid
 from pathlib import Path
 
+from ..contract import ENV_RUN_JOB
 from ..proc import pid_alive
 
 log = logging.getLogger("sbatch_gen.train")
@@ -58,8 +64,16 @@ def current_job_id(pid: int | None = None, host: str | None = None) -> str:
     return f"pid:{pid or os.getpid()}@{host or socket.gethostname()}"
 
 
-def stale_reason(holder: dict, *, job_id: str, host: str, now: float, period_s: float) -> str | None:
-    """Why the lease ``holder`` may be taken over by ``job_id`` on ``host``, or None while it is live."""
+def current_run_job() -> str | None:
+    """The run this Slurm job belongs to ($SBATCH_GEN_RUN_JOB: its submission's job id), or None."""
+    return os.environ.get(ENV_RUN_JOB, "").strip() or None
+
+
+def stale_reason(
+    holder: dict, *, job_id: str, host: str, now: float, period_s: float, run_job: str | None = None
+) -> str | None:
+    """Why the lease ``holder`` may be taken over by ``job_id`` (of run ``run_job``) on ``host``, or None
+    while it is live."""
     try:
         beat = float(holder["heartbeat"])
         their_period = float(holder.get("period_s", period_s))
@@ -67,6 +81,8 @@ def stale_reason(holder: dict, *, job_id: str, host: str, now: float, period_s: 
         return "the lease file is unreadable"
     if str(holder.get("job_id", "")) == job_id:
         return f"held by this same job {job_id} (a requeue or restart)"
+    if run_job is not None and str(holder.get("run_job") or "") == run_job:
+        return f"held by job {holder.get('job_id', '?')} of the same run {run_job}, which has ended"
     limit = STALE_PERIODS * max(their_period, period_s)
     if now - beat > limit:
         return f"its heartbeat is {now - beat:.0f} s old (stale after {limit:g} s)"
@@ -94,7 +110,9 @@ class Lease:
         job_id: str | None = None,
         host: str | None = None,
         pid: int | None = None,
+        run_job: str | None = None,
         clock=time.time,
+        on_lost=None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LEASE_FILE
@@ -102,6 +120,8 @@ class Lease:
         self.host = host or socket.gethostname()
         self.pid = pid or os.getpid()
         self.job_id = job_id or current_job_id(self.pid, self.host)
+        self.run_job = run_job if run_job is not None else current_run_job()
+        self.on_lost = on_lost  # called (from the heartbeat thread) once the lease was taken over
         self.token = uuid.uuid4().hex  # tells this holder from a later one of the same job
         self.clock = clock
         self.held = False
@@ -115,6 +135,7 @@ class Lease:
     def _record(self) -> dict:
         return {
             "job_id": self.job_id,
+            "run_job": self.run_job,
             "host": self.host,
             "pid": self.pid,
             "heartbeat": self.clock(),
@@ -174,7 +195,12 @@ class Lease:
                     else:
                         now = self.clock()
                         why = stale_reason(
-                            holder, job_id=self.job_id, host=self.host, now=now, period_s=self.period_s
+                            holder,
+                            job_id=self.job_id,
+                            host=self.host,
+                            now=now,
+                            period_s=self.period_s,
+                            run_job=self.run_job,
                         )
                         if why is None:
                             raise LeaseHeld(
@@ -221,6 +247,8 @@ class Lease:
             try:
                 if not self.refresh():
                     log.error("run-dir lease lost: %s", self.lost)
+                    if self.on_lost is not None:
+                        self.on_lost(self.lost)
                     return
                 warned = False
             except OSError as e:

@@ -92,6 +92,15 @@ def _disk_full(e: Exception, run_dir: Path, info) -> bool:
     return True
 
 
+def _fenced(why: str | None) -> None:
+    """The run-dir lease was taken over (by the attempt that replaced this one: Slurm requeued the job away
+    from a node it lost, while this attempt ran on): stop at once, before this process writes into the run
+    directory again. A hard exit of rank 0; the other ranks fail at their next collective."""
+    log.error("stopping: another attempt trains in this run directory now (%s)", why)
+    logging.shutdown()
+    os._exit(1)
+
+
 def _take_lease(run_dir: Path, info):
     """rank 0 takes the run-dir lease (:mod:`.lease`); every rank learns whether another job holds it.
     Returns (rank 0's lease or None, why the run dir is taken or None)."""
@@ -100,7 +109,7 @@ def _take_lease(run_dir: Path, info):
     lease, held_by = None, None
     if info.is_main:
         try:
-            lease = Lease(run_dir)
+            lease = Lease(run_dir, on_lost=_fenced)
             took = lease.acquire()
             if took:
                 log.warning("run dir %s: %s", run_dir, took)

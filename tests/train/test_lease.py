@@ -62,9 +62,15 @@ def test_stale_reasons():
     assert stale_reason(dict(live, pid=_dead_pid()), **me) is None  # another host: pid says nothing
     # the holder's own (longer) period counts
     assert stale_reason(dict(live, heartbeat=1000.0 - 200, period_s=60.0), **me) is None
+    # a job of the same run (a continuation job: its predecessor has ended), not of another run
+    same_run = stale_reason(dict(live, run_job="7"), **me, run_job="7")
+    assert same_run == "held by job 1 of the same run 7, which has ended", same_run
+    assert stale_reason(dict(live, run_job="8"), **me, run_job="7") is None
+    assert stale_reason(live, **me, run_job="7") is None  # a holder of no run
+    assert stale_reason(dict(live, run_job=None), **me, run_job=None) is None
 
 
-@pytest.mark.parametrize("how", ["heartbeat", "same-job", "dead-pid"])
+@pytest.mark.parametrize("how", ["heartbeat", "same-job", "same-run", "dead-pid"])
 def test_a_stale_lease_is_taken_over(tmp_path, how):
     clock = Clock()
     a = Lease(
@@ -73,12 +79,20 @@ def test_a_stale_lease_is_taken_over(tmp_path, how):
         job_id="1001",
         host=HOST,
         pid=_dead_pid() if how == "dead-pid" else None,
+        run_job="1000",
         clock=clock,
     )
     a.acquire()
     if how == "heartbeat":
         clock.t += STALE_PERIODS * 10 + 1
-    b = Lease(tmp_path, period_s=10, job_id="1001" if how == "same-job" else "1002", host=HOST, clock=clock)
+    b = Lease(
+        tmp_path,
+        period_s=10,
+        job_id="1001" if how == "same-job" else "1002",
+        host="node-b" if how == "same-run" else HOST,
+        run_job="1000" if how == "same-run" else "1002",
+        clock=clock,
+    )
     took = b.acquire()
     assert took is not None and "took over the lease of job 1001" in took
     assert json.loads((tmp_path / LEASE_FILE).read_text())["token"] == b.token
@@ -129,6 +143,21 @@ def test_heartbeat_thread_refreshes(tmp_path):
     finally:
         a.release()
     assert not (tmp_path / LEASE_FILE).exists()
+
+
+def test_a_holder_whose_lease_was_taken_over_is_told_at_once(tmp_path):
+    """The heartbeat thread calls on_lost (the trainer exits: an attempt Slurm replaced after losing its
+    node must stop writing into the run dir)."""
+    told = []
+    a = Lease(tmp_path, period_s=0.05, job_id="1", host=HOST, on_lost=told.append)
+    a.acquire()
+    a.start()
+    try:
+        Lease(tmp_path, period_s=0.05, job_id="1", host="node-b").acquire()  # the requeued attempt
+        wait_for(lambda: told, 5, "on_lost")
+    finally:
+        a.release()
+    assert len(told) == 1 and "taken over by job 1 on host node-b" in told[0], told
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -208,3 +237,21 @@ def test_a_second_trainer_on_the_same_run_dir_refuses_to_start(tmp_path, data_di
     assert third.returncode == 0, third.stderr
     assert f"took over the lease of job {holder['job_id']}" in third.stderr
     assert not (run_dir / LEASE_FILE).exists()  # released on exit
+
+
+def test_a_trainer_whose_lease_is_taken_over_stops_at_once(tmp_path, data_dir, launches):
+    """The attempt left running on a node Slurm lost (NODE_FAIL) while the requeued attempt took the run dir
+    over: it exits within a heartbeat, in one line, before it writes again."""
+    cfg = write_config(tmp_path / "c.yaml", train={"steps": 400}, checkpoint={"every": 1000})
+    run_dir = tmp_path / "run"
+    env = {"SBATCH_GEN_STEP_SLEEP_S": "0.05", "SBATCH_GEN_LEASE_PERIOD_S": "0.5", "SLURM_JOB_ID": "31"}
+    first = launches(torchrun_cmd(cfg, run_dir, data_dir, nproc=2), tmp_path / "first.log", env)
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 120, "the first trainer's first step", first)
+    Lease(run_dir, period_s=0.5, job_id="31", host="node-b").acquire()  # the same job, requeued elsewhere
+    wait_for(lambda: first.proc.poll() is not None, 30, "the first trainer to stop", first)
+    out = first.output()
+    assert first.proc.returncode != 0, out[-3000:]
+    assert (
+        "stopping: another attempt trains in this run directory now (the lease was taken over by job 31 "
+        "on host node-b" in out
+    ), out[-3000:]
