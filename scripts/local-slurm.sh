@@ -16,6 +16,13 @@
 #   scripts/local-slurm.sh preempt-type partition|qos
 #                                   who may preempt whom: partition priority (the default) or the job's QOS
 #                                   (needs the accounting database); restarts slurmctld
+#   scripts/local-slurm.sh node-fail NODE
+#                                   a node lost for real: SIGKILL its slurmd (the job's processes on it run
+#                                   on, as on a node cut off from the controller) and set it DOWN, which
+#                                   ends its jobs as NODE_FAIL (Slurm requeues those that may be requeued)
+#   scripts/local-slurm.sh node-back NODE
+#                                   start its slurmd again (which ends what is left of the jobs the
+#                                   controller moved away) and RESUME it; waits until it is idle
 #
 # Both start and stop are idempotent. Run as root.
 #
@@ -530,6 +537,10 @@ slurmd_pid() { pid_from_file "$STATE/slurmd-$1.pid" slurmd; }
 
 ctld_up() { slurm scontrol ping 2>/dev/null | grep -q 'is UP'; }
 
+node_idle() {  # NODE is idle (or running something): it is back
+  slurm sinfo -h -N -n "$1" -o '%t' 2>/dev/null | grep -Eqx '(idle|alloc|mix|comp)'
+}
+
 nodes_idle() {  # every node idle (or running something): the cluster answers
   local out n
   out=$(slurm sinfo -h -N -o '%N %t' 2>/dev/null) || return 1
@@ -743,14 +754,37 @@ cmd_preempt_type() {
   log "PreemptType=preempt/${want/partition/partition_prio}"
 }
 
+# node-fail NODE: SIGKILL the node's slurmd, then set the node DOWN (NODE_FAIL for its jobs)
+cmd_node_fail() {
+  local node=${1:-} pid
+  [[ " ${NODES[*]} " == *" $node "* ]] || die "usage: $0 node-fail NODE (one of: ${NODES[*]})"
+  ctld_up || die "the cluster is not running (start it first)"
+  pid=$(slurmd_pid "$node") || die "slurmd $node is not running"
+  kill -KILL "$pid"
+  slurm scontrol update NodeName="$node" State=DOWN Reason="node-fail (local-slurm.sh)" \
+    || die "scontrol update NodeName=$node State=DOWN failed"
+  log "node $node: slurmd killed, node DOWN"
+}
+
+# node-back NODE: start the node's slurmd again and RESUME it
+cmd_node_back() {
+  local node=${1:-}
+  [[ " ${NODES[*]} " == *" $node "* ]] || die "usage: $0 node-back NODE (one of: ${NODES[*]})"
+  ctld_up || die "the cluster is not running (start it first)"
+  slurmd_pid "$node" >/dev/null || start_slurmd "$node"
+  slurm scontrol update NodeName="$node" State=RESUME 2>/dev/null || true  # (RESUME of a node that is not DOWN fails)
+  wait_for 30 "node $node to be idle" node_idle "$node" || die "node $node is not idle after node-back"
+  log "node $node: back"
+}
+
 main() {
   local action=${1:-}
   case $action in
-    start | stop | preempt-signal | preempt-type) ;;
+    start | stop | preempt-signal | preempt-type | node-fail | node-back) ;;
     status) cmd_status; return ;;
     env) cmd_env; return ;;
     -h | --help | help) sed -n '2,/^$/p' "$0" | sed 's/^# \{0,1\}//'; return 0 ;;
-    *) echo "usage: $0 start|stop|status|env|preempt-signal on|off|preempt-type partition|qos" >&2; return 2 ;;
+    *) echo "usage: $0 start|stop|status|env|preempt-signal on|off|preempt-type partition|qos|node-fail NODE|node-back NODE" >&2; return 2 ;;
   esac
   ((EUID == 0)) || die "must run as root (it starts daemons, network namespaces and edits /etc/hosts)"
   mkdir -p "$STATE"

@@ -292,12 +292,12 @@ def _open_files(pid: int) -> list[str]:
     return out
 
 
-def script(action: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def script(action: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     # The netns layout unless SBATCH_GEN_SLURM_LAYOUT says otherwise (loopback: every node on this host's
     # network; Cluster.node_pids then tells the nodes' processes apart by their environment).
     env = {**os.environ}
     env.setdefault("SBATCH_GEN_SLURM_LAYOUT", "netns")
-    return run(["bash", str(SCRIPT), action], env=env, timeout=timeout, check=False)
+    return run(["bash", str(SCRIPT), action, *args], env=env, timeout=timeout, check=False)
 
 
 def leftovers() -> list[str]:

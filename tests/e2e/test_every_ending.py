@@ -10,11 +10,14 @@
   requeues; its continuation job resumes from the newest complete checkpoint, naming the redone steps;
 - a node whose preflight fails (preflight.health_check, a marker the test controls): the next attempt
   excludes it and names it; with too few nodes left the job stops in one line;
-- a node that breaks during the training step: checked again after the failed step, left behind.
+- a node that breaks during the training step: checked again after the failed step, left behind;
+- a node lost for real (slurmd killed, node DOWN: NODE_FAIL), the batch script's own: Slurm requeues the job
+  elsewhere, the old attempt stops once the new one holds the run dir.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -24,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from e2e_lib import REPO, LocalJob, local_job, preempt, trainer_workers
+from e2e_lib import REPO, LocalJob, local_job, preempt, script, trainer_workers
 
 from sbatch_gen.proc import pid_alive
 from sbatch_gen.testing.torchlogs import without_torch_exit_barrier_race
@@ -250,6 +253,54 @@ def test_a_node_that_breaks_during_the_step_is_left_behind(cluster, e2e_root, tr
         f"the next attempt excludes {node}" in log
     ), log
     assert sorted(_steps(job)) == list(range(1, 41))
+
+
+def test_a_node_lost_for_real_the_batch_node_included(cluster, e2e_root, train_config, data_dir):
+    """NODE_FAIL: the node that runs the batch script and the trainer loses its slurmd and is set DOWN, while
+    its processes run on (a node cut off from the controller). Slurm requeues the job onto the other node;
+    the requeued attempt takes the run dir over and the old one stops at once (its lease was taken over),
+    the old batch shell sees the requeue and neither checks nor requeues; the run completes. Once the node
+    is back, nothing of the job is left on it."""
+    job = local_job(
+        cluster, e2e_root / "lost", "lost", {"slurm.nodes": 1}, config=train_config, data=data_dir
+    )
+    job.submit({"SBATCH_GEN_STEP_SLEEP_S": "0.3", "SBATCH_GEN_LEASE_PERIOD_S": "1"})
+    job.wait_step(7)  # past the checkpoint at step 5
+    lost = cluster.job(job.job_id)["NodeList"]
+    other = ({"n1", "n2"} - {lost}).pop()
+    # the old attempt's workers make no progress until the new attempt holds the run dir (a node cut off
+    # for a while), so that they cannot finish the run first however long the requeue takes
+    zombies = trainer_workers(cluster, lost)
+    assert zombies, job.describe()
+    lease = job.run_dir / "lease.json"
+    for pid in zombies:
+        os.kill(pid, signal.SIGSTOP)
+    old_token = json.loads(lease.read_text())["token"]
+    try:
+        r = script("node-fail", lost)
+        assert r.returncode == 0, r.stdout + r.stderr
+        deadline = time.monotonic() + 180
+        while not lease.exists() or json.loads(lease.read_text() or "{}").get("token") == old_token:
+            assert time.monotonic() < deadline, job.describe()
+            time.sleep(0.2)
+        for pid in zombies:
+            os.kill(pid, signal.SIGCONT)
+        info = cluster.wait_done(job.job_id, timeout=300)
+        fenced = job.train_log(0, lost).read_text(errors="replace")
+    finally:
+        for pid in zombies:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        back = script("node-back", lost)
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
+    assert info["NodeList"] == other, info
+    assert "stopping: another attempt trains in this run directory now" in fenced, fenced[-3000:]
+    log = job.batch_log()
+    assert "Slurm requeues this job itself; this attempt is over" in log, log
+    assert "checking the nodes again" not in log and "requeueing job" not in log, log
+    assert sorted(_steps(job)) == list(range(1, 41))
+    cluster.wait_no_job_processes(timeout=60)
 
 
 def test_too_few_nodes_left_stops_the_job_in_one_line(cluster, e2e_root, train_config, data_dir):

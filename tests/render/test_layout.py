@@ -20,8 +20,8 @@ TRAINING = [p for p in RENDERS if not p.name.endswith(".setup.sbatch")]
 
 # The job's decisions come early. The training launch (main's first srun: the preflight's is a helper's)
 # follows torchrun's and the trainer's argument lists, 40 lines of --xr-* flags for the cross-region sites,
-# which puts it at line 250 for eu, and the requeue decision a few lines later.
-LAUNCH_BY = 255
+# which puts it at line 257 for eu, and the requeue decision a few lines later.
+LAUNCH_BY = 260
 DECISION_BY = 275
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -299,3 +300,26 @@ def test_the_setup_job_installs_the_shared_lock_and_writes_it_when_there_is_none
         f"pip install -c locks/{arch}.txt -e .[train,s3]",
     ], log
     assert f"installing the versions of locks/{arch}.txt (python_env.lock_dir)" in log, log
+
+
+def test_a_stop_before_the_preflight_requeues_without_a_step(tmp_path):
+    """The traps are set before anything slow (pin_code's copy of the checkout, the activation): SIGUSR1
+    while the code is being pinned (a preemption with preempt_send_user_signal at the job's start) is a stop
+    request: no preflight, no training step, one requeue. Before, it killed the batch shell (USR1's default
+    action), and the job ended FAILED."""
+    git = shutil.which("git")
+    slow_git = f'#!/bin/bash\n: >"$STUB_DIR/git-slow"\nsleep 2\nexec {git} "$@"\n'
+    srun = '#!/bin/bash\necho "srun $*" >>"$STUB_DIR/calls"\nexit 0\n'
+    job, env, stub_dir = prepare(
+        tmp_path, {"scontrol": SCONTROL_NOTES, "srun": srun, "sinfo": SINFO, "git": slow_git}, "-"
+    )
+    proc = start_job(job, env)
+    deadline = time.monotonic() + 30
+    while not (stub_dir / "git-slow").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert (stub_dir / "calls").read_text().splitlines() == ["scontrol requeue 77"], out
+    assert "requeueing job 77" in out and "stop requested before training started" in out, out
