@@ -351,3 +351,54 @@ def test_a_trap_that_cannot_write_the_stop_file_does_not_end_the_shell(tmp_path)
     out = _finish(proc)
     assert f"WARNING: cannot write {STOP_FILE}" in out, out
     assert _requeues(stub_dir) == ["requeue 77"] and proc.returncode == 0, out
+
+
+# The preflight runs until it is killed (a slow health check on every node); the training step never runs.
+SRUN_SLOW_PREFLIGHT = r"""#!/bin/bash
+for a in "$@"; do
+  if [[ $a == preflight ]]; then
+    : >"$STUB_DIR/preflight"
+    for ((i = 0; i < 300; i++)); do sleep 0.1; done
+    exit 0
+  fi
+done
+: >"$STUB_DIR/training"
+exit 0
+"""
+
+
+@pytest.mark.parametrize(
+    "how, restarts, said, requeues, rc",
+    [
+        # preempt_send_user_signal: the preemption signal reaches the batch shell
+        (
+            "usr1",
+            0,
+            "requeueing job 77 (requeues in a row without progress: 1 of at most 2): stopped during "
+            "the preflight",
+            ["requeue 77"],
+            0,
+        ),
+        # a preemption without GraceTime (SUNK), an administrator's requeue: Slurm requeues the job itself
+        ("term", 1, "SIGTERM to the batch shell: Slurm requeues this job itself", [], 143),
+        # a scancel
+        ("term", 0, "the job was cancelled (scancel); not requeueing", [], 143),
+    ],
+)
+def test_a_stop_during_the_preflight_is_a_stop_not_a_failed_node(tmp_path, how, restarts, said, requeues, rc):
+    job, env, stub_dir = prepare(
+        tmp_path, {"scontrol": SCONTROL, "srun": SRUN_SLOW_PREFLIGHT, "sinfo": SINFO}, "-"
+    )
+    proc = start_job(job, env)
+    deadline = time.monotonic() + 30
+    while not (stub_dir / "preflight").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, _finish(proc)
+        time.sleep(0.05)
+    time.sleep(0.2)  # the shell is in `wait`
+    (stub_dir / "restarts").write_text(f"{restarts}\n")
+    proc.send_signal(signal.SIGUSR1 if how == "usr1" else signal.SIGTERM)
+    out = _finish(proc)
+    assert said in out, out
+    assert "preflight FAILED" not in out and "ERROR" not in out, out
+    assert not (stub_dir / "training").exists(), out
+    assert _requeues(stub_dir) == requeues and proc.returncode == rc, out
