@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 19565358e7a34dadb15b652507d9c41788ada016548f41fad6dfa9028cb2df05
+#   inputs sha256: 668080cab1d4b7ecdab8de9bc669133461e639fb3006ce5d854316a576c27248
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -51,9 +51,7 @@ NUMA_BINDING=''  # topology.numa_binding
 LOG_TOPOLOGY=1  # topology.log_topology
 IB_HCA=''  # nccl.ib_hca as NCCL_IB_HCA: the preflight checks these adapters (empty: none)
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
-# the preflight's checks: sbatch-gen's node program, sbatch-gen-node.py, which `sbatch-gen render` writes beside
-# this script; the launcher sends it to every host with the node functions, and only with this sha256
-NODE_PY_SHA256=e67bd0982c131606b6444ccf4381329099c544b0dc4f04d6fc1f63bbe52fab01
+NODE_PY_SHA256=e67bd0982c131606b6444ccf4381329099c544b0dc4f04d6fc1f63bbe52fab01  # the preflight's checks: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv  # python_env.kind

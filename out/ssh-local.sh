@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: f7096a65e58c95e8074f7013c7fa7f7e2e64960afd342fbdc7c341a1d663de84
+#   inputs sha256: e1d6c6b979f3ad9692279f698a2defeba300c258efbb9b14ba00c3c1905505c1
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -47,9 +47,7 @@ NUMA_BINDING=''  # topology.numa_binding
 LOG_TOPOLOGY=0  # topology.log_topology
 IB_HCA=''  # nccl.ib_hca as NCCL_IB_HCA: the preflight checks these adapters (empty: none)
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
-# the preflight's checks: sbatch-gen's node program, sbatch-gen-node.py, which `sbatch-gen render` writes beside
-# this script; the launcher sends it to every host with the node functions, and only with this sha256
-NODE_PY_SHA256=e67bd0982c131606b6444ccf4381329099c544b0dc4f04d6fc1f63bbe52fab01
+NODE_PY_SHA256=e67bd0982c131606b6444ccf4381329099c544b0dc4f04d6fc1f63bbe52fab01  # the preflight's checks: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv  # python_env.kind
