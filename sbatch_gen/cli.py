@@ -218,6 +218,9 @@ def _git_renders(rev: str, dirs: tuple[Path, ...]) -> list[FileChange]:
 def render(names, all_, out_dir, overrides, sites_dir, templates_dir) -> None:
     """Validate profiles and write out/<site>.sbatch and out/<site>.setup.sbatch (atomically, mode 0755).
 
+    Beside them, once, out/sbatch-gen-node.py: the node program the renders' preflight runs (they pin its
+    sha256).
+
     All or nothing: every site is rendered and every destination checked before a file is written; if
     anything fails, out/ is left as it was (exit 2: --out cannot take the files; exit 1: an I/O error).
 
