@@ -664,7 +664,11 @@ def preflight_main(args: list[str]) -> int:
             print(f"preflight: unknown setting '{a}'", file=sys.stderr)
             return 2
         s[name] = value
-    ok, bad = preflight(s)
+    # the node's one line is the contract: a bug in a check is one problem in it, not a traceback
+    try:
+        ok, bad = preflight(s)
+    except Exception as e:
+        ok, bad = [], [f"the preflight itself failed: {type(e).__name__}: {e} (sbatch-gen-node.py)"]
     node = node_name()
     if bad:
         print(f"preflight FAILED on {node}: {'; '.join(bad)}", file=sys.stderr, flush=True)

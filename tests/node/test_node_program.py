@@ -602,3 +602,12 @@ def test_preflight_main_waits_before_a_failure_under_srun(tmp_path, node_env, mo
     assert slept == [1]
     err = capsys.readouterr().err
     assert err == "preflight FAILED on n3: data path /no/such does not exist (paths.data)\n" * 2
+
+
+def test_a_bug_in_a_check_is_still_the_nodes_one_line(tmp_path, node_env, monkeypatch, capsys):
+    monkeypatch.setenv("SLURMD_NODENAME", "n3")
+    assert np.preflight_main(["gpus=eight"]) == 1
+    assert capsys.readouterr().err == (
+        "preflight FAILED on n3: the preflight itself failed: ValueError: invalid literal for int() with base "
+        "10: 'eight' (sbatch-gen-node.py)\n"
+    )
