@@ -93,6 +93,11 @@ def test_it_imports_the_standard_library_only():
     assert names - {"__future__"} <= sys.stdlib_module_names, names - sys.stdlib_module_names
 
 
+def test_its_syntax_is_python_3_8s():
+    """Old container images: the program must parse on Python 3.8 (it was also run there by hand)."""
+    ast.parse(PROGRAM.read_text(), feature_version=(3, 8))
+
+
 def _run_copy(tmp_path: Path, *args: str, env: dict | None = None, cwd: Path | None = None):
     """The program copied out of the package and run as the nodes run it: python -I (no PYTHONPATH, no
     current directory on sys.path) and -S (no site-packages: the standard library only)."""

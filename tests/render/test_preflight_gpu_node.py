@@ -1,4 +1,5 @@
-"""The Slurm preflight's GPU-node checks, run for real under bash against a fake node
+"""The Slurm preflight's GPU-node checks (the node program, sbatch_gen/node_program.py, which
+tests/node/test_node_program.py tests check by check), run for real under bash against a fake node
 (sbatch_gen/testing/fakenode.py: a /sys and /proc tree under SBATCH_GEN_SYSFS_ROOT, stub nvidia-smi and
 numactl on PATH):
 
