@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: bcec83f06f120c05f0f387e4a48b35269035b15bf76f9e5a93ea1c8229a20b18
+#   inputs sha256: 668080cab1d4b7ecdab8de9bc669133461e639fb3006ce5d854316a576c27248
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -13,7 +13,8 @@
 #   touch STOP
 #       stop after the current attempt: the file is checked between attempts, never mid-attempt
 # Exit codes: 0 trained to completion; 1 failed after launch.max_attempts; 2 cannot start (stop file
-# present, no IPv4 address on the interface here, bad arguments); 3 preflight failed on a host before
+# present, no IPv4 address on the interface here, the node program missing or not the one this script
+# pins, bad arguments); 3 preflight failed on a host before
 # the first attempt (before a relaunch it counts as a failed attempt); 4 stopped by the stop file
 # after a failed attempt; 128+N interrupted by signal N.
 set -euo pipefail
@@ -50,6 +51,7 @@ NUMA_BINDING=''  # topology.numa_binding
 LOG_TOPOLOGY=1  # topology.log_topology
 IB_HCA=''  # nccl.ib_hca as NCCL_IB_HCA: the preflight checks these adapters (empty: none)
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
+NODE_PY_SHA256=4a8e1827f5e0fae110785618a9319e0479e6c52f201485648084b5b493e5c2ec  # the preflight's checks: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv  # python_env.kind
@@ -120,6 +122,7 @@ main() {
     *) usage ;;
   esac
   if [[ -e $STOP_FILE ]]; then die 2 "stop file $STOP_FILE exists: remove it to launch"; fi
+  [[ -n $NODE_PY_SRC ]] || die 2 "$NODE_ERROR"
   mkdir -p -- "$LOGS"
   ln -sfn -- "$SITE.$TAG" "$LOG_DIR/$SITE.latest"
   MASTER_ADDR=$(iface_ipv4 "$IFNAME") || die 2 "interface $IFNAME has no IPv4 address on this host (node 0)"
@@ -161,14 +164,21 @@ main() {
 
 # ---- functions shipped to every node: this launcher's (node 0 runs them locally, the others over ssh;
 # with the node library's, below) ----------------------------------------------------------------------
-# Preflight on one node (templates/_node.j2: preflight) with this launcher's settings: one line, "preflight
-# ok on HOST: ..." or "preflight FAILED on HOST: ...", and status 1 if a check failed. Starts nothing.
+# Preflight on one node (templates/_node.j2: preflight, which runs the node program) with this launcher's
+# settings, after the cd to the launch directory and the python_env activation (what fails there is the
+# first problem): one line, "preflight ok on HOST: ..." or "preflight FAILED on HOST: ...", and status 1 if
+# a check failed. Starts nothing.
 preflight_main() {
-  local rank=$1 marker=''
+  local rank=$1 marker='' problem=''
   if ((SHARED_RUN_DIR)); then marker="$RUN_DIR/.sbatch-gen-shared.$TAG"; fi
   # The environment torchrun gets (a CUDA_VISIBLE_DEVICES in extra_env counts)
   if ((${#NODE_ENV[@]})); then export "${NODE_ENV[@]}"; fi
-  preflight dir="$LAUNCH_DIR" activate=1 node_id="$rank" nnodes="$NNODES" module="$TRAINER_MODULE" \
+  if ! cd -- "$LAUNCH_DIR" 2>/dev/null; then
+    problem="launch directory $LAUNCH_DIR does not exist"
+  elif ! activate_env; then
+    problem=$NODE_ERROR
+  fi
+  preflight setup_error="$problem" node_id="$rank" nnodes="$NNODES" module="$TRAINER_MODULE" \
     config="$TRAIN_CONFIG" data="$DATA_PATH" ifname="$IFNAME" gpus="$GPUS_PER_NODE" gpus_key=node.gpus \
     log_topology="$LOG_TOPOLOGY" numa="$NUMA_BINDING" hcas="$IB_HCA" link_layer="$IB_LINK_LAYER" \
     run_dir="$RUN_DIR" shared_marker="$marker" rdzv_port="$RDZV_PORT" \
@@ -425,10 +435,10 @@ cleanup_command() {
 
 # ==== node library =================================================================================
 # sbatch-gen's node functions (templates/_node.j2), no site settings: log/die, the python_env activation,
-# and those of the preflight (its NUMA and HCA checks) and run_trainer when this render uses them. Every
-# render with the same library sha256 carries these same lines: review them once (`sbatch-gen diff --all`
-# shows a change to them once, naming the files).
-# library sha256: b197c6799bcbc4b6a7a55152496b8572594dbac5ccc87785b715cbf3dd8a42ac
+# and those of the preflight (which runs the node program, sbatch-gen-node.py) and run_trainer when this
+# render uses them. Every render with the same library sha256 carries these same lines: review them once
+# (`sbatch-gen diff --all` shows a change to them once, naming the files).
+# library sha256: f10709871d9e9e8a58d268c83fbf96c0561cd463b341acacea40d2648773d807
 # log MESSAGE...: one timestamped line on stderr, also appended to $LOG_FILE when that is set. Never fails
 # (the terminal may be gone when a trap logs).
 log() {
@@ -498,261 +508,6 @@ activate_env() {
   export PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}"
 }
 
-# Node checks shared by the launchers' preflights (templates/_preflight_checks.j2). Each check prints one
-# line per problem on stdout and returns 1 if there is one, else prints one summary line. /sys and /proc
-# are read under ${SBATCH_GEN_SYSFS_ROOT:-}: empty on a real node (tests point it at a fake tree);
-# nvidia-smi and numactl are looked up on PATH, as torchrun does.
-
-# read_line VAR FILE: the first line of FILE into VAR; returns 1 if FILE cannot be read.
-# shellcheck disable=SC2317,SC2329  # run on the nodes by the preflight (shipped with it), not called here
-read_line() {
-  local line_read=''
-  { IFS= read -r line_read <"$2"; } 2>/dev/null || [[ -n $line_read ]] || return 1
-  printf -v "$1" '%s' "$line_read"
-}
-
-# The CPU numbers of a kernel cpulist ("0-3,8,10-11"), space-separated.
-# shellcheck disable=SC2317,SC2329  # run on the nodes by the preflight (shipped with it), not called here
-cpulist_cpus() {
-  local r i
-  local -a ranges=() cpus=()
-  IFS=, read -r -a ranges <<<"${1//[[:space:]]/}"
-  for r in "${ranges[@]}"; do
-    if [[ $r =~ ^([0-9]+)-([0-9]+)$ ]]; then
-      for ((i = BASH_REMATCH[1]; i <= BASH_REMATCH[2]; i++)); do cpus+=("$i"); done
-    elif [[ $r =~ ^[0-9]+$ ]]; then
-      cpus+=("$r")
-    fi
-  done
-  echo "${cpus[*]}"
-}
-
-# check_numa_binding MODE (topology.numa_binding). torchrun --numa-binding=MODE starts each worker under
-# `numactl --physcpubind=<CPUs>`, the CPUs this process may use on the NUMA node of the worker's GPU, and
-# raises (no fallback: the job fails, and would be requeued to fail again) when numactl is not on PATH or
-# that set is empty. This repeats torch's own reading (torch/numa/binding.py, as of torch 2.13): GPU -> PCI
-# address -> /sys/bus/pci/devices/<addr>/numa_node (-1, "no NUMA information", counts as node 0, as torch
-# counts it) -> /sys/devices/system/node/node<N>/cpulist, intersected with Cpus_allowed_list of this
-# process (the job step's cpuset, which torchrun inherits). Mode exclusive also needs a physical core per
-# GPU of the node; mode socket needs a usable CPU on every NUMA node the kernel lists as possible.
-# shellcheck disable=SC2317,SC2329  # run on the nodes by the preflight (shipped with it), not called here
-check_numa_binding() {
-  local mode=$1 root=${SBATCH_GEN_SYSFS_ROOT:-} bad=0 smi idx uuid bus addr node e c f n k
-  local allowed_list='' node_list sib summary='' field="topology.numa_binding=$1" possible
-  local -a all=() visible=() entries=()
-  local -A bus_of=() uuid_of=() allowed=() gpus_on=() cores=()
-  if ! command -v numactl >/dev/null; then
-    echo "$field: numactl is not on PATH; torchrun starts every worker under numactl and fails without it" \
-      "(install numactl on the node or in the image, or unset topology.numa_binding)"
-    bad=1
-  fi
-  allowed_list=$(sed -n 's/^Cpus_allowed_list:[[:space:]]*//p' "$root/proc/self/status" 2>/dev/null) || true
-  if [[ -z $allowed_list ]]; then
-    echo "$field: cannot read Cpus_allowed_list from $root/proc/self/status"
-    return 1
-  fi
-  for c in $(cpulist_cpus "$allowed_list"); do allowed[$c]=1; done
-  if ! smi=$(nvidia-smi --query-gpu=index,uuid,pci.bus_id --format=csv,noheader 2>&1); then
-    echo "$field: nvidia-smi --query-gpu=index,uuid,pci.bus_id failed: ${smi%%$'\n'*}"
-    return 1
-  fi
-  while IFS=', ' read -r idx uuid bus; do
-    [[ -n $idx ]] || continue
-    all+=("$idx")
-    bus_of[$idx]=$bus
-    uuid_of[$idx]=$uuid
-  done <<<"$smi"
-  # The GPUs torchrun's workers get: CUDA_VISIBLE_DEVICES (indices or GPU-UUID prefixes), else every one.
-  if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
-    IFS=, read -r -a entries <<<"${CUDA_VISIBLE_DEVICES//[[:space:]]/}"
-    for e in "${entries[@]}"; do
-      idx=''
-      if [[ $e =~ ^[0-9]+$ && -n ${bus_of[$e]+set} ]]; then
-        idx=$e
-      elif [[ $e == GPU-* ]]; then
-        for k in "${all[@]}"; do
-          if [[ ${uuid_of[$k]} == "$e"* ]]; then idx=$k; break; fi
-        done
-      fi
-      if [[ -z $idx ]]; then
-        echo "note: CUDA_VISIBLE_DEVICES entry $e is no GPU that nvidia-smi lists: its NUMA node is not checked" >&2
-        continue
-      fi
-      visible+=("$idx")
-    done
-  else
-    visible=("${all[@]}")
-  fi
-  for idx in "${visible[@]}"; do
-    bus=${bus_of[$idx],,}
-    # nvidia-smi: 00000000:18:00.0; sysfs and torch: 0000:18:00.0
-    if [[ ! $bus =~ ^([0-9a-f]+):([0-9a-f]{2}:[0-9a-f]{2})\.[0-7]$ ]]; then
-      echo "$field: GPU $idx: cannot read its PCI address from nvidia-smi's pci.bus_id '$bus'"
-      bad=1
-      continue
-    fi
-    printf -v addr '%04x:%s.0' "$((16#${BASH_REMATCH[1]}))" "${BASH_REMATCH[2]}"
-    f=$root/sys/bus/pci/devices/$addr/numa_node
-    node=''
-    read_line node "$f" || true
-    if [[ ! $node =~ ^-?[0-9]+$ ]]; then
-      echo "$field: GPU $idx ($addr): cannot read its NUMA node from $f, where torch reads it"
-      bad=1
-      continue
-    fi
-    if ((node < 0)); then node=0; fi
-    gpus_on[$node]+="${gpus_on[$node]:+,}$idx"
-  done
-  for node in $(printf '%s\n' "${!gpus_on[@]}" | sort -n); do
-    f=$root/sys/devices/system/node/node$node/cpulist
-    node_list=''
-    if ! read_line node_list "$f"; then
-      echo "$field: GPU ${gpus_on[$node]} on NUMA node $node, but $f cannot be read" \
-        "(torch reads the node's CPUs there)"
-      bad=1
-      continue
-    fi
-    n=0
-    cores=()
-    for c in $(cpulist_cpus "$node_list"); do
-      [[ -n ${allowed[$c]-} ]] || continue
-      n=$((n + 1))
-      if [[ $mode == exclusive ]]; then
-        sib=''
-        f=$root/sys/devices/system/cpu/cpu$c/topology/thread_siblings_list
-        if ! read_line sib "$f" || [[ ! ${sib%%[,-]*} =~ ^[0-9]+$ ]]; then
-          echo "$field: cannot read the physical core of CPU $c from $f (torch's exclusive mode reads it)"
-          bad=1
-          continue 2
-        fi
-        cores[${sib%%[,-]*}]=1  # a core is named by its first logical CPU, as in torch
-      fi
-    done
-    if ((n == 0)); then
-      echo "$field: GPU ${gpus_on[$node]} on NUMA node $node (CPUs $node_list), but this job step may only run on" \
-        "CPUs $allowed_list: torchrun fails to start its workers (give the step CPUs on every GPU's NUMA node," \
-        "e.g. more slurm.cpus_per_task, or unset topology.numa_binding)"
-      bad=1
-      continue
-    fi
-    k=$(tr ',' '\n' <<<"${gpus_on[$node]}" | grep -c .)
-    if [[ $mode == exclusive ]] && ((${#cores[@]} < k)); then
-      echo "$field: NUMA node $node has ${#cores[@]} physical cores this job step may use for its $k GPUs" \
-        "(${gpus_on[$node]}); torch's exclusive mode needs one per GPU (use node, or give the step more CPUs)"
-      bad=1
-      continue
-    fi
-    summary+="${summary:+, }GPU ${gpus_on[$node]} on NUMA node $node ($n usable CPUs)"
-  done
-  if [[ $mode == socket ]]; then
-    # torch's socket mode takes one usable CPU of every NUMA node the kernel lists as possible
-    # (memory-only nodes too, e.g. a GH200's GPU memory): a node without one makes it fail.
-    possible=''
-    read_line possible "$root/sys/devices/system/node/possible" || true
-    for node in $(cpulist_cpus "$possible"); do
-      [[ -z ${gpus_on[$node]+set} ]] || continue
-      node_list=''
-      read_line node_list "$root/sys/devices/system/node/node$node/cpulist" || true
-      n=0
-      for c in $(cpulist_cpus "$node_list"); do
-        if [[ -n ${allowed[$c]-} ]]; then n=1; break; fi
-      done
-      if ((n == 0)); then
-        echo "$field: NUMA node $node has no CPU this job step may run on (CPUs: ${node_list:-none}); torch's socket" \
-          "mode looks at every NUMA node and fails on it (use node)"
-        bad=1
-      fi
-    done
-  fi
-  if ((bad)); then return 1; fi
-  echo "numactl $(command -v numactl); ${summary:-no GPU to bind}; job step CPUs $allowed_list"
-}
-
-# check_ib_hcas SPEC LINK_LAYER (nccl.ib_hca, nccl.ib_link_layer). SPEC is NCCL_IB_HCA as NCCL reads it:
-# '=' first for exact names, else each name is a prefix and NCCL uses every adapter starting with it;
-# name:port selects one port, a bare name every port of the adapter. NCCL uses a selected port whatever
-# its link layer, so an Ethernet storage or management port in the list carries training traffic.
-# Every name must match an adapter in /sys/class/infiniband (a prefix: at least one), and every port it
-# selects must have LINK_LAYER in ports/<port>/link_layer (InfiniBand, or Ethernet for RoCE) and be
-# ACTIVE in ports/<port>/state: NCCL silently skips a port that is down, leaving the node a link short.
-# shellcheck disable=SC2317,SC2329  # run on the nodes by the preflight (shipped with it), not called here
-check_ib_hcas() {
-  local spec=$1 want=$2 dir=${SBATCH_GEN_SYSFS_ROOT:-}/sys/class/infiniband exact=0 bad=0
-  local entry name port dev d p ll lls st have='' what
-  local -a entries=() devs=() ports=() checked=()
-  if [[ $spec == =* ]]; then
-    exact=1
-    spec=${spec#=}
-  fi
-  for d in "$dir"/*; do
-    [[ -d $d ]] || continue
-    lls=''
-    for p in "$d"/ports/*; do
-      ll='?'
-      read_line ll "$p/link_layer" || true
-      lls+="${lls:+ }${p##*/}:$ll"
-    done
-    have+="${have:+, }${d##*/} (port ${lls:-none})"
-  done
-  IFS=, read -r -a entries <<<"$spec"
-  for entry in "${entries[@]}"; do
-    name=${entry%%:*}
-    port=''
-    if [[ $entry == *:* ]]; then port=${entry#*:}; fi
-    devs=()
-    for d in "$dir"/*; do
-      [[ -d $d ]] || continue
-      if ((exact)) && [[ ${d##*/} == "$name" ]]; then devs+=("$name"); fi
-      if ((!exact)) && [[ ${d##*/} == "$name"* ]]; then devs+=("${d##*/}"); fi
-    done
-    if ((${#devs[@]} == 0)); then
-      if ((exact)); then what="adapter $name"; else what="adapter starting with $name (nccl.ib_hca_exact is false)"; fi
-      echo "nccl.ib_hca: no $what on this node; have: ${have:-none (no RDMA driver loaded?)}"
-      bad=1
-      continue
-    fi
-    for dev in "${devs[@]}"; do
-      ports=()
-      if [[ -n $port ]]; then
-        ports=("$port")
-      else
-        for p in "$dir/$dev"/ports/*; do
-          if [[ -d $p ]]; then ports+=("${p##*/}"); fi
-        done
-        if ((${#ports[@]} == 0)); then
-          echo "nccl.ib_hca: adapter $dev has no ports in $dir/$dev/ports"
-          bad=1
-        fi
-      fi
-      for p in "${ports[@]}"; do
-        ll=''
-        if ! read_line ll "$dir/$dev/ports/$p/link_layer"; then
-          echo "nccl.ib_hca: adapter $dev has no port $p ($dir/$dev/ports/$p/link_layer cannot be read)"
-          bad=1
-        elif [[ $ll != "$want" ]]; then
-          echo "nccl.ib_hca: $dev port $p has link layer $ll, but nccl.ib_link_layer is $want: NCCL would send" \
-            "training traffic over it (take it out of nccl.ib_hca, name the right port as $dev:N, or set" \
-            "nccl.ib_link_layer)"
-          bad=1
-        else
-          st='unreadable'
-          read_line st "$dir/$dev/ports/$p/state" || true
-          if [[ $st == *ACTIVE ]]; then
-            checked+=("$dev:$p")
-          else
-            echo "nccl.ib_hca: $dev port $p is not active (state: $st): NCCL leaves out a port that is not" \
-              "ACTIVE, so this node would train on fewer links than the others (bring the link up or drain" \
-              "the node)"
-            bad=1
-          fi
-        fi
-      done
-    done
-  done
-  if ((bad)); then return 1; fi
-  echo "${checked[*]}: $want"
-}
-
 # IPv4 address of an interface (ip, else python's SIOCGIFADDR: images without iproute2); returns 1 if it has
 # none.
 # shellcheck disable=SC2317,SC2329  # run on the nodes (shipped with the preflight)
@@ -770,236 +525,55 @@ print(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", sys.a
   printf '%s\n' "$addr"
 }
 
-# preflight NAME=VALUE...: check this node before anything starts, and say so in one line: "preflight ok on
-# NODE: what it found" on stdout (return 0), or "preflight FAILED on NODE: problem; problem..." on stderr
-# (return 1), where NODE is $SLURMD_NODENAME, else the host name. Every check runs, so one line names every
-# problem of the node; only the rendezvous check, which waits for the other nodes, is skipped after a failure
-# (the launcher ends the other nodes' preflights when one fails). Settings (unset or empty: not checked):
-#   dir=D             cd to D first (the launch directory)
-#   activate=1        activate python_env first (activate_env; the Slurm batch shell has done it already)
-#   module=M          trainer.module: importable, with torch, by this node's python (torchrun on PATH too)
-#   torchrun_flags=L  FLAG=KEY,...: torchrun flags this render uses that older torch releases lack; this
-#                     node's torch must have each (its torch/distributed/run.py names it), KEY the profile field
-#   config=F          trainer.config: readable
-#   data=P            paths.data: exists
-#   ifname=I          network.socket_ifname: exists and has an IPv4 address (NCCL/Gloo bind to it)
-#   gpus=N gpus_key=K N GPUs per node, as the profile field K says. Exactly N must be visible (CUDA_VISIBLE_DEVICES,
-#                     else what nvidia-smi lists): torchrun starts N processes and local rank i takes GPU i, so a
-#                     missing GPU fails the job later, and an extra one idles, unnoticed, because the profile is
-#                     wrong for this node (OMP_NUM_THREADS is cpus / N as well).
-#   log_topology=1    log `nvidia-smi topo -m` (GPU sites)
-#   numa=MODE         topology.numa_binding: check_numa_binding MODE
-#   hcas=H link_layer=L   nccl.ib_hca as NCCL_IB_HCA and nccl.ib_link_layer: check_ib_hcas H L
-#   run_dir=R         paths.run_dir: created if missing, writable
-#   shared_marker=F   a file node 0's launcher wrote into the run dir: every other node must see it, or the
-#                     run dir is not one filesystem all nodes share (checkpoints and stop files need one)
-#   node_id=I nnodes=N   this node's rank (0: the rendezvous host) and the node count
-#   rdzv_port=P       torchrun.rdzv_port: node 0 can listen on it (no other launch holds it)
-#   rdzv_host=H connect_timeout_s=T   and every other node reaches H:P within T s (every node runs its
-#                     preflight at the same time, as srun does)
-#   health_check=CMD  preflight.health_check: the site's own node check, run by bash; non-zero fails the node
-# shellcheck disable=SC2317,SC2329  # run on the nodes (export -f / declare -f), not called here
-preflight() {
-  local -A s=([dir]='' [activate]=0 [module]='' [torchrun_flags]='' [config]='' [data]='' [ifname]='' [gpus]=0 [gpus_key]=''
-    [log_topology]=0 [numa]='' [hcas]='' [link_layer]='' [run_dir]='' [shared_marker]='' [node_id]=0 [nnodes]=1
-    [rdzv_port]='' [rdzv_host]='' [connect_timeout_s]=60 [health_check]='')
-  local a node=${SLURMD_NODENAME:-$(hostname)} python='' out line visible addr names probe m host
-  local -a ok=() bad=()
-  for a in "$@"; do
-    if [[ $a != *=* || -z ${s[${a%%=*}]+set} ]]; then echo "preflight: unknown setting '$a'" >&2; return 2; fi
-    s[${a%%=*}]=${a#*=}
+# find_node_program FILE...: the first FILE that is the node program this script pins (sbatch-gen-node.py
+# with sha256 $NODE_PY_SHA256), in NODE_PY_FOUND; else NODE_ERROR says what each FILE is and the status is 1.
+find_node_program() {
+  local f sum said=''
+  for f in "$@"; do
+    if [[ ! -r $f ]]; then said+="${said:+; }no $f"; continue; fi
+    sum=$(sha256sum <"$f" 2>/dev/null) || sum=''
+    sum=${sum%% *}
+    if [[ $sum == "$NODE_PY_SHA256" ]]; then NODE_PY_FOUND=$f; return 0; fi
+    said+="${said:+; }$f has sha256 ${sum:-unknown}"
   done
-  if [[ -n ${s[dir]} ]] && ! cd -- "${s[dir]}" 2>/dev/null; then
-    bad+=("launch directory ${s[dir]} does not exist")
-  elif ((s[activate])) && ! activate_env; then
-    bad+=("$NODE_ERROR")
-  elif ! python=$(command -v python); then
-    bad+=("python not found on PATH (python_env)")
-  else
-    ok+=("$(python -c 'import platform; print(platform.machine(), "python", platform.python_version())') $python")
-  fi
-  if [[ -n $python ]]; then
-    if out=$(command -v torchrun); then ok+=("torchrun $out"); else bad+=("torchrun not found on PATH (python_env)"); fi
-  fi
-  if [[ -n $python && -n ${s[torchrun_flags]} ]]; then
-    # read, not imported: torch's own import takes seconds; no torch at all is the torch check's to report
-    out=$(python -c '
-import importlib.util, pathlib, re, sys
-try:
-    root = pathlib.Path(importlib.util.find_spec("torch").origin).parent
-    src = (root / "distributed" / "run.py").read_text()
-    ver = re.search("__version__ = .([0-9][^\x27\x22]*)", (root / "version.py").read_text()).group(1)
-except Exception:
-    sys.exit(0)
-for pair in sys.argv[1].split(","):
-    flag, key = pair.split("=", 1)
-    if flag not in src and flag[:2] + flag[2:].replace("-", "_") not in src:
-        print(f"torchrun of torch {ver} has no {flag} ({key}): use a newer torch")' "${s[torchrun_flags]}" 2>/dev/null) || out=''
-    while IFS= read -r line; do if [[ -n $line ]]; then bad+=("$line"); fi; done <<<"$out"
-  fi
-  if [[ -n $python && -n ${s[module]} ]]; then
-    # find_spec imports the parent packages (a missing one raises) but not the module itself
-    out=$(python -c '
-import importlib.util, sys
-for name in sys.argv[1:]:
-    try:
-        found = importlib.util.find_spec(name) is not None
-    except Exception:
-        found = False
-    if not found:
-        print(name)' "${s[module]}" torch 2>/dev/null) || out="${s[module]} torch"
-    for m in $out; do
-      if [[ $m == torch ]]; then bad+=("torch not importable by $python from $PWD (python_env)")
-      else bad+=("trainer module $m not importable by $python from $PWD (trainer.module, python_env)")
-      fi
-    done
-    if [[ -z $out ]]; then ok+=("${s[module]} and torch importable"); fi
-  fi
-  if [[ -n ${s[config]} ]]; then
-    if [[ -r ${s[config]} ]]; then ok+=("train config ${s[config]}")
-    else bad+=("train config ${s[config]} not readable from $PWD (trainer.config)")
-    fi
-  fi
-  if [[ -n ${s[data]} ]]; then
-    if [[ -e ${s[data]} ]]; then ok+=("data path ${s[data]}"); else bad+=("data path ${s[data]} does not exist (paths.data)"); fi
-  fi
-  if [[ -n ${s[ifname]} ]]; then
-    if addr=$(iface_ipv4 "${s[ifname]}"); then
-      ok+=("interface ${s[ifname]} $addr")
-    else
-      # The interfaces of this network namespace (/sys/class/net shows the one sysfs was mounted in).
-      names=$(python -c 'import socket; print(*sorted(n for _, n in socket.if_nameindex()))' 2>/dev/null) \
-        || names=$(cd /sys/class/net && echo *)
-      if [[ " $names " == *" ${s[ifname]} "* ]]; then
-        bad+=("network interface ${s[ifname]} has no IPv4 address (network.socket_ifname)")
-      else
-        bad+=("network interface ${s[ifname]} does not exist (network.socket_ifname); have: $names")
-      fi
-    fi
-  fi
-  if ((s[gpus] > 0)); then
-    if ! command -v nvidia-smi >/dev/null; then
-      bad+=("nvidia-smi not found, but the site has ${s[gpus]} GPUs per node (${s[gpus_key]})")
-    else
-      if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
-        visible=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .)
-      else
-        visible=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
-      fi
-      if ((visible == s[gpus])); then ok+=("$visible GPUs")
-      else bad+=("$visible GPUs visible, the profile expects ${s[gpus]} (${s[gpus_key]})")
-      fi
-      if ((s[log_topology])); then
-        nvidia-smi topo -m 2>&1 | sed "s/^/[$node topo] /" || true
-      fi
-    fi
-  fi
-  if [[ -n ${s[numa]} ]]; then
-    if out=$(check_numa_binding "${s[numa]}"); then ok+=("NUMA binding ${s[numa]}: $out")
-    else while IFS= read -r line; do bad+=("$line"); done <<<"$out"
-    fi
-  fi
-  if [[ -n ${s[hcas]} ]]; then
-    if out=$(check_ib_hcas "${s[hcas]}" "${s[link_layer]}"); then ok+=("HCAs $out")
-    else while IFS= read -r line; do bad+=("$line"); done <<<"$out"
-    fi
-  fi
-  if [[ -n ${s[run_dir]} ]]; then
-    probe="${s[run_dir]}/.preflight.$node.$$"
-    if { mkdir -p -- "${s[run_dir]}" && : >"$probe" && rm -f -- "$probe"; } 2>/dev/null; then
-      ok+=("run dir ${s[run_dir]} writable")
-    else
-      bad+=("run dir ${s[run_dir]} cannot be created or is not writable (paths.run_dir)")
-    fi
-  fi
-  if [[ -n ${s[shared_marker]} ]] && ((s[node_id] > 0)); then
-    if [[ -e ${s[shared_marker]} ]]; then ok+=("run dir shared with node 0")
-    else bad+=("run dir ${s[run_dir]} is not the one node 0 sees (checkpoints need a filesystem all nodes share)")
-    fi
-  fi
-  if [[ -n ${s[health_check]} ]]; then
-    if out=$(bash -c "${s[health_check]}" 2>&1 </dev/null); then
-      ok+=("health check passed")
-    else
-      line=$(grep . <<<"$out" | tail -n 1 | cut -c 1-300 || true)
-      bad+=("health check failed${line:+: $line} (preflight.health_check)")
-    fi
-  fi
-  # Rendezvous: node 0 listens on the c10d port for a moment and every other node connects to it, so a busy
-  # port, a wrong address or a firewall shows up here and not as a hang inside torchrun. Without a host (or
-  # after a failure) only node 0's port is tried.
-  if [[ -n $python && -n ${s[rdzv_port]} ]]; then
-    host=${s[rdzv_host]}
-    if ((${#bad[@]})); then host=''; fi
-    if out=$(python - "$host" "${s[rdzv_port]}" "${s[node_id]}" "${s[nnodes]}" "${s[connect_timeout_s]}" <<'PY'
-import socket, sys, time
-def fail(msg):
-    print(msg)
-    sys.exit(1)
-host, port, node_id, nnodes, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
-deadline = time.monotonic() + timeout
-if host:
-    try:
-        socket.getaddrinfo(host, port)
-    except OSError as e:
-        fail(f"rendezvous host {host} does not resolve: {e}")
-if node_id == 0:
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        srv.bind(("", port))
-    except OSError as e:
-        fail(f"cannot listen on rendezvous port {port}: {e.strerror} (torchrun.rdzv_port; another launch?)")
-    srv.listen(nnodes)
-    srv.settimeout(1.0)
-    seen = 0
-    while host and seen < nnodes - 1:
-        if time.monotonic() > deadline:
-            fail(f"only {seen} of {nnodes - 1} other nodes reached {host}:{port} within {timeout:g} s")
-        try:
-            conn, _ = srv.accept()
-        except socket.timeout:
-            continue
-        conn.settimeout(5.0)
-        try:
-            while conn.recv(64):
-                pass
-        except OSError:
-            pass
-        conn.close()
-        seen += 1
-    srv.close()
-    print(f"rendezvous port {port} free" + (f", {seen} other nodes reached {host}" if host and seen else ""))
-elif host:
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=5.0) as c:
-                c.sendall(b"preflight")
-            break
-        except OSError as e:
-            if time.monotonic() > deadline:
-                fail(f"rendezvous endpoint {host}:{port} not reachable within {timeout:g} s: {e}")
-            time.sleep(0.5)
-    print(f"rendezvous {host}:{port} reached")
-PY
-    ); then
-      if [[ -n $out ]]; then ok+=("$out"); fi
-    else
-      bad+=("${out:-rendezvous check failed}")
-    fi
-  fi
-  if ((${#bad[@]})); then
-    out=${bad[0]}
-    for line in "${bad[@]:1}"; do out+="; $line"; done
-    printf 'preflight FAILED on %s: %s\n' "$node" "$out" >&2
-    # under srun --kill-on-bad-exit this task's exit tears the step down at once, and the line above could
-    # be lost on its way to the batch log: give the forwarding a moment first
-    if [[ -n ${SLURM_STEP_ID-} ]]; then sleep 1; fi
+  NODE_ERROR="the node program this script pins (sbatch-gen-node.py, sha256 $NODE_PY_SHA256) is not there: $said (sbatch-gen render writes it beside the renders: render again and review the diff)"
+  return 1
+}
+
+# stage_node_program DIR FILE...: the node program this script pins, as DIR/sbatch-gen-node.<sha256>.py, in
+# SBATCH_GEN_NODE_PY (exported). A copy already there (an earlier attempt of the run) is used even when the
+# checkout has changed since; else the first good FILE is copied there. Sets NODE_ERROR and returns 1 if
+# there is none.
+stage_node_program() {
+  local staged="$1/sbatch-gen-node.${NODE_PY_SHA256:0:16}.py"
+  shift
+  find_node_program "$staged" "$@" || return 1
+  if [[ $NODE_PY_FOUND != "$staged" ]] \
+    && ! { mkdir -p -- "${staged%/*}" && cp -- "$NODE_PY_FOUND" "$staged.$$" && mv -f -- "$staged.$$" "$staged"; } 2>/dev/null; then
+    NODE_ERROR="cannot copy the node program $NODE_PY_FOUND to $staged"
     return 1
   fi
-  out=${ok[0]-}
-  for line in "${ok[@]:1}"; do out+=", $line"; done
-  printf 'preflight ok on %s: %s\n' "$node" "$out"
+  SBATCH_GEN_NODE_PY=$staged
+  export SBATCH_GEN_NODE_PY
+}
+
+# preflight NAME=VALUE...: check this node before anything starts (the node program's preflight: its
+# settings are listed there), run by this node's python (python_env), else by python3. One line: "preflight
+# ok on NODE: what it found" on stdout (status 0), or "preflight FAILED on NODE: problem; problem..." on stderr
+# (status 1). The program is the file $SBATCH_GEN_NODE_PY, or the text $NODE_PY_SRC (the SSH launcher ships
+# it).
+# shellcheck disable=SC2317,SC2329  # run on the nodes (export -f / declare -f), not called here
+preflight() {
+  local py a problem='python not found on PATH (python_env)'
+  if py=$(command -v python || command -v python3); then
+    if [[ -n ${NODE_PY_SRC-} ]]; then "$py" -I -c "$NODE_PY_SRC" preflight "$@"; else "$py" -I "$SBATCH_GEN_NODE_PY" preflight "$@"; fi
+    return
+  fi
+  for a in "$@"; do
+    if [[ $a == setup_error=?* ]]; then problem=${a#setup_error=}; fi
+  done
+  printf 'preflight FAILED on %s: %s\n' "${SLURMD_NODENAME:-$(hostname)}" "$problem" >&2
+  return 1
 }
 
 # stop_outcome STOP_FILE: one line on what a stop left behind: from STOP_FILE.ack (JSON, the first rank of
@@ -1070,14 +644,20 @@ run_trainer() {
 
 # ==== end of node library ==========================================================================
 
+# The node program's text (the preflight's checks), from beside this script, else from out/, if it is the one
+# this script pins; main stops with NODE_ERROR if not.
+NODE_PY_SRC=''
+if find_node_program "$(dirname -- "${BASH_SOURCE[0]}")/sbatch-gen-node.py" out/sbatch-gen-node.py; then
+  NODE_PY_SRC=$(cat -- "$NODE_PY_FOUND")
+fi
 # The program a node runs: strict mode, the settings and functions above (declare -p/-f print them
 # as bash code, every value quoted), then "$@".
 NODE_VARS=(LAUNCH_DIR NNODES TAG NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT NUMA_BINDING LOG_TOPOLOGY IB_HCA
   IB_LINK_LAYER ENV_KIND ENV_PATH ENV_NAME MODULES CODE_DIR ENV_HINT NODE_ENV TRAINER_MODULE TRAIN_CONFIG
-  DATA_PATH RUN_DIR SHARED_RUN_DIR)
+  DATA_PATH RUN_DIR SHARED_RUN_DIR NODE_PY_SRC)
 NODE_PROGRAM="set -euo pipefail
 $(declare -p "${NODE_VARS[@]}")
-$(declare -f preflight_main node_main cleanup_main preflight iface_ipv4 load_modules activate_env read_line cpulist_cpus check_numa_binding check_ib_hcas log run_trainer stop_outcome)
+$(declare -f preflight_main node_main cleanup_main iface_ipv4 load_modules activate_env preflight log run_trainer stop_outcome)
 \"\$@\""
 
 main "$@"

@@ -25,7 +25,15 @@ from sbatch_gen.errors import UserError
 from sbatch_gen.fsutil import display_path
 from sbatch_gen.loader import LoadedSite, list_sites, load_site
 from sbatch_gen.profiles import PROFILE_KINDS
-from sbatch_gen.render import OutputError, Rendered, check_out_dir, render_site, write_outputs
+from sbatch_gen.render import (
+    NODE_PROGRAM_FILE,
+    OutputError,
+    Rendered,
+    check_out_dir,
+    node_program,
+    render_site,
+    write_outputs,
+)
 from sbatch_gen.rendiff import FileChange, grouped_diff
 
 EXIT_DRIFT = 1
@@ -127,11 +135,18 @@ def _select(sites_dir: Path, names: tuple[str, ...], all_: bool, required: bool 
 
 
 def _render_all(loaded: list[LoadedSite], templates_dir: Path | None) -> list[tuple[LoadedSite, Rendered]]:
-    return [(s, r) for s in loaded for r in render_site(s, templates_dir)]
+    """Every site's files, then the node program once when a render runs it (it goes beside them)."""
+    pairs = [(s, r) for s in loaded for r in render_site(s, templates_dir)]
+    users = [s for s, r in pairs if r.uses_node_program]
+    if users:
+        pairs.append((users[0], node_program()))
+    return pairs
 
 
 def _output_suffixes() -> list[str]:
-    return sorted({pat.replace("{site}", "") for cls in PROFILE_KINDS.values() for _, pat in cls.OUTPUTS})
+    """The endings of the files render writes (what check and diff --against look at)."""
+    kinds = {pat.replace("{site}", "") for cls in PROFILE_KINDS.values() for _, pat in cls.OUTPUTS}
+    return sorted(kinds | {NODE_PROGRAM_FILE})
 
 
 def _read_output(path: Path) -> str | None:
@@ -202,6 +217,9 @@ def _git_renders(rev: str, dirs: tuple[Path, ...]) -> list[FileChange]:
 @_templates_option
 def render(names, all_, out_dir, overrides, sites_dir, templates_dir) -> None:
     """Validate profiles and write out/<site>.sbatch and out/<site>.setup.sbatch (atomically, mode 0755).
+
+    Beside them, once, out/sbatch-gen-node.py: the node program the renders' preflight runs (they pin its
+    sha256).
 
     All or nothing: every site is rendered and every destination checked before a file is written; if
     anything fails, out/ is left as it was (exit 2: --out cannot take the files; exit 1: an I/O error).

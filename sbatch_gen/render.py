@@ -202,6 +202,8 @@ def context(site: LoadedSite, sha: str) -> dict:
         },
         "container_argv": container_argv,
         "preflight_ib_hca": preflight_ib_hca(p),
+        # the node program: its file name (render writes it beside the renders) and the sha256 it must have
+        "node_py": {"name": NODE_PROGRAM_FILE, "sha256": _sha256(node_program_text())},
         "EXIT_REQUEUE": contract.EXIT_REQUEUE,
         "ENV_STOP_FILE": contract.ENV_STOP_FILE,
         "ENV_PINNED_CODE": contract.ENV_PINNED_CODE,
@@ -224,9 +226,26 @@ class Rendered:
     filename: str
     text: str
     template: str
+    uses_node_program: bool = False  # the script runs the node program (NODE_PROGRAM_FILE, its sha256 pinned)
+
+
+# The node program (sbatch_gen/node_program.py): `render` writes it beside the renders under this name, once
+# for all of them; a render that runs it names its path and pins its sha256.
+NODE_PROGRAM_FILE = "sbatch-gen-node.py"
+
+
+def node_program_text() -> str:
+    """The node program as `render` writes it: sbatch_gen/node_program.py, byte for byte."""
+    return (Path(__file__).resolve().parent / "node_program.py").read_text(encoding="utf-8")
+
+
+def node_program() -> Rendered:
+    """The node program as a file of the render directory, beside the renders that run it."""
+    return Rendered(NODE_PROGRAM_FILE, node_program_text(), "")
 
 
 def render_site(site: LoadedSite, templates_dir: Path | None = None) -> list[Rendered]:
+    """The site's files (those that run the node program say so: node_program() goes beside them)."""
     tdir = templates_dir or default_templates_dir()
     env = _cached_env(str(Path(tdir).resolve()))
     out = []
@@ -235,7 +254,8 @@ def render_site(site: LoadedSite, templates_dir: Path | None = None) -> list[Ren
         try:
             names = _template_closure(env, template)
             sha = inputs_sha256(site, env, names)
-            text = env.get_template(template).render({**context(site, sha), RENDER_STATE: state})
+            ctx = context(site, sha)
+            text = env.get_template(template).render({**ctx, RENDER_STATE: state})
         except jinja2.TemplateNotFound as e:
             raise UserError(f"{display_path(tdir)}: template {e.name!r} not found") from None
         except jinja2.TemplateSyntaxError as e:
@@ -249,7 +269,8 @@ def render_site(site: LoadedSite, templates_dir: Path | None = None) -> list[Ren
         if state.literal_dollar and text.startswith("#!"):
             shebang, rest = text.split("\n", 1)
             text = f"{shebang}\n{_SC2016}{rest}"
-        out.append(Rendered(pattern.format(site=site.name), text.rstrip("\n") + "\n", template))
+        uses = f"NODE_PY_SHA256={ctx['node_py']['sha256']}" in text
+        out.append(Rendered(pattern.format(site=site.name), text.rstrip("\n") + "\n", template, uses))
     return out
 
 

@@ -139,8 +139,9 @@ _ENV_TABLE: tuple[_Block, ...] = (
 # aside: which of those a job gets depends on the transport; RESERVED_ENV_PREFIXES covers them).
 JOB_ENV_NAMES: frozenset[str] = frozenset(name for b in _ENV_TABLE for name, _ in b.vars)
 
-# Variables the scripts set at run time (besides job_environment), for pyxis --container-env.
-RUNTIME_EXPORTS = ("MASTER_ADDR", "MASTER_PORT", "PYTHONPATH", contract.ENV_STOP_FILE)
+# Variables the scripts set at run time (besides job_environment), for pyxis --container-env. The Slurm job's
+# preflight finds the node program it staged in the run dir in SBATCH_GEN_NODE_PY.
+RUNTIME_EXPORTS = ("MASTER_ADDR", "MASTER_PORT", "PYTHONPATH", contract.ENV_STOP_FILE, "SBATCH_GEN_NODE_PY")
 # Variables the activation of python_env sets (a venv: VIRTUAL_ENV, and its bin/ first on PATH).
 ACTIVATION_EXPORTS = ("PATH", "VIRTUAL_ENV")
 

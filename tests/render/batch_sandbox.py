@@ -9,6 +9,7 @@ Shared by test_requeue.py and test_signals.py; :func:`render_local` renders the 
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -81,6 +82,9 @@ def prepare(
     full.update(env or {})  # may replace the defaults above
     job = work / "job.sbatch"
     job.write_text(script if script is not None else (REPO / "out" / "local.sbatch").read_text())
+    # the node program the job's preflight runs, where a checkout has it (the job looks in out/)
+    (work / "out").mkdir()
+    shutil.copy(REPO / "out" / "sbatch-gen-node.py", work / "out" / "sbatch-gen-node.py")
     # the submit directory is a git checkout, as a user's is: the job pins its code (paths.pin_code)
     (work / ".gitignore").write_text(".venv/\nruns/\n")
     git = ["git", "-C", str(work), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]

@@ -6,10 +6,16 @@ node library between its fences, then ``main "$@"`` (templates/slurm.sbatch.j2, 
 from __future__ import annotations
 
 import hashlib
+import shlex
+from pathlib import Path
 
 LIBRARY_START = "# ==== node library ="
 LIBRARY_SHA = "# library sha256: "
 LIBRARY_END = "# ==== end of node library ="
+# The node program the library's preflight runs (the source; render writes it as out/sbatch-gen-node.py).
+NODE_PROGRAM = Path(__file__).resolve().parents[2] / "sbatch_gen" / "node_program.py"
+# The files of a render directory that are scripts (the node program beside them is Python).
+SCRIPT_SUFFIXES = (".sbatch", ".sh")
 
 
 def flat(text: str) -> str:
@@ -32,8 +38,9 @@ def library_lines(text: str) -> tuple[str, str]:
 
 def node_library(text: str) -> str:
     """The node library: log/die, the python_env activation, the preflight and run_trainer functions the
-    render uses (what srun's and the node program's bash run on the nodes)."""
-    return library_lines(text)[1]
+    render uses (what srun's and the node program's bash run on the nodes), with the node program the
+    preflight runs exported as the Slurm job exports it once staged (SBATCH_GEN_NODE_PY)."""
+    return library_lines(text)[1] + f"export SBATCH_GEN_NODE_PY={shlex.quote(str(NODE_PROGRAM))}\n"
 
 
 def library_sha_ok(text: str) -> bool:

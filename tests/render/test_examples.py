@@ -12,11 +12,11 @@ from sbatch_gen.loader import load_site
 from sbatch_gen.train.api import cross_region_from_args
 
 from .conftest import REPO, sg_proc
-from .script_parts import flat
+from .script_parts import SCRIPT_SUFFIXES, flat
 from .test_shell import lint
 
 EXAMPLES_OUT = sorted(
-    p for p in (REPO / "examples" / "out").iterdir() if p.is_file() and not p.name.startswith(".")
+    p for p in (REPO / "examples" / "out").iterdir() if p.is_file() and p.name.endswith(SCRIPT_SUFFIXES)
 )
 EXAMPLE_ARGS = ("--sites-dir", "examples/sites", "--out", "examples/out")
 

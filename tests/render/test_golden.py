@@ -101,3 +101,25 @@ def test_render_with_overrides_and_sites_dir(tmp_path, monkeypatch):
     assert "MASTER_PORT=29611" in text
     assert "--xr-regions 'a,b'" in text
     assert "#   override: --set torchrun.rdzv_port=29611" in text
+
+
+def test_the_node_program_is_written_once_beside_the_renders_and_checked_like_them(work):
+    """`render` writes sbatch-gen-node.py (the preflight's checks) once for every render that runs it, and
+    `check` fails on a stale or missing one as on a stale render: the renders pin its sha256."""
+    r = sg("render", "--all")
+    assert r.code == 0, r.err
+    assert r.out.count("out/sbatch-gen-node.py") == 1, r.out
+    node = work / "out" / "sbatch-gen-node.py"
+    assert node.read_bytes() == (REPO / "out" / "sbatch-gen-node.py").read_bytes()
+    assert sg("check").code == 0
+    node.write_text(node.read_text().replace("preflight ok on", "preflight fine on"))
+    r = sg("check")
+    assert r.code == 1 and "--- a/out/sbatch-gen-node.py" in r.out, r.out
+    assert '-    print(f"preflight fine on' in r.out and '+    print(f"preflight ok on' in r.out, r.out
+    node.unlink()
+    r = sg("check")
+    assert r.code == 1 and "out/sbatch-gen-node.py" in r.out, r.out
+    # a render that does not run it (no preflight) does not write it
+    sg("render", "--all")
+    r = sg("render", "--site", "local", "--set", "preflight.enabled=false", "--out", "alone")
+    assert r.code == 0 and not (work / "alone" / "sbatch-gen-node.py").exists(), r.out

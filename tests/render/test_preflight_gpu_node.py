@@ -1,4 +1,5 @@
-"""The Slurm preflight's GPU-node checks, run for real under bash against a fake node
+"""The Slurm preflight's GPU-node checks (the node program, sbatch_gen/node_program.py, which
+tests/node/test_node_program.py tests check by check), run for real under bash against a fake node
 (sbatch_gen/testing/fakenode.py: a /sys and /proc tree under SBATCH_GEN_SYSFS_ROOT, stub nvidia-smi and
 numactl on PATH):
 
@@ -319,8 +320,10 @@ SINFO = "#!/bin/bash\necho 'slurm 23.11.4'\n"
 
 
 def _eu_job(
-    tmp_path: Path, node: FakeNode, *sets: str, path: str | None = None
+    tmp_path: Path, node: FakeNode, *sets: str, path: str | None = None, node_program: str | None = None
 ) -> tuple[subprocess.CompletedProcess, Path]:
+    """The eu job on the fake node; ``node_program``: the text of the submit directory's
+    out/sbatch-gen-node.py instead of the committed one."""
     out = tmp_path / "render"
     overrides = [
         "slurm.nodes=1",
@@ -345,6 +348,8 @@ def _eu_job(
         script=(out / "eu.sbatch").read_text(),
         env={"SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "gpu-n7"},
     )
+    if node_program is not None:
+        (job.parent / "out" / "sbatch-gen-node.py").write_text(node_program)
     # Slurm stubs, then the fake node's nvidia-smi (and numactl), then python: what a GPU node's PATH has.
     rest = f"{Path(sys.executable).parent}:{path if path is not None else os.environ['PATH']}"
     env.update(node.env(rest))
@@ -358,6 +363,9 @@ def _eu_job(
 def test_eu_job_trains_on_a_healthy_node(tmp_path):
     r, stub_dir = _eu_job(tmp_path, _node(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
+    # the preflight ran the node program the render pins, from its copy in the run dir
+    (staged,) = (tmp_path / "run" / "node").iterdir()
+    assert staged.read_bytes() == (REPO / "out" / "sbatch-gen-node.py").read_bytes()
     assert ", NUMA binding node: numactl " in r.stdout and ", HCAs mlx5_0:1 " in r.stdout, r.stdout
     assert (stub_dir / "calls").read_text() == "training\n"
 
@@ -392,6 +400,14 @@ def test_eu_job_stops_before_training_naming_node_and_field(tmp_path, sets, node
         "preflight failed (see the preflight FAILED lines above); not starting training and not requeueing"
         in r.stderr
     )
+    assert not (stub_dir / "calls").exists()
+
+
+def test_eu_job_without_the_pinned_node_program_stops_before_any_step(tmp_path):
+    r, stub_dir = _eu_job(tmp_path, _node(tmp_path), node_program="print('another node program')\n")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "ERROR: the node program this script pins (sbatch-gen-node.py, sha256 " in r.stderr, r.stderr
+    assert "out/sbatch-gen-node.py has sha256 " in r.stderr and "preflight" not in r.stdout
     assert not (stub_dir / "calls").exists()
 
 

@@ -33,6 +33,7 @@ from sbatch_gen.profiles.environment import (
 from sbatch_gen.strict import StrictModel
 
 from .conftest import REPO, sg
+from .script_parts import SCRIPT_SUFFIXES
 
 pytestmark = pytest.mark.slow  # imports the package in fresh interpreters
 
@@ -286,7 +287,9 @@ def test_reserved_env_is_what_the_job_gets_plus_the_runtime_and_activation_expor
 _EXPORT = re.compile(r"^\s*(?:if .*; then )?export ((?:[A-Za-z_][A-Za-z0-9_]*(?:=\S*)?\s*)+)(?:; fi)?$")
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "out").iterdir()))
+@pytest.mark.parametrize(
+    "script", sorted(p.name for p in (REPO / "out").iterdir() if p.name.endswith(SCRIPT_SUFFIXES))
+)
 def test_every_variable_a_rendered_script_exports_is_reserved(script):
     """A script that exports a variable the profile's extra_env could also set would silently win or lose:
     every `export NAME` in the committed renders must be a reserved name (or come from extra_env)."""

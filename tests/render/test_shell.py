@@ -14,11 +14,11 @@ import pytest
 from sbatch_gen.testing.s3server import free_port
 
 from .conftest import REPO, edit_site, python_without_torch, sg
-from .script_parts import node_library
+from .script_parts import SCRIPT_SUFFIXES, node_library
 
 pytestmark = pytest.mark.slow  # shellcheck and bash on every render
 
-OUT_FILES = sorted(p for p in (REPO / "out").iterdir() if p.is_file() and not p.name.startswith("."))
+OUT_FILES = sorted(p for p in (REPO / "out").iterdir() if p.is_file() and p.name.endswith(SCRIPT_SUFFIXES))
 
 
 def lint(path: Path) -> None:
@@ -107,7 +107,8 @@ def test_every_option_renders_lint_clean(work):
     ):
         assert name in env_line
     for p in sorted((work / "o").iterdir()):
-        lint(p)
+        if p.name.endswith(SCRIPT_SUFFIXES):
+            lint(p)
 
 
 # ---------------------------------------------------------------------------------------------------

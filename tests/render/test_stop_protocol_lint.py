@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import REPO, sg
+from .script_parts import SCRIPT_SUFFIXES
 
 pytestmark = pytest.mark.slow  # shellcheck on every render
 
@@ -26,7 +27,11 @@ def test_stop_protocol_renders_are_lint_clean(tmp_path, monkeypatch, protocol):
         "--set", f"trainer.stop_protocol={protocol}",
     )  # fmt: skip
     assert r.code == 0, r.err
-    scripts = sorted(p for p in tmp_path.iterdir() if not p.name.endswith(".setup.sbatch"))
+    scripts = sorted(
+        p
+        for p in tmp_path.iterdir()
+        if p.name.endswith(SCRIPT_SUFFIXES) and not p.name.endswith(".setup.sbatch")
+    )
     assert [p.name for p in scripts] == ["eu.sbatch", "lab.sh", "local.sbatch", "ssh-local.sh"]
     assert len(SHELLCHECKS) == 2 and all(Path(c).exists() for c in SHELLCHECKS), SHELLCHECKS
     for path in scripts:

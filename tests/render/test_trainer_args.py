@@ -24,6 +24,7 @@ from sbatch_gen.launch import (
 from sbatch_gen.loader import load_site
 
 from .conftest import REPO, sg
+from .script_parts import SCRIPT_SUFFIXES
 
 TRAINER = "trainer:\n  module: sbatch_gen.train\n  config: configs/tiny.yaml\n  resume: auto\n"
 KNOWN = ", ".join("{" + n + "}" for n in PLACEHOLDERS)
@@ -394,7 +395,8 @@ def test_custom_command_lines_render_lint_clean(work):
     assert "# trainer.resume: not used (trainer.args has no {resume})\n" in text
     assert "TRAIN_CONFIG" not in text and "RESUME=" not in text
     for p in sorted((work / "o").iterdir()) + sorted((work / "bare").iterdir()):
-        lint(p)
+        if p.name.endswith(SCRIPT_SUFFIXES):
+            lint(p)
 
 
 def test_validate_does_not_read_a_foreign_train_config_as_the_companion_trainers(work):

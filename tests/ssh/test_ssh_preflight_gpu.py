@@ -1,9 +1,10 @@
 """The SSH launcher's GPU-node checks (topology.numa_binding; nccl.ib_hca with nccl.ib_link_layer), run
 locally under bash against a fake node (sbatch_gen/testing/fakenode.py: /sys and /proc under
-SBATCH_GEN_SYSFS_ROOT, stub nvidia-smi and numactl on PATH). The same shell functions run in the Slurm
-preflight (templates/_node.j2, _preflight_checks.j2; tests/render/test_preflight_gpu_node.py has every case):
-here, that preflight_main runs them with the launcher's settings and names each problem in its one FAILED
-line, and that preflight_all names the node and the field."""
+SBATCH_GEN_SYSFS_ROOT, stub nvidia-smi and numactl on PATH). The same node program runs in the Slurm
+preflight (sbatch_gen/node_program.py; tests/node/test_node_program.py has every case, and
+tests/render/test_preflight_gpu_node.py runs them through the Slurm job): here, that preflight_main runs it,
+as shipped in NODE_PROGRAM, with the launcher's settings and names each problem in its one FAILED line, and
+that preflight_all names the node and the field."""
 
 from __future__ import annotations
 

@@ -1,0 +1,695 @@
+#!/usr/bin/env python3
+"""sbatch-gen's node program: what runs on every node of a job, in Python. Today: the preflight.
+
+One file, standard library only, Python 3.8 or newer: it runs with whatever python the node has once the
+job's environment is active (the project's venv, a conda environment, a container image without
+sbatch-gen), and imports nothing of the package. `sbatch-gen render` writes it beside the renders as
+`sbatch-gen-node.py`, and every render that runs it pins its sha256: the Slurm job copies it into the run
+dir (`<run dir>/node/`) before its first step, the SSH launcher ships it to every host with the node
+program it already sends over ssh. A change to this file is one file in review, not one hunk per render.
+
+    python3 sbatch-gen-node.py preflight NAME=VALUE...
+
+prints one line, ``preflight ok on NODE: ...`` on stdout (status 0) or ``preflight FAILED on NODE: problem;
+problem...`` on stderr (status 1), where NODE is $SLURMD_NODENAME, else the host name (the Slurm job's
+leave_behind reads the FAILED lines). ``preflight_settings`` lists the settings. /sys and /proc are read
+under $SBATCH_GEN_SYSFS_ROOT (unset on a real node; a fake node in the tests); nvidia-smi and numactl are
+looked up on PATH, as torchrun does. Torch is never imported here: what needs this node's python and its
+packages (the trainer module, torch, torchrun's flags) is asked of that python in a subprocess.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+# ---- small readers --------------------------------------------------------------------------------
+
+
+def sysfs_root() -> str:
+    """The root /sys and /proc are read under ($SBATCH_GEN_SYSFS_ROOT, empty on a real node)."""
+    return os.environ.get("SBATCH_GEN_SYSFS_ROOT", "")
+
+
+def read_line(path: str) -> str | None:
+    """The first line of ``path`` without its newline; None if it cannot be read or is empty."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return None
+    if not text:
+        return None
+    return text.split("\n", 1)[0]
+
+
+def cpulist_cpus(cpulist: str) -> list[int]:
+    """The CPU numbers of a kernel cpulist ("0-3,8,10-11"); parts that are neither N nor N-M are skipped."""
+    cpus: list[int] = []
+    for part in re.sub(r"\s", "", cpulist).split(","):
+        m = re.fullmatch(r"(\d+)-(\d+)", part)
+        if m:
+            cpus += range(int(m.group(1)), int(m.group(2)) + 1)
+        elif re.fullmatch(r"\d+", part):
+            cpus.append(int(part))
+    return cpus
+
+
+def sorted_dirs(path: str) -> list[str]:
+    """The names of the directories in ``path``, sorted (none if it cannot be listed)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    return sorted(n for n in names if os.path.isdir(os.path.join(path, n)))
+
+
+def run(argv: list[str], timeout: float = 60.0) -> tuple[int, str, str]:
+    """(status, stdout, stderr) of a command; 127 and a shell-like message when it cannot be started."""
+    try:
+        p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout, check=False)
+    except FileNotFoundError:
+        return 127, "", f"{argv[0]}: command not found"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return 126, "", f"{argv[0]}: {e}"
+    return p.returncode, p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace")
+
+
+def iface_ipv4(name: str) -> str | None:
+    """The IPv4 address of interface ``name`` (SIOCGIFADDR: images without iproute2 too); None if none."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = struct.pack("256s", name[:15].encode())
+            return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, packed)[20:24])
+    except OSError:
+        return None
+
+
+def interface_names() -> list[str]:
+    """The interfaces of this network namespace (/sys/class/net shows the one sysfs was mounted in)."""
+    try:
+        return sorted(n for _, n in socket.if_nameindex())
+    except OSError:
+        return sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else []
+
+
+# ---- topology.numa_binding ------------------------------------------------------------------------
+
+
+def check_numa_binding(mode: str) -> tuple[bool, list[str]]:
+    """topology.numa_binding MODE: (passed, [summary] or the problem lines).
+
+    torchrun --numa-binding=MODE starts each worker under `numactl --physcpubind=<CPUs>`, the CPUs this
+    process may use on the NUMA node of the worker's GPU, and raises (no fallback: the job fails, and would
+    be requeued to fail again) when numactl is not on PATH or that set is empty. This repeats torch's own
+    reading (torch/numa/binding.py, as of torch 2.13): GPU -> PCI address ->
+    /sys/bus/pci/devices/<addr>/numa_node (-1, "no NUMA information", counts as node 0, as torch counts
+    it) -> /sys/devices/system/node/node<N>/cpulist, intersected with Cpus_allowed_list of this process
+    (the job step's cpuset, which torchrun inherits). Mode exclusive also needs a physical core per GPU of
+    the node; mode socket needs a usable CPU on every NUMA node the kernel lists as possible.
+    """
+    root = sysfs_root()
+    field = f"topology.numa_binding={mode}"
+    problems: list[str] = []
+    numactl = shutil.which("numactl")
+    if numactl is None:
+        problems.append(
+            f"{field}: numactl is not on PATH; torchrun starts every worker under numactl and fails without it"
+            " (install numactl on the node or in the image, or unset topology.numa_binding)"
+        )
+    allowed_list = ""
+    try:
+        with open(f"{root}/proc/self/status", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("Cpus_allowed_list:"):
+                    allowed_list = line[len("Cpus_allowed_list:") :].strip()
+    except OSError:
+        pass
+    if not allowed_list:
+        return False, [*problems, f"{field}: cannot read Cpus_allowed_list from {root}/proc/self/status"]
+    allowed = set(cpulist_cpus(allowed_list))
+    rc, out, err = run(["nvidia-smi", "--query-gpu=index,uuid,pci.bus_id", "--format=csv,noheader"])
+    if rc != 0:
+        first = (out + err).split("\n", 1)[0]
+        return False, [*problems, f"{field}: nvidia-smi --query-gpu=index,uuid,pci.bus_id failed: {first}"]
+    every: list[str] = []
+    bus_of: dict[str, str] = {}
+    uuid_of: dict[str, str] = {}
+    for line in out.splitlines():
+        parts = [x for x in re.split(r"[,\s]+", line.strip(), maxsplit=2) if x]
+        if not parts:
+            continue
+        idx = parts[0]
+        every.append(idx)
+        uuid_of[idx] = parts[1] if len(parts) > 1 else ""
+        bus_of[idx] = parts[2] if len(parts) > 2 else ""
+    # The GPUs torchrun's workers get: CUDA_VISIBLE_DEVICES (indices or GPU-UUID prefixes), else every one.
+    visible: list[str] = []
+    cvd = re.sub(r"\s", "", os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+    if cvd:
+        entries = cvd.split(",")
+        if entries[-1] == "":
+            entries.pop()
+        for e in entries:
+            idx = ""
+            if re.fullmatch(r"\d+", e) and e in bus_of:
+                idx = e
+            elif e.startswith("GPU-"):
+                idx = next((k for k in every if uuid_of[k].startswith(e)), "")
+            if not idx:
+                print(
+                    f"note: CUDA_VISIBLE_DEVICES entry {e} is no GPU that nvidia-smi lists: its NUMA node is not"
+                    " checked",
+                    file=sys.stderr,
+                )
+                continue
+            visible.append(idx)
+    else:
+        visible = every
+    gpus_on: dict[int, list[str]] = {}
+    for idx in visible:
+        bus = bus_of[idx].lower()
+        # nvidia-smi: 00000000:18:00.0; sysfs and torch: 0000:18:00.0
+        m = re.fullmatch(r"([0-9a-f]+):([0-9a-f]{2}:[0-9a-f]{2})\.[0-7]", bus)
+        if not m:
+            problems.append(
+                f"{field}: GPU {idx}: cannot read its PCI address from nvidia-smi's pci.bus_id '{bus}'"
+            )
+            continue
+        addr = f"{int(m.group(1), 16):04x}:{m.group(2)}.0"
+        path = f"{root}/sys/bus/pci/devices/{addr}/numa_node"
+        text = read_line(path) or ""
+        if not re.fullmatch(r"-?\d+", text):
+            problems.append(
+                f"{field}: GPU {idx} ({addr}): cannot read its NUMA node from {path}, where torch reads it"
+            )
+            continue
+        gpus_on.setdefault(max(int(text), 0), []).append(idx)
+    summary: list[str] = []
+    for node in sorted(gpus_on):
+        gpus = ",".join(gpus_on[node])
+        path = f"{root}/sys/devices/system/node/node{node}/cpulist"
+        node_list = read_line(path)
+        if node_list is None:
+            problems.append(
+                f"{field}: GPU {gpus} on NUMA node {node}, but {path} cannot be read (torch reads the node's CPUs there)"
+            )
+            continue
+        usable = [c for c in cpulist_cpus(node_list) if c in allowed]
+        cores: set[int] = set()
+        unreadable = ""
+        for c in usable if mode == "exclusive" else []:
+            path = f"{root}/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list"
+            first = re.split(r"[,-]", read_line(path) or "", maxsplit=1)[0]
+            if not re.fullmatch(r"\d+", first):
+                unreadable = f"{field}: cannot read the physical core of CPU {c} from {path} (torch's exclusive mode reads it)"
+                break
+            cores.add(int(first))  # a core is named by its first logical CPU, as in torch
+        if unreadable:
+            problems.append(unreadable)
+            continue
+        if not usable:
+            problems.append(
+                f"{field}: GPU {gpus} on NUMA node {node} (CPUs {node_list}), but this job step may only run on"
+                f" CPUs {allowed_list}: torchrun fails to start its workers (give the step CPUs on every GPU's"
+                " NUMA node, e.g. more slurm.cpus_per_task, or unset topology.numa_binding)"
+            )
+            continue
+        k = len(gpus_on[node])
+        if mode == "exclusive" and len(cores) < k:
+            problems.append(
+                f"{field}: NUMA node {node} has {len(cores)} physical cores this job step may use for its {k} GPUs"
+                f" ({gpus}); torch's exclusive mode needs one per GPU (use node, or give the step more CPUs)"
+            )
+            continue
+        summary.append(f"GPU {gpus} on NUMA node {node} ({len(usable)} usable CPUs)")
+    if mode == "socket":
+        # torch's socket mode takes one usable CPU of every NUMA node the kernel lists as possible
+        # (memory-only nodes too, e.g. a GH200's GPU memory): a node without one makes it fail.
+        possible = read_line(f"{root}/sys/devices/system/node/possible") or ""
+        for node in cpulist_cpus(possible):
+            if node in gpus_on:
+                continue
+            node_list = read_line(f"{root}/sys/devices/system/node/node{node}/cpulist") or ""
+            if not any(c in allowed for c in cpulist_cpus(node_list)):
+                problems.append(
+                    f"{field}: NUMA node {node} has no CPU this job step may run on (CPUs: {node_list or 'none'});"
+                    " torch's socket mode looks at every NUMA node and fails on it (use node)"
+                )
+    if problems:
+        return False, problems
+    return True, [
+        f"numactl {numactl}; {', '.join(summary) or 'no GPU to bind'}; job step CPUs {allowed_list}"
+    ]
+
+
+# ---- nccl.ib_hca / nccl.ib_link_layer -------------------------------------------------------------
+
+
+def check_ib_hcas(spec: str, want: str) -> tuple[bool, list[str]]:
+    """nccl.ib_hca (SPEC, as NCCL_IB_HCA) and nccl.ib_link_layer (WANT): (passed, [summary] or problems).
+
+    SPEC is NCCL_IB_HCA as NCCL reads it: '=' first for exact names, else each name is a prefix and NCCL uses
+    every adapter starting with it; name:port selects one port, a bare name every port of the adapter. NCCL
+    uses a selected port whatever its link layer, so an Ethernet storage or management port in the list
+    carries training traffic. Every name must match an adapter in /sys/class/infiniband (a prefix: at least
+    one), and every port it selects must have WANT in ports/<port>/link_layer (InfiniBand, or Ethernet for
+    RoCE) and be ACTIVE in ports/<port>/state: NCCL silently skips a port that is down, leaving the node a
+    link short.
+    """
+    base = f"{sysfs_root()}/sys/class/infiniband"
+    exact = spec.startswith("=")
+    if exact:
+        spec = spec[1:]
+    adapters = sorted_dirs(base)
+    have = []
+    for d in adapters:
+        lls = [
+            f"{p}:{read_line(f'{base}/{d}/ports/{p}/link_layer') or '?'}"
+            for p in sorted_dirs(f"{base}/{d}/ports")
+        ]
+        have.append(f"{d} (port {' '.join(lls) or 'none'})")
+    problems: list[str] = []
+    checked: list[str] = []
+    entries = spec.split(",")
+    if entries and entries[-1] == "":
+        entries.pop()
+    for entry in entries:
+        name, _, port = entry.partition(":")
+        devs = [d for d in adapters if (d == name if exact else d.startswith(name))]
+        if not devs:
+            what = (
+                f"adapter {name}" if exact else f"adapter starting with {name} (nccl.ib_hca_exact is false)"
+            )
+            problems.append(
+                f"nccl.ib_hca: no {what} on this node; have: {', '.join(have) or 'none (no RDMA driver loaded?)'}"
+            )
+            continue
+        for dev in devs:
+            ports = [port] if port else sorted_dirs(f"{base}/{dev}/ports")
+            if not ports:
+                problems.append(f"nccl.ib_hca: adapter {dev} has no ports in {base}/{dev}/ports")
+            for p in ports:
+                ll = read_line(f"{base}/{dev}/ports/{p}/link_layer")
+                if ll is None:
+                    problems.append(
+                        f"nccl.ib_hca: adapter {dev} has no port {p} ({base}/{dev}/ports/{p}/link_layer cannot be read)"
+                    )
+                elif ll != want:
+                    problems.append(
+                        f"nccl.ib_hca: {dev} port {p} has link layer {ll}, but nccl.ib_link_layer is {want}: NCCL"
+                        f" would send training traffic over it (take it out of nccl.ib_hca, name the right port"
+                        f" as {dev}:N, or set nccl.ib_link_layer)"
+                    )
+                else:
+                    state = read_line(f"{base}/{dev}/ports/{p}/state")
+                    if state is not None and state.endswith("ACTIVE"):
+                        checked.append(f"{dev}:{p}")
+                    else:
+                        problems.append(
+                            f"nccl.ib_hca: {dev} port {p} is not active (state: {state or 'unreadable'}): NCCL"
+                            " leaves out a port that is not ACTIVE, so this node would train on fewer links than"
+                            " the others (bring the link up or drain the node)"
+                        )
+    if problems:
+        return False, problems
+    return True, [f"{' '.join(checked)}: {want}"]
+
+
+# ---- the rendezvous -------------------------------------------------------------------------------
+
+
+def check_rendezvous(host: str, port: int, node_id: int, nnodes: int, timeout: float) -> tuple[bool, str]:
+    """Node 0 listens on the c10d port for a moment and every other node connects to it, so a busy port, a
+    wrong address or a firewall shows up here and not as a hang inside torchrun. Without a host only node
+    0's port is tried. (passed, what it found or the problem)."""
+    deadline = time.monotonic() + timeout
+    if host:
+        try:
+            socket.getaddrinfo(host, port)
+        except OSError as e:
+            return False, f"rendezvous host {host} does not resolve: {e}"
+    if node_id == 0:
+        srv = socket.socket()
+        with srv:
+            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                srv.bind(("", port))
+            except OSError as e:
+                return (
+                    False,
+                    f"cannot listen on rendezvous port {port}: {e.strerror} (torchrun.rdzv_port; another launch?)",
+                )
+            srv.listen(nnodes)
+            srv.settimeout(1.0)
+            seen = 0
+            while host and seen < nnodes - 1:
+                if time.monotonic() > deadline:
+                    return (
+                        False,
+                        f"only {seen} of {nnodes - 1} other nodes reached {host}:{port} within {timeout:g} s",
+                    )
+                try:
+                    conn, _ = srv.accept()
+                except OSError:  # the accept timed out (socket.timeout, an OSError before Python 3.10 too)
+                    continue
+                with conn:
+                    conn.settimeout(5.0)
+                    try:
+                        while conn.recv(64):
+                            pass
+                    except OSError:
+                        pass
+                seen += 1
+        return True, f"rendezvous port {port} free" + (
+            f", {seen} other nodes reached {host}" if host and seen else ""
+        )
+    if not host:
+        return True, ""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=5.0) as c:
+                c.sendall(b"preflight")
+            return True, f"rendezvous {host}:{port} reached"
+        except OSError as e:
+            if time.monotonic() > deadline:
+                return False, f"rendezvous endpoint {host}:{port} not reachable within {timeout:g} s: {e}"
+            time.sleep(0.5)
+
+
+# ---- what this node's python finds ----------------------------------------------------------------
+
+# Run by this node's python as `python -c` (the current directory first on sys.path, as for torchrun's
+# workers): one JSON object: for each name, whether importlib finds it (its parent packages are imported,
+# the module itself is not), and torchrun's source and torch's version, read, not imported (torch's own
+# import takes seconds).
+_PROBE = r"""
+import importlib.util, json, pathlib, re, sys
+found = {}
+for name in sys.argv[1:]:
+    try:
+        found[name] = importlib.util.find_spec(name) is not None
+    except Exception:
+        found[name] = False
+run_py = version = None
+try:
+    root = pathlib.Path(importlib.util.find_spec("torch").origin).parent
+    run_py = (root / "distributed" / "run.py").read_text()
+    version = re.search("__version__ = .([0-9][^'\x22]*)", (root / "version.py").read_text()).group(1)
+except Exception:
+    run_py = version = None
+print(json.dumps({"found": found, "run_py": run_py, "version": version}))
+"""
+
+
+def probe_python(python: str, names: list[str]) -> dict | None:
+    """What ``python`` finds (_PROBE) from the current directory; None if it could not say."""
+    rc, out, _ = run([python, "-c", _PROBE, *names], timeout=120.0)
+    try:
+        got = json.loads(out.strip().splitlines()[-1]) if rc == 0 and out.strip() else None
+    except ValueError:
+        return None
+    return got if isinstance(got, dict) else None
+
+
+def missing_torchrun_flags(flags: str, probe: dict | None) -> list[str]:
+    """The problems of torchrun_flags (FLAG=KEY,...): flags this render uses that this node's torchrun
+    lacks (its torch/distributed/run.py does not name them). No torch at all is the torch check's to report."""
+    if not probe or probe.get("run_py") is None or probe.get("version") is None:
+        return []
+    src, version = probe["run_py"], probe["version"]
+    problems = []
+    for pair in flags.split(","):
+        flag, _, key = pair.partition("=")
+        if flag not in src and flag[:2] + flag[2:].replace("-", "_") not in src:
+            problems.append(f"torchrun of torch {version} has no {flag} ({key}): use a newer torch")
+    return problems
+
+
+# ---- the preflight ----------------------------------------------------------------------------------
+
+# The preflight's settings and their defaults (empty or 0: not checked). The launchers pass them as
+# NAME=VALUE words (templates/slurm.sbatch.j2: PREFLIGHT_ARGS; templates/ssh-launcher.sh.j2: preflight_main).
+#   setup_error=E     what went wrong before this program could run (the SSH launcher's cd to the launch
+#                     directory, the python_env activation): reported first; nothing that needs the
+#                     environment's python is checked then
+#   module=M          trainer.module: importable, with torch, by this node's python (torchrun on PATH too)
+#   script=S          trainer.script: readable; torch importable by this node's python (torchrun on PATH too)
+#   torchrun_flags=L  FLAG=KEY,...: torchrun flags this render uses that older torch releases lack; this
+#                     node's torch must have each (its torch/distributed/run.py names it), KEY the profile field
+#   config=F          trainer.config: readable
+#   data=P            paths.data: exists
+#   ifname=I          network.socket_ifname: exists and has an IPv4 address (NCCL/Gloo bind to it)
+#   gpus=N gpus_key=K N GPUs per node, as the profile field K says. Exactly N must be visible
+#                     (CUDA_VISIBLE_DEVICES, else what nvidia-smi lists): torchrun starts N processes and local
+#                     rank i takes GPU i, so a missing GPU fails the job later, and an extra one idles, unnoticed,
+#                     because the profile is wrong for this node (OMP_NUM_THREADS is cpus / N as well).
+#   log_topology=1    log `nvidia-smi topo -m` (GPU sites)
+#   numa=MODE         topology.numa_binding: check_numa_binding
+#   hcas=H link_layer=L   nccl.ib_hca as NCCL_IB_HCA and nccl.ib_link_layer: check_ib_hcas
+#   run_dir=R         paths.run_dir: created if missing, writable
+#   shared_marker=F   a file node 0's launcher wrote into the run dir: every other node must see it, or the
+#                     run dir is not one filesystem all nodes share (checkpoints and stop files need one)
+#   node_id=I nnodes=N   this node's rank (0: the rendezvous host) and the node count
+#   rdzv_port=P       torchrun.rdzv_port: node 0 can listen on it (no other launch holds it)
+#   rdzv_host=H connect_timeout_s=T   and every other node reaches H:P within T s (every node runs its
+#                     preflight at the same time, as srun does)
+#   health_check=CMD  preflight.health_check: the site's own node check, run by bash; non-zero fails the node
+PREFLIGHT_SETTINGS = {
+    "setup_error": "",
+    "module": "",
+    "script": "",
+    "torchrun_flags": "",
+    "config": "",
+    "data": "",
+    "ifname": "",
+    "gpus": "0",
+    "gpus_key": "",
+    "log_topology": "0",
+    "numa": "",
+    "hcas": "",
+    "link_layer": "",
+    "run_dir": "",
+    "shared_marker": "",
+    "node_id": "0",
+    "nnodes": "1",
+    "rdzv_port": "",
+    "rdzv_host": "",
+    "connect_timeout_s": "60",
+    "health_check": "",
+}
+
+
+def node_name() -> str:
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def working_dir() -> str:
+    """The current directory as the launcher's shell names it ($PWD when that is where we are)."""
+    pwd = os.environ.get("PWD", "")
+    try:
+        if pwd and os.path.samefile(pwd, "."):
+            return pwd
+    except OSError:
+        pass
+    return os.getcwd()
+
+
+def preflight(s: dict[str, str]) -> tuple[list[str], list[str]]:
+    """Every check the settings ask for: (what passed, the problems), in the order of the node's line."""
+    ok: list[str] = []
+    bad: list[str] = []
+    node = node_name()
+    pwd = working_dir()
+    python = ""
+    if s["setup_error"]:
+        bad.append(s["setup_error"])
+    else:
+        found = shutil.which("python")
+        if found is None:
+            bad.append("python not found on PATH (python_env)")
+        else:
+            python = found
+            ok.append(f"{platform.machine()} python {platform.python_version()} {python}")
+    if python:
+        torchrun = shutil.which("torchrun")
+        if torchrun:
+            ok.append(f"torchrun {torchrun}")
+        else:
+            bad.append("torchrun not found on PATH (python_env)")
+    entry = s["module"] or s["script"]
+    probe = None
+    if python and (entry or s["torchrun_flags"]):
+        probe = probe_python(python, [s["module"], "torch"] if s["module"] else ["torch"])
+    if python and s["torchrun_flags"]:
+        bad += missing_torchrun_flags(s["torchrun_flags"], probe)
+    torch_missing = f"torch not importable by {python} from {pwd} (python_env)"
+    if s["script"]:
+        if os.access(s["script"], os.R_OK):
+            ok.append(f"trainer script {s['script']}")
+        else:
+            bad.append(f"trainer script {s['script']} not readable from {pwd} (trainer.script)")
+        if python:
+            if probe and probe["found"].get("torch"):
+                ok.append("torch importable")
+            else:
+                bad.append(torch_missing)
+    if python and s["module"]:
+        found_names = probe["found"] if probe else {}
+        if not found_names.get(s["module"]):
+            bad.append(
+                f"trainer module {s['module']} not importable by {python} from {pwd} (trainer.module, python_env)"
+            )
+        if not found_names.get("torch"):
+            bad.append(torch_missing)
+        if found_names.get(s["module"]) and found_names.get("torch"):
+            ok.append(f"{s['module']} and torch importable")
+    if s["config"]:
+        if os.access(s["config"], os.R_OK):
+            ok.append(f"train config {s['config']}")
+        else:
+            bad.append(f"train config {s['config']} not readable from {pwd} (trainer.config)")
+    if s["data"]:
+        if os.path.exists(s["data"]):
+            ok.append(f"data path {s['data']}")
+        else:
+            bad.append(f"data path {s['data']} does not exist (paths.data)")
+    if s["ifname"]:
+        addr = iface_ipv4(s["ifname"])
+        if addr:
+            ok.append(f"interface {s['ifname']} {addr}")
+        else:
+            names = interface_names()
+            if s["ifname"] in names:
+                bad.append(f"network interface {s['ifname']} has no IPv4 address (network.socket_ifname)")
+            else:
+                bad.append(
+                    f"network interface {s['ifname']} does not exist (network.socket_ifname); have: {' '.join(names)}"
+                )
+    gpus = int(s["gpus"] or 0)
+    if gpus > 0:
+        if shutil.which("nvidia-smi") is None:
+            bad.append(f"nvidia-smi not found, but the site has {gpus} GPUs per node ({s['gpus_key']})")
+        else:
+            cvd = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+            if cvd:
+                visible = len([x for x in cvd.split(",") if x])
+            else:
+                visible = len([x for x in run(["nvidia-smi", "-L"])[1].splitlines() if x.startswith("GPU ")])
+            if visible == gpus:
+                ok.append(f"{visible} GPUs")
+            else:
+                bad.append(f"{visible} GPUs visible, the profile expects {gpus} ({s['gpus_key']})")
+            if s["log_topology"] not in ("", "0"):
+                _, out, err = run(["nvidia-smi", "topo", "-m"])
+                for line in (out + err).splitlines():
+                    print(f"[{node} topo] {line}", flush=True)
+    if s["numa"]:
+        passed, lines = check_numa_binding(s["numa"])
+        if passed:
+            ok.append(f"NUMA binding {s['numa']}: {lines[0]}")
+        else:
+            bad += lines
+    if s["hcas"]:
+        passed, lines = check_ib_hcas(s["hcas"], s["link_layer"])
+        if passed:
+            ok.append(f"HCAs {lines[0]}")
+        else:
+            bad += lines
+    if s["run_dir"]:
+        probe_file = f"{s['run_dir']}/.preflight.{node}.{os.getpid()}"
+        try:
+            os.makedirs(s["run_dir"], exist_ok=True)
+            with open(probe_file, "w"):
+                pass
+            os.unlink(probe_file)
+            ok.append(f"run dir {s['run_dir']} writable")
+        except OSError:
+            bad.append(f"run dir {s['run_dir']} cannot be created or is not writable (paths.run_dir)")
+    if s["shared_marker"] and int(s["node_id"]) > 0:
+        if os.path.exists(s["shared_marker"]):
+            ok.append("run dir shared with node 0")
+        else:
+            bad.append(
+                f"run dir {s['run_dir']} is not the one node 0 sees (checkpoints need a filesystem all nodes share)"
+            )
+    if s["health_check"]:
+        try:
+            p = subprocess.run(
+                ["bash", "-c", s["health_check"]],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                check=False,
+            )
+            rc, out = p.returncode, p.stdout.decode(errors="replace")
+        except OSError as e:
+            rc, out = 127, str(e)
+        if rc == 0:
+            ok.append("health check passed")
+        else:
+            last = [x for x in out.splitlines() if x][-1:]
+            said = f": {last[0][:300]}" if last else ""
+            bad.append(f"health check failed{said} (preflight.health_check)")
+    # The rendezvous last: it waits for the other nodes. After a failure only node 0's port is tried (the
+    # launcher ends the other nodes' preflights when one fails).
+    if python and s["rdzv_port"]:
+        host = "" if bad else s["rdzv_host"]
+        passed, said = check_rendezvous(
+            host, int(s["rdzv_port"]), int(s["node_id"]), int(s["nnodes"]), float(s["connect_timeout_s"])
+        )
+        if passed:
+            if said:
+                ok.append(said)
+        else:
+            bad.append(said or "rendezvous check failed")
+    return ok, bad
+
+
+def preflight_main(args: list[str]) -> int:
+    """`preflight NAME=VALUE...`: check this node and say so in one line (see the module's docstring)."""
+    s = dict(PREFLIGHT_SETTINGS)
+    for a in args:
+        name, eq, value = a.partition("=")
+        if not eq or name not in s:
+            print(f"preflight: unknown setting '{a}'", file=sys.stderr)
+            return 2
+        s[name] = value
+    # the node's one line is the contract: a bug in a check is one problem in it, not a traceback
+    try:
+        ok, bad = preflight(s)
+    except Exception as e:
+        ok, bad = [], [f"the preflight itself failed: {type(e).__name__}: {e} (sbatch-gen-node.py)"]
+    node = node_name()
+    if bad:
+        print(f"preflight FAILED on {node}: {'; '.join(bad)}", file=sys.stderr, flush=True)
+        # under srun --kill-on-bad-exit this task's exit tears the step down at once, and the line above
+        # could be lost on its way to the batch log: give the forwarding a moment first
+        if os.environ.get("SLURM_STEP_ID"):
+            time.sleep(1)
+        return 1
+    print(f"preflight ok on {node}: {', '.join(ok)}", flush=True)
+    return 0
+
+
+COMMANDS = {"preflight": preflight_main}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: sbatch-gen-node.py {{{','.join(COMMANDS)}}} NAME=VALUE...", file=sys.stderr)
+        return 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,97 @@
+"""How the renders get the node program to the nodes, run under bash from the committed renders' node
+library: find_node_program (the sha256 each render pins), stage_node_program (the Slurm job's copy in the
+run dir, kept across a checkout that changes) and preflight, the shell call of the program's preflight
+(a node without any python still answers in one line)."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+EU = (REPO / "out" / "eu.sbatch").read_text()
+LAB = (REPO / "out" / "lab.sh").read_text()
+PROGRAM = REPO / "out" / "sbatch-gen-node.py"
+SHA = hashlib.sha256(PROGRAM.read_bytes()).hexdigest()
+
+
+def _library(text: str) -> str:
+    start = text.index("\n# library sha256: ")
+    return text[start : text.index("\n# ==== end of node library")]
+
+
+def _bash(code: str, cwd: Path, path: str = "/usr/bin:/bin") -> subprocess.CompletedProcess:
+    prog = f"set -euo pipefail\nNODE_PY_SHA256={SHA}\n{_library(EU)}\n{code}"
+    return subprocess.run(
+        ["bash", "-c", prog], cwd=cwd, env={"PATH": path}, capture_output=True, text=True, timeout=30
+    )
+
+
+def test_every_render_that_runs_it_pins_the_committed_program():
+    for text in (EU, LAB):
+        assert f"\nNODE_PY_SHA256={SHA}  # " in text
+    assert PROGRAM.read_bytes() == (REPO / "sbatch_gen" / "node_program.py").read_bytes()
+    assert (REPO / "examples" / "out" / "sbatch-gen-node.py").read_bytes() == PROGRAM.read_bytes()
+
+
+def test_find_node_program_takes_the_first_file_with_the_pinned_sha256(tmp_path):
+    (tmp_path / "old.py").write_text("print('an older node program')\n")
+    shutil.copy(PROGRAM, tmp_path / "good.py")
+    r = _bash('find_node_program missing.py old.py good.py; echo "$NODE_PY_FOUND"', tmp_path)
+    assert r.returncode == 0 and r.stdout == "good.py\n", r.stderr
+    r = _bash('find_node_program missing.py old.py || echo "$NODE_ERROR"', tmp_path)
+    old = hashlib.sha256(b"print('an older node program')\n").hexdigest()
+    assert r.stdout == (
+        f"the node program this script pins (sbatch-gen-node.py, sha256 {SHA}) is not there: no missing.py; "
+        f"old.py has sha256 {old} (sbatch-gen render writes it beside the renders: render again and review "
+        "the diff)\n"
+    )
+
+
+def test_stage_node_program_copies_it_into_the_run_dir_once(tmp_path):
+    (tmp_path / "out").mkdir()
+    shutil.copy(PROGRAM, tmp_path / "out" / "sbatch-gen-node.py")
+    stage = 'stage_node_program runs/x/node nowhere/sbatch-gen-node.py out/sbatch-gen-node.py; echo "$SBATCH_GEN_NODE_PY"; env | grep ^SBATCH_GEN_NODE_PY='
+    r = _bash(stage, tmp_path)
+    staged = f"runs/x/node/sbatch-gen-node.{SHA[:16]}.py"
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"{staged}\nSBATCH_GEN_NODE_PY={staged}\n"
+    assert (tmp_path / staged).read_bytes() == PROGRAM.read_bytes()
+    # a requeue after `git pull` changed out/: the run keeps the program it started with
+    (tmp_path / "out" / "sbatch-gen-node.py").write_text("changed\n")
+    r = _bash(stage, tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith(f"{staged}\n"), r.stderr
+    # a new run dir with the changed checkout: the job stops before any step, naming the file
+    r = _bash('stage_node_program runs/y/node out/sbatch-gen-node.py || echo "$NODE_ERROR"', tmp_path)
+    assert "out/sbatch-gen-node.py has sha256 " in r.stdout and not (tmp_path / "runs/y/node").exists()
+
+
+def test_the_preflight_runs_the_staged_program(tmp_path):
+    shutil.copy(PROGRAM, tmp_path / "prog.py")
+    code = (
+        "SBATCH_GEN_NODE_PY=prog.py\nexport SBATCH_GEN_NODE_PY\n"
+        "SLURMD_NODENAME=n1 preflight data=/no/such || echo status $?"
+    )
+    r = _bash(
+        code, tmp_path, path=f"{Path(shutil.which('python3') or '/usr/bin/python3').parent}:/usr/bin:/bin"
+    )
+    assert r.stderr.endswith("data path /no/such does not exist (paths.data)\n"), r.stderr
+    assert r.stderr.startswith("preflight FAILED on n1: ") and r.stdout == "status 1\n"
+
+
+def test_a_node_without_python_still_answers_in_one_line(tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("bash", "hostname"):
+        (bindir / tool).symlink_to(shutil.which(tool) or f"/bin/{tool}")
+    r = _bash('SLURMD_NODENAME=n1 preflight data=x || echo "status $?"', tmp_path, path=str(bindir))
+    assert r.stderr == "preflight FAILED on n1: python not found on PATH (python_env)\n"
+    assert r.stdout == "status 1\n"
+    r = _bash(
+        "SLURMD_NODENAME=n1 preflight setup_error='launch directory /x does not exist' node_id=1 || true",
+        tmp_path,
+        path=str(bindir),
+    )
+    assert r.stderr == "preflight FAILED on n1: launch directory /x does not exist\n"
