@@ -325,7 +325,7 @@ def test_too_few_nodes_left_stops_the_job_in_one_line(cluster, e2e_root, train_c
     ), log
 
 
-@pytest.mark.parametrize("protocol", ["sbatch-gen", "signal"])
+@pytest.mark.parametrize("protocol", ["sbatch-gen", "signal", "none"])
 def test_a_trainer_of_ones_own_that_exits_0_on_sigterm_is_preempted_not_finished(
     cluster, e2e_root, train_config, data_dir, protocol
 ):
