@@ -435,6 +435,34 @@ def missing_torchrun_flags(flags: str, probe: dict | None) -> list[str]:
     return problems
 
 
+# ---- the environment's fingerprint ------------------------------------------------------------------
+
+
+def env_fingerprint() -> str:
+    """python_env in one line: torch's version, Python's, the architecture, and a digest of every installed
+    package's name and version, read from their metadata (nothing is imported). paths.pin_code: a run
+    records it when it is submitted; every attempt, on every node, must find the same."""
+    import hashlib
+    import importlib.metadata as md
+
+    dists = sorted({f"{d.metadata['Name']}=={d.version}" for d in md.distributions() if d.metadata["Name"]})
+    try:
+        torch = md.version("torch")
+    except md.PackageNotFoundError:
+        torch = "none"
+    digest = hashlib.sha256("\n".join(dists).encode()).hexdigest()[:16]
+    return f"torch {torch}, Python {platform.python_version()} on {platform.machine()}, {len(dists)} packages ({digest})"
+
+
+def fingerprint_main(args: list[str]) -> int:
+    """`fingerprint`: print env_fingerprint()."""
+    if args:
+        print("usage: sbatch-gen-node.py fingerprint", file=sys.stderr)
+        return 2
+    print(env_fingerprint())
+    return 0
+
+
 # ---- the preflight ----------------------------------------------------------------------------------
 
 # The preflight's settings and their defaults (empty or 0: not checked). The launchers pass them as
@@ -464,6 +492,8 @@ def missing_torchrun_flags(flags: str, probe: dict | None) -> list[str]:
 #   rdzv_host=H connect_timeout_s=T   and every other node reaches H:P within T s (every node runs its
 #                     preflight at the same time, as srun does)
 #   health_check=CMD  preflight.health_check: the site's own node check, run by bash; non-zero fails the node
+#   env_fingerprint=F paths.pin_code: the fingerprint of the python_env the run started with
+#                     (env_fingerprint); this node's must be the same
 PREFLIGHT_SETTINGS = {
     "setup_error": "",
     "module": "",
@@ -486,6 +516,7 @@ PREFLIGHT_SETTINGS = {
     "rdzv_host": "",
     "connect_timeout_s": "60",
     "health_check": "",
+    "env_fingerprint": "",
 }
 
 
@@ -526,6 +557,16 @@ def preflight(s: dict[str, str]) -> tuple[list[str], list[str]]:
             ok.append(f"torchrun {torchrun}")
         else:
             bad.append("torchrun not found on PATH (python_env)")
+    if python and s["env_fingerprint"]:
+        # this program runs on the environment's python (`python -I`): its packages are the environment's
+        now = env_fingerprint()
+        if now == s["env_fingerprint"]:
+            ok.append("python_env as the run started (paths.pin_code)")
+        else:
+            bad.append(
+                f"python_env is not the one the run started with: it is {now}, the run's is "
+                f"{s['env_fingerprint']} (paths.pin_code)"
+            )
     entry = s["module"] or s["script"]
     probe = None
     if python and (entry or s["torchrun_flags"]):
@@ -681,7 +722,7 @@ def preflight_main(args: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"preflight": preflight_main}
+COMMANDS = {"preflight": preflight_main, "fingerprint": fingerprint_main}
 
 
 def main(argv: list[str]) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import os
 import platform
+import re
 import shlex
 import shutil
 import socket
@@ -139,7 +140,7 @@ def test_an_unknown_setting_or_command_is_refused(tmp_path):
     r = _run_copy(tmp_path, "preflight", "justaword")
     assert r.returncode == 2 and "unknown setting 'justaword'" in r.stderr
     r = _run_copy(tmp_path, "run-everything")
-    assert r.returncode == 2 and r.stderr.startswith("usage: sbatch-gen-node.py {preflight}")
+    assert r.returncode == 2 and r.stderr.startswith("usage: sbatch-gen-node.py {preflight,fingerprint}")
 
 
 def test_the_node_is_slurms_name_else_the_host_name(monkeypatch):
@@ -616,3 +617,29 @@ def test_a_bug_in_a_check_is_still_the_nodes_one_line(tmp_path, node_env, monkey
         "preflight FAILED on n3: the preflight itself failed: ValueError: invalid literal for int() with base "
         "10: 'eight' (sbatch-gen-node.py)\n"
     )
+
+
+def test_the_environments_fingerprint_is_one_line_and_the_same_from_a_copy(tmp_path):
+    """paths.pin_code: the batch shell records `fingerprint` for a new submission; the copy on a node, run
+    with -I on the same environment's python, must say exactly the same."""
+    here = np.env_fingerprint()
+    assert re.fullmatch(r"torch \S+, Python 3\.\d+\.\d+ on \S+, \d+ packages \([0-9a-f]{16}\)", here), here
+    copy = tmp_path / "sbatch-gen-node.py"
+    shutil.copy(PROGRAM, copy)
+    r = subprocess.run(
+        [sys.executable, "-I", str(copy), "fingerprint"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0 and r.stdout == here + "\n", r.stderr
+
+
+def test_preflight_a_node_whose_environment_is_not_the_runs(tmp_path, node_env, monkeypatch):
+    monkeypatch.setattr(
+        np, "env_fingerprint", lambda: "torch 2.13.0, Python 3.11.7 on x86_64, 9 packages (b)"
+    )
+    ok, bad = np.preflight(_settings(env_fingerprint="torch 2.13.0, Python 3.11.7 on x86_64, 9 packages (b)"))
+    assert "python_env as the run started (paths.pin_code)" in checks(ok) and bad == []
+    ok, bad = np.preflight(_settings(env_fingerprint="torch 2.12.1, Python 3.11.7 on x86_64, 9 packages (a)"))
+    assert bad == [
+        "python_env is not the one the run started with: it is torch 2.13.0, Python 3.11.7 on x86_64, 9 "
+        "packages (b), the run's is torch 2.12.1, Python 3.11.7 on x86_64, 9 packages (a) (paths.pin_code)"
+    ]

@@ -119,7 +119,20 @@ def test_the_node_program_is_written_once_beside_the_renders_and_checked_like_th
     node.unlink()
     r = sg("check")
     assert r.code == 1 and "out/sbatch-gen-node.py" in r.out, r.out
-    # a render that does not run it (no preflight) does not write it
+    # a render that does not run it (no preflight, no pinned environment) does not write it; one that pins
+    # the environment (its fingerprint is the node program's) does
     sg("render", "--all")
-    r = sg("render", "--site", "local", "--set", "preflight.enabled=false", "--out", "alone")
+    r = sg(
+        "render",
+        "--site",
+        "local",
+        "--set",
+        "preflight.enabled=false",
+        "--set",
+        "paths.pin_code=false",
+        "--out",
+        "alone",
+    )
     assert r.code == 0 and not (work / "alone" / "sbatch-gen-node.py").exists(), r.out
+    r = sg("render", "--site", "local", "--set", "preflight.enabled=false", "--out", "pinned")
+    assert r.code == 0 and (work / "pinned" / "sbatch-gen-node.py").exists(), r.out

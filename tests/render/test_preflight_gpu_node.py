@@ -367,6 +367,8 @@ def test_eu_job_trains_on_a_healthy_node(tmp_path):
     (staged,) = (tmp_path / "run" / "node").iterdir()
     assert staged.read_bytes() == (REPO / "out" / "sbatch-gen-node.py").read_bytes()
     assert ", NUMA binding node: numactl " in r.stdout and ", HCAs mlx5_0:1 " in r.stdout, r.stdout
+    # paths.pin_code: the node's python_env is the one the batch shell pinned for the run
+    assert ", python_env as the run started (paths.pin_code)" in r.stdout, r.stdout
     assert (stub_dir / "calls").read_text() == "training\n"
 
 
