@@ -51,7 +51,8 @@ def members(
 
 
 def pub(ms: Membership, r: int, tokens=100, payload=None):
-    scripted.publish(
+    """``ms``'s region publishes round ``r`` as a region does: its shards, then its claim (the manifest)."""
+    m, _ = scripted.publish(
         ms.mb,
         round_tag(r),
         payload or os.urandom(4 * N),
@@ -61,7 +62,9 @@ def pub(ms: Membership, r: int, tokens=100, payload=None):
         step=r * 4,
         tokens=tokens,
         shard_mb=0.002,
+        write=False,
     )
+    ms.claim(m)
 
 
 def test_decide_is_the_closing_rule():
@@ -105,22 +108,44 @@ def test_create_if_absent_has_one_winner_under_races(transport):
         wins.append(winner)
 
 
-def test_commit_race_both_regions_close_the_same_round_at_the_same_instant(transport):
-    """Both regions see both manifests and write the commit at the same instant (a barrier right before
-    the create), 30 rounds in a row: exactly one commit per round, and both regions obey it."""
-    ms = members(transport, quorum=1, grace_s=0.0)
+def test_claim_race_both_regions_close_the_same_round_at_the_same_instant(transport):
+    """eu and us publish, ap never does: both close each round without ap at the same instant (a barrier
+    right before each one's create of ap's tombstone), 20 rounds in a row: one tombstone wins ap's key, and
+    both regions build the same commit from the same claims, byte for byte; the stored record is that one."""
+    regions = ["eu", "us", "ap"]
+    ms = members(transport, regions, quorum=2, grace_s=0.0)
     barrier = threading.Barrier(2)
-    for m in ms.values():
-        m.test_hook = lambda event, tag: barrier.wait() if event == "before_create" else None
-    for r in range(1, 31):
-        # publish both first, so that both close with reason "all" and hit the barrier together
-        in_threads(lambda reg, r=r: pub(ms[reg], r), REGIONS)
+    for reg in ("eu", "us"):
+        store = ms[reg].store
+        create = store.create
+
+        def racing(key, data, create=create):
+            if key.endswith("/ap.done"):
+                barrier.wait(10)
+            return create(key, data)
+
+        store.create = racing  # type: ignore[method-assign]
+    for r in range(1, 21):
+        in_threads(lambda reg, r=r: pub(ms[reg], r), ["eu", "us"])
+        got = in_threads(lambda reg, r=r: ms[reg].wait_commit(round_tag(r), EXPECT, step=r * 4), ["eu", "us"])
+        ce, cu = got["eu"][0], got["us"][0]
+        assert ce.to_json() == cu.to_json(), (ce, cu)
+        assert list(ce.members) == ["eu", "us"] and ce.absent == ["ap"] and ce.reason == "grace"
+        assert ce.closed_by in ("eu", "us")
+        assert ms["eu"].read_commit(round_tag(r)).to_json() == ce.to_json()
+        assert ms["ap"].read_claim(round_tag(r), "ap").closed_by == ce.closed_by  # the tombstone that won
+
+
+def test_both_regions_publish_at_once_and_agree_on_every_member(transport):
+    """Strict rounds: eu and us publish at the same instant, 20 rounds in a row; each finds both claims,
+    and both name the same members with the same tokens (whoever each saw arrive last)."""
+    ms = members(transport)
+    for r in range(1, 21):
+        in_threads(lambda reg, r=r: pub(ms[reg], r, tokens=100 + r), REGIONS)
         got = in_threads(lambda reg, r=r: ms[reg].wait_commit(round_tag(r), EXPECT, step=r * 4), REGIONS)
         ce, cu = got["eu"][0], got["us"][0]
-        assert ce.to_json() == cu.to_json(), (ce, cu)  # one commit: the winner's, byte for byte
-        assert sorted(ce.members) == REGIONS and ce.closed_by in REGIONS
-        stored = ms["eu"].read_commit(round_tag(r))
-        assert stored.to_json() == ce.to_json()
+        assert ce.members == cu.members and list(ce.members) == REGIONS and ce.reason == cu.reason == "all"
+        assert ms["eu"].read_commit(round_tag(r)).members == ce.members
 
 
 def test_quorum_closes_after_grace_and_a_late_region_obeys(transport):
@@ -178,11 +203,16 @@ def test_a_region_whose_round_was_cleaned_up_is_behind_and_never_closes_it(trans
     for r in (1, 2, 3):
         pub(eu, r)
         eu.wait_commit(round_tag(r), EXPECT, step=4 * r)
-    eu.store.delete([eu.commit_key("r000001")])  # as eu's cleanup does once r000003 is committed
-    pub(us, 1)
+    # eu's cleanup once r000003 is committed: its claim and objects, then the commit
+    eu.store.delete(
+        [eu.claim_key("r000001", "eu"), eu.mb.shard_key("r000001", "eu", 0), eu.commit_key("r000001")]
+    )
+    pub(us, 1)  # its create finds eu's tombstone: us is late, and the round's other claims are gone
+    t0 = time.monotonic()
     with pytest.raises(XRBehind, match="committed up to r000003"):
         us.wait_commit("r000001", EXPECT, step=4)
-    assert eu.read_commit("r000001") is None  # us did not close it again
+    assert time.monotonic() - t0 < 2.0  # at once, not after behind_check_s
+    assert eu.read_commit("r000001") is None and us.read_claim("r000001", "eu") is None  # not closed again
 
 
 def _put_snapshot(ms: Membership, r: int) -> None:

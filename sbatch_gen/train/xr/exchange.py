@@ -41,7 +41,7 @@ from . import scaled
 from .commit import Commit
 from .errors import StoreError, XRCancelled, XRError, XRLayoutError
 from .kernels import CPU_BLOCK, GPU_BLOCK, weighted_average_
-from .membership import Membership, RoundWait
+from .membership import Claim, Membership, RoundWait
 from .protocol import (
     ITEMSIZE,
     SCALED,
@@ -323,10 +323,12 @@ class Exchange:
         tokens: int,
         extra_fn=None,
         pre: dict | None = None,
+        write: bool = True,
     ) -> tuple[Manifest | None, dict, int]:
         """Owners upload their objects (their shards of ``src`` packed, or the shards ``pre`` they encoded
-        already, see :meth:`encode`) as ``name``'s part of ``tag``; rank 0 writes the manifest. Collective.
-        Returns (the manifest on rank 0, this rank's encoded shards, bytes uploaded)."""
+        already, see :meth:`encode`) as ``name``'s part of ``tag``; rank 0 writes the manifest (not with
+        ``write=False``: a round's manifest is its claim, which the round's wait writes). Collective.
+        Returns (the manifest, this rank's encoded shards, bytes uploaded)."""
         expect = self.expect(kind)
         encoded: dict[int, bytes | memoryview] = {}
 
@@ -347,12 +349,20 @@ class Exchange:
             objects.update(part or {})
 
         m = self.group.on_rank(
-            lambda: self._write_manifest(tag, name, step, tokens, expect, objects, extra_fn)
+            lambda: self._write_manifest(tag, name, step, tokens, expect, objects, extra_fn, write)
         )
         return m, encoded, sum(st.nbytes for st, _ in objects.values())
 
     def _write_manifest(
-        self, tag: str, name: str, step: int, tokens: int, expect: Expect, objects: dict, extra_fn
+        self,
+        tag: str,
+        name: str,
+        step: int,
+        tokens: int,
+        expect: Expect,
+        objects: dict,
+        extra_fn,
+        write: bool,
     ) -> Manifest:
         """rank 0: ``name``'s manifest of ``tag``, indexing the shards of every rank's ``objects``
         ({object: (Stored, [(shard, byte span)])}), written last."""
@@ -381,7 +391,8 @@ class Exchange:
             objects=[ObjectInfo(k, st.nbytes, st.chunks) for k, (st, _) in sorted(objects.items())],
             chunk=mb.chunk_bytes,
         )
-        mb.store.put(mb.manifest_key(tag, name), m.to_json())
+        if write:
+            mb.store.put(mb.manifest_key(tag, name), m.to_json())
         return m
 
     def owned_objects(self, plan: ShardPlan) -> list[tuple[int, list[int]]]:
@@ -473,18 +484,27 @@ class Exchange:
         expect = self.expect(kind)
         retries0 = self._store_retries()
         t0 = self._now()
-        committed, own = self.group.on_rank(lambda: self._round_state(tag, expect))
+        # 1. publish: this region's objects (its claim, the manifest, goes with the wait's first look)
+        own = self.group.on_rank(lambda: self._own_claim(tag, expect))
         encoded: dict = {}
         bytes_up = 0
-        if own is None and not committed and _round_of(tag) not in self.withheld:
-            _, encoded, bytes_up = self.upload(tag, region, kind, step, src, tokens, pre=pre)
+        mine = None
+        if own is None and _round_of(tag) not in self.withheld:
+            mine, encoded, bytes_up = self.upload(tag, region, kind, step, src, tokens, pre=pre, write=False)
         t1 = self._now()
-        commit, manifests = self._wait_closed(tag, expect, step, cancel)
+        # 2. decide the members: every region's claim there (manifest or tombstone)
+        commit, manifests, record = self._wait_closed(tag, expect, step, cancel, mine, own)
         t2 = self._now()
         members = [r for r in self.xr.regions if r in commit.members]
         late = region not in commit.members
-        local = {} if (own is not None or late) else encoded  # this region's own bytes, where it has them
-        bytes_down, t_dl = self._download_and_average(tag, expect, manifests, members, local, out)
+        if self.membership is not None:
+            self.membership.late_last = late
+        reused = isinstance(own, Manifest)
+        local = {} if (reused or late) else encoded  # this region's own bytes, where it has them
+        # 3. fetch and reduce (the commit's record written meanwhile)
+        bytes_down, t_dl = self._download_and_average(
+            tag, expect, manifests, members, local, out, record=commit if record else None
+        )
         t3 = self._now()
         if not self.background:
             self.broadcast_slices(expect.plan, out)
@@ -498,7 +518,7 @@ class Exchange:
             commit,
             members,
             late,
-            own is not None,
+            reused,
             bytes_up,
             bytes_down,
             sum(commit.members[r].tokens for r in members),
@@ -514,22 +534,31 @@ class Exchange:
             retries,
         )
 
-    def _round_state(self, tag: str, expect):
-        """rank 0: (whether round ``tag`` is committed already, this region's earlier manifest of it, checked
-        against what this round expects)."""
-        mb, region = self.mb(), self.xr.region
-        c = self.ms().read_commit(tag)
-        own = mb.read_manifest(tag, region)
-        if own is not None:
-            expect.check(own, self.xr.run_id, tag, region, mb.store.describe(mb.manifest_key(tag, region)))
-        return c is not None, own
+    def _own_claim(self, tag: str, expect: Expect) -> Claim | None:
+        """rank 0: this region's claim of round ``tag`` where it may have one already (a requeued job
+        re-entering a round: its manifest, checked against what this round expects; a round closed without
+        it: a tombstone); None where it has none, without a request in the steady state
+        (:meth:`.membership.Membership.must_read_own`)."""
+        ms = self.ms()
+        if not ms.must_read_own(_round_of(tag)):
+            return None
+        return ms.read_claim(tag, self.xr.region, expect)
 
-    def _wait_closed(self, tag: str, expect, step: int, cancel: threading.Event | None):
-        """Wait until round ``tag`` is closed: (its commit, the members' manifests). rank 0 waits in
-        slices, so every rank hears about progress or failure."""
+    def _wait_closed(
+        self,
+        tag: str,
+        expect: Expect,
+        step: int,
+        cancel: threading.Event | None,
+        mine: Manifest | None,
+        own: Claim | None,
+    ) -> tuple[Commit, dict[str, Manifest], bool]:
+        """Claim round ``tag`` with ``mine`` and wait until it is decided: (its commit, the members'
+        manifests, whether the commit is still to be recorded). rank 0 waits in slices, so every rank hears
+        about progress or failure."""
         waits: list[RoundWait] = []  # rank 0's, made at its first slice and resumed by the next ones
         while True:
-            res = self.group.on_rank(lambda: self._closed(tag, expect, step, waits, cancel))
+            res = self.group.on_rank(lambda: self._closed(tag, expect, step, waits, cancel, mine, own))
             if res is not None:
                 return res
 
@@ -538,20 +567,25 @@ class Exchange:
         return int(getattr(self.mailbox.store, "retries", 0)) if self.mailbox is not None else 0
 
     def _closed(
-        self, tag: str, expect: Expect, step: int, waits: list[RoundWait], cancel: threading.Event | None
+        self,
+        tag: str,
+        expect: Expect,
+        step: int,
+        waits: list[RoundWait],
+        cancel: threading.Event | None,
+        mine: Manifest | None,
+        own: Claim | None,
     ):
         """rank 0: one slice of the round's wait (``waits``: empty at the first slice, then the wait it
-        started); (commit, the members' verified manifests) once the round closed."""
-        if cancel is not None and cancel.is_set():
+        started); as :meth:`_wait_closed` once the round is decided."""
+        if cancel is not None and cancel.is_set() and waits:  # (not before the claim: the publish completes)
             raise XRCancelled(f"round {tag}: called off while waiting for the other regions")
-        ms = self.ms()
         if not waits:
-            waits.append(ms.round_wait(tag, expect, step=step))
+            waits.append(self.ms().round_wait(tag, expect, step=step, mine=mine, own=own))
         got = waits[0].run(BACKGROUND_SLICE_S if self.background else WAIT_SLICE_S)
         if got is None:
             return None
-        commit, seen = got
-        return commit, ms.member_manifests(commit, expect, seen)
+        return got[0], got[1], not waits[0].adopted
 
     def _download_and_average(
         self,
@@ -561,10 +595,12 @@ class Exchange:
         members: list[str],
         local: dict,
         out: torch.Tensor | None,
+        record: Commit | None = None,
     ) -> tuple[int, float]:
         """Owners fetch their shards from every member (their own region's from ``local`` bytes where
-        given) and average them into ``out`` (owned slices). Returns (bytes downloaded by the region,
-        seconds of the download part on this rank)."""
+        given), all at once, and average them into ``out`` (owned slices); rank 0 writes the ``record`` of
+        the round's commit meanwhile. Returns (bytes downloaded by the region, seconds of the download part
+        on this rank)."""
         region = self.xr.region
         t_dl = [0.0]
 
@@ -574,7 +610,11 @@ class Exchange:
             mine = self.owned(expect.plan)
             remote = [r for r in members if not (r == region and local)]
             wants = self._wants(manifests, remote, mine, expect.plan)
+            ms = self.ms() if record is not None and self.group.rank == 0 else None
+            noted = self.mb().pool.submit(ms.record_commit, record) if ms is not None and record else None
             got = read_objects(self.mb(), tag, wants, reuse=self._rx)
+            if noted is not None:
+                noted.result()
             t_dl[0] = time.perf_counter() - t0
             total = sum(manifests[r].tokens for r in members)
             weights = [manifests[r].tokens / total if total > 0 else 1.0 / len(members) for r in members]
