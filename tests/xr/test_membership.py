@@ -215,6 +215,24 @@ def test_a_region_whose_round_was_cleaned_up_is_behind_and_never_closes_it(trans
     assert eu.read_commit("r000001") is None and us.read_claim("r000001", "eu") is None  # not closed again
 
 
+def test_tombstones_are_not_a_regions_publications(transport):
+    """us takes part in round 1, then eu closes rounds 2 and 3 without it (tombstones at us's claim keys):
+    us's newest publication (`sbatch-gen status`) is still round 1, and us's own create of round 3, late,
+    finds the tombstone: it is late, and it obeys the same commit."""
+    ms = members(transport, quorum=1, grace_s=0.0)
+    in_threads(lambda reg: pub(ms[reg], 1), REGIONS)
+    in_threads(lambda reg: ms[reg].wait_commit("r000001", EXPECT, step=4), REGIONS)
+    for r in (2, 3):
+        pub(ms["eu"], r)
+        c, _ = ms["eu"].wait_commit(round_tag(r), EXPECT, step=4 * r)
+        assert (list(c.members), c.absent, c.reason, c.closed_by) == (["eu"], ["us"], "grace", "eu")
+    assert ms["us"].published_rounds() == {"eu": 3, "us": 1}
+    assert ms["us"].read_claim("r000003", "us").closed_by == "eu"
+    pub(ms["us"], 3)
+    c3, _ = ms["us"].wait_commit("r000003", EXPECT, step=12)
+    assert c3.to_json() == c.to_json() and ms["us"].read_claim("r000003", "us").closed_by == "eu"
+
+
 def _put_snapshot(ms: Membership, r: int) -> None:
     for part in ("theta", "momentum"):
         ms.store.put(ms.mb.shard_key(ms.snap_tag(r), part, 0), b"x")

@@ -1,4 +1,4 @@
-"""The mailbox's JSON records (round commit, presence, heartbeat, outer snapshot marker) as a newer or an older
+"""The mailbox's JSON records (round commit, tombstone, presence, heartbeat, outer snapshot marker) as a newer or an older
 sbatch-gen writes them: an unknown field is ignored, a record without a version (written before records had
 one) is read as version 1, another version is refused in one line naming the key. Torch-free, fs store."""
 
@@ -46,6 +46,8 @@ def _written(ms: Membership) -> dict:
     snap_expect = parts["theta"][1]
     return {
         "commit": (ms.commit_key(TAG), lambda: ms.read_commit(TAG)),
+        # eu closed the round without us (quorum 1, no grace): a tombstone at us's claim key
+        "tombstone": (ms.claim_key(TAG, "us"), lambda: ms.read_claim(TAG, "us")),
         "presence": (ms.presence_key("eu"), lambda: ms.read_presence("eu")),
         "heartbeat": (ms.alive_key("eu"), lambda: ms.read_heartbeat("eu")),
         "snapshot marker": (ms.snap_complete_key(1), lambda: ms.read_snapshot(1, snap_expect)),
@@ -59,9 +61,10 @@ def _rewrite(ms: Membership, key: str, drop: tuple[str, ...] = (), **fields) -> 
     ms.store.put(key, json.dumps({**d, **fields}).encode())
 
 
-KINDS = ["commit", "presence", "heartbeat", "snapshot marker"]
+KINDS = ["commit", "tombstone", "presence", "heartbeat", "snapshot marker"]
 WHAT = {  # how an error names each
     "commit": "round commit",
+    "tombstone": "round tombstone",
     "presence": "presence record",
     "heartbeat": "heartbeat",
     "snapshot marker": "outer snapshot marker",

@@ -26,6 +26,16 @@ H = 4
 _KEY = re.compile(r"/r\d{6}/(?:(?P<claim>[a-z]+)\.done|(?P<commit>_commit\.json)|(?P<obj>[a-z]+)/s\d+\.bin)$")
 
 
+_open: list = []  # the syncs a test made: closed after it
+
+
+@pytest.fixture(autouse=True)
+def _close_syncs():
+    yield
+    while _open:
+        _open.pop().close()
+
+
 class Counting(Store):
     """A store that records every request (method, key) and delays each by ``delay_s``: an emulated round
     trip, so that a round's time counts its sequential requests."""
@@ -121,6 +131,7 @@ def _regions(transport, regions, delay_s=0.0, **kw):
         xr = xr_for(r, "unused", regions=regions, transport=transport, threads=16, **kw)
         m = model(1 if r == regions[0] else 2)
         s = create(xr, m, torch.device("cpu"), DistInfo(), store=store, poll_min_s=0.005, poll_max_s=0.05)
+        _open.append(s)
         s.align(0)
         out[r] = (m, s, torch.optim.SGD(m.parameters(), lr=0.05), store)
 
@@ -150,7 +161,7 @@ def test_a_steady_round_costs_each_region_one_publish_one_look_and_its_fetches(t
     """Two regions; us reaches each round's boundary 0.3 s after eu. Rounds 2-4 (round 1 lists the run
     once: has this region claimed rounds before?): us, the last to arrive, writes its 4 objects and its
     claim (create-only where elastic, a plain write where strict), reads eu's claim once, records the
-    commit and reads eu's 4 objects: nothing else. eu makes the same requests, polling eu's claim with one
+    commit (the same) and reads eu's 4 objects: nothing else. eu makes the same requests, polling eu's claim with one
     GET each time, and never lists, never reads its own claim or the commit."""
     kw = dict(min_regions=1, grace_s=20.0, heartbeat_s=None) if elastic else {}
     syncs = _regions(transport, ["eu", "us"], **QUIET, **kw)
@@ -160,7 +171,8 @@ def test_a_steady_round_costs_each_region_one_publish_one_look_and_its_fetches(t
         if r == 1:
             continue
         us, eu = Counter(got["us"][0]), Counter(got["eu"][0])
-        want = {"put own object": 4, claim: 1, "get peer claim": 1, "create commit": 1, "get peer object": 4}
+        commit = "create commit" if elastic else "put commit"
+        want = {"put own object": 4, claim: 1, "get peer claim": 1, commit: 1, "get peer object": 4}
         assert us == want, (r, us)
         polls = eu.pop("get peer claim")
         if elastic:  # (while it waits: the missing region's presence, whether it announced a leave)
@@ -209,3 +221,38 @@ def test_the_last_region_to_arrive_waits_about_three_round_trips(tmp_path):
         if r > 1:
             times.append(got["ap"][1])
     assert all(2.9 * rtt <= t < 4.0 * rtt for t in times), times
+
+
+def test_strict_rounds_run_on_a_store_without_conditional_writes(tmp_path, monkeypatch):
+    """nanio ignores If-None-Match: strict rounds (min_regions all) make no conditional write at all, so
+    they run there, bit-identical."""
+    from bench.servers import NanioServer, s3_client
+    from sbatch_gen.train.xr.store import probe_create
+    from sbatch_gen.xr_options import S3Credentials, S3Transport
+
+    from .test_sync import flat
+
+    with NanioServer() as server:
+        s3_client(server.endpoint_url).create_bucket(Bucket="nocond")
+        for k, v in server.env().items():
+            monkeypatch.setenv(k, v)
+        t = S3Transport(
+            bucket="nocond",
+            endpoint_url=server.endpoint_url,
+            addressing_style="path",
+            region_name="us-east-1",
+            credentials=S3Credentials(
+                access_key_id_env="AWS_ACCESS_KEY_ID", secret_access_key_env="AWS_SECRET_ACCESS_KEY"
+            ),
+        )
+        assert probe_create(make_store(t, threads=1), "p") is False
+        syncs = _regions(t, ["eu", "us"], **QUIET)
+        for r in (1, 2, 3):
+            got = in_threads(
+                lambda reg, r=r: _round(syncs, reg, r, 0.1 if reg == "us" else 0.0), ["eu", "us"]
+            )
+            assert all(w.split()[0] != "create" for reg in got for w in got[reg][0]), got
+        assert torch.equal(flat(syncs["eu"][0]), flat(syncs["us"][0]))
+        assert torch.equal(syncs["eu"][1].theta_outer, syncs["us"][1].theta_outer)
+        while _open:  # (before the server goes)
+            _open.pop().close()

@@ -4,11 +4,15 @@ A round (DiLoCo delta or grad-mode gradient), in phases:
 
 1. *publish*: the flat payload is cut into shards; shard ``s`` belongs to node ``s mod num_nodes``, whose
    local rank 0 encodes it to the wire dtype (bf16, fp32, or int8/fp8/int4 with per-block scales: :mod:`.scaled`)
-   and uploads it (thread pool); rank 0 writes the region's manifest last. Skipped when the round is already committed (this region is late) or when this
-   region published the round before (a requeued job re-entering it: it keeps what it published).
-2. *close*: rank 0 waits until the round has a commit (:mod:`.membership`): every region, or a quorum
-   after ``grace_s``, or the rest announced a leave. Whoever closes first writes it; all obey it.
-3. *download*: each node leader fetches its shards from every committed member and averages them,
+   and uploads it (thread pool). Skipped when this region published the round before (a requeued job
+   re-entering it: it keeps what it published) or the round closed without it (late): rank 0 reads its
+   own claim first only where either may be (:meth:`.membership.Membership.must_read_own`).
+2. *decide the members*: rank 0 claims the round with its manifest and waits until every region has a
+   claim, its manifest or a closer's tombstone (:class:`.membership.RoundWait`): every region, or a quorum
+   after ``grace_s``, or the rest announced a leave or crashed. The members are the manifests, the same
+   for every region.
+3. *download*: each node leader fetches its shards from every member, all at once (rank 0 records the
+   round's commit meanwhile), and averages them,
    weighted by tokens, in the order of ``regions``, from the bytes as they are on the wire (its own part
    from the bytes it encoded). Every region therefore computes bit-identical averages.
 4. *broadcast*: with several node leaders, each averaged shard goes from its owner to the other leaders

@@ -28,8 +28,9 @@ record for returning regions and people, beside the payload downloads; nothing i
 
 **Crashed regions (heartbeats).** A region that crashes (SIGKILL, a lost node) announces nothing. With
 ``heartbeat_s`` set, a thread of each region's rank 0 overwrites its heartbeat object with an increasing
-counter every ``heartbeat_s``, from the end of its catch-up on. A region waiting in a round reads the
-heartbeats of the regions still missing (with their presence records, at most once per check), each with
+counter every ``heartbeat_s``, from the end of its catch-up on. A region waiting in a round reads, once
+``quorum`` regions have published, the heartbeats of the regions still missing (with their presence records,
+all at once, every ``grace_s / 4`` between 0.05 and 1 s), each with
 its age on the STORE's clock (:meth:`~.store.Store.get_aged`), and remembers, on its OWN monotonic clock,
 since when it has seen each value: a region whose heartbeat is ``STALE_BEATS`` heartbeat intervals old by
 the store, or unchanged for as long of watching (no heartbeat at all counts the same), is treated as gone,
@@ -171,6 +172,29 @@ class Membership:
                     out.append(r)
         return sorted(out)
 
+    def published_rounds(self, keys: list[str] | None = None) -> dict[str, int]:
+        """Each region's newest round whose claim is its own manifest (one listing, or ``keys`` of
+        :meth:`run_keys`; then a read of the claims from the newest back, past the tombstones others wrote
+        at its keys while it was away)."""
+        rounds: dict[str, list[int]] = {}
+        for key in self.run_keys() if keys is None else keys:
+            parts = key.split("/")
+            if len(parts) == 3 and parts[2].endswith(".done") and parts[2][:-5] in self.regions:
+                r = parse_tag(parts[1])
+                if r is not None:
+                    rounds.setdefault(parts[2][:-5], []).append(r)
+        out = {}
+        for region, rs in rounds.items():
+            for r in sorted(rs, reverse=True):
+                try:
+                    claim = self.read_claim(round_tag(r), region)
+                except XRLayoutError:
+                    continue
+                if isinstance(claim, Manifest):
+                    out[region] = r
+                    break
+        return out
+
     def latest_commit(self) -> int | None:
         rounds = self.committed_rounds()
         return rounds[-1] if rounds else None
@@ -275,10 +299,14 @@ class Membership:
         return r <= self._own_newest or self.late_last
 
     def record_commit(self, c: Commit) -> None:
-        """Write round ``c``'s commit, the record of what its claims decided (create-only: the first writer's
-        stays; a store without conditional writes keeps the last one, naming the same members). Returning
-        regions, ``sbatch-gen status`` and the behind check read it; nothing decides by it."""
-        self.store.create(self.commit_key(c.tag), c.to_json())
+        """Write round ``c``'s commit, the record of what its claims decided (elastic: create-only, the first
+        writer's stays; strict: a plain write, so strict rounds need no conditional write at all, and the
+        last writer's stays: every writer names the same members). Returning regions, ``sbatch-gen status``
+        and the behind check read it; nothing decides by it."""
+        if self.strict:
+            self.store.put(self.commit_key(c.tag), c.to_json())
+        else:
+            self.store.create(self.commit_key(c.tag), c.to_json())
 
     def _no_quorum(self, tag: str, step: int | None, got: dict[str, Manifest]) -> XRNoQuorum:
         """The error of a wait for round ``tag`` that timed out without a quorum, naming the missing."""
