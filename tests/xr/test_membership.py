@@ -20,6 +20,7 @@ from sbatch_gen.train.xr.errors import XRBehind, XRNoQuorum
 from sbatch_gen.train.xr.heartbeat import STALE_BEATS, Heartbeat, HeartbeatWriter
 from sbatch_gen.train.xr.membership import Membership
 from sbatch_gen.train.xr.protocol import Expect, Mailbox, ShardPlan, round_tag
+from sbatch_gen.train.xr.rounds import round_wait, wait_commit
 from sbatch_gen.train.xr.store import FsStore, make_store, probe_create
 
 from .concurrent import in_threads
@@ -127,7 +128,9 @@ def test_claim_race_both_regions_close_the_same_round_at_the_same_instant(transp
         store.create = racing  # type: ignore[method-assign]
     for r in range(1, 21):
         in_threads(lambda reg, r=r: pub(ms[reg], r), ["eu", "us"])
-        got = in_threads(lambda reg, r=r: ms[reg].wait_commit(round_tag(r), EXPECT, step=r * 4), ["eu", "us"])
+        got = in_threads(
+            lambda reg, r=r: wait_commit(ms[reg], round_tag(r), EXPECT, step=r * 4), ["eu", "us"]
+        )
         ce, cu = got["eu"][0], got["us"][0]
         assert ce.to_json() == cu.to_json(), (ce, cu)
         assert list(ce.members) == ["eu", "us"] and ce.absent == ["ap"] and ce.reason == "grace"
@@ -142,7 +145,7 @@ def test_both_regions_publish_at_once_and_agree_on_every_member(transport):
     ms = members(transport)
     for r in range(1, 21):
         in_threads(lambda reg, r=r: pub(ms[reg], r, tokens=100 + r), REGIONS)
-        got = in_threads(lambda reg, r=r: ms[reg].wait_commit(round_tag(r), EXPECT, step=r * 4), REGIONS)
+        got = in_threads(lambda reg, r=r: wait_commit(ms[reg], round_tag(r), EXPECT, step=r * 4), REGIONS)
         ce, cu = got["eu"][0], got["us"][0]
         assert ce.members == cu.members and list(ce.members) == REGIONS and ce.reason == cu.reason == "all"
         assert ms["eu"].read_commit(round_tag(r)).members == ce.members
@@ -152,13 +155,13 @@ def test_quorum_closes_after_grace_and_a_late_region_obeys(transport):
     ms = members(transport, quorum=1, grace_s=0.4)
     pub(ms["eu"], 1)
     t0 = time.monotonic()
-    c, seen = ms["eu"].wait_commit("r000001", EXPECT, step=4)
+    c, seen = wait_commit(ms["eu"], "r000001", EXPECT, step=4)
     waited = time.monotonic() - t0
     assert 0.4 <= waited < 0.4 + 0.3, waited  # grace_s plus about one poll
     assert list(c.members) == ["eu"] and c.absent == ["us"] and c.reason == "grace"
     # us arrives after the commit: it reads and obeys it, its payload is not part of the round
     pub(ms["us"], 1)
-    c2, _ = ms["us"].wait_commit("r000001", EXPECT, step=4)
+    c2, _ = wait_commit(ms["us"], "r000001", EXPECT, step=4)
     assert c2.to_json() == c.to_json()
 
 
@@ -167,14 +170,14 @@ def test_planned_leave_closes_the_next_round_without_the_grace_wait(transport):
     ms["us"].announce("leaving", 3, 12)
     pub(ms["eu"], 4)
     t0 = time.monotonic()
-    c, _ = ms["eu"].wait_commit("r000004", EXPECT, step=16)
+    c, _ = wait_commit(ms["eu"], "r000004", EXPECT, step=16)
     assert time.monotonic() - t0 < 3.0
     assert c.reason == "leave" and list(c.members) == ["eu"]
     ms["us"].announce("joined", 4, 16)  # back: the next round waits for it again
     pub(ms["eu"], 5)
     got = {}
     th = threading.Thread(
-        target=lambda: got.setdefault("c", ms["eu"].wait_commit("r000005", EXPECT, step=20))
+        target=lambda: got.setdefault("c", wait_commit(ms["eu"], "r000005", EXPECT, step=20))
     )
     th.start()
     time.sleep(0.5)
@@ -193,7 +196,7 @@ def test_no_quorum_within_timeout_names_the_missing_regions(transport):
         match=r"round r000001 \(step 4\): no quorum after 0.6 s: 1 of 3 regions "
         r"published, 2 needed \(min_regions\); missing: us, ap",
     ) as ei:
-        ms["eu"].wait_commit("r000001", EXPECT, step=4)
+        wait_commit(ms["eu"], "r000001", EXPECT, step=4)
     assert time.monotonic() - t0 < 2.0 and ei.value.missing == ["us", "ap"]
 
 
@@ -202,7 +205,7 @@ def test_a_region_whose_round_was_cleaned_up_is_behind_and_never_closes_it(trans
     eu, us = ms["eu"], ms["us"]
     for r in (1, 2, 3):
         pub(eu, r)
-        eu.wait_commit(round_tag(r), EXPECT, step=4 * r)
+        wait_commit(eu, round_tag(r), EXPECT, step=4 * r)
     # eu's cleanup once r000003 is committed: its claim and objects, then the commit
     eu.store.delete(
         [eu.claim_key("r000001", "eu"), eu.mb.shard_key("r000001", "eu", 0), eu.commit_key("r000001")]
@@ -210,7 +213,7 @@ def test_a_region_whose_round_was_cleaned_up_is_behind_and_never_closes_it(trans
     pub(us, 1)  # its create finds eu's tombstone: us is late, and the round's other claims are gone
     t0 = time.monotonic()
     with pytest.raises(XRBehind, match="committed up to r000003"):
-        us.wait_commit("r000001", EXPECT, step=4)
+        wait_commit(us, "r000001", EXPECT, step=4)
     assert time.monotonic() - t0 < 2.0  # at once, not after behind_check_s
     assert eu.read_commit("r000001") is None and us.read_claim("r000001", "eu") is None  # not closed again
 
@@ -221,15 +224,15 @@ def test_tombstones_are_not_a_regions_publications(transport):
     finds the tombstone: it is late, and it obeys the same commit."""
     ms = members(transport, quorum=1, grace_s=0.0)
     in_threads(lambda reg: pub(ms[reg], 1), REGIONS)
-    in_threads(lambda reg: ms[reg].wait_commit("r000001", EXPECT, step=4), REGIONS)
+    in_threads(lambda reg: wait_commit(ms[reg], "r000001", EXPECT, step=4), REGIONS)
     for r in (2, 3):
         pub(ms["eu"], r)
-        c, _ = ms["eu"].wait_commit(round_tag(r), EXPECT, step=4 * r)
+        c, _ = wait_commit(ms["eu"], round_tag(r), EXPECT, step=4 * r)
         assert (list(c.members), c.absent, c.reason, c.closed_by) == (["eu"], ["us"], "grace", "eu")
     assert ms["us"].published_rounds() == {"eu": 3, "us": 1}
     assert ms["us"].read_claim("r000003", "us").closed_by == "eu"
     pub(ms["us"], 3)
-    c3, _ = ms["us"].wait_commit("r000003", EXPECT, step=12)
+    c3, _ = wait_commit(ms["us"], "r000003", EXPECT, step=12)
     assert c3.to_json() == c.to_json() and ms["us"].read_claim("r000003", "us").closed_by == "eu"
 
 
@@ -325,7 +328,7 @@ def test_a_wait_in_slices_keeps_its_grace_clock(transport):
     ms = members(transport, quorum=1, grace_s=0.5, timeout_s=4.0)
     pub(ms["eu"], 1)
     started = time.monotonic()
-    wait = ms["eu"].round_wait("r000001", EXPECT, step=4, started=started)
+    wait = round_wait(ms["eu"], "r000001", EXPECT, step=4, started=started)
     got, slices = None, 0
     while got is None:
         got = wait.run(slice_s=0.15)
@@ -360,7 +363,7 @@ time.sleep(600)
 def _timed_round(ms: Membership, r: int):
     pub(ms, r)
     t0 = time.monotonic()
-    c, _ = ms.wait_commit(round_tag(r), EXPECT, step=4 * r)
+    c, _ = wait_commit(ms, round_tag(r), EXPECT, step=4 * r)
     return c, time.monotonic() - t0
 
 

@@ -15,6 +15,7 @@ from sbatch_gen.train.xr.errors import XRLayoutError
 from sbatch_gen.train.xr.heartbeat import HeartbeatWriter
 from sbatch_gen.train.xr.membership import Membership
 from sbatch_gen.train.xr.protocol import Mailbox, round_tag
+from sbatch_gen.train.xr.rounds import wait_commit
 from sbatch_gen.train.xr.store import FsStore
 
 REGIONS = ["eu", "us"]
@@ -35,7 +36,7 @@ def _publish(mb: Mailbox, tag: str):
 def _written(ms: Membership) -> dict:
     """Each record as this version writes it: {kind: (key, how Membership reads it back)}."""
     m, expect = _publish(ms.mb, TAG)
-    c, _ = ms.wait_commit(TAG, expect, step=4)
+    c, _ = wait_commit(ms, TAG, expect, step=4)
     ms.announce("joined", 1, 4)
     HeartbeatWriter(ms.store, ms.alive_key("eu"), "eu", 1.0).beat()
     parts = {

@@ -1,6 +1,7 @@
-"""Round membership, decided once in the mailbox: commits, presence, outer snapshots. Torch-free. The
-records and the closing rule (:func:`~.commit.decide`) are :mod:`.commit`'s, the heartbeat writer
-:mod:`.heartbeat`'s; this module reads and writes them in the mailbox.
+"""Round membership, decided once in the mailbox: claims, commits, presence, outer snapshots, as the mailbox
+holds them (the wait that decides a round: :mod:`.rounds`). Torch-free. The records and the closing rule
+(:func:`~.commit.decide`) are :mod:`.commit`'s, the heartbeat writer :mod:`.heartbeat`'s; this module reads
+and writes them in the mailbox.
 
 Keys, next to the rounds of :mod:`.protocol` (region names start with a letter or digit, so the
 ``_``-prefixed names below never collide with a region's objects)::
@@ -23,7 +24,7 @@ without some regions writes a :class:`~.commit.Tombstone` at each missing region
 of a region's manifest and a tombstone exactly one wins the key, and neither is ever overwritten. Once
 every region's key holds one or the other, the round is decided, and every region reading the keys finds
 the same members (the manifests; every region averages exactly their payloads, so the parameters stay
-bit-identical) and builds the same commit from them (:class:`RoundWait`). The commit is then written as a
+bit-identical) and builds the same commit from them (:class:`.rounds.RoundWait`). The commit is then written as a
 record for returning regions and people, beside the payload downloads; nothing is decided by it.
 
 **Crashed regions (heartbeats).** A region that crashes (SIGKILL, a lost node) announces nothing. With
@@ -44,7 +45,7 @@ crash the next ones close at once. A region that is hung but still beating is wa
 **Never closing a round twice.** Only a region deletes its own claim keys (:meth:`Membership.cleanup`,
 more than ``keep_rounds`` rounds behind, and the round's commit after them), so a round's decision stands
 until the regions have moved past it; tombstones are written only with ``quorum`` manifests there and after
-a look at the run (:meth:`Membership._guard`): a round whose claims are incomplete while a later round was
+a look at the run (:class:`.rounds.RoundWait`): a round whose claims are incomplete while a later round was
 committed has been cleaned up behind this region (:class:`~.errors.XRBehind`: fast-forward), and one whose
 own commit is still there is decided by it.
 """
@@ -53,15 +54,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import TypeVar
 
 from . import records
-from .commit import Commit, Member, Presence, Tombstone, decide
+from .commit import Commit, Presence, Tombstone
 from .errors import XRBehind, XRError, XRLayoutError, XRNoQuorum
 from .heartbeat import STALE_BEATS, Heartbeat, HeartbeatWriter
 from .protocol import Expect, Mailbox, Manifest, digest, parse_tag, round_tag
@@ -119,6 +118,7 @@ class Membership:
         self.behind_check_s = BEHIND_CHECK_S
         self._own_newest: int | None = None  # the newest round with a claim of this region (must_read_own)
         self.late_last = False  # this region was late in its last round
+        self.absent_last: set[str] = set()  # the regions its last round closed without
 
     # -- keys ----------------------------------------------------------------------------------------
     def commit_key(self, tag: str) -> str:
@@ -198,41 +198,6 @@ class Membership:
     def latest_commit(self) -> int | None:
         rounds = self.committed_rounds()
         return rounds[-1] if rounds else None
-
-    def wait_commit(
-        self,
-        tag: str,
-        expect: Expect,
-        *,
-        step: int | None = None,
-        started: float | None = None,
-        mine: Manifest | None = None,
-        own: Claim | None = None,
-    ) -> tuple[Commit, dict[str, Manifest]]:
-        """Claim round ``tag`` with ``mine`` (None: nothing to publish, or ``own`` is this region's claim
-        already), wait until every region has a claim, record the commit; return it and the members'
-        manifests (verified). Raises :class:`XRNoQuorum` after ``timeout_s`` without a quorum,
-        :class:`XRBehind` if the run moved past ``tag`` and cleaned it up. In slices: :meth:`round_wait`."""
-        wait = self.round_wait(tag, expect, step=step, started=started, mine=mine, own=own)
-        got = wait.run()
-        assert got is not None  # None only when waiting in slices
-        if not wait.adopted:
-            self.record_commit(got[0])
-        return got
-
-    def round_wait(
-        self,
-        tag: str,
-        expect: Expect,
-        *,
-        step: int | None = None,
-        started: float | None = None,
-        mine: Manifest | None = None,
-        own: Claim | None = None,
-    ) -> RoundWait:
-        """The wait of :meth:`wait_commit` without the commit's record, to run in slices (``started``: when
-        the round's wait began on this region's clock; default now)."""
-        return RoundWait(self, tag, expect, step, started, mine, own)
 
     # -- claims: who takes part in a round --------------------------------------------------------------
     @property
@@ -409,27 +374,6 @@ class Membership:
     def beating(self) -> bool:
         return self._writer is not None and self._writer.alive
 
-    def _guard(self, tag: str, expect: Expect, known: dict[str, Manifest]) -> tuple[Commit, dict] | None:
-        """Has the run moved past round ``tag``? One listing of the run. A round whose claims are incomplete
-        although a later round was committed has been cleaned up behind this region:
-        :class:`~.errors.XRBehind` (fast-forward), and it is never closed again. Where the round's own commit
-        is there (its claims being cleaned up, or seen here before all of them), it is the round's outcome:
-        (the commit, its members' manifests)."""
-        r = parse_tag(tag)
-        if r is None:
-            return None
-        committed = self.committed_rounds()
-        c = self.read_commit(tag) if r in committed or (committed and committed[-1] > r) else None
-        if c is not None:
-            return c, self.member_manifests(c, expect, known)
-        if committed and committed[-1] > r:
-            raise XRBehind(
-                f"round {tag}: the run has committed up to {round_tag(committed[-1])} and {tag} is no longer "
-                "in the mailbox: this region fast-forwards",
-                committed[-1],
-            )
-        return None
-
     def member_manifests(self, c: Commit, expect: Expect, known: dict[str, Manifest]) -> dict[str, Manifest]:
         """The committed members' manifests (read where not ``known``), each checked against the digest
         the commit names: every region averages exactly the committed payloads."""
@@ -558,241 +502,3 @@ class Membership:
         except XRLayoutError:
             return False
         return isinstance(got, Tombstone) and got.closed_by == self.region
-
-
-class RoundWait:
-    """One wait of a region's rank 0 for round ``tag`` to be decided (:meth:`Membership.round_wait`), run in
-    as many slices as its caller needs (the exchange reports to its other ranks between slices, and a round
-    in the background checks between them whether it was called off).
-
-    A round is decided once every region has a claim at its key ``<run>/<tag>/<region>.done``: its manifest,
-    or a tombstone written there by a region that closed the round without it. Manifests and tombstones are
-    never overwritten (elastic: create-only writes; strict: no tombstones, each region writes only its own
-    key), so the set, once complete, is the same for every region that reads it: the members are the
-    regions whose claim is a manifest. The first look writes this region's claim and reads the other
-    regions' keys at once (one round trip); each later poll is one request: a GET of the one key still
-    missing, else a listing of the round's own prefix (its objects only, not its regions' shards), then
-    the new claims read together. Polls start at the round trip's scale and back off x1.5 to ``poll_max_s``.
-
-    What the wait has learnt carries over from one slice to the next, as in one uninterrupted wait: the
-    claims seen, the absentees, the poll backoff, the grace clock and the behind timer (with slices shorter
-    than ``behind_check_s`` a timer started again each slice would never fire, and a region behind the run
-    without a quorum would wait out ``timeout_s`` instead of fast-forwarding)."""
-
-    def __init__(
-        self,
-        ms: Membership,
-        tag: str,
-        expect: Expect,
-        step: int | None,
-        started: float | None,
-        mine: Manifest | None,
-        own: Claim | None,
-    ) -> None:
-        self.ms, self.tag, self.expect, self.step = ms, tag, expect, step
-        now = ms._clock()
-        self.t0 = now if started is None else started
-        self.claims: dict[str, Claim] = {} if own is None else {ms.region: own}
-        self.mine = mine  # this region's manifest, claimed at the first look
-        self.first = True
-        self.closer = ""  # whose claim completed the set, as seen here ("all" rounds)
-        self.result: tuple[Commit, dict[str, Manifest]] | None = None
-        self.adopted = False  # the result is a commit found in the mailbox (recorded already)
-        self.delay = ms.mb.poll_min_s
-        self.quorum_since: float | None = None
-        self.leaving: set[str] = set()
-        self.stale: set[str] = set()
-        self.stale_due = (
-            math.inf
-        )  # when the next missing region's heartbeat would have been quiet long enough
-        self.next_check = now  # presence and heartbeats of the missing regions: a few reads, not every poll
-        self.next_behind = (
-            now + ms.behind_check_s
-        )  # has the run moved past this round? (a listing of the run)
-        self.next_guard = now  # the same check before closing the round without someone (then every tick)
-
-    def manifests(self) -> dict[str, Manifest]:
-        return {r: c for r, c in self.claims.items() if isinstance(c, Manifest)}
-
-    def run(self, slice_s: float | None = None) -> tuple[Commit, dict[str, Manifest]] | None:
-        """Wait on: (the commit, the members' manifests) once the round is decided, or None after ``slice_s``
-        (None: until it is). Raises as :meth:`Membership.wait_commit`."""
-        ms, mb = self.ms, self.ms.mb
-        tick = min(1.0, max(ms.grace_s / 4, 0.05))
-        now0 = ms._clock()
-        while self.result is None:
-            self._look(tick)
-            if self._decided():
-                break
-            now = ms._clock()
-            if now >= self.next_behind:
-                self.next_behind = now + ms.behind_check_s
-                if self._guarded():
-                    break
-            got = self.manifests()
-            reason, self.quorum_since = decide(
-                ms.regions, got, self.leaving, ms.quorum, ms.grace_s, now, self.quorum_since, self.stale
-            )
-            tombs = [c for c in self.claims.values() if isinstance(c, Tombstone)]
-            if reason is None and tombs and len(got) >= ms.quorum:
-                reason = tombs[0].reason  # another region is closing it without someone: finish that
-            if (reason is not None or tombs) and now >= self.next_guard:
-                # about to close it without someone, or someone did (or it was cleaned up behind us)
-                self.next_guard = now + tick
-                if self._guarded():
-                    break
-                if reason is not None:
-                    self._close(reason, now)
-                    if self._decided():
-                        break
-            if now - self.t0 >= mb.timeout_s:
-                raise ms._no_quorum(self.tag, self.step, got)
-            if slice_s is not None and now - now0 >= slice_s:
-                return None
-            if (
-                self.quorum_since is not None
-            ):  # grace running out, or a missing region's heartbeat going stale
-                wake = min(ms.grace_s - (now - self.quorum_since), self.stale_due - now)
-            else:
-                wake = mb.timeout_s - (now - self.t0)
-            time.sleep(max(0.0, min(self.delay, wake + 1e-3)))
-            self.delay = min(mb.poll_max_s, self.delay * 1.5)
-        return self.result
-
-    def _look(self, tick: float) -> None:
-        """One look at the round: this region's claim written (the first look), the missing claims read, and
-        (now and then, once a quorum is there) the missing regions' presence and heartbeats; all at once."""
-        ms, tag, region = self.ms, self.tag, self.ms.region
-        missing = [r for r in ms.regions if r not in self.claims and not (r == region and self.mine)]
-        tasks: list[Callable[[], tuple]] = []
-        if self.mine is not None:
-            mine = self.mine
-            tasks.append(partial(_tagged, "mine", region, ms.claim, mine))
-        listing = not self.first and len(missing) > 1
-        if listing:
-            tasks.append(partial(_tagged, "list", "", ms.store.children, f"{ms.run_id}/{tag}/"))
-        else:
-            tasks += [partial(_tagged, "claim", r, ms.read_claim, tag, r, self.expect) for r in missing]
-        now = ms._clock()
-        judge = (  # (not at the first look: it may well find everyone there)
-            not self.first
-            and not ms.strict
-            and len(self.manifests()) + (self.mine is not None) >= ms.quorum
-            and now >= min(self.next_check, self.stale_due)
-        )
-        if judge:
-            self.next_check = now + tick
-            absent = [r for r in missing if r != region]
-            tasks += [partial(_tagged, "leaving", r, ms._leaving, r) for r in absent]
-            if ms.heartbeat_s is not None:
-                tasks += [partial(_tagged, "beat", r, ms._judge_heartbeat, r) for r in absent]
-        t0 = time.perf_counter()
-        results = _all(ms.mb, tasks)
-        rtt = time.perf_counter() - t0
-        if self.first:  # polls start at the scale of a round trip, not below
-            self.delay = max(self.delay, rtt)
-        self.first = False
-        seen: list[str] = []
-        names: list[str] = []
-        leaving: set[str] = set()
-        dues: dict[str, float] = {}
-        for what, r, got in results:
-            if what == "mine":
-                self.mine = None
-                self.claims[r] = got
-                seen.append(r)
-            elif what == "claim" and got is not None:
-                self.claims[r] = got
-                seen.append(r)
-            elif what == "list":
-                names = got
-            elif what == "leaving" and got:
-                leaving.add(r)
-            elif what == "beat":
-                dues[r] = got
-        if listing:
-            there = {k.rsplit("/", 1)[-1] for k in names}
-            new = [r for r in ms.regions if r not in self.claims and f"{r}.done" in there]
-            more = _all(
-                ms.mb, [partial(_tagged, "claim", r, ms.read_claim, tag, r, self.expect) for r in new]
-            )
-            for _, r, got in more:
-                if isinstance(got, Manifest | Tombstone):
-                    self.claims[r] = got
-                    seen.append(r)
-        if judge:
-            after = ms._clock()
-            self.leaving = leaving
-            self.stale = {r for r, due in dues.items() if r not in leaving and due <= after}
-            self.stale_due = min(
-                (due for r, due in dues.items() if r not in leaving and due > after), default=math.inf
-            )
-        if seen and all(r in self.claims for r in ms.regions):
-            # (the last claim to land, as far as this region can tell: its own if its write completed the set)
-            self.closer = region if region in seen else [r for r in ms.regions if r in seen][-1]
-
-    def _guarded(self) -> bool:
-        """:meth:`Membership._guard`: True when it found the round's commit (the result, then)."""
-        got = self.ms._guard(self.tag, self.expect, self.manifests())
-        if got is not None:
-            self.result, self.adopted = got, True
-        return got is not None
-
-    def _close(self, reason: str, now: float) -> None:
-        """Close the round without the regions still missing: a tombstone at each one's claim key,
-        create-only, all at once. Where a region's own claim won its key meanwhile, it takes part."""
-        ms = self.ms
-        missing = [r for r in ms.regions if r not in self.claims]
-        stale = [r for r in missing if r in self.stale]
-        when = time.time()
-        step = self.step if self.step is not None else -1
-
-        def tombstone(r: str) -> tuple[str, Claim | None]:
-            t = Tombstone(
-                True, ms.run_id, self.tag, r, step, ms.region, reason, round(now - self.t0, 3), stale, when
-            )
-            if ms.store.create(ms.claim_key(self.tag, r), t.to_json()):
-                return r, t
-            return r, ms.read_claim(self.tag, r, self.expect)  # its manifest, or another closer's tombstone
-
-        for r, got in _all(ms.mb, [partial(tombstone, r) for r in missing]):
-            if got is not None:
-                self.claims[r] = got
-                if isinstance(got, Manifest):
-                    self.closer = (
-                        r  # (its claim beat the tombstone: if all did, the last one completed the set)
-                    )
-
-    def _decided(self) -> bool:
-        """Once every region has a claim: the result, the same on every region (from the claims alone)."""
-        ms = self.ms
-        if any(r not in self.claims for r in ms.regions):
-            return False
-        got = self.manifests()
-        members = {r: Member(manifest_digest(got[r]), int(got[r].tokens)) for r in ms.regions if r in got}
-        tombs = [t for r in ms.regions if isinstance(t := self.claims[r], Tombstone)]
-        absent = [t.region for t in tombs]
-        if tombs:  # what closed it: the first absent region's tombstone; who crashed: any closer's word
-            t = tombs[0]
-            stale = [r for r in absent if any(r in x.stale for x in tombs)]
-            c = Commit(
-                ms.run_id, self.tag, t.step, members, t.closed_by, t.reason, t.waited_s, absent, t.time, stale
-            )
-        else:
-            step = self.step if self.step is not None else -1
-            waited = round(ms._clock() - self.t0, 3)
-            c = Commit(ms.run_id, self.tag, step, members, self.closer, "all", waited, [], time.time())
-        self.result = c, got
-        return True
-
-
-def _tagged(what: str, region: str, fn: Callable[..., object], *args) -> tuple[str, str, object]:
-    """``(what, region, fn(*args))``: a task of a look, its answer labelled."""
-    return what, region, fn(*args)
-
-
-def _all(mb: Mailbox, tasks: list[Callable[[], T]]) -> list[T]:
-    """Run ``tasks`` (small requests) at once on the mailbox's pool: one round trip for all of them."""
-    if len(tasks) <= 1:
-        return [t() for t in tasks]
-    return list(mb.pool.map(lambda t: t(), tasks))
