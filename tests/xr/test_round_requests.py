@@ -181,15 +181,13 @@ def test_a_steady_round_costs_each_region_one_publish_one_look_and_its_fetches(t
         assert 1 <= polls <= 40, (r, polls)
 
 
-def test_polls_cost_one_request_whatever_the_number_of_regions(tmp_path):
+def test_polls_cost_one_request_whatever_the_number_of_regions(transport):
     """Four regions; eu arrives first, the others 0.4 s later. eu's polls are one listing of the round's
     own prefix while several regions are missing (its objects only: the claims and the commit, not the
     regions' shards), one GET while one is; it reads each claim once. The last of the others reads the
     claims of all three peers at once (3 requests, one round trip) and lists nothing."""
-    from sbatch_gen.xr_options import FsTransport
-
     regions = ["eu", "us", "ap", "sa"]
-    syncs = _regions(FsTransport(root=str(tmp_path / "mb")), regions, **QUIET)
+    syncs = _regions(transport, regions, **QUIET)
     for r in (1, 2):
         got = in_threads(lambda reg, r=r: _round(syncs, reg, r, 0.0 if reg == "eu" else 0.4), regions)
     eu = Counter(got["eu"][0])
