@@ -254,14 +254,14 @@ class RoundWait:
         self.quorum_since: float | None = None
         self.leaving: set[str] = set()
         self.stale: set[str] = set()
-        self.stale_due = (
-            math.inf
-        )  # when the next missing region's heartbeat would have been quiet long enough
-        self.next_check = now  # presence and heartbeats of the missing regions: a few reads, not every poll
-        self.next_behind = (
-            now + ms.behind_check_s
-        )  # has the run moved past this round? (a listing of the run)
-        self.next_guard = now  # the same check before closing the round without someone (then every tick)
+        # when the next missing region's heartbeat would have been quiet long enough
+        self.stale_due = math.inf
+        # presence and heartbeats of the missing regions: a few reads, not every poll
+        self.next_check = now
+        # has the run moved past this round? (a listing of the run)
+        self.next_behind = now + ms.behind_check_s
+        # the same check before closing the round without someone (then every tick)
+        self.next_guard = now
 
     def manifests(self) -> dict[str, Manifest]:
         return {r: c for r, c in self.claims.items() if isinstance(c, Manifest)}
@@ -301,9 +301,7 @@ class RoundWait:
                 raise ms._no_quorum(self.tag, self.step, got)
             if slice_s is not None and now - now0 >= slice_s:
                 return None
-            if (
-                self.quorum_since is not None
-            ):  # grace running out, or a missing region's heartbeat going stale
+            if self.quorum_since is not None:  # grace running out, or a missing heartbeat going stale
                 wake = min(ms.grace_s - (now - self.quorum_since), self.stale_due - now)
             else:
                 wake = mb.timeout_s - (now - self.t0)
@@ -412,10 +410,8 @@ class RoundWait:
         for r, got in _all(ms.mb, [partial(tombstone, r) for r in missing]):
             if got is not None:
                 self.claims[r] = got
-                if isinstance(got, Manifest):
-                    self.closer = (
-                        r  # (its claim beat the tombstone: if all did, the last one completed the set)
-                    )
+                if isinstance(got, Manifest):  # its claim beat the tombstone (all did: the last completed it)
+                    self.closer = r
 
     def _decided(self) -> bool:
         """Once every region has a claim: the result, the same on every region (from the claims alone)."""
