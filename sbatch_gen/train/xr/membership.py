@@ -253,14 +253,15 @@ class Membership:
         )
 
     def must_read_own(self, r: int) -> bool:
-        """Must this region read its own claim of round ``r`` before publishing (a requeued job re-entering a
-        round it published, or one closed without it)? Only for rounds up to the newest that holds a claim
-        of this region when this process first asks (one listing of the run, once), and after a late round
-        (a region late once is likely late again: it looks before it uploads). Beyond that only this
-        process writes its manifests, and a tombstone that beats the upload is found by the claim's
-        create-only write."""
+        """Must this region read its own claim of round ``r`` (and the round's commit) before publishing (a
+        requeued job re-entering a round it published, or one closed without it)? For the first round of
+        this process, for rounds up to the newest that holds a claim of this region when this process first
+        asks (one listing of the run, once), and after a late round (a region late once is likely late
+        again: it looks before it uploads). Beyond that only this process writes its manifests, and a
+        tombstone that beats the upload is found by the claim's create-only write."""
         if self._own_newest is None:
             self._own_newest = self.mb.latest_rounds().get(self.region, -1)
+            return True
         return r <= self._own_newest or self.late_last
 
     def record_commit(self, c: Commit) -> None:

@@ -79,22 +79,21 @@ def run_round(
     retries0 = ex.store_retries()
     t0 = ex.now()
     # 1. publish: this region's objects (the claim, its manifest, goes with the wait's first look)
-    own = group.on_rank(lambda: _own_claim(ex.ms(), tag, expect))
+    own, decided = group.on_rank(lambda: _own_claim(ex.ms(), tag, expect))
     encoded: dict = {}
     bytes_up = 0
     mine = None
-    if own is None and parse_tag(tag) not in ex.withheld:
+    if own is None and decided is None and parse_tag(tag) not in ex.withheld:
         mine, encoded, bytes_up = ex.upload(tag, region, kind, step, src, tokens, pre=pre, write=False)
     t1 = ex.now()
     # 2. decide the members: every region's claim there, its manifest or a tombstone
     waits: list[RoundWait] = []  # rank 0's, made at its first slice and resumed by the next ones
     slice_s = BACKGROUND_SLICE_S if ex.background else WAIT_SLICE_S
-    while True:
+    got = None if decided is None else (*decided, True)
+    while got is None:
         got = group.on_rank(
             lambda: _wait_slice(ex.ms(), tag, expect, step, waits, slice_s, cancel, mine, own)
         )
-        if got is not None:
-            break
     commit, manifests, adopted = got
     t2 = ex.now()
     members = [r for r in ex.xr.regions if r in commit.members]
@@ -137,15 +136,25 @@ def run_round(
     )
 
 
-def _own_claim(ms: Membership, tag: str, expect: Expect) -> Claim | None:
-    """rank 0: this region's claim of round ``tag`` where it may have one already (a requeued job re-entering
-    a round: its manifest, checked against what this round expects; a round closed without it: a
-    tombstone); None where it has none, without a request in the steady state
-    (:meth:`.membership.Membership.must_read_own`)."""
+def _own_claim(
+    ms: Membership, tag: str, expect: Expect
+) -> tuple[Claim | None, tuple[Commit, dict[str, Manifest]] | None]:
+    """rank 0: (this region's claim of round ``tag``, the round's outcome) where it may have them already,
+    without a request in the steady state (:meth:`.membership.Membership.must_read_own`). The claim: its
+    manifest (a requeued job re-entering a round it published), checked against what this round expects, or
+    a tombstone (a round closed without it). The outcome, where the round has a commit: the commit and its
+    members' manifests. A commit decides a round this region re-enters: a version before claims decided
+    rounds by their commit alone and wrote no tombstones, so a region it closed out may find its own key
+    free."""
     r = parse_tag(tag)
     if not ms.must_read_own(r if r is not None else -1):
-        return None
-    return ms.read_claim(tag, ms.region, expect)
+        return None, None
+    commit = ms.mb.pool.submit(ms.read_commit, tag)
+    own = ms.read_claim(tag, ms.region, expect)
+    c = commit.result()
+    if c is None:
+        return own, None
+    return own, (c, ms.member_manifests(c, expect, {ms.region: own} if isinstance(own, Manifest) else {}))
 
 
 def _wait_slice(
