@@ -166,7 +166,7 @@ def run(out_dir: Path, quick: bool = False) -> Result:
         ref_theta, ref_m, ref_avg, ref_tmp = theta0.clone(), torch.zeros(n), torch.empty(n), torch.empty(n)
         offsets = [0, *torch.tensor(sizes).cumsum(0)[:-1].tolist()]
         counter = byte_counter()
-        orig_dl, orig_clean = sync.ex._download_and_average, sync._cleanup
+        orig_dl, orig_clean = sync.ex.download_and_average, sync._cleanup
 
         def dl_on(*a, **kw):  # count from the averaging ...
             counter.on = True
@@ -184,7 +184,7 @@ def run(out_dir: Path, quick: bool = False) -> Result:
                 local = torch.cat([p.detach().reshape(-1) for p in model.params])
             delta_a = (sync.theta_outer - local).to(torch.bfloat16)
             if r == rounds + 1:
-                sync.ex._download_and_average, sync._cleanup = dl_on, clean_off
+                sync.ex.download_and_average, sync._cleanup = dl_on, clean_off
                 with counter:
                     sync.after_optimizer_step(r, 1000)
                 xb = counter.bytes

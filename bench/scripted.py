@@ -21,16 +21,18 @@ def publish(
     tokens: int,
     shard_mb: float,
     extra: dict | None = None,
+    write: bool = True,
 ) -> tuple[Manifest, Expect]:
-    """Publish ``payload`` (raw bytes of ``dtype`` elements) as round ``tag``: shards, then the manifest.
-    If the region already published ``tag`` (a requeued job re-entering the round), that stands."""
+    """Publish ``payload`` (raw bytes of ``dtype`` elements) as round ``tag``: shards, then the manifest
+    (``write=False``: the caller claims the round with it, :meth:`.membership.Membership.claim`). If the
+    region already published ``tag`` (a requeued job re-entering the round), that stands."""
     view = memoryview(payload).cast("B")
     size = ITEMSIZE[dtype]
     if view.nbytes % size:
         raise ValueError(f"payload of {view.nbytes} bytes is not a whole number of {dtype} elements")
     plan = ShardPlan.make(view.nbytes // size, size, shard_mb)
     expect = Expect(kind, dtype, plan.numel, layout, "raw", plan)
-    own = mb.read_manifest(tag, mb.region)
+    own = mb.read_manifest(tag, mb.region) if write else None
     if own is not None:
         expect.check(own, mb.run_id, tag, mb.region, mb.store.describe(mb.manifest_key(tag, mb.region)))
         return own, expect
@@ -49,7 +51,8 @@ def publish(
         [ShardInfo(i, lo, hi - lo, *sums[i]) for i, (lo, hi) in enumerate(plan.bounds)],
         extra or {},
     )
-    mb.publish_manifest(m)
+    if write:
+        mb.publish_manifest(m)
     return m, expect
 
 

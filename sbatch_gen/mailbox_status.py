@@ -124,7 +124,7 @@ def read_status(xr: CrossRegion, store: Store | None = None, *, now: float | Non
     try:
         ms = Membership(mb, xr.quorum, xr.grace_s)
         keys = ms.run_keys()  # one listing serves every reader below
-        latest = mb.latest_rounds(keys)
+        latest = ms.published_rounds(keys)
         committed = ms.committed_rounds(keys)
         commit = None
         commit_round = 0

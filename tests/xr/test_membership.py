@@ -20,6 +20,7 @@ from sbatch_gen.train.xr.errors import XRBehind, XRNoQuorum
 from sbatch_gen.train.xr.heartbeat import STALE_BEATS, Heartbeat, HeartbeatWriter
 from sbatch_gen.train.xr.membership import Membership
 from sbatch_gen.train.xr.protocol import Expect, Mailbox, ShardPlan, round_tag
+from sbatch_gen.train.xr.rounds import _own_claim, round_wait, wait_commit
 from sbatch_gen.train.xr.store import FsStore, make_store, probe_create
 
 from .concurrent import in_threads
@@ -51,7 +52,8 @@ def members(
 
 
 def pub(ms: Membership, r: int, tokens=100, payload=None):
-    scripted.publish(
+    """``ms``'s region publishes round ``r`` as a region does: its shards, then its claim (the manifest)."""
+    m, _ = scripted.publish(
         ms.mb,
         round_tag(r),
         payload or os.urandom(4 * N),
@@ -61,7 +63,9 @@ def pub(ms: Membership, r: int, tokens=100, payload=None):
         step=r * 4,
         tokens=tokens,
         shard_mb=0.002,
+        write=False,
     )
+    ms.claim(m)
 
 
 def test_decide_is_the_closing_rule():
@@ -105,35 +109,59 @@ def test_create_if_absent_has_one_winner_under_races(transport):
         wins.append(winner)
 
 
-def test_commit_race_both_regions_close_the_same_round_at_the_same_instant(transport):
-    """Both regions see both manifests and write the commit at the same instant (a barrier right before
-    the create), 30 rounds in a row: exactly one commit per round, and both regions obey it."""
-    ms = members(transport, quorum=1, grace_s=0.0)
+def test_claim_race_both_regions_close_the_same_round_at_the_same_instant(transport):
+    """eu and us publish, ap never does: both close each round without ap at the same instant (a barrier
+    right before each one's create of ap's tombstone), 20 rounds in a row: one tombstone wins ap's key, and
+    both regions build the same commit from the same claims, byte for byte; the stored record is that one."""
+    regions = ["eu", "us", "ap"]
+    ms = members(transport, regions, quorum=2, grace_s=0.0)
     barrier = threading.Barrier(2)
-    for m in ms.values():
-        m.test_hook = lambda event, tag: barrier.wait() if event == "before_create" else None
-    for r in range(1, 31):
-        # publish both first, so that both close with reason "all" and hit the barrier together
-        in_threads(lambda reg, r=r: pub(ms[reg], r), REGIONS)
-        got = in_threads(lambda reg, r=r: ms[reg].wait_commit(round_tag(r), EXPECT, step=r * 4), REGIONS)
+    for reg in ("eu", "us"):
+        store = ms[reg].store
+        create = store.create
+
+        def racing(key, data, create=create):
+            if key.endswith("/ap.done"):
+                barrier.wait(10)
+            return create(key, data)
+
+        store.create = racing  # type: ignore[method-assign]
+    for r in range(1, 21):
+        in_threads(lambda reg, r=r: pub(ms[reg], r), ["eu", "us"])
+        got = in_threads(
+            lambda reg, r=r: wait_commit(ms[reg], round_tag(r), EXPECT, step=r * 4), ["eu", "us"]
+        )
         ce, cu = got["eu"][0], got["us"][0]
-        assert ce.to_json() == cu.to_json(), (ce, cu)  # one commit: the winner's, byte for byte
-        assert sorted(ce.members) == REGIONS and ce.closed_by in REGIONS
-        stored = ms["eu"].read_commit(round_tag(r))
-        assert stored.to_json() == ce.to_json()
+        assert ce.to_json() == cu.to_json(), (ce, cu)
+        assert list(ce.members) == ["eu", "us"] and ce.absent == ["ap"] and ce.reason == "grace"
+        assert ce.closed_by in ("eu", "us")
+        assert ms["eu"].read_commit(round_tag(r)).to_json() == ce.to_json()
+        assert ms["ap"].read_claim(round_tag(r), "ap").closed_by == ce.closed_by  # the tombstone that won
+
+
+def test_both_regions_publish_at_once_and_agree_on_every_member(transport):
+    """Strict rounds: eu and us publish at the same instant, 20 rounds in a row; each finds both claims,
+    and both name the same members with the same tokens (whoever each saw arrive last)."""
+    ms = members(transport)
+    for r in range(1, 21):
+        in_threads(lambda reg, r=r: pub(ms[reg], r, tokens=100 + r), REGIONS)
+        got = in_threads(lambda reg, r=r: wait_commit(ms[reg], round_tag(r), EXPECT, step=r * 4), REGIONS)
+        ce, cu = got["eu"][0], got["us"][0]
+        assert ce.members == cu.members and list(ce.members) == REGIONS and ce.reason == cu.reason == "all"
+        assert ms["eu"].read_commit(round_tag(r)).members == ce.members
 
 
 def test_quorum_closes_after_grace_and_a_late_region_obeys(transport):
     ms = members(transport, quorum=1, grace_s=0.4)
     pub(ms["eu"], 1)
     t0 = time.monotonic()
-    c, seen = ms["eu"].wait_commit("r000001", EXPECT, step=4)
+    c, seen = wait_commit(ms["eu"], "r000001", EXPECT, step=4)
     waited = time.monotonic() - t0
     assert 0.4 <= waited < 0.4 + 0.3, waited  # grace_s plus about one poll
     assert list(c.members) == ["eu"] and c.absent == ["us"] and c.reason == "grace"
     # us arrives after the commit: it reads and obeys it, its payload is not part of the round
     pub(ms["us"], 1)
-    c2, _ = ms["us"].wait_commit("r000001", EXPECT, step=4)
+    c2, _ = wait_commit(ms["us"], "r000001", EXPECT, step=4)
     assert c2.to_json() == c.to_json()
 
 
@@ -142,14 +170,14 @@ def test_planned_leave_closes_the_next_round_without_the_grace_wait(transport):
     ms["us"].announce("leaving", 3, 12)
     pub(ms["eu"], 4)
     t0 = time.monotonic()
-    c, _ = ms["eu"].wait_commit("r000004", EXPECT, step=16)
+    c, _ = wait_commit(ms["eu"], "r000004", EXPECT, step=16)
     assert time.monotonic() - t0 < 3.0
     assert c.reason == "leave" and list(c.members) == ["eu"]
     ms["us"].announce("joined", 4, 16)  # back: the next round waits for it again
     pub(ms["eu"], 5)
     got = {}
     th = threading.Thread(
-        target=lambda: got.setdefault("c", ms["eu"].wait_commit("r000005", EXPECT, step=20))
+        target=lambda: got.setdefault("c", wait_commit(ms["eu"], "r000005", EXPECT, step=20))
     )
     th.start()
     time.sleep(0.5)
@@ -168,7 +196,7 @@ def test_no_quorum_within_timeout_names_the_missing_regions(transport):
         match=r"round r000001 \(step 4\): no quorum after 0.6 s: 1 of 3 regions "
         r"published, 2 needed \(min_regions\); missing: us, ap",
     ) as ei:
-        ms["eu"].wait_commit("r000001", EXPECT, step=4)
+        wait_commit(ms["eu"], "r000001", EXPECT, step=4)
     assert time.monotonic() - t0 < 2.0 and ei.value.missing == ["us", "ap"]
 
 
@@ -177,12 +205,50 @@ def test_a_region_whose_round_was_cleaned_up_is_behind_and_never_closes_it(trans
     eu, us = ms["eu"], ms["us"]
     for r in (1, 2, 3):
         pub(eu, r)
-        eu.wait_commit(round_tag(r), EXPECT, step=4 * r)
-    eu.store.delete([eu.commit_key("r000001")])  # as eu's cleanup does once r000003 is committed
-    pub(us, 1)
+        wait_commit(eu, round_tag(r), EXPECT, step=4 * r)
+    # eu's cleanup once r000003 is committed: its claim and objects, then the commit
+    eu.store.delete(
+        [eu.claim_key("r000001", "eu"), eu.mb.shard_key("r000001", "eu", 0), eu.commit_key("r000001")]
+    )
+    pub(us, 1)  # its create finds eu's tombstone: us is late, and the round's other claims are gone
+    t0 = time.monotonic()
     with pytest.raises(XRBehind, match="committed up to r000003"):
-        us.wait_commit("r000001", EXPECT, step=4)
-    assert eu.read_commit("r000001") is None  # us did not close it again
+        wait_commit(us, "r000001", EXPECT, step=4)
+    assert time.monotonic() - t0 < 2.0  # at once, not after behind_check_s
+    assert eu.read_commit("r000001") is None and us.read_claim("r000001", "eu") is None  # not closed again
+
+
+def test_tombstones_are_not_a_regions_publications(transport):
+    """us takes part in round 1, then eu closes rounds 2 and 3 without it (tombstones at us's claim keys):
+    us's newest publication (`sbatch-gen status`) is still round 1, and us's own create of round 3, late,
+    finds the tombstone: it is late, and it obeys the same commit."""
+    ms = members(transport, quorum=1, grace_s=0.0)
+    in_threads(lambda reg: pub(ms[reg], 1), REGIONS)
+    in_threads(lambda reg: wait_commit(ms[reg], "r000001", EXPECT, step=4), REGIONS)
+    for r in (2, 3):
+        pub(ms["eu"], r)
+        c, _ = wait_commit(ms["eu"], round_tag(r), EXPECT, step=4 * r)
+        assert (list(c.members), c.absent, c.reason, c.closed_by) == (["eu"], ["us"], "grace", "eu")
+    assert ms["us"].published_rounds() == {"eu": 3, "us": 1}
+    assert ms["us"].read_claim("r000003", "us").closed_by == "eu"
+    pub(ms["us"], 3)
+    c3, _ = wait_commit(ms["us"], "r000003", EXPECT, step=12)
+    assert c3.to_json() == c.to_json() and ms["us"].read_claim("r000003", "us").closed_by == "eu"
+
+
+def test_a_round_decided_by_its_commit_alone_decides_for_a_region_that_re_enters_it(transport):
+    """The version before claims closed rounds by their commit alone and wrote no tombstones: a region that
+    re-enters such a round (its first round after a restart, say with the round in flight) finds its own
+    claim key free, but the commit decides for it: late, nothing to publish. Later rounds of the process,
+    beyond any claim of the region, cost no read at all."""
+    ms = members(transport, quorum=1, grace_s=0.0)
+    pub(ms["eu"], 1)
+    c, _ = wait_commit(ms["eu"], "r000001", EXPECT, step=4)  # without us: a tombstone, then the commit
+    ms["eu"].store.delete([ms["eu"].claim_key("r000001", "us")])  # (as the version before: no tombstone)
+    own, decided = _own_claim(ms["us"], "r000001", EXPECT)
+    assert own is None and decided is not None, (own, decided)
+    assert decided[0].to_json() == c.to_json() and list(decided[1]) == ["eu"]
+    assert _own_claim(ms["us"], "r000002", EXPECT) == (None, None)
 
 
 def _put_snapshot(ms: Membership, r: int) -> None:
@@ -277,7 +343,7 @@ def test_a_wait_in_slices_keeps_its_grace_clock(transport):
     ms = members(transport, quorum=1, grace_s=0.5, timeout_s=4.0)
     pub(ms["eu"], 1)
     started = time.monotonic()
-    wait = ms["eu"].round_wait("r000001", EXPECT, step=4, started=started)
+    wait = round_wait(ms["eu"], "r000001", EXPECT, step=4, started=started)
     got, slices = None, 0
     while got is None:
         got = wait.run(slice_s=0.15)
@@ -312,7 +378,7 @@ time.sleep(600)
 def _timed_round(ms: Membership, r: int):
     pub(ms, r)
     t0 = time.monotonic()
-    c, _ = ms.wait_commit(round_tag(r), EXPECT, step=4 * r)
+    c, _ = wait_commit(ms, round_tag(r), EXPECT, step=4 * r)
     return c, time.monotonic() - t0
 
 

@@ -1,4 +1,4 @@
-"""The mailbox's JSON records (round commit, presence, heartbeat, outer snapshot marker) as a newer or an older
+"""The mailbox's JSON records (round commit, tombstone, presence, heartbeat, outer snapshot marker) as a newer or an older
 sbatch-gen writes them: an unknown field is ignored, a record without a version (written before records had
 one) is read as version 1, another version is refused in one line naming the key. Torch-free, fs store."""
 
@@ -15,6 +15,7 @@ from sbatch_gen.train.xr.errors import XRLayoutError
 from sbatch_gen.train.xr.heartbeat import HeartbeatWriter
 from sbatch_gen.train.xr.membership import Membership
 from sbatch_gen.train.xr.protocol import Mailbox, round_tag
+from sbatch_gen.train.xr.rounds import wait_commit
 from sbatch_gen.train.xr.store import FsStore
 
 REGIONS = ["eu", "us"]
@@ -35,7 +36,7 @@ def _publish(mb: Mailbox, tag: str):
 def _written(ms: Membership) -> dict:
     """Each record as this version writes it: {kind: (key, how Membership reads it back)}."""
     m, expect = _publish(ms.mb, TAG)
-    c, _ = ms.wait_commit(TAG, expect, step=4)
+    c, _ = wait_commit(ms, TAG, expect, step=4)
     ms.announce("joined", 1, 4)
     HeartbeatWriter(ms.store, ms.alive_key("eu"), "eu", 1.0).beat()
     parts = {
@@ -46,6 +47,8 @@ def _written(ms: Membership) -> dict:
     snap_expect = parts["theta"][1]
     return {
         "commit": (ms.commit_key(TAG), lambda: ms.read_commit(TAG)),
+        # eu closed the round without us (quorum 1, no grace): a tombstone at us's claim key
+        "tombstone": (ms.claim_key(TAG, "us"), lambda: ms.read_claim(TAG, "us")),
         "presence": (ms.presence_key("eu"), lambda: ms.read_presence("eu")),
         "heartbeat": (ms.alive_key("eu"), lambda: ms.read_heartbeat("eu")),
         "snapshot marker": (ms.snap_complete_key(1), lambda: ms.read_snapshot(1, snap_expect)),
@@ -59,9 +62,10 @@ def _rewrite(ms: Membership, key: str, drop: tuple[str, ...] = (), **fields) -> 
     ms.store.put(key, json.dumps({**d, **fields}).encode())
 
 
-KINDS = ["commit", "presence", "heartbeat", "snapshot marker"]
+KINDS = ["commit", "tombstone", "presence", "heartbeat", "snapshot marker"]
 WHAT = {  # how an error names each
     "commit": "round commit",
+    "tombstone": "round tombstone",
     "presence": "presence record",
     "heartbeat": "heartbeat",
     "snapshot marker": "outer snapshot marker",

@@ -29,6 +29,9 @@ def test_put_get_list_delete(store):
     assert bytes(out) == payload
     assert sorted(store.list("run/r000001/")) == ["run/r000001/eu.done", "run/r000001/eu/s00000.bin"]
     assert len(store.list("run/")) == 3
+    # the objects directly under a prefix, one request (a round's claims, not its regions' shards)
+    assert store.children("run/r000001/") == ["run/r000001/eu.done"]
+    assert store.children("run/") == [] and store.children("nothing/") == []
     store.delete(["run/r000001/eu.done", "run/r000001/eu/s00000.bin", "run/r000001/never-existed"])
     assert store.list("run/r000001/") == []
     assert store.list("run/") == ["run/r000002/eu.done"]

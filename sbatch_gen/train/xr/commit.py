@@ -1,6 +1,7 @@
-"""A round's commit (who takes part, decided once: created atomically in the mailbox), the rule that
-closes a round (:func:`decide`), and a region's presence record (joined, leaving). How they are written
-and read: :mod:`.membership`. Torch-free."""
+"""A round's commit (who took part: the record of the decision its claims made), a tombstone (the claim a
+closer makes for a region it closed the round without), the rule that closes a round (:func:`decide`), and
+a region's presence record (joined, leaving). How they are written and read: :mod:`.membership`.
+Torch-free."""
 
 from __future__ import annotations
 
@@ -49,6 +50,35 @@ class Commit(Record):
     @property
     def round(self) -> int | None:
         return parse_tag(self.tag)
+
+
+@dataclass
+class Tombstone(Record):
+    """The claim of a region a round closed without: written by the closer at that region's claim key
+    (``<run>/<tag>/<region>.done``, where the region's manifest would be) with a create-only write, so of a
+    region's manifest and a tombstone exactly one is ever there. What closed the round is in it; every
+    region reads the same tombstones, so every region builds the same commit from them."""
+
+    WHAT = "round tombstone"
+
+    tombstone: bool  # always True: what tells a tombstone from a manifest at a claim key
+    run_id: str
+    tag: str
+    region: str  # the region the round closed without
+    step: int
+    closed_by: str
+    reason: str  # "leave" | "stale" | "grace" (as Commit.reason)
+    waited_s: float
+    stale: list[str] = field(default_factory=list)  # the missing regions the closer found crashed
+    time: float = 0.0  # the closer's wall clock: for people only
+
+    @classmethod
+    def from_json(cls, raw: bytes, where: str) -> Tombstone:
+        """Raises :class:`XRLayoutError` for an unreadable tombstone, or one of a version not read here."""
+        try:
+            return cls.read(raw, where)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise XRLayoutError(f"unreadable round tombstone {where}: {e}") from e
 
 
 @dataclass

@@ -27,12 +27,13 @@ import time
 import torch
 
 from .errors import XRBehind, XRError, XRLayoutError, XRMissingRound, XRNoQuorum
-from .exchange import Exchange, RoundResult
+from .exchange import Exchange
 from .kernels import blocks, nesterov_block_
 from .overlap import InFlight
 from .protocol import round_tag
 from .region import held
 from .rejoin import plan_catch_up, steps_into_round
+from .rounds import RoundResult, run_round
 from .snapshots import SnapshotSync
 from .sync import ROUND_PARTS, OuterSync, _as_int
 
@@ -88,7 +89,7 @@ class DiLoCo(SnapshotSync):
             else None
         )
         try:
-            res = self.ex.run_round(round_tag(r), "delta", step, delta, self.avg, self.tokens)
+            res = run_round(self.ex, round_tag(r), "delta", step, delta, self.avg, self.tokens)
         except XRBehind:
             return self._fast_forward(step, "behind") or {}
         except XRNoQuorum:
@@ -152,7 +153,7 @@ class DiLoCo(SnapshotSync):
                 raise XRError("internal: a leader without its background exchange")
 
             def job(cancel: threading.Event) -> RoundResult:
-                return ex.run_round(round_tag(b), "delta", step, own, avg, tokens, pre=pre, cancel=cancel)
+                return run_round(ex, round_tag(b), "delta", step, own, avg, tokens, pre=pre, cancel=cancel)
 
             self._job = InFlight(job, f"xr-round-{b}", self.outer_device)
 

@@ -1,22 +1,21 @@
-"""One exchange round through the mailbox, seen from one region, and the flat transfers it is built of.
+"""The flat transfers a round is built of, seen from one region (the round itself, phase by phase:
+:func:`.rounds.run_round`):
 
-A round (DiLoCo delta or grad-mode gradient), in phases:
+- *upload* (:meth:`Exchange.upload`): the flat payload is cut into shards; shard ``s`` belongs to node
+  ``s mod num_nodes``, whose local rank 0 encodes it to the wire dtype (bf16, fp32, or int8/fp8/int4 with
+  per-block scales: :mod:`.scaled`) and uploads it (thread pool); the manifest indexes them.
+- *download and average* (:meth:`Exchange.download_and_average`): each node leader fetches its shards
+  from every member, all at once, and averages them, weighted by tokens, in the order of ``regions``, from
+  the bytes as they are on the wire (its own part from the bytes it encoded). Every region therefore
+  computes bit-identical averages.
+- *broadcast* (:meth:`Exchange.broadcast_slices`): with several node leaders, each averaged shard goes from
+  its owner to the other leaders (they hold the outer state; the other ranks hold none and get the
+  parameters from the outer sync).
 
-1. *publish*: the flat payload is cut into shards; shard ``s`` belongs to node ``s mod num_nodes``, whose
-   local rank 0 encodes it to the wire dtype (bf16, fp32, or int8/fp8/int4 with per-block scales: :mod:`.scaled`)
-   and uploads it (thread pool); rank 0 writes the region's manifest last. Skipped when the round is already committed (this region is late) or when this
-   region published the round before (a requeued job re-entering it: it keeps what it published).
-2. *close*: rank 0 waits until the round has a commit (:mod:`.membership`): every region, or a quorum
-   after ``grace_s``, or the rest announced a leave. Whoever closes first writes it; all obey it.
-3. *download*: each node leader fetches its shards from every committed member and averages them,
-   weighted by tokens, in the order of ``regions``, from the bytes as they are on the wire (its own part
-   from the bytes it encoded). Every region therefore computes bit-identical averages.
-4. *broadcast*: with several node leaders, each averaged shard goes from its owner to the other leaders
-   (they hold the outer state; the other ranks hold none and get the parameters from the outer sync).
-
+theta0, the outer snapshots and a fast-forward's replay of committed rounds use the same transfers.
 A sharded (FSDP2) region has every rank as an owner: its shards are its own parameter slices, packed into
 one object per rank (more only past ``shard_mb``), held in buffers of its slices only (:meth:`Exchange.at`),
-and phase 4 does not exist. Since regions cut their payloads differently, a reader takes each member's
+and nothing is broadcast. Since regions cut their payloads differently, a reader takes each member's
 values of its shard from whichever of that member's shards overlap it, reading only the chunks of their
 objects that hold them (:mod:`.reading`: ranged reads, each chunk verified by its checksum).
 
@@ -28,10 +27,8 @@ from __future__ import annotations
 import copy
 import io
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -39,9 +36,9 @@ from sbatch_gen.xr_options import CrossRegion
 
 from . import scaled
 from .commit import Commit
-from .errors import StoreError, XRCancelled, XRError, XRLayoutError
+from .errors import StoreError, XRError, XRLayoutError
 from .kernels import CPU_BLOCK, GPU_BLOCK, weighted_average_
-from .membership import Membership, RoundWait
+from .membership import Membership
 from .protocol import (
     ITEMSIZE,
     SCALED,
@@ -61,8 +58,6 @@ from .reading import ObjectBytes, Want, read_objects, shard_bytes
 from .region import Region, capture, held
 
 _WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
-WAIT_SLICE_S = 30.0  # rank 0 reports to the other ranks at least this often while it waits for peers
-BACKGROUND_SLICE_S = 0.5  # ... and this often in a background round, which a stop may call off
 # Fault injection for tests and benchmarks: this region publishes nothing in the listed rounds (comma-
 # separated numbers), as if its payload always arrived after the round closed. It trains on and applies
 # the committed update like any late region.
@@ -76,19 +71,6 @@ def _withheld() -> frozenset[int]:
 def _round_of(tag: str) -> int:
     """The round number of a round tag (``r000006`` -> 6); -1 for other tags."""
     return int(tag[1:]) if tag[:1] == "r" and tag[1:].isdigit() else -1
-
-
-@dataclass
-class RoundResult:
-    commit: Commit
-    members: list[str]  # in the order of `regions`
-    late: bool  # this region's payload is not in the commit
-    reused: bool  # this region had published the round before (re-entered it)
-    bytes_up: int = 0
-    bytes_down: int = 0
-    tokens: int = 0
-    times: dict = field(default_factory=dict)
-    retries: int = 0  # object-store requests this region retried during the round (all node leaders)
 
 
 class Exchange:
@@ -323,10 +305,12 @@ class Exchange:
         tokens: int,
         extra_fn=None,
         pre: dict | None = None,
+        write: bool = True,
     ) -> tuple[Manifest | None, dict, int]:
         """Owners upload their objects (their shards of ``src`` packed, or the shards ``pre`` they encoded
-        already, see :meth:`encode`) as ``name``'s part of ``tag``; rank 0 writes the manifest. Collective.
-        Returns (the manifest on rank 0, this rank's encoded shards, bytes uploaded)."""
+        already, see :meth:`encode`) as ``name``'s part of ``tag``; rank 0 writes the manifest (not with
+        ``write=False``: a round's manifest is its claim, which the round's wait writes). Collective.
+        Returns (the manifest, this rank's encoded shards, bytes uploaded)."""
         expect = self.expect(kind)
         encoded: dict[int, bytes | memoryview] = {}
 
@@ -347,12 +331,20 @@ class Exchange:
             objects.update(part or {})
 
         m = self.group.on_rank(
-            lambda: self._write_manifest(tag, name, step, tokens, expect, objects, extra_fn)
+            lambda: self._write_manifest(tag, name, step, tokens, expect, objects, extra_fn, write)
         )
         return m, encoded, sum(st.nbytes for st, _ in objects.values())
 
     def _write_manifest(
-        self, tag: str, name: str, step: int, tokens: int, expect: Expect, objects: dict, extra_fn
+        self,
+        tag: str,
+        name: str,
+        step: int,
+        tokens: int,
+        expect: Expect,
+        objects: dict,
+        extra_fn,
+        write: bool,
     ) -> Manifest:
         """rank 0: ``name``'s manifest of ``tag``, indexing the shards of every rank's ``objects``
         ({object: (Stored, [(shard, byte span)])}), written last."""
@@ -381,7 +373,8 @@ class Exchange:
             objects=[ObjectInfo(k, st.nbytes, st.chunks) for k, (st, _) in sorted(objects.items())],
             chunk=mb.chunk_bytes,
         )
-        mb.store.put(mb.manifest_key(tag, name), m.to_json())
+        if write:
+            mb.store.put(mb.manifest_key(tag, name), m.to_json())
         return m
 
     def owned_objects(self, plan: ShardPlan) -> list[tuple[int, list[int]]]:
@@ -444,7 +437,7 @@ class Exchange:
             self.group.leaders_broadcast(t[lo:hi], src=self.owner_ranks[s % len(self.owner_ranks)])
 
     # -- one round -----------------------------------------------------------------------------------------
-    def _now(self) -> float:
+    def now(self) -> float:
         if self.background:  # a thread beside training: never wait for the device's queue
             return time.perf_counter()
         if self.device.type == "cuda":
@@ -453,107 +446,11 @@ class Exchange:
             torch.cuda.synchronize(self.outer_device)
         return time.perf_counter()
 
-    def run_round(
-        self,
-        tag: str,
-        kind: str,
-        step: int,
-        src: torch.Tensor | None,
-        out: torch.Tensor | None,
-        tokens: int,
-        *,
-        pre: dict | None = None,
-        cancel: threading.Event | None = None,
-    ) -> RoundResult:
-        """Phases 1-4. ``out`` receives the committed members' weighted average on every owner (``src`` and
-        ``out`` are None on the other ranks). ``pre``: this rank's shards, encoded already (:meth:`encode`).
-        In the background (:meth:`in_background`) phase 4 is left to the caller, and ``cancel`` (set on
-        every leader) ends the wait with :class:`XRCancelled`."""
-        region = self.xr.region
-        expect = self.expect(kind)
-        retries0 = self._store_retries()
-        t0 = self._now()
-        committed, own = self.group.on_rank(lambda: self._round_state(tag, expect))
-        encoded: dict = {}
-        bytes_up = 0
-        if own is None and not committed and _round_of(tag) not in self.withheld:
-            _, encoded, bytes_up = self.upload(tag, region, kind, step, src, tokens, pre=pre)
-        t1 = self._now()
-        commit, manifests = self._wait_closed(tag, expect, step, cancel)
-        t2 = self._now()
-        members = [r for r in self.xr.regions if r in commit.members]
-        late = region not in commit.members
-        local = {} if (own is not None or late) else encoded  # this region's own bytes, where it has them
-        bytes_down, t_dl = self._download_and_average(tag, expect, manifests, members, local, out)
-        t3 = self._now()
-        if not self.background:
-            self.broadcast_slices(expect.plan, out)
-        t4 = self._now()
-        dl = min(t_dl, t3 - t2)
-        bcast = 0.0 if self.sharded else t4 - t3  # (sharded: nothing is broadcast)
-        retries = self._store_retries() - retries0
-        if self.group.on:
-            retries = sum(self.group.all_gather(retries))
-        return RoundResult(
-            commit,
-            members,
-            late,
-            own is not None,
-            bytes_up,
-            bytes_down,
-            sum(commit.members[r].tokens for r in members),
-            dict(
-                upload_s=t1 - t0,
-                wait_s=t2 - t1,
-                download_s=dl,
-                reduce_s=(t4 - t2) - dl - bcast,
-                broadcast_s=bcast,
-                t_start=t0,
-                t_end=t4,
-            ),
-            retries,
-        )
-
-    def _round_state(self, tag: str, expect):
-        """rank 0: (whether round ``tag`` is committed already, this region's earlier manifest of it, checked
-        against what this round expects)."""
-        mb, region = self.mb(), self.xr.region
-        c = self.ms().read_commit(tag)
-        own = mb.read_manifest(tag, region)
-        if own is not None:
-            expect.check(own, self.xr.run_id, tag, region, mb.store.describe(mb.manifest_key(tag, region)))
-        return c is not None, own
-
-    def _wait_closed(self, tag: str, expect, step: int, cancel: threading.Event | None):
-        """Wait until round ``tag`` is closed: (its commit, the members' manifests). rank 0 waits in
-        slices, so every rank hears about progress or failure."""
-        waits: list[RoundWait] = []  # rank 0's, made at its first slice and resumed by the next ones
-        while True:
-            res = self.group.on_rank(lambda: self._closed(tag, expect, step, waits, cancel))
-            if res is not None:
-                return res
-
-    def _store_retries(self) -> int:
+    def store_retries(self) -> int:
         """Requests this process's store has retried so far (0 on ranks without a mailbox)."""
         return int(getattr(self.mailbox.store, "retries", 0)) if self.mailbox is not None else 0
 
-    def _closed(
-        self, tag: str, expect: Expect, step: int, waits: list[RoundWait], cancel: threading.Event | None
-    ):
-        """rank 0: one slice of the round's wait (``waits``: empty at the first slice, then the wait it
-        started); (commit, the members' verified manifests) once the round closed."""
-        if cancel is not None and cancel.is_set():
-            raise XRCancelled(f"round {tag}: called off while waiting for the other regions")
-        ms = self.ms()
-        if not waits:
-            waits.append(ms.round_wait(tag, expect, step=step))
-        got = waits[0].run(BACKGROUND_SLICE_S if self.background else WAIT_SLICE_S)
-        if got is None:
-            return None
-        commit, seen = got
-        return commit, ms.member_manifests(commit, expect, seen)
-
-    def _download_and_average(
+    def download_and_average(
         self,
         tag: str,
         expect: Expect,
@@ -561,10 +458,12 @@ class Exchange:
         members: list[str],
         local: dict,
         out: torch.Tensor | None,
+        meanwhile: Callable[[], None] | None = None,
     ) -> tuple[int, float]:
         """Owners fetch their shards from every member (their own region's from ``local`` bytes where
-        given) and average them into ``out`` (owned slices). Returns (bytes downloaded by the region,
-        seconds of the download part on this rank)."""
+        given), all at once, and average them into ``out`` (owned slices); rank 0 runs ``meanwhile`` (a
+        small request) beside the reads. Returns (bytes downloaded by the region, seconds of the download part
+        on this rank)."""
         region = self.xr.region
         t_dl = [0.0]
 
@@ -574,7 +473,12 @@ class Exchange:
             mine = self.owned(expect.plan)
             remote = [r for r in members if not (r == region and local)]
             wants = self._wants(manifests, remote, mine, expect.plan)
+            noted = (
+                self.mb().pool.submit(meanwhile) if meanwhile is not None and self.group.rank == 0 else None
+            )
             got = read_objects(self.mb(), tag, wants, reuse=self._rx)
+            if noted is not None:
+                noted.result()
             t_dl[0] = time.perf_counter() - t0
             total = sum(manifests[r].tokens for r in members)
             weights = [manifests[r].tokens / total if total > 0 else 1.0 / len(members) for r in members]
@@ -665,7 +569,7 @@ class Exchange:
         commit, manifests = self.group.on_rank(read)
         members = [r for r in self.xr.regions if r in commit.members]
         try:
-            self._download_and_average(tag, expect, manifests, members, {}, out)
+            self.download_and_average(tag, expect, manifests, members, {}, out)
         except StoreError as e:  # (every rank: on_each) a payload cleaned up after its commit was read
             from .errors import XRBehind
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from .errors import XRBehind, XRError, XRMissingRound
 from .protocol import round_tag
 from .region import held
+from .rounds import run_round
 from .sync import OuterSync
 
 
@@ -28,7 +29,7 @@ class GradSync(OuterSync):
         self.tokens += int(tokens)
         src = self.flat.gather_grads(held(self.work, "work")) if self.leader else None
         try:
-            res = self.ex.run_round(round_tag(step), "grad", step, src, self.avg, self.tokens)
+            res = run_round(self.ex, round_tag(step), "grad", step, src, self.avg, self.tokens)
         except XRBehind as e:
             raise XRMissingRound(
                 f"{e} (grad mode cannot fast-forward: keep_rounds must cover the steps "

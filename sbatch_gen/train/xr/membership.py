@@ -1,11 +1,13 @@
-"""Round membership, decided once in the mailbox: commits, presence, outer snapshots. Torch-free. The
-records and the closing rule (:func:`~.commit.decide`) are :mod:`.commit`'s, the heartbeat writer
-:mod:`.heartbeat`'s; this module reads and writes them in the mailbox.
+"""Round membership, decided once in the mailbox: claims, commits, presence, outer snapshots, as the mailbox
+holds them (the wait that decides a round: :mod:`.rounds`). Torch-free. The records and the closing rule
+(:func:`~.commit.decide`) are :mod:`.commit`'s, the heartbeat writer :mod:`.heartbeat`'s; this module reads
+and writes them in the mailbox.
 
 Keys, next to the rounds of :mod:`.protocol` (region names start with a letter or digit, so the
 ``_``-prefixed names below never collide with a region's objects)::
 
-    <run>/<tag>/_commit.json                the round's commit: WHO takes part (created once, atomically)
+    <run>/<tag>/<region>.done               the region's CLAIM of the round: its manifest, or a closer's tombstone
+    <run>/<tag>/_commit.json                the round's commit: the record of what its claims decided
     <run>/_presence/<region>.json           joined / leaving, written by that region only
     <run>/_alive/<region>.json              its liveness heartbeat: a counter, overwritten every heartbeat_s
     <run>/_snap/r<round>/theta/s00000.bin   outer snapshot of a round: theta_outer and momentum (fp32)
@@ -13,17 +15,23 @@ Keys, next to the rounds of :mod:`.protocol` (region names start with a letter o
     <run>/_snap/r<round>/_complete.json     ... and the marker that makes it usable, written last
     <run>/_clock/<region>                   empty: written to read the store's clock (:meth:`Membership.store_now`)
 
-**Closing a round.** A round closes when every region's manifest is there, or when at least ``quorum``
-regions have arrived and ``grace_s`` has passed since that quorum formed, or at once (with the quorum)
-when every region still missing has announced a planned leave or has crashed (below). Whichever region closes first creates the commit with
-:meth:`~.store.Store.create` (create-if-absent); a region that loses the race reads the winner's commit
-and obeys it. The commit names each member's manifest digest and tokens, so every region, including one
-that arrives after the commit, averages exactly the same deltas: the parameters stay bit-identical.
+**Deciding a round: claims.** Each region publishes its round once: its objects, then its manifest at its
+claim key (create-only where the round is elastic; a plain write where it is strict, which needs no
+conditional write). A round closes when every region has claimed it, or when at least ``quorum`` manifests
+are there and ``grace_s`` has passed since that quorum formed, or at once (with the quorum) when every
+region still missing has announced a planned leave or has crashed (below). A region that closes the round
+without some regions writes a :class:`~.commit.Tombstone` at each missing region's claim key, create-only:
+of a region's manifest and a tombstone exactly one wins the key, and neither is ever overwritten. Once
+every region's key holds one or the other, the round is decided, and every region reading the keys finds
+the same members (the manifests; every region averages exactly their payloads, so the parameters stay
+bit-identical) and builds the same commit from them (:class:`.rounds.RoundWait`). The commit is then written as a
+record for returning regions and people, beside the payload downloads; nothing is decided by it.
 
 **Crashed regions (heartbeats).** A region that crashes (SIGKILL, a lost node) announces nothing. With
 ``heartbeat_s`` set, a thread of each region's rank 0 overwrites its heartbeat object with an increasing
-counter every ``heartbeat_s``, from the end of its catch-up on. A region waiting in a round reads the
-heartbeats of the regions still missing (with their presence records, at most once per check), each with
+counter every ``heartbeat_s``, from the end of its catch-up on. A region waiting in a round reads, once
+``quorum`` regions have published, the heartbeats of the regions still missing (with their presence records,
+all at once, every ``grace_s / 4`` between 0.05 and 1 s), each with
 its age on the STORE's clock (:meth:`~.store.Store.get_aged`), and remembers, on its OWN monotonic clock,
 since when it has seen each value: a region whose heartbeat is ``STALE_BEATS`` heartbeat intervals old by
 the store, or unchanged for as long of watching (no heartbeat at all counts the same), is treated as gone,
@@ -34,23 +42,26 @@ time is for people only. The observations outlive the round, so after the first 
 crash the next ones close at once. A region that is hung but still beating is waited for up to
 ``grace_s``, as before.
 
-**Never closing a round twice.** A round's commit is deleted only after a commit ``keep_rounds`` rounds
-later exists. So a region that finds no commit for its round but a commit for a later one knows its
-round closed long ago without it (:class:`~.errors.XRBehind`: fast-forward), and only a round that was
-never committed can be closed.
+**Never closing a round twice.** Only a region deletes its own claim keys (:meth:`Membership.cleanup`,
+more than ``keep_rounds`` rounds behind, and the round's commit after them), so a round's decision stands
+until the regions have moved past it; tombstones are written only with ``quorum`` manifests there and after
+a look at the run (:class:`.rounds.RoundWait`): a round whose claims are incomplete while a later round was
+committed has been cleaned up behind this region (:class:`~.errors.XRBehind`: fast-forward), and one whose
+own commit is still there is decided by it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import math
 import re
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
+from typing import TypeVar
 
 from . import records
-from .commit import Commit, Member, Presence, decide
-from .errors import XRBehind, XRLayoutError, XRNoQuorum
+from .commit import Commit, Presence, Tombstone
+from .errors import XRBehind, XRError, XRLayoutError, XRNoQuorum
 from .heartbeat import STALE_BEATS, Heartbeat, HeartbeatWriter
 from .protocol import Expect, Mailbox, Manifest, digest, parse_tag, round_tag
 
@@ -65,8 +76,20 @@ _SNAP_RE = re.compile(r"^r(\d{6,})$")
 log = logging.getLogger("sbatch_gen.train")
 
 
+Claim = Manifest | Tombstone  # what a round's claim key holds
+T = TypeVar("T")
+
+
 def manifest_digest(m: Manifest) -> str:
     return digest(m.to_json())
+
+
+def _is_tombstone(raw: bytes) -> bool:
+    try:
+        d = json.loads(raw)
+    except ValueError:
+        return False  # (unreadable: the manifest reader says so)
+    return isinstance(d, dict) and d.get("tombstone") is True
 
 
 class Membership:
@@ -93,7 +116,9 @@ class Membership:
         # region -> (heartbeat value last seen or None, when it was first seen on self._clock); kept across rounds
         self._watch: dict[str, tuple[tuple[str, int] | None, float]] = {}
         self.behind_check_s = BEHIND_CHECK_S
-        self.test_hook: Callable[[str, str], None] | None = None  # (event, tag): tests force races
+        self._own_newest: int | None = None  # the newest round with a claim of this region (must_read_own)
+        self.late_last = False  # this region was late in its last round
+        self.absent_last: set[str] = set()  # the regions its last round closed without
 
     # -- keys ----------------------------------------------------------------------------------------
     def commit_key(self, tag: str) -> str:
@@ -147,73 +172,107 @@ class Membership:
                     out.append(r)
         return sorted(out)
 
+    def published_rounds(self, keys: list[str] | None = None) -> dict[str, int]:
+        """Each region's newest round whose claim is its own manifest (one listing, or ``keys`` of
+        :meth:`run_keys`; then a read of the claims from the newest back, past the tombstones others wrote
+        at its keys while it was away)."""
+        rounds: dict[str, list[int]] = {}
+        for key in self.run_keys() if keys is None else keys:
+            parts = key.split("/")
+            if len(parts) == 3 and parts[2].endswith(".done") and parts[2][:-5] in self.regions:
+                r = parse_tag(parts[1])
+                if r is not None:
+                    rounds.setdefault(parts[2][:-5], []).append(r)
+        out = {}
+        for region, rs in rounds.items():
+            for r in sorted(rs, reverse=True):
+                try:
+                    claim = self.read_claim(round_tag(r), region)
+                except XRLayoutError:
+                    continue
+                if isinstance(claim, Manifest):
+                    out[region] = r
+                    break
+        return out
+
     def latest_commit(self) -> int | None:
         rounds = self.committed_rounds()
         return rounds[-1] if rounds else None
 
-    def _try_close(
-        self,
-        tag: str,
-        step: int,
-        got: dict[str, Manifest],
-        reason: str,
-        waited: float,
-        stale: Collection[str] = frozenset(),
-    ) -> Commit:
-        members = {r: Member(manifest_digest(got[r]), int(got[r].tokens)) for r in self.regions if r in got}
-        absent = [r for r in self.regions if r not in got]
-        c = Commit(
-            self.run_id,
-            tag,
-            step,
-            members,
-            self.region,
-            reason,
-            round(waited, 3),
-            absent,
-            time.time(),
-            stale=[r for r in absent if r in stale],
+    # -- claims: who takes part in a round --------------------------------------------------------------
+    @property
+    def strict(self) -> bool:
+        """Every round waits for every region: nobody is ever closed out, so no tombstone is ever written."""
+        return self.quorum >= len(self.regions)
+
+    def claim_key(self, tag: str, region: str) -> str:
+        """Where ``region``'s claim of round ``tag`` lies: its manifest, or a closer's tombstone."""
+        return self.mb.manifest_key(tag, region)
+
+    def read_claim(self, tag: str, region: str, expect: Expect | None = None) -> Claim | None:
+        """``region``'s claim of round ``tag``: its manifest (checked against ``expect`` when given), a
+        tombstone (the round closed without it), or None (neither yet)."""
+        raw = self.store.get(self.claim_key(tag, region))
+        return None if raw is None else self._claim(raw, tag, region, expect)
+
+    def _claim(self, raw: bytes, tag: str, region: str, expect: Expect | None) -> Claim:
+        where = self.store.describe(self.claim_key(tag, region))
+        if _is_tombstone(raw):
+            t = Tombstone.from_json(raw, where)
+            if (t.run_id, t.tag, t.region) != (self.run_id, tag, region):
+                raise XRLayoutError(
+                    f"round tombstone {where} names run {t.run_id!r} round {t.tag!r} region {t.region!r}"
+                )
+            return t
+        m = Manifest.from_json(raw, where)
+        if expect is not None:
+            expect.check(m, self.run_id, tag, region, where)
+        return m
+
+    def claim(self, m: Manifest) -> Claim:
+        """Publish this region's claim of round ``m.tag``, its manifest: create-only where the round is elastic
+        (a closer may be writing a tombstone at the same key: one of them wins), a plain write where it is
+        strict (no tombstones; any S3 server will do). Returns what the key holds: ``m``, or the tombstone
+        that won (this region is late)."""
+        key = self.claim_key(m.tag, self.region)
+        raw = m.to_json()
+        if self.strict:
+            self.store.put(key, raw)
+            return m
+        if self.store.create(key, raw):
+            return m
+        there = self.store.get(key)
+        if there == raw:  # (a create retried after its first attempt landed)
+            return m
+        got = None if there is None else self._claim(there, m.tag, self.region, None)
+        if isinstance(got, Tombstone):
+            return got
+        raise XRError(
+            f"round {m.tag}: {self.store.describe(key)} holds another claim of region {self.region!r} "
+            "than the one it just published: are two jobs of this region running?"
         )
-        if self.test_hook:
-            self.test_hook("before_create", tag)
-        if self.store.create(self.commit_key(tag), c.to_json()):
-            return c
-        won = self.read_commit(tag)  # another region closed it first: obey
-        if won is None:
-            raise XRLayoutError(
-                f"round {tag}: the commit at {self.store.describe(self.commit_key(tag))} exists "
-                "for a create but not for a read: the store is not consistent"
-            )
-        return won
 
-    def wait_commit(
-        self, tag: str, expect: Expect, *, step: int | None = None, started: float | None = None
-    ) -> tuple[Commit, dict[str, Manifest]]:
-        """Poll until round ``tag`` is committed (by this region or another); return the commit and the
-        manifests of the regions this region saw (verified). Raises :class:`XRNoQuorum` after
-        ``timeout_s`` without a quorum, :class:`XRBehind` if the run committed later rounds and ``tag``'s
-        commit is gone. In slices: :meth:`round_wait`."""
-        got = self.round_wait(tag, expect, step=step, started=started).run()
-        assert got is not None  # None only when waiting in slices
-        return got
+    def must_read_own(self, r: int) -> bool:
+        """Must this region read its own claim of round ``r`` (and the round's commit) before publishing (a
+        requeued job re-entering a round it published, or one closed without it)? For the first round of
+        this process, for rounds up to the newest that holds a claim of this region when this process first
+        asks (one listing of the run, once), and after a late round (a region late once is likely late
+        again: it looks before it uploads). Beyond that only this process writes its manifests, and a
+        tombstone that beats the upload is found by the claim's create-only write."""
+        if self._own_newest is None:
+            self._own_newest = self.mb.latest_rounds().get(self.region, -1)
+            return True
+        return r <= self._own_newest or self.late_last
 
-    def round_wait(
-        self, tag: str, expect: Expect, *, step: int | None = None, started: float | None = None
-    ) -> RoundWait:
-        """The wait of :meth:`wait_commit`, to run in slices (``started``: when the round's wait began on
-        this region's clock; default now)."""
-        return RoundWait(self, tag, expect, step, started)
-
-    def _read_manifests(self, tag: str, expect: Expect, got: dict[str, Manifest]) -> None:
-        """Add to ``got`` the manifests of round ``tag`` published since the last look (verified)."""
-        mb = self.mb
-        for r in self.regions:
-            if r in got:
-                continue
-            m = mb.read_manifest(tag, r)
-            if m is not None:
-                expect.check(m, self.run_id, tag, r, self.store.describe(mb.manifest_key(tag, r)))
-                got[r] = m
+    def record_commit(self, c: Commit) -> None:
+        """Write round ``c``'s commit, the record of what its claims decided (elastic: create-only, the first
+        writer's stays; strict: a plain write, so strict rounds need no conditional write at all, and the
+        last writer's stays: every writer names the same members). Returning regions, ``sbatch-gen status``
+        and the behind check read it; nothing decides by it."""
+        if self.strict:
+            self.store.put(self.commit_key(c.tag), c.to_json())
+        else:
+            self.store.create(self.commit_key(c.tag), c.to_json())
 
     def _no_quorum(self, tag: str, step: int | None, got: dict[str, Manifest]) -> XRNoQuorum:
         """The error of a wait for round ``tag`` that timed out without a quorum, naming the missing."""
@@ -225,32 +284,19 @@ class Membership:
             missing,
         )
 
-    def _absentees(self, got: dict[str, Manifest]) -> tuple[set[str], set[str], float]:
-        """rank 0, waiting in a round: read the presence record (and, with heartbeats, the heartbeat) of every
-        region still missing. Returns (regions that announced a leave, regions whose heartbeat is stale, when
-        the next watched one would turn stale on this region's clock: inf if none)."""
-        leaving: set[str] = set()
-        stale: set[str] = set()
-        due = math.inf
-        for r in self.regions:
-            if r in got or r == self.region:
-                continue
-            p = self.read_presence(r)
-            if p is not None and p.state == "leaving":
-                leaving.add(r)
-                continue
-            if self.heartbeat_s is None:
-                continue
-            before = self._clock()
-            hb, age = self.read_heartbeat_aged(r)
-            after = self._clock()
-            quiet, limit = self._quiet_for(r, hb, before, after)
-            quiet = max(quiet, age or 0.0)
-            if quiet >= limit:
-                stale.add(r)
-            else:
-                due = min(due, after + limit - quiet)
-        return leaving, stale, due
+    def _leaving(self, region: str) -> bool:
+        """Has ``region`` announced a planned leave (its presence record)?"""
+        p = self.read_presence(region)
+        return p is not None and p.state == "leaving"
+
+    def _judge_heartbeat(self, region: str) -> float:
+        """Read ``region``'s heartbeat (a region missing from a round) and judge it: when it turns stale on
+        this region's clock, now or earlier if it is stale already."""
+        before = self._clock()
+        hb, age = self.read_heartbeat_aged(region)
+        after = self._clock()
+        quiet, limit = self._quiet_for(region, hb, before, after)
+        return after + limit - max(quiet, age or 0.0)
 
     def _quiet_for(
         self, region: str, hb: Heartbeat | None, before: float, after: float
@@ -328,18 +374,6 @@ class Membership:
     @property
     def beating(self) -> bool:
         return self._writer is not None and self._writer.alive
-
-    def _check_not_behind(self, tag: str) -> None:
-        r = parse_tag(tag)
-        if r is None:
-            return
-        latest = self.latest_commit()
-        if latest is not None and latest > r and self.read_commit(tag) is None:
-            raise XRBehind(
-                f"round {tag}: the run has committed up to {round_tag(latest)} and {tag} is no longer "
-                "in the mailbox: this region fast-forwards",
-                latest,
-            )
 
     def member_manifests(self, c: Commit, expect: Expect, known: dict[str, Manifest]) -> dict[str, Manifest]:
         """The committed members' manifests (read where not ``known``), each checked against the digest
@@ -431,9 +465,11 @@ class Membership:
     def cleanup(
         self, current: int, keep_rounds: int, shard_count: int, *, need_snapshot: bool = True
     ) -> None:
-        """Delete this region's rounds (and their commits) older than ``keep_rounds`` behind ``current`` and,
-        with ``need_snapshot`` (DiLoCo), covered by a complete snapshot: a returning region needs every
-        round after the newest snapshot."""
+        """Delete this region's rounds (its claims and objects, the tombstones it wrote, then the commits) older
+        than ``keep_rounds`` behind ``current`` and, with ``need_snapshot`` (DiLoCo), covered by a complete
+        snapshot: a returning region needs every round after the newest snapshot. This region's own claim
+        goes first, so a round it took part in can never be found complete again; another region's manifest
+        is that region's to delete."""
         bound = current - keep_rounds
         if bound < 1:
             return
@@ -442,82 +478,28 @@ class Membership:
             snaps = self.snapshot_rounds(keys)
             bound = min(bound, snaps[-1] if snaps else -1)
         doomed: set[int] = set()
+        claimed: dict[int, list[str]] = {}  # round -> the other regions with a claim in it
+        others = {f"{r}.done": r for r in self.regions if r != self.region}
         for key in keys:
             parts = key.split("/")
             r = parse_tag(parts[1]) if len(parts) >= 3 else None
             if r is not None and r <= bound and parts[2] in (f"{self.region}.done", self.region, COMMIT_NAME):
                 doomed.add(r)
+            if r is not None and len(parts) == 3 and parts[2] in others:
+                claimed.setdefault(r, []).append(others[parts[2]])
         for r in sorted(doomed):
             tag = round_tag(r)
             self.store.delete([self.mb.manifest_key(tag, self.region)])
             self.store.delete([self.mb.shard_key(tag, self.region, i) for i in range(shard_count)])
+            self.store.delete(
+                [self.claim_key(tag, x) for x in claimed.get(r, []) if self._wrote_tombstone(tag, x)]
+            )
             self.store.delete([self.commit_key(tag)])
 
-
-class RoundWait:
-    """One wait of a region's rank 0 for round ``tag``'s commit (:meth:`Membership.round_wait`), run in as
-    many slices as its caller needs (the exchange reports to its other ranks between slices, and a round
-    in the background checks between them whether it was called off). What the wait has learnt carries
-    over from one slice to the next, as in one uninterrupted wait: the manifests seen, the absentees, the
-    poll backoff, the grace clock and the behind timer (with slices shorter than ``behind_check_s`` a
-    timer started again each slice would never fire, and a region behind the run without a quorum would
-    wait out ``timeout_s`` instead of fast-forwarding)."""
-
-    def __init__(
-        self, ms: Membership, tag: str, expect: Expect, step: int | None, started: float | None
-    ) -> None:
-        self.ms, self.tag, self.expect, self.step = ms, tag, expect, step
-        now = ms._clock()
-        self.t0 = now if started is None else started
-        self.got: dict[str, Manifest] = {}
-        self.delay = ms.mb.poll_min_s
-        self.quorum_since: float | None = None
-        self.leaving: set[str] = set()
-        self.stale: set[str] = set()
-        self.stale_due = (
-            math.inf
-        )  # when the next missing region's heartbeat would have been quiet long enough
-        self.next_check = (
-            now  # presence and heartbeats of the missing regions: a few reads, not on every poll
-        )
-        self.next_behind = (
-            now + ms.behind_check_s
-        )  # has the run moved past this round? (a listing of the run)
-
-    def run(self, slice_s: float | None = None) -> tuple[Commit, dict[str, Manifest]] | None:
-        """Wait on: (the commit, the manifests seen) once the round closed, or None after ``slice_s``
-        (None: until it closes). Raises as :meth:`Membership.wait_commit`."""
-        ms, mb, tag = self.ms, self.ms.mb, self.tag
-        tick = min(1.0, max(ms.grace_s / 4, 0.05))
-        now0 = ms._clock()
-        while True:
-            c = ms.read_commit(tag)
-            if c is not None:
-                return c, self.got
-            ms._read_manifests(tag, self.expect, self.got)
-            now = ms._clock()
-            if now >= min(self.next_check, self.stale_due):
-                self.leaving, self.stale, self.stale_due = ms._absentees(self.got)
-                self.next_check = now + tick
-            if now >= self.next_behind:
-                ms._check_not_behind(tag)
-                self.next_behind = now + ms.behind_check_s
-            reason, self.quorum_since = decide(
-                ms.regions, self.got, self.leaving, ms.quorum, ms.grace_s, now, self.quorum_since, self.stale
-            )
-            if reason is not None:
-                ms._check_not_behind(tag)
-                step = self.step if self.step is not None else -1
-                return ms._try_close(tag, step, self.got, reason, now - self.t0, self.stale), self.got
-            if now - self.t0 >= mb.timeout_s:
-                raise ms._no_quorum(tag, self.step, self.got)
-            if slice_s is not None and now - now0 >= slice_s:
-                return None
-            if (
-                self.quorum_since is not None
-            ):  # grace running out, or a missing region's heartbeat going stale
-                wake = min(ms.grace_s - (now - self.quorum_since), self.stale_due - now)
-            else:
-                wake = mb.timeout_s - (now - self.t0)
-            time.sleep(max(0.0, min(self.delay, wake + 1e-3)))
-            self.delay = min(mb.poll_max_s, self.delay * 1.5)
+    def _wrote_tombstone(self, tag: str, region: str) -> bool:
+        """Is ``region``'s claim of ``tag`` a tombstone this region wrote?"""
+        try:
+            got = self.read_claim(tag, region)
+        except XRLayoutError:
+            return False
+        return isinstance(got, Tombstone) and got.closed_by == self.region

@@ -18,6 +18,7 @@ protocol (:mod:`.protocol`) does. Both backends give the same guarantees the pro
 
 from __future__ import annotations
 
+import builtins
 import mmap
 import os
 import random
@@ -95,6 +96,11 @@ class Store(ABC):
     @abstractmethod
     def list(self, prefix: str) -> list[str]:
         """Keys that start with ``prefix`` (a folder-like prefix ending in ``/``), any order."""
+
+    def children(self, prefix: str) -> builtins.list[str]:
+        """Keys of the objects directly under ``prefix`` (ending in ``/``), not those of its sub-folders: one
+        request on S3 (a delimited listing), however many objects the sub-folders hold."""
+        return [k for k in self.list(prefix) if "/" not in k[len(prefix) :]]
 
     @abstractmethod
     def delete(self, keys: Sequence[str]) -> None:
@@ -251,6 +257,13 @@ class FsStore(Store):
                     continue
                 keys.append(os.path.relpath(os.path.join(dirpath, name), self.root).replace(os.sep, "/"))
         return keys
+
+    def children(self, prefix: str) -> builtins.list[str]:
+        try:
+            with os.scandir(self._path(prefix.rstrip("/"))) as it:
+                return [prefix + e.name for e in it if not e.name.startswith(".") and e.is_file()]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
 
     def delete(self, keys: Sequence[str]) -> None:
         parents = set()
@@ -554,6 +567,21 @@ class S3Store(Store):
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=full
+            ):
+                self._count(page)
+                keys += [o["Key"][strip:] for o in page.get("Contents", [])]
+        except Exception as e:
+            self._count(e)
+            raise StoreError(f"listing {self.describe(prefix)} failed: {e}") from e
+        return keys
+
+    def children(self, prefix: str) -> builtins.list[str]:
+        full = self._key(prefix)
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        keys: list[str] = []
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=full, Delimiter="/"
             ):
                 self._count(page)
                 keys += [o["Key"][strip:] for o in page.get("Contents", [])]

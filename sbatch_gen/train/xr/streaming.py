@@ -29,10 +29,11 @@ import torch
 
 from .diloco import DiLoCo
 from .errors import XRBehind, XRError, XRNoQuorum
-from .exchange import Exchange, RoundResult
+from .exchange import Exchange
 from .fragments import fragment_of, round_at, round_step
 from .protocol import round_tag
 from .region import held
+from .rounds import RoundResult, run_round
 from .sync import _as_int
 
 
@@ -115,8 +116,8 @@ class StreamingDiLoCo(DiLoCo):
         tokens = self.frag_tokens[p]
         if self.tau == 0:
             try:
-                res = self.frag_ex[p].run_round(
-                    round_tag(k), "delta", step, own, self._part(self.avg, p), tokens
+                res = run_round(
+                    self.frag_ex[p], round_tag(k), "delta", step, own, self._part(self.avg, p), tokens
                 )
             except XRBehind:
                 return self._fast_forward(step, "behind") or {}

@@ -41,11 +41,12 @@ from torch import nn
 from sbatch_gen.xr_options import CrossRegion
 
 from .errors import XRError, XRLayoutError
-from .exchange import Exchange, RoundResult, theta0_extra
+from .exchange import Exchange, theta0_extra
 from .flat import FlatParams
 from .membership import Membership
 from .protocol import TAG_INIT, Mailbox, Manifest, digest, digest_of_digests
 from .region import Region, held
+from .rounds import RoundResult
 from .store import Store, make_store, probe_create
 
 log = logging.getLogger("sbatch_gen.train")
@@ -356,7 +357,7 @@ class OuterSync:
 
     # -- shared by the subclasses ----------------------------------------------------------------------
     def _now(self) -> float:
-        return self.ex._now()
+        return self.ex.now()
 
     def buffers(self) -> dict[str, tuple[bool, bool]]:
         """The flat buffers a leader holds with these options (:attr:`BUFFERS`)."""
