@@ -182,7 +182,7 @@ preflight_main() {
     config="$TRAIN_CONFIG" data="$DATA_PATH" ifname="$IFNAME" gpus="$GPUS_PER_NODE" gpus_key=node.gpus \
     log_topology="$LOG_TOPOLOGY" numa="$NUMA_BINDING" hcas="$IB_HCA" link_layer="$IB_LINK_LAYER" \
     run_dir="$RUN_DIR" shared_marker="$marker" rdzv_port="$RDZV_PORT" \
-    torchrun_flags=--signals-to-handle='trainer.stop_protocol: sbatch-gen,--shutdown-timeout=torchrun.teardown_s'
+    torchrun_flags=--signals-to-handle='trainer.stop_protocol: sbatch-gen,--shutdown-timeout=launch.kill_grace_s'
 }
 
 # Start torchrun on one node and return its exit status (128+N when signal N killed it). Only
@@ -209,7 +209,7 @@ node_main() {
     --local-addr="$NODE_ADDR"
     --max-restarts 0  # torchrun.max_restarts
     --signals-to-handle='SIGINT,SIGHUP,SIGQUIT'  # trainer.stop_protocol: sbatch-gen
-    --shutdown-timeout=10  # torchrun.teardown_s
+    --shutdown-timeout=60  # launch.kill_grace_s
   ) trainer_args=(
     --config "$TRAIN_CONFIG"
     --run-dir "$RUN_DIR"

@@ -364,16 +364,6 @@ class Torchrun(ProfileSection):
         le=256,
         description="--nproc-per-node for CPU sites; on GPU sites it is the GPU count (leave unset).",
     )
-    teardown_s: Int = Field(
-        default=10,
-        ge=1,
-        le=3600,
-        description="trainer.stop_protocol sbatch-gen: torchrun's --shutdown-timeout, the seconds its agent "
-        "gives a node's other workers to exit after one failed, before SIGKILL. A stop never goes through "
-        "torchrun's agent under this protocol (the workers get it from the stop file and SIGTERM, and "
-        "exit 0), so the agent shuts down only after a crash, when the survivors cannot finish a collective "
-        "stop checkpoint anyway: a crash frees the nodes in seconds, not after the stop budget.",
-    )
 
 
 class Topology(ProfileSection):
@@ -585,13 +575,12 @@ class ProfileBase(ProfileSection):
 
     def torchrun_shutdown_timeout(self) -> tuple[int, str] | None:
         """torchrun's --shutdown-timeout: how long its agent lets the workers exit after passing a signal on
-        (or after a worker failed), before SIGKILL (seconds, the fields it comes from). stop_protocol
-        signal: the stop grace (torchrun's default, 30 s, would cut a longer stop checkpoint short);
-        sbatch-gen: the crash teardown (the agent passes no stop on); None with none (torchrun's default)."""
+        (or after a worker failed), before SIGKILL (seconds, the fields it comes from). Its default, 30 s,
+        would cut a longer stop checkpoint short; None with stop_protocol none (no stop checkpoint)."""
         if self.trainer.stop_protocol == "signal":
             return self.stop_grace()
         if self.trainer.stop_protocol == "sbatch-gen":
-            return self.torchrun.teardown_s, "torchrun.teardown_s"
+            return self.stop_budget()
         return None
 
     def nproc_per_node(self) -> int:

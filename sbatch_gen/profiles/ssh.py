@@ -135,9 +135,9 @@ class SshLaunch(ProfileSection):
         default=30,
         ge=1,
         le=3600,
-        description="Cleanup: seconds between SIGTERM (the trainer checkpoints on it) and SIGKILL. With "
-        "trainer.stop_protocol signal also torchrun's --shutdown-timeout, so that its agent waits as long before "
-        "it SIGKILLs the workers, and the default of trainer.stop_grace_s; unused with none (SIGKILL at once).",
+        description="Cleanup: seconds between SIGTERM (the trainer checkpoints on it) and SIGKILL; also "
+        "torchrun's --shutdown-timeout, so that its agent waits as long before it SIGKILLs the workers. With "
+        "trainer.stop_protocol signal the default of trainer.stop_grace_s; unused with none (SIGKILL at once).",
     )
     failure_grace_s: Int = Field(
         default=120,

@@ -17,8 +17,8 @@ from sbatch_gen.testing.s3server import S3Server
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "local-slurm.sh"
 # How long the tests hold a stop checkpoint (SBATCH_GEN_STOP_SAVE_HOLD_S), as a large one takes: longer than
-# what torchrun's agent gives its workers after a failure (torchrun.teardown_s, 10 s, its --shutdown-timeout)
-# and than the local cluster's KillWait (5 s), so a stop that went through either would be cut short.
+# the local cluster's KillWait (5 s), so a stop that Slurm's kill reached would be cut short. (That torchrun's
+# agent never gets the stop, and its own 30 s never matter, the render tests check: test_stop_protocol.py.)
 STOP_HOLD_S = 12
 
 # Measurements the tests report (downtimes, ...): printed in the session's terminal summary, so that

@@ -228,7 +228,7 @@ def test_the_rendered_torchrun_flags_agree(variant):
         "--max-restarts",
         "1",
         "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT",  # not SIGTERM: the workers' stop request (run_trainer)
-        "--shutdown-timeout=10",  # torchrun.teardown_s
+        "--shutdown-timeout=30",  # preemption.checkpoint_s + margin_s: torchrun's own 30 s by chance
     ]
     assert ssh["torchrun"] == [
         "--nnodes",
@@ -243,7 +243,7 @@ def test_the_rendered_torchrun_flags_agree(variant):
         "--max-restarts",
         "1",
         "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT",
-        "--shutdown-timeout=10",  # torchrun.teardown_s
+        "--shutdown-timeout=10",  # launch.kill_grace_s
     ]
 
 

@@ -189,7 +189,7 @@ def test_the_render_passes_the_flags_to_check_only_when_it_uses_them(tmp_path):
     ]
     assert got == [
         "torchrun_flags=--signals-to-handle=trainer.stop_protocol: sbatch-gen,--shutdown-timeout="
-        "torchrun.teardown_s"
+        "preemption.checkpoint_s + preemption.margin_s"
     ]
     out = tmp_path / "signal"
     r = sg("render", "--site", "local", "--out", str(out), "--set", "trainer.stop_protocol=signal")

@@ -45,17 +45,19 @@ def test_no_stop_flags_with_the_none_protocol(site):
 NOT_TERM = "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT"
 
 
-def test_default_protocol_keeps_sigterm_from_torchrun_and_tears_a_crash_down_in_seconds():
-    """SIGTERM is no signal of torchrun's (the workers' stop request), so its agent shuts the workers down
-    only after one failed: torchrun.teardown_s, not the stop budget (300 s in eu) nor torchrun's own 30 s."""
+def test_default_protocol_keeps_sigterm_from_torchrun_and_gives_it_the_stop_budget():
+    """Whatever stops torchrun's workers (a signal it handles, a failed worker) waits the stop budget before
+    SIGKILL, not torchrun's own 30 s; SIGTERM is no signal of torchrun's (the workers' stop request)."""
     assert _flags("local") == {
         NOT_TERM: "trainer.stop_protocol: sbatch-gen",
-        "--shutdown-timeout=10": "torchrun.teardown_s",
+        "--shutdown-timeout=30": "preemption.checkpoint_s + preemption.margin_s",  # local: 10 + 20
     }
-    assert _flags("eu")["--shutdown-timeout=10"] == "torchrun.teardown_s"
-    assert _flags("ssh-local", "launch.kill_grace_s=95", "torchrun.teardown_s=4") == {
+    assert (
+        _flags("eu")["--shutdown-timeout=300"] == "preemption.checkpoint_s + preemption.margin_s"
+    )  # 180 + 120
+    assert _flags("ssh-local", "launch.kill_grace_s=95") == {
         NOT_TERM: "trainer.stop_protocol: sbatch-gen",
-        "--shutdown-timeout=4": "torchrun.teardown_s",
+        "--shutdown-timeout=95": "launch.kill_grace_s",
     }
 
 

@@ -1,9 +1,12 @@
-"""A crash frees the node in seconds: torchrun with the flags a render gives it (stop_protocol sbatch-gen) tears
-the survivors down torchrun.teardown_s after a worker failed, not after the stop budget.
+"""How long a crash holds a node: torchrun with the flags a render gives it (stop_protocol sbatch-gen, eu:
+--shutdown-timeout=300, the stop budget) frees the node about 30 s after a worker failed, whatever that
+flag says: torch 2.13's agent stops the survivors of a failure with its own default (`_stop_workers` calls
+`_shutdown()`), not with --shutdown-timeout, which bounds only the shutdowns after a signal it handles.
 
 The survivor here takes SIGTERM as a stop request and then hangs, as a rank of the companion trainer (or a
 trainer on the library) hangs in the collective of a stop checkpoint whose peer is gone (NCCL waits for its
-own timeout). torchrun runs with SIGTERM ignored, as run_trainer starts it."""
+own timeout). torchrun runs with SIGTERM ignored, as run_trainer starts it. Should torch start applying the
+flag to failures, this test fails (300 s), and the render's value for it must be revisited."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import os, signal, sys, time
 rank = int(os.environ["RANK"])
 if rank == 1:
     time.sleep(1)
+    open(sys.argv[1] + ".crash", "w").write(repr(time.time()))
     sys.exit(3)  # the crash
 def stop_request(signum, frame):
     open(sys.argv[1], "w").write("stop requested")  # then stuck, as in a collective with a dead peer
@@ -41,9 +45,9 @@ def _flags(site: str) -> list[str]:
     return [w for w in words if w.startswith(("--signals-to-handle", "--shutdown-timeout"))]
 
 
-def test_a_crash_tears_the_survivors_down_in_torchrun_teardown_s_not_the_stop_budget(tmp_path: Path):
-    flags = _flags("eu")  # eu budgets 300 s for a stop checkpoint
-    assert "--shutdown-timeout=10" in flags, flags
+def test_a_crash_frees_the_node_in_torchs_30_s_not_after_the_stop_budget(tmp_path: Path):
+    flags = _flags("eu")
+    assert "--shutdown-timeout=300" in flags, flags  # eu budgets 300 s for a stop checkpoint
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
     marker = tmp_path / "rank0.stop"
@@ -56,7 +60,6 @@ def test_a_crash_tears_the_survivors_down_in_torchrun_teardown_s_not_the_stop_bu
         str(worker),
         str(marker),
     ]
-    start = time.monotonic()
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -66,12 +69,13 @@ def test_a_crash_tears_the_survivors_down_in_torchrun_teardown_s_not_the_stop_bu
         preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN),  # as run_trainer starts it
     )
     try:
-        out, _ = proc.communicate(timeout=120)
+        out, _ = proc.communicate(timeout=200)
     finally:
         if proc.poll() is None:
             proc.kill()
-    took = time.monotonic() - start
+    ended = time.time()
     text = out.decode(errors="replace")
     assert proc.returncode == 1, text
     assert marker.read_text() == "stop requested", text  # the survivor got torchrun's SIGTERM and hung
-    assert took < 60, f"torchrun took {took:.0f} s after a crash:\n{text}"
+    took = ended - float(marker.with_name(marker.name + ".crash").read_text())
+    assert 25 < took < 60, f"torchrun freed the node {took:.0f} s after the crash:\n{text}"
