@@ -30,6 +30,12 @@ STOPPING_SUFFIX = ".stopping"
 # and logs that line.
 FATAL_SUFFIX = ".fatal"
 
+# The launchers write (append to) the stop file BEFORE they hand SIGTERM on to the workers (run_trainer on
+# every node). So under torchrun a worker that gets SIGTERM and finds no stop file within this many seconds
+# takes it for torchrun's agent tearing the workers down after another one failed (it gives them its own
+# 30 s, whatever --shutdown-timeout says) and exits at once: a crash frees the node in seconds.
+TERM_WITHOUT_STOP_S = 5.0
+
 # A checkpoint is "<run dir>/<CHECKPOINTS_DIR>/step-<N>/" and complete once <CHECKPOINT_MARKER> is in it (the
 # trainer writes it last, atomically). The batch shell reads the newest complete step to tell an attempt
 # that made progress from one that did not (preemption.max_requeues_without_progress).

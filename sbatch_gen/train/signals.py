@@ -20,7 +20,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..contract import ACK_SUFFIX, ENV_STOP_FILE, EXIT_REQUEUE, FATAL_SUFFIX, STOPPING_SUFFIX
+from ..contract import (
+    ACK_SUFFIX,
+    ENV_STOP_FILE,
+    EXIT_REQUEUE,
+    FATAL_SUFFIX,
+    STOPPING_SUFFIX,
+    TERM_WITHOUT_STOP_S,
+)
 from ..fsutil import write_atomic
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -100,13 +107,21 @@ class StopRequest:
     :meth:`acknowledge` and exit :meth:`exit_code`: the launcher requeues the job once it sees the ack."""
 
     def __init__(
-        self, stop_file: str | Path | None = None, signals: Iterable[signal.Signals] = STOP_SIGNALS
+        self,
+        stop_file: str | Path | None = None,
+        signals: Iterable[signal.Signals] = STOP_SIGNALS,
+        teardown_exit_s: float | None = TERM_WITHOUT_STOP_S,
     ) -> None:
+        """``teardown_exit_s``: under torchrun with a stop file, how long a SIGTERM may go without the stop file
+        appearing before this process takes it for torchrun's teardown after a failed worker and exits at
+        once (:meth:`install`); None: never."""
         self.stop_file = Path(stop_file) if stop_file else None
         self.handled = tuple(signals)
+        self.teardown_exit_s = teardown_exit_s
         self.signals: list[str] = []
         self.first_time: float | None = None
         self._prev: dict[int, object] = {}
+        self._wakeup: tuple[int, int] | None = None  # (read end, write end) of the signal wakeup pipe
 
     @classmethod
     def from_env(cls, stop_file: str | Path | None = None, **kw: Any) -> StopRequest:
@@ -115,18 +130,74 @@ class StopRequest:
 
     def install(self) -> None:
         """Handle the signals (main thread only; elsewhere a no-op). Under torchrun, also ask the kernel to
-        SIGKILL this process if torchrun's agent dies (:func:`die_with_agent`)."""
+        SIGKILL this process if torchrun's agent dies (:func:`die_with_agent`), and, with a stop file, tell a
+        stop from a crash's teardown (:meth:`_watch_teardown`)."""
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in self.handled:
             self._prev[sig] = signal.signal(sig, self._handler)
-        die_with_agent()
+        if die_with_agent():
+            self._arm_teardown_exit()
 
     def uninstall(self) -> None:
         """Put the previous handlers back."""
         for sig, prev in self._prev.items():
             signal.signal(sig, prev)  # type: ignore[arg-type]
         self._prev.clear()
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(-1)
+            os.close(self._wakeup[1])  # the watcher reads end-of-file and returns; it closes the read end
+            self._wakeup = None
+
+    def _arm_teardown_exit(self) -> bool:
+        """Under torchrun with a stop file: a thread that sees every SIGTERM (through the interpreter's signal
+        wakeup fd, so also while the main thread is stuck in a collective whose peer died, where no Python
+        handler runs). Returns whether it is armed: not without a stop file, when SIGTERM is not handled,
+        or when something else holds the wakeup fd."""
+        if self.stop_file is None or self.teardown_exit_s is None or signal.SIGTERM not in self.handled:
+            return False
+        r, w = os.pipe()
+        os.set_blocking(w, False)  # the C-level handler must never block
+        prev = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        if prev != -1:  # someone else's (e.g. an event loop): leave it theirs
+            signal.set_wakeup_fd(prev)
+            os.close(r)
+            os.close(w)
+            return False
+        self._wakeup = (r, w)
+        threading.Thread(target=self._watch_teardown, args=(r,), name="stop-or-teardown", daemon=True).start()
+        return True
+
+    def _watch_teardown(self, r: int) -> None:
+        """Every launcher of sbatch-gen writes the stop file before it hands SIGTERM on to the workers. A
+        SIGTERM with no stop file after ``teardown_exit_s`` is torchrun's agent stopping the survivors of a
+        failed worker, which it does with its own 30 s before a SIGKILL (``--shutdown-timeout`` is for the
+        stops it handles): exit now, so a crash frees the node in seconds. Nothing is lost that the SIGKILL
+        would have kept: checkpoints are complete or ignored. A stop file that appears in time (a stop) or
+        existed already (a stop, during which a worker failed: the agent's 30 s then apply) changes
+        nothing."""
+        try:
+            while data := os.read(r, 64):
+                if int(signal.SIGTERM) not in data or self._stop_file_exists():
+                    continue
+                deadline = time.monotonic() + float(self.teardown_exit_s or 0)
+                while time.monotonic() < deadline and not self._stop_file_exists():
+                    time.sleep(0.05)
+                if not self._stop_file_exists():
+                    if _node_leader():
+                        sys.stderr.write(
+                            f"rank {os.environ.get('RANK', '0')}: SIGTERM and no stop file within {self.teardown_exit_s:g} s: "
+                            "torchrun is stopping the workers after one failed; exiting now\n"
+                        )
+                        sys.stderr.flush()
+                    os._exit(128 + int(signal.SIGTERM))
+        except OSError:
+            pass
+        finally:
+            os.close(r)
+
+    def _stop_file_exists(self) -> bool:
+        return self.stop_file is not None and self.stop_file.exists()
 
     def __enter__(self) -> StopRequest:
         self.install()

@@ -6,10 +6,17 @@ flag says: torch 2.13's agent stops the survivors of a failure with its own defa
 The survivor here takes SIGTERM as a stop request and then hangs, as a rank of the companion trainer (or a
 trainer on the library) hangs in the collective of a stop checkpoint whose peer is gone (NCCL waits for its
 own timeout). torchrun runs with SIGTERM ignored, as run_trainer starts it. Should torch start applying the
-flag to failures, this test fails (300 s), and the render's value for it must be revisited."""
+flag to failures, this test fails (300 s), and the render's value for it must be revisited.
+
+A worker on sbatch-gen's StopRequest (the companion trainer, a trainer on the library) does better: the
+launchers write the stop file before they hand SIGTERM on, so a SIGTERM without a stop file within
+TERM_WITHOUT_STOP_S is the agent's teardown, and the worker exits at once: the node is free in seconds. A
+SIGTERM whose stop file comes within that time (Slurm signals a whole step's processes at once, the
+launcher's shell among them) is a stop, however long its checkpoint takes."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -18,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from sbatch_gen.contract import ENV_STOP_FILE, TERM_WITHOUT_STOP_S
 from sbatch_gen.launch import SLURM, torchrun_argv
 from sbatch_gen.loader import load_site
 
@@ -45,11 +53,27 @@ def _flags(site: str) -> list[str]:
     return [w for w in words if w.startswith(("--signals-to-handle", "--shutdown-timeout"))]
 
 
-def test_a_crash_frees_the_node_in_torchs_30_s_not_after_the_stop_budget(tmp_path: Path):
+# The same crash, the survivor on the library's StopRequest, stuck where no Python handler returns.
+LIB_WORKER = """
+import os, sys, time
+from sbatch_gen.train.api import StopRequest
+stop = StopRequest.from_env()
+stop.install()
+if int(os.environ["RANK"]) == 1:
+    time.sleep(1)
+    open(sys.argv[1] + ".crash", "w").write(repr(time.time()))
+    sys.exit(3)
+os.read(os.pipe()[0], 1)  # stuck for good: a handler runs, the read goes on
+"""
+
+
+def _torchrun_crash(tmp_path: Path, source: str, env: dict | None = None) -> tuple[str, float, int]:
+    """torchrun with the eu render's stop flags, SIGTERM ignored as run_trainer starts it; rank 1 crashes.
+    Returns (output, seconds from the crash to torchrun's exit, its status)."""
     flags = _flags("eu")
     assert "--shutdown-timeout=300" in flags, flags  # eu budgets 300 s for a stop checkpoint
     worker = tmp_path / "worker.py"
-    worker.write_text(WORKER)
+    worker.write_text(source)
     marker = tmp_path / "rank0.stop"
     cmd = [
         str(Path(sys.executable).parent / "torchrun"),
@@ -64,7 +88,7 @@ def test_a_crash_frees_the_node_in_torchs_30_s_not_after_the_stop_budget(tmp_pat
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env=train_env(),
+        env=train_env(env),
         start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN),  # as run_trainer starts it
     )
@@ -75,7 +99,77 @@ def test_a_crash_frees_the_node_in_torchs_30_s_not_after_the_stop_budget(tmp_pat
             proc.kill()
     ended = time.time()
     text = out.decode(errors="replace")
-    assert proc.returncode == 1, text
-    assert marker.read_text() == "stop requested", text  # the survivor got torchrun's SIGTERM and hung
-    took = ended - float(marker.with_name(marker.name + ".crash").read_text())
+    return text, ended - float(marker.with_name(marker.name + ".crash").read_text()), proc.returncode
+
+
+def test_a_crash_frees_the_node_in_torchs_30_s_not_after_the_stop_budget(tmp_path: Path):
+    text, took, rc = _torchrun_crash(tmp_path, WORKER)
+    assert rc == 1, text
+    assert (tmp_path / "rank0.stop").read_text() == "stop requested", text  # got the SIGTERM, hung
     assert 25 < took < 60, f"torchrun freed the node {took:.0f} s after the crash:\n{text}"
+
+
+def test_a_crash_frees_the_node_in_seconds_when_the_survivor_runs_the_library(tmp_path: Path):
+    stop_file = tmp_path / "stop" / "job.attempt-0"  # set, never created: nobody asked to stop
+    text, took, rc = _torchrun_crash(tmp_path, LIB_WORKER, {ENV_STOP_FILE: str(stop_file)})
+    assert rc == 1, text
+    assert "exitcode  : 3" in text, text  # torchrun still names the crash as the cause
+    line = f"rank 0: SIGTERM and no stop file within {TERM_WITHOUT_STOP_S:g} s: torchrun is stopping"
+    assert text.count(line) == 1, text
+    assert took < TERM_WITHOUT_STOP_S + 10, f"torchrun freed the node {took:.0f} s after the crash:\n{text}"
+
+
+# A worker on the library, as torchrun starts it (TORCHELASTIC_RUN_ID set), checkpointing CKPT_S once asked.
+STOPPING_WORKER = """
+import sys, time
+from sbatch_gen.train.api import StopRequest
+stop = StopRequest.from_env()
+stop.install()
+print("ready", flush=True)
+while not stop.local():
+    time.sleep(0.05)
+print("stopping:", stop.reason(), flush=True)
+time.sleep(float(sys.argv[1]))  # the stop checkpoint, longer than the teardown window
+print("saved", flush=True)
+"""
+
+
+def _stopping_worker(tmp_path: Path, ckpt_s: float) -> tuple[subprocess.Popen, Path]:
+    (tmp_path / "w.py").write_text(STOPPING_WORKER)
+    stop_file = tmp_path / "stop" / "job.attempt-0"
+    stop_file.parent.mkdir()
+    env = train_env({ENV_STOP_FILE: str(stop_file), "TORCHELASTIC_RUN_ID": "t", "RANK": "0"})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "w.py"), str(ckpt_s)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc, stop_file
+
+
+def test_a_sigterm_whose_stop_file_comes_in_time_is_a_stop_however_long_the_save(tmp_path: Path):
+    """Slurm signals every process of a step at once: the worker may get SIGTERM a moment before the
+    launcher's shell has written the stop file. That is a stop; the save outlasts the window."""
+    proc, stop_file = _stopping_worker(tmp_path, ckpt_s=TERM_WITHOUT_STOP_S + 2)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1)
+    stop_file.write_text("SIGTERM to the training step on n1\n")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "stopping: SIGTERM" in out, out
+    assert out.rstrip().endswith("saved"), out
+
+
+def test_a_sigterm_without_a_stop_file_exits_after_the_window(tmp_path: Path):
+    proc, _ = _stopping_worker(tmp_path, ckpt_s=60)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    took = time.monotonic() - sent
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "rank 0: SIGTERM and no stop file within" in out and "saved" not in out, out
+    assert TERM_WITHOUT_STOP_S - 0.5 < took < TERM_WITHOUT_STOP_S + 10, took
