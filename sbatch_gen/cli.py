@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 import yaml
 
+from sbatch_gen import __version__
 from sbatch_gen.consistency import check_cross_region, check_train_configs
 from sbatch_gen.errors import UserError
 from sbatch_gen.fsutil import display_path
@@ -57,6 +58,7 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="sbatch-gen", message="%(prog)s %(version)s")
 def cli() -> None:
     """Render Slurm job scripts for (cross-region) training from site profiles in sites/*.yaml.
 
@@ -122,6 +124,35 @@ def _load_many(
     if errors:
         raise UserError(errors)
     return loaded
+
+
+def _run_partners(sites_dir: Path, loaded: list[LoadedSite]) -> list[LoadedSite]:
+    """The other sites of sites_dir in the cross-region runs of ``loaded``. A site that does not load is
+    left out, unless a run then lacks a region: its errors say why (the check would only say the region is
+    missing)."""
+    runs = {s.profile.cross_region.run_id for s in loaded if s.profile.cross_region.enabled}
+    if not runs:
+        return []
+    have = {s.name for s in loaded}
+    partners, broken = [], []
+    for n in list_sites(sites_dir):
+        if n in have:
+            continue
+        try:
+            site = load_site(sites_dir, n, ())
+        except UserError as e:
+            broken += e.messages
+            continue
+        if site.profile.cross_region.enabled and site.profile.cross_region.run_id in runs:
+            partners.append(site)
+    if broken:
+        regions = {
+            s.profile.cross_region.region for s in [*loaded, *partners] if s.profile.cross_region.enabled
+        }
+        listed = {r for s in loaded for r in s.profile.cross_region.regions if s.profile.cross_region.enabled}
+        if listed - regions:
+            raise UserError(broken)
+    return partners
 
 
 def _select(sites_dir: Path, names: tuple[str, ...], all_: bool, required: bool = True) -> list[str]:
@@ -317,14 +348,20 @@ def validate(names, sites_dir) -> None:
     \b
     sbatch-gen validate
     """
-    loaded = _load_many(sites_dir, _select(sites_dir, names, False, required=False), cross_region=True)
-    errors, notes = check_train_configs(loaded)
+    selected = _select(sites_dir, names, False, required=False)
+    loaded = _load_many(sites_dir, selected, cross_region=not names)
+    run_sites = loaded
+    if names:  # the other sites of the same runs are read too: a run's sites must agree
+        run_sites = [*loaded, *_run_partners(sites_dir, loaded)]
+        if problems := check_cross_region(run_sites):
+            raise UserError(problems)
+    errors, notes = check_train_configs(run_sites)
     if errors:
         raise UserError(errors)
     for n in notes:
         click.echo(f"note {n}", err=True)
     runs: dict[str, list[str]] = {}
-    for s in loaded:
+    for s in run_sites:
         if s.profile.cross_region.enabled:
             runs.setdefault(s.profile.cross_region.run_id, []).append(s.name)
     for s in loaded:

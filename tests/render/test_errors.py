@@ -78,6 +78,24 @@ def test_region_list_must_match_the_sites_of_the_run(work):
     assert "no site of run 'llm-xr-1' has region 'asia'" in err
 
 
+def test_validate_one_site_of_a_run_reads_the_others_for_the_agreement(work):
+    """validate --site eu checks eu, and eu against the other sites of its run (us), not eu alone."""
+    r = sg("validate", "--site", "eu")
+    assert r.code == 0, r.err
+    assert r.out.splitlines() == ["ok  sites/eu.yaml", "ok  cross-region run 'llm-xr-1': eu, us agree"]
+    us = work / "sites" / "us.yaml"
+    us.write_text(us.read_text() + "  inner_steps: 1000\n")
+    assert "cross_region.inner_steps: 1000 differs from 500" in _fails("validate", "--site", "eu")
+    # a broken site of another run, or of none, is not eu's business
+    (work / "sites" / "lab.yaml").write_text("slurm: [\n")
+    us.write_text(us.read_text().replace("  inner_steps: 1000\n", ""))
+    assert sg("validate", "--site", "eu").code == 0
+    # ...but a broken partner is: the run would lack its region
+    us.write_text("kind: slurm\nslurm: [\n")
+    err = _fails("validate", "--site", "eu")
+    assert "sites/us.yaml" in err and "no site of run" not in err, err
+
+
 def test_transport_disagrees(work):
     eu = work / "sites" / "eu.yaml"
     eu.write_text(eu.read_text() + "  inner_steps: 1000\n")
