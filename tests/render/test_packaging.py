@@ -140,3 +140,14 @@ def test_wheel_install_renders_with_its_own_templates(tmp_path):
     assert r.returncode == 0, r.stderr
     for name in ("eu.sbatch", "us.sbatch", "local.sbatch", "eu.setup.sbatch"):
         assert (run / "out" / name).read_bytes() == (REPO / "out" / name).read_bytes(), name
+
+
+def test_version_is_the_packages_and_the_clis(tmp_path):
+    """Every region of a run must run one sbatch-gen: `--version` says which (pyproject's version)."""
+    import tomllib
+
+    want = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    r = subprocess.run(
+        [sys.executable, "-m", "sbatch_gen.cli", "--version"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"sbatch-gen {want}\n", "")
