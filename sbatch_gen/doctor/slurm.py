@@ -248,6 +248,20 @@ CHECKS: list[tuple[str, Callable[[SlurmDoctor], list[Check]]]] = [
 def run_checks(site: LoadedSite, renders: list[Rendered], runner: Runner, cwd: Path) -> list[Check]:
     assert isinstance(site.profile, SlurmProfile)
     d = SlurmDoctor(site, site.profile, renders, SlurmFacts(runner), runner, cwd, _user())
+    try:
+        d.facts.config()  # every check asks slurmctld: when it cannot be reached, one row says so
+    except CommandMissing as e:
+        raise UserError(f"{e.name} not found: {LOGIN_NODE_HINT}") from None
+    except QueryFailed as e:
+        return [
+            error(
+                "controller",
+                "scontrol reaches slurmctld",
+                cut(e.result.message(), 120),
+                f"{e.what} failed: {e.result.message()}; nothing else was checked (every check asks the "
+                f"controller): {LOGIN_NODE_HINT}, and check that it reaches slurmctld (scontrol ping)",
+            )
+        ]
     rows: list[Check] = []
     for name, fn in CHECKS:
         try:

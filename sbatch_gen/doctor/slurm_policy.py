@@ -172,8 +172,13 @@ def _modes(raw: str) -> set[str]:
 
 def check_preemption(d: SlurmDoctor) -> list[Check]:
     pre = d.profile.preemption
-    need = pre.checkpoint_s + pre.margin_s
-    expected = f"grace >= {need} s (checkpoint_s {pre.checkpoint_s} + margin_s {pre.margin_s})"
+    protocol = d.profile.trainer.stop_protocol
+    # what a preempted job must be given: the stop checkpoint's budget, or under stop_protocol signal the
+    # grace torchrun gives the workers (trainer.stop_grace_s when set)
+    need, fields = d.profile.stop_grace() if protocol == "signal" else d.profile.stop_budget()
+    if protocol == "none":
+        need, fields = 0, "trainer.stop_protocol none: no stop checkpoint"
+    expected = f"grace >= {need} s ({fields})"
     part = d.part()
     if part is None:
         return [skip("preemption", expected, f"no partition {d.partition}")]
@@ -254,7 +259,7 @@ def check_preemption(d: SlurmDoctor) -> list[Check]:
                 else "; SlurmctldParameters=preempt_send_user_signal also sends the job's "
                 f"--signal ({pre.signal}) to the batch shell on a preemption"
             )
-            + f"; or, if checkpoints are that fast, lower preemption.checkpoint_s + margin_s to at most {left} s"
+            + f"; or, if checkpoints are that fast, lower {fields.split(' (')[0]} to at most {left} s"
         )
     if "CANCEL" in modes and "REQUEUE" not in modes:
         hints.append(

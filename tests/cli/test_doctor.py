@@ -527,6 +527,20 @@ def _by_qos(qos: str, dbd: bool = True) -> FakeSlurm:
     return FakeSlurm(qos=qos, config=_config(PreemptType="preempt/qos", AccountingStorageType=acct))
 
 
+def test_preemption_grace_is_what_the_stop_protocol_needs():
+    """stop_protocol signal: torchrun gives the workers trainer.stop_grace_s; the grace must cover that, not
+    preemption.checkpoint_s + margin_s. none: no stop checkpoint, no grace needed."""
+    fake = FakeSlurm()
+    fake.partitions["debug"]["GraceTime"] = "60"  # local: checkpoint_s 10 + margin_s 20 = 30 s fits
+    assert row(doctor(fake), "preemption").verdict == "ok"
+    signal90 = ("trainer.stop_protocol=signal", "trainer.stop_grace_s=90", "preemption.lead_time_s=150")
+    r = row(doctor(fake, "local", *signal90), "preemption")
+    assert r.verdict == "warn" and r.expected == "grace >= 90 s (trainer.stop_grace_s)", r
+    assert "lower trainer.stop_grace_s to at most 60 s" in (r.hint or ""), r
+    r = row(doctor(fake, "local", "trainer.stop_protocol=none"), "preemption")
+    assert r.verdict == "ok" and "no stop checkpoint" in r.expected, r
+
+
 def test_preemption_by_qos():
     """preempt/qos: the QOS's PreemptMode and GraceTime, from the accounting database."""
     fake = _by_qos("normal|requeue|00:05:00\n")
@@ -585,6 +599,16 @@ def test_pyxis():
 # Failing commands
 
 
+def test_an_unreachable_controller_is_one_row_not_one_per_check():
+    """A login node whose slurmctld cannot be reached (a DNS failure): every check would fail the same way;
+    one row says so, and what to do."""
+    err = Result(1, "", "scontrol: error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host\n")
+    rep = doctor(FakeSlurm(fail={"scontrol show config": err, "scontrol -o show": err, "sbatch": err}))
+    assert [(r.check, r.verdict) for r in rep.checks] == [("controller", "error")], rep.checks
+    assert "Unknown host" in rep.checks[0].found and "nothing else was checked" in (rep.checks[0].hint or "")
+    assert not rep.ok
+
+
 def test_controller_down_is_an_error_row_not_a_traceback():
     err = Result(1, "", "slurm_load_partitions: Unable to contact slurm controller (connect failure)\n")
     rep = doctor(FakeSlurm(fail={"scontrol -o show": err}))
@@ -603,7 +627,8 @@ def test_missing_slurm_command_stops_with_one_line(monkeypatch, missing):
 
 
 def test_missing_sbatch_binary_for_real(tmp_path):
-    """The real runner, with a PATH that has no Slurm: one line, exit 2."""
+    """The real runner, with a PATH that has no Slurm: one line, exit 2 (scontrol: the first command it
+    runs, to reach the controller)."""
     r = subprocess.run(
         [sys.executable, "-m", "sbatch_gen.cli", "doctor", "--site", "local", "--sites-dir", str(SITES)],
         env={"PATH": str(tmp_path), "HOME": str(tmp_path)},
@@ -613,7 +638,7 @@ def test_missing_sbatch_binary_for_real(tmp_path):
         timeout=60,
     )
     assert r.returncode == 2, r.stderr
-    assert r.stderr == "sbatch-gen: sbatch not found: run doctor on the cluster's login node\n"
+    assert r.stderr == "sbatch-gen: scontrol not found: run doctor on the cluster's login node\n"
 
 
 def test_subprocess_runner_timeout_and_missing(tmp_path):
