@@ -392,7 +392,7 @@ def check_rendezvous(host: str, port: int, node_id: int, nnodes: int, timeout: f
 # workers): one JSON object: for each name, whether importlib finds it (its parent packages are imported,
 # the module itself is not), and torchrun's source and torch's version, read, not imported (torch's own
 # import takes seconds).
-_PROBE = r"""
+PROBE = r"""
 import importlib.util, json, pathlib, re, sys
 found = {}
 for name in sys.argv[1:]:
@@ -412,8 +412,8 @@ print(json.dumps({"found": found, "run_py": run_py, "version": version}))
 
 
 def probe_python(python: str, names: list[str]) -> dict | None:
-    """What ``python`` finds (_PROBE) from the current directory; None if it could not say."""
-    rc, out, _ = run([python, "-c", _PROBE, *names], timeout=120.0)
+    """What ``python`` finds (PROBE) from the current directory; None if it could not say."""
+    rc, out, _ = run([python, "-c", PROBE, *names], timeout=120.0)
     try:
         got = json.loads(out.strip().splitlines()[-1]) if rc == 0 and out.strip() else None
     except ValueError:
@@ -430,8 +430,10 @@ def missing_torchrun_flags(flags: str, probe: dict | None) -> list[str]:
     problems = []
     for pair in flags.split(","):
         flag, _, key = pair.partition("=")
+        key, _, since = key.partition("; torch >= ")
         if flag not in src and flag[:2] + flag[2:].replace("-", "_") not in src:
-            problems.append(f"torchrun of torch {version} has no {flag} ({key}): use a newer torch")
+            need = f"torch >= {since}" if since else "a newer torch"
+            problems.append(f"torchrun of torch {version} has no {flag} ({key}): use {need}")
     return problems
 
 

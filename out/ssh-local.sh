@@ -47,7 +47,7 @@ NUMA_BINDING=''  # topology.numa_binding
 LOG_TOPOLOGY=0  # topology.log_topology
 IB_HCA=''  # nccl.ib_hca as NCCL_IB_HCA: the preflight checks these adapters (empty: none)
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
-NODE_PY_SHA256=a11837e3b57637aa1a1aafdd94c14b6c54bcd198ed7077390d8e9a55043fea31  # the preflight's checks: sbatch-gen-node.py (render writes it), sent to every host
+NODE_PY_SHA256=e2d552c9703d308fb731959e00a8a6e1c76398fdf9a1e012e430a18ac4ff2234  # the preflight's checks: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv  # python_env.kind
@@ -171,7 +171,7 @@ preflight_main() {
     config="$TRAIN_CONFIG" data="$DATA_PATH" ifname="$IFNAME" gpus="$GPUS_PER_NODE" gpus_key=node.gpus \
     log_topology="$LOG_TOPOLOGY" numa="$NUMA_BINDING" hcas="$IB_HCA" link_layer="$IB_LINK_LAYER" \
     run_dir="$RUN_DIR" shared_marker="$marker" rdzv_port="$RDZV_PORT" \
-    torchrun_flags=--signals-to-handle='trainer.stop_protocol: sbatch-gen,--shutdown-timeout=launch.kill_grace_s'
+    torchrun_flags=--signals-to-handle='trainer.stop_protocol: sbatch-gen; torch >= 2.10,--shutdown-timeout=launch.kill_grace_s; torch >= 2.12'
 }
 
 # Start torchrun on one node and return its exit status (128+N when signal N killed it). Only

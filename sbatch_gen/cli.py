@@ -21,7 +21,7 @@ import click
 import yaml
 
 from sbatch_gen import __version__
-from sbatch_gen.consistency import check_cross_region, check_train_configs
+from sbatch_gen.consistency import check_cross_region, check_torch_minimum, check_train_configs
 from sbatch_gen.errors import UserError
 from sbatch_gen.fsutil import display_path
 from sbatch_gen.loader import LoadedSite, list_sites, load_site
@@ -356,6 +356,7 @@ def validate(names, sites_dir) -> None:
         if problems := check_cross_region(run_sites):
             raise UserError(problems)
     errors, notes = check_train_configs(run_sites)
+    errors += check_torch_minimum(loaded)
     if errors:
         raise UserError(errors)
     for n in notes:

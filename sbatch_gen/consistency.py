@@ -105,6 +105,45 @@ def check_locks(group: list[LoadedSite], run_id: str, root: Path = Path(".")) ->
     ]
 
 
+_TORCH_SPEC_PIN = re.compile(r"torch(?:\[[^\]]*\])?(?:==|===|~=|<=?)\s*([0-9][^,\s]*)")
+
+
+def check_torch_minimum(sites: Iterable[LoadedSite], root: Path = Path(".")) -> list[str]:
+    """The torch a site is pinned to (its ``python_env.torch_spec`` when it caps or pins a release, and the
+    lock files of ``python_env.lock_dir`` under ``root``), against the oldest torch whose torchrun takes
+    every flag its render gives torchrun (:func:`sbatch_gen.launch.minimum_torch`): the job's preflight
+    would fail on every node, after the queue wait. One message per site and lock."""
+    from sbatch_gen.launch import LAUNCHERS, minimum_torch, torch_release
+
+    errors = []
+    for s in sites:
+        p = s.profile
+        need = minimum_torch(p, LAUNCHERS[p.kind])
+        if need is None:
+            continue
+        (major, minor), why = need
+        pins: list[tuple[str, str]] = []  # (where, version)
+        m = _TORCH_SPEC_PIN.match(p.python_env.torch_spec.replace(" ", ""))
+        if m:
+            pins.append((f"{s.at('python_env', 'torch_spec')}: python_env.torch_spec", m.group(1)))
+        lock_dir = p.python_env.lock_dir
+        if lock_dir is not None and (root / lock_dir).is_dir():
+            for lock in sorted((root / lock_dir).glob("*.txt")):
+                for n, line in enumerate(lock.read_text(errors="replace").splitlines(), 1):
+                    if lm := _TORCH_PIN.match(line.strip()):
+                        pins.append((f"{lock.relative_to(root)}:{n}: python_env.lock_dir", lm.group(1)))
+        for where, version in pins:
+            release = torch_release(version)
+            if release is not None and release < (major, minor):
+                errors.append(
+                    f"{where}: torch {version} for site {s.name!r}, whose render gives torchrun {why}: that "
+                    f"flag needs torch >= {major}.{minor}, and the preflight would fail every node after the "
+                    f"queue wait; install torch >= {major}.{minor} (python_env.torch_spec, then set the site up "
+                    "again), or see docs/slurm.md#an-older-torch"
+                )
+    return errors
+
+
 def check_train_configs(sites: Iterable[LoadedSite]) -> tuple[list[str], list[str]]:
     """Cross-check each cross-region site against its train config (``trainer.config``), where that file
     is readable from here (relative paths: from the current directory, as at submit time).

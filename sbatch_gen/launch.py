@@ -17,6 +17,7 @@ sets ``trainer.args``, that list with its placeholders (``{run_dir}``, ``{xr_arg
 from __future__ import annotations
 
 import difflib
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Protocol
@@ -395,21 +396,58 @@ def torchrun_argv(p: Profile, launcher: Launcher) -> list[Option]:
     return opts
 
 
-# torchrun flags a render may use that older torch releases lack: the preflight checks that every node's
-# torch has the ones a render uses (their names in torch/distributed/run.py), before torchrun refuses them.
-NEWER_TORCHRUN_FLAGS = ("--signals-to-handle", "--shutdown-timeout", "--numa-binding")
+# torchrun flags a render may use that older torch releases lack, with the first torch release whose
+# torch/distributed/run.py has each (read from the released wheels: 2.8.0 has none of them, 2.9.0
+# --numa-binding, 2.10.0 --signals-to-handle too, 2.12.0 --shutdown-timeout too). validate and doctor say
+# it before submission, where a lock or the environment tells the torch; the preflight checks every node's
+# torch (the names in its run.py) before torchrun would refuse them.
+TORCHRUN_FLAG_SINCE = {
+    "--numa-binding": (2, 9),
+    "--signals-to-handle": (2, 10),
+    "--shutdown-timeout": (2, 12),
+}
+NEWER_TORCHRUN_FLAGS = tuple(TORCHRUN_FLAG_SINCE)
 
 
-def torchrun_flags_to_check(p: Profile, launcher: Launcher) -> str:
-    """The preflight's ``torchrun_flags`` setting: ``FLAG=KEY`` for each of :data:`NEWER_TORCHRUN_FLAGS` the
-    render gives torchrun, KEY the profile fields behind it; comma-separated (empty: nothing to check)."""
-    pairs = []
+def newer_torchrun_flags(p: Profile, launcher: Launcher) -> list[tuple[str, str, tuple[int, int]]]:
+    """The flags of :data:`TORCHRUN_FLAG_SINCE` this render gives torchrun: (flag, the profile fields behind
+    it, the first torch release that has it)."""
+    found = []
     for o in torchrun_argv(p, launcher):
         word = o.words[0]
         name = word.split("=", 1)[0] if isinstance(word, str) else ""
-        if name in NEWER_TORCHRUN_FLAGS:
-            pairs.append(f"{name}={(o.key or name).replace(',', ';')}")
-    return ",".join(pairs)
+        if name in TORCHRUN_FLAG_SINCE:
+            found.append((name, o.key or name, TORCHRUN_FLAG_SINCE[name]))
+    return found
+
+
+def minimum_torch(p: Profile, launcher: Launcher) -> tuple[tuple[int, int], str] | None:
+    """The oldest torch release whose torchrun takes every flag of this render, and the flag that decides it
+    with its fields (``--shutdown-timeout (preemption.checkpoint_s + preemption.margin_s)``); None: any."""
+    flags = newer_torchrun_flags(p, launcher)
+    if not flags:
+        return None
+    name, key, since = max(flags, key=lambda f: f[2])
+    return since, f"{name} ({key})"
+
+
+def torch_release(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a torch version string (``2.13.0+cu128``, ``2.4.0a0+07cecf4``); None if unreadable."""
+    parts = version.split(".")
+    if len(parts) < 2 or not parts[0].isdigit():
+        return None
+    minor = "".join(itertools.takewhile(str.isdigit, parts[1]))
+    return (int(parts[0]), int(minor)) if minor else None
+
+
+def torchrun_flags_to_check(p: Profile, launcher: Launcher) -> str:
+    """The preflight's ``torchrun_flags`` setting: ``FLAG=KEY`` for each flag of :func:`newer_torchrun_flags`,
+    KEY the profile fields behind it and the first torch that has the flag; comma-separated (empty: nothing
+    to check)."""
+    return ",".join(
+        f"{name}={key.replace(',', ';')}; torch >= {since[0]}.{since[1]}"
+        for name, key, since in newer_torchrun_flags(p, launcher)
+    )
 
 
 def container_argv(c: Container, env_names: str) -> list[Option]:

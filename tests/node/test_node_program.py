@@ -484,6 +484,13 @@ def test_preflight_torchrun_flags_the_nodes_torch_lacks(tmp_path, env_python, mo
     assert bad == [
         "torchrun of torch 2.4.1 has no --signals-to-handle (trainer.stop_protocol: signal): use a newer torch"
     ]
+    # the render names the first torch that has each flag (sbatch_gen.launch.TORCHRUN_FLAG_SINCE)
+    flags = (
+        "--signals-to-handle=trainer.stop_protocol: signal; torch >= 2.10,--shutdown-timeout=x; torch >= 2.12"
+    )
+    assert np.preflight(_settings(torchrun_flags=flags))[1] == [
+        "torchrun of torch 2.4.1 has no --signals-to-handle (trainer.stop_protocol: signal): use torch >= 2.10"
+    ]
     # no torch at all: the torch check says so, not the flag check
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "nothing"))
     env_python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -S "$@"\n')

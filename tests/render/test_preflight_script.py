@@ -188,14 +188,14 @@ def test_the_render_passes_the_flags_to_check_only_when_it_uses_them(tmp_path):
         if "_flags=" in a
     ]
     assert got == [
-        "torchrun_flags=--signals-to-handle=trainer.stop_protocol: sbatch-gen,--shutdown-timeout="
-        "preemption.checkpoint_s + preemption.margin_s"
+        "torchrun_flags=--signals-to-handle=trainer.stop_protocol: sbatch-gen; torch >= 2.10,--shutdown-timeout="
+        "preemption.checkpoint_s + preemption.margin_s; torch >= 2.12"
     ]
     out = tmp_path / "signal"
     r = sg("render", "--site", "local", "--out", str(out), "--set", "trainer.stop_protocol=signal")
     assert r.code == 0, r.err
     got = [a for a in preflight_args((out / "local.sbatch").read_text()) if a.startswith("torchrun_flags=")]
     assert got == [
-        "torchrun_flags=--signals-to-handle=trainer.stop_protocol: signal,--shutdown-timeout="
-        "preemption.checkpoint_s + preemption.margin_s (trainer.stop_grace_s unset)"
+        "torchrun_flags=--signals-to-handle=trainer.stop_protocol: signal; torch >= 2.10,--shutdown-timeout="
+        "preemption.checkpoint_s + preemption.margin_s (trainer.stop_grace_s unset); torch >= 2.12"
     ]
