@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import difflib
 import getpass
+import json
 import os
 import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from sbatch_gen import node_program
 from sbatch_gen.doctor.common import (
     Check,
     CommandMissing,
@@ -33,7 +35,9 @@ from sbatch_gen.doctor.slurm_facts import QueryFailed, SlurmDoctor, SlurmFacts
 from sbatch_gen.doctor.slurm_nodes import check_nodes
 from sbatch_gen.doctor.slurm_policy import check_account, check_associations, check_preemption
 from sbatch_gen.errors import UserError
+from sbatch_gen.launch import SLURM, minimum_torch, torchrun_flags_to_check
 from sbatch_gen.loader import LoadedSite
+from sbatch_gen.profiles.base import CondaEnv, VenvEnv
 from sbatch_gen.profiles.slurm import SlurmProfile
 from sbatch_gen.profiles.types import slurm_time_seconds
 from sbatch_gen.render import Rendered
@@ -222,6 +226,73 @@ def check_pyxis(d: SlurmDoctor) -> list[Check]:
 
 
 # ---------------------------------------------------------------------------------------------------
+# 9. torch: the site's own python, where this host sees it
+
+
+def _site_python(d: SlurmDoctor) -> tuple[Path | None, str]:
+    """The python the job activates, where it can be known from here: (its path, or None; what it is)."""
+    env = d.profile.python_env
+    if d.profile.container is not None:
+        return None, f"the image {d.profile.container.image} (the setup job probes it on a compute node)"
+    if isinstance(env, VenvEnv):
+        return d.cwd / env.path / "bin" / "python", f"python_env.path {env.path}"
+    if isinstance(env, CondaEnv) and env.prefix is not None:
+        return d.cwd / env.prefix / "bin" / "python", f"python_env.prefix {env.prefix}"
+    if isinstance(env, CondaEnv):
+        return None, f"the conda environment {env.name} (python_env.name: only a prefix is looked at)"
+    return None, "python from PATH after python_env.modules on a compute node (python_env.kind none)"
+
+
+def check_torch(d: SlurmDoctor) -> list[Check]:
+    need = minimum_torch(d.profile, SLURM)
+    expected = (
+        f"torch >= {need[0][0]}.{need[0][1]}: torchrun {need[1]}" if need else "torch importable (python_env)"
+    )
+    python, what = _site_python(d)
+    if python is None:
+        return [skip("torch", expected, f"not visible from here: {what}; the job's preflight checks it")]
+    if not python.exists():
+        return [
+            skip(
+                "torch",
+                expected,
+                f"no {python} ({what}): not set up yet, or not on this host's filesystem; run the setup "
+                "job (out/<site>.setup.sbatch)",
+            )
+        ]
+    r = d.runner([str(python), "-c", node_program.PROBE, "torch"], cwd=d.cwd)
+    try:
+        probe = json.loads(r.out.strip().splitlines()[-1]) if r.rc == 0 and r.out.strip() else None
+    except ValueError:
+        probe = None
+    if not isinstance(probe, dict):
+        return [error("torch", expected, cut(r.message(), 120), f"{python} did not run: {r.message()}")]
+    version = probe.get("version")
+    if not version:
+        return [
+            error(
+                "torch",
+                expected,
+                f"{python} cannot import torch",
+                "install torch into it (the setup job installs python_env.torch_spec)",
+            )
+        ]
+    lacks = node_program.missing_torchrun_flags(torchrun_flags_to_check(d.profile, SLURM), probe)
+    found = f"torch {version} ({python})"
+    if lacks:
+        return [
+            error(
+                "torch",
+                expected,
+                found,
+                "; ".join(lacks)
+                + " (python_env.torch_spec, then the setup job again); see docs/slurm.md#an-older-torch",
+            )
+        ]
+    return [ok("torch", expected, found)]
+
+
+# ---------------------------------------------------------------------------------------------------
 
 
 def _user() -> str:
@@ -242,6 +313,7 @@ CHECKS: list[tuple[str, Callable[[SlurmDoctor], list[Check]]]] = [
     ("preemption", check_preemption),
     ("requeue", check_requeue),
     ("pyxis", check_pyxis),
+    ("torch", check_torch),
 ]
 
 

@@ -136,6 +136,7 @@ class FakeSlurm:
         "Usage: srun [OPTIONS(0)...]\n      --container             Path to OCI container bundle\n"
     )
     missing: set[str] = field(default_factory=set)
+    real_python: bool = False  # run the site's python for real (else a canned torch 2.13)
     fail: dict[str, Result] = field(default_factory=dict)
     calls: list[list[str]] = field(default_factory=list)
     scripts: list[str] = field(default_factory=list)
@@ -191,6 +192,12 @@ class FakeSlurm:
             return Result(0, self.qos)
         if argv[:2] == ["srun", "--help"]:
             return Result(0, self.srun_help)
+        if argv[0].endswith("/bin/python"):  # the site's own python (the torch row)
+            if not self.real_python:  # a torch that has every flag
+                flags = "--numa-binding --signals-to-handle --shutdown-timeout"
+                return Result(0, json.dumps({"found": {"torch": True}, "run_py": flags, "version": "2.13.0"}))
+            r = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=60)
+            return Result(r.returncode, r.stdout, r.stderr)
         raise AssertionError(f"unexpected command {argv}")
 
 
@@ -593,6 +600,52 @@ def test_pyxis():
     assert row(doctor(fake, "local", *CONTAINER), "pyxis").verdict == "ok"
     r = row(doctor(FakeSlurm(missing={"srun"}), "local", *CONTAINER), "pyxis")
     assert r.verdict == "error" and r.found == "srun not found"
+
+
+# ---------------------------------------------------------------------------------------------------
+# 9. torch
+
+
+def _venv_with_torch(root: Path, version: str, run_py: str) -> Path:
+    """root/.venv/bin/python: this python, seeing a torch of VERSION whose torchrun has RUN_PY."""
+    pkg = root / "faketorch" / "torch"
+    (pkg / "distributed").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "version.py").write_text(f"__version__ = '{version}'\n")
+    (pkg / "distributed" / "run.py").write_text(run_py)
+    python = root / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={root / "faketorch"} exec {sys.executable} -S "$@"\n')
+    python.chmod(0o755)
+    return python
+
+
+def test_torch_of_the_sites_venv_against_the_renders_torchrun_flags(tmp_path):
+    """The login node sees the venv: its torch must have every torchrun flag the render uses."""
+    r = row(doctor(FakeSlurm(real_python=True), cwd=REPO), "torch")  # this checkout's venv: torch 2.13
+    assert r.verdict == "ok" and r.found.startswith("torch 2.13"), r
+    assert (
+        r.expected
+        == "torch >= 2.12: torchrun --shutdown-timeout (preemption.checkpoint_s + preemption.margin_s)"
+    )
+    _venv_with_torch(tmp_path, "2.4.1", "p.add_argument('--rdzv-backend')\n")
+    r = row(doctor(FakeSlurm(real_python=True), cwd=tmp_path), "torch")
+    assert r.verdict == "error" and r.found.startswith("torch 2.4.1 ("), r
+    assert (
+        "torchrun of torch 2.4.1 has no --signals-to-handle (trainer.stop_protocol: sbatch-gen): use torch >= 2.10"
+        in (r.hint or "")
+    ), r
+    assert "docs/slurm.md#an-older-torch" in (r.hint or "")
+    # stop_protocol none renders no newer flag: any torch will do
+    r = row(doctor(FakeSlurm(real_python=True), "local", "trainer.stop_protocol=none", cwd=tmp_path), "torch")
+    assert r.verdict == "ok" and r.expected == "torch importable (python_env)", r
+
+
+def test_torch_not_visible_from_the_login_node_is_a_skip(tmp_path):
+    r = row(doctor(FakeSlurm(), cwd=tmp_path), "torch")  # no .venv here
+    assert r.verdict == "skip" and "run the setup job" in r.found, r
+    r = row(doctor(FakeSlurm(), "local", *CONTAINER), "torch")
+    assert r.verdict == "skip" and "the setup job probes it" in r.found, r
 
 
 # ---------------------------------------------------------------------------------------------------
