@@ -27,6 +27,8 @@ NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 ENV_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
 _name = Annotated[str, Field(pattern=NAME_RE)]
 _env_name = Annotated[str, Field(pattern=ENV_NAME_RE)]
+# an AWS profile's name (a section of ~/.aws/config): letters, digits and . _ + @ -, not first a '-'
+_aws_profile = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.+@][A-Za-z0-9_.+@-]{0,127}$")]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -148,8 +150,10 @@ class S3Credentials(StrictModel):
     Leave everything unset to use boto3's default chain (environment, instance role, ...).
     """
 
-    profile: _env_name | None = Field(
-        default=None, description="Name of an AWS profile (~/.aws/config) to use."
+    profile: _aws_profile | None = Field(
+        default=None,
+        description="Name of an AWS profile (~/.aws/config, ~/.aws/credentials; AWS_CONFIG_FILE and "
+        "AWS_SHARED_CREDENTIALS_FILE where set) to use.",
     )
     access_key_id_env: _env_name | None = Field(
         default=None, description="Name of the environment variable holding the access key id."
@@ -174,7 +178,10 @@ class S3Credentials(StrictModel):
         if (self.access_key_id_env is None) != (self.secret_access_key_env is None):
             raise ValueError("set both access_key_id_env and secret_access_key_env, or neither")
         if self.profile and self.access_key_id_env:
-            raise ValueError("use either profile or access_key_id_env/secret_access_key_env, not both")
+            raise ValueError(
+                "use either profile or access_key_id_env/secret_access_key_env, not both (a site whose base "
+                "names the variables: set access_key_id_env and secret_access_key_env to null in the site)"
+            )
         return self
 
 
@@ -208,6 +215,11 @@ class S3Transport(StrictModel):
 
 
 Transport = Annotated[FsTransport | S3Transport, Field(discriminator="kind")]
+
+# How one region reaches the run's bucket: its own endpoint (a VPC endpoint, an access point, another
+# S3-compatible gateway to the same store), addressing style and credential source (variable names, an AWS
+# profile, the instance's role). The regions of a run may differ in these; validate compares the rest.
+REGION_OWN_TRANSPORT_FIELDS = ("endpoint_url", "addressing_style", "region_name", "credentials")
 
 
 class CrossRegion(StrictModel):
@@ -485,8 +497,15 @@ class CrossRegion(StrictModel):
         return self.quorum < len(self.regions)
 
     def shared_view(self) -> dict:
-        """The fields every region of one run must agree on (everything but ``region``/``enabled``)."""
-        return self.model_dump(mode="json", exclude={"region", "enabled"})
+        """The fields every region of one run must agree on: everything but ``region``, ``enabled`` and how
+        this region reaches the store (:data:`REGION_OWN_TRANSPORT_FIELDS`: its endpoint, addressing style,
+        the bucket's region as its client names it, and its credentials), which may differ; the store
+        itself (kind, bucket, prefix; the fs root) may not."""
+        view = self.model_dump(mode="json", exclude={"region", "enabled"})
+        if isinstance(self.transport, S3Transport):
+            for name in REGION_OWN_TRANSPORT_FIELDS:
+                view["transport"].pop(name, None)
+        return view
 
 
 def outer_step_warnings(xr: CrossRegion) -> list[tuple[str, str]]:

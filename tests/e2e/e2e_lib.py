@@ -530,22 +530,22 @@ def region_jobs(
     sets: dict | None = None,
     site: str = "local",
     sites_dir: Path | None = None,
+    transport_of: dict[str, dict] | None = None,
 ) -> dict[str, LocalJob]:
     """One `local` job (or ``site`` of ``sites_dir`` with ``sets``) per region of REGION_NODES
     (``<prefix>-<region>``, one node, pinned to the region's node), with ``cross_region`` (its ``region``
-    and ``regions`` filled in), not yet submitted."""
+    and ``regions`` filled in; ``transport_of[region]``: that region's own transport fields, e.g. its
+    credentials), not yet submitted."""
     jobs = {}
     for region, node in REGION_NODES.items():
+        xr = {**cross_region, "enabled": True, "region": region, "regions": sorted(REGION_NODES)}
+        if transport_of and region in transport_of:
+            xr["transport"] = {**xr["transport"], **transport_of[region]}
         job_sets = {
             **(sets or {}),
             "slurm.nodes": 1,
             "slurm.extra_directives": [f"--nodelist={node}"],
-            "cross_region": {
-                **cross_region,
-                "enabled": True,
-                "region": region,
-                "regions": sorted(REGION_NODES),
-            },
+            "cross_region": xr,
         }
         jobs[region] = local_job(
             cluster,

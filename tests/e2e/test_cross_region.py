@@ -23,7 +23,15 @@ def xr_config(e2e_root):
     return p
 
 
-def _run_regions(cluster, root, xr_config, transport: dict, env: dict | None = None):
+def _run_regions(
+    cluster,
+    root,
+    xr_config,
+    transport: dict,
+    env: dict | None = None,
+    own: dict[str, tuple[dict, dict]] | None = None,
+):
+    """own[region]: (that region's transport fields, its job's environment instead of ``env``)."""
     data = root / "data"
     data.mkdir(parents=True)
     jobs = region_jobs(
@@ -41,9 +49,10 @@ def _run_regions(cluster, root, xr_config, transport: dict, env: dict | None = N
         },
         config=xr_config,
         data=data,
+        transport_of={r: t for r, (t, _) in (own or {}).items()},
     )
-    for job in jobs.values():
-        job.submit(env)
+    for region, job in jobs.items():
+        job.submit(own[region][1] if own and region in own else env)
     for region, job in jobs.items():
         info = cluster.wait_done(job.job_id, timeout=300)
         assert info["JobState"] == "COMPLETED", job.describe()
@@ -63,10 +72,26 @@ def _check_identical(jobs):
 
 
 def test_two_regions_diloco_over_s3(cluster, e2e_root, xr_config):
+    """Region a takes the keys from the environment; region b from a shared-credentials file of its own,
+    through an AWS profile, with no key in its job's environment (regions differ in how they reach the
+    bucket: validate lets them)."""
     root = e2e_root / "xr-s3"
     root.mkdir()
     with s3_mailbox(cluster, root, "e2e-mailbox") as (transport, env, s3):
-        jobs = _run_regions(cluster, root, xr_config, transport, env)
+        creds = root / "aws-credentials-b"
+        creds.write_text(
+            f"[e2e-b]\naws_access_key_id = {env['AWS_ACCESS_KEY_ID']}\n"
+            f"aws_secret_access_key = {env['AWS_SECRET_ACCESS_KEY']}\n"
+        )
+        creds.chmod(0o600)
+        env_b = {
+            k: v for k, v in env.items() if not k.startswith("AWS_ACCESS") and not k.startswith("AWS_SECRET")
+        }
+        env_b["AWS_SHARED_CREDENTIALS_FILE"] = str(creds)
+        # b's job has no key but the file's: without the profile, boto3 could not sign a request
+        assert not {k for k in cluster.env if k.startswith(("AWS_ACCESS", "AWS_SECRET", "AWS_PROFILE"))}
+        own_b = ({"credentials": {"profile": "e2e-b"}}, env_b)
+        jobs = _run_regions(cluster, root, xr_config, transport, env, own={"b": own_b})
         keys = s3.list_objects_v2(Bucket="e2e-mailbox", Prefix="e2e/").get("KeyCount", 0)
     _check_identical(jobs)
     assert keys > 0, "nothing went through the s3 mailbox"

@@ -96,6 +96,26 @@ def test_validate_one_site_of_a_run_reads_the_others_for_the_agreement(work):
     assert "sites/us.yaml" in err and "no site of run" not in err, err
 
 
+def test_regions_reach_the_bucket_each_its_own_way(work):
+    """Endpoint, addressing style, bucket region and credential source are a region's own; the bucket and
+    prefix are the run's."""
+    us = work / "sites" / "us.yaml"
+    us.write_text(
+        us.read_text() + "  transport:\n    kind: s3\n    bucket: llm-xr-mailbox\n    prefix: runs/llm-xr-1\n"
+        "    endpoint_url: https://bucket.vpce-0a1b.s3.us-east-1.vpce.amazonaws.com\n"
+        "    addressing_style: virtual\n    region_name: us-east-1\n"
+        "    credentials:\n      profile: xr-us\n      access_key_id_env: null\n      secret_access_key_env: null\n"
+    )
+    r = sg("validate")
+    assert r.code == 0, r.err
+    _replace(us, "    prefix: runs/llm-xr-1\n", "    prefix: runs/other\n")
+    err = _fails("validate")
+    assert (
+        f"sites/us.yaml:{_line_of(us, 'runs/other')}: cross_region.transport.prefix: 'runs/other' differs"
+        in err
+    )
+
+
 def test_transport_disagrees(work):
     eu = work / "sites" / "eu.yaml"
     eu.write_text(eu.read_text() + "  inner_steps: 1000\n")
