@@ -246,7 +246,9 @@ def _site_python(d: SlurmDoctor) -> tuple[Path | None, str]:
 def check_torch(d: SlurmDoctor) -> list[Check]:
     need = minimum_torch(d.profile, SLURM)
     expected = (
-        f"torch >= {need[0][0]}.{need[0][1]}: torchrun {need[1]}" if need else "torch importable (python_env)"
+        f"torch >= {need[0][0]}.{need[0][1]} (torchrun {need[1].split(' (')[0]})"
+        if need
+        else "torch importable (python_env)"
     )
     python, what = _site_python(d)
     if python is None:
