@@ -371,6 +371,68 @@ def validate(names, sites_dir) -> None:
         click.echo(f"ok  cross-region run {run_id!r}: {', '.join(members)} agree")
 
 
+def _slurm_version_here() -> str | None:
+    """MAJOR.MINOR of this host's Slurm (``scontrol --version``), or None."""
+    try:
+        out = subprocess.run(["scontrol", "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    parts = out.split()
+    return ".".join(parts[-1].split(".")[:2]) if len(parts) == 2 and parts[0] == "slurm" else None
+
+
+@cli.command()
+@click.option("--site", "name", required=True, metavar="NAME", help="Name of the new site (sites/NAME.yaml).")
+@click.option("--kind", type=click.Choice(["slurm", "ssh"]), default="slurm", show_default=True)
+@click.option("--partition", help="slurm: the partition.")
+@click.option("--account", help="slurm: the account (unset: your default).")
+@click.option("--slurm-version", help="slurm: MAJOR.MINOR (default: this host's scontrol --version).")
+@click.option("--nodes", type=click.IntRange(1), help="slurm: nodes per job.")
+@click.option(
+    "--host", "hosts", multiple=True, metavar="HOST", help="ssh: a host, in node-rank order (repeat)."
+)
+@click.option("--ifname", "socket_ifname", help="The network interface between the nodes (ssh: required).")
+@click.option("--gpus-per-node", type=click.IntRange(0), help="GPUs of each node (0: CPU only).")
+@click.option("--cpus-per-task", type=click.IntRange(1), help="CPUs of each node for the job.")
+@click.option("--time", help="slurm: the time limit (e.g. 2-00:00:00).")
+@click.option("--script", help="Your trainer script (else the companion trainer, sbatch_gen.train).")
+@click.option("--module", help="Your trainer module, run as `torchrun -m MODULE`.")
+@click.option("--config", help="The train config passed as --config (default configs/demo.yaml).")
+@click.option("--run-dir", help="Where checkpoints and logs go (default runs/NAME).")
+@_sites_dir_option
+def init(name, kind, sites_dir, hosts, **given) -> None:
+    """Write a first site profile, sites/NAME.yaml, commented from the schema and validated.
+
+    Values come from the flags; what the kind needs and no flag gives is asked for on a terminal (else
+    each missing flag is named). An existing profile is never overwritten.
+
+    \b
+    sbatch-gen init --site mycluster --partition gpu --nodes 2 --gpus-per-node 8 --cpus-per-task 96 --time 1-00:00:00
+    sbatch-gen init --site vms --kind ssh --host vm1 --host vm2 --ifname eth0 --gpus-per-node 8 --cpus-per-task 64
+    """
+    from sbatch_gen import init_profile
+
+    if kind == "slurm" and not given["slurm_version"]:
+        given["slurm_version"] = _slurm_version_here()
+    answers = init_profile.Answers(kind=kind, hosts=tuple(hosts), **given)
+    lacking = init_profile.missing(answers)
+    if lacking and sys.stdin.isatty():
+        for field, flag in lacking:
+            if field == "hosts":
+                said = click.prompt("hosts, in node-rank order (space-separated)")
+                answers.hosts = tuple(said.split())
+            else:
+                kind_of = int if field in ("nodes", "gpus_per_node", "cpus_per_task") else str
+                setattr(answers, field, click.prompt(flag.lstrip("-").replace("-", " "), type=kind_of))
+        lacking = init_profile.missing(answers)
+    if lacking:
+        raise UserError([f"init --kind {kind}: {flag} is required" for _, flag in lacking])
+    path = init_profile.write(sites_dir, name, answers)
+    click.echo(
+        f"wrote {display_path(path)}: check it with `sbatch-gen validate --site {name}`, then render it"
+    )
+
+
 @cli.command()
 @click.option("--site", "name", required=True, metavar="NAME", help="Site to show.")
 @_set_option

@@ -1,0 +1,222 @@
+"""``sbatch-gen init``: a first site profile, commented from the schema. Torch-free.
+
+The values come from flags (or answers); the comments are the profile models' own field descriptions, so
+they say what ``sbatch-gen schema`` says. What is written is validated first, exactly as ``validate``
+would load it: nothing is written when it does not load, and an existing profile is never overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import textwrap
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from sbatch_gen.errors import UserError
+from sbatch_gen.loader import SITE_NAME_RE, load_site
+from sbatch_gen.profiles import PROFILE_KINDS
+
+
+@dataclass(frozen=True)
+class Key:
+    """One line of the profile: its dotted path, its value, and whether it is written commented out (a
+    field worth knowing about, left at its default)."""
+
+    path: str
+    value: object
+    commented: bool = False
+
+
+@dataclass
+class Answers:
+    """What init needs to know; None: not given."""
+
+    kind: str = "slurm"
+    description: str | None = None
+    slurm_version: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    nodes: int | None = None
+    hosts: tuple[str, ...] = ()
+    gpus_per_node: int | None = None
+    cpus_per_task: int | None = None
+    time: str | None = None
+    script: str | None = None
+    module: str | None = None
+    config: str | None = None
+    run_dir: str | None = None
+    socket_ifname: str | None = None
+
+
+# What each kind needs (answer field, the flag that gives it), in the order they are asked.
+REQUIRED = {
+    "slurm": [
+        ("partition", "--partition"),
+        ("slurm_version", "--slurm-version"),
+        ("nodes", "--nodes"),
+        ("gpus_per_node", "--gpus-per-node"),
+        ("cpus_per_task", "--cpus-per-task"),
+        ("time", "--time"),
+    ],
+    "ssh": [
+        ("hosts", "--host"),
+        ("socket_ifname", "--ifname"),
+        ("gpus_per_node", "--gpus-per-node"),
+        ("cpus_per_task", "--cpus-per-task"),
+    ],
+}
+
+
+def missing(a: Answers) -> list[tuple[str, str]]:
+    """(answer field, flag) of what the kind needs and ``a`` lacks."""
+    return [(f, flag) for f, flag in REQUIRED[a.kind] if getattr(a, f) in (None, ())]
+
+
+def keys(site: str, a: Answers) -> list[Key]:
+    """The profile's lines for these answers."""
+    run_dir = a.run_dir or f"runs/{site}"
+    trainer: list[Key] = []
+    if a.script:
+        trainer += [Key("trainer.script", a.script), Key("trainer.args", ["--config", "{config}"])]
+    elif a.module:
+        trainer.append(Key("trainer.module", a.module))
+    else:
+        trainer.append(Key("trainer.module", "sbatch_gen.train"))
+    trainer += [
+        Key("trainer.config", a.config or "configs/demo.yaml"),
+        Key("trainer.stop_protocol", "sbatch-gen", commented=True),
+    ]
+    common = [
+        Key("paths.code_dir", "."),
+        Key("paths.run_dir", run_dir),
+        Key("paths.log_dir", f"{run_dir}/logs"),
+        Key("python_env.kind", "venv"),
+        Key("python_env.path", ".venv"),
+        Key("python_env.torch_spec", "torch", commented=True),
+        *trainer,
+    ]
+    head = [Key("description", a.description or f"{site}: {a.kind} site")]
+    if a.socket_ifname:
+        common.insert(0, Key("network.socket_ifname", a.socket_ifname))
+    if a.gpus_per_node == 0:  # a CPU site: one process per node to start with
+        common.insert(len(common) - len(trainer), Key("torchrun.procs_per_node", 1))
+    if a.kind == "ssh":
+        return [
+            Key("kind", "ssh"),
+            *head,
+            Key("hosts", list(a.hosts)),
+            Key("node.gpus", a.gpus_per_node),
+            Key("node.cpus", a.cpus_per_task),
+            *common,
+            Key("launch.stop_file", f"{run_dir}/STOP", commented=True),
+        ]
+    slurm = [
+        Key("slurm.version", a.slurm_version),
+        Key("slurm.partition", a.partition),
+        Key("slurm.account", a.account)
+        if a.account
+        else Key("slurm.account", "your-account", commented=True),
+        Key("slurm.qos", "normal", commented=True),
+        Key("slurm.nodes", a.nodes),
+        Key("slurm.gpus_per_node", a.gpus_per_node),
+        Key("slurm.cpus_per_task", a.cpus_per_task),
+        Key("slurm.time", a.time),
+    ]
+    preemption = [
+        Key("preemption.lead_time_s", 300, commented=True),
+        Key("preemption.checkpoint_s", 120, commented=True),
+        Key("preemption.margin_s", 60, commented=True),
+    ]
+    return [*head, *slurm, *common, *preemption]
+
+
+def _inner(annotation: object) -> type[BaseModel] | None:
+    """The model class inside an annotation (Optional, Annotated and unions of models: the first)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _inner(arg)
+        if found is not None:
+            return found
+    if isinstance(annotation, types.UnionType):
+        for arg in annotation.__args__:
+            found = _inner(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def describe(model: type[BaseModel], path: str) -> str:
+    """The schema's description of a dotted field path (the first model of a union: e.g. a venv's)."""
+    cls: type[BaseModel] | None = model
+    desc = ""
+    for part in path.split("."):
+        if cls is None or part not in cls.model_fields:
+            return ""
+        field = cls.model_fields[part]
+        desc = field.description or ""
+        cls = _inner(field.annotation)
+    return desc
+
+
+def _value(v: object) -> str:
+    """A YAML value: strings in double quotes (JSON's, which YAML reads alike: no time or number
+    surprises), numbers and lists as JSON."""
+    return json.dumps(v)
+
+
+def text(site: str, a: Answers) -> str:
+    """The commented profile."""
+    model = PROFILE_KINDS[a.kind]
+    lines = [
+        f"# Site profile {site!r} ({a.kind}), written by `sbatch-gen init`. Every key: `sbatch-gen schema`.",
+        f"# Check it: sbatch-gen validate --site {site}; on the cluster: sbatch-gen doctor --site {site}.",
+        f"# Render it: sbatch-gen render --site {site} (then review and commit out/).",
+        "# Lines starting with '# key:' are defaults worth knowing: uncomment to change them.",
+    ]
+    section = None
+    every = keys(site, a)
+    live = {k.path.split(".")[0] for k in every if not k.commented}  # sections with a key set
+    for k in every:
+        parts = k.path.split(".")
+        indent = "  " * (len(parts) - 1)
+        if len(parts) > 1 and parts[0] != section:
+            section = parts[0]
+            lines += ["", f"{section}:" if section in live else f"# {section}:"]
+        elif len(parts) == 1:
+            section = None
+            lines.append("")
+        for c in textwrap.wrap(describe(model, k.path), 100 - len(indent) - 2):
+            lines.append(f"{indent}# {c}")
+        line = f"{parts[-1]}: {_value(k.value)}"
+        lines.append(f"{indent}# {line}" if k.commented else f"{indent}{line}")
+    return "\n".join(lines) + "\n"
+
+
+def write(sites_dir: Path, site: str, a: Answers) -> Path:
+    """Write ``sites_dir/site.yaml`` once it loads as ``validate`` loads it; never over an existing one."""
+    if not SITE_NAME_RE.fullmatch(site):
+        raise UserError(
+            f"invalid site name {site!r} (letters, digits, '_', '.', '-'; not first '.', '_', '-')"
+        )
+    target = sites_dir / f"{site}.yaml"
+    if target.exists():
+        raise UserError(f"{target}: exists already; init never overwrites a profile (choose another --site)")
+    body = text(site, a)
+    with tempfile.TemporaryDirectory(prefix="sbatch-gen-init-") as tmp:
+        (Path(tmp) / f"{site}.yaml").write_text(body)
+        try:
+            load_site(Path(tmp), site, [])
+        except UserError as e:
+            raise UserError([m.replace(f"{tmp}/", f"{sites_dir}/") for m in e.messages]) from None
+    sites_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)  # fails rather than overwrite
+    with os.fdopen(fd, "w") as f:
+        f.write(body)
+    return target
