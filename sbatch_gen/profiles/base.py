@@ -86,7 +86,9 @@ class _EnvCommon(ProfileSection):
 class VenvEnv(_EnvCommon):
     """A Python virtual environment (created by the setup job)."""
 
-    kind: Literal["venv"] = "venv"
+    kind: Literal["venv"] = Field(
+        default="venv", description="venv: a virtual environment at path (the default python_env)."
+    )
     path: PathStr = Field(default=".venv", description="The venv directory.")
     python: Annotated[
         str,
@@ -98,7 +100,10 @@ class VenvEnv(_EnvCommon):
 class CondaEnv(_EnvCommon):
     """A conda environment, activated with `conda activate` (created by the setup job)."""
 
-    kind: Literal["conda"] = "conda"
+    kind: Literal["conda"] = Field(
+        default="conda",
+        description="conda: a conda environment (conda_sh, and name or prefix), activated with `conda activate`.",
+    )
     conda_sh: PathStr = Field(description="Path of etc/profile.d/conda.sh of the conda installation.")
     name: Name | None = Field(default=None, description="Environment name (or give prefix).")
     prefix: PathStr | None = Field(default=None, description="Environment prefix path (or give name).")
@@ -116,7 +121,11 @@ class CondaEnv(_EnvCommon):
 class NoEnv(_EnvCommon):
     """No activation: python/torchrun from PATH (a container image, or a site-wide installation)."""
 
-    kind: Literal["none"] = "none"
+    kind: Literal["none"] = Field(
+        default="none",
+        description="none: no activation; python and torchrun from PATH (a container image, a site-wide "
+        "installation).",
+    )
 
 
 PythonEnv = Annotated[VenvEnv | CondaEnv | NoEnv, Field(discriminator="kind")]
@@ -505,12 +514,21 @@ def _is_loader_env(name: str) -> bool:
 class ProfileBase(ProfileSection):
     """Fields every kind of site profile has."""
 
-    kind: str
+    kind: str = Field(description="The kind of site, which picks the profile model (slurm when absent).")
     description: Text | None = Field(default=None, description="Free text, for people.")
-    paths: Paths
+    paths: Paths = Field(
+        description="Where the code, the run directory, the data and the logs are; relative paths are "
+        "relative to the directory the job starts from (required)."
+    )
     python_env: PythonEnv = Field(default_factory=VenvEnv, description="How python/torchrun are found.")
-    network: Network = Field(default_factory=Network)
-    nccl: Nccl = Field(default_factory=Nccl)
+    network: Network = Field(
+        default_factory=Network,
+        description="The interface for bootstrap and socket traffic; unset: NCCL and Gloo choose.",
+    )
+    nccl: Nccl = Field(
+        default_factory=Nccl,
+        description="NCCL and torch.distributed settings exported to every job step (GPU sites only).",
+    )
     extra_env: Annotated[dict[EnvName, Text], BeforeValidator(_env_names)] = Field(
         default_factory=dict,
         description="More environment variables exported to every job step. Not: "
@@ -522,10 +540,23 @@ class ProfileBase(ProfileSection):
         description="Dynamic-loader variables extra_env may set after all (LD_LIBRARY_PATH, LD_PRELOAD): an "
         "explicit opt-in, for a library directory or a preloaded allocator.",
     )
-    trainer: Trainer
-    torchrun: Torchrun = Field(default_factory=Torchrun)
-    topology: Topology = Field(default_factory=Topology)
-    cross_region: CrossRegion = Field(default_factory=CrossRegion)
+    trainer: Trainer = Field(
+        description="What every node runs under torchrun: the entry point, its train config, resume mode, "
+        "arguments and stop protocol (required)."
+    )
+    torchrun: Torchrun = Field(
+        default_factory=Torchrun,
+        description="torchrun's rendezvous port and timeout, restarts, and processes per node on CPU sites.",
+    )
+    topology: Topology = Field(
+        default_factory=Topology,
+        description="CPU/NUMA placement of the ranks and the topology NCCL uses (all off by default).",
+    )
+    cross_region: CrossRegion = Field(
+        default_factory=CrossRegion,
+        description="This site as one region of a cross-region run (DiLoCo or gradient averaging through a "
+        "mailbox); off by default.",
+    )
     metrics: MetricsOptions | None = Field(
         default=None,
         description="The companion trainer's metric sinks (TensorBoard, W&B, a Prometheus textfile), as "

@@ -293,12 +293,20 @@ class SlurmResources(ProfileSection):
     ] = Field(
         description="Slurm version of the site, e.g. '23.11'; the job warns when the cluster runs another."
     )
-    partition: Name
-    account: Name | None = None
-    qos: Name | None = None
-    reservation: Name | None = None
+    partition: Name = Field(description="--partition: the Slurm partition to run in (required).")
+    account: Name | None = Field(
+        default=None, description="--account to charge the job to; unset: the user's default account."
+    )
+    qos: Name | None = Field(
+        default=None, description="--qos; unset: the account's or partition's default QOS."
+    )
+    reservation: Name | None = Field(
+        default=None, description="--reservation to run in; unset: no reservation."
+    )
     job_name: Name | None = Field(default=None, description="Job name (default: the site name).")
-    nodes: Int = Field(ge=1, le=100_000)
+    nodes: Int = Field(
+        ge=1, le=100_000, description="--nodes: machines of the job, one task (torchrun) on each (required)."
+    )
     gpus_per_node: Int = Field(
         ge=0, le=64, description="0 for a CPU site (then set torchrun.procs_per_node)."
     )
@@ -316,12 +324,22 @@ class SlurmResources(ProfileSection):
             AfterValidator(pattern_check(r"0|[1-9][0-9]*[KMGT]?", "memory (e.g. 480G, or 0 for all)")),
         ]
         | None
-    ) = None
+    ) = Field(
+        default=None,
+        description="--mem: memory per node, a number with an optional unit K, M, G or T (no unit: megabytes, "
+        "Slurm's default), e.g. 480G; 0 asks for all of a node's memory. Unset: no --mem, the partition's default.",
+    )
     time: SlurmTime = Field(description="Time limit: D-HH:MM:SS, HH:MM:SS or minutes.")
-    exclusive: bool = True
+    exclusive: bool = Field(
+        default=True, description="--exclusive: the nodes are not shared with other jobs (default true)."
+    )
     constraint: (
         Annotated[str, AfterValidator(pattern_check(f"[{SBATCH_CONSTRAINT_CHARS}]+", "constraint"))] | None
-    ) = None
+    ) = Field(
+        default=None,
+        description="--constraint: node features the nodes must have, with Slurm's operators (e.g. "
+        "ib&h200, [rack1|rack2]); unset: any node of the partition.",
+    )
     extra_directives: list[
         Annotated[
             str,
@@ -403,12 +421,29 @@ class SlurmResources(ProfileSection):
 class SlurmProfile(ProfileBase):
     """A Slurm site: renders out/<site>.sbatch (training) and out/<site>.setup.sbatch (env set-up)."""
 
-    kind: Literal["slurm"] = "slurm"
-    paths: SlurmPaths
-    slurm: SlurmResources
+    kind: Literal["slurm"] = Field(
+        default="slurm",
+        description="slurm: a Slurm cluster (the default when kind is left out); renders <site>.sbatch and "
+        "<site>.setup.sbatch.",
+    )
+    paths: SlurmPaths = Field(
+        description="Where the code, the run directory, the data and the logs are (relative paths: to the "
+        "submit directory), and whether each run keeps the code it was submitted with (required)."
+    )
+    slurm: SlurmResources = Field(
+        description="The job's #SBATCH resources: partition, account, nodes, GPUs, CPUs, memory, time limit "
+        "(required)."
+    )
     container: Container | None = Field(default=None, description="pyxis container for the job steps.")
-    preemption: Preemption = Field(default_factory=Preemption)
-    preflight: Preflight = Field(default_factory=Preflight)
+    preemption: Preemption = Field(
+        default_factory=Preemption,
+        description="The signal plan before the time limit or a preemption: signal, lead time, checkpoint "
+        "budget, requeue budget (defaults: USR1 600 s before the limit).",
+    )
+    preflight: Preflight = Field(
+        default_factory=Preflight,
+        description="The checks every node runs before training (on by default), and a site's own health check.",
+    )
 
     OUTPUTS: ClassVar[tuple[tuple[str, str], ...]] = (
         ("slurm.sbatch.j2", "{site}.sbatch"),
