@@ -176,6 +176,35 @@ CASES = [
         2,
         r"--set slurm\.extra_directives=\[--output=x\]: slurm\.extra_directives\[0\]: '--output=x' is rendered",
     ),
+    # --- a number or a boolean where a string is meant: quote it
+    (
+        "integer in extra_env",
+        add("extra_env:\n  NCCL_NET_GDR_LEVEL: 2\n"),
+        (),
+        2,
+        rf"{T}:{N + 2}: extra_env\.NCCL_NET_GDR_LEVEL: .*got the integer 2: quote it as written \('2'\)",
+    ),
+    (
+        "float in extra_env",
+        add("extra_env:\n  X: 1.10\n"),
+        (),
+        2,
+        rf"{T}:{N + 2}: extra_env\.X: .*got the number 1\.1 \(as YAML reads it\): quote it as written",
+    ),
+    (
+        "boolean in extra_env",
+        add("extra_env:\n  X: yes\n"),
+        (),
+        2,
+        rf"{T}:{N + 2}: extra_env\.X: .*got the YAML boolean true .*: quote it as written",
+    ),
+    (
+        "integer in --set of a string field",
+        None,
+        ("slurm.partition=2",),
+        2,
+        r"--set slurm\.partition=2: slurm\.partition: .*got the integer 2: quote it as written \('2'\)",
+    ),
     # --- 1. aliases that expand without bound
     (
         "alias bomb in a file",
