@@ -146,6 +146,17 @@ CASES = [
         rf"{T}:{ln('lead_time_s')}: preemption\.lead_time_s: .*shorter than checkpoint_s \+ margin_s",
     ),
     ("unknown kind", pre("kind: pbs\n"), (), 2, rf"{T}:1: kind: unknown kind 'pbs' \(valid kinds: slurm"),
+    (
+        "kind: ssh forgotten",
+        seq(
+            put("lab2.yaml", (REPO / "sites" / "lab.yaml").read_text().replace("\nkind: ssh\n", "\n")),
+            site("lab2"),
+        ),
+        (),
+        2,
+        r"sites/lab2\.yaml:1: kind: missing: the profile has kind ssh's sections \(hosts, node, ssh, launch\) and "
+        r"none of kind slurm's \(slurm, .*\).*: did you mean kind: ssh\?$",
+    ),
     ("unknown site", site("eur"), (), 2, r"unknown site 'eur'.*did you mean 'eu'\?$"),
     (
         "extends: missing",

@@ -388,3 +388,11 @@ def test_streaming_schedule_and_fragments_are_checked_at_their_lines(work):
     _replace(base, "  fragments: 200", "  fragments: 4")
     r = sg("validate")
     assert r.code == 0, r.err
+
+
+def test_an_ssh_section_in_a_slurm_profile_is_an_unknown_key_not_a_forgotten_kind(work):
+    # The "did you mean kind: ssh?" line is only for a profile with none of kind slurm's sections.
+    local = work / "sites" / "local.yaml"
+    local.write_text(local.read_text() + "node:\n  gpus: 0\n  cpus: 4\n")
+    err = _fails("validate", "--site", "local")
+    assert "node: unknown key 'node'" in err and "did you mean kind" not in err
