@@ -285,6 +285,23 @@ MAX_GPUS_PER_NODE: dict[str, int] = {
 }
 
 
+# Why an extra directive may not set one of the sbatch options that sbatch-gen renders itself (or relies on),
+# and what to set instead (SlurmResources._MANAGED).
+_ONE_TASK = (
+    "one task per node, torchrun, whose processes are slurm.gpus_per_node (torchrun.procs_per_node on a CPU "
+    "site)"
+)
+_GPUS = "set slurm.gpus_per_node, slurm.gpu_type and slurm.gpu_request"
+_LOG = (
+    "one log per job, <paths.log_dir>/%x-%j.out, appended across requeues, stderr included: set paths.log_dir"
+)
+_REQUEUE = "a stopped job is requeued; preemption.max_requeues_without_progress bounds a crash loop"
+_SUBMIT_DIR = (
+    "the job runs in the directory it is submitted from, to which the profile's relative paths are "
+    "relative: submit from the directory you mean"
+)
+
+
 class SlurmResources(ProfileSection):
     version: Annotated[
         str,
@@ -353,33 +370,35 @@ class SlurmResources(ProfileSection):
     ] = Field(default_factory=list, description="More #SBATCH lines, e.g. --mail-type=FAIL.")
     setup_time: SlurmTime = Field(default="01:00:00", description="Time limit of the setup job.")
 
-    _MANAGED: ClassVar[set[str]] = {
-        "partition",
-        "account",
-        "qos",
-        "reservation",
-        "job-name",
-        "nodes",
-        "ntasks",
-        "ntasks-per-node",
-        "gres",
-        "gpus",
-        "gpus-per-node",
-        "cpus-per-task",
-        "mem",
-        "time",
-        "exclusive",
-        "constraint",
-        "output",
-        "error",
-        "open-mode",
-        "signal",
-        "requeue",
-        "no-requeue",
-        "export",
-        "chdir",
-        "tasks",
-        "workdir",  # aliases of ntasks and chdir
+    # The sbatch options sbatch-gen renders itself (or relies on): an extra directive that is, or abbreviates,
+    # one of them is refused, with what to set instead.
+    _MANAGED: ClassVar[dict[str, str]] = {
+        "partition": "set slurm.partition",
+        "account": "set slurm.account",
+        "qos": "set slurm.qos",
+        "reservation": "set slurm.reservation",
+        "job-name": "set slurm.job_name",
+        "nodes": "set slurm.nodes",
+        "ntasks": _ONE_TASK,
+        "ntasks-per-node": _ONE_TASK,
+        "tasks": _ONE_TASK,  # an alias of ntasks
+        "gres": _GPUS,
+        "gpus": _GPUS,
+        "gpus-per-node": _GPUS,
+        "cpus-per-task": "set slurm.cpus_per_task",
+        "mem": "set slurm.mem",
+        "time": "set slurm.time",
+        "exclusive": "set slurm.exclusive",
+        "constraint": "set slurm.constraint",
+        "output": _LOG,
+        "error": _LOG,
+        "open-mode": _LOG,
+        "signal": "set preemption.signal and preemption.lead_time_s",
+        "requeue": _REQUEUE,
+        "no-requeue": _REQUEUE,
+        "export": "the job keeps the submitting shell's environment (sbatch's default); add variables with extra_env",
+        "chdir": _SUBMIT_DIR,
+        "workdir": _SUBMIT_DIR,  # an alias of chdir
     }
 
     @model_validator(mode="after")
@@ -388,18 +407,19 @@ class SlurmResources(ProfileSection):
             name = d[2:].split("=", 1)[0]
             if name in self._MANAGED:
                 raise FieldError(
-                    ("extra_directives", i), f"{d!r} is rendered from other fields; set those instead"
+                    ("extra_directives", i),
+                    f"{d!r}: sbatch-gen sets --{name} itself: {self._MANAGED[name]}",
                 )
             if name in SBATCH_LONG_OPTIONS:
                 continue
             full = sorted(o for o in SBATCH_LONG_OPTIONS if o.startswith(name))
             managed = [o for o in full if o in self._MANAGED]
             if managed:
+                why = "; ".join(f"--{o}: {self._MANAGED[o]}" for o in managed)
                 raise FieldError(
                     ("extra_directives", i),
                     f"{d!r}: sbatch reads --{name} as an abbreviation of "
-                    f"{' or '.join('--' + o for o in managed)}, which is rendered from other fields; "
-                    "set those instead",
+                    f"{' or '.join('--' + o for o in managed)}, which sbatch-gen sets itself ({why})",
                 )
             if full:
                 raise FieldError(

@@ -185,7 +185,8 @@ CASES = [
         None,
         ("slurm.extra_directives=[--output=x]",),
         2,
-        r"--set slurm\.extra_directives=\[--output=x\]: slurm\.extra_directives\[0\]: '--output=x' is rendered",
+        r"--set slurm\.extra_directives=\[--output=x\]: slurm\.extra_directives\[0\]: '--output=x': "
+        r"sbatch-gen sets --output itself: .*set paths\.log_dir$",
     ),
     # --- a number or a boolean where a string is meant: quote it
     (
