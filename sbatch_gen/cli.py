@@ -22,7 +22,7 @@ import yaml
 
 from sbatch_gen import __version__
 from sbatch_gen.consistency import check_cross_region, check_train_configs
-from sbatch_gen.errors import UserError
+from sbatch_gen.errors import UserError, clean_message
 from sbatch_gen.fsutil import display_path
 from sbatch_gen.loader import LoadedSite, list_sites, load_site
 from sbatch_gen.profiles import PROFILE_KINDS
@@ -124,6 +124,15 @@ def _load_many(
     if errors:
         raise UserError(errors)
     return loaded
+
+
+def _profile_notes(loaded: Iterable[LoadedSite]) -> list[str]:
+    """The profiles' warnings (:meth:`ProfileBase.warnings`), each at its field's line; a line that several
+    sites share (a base) once."""
+    notes = [
+        clean_message(f"{s.at(*path)}: warning: {msg}") for s in loaded for path, msg in s.profile.warnings()
+    ]
+    return list(dict.fromkeys(notes))
 
 
 def _run_partners(sites_dir: Path, loaded: list[LoadedSite]) -> list[LoadedSite]:
@@ -263,6 +272,8 @@ def render(names, all_, out_dir, overrides, sites_dir, templates_dir) -> None:
     selected = _select(sites_dir, names, all_)
     loaded = _load_many(sites_dir, selected, overrides, cross_region=all_)
     pairs = _render_all(loaded, templates_dir)
+    for n in _profile_notes(loaded):
+        click.echo(f"note {n}", err=True)
     written = write_outputs(out_dir, [(r.filename, r.text) for _, r in pairs])
     for path, unchanged in written:
         click.echo(f"{'unchanged' if unchanged else 'wrote'} {display_path(path)}")
@@ -358,7 +369,7 @@ def validate(names, sites_dir) -> None:
     errors, notes = check_train_configs(run_sites)
     if errors:
         raise UserError(errors)
-    for n in notes:
+    for n in [*_profile_notes(loaded), *notes]:
         click.echo(f"note {n}", err=True)
     runs: dict[str, list[str]] = {}
     for s in run_sites:

@@ -614,6 +614,22 @@ class ProfileBase(ProfileSection):
             return self.stop_budget()
         return None
 
+    def warnings(self) -> list[tuple[tuple[str | int, ...], str]]:
+        """What validates but is likely not what was meant: (the field's path, the message), which
+        ``validate`` and ``render`` print as notes at the field's line (docs/profiles.md)."""
+        out: list[tuple[tuple[str | int, ...], str]] = []
+        for name, value in self.extra_env.items():
+            if "$" in value or "`" in value:
+                out.append(
+                    (
+                        ("extra_env", name),
+                        f"extra_env.{name}: {value!r} is exported as written: values are quoted, so '$' and "
+                        "'`' are not expanded (the job's own variables, SLURM_JOB_ID and the like, are in every "
+                        "process's environment already: read them there; write a path out in full)",
+                    )
+                )
+        return out
+
     def nproc_per_node(self) -> int:
         g = self.gpus_per_node()
         return g if g > 0 else (self.torchrun.procs_per_node or 1)
