@@ -32,6 +32,7 @@ from sbatch_gen.render import (
     Rendered,
     check_out_dir,
     node_program,
+    other_templates_note,
     render_site,
     write_outputs,
 )
@@ -82,7 +83,8 @@ def _templates_option(f: Callable) -> Callable:
         "--templates-dir",
         type=click.Path(file_okay=False, exists=True, path_type=Path),
         default=None,
-        help="Jinja templates (default: templates/ of the checkout, or the copy inside the installed package).",
+        help="Jinja templates (default: those of the sbatch-gen that runs: templates/ of the checkout it was "
+        "installed from, or the copy inside the installed package; never the working directory's unasked).",
     )(f)
 
 
@@ -175,7 +177,10 @@ def _select(sites_dir: Path, names: tuple[str, ...], all_: bool, required: bool 
 
 
 def _render_all(loaded: list[LoadedSite], templates_dir: Path | None) -> list[tuple[LoadedSite, Rendered]]:
-    """Every site's files, then the node program once when a render runs it (it goes beside them)."""
+    """Every site's files, then the node program once when a render runs it (it goes beside them). With the
+    default templates, a note when the working directory has other ones (:func:`other_templates_note`)."""
+    if templates_dir is None and (note := other_templates_note()) is not None:
+        click.echo(note, err=True)
     pairs = [(s, r) for s in loaded for r in render_site(s, templates_dir)]
     users = [s for s, r in pairs if r.uses_node_program]
     if users:
