@@ -550,7 +550,8 @@ class ProfileBase(ProfileSection):
     )
     topology: Topology = Field(
         default_factory=Topology,
-        description="CPU/NUMA placement of the ranks and the topology NCCL uses (all off by default).",
+        description="CPU/NUMA placement of the ranks and the topology file NCCL uses (both off by default), and "
+        "the preflight's log of the GPU topology (on by default).",
     )
     cross_region: CrossRegion = Field(
         default_factory=CrossRegion,
