@@ -22,7 +22,7 @@ import yaml
 
 from sbatch_gen import __version__
 from sbatch_gen.consistency import check_cross_region, check_torch_minimum, check_train_configs
-from sbatch_gen.errors import UserError
+from sbatch_gen.errors import UserError, clean_message
 from sbatch_gen.fsutil import display_path
 from sbatch_gen.loader import LoadedSite, list_sites, load_site
 from sbatch_gen.profiles import PROFILE_KINDS
@@ -32,6 +32,7 @@ from sbatch_gen.render import (
     Rendered,
     check_out_dir,
     node_program,
+    other_templates_note,
     render_site,
     write_outputs,
 )
@@ -82,7 +83,8 @@ def _templates_option(f: Callable) -> Callable:
         "--templates-dir",
         type=click.Path(file_okay=False, exists=True, path_type=Path),
         default=None,
-        help="Jinja templates (default: templates/ of the checkout, or the copy inside the installed package).",
+        help="Jinja templates (default: those of the sbatch-gen that runs: templates/ of the checkout it was "
+        "installed from, or the copy inside the installed package; never the working directory's unasked).",
     )(f)
 
 
@@ -126,6 +128,15 @@ def _load_many(
     return loaded
 
 
+def _profile_notes(loaded: Iterable[LoadedSite]) -> list[str]:
+    """The profiles' warnings (:meth:`ProfileBase.warnings`), each at its field's line; a line that several
+    sites share (a base) once."""
+    notes = [
+        clean_message(f"{s.at(*path)}: warning: {msg}") for s in loaded for path, msg in s.profile.warnings()
+    ]
+    return list(dict.fromkeys(notes))
+
+
 def _run_partners(sites_dir: Path, loaded: list[LoadedSite]) -> list[LoadedSite]:
     """The other sites of sites_dir in the cross-region runs of ``loaded``. A site that does not load is
     left out, unless a run then lacks a region: its errors say why (the check would only say the region is
@@ -166,7 +177,10 @@ def _select(sites_dir: Path, names: tuple[str, ...], all_: bool, required: bool 
 
 
 def _render_all(loaded: list[LoadedSite], templates_dir: Path | None) -> list[tuple[LoadedSite, Rendered]]:
-    """Every site's files, then the node program once when a render runs it (it goes beside them)."""
+    """Every site's files, then the node program once when a render runs it (it goes beside them). With the
+    default templates, a note when the working directory has other ones (:func:`other_templates_note`)."""
+    if templates_dir is None and (note := other_templates_note()) is not None:
+        click.echo(note, err=True)
     pairs = [(s, r) for s in loaded for r in render_site(s, templates_dir)]
     users = [s for s, r in pairs if r.uses_node_program]
     if users:
@@ -263,6 +277,8 @@ def render(names, all_, out_dir, overrides, sites_dir, templates_dir) -> None:
     selected = _select(sites_dir, names, all_)
     loaded = _load_many(sites_dir, selected, overrides, cross_region=all_)
     pairs = _render_all(loaded, templates_dir)
+    for n in _profile_notes(loaded):
+        click.echo(f"note {n}", err=True)
     written = write_outputs(out_dir, [(r.filename, r.text) for _, r in pairs])
     for path, unchanged in written:
         click.echo(f"{'unchanged' if unchanged else 'wrote'} {display_path(path)}")
@@ -359,7 +375,7 @@ def validate(names, sites_dir) -> None:
     errors += check_torch_minimum(loaded)
     if errors:
         raise UserError(errors)
-    for n in notes:
+    for n in [*_profile_notes(loaded), *notes]:
         click.echo(f"note {n}", err=True)
     runs: dict[str, list[str]] = {}
     for s in run_sites:

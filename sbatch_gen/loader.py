@@ -257,7 +257,31 @@ def site_path(sites_dir: Path, name: str) -> Path:
     raise AssertionError(name)
 
 
+def _forgotten_kind(data: dict, default: Where) -> UserError | None:
+    """A profile without ``kind`` is read as the default kind. When it has another kind's own sections and
+    none of the default kind's (an SSH profile that forgot ``kind: ssh``), one line says so, instead of the
+    default kind's errors about every section it does not know."""
+    if "kind" in data:
+        return None
+    shared = set(ProfileBase.model_fields)
+    default_own = [k for k in PROFILE_KINDS[DEFAULT_KIND].model_fields if k not in shared]
+    if any(k in data for k in default_own):
+        return None
+    for kind, cls in PROFILE_KINDS.items():
+        found = [k for k in cls.model_fields if k not in shared and k in data]
+        if kind != DEFAULT_KIND and found:
+            return UserError(
+                f"{default}: kind: missing: the profile has kind {kind}'s sections ({', '.join(found)}) and "
+                f"none of kind {DEFAULT_KIND}'s ({', '.join(default_own)}), the kind of a profile without "
+                f"kind: did you mean kind: {kind}?"
+            )
+    return None
+
+
 def validate_profile(data: dict, where: dict[DataPath, Where], default: Where) -> ProfileBase:
+    forgotten = _forgotten_kind(data, default)
+    if forgotten is not None:
+        raise forgotten
     kind = data.get("kind", DEFAULT_KIND)
     if kind not in PROFILE_KINDS:
         w = lookup_where(where, ("kind",), default)

@@ -57,6 +57,39 @@ def default_templates_dir() -> Path:
     )
 
 
+def _template_files(d: Path) -> dict[str, bytes]:
+    try:
+        return {f.relative_to(d).as_posix(): f.read_bytes() for f in sorted(d.rglob("*.j2")) if f.is_file()}
+    except OSError:
+        return {}
+
+
+def other_templates_note(cwd: Path | None = None) -> str | None:
+    """The default templates are those of the sbatch-gen that runs (:func:`default_templates_dir`): the code
+    that fills them in and they go together, so a working directory's ``templates/`` is never read unasked.
+    When the working directory has one that differs (another checkout, edited templates), a note says
+    which were used and how to use the others; None otherwise."""
+    here = Path(cwd) if cwd is not None else Path.cwd()
+    local = here / "templates"
+    if not local.is_dir():
+        return None
+    try:
+        used = default_templates_dir()
+    except UserError:
+        return None
+    if local.resolve() == used.resolve():
+        return None
+    theirs, ours = _template_files(local), _template_files(used)
+    if theirs == ours or not theirs.keys() & ours.keys():  # the same, or a templates/ of something else
+        return None
+    code = Path(__file__).resolve().parent
+    return (
+        f"note: rendering with the templates of the sbatch-gen that runs, {display_path(used)} (its code is "
+        f"{display_path(code)}), not with ./templates, which differ: pass --templates-dir templates, or run "
+        "this checkout's sbatch-gen (python -m sbatch_gen.cli from it, or pip install -e . into the venv)"
+    )
+
+
 def shell_quote(value: object) -> str:
     """Quote one value as one shell word (like shlex.quote, but ',' and '=' are quoted too). A run-time
     value (sbatch_gen.launch.Var, Concat) becomes a double-quoted expansion of its shell variables."""

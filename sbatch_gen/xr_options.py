@@ -119,7 +119,7 @@ def _no_bool(v: object) -> object:
 class FsTransport(StrictModel):
     """A directory as the mailbox: a shared filesystem, or a local one for demos and tests."""
 
-    kind: Literal["fs"] = "fs"
+    kind: Literal["fs"] = Field(default="fs", description="fs: a directory as the mailbox.")
     root: str = Field(
         min_length=1,
         description="Mailbox directory. Every region of the run must see the same directory.",
@@ -188,7 +188,7 @@ class S3Credentials(StrictModel):
 class S3Transport(StrictModel):
     """An S3 (or S3-compatible) bucket as the mailbox, through one persistent boto3 client."""
 
-    kind: Literal["s3"] = "s3"
+    kind: Literal["s3"] = Field(default="s3", description="s3: an S3 or S3-compatible bucket as the mailbox.")
     bucket: str = Field(pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$", description="Bucket name.")
     prefix: str = Field(
         default="",
@@ -204,7 +204,11 @@ class S3Transport(StrictModel):
         default="auto", description="S3 addressing style; most S3-compatible stores want 'path'."
     )
     region_name: _name | None = Field(default=None, description="Bucket's region, e.g. eu-central-1.")
-    credentials: S3Credentials = Field(default_factory=S3Credentials)
+    credentials: S3Credentials = Field(
+        default_factory=S3Credentials,
+        description="Where the credentials come from, by name only (an AWS profile, or the names of "
+        "environment variables); all unset: boto3's default chain (environment, shared files, instance role).",
+    )
 
     @field_validator("prefix")
     @classmethod

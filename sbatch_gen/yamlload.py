@@ -332,6 +332,19 @@ def lookup_where(where: dict[DataPath, Where], path: DataPath, default: Where) -
     return default
 
 
+def _quote_hint(value: int | float) -> str:
+    """A number or a YAML boolean where a string is meant (``NCCL_NET_GDR_LEVEL: 2``, ``X: yes``): YAML
+    typed the value, so ask for quotes; the value as written is not known here (``1.10`` reads as 1.1)."""
+    if isinstance(value, bool):
+        got = f"the YAML boolean {str(value).lower()} (true/false, yes/no, on/off are booleans in YAML)"
+        example = ""
+    elif isinstance(value, int):
+        got, example = f"the integer {value!r}", f" ('{value!r}')"
+    else:
+        got, example = f"the number {value!r} (as YAML reads it)", ""
+    return f"Input should be a valid string, got {got}: quote it as written{example} to give a string"
+
+
 def format_validation_error(
     exc: ValidationError,
     root: type[BaseModel],
@@ -365,6 +378,8 @@ def format_validation_error(
             msg = "required field is missing"
         elif ctx_error is not None and typ in ("value_error", "assertion_error"):
             msg = str(ctx_error)
+        elif typ == "string_type" and isinstance(err.get("input"), int | float):
+            msg = _quote_hint(err["input"])
         else:
             msg = err["msg"]
             inp = err.get("input")

@@ -86,7 +86,9 @@ class _EnvCommon(ProfileSection):
 class VenvEnv(_EnvCommon):
     """A Python virtual environment (created by the setup job)."""
 
-    kind: Literal["venv"] = "venv"
+    kind: Literal["venv"] = Field(
+        default="venv", description="venv: a virtual environment at path (the default python_env)."
+    )
     path: PathStr = Field(default=".venv", description="The venv directory.")
     python: Annotated[
         str,
@@ -98,7 +100,10 @@ class VenvEnv(_EnvCommon):
 class CondaEnv(_EnvCommon):
     """A conda environment, activated with `conda activate` (created by the setup job)."""
 
-    kind: Literal["conda"] = "conda"
+    kind: Literal["conda"] = Field(
+        default="conda",
+        description="conda: a conda environment (conda_sh, and name or prefix), activated with `conda activate`.",
+    )
     conda_sh: PathStr = Field(description="Path of etc/profile.d/conda.sh of the conda installation.")
     name: Name | None = Field(default=None, description="Environment name (or give prefix).")
     prefix: PathStr | None = Field(default=None, description="Environment prefix path (or give name).")
@@ -116,7 +121,11 @@ class CondaEnv(_EnvCommon):
 class NoEnv(_EnvCommon):
     """No activation: python/torchrun from PATH (a container image, or a site-wide installation)."""
 
-    kind: Literal["none"] = "none"
+    kind: Literal["none"] = Field(
+        default="none",
+        description="none: no activation; python and torchrun from PATH (a container image, a site-wide "
+        "installation).",
+    )
 
 
 PythonEnv = Annotated[VenvEnv | CondaEnv | NoEnv, Field(discriminator="kind")]
@@ -506,12 +515,21 @@ def _is_loader_env(name: str) -> bool:
 class ProfileBase(ProfileSection):
     """Fields every kind of site profile has."""
 
-    kind: str
+    kind: str = Field(description="The kind of site, which picks the profile model (slurm when absent).")
     description: Text | None = Field(default=None, description="Free text, for people.")
-    paths: Paths
+    paths: Paths = Field(
+        description="Where the code, the run directory, the data and the logs are; relative paths are "
+        "relative to the directory the job starts from (required)."
+    )
     python_env: PythonEnv = Field(default_factory=VenvEnv, description="How python/torchrun are found.")
-    network: Network = Field(default_factory=Network)
-    nccl: Nccl = Field(default_factory=Nccl)
+    network: Network = Field(
+        default_factory=Network,
+        description="The interface for bootstrap and socket traffic; unset: NCCL and Gloo choose.",
+    )
+    nccl: Nccl = Field(
+        default_factory=Nccl,
+        description="NCCL and torch.distributed settings exported to every job step (GPU sites only).",
+    )
     extra_env: Annotated[dict[EnvName, Text], BeforeValidator(_env_names)] = Field(
         default_factory=dict,
         description="More environment variables exported to every job step. Not: "
@@ -523,10 +541,24 @@ class ProfileBase(ProfileSection):
         description="Dynamic-loader variables extra_env may set after all (LD_LIBRARY_PATH, LD_PRELOAD): an "
         "explicit opt-in, for a library directory or a preloaded allocator.",
     )
-    trainer: Trainer
-    torchrun: Torchrun = Field(default_factory=Torchrun)
-    topology: Topology = Field(default_factory=Topology)
-    cross_region: CrossRegion = Field(default_factory=CrossRegion)
+    trainer: Trainer = Field(
+        description="What every node runs under torchrun: the entry point, its train config, resume mode, "
+        "arguments and stop protocol (required)."
+    )
+    torchrun: Torchrun = Field(
+        default_factory=Torchrun,
+        description="torchrun's rendezvous port and timeout, restarts, and processes per node on CPU sites.",
+    )
+    topology: Topology = Field(
+        default_factory=Topology,
+        description="CPU/NUMA placement of the ranks and the topology file NCCL uses (both off by default), and "
+        "the preflight's log of the GPU topology (on by default).",
+    )
+    cross_region: CrossRegion = Field(
+        default_factory=CrossRegion,
+        description="This site as one region of a cross-region run (DiLoCo or gradient averaging through a "
+        "mailbox); off by default.",
+    )
     metrics: MetricsOptions | None = Field(
         default=None,
         description="The companion trainer's metric sinks (TensorBoard, W&B, a Prometheus textfile), as "
@@ -583,6 +615,22 @@ class ProfileBase(ProfileSection):
         if self.trainer.stop_protocol == "sbatch-gen":
             return self.stop_budget()
         return None
+
+    def warnings(self) -> list[tuple[tuple[str | int, ...], str]]:
+        """What validates but is likely not what was meant: (the field's path, the message), which
+        ``validate`` and ``render`` print as notes at the field's line (docs/profiles.md)."""
+        out: list[tuple[tuple[str | int, ...], str]] = []
+        for name, value in self.extra_env.items():
+            if "$" in value or "`" in value:
+                out.append(
+                    (
+                        ("extra_env", name),
+                        f"extra_env.{name}: {value!r} is exported as written: values are quoted, so '$' and "
+                        "'`' are not expanded (the job's own variables, SLURM_JOB_ID and the like, are in every "
+                        "process's environment already: read them there; write a path out in full)",
+                    )
+                )
+        return out
 
     def nproc_per_node(self) -> int:
         g = self.gpus_per_node()

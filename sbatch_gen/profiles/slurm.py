@@ -285,6 +285,23 @@ MAX_GPUS_PER_NODE: dict[str, int] = {
 }
 
 
+# Why an extra directive may not set one of the sbatch options that sbatch-gen renders itself (or relies on),
+# and what to set instead (SlurmResources._MANAGED).
+_ONE_TASK = (
+    "one task per node, torchrun, whose processes are slurm.gpus_per_node (torchrun.procs_per_node on a CPU "
+    "site)"
+)
+_GPUS = "set slurm.gpus_per_node, slurm.gpu_type and slurm.gpu_request"
+_LOG = (
+    "one log per job, <paths.log_dir>/%x-%j.out, appended across requeues, stderr included: set paths.log_dir"
+)
+_REQUEUE = "a stopped job is requeued; preemption.max_requeues_without_progress bounds a crash loop"
+_SUBMIT_DIR = (
+    "the job runs in the directory it is submitted from, to which the profile's relative paths are "
+    "relative: submit from the directory you mean"
+)
+
+
 class SlurmResources(ProfileSection):
     version: Annotated[
         str,
@@ -293,12 +310,20 @@ class SlurmResources(ProfileSection):
     ] = Field(
         description="Slurm version of the site, e.g. '23.11'; the job warns when the cluster runs another."
     )
-    partition: Name
-    account: Name | None = None
-    qos: Name | None = None
-    reservation: Name | None = None
+    partition: Name = Field(description="--partition: the Slurm partition to run in (required).")
+    account: Name | None = Field(
+        default=None, description="--account to charge the job to; unset: the user's default account."
+    )
+    qos: Name | None = Field(
+        default=None, description="--qos; unset: the account's or partition's default QOS."
+    )
+    reservation: Name | None = Field(
+        default=None, description="--reservation to run in; unset: no reservation."
+    )
     job_name: Name | None = Field(default=None, description="Job name (default: the site name).")
-    nodes: Int = Field(ge=1, le=100_000)
+    nodes: Int = Field(
+        ge=1, le=100_000, description="--nodes: machines of the job, one task (torchrun) on each (required)."
+    )
     gpus_per_node: Int = Field(
         ge=0, le=64, description="0 for a CPU site (then set torchrun.procs_per_node)."
     )
@@ -316,12 +341,22 @@ class SlurmResources(ProfileSection):
             AfterValidator(pattern_check(r"0|[1-9][0-9]*[KMGT]?", "memory (e.g. 480G, or 0 for all)")),
         ]
         | None
-    ) = None
+    ) = Field(
+        default=None,
+        description="--mem: memory per node, a number with an optional unit K, M, G or T (no unit: megabytes, "
+        "Slurm's default), e.g. 480G; 0 asks for all of a node's memory. Unset: no --mem, the partition's default.",
+    )
     time: SlurmTime = Field(description="Time limit: D-HH:MM:SS, HH:MM:SS or minutes.")
-    exclusive: bool = True
+    exclusive: bool = Field(
+        default=True, description="--exclusive: the nodes are not shared with other jobs (default true)."
+    )
     constraint: (
         Annotated[str, AfterValidator(pattern_check(f"[{SBATCH_CONSTRAINT_CHARS}]+", "constraint"))] | None
-    ) = None
+    ) = Field(
+        default=None,
+        description="--constraint: node features the nodes must have, with Slurm's operators (e.g. "
+        "ib&h200, [rack1|rack2]); unset: any node of the partition.",
+    )
     extra_directives: list[
         Annotated[
             str,
@@ -335,33 +370,35 @@ class SlurmResources(ProfileSection):
     ] = Field(default_factory=list, description="More #SBATCH lines, e.g. --mail-type=FAIL.")
     setup_time: SlurmTime = Field(default="01:00:00", description="Time limit of the setup job.")
 
-    _MANAGED: ClassVar[set[str]] = {
-        "partition",
-        "account",
-        "qos",
-        "reservation",
-        "job-name",
-        "nodes",
-        "ntasks",
-        "ntasks-per-node",
-        "gres",
-        "gpus",
-        "gpus-per-node",
-        "cpus-per-task",
-        "mem",
-        "time",
-        "exclusive",
-        "constraint",
-        "output",
-        "error",
-        "open-mode",
-        "signal",
-        "requeue",
-        "no-requeue",
-        "export",
-        "chdir",
-        "tasks",
-        "workdir",  # aliases of ntasks and chdir
+    # The sbatch options sbatch-gen renders itself (or relies on): an extra directive that is, or abbreviates,
+    # one of them is refused, with what to set instead.
+    _MANAGED: ClassVar[dict[str, str]] = {
+        "partition": "set slurm.partition",
+        "account": "set slurm.account",
+        "qos": "set slurm.qos",
+        "reservation": "set slurm.reservation",
+        "job-name": "set slurm.job_name",
+        "nodes": "set slurm.nodes",
+        "ntasks": _ONE_TASK,
+        "ntasks-per-node": _ONE_TASK,
+        "tasks": _ONE_TASK,  # an alias of ntasks
+        "gres": _GPUS,
+        "gpus": _GPUS,
+        "gpus-per-node": _GPUS,
+        "cpus-per-task": "set slurm.cpus_per_task",
+        "mem": "set slurm.mem",
+        "time": "set slurm.time",
+        "exclusive": "set slurm.exclusive",
+        "constraint": "set slurm.constraint",
+        "output": _LOG,
+        "error": _LOG,
+        "open-mode": _LOG,
+        "signal": "set preemption.signal and preemption.lead_time_s",
+        "requeue": _REQUEUE,
+        "no-requeue": _REQUEUE,
+        "export": "the job keeps the submitting shell's environment (sbatch's default); add variables with extra_env",
+        "chdir": _SUBMIT_DIR,
+        "workdir": _SUBMIT_DIR,  # an alias of chdir
     }
 
     @model_validator(mode="after")
@@ -370,18 +407,19 @@ class SlurmResources(ProfileSection):
             name = d[2:].split("=", 1)[0]
             if name in self._MANAGED:
                 raise FieldError(
-                    ("extra_directives", i), f"{d!r} is rendered from other fields; set those instead"
+                    ("extra_directives", i),
+                    f"{d!r}: sbatch-gen sets --{name} itself: {self._MANAGED[name]}",
                 )
             if name in SBATCH_LONG_OPTIONS:
                 continue
             full = sorted(o for o in SBATCH_LONG_OPTIONS if o.startswith(name))
             managed = [o for o in full if o in self._MANAGED]
             if managed:
+                why = "; ".join(f"--{o}: {self._MANAGED[o]}" for o in managed)
                 raise FieldError(
                     ("extra_directives", i),
                     f"{d!r}: sbatch reads --{name} as an abbreviation of "
-                    f"{' or '.join('--' + o for o in managed)}, which is rendered from other fields; "
-                    "set those instead",
+                    f"{' or '.join('--' + o for o in managed)}, which sbatch-gen sets itself ({why})",
                 )
             if full:
                 raise FieldError(
@@ -403,12 +441,29 @@ class SlurmResources(ProfileSection):
 class SlurmProfile(ProfileBase):
     """A Slurm site: renders out/<site>.sbatch (training) and out/<site>.setup.sbatch (env set-up)."""
 
-    kind: Literal["slurm"] = "slurm"
-    paths: SlurmPaths
-    slurm: SlurmResources
+    kind: Literal["slurm"] = Field(
+        default="slurm",
+        description="slurm: a Slurm cluster (the default when kind is left out); renders <site>.sbatch and "
+        "<site>.setup.sbatch.",
+    )
+    paths: SlurmPaths = Field(
+        description="Where the code, the run directory, the data and the logs are (relative paths: to the "
+        "submit directory), and whether each run keeps the code it was submitted with (required)."
+    )
+    slurm: SlurmResources = Field(
+        description="The job's #SBATCH resources: partition, account, nodes, GPUs, CPUs, memory, time limit "
+        "(required)."
+    )
     container: Container | None = Field(default=None, description="pyxis container for the job steps.")
-    preemption: Preemption = Field(default_factory=Preemption)
-    preflight: Preflight = Field(default_factory=Preflight)
+    preemption: Preemption = Field(
+        default_factory=Preemption,
+        description="The signal plan before the time limit or a preemption: signal, lead time, checkpoint "
+        "budget, requeue budget (defaults: USR1 600 s before the limit).",
+    )
+    preflight: Preflight = Field(
+        default_factory=Preflight,
+        description="The checks every node runs before training (on by default), and a site's own health check.",
+    )
 
     OUTPUTS: ClassVar[tuple[tuple[str, str], ...]] = (
         ("slurm.sbatch.j2", "{site}.sbatch"),

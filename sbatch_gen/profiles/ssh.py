@@ -166,15 +166,25 @@ class SshNode(ProfileSection):
 class SshProfile(ProfileBase):
     """Plain machines over SSH: renders out/<site>.sh, a launcher to run on the first host."""
 
-    kind: Literal["ssh"] = "ssh"
+    kind: Literal["ssh"] = Field(
+        default="ssh",
+        description="ssh: plain machines reached over SSH, no scheduler; renders <site>.sh. Must be written: "
+        "a profile without kind is read as kind slurm.",
+    )
     hosts: list[Annotated[SshHost, BeforeValidator(_host_shorthand)]] = Field(
         min_length=1,
         description="The machines, in node-rank order; the first one runs the launcher (and node 0). "
         "A plain string is a host name.",
     )
-    node: SshNode
-    ssh: SshConnection = Field(default_factory=SshConnection)
-    launch: SshLaunch = Field(default_factory=SshLaunch)
+    node: SshNode = Field(description="What every host has: GPUs and CPU cores (required).")
+    ssh: SshConnection = Field(
+        default_factory=SshConnection,
+        description="How the launcher reaches the other hosts (user, key, options); unset fields: ssh's own config.",
+    )
+    launch: SshLaunch = Field(
+        default_factory=SshLaunch,
+        description="Attempts: relaunches after a failure, waits, the stop file and the kill grace.",
+    )
 
     OUTPUTS: ClassVar[tuple[tuple[str, str], ...]] = (("ssh-launcher.sh.j2", "{site}.sh"),)
 

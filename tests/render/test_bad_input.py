@@ -146,6 +146,17 @@ CASES = [
         rf"{T}:{ln('lead_time_s')}: preemption\.lead_time_s: .*shorter than checkpoint_s \+ margin_s",
     ),
     ("unknown kind", pre("kind: pbs\n"), (), 2, rf"{T}:1: kind: unknown kind 'pbs' \(valid kinds: slurm"),
+    (
+        "kind: ssh forgotten",
+        seq(
+            put("lab2.yaml", (REPO / "sites" / "lab.yaml").read_text().replace("\nkind: ssh\n", "\n")),
+            site("lab2"),
+        ),
+        (),
+        2,
+        r"sites/lab2\.yaml:1: kind: missing: the profile has kind ssh's sections \(hosts, node, ssh, launch\) and "
+        r"none of kind slurm's \(slurm, .*\).*: did you mean kind: ssh\?$",
+    ),
     ("unknown site", site("eur"), (), 2, r"unknown site 'eur'.*did you mean 'eu'\?$"),
     (
         "extends: missing",
@@ -174,7 +185,37 @@ CASES = [
         None,
         ("slurm.extra_directives=[--output=x]",),
         2,
-        r"--set slurm\.extra_directives=\[--output=x\]: slurm\.extra_directives\[0\]: '--output=x' is rendered",
+        r"--set slurm\.extra_directives=\[--output=x\]: slurm\.extra_directives\[0\]: '--output=x': "
+        r"sbatch-gen sets --output itself: .*set paths\.log_dir$",
+    ),
+    # --- a number or a boolean where a string is meant: quote it
+    (
+        "integer in extra_env",
+        add("extra_env:\n  NCCL_NET_GDR_LEVEL: 2\n"),
+        (),
+        2,
+        rf"{T}:{N + 2}: extra_env\.NCCL_NET_GDR_LEVEL: .*got the integer 2: quote it as written \('2'\)",
+    ),
+    (
+        "float in extra_env",
+        add("extra_env:\n  X: 1.10\n"),
+        (),
+        2,
+        rf"{T}:{N + 2}: extra_env\.X: .*got the number 1\.1 \(as YAML reads it\): quote it as written",
+    ),
+    (
+        "boolean in extra_env",
+        add("extra_env:\n  X: yes\n"),
+        (),
+        2,
+        rf"{T}:{N + 2}: extra_env\.X: .*got the YAML boolean true .*: quote it as written",
+    ),
+    (
+        "integer in --set of a string field",
+        None,
+        ("slurm.partition=2",),
+        2,
+        r"--set slurm\.partition=2: slurm\.partition: .*got the integer 2: quote it as written \('2'\)",
     ),
     # --- 1. aliases that expand without bound
     (

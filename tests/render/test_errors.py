@@ -434,3 +434,30 @@ def test_streaming_schedule_and_fragments_are_checked_at_their_lines(work):
     _replace(base, "  fragments: 200", "  fragments: 4")
     r = sg("validate")
     assert r.code == 0, r.err
+
+
+def test_an_ssh_section_in_a_slurm_profile_is_an_unknown_key_not_a_forgotten_kind(work):
+    # The "did you mean kind: ssh?" line is only for a profile with none of kind slurm's sections.
+    local = work / "sites" / "local.yaml"
+    local.write_text(local.read_text() + "node:\n  gpus: 0\n  cpus: 4\n")
+    err = _fails("validate", "--site", "local")
+    assert "node: unknown key 'node'" in err and "did you mean kind" not in err
+
+
+def test_a_dollar_in_extra_env_is_a_warning_at_its_line_and_renders_as_written(work):
+    """Values are quoted, so `$SLURM_JOB_ID` reaches the job as those characters: validate and render say
+    so, one line at the value's line, and still exit 0 (a literal '$' may be meant)."""
+    local = work / "sites" / "local.yaml"
+    local.write_text(local.read_text() + 'extra_env:\n  RUN_TAG: "job-$SLURM_JOB_ID"\n  PLAIN: x\n')
+    line = _line_of(local, "RUN_TAG")
+    note = (
+        f"note sites/local.yaml:{line}: warning: extra_env.RUN_TAG: 'job-$SLURM_JOB_ID' is exported as written: "
+        "values are quoted, so '$' and '`' are not expanded"
+    )
+    for args in (("validate", "--site", "local"), ("render", "--site", "local", "--out", "o")):
+        r = sg(*args)
+        assert r.code == 0, r.err
+        assert r.err.count(note) == 1 and len(r.err.splitlines()) == 1, r.err
+    assert "export RUN_TAG='job-$SLURM_JOB_ID'\n" in (work / "o" / "local.sbatch").read_text()
+    r = sg("validate", "--site", "lab", "--site", "local")  # a plain value (and the SSH kind): no note
+    assert "PLAIN" not in r.err and r.err.count("warning") == 1, r.err

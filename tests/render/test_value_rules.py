@@ -183,20 +183,35 @@ def test_ld_audit_cannot_be_opted_in(work):
 
 
 @pytest.mark.parametrize(
-    ("directive", "managed"),
+    ("directive", "managed", "instead"),
     [
-        ("--outp=x.log", "--output"),
-        ("--sig=USR1@60", "--signal"),
-        ("--no-req", "--no-requeue"),
-        ("--part=debug", "--partition"),
-        ("--tasks=4", None),
-        ("--workdir=/tmp", None),
-        ("--gpus-per-n=2", "--gpus-per-node"),
+        ("--outp=x.log", "--output", "set paths.log_dir"),
+        ("--output=x.log", None, "set paths.log_dir"),
+        ("--sig=USR1@60", "--signal", "set preemption.signal and preemption.lead_time_s"),
+        ("--no-req", "--no-requeue", "preemption.max_requeues_without_progress"),
+        ("--part=debug", "--partition", "set slurm.partition"),
+        ("--account=x", None, "set slurm.account"),
+        ("--mem=4G", None, "set slurm.mem"),
+        ("--tasks=4", None, "slurm.gpus_per_node (torchrun.procs_per_node on a CPU site)"),
+        ("--workdir=/tmp", None, "the directory it is submitted from"),
+        ("--export=NONE", None, "extra_env"),
+        (
+            "--gpus-per-n=2",
+            "--gpus-per-node",
+            "set slurm.gpus_per_node, slurm.gpu_type and slurm.gpu_request",
+        ),
+        ("--gres=gpu:2", None, "set slurm.gpus_per_node, slurm.gpu_type and slurm.gpu_request"),
     ],
 )
-def test_abbreviated_managed_directives_are_refused(work, directive, managed):
+def test_managed_directives_are_refused_naming_the_field_that_sets_them(work, directive, managed, instead):
     line = _refused(work, "local", "slurm.extra_directives[0]", **{"slurm.extra_directives": [directive]})
-    assert ("rendered from other fields" in line) and (managed is None or managed in line), line
+    name = directive.split("=")[0]
+    assert (
+        f"sbatch-gen sets {name} itself: " in line
+        if managed is None
+        else f"abbreviation of {managed}" in line
+    )
+    assert instead in line, line
 
 
 def test_abbreviated_directives_must_be_written_out(work):
