@@ -141,7 +141,15 @@ JOB_ENV_NAMES: frozenset[str] = frozenset(name for b in _ENV_TABLE for name, _ i
 
 # Variables the scripts set at run time (besides job_environment), for pyxis --container-env. The Slurm job's
 # preflight finds the node program it staged in the run dir in SBATCH_GEN_NODE_PY.
-RUNTIME_EXPORTS = ("MASTER_ADDR", "MASTER_PORT", "PYTHONPATH", contract.ENV_STOP_FILE, "SBATCH_GEN_NODE_PY")
+RUNTIME_EXPORTS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PYTHONPATH",
+    contract.ENV_STOP_FILE,
+    contract.ENV_RUN_JOB,
+    contract.ENV_PINNED_CODE,
+    "SBATCH_GEN_NODE_PY",
+)
 # Variables the activation of python_env sets (a venv: VIRTUAL_ENV, and its bin/ first on PATH).
 ACTIVATION_EXPORTS = ("PATH", "VIRTUAL_ENV")
 
