@@ -77,6 +77,13 @@ class TrainSection(StrictModel):
     deterministic: Literal["auto", "on", "off"] = Field(
         default="auto", description="torch.use_deterministic_algorithms; auto: on for CPU only."
     )
+    compile: bool = Field(
+        default=False,
+        description="torch.compile each transformer block in place (one graph for all: the first step "
+        "compiles it), before DDP/FSDP wrap the model; parameter names and checkpoints stay the eager "
+        "model's. Off, with one line, where the backend cannot compile (no C++ compiler on the CPU, no "
+        "Triton on CUDA).",
+    )
     peak_tflops: float | None = Field(
         default=None,
         gt=0,

@@ -191,6 +191,11 @@ class Trainer:
         torch.manual_seed(t.seed + 1 + info.rank)
         np.random.seed((t.seed + 1 + info.rank) % 2**32)
         self._set_peak()
+        self.compiled = False
+        if t.compile:
+            from .compiling import compile_blocks
+
+            self.compiled = compile_blocks(self.model, device, self.deterministic)
         log.info(
             "model: %d layers, d_model %d, %d heads, seq %d: %.2fM parameters, %.3g FLOP/token",
             cfg.model.n_layers,
