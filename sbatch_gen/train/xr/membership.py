@@ -61,7 +61,7 @@ from typing import TypeVar
 
 from . import records
 from .commit import Commit, Presence, Tombstone
-from .errors import XRBehind, XRError, XRLayoutError, XRNoQuorum
+from .errors import XRBehind, XRError, XRLayoutError, XRNoQuorum, XRSettingsError
 from .heartbeat import STALE_BEATS, Heartbeat, HeartbeatWriter
 from .protocol import Expect, Mailbox, Manifest, digest, parse_tag, round_tag
 
@@ -84,6 +84,11 @@ def manifest_digest(m: Manifest) -> str:
     return digest(m.to_json())
 
 
+def _shown(v: object) -> str:
+    """A setting's value in a message: JSON, as the claims carry it."""
+    return json.dumps(v)
+
+
 def _is_tombstone(raw: bytes) -> bool:
     try:
         d = json.loads(raw)
@@ -104,12 +109,16 @@ class Membership:
         job: str = "",
         clock: Callable[[], float] = time.monotonic,
         heartbeat_s: float | None = None,
+        settings: dict | None = None,
     ) -> None:
         self.mb = mailbox
         self.store = mailbox.store
         self.run_id, self.region, self.regions = mailbox.run_id, mailbox.region, mailbox.regions
         self.quorum, self.grace_s = quorum, grace_s
         self.job = job
+        # what this region's round claims say it shares with the others (CrossRegion.round_settings); a
+        # peer's claim that says otherwise is refused (None: not compared)
+        self.settings = settings
         self._clock = clock
         self.heartbeat_s = heartbeat_s  # None: other regions' heartbeats are not read, none is written
         self._writer: HeartbeatWriter | None = None
@@ -119,6 +128,9 @@ class Membership:
         self._own_newest: int | None = None  # the newest round with a claim of this region (must_read_own)
         self.late_last = False  # this region was late in its last round
         self.absent_last: set[str] = set()  # the regions its last round closed without
+        # the regions whose claim this process has read (and found to share its settings): a round's wait
+        # reads the presence of the others it waits for, to hear of one that refused the run's settings
+        self.met: set[str] = set()
 
     # -- keys ----------------------------------------------------------------------------------------
     def commit_key(self, tag: str) -> str:
@@ -225,9 +237,29 @@ class Membership:
                 )
             return t
         m = Manifest.from_json(raw, where)
+        if region != self.region:
+            self.check_settings(m, tag, region)
+            self.met.add(region)
         if expect is not None:
             expect.check(m, self.run_id, tag, region, where)
         return m
+
+    def check_settings(self, m: Manifest, tag: str, region: str) -> None:
+        """Refuse ``region``'s claim ``m`` of round ``tag`` when the settings it carries (``extra.settings``,
+        :meth:`~sbatch_gen.xr_options.CrossRegion.round_settings`) differ from this region's, in one line
+        naming both regions and the first setting that differs. Both regions refuse: each reads the other's
+        claim, in the first round both publish. A setting either side does not state (an older or newer
+        writer, or one of another mode, which an earlier setting tells apart) is not compared."""
+        theirs = m.extra.get("settings") if isinstance(m.extra, dict) else None
+        if self.settings is None or not isinstance(theirs, dict):
+            return
+        for k, mine in self.settings.items():
+            if k in theirs and theirs[k] != mine:
+                raise XRSettingsError(
+                    f"round {tag}: regions {self.region!r} and {region!r} disagree on {k}: "
+                    f"{_shown(mine)} in {self.region!r}, {_shown(theirs[k])} in {region!r}; every region "
+                    "of a run must share it (sbatch-gen validate compares the sites' cross_region)"
+                )
 
     def claim(self, m: Manifest) -> Claim:
         """Publish this region's claim of round ``m.tag``, its manifest: create-only where the round is elastic
@@ -288,6 +320,21 @@ class Membership:
         """Has ``region`` announced a planned leave (its presence record)?"""
         p = self.read_presence(region)
         return p is not None and p.state == "leaving"
+
+    def _refused(self, region: str) -> str | None:
+        """Why ``region`` refused the run's settings, when its presence record says it did (else None)."""
+        p = self.read_presence(region)
+        return (p.why or "its settings differ") if p is not None and p.state == "refused" else None
+
+    def refuse(self, tag: str, step: int | None, why: str) -> None:
+        """This region refuses the run (a peer's settings differ from its own, :meth:`check_settings`): its
+        presence record says so, with ``why``, so that a peer waiting for it stops too instead of waiting
+        out ``timeout_s`` (best effort: the refusal itself is what matters)."""
+        r = parse_tag(tag)
+        try:
+            self.announce("refused", r if r is not None else 0, step if step is not None else -1, why)
+        except Exception as e:  # noqa: BLE001
+            log.warning("cross-region: could not record the refusal in the mailbox: %s", e)
 
     def _judge_heartbeat(self, region: str) -> float:
         """Read ``region``'s heartbeat (a region missing from a round) and judge it: when it turns stale on
@@ -396,10 +443,10 @@ class Membership:
         return out
 
     # -- presence --------------------------------------------------------------------------------------
-    def announce(self, state: str, r: int, step: int) -> None:
-        if state == "leaving":
+    def announce(self, state: str, r: int, step: int, why: str = "") -> None:
+        if state in ("leaving", "refused"):
             self.stop_heartbeat()  # a region that left beats no more (its leave is what the others read)
-        p = Presence(self.region, state, r, step, time.time(), self.job)
+        p = Presence(self.region, state, r, step, time.time(), self.job, why)
         self.store.put(self.presence_key(self.region), p.to_json())
 
     def read_presence(self, region: str) -> Presence | None:
