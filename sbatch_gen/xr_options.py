@@ -490,17 +490,19 @@ class CrossRegion(StrictModel):
 
     def round_settings(self) -> dict:
         """What the regions of a run must agree on at run time, for their rounds to line up and the shared
-        outer state to stay bit-identical: each region's round claims carry it, and a region refuses a
-        peer's claim that says otherwise (the trainer's one-line check of what ``validate`` checks on one
-        checkout, :meth:`shared_view`). In the order a difference is reported: the averaging order
+        outer state to stay bit-identical: each region's round claims (and theta0) carry it, and a region
+        refuses a peer's that says otherwise (the trainer's one-line check of what ``validate`` checks on
+        one checkout, :meth:`shared_view`). In the order a difference is reported: the averaging order
         (``regions``), the sync mode, the quorum (``min_regions`` resolved: a strict region writes its
-        claims over any tombstone an elastic one would write), the wire, then per mode the round's timing
-        and the outer step (DiLoCo: H, overlap, outer lr and momentum; streaming: the fragments, which set
-        the rounds' order and contents). Left out, since regions may differ in them without harm: what is
-        local to a region (its shape, threads, shards, the outer state's device), how long it waits
-        (``timeout_s``, ``grace_s``), its housekeeping (``keep_rounds``, ``snapshot_every``), heartbeats
-        (judged by the longer interval), and streaming's ``fragment_delay_steps`` and ``fragment_alpha``,
-        which change only a region's own model between rounds, never the shared state."""
+        claims over any tombstone an elastic one would write), the wire, then with DiLoCo the rounds' steps
+        (H, and the fragments: 1 without streaming; they set the rounds' steps, order and contents) and the
+        outer step. Left out, since regions may differ in them without harm: what is local to a region
+        (its shape, threads, shards, the outer state's device), how long it waits (``timeout_s``,
+        ``grace_s``), its housekeeping (``keep_rounds``, ``snapshot_every``), heartbeats (judged by the
+        longer interval), ``overlap`` but for the fragments (an eager region and one without overlap apply
+        the same committed rounds to the shared state, one boundary apart), and streaming's
+        ``fragment_delay_steps`` and ``fragment_alpha``, which change only a region's own model between
+        rounds, never the shared state."""
         out: dict = {
             "regions": list(self.regions),
             "sync": self.sync,
@@ -511,12 +513,10 @@ class CrossRegion(StrictModel):
         if self.sync == "diloco":
             out.update(
                 inner_steps=self.inner_steps,
-                overlap=self.overlap,
+                fragments=self.fragment_count,
                 outer_lr=self.outer_lr,
                 outer_momentum=self.outer_momentum,
             )
-            if self.overlap == "streaming":
-                out["fragments"] = self.fragments
         return out
 
 

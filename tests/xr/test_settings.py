@@ -82,7 +82,7 @@ BASE = dict(timeout_s=60, payload_dtype="fp32")
         ("outer_momentum", {}, {"outer_momentum": 0.5}),
         ("payload_dtype", {}, {"payload_dtype": "bf16"}),
         ("min_regions", {}, {"min_regions": 1, "grace_s": 30}),
-        ("overlap", {}, {"overlap": "eager"}),
+        ("fragments", {}, {"overlap": "streaming", "fragments": 2, "fragment_delay_steps": 0}),
         (
             "fragments",
             {"overlap": "streaming", "fragments": 2, "fragment_delay_steps": 0},
