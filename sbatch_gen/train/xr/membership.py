@@ -40,7 +40,9 @@ waiting out ``grace_s`` (reason ``stale``; the commit names the regions). A regi
 so seen gone at the first read. No host's clock is compared with another's: the heartbeat's wall-clock
 time is for people only. The observations outlive the round, so after the first round that detects a
 crash the next ones close at once. A region that is hung but still beating is waited for up to
-``grace_s``, as before.
+``grace_s``, as before. From the same moment on, a second thread reads the other regions' heartbeats every
+``heartbeat_s / 2`` whether a round waits or not (:class:`~.heartbeat.PeerWatch`, sharing these
+observations): a round's first look then already judges the regions it found gone meanwhile.
 
 **Never closing a round twice.** Only a region deletes its own claim keys (:meth:`Membership.cleanup`,
 more than ``keep_rounds`` rounds behind, and the round's commit after them), so a round's decision stands
@@ -55,6 +57,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -62,8 +65,9 @@ from typing import TypeVar
 from . import records
 from .commit import Commit, Presence, Tombstone
 from .errors import XRBehind, XRError, XRLayoutError, XRNoQuorum, XRSettingsError
-from .heartbeat import STALE_BEATS, Heartbeat, HeartbeatWriter
+from .heartbeat import STALE_BEATS, Heartbeat, HeartbeatWriter, PeerWatch
 from .protocol import Expect, Mailbox, Manifest, digest, parse_tag, round_tag
+from .store import Store
 
 COMMIT_NAME = "_commit.json"
 PRESENCE_DIR = "_presence"
@@ -122,6 +126,9 @@ class Membership:
         self._clock = clock
         self.heartbeat_s = heartbeat_s  # None: other regions' heartbeats are not read, none is written
         self._writer: HeartbeatWriter | None = None
+        self._peers: PeerWatch | None = None  # the other regions' heartbeats, watched from a thread
+        self._peer_store: Store = self.store  # ... through a client of its own
+        self._watch_lock = threading.Lock()
         # region -> (heartbeat value last seen or None, when it was first seen on self._clock); kept across rounds
         self._watch: dict[str, tuple[tuple[str, int] | None, float]] = {}
         self.behind_check_s = BEHIND_CHECK_S
@@ -336,14 +343,19 @@ class Membership:
         except Exception as e:  # noqa: BLE001
             log.warning("cross-region: could not record the refusal in the mailbox: %s", e)
 
-    def _judge_heartbeat(self, region: str) -> float:
-        """Read ``region``'s heartbeat (a region missing from a round) and judge it: when it turns stale on
-        this region's clock, now or earlier if it is stale already."""
+    def _judge_heartbeat(self, region: str, store: Store | None = None) -> float:
+        """Read ``region``'s heartbeat (through ``store``: default this membership's) and judge it: when it
+        turns stale on this region's clock, now or earlier if it is stale already."""
         before = self._clock()
-        hb, age = self.read_heartbeat_aged(region)
+        hb, age = self.read_heartbeat_aged(region, store)
         after = self._clock()
-        quiet, limit = self._quiet_for(region, hb, before, after)
+        with self._watch_lock:  # (the rounds' reads and the peer watch's share what they saw)
+            quiet, limit = self._quiet_for(region, hb, before, after)
         return after + limit - max(quiet, age or 0.0)
+
+    def watched_gone(self) -> set[str]:
+        """The regions the peer watch (:class:`~.heartbeat.PeerWatch`) last found stale; empty without one."""
+        return self._peers.gone() if self._peers is not None else set()
 
     def _quiet_for(
         self, region: str, hb: Heartbeat | None, before: float, after: float
@@ -365,14 +377,17 @@ class Membership:
     def read_heartbeat(self, region: str) -> Heartbeat | None:
         return self._read_record(Heartbeat, self.alive_key(region), region)
 
-    def read_heartbeat_aged(self, region: str) -> tuple[Heartbeat | None, float | None]:
+    def read_heartbeat_aged(
+        self, region: str, store: Store | None = None
+    ) -> tuple[Heartbeat | None, float | None]:
         """``region``'s heartbeat and the seconds since it was written, on the store's clock
         (:meth:`~.store.Store.get_aged`; None: missing, unreadable, or no age told)."""
         key = self.alive_key(region)
-        got = self.store.get_aged(key)
+        store = store or self.store
+        got = store.get_aged(key)
         if got is None:
             return None, None
-        hb = Heartbeat.from_json(got[0], self.store.describe(key))
+        hb = Heartbeat.from_json(got[0], store.describe(key))
         return (hb, got[1]) if hb is not None and hb.region == region else (None, None)
 
     def heartbeats(self, keys: list[str] | None = None) -> dict[str, Heartbeat]:
@@ -408,6 +423,13 @@ class Membership:
             self.store.clone(), self.alive_key(self.region), self.region, self.heartbeat_s, self.job
         )
         self._writer.start()
+        others = [r for r in self.regions if r != self.region]
+        if others:  # and the others' heartbeats, watched from now on (another client of its own)
+            store = self._peer_store = self.store.clone()
+            self._peers = PeerWatch(
+                others, lambda r: self._judge_heartbeat(r, store), self.heartbeat_s / 2, self._clock
+            )
+            self._peers.start()
 
     def stop_heartbeat(self) -> None:
         """Stop beating (a planned leave, the end, close); the others then treat this region as gone after
@@ -417,6 +439,11 @@ class Membership:
             if self._writer.store is not self.store:
                 self._writer.store.close()
             self._writer = None
+        if self._peers is not None:
+            self._peers.stop()
+            if self._peer_store is not self.store:
+                self._peer_store.close()
+            self._peers = None
 
     @property
     def beating(self) -> bool:

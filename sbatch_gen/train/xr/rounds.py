@@ -347,8 +347,10 @@ class RoundWait:
             tasks += [partial(_tagged, "claim", r, ms.read_claim, tag, r, self.expect) for r in missing]
         now = ms._clock()
         # the missing regions' presence and heartbeats; at the first look only of those absent from this
-        # region's last round (a region away is likely still away; the others may well all be there)
-        absent = [r for r in missing if r != region and (not self.first or r in ms.absent_last)]
+        # region's last round (a region away is likely still away; the others may well all be there) and of
+        # those the peer watch found gone meanwhile (a crash while this region trained)
+        gone = ms.watched_gone() if self.first else set()
+        absent = [r for r in missing if r != region and (not self.first or r in ms.absent_last or r in gone)]
         judge = (
             not ms.strict
             and bool(absent)
