@@ -744,9 +744,6 @@ def flag_of(loc: Sequence[str | int]) -> str | None:
 # --xr-enabled is SBATCH_GEN_XR_ENABLED=1.
 
 ENV_PREFIX = "SBATCH_GEN_XR_"
-# SBATCH_GEN_XR_* names that are not options: the fault injection of the cross-region sync's tests and
-# benchmarks (sbatch_gen.train.xr.exchange.ENV_WITHHOLD_ROUNDS). from_env leaves them alone.
-ENV_NOT_OPTIONS = frozenset({"SBATCH_GEN_XR_WITHHOLD_ROUNDS"})
 _TRUE = ("1", "true", "yes")
 _FALSE = ("0", "false", "no", "")
 
@@ -781,7 +778,7 @@ def from_env(environ: Mapping[str, str]) -> CrossRegion:
     given: dict[str, str] = {}
     enabled = False
     for name, value in sorted(environ.items()):
-        if not name.startswith(ENV_PREFIX) or name in ENV_NOT_OPTIONS:
+        if not name.startswith(ENV_PREFIX):
             continue
         if name == enabled_name:
             if value.lower() not in _TRUE + _FALSE:

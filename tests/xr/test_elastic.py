@@ -202,24 +202,18 @@ def test_a_late_region_applies_the_committed_update_and_warns_after_three_rounds
 
 
 def test_withheld_rounds_publish_nothing_and_the_region_applies_the_commit(tmp_path, monkeypatch):
-    """Fault injection (SBATCH_GEN_XR_WITHHOLD_ROUNDS, used by bench/elastic.py's control): us publishes
-    nothing in round 2, so eu closes it alone after grace_s; us applies the committed update and both take
-    part again in round 3, bit-identical."""
-    from sbatch_gen.train.xr import exchange
+    """Fault injection from outside the sync (sbatch_gen.testing.faults, as bench/elastic.py's control runs
+    it): us publishes nothing in round 2, so eu closes it alone after grace_s; us applies the committed
+    update and both take part again in round 3, bit-identical."""
+    from sbatch_gen.testing import faults
+    from sbatch_gen.train.xr.exchange import Exchange
 
-    monkeypatch.setenv(exchange.ENV_WITHHOLD_ROUNDS, " 2, 7 ")
-    assert (
-        exchange._withheld() == {2, 7}
-        and exchange._round_of("r000007") == 7
-        and exchange._round_of("x") == -1
-    )
-    monkeypatch.delenv(exchange.ENV_WITHHOLD_ROUNDS)
+    assert faults.parse_withheld(" us: 2, 7 ") == ("us", {2, 7})
+    monkeypatch.setattr(Exchange, "upload", faults.withholding(Exchange.upload, "us", {2}))
     regions = ["eu", "us"]
 
     def region(r):
         m, s = _sync(r, tmp_path, regions, grace_s=0.3)
-        if r == "us":
-            s.ex.withheld = frozenset({2})  # (the environment is shared by the threads: set it on us only)
         s.align(0)
         opt = torch.optim.SGD(m.parameters(), lr=0.05)
         return _rounds(m, s, opt, r, [1, 2, 3]), flat(m)
