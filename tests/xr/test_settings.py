@@ -79,6 +79,11 @@ BASE = dict(timeout_s=60, payload_dtype="fp32")
     [
         ("inner_steps", {"inner_steps": 4}, {"inner_steps": 8}),
         ("outer_lr", {"outer_lr": 1.0}, {"outer_lr": 0.7}),
+        (  # elastic: eu's wait reads us's presence with its heartbeat, as for any region it judges
+            "inner_steps",
+            {"min_regions": 1, "grace_s": 30, "heartbeat_s": 0.5},
+            {"min_regions": 1, "grace_s": 30, "heartbeat_s": 0.5, "inner_steps": 8},
+        ),
         ("outer_momentum", {}, {"outer_momentum": 0.5}),
         ("payload_dtype", {}, {"payload_dtype": "bf16"}),
         ("min_regions", {}, {"min_regions": 1, "grace_s": 30}),

@@ -323,16 +323,6 @@ class Membership:
             missing,
         )
 
-    def _leaving(self, region: str) -> bool:
-        """Has ``region`` announced a planned leave (its presence record)?"""
-        p = self.read_presence(region)
-        return p is not None and p.state == "leaving"
-
-    def _refused(self, region: str) -> str | None:
-        """Why ``region`` refused the run's settings, when its presence record says it did (else None)."""
-        p = self.read_presence(region)
-        return (p.why or "its settings differ") if p is not None and p.state == "refused" else None
-
     def refuse(self, tag: str, step: int | None, why: str) -> None:
         """This region refuses the run (a peer's settings differ from its own, :meth:`check_settings`): its
         presence record says so, with ``why``, so that a peer waiting for it stops too instead of waiting

@@ -359,15 +359,16 @@ class RoundWait:
         )
         if judge:
             self.next_check = now if self.first else now + tick
-            tasks += [partial(_tagged, "leaving", r, ms._leaving, r) for r in absent]
+            tasks += [partial(_tagged, "presence", r, ms.read_presence, r) for r in absent]
             if ms.heartbeat_s is not None:
                 tasks += [partial(_tagged, "beat", r, ms._judge_heartbeat, r) for r in absent]
         # a region this process has not met may have refused the run's settings (at its theta0 already):
-        # its presence says so, read once a tick until its first claim is read here
-        unmet = [r for r in missing if r != region and r not in ms.met]
+        # its presence says so, read once a tick until its first claim is read here (with the presence
+        # reads above where they run: one read of each)
+        unmet = [r for r in missing if r != region and r not in ms.met and not (judge and r in absent)]
         if unmet and not self.first and now >= self.next_unmet:
             self.next_unmet = now + tick
-            tasks += [partial(_tagged, "refused", r, ms._refused, r) for r in unmet]
+            tasks += [partial(_tagged, "presence", r, ms.read_presence, r) for r in unmet]
         t0 = time.perf_counter()
         results = _all(ms.mb, tasks)
         rtt = time.perf_counter() - t0
@@ -388,12 +389,13 @@ class RoundWait:
                 seen.append(r)
             elif what == "list":
                 names = got
-            elif what == "leaving" and got:
+            elif what == "presence" and got is not None and got.state == "leaving":
                 leaving.add(r)
+            elif what == "presence" and got is not None and got.state == "refused" and r not in ms.met:
+                why = got.why or "its settings differ"
+                raise XRSettingsError(f"round {tag}: region {r!r} refused to take part: {why}")
             elif what == "beat":
                 dues[r] = got
-            elif what == "refused" and got:
-                raise XRSettingsError(f"round {tag}: region {r!r} refused to take part: {got}")
         if listing:
             there = {k.rsplit("/", 1)[-1] for k in names}
             new = [r for r in ms.regions if r not in self.claims and f"{r}.done" in there]
