@@ -29,7 +29,7 @@ def quality_variant(
     """absent: rounds b is to miss from round q_first+1 on, or None for a 1-region run of a; ``at_end``: b
     misses the last ``absent`` rounds instead (it leaves for good, no return); ``withhold``: the control, b
     stays in the run and trains every step but publishes nothing in those rounds
-    (``SBATCH_GEN_XR_WITHHOLD_ROUNDS``), so its tokens there are lost as if it were away, without a leave, a
+    (``sbatch_gen.testing.faults``), so its tokens there are lost as if it were away, without a leave, a
     restart or a rejoin. ``seed``: the config's train.seed (for the name; ``cfg`` carries it).
 
     One process of a trains the whole run (min_regions 1, grace_s 60: while b is in the run, every round
@@ -87,12 +87,13 @@ class _QualityRun:
             snapshot_every=5 if self.n_rounds >= 5 else 1,
             keep_rounds=4,
         )
-        env = None
-        if self.withhold and region == "b":
-            from sbatch_gen.train.xr.exchange import ENV_WITHHOLD_ROUNDS
+        env, module = None, "sbatch_gen.train"
+        if self.withhold and region == "b":  # the trainer with the fault installed from outside
+            from sbatch_gen.testing.faults import ENV_WITHHOLD_ROUNDS
 
             rounds = range(sz.q_first + 1, sz.q_first + self.absent + 1)
-            env = {ENV_WITHHOLD_ROUNDS: ",".join(map(str, rounds))}
+            env = {ENV_WITHHOLD_ROUNDS: f"{region}:" + ",".join(map(str, rounds))}
+            module = "sbatch_gen.testing.faults"
         return launch_region(
             xr,
             config=self.cfg,
@@ -102,6 +103,7 @@ class _QualityRun:
             resume=resume,
             log_dir=root / "logs",
             env=env,
+            module=module,
         )
 
     def train(self) -> None:

@@ -511,6 +511,37 @@ class CrossRegion(StrictModel):
                 view["transport"].pop(name, None)
         return view
 
+    def round_settings(self) -> dict:
+        """What the regions of a run must agree on at run time, for their rounds to line up and the shared
+        outer state to stay bit-identical: each region's round claims (and theta0) carry it, and a region
+        refuses a peer's that says otherwise (the trainer's one-line check of what ``validate`` checks on
+        one checkout, :meth:`shared_view`). In the order a difference is reported: the averaging order
+        (``regions``), the sync mode, the quorum (``min_regions`` resolved: a strict region writes its
+        claims over any tombstone an elastic one would write), the wire, then with DiLoCo the rounds' steps
+        (H, and the fragments: 1 without streaming; they set the rounds' steps, order and contents) and the
+        outer step. Left out, since regions may differ in them without harm: what is local to a region
+        (its shape, threads, shards, the outer state's device), how long it waits (``timeout_s``,
+        ``grace_s``), its housekeeping (``keep_rounds``, ``snapshot_every``), heartbeats (judged by the
+        longer interval), ``overlap`` but for the fragments (an eager region and one without overlap apply
+        the same committed rounds to the shared state, one boundary apart), and streaming's
+        ``fragment_delay_steps`` and ``fragment_alpha``, which change only a region's own model between
+        rounds, never the shared state."""
+        out: dict = {
+            "regions": list(self.regions),
+            "sync": self.sync,
+            "min_regions": self.quorum,
+            "payload_dtype": self.payload_dtype,
+            "serialization": self.serialization,
+        }
+        if self.sync == "diloco":
+            out.update(
+                inner_steps=self.inner_steps,
+                fragments=self.fragment_count,
+                outer_lr=self.outer_lr,
+                outer_momentum=self.outer_momentum,
+            )
+        return out
+
 
 def outer_step_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
     """(field, message) for outer lr / momentum / H combinations (and, with overlap streaming, delays) that
@@ -736,9 +767,6 @@ def flag_of(loc: Sequence[str | int]) -> str | None:
 # --xr-enabled is SBATCH_GEN_XR_ENABLED=1.
 
 ENV_PREFIX = "SBATCH_GEN_XR_"
-# SBATCH_GEN_XR_* names that are not options: the fault injection of the cross-region sync's tests and
-# benchmarks (sbatch_gen.train.xr.exchange.ENV_WITHHOLD_ROUNDS). from_env leaves them alone.
-ENV_NOT_OPTIONS = frozenset({"SBATCH_GEN_XR_WITHHOLD_ROUNDS"})
 _TRUE = ("1", "true", "yes")
 _FALSE = ("0", "false", "no", "")
 
@@ -773,7 +801,7 @@ def from_env(environ: Mapping[str, str]) -> CrossRegion:
     given: dict[str, str] = {}
     enabled = False
     for name, value in sorted(environ.items()):
-        if not name.startswith(ENV_PREFIX) or name in ENV_NOT_OPTIONS:
+        if not name.startswith(ENV_PREFIX):
             continue
         if name == enabled_name:
             if value.lower() not in _TRUE + _FALSE:

@@ -134,14 +134,16 @@ def launch_region(
     log_dir: str | os.PathLike | None = None,
     extra_args: list[str] | None = None,
     python: str = sys.executable,
+    module: str = "sbatch_gen.train",
 ) -> RegionRun:
     """Start one region: ``nnodes`` torchrun agents (a multi-node job on one machine) of ``nproc``
-    workers each, sharing a fresh c10d rendezvous port."""
+    workers each, sharing a fresh c10d rendezvous port. ``module``: what each worker runs with the
+    trainer's arguments (``sbatch_gen.testing.faults``: the trainer with injected faults)."""
     run_dir = Path(run_dir)
     log_dir = Path(log_dir) if log_dir else run_dir.parent
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    train = ["-m", "sbatch_gen.train", "--config", str(config), "--run-dir", str(run_dir), "--resume", resume]
+    train = ["-m", module, "--config", str(config), "--run-dir", str(run_dir), "--resume", resume]
     if data_path is not None:
         train += ["--data-path", str(data_path)]
     if max_steps is not None:

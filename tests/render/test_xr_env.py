@@ -7,7 +7,6 @@ run under bash with stub Slurm commands (batch_sandbox.py), and with shellcheck.
 from __future__ import annotations
 
 import argparse
-import ast
 import re
 import subprocess
 
@@ -133,22 +132,7 @@ def test_disabled_is_no_environment_and_no_environment_is_disabled():
 
 def test_other_names_are_ignored():
     env = {**to_env(CASES["fs-defaults"]), "PATH": "/usr/bin", "sbatch_gen_xr_region": "lower case"}
-    # the cross-region sync's fault injection (tests and benchmarks) shares the prefix
-    env["SBATCH_GEN_XR_WITHHOLD_ROUNDS"] = "2,7"
     assert from_env(env) == CASES["fs-defaults"]
-
-
-def test_the_fault_injection_variable_is_the_one_the_sync_reads():
-    """xr_options is torch-free, so it names sbatch_gen.train.xr.exchange's variable rather than import it."""
-    tree = ast.parse((REPO / "sbatch_gen" / "train" / "xr" / "exchange.py").read_text())
-    names = {
-        node.value.value
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Assign)
-        and any(isinstance(t, ast.Name) and t.id == "ENV_WITHHOLD_ROUNDS" for t in node.targets)
-        and isinstance(node.value, ast.Constant)
-    }
-    assert names == set(xr_options.ENV_NOT_OPTIONS)
 
 
 @pytest.mark.parametrize(

@@ -202,24 +202,18 @@ def test_a_late_region_applies_the_committed_update_and_warns_after_three_rounds
 
 
 def test_withheld_rounds_publish_nothing_and_the_region_applies_the_commit(tmp_path, monkeypatch):
-    """Fault injection (SBATCH_GEN_XR_WITHHOLD_ROUNDS, used by bench/elastic.py's control): us publishes
-    nothing in round 2, so eu closes it alone after grace_s; us applies the committed update and both take
-    part again in round 3, bit-identical."""
-    from sbatch_gen.train.xr import exchange
+    """Fault injection from outside the sync (sbatch_gen.testing.faults, as bench/elastic.py's control runs
+    it): us publishes nothing in round 2, so eu closes it alone after grace_s; us applies the committed
+    update and both take part again in round 3, bit-identical."""
+    from sbatch_gen.testing import faults
+    from sbatch_gen.train.xr.exchange import Exchange
 
-    monkeypatch.setenv(exchange.ENV_WITHHOLD_ROUNDS, " 2, 7 ")
-    assert (
-        exchange._withheld() == {2, 7}
-        and exchange._round_of("r000007") == 7
-        and exchange._round_of("x") == -1
-    )
-    monkeypatch.delenv(exchange.ENV_WITHHOLD_ROUNDS)
+    assert faults.parse_withheld(" us: 2, 7 ") == ("us", {2, 7})
+    monkeypatch.setattr(Exchange, "upload", faults.withholding(Exchange.upload, "us", {2}))
     regions = ["eu", "us"]
 
     def region(r):
         m, s = _sync(r, tmp_path, regions, grace_s=0.3)
-        if r == "us":
-            s.ex.withheld = frozenset({2})  # (the environment is shared by the threads: set it on us only)
         s.align(0)
         opt = torch.optim.SGD(m.parameters(), lr=0.05)
         return _rounds(m, s, opt, r, [1, 2, 3]), flat(m)
@@ -356,6 +350,43 @@ def test_a_crashed_region_is_found_by_its_heartbeat_and_rejoins_bit_identical(tm
     assert torch.equal(flat(m_eu), flat(m_us)) and torch.equal(s_eu.theta_outer, s_us.theta_outer)
     s_eu.close()
     assert not s_eu.membership.beating
+
+
+def test_a_region_wrongly_seen_gone_costs_one_round_without_it_and_stays_bit_identical(tmp_path):
+    """us is alive but its heartbeat stops for a while after round 1 (a false "gone": a stalled writer, a
+    store outage for its beats): eu's watch counts it gone and eu closes round 2 alone as "stale". us then
+    beats again and publishes round 2 after that: it is late, applies the committed round like eu, and round
+    3 has both, with the same bits on both sides."""
+    regions = ["eu", "us"]
+    kw = dict(grace_s=20.0, heartbeat_s=0.5, keep_rounds=10, snapshot_every=100)
+    syncs, _ = _round_one_then_us_goes(tmp_path, regions, kw, lambda s: s.membership.stop_heartbeat())
+    commit2 = tmp_path / "t" / "r000002" / "_commit.json"
+    old = syncs["eu"][1].membership.read_heartbeat("us")
+
+    def region(r):
+        m, s, opt = syncs[r]
+        if r == "us":
+            deadline = time.monotonic() + 30.0
+            while not commit2.exists():  # eu closed round 2 without us
+                assert time.monotonic() < deadline, "eu never closed round 2"
+                time.sleep(0.02)
+            s.membership.start_heartbeat()  # beating again (a new incarnation)
+            return _rounds(m, s, opt, r, [2, 3])
+        out = _rounds(m, s, opt, r, [2])
+        assert "us" in s.membership.watched_gone()
+        deadline = time.monotonic() + 30.0
+        while (hb := s.membership.read_heartbeat("us")) == old or hb is None:  # round 3 starts with us alive
+            assert time.monotonic() < deadline, "us never beat again"
+            time.sleep(0.02)
+        return out + _rounds(m, s, opt, r, [3])
+
+    out = in_threads(region, regions)
+    (eu2, eu3), (us2, us3) = out["eu"], out["us"]
+    assert (eu2["xr_members"], eu2["xr_close_reason"], eu2["xr_stale"]) == (["eu"], "stale", ["us"])
+    assert us2["xr_late"] and us2["xr_members"] == ["eu"]
+    assert eu3["xr_members"] == ["eu", "us"] == us3["xr_members"] and eu3["xr_close_reason"] == "all"
+    (m_eu, s_eu, _), (m_us, s_us, _) = syncs["eu"], syncs["us"]
+    assert torch.equal(s_eu.theta_outer, s_us.theta_outer) and torch.equal(flat(m_eu), flat(m_us))
 
 
 def test_a_returning_region_beats_only_once_caught_up(tmp_path, monkeypatch):

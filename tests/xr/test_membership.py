@@ -427,6 +427,97 @@ def test_a_crashed_region_costs_one_stale_wait_then_nothing(transport, repo):
     assert ms["eu"].read_commit("r000002").stale == ["us"]  # the commit says why (and who)
 
 
+def _hanging(store, method: str, release: threading.Event, monkeypatch) -> None:
+    """S3: every ``method`` call of ``store``'s own client hangs until ``release`` (a saturated link)."""
+    real = getattr(store.client, method)
+
+    def hang(**kw):
+        release.wait(60)
+        return real(**kw)
+
+    monkeypatch.setattr(store.client, method, hang)
+
+
+def test_a_crash_is_seen_by_the_peer_watch_within_three_beats_while_no_round_waits(
+    transport, repo, monkeypatch
+):
+    """eu beats and so watches the others (a thread, outside any round). us, a real process beating every
+    0.2 s, is SIGKILLed: eu's watch finds it gone about 3 beats after its last (never before: 0.75 x, and
+    within 3 beats + 1.5 s of the kill, room for a loaded machine), while eu's own payload client is hung (S3:
+    the watch reads through a client of its own). eu's next round then closes without us at its first look."""
+    ms = members(transport, quorum=1, grace_s=30.0, heartbeat_s=HB)
+    eu = ms["eu"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _BEATER, transport.model_dump_json(), str(HB)],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    release = threading.Event()
+    try:
+        assert proc.stdout.readline().strip() == "beating"
+        eu.start_heartbeat()
+        first = _beats(eu, "us", 1)
+        _beats(eu, "us", first.beat + 2)
+        assert eu._peers is not None and eu._peers.alive and eu.watched_gone() == set()
+        if not isinstance(eu.store, FsStore):
+            _hanging(eu.store, "get_object", release, monkeypatch)
+            _hanging(eu.store, "put_object", release, monkeypatch)
+        seen = time.monotonic()  # us's last beat: at most a poll (20 ms) before this, or after
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        killed = time.monotonic()
+        while "us" not in eu.watched_gone():
+            assert time.monotonic() - killed < STALE + 1.5, "the watch did not see us gone in time"
+            time.sleep(0.01)
+        assert time.monotonic() - seen >= STALE * 0.75  # not before its last beat was about 3 beats old
+        while "us" not in eu._peers.gone_at:  # (and its next look says so: it logs it)
+            assert time.monotonic() - killed < STALE + 2.0, "the watch's look never noted us gone"
+            time.sleep(0.01)
+        release.set()
+        c, waited = _timed_round(eu, 1)
+        assert c.reason == "stale" and c.stale == ["us"] and waited < 1.0, (c, waited)
+    finally:
+        release.set()
+        proc.kill()
+        proc.wait(30)
+        eu.stop_heartbeat()
+    assert eu._peers is None
+
+
+def test_a_live_region_whose_uploads_hang_is_never_seen_gone_by_the_watch(transport, monkeypatch):
+    """us beats every 0.5 s (stale after 1.5 s of silence) but publishes nothing for 4 s, its payload
+    client hung on S3 (a saturated upload): eu's watch, looking every 0.25 s, never counts it gone, and
+    eu's round waits its whole grace for it. Then us publishes: a round with both."""
+    hb = 0.5
+    ms = members(transport, quorum=1, grace_s=2.0, heartbeat_s=hb)
+    eu, us = ms["eu"], ms["us"]
+    release = threading.Event()
+    if not isinstance(us.store, FsStore):
+        _hanging(us.store, "put_object", release, monkeypatch)
+    eu.start_heartbeat()
+    us.start_heartbeat()
+    try:
+        _beats(eu, "us", 1)
+        looks = eu._peers.looks
+        deadline = time.monotonic() + 4.0
+        while time.monotonic() < deadline:
+            assert "us" not in eu.watched_gone() and not eu._peers.gone_at, eu._peers.due
+            time.sleep(0.05)
+        assert eu._peers.looks >= looks + 4  # it kept looking
+        c, waited = _timed_round(eu, 1)
+        assert (c.reason, c.stale) == ("grace", []) and 2.0 <= waited < 2.0 + 1.5, (c, waited)
+        release.set()
+        pub(us, 2)
+        c, _ = _timed_round(eu, 2)
+        assert c.reason == "all" and list(c.members) == ["eu", "us"], c
+    finally:
+        release.set()
+        eu.stop_heartbeat()
+        us.stop_heartbeat()
+
+
 def test_a_region_that_never_beat_is_stale_once_watched_long_enough(transport):
     ms = members(transport, quorum=1, grace_s=4.0, heartbeat_s=HB)  # us never starts
     c, waited = _timed_round(ms["eu"], 1)

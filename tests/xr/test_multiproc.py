@@ -512,3 +512,66 @@ def test_only_leaders_hold_outer_state(mode, tmp_path):
     for x in _results(tmp_path / "resumed", "eu", 4):
         assert sorted(x["after"]) == [6]
         assert torch.equal(x["final"][1], end), f"resumed rank {x['rank']} differs"
+
+
+def test_regions_with_another_outer_lr_both_stop_at_their_first_round_in_one_line(tmp_path, repo, data_dir):
+    """The real trainer, two regions over fs that differ in outer_lr: both exit 1 at their first round, each
+    rank's log has the one refusal line naming both regions and the setting, and no traceback of the
+    trainer."""
+    transport = FsTransport(root=str(tmp_path / "mailbox"))
+    cfg = write_config(tmp_path, repo)
+    runs = [
+        launch_region(
+            xr(r, transport, outer_lr=lr),
+            config=cfg,
+            run_dir=tmp_path / r,
+            data_path=data_dir,
+            max_steps=12,
+            nproc=1,
+        )
+        for r, lr in (("eu", 1.0), ("us", 0.5))
+    ]
+    for r in runs:
+        assert r.wait(TIMEOUT) == [1], r.tail()
+    for r in runs:
+        text = "".join(p.read_text(errors="replace") for p in r.logs)
+        refused = [line for line in text.splitlines() if "XRSettingsError" in line]
+        assert len(refused) == 1, text[-3000:]
+        assert "disagree on outer_lr:" in refused[0] and "'eu'" in refused[0] and "'us'" in refused[0]
+        # (torchrun's agent prints its own traceback of the failed worker, ChildFailedError: not the trainer's)
+        assert not [x for x in text.splitlines() if 'File "' in x and "/sbatch_gen/" in x], text[-3000:]
+        rounds = [x for x in metrics(tmp_path / r.region) if "xr_round" in x]
+        assert rounds == []
+
+
+def test_a_fault_injected_from_outside_the_trainer_withholds_a_round(tmp_path, repo, data_dir):
+    """bench/elastic.py's control, as it runs it: us is the trainer under ``python -m
+    sbatch_gen.testing.faults`` with SBATCH_GEN_TEST_WITHHOLD_ROUNDS=us:2 (the trainer's own code has no
+    hook): it publishes nothing in round 2, eu closes that round alone after grace_s, us applies it late,
+    and both end on the same bits."""
+    from sbatch_gen.testing.faults import ENV_WITHHOLD_ROUNDS
+
+    transport = FsTransport(root=str(tmp_path / "mailbox"))
+    cfg = write_config(tmp_path, repo)
+    runs = [
+        launch_region(
+            xr(r, transport, min_regions=1, grace_s=3.0),
+            config=cfg,
+            run_dir=tmp_path / r,
+            data_path=data_dir,
+            max_steps=12,
+            nproc=1,
+            **(
+                {"env": {ENV_WITHHOLD_ROUNDS: "us:2"}, "module": "sbatch_gen.testing.faults"}
+                if r == "us"
+                else {}
+            ),
+        )
+        for r in REGIONS
+    ]
+    run_both(runs)
+    rounds = {r: [x for x in metrics(tmp_path / r) if "xr_round" in x] for r in REGIONS}
+    assert [x["xr_members"] for x in rounds["eu"]] == [REGIONS, ["eu"], REGIONS]
+    assert [x["xr_late"] for x in rounds["us"]] == [False, True, False]
+    assert rounds["us"][1]["xr_bytes_up"] == 0
+    assert_same_params(tmp_path / "eu", tmp_path / "us")

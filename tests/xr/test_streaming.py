@@ -264,7 +264,7 @@ def test_elastic_a_region_that_crashes_mid_cycle_rejoins_and_every_round_closes_
 
 
 def test_elastic_a_late_region_applies_the_round_it_missed_and_a_planned_leave_closes_rounds_at_once(
-    tmp_path,
+    tmp_path, monkeypatch
 ):
     """min_regions 1. us's delta for round 3 arrives after eu closed it (withheld: as if late): us applies
     the committed update like eu, its record says late, and the shared state stays the same bits. Then us
@@ -273,17 +273,11 @@ def test_elastic_a_late_region_applies_the_round_it_missed_and_a_planned_leave_c
     kw = dict(fragments=4, fragment_delay_steps=1, min_regions=1, grace_s=1.0, heartbeat_s=0.2)
     stop_at = round_step(6, H, 4) + 1
 
-    def withhold_round_3(s):  # the fault injection of ENV_WITHHOLD_ROUNDS, for this region only
-        for ex in [*s.frag_ex, *(s.bg_frag_ex or [])]:
-            ex.withheld = frozenset({3})
+    from sbatch_gen.testing.faults import withholding
+    from sbatch_gen.train.xr.exchange import Exchange
 
-    res = in_threads(
-        lambda r: (
-            run(r, root, 3, stop_at=stop_at, setup=withhold_round_3, **kw)
-            if r == "us"
-            else run(r, root, 3, **kw)
-        )
-    )
+    monkeypatch.setattr(Exchange, "upload", withholding(Exchange.upload, "us", {3}))  # us's round 3 only
+    res = in_threads(lambda r: run(r, root, 3, stop_at=stop_at, **kw) if r == "us" else run(r, root, 3, **kw))
     eu, us = res["eu"], res["us"]
     by_round = {x["rec"]["xr_round"]: x for x in eu["steps"].values() if "xr_round" in x["rec"]}
     assert by_round[3]["rec"]["xr_members"] == ["eu"] and by_round[3]["rec"]["xr_close_reason"] == "grace"

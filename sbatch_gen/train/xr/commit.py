@@ -86,11 +86,13 @@ class Presence(Record):
     WHAT = "presence record"
 
     region: str
-    state: str  # "joined" | "leaving"
+    # "joined" | "leaving" | "refused" (its settings differ from a peer's: it stopped, `why` says how)
+    state: str
     round: int
     step: int
     time: float
     job: str = ""
+    why: str = ""
 
     @classmethod
     def from_json(cls, raw: bytes, where: str) -> Presence | None:

@@ -48,3 +48,7 @@ class XRBehind(XRError):
 
 class XRCancelled(XRError):
     """A round running in the background was called off (the region is stopping or closing)."""
+
+
+class XRSettingsError(XRLayoutError):
+    """Two regions of a run disagree on a setting their rounds must share (H, the outer step, the wire, ...)."""

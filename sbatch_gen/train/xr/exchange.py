@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import io
-import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -58,19 +57,6 @@ from .reading import ObjectBytes, Want, read_objects, shard_bytes
 from .region import Region, capture, held
 
 _WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# Fault injection for tests and benchmarks: this region publishes nothing in the listed rounds (comma-
-# separated numbers), as if its payload always arrived after the round closed. It trains on and applies
-# the committed update like any late region.
-ENV_WITHHOLD_ROUNDS = "SBATCH_GEN_XR_WITHHOLD_ROUNDS"
-
-
-def _withheld() -> frozenset[int]:
-    return frozenset(int(r) for r in os.environ.get(ENV_WITHHOLD_ROUNDS, "").split(",") if r.strip())
-
-
-def _round_of(tag: str) -> int:
-    """The round number of a round tag (``r000006`` -> 6); -1 for other tags."""
-    return int(tag[1:]) if tag[:1] == "r" and tag[1:].isdigit() else -1
 
 
 class Exchange:
@@ -116,7 +102,6 @@ class Exchange:
         self._q_out: dict[int, torch.Tensor] = {}  # by the shard's first element
         self._q_dec: dict[int, torch.Tensor] = {}  # by the member's position in the round
         self._asm: dict[int, torch.Tensor] = {}  # a member's values assembled from shards cut elsewhere
-        self.withheld = _withheld()  # (fault injection: ENV_WITHHOLD_ROUNDS)
         self.background = False  # runs in a thread beside training (see :meth:`in_background`)
 
     def _plans(self, numel: int, pieces: list[tuple[int, int, int]] | None) -> tuple[ShardPlan, ShardPlan]:

@@ -1,6 +1,6 @@
-"""A region's liveness in the mailbox (``<run>/_alive/<region>.json``): the heartbeat record, and the thread
-of a region's rank 0 that overwrites it every ``heartbeat_s``. How the others read it: :mod:`.membership`
-(crashed regions). Torch-free."""
+"""A region's liveness in the mailbox (``<run>/_alive/<region>.json``): the heartbeat record, the thread of a
+region's rank 0 that overwrites it every ``heartbeat_s``, and the thread that watches the other regions'
+(:class:`PeerWatch`). How they are judged: :mod:`.membership` (crashed regions). Torch-free."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .records import Record
@@ -106,6 +107,87 @@ class HeartbeatWriter:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop beating; waits up to ``timeout`` for a write in flight."""
+        self._stop.set()
+        atexit.unregister(self.stop)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+
+class PeerWatch:
+    """Watches the other regions' heartbeats from a daemon thread of rank 0, every ``interval_s`` (half a
+    heartbeat interval), whether a round is waiting or not: a region that crashed while this one trained is
+    known gone when the next round starts, and one that crashes during a round's wait within
+    ``STALE_BEATS`` intervals of its last beat plus one look. ``judge(region)`` reads a heartbeat and says
+    when it turns stale on this region's clock (:meth:`.membership.Membership._judge_heartbeat`: its age on
+    the store's clock, and what this region saw of it over time, shared with the rounds' own reads).
+
+    It decides nothing: a round still closes without a region only with ``min_regions`` there, by the
+    claims' create-only writes (:mod:`.rounds`). A region wrongly seen gone (a heartbeat delayed past
+    three intervals) then costs at most one round without it: its own claim, if first, still wins its
+    key, else it is late and applies the round like everyone else."""
+
+    def __init__(
+        self,
+        regions: list[str],
+        judge: Callable[[str], float],
+        interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        name: str = "xr-peer-watch",
+    ) -> None:
+        self.regions, self.judge, self.interval_s, self.clock = list(regions), judge, interval_s, clock
+        self.due: dict[str, float] = {}  # region -> when its heartbeat turns (turned) stale, self.clock
+        self.gone_at: dict[str, float] = {}  # region -> when this watch first saw it gone, self.clock
+        self.looks = 0
+        self._failing: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        atexit.register(self.stop)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def gone(self) -> set[str]:
+        """The regions whose heartbeat is stale now, as last looked at."""
+        now = self.clock()
+        return {r for r, due in list(self.due.items()) if due <= now}
+
+    def look(self) -> None:
+        """Read every watched region's heartbeat once (one after the other: small reads on a client of its
+        own), and log a region seen gone, or beating again."""
+        for r in self.regions:
+            try:
+                due = self.judge(r)
+            except Exception as e:  # noqa: BLE001 - the rounds read it themselves too
+                if r not in self._failing:
+                    self._failing.add(r)
+                    log.warning("cross-region: reading region %s's heartbeat failed (%s); retrying", r, e)
+                continue
+            self._failing.discard(r)
+            now = self.clock()
+            self.due[r] = due
+            if due <= now and r not in self.gone_at:
+                self.gone_at[r] = now
+                log.warning(
+                    "cross-region: region %s looks gone (no heartbeat for %d intervals): rounds close "
+                    "without waiting for it once min_regions have published",
+                    r,
+                    STALE_BEATS,
+                )
+            elif due > now and r in self.gone_at:
+                del self.gone_at[r]
+                log.info("cross-region: region %s beats again", r)
+        self.looks += 1
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.look()
+            self._stop.wait(self.interval_s)
+
+    def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         atexit.unregister(self.stop)
         if self._thread.is_alive() and self._thread is not threading.current_thread():

@@ -40,7 +40,9 @@ waiting out ``grace_s`` (reason ``stale``; the commit names the regions). A regi
 so seen gone at the first read. No host's clock is compared with another's: the heartbeat's wall-clock
 time is for people only. The observations outlive the round, so after the first round that detects a
 crash the next ones close at once. A region that is hung but still beating is waited for up to
-``grace_s``, as before.
+``grace_s``, as before. From the same moment on, a second thread reads the other regions' heartbeats every
+``heartbeat_s / 2`` whether a round waits or not (:class:`~.heartbeat.PeerWatch`, sharing these
+observations): a round's first look then already judges the regions it found gone meanwhile.
 
 **Never closing a round twice.** Only a region deletes its own claim keys (:meth:`Membership.cleanup`,
 more than ``keep_rounds`` rounds behind, and the round's commit after them), so a round's decision stands
@@ -55,15 +57,17 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
 from . import records
 from .commit import Commit, Presence, Tombstone
-from .errors import XRBehind, XRError, XRLayoutError, XRNoQuorum
-from .heartbeat import STALE_BEATS, Heartbeat, HeartbeatWriter
+from .errors import XRBehind, XRError, XRLayoutError, XRNoQuorum, XRSettingsError
+from .heartbeat import STALE_BEATS, Heartbeat, HeartbeatWriter, PeerWatch
 from .protocol import Expect, Mailbox, Manifest, digest, parse_tag, round_tag
+from .store import Store
 
 COMMIT_NAME = "_commit.json"
 PRESENCE_DIR = "_presence"
@@ -82,6 +86,11 @@ T = TypeVar("T")
 
 def manifest_digest(m: Manifest) -> str:
     return digest(m.to_json())
+
+
+def _shown(v: object) -> str:
+    """A setting's value in a message: JSON, as the claims carry it."""
+    return json.dumps(v)
 
 
 def _is_tombstone(raw: bytes) -> bool:
@@ -104,21 +113,31 @@ class Membership:
         job: str = "",
         clock: Callable[[], float] = time.monotonic,
         heartbeat_s: float | None = None,
+        settings: dict | None = None,
     ) -> None:
         self.mb = mailbox
         self.store = mailbox.store
         self.run_id, self.region, self.regions = mailbox.run_id, mailbox.region, mailbox.regions
         self.quorum, self.grace_s = quorum, grace_s
         self.job = job
+        # what this region's round claims say it shares with the others (CrossRegion.round_settings); a
+        # peer's claim that says otherwise is refused (None: not compared)
+        self.settings = settings
         self._clock = clock
         self.heartbeat_s = heartbeat_s  # None: other regions' heartbeats are not read, none is written
         self._writer: HeartbeatWriter | None = None
+        self._peers: PeerWatch | None = None  # the other regions' heartbeats, watched from a thread
+        self._peer_store: Store = self.store  # ... through a client of its own
+        self._watch_lock = threading.Lock()
         # region -> (heartbeat value last seen or None, when it was first seen on self._clock); kept across rounds
         self._watch: dict[str, tuple[tuple[str, int] | None, float]] = {}
         self.behind_check_s = BEHIND_CHECK_S
         self._own_newest: int | None = None  # the newest round with a claim of this region (must_read_own)
         self.late_last = False  # this region was late in its last round
         self.absent_last: set[str] = set()  # the regions its last round closed without
+        # the regions whose claim this process has read (and found to share its settings): a round's wait
+        # reads the presence of the others it waits for, to hear of one that refused the run's settings
+        self.met: set[str] = set()
 
     # -- keys ----------------------------------------------------------------------------------------
     def commit_key(self, tag: str) -> str:
@@ -225,9 +244,29 @@ class Membership:
                 )
             return t
         m = Manifest.from_json(raw, where)
+        if region != self.region:
+            self.check_settings(m, tag, region)
+            self.met.add(region)
         if expect is not None:
             expect.check(m, self.run_id, tag, region, where)
         return m
+
+    def check_settings(self, m: Manifest, tag: str, region: str) -> None:
+        """Refuse ``region``'s claim ``m`` of round ``tag`` when the settings it carries (``extra.settings``,
+        :meth:`~sbatch_gen.xr_options.CrossRegion.round_settings`) differ from this region's, in one line
+        naming both regions and the first setting that differs. Both regions refuse: each reads the other's
+        claim, in the first round both publish. A setting either side does not state (an older or newer
+        writer, or one of another mode, which an earlier setting tells apart) is not compared."""
+        theirs = m.extra.get("settings") if isinstance(m.extra, dict) else None
+        if self.settings is None or not isinstance(theirs, dict):
+            return
+        for k, mine in self.settings.items():
+            if k in theirs and theirs[k] != mine:
+                raise XRSettingsError(
+                    f"round {tag}: regions {self.region!r} and {region!r} disagree on {k}: "
+                    f"{_shown(mine)} in {self.region!r}, {_shown(theirs[k])} in {region!r}; every region "
+                    "of a run must share it (sbatch-gen validate compares the sites' cross_region)"
+                )
 
     def claim(self, m: Manifest) -> Claim:
         """Publish this region's claim of round ``m.tag``, its manifest: create-only where the round is elastic
@@ -284,19 +323,29 @@ class Membership:
             missing,
         )
 
-    def _leaving(self, region: str) -> bool:
-        """Has ``region`` announced a planned leave (its presence record)?"""
-        p = self.read_presence(region)
-        return p is not None and p.state == "leaving"
+    def refuse(self, tag: str, step: int | None, why: str) -> None:
+        """This region refuses the run (a peer's settings differ from its own, :meth:`check_settings`): its
+        presence record says so, with ``why``, so that a peer waiting for it stops too instead of waiting
+        out ``timeout_s`` (best effort: the refusal itself is what matters)."""
+        r = parse_tag(tag)
+        try:
+            self.announce("refused", r if r is not None else 0, step if step is not None else -1, why)
+        except Exception as e:  # noqa: BLE001
+            log.warning("cross-region: could not record the refusal in the mailbox: %s", e)
 
-    def _judge_heartbeat(self, region: str) -> float:
-        """Read ``region``'s heartbeat (a region missing from a round) and judge it: when it turns stale on
-        this region's clock, now or earlier if it is stale already."""
+    def _judge_heartbeat(self, region: str, store: Store | None = None) -> float:
+        """Read ``region``'s heartbeat (through ``store``: default this membership's) and judge it: when it
+        turns stale on this region's clock, now or earlier if it is stale already."""
         before = self._clock()
-        hb, age = self.read_heartbeat_aged(region)
+        hb, age = self.read_heartbeat_aged(region, store)
         after = self._clock()
-        quiet, limit = self._quiet_for(region, hb, before, after)
+        with self._watch_lock:  # (the rounds' reads and the peer watch's share what they saw)
+            quiet, limit = self._quiet_for(region, hb, before, after)
         return after + limit - max(quiet, age or 0.0)
+
+    def watched_gone(self) -> set[str]:
+        """The regions the peer watch (:class:`~.heartbeat.PeerWatch`) last found stale; empty without one."""
+        return self._peers.gone() if self._peers is not None else set()
 
     def _quiet_for(
         self, region: str, hb: Heartbeat | None, before: float, after: float
@@ -318,14 +367,17 @@ class Membership:
     def read_heartbeat(self, region: str) -> Heartbeat | None:
         return self._read_record(Heartbeat, self.alive_key(region), region)
 
-    def read_heartbeat_aged(self, region: str) -> tuple[Heartbeat | None, float | None]:
+    def read_heartbeat_aged(
+        self, region: str, store: Store | None = None
+    ) -> tuple[Heartbeat | None, float | None]:
         """``region``'s heartbeat and the seconds since it was written, on the store's clock
         (:meth:`~.store.Store.get_aged`; None: missing, unreadable, or no age told)."""
         key = self.alive_key(region)
-        got = self.store.get_aged(key)
+        store = store or self.store
+        got = store.get_aged(key)
         if got is None:
             return None, None
-        hb = Heartbeat.from_json(got[0], self.store.describe(key))
+        hb = Heartbeat.from_json(got[0], store.describe(key))
         return (hb, got[1]) if hb is not None and hb.region == region else (None, None)
 
     def heartbeats(self, keys: list[str] | None = None) -> dict[str, Heartbeat]:
@@ -361,6 +413,13 @@ class Membership:
             self.store.clone(), self.alive_key(self.region), self.region, self.heartbeat_s, self.job
         )
         self._writer.start()
+        others = [r for r in self.regions if r != self.region]
+        if others:  # and the others' heartbeats, watched from now on (another client of its own)
+            store = self._peer_store = self.store.clone()
+            self._peers = PeerWatch(
+                others, lambda r: self._judge_heartbeat(r, store), self.heartbeat_s / 2, self._clock
+            )
+            self._peers.start()
 
     def stop_heartbeat(self) -> None:
         """Stop beating (a planned leave, the end, close); the others then treat this region as gone after
@@ -370,6 +429,11 @@ class Membership:
             if self._writer.store is not self.store:
                 self._writer.store.close()
             self._writer = None
+        if self._peers is not None:
+            self._peers.stop()
+            if self._peer_store is not self.store:
+                self._peer_store.close()
+            self._peers = None
 
     @property
     def beating(self) -> bool:
@@ -396,10 +460,10 @@ class Membership:
         return out
 
     # -- presence --------------------------------------------------------------------------------------
-    def announce(self, state: str, r: int, step: int) -> None:
-        if state == "leaving":
+    def announce(self, state: str, r: int, step: int, why: str = "") -> None:
+        if state in ("leaving", "refused"):
             self.stop_heartbeat()  # a region that left beats no more (its leave is what the others read)
-        p = Presence(self.region, state, r, step, time.time(), self.job)
+        p = Presence(self.region, state, r, step, time.time(), self.job, why)
         self.store.put(self.presence_key(self.region), p.to_json())
 
     def read_presence(self, region: str) -> Presence | None:

@@ -501,9 +501,10 @@ class Mailbox:
         step: int | None = None,
         started: float | None = None,
         slice_s: float | None = None,
+        check: Callable[[Manifest, str], None] | None = None,
     ) -> dict[str, Manifest] | None:
         """Poll (with backoff) until every region in ``regions`` has published ``tag``; verify each
-        manifest against ``expect``. Raises :class:`XRTimeout` naming the regions still missing once
+        manifest against ``expect`` (after ``check(manifest, region)``, when given). Raises :class:`XRTimeout` naming the regions still missing once
         ``timeout_s`` has passed since ``started`` (default: now). With ``slice_s``, returns ``None``
         after that many seconds without giving up (callers keep other ranks informed in between)."""
         want = list(regions)
@@ -518,6 +519,8 @@ class Mailbox:
                     continue
                 m = self.read_manifest(tag, r)
                 if m is not None:
+                    if check is not None:
+                        check(m, r)
                     expect.check(m, self.run_id, tag, r, self.store.describe(self.manifest_key(tag, r)))
                     got[r] = m
             missing = [r for r in want if r not in got]

@@ -22,6 +22,7 @@ from .errors import (
     XRLayoutError,
     XRMissingRound,
     XRNoQuorum,
+    XRSettingsError,
     XRTimeout,
 )
 
@@ -38,6 +39,7 @@ _ERRORS = {
         XRNoQuorum,
         XRBehind,
         XRCancelled,
+        XRSettingsError,
     )
 }
 Err = tuple[str, str]

@@ -32,7 +32,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .commit import Commit, Member, Tombstone, decide
-from .errors import XRBehind, XRCancelled
+from .errors import XRBehind, XRCancelled, XRSettingsError
 from .membership import Claim, Membership, manifest_digest
 from .protocol import Expect, Mailbox, Manifest, parse_tag, round_tag
 
@@ -83,8 +83,11 @@ def run_round(
     encoded: dict = {}
     bytes_up = 0
     mine = None
-    if own is None and decided is None and parse_tag(tag) not in ex.withheld:
-        mine, encoded, bytes_up = ex.upload(tag, region, kind, step, src, tokens, pre=pre, write=False)
+    if own is None and decided is None:
+        said = {"settings": ex.xr.round_settings()}  # what this region shares with the others: they check it
+        mine, encoded, bytes_up = ex.upload(
+            tag, region, kind, step, src, tokens, pre=pre, write=False, extra_fn=lambda shards: said
+        )
     t1 = ex.now()
     # 2. decide the members: every region's claim there, its manifest or a tombstone
     waits: list[RoundWait] = []  # rank 0's, made at its first slice and resumed by the next ones
@@ -175,7 +178,11 @@ def _wait_slice(
         raise XRCancelled(f"round {tag}: called off while waiting for the other regions")
     if not waits:
         waits.append(round_wait(ms, tag, expect, step=step, mine=mine, own=own))
-    got = waits[0].run(slice_s)
+    try:
+        got = waits[0].run(slice_s)
+    except XRSettingsError as e:
+        ms.refuse(tag, step, str(e))
+        raise
     return None if got is None else (got[0], got[1], waits[0].adopted)
 
 
@@ -199,7 +206,11 @@ def wait_commit(
     without a quorum, :class:`~.errors.XRBehind` if the run moved past ``tag`` and cleaned it up. In
     slices: :func:`round_wait`."""
     wait = round_wait(ms, tag, expect, step=step, started=started, mine=mine, own=own)
-    got = wait.run()
+    try:
+        got = wait.run()
+    except XRSettingsError as e:
+        ms.refuse(tag, step, str(e))
+        raise
     assert got is not None  # None only when waiting in slices
     if not wait.adopted:
         ms.record_commit(got[0])
@@ -271,6 +282,8 @@ class RoundWait:
         self.next_behind = now + ms.behind_check_s
         # the same check before closing the round without someone (then every tick)
         self.next_guard = now
+        # the presence of the regions waited for that this process has not met yet (refused the settings?)
+        self.next_unmet = now
 
     def manifests(self) -> dict[str, Manifest]:
         return {r: c for r, c in self.claims.items() if isinstance(c, Manifest)}
@@ -334,8 +347,10 @@ class RoundWait:
             tasks += [partial(_tagged, "claim", r, ms.read_claim, tag, r, self.expect) for r in missing]
         now = ms._clock()
         # the missing regions' presence and heartbeats; at the first look only of those absent from this
-        # region's last round (a region away is likely still away; the others may well all be there)
-        absent = [r for r in missing if r != region and (not self.first or r in ms.absent_last)]
+        # region's last round (a region away is likely still away; the others may well all be there) and of
+        # those the peer watch found gone meanwhile (a crash while this region trained)
+        gone = ms.watched_gone() if self.first else set()
+        absent = [r for r in missing if r != region and (not self.first or r in ms.absent_last or r in gone)]
         judge = (
             not ms.strict
             and bool(absent)
@@ -344,9 +359,16 @@ class RoundWait:
         )
         if judge:
             self.next_check = now if self.first else now + tick
-            tasks += [partial(_tagged, "leaving", r, ms._leaving, r) for r in absent]
+            tasks += [partial(_tagged, "presence", r, ms.read_presence, r) for r in absent]
             if ms.heartbeat_s is not None:
                 tasks += [partial(_tagged, "beat", r, ms._judge_heartbeat, r) for r in absent]
+        # a region this process has not met may have refused the run's settings (at its theta0 already):
+        # its presence says so, read once a tick until its first claim is read here (with the presence
+        # reads above where they run: one read of each)
+        unmet = [r for r in missing if r != region and r not in ms.met and not (judge and r in absent)]
+        if unmet and not self.first and now >= self.next_unmet:
+            self.next_unmet = now + tick
+            tasks += [partial(_tagged, "presence", r, ms.read_presence, r) for r in unmet]
         t0 = time.perf_counter()
         results = _all(ms.mb, tasks)
         rtt = time.perf_counter() - t0
@@ -367,8 +389,11 @@ class RoundWait:
                 seen.append(r)
             elif what == "list":
                 names = got
-            elif what == "leaving" and got:
+            elif what == "presence" and got is not None and got.state == "leaving":
                 leaving.add(r)
+            elif what == "presence" and got is not None and got.state == "refused" and r not in ms.met:
+                why = got.why or "its settings differ"
+                raise XRSettingsError(f"round {tag}: region {r!r} refused to take part: {why}")
             elif what == "beat":
                 dues[r] = got
         if listing:

@@ -40,7 +40,7 @@ from torch import nn
 
 from sbatch_gen.xr_options import CrossRegion
 
-from .errors import XRError, XRLayoutError
+from .errors import XRError, XRLayoutError, XRSettingsError
 from .exchange import Exchange, theta0_extra
 from .flat import FlatParams
 from .membership import Membership
@@ -120,7 +120,13 @@ class OuterSync:
             lambda: self._open_mailbox(store, poll_min_s, poll_max_s), active=self.group.rank in owner_ranks
         )
         self.membership = (
-            Membership(self.mailbox, xr.quorum, xr.grace_s, job=os.environ.get("SLURM_JOB_ID", ""))
+            Membership(
+                self.mailbox,
+                xr.quorum,
+                xr.grace_s,
+                job=os.environ.get("SLURM_JOB_ID", ""),
+                settings=xr.round_settings(),
+            )
             if self.mailbox is not None
             else None
         )
@@ -240,13 +246,33 @@ class OuterSync:
         exists = self.group.on_rank(lambda: self.ex.mb().read_manifest(TAG_INIT, first) is not None)
         flat = self.flat.gather(held(self.work, "work")) if self.leader else None
         if self.xr.region == first and not exists:
-            self.ex.upload(TAG_INIT, first, "init", step, flat, 0, extra_fn=theta0_extra)
+            said = {"settings": self.xr.round_settings()}  # the adopters check it (and say if they refuse)
+            self.ex.upload(
+                TAG_INIT,
+                first,
+                "init",
+                step,
+                flat,
+                0,
+                extra_fn=lambda shards: {**theta0_extra(shards), **said},
+            )
             action = "published"
         else:
             expect = self.ex.expect("init")
 
             def theta0() -> Manifest:
-                got = self.ex.mb().wait(TAG_INIT, [first], expect, step=step)
+                ms = self.ex.ms()
+                try:
+                    got = self.ex.mb().wait(
+                        TAG_INIT,
+                        [first],
+                        expect,
+                        step=step,
+                        check=lambda m, r: ms.check_settings(m, TAG_INIT, r),
+                    )
+                except XRSettingsError as e:  # the first region's wait for this one's claims ends too
+                    ms.refuse(TAG_INIT, step, str(e))
+                    raise
                 assert got is not None  # None only when waiting in slices (slice_s)
                 return got[first]
 
