@@ -51,7 +51,7 @@ NUMA_BINDING=''  # topology.numa_binding
 LOG_TOPOLOGY=1  # topology.log_topology
 IB_HCA=''  # nccl.ib_hca as NCCL_IB_HCA: the preflight checks these adapters (empty: none)
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
-NODE_PY_SHA256=a11837e3b57637aa1a1aafdd94c14b6c54bcd198ed7077390d8e9a55043fea31  # the preflight's checks: sbatch-gen-node.py (render writes it), sent to every host
+NODE_PY_SHA256=bf1d33f2565cac4baf9ae7b717899366e55493381e0356a8569fade4d6aea921  # the preflight's checks: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv  # python_env.kind
