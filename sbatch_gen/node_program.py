@@ -841,7 +841,7 @@ class TrainingStep:
         A worker that gets a SIGTERM therefore finds the stop file already there: the trainer can tell this
         stop from torchrun's own teardown after a crash (a SIGTERM with no stop file appearing shortly after).
         A stop file that cannot be written is logged; the SIGTERM still goes on (the workers' signal
-        handler is then the only stop request). Every SIGTERM does both again, as the bash run_trainer did."""
+        handler is then the only stop request). Every SIGTERM does both again."""
         if self.ended or not self.pid:
             return
         line = f"SIGTERM to the training step on {self.node}\n"

@@ -5,7 +5,7 @@ flag says: torch 2.13's agent stops the survivors of a failure with its own defa
 
 The survivor here takes SIGTERM as a stop request and then hangs, as a rank of the companion trainer (or a
 trainer on the library) hangs in the collective of a stop checkpoint whose peer is gone (NCCL waits for its
-own timeout). torchrun runs with SIGTERM ignored, as run_trainer starts it. Should torch start applying the
+own timeout). torchrun runs with SIGTERM ignored, as run-trainer starts it. Should torch start applying the
 flag to failures, this test fails (300 s), and the render's value for it must be revisited."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_a_crash_frees_the_node_in_torchs_30_s_not_after_the_stop_budget(tmp_pat
         stderr=subprocess.STDOUT,
         env=train_env(),
         start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN),  # as run_trainer starts it
+        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN),  # as run-trainer starts it
     )
     try:
         out, _ = proc.communicate(timeout=200)
