@@ -51,7 +51,7 @@ NUMA_BINDING=''  # topology.numa_binding
 LOG_TOPOLOGY=1  # topology.log_topology
 IB_HCA=''  # nccl.ib_hca as NCCL_IB_HCA: the preflight checks these adapters (empty: none)
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
-NODE_PY_SHA256=5dcb39537dc074ebca424a2c8baa5823c303224eb528c99bc4619b8d88ff0636  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
+NODE_PY_SHA256=8765050aaf5a1a485d297337e25955aa056b51497cec90520ca968e9a3d89f45  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv  # python_env.kind

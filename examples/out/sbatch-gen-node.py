@@ -923,7 +923,8 @@ def run_trainer_main(args: list[str]) -> int:
         args[i : i + 1] != ["--"]
         or not command
         or not opts["--stop-file"]
-        or not opts["--stopped-rc"].isdigit()
+        or not re.fullmatch(r"[0-9]{1,3}", opts["--stopped-rc"])
+        or int(opts["--stopped-rc"]) > 255
     ):
         print(
             "usage: sbatch-gen-node.py run-trainer --stop-file FILE --stopped-rc N -- COMMAND...",

@@ -271,6 +271,15 @@ def test_a_command_that_cannot_start(tmp_path):
         ["--stop-file", "s", "--stopped-rc", "0"],  # no command
         ["--stop-file", "s", "--stopped-rc", "0", "torchrun"],  # no --
         ["--stop-file", "s", "--stopped-rc", "x", "--", "torchrun"],
+        [
+            "--stop-file",
+            "s",
+            "--stopped-rc",
+            "\u00b2",
+            "--",
+            "torchrun",
+        ],  # a digit to str.isdigit, not to int
+        ["--stop-file", "s", "--stopped-rc", "256", "--", "torchrun"],  # no exit status
         ["--stopped-rc", "0", "--", "torchrun"],
         ["--stop-file", "s", "--stopped-rc", "0", "--bogus", "1", "--", "torchrun"],
     ],
