@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: e1d6c6b979f3ad9692279f698a2defeba300c258efbb9b14ba00c3c1905505c1
+#   inputs sha256: c6f15869d78953490498c83e89e2771da0a1b5fddbb83bb267d6668165b2c402
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -47,7 +47,7 @@ NUMA_BINDING=''  # topology.numa_binding
 LOG_TOPOLOGY=0  # topology.log_topology
 IB_HCA=''  # nccl.ib_hca as NCCL_IB_HCA: the preflight checks these adapters (empty: none)
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
-NODE_PY_SHA256=e2d552c9703d308fb731959e00a8a6e1c76398fdf9a1e012e430a18ac4ff2234  # the preflight's checks: sbatch-gen-node.py (render writes it), sent to every host
+NODE_PY_SHA256=2f1e8b824251c807454a7a45dd4df9a1aa8f4a5d4148cf23c6e4ef3249eb2e2e  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv  # python_env.kind
@@ -174,8 +174,9 @@ preflight_main() {
     torchrun_flags=--signals-to-handle='trainer.stop_protocol: sbatch-gen; torch >= 2.10,--shutdown-timeout=launch.kill_grace_s; torch >= 2.12'
 }
 
-# Start torchrun on one node and return its exit status (128+N when signal N killed it). Only
-# torchrun and what it starts carry the tag; this shell does not (its environment is fixed at exec).
+# Start torchrun on one node and return its exit status (128+N when signal N killed it). Only torchrun and
+# what it starts carry the tag (`env` puts it in torchrun's environment): not this shell, nor the node
+# program that supervises torchrun (trainer.stop_protocol sbatch-gen); cleanup_main signals exactly those.
 node_main() {
   local rank=$1 MASTER_ADDR=$2 ATTEMPT=$3 RESUME=$4 MASTER_PORT=$RDZV_PORT NODE_ADDR IS_HOST=0 rc=0
   cd -- "$LAUNCH_DIR" || return 1
@@ -183,7 +184,7 @@ node_main() {
   activate_env || { echo "$NODE_ERROR"; return 1; }
   NODE_ADDR=$(iface_ipv4 "$IFNAME") || { echo "interface $IFNAME has no IPv4 address"; return 1; }
   if ((rank == 0)); then IS_HOST=1; fi
-  export SBATCH_GEN_TAG="$TAG" SBATCH_GEN_NODE_RANK="$rank" SBATCH_GEN_ATTEMPT="$ATTEMPT"
+  export SBATCH_GEN_NODE_RANK="$rank" SBATCH_GEN_ATTEMPT="$ATTEMPT"
   printf 'node %s host %s addr %s rendezvous %s:%s attempt %s resume %s tag %s\n' \
     "$rank" "$HOSTNAME" "$NODE_ADDR" "$MASTER_ADDR" "$MASTER_PORT" "$ATTEMPT" "$RESUME" "$TAG"
   env | grep -E '^(NCCL|GLOO|TORCH|CUDA|OMP)_' | sort || true
@@ -209,8 +210,9 @@ node_main() {
   mkdir -p -- "$RUN_DIR/stop" || return 1
   rm -f -- "$stop_file" "$stop_file.ack" "$stop_file.fatal" "$stop_file.stopping"
   export SBATCH_GEN_STOP_FILE="$stop_file"
-  # torchrun with SIGTERM ignored; 42 after a complete stop checkpoint (templates/_node.j2)
-  run_trainer "$stop_file" 42 torchrun "${torchrun_args[@]}" -m "$TRAINER_MODULE" "${trainer_args[@]}" || rc=$?
+  # The node program's run-trainer runs torchrun with SIGTERM ignored; 42 after a complete stop checkpoint
+  node_py run-trainer --stop-file "$stop_file" --stopped-rc 42 -- \
+    env SBATCH_GEN_TAG="$TAG" torchrun "${torchrun_args[@]}" -m "$TRAINER_MODULE" "${trainer_args[@]}" || rc=$?
   return "$rc"
 }
 
@@ -423,10 +425,11 @@ cleanup_command() {
 
 # ==== node library =================================================================================
 # sbatch-gen's node functions (templates/_node.j2), no site settings: log/die, the python_env activation,
-# and those of the preflight (which runs the node program, sbatch-gen-node.py) and run_trainer when this
-# render uses them. Every render with the same library sha256 carries these same lines: review them once
-# (`sbatch-gen diff --all` shows a change to them once, naming the files).
-# library sha256: f10709871d9e9e8a58d268c83fbf96c0561cd463b341acacea40d2648773d807
+# and, when this render uses them, those that find, stage and run the node program (sbatch-gen-node.py: the
+# preflight, the training step's supervision) and node_lines. Every render with the same library sha256
+# carries these same lines: review them once (`sbatch-gen diff --all` shows a change to them once, naming
+# the files).
+# library sha256: d9bb94cb03687cdb84bb444c4d4a3b1966f6b49f9052440d07bc85a4d3430337
 # log MESSAGE...: one timestamped line on stderr, also appended to $LOG_FILE when that is set. Never fails
 # (the terminal may be gone when a trap logs).
 log() {
@@ -545,18 +548,31 @@ stage_node_program() {
   export SBATCH_GEN_NODE_PY
 }
 
-# preflight NAME=VALUE...: check this node before anything starts (the node program's preflight: its
-# settings are listed there), run by this node's python (python_env), else by python3. One line: "preflight
-# ok on NODE: what it found" on stdout (status 0), or "preflight FAILED on NODE: problem; problem..." on stderr
-# (status 1). The program is the file $SBATCH_GEN_NODE_PY, or the text $NODE_PY_SRC (the SSH launcher ships
-# it).
+# node_py [--exec] COMMAND ARG...: the node program's COMMAND (preflight, run-trainer), run by this node's
+# python: python_env's, else python3 (an image may have no `python`), isolated (-I: no PYTHONPATH, no user
+# site; it needs the standard library only). The program is the file $SBATCH_GEN_NODE_PY, or the text
+# $NODE_PY_SRC (the SSH launcher ships it). --exec: it replaces this shell (a job step's task: Slurm's
+# SIGTERM must reach the program, not a shell it would end). Status 127 when this node has no python (said on
+# stderr with --exec; the preflight says it in its own line).
+# shellcheck disable=SC2317,SC2329  # run on the nodes (export -f / declare -f)
+node_py() {
+  local py run=()
+  if [[ ${1-} == --exec ]]; then run=(exec); shift; fi
+  if ! py=$(command -v python || command -v python3); then
+    if ((${#run[@]})); then printf 'sbatch-gen: no python on PATH on %s (python_env): cannot run the node program (%s)\n' "${SLURMD_NODENAME:-$HOSTNAME}" "${1-}" >&2; fi
+    return 127
+  fi
+  if [[ -n ${NODE_PY_SRC-} ]]; then "${run[@]}" "$py" -I -c "$NODE_PY_SRC" "$@"; else "${run[@]}" "$py" -I "$SBATCH_GEN_NODE_PY" "$@"; fi
+}
+
+# preflight NAME=VALUE...: check this node before anything starts (the node program's preflight, through
+# node_py: its settings are listed there). One line: "preflight ok on NODE: what it found" on stdout (status
+# 0), or "preflight FAILED on NODE: problem; problem..." on stderr (status 1), also without any python.
 # shellcheck disable=SC2317,SC2329  # run on the nodes (export -f / declare -f), not called here
 preflight() {
-  local py a problem='python not found on PATH (python_env)'
-  if py=$(command -v python || command -v python3); then
-    if [[ -n ${NODE_PY_SRC-} ]]; then "$py" -I -c "$NODE_PY_SRC" preflight "$@"; else "$py" -I "$SBATCH_GEN_NODE_PY" preflight "$@"; fi
-    return
-  fi
+  local a rc=0 problem='python not found on PATH (python_env)'
+  node_py preflight "$@" || rc=$?
+  ((rc == 127)) || return "$rc"
   for a in "$@"; do
     if [[ $a == setup_error=?* ]]; then problem=${a#setup_error=}; fi
   done
@@ -564,31 +580,8 @@ preflight() {
   return 1
 }
 
-# stop_outcome STOP_FILE: one line on what a stop left behind: from STOP_FILE.ack (JSON, the first rank of
-# every node writes it once the stop checkpoint is complete) "stopped after step N (why): checkpoint PATH
-# complete"; else the trainer's own line in STOP_FILE.stopping (the save it began did not complete:
-# what the next attempt redoes); status 1 when there is neither.
-# shellcheck disable=SC2317,SC2329  # run on the nodes (export -f / declare -f)
-stop_outcome() {
-  local ack=$1.ack stopping=$1.stopping
-  if [[ -e $ack ]]; then
-    # the ack is one line of JSON, {"step": N, "checkpoint": "PATH" or null, "reason": "...", ...}; strings
-    # are shown as JSON writes them
-    local json step ckpt why
-    json=$(head -c 4000 -- "$ack" | tr -d '\n')
-    step=$(sed -n 's/.*"step": *\([0-9][0-9]*\).*/\1/p' <<<"$json")
-    ckpt=$(sed -n 's/.*"checkpoint": *"\(\([^"\\]\|\\.\)*\)".*/\1/p' <<<"$json")
-    why=$(sed -n 's/.*"reason": *"\(\([^"\\]\|\\.\)*\)".*/\1/p' <<<"$json")
-    printf 'stopped after step %s (%s): %s\n' "${step:-?}" "${why:-stop requested}" \
-      "$(if [[ -n $ckpt ]]; then printf 'checkpoint %s complete' "$ckpt"; else printf 'nothing to checkpoint yet'; fi)"
-  elif [[ -e $stopping ]]; then
-    printf 'WARNING: the stop checkpoint did not complete: %s\n' "$(head -n 1 -- "$stopping" | cut -c 1-500)"
-  else
-    return 1
-  fi
-}
-
-# node_lines LOG...: run_trainer's last "node NAME: ..." line of each node's log, through log (launcher side).
+# node_lines LOG...: the last "node NAME: ..." line of each node's log (the node program's run-trainer says
+# in one line what a stop left), through log (launcher side).
 # shellcheck disable=SC2317,SC2329  # called by the launcher after a stop
 node_lines() {
   local f said
@@ -599,41 +592,10 @@ node_lines() {
   done
 }
 
-# run_trainer STOP_FILE STOPPED_RC COMMAND...: run COMMAND (torchrun) on this node with SIGTERM ignored. A
-# SIGTERM that reached torchrun's agent (Slurm signals every process of a job step on a preemption, a requeue
-# or scancel; the SSH launcher's stop) would make it pass the signal on, SIGKILL the workers
-# --shutdown-timeout s later and print a traceback. Instead, SIGTERM to this shell appends a line to the stop
-# file and is handed on to torchrun's workers (its children), which may not get Slurm's own (process-group
-# tracking; torchrun starts them in sessions of their own): sbatch-gen's trainer and the library's agree on a
-# step, checkpoint, and exit 0 once the first rank of every node has written the ack; a trainer of one's
-# own saves in its SIGTERM handler. This node then says in one line what happened ("node
-# NAME: ..."): STOPPED_RC after a complete stop checkpoint, else COMMAND's exit status.
-# shellcheck disable=SC2317,SC2329  # run on the nodes (export -f / declare -f)
-run_trainer() {
-  local stop_file=$1 stopped_rc=$2 node=${SLURMD_NODENAME:-$HOSTNAME} pid rc said
-  shift 2
-  trap 'log "SIGTERM on $node: asking the trainer to checkpoint and stop ($stop_file)"
-        printf "SIGTERM to the training step on %s\n" "$node" >>"$stop_file" 2>/dev/null || true
-        kill -TERM $(cat /proc/"$pid"/task/*/children 2>/dev/null) 2>/dev/null || true' TERM
-  (trap '' TERM; exec "$@") &
-  pid=$!
-  while :; do  # a trapped SIGTERM ends `wait` early: wait again until COMMAND has exited
-    rc=0
-    wait "$pid" || rc=$?
-    kill -0 "$pid" 2>/dev/null || break
-  done
-  trap - TERM
-  if said=$(stop_outcome "$stop_file"); then
-    log "node $node: $said"
-    if [[ -e $stop_file.ack ]]; then return "$stopped_rc"; fi
-  fi
-  return "$rc"
-}
-
 # ==== end of node library ==========================================================================
 
-# The node program's text (the preflight's checks), from beside this script, else from out/, if it is the one
-# this script pins; main stops with NODE_ERROR if not.
+# The node program's text (the preflight's checks, run-trainer), from beside this script, else from out/, if it
+# is the one this script pins; main stops with NODE_ERROR if not.
 NODE_PY_SRC=''
 if find_node_program "$(dirname -- "${BASH_SOURCE[0]}")/sbatch-gen-node.py" out/sbatch-gen-node.py; then
   NODE_PY_SRC=$(cat -- "$NODE_PY_FOUND")
@@ -645,7 +607,7 @@ NODE_VARS=(LAUNCH_DIR NNODES TAG NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT N
   DATA_PATH RUN_DIR SHARED_RUN_DIR NODE_PY_SRC)
 NODE_PROGRAM="set -euo pipefail
 $(declare -p "${NODE_VARS[@]}")
-$(declare -f preflight_main node_main cleanup_main iface_ipv4 load_modules activate_env preflight log run_trainer stop_outcome)
+$(declare -f preflight_main node_main cleanup_main iface_ipv4 load_modules activate_env node_py preflight)
 \"\$@\""
 
 main "$@"

@@ -387,7 +387,7 @@ def torchrun_argv(p: Profile, launcher: Launcher) -> list[Option]:
         opts.append(Option((f"--signals-to-handle={signals}",), "trainer.stop_protocol: signal"))
     elif p.trainer.stop_protocol == "sbatch-gen":
         # SIGTERM is a stop request for the workers, never for the agent: it runs with SIGTERM ignored
-        # (run_trainer in templates/_node.j2), so it must not install a handler of its own for it.
+        # (run-trainer, sbatch_gen/node_program.py), so it must not install a handler of its own for it.
         signals = ",".join(s for s in TORCHRUN_DEFAULT_SIGNALS if s != "SIGTERM")
         opts.append(Option((f"--signals-to-handle={signals}",), "trainer.stop_protocol: sbatch-gen"))
     shutdown = p.torchrun_shutdown_timeout()

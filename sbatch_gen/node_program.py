@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""sbatch-gen's node program: what runs on every node of a job, in Python. Today: the preflight.
+"""sbatch-gen's node program: what runs on every node of a job, in Python: the preflight, the
+environment's fingerprint and the training step's supervision (run-trainer).
 
 One file, standard library only, Python 3.8 or newer: it runs with whatever python the node has once the
 job's environment is active (the project's venv, a conda environment, a container image without
@@ -9,13 +10,17 @@ dir (`<run dir>/node/`) before its first step, the SSH launcher ships it to ever
 program it already sends over ssh. A change to this file is one file in review, not one hunk per render.
 
     python3 sbatch-gen-node.py preflight NAME=VALUE...
+    python3 sbatch-gen-node.py fingerprint
+    python3 sbatch-gen-node.py run-trainer --stop-file FILE --stopped-rc N -- COMMAND...
 
-prints one line, ``preflight ok on NODE: ...`` on stdout (status 0) or ``preflight FAILED on NODE: problem;
-problem...`` on stderr (status 1), where NODE is $SLURMD_NODENAME, else the host name (the Slurm job's
-leave_behind reads the FAILED lines). ``preflight_settings`` lists the settings. /sys and /proc are read
-under $SBATCH_GEN_SYSFS_ROOT (unset on a real node; a fake node in the tests); nvidia-smi and numactl are
-looked up on PATH, as torchrun does. Torch is never imported here: what needs this node's python and its
-packages (the trainer module, torch, torchrun's flags) is asked of that python in a subprocess.
+``preflight`` prints one line, ``preflight ok on NODE: ...`` on stdout (status 0) or ``preflight FAILED on
+NODE: problem; problem...`` on stderr (status 1), where NODE is $SLURMD_NODENAME, else the host name (the
+Slurm job's leave_behind reads the FAILED lines). ``preflight_settings`` lists the settings. /sys and /proc
+are read under $SBATCH_GEN_SYSFS_ROOT (unset on a real node; a fake node in the tests); nvidia-smi and
+numactl are looked up on PATH, as torchrun does. Torch is never imported here: what needs this node's python
+and its packages (the trainer module, torch, torchrun's flags) is asked of that python in a subprocess.
+``run-trainer`` runs torchrun (COMMAND) with SIGTERM ignored, turns a SIGTERM into a stop request, and
+says in one line what the stop left (``run_trainer``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -724,12 +730,218 @@ def preflight_main(args: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"preflight": preflight_main, "fingerprint": fingerprint_main}
+# ---- run-trainer: the training step on one node ----------------------------------------------------
+
+# What the trainer writes beside the stop file (sbatch_gen/contract.py: this program imports nothing of the
+# package; tests/node checks they are the same).
+ACK_SUFFIX = ".ack"
+STOPPING_SUFFIX = ".stopping"
+
+
+def log(message: str) -> None:
+    """One line on stderr, as the launchers' bash `log` writes it: ``[sbatch-gen <UTC time>] MESSAGE``. Never
+    fails (the node's log may be gone when a signal arrives)."""
+    line = f"[sbatch-gen {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}] {message}\n"
+    try:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def one_line(text: str) -> str:
+    """``text`` with its control characters (a newline in a JSON string) as spaces."""
+    return "".join(c if c >= " " else " " for c in text)
+
+
+def stop_outcome(stop_file: str) -> str | None:
+    """What a stop left behind, in one line: from STOP_FILE.ack (JSON, the first rank of every node writes it
+    once the stop checkpoint is complete) "stopped after step N (why): checkpoint PATH complete" (or "nothing
+    to checkpoint yet"); else the trainer's own line in STOP_FILE.stopping (the save it began did not
+    complete: what the next attempt redoes); None when there is neither."""
+    ack = stop_file + ACK_SUFFIX
+    if os.path.exists(ack):
+        record: object = None
+        try:
+            with open(ack, "rb") as f:
+                record = json.loads(f.read(4000).decode("utf-8", "replace"))
+        except (OSError, ValueError):
+            pass
+        got = record if isinstance(record, dict) else {}
+        step, ckpt, why = got.get("step"), got.get("checkpoint"), got.get("reason")
+        step = str(step) if isinstance(step, int) and not isinstance(step, bool) else "?"
+        why = one_line(why) if isinstance(why, str) and why else "stop requested"
+        held = (
+            f"checkpoint {one_line(ckpt)} complete"
+            if isinstance(ckpt, str) and ckpt
+            else "nothing to checkpoint yet"
+        )
+        return f"stopped after step {step} ({why}): {held}"
+    stopping = stop_file + STOPPING_SUFFIX
+    if os.path.exists(stopping):
+        said = read_line(stopping) or ""
+        return f"WARNING: the stop checkpoint did not complete: {one_line(said[:500])}"
+    return None
+
+
+def child_pids(pid: int) -> list[int]:
+    """The children of process ``pid``: /proc/PID/task/*/children, else (a kernel without
+    CONFIG_PROC_CHILDREN) every process whose parent /proc/N/stat names PID."""
+    kids: list[int] = []
+    listed = False
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as f:
+                kids += [int(x) for x in f.read().split()]
+            listed = True
+        except (OSError, ValueError):
+            pass
+    if not listed:
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat", encoding="utf-8", errors="replace") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if len(fields) > 1 and fields[1] == str(pid):
+                kids.append(int(name))
+    return sorted(set(kids))
+
+
+class TrainingStep:
+    """One node's training step: COMMAND (torchrun) and the SIGTERM handler of this program around it."""
+
+    def __init__(self, stop_file: str, node: str) -> None:
+        self.stop_file = stop_file
+        self.node = node
+        self.pid = 0  # COMMAND's, once started
+        self.ended = False  # COMMAND has exited (and was reaped)
+
+    def on_sigterm(self, signum: int, frame: object) -> None:  # noqa: ARG002 - signal API
+        """The SIGTERM handler: a failure in it is logged and never ends this program (it must wait for
+        COMMAND and say what the stop left)."""
+        try:
+            self.stop()
+        except Exception as e:
+            log(f"WARNING: handling SIGTERM on {self.node} failed: {type(e).__name__}: {e}")
+
+    def stop(self) -> None:
+        """A SIGTERM to this program (Slurm signals every process of the job step on a preemption, a requeue
+        or scancel): the stop request, in this order, which the trainer relies on:
+
+        1. a line in the stop file, "SIGTERM to the training step on NODE", written and closed, then one log
+           line;
+        2. only then SIGTERM to COMMAND's children, torchrun's workers (torchrun itself ignores it), which may
+           not get Slurm's own (process-group tracking; torchrun starts them in sessions of their own).
+
+        A worker that gets a SIGTERM therefore finds the stop file already there: the trainer can tell this
+        stop from torchrun's own teardown after a crash (a SIGTERM with no stop file appearing shortly after).
+        A stop file that cannot be written is logged; the SIGTERM still goes on (the workers' signal
+        handler is then the only stop request). Every SIGTERM does both again."""
+        if self.ended or not self.pid:
+            return
+        line = f"SIGTERM to the training step on {self.node}\n"
+        try:
+            with open(self.stop_file, "a", encoding="utf-8") as f:
+                f.write(line)
+        except OSError as e:
+            log(
+                f"WARNING: SIGTERM on {self.node}: cannot write the stop file {self.stop_file} ({e.strerror or e});"
+                " the trainer hears of the stop from the SIGTERM alone"
+            )
+        else:
+            log(f"SIGTERM on {self.node}: asking the trainer to checkpoint and stop ({self.stop_file})")
+        for pid in child_pids(self.pid):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass  # gone meanwhile
+
+
+def _ignore_sigterm() -> None:
+    """COMMAND's process between fork and exec: SIGTERM ignored (torchrun inherits SIG_IGN), then the
+    signal unblocked (the mask survives exec: blocked, the workers would never get it)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
+
+
+def run_trainer(stop_file: str, stopped_rc: int, command: list[str]) -> int:
+    """Run COMMAND (torchrun) on this node with SIGTERM ignored and return its exit status (128+N when signal
+    N ended it), or ``stopped_rc`` when STOP_FILE.ack exists once it has exited.
+
+    A SIGTERM that reached torchrun's agent would make it pass the signal on, SIGKILL the workers
+    --shutdown-timeout s later and print a traceback. Instead a SIGTERM to this program is the stop
+    request of :meth:`TrainingStep.stop` (the stop file first, then SIGTERM to the workers): sbatch-gen's
+    trainer and the library's agree on a step, checkpoint, and exit 0 once the first rank of every node has
+    written the ack; a trainer of one's own saves in its SIGTERM handler. No signal ends the wait: this
+    program waits until COMMAND has exited, then says in one line what the stop left (``node NAME: ...``,
+    :func:`stop_outcome`), which the launchers repeat in their own log."""
+    step = TrainingStep(stop_file, node_name())
+    # SIGTERM blocked until COMMAND runs and the handler knows its pid: one that arrives meanwhile is
+    # handled then, and COMMAND never runs with this program's handler (reset to the default by exec).
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+    signal.signal(signal.SIGTERM, step.on_sigterm)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        # a terminal's Ctrl-C reaches torchrun too, which handles it: wait for it as for a SIGTERM
+        signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        child = subprocess.Popen(command, preexec_fn=_ignore_sigterm)  # preexec_fn: one thread here
+    except OSError as e:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
+        log(f"ERROR: cannot run {command[0]}: {e.strerror or e}")
+        return 127 if isinstance(e, FileNotFoundError) else 126
+    step.pid = child.pid
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
+    rc = child.wait()  # a handled signal does not end it (PEP 475: waitpid is retried)
+    step.ended = True
+    if rc < 0:
+        rc = 128 - rc
+    try:
+        said = stop_outcome(stop_file)
+        if said is not None:
+            log(f"node {step.node}: {said}")
+        if os.path.exists(stop_file + ACK_SUFFIX):
+            return stopped_rc
+    except Exception as e:  # what the stop left is said if it can be; COMMAND's status counts
+        log(f"WARNING: cannot read what the stop left beside {stop_file}: {type(e).__name__}: {e}")
+    return rc
+
+
+def run_trainer_main(args: list[str]) -> int:
+    """`run-trainer --stop-file FILE --stopped-rc N -- COMMAND...`: :func:`run_trainer`."""
+    opts = {"--stop-file": "", "--stopped-rc": ""}
+    i = 0
+    while i + 1 < len(args) and args[i] in opts:
+        opts[args[i]] = args[i + 1]
+        i += 2
+    command = args[i + 1 :]
+    if (
+        args[i : i + 1] != ["--"]
+        or not command
+        or not opts["--stop-file"]
+        or not re.fullmatch(r"[0-9]{1,3}", opts["--stopped-rc"])
+        or int(opts["--stopped-rc"]) > 255
+    ):
+        print(
+            "usage: sbatch-gen-node.py run-trainer --stop-file FILE --stopped-rc N -- COMMAND...",
+            file=sys.stderr,
+        )
+        return 2
+    return run_trainer(opts["--stop-file"], int(opts["--stopped-rc"]), command)
+
+
+COMMANDS = {"preflight": preflight_main, "fingerprint": fingerprint_main, "run-trainer": run_trainer_main}
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: sbatch-gen-node.py {{{','.join(COMMANDS)}}} NAME=VALUE...", file=sys.stderr)
+        print(f"usage: sbatch-gen-node.py {{{','.join(COMMANDS)}}} ARGS...", file=sys.stderr)
         return 2
     return COMMANDS[argv[0]](argv[1:])
 

@@ -331,7 +331,7 @@ def test_a_trainer_of_ones_own_that_exits_0_on_sigterm_is_preempted_not_finished
 ):
     """A preemption with GraceTime signals the job steps only. A trainer not written for sbatch-gen
     (tests/probes/sbg_stop_probe.py --probe-mode signal) saves on its SIGTERM and exits 0 without an .ack:
-    every rank gets the SIGTERM (run_trainer hands it on to torchrun's workers, which Slurm's own does not
+    every rank gets the SIGTERM (run-trainer hands it on to torchrun's workers, which Slurm's own does not
     reach under process-group tracking), the job is requeued as a preemption, not taken for finished, and no
     process of the first attempt is alive once the second starts."""
     probe = e2e_root / f"own-{protocol}" / "run" / "probe"

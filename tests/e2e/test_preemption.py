@@ -4,8 +4,8 @@ partition "high" preempts the jobs of "debug", GraceTime 120 s, and of "sunk", n
 Every stop checkpoint here takes longer than torchrun's own shutdown timeout (30 s): the trainer holds it
 SBATCH_GEN_STOP_SAVE_HOLD_S seconds before marking it complete, as a large checkpoint would.
 
-- partition priority with a GraceTime: Slurm sends SIGTERM to the job steps only (torchrun's agent and the
-  node shells), never to the batch shell. torchrun ignores it (run_trainer); the stop file carries it to the
+- partition priority with a GraceTime: Slurm sends SIGTERM to the job steps only (torchrun's agent and
+  run-trainer), never to the batch shell. torchrun ignores it (run-trainer); the stop file carries it to the
   workers, they checkpoint in their budget, every node says so in one line, and the batch script requeues
   (Slurm would not: the script has exited before the grace ended).
 - the same with SlurmctldParameters=preempt_send_user_signal: the profile's USR1 to the batch shell.

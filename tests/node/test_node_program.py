@@ -140,7 +140,9 @@ def test_an_unknown_setting_or_command_is_refused(tmp_path):
     r = _run_copy(tmp_path, "preflight", "justaword")
     assert r.returncode == 2 and "unknown setting 'justaword'" in r.stderr
     r = _run_copy(tmp_path, "run-everything")
-    assert r.returncode == 2 and r.stderr.startswith("usage: sbatch-gen-node.py {preflight,fingerprint}")
+    assert r.returncode == 2 and r.stderr.startswith(
+        "usage: sbatch-gen-node.py {preflight,fingerprint,run-trainer} "
+    )
 
 
 def test_the_node_is_slurms_name_else_the_host_name(monkeypatch):

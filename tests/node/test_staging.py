@@ -95,3 +95,72 @@ def test_a_node_without_python_still_answers_in_one_line(tmp_path):
         path=str(bindir),
     )
     assert r.stderr == "preflight FAILED on n1: launch directory /x does not exist\n"
+
+
+# ---- the training step: node_py runs the node program's run-trainer ----------------------------------
+
+# torchrun's stand-in for the step: says it runs, waits for the stop file, then acks as the trainer does.
+STEP = """\
+import json, os, time
+open("ready", "w").close()
+while not os.path.exists("stop"):
+    time.sleep(0.05)
+open("stop.ack", "w").write(json.dumps({"step": 4, "checkpoint": "ck/step-4", "reason": "stop file: x"}))
+"""
+
+
+def test_the_slurm_training_step_is_the_node_program_itself(tmp_path):
+    """srun runs `bash -c 'node_py --exec "$@"' node_py run-trainer ...` (eu.sbatch): the shell becomes the
+    node program (Slurm's SIGTERM reaches it, not a shell it would end), which takes the SIGTERM as the stop
+    request, waits for torchrun and exits 0 on the ack."""
+    srun_words = """bash -c 'node_py --exec "$@"' node_py run-trainer --stop-file "$STOP_FILE" --stopped-rc 0 -- \\\n"""
+    assert srun_words in EU
+    shutil.copy(PROGRAM, tmp_path / "prog.py")
+    (tmp_path / "step.py").write_text(STEP)
+    code = (
+        "export SBATCH_GEN_NODE_PY=prog.py SLURMD_NODENAME=n1 STOP_FILE=stop\n"
+        "export -f node_py\n"
+        """bash -c 'node_py --exec "$@"' node_py run-trainer --stop-file "$STOP_FILE" --stopped-rc 0 -- """
+        "python3 step.py &\n"
+        "pid=$!\n"
+        "while [[ ! -e ready ]]; do sleep 0.05; done\n"
+        """tr '\\0' ' ' </proc/$pid/cmdline; echo\n"""
+        "kill -TERM $pid\n"
+        'wait $pid && echo "status $?"'
+    )
+    r = _bash(
+        code, tmp_path, path=f"{Path(shutil.which('python3') or '/usr/bin/python3').parent}:/usr/bin:/bin"
+    )
+    cmdline, status = r.stdout.splitlines()
+    assert " -I prog.py run-trainer --stop-file stop --stopped-rc 0 -- python3 step.py" in cmdline, r.stdout
+    assert Path(cmdline.split()[0]).name.startswith("python"), cmdline  # the shell is gone: exec
+    assert status == "status 0", r.stderr
+    assert (tmp_path / "stop").read_text() == "SIGTERM to the training step on n1\n"
+    said = [line.split("] ", 1)[1] for line in r.stderr.splitlines()]
+    assert said == [
+        "SIGTERM on n1: asking the trainer to checkpoint and stop (stop)",
+        "node n1: stopped after step 4 (stop file: x): checkpoint ck/step-4 complete",
+    ], r.stderr
+
+
+def test_node_py_runs_the_shipped_text_and_says_when_there_is_no_python(tmp_path):
+    py_dir = Path(shutil.which("python3") or "/usr/bin/python3").parent
+    # the SSH launcher ships the program as text (NODE_PY_SRC)
+    shipped = (
+        f"NODE_PY_SRC=$(cat {PROGRAM})\nnode_py run-trainer --stop-file s --stopped-rc 42 -- sh -c 'exit 3'"
+    )
+    r = _bash(shipped + ' || echo "status $?"', tmp_path, path=f"{py_dir}:/usr/bin:/bin")
+    assert r.stdout == "status 3\n" and r.stderr == "", r.stderr
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "bash").symlink_to(shutil.which("bash") or "/bin/bash")
+    r = _bash('SLURMD_NODENAME=n1 node_py run-trainer x || echo "status $?"', tmp_path, path=str(bindir))
+    assert r.stdout == "status 127\n" and r.stderr == ""  # the caller says it (the preflight: its line)
+    r = _bash(
+        'SLURMD_NODENAME=n1 node_py --exec run-trainer x || echo "status $?"', tmp_path, path=str(bindir)
+    )
+    assert r.stdout == "status 127\n"
+    assert (
+        r.stderr
+        == "sbatch-gen: no python on PATH on n1 (python_env): cannot run the node program (run-trainer)\n"
+    )

@@ -37,9 +37,9 @@ def library_lines(text: str) -> tuple[str, str]:
 
 
 def node_library(text: str) -> str:
-    """The node library: log/die, the python_env activation, the preflight and run_trainer functions the
-    render uses (what srun's and the node program's bash run on the nodes), with the node program the
-    preflight runs exported as the Slurm job exports it once staged (SBATCH_GEN_NODE_PY)."""
+    """The node library: log/die, the python_env activation, the node program's functions (node_py,
+    preflight) and node_lines the render uses (what srun's and the SSH node program's bash run on the
+    nodes), with the node program exported as the Slurm job exports it once staged (SBATCH_GEN_NODE_PY)."""
     return library_lines(text)[1] + f"export SBATCH_GEN_NODE_PY={shlex.quote(str(NODE_PROGRAM))}\n"
 
 

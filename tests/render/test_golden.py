@@ -104,7 +104,7 @@ def test_render_with_overrides_and_sites_dir(tmp_path, monkeypatch):
 
 
 def test_the_node_program_is_written_once_beside_the_renders_and_checked_like_them(work):
-    """`render` writes sbatch-gen-node.py (the preflight's checks) once for every render that runs it, and
+    """`render` writes sbatch-gen-node.py (the preflight's checks, run-trainer) once for every render that runs it, and
     `check` fails on a stale or missing one as on a stale render: the renders pin its sha256."""
     r = sg("render", "--all")
     assert r.code == 0, r.err
@@ -119,20 +119,14 @@ def test_the_node_program_is_written_once_beside_the_renders_and_checked_like_th
     node.unlink()
     r = sg("check")
     assert r.code == 1 and "out/sbatch-gen-node.py" in r.out, r.out
-    # a render that does not run it (no preflight, no pinned environment) does not write it; one that pins
-    # the environment (its fingerprint is the node program's) does
+    # a render that does not run it (no preflight, no pinned environment, no run-trainer: another
+    # trainer.stop_protocol) does not write it; one that pins the environment (its fingerprint is the node
+    # program's) does, and so does one whose training step run-trainer supervises (stop_protocol sbatch-gen)
     sg("render", "--all")
-    r = sg(
-        "render",
-        "--site",
-        "local",
-        "--set",
-        "preflight.enabled=false",
-        "--set",
-        "paths.pin_code=false",
-        "--out",
-        "alone",
-    )
+    alone = ["--site", "local", "--set", "preflight.enabled=false", "--set", "paths.pin_code=false"]
+    r = sg("render", *alone, "--set", "trainer.stop_protocol=signal", "--out", "alone")
     assert r.code == 0 and not (work / "alone" / "sbatch-gen-node.py").exists(), r.out
+    r = sg("render", *alone, "--out", "supervised")
+    assert r.code == 0 and (work / "supervised" / "sbatch-gen-node.py").exists(), r.out
     r = sg("render", "--site", "local", "--set", "preflight.enabled=false", "--out", "pinned")
     assert r.code == 0 and (work / "pinned" / "sbatch-gen-node.py").exists(), r.out

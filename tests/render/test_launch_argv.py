@@ -227,7 +227,7 @@ def test_the_rendered_torchrun_flags_agree(variant):
         "--rdzv-conf=join_timeout=300",
         "--max-restarts",
         "1",
-        "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT",  # not SIGTERM: the workers' stop request (run_trainer)
+        "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT",  # not SIGTERM: the workers' stop request (run-trainer)
         "--shutdown-timeout=30",  # preemption.checkpoint_s + margin_s: torchrun's own 30 s by chance
     ]
     assert ssh["torchrun"] == [

@@ -74,5 +74,5 @@ def test_the_slurm_and_ssh_renders_share_one_node_library():
     eu = library_lines((REPO / "out" / "eu.sbatch").read_text())
     lab = library_lines((REPO / "out" / "lab.sh").read_text())
     assert eu == lab
-    assert "\npreflight() {\n" in eu[1] and "\nrun_trainer() {\n" in eu[1]
+    assert "\npreflight() {\n" in eu[1] and "\nnode_py() {\n" in eu[1] and "\nnode_lines() {\n" in eu[1]
     assert "SITE=" not in eu[1] and "eu" not in eu[1].split()  # no site setting in it

@@ -1,6 +1,6 @@
 """trainer.stop_protocol and trainer.stop_grace_s: what they render and what they refuse.
 
-- sbatch-gen (the default): torchrun handles every default signal but SIGTERM (run_trainer runs it with
+- sbatch-gen (the default): torchrun handles every default signal but SIGTERM (run-trainer runs it with
   SIGTERM ignored: a SIGTERM is the workers' stop request), and gives its workers the stop budget before
   SIGKILL when it does stop them: preemption.checkpoint_s + margin_s (Slurm), launch.kill_grace_s (SSH);
 - signal: torchrun is told to handle the stop signal (Slurm: preemption.signal; SSH: SIGTERM, which is

@@ -121,7 +121,7 @@ def test_sigint_through_the_launcher_makes_the_trainer_write_its_stop_checkpoint
             f"[rank {rank}/2] stop requested (SIGTERM): all ranks stop after step {stop_step}" in node_log
         ), node_log
         assert f"[rank {rank}/2] exiting 0: checkpointed at step {stop_step}" in node_log, node_log
-        # torchrun ignored the SIGTERM (run_trainer): no traceback; the node says in one line what it holds
+        # torchrun ignored the SIGTERM (run-trainer): no traceback; the node says in one line what it holds
         assert "Traceback" not in without_torch_exit_barrier_race(node_log), node_log
         assert f": stopped after step {stop_step} (SIGTERM): checkpoint " in node_log, node_log
         assert f"/checkpoints/step-{stop_step} complete" in node_log, node_log

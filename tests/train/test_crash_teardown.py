@@ -5,7 +5,7 @@ flag says: torch 2.13's agent stops the survivors of a failure with its own defa
 
 The survivor here takes SIGTERM as a stop request and then hangs, as a rank of the companion trainer (or a
 trainer on the library) hangs in the collective of a stop checkpoint whose peer is gone (NCCL waits for its
-own timeout). torchrun runs with SIGTERM ignored, as run_trainer starts it. Should torch start applying the
+own timeout). torchrun runs with SIGTERM ignored, as run-trainer starts it. Should torch start applying the
 flag to failures, this test fails (300 s), and the render's value for it must be revisited.
 
 A worker on sbatch-gen's StopRequest (the companion trainer, a trainer on the library) does better: the
@@ -68,7 +68,7 @@ os.read(os.pipe()[0], 1)  # stuck for good: a handler runs, the read goes on
 
 
 def _torchrun_crash(tmp_path: Path, source: str, env: dict | None = None) -> tuple[str, float, int]:
-    """torchrun with the eu render's stop flags, SIGTERM ignored as run_trainer starts it; rank 1 crashes.
+    """torchrun with the eu render's stop flags, SIGTERM ignored as run-trainer starts it; rank 1 crashes.
     Returns (output, seconds from the crash to torchrun's exit, its status)."""
     flags = _flags("eu")
     assert "--shutdown-timeout=300" in flags, flags  # eu budgets 300 s for a stop checkpoint
@@ -90,7 +90,7 @@ def _torchrun_crash(tmp_path: Path, source: str, env: dict | None = None) -> tup
         stderr=subprocess.STDOUT,
         env=train_env(env),
         start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN),  # as run_trainer starts it
+        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN),  # as run-trainer starts it
     )
     try:
         out, _ = proc.communicate(timeout=200)

@@ -1,0 +1,395 @@
+"""The node program's run-trainer: the training step's supervision on one node (torchrun with SIGTERM
+ignored; a SIGTERM to the supervisor is the stop request, the stop file first, then SIGTERM to torchrun's
+workers; the wait until torchrun has exited; the node's one line on what the stop left; the exit status).
+
+Real processes, no mocks: the program runs from a copy as the nodes run it (`python -I -S
+sbatch-gen-node.py run-trainer ...`), around a stand-in for torchrun (a python process that starts one
+worker, a python process with a SIGTERM handler, and exits with the worker's status). What the launchers do
+with it runs in tests/ssh (a real sshd) and tests/e2e (a real Slurm)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from sbatch_gen import contract
+from sbatch_gen import node_program as np
+
+REPO = Path(__file__).resolve().parents[2]
+PROGRAM = REPO / "sbatch_gen" / "node_program.py"
+NODE = "n7"
+LOG_LINE = r"[sbatch-gen 2026-12-06T10:00:00Z] "  # the shape of a log line; its time varies
+
+# torchrun's stand-in: notes whether it runs with SIGTERM ignored, starts the worker (which gets the default
+# disposition back, as a real worker installs its own handler), and exits with the worker's status.
+TORCHRUN = textwrap.dedent(
+    """\
+    import os, signal, subprocess, sys
+    d = sys.argv[1]
+    ignored = signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    open(os.path.join(d, "torchrun.sigterm"), "w").write("ignored" if ignored else "not ignored")
+    worker = subprocess.Popen(
+        [sys.executable, os.path.join(d, "worker.py"), *sys.argv[1:]],
+        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL),
+    )
+    sys.exit(worker.wait())
+    """
+)
+
+# The worker: on SIGTERM notes what the stop file held at that moment (worker.term), then by its mode:
+# "ack": writes the ack as the trainer does and exits 0; "exit": exits 3 without an ack; "hold": goes on
+# until the file "release" exists, then exits 5. It says it is ready in worker.ready.
+WORKER = textwrap.dedent(
+    """\
+    import json, os, signal, stat, sys, time
+    d, mode, stop = sys.argv[1], sys.argv[2], sys.argv[3]
+    got = []
+
+    def on_term(signum, frame):
+        try:
+            if stat.S_ISFIFO(os.stat(stop).st_mode):
+                held = "a fifo"
+            else:
+                with open(stop) as f:
+                    held = f.read()
+        except OSError as e:
+            held = "no stop file: " + type(e).__name__
+        got.append(held)
+        with open(os.path.join(d, "worker.term"), "a") as f:
+            f.write(json.dumps(held) + "\\n")
+
+    signal.signal(signal.SIGTERM, on_term)
+    open(os.path.join(d, "worker.ready"), "w").close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if mode == "hold" and os.path.exists(os.path.join(d, "release")):
+            sys.exit(5)
+        if got and mode == "ack":
+            ack = {"step": 17, "checkpoint": "/runs/x/checkpoints/step-17", "reason": "stop file: " + got[0].strip(), "time": 1.0}
+            with open(stop + ".ack.tmp", "w") as f:
+                f.write(json.dumps(ack) + "\\n")
+            os.rename(stop + ".ack.tmp", stop + ".ack")
+            sys.exit(0)
+        if got and mode == "exit":
+            sys.exit(3)
+        time.sleep(0.05)
+    sys.exit(99)
+    """
+)
+
+
+def _program(tmp_path: Path) -> Path:
+    copy = tmp_path / "copy" / "sbatch-gen-node.py"
+    copy.parent.mkdir(exist_ok=True)
+    copy.write_bytes(PROGRAM.read_bytes())
+    return copy
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "SBATCH_GEN"))}
+    env["SLURMD_NODENAME"] = NODE
+    return env
+
+
+def _argv(tmp_path: Path, stop: Path, *command: str, stopped_rc: int = 42) -> list[str]:
+    run = [sys.executable, "-I", "-S", str(_program(tmp_path)), "run-trainer"]
+    return [*run, "--stop-file", str(stop), "--stopped-rc", str(stopped_rc), "--", *command]
+
+
+def _start(tmp_path: Path, stop: Path, mode: str) -> subprocess.Popen[str]:
+    """run-trainer around torchrun's stand-in, its worker in ``mode``; returns once the worker runs."""
+    (tmp_path / "torchrun.py").write_text(TORCHRUN)
+    (tmp_path / "worker.py").write_text(WORKER)
+    torchrun = [sys.executable, str(tmp_path / "torchrun.py"), str(tmp_path), mode, str(stop)]
+    proc = subprocess.Popen(
+        _argv(tmp_path, stop, *torchrun),
+        env=_env(),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "worker.ready").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the worker did not start"
+        time.sleep(0.05)
+    return proc
+
+
+def _wait_for(path: Path, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no {path}"
+        time.sleep(0.05)
+
+
+def _log_lines(stderr: str) -> list[str]:
+    """The program's own lines (``[sbatch-gen TIME] ...``), without the time."""
+    return [line.split("] ", 1)[1] for line in stderr.splitlines() if line.startswith("[sbatch-gen ")]
+
+
+def _terms(tmp_path: Path) -> list[str]:
+    f = tmp_path / "worker.term"
+    return [json.loads(x) for x in f.read_text().splitlines()] if f.exists() else []
+
+
+def test_sigterm_writes_the_stop_file_then_reaches_the_workers_and_the_ack_gives_the_stopped_rc(tmp_path):
+    stop = tmp_path / "stop" / "77.attempt-0"
+    stop.parent.mkdir()
+    proc = _start(tmp_path, stop, "ack")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 42, err
+    # torchrun ran with SIGTERM ignored (inherited SIG_IGN): the SIGTERM reached its worker only, from us
+    assert (tmp_path / "torchrun.sigterm").read_text() == "ignored"
+    line = f"SIGTERM to the training step on {NODE}\n"
+    # the worker's SIGTERM came after the stop file had its line: the trainer's contract
+    assert _terms(tmp_path) == [line]
+    assert stop.read_text() == line
+    assert _log_lines(err) == [
+        f"SIGTERM on {NODE}: asking the trainer to checkpoint and stop ({stop})",
+        f"node {NODE}: stopped after step 17 (stop file: SIGTERM to the training step on {NODE}): checkpoint"
+        " /runs/x/checkpoints/step-17 complete",
+    ], err
+    assert out == ""
+
+
+def test_the_workers_sigterm_waits_until_the_stop_file_line_is_written(tmp_path):
+    """The order, made visible: the stop file is a FIFO, so writing its line blocks until this test reads
+    it. Until then the worker gets no SIGTERM; once the line is read, it does."""
+    stop = tmp_path / "stop"
+    os.mkfifo(stop)
+    proc = _start(tmp_path, stop, "hold")
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert not (tmp_path / "worker.term").exists(), "the worker got SIGTERM before the stop file's line"
+    assert proc.poll() is None
+    with open(stop) as f:  # unblocks the supervisor's write
+        assert f.read() == f"SIGTERM to the training step on {NODE}\n"
+    _wait_for(tmp_path / "worker.term")
+    assert _terms(tmp_path) == ["a fifo"]
+    (tmp_path / "release").touch()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 5, err  # no ack: the worker's status, through torchrun's
+    assert _log_lines(err) == [f"SIGTERM on {NODE}: asking the trainer to checkpoint and stop ({stop})"]
+
+
+def test_the_wait_survives_repeated_signals_until_torchrun_exits(tmp_path):
+    stop = tmp_path / "stop"
+    proc = _start(tmp_path, stop, "hold")
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGTERM, signal.SIGINT):
+        proc.send_signal(sig)
+        time.sleep(0.2)
+    time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()
+    # every SIGTERM: a line in the stop file, then one to the worker (which holds on, as a slow save does)
+    assert stop.read_text() == f"SIGTERM to the training step on {NODE}\n" * 3
+    assert len(_terms(tmp_path)) == 3
+    (tmp_path / "release").touch()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 5, err
+    assert "Traceback" not in err and len(_log_lines(err)) == 3, err
+
+
+def test_a_stop_without_an_ack_gives_the_workers_status(tmp_path):
+    stop = tmp_path / "stop"
+    proc = _start(tmp_path, stop, "exit")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3, err
+    assert _log_lines(err) == [f"SIGTERM on {NODE}: asking the trainer to checkpoint and stop ({stop})"]
+
+
+def _run(tmp_path: Path, stop: Path, *command: str, stopped_rc: int = 42) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        _argv(tmp_path, stop, *command, stopped_rc=stopped_rc),
+        env=_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("code", "rc"),
+    [
+        ("import sys; sys.exit(0)", 0),
+        ("import sys; sys.exit(3)", 3),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 128 + 9),  # as bash reports it
+        # SIGTERM is ignored: a SIGTERM to itself changes nothing
+        ("import os, signal, sys; os.kill(os.getpid(), signal.SIGTERM); sys.exit(4)", 4),
+    ],
+)
+def test_the_commands_status_without_a_stop(tmp_path, code, rc):
+    r = _run(tmp_path, tmp_path / "stop", sys.executable, "-c", code)
+    assert r.returncode == rc, r.stderr
+    assert r.stderr == "" and r.stdout == ""
+
+
+def test_an_ack_gives_the_stopped_rc_whatever_the_commands_status(tmp_path):
+    stop = tmp_path / "stop"
+    write_ack = (
+        "import json, sys; open(sys.argv[1] + '.ack', 'w').write(json.dumps("
+        "{'step': 3, 'checkpoint': None, 'reason': 'SIGUSR1'})); sys.exit(1)"
+    )
+    r = _run(tmp_path, stop, sys.executable, "-c", write_ack, str(stop), stopped_rc=0)
+    assert r.returncode == 0, r.stderr
+    assert _log_lines(r.stderr) == [f"node {NODE}: stopped after step 3 (SIGUSR1): nothing to checkpoint yet"]
+
+
+def test_a_stop_checkpoint_that_did_not_complete_is_said_and_the_status_kept(tmp_path):
+    stop = tmp_path / "stop"
+    (tmp_path / "stop.stopping").write_text("stop checkpoint of step 9 started (SIGTERM); redoes 1-9\nmore\n")
+    r = _run(tmp_path, stop, sys.executable, "-c", "import sys; sys.exit(1)")
+    assert r.returncode == 1
+    assert _log_lines(r.stderr) == [
+        f"node {NODE}: WARNING: the stop checkpoint did not complete: stop checkpoint of step 9 started"
+        " (SIGTERM); redoes 1-9"
+    ]
+
+
+def test_a_command_that_cannot_start(tmp_path):
+    r = _run(tmp_path, tmp_path / "stop", "no-such-torchrun-here", "--nproc-per-node=1")
+    assert r.returncode == 127
+    assert _log_lines(r.stderr) == ["ERROR: cannot run no-such-torchrun-here: No such file or directory"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["--stop-file", "s", "--stopped-rc", "0"],  # no command
+        ["--stop-file", "s", "--stopped-rc", "0", "torchrun"],  # no --
+        ["--stop-file", "s", "--stopped-rc", "x", "--", "torchrun"],
+        [
+            "--stop-file",
+            "s",
+            "--stopped-rc",
+            "\u00b2",
+            "--",
+            "torchrun",
+        ],  # a digit to str.isdigit, not to int
+        ["--stop-file", "s", "--stopped-rc", "256", "--", "torchrun"],  # no exit status
+        ["--stopped-rc", "0", "--", "torchrun"],
+        ["--stop-file", "s", "--stopped-rc", "0", "--bogus", "1", "--", "torchrun"],
+    ],
+)
+def test_bad_arguments_are_refused(tmp_path, args):
+    copy = _program(tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-I", "-S", str(copy), "run-trainer", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and r.stderr.startswith("usage: sbatch-gen-node.py run-trainer "), r.stderr
+
+
+@pytest.mark.parametrize("where", ["missing-dir", "under-a-file", "read-only-dir"])
+def test_a_stop_file_that_cannot_be_written_is_logged_and_the_sigterm_still_goes_on(tmp_path, where):
+    if where == "read-only-dir":
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a read-only directory")
+        d = tmp_path / "ro"
+        d.mkdir(mode=0o555)
+        stop = d / "stop"
+    elif where == "under-a-file":
+        (tmp_path / "a-file").write_text("")
+        stop = tmp_path / "a-file" / "stop"
+    else:
+        stop = tmp_path / "no" / "such" / "dir" / "stop"
+    proc = _start(tmp_path, stop, "exit")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3, err  # the supervisor lived on and waited for torchrun
+    lines = _log_lines(err)
+    assert len(lines) == 1 and lines[0].startswith(
+        f"WARNING: SIGTERM on {NODE}: cannot write the stop file {stop} ("
+    ), err
+    assert lines[0].endswith("); the trainer hears of the stop from the SIGTERM alone"), err
+    terms = _terms(tmp_path)  # the worker got the SIGTERM all the same
+    assert len(terms) == 1 and terms[0].startswith("no stop file: "), terms
+    assert "Traceback" not in err
+
+
+# ---- stop_outcome and the rest, in this process -----------------------------------------------------
+
+
+def test_the_suffixes_are_the_contracts():
+    assert np.ACK_SUFFIX == contract.ACK_SUFFIX and np.STOPPING_SUFFIX == contract.STOPPING_SUFFIX
+
+
+@pytest.mark.parametrize(
+    ("ack", "said"),
+    [
+        (
+            {"step": 43, "checkpoint": "/r/checkpoints/step-43", "reason": "SIGTERM", "time": 1.5},
+            "stopped after step 43 (SIGTERM): checkpoint /r/checkpoints/step-43 complete",
+        ),
+        (
+            {"step": 0, "checkpoint": None, "reason": "x"},
+            "stopped after step 0 (x): nothing to checkpoint yet",
+        ),
+        (
+            {"checkpoint": "", "reason": ""},
+            "stopped after step ? (stop requested): nothing to checkpoint yet",
+        ),
+        ({"step": True, "reason": "a\nb"}, "stopped after step ? (a b): nothing to checkpoint yet"),
+        (
+            {"step": 5, "checkpoint": '/r/é "q"', "reason": "r"},
+            'stopped after step 5 (r): checkpoint /r/é "q" complete',
+        ),
+        ("not json {", "stopped after step ? (stop requested): nothing to checkpoint yet"),
+        ([1, 2], "stopped after step ? (stop requested): nothing to checkpoint yet"),
+    ],
+)
+def test_stop_outcome_from_the_ack(tmp_path, ack, said):
+    stop = tmp_path / "stop"
+    text = ack if isinstance(ack, str) else json.dumps(ack)
+    (tmp_path / "stop.ack").write_text(text + "\n")
+    (tmp_path / "stop.stopping").write_text("ignored once the ack is there\n")
+    assert np.stop_outcome(str(stop)) == said
+
+
+def test_stop_outcome_from_stopping_or_nothing(tmp_path):
+    stop = str(tmp_path / "stop")
+    assert np.stop_outcome(stop) is None
+    (tmp_path / "stop.stopping").write_text("x" * 600 + "\nsecond line\n")
+    assert np.stop_outcome(stop) == "WARNING: the stop checkpoint did not complete: " + "x" * 500
+    (tmp_path / "stop.stopping").write_text("")
+    assert np.stop_outcome(stop) == "WARNING: the stop checkpoint did not complete: "
+
+
+def test_child_pids_from_proc(tmp_path):
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys; subprocess.run(['sleep', '30'])"],
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not np.child_pids(parent.pid):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        (kid,) = np.child_pids(parent.pid)
+        assert Path(f"/proc/{kid}/cmdline").read_bytes().split(b"\0")[0] == b"sleep"
+        assert np.child_pids(kid) == []
+        os.kill(kid, signal.SIGKILL)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert np.child_pids(parent.pid) == []
+
+
+def test_log_is_the_launchers_format(capsys):
+    np.log("hello")
+    err = capsys.readouterr().err
+    assert err.startswith("[sbatch-gen 20") and err.endswith("Z] hello\n") and len(err) == len(LOG_LINE) + 6
