@@ -287,7 +287,9 @@ def test_reserved_env_is_what_the_job_gets_plus_the_runtime_and_activation_expor
 # export NAME[=VALUE]... (inside `if ...; then ...; fi` too), a comment after it: the names. Each name is
 # followed by a space or the end, so no word can be split two ways (no backtracking blow-up on long lines).
 _NAME_WORD = r"[A-Za-z_][A-Za-z0-9_]*(?:=[^\s;]*)?"
-_EXPORT = re.compile(rf"^\s*(?:if .*; then )?export ({_NAME_WORD}(?:[ \t]+{_NAME_WORD})*)(?:; fi)?(?:[ \t]+#.*)?$")
+_EXPORT = re.compile(
+    rf"^\s*(?:if .*; then )?export ({_NAME_WORD}(?:[ \t]+{_NAME_WORD})*)(?:; fi)?(?:[ \t]+#.*)?$"
+)
 
 
 @pytest.mark.parametrize(
