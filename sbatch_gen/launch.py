@@ -407,27 +407,37 @@ TORCHRUN_FLAG_SINCE = {
     "--shutdown-timeout": (2, 12),
 }
 NEWER_TORCHRUN_FLAGS = tuple(TORCHRUN_FLAG_SINCE)
+# Under stop_protocol sbatch-gen these two only keep SIGTERM from torchrun's agent (the stop goes through
+# the stop file) and bound the shutdowns after signals no stop sends: on a torch without them, the node
+# program's run-trainer starts torchrun through its compat shim instead, which keeps SIGTERM from the agent
+# itself, and drops them (sbatch_gen/node_program.py, torchrun_compat).
+COMPAT_TORCHRUN_FLAGS = ("--signals-to-handle", "--shutdown-timeout")
 
 
-def newer_torchrun_flags(p: Profile, launcher: Launcher) -> list[tuple[str, str, tuple[int, int]]]:
+def newer_torchrun_flags(p: Profile, launcher: Launcher) -> list[tuple[str, str, tuple[int, int], bool]]:
     """The flags of :data:`TORCHRUN_FLAG_SINCE` this render gives torchrun: (flag, the profile fields behind
-    it, the first torch release that has it)."""
+    it, the first torch release that has it, whether an older torch runs without it through the compat shim:
+    :data:`COMPAT_TORCHRUN_FLAGS` under stop_protocol sbatch-gen)."""
+    shim = p.trainer.stop_protocol == "sbatch-gen"
     found = []
     for o in torchrun_argv(p, launcher):
         word = o.words[0]
         name = word.split("=", 1)[0] if isinstance(word, str) else ""
         if name in TORCHRUN_FLAG_SINCE:
-            found.append((name, o.key or name, TORCHRUN_FLAG_SINCE[name]))
+            found.append(
+                (name, o.key or name, TORCHRUN_FLAG_SINCE[name], shim and name in COMPAT_TORCHRUN_FLAGS)
+            )
     return found
 
 
 def minimum_torch(p: Profile, launcher: Launcher) -> tuple[tuple[int, int], str] | None:
-    """The oldest torch release whose torchrun takes every flag of this render, and the flag that decides it
-    with its fields (``--shutdown-timeout (preemption.checkpoint_s + preemption.margin_s)``); None: any."""
-    flags = newer_torchrun_flags(p, launcher)
+    """The oldest torch release whose torchrun takes every flag of this render that an older torch cannot do
+    without, and the flag that decides it with its fields (``--numa-binding (topology.numa_binding)``);
+    None: any."""
+    flags = [f for f in newer_torchrun_flags(p, launcher) if not f[3]]
     if not flags:
         return None
-    name, key, since = max(flags, key=lambda f: f[2])
+    name, key, since, _ = max(flags, key=lambda f: f[2])
     return since, f"{name} ({key})"
 
 
@@ -442,11 +452,11 @@ def torch_release(version: str) -> tuple[int, int] | None:
 
 def torchrun_flags_to_check(p: Profile, launcher: Launcher) -> str:
     """The preflight's ``torchrun_flags`` setting: ``FLAG=KEY`` for each flag of :func:`newer_torchrun_flags`,
-    KEY the profile fields behind it and the first torch that has the flag; comma-separated (empty: nothing
-    to check)."""
+    KEY the profile fields behind it, the first torch that has the flag, and ``compat`` when an older torch
+    runs through the compat shim; comma-separated (empty: nothing to check)."""
     return ",".join(
-        f"{name}={key.replace(',', ';')}; torch >= {since[0]}.{since[1]}"
-        for name, key, since in newer_torchrun_flags(p, launcher)
+        f"{name}={key.replace(',', ';')}; torch >= {since[0]}.{since[1]}" + ("; compat" if compat else "")
+        for name, key, since, compat in newer_torchrun_flags(p, launcher)
     )
 
 

@@ -26,8 +26,10 @@ says in one line what the stop left (``run_trainer``).
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import json
 import os
+import pathlib
 import platform
 import re
 import shutil
@@ -427,20 +429,43 @@ def probe_python(python: str, names: list[str]) -> dict | None:
     return got if isinstance(got, dict) else None
 
 
+def _has_flag(run_py: str, flag: str) -> bool:
+    """Whether torchrun's source (torch/distributed/run.py) names FLAG (or its underscore spelling)."""
+    return flag in run_py or flag[:2] + flag[2:].replace("-", "_") in run_py
+
+
+def _flag_settings(flags: str) -> list[tuple[str, str, str, bool]]:
+    """torchrun_flags (``FLAG=KEY[; torch >= X.Y][; compat]``, comma-separated): (flag, key, since, compat)."""
+    out = []
+    for pair in filter(None, flags.split(",")):
+        flag, _, rest = pair.partition("=")
+        compat = rest.endswith("; compat")
+        rest = rest[: -len("; compat")] if compat else rest
+        key, _, since = rest.partition("; torch >= ")
+        out.append((flag, key, since, compat))
+    return out
+
+
 def missing_torchrun_flags(flags: str, probe: dict | None) -> list[str]:
-    """The problems of torchrun_flags (FLAG=KEY,...): flags this render uses that this node's torchrun
-    lacks (its torch/distributed/run.py does not name them). No torch at all is the torch check's to report."""
+    """The problems of torchrun_flags: flags this render uses that this node's torchrun lacks (its
+    torch/distributed/run.py does not name them) and that torchrun cannot do without (not ``compat``:
+    :func:`shimmed_torchrun_flags`). No torch at all is the torch check's to report."""
     if not probe or probe.get("run_py") is None or probe.get("version") is None:
         return []
-    src, version = probe["run_py"], probe["version"]
     problems = []
-    for pair in flags.split(","):
-        flag, _, key = pair.partition("=")
-        key, _, since = key.partition("; torch >= ")
-        if flag not in src and flag[:2] + flag[2:].replace("-", "_") not in src:
+    for flag, key, since, compat in _flag_settings(flags):
+        if not compat and not _has_flag(probe["run_py"], flag):
             need = f"torch >= {since}" if since else "a newer torch"
-            problems.append(f"torchrun of torch {version} has no {flag} ({key}): use {need}")
+            problems.append(f"torchrun of torch {probe['version']} has no {flag} ({key}): use {need}")
     return problems
+
+
+def shimmed_torchrun_flags(flags: str, probe: dict | None) -> list[str]:
+    """The ``compat`` flags of torchrun_flags this node's torchrun lacks: run-trainer starts it through the
+    compat shim (:func:`torchrun_compat_main`) without them."""
+    if not probe or probe.get("run_py") is None:
+        return []
+    return [f for f, _, _, compat in _flag_settings(flags) if compat and not _has_flag(probe["run_py"], f)]
 
 
 # ---- the environment's fingerprint ------------------------------------------------------------------
@@ -581,6 +606,11 @@ def preflight(s: dict[str, str]) -> tuple[list[str], list[str]]:
         probe = probe_python(python, [s["module"], "torch"] if s["module"] else ["torch"])
     if python and s["torchrun_flags"]:
         bad += missing_torchrun_flags(s["torchrun_flags"], probe)
+        shimmed = shimmed_torchrun_flags(s["torchrun_flags"], probe)
+        if shimmed and probe:
+            ok.append(
+                f"torch {probe['version']}: torchrun without {', '.join(shimmed)}, through run-trainer's compat shim"
+            )
     torch_missing = f"torch not importable by {python} from {pwd} (python_env)"
     if s["script"]:
         if os.access(s["script"], os.R_OK):
@@ -871,6 +901,73 @@ def _ignore_sigterm() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
 
 
+# ---- an older torch: torchrun without --signals-to-handle / --shutdown-timeout ---------------------------
+
+
+def this_torchrun_source() -> str | None:
+    """torch/distributed/run.py of the torch this python finds (read, not imported), or None."""
+    try:
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.origin is None:
+            return None
+        return (pathlib.Path(spec.origin).parent / "distributed" / "run.py").read_text()
+    except (OSError, ImportError, ValueError):
+        return None
+
+
+def torchrun_or_shim(command: list[str]) -> list[str]:
+    """COMMAND, or where it is ``torchrun`` and this python's torch lacks a flag of COMPAT_FLAGS that
+    COMMAND gives it: this python running this program's ``torchrun-compat`` with COMMAND's other arguments
+    (one line says so). Under stop_protocol sbatch-gen those flags only keep SIGTERM from the agent (the shim
+    does that itself) and bound the shutdowns after SIGINT/SIGHUP/SIGQUIT, which no stop sends."""
+    at = 0
+    if command and os.path.basename(command[0]) == "env":  # env NAME=VALUE... torchrun (the SSH launcher)
+        at = 1
+        while at < len(command) and "=" in command[at] and not command[at].startswith("-"):
+            at += 1
+    if at >= len(command) or os.path.basename(command[at]) != "torchrun":
+        return command
+    head, args = command[:at], command[at + 1 :]
+    given = [a for a in args if a.split("=", 1)[0] in COMPAT_FLAGS]
+    src = this_torchrun_source()
+    if not given or src is None:
+        return command
+    lacking = [
+        f for f in COMPAT_FLAGS if any(a.split("=", 1)[0] == f for a in given) and not _has_flag(src, f)
+    ]
+    if not lacking:
+        return command
+    rest = [a for a in args if a.split("=", 1)[0] not in COMPAT_FLAGS]
+    log(
+        f"this torch's torchrun has no {', '.join(lacking)}: it runs through the node program's compat shim, "
+        "which keeps SIGTERM from its agent (the stop goes through the stop file); "
+        f"{', '.join(a.split('=', 1)[0] for a in given)} dropped"
+    )
+    return [*head, sys.executable, os.path.abspath(__file__), "torchrun-compat", *rest]
+
+
+COMPAT_FLAGS = ("--signals-to-handle", "--shutdown-timeout")
+
+
+def torchrun_compat_main(args: list[str]) -> int:
+    """`torchrun-compat ARGS...`: torchrun (torch.distributed.run.main) whose agent never installs a SIGTERM
+    handler: SIGTERM keeps the disposition this process inherited (ignored, from run-trainer), as
+    --signals-to-handle without SIGTERM does on a newer torch. The workers it starts install their own."""
+    real = signal.signal
+
+    def keep_sigterm(signum, handler):
+        if signum == signal.SIGTERM:
+            return signal.getsignal(signal.SIGTERM)
+        return real(signum, handler)
+
+    signal.signal = keep_sigterm
+    sys.argv = ["torchrun", *args]
+    from torch.distributed.run import main as torchrun_main  # noqa: PLC0415 - torch only here
+
+    torchrun_main(args)
+    return 0
+
+
 def run_trainer(stop_file: str, stopped_rc: int, command: list[str]) -> int:
     """Run COMMAND (torchrun) on this node with SIGTERM ignored and return its exit status (128+N when signal
     N ended it), or ``stopped_rc`` when STOP_FILE.ack exists once it has exited.
@@ -890,6 +987,7 @@ def run_trainer(stop_file: str, stopped_rc: int, command: list[str]) -> int:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         # a terminal's Ctrl-C reaches torchrun too, which handles it: wait for it as for a SIGTERM
         signal.signal(signal.SIGINT, lambda signum, frame: None)
+    command = torchrun_or_shim(command)
     try:
         child = subprocess.Popen(command, preexec_fn=_ignore_sigterm)  # preexec_fn: one thread here
     except OSError as e:
@@ -936,7 +1034,12 @@ def run_trainer_main(args: list[str]) -> int:
     return run_trainer(opts["--stop-file"], int(opts["--stopped-rc"]), command)
 
 
-COMMANDS = {"preflight": preflight_main, "fingerprint": fingerprint_main, "run-trainer": run_trainer_main}
+COMMANDS = {
+    "preflight": preflight_main,
+    "fingerprint": fingerprint_main,
+    "run-trainer": run_trainer_main,
+    "torchrun-compat": torchrun_compat_main,
+}
 
 
 def main(argv: list[str]) -> int:

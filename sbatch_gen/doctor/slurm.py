@@ -279,8 +279,12 @@ def check_torch(d: SlurmDoctor) -> list[Check]:
                 "install torch into it (the setup job installs python_env.torch_spec)",
             )
         ]
-    lacks = node_program.missing_torchrun_flags(torchrun_flags_to_check(d.profile, SLURM), probe)
+    flags = torchrun_flags_to_check(d.profile, SLURM)
+    lacks = node_program.missing_torchrun_flags(flags, probe)
     found = f"torch {version} ({python})"
+    shimmed = node_program.shimmed_torchrun_flags(flags, probe)
+    if shimmed:
+        found += f"; without {', '.join(shimmed)}: torchrun through the compat shim"
     if lacks:
         return [
             error(

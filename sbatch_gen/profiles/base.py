@@ -260,8 +260,9 @@ class Trainer(ProfileSection):
         "process of the launch and SIGKILL after launch.kill_grace_s. signal: the signal goes to torchrun's agent "
         "of every node (Slurm: preemption.signal, through srun; SSH: SIGTERM), which forwards it to its workers "
         "and waits up to stop_grace_s for them to save and exit (rendered as torchrun --signals-to-handle and "
-        "--shutdown-timeout). sbatch-gen and signal need torch >= 2.12 (--shutdown-timeout; "
-        "--signals-to-handle came with 2.10). Then Slurm requeues and SSH SIGKILLs what is left; resuming "
+        "--shutdown-timeout, torch >= 2.12; sbatch-gen gives them too, and on an older torch runs torchrun "
+        "through the node program's compat shim without them). Then Slurm requeues and SSH SIGKILLs what is left; "
+        "resuming "
         "is the trainer's job. none: no graceful stop: Slurm requeues at once (the training step is killed), SSH "
         "sends SIGKILL at once; the trainer resumes from its own periodic checkpoints. See docs/slurm.md and "
         "docs/ssh.md.",

@@ -534,14 +534,16 @@ def _by_qos(qos: str, dbd: bool = True) -> FakeSlurm:
     return FakeSlurm(qos=qos, config=_config(PreemptType="preempt/qos", AccountingStorageType=acct))
 
 
+SIGNAL90 = ("trainer.stop_protocol=signal", "trainer.stop_grace_s=90", "preemption.lead_time_s=150")
+
+
 def test_preemption_grace_is_what_the_stop_protocol_needs():
     """stop_protocol signal: torchrun gives the workers trainer.stop_grace_s; the grace must cover that, not
     preemption.checkpoint_s + margin_s. none: no stop checkpoint, no grace needed."""
     fake = FakeSlurm()
     fake.partitions["debug"]["GraceTime"] = "60"  # local: checkpoint_s 10 + margin_s 20 = 30 s fits
     assert row(doctor(fake), "preemption").verdict == "ok"
-    signal90 = ("trainer.stop_protocol=signal", "trainer.stop_grace_s=90", "preemption.lead_time_s=150")
-    r = row(doctor(fake, "local", *signal90), "preemption")
+    r = row(doctor(fake, "local", *SIGNAL90), "preemption")
     assert r.verdict == "warn" and r.expected == "grace >= 90 s (trainer.stop_grace_s)", r
     assert "lower trainer.stop_grace_s to at most 60 s" in (r.hint or ""), r
     r = row(doctor(fake, "local", "trainer.stop_protocol=none"), "preemption")
@@ -621,21 +623,29 @@ def _venv_with_torch(root: Path, version: str, run_py: str) -> Path:
 
 
 def test_torch_of_the_sites_venv_against_the_renders_torchrun_flags(tmp_path):
-    """The login node sees the venv: its torch must have every torchrun flag the render uses."""
+    """The login node sees the venv: its torch must have every torchrun flag the render cannot do without."""
     r = row(doctor(FakeSlurm(real_python=True), cwd=REPO), "torch")  # this checkout's venv: torch 2.13
-    assert r.verdict == "ok" and r.found.startswith("torch 2.13"), r
-    assert r.expected == "torch >= 2.12 (torchrun --shutdown-timeout)"
+    assert r.verdict == "ok" and r.found.startswith("torch 2.13") and "shim" not in r.found, r
+    assert r.expected == "torch importable (python_env)", r  # sbatch-gen: any torch (the compat shim)
     _venv_with_torch(tmp_path, "2.4.1", "p.add_argument('--rdzv-backend')\n")
+    # stop_protocol sbatch-gen: an older torchrun runs through run-trainer's compat shim
     r = row(doctor(FakeSlurm(real_python=True), cwd=tmp_path), "torch")
+    assert r.verdict == "ok", r
+    assert r.found.endswith(
+        "without --signals-to-handle, --shutdown-timeout: torchrun through the compat shim"
+    ), r
+    # stop_protocol signal: torchrun must forward the signal itself
+    r = row(doctor(FakeSlurm(real_python=True), "local", *SIGNAL90, cwd=tmp_path), "torch")
     assert r.verdict == "error" and r.found.startswith("torch 2.4.1 ("), r
+    assert r.expected == "torch >= 2.12 (torchrun --shutdown-timeout)", r
     assert (
-        "torchrun of torch 2.4.1 has no --signals-to-handle (trainer.stop_protocol: sbatch-gen): use torch >= 2.10"
+        "torchrun of torch 2.4.1 has no --signals-to-handle (trainer.stop_protocol: signal): use torch >= 2.10"
         in (r.hint or "")
     ), r
     assert "docs/slurm.md#an-older-torch" in (r.hint or "")
-    # stop_protocol none renders no newer flag: any torch will do
-    r = row(doctor(FakeSlurm(real_python=True), "local", "trainer.stop_protocol=none", cwd=tmp_path), "torch")
-    assert r.verdict == "ok" and r.expected == "torch importable (python_env)", r
+    # numa_binding has no stand-in (eu binds)
+    r = row(doctor(FakeSlurm(real_python=True), "eu", "python_env.path=.venv", cwd=tmp_path), "torch")
+    assert r.verdict == "error" and r.expected == "torch >= 2.9 (torchrun --numa-binding)", r
 
 
 def test_torch_not_visible_from_the_login_node_is_a_skip(tmp_path):

@@ -295,14 +295,10 @@ def test_bad_arguments_are_refused(tmp_path, args):
     assert r.returncode == 2 and r.stderr.startswith("usage: sbatch-gen-node.py run-trainer "), r.stderr
 
 
-@pytest.mark.parametrize("where", ["missing-dir", "under-a-file", "read-only-dir"])
+@pytest.mark.parametrize("where", ["missing-dir", "under-a-file", "name-too-long"])
 def test_a_stop_file_that_cannot_be_written_is_logged_and_the_sigterm_still_goes_on(tmp_path, where):
-    if where == "read-only-dir":
-        if os.geteuid() == 0:
-            pytest.skip("root writes into a read-only directory")
-        d = tmp_path / "ro"
-        d.mkdir(mode=0o555)
-        stop = d / "stop"
+    if where == "name-too-long":  # fails for root too (a read-only directory would not)
+        stop = tmp_path / ("s" * 300)
     elif where == "under-a-file":
         (tmp_path / "a-file").write_text("")
         stop = tmp_path / "a-file" / "stop"
@@ -393,3 +389,100 @@ def test_log_is_the_launchers_format(capsys):
     np.log("hello")
     err = capsys.readouterr().err
     assert err.startswith("[sbatch-gen 20") and err.endswith("Z] hello\n") and len(err) == len(LOG_LINE) + 6
+
+
+# An older torch (2.4-like): its torchrun refuses --signals-to-handle and --shutdown-timeout, and its agent
+# installs a SIGTERM handler of its own (which would stop the workers), then runs the worker as torchrun's
+# stand-in does. It notes whether SIGTERM is still ignored after it tried.
+OLD_RUN_PY = textwrap.dedent(
+    """\
+    import os, signal, subprocess, sys
+
+    def main(args=None):
+        args = sys.argv[1:] if args is None else args
+        for a in args:
+            if a.startswith("--"):  # this one knows none of the flags the test gives
+                print("torchrun: error: unrecognized arguments: " + a, file=sys.stderr)
+                sys.exit(2)
+        d = args[1]
+
+        def agent_dies(signum, frame):
+            open(os.path.join(d, "agent.died"), "w").close()
+            sys.exit(143)
+
+        signal.signal(signal.SIGTERM, agent_dies)
+        ignored = signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        open(os.path.join(d, "torchrun.sigterm"), "w").write("ignored" if ignored else "not ignored")
+        worker = subprocess.Popen(
+            [sys.executable, *args], preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        )
+        sys.exit(worker.wait())
+    """
+)
+
+
+def _old_torch_venv(root: Path) -> Path:
+    """A venv whose torch is an older one (its version.py and distributed/run.py only): its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=60)
+    site = next(root.glob("lib/python*/site-packages"))
+    (site / "torch" / "distributed").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text("")
+    (site / "torch" / "version.py").write_text("__version__ = '2.4.1'\n")
+    (site / "torch" / "distributed" / "__init__.py").write_text("")
+    (site / "torch" / "distributed" / "run.py").write_text(OLD_RUN_PY)
+    return root / "bin" / "python"
+
+
+def test_an_older_torchrun_runs_through_the_compat_shim_and_the_stop_still_checkpoints(tmp_path):
+    """torch without --signals-to-handle: run-trainer drops the two flags and starts torchrun through the
+    node program's torchrun-compat, whose agent never takes SIGTERM (it stays ignored); the stop goes to the
+    worker through the stop file as on a newer torch, and the ack gives the stopped status."""
+    python = _old_torch_venv(tmp_path / "venv")
+    stop = tmp_path / "stop" / "77.attempt-0"
+    stop.parent.mkdir()
+    (tmp_path / "worker.py").write_text(WORKER)
+    flags = ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", "--shutdown-timeout=300"]
+    argv = [str(python), "-I", str(_program(tmp_path)), "run-trainer", "--stop-file", str(stop)]
+    argv += ["--stopped-rc", "0", "--", "torchrun", *flags, str(tmp_path / "worker.py"), str(tmp_path)]
+    argv += ["ack", str(stop)]
+    proc = subprocess.Popen(argv, env=_env(), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    _wait_for(tmp_path / "worker.ready")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert (tmp_path / "torchrun.sigterm").read_text() == "ignored"  # the shim kept the agent from it
+    assert not (tmp_path / "agent.died").exists()
+    assert _terms(tmp_path) == [f"SIGTERM to the training step on {NODE}\n"]
+    assert _log_lines(err) == [
+        "this torch's torchrun has no --signals-to-handle, --shutdown-timeout: it runs through the node "
+        "program's compat shim, which keeps SIGTERM from its agent (the stop goes through the stop file); "
+        "--signals-to-handle, --shutdown-timeout dropped",
+        f"SIGTERM on {NODE}: asking the trainer to checkpoint and stop ({stop})",
+        f"node {NODE}: stopped after step 17 (stop file: SIGTERM to the training step on {NODE}): checkpoint"
+        " /runs/x/checkpoints/step-17 complete",
+    ], err
+
+
+def test_a_torchrun_that_has_the_flags_runs_as_given(tmp_path):
+    """This checkout's torch has both flags: the command is not touched."""
+    assert np.torchrun_or_shim(["torchrun", "--shutdown-timeout=300", "x.py"]) == [
+        "torchrun",
+        "--shutdown-timeout=300",
+        "x.py",
+    ]
+    assert np.torchrun_or_shim(["python", "--shutdown-timeout=300"]) == ["python", "--shutdown-timeout=300"]
+    tagged = ["env", "SBATCH_GEN_TAG=t1", "torchrun", "--shutdown-timeout=300", "x.py"]  # the SSH launcher's
+    assert np.torchrun_or_shim(tagged) == tagged
+
+
+def test_the_ssh_launchers_tagged_torchrun_goes_through_the_shim_too(tmp_path):
+    python = _old_torch_venv(tmp_path / "venv")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import sbatch_gen.node_program as n; "
+        "print(n.torchrun_or_shim(['env', 'SBATCH_GEN_TAG=t1', 'torchrun', '--shutdown-timeout=300', 'x.py']))"
+    )
+    out = subprocess.run([str(python), "-c", code, str(REPO)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == repr(
+        ["env", "SBATCH_GEN_TAG=t1", str(python), str(PROGRAM), "torchrun-compat", "x.py"]
+    ), out.stdout

@@ -143,29 +143,32 @@ def test_the_locks_of_a_run_must_pin_one_torch_release(work):
 
 
 def test_a_torch_older_than_the_renders_torchrun_flags_is_refused_before_the_queue(work):
-    """torchrun's --signals-to-handle came with torch 2.10, --shutdown-timeout with 2.12: a site pinned to an
-    older torch (torch_spec, or a lock) would fail every node's preflight after the queue wait."""
+    """torchrun's --numa-binding came with torch 2.9, --signals-to-handle with 2.10, --shutdown-timeout with
+    2.12. A site pinned to an older torch (torch_spec, or a lock) than a flag torchrun cannot do without
+    would fail every node's preflight after the queue wait. Under stop_protocol sbatch-gen the last two are
+    not needed: run-trainer's compat shim keeps SIGTERM from an older torchrun."""
     local = work / "sites" / "local.yaml"
-    _replace(local, "  python: python3\n", "  python: python3\n  torch_spec: torch==2.11.0\n")
-    err = _fails("validate")
+    _replace(local, "  python: python3\n", "  python: python3\n  torch_spec: torch==2.4.1\n")
+    assert sg("validate", "--site", "local").code == 0  # sbatch-gen: through the compat shim
+    _replace(local, "  resume: auto\n", "  resume: auto\n  stop_protocol: signal\n")
+    err = _fails("validate", "--site", "local")
     assert (
-        f"sites/local.yaml:{_line_of(local, 'torch_spec')}: python_env.torch_spec: torch 2.11.0 for site 'local', "
-        "whose render gives torchrun --shutdown-timeout (preemption.checkpoint_s + preemption.margin_s): that "
-        "flag needs torch >= 2.12"
+        f"sites/local.yaml:{_line_of(local, 'torch_spec')}: python_env.torch_spec: torch 2.4.1 for site 'local', "
+        "whose render gives torchrun --shutdown-timeout (preemption.checkpoint_s + preemption.margin_s (trainer."
+        "stop_grace_s unset)): that flag needs torch >= 2.12"
     ) in err, err
-    _replace(local, "torch==2.11.0", "torch>=2.4")  # a floor pins nothing
-    assert sg("validate").code == 0
-    # a lock of the run's regions: eu renders --shutdown-timeout too
+    _replace(local, "torch==2.4.1", "torch>=2.4")  # a floor pins nothing
+    assert sg("validate", "--site", "local").code == 0
+    # a lock of the run's regions: eu renders --numa-binding (topology.numa_binding)
     (work / "locks").mkdir()
-    (work / "locks" / "aarch64.txt").write_text("numpy==2.1.0\ntorch==2.9.1+cu128\n")
+    (work / "locks" / "aarch64.txt").write_text("numpy==2.1.0\ntorch==2.8.0+cu128\n")
     err = _fails("validate", "--site", "eu")
-    assert "locks/aarch64.txt:2: python_env.lock_dir: torch 2.9.1 for site 'eu'" in err, err
-    # stop_protocol none renders none of the newer flags (local has no numa_binding): any torch
-    (work / "locks" / "aarch64.txt").unlink()
-    _replace(local, "torch>=2.4", "torch==2.4.1")
-    _replace(local, "  resume: auto\n", "  resume: auto\n  stop_protocol: none\n")
-    r = sg("validate", "--site", "local")
-    assert r.code == 0, r.err
+    assert (
+        "locks/aarch64.txt:2: python_env.lock_dir: torch 2.8.0 for site 'eu', whose render gives torchrun "
+        "--numa-binding (topology.numa_binding): that flag needs torch >= 2.9"
+    ) in err, err
+    (work / "locks" / "aarch64.txt").write_text("torch==2.9.1+cu128\n")
+    assert sg("validate", "--site", "eu").code == 0
 
 
 def test_real_process_exit_code_and_no_traceback(work):

@@ -188,8 +188,8 @@ def test_the_render_passes_the_flags_to_check_only_when_it_uses_them(tmp_path):
         if "_flags=" in a
     ]
     assert got == [
-        "torchrun_flags=--signals-to-handle=trainer.stop_protocol: sbatch-gen; torch >= 2.10,--shutdown-timeout="
-        "preemption.checkpoint_s + preemption.margin_s; torch >= 2.12"
+        "torchrun_flags=--signals-to-handle=trainer.stop_protocol: sbatch-gen; torch >= 2.10; compat,"
+        "--shutdown-timeout=preemption.checkpoint_s + preemption.margin_s; torch >= 2.12; compat"
     ]
     out = tmp_path / "signal"
     r = sg("render", "--site", "local", "--out", str(out), "--set", "trainer.stop_protocol=signal")
