@@ -191,6 +191,12 @@ class Container(Protocol):
     def mounts(self) -> list[str]: ...
     @property
     def mount_home(self) -> bool: ...
+    @property
+    def name(self) -> str | None: ...
+    @property
+    def writable(self) -> bool | None: ...
+    @property
+    def workdir(self) -> str | None: ...
 
 
 # ---- trainer.args: placeholders ------------------------------------------------------------------------
@@ -463,10 +469,17 @@ def torchrun_flags_to_check(p: Profile, launcher: Launcher) -> str:
 def container_argv(c: Container, env_names: str) -> list[Option]:
     """pyxis arguments of every srun that runs in the image (c: the profile's container section; env_names:
     the variables --container-env takes from the job rather than from the image)."""
-    opts = [Option((f"--container-image={c.image}",))]
+    opts = [Option((f"--container-image={c.image}",), "container.image")]
+    if c.name is not None:
+        opts.append(Option((f"--container-name={c.name}",), "container.name"))
     if c.mounts:
-        opts.append(Option((f"--container-mounts={','.join(c.mounts)}",)))
+        opts.append(Option((f"--container-mounts={','.join(c.mounts)}",), "container.mounts"))
     opts.append(Option(("--container-mount-home" if c.mount_home else "--no-container-mount-home",)))
-    opts.append(Option((_flag("--container-workdir", Var("PWD")),)))
+    if c.writable is not None:
+        opts.append(
+            Option(("--container-writable" if c.writable else "--container-readonly",), "container.writable")
+        )
+    workdir = c.workdir if c.workdir is not None else Var("PWD")
+    opts.append(Option((_flag("--container-workdir", workdir),), "container.workdir"))
     opts.append(Option((f"--container-env={env_names}",)))
     return opts

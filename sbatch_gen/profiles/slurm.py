@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
 
 from sbatch_gen.errors import FieldError
 from sbatch_gen.profiles.base import Paths, ProfileBase
@@ -19,6 +19,7 @@ from sbatch_gen.profiles.types import (
     SBATCH_DIRECTIVE_VALUE_CHARS,
     Int,
     Name,
+    PathStr,
     ProfileSection,
     SlurmTime,
     Text,
@@ -143,6 +144,48 @@ class Container(ProfileSection):
         ]
     ] = Field(default_factory=list, description="--container-mounts entries SRC[:DST[:FLAGS]].")
     mount_home: bool = Field(default=False, description="Mount the home directory (--container-mount-home).")
+    name: (
+        Annotated[str, AfterValidator(pattern_check(r"[A-Za-z0-9][A-Za-z0-9_.-]*", "container name"))] | None
+    ) = Field(
+        default="sbatch-gen",
+        description="--container-name: the job's steps (the preflight, the training step, each attempt's) "
+        "share one container per node, so the image is unpacked once per job, not once per srun (pyxis "
+        "removes it when the job ends). null: an unnamed container per step.",
+    )
+    writable: bool | None = Field(
+        default=None,
+        description="true: --container-writable, false: --container-readonly; null (default): the cluster's "
+        "enroot setting (ENROOT_ROOTFS_WRITABLE).",
+    )
+    workdir: PathStr | None = Field(
+        default=None,
+        description="--container-workdir: the working directory inside the container. null (default): the "
+        "submit directory ($PWD), which must then be inside container.mounts.",
+    )
+
+    @field_validator("image")
+    @classmethod
+    def _enroot_uri(cls, v: str) -> str:
+        """pyxis takes enroot URIs: a registry host is separated from the image by '#', not '/'."""
+        head, sep, rest = v.partition("/")
+        if (
+            sep
+            and "#" not in v
+            and not v.startswith(("/", "."))
+            and ("." in head or ":" in head or head == "localhost")
+        ):
+            raise ValueError(
+                f"{v!r} names the registry {head!r} with '/': pyxis (enroot) wants {head}#{rest}"
+            )
+        return v
+
+    def mount_targets(self) -> list[str]:
+        """Where each mount appears inside the container (DST, else SRC)."""
+        out = []
+        for m in self.mounts:
+            parts = m.split(":")
+            out.append(parts[1] if len(parts) > 1 and parts[1].startswith("/") else parts[0])
+        return out
 
 
 # sbatch's long options (Slurm 23.02-24.11, with aliases). sbatch (getopt_long) takes any unique prefix of a
@@ -495,6 +538,26 @@ class SlurmProfile(ProfileBase):
     def stop_signal(self) -> str:
         return self.preemption.signal
 
+    def _paths_inside_the_container(self, c: Container) -> None:
+        """The job's steps run in the image: every absolute path they read or write must be mounted into it
+        (relative ones resolve in container.workdir, the submit directory by default)."""
+        targets = c.mount_targets()
+        checks = [
+            (("paths", "run_dir"), self.paths.run_dir),
+            (("paths", "log_dir"), self.paths.log_dir),
+            (("paths", "code_dir"), self.paths.code_dir),
+            (("container", "workdir"), c.workdir),
+        ]
+        for where, path in checks:
+            if path is None or not path.startswith("/"):
+                continue
+            if not any(path == t or path.startswith(t.rstrip("/") + "/") for t in targets):
+                raise FieldError(
+                    where,
+                    f"{path} is not inside the container: no container.mounts entry mounts it (mounted: "
+                    f"{', '.join(targets) or 'nothing'}); add one, e.g. {path}:{path}",
+                )
+
     def stop_budget(self) -> tuple[int, str]:
         return (
             self.preemption.checkpoint_s + self.preemption.margin_s,
@@ -518,7 +581,18 @@ class SlurmProfile(ProfileBase):
             "setup_cpus": min(s.cpus_per_task, 16),
             "time_limit_s": slurm_time_seconds(s.time),
             "container_env": ",".join(container_env_names(self)),
+            "needed_modules": self.needed_modules(),
         }
+
+    def needed_modules(self) -> list[str]:
+        """What the job's python must import besides torch, for the setup job's probe: the trainer module
+        (with a module), and with cross_region the library (sbatch_gen), its checksums (xxhash) and, over S3,
+        boto3."""
+        mods = [self.trainer.module] if self.trainer.module else []
+        xr = self.cross_region
+        if xr.enabled:
+            mods += ["sbatch_gen", "xxhash"] + (["boto3"] if xr.transport.kind == "s3" else [])
+        return list(dict.fromkeys(mods))
 
     @model_validator(mode="after")
     def _cross_checks(self) -> SlurmProfile:
@@ -538,6 +612,8 @@ class SlurmProfile(ProfileBase):
                 f"SIG{self.preemption.signal} lead_time_s before the time limit, and the job must be requeued after "
                 "their grace and before the limit; lower trainer.stop_grace_s or raise preemption.lead_time_s",
             )
+        if self.container is not None:
+            self._paths_inside_the_container(self.container)
         if self.container is not None and self.python_env.kind != "none":
             raise FieldError(
                 ("python_env", "kind"),
