@@ -98,6 +98,7 @@ class Result:
     # computed from stated inputs, nothing measured: the files carry no date, machine or duration, so a
     # fresh computation reproduces them byte for byte
     analytic: bool = False
+    data: dict = field(default_factory=dict)  # raw measurements, written to the JSON file only
 
     def table(self, caption: str, headers: list[str], rows: list[list], key: str = "") -> None:
         self.tables.append(Table(caption, headers, rows, key))
@@ -150,6 +151,7 @@ class Result:
             "headline": self.headline,
             "goals": [{"goal": g, "measured": m, "met": ok} for g, m, ok in self.goals],
             "tables": {t.key or t.caption: {"headers": t.headers, "rows": t.rows} for t in self.tables},
+            **({"data": self.data} if self.data else {}),
         }
 
     def json_text(self) -> str:
