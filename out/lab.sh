@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 6f566727e54ca83a9017d9e5915ac9724d61218a1b178119a9f94af5fd4d3650
+#   inputs sha256: 910a59b5478078611fba6c511d176ac4dbdfcba1e5df2202dc936b15668be605
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -62,19 +62,20 @@ CODE_DIR=.  # paths.code_dir: first on PYTHONPATH
 ENV_HINT='create it on every host'
 
 # ---- environment exported on every node before torchrun ------------------------------------------
+# The profile's values are defaults: the launcher's value wins on every node (NCCL_DEBUG=INFO bash ...); "always": set anyway
 NODE_ENV=(
   # network.socket_ifname
-  'NCCL_SOCKET_IFNAME=bond0'
-  'GLOO_SOCKET_IFNAME=bond0'
+  "NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME-bond0}"
+  "GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME-bond0}"
   # nccl
-  'NCCL_IB_DISABLE=1'
-  'NCCL_P2P_DISABLE=1'
-  'TORCH_NCCL_ASYNC_ERROR_HANDLING=1'
-  'TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=300'
-  'NCCL_DEBUG=WARN'
+  "NCCL_IB_DISABLE=${NCCL_IB_DISABLE-1}"
+  "NCCL_P2P_DISABLE=${NCCL_P2P_DISABLE-1}"
+  "TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING-1}"
+  "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=${TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC-300}"
+  "NCCL_DEBUG=${NCCL_DEBUG-WARN}"
   # derived: CPUs per node / processes per node; unbuffered output for the logs
-  'OMP_NUM_THREADS=16'
-  'PYTHONUNBUFFERED=1'
+  "OMP_NUM_THREADS=${OMP_NUM_THREADS-16}"
+  "PYTHONUNBUFFERED=${PYTHONUNBUFFERED-1}"
 )
 
 # ---- trainer: its flags are the Slurm scripts' (node_main) ---------------------------------------
