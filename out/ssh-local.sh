@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 7634fd02b9f87d135c47afe3b8da90a5a04f252558dc7693594cbdc140c8c8fd
+#   inputs sha256: e455a4f642c92c1daa075000cced510f6c7a8008cfb8f311e5ad571d45d13eba
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
