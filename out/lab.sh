@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 6f566727e54ca83a9017d9e5915ac9724d61218a1b178119a9f94af5fd4d3650
+#   inputs sha256: 9da0e4be9ce10e6c798e90344ffa969f2733fd7c91dcc68771be12d9b6e35e6b
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -62,19 +62,20 @@ CODE_DIR=.  # paths.code_dir: first on PYTHONPATH
 ENV_HINT='create it on every host'
 
 # ---- environment exported on every node before torchrun ------------------------------------------
+# The profile's values are defaults: the launcher's value wins on every node (NCCL_DEBUG=INFO bash ...); "always": set anyway
 NODE_ENV=(
   # network.socket_ifname
-  'NCCL_SOCKET_IFNAME=bond0'
-  'GLOO_SOCKET_IFNAME=bond0'
+  "NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME-bond0}"
+  "GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME-bond0}"
   # nccl
-  'NCCL_IB_DISABLE=1'
-  'NCCL_P2P_DISABLE=1'
-  'TORCH_NCCL_ASYNC_ERROR_HANDLING=1'
-  'TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=300'
-  'NCCL_DEBUG=WARN'
+  "NCCL_IB_DISABLE=${NCCL_IB_DISABLE-1}"
+  "NCCL_P2P_DISABLE=${NCCL_P2P_DISABLE-1}"
+  "TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING-1}"
+  "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=${TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC-300}"
+  "NCCL_DEBUG=${NCCL_DEBUG-WARN}"
   # derived: CPUs per node / processes per node; unbuffered output for the logs
-  'OMP_NUM_THREADS=16'
-  'PYTHONUNBUFFERED=1'
+  "OMP_NUM_THREADS=${OMP_NUM_THREADS-16}"
+  "PYTHONUNBUFFERED=${PYTHONUNBUFFERED-1}"
 )
 
 # ---- trainer: its flags are the Slurm scripts' (node_main) ---------------------------------------
@@ -106,6 +107,9 @@ USER_NAME=$(id -un)
 TAG="sbg-${USER_NAME//[^A-Za-z0-9_.-]/_}-${RDZV_PORT}-$$"
 LOGS="$LOG_DIR/$SITE.$TAG"
 LOG_FILE="$LOGS/launcher.log"  # log() appends its lines here too
+# SBATCH_GEN_DEBUG=1 bash out/lab.sh: NCCL INFO per rank into files, the NCCL flight recorder dumped on a
+# timeout (node_main)
+DEBUG=${SBATCH_GEN_DEBUG:-0}
 
 # ---- main: what a launch does, in order ------------------------------------------------------------
 # For each attempt: the preflight on every node (preflight_all), the launch (launch_all: node_main on every
@@ -131,6 +135,9 @@ main() {
   trap 'on_signal HUP 129' HUP
   log "site $SITE: $NNODES nodes x $NPROC_PER_NODE processes, rendezvous $MASTER_ADDR:$RDZV_PORT ($IFNAME), tag $TAG"
   log "hosts: ${HOSTS[*]}; logs in $LOGS; touch $STOP_FILE to stop after the current attempt"
+  if [[ $DEBUG == 1 ]]; then
+    log "SBATCH_GEN_DEBUG=1: NCCL INFO per rank in $LOGS/attempt-<n>.node-<rank>.nccl.<host>.<pid>.log; on a collective timeout, each rank's NCCL flight recorder in $RUN_DIR/debug/$TAG.attempt-<n>.rank-<rank>"
+  fi
   check_launcher_host
   for ((ATTEMPT = 1; ; ATTEMPT++)); do
     if preflight_all; then
@@ -195,6 +202,17 @@ node_main() {
   activate_env || { echo "$NODE_ERROR"; return 1; }
   NODE_ADDR=$(iface_ipv4 "$IFNAME") || { echo "interface $IFNAME has no IPv4 address"; return 1; }
   if ((rank == 0)); then IS_HOST=1; fi
+  # SBATCH_GEN_DEBUG=1: NCCL at INFO, each rank into a file beside this node's log, and torch's NCCL flight
+  # recorder (the TORCH_NCCL_* names: torch 2.13 reads them as its TORCH_FR_* ones) dumped on a timeout
+  if [[ $DEBUG == 1 ]]; then
+    local logs=$LOGS traces=$RUN_DIR/debug
+    [[ $logs == /* ]] || logs=$PWD/$logs
+    [[ $traces == /* ]] || traces=$PWD/$traces
+    mkdir -p -- "$logs" "$traces" || return 1
+    export NCCL_DEBUG=INFO NCCL_DEBUG_FILE="$logs/attempt-$ATTEMPT.node-$rank.nccl.%h.%p.log" \
+      TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 \
+      TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$traces/$TAG.attempt-$ATTEMPT.rank-"
+  fi
   export SBATCH_GEN_NODE_RANK="$rank" SBATCH_GEN_ATTEMPT="$ATTEMPT"
   printf 'node %s host %s addr %s rendezvous %s:%s attempt %s resume %s tag %s\n' \
     "$rank" "$HOSTNAME" "$NODE_ADDR" "$MASTER_ADDR" "$MASTER_PORT" "$ATTEMPT" "$RESUME" "$TAG"
@@ -616,7 +634,7 @@ fi
 # as bash code, every value quoted), then "$@".
 NODE_VARS=(LAUNCH_DIR NNODES TAG NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT NUMA_BINDING LOG_TOPOLOGY IB_HCA
   IB_LINK_LAYER ENV_KIND ENV_PATH ENV_NAME MODULES CODE_DIR ENV_HINT NODE_ENV TRAINER_MODULE TRAIN_CONFIG
-  DATA_PATH RUN_DIR SHARED_RUN_DIR NODE_PY_SRC)
+  DATA_PATH RUN_DIR SHARED_RUN_DIR NODE_PY_SRC LOGS DEBUG)
 NODE_PROGRAM="set -euo pipefail
 $(declare -p "${NODE_VARS[@]}")
 $(declare -f preflight_main node_main cleanup_main iface_ipv4 load_modules activate_env node_py preflight)

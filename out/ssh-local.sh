@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: c6f15869d78953490498c83e89e2771da0a1b5fddbb83bb267d6668165b2c402
+#   inputs sha256: e455a4f642c92c1daa075000cced510f6c7a8008cfb8f311e5ad571d45d13eba
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -58,12 +58,13 @@ CODE_DIR=.  # paths.code_dir: first on PYTHONPATH
 ENV_HINT='create it on every host'
 
 # ---- environment exported on every node before torchrun ------------------------------------------
+# The profile's values are defaults: the launcher's value wins on every node (NCCL_DEBUG=INFO bash ...); "always": set anyway
 NODE_ENV=(
   # network.socket_ifname
-  'GLOO_SOCKET_IFNAME=lo'
+  "GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME-lo}"
   # derived: CPUs per node / processes per node; unbuffered output for the logs
-  'OMP_NUM_THREADS=2'
-  'PYTHONUNBUFFERED=1'
+  "OMP_NUM_THREADS=${OMP_NUM_THREADS-2}"
+  "PYTHONUNBUFFERED=${PYTHONUNBUFFERED-1}"
 )
 
 # ---- trainer: its flags are the Slurm scripts' (node_main) ---------------------------------------

@@ -149,6 +149,20 @@ def _shq(ctx: jinja2.runtime.Context, value: object) -> str:
     return q
 
 
+_DQ_WORD_SPECIAL = re.compile(r'([\\$`"}])')
+
+
+def env_default(value: object, name: str) -> str:
+    """`${NAME-value}` for inside double quotes: the variable's value when the environment has it (set at
+    submit time, even empty), else the profile's value as written (its \\ $ ` " } escaped, a ' as "'": no
+    expansion, the same characters the single-quoted export gave)."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise jinja2.TemplateRuntimeError(f"env_default: not a variable name: {name!r}")
+    # bash reads a ' in that word as a quote to match: it goes in double quotes of its own ("'")
+    word = _DQ_WORD_SPECIAL.sub(r"\\\1", str(value)).replace("'", '"\'"')
+    return "${" + name + "-" + word + "}"
+
+
 def _sha256(text: str) -> str:
     """The hex sha256 of a rendered block (the node library's fence names its own)."""
     return hashlib.sha256(str(text).encode()).hexdigest()
@@ -167,6 +181,7 @@ def make_env(templates_dir: Path) -> jinja2.Environment:
     env.filters["sbatch"] = _sbatch
     env.filters["comment"] = _comment
     env.filters["sha256"] = _sha256
+    env.filters["env_default"] = env_default
     return env
 
 

@@ -43,6 +43,10 @@ class JobProfile(Protocol):
 class EnvBlock:
     key: str  # the profile key(s) behind these variables, for the comment above them
     vars: tuple[tuple[str, str], ...]
+    # False: each value is a default, and a value the job's environment already holds (set at submit time:
+    # `NCCL_DEBUG=INFO sbatch out/eu.sbatch`) wins. True: the value is set whatever the environment holds
+    # (the policy: FORCED_ENV_NAMES, below).
+    forced: bool = False
 
 
 def nccl_ib_hca(p: JobProfile) -> str:
@@ -79,6 +83,7 @@ class _Block:
     key: str  # EnvBlock.key
     when: Callable[[JobProfile], bool]  # whether the block is exported at all
     vars: tuple[_Var, ...]
+    forced: bool = False  # EnvBlock.forced
 
 
 def xr_in_environment(p: JobProfile) -> bool:
@@ -132,8 +137,21 @@ _ENV_TABLE: tuple[_Block, ...] = (
         "torchrun.max_restarts > 0: a fresh rendezvous store per restart",
         lambda p: p.torchrun.max_restarts > 0,
         (("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", lambda p: "1"),),
+        forced=True,
     ),
 )
+
+# The export policy for the profile's variables: every one is a default that a value set at submit time
+# overrides (the nccl section, network.socket_ifname, topology.nccl_topo_file, OMP_NUM_THREADS,
+# PYTHONUNBUFFERED, extra_env), except these, always set: what the job's correctness depends on,
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE (restarted workers must not read a dead attempt's peers) and
+# cross_region's SBATCH_GEN_XR_* (validate checks them across the regions of a run), and extra_env's LD_*
+# names (LOADER_PREFIX). What the scripts set at run time (RUNTIME_EXPORTS, ACTIVATION_EXPORTS,
+# SSH_LAUNCHER_EXPORTS below) is always set too.
+FORCED_ENV_NAMES: frozenset[str] = frozenset(name for b in _ENV_TABLE if b.forced for name, _ in b.vars)
+
+# extra_env's names that are the dynamic loader's (extra_env_allow): always set, not defaults.
+LOADER_PREFIX = "LD_"
 
 # Every name job_environment can set from profile fields (extra_env and cross_region's SBATCH_GEN_XR_*
 # aside: which of those a job gets depends on the transport; RESERVED_ENV_PREFIXES covers them).
@@ -180,13 +198,21 @@ def job_environment(p: JobProfile) -> list[EnvBlock]:
         if not b.when(p):
             continue
         values = ((name, value(p)) for name, value in b.vars)
-        blocks.append(EnvBlock(b.key, tuple((name, v) for name, v in values if v is not None)))
+        blocks.append(EnvBlock(b.key, tuple((name, v) for name, v in values if v is not None), b.forced))
     # A trainer with its own command line that takes no --xr-* flags reads the same options from the
-    # environment (sbatch_gen.train.api.cross_region_from_env).
+    # environment (sbatch_gen.train.api.cross_region_from_env). Forced: validate checks them across the
+    # regions of the run.
     if xr_in_environment(p):
-        blocks.append(EnvBlock(XR_ENV_KEY, tuple(xr_options.to_env(p.cross_region).items())))
-    if p.extra_env:
-        blocks.append(EnvBlock("extra_env", tuple(p.extra_env.items())))
+        blocks.append(EnvBlock(XR_ENV_KEY, tuple(xr_options.to_env(p.cross_region).items()), forced=True))
+    # extra_env: defaults, but for the dynamic loader's variables extra_env_allow opts in to (LD_LIBRARY_PATH,
+    # LD_PRELOAD): a submitting shell nearly always has an LD_LIBRARY_PATH of its own (its modules), which
+    # would silently win over the one the profile opted in to.
+    plain = tuple((n, v) for n, v in p.extra_env.items() if not n.startswith(LOADER_PREFIX))
+    loader = tuple((n, v) for n, v in p.extra_env.items() if n.startswith(LOADER_PREFIX))
+    if plain:
+        blocks.append(EnvBlock("extra_env", plain))
+    if loader:
+        blocks.append(EnvBlock("extra_env, the loader's (extra_env_allow)", loader, forced=True))
     return blocks
 
 

@@ -60,7 +60,7 @@ def _changed_lines(before: str, after: str) -> tuple[list[str], list[str]]:
     "site, field, value, expected_added",
     [
         ("eu", "slurm.partition", "h200-long", ["#SBATCH --partition=h200-long"]),
-        ("eu", "nccl.debug", "INFO", ["export NCCL_DEBUG=INFO"]),
+        ("eu", "nccl.debug", "INFO", ['export NCCL_DEBUG="${NCCL_DEBUG-INFO}"']),
         ("eu", "trainer.config", "configs/other.yaml", ["TRAIN_CONFIG=configs/other.yaml  # trainer.config"]),
         ("us", "torchrun.rdzv_port", 29555, ["MASTER_PORT=29555  # torchrun.rdzv_port"]),
         (

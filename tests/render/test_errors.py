@@ -461,6 +461,7 @@ def test_a_dollar_in_extra_env_is_a_warning_at_its_line_and_renders_as_written(w
         r = sg(*args)
         assert r.code == 0, r.err
         assert r.err.count(note) == 1 and len(r.err.splitlines()) == 1, r.err
-    assert "export RUN_TAG='job-$SLURM_JOB_ID'\n" in (work / "o" / "local.sbatch").read_text()
+    # a default (a submit-time RUN_TAG wins), its '$' escaped: the same characters
+    assert 'export RUN_TAG="${RUN_TAG-job-\\$SLURM_JOB_ID}"\n' in (work / "o" / "local.sbatch").read_text()
     r = sg("validate", "--site", "lab", "--site", "local")  # a plain value (and the SSH kind): no note
     assert "PLAIN" not in r.err and r.err.count("warning") == 1, r.err

@@ -20,10 +20,10 @@ TRAINING = [p for p in RENDERS if not p.name.endswith(".setup.sbatch")]
 
 # The job's decisions come early. The training launch (main's first srun: the preflight's is a helper's)
 # follows torchrun's and the trainer's argument lists, 40 lines of --xr-* flags for the cross-region sites,
-# which puts it at line 257 for eu, and the requeue decision a few lines later.
-LAUNCH_BY = 260
+# which puts it at line 263 for eu, and the requeue decision a few lines later.
+LAUNCH_BY = 265
 DECISION_BY = 275
-# ...and where the flow ends: main's closing brace, after the requeue decision and all it does (322 in eu;
+# ...and where the flow ends: main's closing brace, after the requeue decision and all it does (325 in eu;
 # the SSH launcher's main is its attempts loop, 163 in lab.sh). What follows is helpers and the library.
 MAIN_END_BY = 330
 

@@ -91,7 +91,7 @@ def test_every_option_renders_lint_clean(work):
     assert "#SBATCH --reservation=maint-window" in eu_text
     assert "MODULES=(cuda/12.4 nccl/2.21)  # python_env.modules" in eu_text
     env_line = next(line for line in eu_text.splitlines() if line.startswith("  --container-env="))
-    assert "export NCCL_TOPO_FILE='/etc/nccl/topo h200.xml'" in eu_text
+    assert 'export NCCL_TOPO_FILE="${NCCL_TOPO_FILE-/etc/nccl/topo h200.xml}"' in eu_text
     for name in (
         "NCCL_TOPO_FILE",
         "NCCL_IB_HCA",

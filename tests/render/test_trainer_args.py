@@ -231,7 +231,7 @@ def test_cross_region_without_xr_args_goes_to_the_environment(work):
     assert r.code == 0, r.err
     text = (work / "o" / "local.sbatch").read_text()
     assert (
-        "# cross_region, for the trainer as variables: trainer.args has no {xr_args}\n"
+        "# cross_region, for the trainer as variables: trainer.args has no {xr_args} (always)\n"
         "export SBATCH_GEN_XR_ENABLED=1\nexport SBATCH_GEN_XR_RUN_ID=run\nexport SBATCH_GEN_XR_REGION=a\n"
     ) in text
     assert "--xr-" not in text

@@ -283,9 +283,9 @@ def test_bash_reads_the_rendered_blocks_back_as_the_profiles_options():
     sb, sh = render_site(slurm_site)[0].text, render_site(ssh_site)[0].text
     start = "# ---- environment of every job step"
     s_block = sb[sb.index(start) : sb.index("\n# ---- python_env", sb.index(start))]
-    assert f"\n# {COMMENT}\nexport SBATCH_GEN_XR_ENABLED=1\n" in s_block
+    assert f"\n# {COMMENT} (always)\nexport SBATCH_GEN_XR_ENABLED=1\n" in s_block
     h_block = sh[sh.index("\nNODE_ENV=(\n") : sh.index("\n)\n", sh.index("\nNODE_ENV=(\n")) + 3]
-    assert f"\n  # {COMMENT}\n  'SBATCH_GEN_XR_ENABLED=1'\n" in h_block
+    assert f"\n  # {COMMENT} (always)\n  'SBATCH_GEN_XR_ENABLED=1'\n" in h_block
     # the SSH launcher exports the array on every node before torchrun, as the template does
     for env in (_bash_env(s_block), _bash_env(h_block + 'export "${NODE_ENV[@]}"')):
         got = _only_xr(env)

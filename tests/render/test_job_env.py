@@ -1,0 +1,153 @@
+"""The export policy of a job's environment (sbatch_gen/profiles/environment.py: FORCED_ENV_NAMES).
+
+The profile's variables are defaults: a value the submitting shell holds wins (`NCCL_DEBUG=INFO sbatch
+out/eu.sbatch`, `NCCL_DEBUG=INFO bash out/lab.sh`); what the job's correctness depends on is set whatever
+that shell holds. Checked on the rendered blocks as bash evaluates them, and on a whole Slurm job run under
+bash with stub Slurm commands (batch_sandbox.py)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from sbatch_gen.loader import load_site
+from sbatch_gen.profiles import RUNTIME_EXPORTS, job_environment
+from sbatch_gen.profiles.environment import FORCED_ENV_NAMES, JOB_ENV_NAMES
+from sbatch_gen.render import env_default, render_site
+
+from .batch_sandbox import prepare
+from .conftest import REPO
+
+HOSTILE = "job-$SLURM_JOB_ID \"a\" 'b' \\c } `d` ${e} $(f)"
+
+
+def _bash_env(code: str, **given: str) -> dict[str, str]:
+    """The environment after bash runs ``code`` from one that holds only PATH and ``given``."""
+    r = subprocess.run(
+        ["env", "-i", "PATH=/usr/bin:/bin", *(f"{k}={v}" for k, v in given.items()), "bash", "-c"]
+        + ["set -eu\n" + code + "\nenv -0"],
+        capture_output=True,
+        timeout=30,
+    )
+    assert r.returncode == 0, r.stderr.decode()
+    return dict(x.split("=", 1) for x in r.stdout.decode().split("\0") if x)
+
+
+def _slurm_block(site: str, *sets: str) -> str:
+    text = render_site(load_site(REPO / "sites", site, list(sets)))[0].text
+    start = text.index("# ---- environment of every job step")
+    return text[start : text.index("\n# ---- python_env", start)]
+
+
+def _ssh_block(site: str, *sets: str) -> str:
+    text = render_site(load_site(REPO / "sites", site, list(sets)))[0].text
+    start = text.index("\nNODE_ENV=(\n")
+    # exported on every node as node_main and preflight_main do
+    return text[start : text.index("\n)\n", start) + 3] + 'export "${NODE_ENV[@]}"'
+
+
+def _profile_env(site: str, *sets: str) -> dict[str, str]:
+    p = load_site(REPO / "sites", site, list(sets)).profile
+    return {n: v for b in job_environment(p) for n, v in b.vars}
+
+
+def test_the_default_word_gives_the_value_as_written_and_yields_to_a_set_one():
+    word = env_default(HOSTILE, "X")
+    assert _bash_env(f'export X="{word}"')["X"] == HOSTILE
+    assert _bash_env(f'export X="{word}"', X="mine")["X"] == "mine"
+    assert _bash_env(f'export X="{word}"', X="")["X"] == ""  # set, even empty, wins
+    with pytest.raises(Exception, match="not a variable name"):
+        env_default("v", "X; rm")
+
+
+def test_the_policy_names_what_is_always_set():
+    assert FORCED_ENV_NAMES == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    assert FORCED_ENV_NAMES <= JOB_ENV_NAMES
+    assert not set(RUNTIME_EXPORTS) & JOB_ENV_NAMES  # the run-time ones are the scripts', never a default
+
+
+@pytest.mark.parametrize(("site", "block"), [("eu", _slurm_block), ("lab", _ssh_block)])
+def test_without_a_submit_time_value_the_job_gets_the_profiles(site, block):
+    want = _profile_env(site)
+    assert "NCCL_DEBUG" in want and "OMP_NUM_THREADS" in want
+    got = _bash_env(block(site))
+    assert {n: got.get(n) for n in want} == want
+
+
+@pytest.mark.parametrize(("site", "block"), [("eu", _slurm_block), ("lab", _ssh_block)])
+def test_a_submit_time_value_wins_over_the_profiles(site, block):
+    given = {
+        "NCCL_DEBUG": "INFO",
+        "OMP_NUM_THREADS": "3",
+        "NCCL_SOCKET_IFNAME": "eth9",
+        "NCCL_IB_DISABLE": "",
+    }
+    got = _bash_env(block(site), **given)
+    assert {n: got[n] for n in given} == given
+
+
+def test_eu_renders_its_defaults_as_a_reviewer_reads_them():
+    block = _slurm_block("eu")
+    assert '\nexport NCCL_DEBUG="${NCCL_DEBUG-WARN}"\n' in block
+    assert '\nexport NCCL_IB_HCA="${NCCL_IB_HCA-=mlx5_0,' in block
+    assert "\n# torchrun.max_restarts > 0: a fresh rendezvous store per restart (always)\n" in block
+    assert "\nexport TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" in block
+
+
+@pytest.mark.parametrize(("site", "block"), [("eu", _slurm_block), ("lab", _ssh_block)])
+def test_an_always_variable_is_set_whatever_the_submitting_shell_holds(site, block):
+    sets = ["torchrun.max_restarts=2"]
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in _profile_env(site, *sets)
+    got = _bash_env(block(site, *sets), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="0")
+    assert got["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+def test_extra_env_is_a_default_too():
+    sets = ["extra_env={RUN_TAG: '" + HOSTILE.replace("'", "''") + "'}"]
+    assert _profile_env("eu", *sets)["RUN_TAG"] == HOSTILE
+    for block in (_slurm_block("eu", *sets), _ssh_block("lab", *sets)):
+        assert _bash_env(block)["RUN_TAG"] == HOSTILE
+        assert _bash_env(block, RUN_TAG="mine")["RUN_TAG"] == "mine"
+
+
+def test_the_loader_variables_extra_env_allow_opts_in_to_are_always_set():
+    sets = ["extra_env={LD_LIBRARY_PATH: /opt/nccl/lib, RUN_TAG: x}", "extra_env_allow=[LD_LIBRARY_PATH]"]
+    for block in (_slurm_block("eu", *sets), _ssh_block("lab", *sets)):
+        got = _bash_env(block, LD_LIBRARY_PATH="/from/a/module", RUN_TAG="mine")
+        assert got["LD_LIBRARY_PATH"] == "/opt/nccl/lib" and got["RUN_TAG"] == "mine"
+
+
+# stubs: the preflight passes; the training step (what srun starts on every node) records its environment
+SRUN_DUMPS_ENV = r"""#!/bin/bash
+for a in "$@"; do [[ $a == preflight ]] && exit 0; done
+env -0 >"$STUB_DIR/step.env"
+"""
+SCONTROL = r"""#!/bin/bash
+case "$1 $2" in
+  "show hostnames") echo n1; echo n2 ;;
+  "show job") echo "JobId=$3 JobName=x"; echo "   Requeue=1 Restarts=0 BatchFlag=1" ;;
+esac
+"""
+SINFO = "#!/bin/bash\necho 'slurm 22.05.8'\n"
+
+
+def test_a_slurm_job_step_gets_the_submit_time_value_and_the_jobs_own_runtime_variables(tmp_path):
+    # as `OMP_NUM_THREADS=3 MASTER_PORT=1 SBATCH_GEN_STOP_FILE=/x sbatch out/local.sbatch` would
+    given = {
+        "OMP_NUM_THREADS": "3",
+        "MASTER_PORT": "1",
+        "MASTER_ADDR": "elsewhere",
+        "SBATCH_GEN_STOP_FILE": "/x",
+    }
+    job, env, stub_dir = prepare(
+        tmp_path, {"srun": SRUN_DUMPS_ENV, "scontrol": SCONTROL, "sinfo": SINFO}, "ok", env=given
+    )
+    r = subprocess.run(
+        ["bash", str(job)], cwd=job.parent, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    step = dict(x.split("=", 1) for x in (stub_dir / "step.env").read_bytes().decode().split("\0") if x)
+    assert step["OMP_NUM_THREADS"] == "3"  # the profile's default (1) yields
+    assert step["MASTER_PORT"] == "29500" and step["MASTER_ADDR"] == "n1"  # the job's rendezvous
+    assert step["SBATCH_GEN_STOP_FILE"].endswith("/stop/77.attempt-0")  # the job's stop file
