@@ -1,6 +1,6 @@
 """``python -m bench [NAME ...] [--quick] [--out DIR]``: run benchmarks, write Markdown/JSON/PNG results.
 
-Names: mailbox, outer, ddp, diloco, elastic, payload, overlap, quality, peer, sinks, render, memory, fsdp (default: all,
+Names: mailbox, outer, ddp, diloco, elastic, payload, overlap, quality, peer, sinks, render, memory, fsdp, sparse (default: all,
 in that order). ``--quick`` runs tiny sizes in seconds (for the tests); results of a quick run go to a temporary
 directory unless ``--out`` is given.
 """
@@ -34,6 +34,7 @@ BENCHES = {
     "render": "sbatch-gen render --all over 20 sites, as a whole process (no torch)",
     "memory": "analytic, not measured: HBM and host bytes per rank, DDP vs FSDP vs FSDP+offload, largest model",
     "fsdp": "DiLoCo regions FSDP x2 vs DDP x2 (CPU): outer state and peak RSS per rank, round time by phase",
+    "sparse": "sparse outer updates (top-k, 2-bit, error feedback) vs dense bf16 DiLoCo: held-out loss, bytes",
 }
 
 

@@ -296,3 +296,32 @@ def run_stopped(root, regions, steps, drop_error=False, log=None):
     for step, v in out["us"].items():
         assert torch.equal(v["theta"], eu[step])
     return eu
+
+
+def test_a_hostile_payload_with_valid_checksums_is_refused_naming_region_round_and_chunk(tmp_path):
+    """us publishes sparse bytes with duplicate indices in chunk 1 (checksummed as written, so only the
+    decoder can tell): eu's round fails in one line naming the round, us's shard and the chunk."""
+    regions = ["eu", "us"]
+    mk, opened = _syncs(tmp_path, regions, timeout_s=20)
+
+    def region(r):
+        m, s = mk(r)
+        if r == "us":
+            enc = s.ex._encode
+            s.ex._encode = lambda *a: _corrupt(bytearray(enc(*a)), 64, 6, 1, "duplicate")
+        s.align(0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        inner_steps(m, opt, r, range(1, H + 1))
+        try:
+            s.after_optimizer_step(H, 32)
+        except XRError as e:
+            return str(e)
+        return None
+
+    try:
+        out = in_threads(region, regions)
+    finally:
+        for s in opened:
+            s.close()
+    assert "round r000001: shard 0 of 'us': chunk 1 has duplicate or unordered indices" in out["eu"]
+    assert "\n" not in out["eu"]

@@ -564,7 +564,9 @@ class Exchange:
         def part(info: ShardInfo, a: int, b: int) -> tuple[int, torch.Tensor]:
             a2, b2, spans = shard_bytes(m, info, a, b)
             buf = got[(m.region, m.object_of(info))].span_bytes(spans)
-            return a2, self._decode(buf, b2 - a2, wire, ser, slot, f"shard {info.index} of {m.region!r}")
+            return a2, self._decode(
+                buf, b2 - a2, wire, ser, slot, f"round {m.tag}: shard {info.index} of {m.region!r}"
+            )
 
         if len(infos) == 1 and (infos[0].start, infos[0].numel) == (lo, hi - lo):
             return part(infos[0], lo, hi)[1]
