@@ -226,7 +226,10 @@ class Exchange:
     def _encode(self, vec: torch.Tensor, lo: int, hi: int, wire: str, ser: str) -> bytes | memoryview:
         sp = sparse_params(wire)
         if sp is not None:  # top-k per chunk with 2-bit values (raw only: the options refuse torch_save)
-            return sparse.encode(vec[lo:hi], *sp)
+            whole = -(-(hi - lo) // sp[0]) * sp[0]
+            if self._q_scratch is None or self._q_scratch.numel() < whole:
+                self._q_scratch = torch.empty(whole, dtype=torch.float32, device=vec.device)
+            return sparse.encode(vec[lo:hi], *sp, scratch=self._q_scratch)
         if wire in SCALED:  # int8/fp8/int4 with per-block scales (raw only: the options refuse torch_save)
             n = hi - lo
             if self._q_scratch is None or self._q_scratch.numel() < scaled.padded(n):

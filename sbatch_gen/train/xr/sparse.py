@@ -74,31 +74,37 @@ def _unpack(raw: torch.Tensor, k: int, bits: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encode(x: torch.Tensor, chunk: int, k: int) -> memoryview:
+def encode(x: torch.Tensor, chunk: int, k: int, *, scratch: torch.Tensor | None = None) -> memoryview:
     """The wire bytes of the fp32 vector ``x`` (any device), in host memory. Deterministic for the same
-    input on the same device (top-k, order statistics, comparisons: no sums)."""
+    input on the same device (top-k, order statistics, comparisons: no sums). ``scratch`` (fp32, on ``x``'s
+    device, whole chunks) is reused when large enough."""
     n = x.numel()
     nc = math.ceil(n / chunk)
-    flat = torch.zeros(nc * chunk, dtype=torch.float32, device=x.device)
-    flat[:n].copy_(x.reshape(-1))
-    if n and not bool(torch.isfinite(flat[:n]).all()):
-        first = int((~torch.isfinite(flat[:n])).nonzero()[0, 0])
+    src = x.reshape(-1)
+    if scratch is not None and scratch.numel() >= nc * chunk and scratch.device == x.device:
+        mag = scratch[: nc * chunk]
+    else:
+        mag = torch.empty(nc * chunk, dtype=torch.float32, device=x.device)
+    torch.abs(src, out=mag[:n])
+    mag[n:] = -1.0  # the padding is picked last: only when a short last chunk has fewer than k
+    rows = mag.view(nc, chunk)
+    kv, idx = rows.topk(k, dim=1, sorted=True)  # largest first; a NaN or an infinity first of all
+    bad = ~torch.isfinite(kv[:, 0])
+    if bool(bad.any()):
+        j = int(bad.nonzero()[0, 0])
         raise XRError(
-            f"the payload holds NaN or infinite values (element {first} of the shard): training diverged in "
-            "this region; nothing was published"
+            f"the payload holds NaN or infinite values (element {j * chunk + int(idx[j, 0])} of the shard): "
+            "training diverged in this region; nothing was published"
         )
-    rows = flat.view(nc, chunk)
-    mag = rows.abs()
-    key = mag.clone()
-    key.view(-1)[n:] = -1.0  # the padding is picked last: only when a short last chunk has fewer than k
-    _, idx = key.topk(k, dim=1, sorted=True)  # largest first
-    kv = mag.gather(1, idx)
+    kv.clamp_(min=0.0)  # (the padding's magnitude is 0)
     # the levels: the kept real values of rank r // 4 and 3r // 4 (r = k, but in a last chunk shorter than k)
     r = torch.full((nc, 1), k, dtype=torch.int64, device=x.device)
     r[-1] = min(k, n - (nc - 1) * chunk)
     hi, lo = kv.gather(1, r // 4).squeeze(1), kv.gather(1, (3 * r) // 4).squeeze(1)
     level = (kv - lo[:, None]) > (hi[:, None] - kv)
-    sign = rows.gather(1, idx) < 0
+    at = idx + torch.arange(0, nc * chunk, chunk, device=x.device)[:, None]
+    real = at < n
+    sign = (src[at.clamp_(max=n - 1)] < 0) & real
     idx, order = idx.sort(dim=1)  # ascending indices (the decoder refuses anything else)
     code = (sign.long() | (level.long() << 1)).gather(1, order)
     head = torch.stack((hi, lo), dim=1).contiguous().view(torch.uint8).reshape(nc, HEADER)
