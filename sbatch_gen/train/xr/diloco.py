@@ -125,6 +125,8 @@ class DiLoCo(SnapshotSync):
     def _record(self, step: int, res: RoundResult, t: dict, snap_s: float | None = None) -> dict:
         rec = super()._record(step, res, t)
         rec["xr_stale"] = res.commit.stale  # absent regions the closer found crashed (heartbeat stale)
+        if self.sparse:  # the share of each chunk this region's payload carries
+            rec["xr_sparse_density"] = self.xr.sparse_kept / self.xr.sparse_chunk
         if snap_s is not None:
             rec["xr_snapshot_s"] = snap_s
         return rec
