@@ -173,12 +173,13 @@ def _syncs(tmp_path, regions, **kw):
     return mk, opened
 
 
-def test_two_regions_stay_bit_identical_and_follow_the_update_rule(tmp_path):
-    """Three rounds of eu and us: after each, theta_outer is the same bits in both, and equals the rule
+def test_two_regions_stay_bit_identical_and_follow_the_update_rule(tmp_path, transport):
+    """Three rounds of eu and us (an fs mailbox, and a bucket on the local S3 server: ranged reads of whole
+    chunks): after each, theta_outer is the same bits in both, and equals the rule
     computed here: p = beta*e + delta (fp32, as the regions compute it), q = the reference sparsifier of
     p, e = p - q; g = the token-weighted average of the q's, theta -= lr * g (float64 reference)."""
     regions = ["eu", "us"]
-    mk, opened = _syncs(tmp_path, regions, outer_lr=0.8)
+    mk, opened = _syncs(tmp_path, regions, outer_lr=0.8, transport=transport)
     tokens = {"eu": 30, "us": 90}
     seen: dict = {}
 
