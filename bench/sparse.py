@@ -181,3 +181,55 @@ def _report(res: Result, p: Plan, got: list[dict]) -> None:
         for r in got
         if r["dtype"] == "sparse" and r["lr"] == p.sparse_lrs[0]
     }
+
+
+def codec_times(n: int = 1 << 22, reps: int = 7) -> list[list]:
+    """Encode and decode seconds per million elements of one fp32 shard of ``n`` random values, median of
+    ``reps`` interleaved repetitions each, with reused buffers as the exchange has them: int8 and int4 (the
+    scaled payloads) against sparse at 1% and 3% (chunk 4096). Rows: dtype, encode, decode, both."""
+    import statistics
+
+    import torch
+
+    from sbatch_gen.train.xr import scaled, sparse
+    from sbatch_gen.train.xr.protocol import wire_nbytes
+
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    scratch, out = torch.empty(n + 4096), torch.empty(n + 4096)
+    cases = {
+        w: (
+            lambda w=w: scaled.encode(x, w, scratch=scratch),
+            lambda b, w=w: scaled.decode(b, n, w, out=out),
+        )
+        for w in ("int8", "int4")
+    }
+    for d in (0.01, 0.03):
+        k = sparse.kept(4096, d)
+        cases[f"sparse {d:.0%}"] = (
+            lambda k=k: sparse.encode(x, 4096, k, scratch=scratch),
+            lambda b, k=k: sparse.decode(b, n, 4096, k, out=out),
+        )
+    times: dict[str, list[tuple[float, float]]] = {c: [] for c in cases}
+    for _ in range(reps):
+        for c, (enc, dec) in cases.items():
+            t0 = time.perf_counter()
+            b = bytearray(enc())
+            t1 = time.perf_counter()
+            dec(b)
+            times[c].append((t1 - t0, time.perf_counter() - t1))
+    rows = []
+    per = n / 1e6
+    for c, ts in times.items():
+        e, d = statistics.median(t[0] for t in ts) / per, statistics.median(t[1] for t in ts) / per
+        wire = c if not c.startswith("sparse") else f"sparse-c4096-k{sparse.kept(4096, float(c[7:-1]) / 100)}"
+        rows.append([c, f"{e * 1e3:.2f}", f"{d * 1e3:.2f}", f"{(e + d) * 1e3:.2f}", wire_nbytes(wire, n) / n])
+    return rows
+
+
+if __name__ == "__main__":  # python -m bench.sparse: the codec times alone (seconds; one process)
+    import torch
+
+    from .common import machine, md_table, now_utc
+
+    print(f"Measured {now_utc()} on {machine()}, torch threads {torch.get_num_threads()}, 4 Mi elements:\n")
+    print(md_table(["payload", "encode ms/M", "decode ms/M", "both ms/M", "wire B/element"], codec_times()))

@@ -65,6 +65,22 @@ def test_chunks_hold_the_top_k_at_two_levels_in_exactly_the_documented_bytes(n, 
     assert bytes(sparse.encode(x, c, k)) == bytes(buf)  # deterministic
 
 
+@pytest.mark.parametrize("bits", [2, 6, 7, 12, 16])
+def test_values_pack_least_significant_bit_first_one_after_the_other(bits):
+    """The packing of indices and codes, against a bit-by-bit packer written here."""
+    g = torch.Generator().manual_seed(bits)
+    for k in (1, 5, 41, 123):
+        v = torch.randint(0, 1 << bits, (3, k), generator=g)
+        want = []
+        for row in v.tolist():
+            b = [(x >> i) & 1 for x in row for i in range(bits)]
+            b += [0] * (-len(b) % 8)
+            want.append([sum(b[i + j] << j for j in range(8)) for i in range(0, len(b), 8)])
+        packed = sparse._pack(v, bits)
+        assert torch.equal(packed, torch.tensor(want, dtype=torch.uint8))
+        assert torch.equal(sparse._unpack(packed, k, bits), v)
+
+
 def test_wire_dtype_strings_and_sizes():
     assert sparse_params("sparse-c4096-k41") == (4096, 41)
     for bad in ("sparse-c4000-k41", "sparse-c4096-k0", "sparse-c4096-k5000", "int8", "sparse"):

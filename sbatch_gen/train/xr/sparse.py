@@ -52,25 +52,29 @@ def _bits(chunk: int) -> int:
 
 
 def _pack(v: torch.Tensor, bits: int) -> torch.Tensor:
-    """Rows of non-negative integers below 2**bits -> rows of bytes, least significant bit first."""
+    """Rows of non-negative integers below 2**bits (bits <= 16) -> rows of bytes, the values one after the
+    other, least significant bit first: value i at bits ``i*bits ..`` of its row. Each value spans at most
+    3 bytes; values share no bit, so adding their byte parts is OR-ing them (exact, any order)."""
     rows, k = v.shape
-    sh = torch.arange(bits, device=v.device)
-    b = ((v.unsqueeze(-1) >> sh) & 1).reshape(rows, k * bits)
     nbytes = math.ceil(k * bits / 8)
-    pad = nbytes * 8 - k * bits
-    if pad:
-        b = torch.cat((b, b.new_zeros(rows, pad)), dim=1)
-    w = torch.arange(8, device=v.device)
-    return (b.view(rows, nbytes, 8) << w).sum(-1).to(torch.uint8)
+    at = torch.arange(k, dtype=torch.int32, device=v.device) * bits
+    byte, shift = at // 8, at % 8
+    w = v.to(torch.int32) << shift  # the value's bits placed in a 3-byte little-endian word
+    out = torch.zeros(rows, nbytes + 2, dtype=torch.int32, device=v.device)
+    for j in range(3):
+        out.index_add_(1, byte + j, (w >> (8 * j)) & 0xFF)
+    return out[:, :nbytes].to(torch.uint8)
 
 
 def _unpack(raw: torch.Tensor, k: int, bits: int) -> torch.Tensor:
     """The inverse of :func:`_pack`: rows of bytes -> rows of ``k`` integers (int64)."""
     rows = raw.shape[0]
-    w = torch.arange(8, device=raw.device)
-    b = ((raw.to(torch.int64).unsqueeze(-1) >> w) & 1).reshape(rows, -1)[:, : k * bits]
-    sh = torch.arange(bits, device=raw.device)
-    return (b.view(rows, k, bits) << sh).sum(-1)
+    b = torch.zeros(rows, raw.shape[1] + 2, dtype=torch.int32, device=raw.device)
+    b[:, : raw.shape[1]] = raw
+    at = torch.arange(k, dtype=torch.int32, device=raw.device) * bits
+    byte, shift = at // 8, at % 8
+    w = b[:, byte] | (b[:, byte + 1] << 8) | (b[:, byte + 2] << 16)
+    return ((w >> shift) & ((1 << bits) - 1)).to(torch.int64)
 
 
 @torch.no_grad()
