@@ -584,7 +584,53 @@ class CrossRegion(StrictModel):
 def outer_step_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
     """(field, message) for outer lr / momentum / H combinations (and, with overlap streaming, delays) that
     measured worse in bench/results/quality.md: H 10, 50 and 100 without overlap, H 50 and 100 with
-    streaming. Nothing outside those ranges: no evidence either way."""
+    streaming; and sparse payloads as bench/results/sparse.md measured them (H 10 and 50). Nothing outside
+    those ranges: no evidence either way."""
+    return _outer_step_warnings(xr) + _sparse_warnings(xr)
+
+
+def _sparse_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
+    """payload_dtype sparse, from bench/results/sparse.md (H 10 and 50; density 1% and 3%; outer lr 1, 2, 4;
+    sparse_beta 0.95 and 1)."""
+    if (
+        not xr.enabled
+        or xr.sync != "diloco"
+        or xr.payload_dtype != "sparse"
+        or not 10 <= xr.inner_steps <= 50
+    ):
+        return []
+    out = [
+        (
+            "payload_dtype",
+            f"cross_region.payload_dtype sparse ({xr.sparse_density:.3g} of each chunk) with inner_steps "
+            f"{xr.inner_steps}: bench/results/sparse.md measured held-out loss above dense bf16 DiLoCo at every "
+            "point, each at its best outer lr: +1.3% (1%) and +3.3% (3%) at H=10, +16% (1%) and +4.9% (3%) at "
+            "H=50 (a tiny model from scratch, 2000 steps). It saves bytes at a cost in the model: measure it on "
+            "yours before relying on it.",
+        )
+    ]
+    if xr.sparse_beta > 0.95:
+        out.append(
+            (
+                "sparse_beta",
+                f"cross_region.sparse_beta {xr.sparse_beta:g}: above 0.95, bench/results/sparse.md measured "
+                "worse held-out loss at 11 of 12 points of density x outer lr x H (sparse_beta 1: 1.1-14.6 "
+                "points above 0.95; the exception -0.5). Use 0.95 unless you measured otherwise.",
+            )
+        )
+    if xr.outer_lr > 2:
+        out.append(
+            (
+                "outer_lr",
+                f"cross_region.outer_lr {xr.outer_lr:g} with sparse payloads: outer lr 4 measured worse than the "
+                "better of 1 and 2 at every density and H in bench/results/sparse.md (+13% to +26% held-out over "
+                "dense bf16 at sparse_beta 0.95). Use 1 or 2.",
+            )
+        )
+    return out
+
+
+def _outer_step_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
     if not xr.enabled or xr.sync != "diloco":
         return []
     if xr.overlap == "streaming":

@@ -342,3 +342,18 @@ def test_a_hostile_payload_with_valid_checksums_is_refused_naming_region_round_a
             s.close()
     assert "round r000001: shard 0 of 'us': chunk 1 has duplicate or unordered indices" in out["eu"]
     assert "\n" not in out["eu"]
+
+
+def test_validate_warns_about_what_the_benchmark_measured_worse():
+    from sbatch_gen.xr_options import outer_step_warnings
+
+    base = dict(enabled=True, run_id="t", region="eu", regions=["eu", "us"], transport=FsTransport(root="x"))
+    fields = [f for f, _ in outer_step_warnings(CrossRegion(**base, payload_dtype="sparse", inner_steps=50))]
+    assert fields == ["payload_dtype"]
+    risky = CrossRegion(**base, payload_dtype="sparse", inner_steps=10, sparse_beta=1.0, outer_lr=4.0)
+    warned = dict(outer_step_warnings(risky))
+    assert {"payload_dtype", "sparse_beta", "outer_lr"} <= set(warned)
+    assert "+16% (1%)" in warned["payload_dtype"] and "\n" not in warned["payload_dtype"]
+    assert not outer_step_warnings(
+        CrossRegion(**base, payload_dtype="sparse", inner_steps=200)
+    )  # not measured
