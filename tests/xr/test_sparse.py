@@ -357,3 +357,54 @@ def test_validate_warns_about_what_the_benchmark_measured_worse():
     assert not outer_step_warnings(
         CrossRegion(**base, payload_dtype="sparse", inner_steps=200)
     )  # not measured
+
+
+def test_a_region_back_without_its_checkpoint_starts_its_buffer_at_zero_logged_once(tmp_path):
+    """Elastic: us takes part in round 1 and leaves; eu closes rounds 2 and 3 alone. us comes back as a fresh
+    process without any checkpoint: it fast-forwards to round 3, its error buffer starts at zero (one
+    xr_error_feedback_reset event), and after round 4, with both, the regions are bit-identical."""
+    regions = ["eu", "us"]
+    kw = dict(min_regions=1, grace_s=0.3, keep_rounds=10, snapshot_every=100)
+    mk, opened = _syncs(tmp_path, regions, **kw)
+    syncs = {}
+
+    def first(r):
+        m, s = mk(r)
+        s.align(0)
+        s.catch_up(0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        inner_steps(m, opt, r, range(1, H + 1))
+        s.after_optimizer_step(H, 32)
+        syncs[r] = (m, s, opt)
+        if r == "us":
+            s.leave(H, "test")
+        return s.round
+
+    try:
+        assert in_threads(first, regions) == {"eu": 1, "us": 1}
+        m_eu, s_eu, opt_eu = syncs["eu"]
+        for k in (2, 3):
+            inner_steps(m_eu, opt_eu, "eu", range((k - 1) * H + 1, k * H + 1))
+            assert s_eu.after_optimizer_step(k * H, 32)["xr_members"] == ["eu"]
+        events: list = []
+        m_us, s_us = mk("us", seed=99, log=events.append)
+        s_us.align(0)
+        adopted = s_us.catch_up(0)
+        assert adopted is not None and 3 * H <= adopted < 4 * H
+        assert not s_us.error.any() and s_us.error_restored
+        resets = [e for e in events if e.get("event") == "xr_error_feedback_reset"]
+        assert len(resets) == 1 and "started without a checkpoint" in resets[0]["why"], events
+        opt_us = torch.optim.SGD(m_us.parameters(), lr=0.05)
+        both = {"eu": (m_eu, s_eu, opt_eu, 3 * H + 1), "us": (m_us, s_us, opt_us, adopted + 1)}
+
+        def round4(r):
+            m, s, opt, start = both[r]
+            inner_steps(m, opt, r, range(start, 4 * H + 1))
+            return s.after_optimizer_step(4 * H, 32)["xr_members"]
+
+        assert in_threads(round4, regions) == {"eu": regions, "us": regions}
+        assert torch.equal(flat(m_eu), flat(m_us)) and torch.equal(s_eu.theta_outer, s_us.theta_outer)
+        assert len([e for e in events if e.get("event") == "xr_error_feedback_reset"]) == 1
+    finally:
+        for s in opened:
+            s.close()
