@@ -517,3 +517,53 @@ def test_only_leaders_hold_outer_state(mode, tmp_path):
     for x in _results(tmp_path / "resumed", "eu", 4):
         assert sorted(x["after"]) == [6]
         assert torch.equal(x["final"][1], end), f"resumed rank {x['rank']} differs"
+
+
+def test_sparse_stop_and_resume_ends_on_the_uninterrupted_bits(tmp_path, repo, data_dir):
+    """payload_dtype sparse in the real trainer (H 4, 12 steps): a reference run of two 2-process regions,
+    uninterrupted; then the same with us stopped through its stop file mid-run (its stop checkpoint holds
+    its error-feedback buffer, saved by DCP) and resumed with --resume auto. Every region of both runs ends
+    on the same bits; the resumed region logged no buffer reset."""
+    cfg = write_config(tmp_path, repo)
+    kw = dict(payload_dtype="sparse", sparse_density=0.03)
+
+    def region(r, mailbox, run_dir, **extra):
+        return launch_region(
+            xr(r, FsTransport(root=str(tmp_path / mailbox)), **kw),
+            config=cfg,
+            run_dir=run_dir,
+            data_path=data_dir,
+            max_steps=12,
+            **extra,
+        )
+
+    run_both([region(r, "ref-mailbox", tmp_path / "ref" / r) for r in REGIONS])
+    stop = tmp_path / "us.stop"
+    eu = region("eu", "mailbox", tmp_path / "eu")
+    first = region(
+        "us",
+        "mailbox",
+        tmp_path / "us",
+        env={"SBATCH_GEN_STEP_SLEEP_S": "0.2"},
+        extra_args=["--stop-file", str(stop)],
+    )
+    deadline = time.monotonic() + TIMEOUT
+    while not any(x.get("step", 0) >= 5 for x in metrics_or_none(tmp_path / "us")):
+        assert time.monotonic() < deadline and first.poll()[0] is None, first.tail()
+        time.sleep(0.05)
+    stop.touch()
+    assert first.wait(TIMEOUT) == [0], first.tail()
+    ack = json.loads(stop.with_name(stop.name + ".ack").read_text())
+    assert 5 <= ack["step"] < 12, ack
+    stop.unlink()
+    second = region("us", "mailbox", tmp_path / "us")
+    run_both([eu, second])
+    for r in REGIONS:
+        assert_same_params(tmp_path / "ref" / r, tmp_path / r)
+    assert_same_params(tmp_path / "eu", tmp_path / "us")
+    resumed = tmp_path / "us" / "checkpoints" / f"step-{ack['step']}"
+    assert f"resumed from {resumed}" in second.tail(400)
+    events = [x.get("event") for x in metrics(tmp_path / "us")]
+    assert "xr_error_feedback_reset" not in events
+    rounds = [x for x in metrics(tmp_path / "us") if "xr_round" in x]
+    assert all(x["xr_sparse_density"] == 123 / 4096 for x in rounds)
