@@ -359,7 +359,7 @@ class CrossRegion(StrictModel):
         "bit-identical. The scaled dtypes need serialization raw. shard_mb counts wire bytes: at the same "
         "shard_mb an int8/fp8 shard holds twice bf16's elements (int4: four times), so a round has that many "
         "times fewer concurrent transfers; over a long-haul link, where each stream is window-bound, shrink "
-        "shard_mb by as much to keep them. sparse (DiLoCo without overlap): the SparseLoCo-style outer "
+        "shard_mb by as much to keep them. sparse (DiLoCo, overlap none or eager): the SparseLoCo-style outer "
         "update of sparse_density, sparse_chunk and sparse_beta, with an error-feedback buffer per region "
         "(docs/cross-region.md, 'Sparse outer updates').",
     )
@@ -470,10 +470,10 @@ class CrossRegion(StrictModel):
                 "payload_dtype sparse needs sync: diloco (its error-feedback buffer carries what a round did "
                 "not send to later rounds; grad mode applies every step's gradient at once)",
             )
-        if self.overlap != "none":
+        if self.overlap == "streaming":
             raise FieldError(
                 ("payload_dtype",),
-                f"payload_dtype sparse needs overlap: none (overlap {self.overlap} with sparse payloads is not "
+                "payload_dtype sparse needs overlap: none or eager (streaming with sparse payloads is not "
                 "built yet)",
             )
         return self

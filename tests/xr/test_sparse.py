@@ -153,8 +153,7 @@ def test_options_refuse_what_cannot_work_naming_the_field():
     for extra, says in (
         (dict(serialization="torch_save"), "needs serialization: raw"),
         (dict(sync="grad"), "needs sync: diloco"),
-        (dict(overlap="eager"), "needs overlap: none"),
-        (dict(overlap="streaming"), "needs overlap: none"),
+        (dict(overlap="streaming"), "needs overlap: none or eager"),
     ):
         with pytest.raises(ValueError, match=says):
             CrossRegion(**base, **extra, payload_dtype="sparse")
@@ -408,3 +407,58 @@ def test_a_region_back_without_its_checkpoint_starts_its_buffer_at_zero_logged_o
     finally:
         for s in opened:
             s.close()
+
+
+# -- overlap eager ---------------------------------------------------------------------------------------------
+
+
+def test_eager_shared_state_is_identical_and_the_model_is_it_minus_the_own_sparse_delta(tmp_path):
+    """overlap eager with sparse payloads, 4 rounds of H=3: at every boundary both regions hold the same
+    theta_outer bits; a region's model is that state minus its own wire values (own) times early; own is
+    the sparse decoding of the payload p = delta + beta * e; both end on the same bits."""
+    from .test_overlap import run
+
+    res = in_threads(lambda r: run(r, tmp_path, 4, **SP), ["eu", "us"])
+    eu, us = res["eu"], res["us"]
+    for b in sorted(eu["rounds"]):
+        E, U = eu["rounds"][b], us["rounds"][b]
+        assert torch.equal(E["theta"], U["theta"]) and torch.equal(E["momentum"], U["momentum"]), b
+        for X in (E, U):
+            assert torch.equal(X["model"], X["theta"] - X["own"] * X["early"])
+            assert int((X["own"] != 0).sum()) <= 6 * 2  # at most k = 6 per chunk of 64 (97 elements: 2)
+    assert torch.equal(eu["params"], us["params"]) and torch.equal(eu["params"], eu["theta_end"])
+
+
+@pytest.mark.parametrize("case", ["in-flight", "manifest-lost"])
+def test_eager_stop_with_a_round_in_flight_resumes_to_the_uninterrupted_bits(tmp_path, case):
+    """eu stops mid-phase with round 2 in flight (its error buffer holds that round's payload p, not yet
+    resolved) and resumes: both regions end on exactly the bits of an uninterrupted run. manifest-lost: the
+    stop came before the upload finished; eu encodes the saved p again, the same bytes."""
+    import threading
+
+    from sbatch_gen.train.xr.protocol import round_tag
+
+    from .test_overlap import H as HE
+    from .test_overlap import run
+
+    ref = in_threads(lambda r: run(r, tmp_path / "ref", 4, **SP), ["eu", "us"])
+    root = tmp_path / "mbx"
+    go_on = threading.Event()
+
+    def gate(region, step):
+        if region == "us" and step == 2 * HE:
+            assert go_on.wait(60)
+        if region == "eu" and step == 2 * HE + 2:
+            go_on.set()
+
+    def eu_then_resume():
+        first = run("eu", root, 4, stop_at=2 * HE + 1, **SP)
+        if case == "manifest-lost":
+            (root / "t" / round_tag(2) / "eu.done").unlink()
+        return run("eu", root, 4, state=first["state"], gate=gate, **SP)
+
+    res = in_threads(
+        lambda r: eu_then_resume() if r == "eu" else run(r, root, 4, gate=gate, **SP), ["eu", "us"]
+    )
+    for r in ("eu", "us"):
+        assert torch.equal(res[r]["params"], ref[r]["params"]), r

@@ -155,6 +155,24 @@ class DiLoCo(SnapshotSync):
         if self.leader:
             held(self.error, "error").copy_(held(payload, "payload"))
 
+    # overlap eager: at a boundary p = own + beta * e is published from own; e holds p (not yet resolved) while
+    # the round is in flight, so a region resumed with the round in flight publishes the same bytes again;
+    # at the join e = p - own (own: the round's wire values) if the commit has this region's payload.
+    def _eager_payload(self) -> None:
+        """Leaders: ``own`` (this phase's fresh delta) becomes ``p = own + beta * e``, and ``e`` holds p."""
+        if self.leader:
+            d, e = held(self.own, "own"), held(self.error, "error")
+            tmp = self.ex.scratch(min(self.local_numel, self.ex.block))
+            for lo, hi in blocks(self.local_numel, self.outer_device, self.ex.block):
+                t = torch.mul(e[lo:hi], self.xr.sparse_beta, out=tmp[: hi - lo])
+                d[lo:hi].add_(t)
+            e.copy_(d)
+
+    def _resolve_error(self, late: bool) -> None:
+        """Leaders, at the join of the round in flight: ``e = p - own`` unless this region was late."""
+        if self.leader and not late:
+            held(self.error, "error").sub_(held(self.own, "own"))
+
     def _error_reset(self, why: str) -> None:
         """Log, once, that this region's error-feedback buffer starts at zero in a run under way."""
         if self.sparse and not self.error_restored:
@@ -202,8 +220,9 @@ class DiLoCo(SnapshotSync):
             self._job = InFlight(job, f"xr-round-{b}", self.outer_device)
 
     def _in_background(self, b: int) -> tuple[Exchange | None, torch.Tensor | None, torch.Tensor | None]:
-        """Round ``b``'s background exchange, the buffer it publishes and the one it averages into."""
-        return self.bg_ex, self.own, self.avg
+        """Round ``b``'s background exchange, the buffer it publishes and the one it averages into (sparse:
+        the payload p, which ``error`` holds while the round is in flight; ``own`` holds its wire values)."""
+        return self.bg_ex, self.error if self.sparse else self.own, self.avg
 
     def _in_foreground(self, b: int) -> tuple[Exchange, torch.Tensor | None]:
         """Round ``b``'s exchange on the trainer's group, and the buffer its average lands in."""
@@ -263,6 +282,8 @@ class DiLoCo(SnapshotSync):
                 raise
         t1 = self._now()
         tokens, work = self.tokens, self.work
+        if res is not None and self.sparse:  # (own still holds the joined round's wire values)
+            self._resolve_error(res.late)
         if self.leader:  # this phase's fresh delta: where it started minus where it is (fp32)
             self.flat.delta_into(self._working(held(work, "work")), held(self.own, "own"))
         tc, snap_s = t1, None
@@ -273,6 +294,8 @@ class DiLoCo(SnapshotSync):
             self.others = sum(c.tokens for r, c in res.commit.members.items() if r != self.xr.region)
             snap_s = self._housekeeping(self.round, res.members, step)
         t2 = self._now()
+        if self.sparse:
+            self._eager_payload()
         pre = self.ex.encode("delta", self.own)
         self.ex.decode_into("delta", pre, self.own)  # own = the wire values every region will average
         others = self.others if self.others >= 0 else tokens * (len(self.xr.regions) - 1)
@@ -311,6 +334,8 @@ class DiLoCo(SnapshotSync):
             self._drop_inflight()
             return self._fast_forward(step, "behind") or {}
         t1 = self._now()
+        if self.sparse:
+            self._resolve_error(res.late)
         partial = self.tokens > 0
         if self.leader and partial:  # the steps since the last boundary, kept on top of the shared state
             self.flat.delta_into(self._working(held(self.work, "work")), held(self.own, "own"))
