@@ -462,3 +462,20 @@ def test_eager_stop_with_a_round_in_flight_resumes_to_the_uninterrupted_bits(tmp
     )
     for r in ("eu", "us"):
         assert torch.equal(res[r]["params"], ref[r]["params"]), r
+
+
+def test_eager_a_late_region_keeps_its_payload_and_the_regions_end_identical(tmp_path):
+    """overlap eager, elastic: us publishes nothing in round 2 (withheld); eu closes it alone; us keeps all of
+    that round's p in its error buffer (its delta was not applied) and both end on the same bits."""
+    from .test_overlap import run
+
+    def setup(s):
+        if s.xr.region == "us":
+            s.ex.withheld = s.bg_ex.withheld = frozenset({2})
+
+    kw = dict(SP, min_regions=1, grace_s=0.3, keep_rounds=10)
+    res = in_threads(lambda r: run(r, tmp_path, 4, setup=setup, **kw), ["eu", "us"])
+    eu, us = res["eu"], res["us"]
+    joined2 = [x["rec"] for x in us["rounds"].values() if x["rec"].get("xr_round") == 2]
+    assert joined2 and joined2[0]["xr_late"] and joined2[0]["xr_members"] == ["eu"]
+    assert torch.equal(eu["params"], us["params"])
