@@ -1,7 +1,7 @@
 """``python -m bench [NAME ...] [--quick] [--out DIR]``: run benchmarks, write Markdown/JSON/PNG results.
 
 Names: mailbox, outer, ddp, diloco, elastic, payload, overlap, quality, peer, sinks, render, memory, fsdp,
-roundcost (default: all,
+roundcost, sparse (default: all,
 in that order). ``--quick`` runs tiny sizes in seconds (for the tests); results of a quick run go to a temporary
 directory unless ``--out`` is given.
 """
@@ -36,6 +36,7 @@ BENCHES = {
     "memory": "analytic, not measured: HBM and host bytes per rank, DDP vs FSDP vs FSDP+offload, largest model",
     "fsdp": "DiLoCo regions FSDP x2 vs DDP x2 (CPU): outer state and peak RSS per rank, round time by phase",
     "roundcost": "fixed cost of a steady DiLoCo round at 80 ms RTT (delay proxy), 2/4/8 regions: fit, requests",
+    "sparse": "sparse outer updates (top-k, 2-bit, error feedback) vs dense bf16 DiLoCo: held-out loss, bytes",
 }
 
 

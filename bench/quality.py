@@ -106,13 +106,16 @@ class Variant:
     overlap: str = "none"
     frags: int = 1  # overlap streaming: F
     tau: int = 0  # overlap streaming: fragment_delay_steps
+    density: float = 0.01  # payload sparse: sparse_density (bench/sparse.py)
+    beta: float = 0.95  # payload sparse: sparse_beta
 
     @property
     def key(self) -> str:
         if self.kind != "diloco":
             return self.kind
         stream = f"-f{self.frags}-t{self.tau}" if self.overlap == "streaming" else ""
-        return f"h{self.h}-lr{self.lr:g}-m{self.momentum:g}-{self.dtype}-{self.overlap}{stream}"
+        sp = f"-d{self.density:g}-b{self.beta:g}" if self.dtype == "sparse" else ""
+        return f"h{self.h}-lr{self.lr:g}-m{self.momentum:g}-{self.dtype}{sp}-{self.overlap}{stream}"
 
     @property
     def label(self) -> str:
@@ -121,7 +124,8 @@ class Variant:
         if self.kind == "single":
             return "one region alone"
         over = {"none": "", "eager": ", eager", "streaming": f", streaming F={self.frags} tau={self.tau}"}
-        extra = "".join([f", {self.dtype}" if self.dtype != "bf16" else "", over[self.overlap]])
+        dt = f"sparse {self.density:.1%} beta {self.beta:g}" if self.dtype == "sparse" else self.dtype
+        extra = "".join([f", {dt}" if self.dtype != "bf16" else "", over[self.overlap]])
         return f"H={self.h}, lr {self.lr:g}, mom {self.momentum:g}{extra}"
 
 
@@ -150,6 +154,7 @@ def _launch_variant(work: Path, data: Path, cfg: Path, v: Variant) -> list:
         payload_dtype=v.dtype,
         overlap=v.overlap,
         **({"fragments": v.frags, "fragment_delay_steps": v.tau} if v.overlap == "streaming" else {}),
+        **({"sparse_density": v.density, "sparse_beta": v.beta} if v.dtype == "sparse" else {}),
     )
 
 

@@ -723,6 +723,17 @@ def _format_status(st) -> list[str]:
         if st.newest_snapshot is not None
         else "snapshot:  none complete"
     )
+    if st.payload is not None:
+        pl = st.payload
+        sent = ", ".join(f"{r} {n:,} B" for r, n in pl.bytes.items())
+        of = (
+            f" ({max(pl.bytes.values()) / pl.bf16_bytes:.3g} of bf16's {pl.bf16_bytes:,} B)"
+            if sent and pl.bf16_bytes
+            else ""
+        )
+        lines.append(
+            f"payload:   {pl.dtype} ({pl.density:.2%} of each chunk); newest round: {sent or '-'}{of}"
+        )
     header = [
         "region",
         "last published",

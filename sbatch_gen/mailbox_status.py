@@ -67,6 +67,16 @@ class RegionStatus:
 
 
 @dataclass
+class PayloadInfo:
+    """payload_dtype sparse: what the regions' newest manifests say they sent (no object is read)."""
+
+    dtype: str  # the wire dtype the run's options give (sparse-c<chunk>-k<k>)
+    density: float  # k / chunk: the share of each chunk sent
+    bytes: dict[str, int]  # per region, the bytes of its newest round's objects (its manifest's shards)
+    bf16_bytes: int  # the same payload in bf16 (2 B per element), for comparison
+
+
+@dataclass
 class MailboxStatus:
     run_id: str
     site_region: str  # the region of the site whose profile was read
@@ -84,6 +94,7 @@ class MailboxStatus:
     )  # still in the mailbox (older ones are cleaned up)
     newest_snapshot: int | None = None
     regions: list[RegionStatus] = field(default_factory=list)
+    payload: PayloadInfo | None = None  # payload_dtype sparse only
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -157,6 +168,7 @@ def read_status(xr: CrossRegion, store: Store | None = None, *, now: float | Non
         return status(
             location=store.describe(),
             exists=True,
+            payload=_payload(mb, xr, latest) if xr.payload_dtype == "sparse" else None,
             newest_commit=info,
             committed_rounds=committed,
             newest_snapshot=snaps[-1] if snaps else None,
@@ -168,6 +180,25 @@ def read_status(xr: CrossRegion, store: Store | None = None, *, now: float | Non
         mb.close()
         if own:
             store.close()
+
+
+def _payload(mb, xr: CrossRegion, latest: dict[str, int]) -> PayloadInfo:
+    """The bytes of each region's newest manifest's shards (one small read per region)."""
+    from sbatch_gen.train.xr.protocol import round_tag
+
+    got: dict[str, int] = {}
+    numel = 0
+    for r in xr.regions:
+        if latest.get(r) is None:
+            continue
+        try:
+            m = mb.read_manifest(round_tag(latest[r]), r)
+        except Exception:  # noqa: BLE001 - cleaned up meanwhile, or unreadable: not shown
+            m = None
+        if m is not None:
+            got[r] = sum(s.nbytes for s in m.shards)
+            numel = m.numel
+    return PayloadInfo(xr.wire_dtype, xr.sparse_kept / xr.sparse_chunk, got, 2 * numel)
 
 
 class HeartbeatWatch:

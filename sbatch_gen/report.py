@@ -633,6 +633,19 @@ def build(runs: list[Run]) -> tuple[str, dict]:
         prow.append(
             ["MB across regions (up + down)", *[_fmt(slos[k]["bytes_across_regions"] / 1e6) for k in labels]]
         )
+        if any("xr_sparse_density" in r for run in runs for r in run.rounds):  # payload_dtype sparse
+            prow.append(
+                [
+                    "sparse: share of each chunk sent; kB up per round",
+                    *[
+                        f"{run.rounds[-1]['xr_sparse_density']:.2%}; "
+                        f"{_mean([float(r.get('xr_bytes_up') or 0) for r in run.rounds]) / 1e3:.3g}"
+                        if run.rounds and "xr_sparse_density" in run.rounds[-1]
+                        else "-"
+                        for run in runs
+                    ],
+                ]
+            )
         lines += ["Mean seconds per round, by phase:", "", _md_table(["phase", *labels], prow), ""]
     part = participation(runs)
     if part is not None:

@@ -354,7 +354,7 @@ class CrossRegion(StrictModel):
         description="Rounds each region keeps in the mailbox behind the newest; older ones are deleted by their "
         "own region once an outer snapshot covers them.",
     )
-    payload_dtype: Literal["bf16", "fp32", "int8", "fp8", "int4"] = Field(
+    payload_dtype: Literal["bf16", "fp32", "int8", "fp8", "int4", "sparse"] = Field(
         default="bf16",
         description="Wire dtype of deltas/gradients; the outer state stays fp32. int8, fp8 (e4m3) and int4 carry "
         "one fp32 scale per 256 elements: int8/fp8 half of bf16's bytes plus 1.6%, int4 a quarter plus 3.1%; "
@@ -363,7 +363,34 @@ class CrossRegion(StrictModel):
         "bit-identical. The scaled dtypes need serialization raw. shard_mb counts wire bytes: at the same "
         "shard_mb an int8/fp8 shard holds twice bf16's elements (int4: four times), so a round has that many "
         "times fewer concurrent transfers; over a long-haul link, where each stream is window-bound, shrink "
-        "shard_mb by as much to keep them.",
+        "shard_mb by as much to keep them. sparse (DiLoCo, overlap none or eager): the SparseLoCo-style outer "
+        "update of sparse_density, sparse_chunk and sparse_beta, with an error-feedback buffer per region "
+        "(docs/cross-region.md, 'Sparse outer updates').",
+    )
+    sparse_density: float = Field(
+        default=0.01,
+        gt=0,
+        le=0.5,
+        description="payload_dtype sparse: the fraction of each chunk's elements a region sends per round "
+        "(0.01 = 1%: with sparse_chunk 4096, 41 entries, 81 bytes per chunk: 1/101 of bf16's bytes; 0.03: "
+        "1/37). At least one entry per chunk. Ignored for the other payload dtypes.",
+    )
+    sparse_chunk: int = Field(
+        default=4096,
+        ge=64,
+        le=65536,
+        description="payload_dtype sparse: elements per chunk (a power of two, 64..65536) of each shard; each "
+        "chunk sends its top sparse_density share by magnitude, as log2(sparse_chunk)-bit indices and 2-bit "
+        "values with two fp32 magnitudes per chunk (8 bytes). Ignored for the other payload dtypes.",
+    )
+    sparse_beta: float = Field(
+        default=0.95,
+        ge=0,
+        le=1,
+        description="payload_dtype sparse: the decay of the error-feedback buffer, e <- sparse_beta * e + "
+        "delta before each round's selection (what was not sent, kept for later rounds; 0: nothing kept, "
+        "plain top-k). The buffer is 4 B per parameter on the leaders, saved in checkpoints. Ignored for "
+        "the other payload dtypes.",
     )
     shard_mb: float = Field(
         default=16.0, ge=0, le=4096, description="Target shard object size in MiB; 0 = one object per region."
@@ -419,8 +446,41 @@ class CrossRegion(StrictModel):
         "shard_mb",
         "threads",
         "outer_device_max_gib",
+        "sparse_density",
+        "sparse_chunk",
+        "sparse_beta",
         mode="before",
     )(_no_bool)
+
+    @field_validator("sparse_chunk")
+    @classmethod
+    def _chunk_is_a_power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"{v} is not a power of two (64, 128, ..., 65536): indices are log2(chunk) bits")
+        return v
+
+    @model_validator(mode="after")
+    def _sparse_payloads(self) -> CrossRegion:
+        if self.payload_dtype != "sparse":
+            return self
+        if self.serialization != "raw":
+            raise FieldError(
+                ("payload_dtype",),
+                "payload_dtype sparse needs serialization: raw (torch_save carries bf16 and fp32 only)",
+            )
+        if self.sync != "diloco":
+            raise FieldError(
+                ("payload_dtype",),
+                "payload_dtype sparse needs sync: diloco (its error-feedback buffer carries what a round did "
+                "not send to later rounds; grad mode applies every step's gradient at once)",
+            )
+        if self.overlap == "streaming":
+            raise FieldError(
+                ("payload_dtype",),
+                "payload_dtype sparse needs overlap: none or eager (streaming with sparse payloads is not "
+                "built yet)",
+            )
+        return self
 
     @model_validator(mode="after")
     def _scaled_payloads_are_raw(self) -> CrossRegion:
@@ -496,6 +556,19 @@ class CrossRegion(StrictModel):
         return self.fragments if self.overlap == "streaming" else 1
 
     @property
+    def sparse_kept(self) -> int:
+        """payload_dtype sparse: the entries each chunk sends (sparse_density of sparse_chunk, at least 1)."""
+        return max(1, min(self.sparse_chunk, round(self.sparse_density * self.sparse_chunk)))
+
+    @property
+    def wire_dtype(self) -> str:
+        """The dtype a payload's manifest names: payload_dtype, or for sparse ``sparse-c<chunk>-k<kept>``
+        (regions that disagree on the chunk or the entries kept are refused by the manifest check)."""
+        if self.payload_dtype == "sparse":
+            return f"sparse-c{self.sparse_chunk}-k{self.sparse_kept}"
+        return self.payload_dtype
+
+    @property
     def elastic(self) -> bool:
         """Rounds may close without every region."""
         return self.quorum < len(self.regions)
@@ -546,7 +619,53 @@ class CrossRegion(StrictModel):
 def outer_step_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
     """(field, message) for outer lr / momentum / H combinations (and, with overlap streaming, delays) that
     measured worse in bench/results/quality.md: H 10, 50 and 100 without overlap, H 50 and 100 with
-    streaming. Nothing outside those ranges: no evidence either way."""
+    streaming; and sparse payloads as bench/results/sparse.md measured them (H 10 and 50). Nothing outside
+    those ranges: no evidence either way."""
+    return _outer_step_warnings(xr) + _sparse_warnings(xr)
+
+
+def _sparse_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
+    """payload_dtype sparse, from bench/results/sparse.md (H 10 and 50; density 1% and 3%; outer lr 1, 2, 4;
+    sparse_beta 0.95 and 1)."""
+    if (
+        not xr.enabled
+        or xr.sync != "diloco"
+        or xr.payload_dtype != "sparse"
+        or not 10 <= xr.inner_steps <= 50
+    ):
+        return []
+    out = [
+        (
+            "payload_dtype",
+            f"cross_region.payload_dtype sparse ({xr.sparse_density:.3g} of each chunk) with inner_steps "
+            f"{xr.inner_steps}: bench/results/sparse.md measured held-out loss above dense bf16 DiLoCo at every "
+            "point, each at its best outer lr: +1.3% (1%) and +3.3% (3%) at H=10, +16% (1%) and +4.9% (3%) at "
+            "H=50 (a tiny model from scratch, 2000 steps). It saves bytes at a cost in the model: measure it on "
+            "yours before relying on it.",
+        )
+    ]
+    if xr.sparse_beta > 0.95:
+        out.append(
+            (
+                "sparse_beta",
+                f"cross_region.sparse_beta {xr.sparse_beta:g}: above 0.95, bench/results/sparse.md measured "
+                "worse held-out loss at 11 of 12 points of density x outer lr x H (sparse_beta 1: 1.1-14.6 "
+                "points above 0.95; the exception -0.5). Use 0.95 unless you measured otherwise.",
+            )
+        )
+    if xr.outer_lr > 2:
+        out.append(
+            (
+                "outer_lr",
+                f"cross_region.outer_lr {xr.outer_lr:g} with sparse payloads: outer lr 4 measured worse than the "
+                "better of 1 and 2 at every density and H in bench/results/sparse.md (+13% to +26% held-out over "
+                "dense bf16 at sparse_beta 0.95). Use 1 or 2.",
+            )
+        )
+    return out
+
+
+def _outer_step_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
     if not xr.enabled or xr.sync != "diloco":
         return []
     if xr.overlap == "streaming":
@@ -629,6 +748,9 @@ _FLAT = {
     "snapshot_every": "--xr-snapshot-every",
     "keep_rounds": "--xr-keep-rounds",
     "payload_dtype": "--xr-payload-dtype",
+    "sparse_density": "--xr-sparse-density",
+    "sparse_chunk": "--xr-sparse-chunk",
+    "sparse_beta": "--xr-sparse-beta",
     "shard_mb": "--xr-shard-mb",
     "threads": "--xr-threads",
     "node_leaders": "--xr-node-leaders",
@@ -653,6 +775,8 @@ _CREDS = {
 }
 
 
+# spelled out only with payload_dtype sparse, which alone reads them (renders of the other payloads unchanged)
+_SPARSE_FIELDS = frozenset({"sparse_density", "sparse_chunk", "sparse_beta"})
 _VALUE_FLAGS = [*_FLAT.values(), *_TRANSPORT.values(), *_CREDS.values()]  # every flag that takes a value
 _NULLABLE = {"heartbeat_s"}  # fields whose null is spelled "none" on the command line
 _NONE = "none"
@@ -672,7 +796,11 @@ def _fmt(v: object) -> str:
 
 def _flag_values(xr: CrossRegion) -> list[tuple[str, str]]:
     """(flag, value) for every option of ``xr`` but --xr-enabled, in the order of the flags."""
-    out = [(flag, _fmt(getattr(xr, field))) for field, flag in _FLAT.items()]
+    out = [
+        (flag, _fmt(getattr(xr, field)))
+        for field, flag in _FLAT.items()
+        if field not in _SPARSE_FIELDS or xr.payload_dtype == "sparse"
+    ]
     t = xr.transport
     for field, flag in _TRANSPORT.items():
         v = getattr(t, field, None)

@@ -532,3 +532,15 @@ def test_fsdp_quick(tmp_path):
     for key in ("ratios", "ratios_mmap"):
         ratios = dict((r[0], r[1]) for r in _table(d, key)[1])
         assert ratios["outer state, the rank holding most"] == pytest.approx(0.5, rel=0.01)
+
+
+def test_sparse_quick(tmp_path):
+    """Dense bf16 and sparse DiLoCo side by side: both regions end on the same model in every variant, and a
+    sparse round uploads a small share of bf16's bytes (never timings; --quick judges nothing)."""
+    d = _bench("sparse", tmp_path, timeout=600)
+    ((headers, rows),) = [(t["headers"], t["rows"]) for t in d["tables"].values()]
+    by = {r[0]: dict(zip(headers, r, strict=True)) for r in rows}
+    assert len(by) == 2 and all(r["a, b identical"] == "yes" for r in by.values())
+    sparse = next(r for label, r in by.items() if "sparse 3.0%" in label)
+    assert sparse["objects vs bf16"].startswith("1/") and int(sparse["objects vs bf16"][2:]) > 20
+    assert all(g["met"] is None for g in d["goals"])

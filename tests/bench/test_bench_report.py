@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sbatch_gen.report import ReportError, load_run, recoveries, slo, write_report
+from sbatch_gen.report import ReportError, build, load_run, recoveries, slo, write_report
 
 pytestmark = pytest.mark.slow  # trains small runs to report on
 
@@ -311,3 +311,18 @@ def test_participation_names_each_rounds_fragment_under_streaming(tmp_path):
     assert _is_png(tmp_path / "out" / "participation.png")
     assert "| rounds taken part, fragment 0 | 2 | 1 |" in md
     assert "| rounds taken part, fragment 1 | 2 | 2 |" in md
+
+
+def test_a_sparse_runs_density_and_bytes_per_round(tmp_path):
+    """payload_dtype sparse: the round records carry xr_sparse_density; the report shows it beside the mean
+    bytes a round uploaded."""
+    d = tmp_path / "run"
+    d.mkdir()
+    recs = [{"step": 1, "loss": 3.0, "step_time_s": 0.1}]
+    for r in (1, 2):
+        rec = _xr_rec(10 * r, r, ["eu"], [], 0.0)
+        rec.update(xr_bytes_up=1000 * r, xr_bytes_down=0, xr_sparse_density=0.01)
+        recs.append(rec)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))
+    text, _ = build([load_run(d)])
+    assert "| sparse: share of each chunk sent; kB up per round | 1.00%; 1.5 |" in text

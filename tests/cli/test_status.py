@@ -138,6 +138,24 @@ def test_status_table_from_an_fs_mailbox(tmp_path, sites):
     assert "ages of heartbeats use the writing region's clock" in out
 
 
+def test_status_shows_a_sparse_runs_density_and_bytes(tmp_path, sites):
+    """payload_dtype sparse: one line with the wire dtype, the share of each chunk sent, and the bytes of
+    each region's newest manifest against bf16's (the test's manifests: 8 bytes of 2 elements)."""
+    mbx = tmp_path / "mailbox"
+    build_mailbox(FsStore(mbx))
+    xr = XR + "payload_dtype: sparse\nsparse_density: 0.03\n"
+    write_site(sites, "eu", xr + f"transport: {{kind: fs, root: '{mbx}'}}\n")
+    code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites))
+    assert code == 0, err
+    assert (
+        "payload:   sparse-c4096-k123 (3.00% of each chunk); newest round: eu 8 B, us 8 B, ap 8 B "
+        "(2 of bf16's 4 B)" in out
+    ), out
+    code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites), "--json")
+    pl = json.loads(out)["payload"]
+    assert pl["bytes"] == {"eu": 8, "us": 8, "ap": 8} and pl["dtype"] == "sparse-c4096-k123"
+
+
 def test_status_names_the_fragment_of_the_newest_round_under_streaming(tmp_path, sites):
     mbx = tmp_path / "mailbox"
     build_mailbox(FsStore(mbx))

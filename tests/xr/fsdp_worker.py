@@ -165,6 +165,7 @@ def options(a: argparse.Namespace) -> CrossRegion:
         shard_mb=a.shard_mb,  # (by default many shards, cut unlike the other region)
         threads=2,
         payload_dtype=a.payload,
+        **({"sparse_chunk": 64, "sparse_density": 0.1} if a.payload == "sparse" else {}),  # 6 of 64 kept
         outer_lr=0.7,
         outer_momentum=0.9,
         keep_rounds=a.keep_rounds or max(4, a.steps + 1),

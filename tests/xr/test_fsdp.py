@@ -42,8 +42,8 @@ def _reference(theta, mom, xs, tokens, payload):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "us, payload",
-    [(("fsdp", 1), "bf16"), (("ddp", 2), "bf16"), (("ddp", 2), "int8")],
-    ids=["fsdp2-fsdp1-bf16", "fsdp2-ddp2-bf16", "fsdp2-ddp2-int8"],
+    [(("fsdp", 1), "bf16"), (("ddp", 2), "bf16"), (("ddp", 2), "int8"), (("ddp", 2), "sparse")],
+    ids=["fsdp2-fsdp1-bf16", "fsdp2-ddp2-bf16", "fsdp2-ddp2-int8", "fsdp2-ddp2-sparse"],
 )
 def test_regions_of_different_shapes_hold_the_same_outer_state(us, payload, tmp_path):
     """eu: FSDP2 over 2 ranks (uneven rows; rank 1 holds no row of the last layer), each rank holding the
@@ -52,7 +52,8 @@ def test_regions_of_different_shapes_hold_the_same_outer_state(us, payload, tmp_
     equal to the float64 reference computed here from the unsharded deltas within 1e-6 * (1 + |value|):
     the library computes in fp32, each element through about 8 roundings (the weighted sum's multiplies and
     adds, the momentum and the step), each at most 2**-24 relative; values are O(1). int8: the same bits in
-    both regions (the reference would need the quantisation; tests/xr/test_scaled.py covers it)."""
+    both regions (the reference would need the quantisation; tests/xr/test_scaled.py covers it); sparse
+    likewise (tests/xr/test_sparse.py has the reference)."""
     shapes = {"eu": ("fsdp", 2), "us": us}
     runs = [
         (_launch(r, kind, n, tmp_path / "out", tmp_path / "mailbox", payload), r)
@@ -80,7 +81,8 @@ def test_regions_of_different_shapes_hold_the_same_outer_state(us, payload, tmp_
     # FSDP: eu's rank 0 holds the outer state of its own shards only, 4 buffers x 4 B each: rows 0:3 of the
     # first layer (18 + 3 elements) and the last layer's only row (5 + 1), 27 of the model's 41 elements
     eu0 = res["eu"]
-    assert (eu0["numel"], eu0["local"], eu0["bytes"]) == (41, 27, 16 * 27)
+    # (sparse: 4 B more, the error-feedback buffer; each rank sparsifies its own shards)
+    assert (eu0["numel"], eu0["local"], eu0["bytes"]) == (41, 27, (20 if payload == "sparse" else 16) * 27)
 
 
 @pytest.mark.slow

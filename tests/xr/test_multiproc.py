@@ -110,14 +110,18 @@ def s3_transport(server, bucket):
     )
 
 
-@pytest.mark.parametrize("backend", ["s3-eager", "fs-2nodes"])
+@pytest.mark.parametrize("backend", ["s3-eager", "fs-2nodes", "fs-2nodes-sparse"])
 def test_diloco_two_regions(backend, tmp_path, repo, data_dir, request):
     """12 steps, H=4: three outer rounds; both regions end bitwise equal; the loss goes down.
     s3-eager: two regions of one torchrun with 2 processes each, overlap eager (round t's exchange runs
     during round t+1's steps; the trainer finishes the last one after step 12). fs-2nodes: region eu is a
     2-node job (two torchrun agents, 1 process each), so shards are owned round-robin by two node leaders
-    and broadcast from both. (The grad-mode and kill tests run two 2-process regions over fs.)"""
+    and broadcast from both. fs-2nodes-sparse: the same with payload_dtype sparse (3%; each leader computes
+    the error feedback of every shard: the same bits on both). (The grad-mode and kill tests run two
+    2-process regions over fs.)"""
     eager = backend == "s3-eager"
+    sparse = backend == "fs-2nodes-sparse"
+    two_nodes = backend.startswith("fs-2nodes")
     env = {}
     if eager:
         server = request.getfixturevalue("s3server")
@@ -132,7 +136,7 @@ def test_diloco_two_regions(backend, tmp_path, repo, data_dir, request):
     cfg = write_config(tmp_path, repo)
     runs = []
     for r in REGIONS:
-        two = backend == "fs-2nodes" and r == "eu"
+        two = two_nodes and r == "eu"
         # us keeps its outer state off the training device (outer_device_max_gib 0): same bits either way
         runs.append(
             launch_region(
@@ -143,6 +147,7 @@ def test_diloco_two_regions(backend, tmp_path, repo, data_dir, request):
                     **({"outer_device_max_gib": 0} if r == "us" else {}),
                     # fs-2nodes: eu's two node leaders upload snapshot 2 together, in the background
                     **({"snapshot_every": 2} if not eager else {}),
+                    **(dict(payload_dtype="sparse", sparse_density=0.03, shard_mb=0.0005) if sparse else {}),
                 ),
                 config=cfg,
                 run_dir=tmp_path / r,
@@ -171,12 +176,12 @@ def test_diloco_two_regions(backend, tmp_path, repo, data_dir, request):
         assert [a["action"] for a in align] == (["published"] if r == "eu" else ["adopted"])
         # who holds the outer state: every node leader 16 B/param, the other ranks nothing
         (st,) = [x for x in m if x.get("event") == "xr_outer_state"]
-        leaders = [0, 1] if backend == "fs-2nodes" and r == "eu" else [0]
+        leaders = [0, 1] if two_nodes and r == "eu" else [0]
         assert st["leaders"] == leaders and st["device"] == "cpu"
-        per_param = 20 if eager else 16  # eager: the delta in flight
+        per_param = 20 if eager or sparse else 16  # eager: the delta in flight; sparse: the error buffer
         assert st["bytes_per_rank"] == [per_param * st["numel"] if k in leaders else 0 for k in range(2)]
         assert ("above outer_device_max_gib 0" in st["why"]) == (r == "us")
-    if backend == "fs-2nodes":
+    if two_nodes:
         shards = list((tmp_path / "mailbox" / "mp" / "r000003" / "eu").iterdir())
         assert len(shards) >= 4  # several shards, owned round-robin by the two node leaders
         logs = "".join(p.read_text() for p in tmp_path.glob("eu.node*.log"))
@@ -575,3 +580,53 @@ def test_a_fault_injected_from_outside_the_trainer_withholds_a_round(tmp_path, r
     assert [x["xr_late"] for x in rounds["us"]] == [False, True, False]
     assert rounds["us"][1]["xr_bytes_up"] == 0
     assert_same_params(tmp_path / "eu", tmp_path / "us")
+
+
+def test_sparse_stop_and_resume_ends_on_the_uninterrupted_bits(tmp_path, repo, data_dir):
+    """payload_dtype sparse in the real trainer (H 4, 12 steps): a reference run of two 2-process regions,
+    uninterrupted; then the same with us stopped through its stop file mid-run (its stop checkpoint holds
+    its error-feedback buffer, saved by DCP) and resumed with --resume auto. Every region of both runs ends
+    on the same bits; the resumed region logged no buffer reset."""
+    cfg = write_config(tmp_path, repo)
+    kw = dict(payload_dtype="sparse", sparse_density=0.03)
+
+    def region(r, mailbox, run_dir, **extra):
+        return launch_region(
+            xr(r, FsTransport(root=str(tmp_path / mailbox)), **kw),
+            config=cfg,
+            run_dir=run_dir,
+            data_path=data_dir,
+            max_steps=12,
+            **extra,
+        )
+
+    run_both([region(r, "ref-mailbox", tmp_path / "ref" / r) for r in REGIONS])
+    stop = tmp_path / "us.stop"
+    eu = region("eu", "mailbox", tmp_path / "eu")
+    first = region(
+        "us",
+        "mailbox",
+        tmp_path / "us",
+        env={"SBATCH_GEN_STEP_SLEEP_S": "0.2"},
+        extra_args=["--stop-file", str(stop)],
+    )
+    deadline = time.monotonic() + TIMEOUT
+    while not any(x.get("step", 0) >= 5 for x in metrics_or_none(tmp_path / "us")):
+        assert time.monotonic() < deadline and first.poll()[0] is None, first.tail()
+        time.sleep(0.05)
+    stop.touch()
+    assert first.wait(TIMEOUT) == [0], first.tail()
+    ack = json.loads(stop.with_name(stop.name + ".ack").read_text())
+    assert 5 <= ack["step"] < 12, ack
+    stop.unlink()
+    second = region("us", "mailbox", tmp_path / "us")
+    run_both([eu, second])
+    for r in REGIONS:
+        assert_same_params(tmp_path / "ref" / r, tmp_path / r)
+    assert_same_params(tmp_path / "eu", tmp_path / "us")
+    resumed = tmp_path / "us" / "checkpoints" / f"step-{ack['step']}"
+    assert f"resumed from {resumed}" in second.tail(400)
+    events = [x.get("event") for x in metrics(tmp_path / "us")]
+    assert "xr_error_feedback_reset" not in events
+    rounds = [x for x in metrics(tmp_path / "us") if "xr_round" in x]
+    assert all(x["xr_sparse_density"] == 123 / 4096 for x in rounds)

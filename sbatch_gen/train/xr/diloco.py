@@ -46,9 +46,15 @@ class DiLoCo(SnapshotSync):
     # overlap eager adds this region's delta in flight, as every region decodes it (4 B/param more)
     EAGER_BUFFERS = {"own": (True, True)}
     own: torch.Tensor | None = None
+    # payload_dtype sparse adds the error-feedback buffer: what this region has not sent yet (4 B/param)
+    SPARSE_BUFFERS = {"error": (False, True)}
+    error: torch.Tensor | None = None
 
     def buffers(self) -> dict[str, tuple[bool, bool]]:
-        return {**self.BUFFERS, **self.EAGER_BUFFERS} if self.xr.overlap == "eager" else self.BUFFERS
+        out = {**self.BUFFERS, **self.EAGER_BUFFERS} if self.xr.overlap == "eager" else dict(self.BUFFERS)
+        if self.xr.payload_dtype == "sparse":
+            out.update(self.SPARSE_BUFFERS)
+        return out
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
@@ -59,6 +65,9 @@ class DiLoCo(SnapshotSync):
         self.eager = self.xr.overlap == "eager"
         self.inflight, self.inflight_tokens, self.early, self.others = 0, 0, 0.0, -1
         self._job: InFlight[RoundResult] | None = None
+        # payload_dtype sparse: the error feedback (see _sparse_payload); whether a checkpoint restored it
+        self.sparse = self.xr.payload_dtype == "sparse"
+        self.error_restored = False
         bg = self.group.background() if self.eager else None  # collective: a process group of its own
         self.bg_ex = self.ex.in_background(bg) if bg is not None else None
         self._init_housekeeping()  # collective
@@ -88,14 +97,17 @@ class DiLoCo(SnapshotSync):
             if self.leader
             else None
         )
+        pre = self._sparse_payload(delta) if self.sparse else None
         try:
-            res = run_round(self.ex, round_tag(r), "delta", step, delta, self.avg, self.tokens)
+            res = run_round(self.ex, round_tag(r), "delta", step, delta, self.avg, self.tokens, pre=pre)
         except XRBehind:
             return self._fast_forward(step, "behind") or {}
         except XRNoQuorum:
             self.pending = r
             raise
         t = res.times
+        if pre is not None:
+            self._keep_residual(pre, delta, sent=not res.late)
         t5 = t["t_end"]
         # Everything that can fail (the exchange) is behind us and only wrote into `avg`.
         self._outer_step(self.avg)
@@ -113,9 +125,59 @@ class DiLoCo(SnapshotSync):
     def _record(self, step: int, res: RoundResult, t: dict, snap_s: float | None = None) -> dict:
         rec = super()._record(step, res, t)
         rec["xr_stale"] = res.commit.stale  # absent regions the closer found crashed (heartbeat stale)
+        if self.sparse:  # the share of each chunk this region's payload carries
+            rec["xr_sparse_density"] = self.xr.sparse_kept / self.xr.sparse_chunk
         if snap_s is not None:
             rec["xr_snapshot_s"] = snap_s
         return rec
+
+    # -- payload_dtype sparse: error feedback ----------------------------------------------------------
+    # Per region, on its leaders: p = beta * e + delta is the payload; the round sends its chunk-wise top-k,
+    # 2-bit (.sparse); e = p - (what was sent, as every region decodes it) once the round committed this
+    # region's payload, else (late: its payload not in the commit) e = p: nothing of it was applied. A failed
+    # round (no quorum, behind) leaves e as it was: the round runs again from the same e, or the region
+    # fast-forwards past it.
+    def _sparse_payload(self, delta: torch.Tensor | None) -> dict:
+        """Collective: ``delta`` (the work buffer) becomes ``beta * e + delta`` on the leaders, elementwise with
+        separate multiply and add; returns this rank's encoded shards of it (:meth:`.exchange.Exchange.encode`)."""
+        if self.leader:
+            d, e = held(delta, "delta"), held(self.error, "error")
+            tmp = self.ex.scratch(min(self.local_numel, self.ex.block))
+            for lo, hi in blocks(self.local_numel, self.outer_device, self.ex.block):
+                t = torch.mul(e[lo:hi], self.xr.sparse_beta, out=tmp[: hi - lo])
+                d[lo:hi].add_(t)
+        return self.ex.encode("delta", delta)
+
+    def _keep_residual(self, pre: dict, payload: torch.Tensor | None, sent: bool) -> None:
+        """Collective, after a round that returned: ``e`` = what of ``payload`` the others did not apply."""
+        if sent:
+            self.ex.residual_into("delta", pre, payload)
+        if self.leader:
+            held(self.error, "error").copy_(held(payload, "payload"))
+
+    # overlap eager: at a boundary p = own + beta * e is published from own; e holds p (not yet resolved) while
+    # the round is in flight, so a region resumed with the round in flight publishes the same bytes again;
+    # at the join e = p - own (own: the round's wire values) if the commit has this region's payload.
+    def _eager_payload(self) -> None:
+        """Leaders: ``own`` (this phase's fresh delta) becomes ``p = own + beta * e``, and ``e`` holds p."""
+        if self.leader:
+            d, e = held(self.own, "own"), held(self.error, "error")
+            tmp = self.ex.scratch(min(self.local_numel, self.ex.block))
+            for lo, hi in blocks(self.local_numel, self.outer_device, self.ex.block):
+                t = torch.mul(e[lo:hi], self.xr.sparse_beta, out=tmp[: hi - lo])
+                d[lo:hi].add_(t)
+            e.copy_(d)
+
+    def _resolve_error(self, late: bool) -> None:
+        """Leaders, at the join of the round in flight: ``e = p - own`` unless this region was late."""
+        if self.leader and not late:
+            held(self.error, "error").sub_(held(self.own, "own"))
+
+    def _error_reset(self, why: str) -> None:
+        """Log, once, that this region's error-feedback buffer starts at zero in a run under way."""
+        if self.sparse and not self.error_restored:
+            self.error_restored = True  # (logged: not again)
+            self._log({"event": "xr_error_feedback_reset", "round": self.round, "why": why})
 
     # -- overlap eager ---------------------------------------------------------------------------------------
     # At boundary b (step b*H): join round b-1's exchange (it ran during these H steps), take this phase's
@@ -158,8 +220,9 @@ class DiLoCo(SnapshotSync):
             self._job = InFlight(job, f"xr-round-{b}", self.outer_device)
 
     def _in_background(self, b: int) -> tuple[Exchange | None, torch.Tensor | None, torch.Tensor | None]:
-        """Round ``b``'s background exchange, the buffer it publishes and the one it averages into."""
-        return self.bg_ex, self.own, self.avg
+        """Round ``b``'s background exchange, the buffer it publishes and the one it averages into (sparse:
+        the payload p, which ``error`` holds while the round is in flight; ``own`` holds its wire values)."""
+        return self.bg_ex, self.error if self.sparse else self.own, self.avg
 
     def _in_foreground(self, b: int) -> tuple[Exchange, torch.Tensor | None]:
         """Round ``b``'s exchange on the trainer's group, and the buffer its average lands in."""
@@ -219,6 +282,8 @@ class DiLoCo(SnapshotSync):
                 raise
         t1 = self._now()
         tokens, work = self.tokens, self.work
+        if res is not None and self.sparse:  # (own still holds the joined round's wire values)
+            self._resolve_error(res.late)
         if self.leader:  # this phase's fresh delta: where it started minus where it is (fp32)
             self.flat.delta_into(self._working(held(work, "work")), held(self.own, "own"))
         tc, snap_s = t1, None
@@ -229,6 +294,8 @@ class DiLoCo(SnapshotSync):
             self.others = sum(c.tokens for r, c in res.commit.members.items() if r != self.xr.region)
             snap_s = self._housekeeping(self.round, res.members, step)
         t2 = self._now()
+        if self.sparse:
+            self._eager_payload()
         pre = self.ex.encode("delta", self.own)
         self.ex.decode_into("delta", pre, self.own)  # own = the wire values every region will average
         others = self.others if self.others >= 0 else tokens * (len(self.xr.regions) - 1)
@@ -267,6 +334,8 @@ class DiLoCo(SnapshotSync):
             self._drop_inflight()
             return self._fast_forward(step, "behind") or {}
         t1 = self._now()
+        if self.sparse:
+            self._resolve_error(res.late)
         partial = self.tokens > 0
         if self.leader and partial:  # the steps since the last boundary, kept on top of the shared state
             self.flat.delta_into(self._working(held(self.work, "work")), held(self.own, "own"))
@@ -394,6 +463,8 @@ class DiLoCo(SnapshotSync):
         before the requeue, then announce that this region has joined."""
         rec = self._fast_forward(step, "start")
         adopted = rec["xr_adopted_step"] if rec else None
+        if rec:  # (sparse) joined a run under way without a checkpoint's error feedback: it starts at zero
+            self._error_reset(f"started without a checkpoint, fast-forwarded to round {self.round}")
         if self.group.rank == 0 and self.membership is not None and self.xr.elastic:
             # Liveness for the others' rounds (and theirs judged by it) until leave() or close(), from now
             # on: caught up with the run. A region that crashes while it loads or replays has not beaten
@@ -437,6 +508,8 @@ class DiLoCo(SnapshotSync):
         out = {**super().state_dict(), "pending": int(self.pending), "fragments": self._fragments_saved()}
         if self.leader:  # (sharded: each rank its shards, see _saved)
             out.update(theta_outer=self._saved("theta_outer"), momentum=self._saved("momentum"))
+            if self.sparse:  # the error feedback: this region's own, what it has not sent yet
+                out["error"] = self._saved("error")
         if self.eager:  # the round in flight (its own delta, as published) runs again on resume
             out.update(
                 inflight=int(self.inflight),
@@ -469,6 +542,8 @@ class DiLoCo(SnapshotSync):
             )
         if inflight:
             keys = (*keys, "own")
+        if self.sparse and "error" in state:
+            keys = (*keys, "error")
 
         def check() -> None:
             for k in keys:
@@ -506,6 +581,12 @@ class DiLoCo(SnapshotSync):
                 elif v is not dst:
                     dst.copy_(v.reshape(-1))
         super().load_state_dict(state)
+        if self.sparse:
+            self.error_restored = "error" in state
+            if not self.error_restored:
+                if self.leader:
+                    held(self.error, "error").zero_()
+                self._error_reset("the checkpoint holds no error-feedback buffer")
         self.pending = _as_int(state.get("pending", 0))
         if self.eager:  # a checkpoint without overlap: nothing in flight
             self.inflight = _as_int(state.get("inflight", 0))

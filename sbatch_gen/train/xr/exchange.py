@@ -33,7 +33,7 @@ import torch
 
 from sbatch_gen.xr_options import CrossRegion
 
-from . import scaled
+from . import scaled, sparse
 from .commit import Commit
 from .errors import StoreError, XRError, XRLayoutError
 from .kernels import CPU_BLOCK, GPU_BLOCK, weighted_average_
@@ -50,7 +50,9 @@ from .protocol import (
     ShardPlan,
     Stored,
     digest_of_digests,
+    itemsize,
     overlapping,
+    sparse_params,
     wire_nbytes,
 )
 from .reading import ObjectBytes, Want, read_objects, shard_bytes
@@ -109,10 +111,10 @@ class Exchange:
 
         def plan(wire: str) -> ShardPlan:
             if pieces is not None:
-                return ShardPlan.pieces(numel, pieces, ITEMSIZE[wire], self.xr.shard_mb)
-            return ShardPlan.make(numel, ITEMSIZE[wire], self.xr.shard_mb)
+                return ShardPlan.pieces(numel, pieces, itemsize(wire), self.xr.shard_mb)
+            return ShardPlan.make(numel, itemsize(wire), self.xr.shard_mb)
 
-        return plan(self.xr.payload_dtype), plan("fp32")
+        return plan(self.xr.wire_dtype), plan("fp32")
 
     def in_background(self, group: Region) -> Exchange:
         """This exchange for a thread of the leaders that runs rounds while training goes on: collectives on
@@ -179,9 +181,7 @@ class Exchange:
         if kind in ("init", "snapshot"):
             return Expect(kind, "fp32", self.numel, self.layout, "raw", self.fp32_plan, self.params)
         xr = self.xr
-        return Expect(
-            kind, xr.payload_dtype, self.numel, self.layout, xr.serialization, self.plan, self.params
-        )
+        return Expect(kind, xr.wire_dtype, self.numel, self.layout, xr.serialization, self.plan, self.params)
 
     def owned(self, plan: ShardPlan) -> list[int]:
         return plan.owned(self.my_owner, len(self.owner_ranks)) if self.my_owner is not None else []
@@ -209,6 +209,12 @@ class Exchange:
         return self._tmp[:n]
 
     def _encode(self, vec: torch.Tensor, lo: int, hi: int, wire: str, ser: str) -> bytes | memoryview:
+        sp = sparse_params(wire)
+        if sp is not None:  # top-k per chunk with 2-bit values (raw only: the options refuse torch_save)
+            whole = -(-(hi - lo) // sp[0]) * sp[0]
+            if self._q_scratch is None or self._q_scratch.numel() < whole:
+                self._q_scratch = torch.empty(whole, dtype=torch.float32, device=vec.device)
+            return sparse.encode(vec[lo:hi], *sp, scratch=self._q_scratch)
         if wire in SCALED:  # int8/fp8/int4 with per-block scales (raw only: the options refuse torch_save)
             n = hi - lo
             if self._q_scratch is None or self._q_scratch.numel() < scaled.padded(n):
@@ -232,7 +238,15 @@ class Exchange:
     def _decode(self, buf, numel: int, wire: str, ser: str, slot: int = 0, what: str = "") -> torch.Tensor:
         """The wire-dtype tensor of ``numel`` elements encoded in ``buf`` (a shard, or whole blocks of one:
         each block decodes alone), on the outer device (bf16 not yet converted to fp32; int8/fp8/int4
-        decoded to fp32 with their scales, the same bits in every region, into the reused buffer ``slot``)."""
+        decoded to fp32 with their scales, the same bits in every region, into the reused buffer ``slot``;
+        sparse: likewise, its chunks' kept values in place, zeros elsewhere)."""
+        sp = sparse_params(wire)
+        if sp is not None:
+            padded = -(-numel // sp[0]) * sp[0]
+            dec = self._q_dec.get(slot)
+            if dec is None or dec.numel() < padded:
+                dec = self._q_dec[slot] = torch.empty(padded, dtype=torch.float32, device=self.outer_device)
+            return sparse.decode(buf, numel, *sp, self.outer_device, out=dec, what=what or "a sparse shard")
         if wire in SCALED:
             padded = scaled.padded(numel)
             dec = self._q_dec.get(slot)
@@ -279,6 +293,22 @@ class Exchange:
 
         self.group.on_each(dec, active=self.my_owner is not None)
         self.broadcast_slices(expect.plan, out)
+
+    def residual_into(self, kind: str, encoded: dict, buf: torch.Tensor | None) -> None:
+        """Collective: ``buf -= `` the wire values of ``encoded`` (this rank's shards of ``buf``, from
+        :meth:`encode`), as every region decodes them, on every leader: what the payload did not carry (a
+        sparse payload's error feedback). Each owner subtracts its own shards, then they go round the
+        leaders."""
+        expect = self.expect(kind)
+
+        def sub() -> None:
+            dst = held(buf, f"the buffer the {kind} payload's residual is kept in")
+            for s, b in encoded.items():
+                lo, hi = self.at(expect.plan, s)
+                dst[lo:hi].sub_(self._decode(b, hi - lo, expect.dtype, expect.serialization))
+
+        self.group.on_each(sub, active=self.my_owner is not None)
+        self.broadcast_slices(expect.plan, buf)
 
     def upload(
         self,
@@ -374,7 +404,7 @@ class Exchange:
         encoded as one range (a view, no copy); the others are encoded one by one and joined."""
         plan, wire, ser = expect.plan, expect.dtype, expect.serialization
         buf: Buffer | None = None
-        if pre is None and len(shards) > 1 and ser == "raw" and wire not in SCALED:
+        if pre is None and len(shards) > 1 and ser == "raw" and wire in _WIRE:
             a, b = self.at(plan, shards[0])[0], self.at(plan, shards[-1])[1]
             if b - a == sum(hi - lo for lo, hi in (plan.bounds[s] for s in shards)):  # contiguous here
                 buf = memoryview(self._encode(held(src, f"the source of {what}"), a, b, wire, ser)).cast("B")
@@ -522,11 +552,13 @@ class Exchange:
         def part(info: ShardInfo, a: int, b: int) -> tuple[int, torch.Tensor]:
             a2, b2, spans = shard_bytes(m, info, a, b)
             buf = got[(m.region, m.object_of(info))].span_bytes(spans)
-            return a2, self._decode(buf, b2 - a2, wire, ser, slot, f"shard {info.index} of {m.region!r}")
+            return a2, self._decode(
+                buf, b2 - a2, wire, ser, slot, f"round {m.tag}: shard {info.index} of {m.region!r}"
+            )
 
         if len(infos) == 1 and (infos[0].start, infos[0].numel) == (lo, hi - lo):
             return part(infos[0], lo, hi)[1]
-        dt = torch.float32 if wire in SCALED else _WIRE[wire]
+        dt = _WIRE.get(wire, torch.float32)  # (the scaled and sparse dtypes decode to fp32)
         asm = self._asm.get(slot)
         if asm is None or asm.numel() < hi - lo or asm.dtype != dt:
             asm = self._asm[slot] = torch.empty(hi - lo, dtype=dt, device=self.outer_device)

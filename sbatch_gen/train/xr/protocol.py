@@ -58,9 +58,54 @@ SCALED = frozenset({"int8", "fp8", "int4"})
 QBLOCK = 256
 
 
+# sparse payloads (.sparse): the wire dtype names the chunk and the entries kept per chunk,
+# ``sparse-c<chunk>-k<k>``; every chunk is SPARSE_HEADER bytes of magnitudes, then k packed indices of
+# log2(chunk) bits, then k 2-bit codes
+SPARSE_HEADER = 8
+_SPARSE_RE = re.compile(r"^sparse-c(\d+)-k(\d+)$")
+
+
+def sparse_wire(chunk: int, k: int) -> str:
+    """The wire dtype string of a sparse payload (``sparse-c4096-k41``), as manifests carry it."""
+    return f"sparse-c{chunk}-k{k}"
+
+
+def sparse_params(dtype: str) -> tuple[int, int] | None:
+    """``(chunk, k)`` of a sparse wire dtype string; None for any other (or a malformed) one."""
+    m = _SPARSE_RE.match(dtype)
+    if m is None:
+        return None
+    c, k = int(m.group(1)), int(m.group(2))
+    if c < 2 or c & (c - 1) or c > 1 << 16 or not 1 <= k <= c:
+        return None
+    return c, k
+
+
+def sparse_chunk_nbytes(chunk: int, k: int) -> int:
+    """Bytes of one chunk of a sparse shard."""
+    return SPARSE_HEADER + math.ceil(k * (chunk.bit_length() - 1) / 8) + math.ceil(k / 4)
+
+
+def blocked(dtype: str) -> bool:
+    """Whether the dtype's elements decode by blocks (scaled: QBLOCK; sparse: its chunk), not one by one."""
+    return dtype in SCALED or sparse_params(dtype) is not None
+
+
+def itemsize(dtype: str) -> float:
+    """Wire bytes per element (sparse: a chunk's bytes over its elements); raises KeyError for an unknown
+    dtype."""
+    sp = sparse_params(dtype)
+    if sp is not None:
+        return sparse_chunk_nbytes(*sp) / sp[0]
+    return ITEMSIZE[dtype]
+
+
 def wire_nbytes(dtype: str, numel: int) -> int:
     """Bytes of a raw shard of ``numel`` elements in the wire dtype: the values (int4: a shard of an odd
-    count ends in half a byte of padding), and the scales of the scaled dtypes."""
+    count ends in half a byte of padding), and the scales of the scaled dtypes; sparse: whole chunks."""
+    sp = sparse_params(dtype)
+    if sp is not None:
+        return math.ceil(numel / sp[0]) * sparse_chunk_nbytes(*sp)
     n = math.ceil(numel * ITEMSIZE[dtype])
     return n + 4 * math.ceil(numel / QBLOCK) if dtype in SCALED else n
 
@@ -190,7 +235,7 @@ class Manifest:
     tag: str
     kind: str  # "init" | "delta" | "grad"
     step: int
-    dtype: str  # wire dtype: "bf16" | "fp32" | "int8" | "fp8" | "int4"
+    dtype: str  # wire dtype: "bf16" | "fp32" | "int8" | "fp8" | "int4" | "sparse-c<chunk>-k<k>"
     numel: int
     layout: str  # fingerprint of parameter names/shapes/dtypes
     serialization: str  # "raw" | "torch_save"
@@ -334,7 +379,7 @@ class Expect:
             if s.obj is None or not 0 <= s.obj < len(m.objects):
                 return [f"{where} is in object {s.obj}; the manifest lists objects 0..{len(m.objects) - 1}"]
             n = m.objects[s.obj].nbytes
-            align = 1 if self.dtype in SCALED or self.serialization != "raw" else int(ITEMSIZE[self.dtype])
+            align = 1 if blocked(self.dtype) or self.serialization != "raw" else int(ITEMSIZE[self.dtype])
             if s.offset % align:
                 return [f"{where} starts at byte {s.offset} of object {s.obj}, not a multiple of {align}"]
             if s.offset < 0 or s.nbytes <= 0 or s.offset + s.nbytes > n:

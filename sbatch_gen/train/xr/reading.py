@@ -10,7 +10,8 @@ checksums: each of its shards is read whole.
 
 Which bytes hold elements ``a:b`` of a shard (:func:`shard_bytes`): raw bf16/fp32 are the elements' own
 bytes; a scaled dtype's (int8/fp8/int4, :mod:`.scaled`) are the scales of the blocks that hold them, then
-their values, whole blocks of the shard; a ``torch_save`` shard is one blob, read whole.
+their values, whole blocks of the shard; a sparse shard's (:mod:`.sparse`) the whole chunks that hold
+them, each its own byte range; a ``torch_save`` shard is one blob, read whole.
 """
 
 from __future__ import annotations
@@ -19,7 +20,19 @@ import bisect
 import math
 from collections.abc import Iterable, Sequence
 
-from .protocol import ITEMSIZE, QBLOCK, SCALED, Buffer, Mailbox, Manifest, ShardInfo, digest, reused
+from .protocol import (
+    ITEMSIZE,
+    QBLOCK,
+    SCALED,
+    Buffer,
+    Mailbox,
+    Manifest,
+    ShardInfo,
+    digest,
+    reused,
+    sparse_chunk_nbytes,
+    sparse_params,
+)
 
 
 def shard_bytes(m: Manifest, s: ShardInfo, a: int, b: int) -> tuple[int, int, list[tuple[int, int]]]:
@@ -31,6 +44,11 @@ def shard_bytes(m: Manifest, s: ShardInfo, a: int, b: int) -> tuple[int, int, li
     off, first = s.offset, s.start
     if m.serialization != "raw":
         return first, first + s.numel, [(off, off + s.nbytes)]
+    sp = sparse_params(m.dtype)
+    if sp is not None:  # whole chunks, each its own bytes, one after the other
+        c, per = sp[0], sparse_chunk_nbytes(*sp)
+        c0, c1 = (a - first) // c, math.ceil((b - first) / c)
+        return first + c0 * c, min(first + s.numel, first + c1 * c), [(off + c0 * per, off + c1 * per)]
     size = ITEMSIZE[m.dtype]
     if m.dtype not in SCALED:
         return a, b, [(off + int((a - first) * size), off + int((b - first) * size))]

@@ -1,0 +1,481 @@
+"""Sparse outer updates (payload_dtype sparse): the wire format (sbatch_gen.train.xr.sparse) against a
+reference encoder written here, hostile bytes refused, and DiLoCo with error feedback between regions as
+threads over an fs mailbox: bit-identical shared state, equal to a reference of the update rule, the error
+buffer of a late region, stop and resume bitwise, a lost checkpoint's buffer at zero (logged once)."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+import torch
+
+from sbatch_gen.train.xr import sparse
+from sbatch_gen.train.xr.errors import XRError
+from sbatch_gen.train.xr.protocol import (
+    Manifest,
+    ShardInfo,
+    itemsize,
+    sparse_chunk_nbytes,
+    sparse_params,
+    wire_nbytes,
+)
+from sbatch_gen.train.xr.reading import shard_bytes
+from sbatch_gen.xr_options import CrossRegion, FsTransport
+
+from .concurrent import in_threads
+from .region_loop import run_region
+from .test_sync import flat, inner_steps, make
+
+H = 4
+SP = dict(payload_dtype="sparse", sparse_chunk=64, sparse_density=0.1, sparse_beta=0.9)  # k = 6
+
+
+def _ref_encode(x: torch.Tensor, c: int, k: int) -> torch.Tensor:
+    """The documented rule, chunk by chunk in Python: the top-k by magnitude (ties: the lower index; the
+    padding never before a real element), hi/lo the kept magnitudes of rank r//4 and 3r//4 (r: the real
+    elements kept, k but in a short last chunk), each kept value
+    the nearer level with its sign (a tie: lo). Returns the decoded values."""
+    out = torch.zeros_like(x)
+    for lo_at in range(0, x.numel(), c):
+        ch = x[lo_at : lo_at + c].tolist()
+        order = sorted(range(len(ch)), key=lambda i: (-abs(ch[i]), i))[:k]
+        mags = sorted((abs(ch[i]) for i in order), reverse=True)
+        hi, lo = mags[len(mags) // 4], mags[(3 * len(mags)) // 4]
+        for i in order:
+            m = abs(ch[i])
+            level = hi if (torch.tensor(m) - lo) > (torch.tensor(hi) - m) else lo  # fp32 ops, as encoded
+            out[lo_at + i] = -level if ch[i] < 0 else level
+    return out
+
+
+@pytest.mark.parametrize(
+    ("n", "c", "k"), [(1, 64, 6), (64, 64, 6), (200, 64, 6), (1000, 256, 3), (70, 64, 1)]
+)
+def test_chunks_hold_the_top_k_at_two_levels_in_exactly_the_documented_bytes(n, c, k):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * torch.logspace(-3, 1, n)
+    buf = sparse.encode(x, c, k)
+    per = 8 + math.ceil(k * int(math.log2(c)) / 8) + math.ceil(k / 4)
+    assert len(buf) == wire_nbytes(f"sparse-c{c}-k{k}", n) == math.ceil(n / c) * per
+    y = sparse.decode(buf, n, c, k)
+    assert torch.equal(y, _ref_encode(x, c, k))
+    assert int((y != 0).sum()) <= k * math.ceil(n / c)
+    assert bytes(sparse.encode(x, c, k)) == bytes(buf)  # deterministic
+
+
+@pytest.mark.parametrize("bits", [2, 6, 7, 12, 16])
+def test_values_pack_least_significant_bit_first_one_after_the_other(bits):
+    """The packing of indices and codes, against a bit-by-bit packer written here."""
+    g = torch.Generator().manual_seed(bits)
+    for k in (1, 5, 41, 123):
+        v = torch.randint(0, 1 << bits, (3, k), generator=g)
+        want = []
+        for row in v.tolist():
+            b = [(x >> i) & 1 for x in row for i in range(bits)]
+            b += [0] * (-len(b) % 8)
+            want.append([sum(b[i + j] << j for j in range(8)) for i in range(0, len(b), 8)])
+        packed = sparse._pack(v, bits)
+        assert torch.equal(packed, torch.tensor(want, dtype=torch.uint8))
+        assert torch.equal(sparse._unpack(packed, k, bits), v)
+
+
+def test_wire_dtype_strings_and_sizes():
+    assert sparse_params("sparse-c4096-k41") == (4096, 41)
+    for bad in ("sparse-c4000-k41", "sparse-c4096-k0", "sparse-c4096-k5000", "int8", "sparse"):
+        assert sparse_params(bad) is None
+    # 1% of 4096: 41 entries of 12-bit indices and 2-bit values plus 8 bytes: 1/101 of bf16's bytes
+    assert sparse_chunk_nbytes(4096, 41) == 81 and 2 / itemsize("sparse-c4096-k41") > 100
+    xr = CrossRegion(
+        enabled=True,
+        run_id="t",
+        region="eu",
+        regions=["eu"],
+        transport=FsTransport(root="x"),
+        payload_dtype="sparse",
+    )
+    assert xr.wire_dtype == "sparse-c4096-k41" and xr.sparse_kept == 41
+
+
+def test_a_ranged_read_takes_whole_chunks_of_one_byte_range():
+    per = sparse_chunk_nbytes(64, 6)
+    s = ShardInfo(0, 100, 200, wire_nbytes("sparse-c64-k6", 200), "d", 0, 10)
+    m = Manifest("t", "eu", "r000001", "delta", 4, "sparse-c64-k6", 300, "L", "raw", 1, [s])
+    assert shard_bytes(m, s, 170, 180) == (164, 228, [(10 + per, 10 + 2 * per)])
+    assert shard_bytes(m, s, 290, 300) == (228, 300, [(10 + 2 * per, 10 + 4 * per)])
+    assert shard_bytes(m, s, 292, 300) == (292, 300, [(10 + 3 * per, 10 + 4 * per)])
+
+
+def _corrupt(buf: bytearray, c: int, k: int, chunk: int, what: str) -> bytearray:
+    per = sparse_chunk_nbytes(c, k)
+    b = bytearray(buf)
+    at = chunk * per
+    if what == "nan":
+        b[at : at + 4] = struct.pack("<f", float("nan"))
+    elif what == "negative":
+        b[at + 4 : at + 8] = struct.pack("<f", -1.0)
+    elif what == "duplicate":  # the first two 6-bit indices equal: copy index 0's bits over index 1's
+        bits = [(b[at + 8 + i // 8] >> (i % 8)) & 1 for i in range(12)]
+        bits[6:12] = bits[0:6]
+        for i, v in enumerate(bits):
+            byte = at + 8 + i // 8
+            b[byte] = (b[byte] & ~(1 << (i % 8))) | (v << (i % 8))
+    return b
+
+
+@pytest.mark.parametrize("what", ["nan", "negative", "duplicate", "short", "out_of_range"])
+def test_hostile_bytes_are_refused_in_one_line_naming_the_chunk(what):
+    x = torch.randn(100, generator=torch.Generator().manual_seed(1))
+    buf = bytearray(sparse.encode(x, 64, 6))
+    if what == "short":
+        with pytest.raises(XRError, match=r"shard 3 of 'us': a sparse shard of 100 elements .* got 29"):
+            sparse.decode(buf[:-1], 100, 64, 6, what="shard 3 of 'us'")
+        return
+    if what == "out_of_range":  # the same bytes read as a shorter shard: indices past its end
+        with pytest.raises(XRError, match=r"chunk 1 \(the last, 30 elements\) has \d+ indices out of range"):
+            sparse.decode(buf, 94, 64, 6)
+        return
+    with pytest.raises(XRError, match="chunk 1 ") as e:
+        sparse.decode(_corrupt(buf, 64, 6, 1, what), 100, 64, 6)
+    assert "\n" not in str(e.value)
+
+
+def test_a_diverged_payload_is_refused_not_published():
+    x = torch.zeros(100)
+    x[70] = float("inf")
+    with pytest.raises(XRError, match="element 70 .* nothing was published"):
+        sparse.encode(x, 64, 6)
+
+
+def test_options_refuse_what_cannot_work_naming_the_field():
+    base = dict(enabled=True, run_id="t", region="eu", regions=["eu", "us"], transport=FsTransport(root="x"))
+    for extra, says in (
+        (dict(serialization="torch_save"), "needs serialization: raw"),
+        (dict(sync="grad"), "needs sync: diloco"),
+        (dict(overlap="streaming"), "needs overlap: none or eager"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            CrossRegion(**base, **extra, payload_dtype="sparse")
+        CrossRegion(**base, **extra)  # fine with the default payload
+    with pytest.raises(ValueError, match="not a power of two"):
+        CrossRegion(**base, payload_dtype="sparse", sparse_chunk=1000)
+
+
+def test_sparse_flags_round_trip_and_are_spelled_out_only_for_sparse():
+    from sbatch_gen.xr_options import _model_data, to_argv
+
+    base = dict(enabled=True, run_id="t", region="eu", regions=["eu", "us"], transport=FsTransport(root="x"))
+    assert not any("sparse" in a for a in to_argv(CrossRegion(**base)))
+    xr = CrossRegion(**base, **SP)
+    argv = to_argv(xr)
+    assert argv[argv.index("--xr-sparse-density") + 1] == "0.1"
+    given = dict(zip(argv[1::2], argv[2::2], strict=True))
+    assert CrossRegion.model_validate(_model_data(True, given)) == xr
+
+
+# -- DiLoCo with error feedback, regions as threads ---------------------------------------------------------
+
+
+def _syncs(tmp_path, regions, **kw):
+    opened = []
+
+    def mk(r, **extra):
+        m, s = make(r, tmp_path, regions=regions, **{**SP, **kw, **extra})
+        opened.append(s)
+        return m, s
+
+    return mk, opened
+
+
+def test_two_regions_stay_bit_identical_and_follow_the_update_rule(tmp_path, transport):
+    """Three rounds of eu and us (an fs mailbox, and a bucket on the local S3 server: ranged reads of whole
+    chunks): after each, theta_outer is the same bits in both, and equals the rule
+    computed here: p = beta*e + delta (fp32, as the regions compute it), q = the reference sparsifier of
+    p, e = p - q; g = the token-weighted average of the q's, theta -= lr * g (float64 reference)."""
+    regions = ["eu", "us"]
+    mk, opened = _syncs(tmp_path, regions, outer_lr=0.8, transport=transport)
+    tokens = {"eu": 30, "us": 90}
+    seen: dict = {}
+
+    def region(r):
+        m, s = mk(r)
+        s.align(0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        out = []
+        for k in (1, 2, 3):
+            inner_steps(m, opt, r, range((k - 1) * H + 1, k * H + 1))
+            seen[(r, k)] = flat(m)
+            before = s.theta_outer.clone()
+            rec = s.after_optimizer_step(k * H, tokens[r])
+            out.append((rec, before, s.theta_outer.clone(), s.error.clone(), flat(m)))
+        return out
+
+    try:
+        got = in_threads(region, regions)
+    finally:
+        for s in opened:
+            s.close()
+    err = {r: torch.zeros(97) for r in regions}
+    for k in (1, 2, 3):
+        (rec, theta, after, _, model), (_, _, after_us, _, model_us) = got["eu"][k - 1], got["us"][k - 1]
+        assert torch.equal(after, after_us) and torch.equal(model, model_us) and torch.equal(model, after)
+        assert rec["xr_members"] == regions and rec["xr_bytes_up"] == wire_nbytes("sparse-c64-k6", 97)
+        g = torch.zeros(97, dtype=torch.float64)
+        for r in regions:
+            p = (theta - seen[(r, k)]) + err[r] * 0.9
+            q = _ref_encode(p, 64, 6)
+            err[r] = p - q
+            assert torch.equal(got[r][k - 1][3], err[r])  # the region's own buffer, exactly
+            g += tokens[r] / 120 * q.double()
+        torch.testing.assert_close(after.double(), theta.double() - 0.8 * g, rtol=0, atol=1e-6)
+
+
+def test_a_late_region_keeps_its_whole_payload_in_the_error_buffer(tmp_path):
+    """us publishes nothing in round 2 (withheld): eu closes it alone; us applies the commit, keeps all of
+    p = beta*e + delta as its error, sends its top-k in round 3, and the regions stay bit-identical."""
+    regions = ["eu", "us"]
+    mk, opened = _syncs(tmp_path, regions, min_regions=1, grace_s=0.3, keep_rounds=2)
+
+    def region(r):
+        m, s = mk(r)
+        if r == "us":
+            s.ex.withheld = frozenset({2})
+        s.align(0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        recs = []
+        for k in (1, 2, 3):
+            inner_steps(m, opt, r, range((k - 1) * H + 1, k * H + 1))
+            e0, theta, local = s.error.clone(), s.theta_outer.clone(), flat(m)
+            recs.append((s.after_optimizer_step(k * H, 32), e0, theta, local, s.error.clone()))
+        return recs, flat(m)
+
+    try:
+        out = in_threads(region, regions)
+    finally:
+        for s in opened:
+            s.close()
+    (eu, eu_p), (us, us_p) = out["eu"], out["us"]
+    assert [x[0]["xr_members"] for x in eu] == [regions, ["eu"], regions]
+    rec, e0, theta, local, e1 = us[1]
+    assert rec["xr_late"] and torch.equal(e1, (theta - local) + e0 * 0.9)
+    assert torch.equal(eu_p, us_p)
+
+
+def test_stop_and_resume_is_bitwise_the_uninterrupted_run_and_a_lost_buffer_restarts_at_zero(tmp_path):
+    """eu and us run 4 rounds; in a second run us stops after round 2 (checkpoint with its error buffer)
+    and resumes: every round's shared state is the uninterrupted run's bits. A third run resumes us from a
+    checkpoint without the buffer: it starts at zero, one xr_error_feedback_reset event, and the regions
+    still agree with each other."""
+    regions = ["eu", "us"]
+    steps = 4 * H
+
+    def run(root, us_kw):
+        def go(r):
+            kw = dict(regions=regions, **SP)
+            if r == "us":
+                return run_region(r, root, steps, **kw, **us_kw)
+            return run_region(r, root, steps, **kw)
+
+        return in_threads(go, regions)
+
+    ref = run(tmp_path / "a", {})
+    stopped = run_stopped(tmp_path / "b", regions, steps)
+    for step in (H, 2 * H, 3 * H, 4 * H):
+        assert torch.equal(stopped[step], ref["eu"]["steps"][step]["theta"])
+    assert torch.equal(ref["eu"]["params"], ref["us"]["params"])
+
+    events: list = []
+    lost = run_stopped(tmp_path / "c", regions, steps, drop_error=True, log=events.append)
+    resets = [e for e in events if e.get("event") == "xr_error_feedback_reset"]
+    assert len(resets) == 1 and "no error-feedback buffer" in resets[0]["why"]
+    assert not torch.equal(lost[4 * H], ref["eu"]["steps"][4 * H]["theta"])  # (the buffer mattered)
+
+
+def run_stopped(root, regions, steps, drop_error=False, log=None):
+    """eu runs through; us stops after round 2 and resumes from its checkpoint (without its error buffer
+    with ``drop_error``). Returns theta_outer after each round, as eu saw it, checked equal to us's."""
+    kw = dict(regions=regions, **SP)
+
+    def go(r):
+        if r == "eu":
+            return run_region(r, root, steps, **kw)
+        first = run_region(r, root, steps, stop_at=2 * H, **kw)
+        state = first["state"]
+        if drop_error:
+            state["outer"].pop("error")
+        second = run_region(r, root, steps, state=state, log=log, **kw)
+        return {**first["steps"], **second["steps"]}
+
+    out = in_threads(go, regions)
+    eu = {step: v["theta"] for step, v in out["eu"]["steps"].items()}
+    for step, v in out["us"].items():
+        assert torch.equal(v["theta"], eu[step])
+    return eu
+
+
+def test_a_hostile_payload_with_valid_checksums_is_refused_naming_region_round_and_chunk(tmp_path):
+    """us publishes sparse bytes with duplicate indices in chunk 1 (checksummed as written, so only the
+    decoder can tell): eu's round fails in one line naming the round, us's shard and the chunk."""
+    regions = ["eu", "us"]
+    mk, opened = _syncs(tmp_path, regions, timeout_s=20)
+
+    def region(r):
+        m, s = mk(r)
+        if r == "us":
+            enc = s.ex._encode
+            s.ex._encode = lambda *a: _corrupt(bytearray(enc(*a)), 64, 6, 1, "duplicate")
+        s.align(0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        inner_steps(m, opt, r, range(1, H + 1))
+        try:
+            s.after_optimizer_step(H, 32)
+        except XRError as e:
+            return str(e)
+        return None
+
+    try:
+        out = in_threads(region, regions)
+    finally:
+        for s in opened:
+            s.close()
+    assert "round r000001: shard 0 of 'us': chunk 1 has duplicate or unordered indices" in out["eu"]
+    assert "\n" not in out["eu"]
+
+
+def test_validate_warns_about_what_the_benchmark_measured_worse():
+    from sbatch_gen.xr_options import outer_step_warnings
+
+    base = dict(enabled=True, run_id="t", region="eu", regions=["eu", "us"], transport=FsTransport(root="x"))
+    fields = [f for f, _ in outer_step_warnings(CrossRegion(**base, payload_dtype="sparse", inner_steps=50))]
+    assert fields == ["payload_dtype"]
+    risky = CrossRegion(**base, payload_dtype="sparse", inner_steps=10, sparse_beta=1.0, outer_lr=4.0)
+    warned = dict(outer_step_warnings(risky))
+    assert {"payload_dtype", "sparse_beta", "outer_lr"} <= set(warned)
+    assert "+16% (1%)" in warned["payload_dtype"] and "\n" not in warned["payload_dtype"]
+    assert not outer_step_warnings(
+        CrossRegion(**base, payload_dtype="sparse", inner_steps=200)
+    )  # not measured
+
+
+def test_a_region_back_without_its_checkpoint_starts_its_buffer_at_zero_logged_once(tmp_path):
+    """Elastic: us takes part in round 1 and leaves; eu closes rounds 2 and 3 alone. us comes back as a fresh
+    process without any checkpoint: it fast-forwards to round 3, its error buffer starts at zero (one
+    xr_error_feedback_reset event), and after round 4, with both, the regions are bit-identical."""
+    regions = ["eu", "us"]
+    kw = dict(min_regions=1, grace_s=0.3, keep_rounds=10, snapshot_every=100)
+    mk, opened = _syncs(tmp_path, regions, **kw)
+    syncs = {}
+
+    def first(r):
+        m, s = mk(r)
+        s.align(0)
+        s.catch_up(0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        inner_steps(m, opt, r, range(1, H + 1))
+        s.after_optimizer_step(H, 32)
+        syncs[r] = (m, s, opt)
+        if r == "us":
+            s.leave(H, "test")
+        return s.round
+
+    try:
+        assert in_threads(first, regions) == {"eu": 1, "us": 1}
+        m_eu, s_eu, opt_eu = syncs["eu"]
+        for k in (2, 3):
+            inner_steps(m_eu, opt_eu, "eu", range((k - 1) * H + 1, k * H + 1))
+            assert s_eu.after_optimizer_step(k * H, 32)["xr_members"] == ["eu"]
+        events: list = []
+        m_us, s_us = mk("us", seed=99, log=events.append)
+        s_us.align(0)
+        adopted = s_us.catch_up(0)
+        assert adopted is not None and 3 * H <= adopted < 4 * H
+        assert not s_us.error.any() and s_us.error_restored
+        resets = [e for e in events if e.get("event") == "xr_error_feedback_reset"]
+        assert len(resets) == 1 and "started without a checkpoint" in resets[0]["why"], events
+        opt_us = torch.optim.SGD(m_us.parameters(), lr=0.05)
+        both = {"eu": (m_eu, s_eu, opt_eu, 3 * H + 1), "us": (m_us, s_us, opt_us, adopted + 1)}
+
+        def round4(r):
+            m, s, opt, start = both[r]
+            inner_steps(m, opt, r, range(start, 4 * H + 1))
+            return s.after_optimizer_step(4 * H, 32)["xr_members"]
+
+        assert in_threads(round4, regions) == {"eu": regions, "us": regions}
+        assert torch.equal(flat(m_eu), flat(m_us)) and torch.equal(s_eu.theta_outer, s_us.theta_outer)
+        assert len([e for e in events if e.get("event") == "xr_error_feedback_reset"]) == 1
+    finally:
+        for s in opened:
+            s.close()
+
+
+# -- overlap eager ---------------------------------------------------------------------------------------------
+
+
+def test_eager_shared_state_is_identical_and_the_model_is_it_minus_the_own_sparse_delta(tmp_path):
+    """overlap eager with sparse payloads, 4 rounds of H=3: at every boundary both regions hold the same
+    theta_outer bits; a region's model is that state minus its own wire values (own) times early; own is
+    the sparse decoding of the payload p = delta + beta * e; both end on the same bits."""
+    from .test_overlap import run
+
+    res = in_threads(lambda r: run(r, tmp_path, 4, **SP), ["eu", "us"])
+    eu, us = res["eu"], res["us"]
+    for b in sorted(eu["rounds"]):
+        E, U = eu["rounds"][b], us["rounds"][b]
+        assert torch.equal(E["theta"], U["theta"]) and torch.equal(E["momentum"], U["momentum"]), b
+        for X in (E, U):
+            assert torch.equal(X["model"], X["theta"] - X["own"] * X["early"])
+            assert int((X["own"] != 0).sum()) <= 6 * 2  # at most k = 6 per chunk of 64 (97 elements: 2)
+    assert torch.equal(eu["params"], us["params"]) and torch.equal(eu["params"], eu["theta_end"])
+
+
+@pytest.mark.parametrize("case", ["in-flight", "manifest-lost"])
+def test_eager_stop_with_a_round_in_flight_resumes_to_the_uninterrupted_bits(tmp_path, case):
+    """eu stops mid-phase with round 2 in flight (its error buffer holds that round's payload p, not yet
+    resolved) and resumes: both regions end on exactly the bits of an uninterrupted run. manifest-lost: the
+    stop came before the upload finished; eu encodes the saved p again, the same bytes."""
+    import threading
+
+    from sbatch_gen.train.xr.protocol import round_tag
+
+    from .test_overlap import H as HE
+    from .test_overlap import run
+
+    ref = in_threads(lambda r: run(r, tmp_path / "ref", 4, **SP), ["eu", "us"])
+    root = tmp_path / "mbx"
+    go_on = threading.Event()
+
+    def gate(region, step):
+        if region == "us" and step == 2 * HE:
+            assert go_on.wait(60)
+        if region == "eu" and step == 2 * HE + 2:
+            go_on.set()
+
+    def eu_then_resume():
+        first = run("eu", root, 4, stop_at=2 * HE + 1, **SP)
+        if case == "manifest-lost":
+            (root / "t" / round_tag(2) / "eu.done").unlink()
+        return run("eu", root, 4, state=first["state"], gate=gate, **SP)
+
+    res = in_threads(
+        lambda r: eu_then_resume() if r == "eu" else run(r, root, 4, gate=gate, **SP), ["eu", "us"]
+    )
+    for r in ("eu", "us"):
+        assert torch.equal(res[r]["params"], ref[r]["params"]), r
+
+
+def test_eager_a_late_region_keeps_its_payload_and_the_regions_end_identical(tmp_path):
+    """overlap eager, elastic: us publishes nothing in round 2 (withheld); eu closes it alone; us keeps all of
+    that round's p in its error buffer (its delta was not applied) and both end on the same bits."""
+    from .test_overlap import run
+
+    def setup(s):
+        if s.xr.region == "us":
+            s.ex.withheld = s.bg_ex.withheld = frozenset({2})
+
+    kw = dict(SP, min_regions=1, grace_s=0.3, keep_rounds=10)
+    res = in_threads(lambda r: run(r, tmp_path, 4, setup=setup, **kw), ["eu", "us"])
+    eu, us = res["eu"], res["us"]
+    joined2 = [x["rec"] for x in us["rounds"].values() if x["rec"].get("xr_round") == 2]
+    assert joined2 and joined2[0]["xr_late"] and joined2[0]["xr_members"] == ["eu"]
+    assert torch.equal(eu["params"], us["params"])
