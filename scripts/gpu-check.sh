@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check: every GPU path of the trainer in one run of under 8 minutes on one H200, ending in one
 # summary table (also written to OUT/summary.md and OUT/summary.json). Phases: HBM copy bandwidth; the
-# ~125M config in bf16 with activation checkpointing off and on (tokens/s, MFU, HFU, memory); async DCP
+# ~125M config in bf16 with activation checkpointing off and on (tokens/s, MFU, HFU, memory), and compiled
+# (train.compile, against ac-off); async DCP
 # saves every few steps; stop file -> checkpoint -> resume, compared bitwise with one uninterrupted run;
 # DiLoCo with one region over the fs mailbox, outer step on the GPU against the measured bandwidth;
 # Streaming DiLoCo (4 fragments, the exchange behind 1-2 steps) likewise; FSDP2 on one GPU with the CPU

@@ -6,6 +6,8 @@ of this node, NCCL, bf16 autocast) on the ~125M config (configs/gpt-125m.yaml) u
   hbm        device-to-device copy bandwidth of this GPU (the yardstick for the outer step)
   ac-off     steady-state tokens/s, MFU, HFU and memory, activation checkpointing off
   ac-on      the same with activation checkpointing on (HFU counts the recomputed forward)
+  compiled   ac-off's run with train.compile (every block compiled in place): tokens/s and MFU against
+             ac-off's, and the compile's own log line (the first steps include the compilation)
   async-dcp  asynchronous DCP saves every few steps: save time, steps slowed, every checkpoint complete
   stop       stop file mid-run -> checkpoint + .ack + exit 0 -> resume -> same final parameters as one
              uninterrupted run (deterministic mode: bitwise, else the largest difference is reported)
@@ -199,6 +201,21 @@ class Check:
         self.row(name, not problems, s, "; ".join(problems))
         if not ac:
             self.ac_off = s
+
+    def compiled(self) -> None:
+        """ac-off with train.compile: the ratio of steady tokens/s to ac-off's (measured, never assumed)."""
+        rc, run = self.train("compiled", self.config("compiled", train__compile=True))
+        s = steady(run)
+        said = log_lines(self.out / "logs" / "compiled.log", "train.compile: ")
+        s["compile"] = said[0] if said else None
+        base = (getattr(self, "ac_off", None) or {}).get("tokens_per_s")
+        s["vs_ac_off"] = rnd(s["tokens_per_s"] / base, 3) if base and s.get("tokens_per_s") else None
+        problems = []
+        if rc != 0 or not s["steps"]:
+            problems.append(f"exit {rc}, {s['steps']} step records")
+        if "compiled in place" not in (s["compile"] or ""):
+            problems.append("no 'blocks compiled in place' line in the log")
+        self.row("compiled", not problems, s, "; ".join(problems))
 
     def async_dcp(self) -> None:
         every = max(2, self.steps // 6)
@@ -400,6 +417,7 @@ class Check:
             "hbm": self.hbm,
             "ac-off": lambda: self.throughput(False),
             "ac-on": lambda: self.throughput(True),
+            "compiled": self.compiled,
             "async-dcp": self.async_dcp,
             "stop": self.stop_resume,
             "diloco": self.diloco,
