@@ -25,6 +25,7 @@ from .api import XRNoQuorum, XRTimeout
 from .gradnorm import clip_grads
 from .optim import lr_at
 from .parallel import autocast
+from .phases import Marks, PhaseClock
 from .record import StepDone
 from .state import train_state
 
@@ -92,6 +93,7 @@ def begin_loop(t) -> None:
     loop.first_step = t.step + 1
     loop.sleep_s = _step_sleep(t.info.rank)
     t.autocast = autocast(t.device, t.par.amp_dtype)
+    t.phase_clock = PhaseClock(t.device)
     t.params = list(t.model.parameters())
     t.nan = torch.full((1,), float("nan"), dtype=torch.float64, device=t.device)
     t.par.module.train()
@@ -123,7 +125,7 @@ def train_step(t) -> None:
     t0 = time.perf_counter()
     step = t.step + 1
     lr = lr_at(t.cfg, step)
-    loss_sum, grad_norm = optimizer_step(t, step, lr)
+    loss_sum, grad_norm, marks = optimizer_step(t, step, lr)
     t.step = step
     t.tokens_seen += t.tokens_per_step
     rounds = _cross_region_round(t, step)
@@ -162,6 +164,7 @@ def train_step(t) -> None:
         xr_timings=xr_timings,
         ended=time.time(),
         xr_final=xr_final,
+        marks=marks,
     )
     loop.pending = (in_flight, done)
     _end_step(t, step, stop_now)
@@ -214,10 +217,11 @@ def _end_step(t, step: int, stop_now: bool) -> None:
 def optimizer_step(t, step: int, lr: float):
     """Set the LR; forward/backward over ``grad_accum`` micro-batches (DDP all-reduces on the last
     one); the cross-region grad-mode hook; clip; optimizer step. Returns (the micro-batch losses summed,
-    the grad norm before clipping or None without clipping), both still on the device."""
+    the grad norm before clipping or None without clipping, both still on the device; the step's
+    :class:`~.phases.Marks`)."""
     import torch
 
-    cfg = t.cfg
+    cfg, clock = t.cfg, t.phase_clock
     for g in t.optimizer.param_groups:
         g["lr"] = lr
     if t.par.comm is not None:
@@ -226,6 +230,7 @@ def optimizer_step(t, step: int, lr: float):
         t.par.collectives.reset()
     accum = cfg.train.grad_accum
     loss_sum = torch.zeros((), device=t.device, dtype=torch.float32)
+    fwd_start = clock.mark()
     for micro in range(accum):
         x, y = t.batches.next()
         # before the last micro-batch: no gradient reduction (DDP, FSDP's unsharded accumulation)
@@ -235,15 +240,17 @@ def optimizer_step(t, step: int, lr: float):
             (loss / accum).backward()
         loss_sum += loss.detach()
         t.batches.prefetch()  # the next micro-batch, while the device runs this backward
+    fwd_end = clock.mark()
     if t.sync is not None:
         t.sync.before_optimizer_step(step, t.tokens_per_step)
+    opt_start = clock.mark()
     canonical = t.xr.enabled and t.xr.sync == "grad"  # every region must clip by the same bits
     grad_norm = (
         clip_grads(t.params, cfg.optim.grad_clip, t.device, canonical) if cfg.optim.grad_clip > 0 else None
     )
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm
+    return loss_sum, grad_norm, Marks(fwd_start, fwd_end, opt_start, clock.mark())
 
 
 def agreement_row(t, loss_sum, grad_norm, own_s: float, data_s: float):

@@ -1,0 +1,42 @@
+"""Where a step's time goes (``time_share_*`` in metrics.jsonl, the report's table), in one plain process."""
+
+import pytest
+
+from sbatch_gen.report import build, load_run
+from sbatch_gen.train.cli import parse_args
+from sbatch_gen.train.phases import SHARES
+from sbatch_gen.train.spec import RunSpec
+from sbatch_gen.train.trainer import run
+
+from .conftest import read_metrics, write_config
+
+pytestmark = pytest.mark.slow  # in-process trainer runs
+
+TOLERANCE = 0.02  # the shares are timed apart; their sum may pass 1 by rounding of separate clocks
+
+
+def _train(cfg, run_dir, data_dir, *extra) -> int:
+    args = parse_args(["--config", str(cfg), "--run-dir", str(run_dir), "--data-path", str(data_dir), *extra])
+    return run(RunSpec.from_args(args))
+
+
+def test_cpu_records_carry_the_time_shares_and_the_report_shows_them(tmp_path, data_dir, clean_env):
+    cfg = write_config(tmp_path / "c.yaml", train={"steps": 5, "grad_accum": 2})
+    assert _train(cfg, tmp_path / "r", data_dir) == 0
+    recs = read_metrics(tmp_path / "r")
+    assert sorted(recs) == [1, 2, 3, 4, 5]
+    for rec in recs.values():
+        shares = [rec[f"time_share_{k}"] for k in SHARES]
+        assert all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in shares), rec
+        assert sum(shares) <= 1.0 + TOLERANCE, rec
+        assert rec["time_share_fwd_bwd"] > 0 and rec["time_share_optimizer"] > 0
+        assert rec["time_share_xr"] == 0.0  # no cross-region run
+        assert rec["fwd_bwd_time_s"] == pytest.approx(rec["time_share_fwd_bwd"] * rec["step_time_s"])
+        assert rec["optimizer_time_s"] == pytest.approx(rec["time_share_optimizer"] * rec["step_time_s"])
+        assert rec["time_share_data"] == pytest.approx(rec["data_time_s"] / rec["step_time_s"])
+    md, _ = build([load_run(tmp_path / "r")])
+    assert "## Where the time goes" in md
+    table = md.split("## Where the time goes", 1)[1].split("\n## ", 1)[0]
+    for label in ("forward + backward", "optimizer step", "data", "in-region communication"):
+        assert f"| {label}" in table
+    assert "| cross-region sync (waited for) | 0.0% |" in table and "| other (not attributed) |" in table
