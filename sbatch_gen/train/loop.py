@@ -26,6 +26,7 @@ from .gradnorm import clip_grads
 from .optim import lr_at
 from .parallel import autocast
 from .phases import Marks, PhaseClock
+from .profiling import StepProfiler
 from .record import StepDone
 from .state import train_state
 
@@ -94,6 +95,7 @@ def begin_loop(t) -> None:
     loop.sleep_s = _step_sleep(t.info.rank)
     t.autocast = autocast(t.device, t.par.amp_dtype)
     t.phase_clock = PhaseClock(t.device)
+    t.profiler = StepProfiler.create(t.cfg.train.profile, t.run_dir, t.info.rank, t.device, loop.first_step)
     t.params = list(t.model.parameters())
     t.nan = torch.full((1,), float("nan"), dtype=torch.float64, device=t.device)
     t.par.module.train()
@@ -124,6 +126,8 @@ def train_step(t) -> None:
     loop = t.loop
     t0 = time.perf_counter()
     step = t.step + 1
+    if t.profiler is not None:
+        t.profiler.before_step(step)
     lr = lr_at(t.cfg, step)
     loss_sum, grad_norm, marks = optimizer_step(t, step, lr)
     t.step = step
@@ -168,6 +172,8 @@ def train_step(t) -> None:
     )
     loop.pending = (in_flight, done)
     _end_step(t, step, stop_now)
+    if t.profiler is not None:
+        t.profiler.after_step(step)
 
 
 def _cross_region_round(t, step: int) -> tuple[dict | None, dict | None] | None:
@@ -231,26 +237,35 @@ def optimizer_step(t, step: int, lr: float):
     accum = cfg.train.grad_accum
     loss_sum = torch.zeros((), device=t.device, dtype=torch.float32)
     fwd_start = clock.mark()
-    for micro in range(accum):
-        x, y = t.batches.next()
-        # before the last micro-batch: no gradient reduction (DDP, FSDP's unsharded accumulation)
-        with t.par.no_sync() if micro < accum - 1 else contextlib.nullcontext():
-            with t.autocast:
-                loss = t.par.module(x, y)
-            (loss / accum).backward()
-        loss_sum += loss.detach()
-        t.batches.prefetch()  # the next micro-batch, while the device runs this backward
+    with _label(t, "forward_backward"):
+        for micro in range(accum):
+            x, y = t.batches.next()
+            # before the last micro-batch: no gradient reduction (DDP, FSDP's unsharded accumulation)
+            with t.par.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+                with t.autocast:
+                    loss = t.par.module(x, y)
+                (loss / accum).backward()
+            loss_sum += loss.detach()
+            t.batches.prefetch()  # the next micro-batch, while the device runs this backward
     fwd_end = clock.mark()
     if t.sync is not None:
         t.sync.before_optimizer_step(step, t.tokens_per_step)
     opt_start = clock.mark()
-    canonical = t.xr.enabled and t.xr.sync == "grad"  # every region must clip by the same bits
-    grad_norm = (
-        clip_grads(t.params, cfg.optim.grad_clip, t.device, canonical) if cfg.optim.grad_clip > 0 else None
-    )
-    t.optimizer.step()
-    t.optimizer.zero_grad(set_to_none=True)
+    with _label(t, "optimizer"):
+        canonical = t.xr.enabled and t.xr.sync == "grad"  # every region must clip by the same bits
+        grad_norm = (
+            clip_grads(t.params, cfg.optim.grad_clip, t.device, canonical)
+            if cfg.optim.grad_clip > 0
+            else None
+        )
+        t.optimizer.step()
+        t.optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, Marks(fwd_start, fwd_end, opt_start, clock.mark())
+
+
+def _label(t, name: str):
+    """A named range in the profiler's trace while ``train.profile`` records, else a null context."""
+    return t.profiler.label(name) if t.profiler is not None else contextlib.nullcontext()
 
 
 def agreement_row(t, loss_sum, grad_norm, own_s: float, data_s: float):

@@ -40,3 +40,32 @@ def test_cpu_records_carry_the_time_shares_and_the_report_shows_them(tmp_path, d
     for label in ("forward + backward", "optimizer step", "data", "in-region communication"):
         assert f"| {label}" in table
     assert "| cross-region sync (waited for) | 0.0% |" in table and "| other (not attributed) |" in table
+
+
+def test_profile_writes_a_trace_of_the_asked_steps_and_trains_the_same(tmp_path, data_dir, clean_env):
+    """train.profile: one Chrome trace (rank 0 here) of steps 3..4, each step and its parts named in it;
+    the losses bitwise those of a run without it."""
+    import json
+
+    plain = write_config(tmp_path / "plain.yaml", train={"steps": 5})
+    prof = write_config(tmp_path / "prof.yaml", train={"steps": 5, "profile": {"start_step": 3, "steps": 2}})
+    assert _train(plain, tmp_path / "a", data_dir) == 0
+    assert _train(prof, tmp_path / "b", data_dir) == 0
+    assert not (tmp_path / "a" / "profile").exists()  # off by default
+    files = sorted(p.name for p in (tmp_path / "b" / "profile").iterdir())
+    assert files == ["rank0.steps-3-4.json"]
+    trace = json.loads((tmp_path / "b" / "profile" / files[0]).read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"step 3", "step 4", "forward_backward", "optimizer"} <= names
+    assert "step 2" not in names and "step 5" not in names
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [a[s]["loss"] for s in range(1, 6)] == [b[s]["loss"] for s in range(1, 6)]
+
+
+def test_a_profile_past_the_last_step_is_refused(tmp_path):
+    from sbatch_gen.errors import UserError
+    from sbatch_gen.train.config import load_config
+
+    cfg = write_config(tmp_path / "c.yaml", train={"steps": 5, "profile": {"start_step": 6}})
+    with pytest.raises(UserError, match="start_step 6 is past train.steps 5"):
+        load_config(cfg)
