@@ -269,12 +269,13 @@ def _label(t, name: str):
 
 
 def agreement_row(t, loss_sum, grad_norm, own_s: float, data_s: float):
-    """This rank's row of :attr:`~.agreement.Agreement.FIELDS` for the step just taken, on the device."""
+    """This rank's row of :attr:`~.agreement.Agreement.fields` for the step just taken, on the device."""
     import torch
 
     device = t.device
+    gpu = t.telemetry.values(t.step, t.loop.first_step, t.end_step)
     host_row = torch.tensor(
-        [float(t.stop.local()), own_s, data_s, float(t.ckpt.finished_step())], dtype=torch.float64
+        [float(t.stop.local()), own_s, data_s, float(t.ckpt.finished_step()), *gpu], dtype=torch.float64
     )
     return torch.cat(
         [

@@ -9,6 +9,7 @@ from typing import Any
 
 from .metrics import memory_record, utilization
 from .phases import Marks, time_shares, xr_exposed
+from .telemetry import record_fields
 
 log = logging.getLogger("sbatch_gen.train")
 
@@ -34,7 +35,7 @@ class StepDone:
 
 def step_record(t, done: StepDone, col: dict) -> dict:
     """Trainer ``t``'s record of a step, from the gathered rows ``col`` (one column per
-    :attr:`~.agreement.Agreement.FIELDS`, one entry per rank)."""
+    :attr:`~.agreement.Agreement.fields`, one entry per rank)."""
     loss = float(col["loss"].mean().item())
     tok_s = t.tokens_per_step / done.step_s
     rank_own = [float(v) for v in col["own_s"]]
@@ -71,6 +72,7 @@ def step_record(t, done: StepDone, col: dict) -> dict:
         "slowest_rank": int(max(range(len(rank_own)), key=lambda i: rank_own[i])),
         "world_size": t.info.world_size,
         **_phases(done, cpu),
+        **record_fields(t.telemetry.columns, col),
     }
 
 

@@ -20,12 +20,16 @@ def _train(cfg, run_dir, data_dir, *extra) -> int:
     return run(RunSpec.from_args(args))
 
 
-def test_cpu_records_carry_the_time_shares_and_the_report_shows_them(tmp_path, data_dir, clean_env):
+def test_cpu_records_carry_the_time_shares_and_the_report_shows_them(tmp_path, data_dir, clean_env, capfd):
+    """Also: no GPU telemetry on the CPU, and not a word about it."""
     cfg = write_config(tmp_path / "c.yaml", train={"steps": 5, "grad_accum": 2})
     assert _train(cfg, tmp_path / "r", data_dir) == 0
+    err = capfd.readouterr().err
+    assert "telemetry" not in err and "NVML" not in err and "DCGM" not in err
     recs = read_metrics(tmp_path / "r")
     assert sorted(recs) == [1, 2, 3, 4, 5]
     for rec in recs.values():
+        assert not [k for k in rec if k.startswith("DCGM_")]
         shares = [rec[f"time_share_{k}"] for k in SHARES]
         assert all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in shares), rec
         assert sum(shares) <= 1.0 + TOLERANCE, rec
