@@ -64,6 +64,14 @@ def test_profile_writes_a_trace_of_the_asked_steps_and_trains_the_same(tmp_path,
     assert "step 2" not in names and "step 5" not in names
     a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     assert [a[s]["loss"] for s in range(1, 6)] == [b[s]["loss"] for s in range(1, 6)]
+    # A process that ends inside the window writes what it recorded; one resumed inside it records the rest.
+    win = write_config(tmp_path / "win.yaml", train={"steps": 5, "profile": {"start_step": 3, "steps": 3}})
+    assert _train(win, tmp_path / "c", data_dir, "--max-steps", "4") == 0
+    assert _train(win, tmp_path / "c", data_dir) == 0
+    files = sorted(p.name for p in (tmp_path / "c" / "profile").iterdir())
+    assert files == ["rank0.steps-3-4.json", "rank0.steps-5-5.json"]
+    c = read_metrics(tmp_path / "c")
+    assert [a[s]["loss"] for s in range(1, 6)] == [c[s]["loss"] for s in range(1, 6)]
 
 
 def test_a_profile_past_the_last_step_is_refused(tmp_path):
