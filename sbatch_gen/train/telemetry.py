@@ -35,24 +35,27 @@ class GpuTelemetry:
         self.nvml, self.handle = nvml, handle
 
     @classmethod
-    def open(cls, device, nvml: Any = None) -> GpuTelemetry | None:
+    def open(cls, device, nvml: Any = None, say: bool = True) -> GpuTelemetry | None:
         """The telemetry of CUDA ``device`` (``nvml``: the pynvml module, imported when not given); None on
-        the CPU, and None with one warning where NVML cannot be used."""
+        the CPU, and None with one warning (when ``say``: rank 0) where NVML cannot be used."""
         if getattr(device, "type", "cpu") != "cuda":
             return None
         if nvml is None:
             try:
                 nvml = importlib.import_module("pynvml")  # nvidia-ml-py
             except ImportError:
-                log.warning("GPU telemetry: off: pynvml does not import (pip install nvidia-ml-py)")
+                if say:
+                    log.warning("GPU telemetry: off: pynvml does not import (pip install nvidia-ml-py)")
                 return None
         try:
             nvml.nvmlInit()
             handle = _handle(nvml, device)
         except Exception as e:  # noqa: BLE001 - no driver library, no such GPU: telemetry off, training on
-            log.warning("GPU telemetry: off: NVML: %s", str(e) or type(e).__name__)
+            if say:
+                log.warning("GPU telemetry: off: NVML: %s", str(e) or type(e).__name__)
             return None
-        log.info("GPU telemetry: NVML (%s)", ", ".join(FIELDS))
+        if say:
+            log.info("GPU telemetry: NVML (%s)", ", ".join(FIELDS))
         return cls(nvml, handle)
 
     def sample(self) -> list[float]:
@@ -81,10 +84,11 @@ def _handle(nvml: Any, device) -> Any:
     index = device.index if device.index is not None else torch.cuda.current_device()
     uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
     if uuid is not None:
-        try:
-            return nvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
-        except Exception:  # noqa: BLE001 - a MIG instance or an older NVML: by index instead
-            pass
+        for key in (f"GPU-{uuid}", f"GPU-{uuid}".encode()):  # newer pynvml takes str, older bytes
+            try:
+                return nvml.nvmlDeviceGetHandleByUUID(key)
+            except Exception:  # noqa: BLE001, S112 - a MIG instance, another pynvml: the next way
+                continue
     visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     if index < len(visible) and visible[index].isdigit():
         index = int(visible[index])

@@ -261,7 +261,7 @@ class Trainer:
         self.batches = Batches(self.sampler, self.shard.tokens, device, pin_memory=device.type == "cuda")
         self.tokens_per_step = t.batch_size * cfg.model.seq_len * t.grad_accum * info.world_size
         # GPU telemetry (NVML) in every rank's per-step row: columns on CUDA only
-        self.telemetry = TelemetryRow(device, GpuTelemetry.open(device), t.log_every)
+        self.telemetry = TelemetryRow(device, GpuTelemetry.open(device, say=info.is_main), t.log_every)
         self.agreement = Agreement(info, device, self.telemetry.columns)
 
     def _build_checkpoints_and_metrics(self) -> None:

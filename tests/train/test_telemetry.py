@@ -130,3 +130,26 @@ def test_sinks_carry_the_fields_per_rank_and_prometheus_labels_the_rank(tmp_path
     assert samples[("sbatch_gen_DCGM_FI_DEV_POWER_USAGE", "0")][1] == 412.345
     assert ("sbatch_gen_DCGM_FI_DEV_POWER_USAGE", "1") not in samples
     assert samples[("sbatch_gen_loss", None)][1] == 3.0
+
+
+def test_the_gpu_is_found_by_its_uuid_else_by_its_visible_index(monkeypatch):
+    """NVML numbers every GPU of the node, torch the visible ones: the UUID (str, else bytes for an older
+    pynvml) names the same GPU; without one, CUDA_VISIBLE_DEVICES maps torch's index to NVML's."""
+    import torch
+
+    from sbatch_gen.train.telemetry import _handle
+
+    class ByUUID(FakeNVML):
+        def nvmlDeviceGetHandleByUUID(self, key):
+            if not isinstance(key, bytes):  # an older pynvml
+                raise TypeError("bytes expected")
+            return ("uuid", key)
+
+        def nvmlDeviceGetHandleByIndex(self, i):
+            return ("index", i)
+
+    props = {0: SimpleNamespace(uuid="1111-aaaa"), 1: SimpleNamespace()}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert _handle(ByUUID(), SimpleNamespace(type="cuda", index=0)) == ("uuid", b"GPU-1111-aaaa")
+    assert _handle(ByUUID(), SimpleNamespace(type="cuda", index=1)) == ("index", 3)
