@@ -5,7 +5,7 @@ Rank 0 of a region writes. What they carry is one set of scalars (:func:`scalars
 every sink (Prometheus adds its ``sbatch_gen_`` namespace):
 
 - per step: ``loss``, ``lr``, ``tokens_per_s``, ``step_time_s``, ``data_time_s``, ``comm_time_s``,
-  ``slowest_rank``, ``grad_norm``, ``mem_bytes``, ``mfu``, ``hfu``; on a GPU with NVML, per rank, the
+  ``slowest_rank``, ``grad_norm``, ``mem_bytes``, ``mfu``, ``hfu``, the ``time_share_*``; on a GPU with NVML, per rank, the
   telemetry of :mod:`.telemetry` (``DCGM_FI_DEV_GPU_UTIL/rank0`` ...; Prometheus: a ``rank`` label);
 - per cross-region round: its phases (``xr_upload_s`` ... ``xr_total_s``), ``xr_exposed_s``,
   ``xr_bytes_up``/``xr_bytes_down``, ``xr_participants``, ``xr_absent_regions``, ``xr_late`` (1 when this
@@ -53,6 +53,11 @@ STEP_SCALARS = (
     "mem_bytes",
     "mfu",
     "hfu",
+    "time_share_fwd_bwd",
+    "time_share_optimizer",
+    "time_share_data",
+    "time_share_comm",
+    "time_share_xr",
 )
 ROUND_SCALARS = (
     "xr_round",
