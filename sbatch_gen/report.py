@@ -34,6 +34,15 @@ PHASES = [  # (metrics key, label) in the order a round runs them
 ]
 
 
+TIME_SHARES = [  # (metrics key, label): a step's time by where it went (docs/trainer.md#where-the-time-goes)
+    ("time_share_fwd_bwd", "forward + backward"),
+    ("time_share_optimizer", "optimizer step"),
+    ("time_share_data", "data (host batch preparation)"),
+    ("time_share_comm", "in-region communication (waited for)"),
+    ("time_share_xr", "cross-region sync (waited for)"),
+]
+
+
 class ReportError(Exception):
     """Unusable input: the message names the file (and line)."""
 
@@ -260,6 +269,22 @@ def _exposed(rec: dict) -> float:
     before overlap) ``xr_total_s``; 0 without a round."""
     v = rec.get("xr_exposed_s", rec.get("xr_total_s"))
     return float(v) if isinstance(v, int | float) else 0.0
+
+
+def time_shares(run: Run) -> dict[str, float | None] | None:
+    """The mean of each ``time_share_*`` over the run's logged steps (each process's first step, its
+    warm-up, left out when it has others), and ``other`` (1 minus their sum; None when a share is n/a).
+    A share no record carries (NCCL's in-region comm) is None. None for records from before the shares."""
+    recs = [r for seg in segments(run) for r in (seg[1:] if len(seg) > 1 else seg)]
+    if not any("time_share_fwd_bwd" in r for r in recs):
+        return None
+    out: dict[str, float | None] = {}
+    for key, _ in TIME_SHARES:
+        xs = [float(r[key]) for r in recs if isinstance(r.get(key), int | float)]
+        out[key] = _mean(xs) if xs else None
+    vals = list(out.values())
+    out["other"] = None if any(v is None for v in vals) else 1.0 - sum(v for v in vals if v is not None)
+    return out
 
 
 def fsdp(run: Run) -> bool:
@@ -572,6 +597,28 @@ def _participation_md(part: Participation) -> list[str]:
     ]
 
 
+def _time_shares_md(shares: dict[str, dict[str, float | None] | None]) -> list[str]:
+    labels = list(shares)
+
+    def cell(label: str, key: str) -> str:
+        s = shares[label]
+        return "n/a" if s is None else _fmt(s[key], "%")
+
+    rows = [[lab, *[cell(k, key) for k in labels]] for key, lab in TIME_SHARES]
+    rows.append(["other (not attributed)", *[cell(k, "other") for k in labels]])
+    return [
+        "## Where the time goes",
+        "",
+        "Mean share of a step's time (`step_time_s`) over the logged steps, each process's first step left "
+        "out. On the CPU the parts are disjoint spans of the host's step; on CUDA forward + backward and the "
+        "optimizer are device time and in-region communication is not visible (n/a), so the shares need not "
+        "add up (docs/trainer.md, Where the time goes).",
+        "",
+        _md_table(["part of the step", *labels], rows),
+        "",
+    ]
+
+
 def build(runs: list[Run]) -> tuple[str, dict]:
     """The Markdown text (image links relative to the report) and the SLO numbers."""
     slos = {run.label: slo(run) for run in runs}
@@ -611,6 +658,9 @@ def build(runs: list[Run]) -> tuple[str, dict]:
         ),
         "",
     ]
+    shares = {run.label: time_shares(run) for run in runs}
+    if any(v is not None for v in shares.values()):
+        lines += _time_shares_md(shares)
     lines += ["## Loss", "", "![loss per region](loss.png)", ""]
     lines += ["## Step time", "", "![step-time distribution](step_time.png)", ""]
     if any(run.rounds for run in runs):

@@ -25,8 +25,11 @@ class Agreement:
 
     FIELDS = ("loss", "stop", "own_s", "data_s", "saved", "grad_norm")
 
-    def __init__(self, info, device) -> None:
+    def __init__(self, info, device, extra: tuple[str, ...] = ()) -> None:
         self.info, self.device = info, device
+        # this run's columns: ``extra`` (the GPU telemetry, :mod:`.telemetry`) after the host's, before the
+        # grad norm (the row is the loss, one host tensor, the grad norm: see loop.agreement_row)
+        self.fields = self.FIELDS[:-1] + tuple(extra) + self.FIELDS[-1:]
         self.gather = info.is_distributed and info.world_size > 1
         self.stream_ordered = device.type == "cuda" and (not self.gather or info.backend == "nccl")
 
@@ -73,7 +76,7 @@ def read_agreement(t, in_flight, done: StepDone, last: bool = False) -> bool:
         # CPU: the step was done when its iteration ended; CUDA: the host learns it only now (this
         # read waited for the device to finish that step, and no longer).
         loop.first_step_done = done.ended if t.device.type == "cpu" else time.time()
-    col = {name: every[:, i] for i, name in enumerate(Agreement.FIELDS)}
+    col = {name: every[:, i] for i, name in enumerate(t.agreement.fields)}
     stop = bool(col["stop"].sum().item() > 0)
     # a background save some rank saw finish: every rank marks it complete (or fails) here, together
     ckpt_done = t.ckpt.collect(int(col["saved"].max().item()))

@@ -63,6 +63,13 @@ class DataConfig(StrictModel):
     )
 
 
+class ProfileConfig(StrictModel):
+    """A torch profiler trace of a few steps (``train.profile``)."""
+
+    start_step: int = Field(ge=1, description="The first step profiled.")
+    steps: int = Field(default=3, ge=1, le=1000, description="How many steps, from start_step on.")
+
+
 class TrainSection(StrictModel):
     steps: int = Field(
         ge=1, le=100_000_000, description="Total optimizer steps (the LR schedule spans these)."
@@ -83,6 +90,14 @@ class TrainSection(StrictModel):
         "compiles it), before DDP/FSDP wrap the model; parameter names and checkpoints stay the eager "
         "model's. Off, with one line, where the backend cannot compile (no C++ compiler on the CPU, no "
         "Triton on CUDA).",
+    )
+    profile: ProfileConfig | None = Field(
+        default=None,
+        description="Off by default. {start_step, steps}: record steps start_step..start_step+steps-1 with "
+        "the torch profiler (CPU, and CUDA kernels on a GPU) and write one Chrome trace per rank to "
+        "<run-dir>/profile/rank<R>.steps-<first>-<last>.json (Perfetto or chrome://tracing opens it). The "
+        "profiled steps run slower; the losses are the same. A process that starts inside the window "
+        "(resumed) records what is left of it.",
     )
     peak_tflops: float | None = Field(
         default=None,
@@ -192,6 +207,16 @@ class TrainConfig(StrictModel):
         "section) replace this section.",
     )
     run_dir: str = Field(default="runs/default", min_length=1, description="Default for --run-dir.")
+
+    @model_validator(mode="after")
+    def _profile(self) -> TrainConfig:
+        p = self.train.profile
+        if p is not None and p.start_step > self.train.steps:
+            raise ValueError(
+                f"train.profile.start_step {p.start_step} is past train.steps {self.train.steps}: nothing "
+                "would be profiled"
+            )
+        return self
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainConfig:

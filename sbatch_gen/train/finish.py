@@ -33,6 +33,8 @@ def finish(t) -> int:
         in_flight, done = loop.pending
         read_agreement(t, in_flight, done, last=True)
         loop.pending = None
+    if getattr(t, "profiler", None) is not None:  # the loop ended inside train.profile's steps
+        t.profiler.close()
     if loop.exit_reason is None:
         finish_round_in_flight(t)
     if loop.exit_reason is None:

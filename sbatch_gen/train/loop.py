@@ -25,6 +25,8 @@ from .api import XRNoQuorum, XRTimeout
 from .gradnorm import clip_grads
 from .optim import lr_at
 from .parallel import autocast
+from .phases import Marks, PhaseClock
+from .profiling import StepProfiler
 from .record import StepDone
 from .state import train_state
 
@@ -92,6 +94,8 @@ def begin_loop(t) -> None:
     loop.first_step = t.step + 1
     loop.sleep_s = _step_sleep(t.info.rank)
     t.autocast = autocast(t.device, t.par.amp_dtype)
+    t.phase_clock = PhaseClock(t.device)
+    t.profiler = StepProfiler.create(t.cfg.train.profile, t.run_dir, t.info.rank, t.device, loop.first_step)
     t.params = list(t.model.parameters())
     t.nan = torch.full((1,), float("nan"), dtype=torch.float64, device=t.device)
     t.par.module.train()
@@ -122,8 +126,10 @@ def train_step(t) -> None:
     loop = t.loop
     t0 = time.perf_counter()
     step = t.step + 1
+    if t.profiler is not None:
+        t.profiler.before_step(step)
     lr = lr_at(t.cfg, step)
-    loss_sum, grad_norm = optimizer_step(t, step, lr)
+    loss_sum, grad_norm, marks = optimizer_step(t, step, lr)
     t.step = step
     t.tokens_seen += t.tokens_per_step
     rounds = _cross_region_round(t, step)
@@ -162,9 +168,12 @@ def train_step(t) -> None:
         xr_timings=xr_timings,
         ended=time.time(),
         xr_final=xr_final,
+        marks=marks,
     )
     loop.pending = (in_flight, done)
     _end_step(t, step, stop_now)
+    if t.profiler is not None:
+        t.profiler.after_step(step)
 
 
 def _cross_region_round(t, step: int) -> tuple[dict | None, dict | None] | None:
@@ -214,10 +223,11 @@ def _end_step(t, step: int, stop_now: bool) -> None:
 def optimizer_step(t, step: int, lr: float):
     """Set the LR; forward/backward over ``grad_accum`` micro-batches (DDP all-reduces on the last
     one); the cross-region grad-mode hook; clip; optimizer step. Returns (the micro-batch losses summed,
-    the grad norm before clipping or None without clipping), both still on the device."""
+    the grad norm before clipping or None without clipping, both still on the device; the step's
+    :class:`~.phases.Marks`)."""
     import torch
 
-    cfg = t.cfg
+    cfg, clock = t.cfg, t.phase_clock
     for g in t.optimizer.param_groups:
         g["lr"] = lr
     if t.par.comm is not None:
@@ -226,33 +236,46 @@ def optimizer_step(t, step: int, lr: float):
         t.par.collectives.reset()
     accum = cfg.train.grad_accum
     loss_sum = torch.zeros((), device=t.device, dtype=torch.float32)
-    for micro in range(accum):
-        x, y = t.batches.next()
-        # before the last micro-batch: no gradient reduction (DDP, FSDP's unsharded accumulation)
-        with t.par.no_sync() if micro < accum - 1 else contextlib.nullcontext():
-            with t.autocast:
-                loss = t.par.module(x, y)
-            (loss / accum).backward()
-        loss_sum += loss.detach()
-        t.batches.prefetch()  # the next micro-batch, while the device runs this backward
+    fwd_start = clock.mark()
+    with _label(t, "forward_backward"):
+        for micro in range(accum):
+            x, y = t.batches.next()
+            # before the last micro-batch: no gradient reduction (DDP, FSDP's unsharded accumulation)
+            with t.par.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+                with t.autocast:
+                    loss = t.par.module(x, y)
+                (loss / accum).backward()
+            loss_sum += loss.detach()
+            t.batches.prefetch()  # the next micro-batch, while the device runs this backward
+    fwd_end = clock.mark()
     if t.sync is not None:
         t.sync.before_optimizer_step(step, t.tokens_per_step)
-    canonical = t.xr.enabled and t.xr.sync == "grad"  # every region must clip by the same bits
-    grad_norm = (
-        clip_grads(t.params, cfg.optim.grad_clip, t.device, canonical) if cfg.optim.grad_clip > 0 else None
-    )
-    t.optimizer.step()
-    t.optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm
+    opt_start = clock.mark()
+    with _label(t, "optimizer"):
+        canonical = t.xr.enabled and t.xr.sync == "grad"  # every region must clip by the same bits
+        grad_norm = (
+            clip_grads(t.params, cfg.optim.grad_clip, t.device, canonical)
+            if cfg.optim.grad_clip > 0
+            else None
+        )
+        t.optimizer.step()
+        t.optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm, Marks(fwd_start, fwd_end, opt_start, clock.mark())
+
+
+def _label(t, name: str):
+    """A named range in the profiler's trace while ``train.profile`` records, else a null context."""
+    return t.profiler.label(name) if t.profiler is not None else contextlib.nullcontext()
 
 
 def agreement_row(t, loss_sum, grad_norm, own_s: float, data_s: float):
-    """This rank's row of :attr:`~.agreement.Agreement.FIELDS` for the step just taken, on the device."""
+    """This rank's row of :attr:`~.agreement.Agreement.fields` for the step just taken, on the device."""
     import torch
 
     device = t.device
+    gpu = t.telemetry.values(t.step, t.loop.first_step, t.end_step)
     host_row = torch.tensor(
-        [float(t.stop.local()), own_s, data_s, float(t.ckpt.finished_step())], dtype=torch.float64
+        [float(t.stop.local()), own_s, data_s, float(t.ckpt.finished_step()), *gpu], dtype=torch.float64
     )
     return torch.cat(
         [

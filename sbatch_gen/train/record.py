@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .metrics import memory_record, utilization
+from .phases import Marks, time_shares, xr_exposed
+from .telemetry import record_fields
 
 log = logging.getLogger("sbatch_gen.train")
 
@@ -28,11 +30,12 @@ class StepDone:
     xr_timings: dict | None
     ended: float  # time.time() when the host finished the step
     xr_final: dict | None = None  # overlap eager, the end step: the round that was in flight, finished
+    marks: Marks | None = None  # the step's forward+backward and optimizer marks (host clock or CUDA events)
 
 
 def step_record(t, done: StepDone, col: dict) -> dict:
     """Trainer ``t``'s record of a step, from the gathered rows ``col`` (one column per
-    :attr:`~.agreement.Agreement.FIELDS`, one entry per rank)."""
+    :attr:`~.agreement.Agreement.fields`, one entry per rank)."""
     loss = float(col["loss"].mean().item())
     tok_s = t.tokens_per_step / done.step_s
     rank_own = [float(v) for v in col["own_s"]]
@@ -68,7 +71,38 @@ def step_record(t, done: StepDone, col: dict) -> dict:
         "rank_data_time_s": [float(v) for v in col["data_s"]],
         "slowest_rank": int(max(range(len(rank_own)), key=lambda i: rank_own[i])),
         "world_size": t.info.world_size,
+        **_phases(done, cpu),
+        **record_fields(t.telemetry.columns, col),
     }
+
+
+def _phases(done: StepDone, cpu: bool) -> dict:
+    """The step's forward+backward and optimizer seconds, and the shares of its time (docs/trainer.md).
+
+    CPU: host clock; the forward+backward span loses what the host spent inside it preparing batches and
+    blocked in in-region collectives (DDP's wait after its own backward, FSDP's collectives on gloo), which
+    count as data and comm. In-region comm is that wait plus the per-step agreement's. CUDA: device time
+    between timing events (read now: the device finished that step before its agreement could be read);
+    in-region comm None (NCCL's collectives are not visible from the host)."""
+    if done.marks is None:
+        return {}
+    fwd_bwd, opt = done.marks.fwd_bwd_s(), done.marks.optimizer_s()
+    comm: float | None = None
+    if cpu:
+        blocked = (done.ddp_exposed or 0.0) + (
+            (done.fsdp.blocking() or 0.0) if done.fsdp is not None else 0.0
+        )
+        fwd_bwd = max(0.0, fwd_bwd - done.data_s - blocked)
+        comm = blocked + done.wait_s
+    shares = time_shares(
+        step_s=done.step_s,
+        fwd_bwd_s=fwd_bwd,
+        optimizer_s=opt,
+        data_s=done.data_s,
+        comm_s=comm,
+        xr_s=xr_exposed(done.xr_timings, done.xr_final),
+    )
+    return {"fwd_bwd_time_s": fwd_bwd, "optimizer_time_s": opt, **shares}
 
 
 def record(t, done: StepDone, col: dict, ckpt_done) -> None:

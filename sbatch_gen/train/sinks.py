@@ -5,7 +5,8 @@ Rank 0 of a region writes. What they carry is one set of scalars (:func:`scalars
 every sink (Prometheus adds its ``sbatch_gen_`` namespace):
 
 - per step: ``loss``, ``lr``, ``tokens_per_s``, ``step_time_s``, ``data_time_s``, ``comm_time_s``,
-  ``slowest_rank``, ``grad_norm``, ``mem_bytes``, ``mfu``, ``hfu``;
+  ``slowest_rank``, ``grad_norm``, ``mem_bytes``, ``mfu``, ``hfu``, the ``time_share_*``; on a GPU with NVML, per rank, the
+  telemetry of :mod:`.telemetry` (``DCGM_FI_DEV_GPU_UTIL/rank0`` ...; Prometheus: a ``rank`` label);
 - per cross-region round: its phases (``xr_upload_s`` ... ``xr_total_s``), ``xr_exposed_s``,
   ``xr_bytes_up``/``xr_bytes_down``, ``xr_participants``, ``xr_absent_regions``, ``xr_late`` (1 when this
   region was late) and ``xr_round``.
@@ -36,6 +37,7 @@ from typing import Any, Protocol
 
 from ..errors import clean_message, cut
 from ..metrics_options import MetricsOptions
+from .telemetry import FIELDS as GPU_FIELDS
 
 log = logging.getLogger("sbatch_gen.train")
 
@@ -51,6 +53,11 @@ STEP_SCALARS = (
     "mem_bytes",
     "mfu",
     "hfu",
+    "time_share_fwd_bwd",
+    "time_share_optimizer",
+    "time_share_data",
+    "time_share_comm",
+    "time_share_xr",
 )
 ROUND_SCALARS = (
     "xr_round",
@@ -70,6 +77,7 @@ ROUND_SCALARS = (
 # counted from the round's membership lists, or 0/1 from a flag
 ROUND_COUNTS = {"xr_participants": "xr_members", "xr_absent_regions": "xr_absent"}
 PROMETHEUS_PREFIX = "sbatch_gen_"
+RANK_SEP = "/rank"  # a per-rank scalar's name: <field>/rank<R>
 
 
 def _number(v: Any) -> float | None:
@@ -97,6 +105,12 @@ def scalars(record: dict) -> tuple[int, dict[str, float]] | None:
         for name in STEP_SCALARS:
             if (v := _number(record.get(name))) is not None:
                 out[name] = v
+    if event is None:
+        for name in GPU_FIELDS:  # per rank: <field>/rank<R> (Prometheus: a rank label)
+            if isinstance(vals := record.get(name), list):
+                for rank, x in enumerate(vals):
+                    if (v := _number(x)) is not None:
+                        out[f"{name}{RANK_SEP}{rank}"] = v
     if "xr_round" in record:
         for name in ROUND_SCALARS:
             if (v := _number(record.get(name))) is not None:
@@ -270,7 +284,16 @@ class PrometheusSink:
         reg = c.CollectorRegistry()
         names = sorted(self.labels)
         gauge = {"step": self.step, "last_write_timestamp_seconds": time.time(), **self.values}
+        per_rank: dict[str, Any] = {}
         for name, v in gauge.items():
+            if RANK_SEP in name:  # a GPU telemetry field of one rank: one gauge, labelled by rank
+                base, rank = name.split(RANK_SEP, 1)
+                if base not in per_rank:
+                    per_rank[base] = c.Gauge(
+                        PROMETHEUS_PREFIX + base, _HELP.get(base, base), [*names, "rank"], registry=reg
+                    )
+                per_rank[base].labels(**self.labels, rank=rank).set(v)
+                continue
             g = c.Gauge(PROMETHEUS_PREFIX + name, _HELP.get(name, name), names, registry=reg)
             g.labels(**self.labels).set(v)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -290,6 +313,10 @@ _HELP = {
     "xr_exposed_s": "seconds training waited for the last cross-region round",
     "xr_participants": "regions that took part in the last round",
     "xr_absent_regions": "regions absent from the last round",
+    "DCGM_FI_DEV_GPU_UTIL": "GPU utilization (in %) of the rank's GPU, read through NVML",
+    "DCGM_FI_DEV_FB_USED": "framebuffer memory used (in MiB) of the rank's GPU, read through NVML",
+    "DCGM_FI_DEV_POWER_USAGE": "power draw (in W) of the rank's GPU, read through NVML",
+    "DCGM_FI_DEV_GPU_TEMP": "GPU temperature (in C) of the rank's GPU, read through NVML",
 }
 
 

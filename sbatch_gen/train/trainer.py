@@ -234,6 +234,7 @@ class Trainer:
         it, and the batches, one micro-batch ahead (pinned host memory on CUDA: the copies never block)."""
         from .agreement import Agreement
         from .data import Batches, Sampler, Shard, ensure_shard
+        from .telemetry import GpuTelemetry, TelemetryRow
 
         cfg, xr, info, device, t = self.cfg, self.xr, self.info, self.device, self.cfg.train
         if info.local_rank == 0:
@@ -259,7 +260,9 @@ class Trainer:
         )
         self.batches = Batches(self.sampler, self.shard.tokens, device, pin_memory=device.type == "cuda")
         self.tokens_per_step = t.batch_size * cfg.model.seq_len * t.grad_accum * info.world_size
-        self.agreement = Agreement(info, device)
+        # GPU telemetry (NVML) in every rank's per-step row: columns on CUDA only
+        self.telemetry = TelemetryRow(device, GpuTelemetry.open(device, say=info.is_main), t.log_every)
+        self.agreement = Agreement(info, device, self.telemetry.columns)
 
     def _build_checkpoints_and_metrics(self) -> None:
         """The checkpointer (its markers name the model, world size, region and data) and rank 0's

@@ -94,6 +94,10 @@ def test_two_ranks_each_hold_half_and_record_what_ddp_records(reference):
         ag, rs = r["fsdp_all_gather_s"], r["fsdp_reduce_scatter_s"]
         assert ag > 0 and rs > 0, r
         assert r["comm_time_s"] >= ag + rs and r["compute_time_s"] + ag + rs <= r["step_time_s"], r
+        # where the time went: FSDP's collectives (they block the host on gloo) are comm, not forward+backward
+        shares = [r[f"time_share_{k}"] for k in ("fwd_bwd", "optimizer", "data", "comm", "xr")]
+        assert all(0.0 <= v <= 1.0 for v in shares) and sum(shares) <= 1.02, r
+        assert r["time_share_comm"] * r["step_time_s"] >= (ag + rs) * (1 - 1e-9), r
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["exit"] == "completed" and s["checkpoint_save_s"]["count"] == STEPS // 4
     marker = json.loads((step_dir(run_dir, 4) / "COMPLETE.json").read_text())

@@ -183,3 +183,41 @@ def test_report_shows_absent_in_region_comm_as_na_and_the_gpu_memory(tmp_path):
     run = load_run(d)
     assert slo(run)["in_region_comm_fraction"] == pytest.approx(0.25)
     assert "did not time" not in build([run])[0]
+
+
+def test_report_where_the_time_goes_is_na_where_a_share_is_not_measured(tmp_path):
+    """A GPU run over NCCL writes time_share_comm None: its row and "other" are n/a, the rest are means
+    over the logged steps without the process's first (warm-up) step; records from before the shares give
+    no table."""
+    import json
+
+    from sbatch_gen.report import build, load_run, time_shares
+
+    d = tmp_path / "run"
+    d.mkdir()
+    recs = [
+        {
+            "step": s,
+            "loss": 3.0,
+            "step_time_s": 0.2,
+            "time_share_fwd_bwd": 0.9 if s == 1 else 0.7,
+            "time_share_optimizer": 0.1,
+            "time_share_data": 0.05,
+            "time_share_comm": None,
+            "time_share_xr": 0.0,
+        }
+        for s in range(1, 4)
+    ]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    run = load_run(d)
+    shares = time_shares(run)
+    assert shares is not None and shares["time_share_fwd_bwd"] == pytest.approx(0.7)
+    assert shares["time_share_comm"] is None and shares["other"] is None
+    md, _ = build([run])
+    assert "| forward + backward | 70.0% |" in md and "| data (host batch preparation) | 5.0% |" in md
+    assert "| in-region communication (waited for) | n/a |" in md and "| other (not attributed) | n/a |" in md
+    for r in recs:
+        for k in [k for k in r if k.startswith("time_share_")]:
+            del r[k]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert time_shares(load_run(d)) is None and "Where the time goes" not in build([load_run(d)])[0]

@@ -171,6 +171,8 @@ def test_every_sink_reads_back_the_same_values(tmp_path, monkeypatch):
     opts = MetricsOptions(sinks=["tensorboard", "wandb", "prometheus"], prometheus_every=2)
     records = [{**STEP, "step": i, "loss": 4.0 - i / 8} for i in range(1, 6)]
     records[2].update(ROUND)
+    for r in records:  # a GPU run's: the time shares, and the telemetry of two ranks
+        r.update(time_share_fwd_bwd=0.8, DCGM_FI_DEV_GPU_UTIL=[87.0, 90.0 + r["step"]])
     _feed(tmp_path, opts, records)
     want = {}
     for r in records:
@@ -188,6 +190,8 @@ def test_every_sink_reads_back_the_same_values(tmp_path, monkeypatch):
     labels, v = prom["sbatch_gen_loss"]
     assert labels == {"run_id": "run/1", "region": "eu"} and v == records[-1]["loss"]
     assert prom["sbatch_gen_step"][1] == 5 and prom["sbatch_gen_xr_participants"][1] == 2
+    assert "DCGM_FI_DEV_GPU_UTIL/rank1" in tb and "time_share_fwd_bwd" in tb
+    assert prom["sbatch_gen_DCGM_FI_DEV_GPU_UTIL"] == ({"run_id": "run/1", "region": "eu", "rank": "1"}, 95.0)
 
 
 def test_a_resumed_attempt_continues_the_runs_without_a_step_twice(tmp_path, monkeypatch):

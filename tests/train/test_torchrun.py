@@ -72,6 +72,10 @@ def test_loss_decreases_and_metrics(reference):
     assert rec["loss"] == sum(rec["rank_losses"]) / 2
     assert rec["ddp_allreduce_s"] > 0 and rec["comm_time_s"] >= rec["ddp_allreduce_s"]
     assert rec["tokens"] == STEPS * 4 * 64 * 2 and rec["mem_kind"] == "max_rss" and rec["mem_bytes"] > 0
+    for r in read_metrics(run_dir).values():  # where the time went: disjoint parts of the host's step
+        shares = [r[f"time_share_{k}"] for k in ("fwd_bwd", "optimizer", "data", "comm", "xr")]
+        assert all(0.0 <= v <= 1.0 for v in shares) and sum(shares) <= 1.02, r
+        assert r["time_share_comm"] * r["step_time_s"] >= r["ddp_wait_s"], r  # DDP's wait is comm
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["exit"] == "completed" and s["last_step"] == STEPS and s["world_size"] == 2
     assert (

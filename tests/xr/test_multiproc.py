@@ -170,6 +170,19 @@ def test_diloco_two_regions(backend, tmp_path, repo, data_dir, request):
             assert [x["xr_inflight"] for x in m if "xr_inflight" in x] == [1, 2, 3]
             assert all(x["xr_exposed_s"] <= x["xr_join_s"] + 5 for x in rounds)
         assert all(x["xr_bytes_up"] > 0 and x["xr_bytes_down"] == x["xr_bytes_up"] for x in rounds)
+        assert all("time_share_xr" in x for x in m if "loss" in x)
+        for x in m:  # where the time went: a round's exposed time is the step's cross-region share
+            if "loss" not in x:
+                continue
+            shares = [x[f"time_share_{k}"] for k in ("fwd_bwd", "optimizer", "data", "comm", "xr")]
+            assert all(0.0 <= v <= 1.0 for v in shares) and sum(shares) <= 1.02, x
+            if "xr_round" in x and not eager:
+                assert (
+                    x["time_share_xr"] == pytest.approx(x["xr_exposed_s"] / x["step_time_s"])
+                    and x["xr_exposed_s"] > 0
+                )
+            elif "xr_exposed_s" not in x and x["step"] != 12:
+                assert x["time_share_xr"] == 0.0, x
         losses = [x["loss"] for x in m if "loss" in x]
         assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
         align = [x for x in m if x.get("event") == "xr_align"]
