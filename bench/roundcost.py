@@ -28,8 +28,8 @@ from .servers import NanioServer, s3_client, wait_port
 MiB = 1 << 20
 NAMES = ["eu", "us", "ap", "sa", "af", "me", "ca", "au"]  # the last one of a run arrives last
 
-SHIPPED, NO_EXPECT = "as shipped", "PUTs without Expect: 100-continue"
-# ns_no_expect: the variant's region counts (a harness change, not the trainer's: see the worker)
+SHIPPED, NO_EXPECT = "as shipped", "PUTs with Expect: 100-continue (botocore's default)"
+# ns_no_expect: the variant's region counts (botocore's default put back by the harness: see the worker)
 FULL = dict(ns=(2, 4, 8), ns_no_expect=(2, 8), sizes_mib=(0.25, 4, 16), rounds=3, warmup=1, rtt_ms=80.0)
 # seconds, for the tests: the smallest setting
 QUICK = dict(ns=(2,), ns_no_expect=(2,), sizes_mib=(0.0625, 0.25), rounds=2, warmup=1, rtt_ms=20.0)
@@ -114,7 +114,7 @@ def run_n(
             str(work / f"barrier-{tag}"),
             "--out",
             str(out),
-            *(["--no-expect"] if variant != SHIPPED else []),
+            *(["--with-expect"] if variant != SHIPPED else []),
         ]
         procs.append(
             subprocess.Popen(
@@ -215,11 +215,11 @@ def run(out_dir: Path, quick: bool = False, cfg: dict | None = None) -> Result:
         "the payload per region in MiB (the fit of every measured round beside it: one slow round on this shared "
         "machine moves that one more). `fixed` in RTTs is the goal's measure. The rate is the bytes the last region "
         "moves (its upload + the N-1 others' payloads) per second of slope.",
-        "Variant **PUTs without Expect: 100-continue** (regions "
+        "Variant **PUTs with Expect: 100-continue (botocore's default)** (regions "
         f"{', '.join(str(n) for n in cfg['ns_no_expect']) or 'none'}): botocore sends every PUT with a body with "
         "`Expect: 100-continue`, so the PUT waits one RTT for the server's `100 Continue` before it sends its "
-        "body; the harness removes that header from the regions' requests (a `before-sign` handler on their "
-        "client, not a change of the trainer) to show what that round trip costs each round.",
+        "body; the trainer's store turns that off, and this variant puts botocore's handler back on the regions' "
+        "clients, to show side by side what that round trip costs each round.",
         "Requests: every HTTP request the region's boto3 client sent during the round (botocore's `before-send`, "
         "retries included), by operation. The last region's count is its critical path's; the others' "
         "include their polls.",
@@ -364,6 +364,6 @@ def _report(res: Result, an: dict, bare: dict, cfg: dict) -> None:
             None if judged is None else an[hi]["fixed_s"] <= 2 * base["fixed_s"],
         )
     for n in cfg["ns_no_expect"]:
-        res.headline[f"fixed cost, {n} regions, PUTs without Expect: 100-continue (harness variant)"] = (
+        res.headline[f"fixed cost, {n} regions, PUTs with Expect: 100-continue (botocore's default)"] = (
             f"{bare[n]['fixed_s']:.3f} s = {bare[n]['fixed_rtt']:.1f} RTT"
         )

@@ -49,12 +49,13 @@ class Requests:
             return Counter(self.counts)
 
 
-def _drop_expect(request=None, **_kw) -> None:
-    """The variant without HTTP's ``Expect: 100-continue`` (botocore adds it to every PUT with a body, so a
-    PUT waits one RTT for the server's ``100 Continue`` before it sends the body): the harness removes the
-    header before the request is signed. Not what the trainer does; it shows what that round trip costs."""
-    if request is not None:
-        del request.headers["Expect"]
+def _with_expect(store) -> None:
+    """The variant with HTTP's ``Expect: 100-continue`` on every PUT, botocore's default, which the trainer's
+    store turns off (sbatch_gen/train/xr/store.py): botocore's own handler registered again on the region's
+    client, so a PUT waits one RTT for the server's ``100 Continue`` before it sends the body."""
+    from botocore.handlers import add_expect_header
+
+    store.client.meta.events.register("before-call.s3", add_expect_header)
 
 
 def _claimed(client, bucket: str, prefix: str, run_id: str, r: int, regions: list[str]) -> bool:
@@ -110,8 +111,8 @@ def one_size(a, i: int, wire: int) -> list[dict]:
     model.params = nn.ParameterList([nn.Parameter(torch.randn(s) * 0.02) for s in sizes])
     store = make_store(transport, xr.threads)
     reqs = Requests(store.client)
-    if a.no_expect:
-        store.client.meta.events.register("before-sign.s3", _drop_expect)
+    if a.with_expect:
+        _with_expect(store)
     sync = create(xr, model, torch.device("cpu"), DistInfo(), store=store)
     sync.align(0)
     direct = s3_client(a.direct, threads=1) if last else None
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rtt-ms", type=float, default=80.0)
-    ap.add_argument("--no-expect", action="store_true", help="PUTs without Expect: 100-continue")
+    ap.add_argument("--with-expect", action="store_true", help="PUTs with Expect: 100-continue (botocore's)")
     ap.add_argument("--barrier-dir", required=True)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)

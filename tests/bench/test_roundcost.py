@@ -40,10 +40,10 @@ def test_roundcost_quick(tmp_path):
         assert t["rows"] and all(len(r) == len(t["headers"]) for r in t["rows"]), t
     fit_t = d["tables"]["fit"]
     h = fit_t["headers"]
-    # one row per variant and N: the trainer as shipped, and the harness's PUTs without 100-continue
+    # one row per variant and N: the trainer as shipped, and with botocore's Expect: 100-continue put back
     assert [(r[h.index("variant")], r[h.index("regions")]) for r in fit_t["rows"]] == [
         ("as shipped", 2),
-        ("PUTs without Expect: 100-continue", 2),
+        ("PUTs with Expect: 100-continue (botocore's default)", 2),
     ]
     for r in fit_t["rows"]:
         assert isinstance(r[h.index("fixed in RTT")], float) and isinstance(r[h.index("s per MiB")], float)

@@ -215,3 +215,38 @@ def test_fs_writes_survive_another_regions_delete_emptying_their_directory(tmp_p
         t.join()
     assert errors == []
     assert store.list("run") == []
+
+
+def test_s3_puts_go_without_expect_100_continue(monkeypatch):
+    """botocore's default makes every PUT wait one round trip for the server's `100 Continue` before its body
+    (bench roundcost: 6.2 RTT a round with it, 3.0 without): the store turns it off. The request is caught
+    before it is sent (no server needed)."""
+    from sbatch_gen.train.xr.store import S3Store
+
+    monkeypatch.setenv("T_KEY_ID", "a")
+    monkeypatch.setenv("T_SECRET", "b")
+    store = S3Store(
+        "b",
+        endpoint_url="http://127.0.0.1:9",
+        addressing_style="path",
+        region_name="us-east-1",
+        access_key_id_env="T_KEY_ID",
+        secret_access_key_env="T_SECRET",
+    )
+    seen: dict = {}
+
+    class Sent(Exception):
+        pass
+
+    def before_send(request, **_kw):
+        seen.update(request.headers)
+        raise Sent
+
+    store.client.meta.events.register("before-send.s3.PutObject", before_send)
+    for put in (lambda: store.put("k", b"x" * 100), lambda: store.create("k", b"x" * 100)):
+        seen.clear()
+        try:
+            put()
+        except Exception:  # noqa: BLE001 - the request was caught before sending (or the store wrapped it)
+            pass
+        assert seen and "Expect" not in seen, seen
