@@ -100,16 +100,18 @@ def launch_region(
     env: dict | None = None,
     extra: list[str] | None = None,
     prefix: list[str] | None = None,
+    module: str = "sbatch_gen.train",
 ) -> RegionRun:
     """One region = one trainer process (``python -m sbatch_gen.train``, not under torchrun: a 1-process region
     needs no agent, and leaving it out halves every start-up on 2 cores). Killed by PID (RegionRun.kill).
-    ``prefix``: a command that execs the trainer (``ip netns exec NS``: bench/payload.py's WAN regions)."""
+    ``prefix``: a command that execs the trainer (``ip netns exec NS``: bench/payload.py's WAN regions).
+    ``module``: what runs the trainer (``sbatch_gen.testing.faults``: the trainer with a fault installed)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
         *(prefix or []),
         PY,
         "-m",
-        "sbatch_gen.train",
+        module,
         "--config",
         str(config),
         "--run-dir",

@@ -349,7 +349,7 @@ def test_a_script_entry_point_in_both_kinds_renders(work):
     assert "TRAINER_MODULE" not in sb and "[module]" not in sb
     setup = (work / "o" / "local.setup.sbatch").read_text()
     assert 'print("trainer script", script, "readable:", os.access(script, os.R_OK))' in setup
-    assert 'python -c "$PROBE" "$EXPECTED_GPUS" "$TRAINER_SCRIPT"\n' in setup
+    assert 'python -c "$PROBE" "$EXPECTED_GPUS" "$TRAINER_SCRIPT" "$NEEDED_MODULES"\n' in setup
     sh = (work / "o" / "ssh-local.sh").read_text()
     assert "TRAINER_SCRIPT=bin/train.py  # trainer.script (the preflight checks it is readable)\n" in sh
     assert ' torchrun "${torchrun_args[@]}" "$TRAINER_SCRIPT" "${trainer_args[@]}" || rc=$?\n' in sh

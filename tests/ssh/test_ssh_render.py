@@ -64,12 +64,13 @@ def test_committed_ssh_renders_are_current_and_lint_clean():
 def test_lab_launcher_pins_the_interface_and_disables_p2p_and_ib():
     text = (REPO / "out" / "lab.sh").read_text()
     for line in (
-        "'NCCL_SOCKET_IFNAME=bond0'",
-        "'GLOO_SOCKET_IFNAME=bond0'",
-        "'NCCL_P2P_DISABLE=1'",
-        "'NCCL_IB_DISABLE=1'",
-        "'TORCH_NCCL_ASYNC_ERROR_HANDLING=1'",
-        "'TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=300'",
+        # the profile's values are defaults a submit-time value overrides
+        '"NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME-bond0}"',
+        '"GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME-bond0}"',
+        '"NCCL_P2P_DISABLE=${NCCL_P2P_DISABLE-1}"',
+        '"NCCL_IB_DISABLE=${NCCL_IB_DISABLE-1}"',
+        '"TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING-1}"',
+        '"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=${TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC-300}"',
         "IFNAME=bond0",
         "NPROC_PER_NODE=8",
         "COOLDOWN_S=900",
@@ -118,7 +119,7 @@ def test_every_option_renders_lint_clean_and_deterministic(sites, tmp_path):
     lint(tmp_path / "o0" / "ssh-local.sh")
     text = outs[0].decode()
     assert "MODULES=(cuda/12.4 nccl/2.21)" in text
-    assert "NUMA_BINDING=node" in text and "'NCCL_IB_HCA==mlx5_0,mlx5_1'" in text
+    assert "NUMA_BINDING=node" in text and '"NCCL_IB_HCA=${NCCL_IB_HCA-=mlx5_0,mlx5_1}"' in text
 
 
 def test_one_field_changes_only_its_line(sites, tmp_path):

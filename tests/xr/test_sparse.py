@@ -11,8 +11,10 @@ import struct
 import pytest
 import torch
 
+from sbatch_gen.testing import faults
 from sbatch_gen.train.xr import sparse
 from sbatch_gen.train.xr.errors import XRError
+from sbatch_gen.train.xr.exchange import Exchange
 from sbatch_gen.train.xr.protocol import (
     Manifest,
     ShardInfo,
@@ -231,16 +233,15 @@ def test_two_regions_stay_bit_identical_and_follow_the_update_rule(tmp_path, tra
         torch.testing.assert_close(after.double(), theta.double() - 0.8 * g, rtol=0, atol=1e-6)
 
 
-def test_a_late_region_keeps_its_whole_payload_in_the_error_buffer(tmp_path):
+def test_a_late_region_keeps_its_whole_payload_in_the_error_buffer(tmp_path, monkeypatch):
     """us publishes nothing in round 2 (withheld): eu closes it alone; us applies the commit, keeps all of
     p = beta*e + delta as its error, sends its top-k in round 3, and the regions stay bit-identical."""
     regions = ["eu", "us"]
+    monkeypatch.setattr(Exchange, "upload", faults.withholding(Exchange.upload, "us", {2}))
     mk, opened = _syncs(tmp_path, regions, min_regions=1, grace_s=0.3, keep_rounds=2)
 
     def region(r):
         m, s = mk(r)
-        if r == "us":
-            s.ex.withheld = frozenset({2})
         s.align(0)
         opt = torch.optim.SGD(m.parameters(), lr=0.05)
         recs = []
@@ -464,17 +465,14 @@ def test_eager_stop_with_a_round_in_flight_resumes_to_the_uninterrupted_bits(tmp
         assert torch.equal(res[r]["params"], ref[r]["params"]), r
 
 
-def test_eager_a_late_region_keeps_its_payload_and_the_regions_end_identical(tmp_path):
+def test_eager_a_late_region_keeps_its_payload_and_the_regions_end_identical(tmp_path, monkeypatch):
     """overlap eager, elastic: us publishes nothing in round 2 (withheld); eu closes it alone; us keeps all of
     that round's p in its error buffer (its delta was not applied) and both end on the same bits."""
     from .test_overlap import run
 
-    def setup(s):
-        if s.xr.region == "us":
-            s.ex.withheld = s.bg_ex.withheld = frozenset({2})
-
+    monkeypatch.setattr(Exchange, "upload", faults.withholding(Exchange.upload, "us", {2}))
     kw = dict(SP, min_regions=1, grace_s=0.3, keep_rounds=10)
-    res = in_threads(lambda r: run(r, tmp_path, 4, setup=setup, **kw), ["eu", "us"])
+    res = in_threads(lambda r: run(r, tmp_path, 4, **kw), ["eu", "us"])
     eu, us = res["eu"], res["us"]
     joined2 = [x["rec"] for x in us["rounds"].values() if x["rec"].get("xr_round") == 2]
     assert joined2 and joined2[0]["xr_late"] and joined2[0]["xr_members"] == ["eu"]
