@@ -30,8 +30,8 @@ STOPPING_SUFFIX = ".stopping"
 # and logs that line.
 FATAL_SUFFIX = ".fatal"
 
-# The launchers write (append to) the stop file BEFORE they hand SIGTERM on to the workers (run-trainer on
-# every node). So under torchrun a worker that gets SIGTERM and finds no stop file within this many seconds
+# In a Slurm job step run-trainer writes (appends to) the stop file BEFORE it hands SIGTERM on to the workers.
+# So under torchrun in a Slurm step a worker that gets SIGTERM and finds no stop file within this many seconds
 # takes it for torchrun's agent tearing the workers down after another one failed (it gives them its own
 # 30 s, whatever --shutdown-timeout says) and exits at once: a crash frees the node in seconds.
 TERM_WITHOUT_STOP_S = 5.0

@@ -156,6 +156,11 @@ class StopRequest:
         or when something else holds the wakeup fd."""
         if self.stop_file is None or self.teardown_exit_s is None or signal.SIGTERM not in self.handled:
             return False
+        if not os.environ.get("SLURM_STEP_ID"):
+            # Only a Slurm job step guarantees the order (run-trainer is the step's task: every SIGTERM
+            # reaches it, and it writes the stop file first). The SSH launcher's stop signals the workers
+            # directly, without a stop file: there a SIGTERM stays a stop request, and a crash takes torch's 30 s.
+            return False
         r, w = os.pipe()
         os.set_blocking(w, False)  # the C-level handler must never block
         prev = signal.set_wakeup_fd(w, warn_on_full_buffer=False)

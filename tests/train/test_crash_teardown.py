@@ -111,7 +111,9 @@ def test_a_crash_frees_the_node_in_torchs_30_s_not_after_the_stop_budget(tmp_pat
 
 def test_a_crash_frees_the_node_in_seconds_when_the_survivor_runs_the_library(tmp_path: Path):
     stop_file = tmp_path / "stop" / "job.attempt-0"  # set, never created: nobody asked to stop
-    text, took, rc = _torchrun_crash(tmp_path, LIB_WORKER, {ENV_STOP_FILE: str(stop_file)})
+    text, took, rc = _torchrun_crash(
+        tmp_path, LIB_WORKER, {ENV_STOP_FILE: str(stop_file), "SLURM_STEP_ID": "0"}
+    )
     assert rc == 1, text
     assert "exitcode  : 3" in text, text  # torchrun still names the crash as the cause
     line = f"rank 0: SIGTERM and no stop file within {TERM_WITHOUT_STOP_S:g} s: torchrun is stopping"
@@ -134,11 +136,13 @@ print("saved", flush=True)
 """
 
 
-def _stopping_worker(tmp_path: Path, ckpt_s: float) -> tuple[subprocess.Popen, Path]:
+def _stopping_worker(tmp_path: Path, ckpt_s: float, **extra: str) -> tuple[subprocess.Popen, Path]:
+    """The worker, as torchrun starts it under a Slurm job step (SLURM_STEP_ID; ``extra`` replaces it)."""
+    extra = {"SLURM_STEP_ID": "0", **extra}
     (tmp_path / "w.py").write_text(STOPPING_WORKER)
     stop_file = tmp_path / "stop" / "job.attempt-0"
     stop_file.parent.mkdir()
-    env = train_env({ENV_STOP_FILE: str(stop_file), "TORCHELASTIC_RUN_ID": "t", "RANK": "0"})
+    env = train_env({ENV_STOP_FILE: str(stop_file), "TORCHELASTIC_RUN_ID": "t", "RANK": "0", **extra})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(
         [sys.executable, str(tmp_path / "w.py"), str(ckpt_s)],
@@ -162,6 +166,14 @@ def test_a_sigterm_whose_stop_file_comes_in_time_is_a_stop_however_long_the_save
     assert proc.returncode == 0, out
     assert "stopping: SIGTERM" in out, out
     assert out.rstrip().endswith("saved"), out
+
+
+def test_outside_a_slurm_step_a_sigterm_without_a_stop_file_stays_a_stop(tmp_path: Path):
+    """The SSH launcher's stop signals the workers directly, without a stop file: a stop, not a teardown."""
+    proc, _ = _stopping_worker(tmp_path, ckpt_s=TERM_WITHOUT_STOP_S + 2, SLURM_STEP_ID="")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out.rstrip().endswith("saved"), out
 
 
 def test_a_sigterm_without_a_stop_file_exits_after_the_window(tmp_path: Path):
