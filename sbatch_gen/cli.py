@@ -442,7 +442,10 @@ def init(name, kind, sites_dir, hosts, **given) -> None:
                 setattr(answers, field, click.prompt(flag.lstrip("-").replace("-", " "), type=kind_of))
         lacking = init_profile.missing(answers)
     if lacking:
-        raise UserError([f"init --kind {kind}: {flag} is required" for _, flag in lacking])
+        why = {
+            "--slurm-version": " (scontrol --version gave none here: run init on the login node, or give it)"
+        }
+        raise UserError([f"init --kind {kind}: {flag} is required{why.get(flag, '')}" for _, flag in lacking])
     path = init_profile.write(sites_dir, name, answers)
     click.echo(
         f"wrote {display_path(path)}: check it with `sbatch-gen validate --site {name}`, then render it"

@@ -165,6 +165,18 @@ def describe(model: type[BaseModel], path: str) -> str:
     return desc
 
 
+def default(model: type[BaseModel], path: str) -> object:
+    """The schema's default of a dotted field path (None when it has none)."""
+    cls: type[BaseModel] | None = model
+    field = None
+    for part in path.split("."):
+        if cls is None or part not in cls.model_fields:
+            return None
+        field = cls.model_fields[part]
+        cls = _inner(field.annotation)
+    return None if field is None else field.get_default(call_default_factory=True)
+
+
 def _value(v: object) -> str:
     """A YAML value: strings in double quotes (JSON's, which YAML reads alike: no time or number
     surprises), numbers and lists as JSON."""
@@ -194,7 +206,9 @@ def text(site: str, a: Answers) -> str:
             lines.append("")
         for c in textwrap.wrap(describe(model, k.path), 100 - len(indent) - 2):
             lines.append(f"{indent}# {c}")
-        line = f"{parts[-1]}: {_value(k.value)}"
+        # a commented line shows the schema's default: uncommenting it changes nothing
+        shown = default(model, k.path) if k.commented and default(model, k.path) is not None else k.value
+        line = f"{parts[-1]}: {_value(shown)}"
         lines.append(f"{indent}# {line}" if k.commented else f"{indent}{line}")
     return "\n".join(lines) + "\n"
 

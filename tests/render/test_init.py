@@ -39,6 +39,9 @@ def test_a_slurm_profile_from_flags_validates_and_renders(tmp_path, monkeypatch)
     for line in describe(PROFILE_KINDS["slurm"], "slurm.time").split(". ")[:1]:
         assert line in text
     assert "\n  # account: " in text and "\n# preemption:\n" in text  # defaults worth knowing, commented
+    assert (
+        "\n  # lead_time_s: 600\n" in text
+    )  # a commented value is the schema's default: uncommenting changes nothing
     assert sg("validate", "--site", "mine").code == 0
     r = sg("render", "--site", "mine")
     assert r.code == 0, r.err
