@@ -20,6 +20,22 @@ from sbatch_gen.render import render_site
 
 from .conftest import REPO
 
+# Stubs for a job whose training step only records its environment (in $STUB_DIR/step.env): the preflight
+# passes, scontrol names two nodes and a job that may be requeued, sinfo a Slurm version.
+ENV_DUMP_STUBS = {
+    "srun": r"""#!/bin/bash
+for a in "$@"; do [[ $a == preflight ]] && exit 0; done
+env -0 >"$STUB_DIR/step.env"
+""",
+    "scontrol": r"""#!/bin/bash
+case "$1 $2" in
+  "show hostnames") echo n1; echo n2 ;;
+  "show job") echo "JobId=$3 JobName=x"; echo "   Requeue=1 Restarts=0 BatchFlag=1" ;;
+esac
+""",
+    "sinfo": "#!/bin/bash\necho 'slurm 22.05.8'\n",
+}
+
 
 def render_local(*sets: str) -> str:
     """The training script of the `local` site rendered with ``--set`` overrides (as out/local.sbatch is)."""

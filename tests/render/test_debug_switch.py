@@ -15,7 +15,7 @@ import pytest
 from sbatch_gen.loader import load_site
 from sbatch_gen.render import render_site
 
-from .batch_sandbox import prepare
+from .batch_sandbox import ENV_DUMP_STUBS, prepare
 from .conftest import REPO
 
 DEBUG_NAMES = (
@@ -26,26 +26,13 @@ DEBUG_NAMES = (
 )
 GPU = ["slurm.gpus_per_node=2", "torchrun.procs_per_node=null"]  # `local` as a GPU site
 
-# stubs: the preflight passes; the training step (what srun starts on every node) records its environment
-SRUN_DUMPS_ENV = r"""#!/bin/bash
-for a in "$@"; do [[ $a == preflight ]] && exit 0; done
-env -0 >"$STUB_DIR/step.env"
-"""
-SCONTROL = r"""#!/bin/bash
-case "$1 $2" in
-  "show hostnames") echo n1; echo n2 ;;
-  "show job") echo "JobId=$3 JobName=x"; echo "   Requeue=1 Restarts=0 BatchFlag=1" ;;
-esac
-"""
-SINFO = "#!/bin/bash\necho 'slurm 22.05.8'\n"
-
 
 def _job(tmp_path: Path, given: dict[str, str]) -> tuple[dict[str, str], str, Path]:
     """(the training step's environment, the job's output, the submit directory)."""
     script = render_site(load_site(REPO / "sites", "local", GPU))[0].text
     job, env, stub_dir = prepare(
         tmp_path,
-        {"srun": SRUN_DUMPS_ENV, "scontrol": SCONTROL, "sinfo": SINFO},
+        ENV_DUMP_STUBS,
         "ok",
         script=script,
         env=given,

@@ -16,7 +16,7 @@ from sbatch_gen.profiles import RUNTIME_EXPORTS, job_environment
 from sbatch_gen.profiles.environment import FORCED_ENV_NAMES, JOB_ENV_NAMES
 from sbatch_gen.render import env_default, render_site
 
-from .batch_sandbox import prepare
+from .batch_sandbox import ENV_DUMP_STUBS, prepare
 from .conftest import REPO
 
 HOSTILE = "job-$SLURM_JOB_ID \"a\" 'b' \\c } `d` ${e} $(f)"
@@ -118,20 +118,6 @@ def test_the_loader_variables_extra_env_allow_opts_in_to_are_always_set():
         assert got["LD_LIBRARY_PATH"] == "/opt/nccl/lib" and got["RUN_TAG"] == "mine"
 
 
-# stubs: the preflight passes; the training step (what srun starts on every node) records its environment
-SRUN_DUMPS_ENV = r"""#!/bin/bash
-for a in "$@"; do [[ $a == preflight ]] && exit 0; done
-env -0 >"$STUB_DIR/step.env"
-"""
-SCONTROL = r"""#!/bin/bash
-case "$1 $2" in
-  "show hostnames") echo n1; echo n2 ;;
-  "show job") echo "JobId=$3 JobName=x"; echo "   Requeue=1 Restarts=0 BatchFlag=1" ;;
-esac
-"""
-SINFO = "#!/bin/bash\necho 'slurm 22.05.8'\n"
-
-
 def test_a_slurm_job_step_gets_the_submit_time_value_and_the_jobs_own_runtime_variables(tmp_path):
     # as `OMP_NUM_THREADS=3 MASTER_PORT=1 SBATCH_GEN_STOP_FILE=/x sbatch out/local.sbatch` would
     given = {
@@ -140,9 +126,7 @@ def test_a_slurm_job_step_gets_the_submit_time_value_and_the_jobs_own_runtime_va
         "MASTER_ADDR": "elsewhere",
         "SBATCH_GEN_STOP_FILE": "/x",
     }
-    job, env, stub_dir = prepare(
-        tmp_path, {"srun": SRUN_DUMPS_ENV, "scontrol": SCONTROL, "sinfo": SINFO}, "ok", env=given
-    )
+    job, env, stub_dir = prepare(tmp_path, ENV_DUMP_STUBS, "ok", env=given)
     r = subprocess.run(
         ["bash", str(job)], cwd=job.parent, env=env, capture_output=True, text=True, timeout=60
     )

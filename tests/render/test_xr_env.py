@@ -21,7 +21,7 @@ from sbatch_gen.profiles import container_env_names, job_environment
 from sbatch_gen.render import render_site
 from sbatch_gen.xr_options import CrossRegion, from_env, from_namespace, to_argv, to_env
 
-from .batch_sandbox import prepare
+from .batch_sandbox import ENV_DUMP_STUBS, prepare
 from .conftest import REPO, sg
 
 # A mailbox directory with what a shell would mangle: spaces, both quotes, backquote, backslash, glob
@@ -294,26 +294,12 @@ def test_bash_reads_the_rendered_blocks_back_as_the_profiles_options():
         assert from_env(got) == slurm.cross_region
 
 
-# stubs: the preflight passes; the training step (what srun starts on every node) records its environment
-SRUN_DUMPS_ENV = r"""#!/bin/bash
-for a in "$@"; do [[ $a == preflight ]] && exit 0; done
-env -0 >"$STUB_DIR/step.env"
-"""
-SCONTROL = r"""#!/bin/bash
-case "$1 $2" in
-  "show hostnames") echo n1; echo n2 ;;
-  "show job") echo "JobId=$3 JobName=x"; echo "   Requeue=1 Restarts=0 BatchFlag=1" ;;
-esac
-"""
-SINFO = "#!/bin/bash\necho 'slurm 22.05.8'\n"
-
-
 def test_a_slurm_job_step_gets_the_options_in_its_environment(tmp_path):
     site, _ = _sites(OWN_ARGS, XR_SET)
     slurm = site.profile
     job, env, stub_dir = prepare(
         tmp_path,
-        {"srun": SRUN_DUMPS_ENV, "scontrol": SCONTROL, "sinfo": SINFO},
+        ENV_DUMP_STUBS,
         "ok",
         script=render_site(site)[0].text,
     )
