@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from sbatch_gen.errors import UserError
 from sbatch_gen.loader import SITE_NAME_RE, load_site
@@ -152,21 +153,8 @@ def _inner(annotation: object) -> type[BaseModel] | None:
     return None
 
 
-def describe(model: type[BaseModel], path: str) -> str:
-    """The schema's description of a dotted field path (the first model of a union: e.g. a venv's)."""
-    cls: type[BaseModel] | None = model
-    desc = ""
-    for part in path.split("."):
-        if cls is None or part not in cls.model_fields:
-            return ""
-        field = cls.model_fields[part]
-        desc = field.description or ""
-        cls = _inner(field.annotation)
-    return desc
-
-
-def default(model: type[BaseModel], path: str) -> object:
-    """The schema's default of a dotted field path (None when it has none)."""
+def _field(model: type[BaseModel], path: str) -> FieldInfo | None:
+    """The field of a dotted path (through the first model of a union: e.g. a venv's), or None."""
     cls: type[BaseModel] | None = model
     field = None
     for part in path.split("."):
@@ -174,6 +162,18 @@ def default(model: type[BaseModel], path: str) -> object:
             return None
         field = cls.model_fields[part]
         cls = _inner(field.annotation)
+    return field
+
+
+def describe(model: type[BaseModel], path: str) -> str:
+    """The schema's description of a dotted field path."""
+    field = _field(model, path)
+    return (field.description or "") if field is not None else ""
+
+
+def default(model: type[BaseModel], path: str) -> object:
+    """The schema's default of a dotted field path (None when it has none)."""
+    field = _field(model, path)
     return None if field is None else field.get_default(call_default_factory=True)
 
 
@@ -207,7 +207,8 @@ def text(site: str, a: Answers) -> str:
         for c in textwrap.wrap(describe(model, k.path), 100 - len(indent) - 2):
             lines.append(f"{indent}# {c}")
         # a commented line shows the schema's default: uncommenting it changes nothing
-        shown = default(model, k.path) if k.commented and default(model, k.path) is not None else k.value
+        schema_default = default(model, k.path) if k.commented else None
+        shown = schema_default if schema_default is not None else k.value
         line = f"{parts[-1]}: {_value(shown)}"
         lines.append(f"{indent}# {line}" if k.commented else f"{indent}{line}")
     return "\n".join(lines) + "\n"
