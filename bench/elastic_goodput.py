@@ -12,6 +12,7 @@ import json
 import time
 from pathlib import Path
 
+from sbatch_gen.testing.faults import ENV_START_TOGETHER
 from sbatch_gen.testing.regions import RegionRun
 from sbatch_gen.train.signals import ack_path
 from sbatch_gen.train.xr.protocol import round_tag
@@ -66,7 +67,7 @@ class _Absence:
         self.presence = self.root / "mailbox" / self.name / "_presence" / "b.json"
         self.env = {"SBATCH_GEN_STEP_SLEEP_S": repr(sz.g_sleep_s)}
         self.watch = Watch(self.root / "a" / "metrics.jsonl")
-        self.commit = self.root / "mailbox" / self.name / round_tag(sz.g_leave_round) / "_commit.json"
+        self.rounds = self.root / "mailbox" / self.name
         self.attempts = {"a": 1, "b": 1}
         self.t_gone = self.t_back = self.t_joined = float("nan")
         self.started: list[RegionRun] = []
@@ -74,7 +75,7 @@ class _Absence:
         self.back = False
         self.deadline = 0.0
 
-    def launch(self, region: str, resume: str) -> RegionRun:
+    def launch(self, region: str, resume: str, env: dict | None = None) -> RegionRun:
         sz = self.sz
         xr = CrossRegion(
             enabled=True,
@@ -101,19 +102,23 @@ class _Absence:
             run_dir=self.root / region,
             data=self.data,
             resume=resume,
-            env=self.env,
+            env={**self.env, **(env or {})},
             log_dir=self.root / "logs",
             extra=extra,
+            module="sbatch_gen.testing.faults",
         )
 
     def start(self) -> None:
-        self.started = [self.launch("a", "none"), self.launch("b", "none")]
+        """Both regions, their first steps together (a fresh run's a would otherwise train on alone while b
+        still starts up, and under load pass the round b is to leave after before b has joined)."""
+        together = {ENV_START_TOGETHER: f"{self.root / 'started'}:2"}
+        self.started = [self.launch("a", "none", together), self.launch("b", "none", together)]
         self.deadline = time.monotonic() + TIMEOUT
 
     def b_leaves(self) -> None:
         """Wait for round g_leave_round's commit, then b crashes (SIGKILL) or stops (its stop file)."""
         a, b = self.started
-        while not self.commit.exists():
+        while not self._committed(self.sz.g_leave_round):
             for r in (a, b):
                 if r.poll()[0] is not None:
                     raise RuntimeError(
@@ -131,6 +136,14 @@ class _Absence:
         self.t_back = self.t_gone + self.sz.g_away_s
         self.live = {"a": a}
         self.back = False
+
+    def _committed(self, r: int) -> bool:
+        """Round ``r`` or a later one has committed (keep_rounds prunes a round's folder soon after)."""
+        try:
+            tags = [p.name for p in self.rounds.iterdir() if p.name >= round_tag(r)]
+        except OSError:
+            return False
+        return any((self.rounds / t / "_commit.json").exists() for t in tags if t[:1] == "r")
 
     def until_done(self) -> None:
         """Restart b when its time away is up, note when it has joined again, requeue strict regions that

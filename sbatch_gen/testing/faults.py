@@ -4,9 +4,12 @@ own modules carry no test hook. Torch-free to import (the sync is imported when 
 - :func:`withholding`: a region publishes nothing in some rounds, as if its payload always arrived after
   the round closed; it trains on and applies the committed update like any late region. In a test:
   ``monkeypatch.setattr(Exchange, "upload", withholding(Exchange.upload, "us", {2}))``.
+- :func:`starting_together`: regions start their first step together, whichever took longer to start up
+  (a fresh run's first region publishes theta0 and trains on at once; under load its peer can still be
+  importing torch while it passes the round a benchmark waits for).
 - ``python -m sbatch_gen.testing.faults ARGS``: the trainer (``python -m sbatch_gen.train ARGS``) with the
-  faults that :data:`ENV_WITHHOLD_ROUNDS` names installed first (``bench/elastic.py``'s control region runs
-  so: :func:`~sbatch_gen.testing.regions.launch_region`'s ``module``).
+  faults that :data:`ENV_WITHHOLD_ROUNDS` and :data:`ENV_START_TOGETHER` name installed first
+  (``bench/elastic.py``'s regions run so: :func:`~sbatch_gen.testing.regions.launch_region`'s ``module``).
 """
 
 from __future__ import annotations
@@ -14,12 +17,17 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 # "<region>:<round>,<round>,...": that region publishes nothing in those rounds (not an SBATCH_GEN_XR_*
 # name: those are the trainer's options, which it refuses when it does not know them)
 ENV_WITHHOLD_ROUNDS = "SBATCH_GEN_TEST_WITHHOLD_ROUNDS"
+# "<directory>:<processes>": every process waits before its first step until that many have arrived there
+ENV_START_TOGETHER = "SBATCH_GEN_TEST_START_TOGETHER"
+START_TOGETHER_TIMEOUT_S = 300.0
 
 
 def _round(tag: str) -> int | None:
@@ -49,14 +57,40 @@ def parse_withheld(value: str) -> tuple[str, frozenset[int]]:
     return region.strip(), frozenset(int(r) for r in rounds.split(",") if r.strip())
 
 
+def starting_together(begin: Callable[..., Any], directory: str, processes: int) -> Callable[..., Any]:
+    """``begin`` (the trainer's begin_loop, called once after the resume and the join), except that it first
+    marks this process arrived in ``directory`` and waits until ``processes`` have."""
+
+    def begin_together(*args, **kw):
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / str(os.getpid())).touch()
+        deadline = time.monotonic() + START_TOGETHER_TIMEOUT_S
+        while len(list(d.iterdir())) < processes:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{ENV_START_TOGETHER}: {processes} processes never arrived in {d}")
+            time.sleep(0.02)
+        return begin(*args, **kw)
+
+    return begin_together
+
+
 def install_from_env(environ: dict[str, str] | None = None) -> None:
-    """Install the faults the environment names (:data:`ENV_WITHHOLD_ROUNDS`) in this process."""
-    value = (os.environ if environ is None else environ).get(ENV_WITHHOLD_ROUNDS, "")
+    """Install the faults the environment names (:data:`ENV_WITHHOLD_ROUNDS`, :data:`ENV_START_TOGETHER`)
+    in this process."""
+    env = os.environ if environ is None else environ
+    value = env.get(ENV_WITHHOLD_ROUNDS, "")
     if value:
         from sbatch_gen.train.xr.exchange import Exchange
 
         region, rounds = parse_withheld(value)
         Exchange.upload = withholding(Exchange.upload, region, rounds)  # type: ignore[method-assign]
+    value = env.get(ENV_START_TOGETHER, "")
+    if value:
+        from sbatch_gen.train import trainer
+
+        directory, _, n = value.rpartition(":")
+        trainer.begin_loop = starting_together(trainer.begin_loop, directory, int(n))  # type: ignore[attr-defined]
 
 
 def main() -> None:

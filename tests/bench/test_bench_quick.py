@@ -21,6 +21,15 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
+def _failure(p: subprocess.CompletedProcess) -> str:
+    """What a failed benchmark printed: the start of each traceback (a region's log in the exception's text
+    would push it out of a plain tail), then the tails."""
+    heads = [p.stderr[m.start() : m.start() + 1500] for m in re.finditer(r"^Traceback", p.stderr, re.M)]
+    return "\n".join(
+        [*heads, "--- stdout tail ---", p.stdout[-2000:], "--- stderr tail ---", p.stderr[-2000:]]
+    )
+
+
 def _bench(name: str, out: Path, *extra: str, timeout: float = 900) -> dict:
     p = subprocess.run(
         [sys.executable, "-m", "bench", name, "--quick", "--out", str(out), *extra],
@@ -29,7 +38,7 @@ def _bench(name: str, out: Path, *extra: str, timeout: float = 900) -> dict:
         text=True,
         timeout=timeout,
     )
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0, _failure(p)
     md = (out / f"{name}.md").read_text()
     data = json.loads((out / f"{name}.json").read_text())
     assert data["name"] == name and data["quick"] is True
