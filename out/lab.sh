@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 9da0e4be9ce10e6c798e90344ffa969f2733fd7c91dcc68771be12d9b6e35e6b
+#   inputs sha256: 38123179b8fc3d5968a1ae9b6785e00e939b087f54bdd7eaf5fc1e1cc9538522
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -459,7 +459,7 @@ cleanup_command() {
 # preflight, the training step's supervision) and node_lines. Every render with the same library sha256
 # carries these same lines: review them once (`sbatch-gen diff --all` shows a change to them once, naming
 # the files).
-# library sha256: d9bb94cb03687cdb84bb444c4d4a3b1966f6b49f9052440d07bc85a4d3430337
+# library sha256: 5fab01f23ca3d5454d8ca29a14e4719785709c990bff6110cb3eb9b1c8869837
 # log MESSAGE...: one timestamped line on stderr, also appended to $LOG_FILE when that is set. Never fails
 # (the terminal may be gone when a trap logs).
 log() {
@@ -529,6 +529,37 @@ activate_env() {
   export PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}"
 }
 
+# find_pinned NAME SHA256 FILE...: the first FILE that is sbatch-gen's NAME with that sha256 (the one this
+# script pins; render writes it beside the renders), in PINNED_FOUND; else NODE_ERROR says what each FILE is
+# and the status is 1.
+find_pinned() {
+  local name=$1 sha=$2 f sum said=''
+  shift 2
+  for f in "$@"; do
+    if [[ ! -r $f ]]; then said+="${said:+; }no $f"; continue; fi
+    sum=$(sha256sum <"$f" 2>/dev/null) || sum=''
+    sum=${sum%% *}
+    if [[ $sum == "$sha" ]]; then PINNED_FOUND=$f; return 0; fi
+    said+="${said:+; }$f has sha256 ${sum:-unknown}"
+  done
+  NODE_ERROR="the $name this script pins (sha256 $sha) is not there: $said (sbatch-gen render writes it beside the renders: render again and review the diff)"
+  return 1
+}
+
+# stage_pinned STAGED NAME SHA256 FILE...: sbatch-gen's NAME with that sha256 at the path STAGED (in the run
+# dir). A copy already there (an earlier attempt of the run) is used even when the checkout has changed since;
+# else the first good FILE is copied there. Sets NODE_ERROR and returns 1 if there is none.
+stage_pinned() {
+  local staged=$1
+  shift
+  find_pinned "$1" "$2" "$staged" "${@:3}" || return 1
+  if [[ $PINNED_FOUND != "$staged" ]] \
+    && ! { mkdir -p -- "${staged%/*}" && cp -- "$PINNED_FOUND" "$staged.$$" && mv -f -- "$staged.$$" "$staged"; } 2>/dev/null; then
+    NODE_ERROR="cannot copy the $1 $PINNED_FOUND to $staged"
+    return 1
+  fi
+}
+
 # IPv4 address of an interface (ip, else python's SIOCGIFADDR: images without iproute2); returns 1 if it has
 # none.
 # shellcheck disable=SC2317,SC2329  # run on the nodes (shipped with the preflight)
@@ -544,38 +575,6 @@ print(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", sys.a
   fi
   [[ -n $addr ]] || return 1
   printf '%s\n' "$addr"
-}
-
-# find_node_program FILE...: the first FILE that is the node program this script pins (sbatch-gen-node.py
-# with sha256 $NODE_PY_SHA256), in NODE_PY_FOUND; else NODE_ERROR says what each FILE is and the status is 1.
-find_node_program() {
-  local f sum said=''
-  for f in "$@"; do
-    if [[ ! -r $f ]]; then said+="${said:+; }no $f"; continue; fi
-    sum=$(sha256sum <"$f" 2>/dev/null) || sum=''
-    sum=${sum%% *}
-    if [[ $sum == "$NODE_PY_SHA256" ]]; then NODE_PY_FOUND=$f; return 0; fi
-    said+="${said:+; }$f has sha256 ${sum:-unknown}"
-  done
-  NODE_ERROR="the node program this script pins (sbatch-gen-node.py, sha256 $NODE_PY_SHA256) is not there: $said (sbatch-gen render writes it beside the renders: render again and review the diff)"
-  return 1
-}
-
-# stage_node_program DIR FILE...: the node program this script pins, as DIR/sbatch-gen-node.<sha256>.py, in
-# SBATCH_GEN_NODE_PY (exported). A copy already there (an earlier attempt of the run) is used even when the
-# checkout has changed since; else the first good FILE is copied there. Sets NODE_ERROR and returns 1 if
-# there is none.
-stage_node_program() {
-  local staged="$1/sbatch-gen-node.${NODE_PY_SHA256:0:16}.py"
-  shift
-  find_node_program "$staged" "$@" || return 1
-  if [[ $NODE_PY_FOUND != "$staged" ]] \
-    && ! { mkdir -p -- "${staged%/*}" && cp -- "$NODE_PY_FOUND" "$staged.$$" && mv -f -- "$staged.$$" "$staged"; } 2>/dev/null; then
-    NODE_ERROR="cannot copy the node program $NODE_PY_FOUND to $staged"
-    return 1
-  fi
-  SBATCH_GEN_NODE_PY=$staged
-  export SBATCH_GEN_NODE_PY
 }
 
 # node_py [--exec] COMMAND ARG...: the node program's COMMAND (preflight, run-trainer), run by this node's
@@ -627,8 +626,8 @@ node_lines() {
 # The node program's text (the preflight's checks, run-trainer), from beside this script, else from out/, if it
 # is the one this script pins; main stops with NODE_ERROR if not.
 NODE_PY_SRC=''
-if find_node_program "$(dirname -- "${BASH_SOURCE[0]}")/sbatch-gen-node.py" out/sbatch-gen-node.py; then
-  NODE_PY_SRC=$(cat -- "$NODE_PY_FOUND")
+if find_pinned sbatch-gen-node.py "$NODE_PY_SHA256" "$(dirname -- "${BASH_SOURCE[0]}")/sbatch-gen-node.py" out/sbatch-gen-node.py; then
+  NODE_PY_SRC=$(cat -- "$PINNED_FOUND")
 fi
 # The program a node runs: strict mode, the settings and functions above (declare -p/-f print them
 # as bash code, every value quoted), then "$@".

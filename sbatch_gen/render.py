@@ -252,18 +252,24 @@ def context(site: LoadedSite, sha: str) -> dict:
         "preflight_ib_hca": preflight_ib_hca(p),
         # the node program: its file name (render writes it beside the renders) and the sha256 it must have
         "node_py": {"name": NODE_PROGRAM_FILE, "sha256": _sha256(node_program_text())},
-        "EXIT_REQUEUE": contract.EXIT_REQUEUE,
-        "ENV_STOP_FILE": contract.ENV_STOP_FILE,
-        "ENV_PINNED_CODE": contract.ENV_PINNED_CODE,
-        "ENV_RUN_JOB": contract.ENV_RUN_JOB,
-        "ACK_SUFFIX": contract.ACK_SUFFIX,
-        "FATAL_SUFFIX": contract.FATAL_SUFFIX,
-        "STOPPING_SUFFIX": contract.STOPPING_SUFFIX,
-        "CHECKPOINTS_DIR": contract.CHECKPOINTS_DIR,
-        "CHECKPOINT_MARKER": contract.CHECKPOINT_MARKER,
+        **CONTRACT_CONTEXT,
     }
     ctx.update(p.template_context(site.name))
     return ctx
+
+
+# The trainer's side of the stop hand-off and the run dir's layout (contract.py), for every template.
+CONTRACT_CONTEXT = {
+    "EXIT_REQUEUE": contract.EXIT_REQUEUE,
+    "ENV_STOP_FILE": contract.ENV_STOP_FILE,
+    "ENV_PINNED_CODE": contract.ENV_PINNED_CODE,
+    "ENV_RUN_JOB": contract.ENV_RUN_JOB,
+    "ACK_SUFFIX": contract.ACK_SUFFIX,
+    "FATAL_SUFFIX": contract.FATAL_SUFFIX,
+    "STOPPING_SUFFIX": contract.STOPPING_SUFFIX,
+    "CHECKPOINTS_DIR": contract.CHECKPOINTS_DIR,
+    "CHECKPOINT_MARKER": contract.CHECKPOINT_MARKER,
+}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -275,6 +281,7 @@ class Rendered:
     text: str
     template: str
     uses_node_program: bool = False  # the script runs the node program (NODE_PROGRAM_FILE, its sha256 pinned)
+    uses_job_library: bool = False  # the script sources the job library (JOB_LIBRARY_FILE, its sha256 pinned)
 
 
 # The node program (sbatch_gen/node_program.py): `render` writes it beside the renders under this name, once
@@ -292,8 +299,29 @@ def node_program() -> Rendered:
     return Rendered(NODE_PROGRAM_FILE, node_program_text(), "")
 
 
+# The Slurm training scripts' job library (templates/slurm-job.sh.j2: main's helpers and the node functions):
+# `render` writes it beside the renders under this name, once for all of them; a script that sources it pins
+# its sha256. It depends on no site's settings.
+JOB_LIBRARY_FILE = "sbatch-gen-job.sh"
+JOB_LIBRARY_TEMPLATE = "slurm-job.sh.j2"
+
+
+def job_library(templates_dir: Path | None = None) -> Rendered:
+    """The job library as a file of the render directory, beside the scripts that source it."""
+    tdir = templates_dir or default_templates_dir()
+    env = _cached_env(str(Path(tdir).resolve()))
+    try:
+        text = env.get_template(JOB_LIBRARY_TEMPLATE).render(CONTRACT_CONTEXT)
+    except jinja2.TemplateNotFound as e:
+        raise UserError(f"{display_path(tdir)}: template {e.name!r} not found") from None
+    except jinja2.TemplateError as e:
+        raise UserError(f"{display_path(tdir)}/{JOB_LIBRARY_TEMPLATE}: cannot render: {e}") from None
+    return Rendered(JOB_LIBRARY_FILE, text.rstrip("\n") + "\n", JOB_LIBRARY_TEMPLATE)
+
+
 def render_site(site: LoadedSite, templates_dir: Path | None = None) -> list[Rendered]:
-    """The site's files (those that run the node program say so: node_program() goes beside them)."""
+    """The site's files (those that run the node program or source the job library say so: node_program() and
+    job_library() go beside them)."""
     tdir = templates_dir or default_templates_dir()
     env = _cached_env(str(Path(tdir).resolve()))
     out = []
@@ -303,6 +331,7 @@ def render_site(site: LoadedSite, templates_dir: Path | None = None) -> list[Ren
             names = _template_closure(env, template)
             sha = inputs_sha256(site, env, names)
             ctx = context(site, sha)
+            ctx["job_lib"] = {"name": JOB_LIBRARY_FILE, "sha256": _sha256(job_library(tdir).text)}
             text = env.get_template(template).render({**ctx, RENDER_STATE: state})
         except jinja2.TemplateNotFound as e:
             raise UserError(f"{display_path(tdir)}: template {e.name!r} not found") from None
@@ -318,7 +347,8 @@ def render_site(site: LoadedSite, templates_dir: Path | None = None) -> list[Ren
             shebang, rest = text.split("\n", 1)
             text = f"{shebang}\n{_SC2016}{rest}"
         uses = f"NODE_PY_SHA256={ctx['node_py']['sha256']}" in text
-        out.append(Rendered(pattern.format(site=site.name), text.rstrip("\n") + "\n", template, uses))
+        lib = f"JOB_LIB_SHA256={ctx['job_lib']['sha256']}" in text
+        out.append(Rendered(pattern.format(site=site.name), text.rstrip("\n") + "\n", template, uses, lib))
     return out
 
 

@@ -90,7 +90,7 @@ def install_from_env(environ: dict[str, str] | None = None) -> None:
         from sbatch_gen.train import trainer
 
         directory, _, n = value.rpartition(":")
-        trainer.begin_loop = starting_together(trainer.begin_loop, directory, int(n))  # type: ignore[attr-defined]
+        trainer.begin_loop = starting_together(trainer.begin_loop, directory, int(n))
 
 
 def main() -> None:

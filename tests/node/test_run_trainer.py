@@ -376,7 +376,10 @@ def test_child_pids_from_proc(tmp_path):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         (kid,) = np.child_pids(parent.pid)
-        assert Path(f"/proc/{kid}/cmdline").read_bytes().split(b"\0")[0] == b"sleep"
+        # the child is listed once forked, before it has exec'd sleep (until then its cmdline is python's)
+        while Path(f"/proc/{kid}/cmdline").read_bytes().split(b"\0")[0] != b"sleep":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         assert np.child_pids(kid) == []
         os.kill(kid, signal.SIGKILL)
     finally:

@@ -1,7 +1,7 @@
-"""How the renders get the node program to the nodes, run under bash from the committed renders' node
-library: find_node_program (the sha256 each render pins), stage_node_program (the Slurm job's copy in the
-run dir, kept across a checkout that changes) and preflight, the shell call of the program's preflight
-(a node without any python still answers in one line)."""
+"""How the renders get sbatch-gen's files to the nodes, run under bash from the committed renders: find_pinned
+(the sha256 each render pins), stage_pinned (the Slurm job's copies of the node program and of the job
+library in the run dir, kept across a checkout that changes) and preflight, the shell call of the program's
+preflight (a node without any python still answers in one line)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 EU = (REPO / "out" / "eu.sbatch").read_text()
 LAB = (REPO / "out" / "lab.sh").read_text()
@@ -17,13 +19,18 @@ PROGRAM = REPO / "out" / "sbatch-gen-node.py"
 SHA = hashlib.sha256(PROGRAM.read_bytes()).hexdigest()
 
 
-def _library(text: str) -> str:
-    start = text.index("\n# library sha256: ")
-    return text[start : text.index("\n# ==== end of node library")]
+JOB_LIB = REPO / "out" / "sbatch-gen-job.sh"
+LIB_SHA = hashlib.sha256(JOB_LIB.read_bytes()).hexdigest()
+
+
+def _functions() -> str:
+    """The Slurm training script's bootstrap (after main) and the job library it sources."""
+    bootstrap = EU[EU.index("\n}\n", EU.index("\nmain() {\n")) + 3 : EU.rindex('\nmain "$@"')]
+    return bootstrap + "\n" + JOB_LIB.read_text()
 
 
 def _bash(code: str, cwd: Path, path: str = "/usr/bin:/bin") -> subprocess.CompletedProcess:
-    prog = f"set -euo pipefail\nNODE_PY_SHA256={SHA}\n{_library(EU)}\n{code}"
+    prog = f"set -euo pipefail\nNODE_PY_SHA256={SHA}\n{_functions()}\n{code}"
     return subprocess.run(
         ["bash", "-c", prog], cwd=cwd, env={"PATH": path}, capture_output=True, text=True, timeout=30
     )
@@ -36,36 +43,44 @@ def test_every_render_that_runs_it_pins_the_committed_program():
     assert (REPO / "examples" / "out" / "sbatch-gen-node.py").read_bytes() == PROGRAM.read_bytes()
 
 
-def test_find_node_program_takes_the_first_file_with_the_pinned_sha256(tmp_path):
+def test_find_pinned_takes_the_first_file_with_the_pinned_sha256(tmp_path):
     (tmp_path / "old.py").write_text("print('an older node program')\n")
     shutil.copy(PROGRAM, tmp_path / "good.py")
-    r = _bash('find_node_program missing.py old.py good.py; echo "$NODE_PY_FOUND"', tmp_path)
+    find = 'find_pinned sbatch-gen-node.py "$NODE_PY_SHA256"'
+    r = _bash(f'{find} missing.py old.py good.py; echo "$PINNED_FOUND"', tmp_path)
     assert r.returncode == 0 and r.stdout == "good.py\n", r.stderr
-    r = _bash('find_node_program missing.py old.py || echo "$NODE_ERROR"', tmp_path)
+    r = _bash(f'{find} missing.py old.py || echo "$NODE_ERROR"', tmp_path)
     old = hashlib.sha256(b"print('an older node program')\n").hexdigest()
     assert r.stdout == (
-        f"the node program this script pins (sbatch-gen-node.py, sha256 {SHA}) is not there: no missing.py; "
+        f"the sbatch-gen-node.py this script pins (sha256 {SHA}) is not there: no missing.py; "
         f"old.py has sha256 {old} (sbatch-gen render writes it beside the renders: render again and review "
         "the diff)\n"
     )
 
 
-def test_stage_node_program_copies_it_into_the_run_dir_once(tmp_path):
+@pytest.mark.parametrize(
+    "name, source, sha",
+    [("sbatch-gen-node.py", PROGRAM, SHA), ("sbatch-gen-job.sh", JOB_LIB, LIB_SHA)],
+    ids=["node program", "job library"],
+)
+def test_stage_pinned_copies_it_into_the_run_dir_once(tmp_path, name, source, sha):
     (tmp_path / "out").mkdir()
-    shutil.copy(PROGRAM, tmp_path / "out" / "sbatch-gen-node.py")
-    stage = 'stage_node_program runs/x/node nowhere/sbatch-gen-node.py out/sbatch-gen-node.py; echo "$SBATCH_GEN_NODE_PY"; env | grep ^SBATCH_GEN_NODE_PY='
+    shutil.copy(source, tmp_path / "out" / name)
+    stem, ext = name.rsplit(".", 1)
+    staged = f"runs/x/node/{stem}.{sha[:16]}.{ext}"
+    stage = f"stage_pinned {staged} {name} {sha} nowhere/{name} out/{name}; echo staged"
     r = _bash(stage, tmp_path)
-    staged = f"runs/x/node/sbatch-gen-node.{SHA[:16]}.py"
-    assert r.returncode == 0, r.stderr
-    assert r.stdout == f"{staged}\nSBATCH_GEN_NODE_PY={staged}\n"
-    assert (tmp_path / staged).read_bytes() == PROGRAM.read_bytes()
-    # a requeue after `git pull` changed out/: the run keeps the program it started with
-    (tmp_path / "out" / "sbatch-gen-node.py").write_text("changed\n")
+    assert r.returncode == 0 and r.stdout == "staged\n", r.stderr
+    assert (tmp_path / staged).read_bytes() == source.read_bytes()
+    # a requeue after `git pull` changed out/: the run keeps the file it started with
+    (tmp_path / "out" / name).write_text("changed\n")
     r = _bash(stage, tmp_path)
-    assert r.returncode == 0 and r.stdout.startswith(f"{staged}\n"), r.stderr
+    assert r.returncode == 0 and r.stdout == "staged\n", r.stderr
+    assert (tmp_path / staged).read_bytes() == source.read_bytes()
     # a new run dir with the changed checkout: the job stops before any step, naming the file
-    r = _bash('stage_node_program runs/y/node out/sbatch-gen-node.py || echo "$NODE_ERROR"', tmp_path)
-    assert "out/sbatch-gen-node.py has sha256 " in r.stdout and not (tmp_path / "runs/y/node").exists()
+    other = staged.replace("runs/x", "runs/y")
+    r = _bash(f'stage_pinned {other} {name} {sha} out/{name} || echo "$NODE_ERROR"', tmp_path)
+    assert f"out/{name} has sha256 " in r.stdout and not (tmp_path / "runs/y/node").exists()
 
 
 def test_the_preflight_runs_the_staged_program(tmp_path):

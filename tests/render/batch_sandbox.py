@@ -98,9 +98,10 @@ def prepare(
     full.update(env or {})  # may replace the defaults above
     job = work / "job.sbatch"
     job.write_text(script if script is not None else (REPO / "out" / "local.sbatch").read_text())
-    # the node program the job's preflight runs, where a checkout has it (the job looks in out/)
+    # the node program and the job library the job runs, where a checkout has them (the job looks in out/)
     (work / "out").mkdir()
-    shutil.copy(REPO / "out" / "sbatch-gen-node.py", work / "out" / "sbatch-gen-node.py")
+    for name in ("sbatch-gen-node.py", "sbatch-gen-job.sh"):
+        shutil.copy(REPO / "out" / name, work / "out" / name)
     # the submit directory is a git checkout, as a user's is: the job pins its code (paths.pin_code)
     (work / ".gitignore").write_text(".venv/\nruns/\n")
     git = ["git", "-C", str(work), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]

@@ -1,31 +1,42 @@
-"""Every committed render reads top-down (issue 28, item 1): the #SBATCH header (or the SSH launcher's
+"""Every committed render reads top-down (issues 28 and 41): the #SBATCH header (or the SSH launcher's
 usage), the settings, then main() with the job's flow in order, the launch and the requeue (relaunch)
-decision within its first lines; after main its helpers, then the node library between its fences, with
-its own sha256; `main "$@"` is the last line."""
+decision within its first lines, and where the flow ends. After main: in a Slurm training script only its
+bootstrap (log/die and how main finds its pinned files: the job library it sources and the node program);
+in the SSH launcher and the setup scripts the helpers, then the node library between its fences, with its
+own sha256. `main "$@"` is the last line. The job library (out/sbatch-gen-job.sh) defines functions only."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from .conftest import REPO
-from .script_parts import LIBRARY_END, LIBRARY_START, library_lines, library_sha_ok
+from sbatch_gen.render import JOB_LIBRARY_FILE
 
+from .conftest import REPO
+from .script_parts import LIBRARY_END, LIBRARY_START, function_text, library_lines, library_sha_ok
+
+OUT_DIRS = (REPO / "out", REPO / "examples" / "out")
 RENDERS = sorted(
-    p
-    for d in (REPO / "out", REPO / "examples" / "out")
-    for p in d.iterdir()
-    if p.suffix in (".sbatch", ".sh")
+    p for d in OUT_DIRS for p in d.iterdir() if p.suffix in (".sbatch", ".sh") and p.name != JOB_LIBRARY_FILE
 )
 TRAINING = [p for p in RENDERS if not p.name.endswith(".setup.sbatch")]
+SLURM_TRAINING = [p for p in TRAINING if p.suffix == ".sbatch"]
+LIBRARIES = [d / JOB_LIBRARY_FILE for d in OUT_DIRS]
 
-# The job's decisions come early. The training launch (main's first srun: the preflight's is a helper's)
-# follows torchrun's and the trainer's argument lists, 40 lines of --xr-* flags for the cross-region sites,
-# which puts it at line 263 for eu, and the requeue decision a few lines later.
+# The job's decisions come early. The training launch (main's first srun: the preflight's is the job
+# library's) follows torchrun's and the trainer's argument lists, 40 lines of --xr-* flags for the
+# cross-region sites, which puts it at line 262 for eu, and the requeue decision a few lines later.
 LAUNCH_BY = 265
 DECISION_BY = 275
-# ...and where the flow ends: main's closing brace, after the requeue decision and all it does (325 in eu;
-# the SSH launcher's main is its attempts loop, 163 in lab.sh). What follows is helpers and the library.
-MAIN_END_BY = 330
+# ...and where the flow ends: main's closing brace, after the requeue decision and all it does (313 in eu;
+# the SSH launcher's main is its attempts loop, 163 in lab.sh).
+MAIN_END_BY = 320
+# A Slurm training script whole: 358 lines for eu (801 before its helpers and node functions became the
+# job library), the bootstrap after main included.
+SLURM_SCRIPT_LINES = 365
+# The bootstrap after a Slurm training script's main: these functions, nothing else.
+BOOTSTRAP = ["log", "die", "find_pinned", "stage_pinned"]
 
 
 def _ids(paths):
@@ -37,17 +48,25 @@ def _line(lines: list[str], pred) -> int:
     return next((i for i, x in enumerate(lines, 1) if pred(x)), 0)
 
 
+def _functions(lines: list[str]) -> list[str]:
+    return [m.group(1) for x in lines if (m := re.match(r"^([a-z_]+)\(\) \{", x))]
+
+
 @pytest.mark.parametrize("path", RENDERS, ids=_ids(RENDERS))
-def test_main_comes_first_then_the_node_library_then_the_call(path):
+def test_main_comes_first_then_its_helpers_then_the_call(path):
     lines = path.read_text().splitlines()
     main = lines.index("main() {") + 1
     main_end = lines.index("}", main) + 1
-    library = _line(lines, lambda x: x.startswith(LIBRARY_START))
-    library_end = _line(lines, lambda x: x.startswith(LIBRARY_END))
-    assert main < main_end < library < library_end, (main, main_end, library, library_end)
     assert lines[-1] == 'main "$@"'
     # nothing runs before main but assignments: no function is defined before main
     assert not [x for x in lines[: main - 1] if x.endswith("() {")]
+    if path in SLURM_TRAINING:
+        assert _functions(lines[main_end:]) == BOOTSTRAP
+        assert LIBRARY_START not in path.read_text()
+        return
+    library = _line(lines, lambda x: x.startswith(LIBRARY_START))
+    library_end = _line(lines, lambda x: x.startswith(LIBRARY_END))
+    assert main < main_end < library < library_end, (main, main_end, library, library_end)
     assert library_sha_ok(path.read_text())
 
 
@@ -68,11 +87,43 @@ def test_the_launch_and_the_requeue_decision_come_early(path):
     assert launch < decision <= DECISION_BY and decision < main_end <= MAIN_END_BY, (decision, main_end)
 
 
+@pytest.mark.parametrize("path", SLURM_TRAINING, ids=_ids(SLURM_TRAINING))
+def test_a_slurm_training_script_is_read_whole(path):
+    """Its flow, its settings and the bootstrap: the helpers are the job library's, pinned by sha256."""
+    text = path.read_text()
+    assert len(text.splitlines()) <= SLURM_SCRIPT_LINES
+    assert re.search(r"^JOB_LIB_SHA256=[0-9a-f]{64}  # ", text, re.M)
+    assert '  source "$JOB_LIB"\n' in text
+
+
+@pytest.mark.parametrize("path", LIBRARIES, ids=_ids(LIBRARIES))
+def test_the_job_library_defines_functions_and_reads_no_site_setting(path):
+    """Sourced by every Slurm training script: function definitions only (nothing runs when it is sourced),
+    the same bytes in every render directory, and the sha256 every training script there pins."""
+    text = path.read_text()
+    assert text == (REPO / "out" / JOB_LIBRARY_FILE).read_text()
+    depth = 0
+    for x in text.splitlines():  # at the top level: comments, blank lines, function definitions
+        if depth == 0:
+            assert x == "" or x.startswith("#") or re.match(r"^[a-z_0-9]+\(\) \{", x), x
+        depth += x.count("{") - x.count("}") if not x.lstrip().startswith("#") else 0
+    import hashlib
+
+    sha = hashlib.sha256(text.encode()).hexdigest()
+    for script in path.parent.glob("*.sbatch"):
+        if not script.name.endswith(".setup.sbatch"):
+            assert f"JOB_LIB_SHA256={sha}  #" in script.read_text(), script
+    for word in ("eu", "us", "h200", "llm-xr", "ib0"):  # no site, partition, run or interface
+        assert word not in text.split(), word
+
+
 def test_the_slurm_and_ssh_renders_share_one_node_library():
-    """The library is written once (templates/_node.j2): a Slurm and an SSH render that use the same
-    functions carry it byte for byte, so a change to it is one hunk, the same in every file."""
-    eu = library_lines((REPO / "out" / "eu.sbatch").read_text())
-    lab = library_lines((REPO / "out" / "lab.sh").read_text())
-    assert eu == lab
-    assert "\npreflight() {\n" in eu[1] and "\nnode_py() {\n" in eu[1] and "\nnode_lines() {\n" in eu[1]
-    assert "SITE=" not in eu[1] and "eu" not in eu[1].split()  # no site setting in it
+    """The node functions are written once (templates/_node.j2): the Slurm job library carries the SSH
+    launcher's byte for byte, so a change to them is one hunk, the same in every file."""
+    lab = library_lines((REPO / "out" / "lab.sh").read_text())[1]
+    lib = (REPO / "out" / JOB_LIBRARY_FILE).read_text()
+    eu = (REPO / "out" / "eu.sbatch").read_text()
+    for name in ("activate_env", "load_modules", "node_py", "preflight", "node_lines"):
+        assert function_text(lab, name) and function_text(lab, name) == function_text(lib, name), name
+    for name in BOOTSTRAP:
+        assert function_text(lab, name) and function_text(lab, name) == function_text(eu, name), name

@@ -364,8 +364,10 @@ def test_eu_job_trains_on_a_healthy_node(tmp_path):
     r, stub_dir = _eu_job(tmp_path, _node(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     # the preflight ran the node program the render pins, from its copy in the run dir
-    (staged,) = (tmp_path / "run" / "node").iterdir()
+    (staged,) = (tmp_path / "run" / "node").glob("sbatch-gen-node.*.py")
     assert staged.read_bytes() == (REPO / "out" / "sbatch-gen-node.py").read_bytes()
+    (staged,) = (tmp_path / "run" / "node").glob("sbatch-gen-job.*.sh")  # and the job library it sourced
+    assert staged.read_bytes() == (REPO / "out" / "sbatch-gen-job.sh").read_bytes()
     assert ", NUMA binding node: numactl " in r.stdout and ", HCAs mlx5_0:1 " in r.stdout, r.stdout
     # paths.pin_code: the node's python_env is the one the batch shell pinned for the run
     assert ", python_env as the run started (paths.pin_code)" in r.stdout, r.stdout
@@ -408,7 +410,7 @@ def test_eu_job_stops_before_training_naming_node_and_field(tmp_path, sets, node
 def test_eu_job_without_the_pinned_node_program_stops_before_any_step(tmp_path):
     r, stub_dir = _eu_job(tmp_path, _node(tmp_path), node_program="print('another node program')\n")
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "ERROR: the node program this script pins (sbatch-gen-node.py, sha256 " in r.stderr, r.stderr
+    assert "ERROR: the sbatch-gen-node.py this script pins (sha256 " in r.stderr, r.stderr
     assert "out/sbatch-gen-node.py has sha256 " in r.stderr and "preflight" not in r.stdout
     assert not (stub_dir / "calls").exists()
 

@@ -68,13 +68,19 @@ def test_no_difference_no_output():
 
 
 def test_check_shows_a_template_change_once_and_diff_all_too(work):
-    """A one-line change in the node library (templates/_node.j2) is one hunk in check's output, naming
-    the 8 renders that carry it; a one-field profile change is then that site's own lines."""
+    """A one-line change in the node functions (templates/_node.j2) is one hunk in check's output, naming
+    the 8 renders that carry it; one in the job library (templates/slurm-job.sh.j2) is one hunk of
+    out/sbatch-gen-job.sh, and the Slurm training scripts' pinned sha256 one line; a one-field profile change
+    is then that site's own lines."""
     shutil.copytree(REPO / "out", work / "out")
     shutil.copytree(REPO / "templates", work / "templates")
     node = work / "templates" / "_node.j2"
     old = '# die CODE MESSAGE...: log "ERROR: MESSAGE" and exit with CODE.'
     node.write_text(node.read_text().replace(old, old + " (reviewed once)"))
+    lib = work / "templates" / "slurm-job.sh.j2"
+    tails = "# node_tails LOG...: the last 20 lines of each node's log of a failed step, into this log."
+    assert tails in lib.read_text()
+    lib.write_text(lib.read_text().replace(tails, tails + " (reviewed once)"))
     site = work / "sites" / "us.yaml"
     site.write_text(site.read_text().replace("cpus_per_task: 72", "cpus_per_task: 64"))
     r = sg("check", "--templates-dir", "templates")
@@ -82,17 +88,20 @@ def test_check_shows_a_template_change_once_and_diff_all_too(work):
     trainers = ["out/eu.sbatch", "out/lab.sh", "out/local.sbatch", "out/ssh-local.sh", "out/us.sbatch"]
     setups = ["out/eu.setup.sbatch", "out/local.setup.sbatch", "out/us.setup.sbatch"]
     assert r.out.count("+" + old + " (reviewed once)\n") == 1
-    assert r.out.startswith("# shared change 1 of 3: ")
-    shared_2 = r.out[r.out.index("# shared change 2 of 3: the same lines in 8 files\n") :]
+    eight = r.out[r.out.index("the same lines in 8 files\n") :]
     for name in trainers + setups:  # each names the place in each file
-        assert f"#   {name} (line " in shared_2.split("\n---", 1)[0]
-    # the library's sha256 line: one hunk per library variant (the training jobs', the setup jobs')
-    assert "the same lines in 5 files" in r.out and "the same lines in 3 files" in r.out
+        assert f"#   {name} (line " in eight.split("\n---", 1)[0]
+    # the fenced libraries' sha256 lines: one hunk per variant (the setup jobs', the SSH launchers')
+    assert "the same lines in 3 files" in r.out and "the same lines in 2 files" in r.out
+    # the job library: its own hunk, once; the training scripts name its new sha256
+    assert r.out.count("+" + tails + " (reviewed once)\n") == 1
+    assert "# out/sbatch-gen-job.sh: its own changes\n" in r.out
+    assert r.out.count("\n+JOB_LIB_SHA256=") == 2  # eu and local's shared line, and us's own hunk
     assert "-#SBATCH --cpus-per-task=72\n+#SBATCH --cpus-per-task=64\n" in r.out
-    # us's own change: the lines that depend on slurm.cpus_per_task (the #SBATCH line, both srun lines),
-    # in its own part only
-    own = r.out[r.out.index("# out/us.sbatch: also shared changes 1, 2 (above)\n") :]
-    assert r.out.count("--cpus-per-task=64") == own.count("--cpus-per-task=64") == 3
+    # us's own change: the lines that depend on slurm.cpus_per_task, in its own part only
+    own = r.out[r.out.index("--- a/out/us.sbatch\n") :]
+    assert r.out.count("--cpus-per-task=64") == own.count("--cpus-per-task=64") == 1
+    assert r.out.count("+CPUS_PER_TASK=64  # slurm.cpus_per_task") == own.count("+CPUS_PER_TASK=64") == 1
     # every file's new inputs sha256: one line, not a hunk per file
     assert (
         "\n# the header's inputs sha256 changed in: " + ", ".join(sorted(trainers + setups)) + "\n" in r.out

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from sbatch_gen.render import JOB_LIBRARY_FILE
 from sbatch_gen.testing.s3server import free_port
 
 from .conftest import REPO, edit_site, python_without_torch, sg
-from .script_parts import SCRIPT_SUFFIXES, node_library
+from .script_parts import SCRIPT_SUFFIXES, function_text, node_library
 
 pytestmark = pytest.mark.slow  # shellcheck and bash on every render
 
@@ -389,18 +390,11 @@ def test_preflight_rendezvous_between_two_nodes(tmp_path):
 # ---- the node-side logic is written once (templates/_node.j2) --------------------------------------------
 
 
-def _function(text: str, name: str) -> str | None:
-    """The definition of a shell function in a rendered script (None: not there)."""
-    i = text.find(f"\n{name}() {{")
-    if i < 0:
-        return None
-    end = text.index("\n", i + 1) if text[text.index("\n", i + 1) - 1] == "}" else text.index("\n}\n", i) + 2
-    return text[i + 1 : end]
-
-
 @pytest.mark.parametrize("name", ["log", "die", "load_modules", "activate_env", "iface_ipv4", "preflight"])
 def test_every_launcher_renders_the_same_node_function(name):
-    found = {p.name: _function(p.read_text(), name) for p in OUT_FILES}
+    found = {p.name: function_text(p.read_text(), name) for p in OUT_FILES}
     found = {k: v for k, v in found.items() if v is not None}
-    assert {k.rsplit(".", 1)[1] for k in found} == {"sbatch", "sh"}, sorted(found)  # Slurm and SSH scripts
+    # Slurm's (a setup script, or the job library a training script sources) and the SSH launchers'
+    kinds = {"slurm" if k.endswith(".sbatch") or k == JOB_LIBRARY_FILE else "ssh" for k in found}
+    assert kinds == {"slurm", "ssh"}, sorted(found)
     assert len(set(found.values())) == 1, f"{name}() differs between {sorted(found)}"

@@ -32,10 +32,16 @@ def test_stop_protocol_renders_are_lint_clean(tmp_path, monkeypatch, protocol):
         for p in tmp_path.iterdir()
         if p.name.endswith(SCRIPT_SUFFIXES) and not p.name.endswith(".setup.sbatch")
     )
-    assert [p.name for p in scripts] == ["eu.sbatch", "lab.sh", "local.sbatch", "ssh-local.sh"]
+    assert [p.name for p in scripts] == [
+        "eu.sbatch",
+        "lab.sh",
+        "local.sbatch",
+        "sbatch-gen-job.sh",
+        "ssh-local.sh",
+    ]
     assert len(SHELLCHECKS) == 2 and all(Path(c).exists() for c in SHELLCHECKS), SHELLCHECKS
     for path in scripts:
-        assert f"trainer.stop_protocol {protocol}" in path.read_text()
+        assert f"trainer.stop_protocol {protocol}" in path.read_text() or path.name == "sbatch-gen-job.sh"
         p = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
         assert p.returncode == 0, f"bash -n {path}:\n{p.stderr}"
         for sc in SHELLCHECKS:

@@ -1,0 +1,479 @@
+# shellcheck shell=bash
+# shellcheck disable=SC2034,SC2317,SC2329  # sourced by the training scripts: they call these functions and read what they set
+# sbatch-gen's job library for Slurm training scripts (templates/slurm-job.sh.j2), the same for every site:
+# a training script (out/<site>.sbatch) pins its sha256, stages it in the run dir and sources it first thing
+# in main, so its requeues and continuation jobs run this file whatever the checkout holds by then. It reads
+# the script's settings (RUN_DIR, LOG_DIR, STOP_SIGNAL, ...: the script's "settings from the profile") and
+# main's state (ATTEMPT, STOP_FILE, ...). Review it once: `sbatch-gen diff --all` shows a change to it once.
+
+# load_modules: `module load` python_env.modules ($MODULES), after sourcing the module system's shell set-up
+# where `module` is not defined (ssh's non-login shells). Sets NODE_ERROR and returns 1 if that fails.
+load_modules() {
+  local f
+  ((${#MODULES[@]})) || return 0
+  if ! type module >/dev/null 2>&1; then
+    for f in /etc/profile.d/lmod.sh /etc/profile.d/modules.sh; do
+      # shellcheck disable=SC1090
+      if [[ -r $f ]]; then set +u; source "$f"; set -u; break; fi
+    done
+  fi
+  set +u  # module scripts read unset variables
+  if ! module load "${MODULES[@]}"; then
+    set -u
+    NODE_ERROR="module load ${MODULES[*]} failed (python_env.modules)"
+    return 1
+  fi
+  set -u
+}
+
+# activate_env: python_env on this node: the modules, then the venv or conda environment ($ENV_KIND,
+# $ENV_PATH, $ENV_NAME), then $CODE_DIR first on PYTHONPATH. Sets NODE_ERROR and returns 1 when something
+# is missing.
+activate_env() {
+  local dir
+  load_modules || return 1
+  case $ENV_KIND in
+    venv)
+      if [[ ! -x $ENV_PATH/bin/python ]]; then
+        NODE_ERROR="venv $ENV_PATH not found: no $ENV_PATH/bin/python (python_env.path)${ENV_HINT:+; $ENV_HINT}"
+        return 1
+      fi
+      VIRTUAL_ENV=$(cd -- "$ENV_PATH" && pwd -P)
+      export VIRTUAL_ENV PATH="$VIRTUAL_ENV/bin:$PATH"
+      ;;
+    conda)
+      if [[ ! -r $ENV_PATH ]]; then
+        NODE_ERROR="conda not found: cannot read $ENV_PATH (python_env.conda_sh)"
+        return 1
+      fi
+      set +u  # conda's shell functions read unset variables
+      # shellcheck disable=SC1090
+      source "$ENV_PATH"
+      if ! conda activate "$ENV_NAME"; then
+        set -u
+        NODE_ERROR="conda activate $ENV_NAME failed (python_env.name or prefix)${ENV_HINT:+; $ENV_HINT}"
+        return 1
+      fi
+      set -u
+      ;;
+  esac
+  if ! dir=$(cd -- "$CODE_DIR" 2>/dev/null && pwd -P); then
+    NODE_ERROR="code directory $CODE_DIR does not exist (paths.code_dir)"
+    return 1
+  fi
+  export PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}"
+}
+
+# IPv4 address of an interface (ip, else python's SIOCGIFADDR: images without iproute2); returns 1 if it has
+# none.
+# shellcheck disable=SC2317,SC2329  # run on the nodes (shipped with the preflight)
+iface_ipv4() {
+  local addr='' py
+  if command -v ip >/dev/null; then
+    addr=$(ip -4 -o addr show dev "$1" 2>/dev/null | awk '{ split($4, a, "/"); print a[1]; exit }') || true
+  elif py=$(command -v python3 || command -v python); then
+    addr=$("$py" -c 'import fcntl, socket, struct, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+print(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", sys.argv[1][:15].encode()))[20:24]))' \
+      "$1" 2>/dev/null) || true
+  fi
+  [[ -n $addr ]] || return 1
+  printf '%s\n' "$addr"
+}
+
+# node_py [--exec] COMMAND ARG...: the node program's COMMAND (preflight, run-trainer), run by this node's
+# python: python_env's, else python3 (an image may have no `python`), isolated (-I: no PYTHONPATH, no user
+# site; it needs the standard library only). The program is the file $SBATCH_GEN_NODE_PY, or the text
+# $NODE_PY_SRC (the SSH launcher ships it). --exec: it replaces this shell (a job step's task: Slurm's
+# SIGTERM must reach the program, not a shell it would end). Status 127 when this node has no python (said on
+# stderr with --exec; the preflight says it in its own line).
+# shellcheck disable=SC2317,SC2329  # run on the nodes (export -f / declare -f)
+node_py() {
+  local py run=()
+  if [[ ${1-} == --exec ]]; then run=(exec); shift; fi
+  if ! py=$(command -v python || command -v python3); then
+    if ((${#run[@]})); then printf 'sbatch-gen: no python on PATH on %s (python_env): cannot run the node program (%s)\n' "${SLURMD_NODENAME:-$HOSTNAME}" "${1-}" >&2; fi
+    return 127
+  fi
+  if [[ -n ${NODE_PY_SRC-} ]]; then "${run[@]}" "$py" -I -c "$NODE_PY_SRC" "$@"; else "${run[@]}" "$py" -I "$SBATCH_GEN_NODE_PY" "$@"; fi
+}
+
+# preflight NAME=VALUE...: check this node before anything starts (the node program's preflight, through
+# node_py: its settings are listed there). One line: "preflight ok on NODE: what it found" on stdout (status
+# 0), or "preflight FAILED on NODE: problem; problem..." on stderr (status 1), also without any python.
+# shellcheck disable=SC2317,SC2329  # run on the nodes (export -f / declare -f), not called here
+preflight() {
+  local a rc=0 problem='python not found on PATH (python_env)'
+  node_py preflight "$@" || rc=$?
+  ((rc == 127)) || return "$rc"
+  for a in "$@"; do
+    if [[ $a == setup_error=?* ]]; then problem=${a#setup_error=}; fi
+  done
+  printf 'preflight FAILED on %s: %s\n' "${SLURMD_NODENAME:-$(hostname)}" "$problem" >&2
+  return 1
+}
+
+# node_lines LOG...: the last "node NAME: ..." line of each node's log (the node program's run-trainer says
+# in one line what a stop left), through log (launcher side).
+# shellcheck disable=SC2317,SC2329  # called by the launcher after a stop
+node_lines() {
+  local f said
+  for f in "$@"; do
+    [[ -e $f ]] || continue
+    said=$(grep -a -E '^\[sbatch-gen [^]]*\] node [^ ]+: ' -- "$f" | tail -n 1 | sed 's/^\[sbatch-gen [^]]*\] //' || true)
+    [[ -z $said ]] || log "$said"
+  done
+}
+
+# say_attempt: what this attempt starts from and with, one line each: the job, the nodes, the run dir, the
+# environment; a warning when the cluster's Slurm or the node count differs from the profile's, or when the
+# previous attempt began a stop checkpoint that did not complete (Slurm ended the job within its grace).
+say_attempt() {
+  local running previous
+  log "site $SITE, job $SLURM_JOB_ID, attempt $ATTEMPT${CONTINUES:+ (continues job ${CONTINUES%%.*})}; newest checkpoint: $(step_name "$START_STEP"); requeues in a row without progress: $(cat -- "$NO_PROGRESS_FILE" 2>/dev/null || echo 0) of at most $MAX_REQUEUES"
+  log "nodes ($SLURM_NNODES): $SLURM_JOB_NODELIST; rendezvous $MASTER_ADDR:$MASTER_PORT; $NPROC_PER_NODE processes and $EXPECTED_GPUS GPUs per node"
+  log "run dir $RUN_DIR; data ${DATA_PATH:-from the train config}; pinned interface ${PINNED_IFNAME:-none}"
+  log "environment: $(env | grep -E '^(NCCL|TORCH|GLOO|OMP)_' | sort | tr '\n' ' ')"
+  running=$(sinfo --version 2>/dev/null | awk '{print $2}' || true)
+  case $running in
+    "$EXPECTED_SLURM" | "$EXPECTED_SLURM".*) ;;
+    *) log "WARNING: the profile says Slurm $EXPECTED_SLURM (slurm.version), this cluster runs ${running:-unknown}" ;;
+  esac
+  (( SLURM_NNODES == NNODES )) || log "WARNING: got $SLURM_NNODES nodes, the profile asks for $NNODES (slurm.nodes)"
+  previous="$RUN_DIR/stop/${CONTINUES:-$SLURM_JOB_ID.attempt-$((ATTEMPT - 1))}"
+  if (( ATTEMPT > 0 )) || [[ -n $CONTINUES ]] && [[ -e $previous.stopping && ! -e $previous.ack ]]; then
+    log "WARNING: ${CONTINUES:-attempt $((ATTEMPT - 1))} was ended before its stop checkpoint completed: $(head -n 1 -- "$previous.stopping" | cut -c 1-500)"
+  fi
+}
+
+# wait_for_ack: after a stop request, up to ACK_TIMEOUT_S s for the trainer's "$STOP_FILE.ack" (its stop
+# checkpoint is complete), said in one line either way.
+wait_for_ack() {
+  local i
+  for ((i = 0; i < ACK_TIMEOUT_S; i++)); do
+    [[ -e $STOP_FILE.ack ]] && break
+    sleep 1
+  done
+  if [[ -e $STOP_FILE.ack ]]; then
+    log "trainer checkpointed: $(cat -- "$STOP_FILE.ack")"
+  else
+    log "WARNING: no $STOP_FILE.ack within $ACK_TIMEOUT_S s; --resume auto uses the last complete checkpoint"
+  fi
+}
+
+# node_tails LOG...: the last 20 lines of each node's log of a failed step, into this log.
+node_tails() {
+  local f
+  for f in "$@"; do
+    [[ -e $f ]] || continue
+    log "last lines of $f:"
+    tail -n 20 -- "$f" || true
+  done
+}
+
+# debug_env NAME (SBATCH_GEN_DEBUG=1): NCCL at INFO, each rank into $LOG_DIR/NAME.nccl.<host>.<pid>.log, and
+# torch's NCCL flight recorder (the TORCH_NCCL_* names: torch 2.13 reads them as its TORCH_FR_* ones), each
+# rank's records dumped on a collective timeout into $RUN_DIR/debug/NAME.rank-<rank>.
+debug_env() {
+  local logs=$LOG_DIR traces=$RUN_DIR/debug
+  [[ $logs == /* ]] || logs=$PWD/$logs
+  [[ $traces == /* ]] || traces=$PWD/$traces
+  mkdir -p -- "$traces"
+  export NCCL_DEBUG=INFO NCCL_DEBUG_FILE="$logs/$1.nccl.%h.%p.log" TORCH_NCCL_TRACE_BUFFER_SIZE=2000 \
+    TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$traces/$1.rank-"
+  log "SBATCH_GEN_DEBUG=1: NCCL INFO per rank in $logs/$1.nccl.<host>.<pid>.log; on a collective timeout, each rank's NCCL flight recorder in $traces/$1.rank-<rank>"
+}
+
+# pin_code: the code a run runs. A new submission copies $CODE_DIR's files (a git checkout's tracked and
+# untracked, not ignored) to $RUN_DIR/code/<job>/ and records "<commit> <clean|dirty> <code dir>" in
+# $RUN_DIR/code/<job>.pin; its requeues and continuation jobs (RUN_JOB: the submission's job id) run that copy
+# again, whatever the checkout holds by then. CODE_DIR, and trainer.config and trainer.script where they lie
+# in it, then point into the copy.
+pin_code() {
+  local pinned="$RUN_DIR/code/$RUN_JOB.pin" dir="$RUN_DIR/code/$RUN_JOB" commit dirty from now
+  if (( ATTEMPT == 0 )) && [[ -z $CONTINUES ]]; then
+    mkdir -p -- "$RUN_DIR/code"
+    if ! commit=$(git -C "$CODE_DIR" rev-parse HEAD 2>/dev/null); then
+      log "WARNING: paths.code_dir $CODE_DIR is not a git checkout: its code is not pinned (paths.pin_code)"
+      return 0
+    fi
+    dirty=clean
+    [[ -z $(git -C "$CODE_DIR" status --porcelain 2>/dev/null) ]] || dirty=dirty
+    rm -rf -- "$dir" "$dir.tmp"
+    mkdir -p -- "$dir.tmp"
+    (cd -- "$CODE_DIR" && git ls-files -z --cached --others --exclude-standard \
+      | tar --null -T - --ignore-failed-read -cf - 2>/dev/null) | tar -xf - -C "$dir.tmp" \
+      || die 1 "cannot copy paths.code_dir $CODE_DIR to $dir (paths.pin_code)"
+    mv -- "$dir.tmp" "$dir"
+    printf '%s %s %s\n' "$commit" "$dirty" "$(cd -- "$CODE_DIR" && pwd -P)" >"$pinned"
+    log "code pinned for the run: $CODE_DIR at commit $commit ($dirty), copied to $dir"
+  fi
+  [[ -r $pinned ]] || return 0
+  read -r commit dirty from <"$pinned"
+  [[ -d $dir ]] || die 1 "the run's pinned code $dir is gone: resubmit to pin the checkout anew (paths.pin_code)"
+  if (( ATTEMPT > 0 )) || [[ -n $CONTINUES ]]; then
+    now=$(git -C "$CODE_DIR" rev-parse HEAD 2>/dev/null || echo unknown)
+    log "running the code pinned when the run was submitted: commit $commit ($dirty) from $dir${now:+; the checkout is at $now now}"
+  fi
+  pin_path TRAIN_CONFIG "$from" "$dir"
+  pin_path TRAINER_SCRIPT "$from" "$dir"
+  CODE_DIR=$dir
+  export SBATCH_GEN_PINNED_CODE="$commit $dirty"
+}
+
+# pin_env: the Python environment a run runs in. A new submission records its fingerprint (the node
+# program's: torch's version, Python's, the architecture, a digest of every installed package's name and
+# version) in $RUN_DIR/code/<job>.env (and ENV_PINNED, for the preflight to check on every node); its requeues
+# and continuation jobs must find the same, or the job ends in one line: resuming the run's checkpoints
+# under other versions would change the run silently.
+pin_env() {
+  local record="$RUN_DIR/code/$RUN_JOB.env" now was
+  now=$(python -I "$SBATCH_GEN_NODE_PY" fingerprint) || die 1 "cannot read the versions of python_env (python -I $SBATCH_GEN_NODE_PY fingerprint failed)"
+  if (( ATTEMPT == 0 )) && [[ -z $CONTINUES ]] || [[ ! -e $record ]]; then
+    mkdir -p -- "$RUN_DIR/code"
+    printf '%s\n' "$now" >"$record" || die 1 "cannot write $record (paths.pin_code)"
+    ENV_PINNED=$now
+    log "environment pinned for the run: $now"
+    return 0
+  fi
+  read -r was <"$record" || true
+  ENV_PINNED=$was
+  [[ $now == "$was" ]] || die 1 "python_env changed since the run started: it was $was, it is $now; not resuming the run under other versions (paths.pin_code): restore the environment, or submit anew to go on with these versions"
+  log "running in the environment the run started with: $now"
+}
+
+# pin_path VAR FROM COPY: the path in VAR, when it lies in FROM and COPY has it, becomes COPY's.
+pin_path() {
+  local abs
+  [[ -n ${!1-} ]] || return 0
+  abs=$(realpath -m -- "${!1}")
+  if [[ $abs == "$2"/* && -e $3/${abs#"$2"/} ]]; then printf -v "$1" '%s' "$3/${abs#"$2"/}"; fi
+}
+
+# request_stop SIGNAL: the traps' handler (run as `request_stop ... || log`: a failure in it is logged, never
+# ends this shell).
+# shellcheck disable=SC2317,SC2329  # called by main's traps
+request_stop() {
+  TRAPPED=1
+  [[ $1 != TERM ]] || GOT_TERM=1
+  if (( REQUEUED )); then
+    log "SIG$1 after the requeue: this attempt is over"
+    return 0
+  fi
+  if [[ $1 == TERM ]]; then
+    slurm_ends "SIGTERM to the batch shell"
+  fi
+  if [[ -z $STOP_REQUESTED ]]; then
+    STOP_REQUESTED=$1
+    if [[ $STOP_PROTOCOL == sbatch-gen ]]; then
+      log "SIG$1 received: asking the trainer to checkpoint and stop ($STOP_FILE)"
+      printf 'SIG%s to the batch shell\n' "$1" >>"$STOP_FILE" \
+        || log "WARNING: cannot write $STOP_FILE: the trainer hears of the stop only from a SIGTERM to the job step"
+    else
+      log "SIG$1 received (trainer.stop_protocol $STOP_PROTOCOL)"
+    fi
+  fi
+}
+
+# wait_step PID [kill|return]: wait until the job step PID (srun) has exited; its status in rc. A trapped
+# signal ends `wait` early: wait again. On a stop request `kill` ends the step; `return` returns at once on
+# $STOP_SIGNAL (the caller stops the step).
+wait_step() {
+  while :; do
+    TRAPPED=0
+    rc=0
+    if [[ ${2-} == return && $STOP_REQUESTED == "$STOP_SIGNAL" ]]; then return 0; fi
+    wait "$1" || rc=$?
+    (( TRAPPED )) || return 0
+    if [[ ${2-} == kill && -n $STOP_REQUESTED ]]; then kill "$1" 2>/dev/null || true; fi
+  done
+}
+
+# slurm_ending: why Slurm is ending this job, from its record (scontrol): "requeued" (Restarts grew: an
+# administrator's requeue, a preemption without GraceTime or at its end, a node failure; Slurm starts the
+# next attempt itself), "preempted" (PreemptTime set: a preemption whose GraceTime runs; Slurm signalled the
+# job steps only), "timelimit" (Reason=TimeLimit: the job ends as TIMEOUT, which Slurm never requeues),
+# "cancelled" (a SIGTERM to this shell and none of those: scancel); nothing while the job is not ending.
+slurm_ending() {
+  local info restarts
+  info=$(job_record)
+  restarts=$(job_field "$info" Restarts)
+  if [[ $restarts =~ ^[0-9]+$ ]] && (( restarts > ATTEMPT )); then echo requeued
+  elif [[ $(job_field "$info" PreemptTime) == [0-9]* ]]; then echo preempted
+  elif [[ $(job_field "$info" Reason) == TimeLimit ]]; then echo timelimit
+  elif (( GOT_TERM )); then echo cancelled
+  fi
+}
+
+# job_record: Slurm's record of this job, one line of Key=Value fields (empty when scontrol fails);
+# job_field RECORD KEY: one field's value, empty when it is absent or (null).
+job_record() { printf ' %s ' "$(scontrol -o show job "$SLURM_JOB_ID" 2>/dev/null || true)"; }
+job_field() {
+  local v
+  v=$(grep -o " $2=[^ ]*" <<<"$1" | head -n 1 | cut -d= -f2- || true)
+  [[ $v == '(null)' ]] || printf '%s' "$v"
+}
+
+# newest_checkpoint: the step of the newest complete checkpoint of the run dir (checkpoints/step-N with its
+# COMPLETE.json, which the trainer writes last), -1 when there is none; step_name N says it in words.
+newest_checkpoint() {
+  local m n best=-1
+  for m in "$RUN_DIR"/checkpoints/step-*/COMPLETE.json; do
+    n=${m%/*}
+    n=${n##*/step-}
+    if [[ $n =~ ^[0-9]+$ ]] && (( 10#$n > best )); then best=$((10#$n)); fi
+  done
+  echo "$best"
+}
+step_name() { if (( $1 < 0 )); then echo "none"; else echo "step $1"; fi; }
+
+# within_budget: once per attempt, count it: one that completed a checkpoint (periodic or stop) newer than the
+# one it started from (START_STEP) resets the count of requeues in a row without progress ($NO_PROGRESS_FILE),
+# any other adds one. Status 1 once the count is past $MAX_REQUEUES.
+within_budget() {
+  if (( ! BUDGET_SPENT )); then
+    BUDGET_SPENT=1
+    if (( $(newest_checkpoint) > START_STEP )); then
+      NO_PROGRESS=0
+    else
+      NO_PROGRESS=$(cat -- "$NO_PROGRESS_FILE" 2>/dev/null || true)
+      [[ $NO_PROGRESS =~ ^[0-9]+$ ]] || NO_PROGRESS=0
+      NO_PROGRESS=$((NO_PROGRESS + 1))
+    fi
+    printf '%s\n' "$NO_PROGRESS" >"$NO_PROGRESS_FILE" || log "WARNING: cannot write $NO_PROGRESS_FILE"
+  fi
+  (( NO_PROGRESS <= MAX_REQUEUES ))
+}
+
+# slurm_ends WHY: after a SIGTERM to this shell, what Slurm does with the job, said once and acted on in the
+# trap itself (KillWait may end this shell before the job step has exited): its own requeue starts the next
+# attempt (an administrator's, a preemption without GraceTime or at its end); after the time limit, which
+# Slurm never requeues, a continuation job takes over; a scancel ends the run.
+slurm_ends() {
+  (( ! ENDING_SAID )) || return 0
+  ENDING_SAID=1
+  case $(slurm_ending) in
+    timelimit)
+      if within_budget; then
+        continue_after_limit "$1"
+      else
+        log "$1: the time limit ended this job; no continuation: $NO_PROGRESS attempt(s) in a row saved no newer checkpoint, more than preemption.max_requeues_without_progress ($MAX_REQUEUES)"
+      fi
+      ;;
+    cancelled)
+      log "$1: the job was cancelled (scancel); not requeueing: submit this script again to resume from the newest checkpoint ($(step_name "$(newest_checkpoint)"))"
+      ;;
+    *) log "$1: Slurm requeues this job itself; this attempt is over" ;;
+  esac
+}
+
+# continue_run WHY CODE: this attempt is over; the run goes on (exits). After a SIGTERM to this shell Slurm
+# decides (slurm_ends); Slurm's own requeue (a node failure) starts the next attempt by itself; anything else
+# is requeued from here, unless more than $MAX_REQUEUES attempts in a row saved no newer checkpoint: then the
+# job exits with CODE.
+continue_run() {
+  local rc
+  if (( GOT_TERM )); then
+    slurm_ends "$1"
+    exit 143
+  fi
+  if [[ $(slurm_ending) == requeued ]]; then
+    log "$1: Slurm requeues this job itself; this attempt is over"
+    exit 0
+  elif ! within_budget; then
+    log "not requeueing: $NO_PROGRESS attempt(s) in a row saved no newer checkpoint, more than preemption.max_requeues_without_progress ($MAX_REQUEUES): $1"
+    exit "$2"
+  fi
+  log "requeueing job $SLURM_JOB_ID (requeues in a row without progress: $NO_PROGRESS of at most $MAX_REQUEUES): $1"
+  REQUEUED=1
+  # Once the requeue takes, Slurm sends TERM to every process of the job, scontrol included: ignored
+  # from here on (children inherit it), so a requeue that worked is never reported as failed.
+  trap '' TERM "$STOP_SIGNAL"
+  rc=0
+  scontrol requeue "$SLURM_JOB_ID" || rc=$?
+  if (( rc != 0 )) && [[ $(slurm_ending) == requeued ]]; then
+    log "scontrol requeue exited with status $rc, but the job was requeued"
+    rc=0
+  fi
+  (( rc == 0 )) || die 1 "scontrol requeue failed (status $rc); resubmit: the trainer resumes from the last checkpoint"
+  log "requeued: this attempt is over"
+  exit 0
+}
+
+# continue_after_limit WHY: the time limit ended the job before its stop completed, and Slurm does not
+# requeue a TIMEOUT: submit this job's script again, to start once this job has ended, with its partition,
+# account, QOS, time limit and excluded nodes. It resumes from the newest complete checkpoint and says what
+# it redoes.
+continue_after_limit() {
+  local info key val id args=("--job-name=$SLURM_JOB_NAME" "--dependency=afterany:$SLURM_JOB_ID")
+  local continues="$SLURM_JOB_ID.attempt-$ATTEMPT"
+  info=$(job_record)
+  for key in Partition:partition Account:account QOS:qos TimeLimit:time ExcNodeList:exclude; do
+    val=$(job_field "$info" "${key%%:*}")
+    [[ -z $val ]] || args+=("--${key#*:}=$val")
+  done
+  if id=$(
+    # this job's own Slurm variables are no input of the new one's (SLURM_CONF names the cluster)
+    while IFS= read -r key; do
+      [[ $key == SLURM_CONF || $key == SBATCH_GEN_* ]] || unset "$key"
+    done < <(compgen -e | grep -E '^(SLURM|SBATCH|SRUN|SALLOC)_' || true)
+    SBATCH_GEN_CONTINUES=$continues SBATCH_GEN_RUN_JOB=$RUN_JOB sbatch --parsable "${args[@]}" "$JOB_SCRIPT"
+  ); then
+    log "$1: the time limit ended this job (Slurm does not requeue a TIMEOUT): continuation job ${id%%;*} submitted, to start when this one has ended, from the newest complete checkpoint ($(step_name "$(newest_checkpoint)"))"
+  else
+    log "ERROR: $1: the time limit ended this job and no continuation job could be submitted: sbatch $JOB_SCRIPT to resume from the newest complete checkpoint"
+  fi
+}
+
+# preflight_nodes: the preflight on every node of the allocation, its lines in this log; status 1 when it
+# failed on a node, with those nodes in BAD_NODES (words) and those whose preflight.health_check failed in
+# SICK_NODES. In the background and `wait`ed, so the traps run; a stop request ends it at once, and a stop
+# (a preemption, a scancel: they kill the preflight step too) is no failed node: the run goes on (exits).
+preflight_nodes() {
+  local out err
+  : >"$PREFLIGHT_MARKER"
+  out=$(mktemp)
+  err=$(mktemp)
+  # shellcheck disable=SC2016  # $SLURM_NODEID and $SLURM_NNODES: expanded on each node, by its task's shell
+  srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --cpus-per-task="$CPUS_PER_TASK" ${CONTAINER_ARGS[@]+"${CONTAINER_ARGS[@]}"} \
+    bash -c 'preflight node_id="$SLURM_NODEID" nnodes="$SLURM_NNODES" "$@"' preflight "${PREFLIGHT_ARGS[@]}" >"$out" 2>"$err" &
+  wait_step $! kill
+  cat -- "$out" || true
+  cat -- "$err" >&2 || true
+  BAD_NODES=$(sed -n 's/^preflight FAILED on \([^:]*\):.*/\1/p' -- "$err" | sort -u | paste -sd ' ' - || true)
+  SICK_NODES=$(sed -n 's/^preflight FAILED on \([^:]*\):.*(preflight\.health_check).*/\1/p' -- "$err" || true)
+  rm -f -- "$PREFLIGHT_MARKER" "$out" "$err"
+  (( rc != 0 )) || return 0
+  [[ -z $STOP_REQUESTED && -z $(slurm_ending) ]] || continue_run "stopped during the preflight" "$EXIT_REQUEUE"
+  return 1
+}
+
+# leave_behind WHY: the preflight failed on BAD_NODES, the health check on SICK_NODES. Requeue without them
+# (a running job's ExcNodeList cannot change: scontrol requeuehold, update, release) while at most
+# MAX_EXCLUDED nodes are left behind and the partition keeps NNODES others. A failure on every node and not of
+# the health check is the profile's or the environment's, not a node's: the job ends. Exits.
+leave_behind() {
+  local why=$1 failed=$BAD_NODES exc all count left
+  if [[ -z $failed ]] || { [[ -z $SICK_NODES ]] && (( $(wc -w <<<"$failed") >= SLURM_NNODES )); }; then
+    die 1 "preflight failed (see the preflight FAILED lines above); ${STEP_RC:+after the failed step, }not starting training and not requeueing"
+  fi
+  exc=$(job_field "$(job_record)" ExcNodeList)
+  all=$({ if [[ -n $exc ]]; then scontrol show hostnames "$exc"; fi; tr ' ' '\n' <<<"$failed"; } | grep . | sort -u | paste -sd, -)
+  count=$(tr ',' '\n' <<<"$all" | grep -c .)
+  left=$(($(sinfo -h -N -p "$SLURM_JOB_PARTITION" -o %N | sort -u | grep -c .) - count))
+  if (( count > MAX_EXCLUDED )); then
+    die 1 "preflight failed on $failed: leaving it behind would exclude $count nodes ($all), more than preemption.max_excluded_nodes ($MAX_EXCLUDED); not requeueing"
+  elif (( left < NNODES )); then
+    die 1 "preflight failed on $failed: without $all partition $SLURM_JOB_PARTITION has $left nodes, the job needs $NNODES; not requeueing"
+  elif ! within_budget; then
+    die 1 "preflight failed on $failed; not requeueing: $NO_PROGRESS attempt(s) in a row saved no newer checkpoint, more than preemption.max_requeues_without_progress ($MAX_REQUEUES)"
+  fi
+  log "leaving $failed behind ($why): the next attempt excludes $all (preemption.max_excluded_nodes $MAX_EXCLUDED)"
+  REQUEUED=1
+  trap '' TERM "$STOP_SIGNAL"
+  scontrol requeuehold "$SLURM_JOB_ID" || die 1 "scontrol requeuehold failed; resubmit with --exclude=$all"
+  scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$all" || log "WARNING: could not exclude $all from the next attempt"
+  scontrol release "$SLURM_JOB_ID" || die 1 "scontrol release failed: the job is held; run: scontrol release $SLURM_JOB_ID"
+  log "requeued without $all: this attempt is over"
+  exit 0
+}
