@@ -21,7 +21,12 @@ import click
 import yaml
 
 from sbatch_gen import __version__
-from sbatch_gen.consistency import check_cross_region, check_torch_minimum, check_train_configs
+from sbatch_gen.consistency import (
+    check_cross_region,
+    check_torch_minimum,
+    check_train_configs,
+    check_trainer_files,
+)
 from sbatch_gen.errors import UserError, clean_message
 from sbatch_gen.fsutil import display_path
 from sbatch_gen.loader import LoadedSite, list_sites, load_site
@@ -375,7 +380,7 @@ def validate(names, sites_dir) -> None:
     errors += check_torch_minimum(loaded)
     if errors:
         raise UserError(errors)
-    for n in [*_profile_notes(loaded), *notes]:
+    for n in [*_profile_notes(loaded), *check_trainer_files(run_sites), *notes]:
         click.echo(f"note {n}", err=True)
     runs: dict[str, list[str]] = {}
     for s in run_sites:

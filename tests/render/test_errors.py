@@ -383,10 +383,53 @@ def test_elastic_settings_must_agree_across_the_sites_of_a_run(work, field, valu
     ) in err
 
 
-def test_train_config_missing_here_is_a_note_not_an_error(work):
+def test_train_config_missing_here_is_a_warning_not_an_error(work):
     r = sg("validate")  # `work` has no configs/: nothing to cross-check against
     assert r.code == 0, r.err
-    assert "trainer.config 'configs/gpt-125m.yaml' is not readable here: not cross-checked" in r.err
+    base = work / "sites" / "_base" / "llm-xr-1.yaml"
+    note = (
+        f"note sites/_base/llm-xr-1.yaml:{_line_of(base, 'config:')}: warning: trainer.config: "
+        "'configs/gpt-125m.yaml' does not exist here (a relative path is read from the directory the job is "
+        "submitted from; validate takes that to be this one): the job's preflight would fail on every node, "
+        "after the queue wait; the cross-region settings are not checked against it\n"
+    )
+    assert r.err.count(note) == 1, r.err  # eu and us share the line: once
+
+
+def test_a_trainer_file_missing_here_is_a_warning_at_its_line(work):
+    """A site without cross_region too: trainer.config (and trainer.script) that are not files here, relative
+    to the directory validate runs in (the submit directory), are a warning at the field's line, exit 0; an
+    absolute path may be on a filesystem only the nodes see, and is said so."""
+    local = work / "sites" / "local.yaml"
+    line = _line_of(local, "config: configs/tiny.yaml")
+    r = sg("validate", "--site", "local")
+    assert r.code == 0, r.err
+    assert r.err == (
+        f"note sites/local.yaml:{line}: warning: trainer.config: 'configs/tiny.yaml' does not exist here (a "
+        "relative path is read from the directory the job is submitted from; validate takes that to be this "
+        "one): the job's preflight would fail on every node, after the queue wait\n"
+    )
+    (work / "configs").mkdir()
+    (work / "configs" / "tiny.yaml").write_text("# here\n")
+    r = sg("validate", "--site", "local")
+    assert r.code == 0 and r.err == "", r.err
+    (work / "configs" / "tiny.yaml").unlink()
+    (work / "configs" / "tiny.yaml").mkdir()  # a directory is no config either
+    assert "trainer.config: 'configs/tiny.yaml' is not a file here" in sg("validate", "--site", "local").err
+    _replace(
+        local,
+        "  module: sbatch_gen.train\n  config: configs/tiny.yaml",
+        "  module: null\n  script: t.py\n  config: /nowhere/c.yaml",
+    )
+    r = sg("validate", "--site", "local")
+    assert r.code == 0, r.err
+    assert r.err.splitlines() == [
+        f"note sites/local.yaml:{line}: warning: trainer.script: 't.py' does not exist here (a relative path is "
+        "read from the directory the job is submitted from; validate takes that to be this one): the job's "
+        "preflight would fail on every node, after the queue wait",
+        f"note sites/local.yaml:{line + 1}: warning: trainer.config: '/nowhere/c.yaml' does not exist on this "
+        "machine: the job's preflight fails on every node unless it is there (on a filesystem the nodes see)",
+    ]
 
 
 def test_a_bad_train_config_is_one_line_per_problem_with_a_close_match(work):
@@ -450,6 +493,7 @@ def test_an_ssh_section_in_a_slurm_profile_is_an_unknown_key_not_a_forgotten_kin
 def test_a_dollar_in_extra_env_is_a_warning_at_its_line_and_renders_as_written(work):
     """Values are quoted, so `$SLURM_JOB_ID` reaches the job as those characters: validate and render say
     so, one line at the value's line, and still exit 0 (a literal '$' may be meant)."""
+    _with_configs(work)  # (else: a warning that trainer.config is not here)
     local = work / "sites" / "local.yaml"
     local.write_text(local.read_text() + 'extra_env:\n  RUN_TAG: "job-$SLURM_JOB_ID"\n  PLAIN: x\n')
     line = _line_of(local, "RUN_TAG")
