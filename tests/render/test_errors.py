@@ -178,7 +178,36 @@ def test_real_process_exit_code_and_no_traceback(work):
     assert r.err.startswith("sbatch-gen: sites/local.yaml:")
     assert "Traceback" not in r.err
     r = sg_proc("render", "--bogus-option", cwd=REPO)
-    assert r.code == 2
+    assert (r.code, r.err) == (
+        2,
+        "sbatch-gen: render: No such option '--bogus-option' (see sbatch-gen render --help)\n",
+    )
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (
+            ("doctor", "--site", "local", "--timeout", "0"),
+            "doctor --timeout: 0 is not in the range 1<=x<=3600",
+        ),
+        (("status", "--site", "eu", "--interval", "x"), "status --interval: 'x' is not a valid float range"),
+        (("schema", "--kind", "k8s"), "schema --kind: 'k8s' is not one of 'slurm', 'ssh'"),
+        (("show",), "show: Missing option '--site'"),
+        (("init", "--site", "x", "--kindd", "ssh"), "init: No such option '--kindd'. Did you mean '--kind'?"),
+        (("render", "--site", "local", "--all"), "render: give --site NAME or --all, not both"),
+        (("report",), "report: Missing argument 'RUN_DIRS...'"),
+        (("bogus",), "No such command 'bogus'"),
+        (("--bogus",), "No such option '--bogus'"),
+    ],
+)
+def test_clicks_own_errors_are_one_line_like_every_other(work, args, line):
+    """A bad flag value, an unknown or missing option or command: one line, the command and flag named,
+    exit 2, as the profile's errors (click's own format is three lines: usage, hint, error)."""
+    command = args[0] if not args[0].startswith("-") and args[0] != "bogus" else ""
+    r = sg(*args)
+    assert (r.code, r.out) == (2, "")
+    assert r.err == f"sbatch-gen: {line} (see {('sbatch-gen ' + command).strip()} --help)\n"
 
 
 def test_extends_list_merges_in_order_and_keeps_lines(work):
