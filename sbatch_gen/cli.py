@@ -471,18 +471,21 @@ def init(name, kind, sites_dir, hosts, **given) -> None:
     """
     from sbatch_gen import init_profile
 
-    if kind == "slurm" and not given["slurm_version"]:
-        given["slurm_version"] = _slurm_version_here()
     answers = init_profile.Answers(kind=kind, hosts=tuple(hosts), **given)
+    if kind == "slurm" and not given["slurm_version"]:
+        answers.slurm_version = _slurm_version_here()
+        answers.origin["slurm_version"] = "scontrol"
     lacking = init_profile.missing(answers)
     if lacking and sys.stdin.isatty():
-        for field, flag in lacking:
+        # an answer has its flag's type: a bad number (--nodes 0) is asked again, as click asks
+        types = {p.name: p.type for p in click.get_current_context().command.params}
+        for field, _ in lacking:
+            asked = init_profile.question(field)
             if field == "hosts":
-                said = click.prompt("hosts, in node-rank order (space-separated)")
-                answers.hosts = tuple(said.split())
+                answers.hosts = tuple(click.prompt(asked).split())
             else:
-                kind_of = int if field in ("nodes", "gpus_per_node", "cpus_per_task") else str
-                setattr(answers, field, click.prompt(flag.lstrip("-").replace("-", " "), type=kind_of))
+                setattr(answers, field, click.prompt(asked, type=types.get(field, click.STRING)))
+            answers.origin[field] = "question"
         lacking = init_profile.missing(answers)
     if lacking:
         why = {
