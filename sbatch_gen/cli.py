@@ -4,7 +4,9 @@ Exit status: 0 ok, 1 drift found by ``check``/``diff``, a mailbox ``status`` can
 ``doctor``, or an I/O error while ``render`` writes (then nothing was changed) or ``check`` reads out/, 2 bad
 input (profile, override, usage, an --out that cannot take the files: a file, under a file, not writable, an
 output path that is a directory; ``doctor`` away from the cluster: no sbatch/scontrol).
-Errors go to stderr as ``file:line: field: message`` (or ``path: message``), one line, without a traceback.
+Errors go to stderr as ``file:line: field: message`` (or ``path: message``), one line, without a traceback;
+click's own (a bad flag value, an unknown option) too: ``init --nodes: 0 is not in the range x>=1 (see
+sbatch-gen init --help)``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ import click
 import yaml
 
 from sbatch_gen import __version__
-from sbatch_gen.consistency import check_cross_region, check_torch_minimum, check_train_configs
+from sbatch_gen.consistency import (
+    check_cross_region,
+    check_torch_minimum,
+    check_train_configs,
+    check_trainer_files,
+)
 from sbatch_gen.errors import UserError, clean_message
 from sbatch_gen.fsutil import display_path
 from sbatch_gen.loader import LoadedSite, list_sites, load_site
@@ -47,7 +54,40 @@ EXIT_DOCTOR = 1  # `doctor`: a check found an error
 EXIT_BAD_INPUT = 2
 
 
+def _click_error_line(e: click.ClickException) -> str:
+    """click's own error (a bad option value, an unknown option or command, a missing option: click prints
+    them in three lines) as one line like every other: ``init --nodes: 0 is not in the range x>=1 (see
+    sbatch-gen init --help)``."""
+    msg = e.format_message()
+    ctx = getattr(e, "ctx", None)
+    if ctx is None:
+        return msg.rstrip(".")
+    command = ctx.command_path.partition(" ")[2]  # "init" of "sbatch-gen init"; "" for sbatch-gen itself
+    where = command
+    param = getattr(e, "param", None)
+    if type(e) is click.BadParameter and param is not None and e.message:  # (not MissingParameter)
+        # the flag as typed, then click's message (which names the value): not "Invalid value for '--x'"
+        flag = max(param.opts, key=len) if isinstance(param, click.Option) else param.human_readable_name
+        where, msg = f"{command} {flag}".strip(), e.message
+    # (not ctx.command_path: a test runner names the program its own way)
+    help_of = f"sbatch-gen {command}".strip()
+    return f"{where + ': ' if where else ''}{msg.rstrip('.')} (see {help_of} --help)"
+
+
+# click >= 8.2 answers `sbatch-gen` without arguments with the help, through an error of its own (8.1: none)
+_HELP_FOR_NO_ARGS: type[Exception] | tuple[()] = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 class _Group(click.Group):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except _HELP_FOR_NO_ARGS:  # plain `sbatch-gen`: the help, as click prints it
+            raise
+        except click.ClickException as e:  # sbatch-gen's own options: one line too
+            click.echo(f"sbatch-gen: {clean_message(_click_error_line(e))}", err=True)
+            raise click.exceptions.Exit(e.exit_code) from None
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
@@ -58,6 +98,9 @@ class _Group(click.Group):
         except OutputError as e:  # render/check/diff: out/ cannot be written or read
             click.echo(f"sbatch-gen: {e}", err=True)
             ctx.exit(EXIT_BAD_INPUT if e.bad_destination else EXIT_IO)
+        except click.ClickException as e:  # a command's flags, as click parses them, and its usage errors
+            click.echo(f"sbatch-gen: {clean_message(_click_error_line(e))}", err=True)
+            ctx.exit(e.exit_code)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -380,7 +423,7 @@ def validate(names, sites_dir) -> None:
     errors += check_torch_minimum(loaded)
     if errors:
         raise UserError(errors)
-    for n in [*_profile_notes(loaded), *notes]:
+    for n in [*_profile_notes(loaded), *check_trainer_files(run_sites), *notes]:
         click.echo(f"note {n}", err=True)
     runs: dict[str, list[str]] = {}
     for s in run_sites:
@@ -433,18 +476,21 @@ def init(name, kind, sites_dir, hosts, **given) -> None:
     """
     from sbatch_gen import init_profile
 
-    if kind == "slurm" and not given["slurm_version"]:
-        given["slurm_version"] = _slurm_version_here()
     answers = init_profile.Answers(kind=kind, hosts=tuple(hosts), **given)
+    if kind == "slurm" and not given["slurm_version"]:
+        answers.slurm_version = _slurm_version_here()
+        answers.origin["slurm_version"] = "scontrol"
     lacking = init_profile.missing(answers)
     if lacking and sys.stdin.isatty():
-        for field, flag in lacking:
+        # an answer has its flag's type: a bad number (--nodes 0) is asked again, as click asks
+        types = {p.name: p.type for p in click.get_current_context().command.params}
+        for field, _ in lacking:
+            asked = init_profile.question(field)
             if field == "hosts":
-                said = click.prompt("hosts, in node-rank order (space-separated)")
-                answers.hosts = tuple(said.split())
+                answers.hosts = tuple(click.prompt(asked).split())
             else:
-                kind_of = int if field in ("nodes", "gpus_per_node", "cpus_per_task") else str
-                setattr(answers, field, click.prompt(flag.lstrip("-").replace("-", " "), type=kind_of))
+                setattr(answers, field, click.prompt(asked, type=types.get(field, click.STRING)))
+            answers.origin[field] = "question"
         lacking = init_profile.missing(answers)
     if lacking:
         why = {

@@ -144,6 +144,41 @@ def check_torch_minimum(sites: Iterable[LoadedSite], root: Path = Path(".")) -> 
     return errors
 
 
+def check_trainer_files(sites: Iterable[LoadedSite], root: Path = Path(".")) -> list[str]:
+    """Warnings for a ``trainer.config`` or ``trainer.script`` that is not a file here (relative paths: from
+    ``root``, the directory the job is submitted from, as the job resolves them), each at its field's line.
+
+    Warnings, not errors: the job's preflight checks both on every node, the file may be written between
+    ``validate`` and ``sbatch`` (a profile from ``init`` names its train config before it exists), and an
+    absolute path may lie on a cluster filesystem this machine does not see. But a relative path lies in the
+    checkout, where its absence is almost always a typo that the preflight would find only after the queue
+    wait: so it is said here, at the field's line."""
+    notes = []
+    for s in sites:
+        trainer = s.profile.trainer
+        for field, value in (("script", trainer.script), ("config", trainer.config)):
+            if value is None or (root / value).is_file():
+                continue
+            path = Path(value)
+            found = "is not a file" if (root / value).exists() else "does not exist"
+            if path.is_absolute():
+                why = (
+                    f"{found} on this machine: the job's preflight fails on every node unless it is there "
+                    "(on a filesystem the nodes see)"
+                )
+            else:
+                why = (
+                    f"{found} here (a relative path is read from the directory the job is submitted from; "
+                    "validate takes that to be this one): the job's preflight would fail on every node, after "
+                    "the queue wait"
+                )
+            more = ""
+            if field == "config" and s.profile.cross_region.enabled and trainer.args is None:
+                more = "; the cross-region settings are not checked against it"
+            notes.append(f"{s.at('trainer', field)}: warning: trainer.{field}: {value!r} {why}{more}")
+    return list(dict.fromkeys(notes))
+
+
 def check_train_configs(sites: Iterable[LoadedSite]) -> tuple[list[str], list[str]]:
     """Cross-check each cross-region site against its train config (``trainer.config``), where that file
     is readable from here (relative paths: from the current directory, as at submit time).
@@ -151,8 +186,9 @@ def check_train_configs(sites: Iterable[LoadedSite]) -> tuple[list[str], list[st
     Returns (errors, notes). Errors: bad train config, cross-region settings that do not fit it
     (grad mode: ``keep_rounds`` shorter than the rounds between checkpoints; DiLoCo: ``snapshot_every``
     beyond the run's rounds), or a model whose parameter names and shapes differ from another site's of the
-    same run (:func:`_same_models`). Notes: configs not found here, and warnings. The trainer repeats the
-    per-site checks at start-up, so nothing depends on running this.
+    same run (:func:`_same_models`). Notes: warnings. A config not found here is skipped (not cross-checked:
+    :func:`check_trainer_files` warns of it). The trainer repeats the per-site checks at start-up, so nothing
+    depends on running this.
     """
     from pathlib import Path
 
@@ -178,8 +214,7 @@ def check_train_configs(sites: Iterable[LoadedSite]) -> tuple[list[str], list[st
             continue
         cfg_path = Path(trainer.config)
         where = s.at("trainer", "config")
-        if not cfg_path.is_file():
-            notes.append(f"{where}: trainer.config {str(cfg_path)!r} is not readable here: not cross-checked")
+        if not cfg_path.is_file():  # check_trainer_files warns, saying it is not cross-checked
             continue
         try:
             cfg = load_config(cfg_path)

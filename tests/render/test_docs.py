@@ -137,3 +137,18 @@ def test_the_library_section_names_the_whole_public_api():
     library = text[text.index("## The library") : text.index("## Example")]
     public = [n for n in api.__all__ if n not in ("CrossRegion", "ENV_STOP_FILE")]  # named in the contract
     assert [n for n in public if f"`{n}" not in library] == []
+
+
+def test_the_commands_table_names_every_command_and_option_of_sbatch_gen():
+    """docs/profiles.md's table of commands has a row for each command and each option of `sbatch-gen`
+    itself (--version: the renders carry none, and the row says where that is answered)."""
+    from sbatch_gen.cli import cli
+
+    text = (REPO / "docs" / "profiles.md").read_text()
+    rows = [
+        line for line in text[text.index("| command | what it does |") :].splitlines() if line.startswith("|")
+    ]
+    names = [*cli.commands, *(o for p in cli.params for o in p.opts if o.startswith("--") and o != "--help")]
+    assert [n for n in names if not any(row.startswith(f"| `{n}") for row in rows)] == []
+    version_row = next(row for row in rows if row.startswith("| `--version`"))
+    assert "cross-region.md#which-version-a-region-runs" in version_row

@@ -178,7 +178,36 @@ def test_real_process_exit_code_and_no_traceback(work):
     assert r.err.startswith("sbatch-gen: sites/local.yaml:")
     assert "Traceback" not in r.err
     r = sg_proc("render", "--bogus-option", cwd=REPO)
-    assert r.code == 2
+    assert (r.code, r.err) == (
+        2,
+        "sbatch-gen: render: No such option '--bogus-option' (see sbatch-gen render --help)\n",
+    )
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (
+            ("doctor", "--site", "local", "--timeout", "0"),
+            "doctor --timeout: 0 is not in the range 1<=x<=3600",
+        ),
+        (("status", "--site", "eu", "--interval", "x"), "status --interval: 'x' is not a valid float range"),
+        (("schema", "--kind", "k8s"), "schema --kind: 'k8s' is not one of 'slurm', 'ssh'"),
+        (("show",), "show: Missing option '--site'"),
+        (("init", "--site", "x", "--kindd", "ssh"), "init: No such option '--kindd'. Did you mean '--kind'?"),
+        (("render", "--site", "local", "--all"), "render: give --site NAME or --all, not both"),
+        (("report",), "report: Missing argument 'RUN_DIRS...'"),
+        (("bogus",), "No such command 'bogus'"),
+        (("--bogus",), "No such option '--bogus'"),
+    ],
+)
+def test_clicks_own_errors_are_one_line_like_every_other(work, args, line):
+    """A bad flag value, an unknown or missing option or command: one line, the command and flag named,
+    exit 2, as the profile's errors (click's own format is three lines: usage, hint, error)."""
+    command = args[0] if not args[0].startswith("-") and args[0] != "bogus" else ""
+    r = sg(*args)
+    assert (r.code, r.out) == (2, "")
+    assert r.err == f"sbatch-gen: {line} (see {('sbatch-gen ' + command).strip()} --help)\n"
 
 
 def test_extends_list_merges_in_order_and_keeps_lines(work):
@@ -383,10 +412,53 @@ def test_elastic_settings_must_agree_across_the_sites_of_a_run(work, field, valu
     ) in err
 
 
-def test_train_config_missing_here_is_a_note_not_an_error(work):
+def test_train_config_missing_here_is_a_warning_not_an_error(work):
     r = sg("validate")  # `work` has no configs/: nothing to cross-check against
     assert r.code == 0, r.err
-    assert "trainer.config 'configs/gpt-125m.yaml' is not readable here: not cross-checked" in r.err
+    base = work / "sites" / "_base" / "llm-xr-1.yaml"
+    note = (
+        f"note sites/_base/llm-xr-1.yaml:{_line_of(base, 'config:')}: warning: trainer.config: "
+        "'configs/gpt-125m.yaml' does not exist here (a relative path is read from the directory the job is "
+        "submitted from; validate takes that to be this one): the job's preflight would fail on every node, "
+        "after the queue wait; the cross-region settings are not checked against it\n"
+    )
+    assert r.err.count(note) == 1, r.err  # eu and us share the line: once
+
+
+def test_a_trainer_file_missing_here_is_a_warning_at_its_line(work):
+    """A site without cross_region too: trainer.config (and trainer.script) that are not files here, relative
+    to the directory validate runs in (the submit directory), are a warning at the field's line, exit 0; an
+    absolute path may be on a filesystem only the nodes see, and is said so."""
+    local = work / "sites" / "local.yaml"
+    line = _line_of(local, "config: configs/tiny.yaml")
+    r = sg("validate", "--site", "local")
+    assert r.code == 0, r.err
+    assert r.err == (
+        f"note sites/local.yaml:{line}: warning: trainer.config: 'configs/tiny.yaml' does not exist here (a "
+        "relative path is read from the directory the job is submitted from; validate takes that to be this "
+        "one): the job's preflight would fail on every node, after the queue wait\n"
+    )
+    (work / "configs").mkdir()
+    (work / "configs" / "tiny.yaml").write_text("# here\n")
+    r = sg("validate", "--site", "local")
+    assert r.code == 0 and r.err == "", r.err
+    (work / "configs" / "tiny.yaml").unlink()
+    (work / "configs" / "tiny.yaml").mkdir()  # a directory is no config either
+    assert "trainer.config: 'configs/tiny.yaml' is not a file here" in sg("validate", "--site", "local").err
+    _replace(
+        local,
+        "  module: sbatch_gen.train\n  config: configs/tiny.yaml",
+        "  module: null\n  script: t.py\n  config: /nowhere/c.yaml",
+    )
+    r = sg("validate", "--site", "local")
+    assert r.code == 0, r.err
+    assert r.err.splitlines() == [
+        f"note sites/local.yaml:{line}: warning: trainer.script: 't.py' does not exist here (a relative path is "
+        "read from the directory the job is submitted from; validate takes that to be this one): the job's "
+        "preflight would fail on every node, after the queue wait",
+        f"note sites/local.yaml:{line + 1}: warning: trainer.config: '/nowhere/c.yaml' does not exist on this "
+        "machine: the job's preflight fails on every node unless it is there (on a filesystem the nodes see)",
+    ]
 
 
 def test_a_bad_train_config_is_one_line_per_problem_with_a_close_match(work):
@@ -450,6 +522,7 @@ def test_an_ssh_section_in_a_slurm_profile_is_an_unknown_key_not_a_forgotten_kin
 def test_a_dollar_in_extra_env_is_a_warning_at_its_line_and_renders_as_written(work):
     """Values are quoted, so `$SLURM_JOB_ID` reaches the job as those characters: validate and render say
     so, one line at the value's line, and still exit 0 (a literal '$' may be meant)."""
+    _with_configs(work)  # (else: a warning that trainer.config is not here)
     local = work / "sites" / "local.yaml"
     local.write_text(local.read_text() + 'extra_env:\n  RUN_TAG: "job-$SLURM_JOB_ID"\n  PLAIN: x\n')
     line = _line_of(local, "RUN_TAG")

@@ -3,15 +3,17 @@ never over an existing one."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from sbatch_gen.init_profile import describe
 from sbatch_gen.profiles import PROFILE_KINDS
 
-from .conftest import REPO, sg
+from .conftest import REPO, sg, sg_proc
 
 SLURM = ["--partition", "gpu", "--nodes", "2", "--gpus-per-node", "8", "--cpus-per-task", "96"]
 SLURM += ["--time", "1-00:00:00", "--slurm-version", "24.05"]
@@ -75,16 +77,128 @@ def test_what_the_kind_needs_is_named_and_nothing_is_written(tmp_path, monkeypat
     assert not (tmp_path / "sites").exists()
 
 
-def test_a_bad_value_is_refused_at_its_line_and_nothing_is_written(tmp_path, monkeypatch):
+def _with(args: list[str], flag: str, value: str) -> list[str]:
+    """``args`` with ``flag``'s value replaced (or the flag added)."""
+    if flag not in args:
+        return [*args, flag, value]
+    i = args.index(flag)
+    return [*args[: i + 1], value, *args[i + 2 :]]
+
+
+@pytest.mark.parametrize(
+    "base, flag, value, lines",
+    [
+        (
+            SLURM,
+            "--time",
+            "never",
+            [
+                "init --time 'never': slurm.time: invalid time 'never' (expected D-HH:MM:SS, HH:MM:SS or minutes)",
+            ],
+        ),
+        (
+            SLURM,
+            "--partition",
+            "gpu x",
+            [
+                "init --partition 'gpu x': slurm.partition: invalid name 'gpu x' (letters, digits, . _ -; at most 64)"
+            ],
+        ),
+        (
+            SLURM,
+            "--slurm-version",
+            "2405",
+            ["init --slurm-version '2405': slurm.version: invalid Slurm version '2405' (e.g. 23.11)"],
+        ),
+        (
+            SLURM,
+            "--nodes",
+            "200000",
+            ["init --nodes 200000: slurm.nodes: Input should be less than or equal to 100000 (got 200000)"],
+        ),
+        (
+            SLURM,
+            "--run-dir",
+            "~/runs",
+            [
+                "init --run-dir '~/runs': paths.run_dir: path '~/runs' starts with '~', which is not expanded; "
+                "write the path out",
+                "init --run-dir '~/runs': paths.log_dir: path '~/runs/logs' starts with '~', which is not "
+                "expanded; write the path out",
+            ],
+        ),
+        (
+            SSH,
+            "--ifname",
+            "eth 0",
+            ["init --ifname 'eth 0': network.socket_ifname: invalid interface name 'eth 0'"],
+        ),
+        (
+            SSH,
+            "--host",
+            "vm 1",
+            [
+                "init --host 'vm 1' --host 'vm2': hosts[0].name: invalid host name 'vm 1' (letters, digits, . _ -)"
+            ],
+        ),
+    ],
+)
+def test_a_bad_value_names_its_flag_and_value_and_nothing_is_written(
+    tmp_path, monkeypatch, base, flag, value, lines
+):
+    """init validates what it would write before writing it: a bad value is said of the flag that gave it,
+    with the value, never of sites/NAME.yaml:LINE (a file that does not exist); nothing is written."""
     monkeypatch.chdir(tmp_path)
-    args = [a if a != "1-00:00:00" else "never" for a in SLURM]
-    r = sg("init", "--site", "mine", *args)
+    r = sg("init", "--site", "mine", *_with(base, flag, value))
     assert r.code == 2
-    assert r.err.startswith("sbatch-gen: sites/mine.yaml:") and "slurm.time: invalid time 'never'" in r.err, (
-        r.err
+    assert r.err.splitlines() == [f"sbatch-gen: {line}" for line in lines]
+    assert not (tmp_path / "sites").exists()
+
+
+def test_a_bad_slurm_version_from_scontrol_says_so(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "scontrol").write_text('#!/bin/sh\necho "slurm 24"\n')
+    (tmp_path / "bin" / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    r = sg("init", "--site", "mine", *SLURM[: SLURM.index("--slurm-version")])
+    assert r.code == 2
+    assert r.err == (
+        "sbatch-gen: init --slurm-version '24' (from scontrol --version here; give --slurm-version): "
+        "slurm.version: invalid Slurm version '24' (e.g. 23.11)\n"
     )
-    assert not (tmp_path / "sites" / "mine.yaml").exists()
-    assert sg("init", "--site", "../up", *SLURM).code == 2  # a name, not a path
+    assert not (tmp_path / "sites").exists()
+
+
+@pytest.mark.parametrize(
+    "flag, value, said",
+    [
+        ("--nodes", "0", "0 is not in the range x>=1"),
+        ("--nodes", "two", "'two' is not a valid integer range"),
+        ("--gpus-per-node", "-1", "-1 is not in the range x>=0"),
+        ("--cpus-per-task", "0", "0 is not in the range x>=1"),
+        ("--kind", "k8s", "'k8s' is not one of 'slurm', 'ssh'"),
+    ],
+)
+def test_a_bad_number_is_one_line_naming_the_flag(tmp_path, monkeypatch, flag, value, said):
+    """click's checks of a flag (--nodes 0) print as every error does: one line, exit 2, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    r = sg("init", "--site", "mine", *_with(SLURM, flag, value))
+    assert (r.code, r.err) == (2, f"sbatch-gen: init {flag}: {said} (see sbatch-gen init --help)\n")
+    assert not (tmp_path / "sites").exists()
+
+
+def test_a_bad_number_is_one_line_from_the_installed_command_too(tmp_path):
+    r = sg_proc("init", "--site", "mine", *_with(SLURM, "--nodes", "0"), cwd=tmp_path)
+    assert (r.code, r.out) == (2, "")
+    assert r.err == "sbatch-gen: init --nodes: 0 is not in the range x>=1 (see sbatch-gen init --help)\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_site_name_is_a_name_not_a_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert sg("init", "--site", "../up", *SLURM).code == 2
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_existing_profile_is_never_overwritten(tmp_path, monkeypatch):
@@ -96,12 +210,10 @@ def test_an_existing_profile_is_never_overwritten(tmp_path, monkeypatch):
     assert (tmp_path / "sites" / "mine.yaml").read_text() == "# mine, by hand\n"
 
 
-def test_on_a_terminal_it_asks_for_what_is_missing(tmp_path):
-    """Under a pseudo-terminal (script(1)), the missing values are asked for, one prompt each."""
-    answers = "gpu\n2\n0\n4\n00:30:00\n"
-    cmd = f"{sys.executable} -m sbatch_gen.cli init --site asked --slurm-version 24.05"
-    p = subprocess.run(
-        ["script", "-qec", cmd, "/dev/null"],
+def _on_a_terminal(tmp_path, cmd: str, answers: str) -> subprocess.CompletedProcess:
+    """``sbatch-gen CMD`` under a pseudo-terminal (script(1)), ``answers`` typed in."""
+    return subprocess.run(
+        ["script", "-qec", f"{sys.executable} -m sbatch_gen.cli {cmd}", "/dev/null"],
         input=answers,
         cwd=tmp_path,
         capture_output=True,
@@ -109,10 +221,31 @@ def test_on_a_terminal_it_asks_for_what_is_missing(tmp_path):
         timeout=60,
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(tmp_path)},
     )
+
+
+def test_on_a_terminal_it_asks_for_what_is_missing(tmp_path):
+    """Under a pseudo-terminal (script(1)), the missing values are asked for, one prompt each."""
+    p = _on_a_terminal(tmp_path, "init --site asked --slurm-version 24.05", "gpu\n2\n0\n4\n00:30:00\n")
     assert p.returncode == 0, p.stdout + p.stderr
     data = yaml.safe_load((tmp_path / "sites" / "asked.yaml").read_text())
     assert data["slurm"]["partition"] == "gpu" and data["slurm"]["time"] == "00:30:00"
     assert data["slurm"]["nodes"] == 2 and data["slurm"]["cpus_per_task"] == 4
+
+
+def test_on_a_terminal_a_bad_number_is_asked_again_and_a_bad_answer_named(tmp_path):
+    """A number out of its flag's range (nodes 0) is asked again, as click does for a flag; a value the
+    profile refuses is said of the question that got it, and nothing is written."""
+    p = _on_a_terminal(tmp_path, "init --site asked --slurm-version 24.05", "gpu\n0\n2\n0\n4\n00:30:00\n")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "0 is not in the range x>=1" in p.stdout
+    assert yaml.safe_load((tmp_path / "sites" / "asked.yaml").read_text())["slurm"]["nodes"] == 2
+    p = _on_a_terminal(tmp_path, "init --site other --slurm-version 24.05", "gpu x\n2\n0\n4\n00:30:00\n")
+    assert p.returncode == 2, p.stdout
+    assert (
+        "sbatch-gen: init, the answer 'gpu x' to 'partition': slurm.partition: invalid name 'gpu x'"
+        in p.stdout
+    )
+    assert not (tmp_path / "sites" / "other.yaml").exists()
 
 
 def test_the_quickstarts_profiles_and_init_commands_work(tmp_path, monkeypatch):
