@@ -295,3 +295,49 @@ SBG_H_A=own env_without_secrets | grep -c '^SBG_H_' || true
     assert lines[2] == "cleanup:"
     assert lines[3] == "0"
     assert not Path("/tmp/sbg-pwned").exists()
+
+
+def test_the_real_trainer_trains_through_the_bucket_and_leaves_no_secret(
+    ssh_launch, s3, secret_env, tmp_path
+):
+    """The companion trainer on both hosts, cross_region through the S3 mailbox with the delivered keys
+    (node_leaders: each node's leader talks to the bucket, node 1's over ssh): it trains to completion, the
+    rounds are in the bucket, and no file of the run dir, the log dir or the launch dir holds a value."""
+    from sshkit import tiny_config
+
+    cfg = tiny_config(tmp_path / "tiny.yaml", train__steps=8, checkpoint__every=4)
+    xr = {
+        "enabled": True,
+        "run_id": "secrets",
+        "inner_steps": 4,
+        "timeout_s": 120,
+        "transport": {
+            "kind": "s3",
+            "bucket": BUCKET,
+            "prefix": "runs/real",
+            "endpoint_url": s3.endpoint_url,
+            "addressing_style": "path",
+            "region_name": "us-east-1",
+            "credentials": {"access_key_id_env": KEY_VAR, "secret_access_key_env": SECRET_VAR},
+        },
+    }
+    values = [secret_env[KEY_VAR], secret_env[SECRET_VAR]]
+    with ArgvWatch(values) as watch:
+        launch = ssh_launch("cross_region=" + json.dumps(xr), config=cfg)
+        rc = launch.wait(300)
+    out = launch.output()
+    assert rc == 0, out + launch.node_log(1, 1)[-3000:]
+    import boto3
+
+    keys = [
+        o["Key"]
+        for o in boto3.session.Session(
+            aws_access_key_id=values[0], aws_secret_access_key=values[1], region_name="us-east-1"
+        )
+        .client("s3", endpoint_url=s3.endpoint_url)
+        .list_objects_v2(Bucket=BUCKET, Prefix="runs/real/")
+        .get("Contents", [])
+    ]
+    assert keys, "nothing in the bucket"
+    assert watch.hits == []
+    assert files_holding(tmp_path, values) == []
