@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 43a373d00e48b5deb20116fc42473b75a56705107cf4d23d08b9442ebac1105a
+#   inputs sha256: 07b793bb714ac04269a06b6245a314edeaf901ea9757cc96e3022821d81e59f4
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -263,10 +263,12 @@ node_main() {
 }
 
 # receive_secrets: the launcher's NAME=VALUE records (send_secrets), read from stdin to its end, those of
-# SECRET_ENV's names kept in SECRET_VALUES; nothing is exported here (export_secrets).
+# SECRET_ENV's names kept in SECRET_VALUES; nothing is exported here (export_secrets). A terminal on stdin (a
+# function run by hand) is not read.
 receive_secrets() {
   local rec i
   SECRET_VALUES=()
+  if [[ -t 0 ]]; then return 0; fi
   while IFS= read -r -d '' rec; do
     for ((i = 0; i < ${#SECRET_ENV[@]}; i += 3)); do
       if [[ ${rec%%=*} == "${SECRET_ENV[i]}" ]]; then SECRET_VALUES+=("$rec"); fi

@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 18c0227f0be014b6ab3d1481f3dd05e872082cda56869224cc694fb5efdc9fe3
+#   inputs sha256: 7a30edf0fe7d40fc436bf3ac0491340efacb59ef7c14d649dca5a676a1eaa8c5
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -234,10 +234,12 @@ node_main() {
 }
 
 # receive_secrets: the launcher's NAME=VALUE records (send_secrets), read from stdin to its end, those of
-# SECRET_ENV's names kept in SECRET_VALUES; nothing is exported here (export_secrets).
+# SECRET_ENV's names kept in SECRET_VALUES; nothing is exported here (export_secrets). A terminal on stdin (a
+# function run by hand) is not read.
 receive_secrets() {
   local rec i
   SECRET_VALUES=()
+  if [[ -t 0 ]]; then return 0; fi
   while IFS= read -r -d '' rec; do
     for ((i = 0; i < ${#SECRET_ENV[@]}; i += 3)); do
       if [[ ${rec%%=*} == "${SECRET_ENV[i]}" ]]; then SECRET_VALUES+=("$rec"); fi
