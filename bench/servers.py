@@ -66,8 +66,12 @@ class NanioServer:
         port: int | None = None,
         netns: str | None = None,
         data_dir: str | None = None,
+        access_key: str = ACCESS_KEY,
+        secret_key: str = SECRET_KEY,
     ) -> None:
+        """``access_key``/``secret_key``: the one pair nanio accepts (SigV4; any other is refused with 403)."""
         self.host, self.netns = host, netns
+        self.access_key, self.secret_key = access_key, secret_key
         self.port = port or free_port()
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="sbgen-nanio-")
         self.data_dir = data_dir or self._tmp.name
@@ -79,7 +83,7 @@ class NanioServer:
 
     def start(self) -> NanioServer:
         Path(self.data_dir).mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "NANIO_ACCESS_KEY": ACCESS_KEY, "NANIO_SECRET_KEY": SECRET_KEY}
+        env = {**os.environ, "NANIO_ACCESS_KEY": self.access_key, "NANIO_SECRET_KEY": self.secret_key}
         cmd = [
             _bin("nanio"),
             "serve",

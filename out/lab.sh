@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 38123179b8fc3d5968a1ae9b6785e00e939b087f54bdd7eaf5fc1e1cc9538522
+#   inputs sha256: 4611f148c4863c1b82a5615c3301d43476c01db1f75ef7585ecf1d0f0a991aec
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -51,7 +51,7 @@ NUMA_BINDING=''  # topology.numa_binding
 LOG_TOPOLOGY=1  # topology.log_topology
 IB_HCA=''  # nccl.ib_hca as NCCL_IB_HCA: the preflight checks these adapters (empty: none)
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
-NODE_PY_SHA256=09d97ff2bcfcfc3f59e738359fa4328a6760309723ee510ee6473c2542ad3049  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
+NODE_PY_SHA256=58d57f090b32aa9f1750b2c47b306b5cf151419650472af0409505979fd4a5d2  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv  # python_env.kind
@@ -77,6 +77,16 @@ NODE_ENV=(
   "OMP_NUM_THREADS=${OMP_NUM_THREADS-16}"
   "PYTHONUNBUFFERED=${PYTHONUNBUFFERED-1}"
 )
+
+# ---- secrets: the variables the profile names, never their values (sbatch_gen/credentials.py) -----
+# The launch refuses to start when a required one is unset or empty here; each node gets the values over
+# ssh's stdin (node 0 through a pipe too), exported there for the preflight's bucket check and torchrun only:
+# never on a command line, in a file or in a log. A shared-credentials profile or instance role: nothing to
+# send (each host's own ~/.aws or role). Per variable: NAME, the field that names it, required (1) or sent when set (0)
+SECRET_ENV=()  # none named
+# The preflight's check that every node reaches cross_region's bucket with them (s3 transport only; node
+# program settings: a LIST of at most one key, ssh.connect_timeout_s to connect and to read)
+BUCKET_CHECK=()  # cross_region with the s3 transport only
 
 # ---- trainer: its flags are the Slurm scripts' (node_main) ---------------------------------------
 TRAINER_MODULE=sbatch_gen.train  # trainer.module
@@ -127,6 +137,7 @@ main() {
   esac
   if [[ -e $STOP_FILE ]]; then die 2 "stop file $STOP_FILE exists: remove it to launch"; fi
   [[ -n $NODE_PY_SRC ]] || die 2 "$NODE_ERROR"
+  check_secrets
   mkdir -p -- "$LOGS"
   ln -sfn -- "$SITE.$TAG" "$LOG_DIR/$SITE.latest"
   MASTER_ADDR=$(iface_ipv4 "$IFNAME") || die 2 "interface $IFNAME has no IPv4 address on this host (node 0)"
@@ -177,6 +188,7 @@ main() {
 # a check failed. Starts nothing.
 preflight_main() {
   local rank=$1 marker='' problem=''
+  receive_secrets
   if ((SHARED_RUN_DIR)); then marker="$RUN_DIR/.sbatch-gen-shared.$TAG"; fi
   # The environment torchrun gets (a CUDA_VISIBLE_DEVICES in extra_env counts)
   if ((${#NODE_ENV[@]})); then export "${NODE_ENV[@]}"; fi
@@ -185,11 +197,13 @@ preflight_main() {
   elif ! activate_env; then
     problem=$NODE_ERROR
   fi
+  # the bucket check lists the bucket with the credentials torchrun will get
+  if ((${#BUCKET_CHECK[@]})); then export_secrets; fi
   preflight setup_error="$problem" node_id="$rank" nnodes="$NNODES" module="$TRAINER_MODULE" \
     config="$TRAIN_CONFIG" data="$DATA_PATH" ifname="$IFNAME" gpus="$GPUS_PER_NODE" gpus_key=node.gpus \
     log_topology="$LOG_TOPOLOGY" numa="$NUMA_BINDING" hcas="$IB_HCA" link_layer="$IB_LINK_LAYER" \
     run_dir="$RUN_DIR" shared_marker="$marker" rdzv_port="$RDZV_PORT" \
-    torchrun_flags=--signals-to-handle='trainer.stop_protocol: sbatch-gen; torch >= 2.10; compat,--shutdown-timeout=launch.kill_grace_s; torch >= 2.12; compat'
+    torchrun_flags=--signals-to-handle='trainer.stop_protocol: sbatch-gen; torch >= 2.10; compat,--shutdown-timeout=launch.kill_grace_s; torch >= 2.12; compat' "${BUCKET_CHECK[@]}"
 }
 
 # Start torchrun on one node and return its exit status (128+N when signal N killed it). Only torchrun and
@@ -197,6 +211,7 @@ preflight_main() {
 # program that supervises torchrun (trainer.stop_protocol sbatch-gen); cleanup_main signals exactly those.
 node_main() {
   local rank=$1 MASTER_ADDR=$2 ATTEMPT=$3 RESUME=$4 MASTER_PORT=$RDZV_PORT NODE_ADDR IS_HOST=0 rc=0
+  receive_secrets
   cd -- "$LAUNCH_DIR" || return 1
   if ((${#NODE_ENV[@]})); then export "${NODE_ENV[@]}"; fi
   activate_env || { echo "$NODE_ERROR"; return 1; }
@@ -216,7 +231,8 @@ node_main() {
   export SBATCH_GEN_NODE_RANK="$rank" SBATCH_GEN_ATTEMPT="$ATTEMPT"
   printf 'node %s host %s addr %s rendezvous %s:%s attempt %s resume %s tag %s\n' \
     "$rank" "$HOSTNAME" "$NODE_ADDR" "$MASTER_ADDR" "$MASTER_PORT" "$ATTEMPT" "$RESUME" "$TAG"
-  env | grep -E '^(NCCL|GLOO|TORCH|CUDA|OMP)_' | sort || true
+  env_without_secrets | grep -E '^(NCCL|GLOO|TORCH|CUDA|OMP)_' | sort || true
+  export_secrets  # for torchrun and the trainer, after everything this node prints
   # torchrun's and the trainer's arguments: built once for every launcher (sbatch_gen/launch.py)
   local -a torchrun_args=(
     --nnodes "$NNODES"
@@ -244,6 +260,32 @@ node_main() {
   node_py run-trainer --stop-file "$stop_file" --stopped-rc 42 -- \
     env SBATCH_GEN_TAG="$TAG" torchrun "${torchrun_args[@]}" -m "$TRAINER_MODULE" "${trainer_args[@]}" || rc=$?
   return "$rc"
+}
+
+# receive_secrets: the launcher's NAME=VALUE records (send_secrets), read from stdin to its end, those of
+# SECRET_ENV's names kept in SECRET_VALUES; nothing is exported here (export_secrets). A terminal on stdin (a
+# function run by hand) is not read.
+receive_secrets() {
+  local rec i
+  SECRET_VALUES=()
+  if [[ -t 0 ]]; then return 0; fi
+  while IFS= read -r -d '' rec; do
+    for ((i = 0; i < ${#SECRET_ENV[@]}; i += 3)); do
+      if [[ ${rec%%=*} == "${SECRET_ENV[i]}" ]]; then SECRET_VALUES+=("$rec"); fi
+    done
+  done
+}
+
+# export_secrets: export what receive_secrets kept (a builtin: the values are in no process's argv).
+export_secrets() {
+  if ((${#SECRET_VALUES[@]})); then export "${SECRET_VALUES[@]}"; fi
+}
+
+# env_without_secrets: `env`, without SECRET_ENV's variables (a host's own value of one included).
+env_without_secrets() {
+  local i unset=()
+  for ((i = 0; i < ${#SECRET_ENV[@]}; i += 3)); do unset+=(-u "${SECRET_ENV[i]}"); done
+  env "${unset[@]}"
 }
 
 # Kill exactly the processes whose environment holds SBATCH_GEN_TAG=<tag> on this host: SIGTERM,
@@ -280,18 +322,44 @@ cleanup_main() {
 # POSIX single quoting, for the remote login shell.
 sq() { printf "'%s'" "${1//\'/\'\\\'\'}"; }
 
-# run_on RANK LIMIT FUNCTION ARGS...: run a shipped function on node RANK with stdin closed, for at
-# most LIMIT seconds (0: no limit). Exit status 255: ssh could not reach the host; 124: timed out.
+# check_secrets: exit 2 before anything starts when a variable SECRET_ENV requires is unset or empty here,
+# naming each and the profile field that names it.
+check_secrets() {
+  local i name missing=()
+  for ((i = 0; i < ${#SECRET_ENV[@]}; i += 3)); do
+    name=${SECRET_ENV[i]}
+    if [[ ${SECRET_ENV[i + 2]} == 1 && -z ${!name:-} ]]; then missing+=("$name (${SECRET_ENV[i + 1]})"); fi
+  done
+  if ((${#missing[@]})); then
+    die 2 "not set or empty on this host: $(printf '%s, ' "${missing[@]}" | sed 's/, $//'); every node gets these variables' values from the launcher: export them, then launch again"
+  fi
+}
+
+# send_secrets FUNCTION: for preflight_main and node_main, the values of SECRET_ENV's variables set here, as
+# NAME=VALUE records ending in NUL on stdout (printf is a builtin: no process's argv holds a value); for
+# the other functions nothing.
+send_secrets() {
+  local i name
+  case $1 in preflight_main | node_main) ;; *) return 0 ;; esac
+  for ((i = 0; i < ${#SECRET_ENV[@]}; i += 3)); do
+    name=${SECRET_ENV[i]}
+    if [[ -n ${!name:-} ]]; then printf '%s=%s\0' "$name" "${!name}"; fi
+  done
+}
+
+# run_on RANK LIMIT FUNCTION ARGS...: run a shipped function on node RANK for at most LIMIT seconds (0: no
+# limit), its stdin a pipe that carries send_secrets' records and then ends. Exit status 255: ssh could
+# not reach the host; 124: timed out.
 run_on() {
   local rank=$1 limit=() cmd a
   if (($2 > 0)); then limit=(timeout "$2"); fi
   shift 2
   if ((rank == 0)); then
-    "${limit[@]}" bash -c "$NODE_PROGRAM" sbatch-gen-node "$@" </dev/null
+    "${limit[@]}" bash -c "$NODE_PROGRAM" sbatch-gen-node "$@" < <(send_secrets "$1")
   else
     cmd="bash -c $(sq "$NODE_PROGRAM") sbatch-gen-node"
     for a in "$@"; do cmd+=" $(sq "$a")"; done
-    "${limit[@]}" ssh "${SSH_OPTS[@]}" -- "${HOSTS[rank]}" "$cmd" </dev/null
+    "${limit[@]}" ssh "${SSH_OPTS[@]}" -- "${HOSTS[rank]}" "$cmd" < <(send_secrets "$1")
   fi
 }
 
@@ -633,10 +701,10 @@ fi
 # as bash code, every value quoted), then "$@".
 NODE_VARS=(LAUNCH_DIR NNODES TAG NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT NUMA_BINDING LOG_TOPOLOGY IB_HCA
   IB_LINK_LAYER ENV_KIND ENV_PATH ENV_NAME MODULES CODE_DIR ENV_HINT NODE_ENV TRAINER_MODULE TRAIN_CONFIG
-  DATA_PATH RUN_DIR SHARED_RUN_DIR NODE_PY_SRC LOGS DEBUG)
+  DATA_PATH RUN_DIR SHARED_RUN_DIR NODE_PY_SRC SECRET_ENV BUCKET_CHECK LOGS DEBUG)
 NODE_PROGRAM="set -euo pipefail
 $(declare -p "${NODE_VARS[@]}")
-$(declare -f preflight_main node_main cleanup_main iface_ipv4 load_modules activate_env node_py preflight)
+$(declare -f preflight_main node_main cleanup_main receive_secrets export_secrets env_without_secrets iface_ipv4 load_modules activate_env node_py preflight)
 \"\$@\""
 
 main "$@"

@@ -394,6 +394,104 @@ def check_rendezvous(host: str, port: int, node_id: int, nnodes: int, timeout: f
             time.sleep(0.5)
 
 
+# ---- the run's bucket ------------------------------------------------------------------------------
+
+# Run by this node's python (the trainer's, with its boto3) as `python -c`, argv[1] a JSON object of the
+# s3_* settings: a LIST of at most one key under the prefix, with the credentials the trainer will use (the
+# variables it names, else the shared-credentials profile, else boto3's default chain), one attempt, within
+# the timeout to connect and to read. Prints one JSON object: the endpoint it asked, and, on failure, the
+# problem and the profile field most likely behind it. Never prints a credential.
+S3_PROBE = r"""
+import json, os, sys
+s = json.loads(sys.argv[1])
+creds = "cross_region.transport.credentials"
+out = {"endpoint": s.get("s3_endpoint") or "(AWS)"}
+def done(error=None, key=None):
+    if error is not None:
+        out["error"], out["key"] = " ".join(str(error).split())[:300], key
+    print(json.dumps(out))
+    sys.exit(0)
+try:
+    import boto3, botocore.config, botocore.exceptions
+except Exception as e:
+    done(f"boto3 not importable by {sys.executable}: {type(e).__name__}: {e}", "python_env")
+kw = {}
+if s.get("s3_key_env"):
+    for arg, field in (("aws_access_key_id", "s3_key_env"), ("aws_secret_access_key", "s3_secret_env"),
+                       ("aws_session_token", "s3_token_env")):
+        name = s.get(field)
+        if not name:
+            continue
+        value = os.environ.get(name)
+        if not value:
+            which = {"s3_key_env": "access_key_id_env", "s3_secret_env": "secret_access_key_env",
+                     "s3_token_env": "session_token_env"}[field]
+            done(f"environment variable {name} is not set on this node", f"{creds}.{which}")
+        kw[arg] = value
+t = float(s.get("s3_timeout_s") or 10)
+try:
+    session = boto3.session.Session(profile_name=s.get("s3_profile") or None,
+                                    region_name=s.get("s3_region") or None, **kw)
+    client = session.client("s3", endpoint_url=s.get("s3_endpoint") or None, config=botocore.config.Config(
+        connect_timeout=t, read_timeout=t, retries={"total_max_attempts": 1, "mode": "standard"},
+        s3={"addressing_style": s.get("s3_addressing") or "auto"}))
+    out["endpoint"] = client.meta.endpoint_url
+    prefix = (s.get("s3_prefix") or "").strip("/")
+    client.list_objects_v2(Bucket=s["s3_bucket"], Prefix=prefix + "/" if prefix else "", MaxKeys=1)
+except botocore.exceptions.ProfileNotFound as e:
+    done(e, creds + ".profile")
+except (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError) as e:
+    done(e, creds)
+except botocore.exceptions.ClientError as e:
+    err = e.response.get("Error", {})
+    status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", "")
+    code, msg = err.get("Code", ""), err.get("Message", "")
+    key = "cross_region.transport.bucket" if code == "NoSuchBucket" or status == 404 else creds
+    said = " ".join(dict.fromkeys(str(x) for x in (status, code) if x))  # "404 404": once
+    done(said + (f": {msg}" if msg else ""), key)
+except (botocore.exceptions.EndpointConnectionError, botocore.exceptions.ConnectTimeoutError,
+        botocore.exceptions.ReadTimeoutError) as e:
+    done(e, "cross_region.transport.endpoint_url")
+except Exception as e:
+    done(f"{type(e).__name__}: {e}", "cross_region.transport")
+done()
+"""
+
+S3_SETTINGS = (
+    "s3_bucket",
+    "s3_prefix",
+    "s3_endpoint",
+    "s3_addressing",
+    "s3_region",
+    "s3_profile",
+    "s3_key_env",
+    "s3_secret_env",
+    "s3_token_env",
+    "s3_timeout_s",
+)
+
+
+def check_bucket(python: str, s: dict[str, str]) -> tuple[bool, str]:
+    """Whether this node reaches the run's bucket (S3_PROBE, run by ``python``): (passed, what it found or
+    the problem, with the bucket, the endpoint and the profile field)."""
+    timeout = float(s["s3_timeout_s"] or 10)
+    settings = {k: s[k] for k in S3_SETTINGS if s[k]}
+    where = f"s3 bucket {s['s3_bucket']}"
+    # importing boto3 takes a second or two; one connect and one read of at most the timeout each
+    rc, out, err = run([python, "-c", S3_PROBE, json.dumps(settings)], timeout=2 * timeout + 30)
+    try:
+        got = json.loads(out.strip().splitlines()[-1]) if rc == 0 and out.strip() else None
+    except ValueError:
+        got = None
+    if not isinstance(got, dict):
+        said = one_line(err)[-300:] or f"status {rc}"
+        return False, f"cannot check {where} with {python}: {said} (cross_region.transport)"
+    at = f"{where} at {got.get('endpoint')}"
+    if got.get("error") is None:
+        return True, f"{at} reachable"
+    return False, f"cannot reach {at}: {got['error']} ({got.get('key') or 'cross_region.transport'})"
+
+
 # ---- what this node's python finds ----------------------------------------------------------------
 
 # Run by this node's python as `python -c` (the current directory first on sys.path, as for torchrun's
@@ -527,6 +625,11 @@ def fingerprint_main(args: list[str]) -> int:
 #   health_check=CMD  preflight.health_check: the site's own node check, run by bash; non-zero fails the node
 #   env_fingerprint=F paths.pin_code: the fingerprint of the python_env the run started with
 #                     (env_fingerprint); this node's must be the same
+#   s3_bucket=B s3_prefix=P s3_endpoint=URL s3_addressing=A s3_region=R s3_profile=N s3_key_env=V
+#   s3_secret_env=V s3_token_env=V s3_timeout_s=T   cross_region's s3 transport: this node's python lists at
+#                     most one key of bucket B under P with the credentials the trainer will use (the
+#                     variables named, else the profile N, else boto3's chain), T s to connect and to read
+#                     (check_bucket); the launcher delivers the variables' values (sbatch_gen/credentials.py)
 PREFLIGHT_SETTINGS = {
     "setup_error": "",
     "module": "",
@@ -550,6 +653,16 @@ PREFLIGHT_SETTINGS = {
     "connect_timeout_s": "60",
     "health_check": "",
     "env_fingerprint": "",
+    "s3_bucket": "",
+    "s3_prefix": "",
+    "s3_endpoint": "",
+    "s3_addressing": "",
+    "s3_region": "",
+    "s3_profile": "",
+    "s3_key_env": "",
+    "s3_secret_env": "",
+    "s3_token_env": "",
+    "s3_timeout_s": "",
 }
 
 
@@ -719,6 +832,9 @@ def preflight(s: dict[str, str]) -> tuple[list[str], list[str]]:
             last = [x for x in out.splitlines() if x][-1:]
             said = f": {last[0][:300]}" if last else ""
             bad.append(f"health check failed{said} (preflight.health_check)")
+    if python and s["s3_bucket"]:
+        passed, said = check_bucket(python, s)
+        (ok if passed else bad).append(said)
     # The rendezvous last: it waits for the other nodes. After a failure only node 0's port is tried (the
     # launcher ends the other nodes' preflights when one fails).
     if python and s["rdzv_port"]:

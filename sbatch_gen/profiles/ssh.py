@@ -15,6 +15,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
+from sbatch_gen.credentials import bucket_check, secret_env
 from sbatch_gen.errors import FieldError
 from sbatch_gen.profiles.base import ProfileBase
 from sbatch_gen.profiles.types import Int, PathStr, ProfileSection, Text, no_control, pattern_check
@@ -208,6 +209,14 @@ class SshProfile(ProfileBase):
 
     def enabled_hosts(self) -> list[str]:
         return [h.name for h in self.hosts if h.enabled]
+
+    def template_context(self, site_name: str) -> dict[str, object]:
+        # the secrets every node gets over ssh's stdin, and the preflight's bucket check within the ssh
+        # connect timeout (sbatch_gen/credentials.py)
+        return {
+            "secret_env": secret_env(self),
+            "bucket_check": bucket_check(self.cross_region, self.ssh.connect_timeout_s),
+        }
 
     @model_validator(mode="after")
     def _checks(self) -> SshProfile:

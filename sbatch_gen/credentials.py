@@ -1,0 +1,102 @@
+"""The secrets a launch hands to its nodes, and the preflight's bucket check. Torch-free.
+
+A profile never holds a secret, only the names of the environment variables that hold one:
+``cross_region.transport.credentials`` (the S3 access key id, secret access key, session token) and
+``metrics.wandb_api_key_env`` (the W&B API key). :func:`secret_env` lists them, once, from the model; the
+SSH launcher checks them on the launching host before it starts anything and sends their values to each
+node over ssh's stdin (templates/ssh-launcher.sh.j2: SECRET_ENV), never on a command line or in a file.
+A shared-credentials ``profile`` or no credentials at all (boto3's default chain: the host's own
+environment, ~/.aws, instance role) names nothing to send.
+
+:func:`bucket_check` is the preflight's check that a node reaches the run's bucket with those credentials
+(the node program's ``s3_*`` settings, sbatch_gen/node_program.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from sbatch_gen.metrics_options import MetricsOptions
+from sbatch_gen.xr_options import CrossRegion, S3Transport
+
+CREDENTIALS_KEY = "cross_region.transport.credentials"
+
+
+class SecretsProfile(Protocol):
+    """What the secrets are read from: :class:`sbatch_gen.profiles.base.ProfileBase` has it."""
+
+    @property
+    def cross_region(self) -> CrossRegion: ...
+    @property
+    def metrics(self) -> MetricsOptions | None: ...
+
+
+@dataclass(frozen=True)
+class SecretEnv:
+    """One environment variable whose value is a secret."""
+
+    name: str  # the variable
+    key: str  # the profile field that names it
+    required: (
+        bool  # True: a launch refuses to start without it; False: sent when set (W&B key, wandb_mode auto)
+    )
+
+
+def s3_transport(xr: CrossRegion) -> S3Transport | None:
+    """The S3 transport of an enabled cross_region, else None."""
+    return xr.transport if xr.enabled and isinstance(xr.transport, S3Transport) else None
+
+
+def secret_env(p: SecretsProfile) -> list[SecretEnv]:
+    """The variables the profile names as secrets, in the order of the profile, each once.
+
+    S3 (cross_region enabled with the s3 transport): the access key id and secret access key variables, and
+    the session token's when the keys are named (the trainer reads it only with them). W&B (metrics.sinks
+    has wandb): the API key's variable, required with wandb_mode online, sent when set with auto (unset: the
+    trainer writes offline), not at all with offline."""
+    out: list[SecretEnv] = []
+    t = s3_transport(p.cross_region)
+    if t is not None and t.credentials.access_key_id_env is not None:
+        c = t.credentials
+        for field in ("access_key_id_env", "secret_access_key_env", "session_token_env"):
+            name = getattr(c, field)
+            if name is not None:
+                out.append(SecretEnv(name, f"{CREDENTIALS_KEY}.{field}", True))
+    m = p.metrics
+    if m is not None and "wandb" in m.sinks and m.wandb_mode != "offline":
+        out.append(SecretEnv(m.wandb_api_key_env, "metrics.wandb_api_key_env", m.wandb_mode == "online"))
+    seen: dict[str, int] = {}
+    unique: list[SecretEnv] = []
+    for s in out:  # one variable named by two fields: once, required if either requires it
+        if s.name in seen:
+            i = seen[s.name]
+            if s.required and not unique[i].required:
+                unique[i] = SecretEnv(s.name, s.key, True)
+            continue
+        seen[s.name] = len(unique)
+        unique.append(s)
+    return unique
+
+
+def bucket_check(xr: CrossRegion, timeout_s: int) -> list[tuple[str, str]]:
+    """The preflight's bucket check as node-program settings (NAME, VALUE): a LIST of at most one key under
+    the run's prefix, by the trainer's python and boto3, with the credentials the trainer will use, within
+    ``timeout_s`` seconds to connect and to read. Empty unless cross_region is enabled with the s3 transport."""
+    t = s3_transport(xr)
+    if t is None:
+        return []
+    c = t.credentials
+    settings: list[tuple[str, Any]] = [
+        ("s3_bucket", t.bucket),
+        ("s3_prefix", t.prefix),
+        ("s3_endpoint", t.endpoint_url),
+        ("s3_addressing", t.addressing_style),
+        ("s3_region", t.region_name),
+        ("s3_profile", c.profile),
+        ("s3_key_env", c.access_key_id_env),
+        ("s3_secret_env", c.secret_access_key_env),
+        ("s3_token_env", c.session_token_env if c.access_key_id_env else None),
+        ("s3_timeout_s", timeout_s),
+    ]
+    return [(name, str(v)) for name, v in settings if v not in (None, "")]
