@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 4611f148c4863c1b82a5615c3301d43476c01db1f75ef7585ecf1d0f0a991aec
+#   inputs sha256: 293e9700cdbf39a67c68a97efdf4b51111f34056e2c551ba9060fe969e86d525
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -235,10 +235,7 @@ node_main() {
   export_secrets  # for torchrun and the trainer, after everything this node prints
   # torchrun's and the trainer's arguments: built once for every launcher (sbatch_gen/launch.py)
   local -a torchrun_args=(
-    --nnodes "$NNODES"
-    --nproc-per-node "$NPROC_PER_NODE"
-    --rdzv-backend=c10d
-    --rdzv-id="$TAG.$ATTEMPT"
+    --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --rdzv-backend=c10d --rdzv-id="$TAG.$ATTEMPT"
     --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
     --rdzv-conf="join_timeout=900,is_host=$IS_HOST"  # torchrun.rdzv_timeout_s
     --local-addr="$NODE_ADDR"
@@ -246,10 +243,7 @@ node_main() {
     --signals-to-handle='SIGINT,SIGHUP,SIGQUIT'  # trainer.stop_protocol: sbatch-gen
     --shutdown-timeout=60  # launch.kill_grace_s
   ) trainer_args=(
-    --config "$TRAIN_CONFIG"
-    --run-dir "$RUN_DIR"
-    --resume "$RESUME"
-    --data-path "$DATA_PATH"
+    --config "$TRAIN_CONFIG" --run-dir "$RUN_DIR" --resume "$RESUME" --data-path "$DATA_PATH"
   )
   # The trainer's stop file of this attempt: it writes the ack (and .stopping, .fatal) next to it
   local stop_file="$RUN_DIR/stop/$TAG.attempt-$ATTEMPT"

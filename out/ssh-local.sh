@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 47c7d80542366fec86625925ebdf68ddfbde8778932610dd1001eb7e11724f35
+#   inputs sha256: 59e12cff4cf31e6a77f0cca834c560e6c47b4bb3c154c64890e208c363fd67c4
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -207,10 +207,7 @@ node_main() {
   export_secrets  # for torchrun and the trainer, after everything this node prints
   # torchrun's and the trainer's arguments: built once for every launcher (sbatch_gen/launch.py)
   local -a torchrun_args=(
-    --nnodes "$NNODES"
-    --nproc-per-node "$NPROC_PER_NODE"
-    --rdzv-backend=c10d
-    --rdzv-id="$TAG.$ATTEMPT"
+    --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --rdzv-backend=c10d --rdzv-id="$TAG.$ATTEMPT"
     --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
     --rdzv-conf="join_timeout=120,is_host=$IS_HOST"  # torchrun.rdzv_timeout_s
     --local-addr="$NODE_ADDR"
@@ -218,9 +215,7 @@ node_main() {
     --signals-to-handle='SIGINT,SIGHUP,SIGQUIT'  # trainer.stop_protocol: sbatch-gen
     --shutdown-timeout=10  # launch.kill_grace_s
   ) trainer_args=(
-    --config "$TRAIN_CONFIG"
-    --run-dir "$RUN_DIR"
-    --resume "$RESUME"
+    --config "$TRAIN_CONFIG" --run-dir "$RUN_DIR" --resume "$RESUME"
   )
   # The trainer's stop file of this attempt: it writes the ack (and .stopping, .fatal) next to it
   local stop_file="$RUN_DIR/stop/$TAG.attempt-$ATTEMPT"

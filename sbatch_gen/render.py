@@ -163,6 +163,33 @@ def env_default(value: object, name: str) -> str:
     return "${" + name + "-" + word + "}"
 
 
+# The widest line of options packed_options writes (the indent not counted).
+PACKED_WIDTH = 100
+
+
+@jinja2.pass_context
+def packed_options(ctx: jinja2.runtime.Context, options) -> list[str]:
+    """The lines of an argument list (launch.py's Options, each ``words`` and ``key``): an option with a key
+    alone on its line, that key in a comment after it; consecutive options without one, of one family
+    (--xr-*, --metrics-*, the rest), several to a line up to PACKED_WIDTH characters, each option's words
+    together."""
+    lines: list[str] = []
+    run: list[str] = []
+    family = None
+    for o in options:
+        words = " ".join(_shq(ctx, w) for w in o.words)
+        this = str(o.words[0]).split("-")[2] if str(o.words[0]).startswith(("--xr-", "--metrics-")) else ""
+        if run and (o.key or this != family or len(" ".join([*run, words])) > PACKED_WIDTH):
+            lines.append(" ".join(run))
+            run = []
+        if o.key:
+            lines.append(f"{words}  # {o.key}")
+        else:
+            run.append(words)
+        family = this
+    return lines + ([" ".join(run)] if run else [])
+
+
 def _sha256(text: str) -> str:
     """The hex sha256 of a rendered block (the node library's fence names its own)."""
     return hashlib.sha256(str(text).encode()).hexdigest()
@@ -182,6 +209,7 @@ def make_env(templates_dir: Path) -> jinja2.Environment:
     env.filters["comment"] = _comment
     env.filters["sha256"] = _sha256
     env.filters["env_default"] = env_default
+    env.filters["packed_options"] = packed_options
     return env
 
 

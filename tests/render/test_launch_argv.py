@@ -12,7 +12,7 @@ import pytest
 
 from sbatch_gen.launch import SLURM, SSH, Concat, Option, Var, Word, torchrun_argv, trainer_argv
 from sbatch_gen.loader import load_site
-from sbatch_gen.render import render_site, shell_quote
+from sbatch_gen.render import RENDER_STATE, RenderState, make_env, render_site, shell_quote
 
 from .conftest import REPO
 from .script_parts import flat
@@ -256,3 +256,33 @@ def test_run_time_values_render_as_quoted_expansions():
     with pytest.raises(ValueError):
         Concat(("no variable",))
     assert Option(("--max-steps", "7"), "trainer.max_steps").key == "trainer.max_steps"
+
+
+# ---- how an argument list is laid out in a render (render.packed_options) ----------------------------
+
+
+def _packed(options) -> list[str]:
+    env = make_env(REPO / "templates")
+    return (
+        env.from_string("{% for x in o | packed_options %}{{ x }}\n{% endfor %}")
+        .render({"o": options, RENDER_STATE: RenderState()})
+        .splitlines()
+    )
+
+
+def test_keyed_options_get_a_line_of_their_own_and_the_others_pack_by_family():
+    opts = [
+        Option(("--config", "a b")),
+        Option(("--run-dir", "r")),
+        Option(("--max-restarts", "1"), "torchrun.max_restarts"),
+        *[Option((f"--xr-flag-{i}", str(i))) for i in range(12)],
+        Option(("--metrics-sinks", "tensorboard")),
+        Option(("--xr-late", "$(rm -rf /)")),
+    ]
+    lines = _packed(opts)
+    assert lines[0] == "--config 'a b' --run-dir r"  # values quoted, options kept whole
+    assert lines[1] == "--max-restarts 1  # torchrun.max_restarts"
+    xr = [x for x in lines if x.startswith("--xr-flag-")]
+    assert len(xr) == 2 and all(len(x) <= 100 for x in xr)
+    assert " ".join(xr).split() == [w for i in range(12) for w in (f"--xr-flag-{i}", str(i))]
+    assert lines[-2:] == ["--metrics-sinks tensorboard", "--xr-late '$(rm -rf /)'"]  # a family apart
