@@ -9,9 +9,10 @@ as the trainer parses them (:func:`sbatch_gen.train.cli.parse_args`, then the ``
 
 It writes the record a planned stop writes (:meth:`.membership.Membership.announce` ``"leaving"``), so the
 other regions treat the crash as they treat a stop: their next round closes on ``leave`` once ``min_regions``
-have published, instead of waiting for this region's heartbeat to go stale (or for ``grace_s``). Its round
-and step are the newest round this region published (else those of its previous presence record), its
-``why`` the torchrun status. A requeued region rejoins as after a stop; its ``joined`` replaces the record.
+have published, instead of waiting for this region's heartbeat to go stale (or for ``grace_s``). Its
+``why`` is the torchrun status; its round and step are first those of the region's previous presence record
+(written at once), then, when newer, those of the newest round it published (a listing of the run, written
+again: where the region was, for ``sbatch-gen status`` and people). A requeued region rejoins as after a stop; its ``joined`` replaces the record.
 
 It writes nothing, and says why, when:
 
@@ -119,13 +120,16 @@ def announce(status: int, trainer_args: list[str]) -> tuple[int, str]:
                 f"{before.state} (round {before.round}, step {before.step})"
             )
         r, step = (before.round, before.step) if before is not None else (0, 0)
-        newest = ms.published_rounds().get(region)
-        if newest is not None and newest >= r:
-            claim = ms.read_claim(round_tag(newest), region)
+        why = f"torchrun exited with status {status}"
+        ms.announce("leaving", r, step, why)  # first: the others need the state, not where the region was
+        try:  # then where it was: its newest published round (a listing of the run), when newer
+            newest = ms.published_rounds().get(region, r)
+            claim = ms.read_claim(round_tag(newest), region) if newest > r else None
             if isinstance(claim, Manifest):
                 r, step = newest, claim.step
-        why = f"torchrun exited with status {status}"
-        ms.announce("leaving", r, step, why)
+                ms.announce("leaving", r, step, why)
+        except Exception:  # noqa: BLE001 - the leave stands; its round is the previous record's
+            pass
         return (
             0,
             f"announced the leave of region {region} in the mailbox {where} after {why} (round {r}, step {step})",
