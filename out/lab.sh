@@ -51,7 +51,7 @@ NUMA_BINDING=''  # topology.numa_binding
 LOG_TOPOLOGY=1  # topology.log_topology
 IB_HCA=''  # nccl.ib_hca as NCCL_IB_HCA: the preflight checks these adapters (empty: none)
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
-NODE_PY_SHA256=f30a75b01d2fa96a2b29fb5b48c214b451f58d8fd44a96bf6afee6fe274b56f8  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
+NODE_PY_SHA256=c16f0d1f1a0b79a4e2bc20f1bbc764d7f291a84f27d6fbc30425b4d190f22b0d  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv  # python_env.kind

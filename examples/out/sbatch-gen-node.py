@@ -1067,7 +1067,7 @@ def announce_leave(trainer_args: list[str], rc: int, timeout_s: float = LEAVE_TI
                 proc.communicate()
                 said = (
                     f"WARNING: the leave announcer did not finish in {timeout_s:g} s (the mailbox did not answer?): "
-                    "the other regions find this region gone by its heartbeat"
+                    "the other regions find this region gone by its heartbeat or grace_s"
                 )
                 log(said)
                 return said

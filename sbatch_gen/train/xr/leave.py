@@ -106,8 +106,9 @@ def announce(status: int, trainer_args: list[str]) -> tuple[int, str]:
     held = live_lease(run_dir)
     if held is not None:
         return 1, (
-            f"WARNING: did not announce the leave of region {region}: the run dir {run_dir} is leased by a live "
-            f"trainer ({held}); another attempt may train, so the other regions judge it by its heartbeat"
+            f"WARNING: did not announce the leave of region {region}: the run dir {run_dir} is leased by a "
+            f"live trainer ({held}); another attempt may train, so the other regions judge it by its heartbeat "
+            "or grace_s"
         )
     mb = Mailbox(make_store(xr.transport, 2), xr.run_id, region, xr.regions, threads=2)
     try:
