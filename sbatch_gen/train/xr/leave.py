@@ -2,8 +2,8 @@
 TRAINER_ARGS...``. Torch-free.
 
 The node program's run-trainer (:mod:`sbatch_gen.node_program`) runs this on a region's node 0 after torchrun
-exited non-zero without a planned stop (no stop file, ack, ``.stopping`` or ``.fatal`` beside it), when
-torchrun ran the companion trainer with ``--xr-enabled``. TRAINER_ARGS are the trainer's own arguments, parsed
+exited non-zero without a completed stop (no ack beside the stop file) and without ``.fatal``, when torchrun
+ran the companion trainer with ``--xr-enabled``. TRAINER_ARGS are the trainer's own arguments, parsed
 as the trainer parses them (:func:`sbatch_gen.train.cli.parse_args`, then the ``--xr-*`` flags or the
 ``SBATCH_GEN_XR_*`` environment), so this speaks for the same region of the same run in the same mailbox.
 
@@ -12,7 +12,8 @@ other regions treat the crash as they treat a stop: their next round closes on `
 have published, instead of waiting for this region's heartbeat to go stale (or for ``grace_s``). Its
 ``why`` is the torchrun status; its round and step are first those of the region's previous presence record
 (written at once), then, when newer, those of the newest round it published (a listing of the run, written
-again: where the region was, for ``sbatch-gen status`` and people). A requeued region rejoins as after a stop; its ``joined`` replaces the record.
+again: where the region was, for ``sbatch-gen status`` and people). A requeued region rejoins as after a
+stop; its ``joined`` replaces the record.
 
 It writes nothing, and says why, when:
 
