@@ -20,7 +20,10 @@ are read under $SBATCH_GEN_SYSFS_ROOT (unset on a real node; a fake node in the 
 numactl are looked up on PATH, as torchrun does. Torch is never imported here: what needs this node's python
 and its packages (the trainer module, torch, torchrun's flags) is asked of that python in a subprocess.
 ``run-trainer`` runs torchrun (COMMAND) with SIGTERM ignored, turns a SIGTERM into a stop request, and
-says in one line what the stop left (``run_trainer``).
+says in one line what the stop left (``run_trainer``). When torchrun exits non-zero without a completed stop
+and ran the companion trainer of a cross-region run, node 0 announces the region's leave in the mailbox for
+it (``leave_to_announce``, ``announce_leave``: this node's python runs ``-m sbatch_gen.train.xr.leave``,
+bounded in time), so the other regions stop waiting for it at once; run-trainer's status stays COMMAND's.
 """
 
 from __future__ import annotations
@@ -882,6 +885,7 @@ def preflight_main(args: list[str]) -> int:
 # package; tests/node checks they are the same).
 ACK_SUFFIX = ".ack"
 STOPPING_SUFFIX = ".stopping"
+FATAL_SUFFIX = ".fatal"
 
 
 def log(message: str) -> None:
@@ -1031,16 +1035,22 @@ def this_torchrun_source() -> str | None:
         return None
 
 
+def _after_env(command: list[str]) -> int:
+    """Where COMMAND's program is: after ``env NAME=VALUE...`` (the SSH launcher's tagged torchrun), else 0."""
+    at = 0
+    if command and os.path.basename(command[0]) == "env":
+        at = 1
+        while at < len(command) and "=" in command[at] and not command[at].startswith("-"):
+            at += 1
+    return at
+
+
 def torchrun_or_shim(command: list[str]) -> list[str]:
     """COMMAND, or where it is ``torchrun`` and this python's torch lacks a flag of COMPAT_FLAGS that
     COMMAND gives it: this python running this program's ``torchrun-compat`` with COMMAND's other arguments
     (one line says so). Under stop_protocol sbatch-gen those flags only keep SIGTERM from the agent (the shim
     does that itself) and bound the shutdowns after SIGINT/SIGHUP/SIGQUIT, which no stop sends."""
-    at = 0
-    if command and os.path.basename(command[0]) == "env":  # env NAME=VALUE... torchrun (the SSH launcher)
-        at = 1
-        while at < len(command) and "=" in command[at] and not command[at].startswith("-"):
-            at += 1
+    at = _after_env(command)
     if at >= len(command) or os.path.basename(command[at]) != "torchrun":
         return command
     head, args = command[:at], command[at + 1 :]
@@ -1084,6 +1094,114 @@ def torchrun_compat_main(args: list[str]) -> int:
     return 0
 
 
+# ---- a crash: the region's leave, announced for it ---------------------------------------------------------
+
+# The trainers whose arguments the leave announcer reads as its own: the companion trainer, and the same trainer
+# with the test faults installed (sbatch_gen.testing.faults).
+BUILTIN_TRAINERS = ("sbatch_gen.train", "sbatch_gen.testing.faults")
+LEAVE_MODULE = "sbatch_gen.train.xr.leave"
+LEAVE_TIMEOUT_S = 10.0  # a store that does not answer must not hold the job
+# torchrun's options that take no value (torch/distributed/run.py), besides -m/--module
+TORCHRUN_SWITCHES = ("--standalone", "--no-python", "--no_python", "--run-path", "--run_path")
+
+
+def trainer_of(command: list[str]) -> tuple[str, list[str]] | None:
+    """(module, its arguments) of the trainer COMMAND starts: ``[env NAME=VALUE...] torchrun ARGS -m MODULE
+    ARGS`` (or ``PYTHON -m torch.distributed.run ...``); None for anything else, a script among them."""
+    at = _after_env(command)
+    rest = command[at + 1 :]
+    if at < len(command) and os.path.basename(command[at]) == "torchrun":
+        pass
+    elif rest[:2] == ["-m", "torch.distributed.run"]:
+        rest = rest[2:]
+    else:
+        return None
+    i = 0
+    while i < len(rest) - 1:  # torchrun's options, up to its -m/--module (the script is a module)
+        word = rest[i]
+        if word in ("-m", "--module"):
+            return rest[i + 1], rest[i + 2 :]
+        if not word.startswith("-"):
+            return None  # the script: a file, not a module
+        i += 1 if "=" in word or word in TORCHRUN_SWITCHES else 2  # --flag=value, a switch, --flag value
+    return None
+
+
+def node_index() -> str:
+    """This node's index in its launcher: $SBATCH_GEN_NODE_RANK (the SSH launcher), else $SLURM_NODEID (a
+    Slurm job step), else 0 (one node)."""
+    for name in ("SBATCH_GEN_NODE_RANK", "SLURM_NODEID"):
+        v = os.environ.get(name, "").strip()
+        if v:
+            return v
+    return "0"
+
+
+def leave_to_announce(command: list[str], rc: int, stop_file: str) -> list[str] | None:
+    """The trainer's arguments to announce this region's leave with, after COMMAND exited with ``rc``; None
+    when there is none to announce: a status of 0; a planned stop that completed (the ack: the trainer
+    announced its leave itself before its stop checkpoint); ``.fatal`` (the trainer stopped on an error no
+    requeue fixes, such as the run dir leased by another live job: not a region gone); a node other than the
+    launcher's node 0 (one announcement per region); a trainer other than the companion one (one's own
+    script or module: its arguments are not ours to read) or one without ``--xr-enabled``.
+
+    A stop file without an ack is announced: a stop that did not complete (the trainer's own leave record,
+    when it wrote one, is kept: the announcer writes nothing over it), or a crash during which a SIGTERM
+    reached this program (Slurm's --kill-on-bad-exit after another node's task failed)."""
+    if rc == 0:
+        return None
+    if any(os.path.lexists(stop_file + s) for s in (ACK_SUFFIX, FATAL_SUFFIX)):
+        return None
+    if node_index() != "0":
+        return None
+    got = trainer_of(command)
+    if got is None or got[0] not in BUILTIN_TRAINERS or "--xr-enabled" not in got[1]:
+        return None
+    return got[1]
+
+
+def announce_leave(trainer_args: list[str], rc: int, timeout_s: float = LEAVE_TIMEOUT_S) -> str:
+    """Run the leave announcer (this python: ``-m sbatch_gen.train.xr.leave``) with the trainer's arguments,
+    for at most ``timeout_s``, and log its one line (its last, or one WARNING line saying why there is
+    none); returns that line. Never raises, never prints more than that line."""
+    argv = [sys.executable, "-m", LEAVE_MODULE, "--torchrun-status", str(rc), "--", *trainer_args]
+    try:
+        with subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        ) as proc:
+            try:
+                out, _ = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # its session: nothing of it outlives the bound
+                except OSError:
+                    pass
+                proc.communicate()
+                said = (
+                    f"WARNING: the leave announcer did not finish in {timeout_s:g} s (the mailbox did not answer?): "
+                    "the other regions find this region gone by its heartbeat or grace_s"
+                )
+                log(said)
+                return said
+        lines = [x.strip() for x in out.decode("utf-8", "replace").splitlines() if x.strip()]
+        last = one_line(lines[-1][:500]) if lines else ""
+        if proc.returncode == 0 and last:
+            said = last
+        elif last.startswith("WARNING: "):
+            said = last
+        else:
+            status = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+            said = f"WARNING: the leave announcer exited with status {status}" + (f": {last}" if last else "")
+    except Exception as e:  # it cannot even start: said, and run-trainer's status stays COMMAND's
+        said = f"WARNING: cannot run the leave announcer: {type(e).__name__}: {e}"
+    log(said)
+    return said
+
+
 def run_trainer(stop_file: str, stopped_rc: int, command: list[str]) -> int:
     """Run COMMAND (torchrun) on this node with SIGTERM ignored and return its exit status (128+N when signal
     N ended it), or ``stopped_rc`` when STOP_FILE.ack exists once it has exited.
@@ -1094,7 +1212,9 @@ def run_trainer(stop_file: str, stopped_rc: int, command: list[str]) -> int:
     trainer and the library's agree on a step, checkpoint, and exit 0 once the first rank of every node has
     written the ack; a trainer of one's own saves in its SIGTERM handler. No signal ends the wait: this
     program waits until COMMAND has exited, then says in one line what the stop left (``node NAME: ...``,
-    :func:`stop_outcome`), which the launchers repeat in their own log."""
+    :func:`stop_outcome`), which the launchers repeat in their own log. After a non-zero status that no
+    completed stop explains, node 0 announces a cross-region trainer's leave (:func:`leave_to_announce`,
+    :func:`announce_leave`, at most LEAVE_TIMEOUT_S): the status returned is COMMAND's all the same."""
     step = TrainingStep(stop_file, node_name())
     # SIGTERM blocked until COMMAND runs and the handler knows its pid: one that arrives meanwhile is
     # handled then, and COMMAND never runs with this program's handler (reset to the default by exec).
@@ -1103,6 +1223,7 @@ def run_trainer(stop_file: str, stopped_rc: int, command: list[str]) -> int:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         # a terminal's Ctrl-C reaches torchrun too, which handles it: wait for it as for a SIGTERM
         signal.signal(signal.SIGINT, lambda signum, frame: None)
+    given = command
     command = torchrun_or_shim(command)
     try:
         child = subprocess.Popen(command, preexec_fn=_ignore_sigterm)  # preexec_fn: one thread here
@@ -1124,6 +1245,12 @@ def run_trainer(stop_file: str, stopped_rc: int, command: list[str]) -> int:
             return stopped_rc
     except Exception as e:  # what the stop left is said if it can be; COMMAND's status counts
         log(f"WARNING: cannot read what the stop left beside {stop_file}: {type(e).__name__}: {e}")
+    try:  # a crash: the other regions hear of it now rather than from a heartbeat going stale
+        trainer_args = leave_to_announce(given, rc, stop_file)
+        if trainer_args is not None:
+            announce_leave(trainer_args, rc)
+    except Exception as e:
+        log(f"WARNING: cannot announce the leave: {type(e).__name__}: {e}")
     return rc
 
 

@@ -1,9 +1,11 @@
 """Run several regions of one cross-region job on this machine: each region is its own torchrun (its own
 rendezvous port, its own process group) running ``python -m sbatch_gen.train``; they meet only in the
-mailbox. Used by the tests, ``make demo`` and the benchmarks. Torch-free.
+mailbox. Used by the tests, ``make demo`` and the benchmarks. Torch-free. With ``stop_file`` each node's
+torchrun runs under the node program's run-trainer, as the launchers run it (the stop file, a crash's leave).
 
-Processes are tracked by PID: :meth:`RegionRun.kill` SIGKILLs the torchrun agent and its workers (which
-torchrun starts in sessions of their own), never anything found by name.
+Processes are tracked by PID: :meth:`RegionRun.kill` SIGKILLs the processes it started and everything below
+them (torchrun's agents and their workers, which torchrun starts in sessions of their own), never anything
+found by name.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sbatch_gen import node_program
+from sbatch_gen.contract import ENV_STOP_FILE, EXIT_REQUEUE
 from sbatch_gen.proc import process_state
 from sbatch_gen.xr_options import CrossRegion, to_argv
 
@@ -91,8 +95,9 @@ class RegionRun:
         return [c for p in self.procs if p.poll() is None for c in _children(p.pid)]
 
     def kill(self) -> None:
-        """SIGKILL the agents and their workers (a crash, as far as the other region can tell)."""
-        workers = self.worker_pids()
+        """SIGKILL the agents and their workers, and run-trainer around them (a crash, as far as the other
+        region can tell)."""
+        workers = [d for p in self.procs if p.poll() is None for d in descendants(p.pid)]
         for p in self.procs:
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGKILL)
@@ -135,10 +140,14 @@ def launch_region(
     extra_args: list[str] | None = None,
     python: str = sys.executable,
     module: str = "sbatch_gen.train",
+    stop_file: str | os.PathLike | None = None,
 ) -> RegionRun:
     """Start one region: ``nnodes`` torchrun agents (a multi-node job on one machine) of ``nproc``
     workers each, sharing a fresh c10d rendezvous port. ``module``: what each worker runs with the
-    trainer's arguments (``sbatch_gen.testing.faults``: the trainer with injected faults)."""
+    trainer's arguments (``sbatch_gen.testing.faults``: the trainer with injected faults). ``stop_file``:
+    each agent runs under the node program's run-trainer with that stop file (the trainer's
+    ``SBATCH_GEN_STOP_FILE``) and the requeue code as its stopped status, node N with
+    ``SBATCH_GEN_NODE_RANK=N`` as the SSH launcher runs it: a crash announces the region's leave."""
     run_dir = Path(run_dir)
     log_dir = Path(log_dir) if log_dir else run_dir.parent
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -163,11 +172,17 @@ def launch_region(
             "--max-restarts=0",
             *train,
         ]
+        node_env = dict(env or {})
+        if stop_file is not None:
+            supervise = [python, "-I", str(Path(node_program.__file__)), "run-trainer"]
+            supervise += ["--stop-file", str(stop_file), "--stopped-rc", str(EXIT_REQUEUE), "--"]
+            cmd = [*supervise, *cmd]
+            node_env.update({ENV_STOP_FILE: str(stop_file), "SBATCH_GEN_NODE_RANK": str(node)})
         log = log_dir / (f"{xr.region}.log" if nnodes == 1 else f"{xr.region}.node{node}.log")
         with open(log, "ab") as f:
             procs.append(
                 subprocess.Popen(
-                    cmd, stdout=f, stderr=subprocess.STDOUT, env=clean_env(env), start_new_session=True
+                    cmd, stdout=f, stderr=subprocess.STDOUT, env=clean_env(node_env), start_new_session=True
                 )
             )
         logs.append(log)

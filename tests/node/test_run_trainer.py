@@ -323,6 +323,7 @@ def test_a_stop_file_that_cannot_be_written_is_logged_and_the_sigterm_still_goes
 
 def test_the_suffixes_are_the_contracts():
     assert np.ACK_SUFFIX == contract.ACK_SUFFIX and np.STOPPING_SUFFIX == contract.STOPPING_SUFFIX
+    assert np.FATAL_SUFFIX == contract.FATAL_SUFFIX
 
 
 @pytest.mark.parametrize(
@@ -489,3 +490,214 @@ def test_the_ssh_launchers_tagged_torchrun_goes_through_the_shim_too(tmp_path):
     assert out.stdout.strip() == repr(
         ["env", "SBATCH_GEN_TAG=t1", str(python), str(PROGRAM), "torchrun-compat", "x.py"]
     ), out.stdout
+
+
+# ---- a crash: node 0 announces the region's leave ------------------------------------------------------
+
+# torchrun's stand-in for a crash: exits with $FAKE_TORCHRUN_RC (1), after writing the ack of a completed stop
+# when $FAKE_TORCHRUN_ACK names the stop file.
+CRASHING_TORCHRUN = textwrap.dedent(
+    """\
+    import json, os, sys
+    ack = os.environ.get("FAKE_TORCHRUN_ACK")
+    if ack:
+        with open(ack + ".ack", "w") as f:
+            f.write(json.dumps({"step": 8, "checkpoint": None, "reason": "SIGTERM"}))
+    sys.exit(int(os.environ.get("FAKE_TORCHRUN_RC", "1")))
+    """
+)
+
+# The leave announcer's stand-in, found first as `python -m sbatch_gen.train.xr.leave` in run-trainer's working
+# directory (a package of that name there): notes its arguments in announced.jsonl, then by $FAKE_LEAVE:
+# "ok" says its line, "hang" never ends, "traceback" dies of an exception.
+FAKE_LEAVE = textwrap.dedent(
+    """\
+    import json, os, sys, time
+    with open("announced.jsonl", "a") as f:
+        f.write(json.dumps({"argv": sys.argv[1:], "pid": os.getpid()}) + "\\n")
+    mode = os.environ.get("FAKE_LEAVE", "ok")
+    if mode == "hang":
+        time.sleep(300)
+    if mode == "traceback":
+        raise RuntimeError("the store is down")
+    print("announced the leave of region b in the mailbox fs:/mb/run after torchrun exited with status " + sys.argv[2])
+    """
+)
+
+XR_ARGS = [
+    "--config",
+    "c.yaml",
+    "--run-dir",
+    "runs/b",
+    "--xr-enabled",
+    "--xr-region",
+    "b",
+    "--xr-regions",
+    "a,b",
+]
+
+
+def _fake_leave(tmp_path: Path) -> None:
+    pkg = tmp_path / "sbatch_gen" / "train" / "xr"
+    pkg.mkdir(parents=True)
+    for d in (pkg, pkg.parent, pkg.parent.parent):
+        (d / "__init__.py").write_text("")
+    (pkg / "leave.py").write_text(FAKE_LEAVE)
+
+
+def _fake_torchrun(tmp_path: Path) -> str:
+    torchrun = tmp_path / "bin" / "torchrun"
+    torchrun.parent.mkdir()
+    torchrun.write_text(f"#!{sys.executable}\n" + CRASHING_TORCHRUN)
+    torchrun.chmod(0o755)
+    return str(torchrun)
+
+
+def _announced(tmp_path: Path) -> list[list[str]]:
+    f = tmp_path / "announced.jsonl"
+    return [json.loads(x)["argv"] for x in f.read_text().splitlines()] if f.exists() else []
+
+
+def _crash(tmp_path: Path, command: list[str], env: dict[str, str], stopped_rc: int = 42):
+    """run-trainer around the crashing torchrun (``command`` after its path), with the fake announcer."""
+    _fake_leave(tmp_path)
+    stop = tmp_path / "stop"
+    argv = _argv(tmp_path, stop, _fake_torchrun(tmp_path), *command, stopped_rc=stopped_rc)
+    t0 = time.monotonic()
+    r = subprocess.run(argv, env={**_env(), **env}, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    return r, time.monotonic() - t0
+
+
+TORCHRUN_ARGS = ["--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "0"]
+
+
+@pytest.mark.parametrize(
+    ("where", "env", "module"),
+    [
+        ("one node, no launcher", {}, "sbatch_gen.train"),
+        ("a Slurm job step", {"SLURM_NODEID": "0"}, "sbatch_gen.train"),
+        ("the SSH launcher", {"SBATCH_GEN_NODE_RANK": "0", "SLURM_NODEID": "3"}, "sbatch_gen.train"),
+        ("the test faults", {"SLURM_NODEID": "0"}, "sbatch_gen.testing.faults"),
+    ],
+)
+def test_a_crash_of_a_cross_region_trainer_announces_its_leave_once_on_node_0(tmp_path, where, env, module):
+    r, _ = _crash(tmp_path, [*TORCHRUN_ARGS, "-m", module, *XR_ARGS], {**env, "FAKE_TORCHRUN_RC": "3"})
+    assert r.returncode == 3, r.stderr  # torchrun's status, announced or not
+    assert _announced(tmp_path) == [["--torchrun-status", "3", "--", *XR_ARGS]], where
+    assert _log_lines(r.stderr) == [
+        "announced the leave of region b in the mailbox fs:/mb/run after torchrun exited with status 3"
+    ], r.stderr
+    assert r.stdout == ""
+
+
+def test_the_ssh_launchers_tagged_torchrun_announces_too(tmp_path):
+    _fake_leave(tmp_path)
+    stop = tmp_path / "stop"
+    command = ["env", "SBATCH_GEN_TAG=t1", _fake_torchrun(tmp_path), *TORCHRUN_ARGS, "-m", "sbatch_gen.train"]
+    r = subprocess.run(
+        _argv(tmp_path, stop, *command, *XR_ARGS),
+        env={**_env(), "SBATCH_GEN_NODE_RANK": "0"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1, r.stderr
+    assert _announced(tmp_path) == [["--torchrun-status", "1", "--", *XR_ARGS]]
+
+
+def test_a_stop_that_did_not_complete_announces_too(tmp_path):
+    """A stop file but no ack: the stop did not complete (or a SIGTERM reached run-trainer while torchrun
+    failed: Slurm's --kill-on-bad-exit). The region is gone all the same; the announcer keeps a leave record
+    the trainer wrote itself."""
+    (tmp_path / "stop").write_text("SIGTERM to the training step on n7\n")
+    (tmp_path / "stop.stopping").write_text("stop checkpoint of step 9 started\n")
+    r, _ = _crash(tmp_path, [*TORCHRUN_ARGS, "-m", "sbatch_gen.train", *XR_ARGS], {})
+    assert r.returncode == 1, r.stderr
+    assert _announced(tmp_path) == [["--torchrun-status", "1", "--", *XR_ARGS]]
+
+
+@pytest.mark.parametrize(
+    ("why", "command", "env"),
+    [
+        ("node 1 of a Slurm job", ["-m", "sbatch_gen.train", *XR_ARGS], {"SLURM_NODEID": "1"}),
+        ("node 1 of the SSH launcher", ["-m", "sbatch_gen.train", *XR_ARGS], {"SBATCH_GEN_NODE_RANK": "1"}),
+        ("a planned stop: its ack", ["-m", "sbatch_gen.train", *XR_ARGS], {"FAKE_TORCHRUN_ACK": "stop"}),
+        ("status 0", ["-m", "sbatch_gen.train", *XR_ARGS], {"FAKE_TORCHRUN_RC": "0"}),
+        ("a trainer script of one's own", ["train.py", *XR_ARGS], {}),
+        ("a trainer module of one's own", ["-m", "mytrainer", *XR_ARGS], {}),
+        ("no cross-region sync", ["-m", "sbatch_gen.train", "--config", "c.yaml"], {}),
+    ],
+)
+def test_no_leave_is_announced(tmp_path, why, command, env):
+    r, _ = _crash(tmp_path, [*TORCHRUN_ARGS, *command], env, stopped_rc=0)
+    rc = 0 if why.startswith(("a planned stop", "status 0")) else 1
+    assert r.returncode == rc, r.stderr
+    assert _announced(tmp_path) == [], why
+    said = [f"node {NODE}: stopped after step 8 (SIGTERM): nothing to checkpoint yet"] if "ack" in why else []
+    assert _log_lines(r.stderr) == said, r.stderr
+
+
+def test_a_fatal_stop_announces_no_leave(tmp_path):
+    """.fatal: the trainer stopped on an error no requeue fixes, e.g. the run dir leased by another live job
+    (whose region is not gone)."""
+    (tmp_path / "stop.fatal").write_text("run dir runs/b is leased by job 12 on host x\n")
+    r, _ = _crash(tmp_path, [*TORCHRUN_ARGS, "-m", "sbatch_gen.train", *XR_ARGS], {})
+    assert r.returncode == 1, r.stderr
+    assert _announced(tmp_path) == []
+
+
+def test_an_announcer_that_fails_is_one_warning_and_the_status_stays(tmp_path):
+    r, _ = _crash(tmp_path, [*TORCHRUN_ARGS, "-m", "sbatch_gen.train", *XR_ARGS], {"FAKE_LEAVE": "traceback"})
+    assert r.returncode == 1, r.stderr
+    assert len(_announced(tmp_path)) == 1
+    assert _log_lines(r.stderr) == [
+        "WARNING: the leave announcer exited with status 1: RuntimeError: the store is down"
+    ], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_an_announcer_that_hangs_is_cut_at_the_bound(tmp_path, monkeypatch):
+    _fake_leave(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FAKE_LEAVE", "hang")
+    t0 = time.monotonic()
+    said = np.announce_leave(XR_ARGS, 1, timeout_s=1.0)
+    took = time.monotonic() - t0
+    assert 1.0 <= took < 10, took
+    assert said == (
+        "WARNING: the leave announcer did not finish in 1 s (the mailbox did not answer?): the other regions "
+        "find this region gone by its heartbeat or grace_s"
+    )
+    (ran,) = [json.loads(x) for x in (tmp_path / "announced.jsonl").read_text().splitlines()]
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{ran['pid']}").exists():  # killed (and reaped): nothing of it outlives the bound
+        assert time.monotonic() < deadline, "the announcer still runs"
+        time.sleep(0.05)
+
+
+def test_the_bound_is_a_few_seconds():
+    assert 2 <= np.LEAVE_TIMEOUT_S <= 15
+
+
+@pytest.mark.parametrize(
+    ("command", "got"),
+    [
+        (
+            ["torchrun", "--nnodes", "2", "-m", "sbatch_gen.train", "--a", "1"],
+            ("sbatch_gen.train", ["--a", "1"]),
+        ),
+        (["/v/bin/torchrun", "--module", "m.n"], ("m.n", [])),
+        (["env", "A=1", "B=2", "torchrun", "-m", "x", "-m", "y"], ("x", ["-m", "y"])),
+        (["/usr/bin/python3", "-m", "torch.distributed.run", "--nnodes=1", "-m", "x", "--b"], ("x", ["--b"])),
+        (["torchrun", "--standalone", "--tee=3", "-r", "0:3", "-m", "x"], ("x", [])),
+        (["torchrun", "--nnodes", "1", "train.py", "-m", "x"], None),  # the script's own -m
+        (["torchrun", "--nnodes", "1", "train.py"], None),
+        (["torchrun", "-m"], None),
+        (["python", "-m", "sbatch_gen.train"], None),
+        (["env", "A=1"], None),
+        ([], None),
+    ],
+)
+def test_trainer_of(command, got):
+    assert np.trainer_of(command) == got

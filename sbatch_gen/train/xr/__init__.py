@@ -16,6 +16,8 @@ Layers, each usable on its own:
 * :mod:`.diloco`     - elastic DiLoCo: late regions, fast-forward from rounds or snapshots;
 * :mod:`.snapshots`  - DiLoCo's outer snapshots and background housekeeping (uploads, mailbox cleanup);
 * :mod:`.rejoin`     - a returning region's plan: the rounds to replay, the snapshot to load first;
+* :mod:`.leave`      - a crashed region's leave, announced for it by the node program's run-trainer
+  (torch-free);
 * :mod:`.grad`       - per-step gradient averaging (strict);
 * :mod:`.modes`      - ``create``: the outer sync of ``xr.sync`` and ``xr.overlap``.
 
