@@ -1,4 +1,5 @@
-"""A real S3-compatible server on 127.0.0.1 for tests and benchmarks: ``moto_server`` in its own process.
+"""A real S3-compatible server on 127.0.0.1 for tests and benchmarks: ``moto_server`` in its own process
+(through :mod:`sbatch_gen.testing.moto_atomic`: moto's conditional writes made atomic).
 
     with S3Server() as s3:            # picks a free port, waits until it answers
         s3.create_bucket("mailbox")
@@ -13,14 +14,12 @@ use ``get_object`` rather than ranged downloads against it.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 from sbatch_gen.testing.procs import terminate
 
@@ -33,16 +32,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _moto_server_bin() -> str:
-    here = Path(sys.executable).parent / "moto_server"
-    if here.exists():
-        return str(here)
-    found = shutil.which("moto_server")
-    if not found:
-        raise RuntimeError("moto_server not found: pip install 'moto[server]'")
-    return found
 
 
 class S3Server:
@@ -68,7 +57,8 @@ class S3Server:
             port = self._fixed_port or free_port(self.host)
             log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
             self.proc = subprocess.Popen(
-                [_moto_server_bin(), "-H", self.host, "-p", str(port)],
+                # moto_server, its conditional writes made atomic (moto_atomic.py says why)
+                [sys.executable, "-m", "sbatch_gen.testing.moto_atomic", "-H", self.host, "-p", str(port)],
                 stdout=subprocess.DEVNULL if log is None else log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -157,7 +157,9 @@ def test_quorum_closes_after_grace_and_a_late_region_obeys(transport):
     t0 = time.monotonic()
     c, seen = wait_commit(ms["eu"], "r000001", EXPECT, step=4)
     waited = time.monotonic() - t0
-    assert 0.4 <= waited < 0.4 + 0.3, waited  # grace_s plus about one poll
+    assert 0.4 <= waited < 0.4 + 3.0, (
+        waited
+    )  # after grace_s, long before timeout_s (20 s): not a timing check
     assert list(c.members) == ["eu"] and c.absent == ["us"] and c.reason == "grace"
     # us arrives after the commit: it reads and obeys it, its payload is not part of the round
     pub(ms["us"], 1)
