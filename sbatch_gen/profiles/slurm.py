@@ -11,6 +11,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
 
+from sbatch_gen.credentials import bucket_check
 from sbatch_gen.errors import FieldError
 from sbatch_gen.profiles.base import Paths, ProfileBase
 from sbatch_gen.profiles.environment import container_env_names
@@ -582,6 +583,8 @@ class SlurmProfile(ProfileBase):
             "time_limit_s": slurm_time_seconds(s.time),
             "container_env": ",".join(container_env_names(self)),
             "needed_modules": self.needed_modules(),
+            # the preflight's check that every node reaches cross_region's bucket (sbatch_gen/credentials.py)
+            "bucket_check": bucket_check(self.cross_region, self.preflight.connect_timeout_s),
         }
 
     def needed_modules(self) -> list[str]:

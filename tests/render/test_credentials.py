@@ -16,6 +16,7 @@ from sbatch_gen.render import render_site
 from sbatch_gen.xr_options import CrossRegion
 
 from .conftest import REPO
+from .script_parts import flat
 
 CREDS = "cross_region.transport.credentials"
 
@@ -184,3 +185,34 @@ def test_a_site_without_secrets_renders_empty_settings():
     text = launcher()
     assert "\nSECRET_ENV=()  # none named\n" in text
     assert "\nBUCKET_CHECK=()  # cross_region with the s3 transport only\n" in text
+
+
+def test_the_slurm_preflight_runs_the_bucket_check_on_every_node():
+    """The Slurm jobs' preflight gets the same s3_* settings (within preflight.connect_timeout_s) as the
+    SSH launcher's; a site on the fs transport gets none."""
+
+    def preflight_args(site: str) -> list[str]:
+        text = flat(render_site(load_site(REPO / "sites", site))[0].text)
+        block = text[text.index("PREFLIGHT_ARGS=(") : text.index("\n)\n", text.index("PREFLIGHT_ARGS=(")) + 3]
+        prog = (
+            "MASTER_ADDR=h MASTER_PORT=1 RUN_DIR=r ENV_PINNED=e TRAINER_MODULE=m TRAIN_CONFIG=c DATA_PATH=d\n"
+        )
+        prog += (
+            "PINNED_IFNAME=i EXPECTED_GPUS=1 PREFLIGHT_MARKER=x\n"
+            + block
+            + 'printf "%s\\n" "${PREFLIGHT_ARGS[@]}"'
+        )
+        out = subprocess.run(["bash", "-c", prog], capture_output=True, text=True, check=True).stdout
+        return out.splitlines()
+
+    eu = preflight_args("eu")
+    assert [a for a in eu if a.startswith("s3_")] == [
+        "s3_bucket=llm-xr-mailbox",
+        "s3_prefix=runs/llm-xr-1",
+        "s3_addressing=auto",
+        "s3_region=eu-central-1",
+        "s3_key_env=XR_S3_ACCESS_KEY_ID",
+        "s3_secret_env=XR_S3_SECRET_ACCESS_KEY",
+        "s3_timeout_s=60",
+    ]
+    assert not [a for a in preflight_args("local") if a.startswith("s3_")]

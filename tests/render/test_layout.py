@@ -26,13 +26,13 @@ LIBRARIES = [d / JOB_LIBRARY_FILE for d in OUT_DIRS]
 
 # The job's decisions come early. The training launch (main's first srun: the preflight's is the job
 # library's) follows torchrun's and the trainer's argument lists (the trainer's --xr-* flags several to a
-# line), which puts it at line 230 for eu, and the requeue decision a few lines later.
+# line), which puts it at line 233 for eu, and the requeue decision a few lines later.
 LAUNCH_BY = 235
 DECISION_BY = 245
-# ...and where the flow ends: main's closing brace, after the requeue decision and all it does (281 in eu;
+# ...and where the flow ends: main's closing brace, after the requeue decision and all it does (284 in eu;
 # the SSH launcher's main is its attempts loop, 181 in lab.sh).
 MAIN_END_BY = 290
-# A Slurm training script whole: 326 lines for eu (801 before its helpers and node functions became the
+# A Slurm training script whole: 329 lines for eu (801 before its helpers and node functions became the
 # job library and its trainer flags were packed), the bootstrap after main included.
 SLURM_SCRIPT_LINES = 335
 # The bootstrap after a Slurm training script's main: these functions, nothing else.
