@@ -146,6 +146,21 @@ say_attempt() {
   fi
 }
 
+# allocated_cpus REQUESTED: the CPUs Slurm allocated to this job on each node, the fewest of any node
+# (SLURM_JOB_CPUS_PER_NODE: "112(x2)", "72,64(x3)"), else on this node (SLURM_CPUS_ON_NODE), else REQUESTED
+# (slurm.cpus_per_task). A job step given more CPUs than its node has would not start; fewer would leave
+# some idle: on an --exclusive node Slurm allocates all of them.
+allocated_cpus() {
+  local n fewest='' counts=${SLURM_JOB_CPUS_PER_NODE:-}
+  for n in ${counts//,/ }; do
+    n=${n%%(*}
+    if [[ $n =~ ^[1-9][0-9]*$ ]] && { [[ -z $fewest ]] || (( n < fewest )); }; then fewest=$n; fi
+  done
+  [[ -n $fewest ]] || fewest=${SLURM_CPUS_ON_NODE:-}
+  [[ $fewest =~ ^[1-9][0-9]*$ ]] || fewest=$1
+  printf '%s\n' "$fewest"
+}
+
 # wait_for_ack: after a stop request, up to ACK_TIMEOUT_S s for the trainer's "$STOP_FILE.ack" (its stop
 # checkpoint is complete), said in one line either way.
 wait_for_ack() {

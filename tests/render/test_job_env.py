@@ -71,6 +71,8 @@ def test_the_policy_names_what_is_always_set():
 def test_without_a_submit_time_value_the_job_gets_the_profiles(site, block):
     want = _profile_env(site)
     assert "NCCL_DEBUG" in want and "OMP_NUM_THREADS" in want
+    if block is _slurm_block:  # main sets it from the CPUs Slurm allocated (the test below)
+        del want["OMP_NUM_THREADS"]
     got = _bash_env(block(site))
     assert {n: got.get(n) for n in want} == want
 
@@ -85,6 +87,43 @@ def test_a_submit_time_value_wins_over_the_profiles(site, block):
     }
     got = _bash_env(block(site), **given)
     assert {n: got[n] for n in given} == given
+
+
+ARGV_AND_ENV_STUBS = {
+    **ENV_DUMP_STUBS,
+    "srun": r"""#!/bin/bash
+for a in "$@"; do [[ $a == preflight ]] && exit 0; done
+printf '%s\n' "$@" >"$STUB_DIR/step.argv"
+env -0 >"$STUB_DIR/step.env"
+""",
+}
+
+
+@pytest.mark.parametrize(
+    ("allocated", "given", "cpus", "omp"),
+    [
+        ({"SLURM_JOB_CPUS_PER_NODE": "6(x1),4"}, None, "4", "2"),  # the fewest of any node, 2 processes
+        ({"SLURM_JOB_CPUS_PER_NODE": "8(x2)"}, "3", "8", "3"),  # a submit-time OMP_NUM_THREADS wins
+        ({"SLURM_CPUS_ON_NODE": "5"}, None, "5", "2"),
+        ({}, None, "2", "1"),  # nothing said: the profile's slurm.cpus_per_task (2)
+    ],
+)
+def test_the_job_steps_take_the_cpus_slurm_allocated(tmp_path, allocated, given, cpus, omp):
+    """slurm.cpus_per_task is a request: the training step gets --cpus-per-task from the allocation, its
+    processes (local: 2) OMP_NUM_THREADS from that, unless set at submit time."""
+    env = {**allocated, **({"OMP_NUM_THREADS": given} if given else {})}
+    job, full, stub_dir = prepare(tmp_path, ARGV_AND_ENV_STUBS, "ok", env=env)
+    for name in ("SLURM_JOB_CPUS_PER_NODE", "SLURM_CPUS_ON_NODE"):
+        if name not in allocated:
+            full.pop(name, None)
+    r = subprocess.run(
+        ["bash", str(job)], cwd=job.parent, env=full, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    argv = (stub_dir / "step.argv").read_text().splitlines()
+    assert f"--cpus-per-task={cpus}" in argv, argv
+    step = dict(x.split("=", 1) for x in (stub_dir / "step.env").read_bytes().decode().split("\0") if x)
+    assert step["OMP_NUM_THREADS"] == omp
 
 
 def test_eu_renders_its_defaults_as_a_reviewer_reads_them():
