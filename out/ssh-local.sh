@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 59e12cff4cf31e6a77f0cca834c560e6c47b4bb3c154c64890e208c363fd67c4
+#   inputs sha256: 2f41085bba2fec5809920f9900bbafff64ac3c43944c8bc3cbee0290770ac1b7
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -207,8 +207,8 @@ node_main() {
   export_secrets  # for torchrun and the trainer, after everything this node prints
   # torchrun's and the trainer's arguments: built once for every launcher (sbatch_gen/launch.py)
   local -a torchrun_args=(
-    --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --rdzv-backend=c10d --rdzv-id="$TAG.$ATTEMPT"
-    --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
+    --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --rdzv-backend=c10d
+    --rdzv-id="$TAG.$ATTEMPT" --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
     --rdzv-conf="join_timeout=120,is_host=$IS_HOST"  # torchrun.rdzv_timeout_s
     --local-addr="$NODE_ADDR"
     --max-restarts 0  # torchrun.max_restarts
@@ -493,7 +493,7 @@ cleanup_command() {
 # preflight, the training step's supervision) and node_lines. Every render with the same library sha256
 # carries these same lines: review them once (`sbatch-gen diff --all` shows a change to them once, naming
 # the files).
-# library sha256: 5fab01f23ca3d5454d8ca29a14e4719785709c990bff6110cb3eb9b1c8869837
+# library sha256: e5f2018470afcd915958b7439c1c4990122155bf49f65dab4a432e94ab296ce5
 # log MESSAGE...: one timestamped line on stderr, also appended to $LOG_FILE when that is set. Never fails
 # (the terminal may be gone when a trap logs).
 log() {
@@ -582,14 +582,31 @@ find_pinned() {
 
 # stage_pinned STAGED NAME SHA256 FILE...: sbatch-gen's NAME with that sha256 at the path STAGED (in the run
 # dir). A copy already there (an earlier attempt of the run) is used even when the checkout has changed since;
-# else the first good FILE is copied there. Sets NODE_ERROR and returns 1 if there is none.
+# else the first good FILE is copied there; else the version of a FILE that its checkout's git history holds
+# with that sha256 (a job that waited in the queue while a `git pull` and a new render changed out/). Sets
+# NODE_ERROR and returns 1 if there is none; says where it found it otherwise.
 stage_pinned() {
-  local staged=$1
-  shift
-  find_pinned "$1" "$2" "$staged" "${@:3}" || return 1
+  local staged=$1 name=$2 sha=$3 f rev sum tmp="$1.${HOSTNAME:-node}.$$"
+  shift 3
+  if ! find_pinned "$name" "$sha" "$staged" "$@"; then
+    for f in "$@"; do  # the last 100 commits that changed it
+      for rev in $(git -C "${f%/*}" log --format=%H -n 100 -- "${f##*/}" 2>/dev/null || true); do
+        if ! { mkdir -p -- "${staged%/*}" && git -C "${f%/*}" show "$rev:./${f##*/}" >"$tmp"; } 2>/dev/null; then continue; fi
+        sum=$(sha256sum <"$tmp")
+        [[ ${sum%% *} == "$sha" ]] || continue
+        mv -f -- "$tmp" "$staged" || break 2
+        log "the $name this script pins is not in the checkout any more: staged from its git history, commit ${rev:0:12} of $f"
+        return 0
+      done
+    done
+    rm -f -- "$tmp"
+    NODE_ERROR+=" (a script submitted before its checkout was rendered again finds it only in git history: resubmit it as rendered now)"
+    return 1
+  fi
   if [[ $PINNED_FOUND != "$staged" ]] \
-    && ! { mkdir -p -- "${staged%/*}" && cp -- "$PINNED_FOUND" "$staged.$$" && mv -f -- "$staged.$$" "$staged"; } 2>/dev/null; then
-    NODE_ERROR="cannot copy the $1 $PINNED_FOUND to $staged"
+    && ! { mkdir -p -- "${staged%/*}" && cp -- "$PINNED_FOUND" "$tmp" && mv -f -- "$tmp" "$staged"; }; then
+    rm -f -- "$tmp"
+    NODE_ERROR="cannot copy the $name $PINNED_FOUND to $staged"
     return 1
   fi
 }

@@ -311,7 +311,8 @@ def _git_renders(rev: str, dirs: tuple[Path, ...]) -> list[FileChange]:
 def render(names, all_, out_dir, overrides, sites_dir, templates_dir) -> None:
     """Validate profiles and write out/<site>.sbatch and out/<site>.setup.sbatch (atomically, mode 0755).
 
-    Beside them, once, out/sbatch-gen-node.py: the node program the renders' preflight runs (they pin its
+    Beside them, once, out/sbatch-gen-node.py: the node program the renders' preflight runs, and
+    out/sbatch-gen-job.sh: the Slurm training scripts' job library, which they source (they pin both by
     sha256).
 
     All or nothing: every site is rendered and every destination checked before a file is written; if

@@ -163,25 +163,32 @@ def env_default(value: object, name: str) -> str:
     return "${" + name + "-" + word + "}"
 
 
-# The widest line of options packed_options writes (the indent not counted).
-PACKED_WIDTH = 100
+# How many options without a key of their own packed_options writes to a line. A fixed count, not a width:
+# a changed value changes its own line only, never the wrapping of the ones after it.
+PACKED_PER_LINE = 3
+# The trainer's flag families (--xr-<field>, --metrics-<field>) and the profile section they come from, named
+# in a comment line before them.
+FLAG_FAMILIES = {"xr": "cross_region", "metrics": "metrics"}
 
 
 @jinja2.pass_context
 def packed_options(ctx: jinja2.runtime.Context, options) -> list[str]:
     """The lines of an argument list (launch.py's Options, each ``words`` and ``key``): an option with a key
     alone on its line, that key in a comment after it; consecutive options without one, of one family
-    (--xr-*, --metrics-*, the rest), several to a line up to PACKED_WIDTH characters, each option's words
-    together."""
+    (--xr-*, --metrics-*, the rest), PACKED_PER_LINE to a line, each option's words together, a family's
+    lines after a comment naming its profile section."""
     lines: list[str] = []
     run: list[str] = []
     family = None
     for o in options:
         words = " ".join(_shq(ctx, w) for w in o.words)
-        this = str(o.words[0]).split("-")[2] if str(o.words[0]).startswith(("--xr-", "--metrics-")) else ""
-        if run and (o.key or this != family or len(" ".join([*run, words])) > PACKED_WIDTH):
+        first = str(o.words[0])
+        this = first.split("-")[2] if first.startswith(tuple(f"--{f}-" for f in FLAG_FAMILIES)) else ""
+        if run and (o.key or this != family or len(run) == PACKED_PER_LINE):
             lines.append(" ".join(run))
             run = []
+        if this and this != family:
+            lines.append(f"# {FLAG_FAMILIES[this]}: the trainer's --{this}-* flags, from its fields")
         if o.key:
             lines.append(f"{words}  # {o.key}")
         else:

@@ -432,6 +432,8 @@ continue_after_limit() {
     while IFS= read -r key; do
       [[ $key == SLURM_CONF || $key == SBATCH_GEN_* ]] || unset "$key"
     done < <(compgen -e | grep -E '^(SLURM|SBATCH|SRUN|SALLOC)_' || true)
+    # nor this allocation's thread count: the new job computes its own, unless it was given at submit time
+    [[ -n ${OMP_GIVEN-} ]] || unset OMP_NUM_THREADS
     SBATCH_GEN_CONTINUES=$continues SBATCH_GEN_RUN_JOB=$RUN_JOB sbatch --parsable "${args[@]}" "$JOB_SCRIPT"
   ); then
     log "$1: the time limit ended this job (Slurm does not requeue a TIMEOUT): continuation job ${id%%;*} submitted, to start when this one has ended, from the newest complete checkpoint ($(step_name "$(newest_checkpoint)"))"

@@ -282,7 +282,17 @@ def test_keyed_options_get_a_line_of_their_own_and_the_others_pack_by_family():
     lines = _packed(opts)
     assert lines[0] == "--config 'a b' --run-dir r"  # values quoted, options kept whole
     assert lines[1] == "--max-restarts 1  # torchrun.max_restarts"
+    assert lines[2] == "# cross_region: the trainer's --xr-* flags, from its fields"  # the family's profile section
     xr = [x for x in lines if x.startswith("--xr-flag-")]
-    assert len(xr) == 2 and all(len(x) <= 100 for x in xr)
+    assert [len(x.split()) for x in xr] == [6, 6, 6, 6]  # three options to a line, whatever their width
     assert " ".join(xr).split() == [w for i in range(12) for w in (f"--xr-flag-{i}", str(i))]
-    assert lines[-2:] == ["--metrics-sinks tensorboard", "--xr-late '$(rm -rf /)'"]  # a family apart
+    assert lines[-4:] == [
+        "# metrics: the trainer's --metrics-* flags, from its fields",
+        "--metrics-sinks tensorboard",
+        "# cross_region: the trainer's --xr-* flags, from its fields",
+        "--xr-late '$(rm -rf /)'",
+    ]
+    # a longer value changes its own line only
+    opts[4] = Option(("--xr-flag-1", "a-much-longer-value-than-before" * 3))
+    again = _packed(opts)
+    assert [i for i, (x, y) in enumerate(zip(lines, again, strict=True)) if x != y] == [3]
