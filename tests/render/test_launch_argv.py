@@ -282,7 +282,9 @@ def test_keyed_options_get_a_line_of_their_own_and_the_others_pack_by_family():
     lines = _packed(opts)
     assert lines[0] == "--config 'a b' --run-dir r"  # values quoted, options kept whole
     assert lines[1] == "--max-restarts 1  # torchrun.max_restarts"
-    assert lines[2] == "# cross_region: the trainer's --xr-* flags, from its fields"  # the family's profile section
+    assert (
+        lines[2] == "# cross_region: the trainer's --xr-* flags, from its fields"
+    )  # the family's profile section
     xr = [x for x in lines if x.startswith("--xr-flag-")]
     assert [len(x.split()) for x in xr] == [6, 6, 6, 6]  # three options to a line, whatever their width
     assert " ".join(xr).split() == [w for i in range(12) for w in (f"--xr-flag-{i}", str(i))]
