@@ -179,3 +179,38 @@ def test_node_py_runs_the_shipped_text_and_says_when_there_is_no_python(tmp_path
         r.stderr
         == "sbatch-gen: no python on PATH on n1 (python_env): cannot run the node program (run-trainer)\n"
     )
+
+
+def test_stage_pinned_finds_a_queued_jobs_version_in_git_history(tmp_path):
+    """A job submitted, then the checkout pulled and rendered again before it started: out/ holds a newer
+    library, git history the one the job pins. It is staged from there, the log names the commit; a hash git
+    never saw still stops the job, saying to resubmit."""
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "out").mkdir()
+    lib = tmp_path / "out" / "sbatch-gen-job.sh"
+    lib.write_bytes(JOB_LIB.read_bytes())
+    subprocess.run([*git, "add", "out"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "the render the job was submitted with"], check=True)
+    pinned = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    lib.write_text("# rendered again after a git pull\n")
+    subprocess.run([*git, "commit", "-q", "-am", "a newer render"], check=True)
+    staged = f"runs/x/node/sbatch-gen-job.{LIB_SHA[:16]}.sh"
+    r = _bash(
+        f"stage_pinned {staged} sbatch-gen-job.sh {LIB_SHA} nowhere/sbatch-gen-job.sh out/sbatch-gen-job.sh",
+        tmp_path,
+    )
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / staged).read_bytes() == JOB_LIB.read_bytes()
+    assert f"staged from its git history, commit {pinned[:12]} of out/sbatch-gen-job.sh" in r.stderr, r.stderr
+    assert [p.name for p in (tmp_path / "runs/x/node").iterdir()] == [
+        staged.rsplit("/", 1)[1]
+    ]  # no temp file
+    other = "0" * 64
+    r = _bash(
+        f'stage_pinned runs/y/node/j.sh sbatch-gen-job.sh {other} out/sbatch-gen-job.sh || echo "$NODE_ERROR"',
+        tmp_path,
+    )
+    assert "out/sbatch-gen-job.sh has sha256 " in r.stdout and "resubmit it as rendered now" in r.stdout, (
+        r.stdout
+    )

@@ -402,3 +402,27 @@ def test_a_stop_during_the_preflight_is_a_stop_not_a_failed_node(tmp_path, how, 
     assert "preflight FAILED" not in out and "ERROR" not in out, out
     assert not (stub_dir / "training").exists(), out
     assert _requeues(stub_dir) == requeues and proc.returncode == rc, out
+
+
+def test_a_signal_before_the_traps_are_set_is_kept_and_requeues(tmp_path):
+    """USR1 while main still stages its pinned files (before the job library, with the traps' handler, is
+    sourced): kept, handed on once the traps are set, and the job requeues before any step; its default
+    action would have ended the shell."""
+    early = (
+        "#!/bin/bash\n"
+        "# the first `scontrol -o show job` is the staging's: USR1 to the batch shell (its command\n"
+        "# substitution's parent) right then\n"
+        'if [[ "$1 $2 $3" == "-o show job" && ! -e "$STUB_DIR/signalled" ]]; then\n'
+        '  : >"$STUB_DIR/signalled"\n'
+        '  kill -USR1 "$(ps -o ppid= -p "$PPID" | tr -d " ")"\n'
+        "  sleep 0.2\n"
+        "fi\n"
+    ) + SCONTROL.split("\n", 1)[1]
+    job, env, stub_dir = prepare(
+        tmp_path, {"scontrol": early, "srun": SRUN, "sinfo": SINFO}, "ack-now", env={"FAKE_SLURM": "22.05.8"}
+    )
+    out = _finish(start_job(job, env))
+    assert (stub_dir / "signalled").exists()
+    assert "SIGUSR1 received: asking the trainer to checkpoint and stop" in out, out
+    assert "stop requested before training started" in out, out
+    assert _requeues(stub_dir) == ["requeue 77"] and not (stub_dir / "training").exists(), out
