@@ -207,15 +207,20 @@ node_main() {
   export_secrets  # for torchrun and the trainer, after everything this node prints
   # torchrun's and the trainer's arguments: built once for every launcher (sbatch_gen/launch.py)
   local -a torchrun_args=(
-    --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --rdzv-backend=c10d
-    --rdzv-id="$TAG.$ATTEMPT" --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
+    --nnodes "$NNODES"
+    --nproc-per-node "$NPROC_PER_NODE"
+    --rdzv-backend=c10d
+    --rdzv-id="$TAG.$ATTEMPT"
+    --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
     --rdzv-conf="join_timeout=120,is_host=$IS_HOST"  # torchrun.rdzv_timeout_s
     --local-addr="$NODE_ADDR"
     --max-restarts 0  # torchrun.max_restarts
     --signals-to-handle='SIGINT,SIGHUP,SIGQUIT'  # trainer.stop_protocol: sbatch-gen
     --shutdown-timeout=10  # launch.kill_grace_s
   ) trainer_args=(
-    --config "$TRAIN_CONFIG" --run-dir "$RUN_DIR" --resume "$RESUME"
+    --config "$TRAIN_CONFIG"
+    --run-dir "$RUN_DIR"
+    --resume "$RESUME"
   )
   # The trainer's stop file of this attempt: it writes the ack (and .stopping, .fatal) next to it
   local stop_file="$RUN_DIR/stop/$TAG.attempt-$ATTEMPT"

@@ -163,7 +163,7 @@ def env_default(value: object, name: str) -> str:
     return "${" + name + "-" + word + "}"
 
 
-# How many options without a key of their own packed_options writes to a line. A fixed count, not a width:
+# How many options of a flag family packed_options writes to a line. A fixed count, not a width:
 # a changed value changes its own line only, never the wrapping of the ones after it.
 PACKED_PER_LINE = 3
 # The trainer's flag families (--xr-<field>, --metrics-<field>) and the profile section they come from, named
@@ -173,10 +173,9 @@ FLAG_FAMILIES = {"xr": "cross_region", "metrics": "metrics"}
 
 @jinja2.pass_context
 def packed_options(ctx: jinja2.runtime.Context, options) -> list[str]:
-    """The lines of an argument list (launch.py's Options, each ``words`` and ``key``): an option with a key
-    alone on its line, that key in a comment after it; consecutive options without one, of one family
-    (--xr-*, --metrics-*, the rest), PACKED_PER_LINE to a line, each option's words together, a family's
-    lines after a comment naming its profile section."""
+    """The lines of an argument list (launch.py's Options, each ``words`` and ``key``): one option to a line
+    (its key, if any, in a comment after it), but for the trainer's flag families (--xr-*, --metrics-*):
+    PACKED_PER_LINE to a line, each option's words together, after a comment naming the profile section."""
     lines: list[str] = []
     run: list[str] = []
     family = None
@@ -184,7 +183,7 @@ def packed_options(ctx: jinja2.runtime.Context, options) -> list[str]:
         words = " ".join(_shq(ctx, w) for w in o.words)
         first = str(o.words[0])
         this = first.split("-")[2] if first.startswith(tuple(f"--{f}-" for f in FLAG_FAMILIES)) else ""
-        if run and (o.key or this != family or len(run) == PACKED_PER_LINE):
+        if run and (o.key or not this or this != family or len(run) == PACKED_PER_LINE):
             lines.append(" ".join(run))
             run = []
         if this and this != family:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -348,8 +349,9 @@ def _eu_job(
         script=(out / "eu.sbatch").read_text(),
         env={"SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "gpu-n7"},
     )
-    if node_program is not None:
+    if node_program is not None:  # and a checkout whose history never held the pinned one
         (job.parent / "out" / "sbatch-gen-node.py").write_text(node_program)
+        shutil.rmtree(job.parent / ".git")
     # Slurm stubs, then the fake node's nvidia-smi (and numactl), then python: what a GPU node's PATH has.
     rest = f"{Path(sys.executable).parent}:{path if path is not None else os.environ['PATH']}"
     env.update(node.env(rest))
