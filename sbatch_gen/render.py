@@ -182,7 +182,7 @@ def packed_options(ctx: jinja2.runtime.Context, options) -> list[str]:
     for o in options:
         words = " ".join(_shq(ctx, w) for w in o.words)
         first = str(o.words[0])
-        this = first.split("-")[2] if first.startswith(tuple(f"--{f}-" for f in FLAG_FAMILIES)) else ""
+        this = next((f for f in FLAG_FAMILIES if first.startswith(f"--{f}-")), "")
         if run and (o.key or not this or this != family or len(run) == PACKED_PER_LINE):
             lines.append(" ".join(run))
             run = []
@@ -359,13 +359,15 @@ def render_site(site: LoadedSite, templates_dir: Path | None = None) -> list[Ren
     tdir = templates_dir or default_templates_dir()
     env = _cached_env(str(Path(tdir).resolve()))
     out = []
+    # the job library a Slurm training script pins: the same text for every template of the site
+    job_lib = {"name": JOB_LIBRARY_FILE, "sha256": _sha256(job_library(tdir).text)}
     for template, pattern in type(site.profile).OUTPUTS:
         state = RenderState()
         try:
             names = _template_closure(env, template)
             sha = inputs_sha256(site, env, names)
             ctx = context(site, sha)
-            ctx["job_lib"] = {"name": JOB_LIBRARY_FILE, "sha256": _sha256(job_library(tdir).text)}
+            ctx["job_lib"] = job_lib
             text = env.get_template(template).render({**ctx, RENDER_STATE: state})
         except jinja2.TemplateNotFound as e:
             raise UserError(f"{display_path(tdir)}: template {e.name!r} not found") from None

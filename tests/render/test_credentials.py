@@ -192,18 +192,7 @@ def test_the_slurm_preflight_runs_the_bucket_check_on_every_node():
     SSH launcher's; a site on the fs transport gets none."""
 
     def preflight_args(site: str) -> list[str]:
-        text = flat(render_site(load_site(REPO / "sites", site))[0].text)
-        block = text[text.index("PREFLIGHT_ARGS=(") : text.index("\n)\n", text.index("PREFLIGHT_ARGS=(")) + 3]
-        prog = (
-            "MASTER_ADDR=h MASTER_PORT=1 RUN_DIR=r ENV_PINNED=e TRAINER_MODULE=m TRAIN_CONFIG=c DATA_PATH=d\n"
-        )
-        prog += (
-            "PINNED_IFNAME=i EXPECTED_GPUS=1 PREFLIGHT_MARKER=x\n"
-            + block
-            + 'printf "%s\\n" "${PREFLIGHT_ARGS[@]}"'
-        )
-        out = subprocess.run(["bash", "-c", prog], capture_output=True, text=True, check=True).stdout
-        return out.splitlines()
+        return bash_array(flat(render_site(load_site(REPO / "sites", site))[0].text), "PREFLIGHT_ARGS")
 
     eu = preflight_args("eu")
     assert [a for a in eu if a.startswith("s3_")] == [
