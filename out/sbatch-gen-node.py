@@ -563,7 +563,7 @@ def missing_torchrun_flags(flags: str, probe: dict | None) -> list[str]:
 
 def shimmed_torchrun_flags(flags: str, probe: dict | None) -> list[str]:
     """The ``compat`` flags of torchrun_flags this node's torchrun lacks: run-trainer starts it through the
-    compat shim (:func:`torchrun_compat_main`) without them."""
+    compat shim (:func:`torchrun_main`) without them."""
     if not probe or probe.get("run_py") is None:
         return []
     return [f for f, _, _, compat in _flag_settings(flags) if compat and not _has_flag(probe["run_py"], f)]
@@ -1045,48 +1045,234 @@ def _after_env(command: list[str]) -> int:
     return at
 
 
-def torchrun_or_shim(command: list[str]) -> list[str]:
-    """COMMAND, or where it is ``torchrun`` and this python's torch lacks a flag of COMPAT_FLAGS that
-    COMMAND gives it: this python running this program's ``torchrun-compat`` with COMMAND's other arguments
-    (one line says so). Under stop_protocol sbatch-gen those flags only keep SIGTERM from the agent (the shim
-    does that itself) and bound the shutdowns after SIGINT/SIGHUP/SIGQUIT, which no stop sends."""
+def _torch_entry_point(name: str) -> bool:
+    """Whether ``name`` on PATH is torch's own torchrun (the console script pip writes: it imports
+    torch.distributed.run), not a site's wrapper or a test's stand-in, which run as they are."""
+    path = shutil.which(name)
+    if path is None:
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    first = head.split(b"\n", 1)[0]
+    return (
+        first.startswith(b"#!") and b"python" in first and b"from torch.distributed.run import main" in head
+    )
+
+
+def this_program() -> list[str]:
+    """How this python runs this program again: its file, or (shipped as text by the SSH launcher and run with
+    ``python -I -c TEXT``) its text, read back from this process's command line."""
+    path = globals().get("__file__")
+    if path:
+        return [os.path.abspath(path)]
+    with open("/proc/self/cmdline", "rb") as f:
+        words = f.read().split(b"\0")
+    return ["-c", words[words.index(b"-c") + 1].decode()]
+
+
+def slurm_rendezvous(args: list[str], local_ifname: str = "") -> list[str]:
+    """ARGS (torchrun's), in a Slurm job step, with the rendezvous named as the SSH launcher names it: node 0 of
+    the allocation (SLURM_NODEID 0, the node the launch made the endpoint) hosts the c10d store (``is_host`` in
+    --rdzv-conf; torchrun would guess from the endpoint's host name), and --local-addr is LOCAL_IFNAME's
+    address (network.socket_ifname; torchrun's default is this host's FQDN). What ARGS give stays."""
+    if os.environ.get("SLURM_NODEID") is None:
+        return args
+    is_host = f"is_host={1 if os.environ['SLURM_NODEID'] == '0' else 0}"
+    out, i, conf_seen = [], 0, False
+    while i < len(args):
+        a = args[i]
+        name, eq, value = a.partition("=")
+        if name in ("--rdzv-conf", "--rdzv_conf") and not conf_seen:
+            conf_seen = True
+            if not eq and i + 1 < len(args):
+                name, value = a, args[i + 1]
+                i += 1
+            if _is_host([f"--rdzv-conf={value}"]) is None:
+                value = f"{value},{is_host}" if value else is_host
+            out.append(f"--rdzv-conf={value}")
+        else:
+            out.append(a)
+        i += 1
+    if not conf_seen:
+        out.insert(0, f"--rdzv-conf={is_host}")
+    addr = iface_ipv4(local_ifname) if local_ifname else None
+    if addr and not any(a.split("=", 1)[0] in ("--local-addr", "--local_addr") for a in args):
+        out.insert(0, f"--local-addr={addr}")
+    return out
+
+
+def torchrun_command(
+    command: list[str], exit_barrier_s: int | None = None, local_ifname: str = ""
+) -> list[str]:
+    """COMMAND, or where it runs torch's ``torchrun``: this python running this program's ``torchrun``
+    (:func:`torchrun_main`) with COMMAND's arguments, EXIT_BARRIER_S and LOCAL_IFNAME. On a torch without a
+    flag of COMPAT_FLAGS that COMMAND gives, the flag is dropped and the agent kept from SIGTERM (one line says
+    so): under stop_protocol sbatch-gen those flags only keep SIGTERM from the agent and bound the shutdowns
+    after SIGINT/SIGHUP/SIGQUIT, which no stop sends. A ``torchrun`` on PATH that is not torch's entry point
+    (a site's wrapper) runs as given, and so does any other program."""
     at = _after_env(command)
     if at >= len(command) or os.path.basename(command[at]) != "torchrun":
         return command
     head, args = command[:at], command[at + 1 :]
     given = [a for a in args if a.split("=", 1)[0] in COMPAT_FLAGS]
     src = this_torchrun_source()
-    if not given or src is None:
-        return command
     lacking = [
-        f for f in COMPAT_FLAGS if any(a.split("=", 1)[0] == f for a in given) and not _has_flag(src, f)
+        f
+        for f in COMPAT_FLAGS
+        if src is not None and any(a.split("=", 1)[0] == f for a in given) and not _has_flag(src, f)
     ]
-    if not lacking:
+    if not lacking and not _torch_entry_point(command[at]):
         return command
-    rest = [a for a in args if a.split("=", 1)[0] not in COMPAT_FLAGS]
-    log(
-        f"this torch's torchrun has no {', '.join(lacking)}: it runs through the node program's compat shim, "
-        "which keeps SIGTERM from its agent (the stop goes through the stop file); "
-        f"{', '.join(a.split('=', 1)[0] for a in given)} dropped"
-    )
-    return [*head, sys.executable, os.path.abspath(__file__), "torchrun-compat", *rest]
+    wrapper: list[str] = []
+    if exit_barrier_s is not None:
+        wrapper += ["--exit-barrier-s", str(exit_barrier_s)]
+    if local_ifname:
+        wrapper += ["--local-ifname", local_ifname]
+    if lacking:
+        args = [a for a in args if a.split("=", 1)[0] not in COMPAT_FLAGS]
+        wrapper.append("--keep-sigterm")
+        log(
+            f"this torch's torchrun has no {', '.join(lacking)}: it runs through the node program's compat shim, "
+            "which keeps SIGTERM from its agent (the stop goes through the stop file); "
+            f"{', '.join(a.split('=', 1)[0] for a in given)} dropped"
+        )
+    return [*head, sys.executable, *this_program(), "torchrun", *wrapper, "--", *args]
 
 
 COMPAT_FLAGS = ("--signals-to-handle", "--shutdown-timeout")
+# After the exit barrier, how long the agent that hosts the store waits for the others to have left it.
+EXIT_HANDOFF_S = 30.0
+EXIT_LEFT_KEY = "sbatch-gen/left-exit-barrier"
 
 
-def torchrun_compat_main(args: list[str]) -> int:
-    """`torchrun-compat ARGS...`: torchrun (torch.distributed.run.main) whose agent never installs a SIGTERM
-    handler: SIGTERM keeps the disposition this process inherited (ignored, from run-trainer), as
-    --signals-to-handle without SIGTERM does on a newer torch. The workers it starts install their own."""
-    real = signal.signal
+def _is_host(args: list[str]) -> bool | None:
+    """``is_host`` of torchrun's --rdzv-conf in ARGS (None: not given, torchrun guesses)."""
+    for i, a in enumerate(args):
+        name, eq, value = a.partition("=")
+        if name in ("--rdzv-conf", "--rdzv_conf"):
+            conf = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            for pair in conf.split(","):
+                k, _, v = pair.partition("=")
+                if k.strip() == "is_host":
+                    return v.strip().lower() in ("1", "true", "yes", "y", "on")
+    return None
 
-    def keep_sigterm(signum, handler):
-        if signum == signal.SIGTERM:
-            return signal.getsignal(signal.SIGTERM)
-        return real(signum, handler)
 
-    signal.signal = keep_sigterm
+def _patch_exit_barrier(timeout_s: float | None, is_host: bool | None) -> None:
+    """torchrun's exit barrier, bounded by TIMEOUT_S (None: torch's) and without its race: an agent that
+    passed it counts itself on the store once its rendezvous is shut down, and the agent that hosts the store
+    (IS_HOST) stays until every agent has (at most EXIT_HANDOFF_S); a barrier that times out or breaks is one
+    line, not a traceback. A torch whose agent is not the one this knows keeps its own barrier."""
+    try:
+        from torch.distributed.elastic.agent.server import api  # noqa: PLC0415 - torch only here
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: PLC0415
+            DynamicRendezvousHandler,
+        )
+        from torch.distributed.elastic.utils import store as store_util  # noqa: PLC0415
+    except ImportError:
+        return
+    agent_cls = api.SimpleElasticAgent
+    prefix = getattr(api, "_TERMINAL_STATE_SYNC_ID", None)
+    if prefix is None or not hasattr(agent_cls, "_exit_barrier") or not hasattr(store_util, "barrier"):
+        return
+    passed: list = []  # [(store, agents)] once this agent has passed the barrier
+
+    real_init = agent_cls.__init__
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        if timeout_s is not None:
+            self._exit_barrier_timeout = timeout_s
+
+    def exit_barrier(self):
+        agents = self._worker_group.group_world_size
+        timeout = self._exit_barrier_timeout
+        start = time.monotonic()
+        self._in_exit_barrier = True
+        try:
+            store_util.barrier(
+                store=self._store, world_size=agents, key_prefix=prefix, barrier_timeout=timeout
+            )
+            passed.append((self._store, agents))
+        except api.SignalException:
+            raise
+        except Exception as e:
+            log(
+                f"torchrun: this node's workers finished, the other nodes' did not all within {timeout:g} s "
+                f"(the exit barrier; {time.monotonic() - start:.0f} s): {type(e).__name__}: {one_line(str(e))[:200]}"
+            )
+        finally:
+            self._in_exit_barrier = False
+
+    real_shutdown = DynamicRendezvousHandler.shutdown
+
+    def shutdown(self):
+        done = real_shutdown(self)
+        if passed:
+            store, agents = passed[0]
+            try:
+                store.add(EXIT_LEFT_KEY, 1)
+                deadline = time.monotonic() + EXIT_HANDOFF_S
+                while is_host and store.add(EXIT_LEFT_KEY, 0) < agents and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            except Exception:  # the host has gone (it waited its bound): nothing is left to hand over
+                pass
+        return done
+
+    agent_cls.__init__ = init
+    agent_cls._exit_barrier = exit_barrier
+    DynamicRendezvousHandler.shutdown = shutdown
+
+
+def torchrun_main(args: list[str]) -> int:
+    """`torchrun [--exit-barrier-s S] [--local-ifname NAME] [--keep-sigterm] -- [torchrun] ARGS...`: torchrun
+    (torch.distributed.run.main) in this process, with
+    - the exit barrier of :func:`_patch_exit_barrier`: bounded by S (torch's is 300 s, which its command line
+      cannot change), without its race (pytorch/pytorch#69520: no traceback after a good job), one line if the
+      other nodes do not all finish within it;
+    - in a Slurm job step, the rendezvous named (:func:`slurm_rendezvous`, NAME's address as --local-addr);
+    - with --keep-sigterm, an agent that never installs a SIGTERM handler: SIGTERM keeps the disposition this
+      process inherited (ignored, from run-trainer), as --signals-to-handle without SIGTERM does on a newer
+      torch. The workers it starts install their own.
+    Where ``torchrun`` on PATH is not torch's entry point (a site's wrapper), that program runs ARGS as given."""
+    opts = {"--exit-barrier-s": "", "--local-ifname": ""}
+    keep_sigterm = False
+    while args and args[0] != "--":
+        if args[0] in opts and len(args) > 1:
+            opts[args[0]] = args[1]
+            args = args[2:]
+        elif args[0] == "--keep-sigterm":
+            keep_sigterm = True
+            args = args[1:]
+        else:
+            break
+    if not args or args[0] != "--" or not re.fullmatch(r"([0-9]{1,6})?", opts["--exit-barrier-s"]):
+        print(
+            "usage: sbatch-gen-node.py torchrun [--exit-barrier-s S] [--local-ifname NAME] [--keep-sigterm] "
+            "-- [torchrun] ARGS...",
+            file=sys.stderr,
+        )
+        return 2
+    args = args[1:]
+    if args[:1] == ["torchrun"]:
+        args = args[1:]
+        if not keep_sigterm and shutil.which("torchrun") and not _torch_entry_point("torchrun"):
+            os.execvp("torchrun", ["torchrun", *args])
+    if keep_sigterm:
+        real = signal.signal
+
+        def keep(signum, handler):
+            if signum == signal.SIGTERM:
+                return signal.getsignal(signal.SIGTERM)
+            return real(signum, handler)
+
+        signal.signal = keep
+    args = slurm_rendezvous(args, opts["--local-ifname"])
+    barrier = float(opts["--exit-barrier-s"]) if opts["--exit-barrier-s"] else None
+    _patch_exit_barrier(barrier, _is_host(args))
     sys.argv = ["torchrun", *args]
     from torch.distributed.run import main as torchrun_main  # noqa: PLC0415 - torch only here
 
@@ -1202,7 +1388,13 @@ def announce_leave(trainer_args: list[str], rc: int, timeout_s: float = LEAVE_TI
     return said
 
 
-def run_trainer(stop_file: str, stopped_rc: int, command: list[str]) -> int:
+def run_trainer(
+    stop_file: str,
+    stopped_rc: int,
+    command: list[str],
+    exit_barrier_s: int | None = None,
+    local_ifname: str = "",
+) -> int:
     """Run COMMAND (torchrun) on this node with SIGTERM ignored and return its exit status (128+N when signal
     N ended it), or ``stopped_rc`` when STOP_FILE.ack exists once it has exited.
 
@@ -1224,7 +1416,7 @@ def run_trainer(stop_file: str, stopped_rc: int, command: list[str]) -> int:
         # a terminal's Ctrl-C reaches torchrun too, which handles it: wait for it as for a SIGTERM
         signal.signal(signal.SIGINT, lambda signum, frame: None)
     given = command
-    command = torchrun_or_shim(command)
+    command = torchrun_command(command, exit_barrier_s, local_ifname)
     try:
         child = subprocess.Popen(command, preexec_fn=_ignore_sigterm)  # preexec_fn: one thread here
     except OSError as e:
@@ -1255,8 +1447,10 @@ def run_trainer(stop_file: str, stopped_rc: int, command: list[str]) -> int:
 
 
 def run_trainer_main(args: list[str]) -> int:
-    """`run-trainer --stop-file FILE --stopped-rc N -- COMMAND...`: :func:`run_trainer`."""
-    opts = {"--stop-file": "", "--stopped-rc": ""}
+    """`run-trainer --stop-file FILE --stopped-rc N [--exit-barrier-s S] [--local-ifname NAME] -- COMMAND...`:
+    :func:`run_trainer` (S: torchrun's exit barrier; NAME: the interface whose address is torchrun's
+    --local-addr in a Slurm step; :func:`torchrun_command`)."""
+    opts = {"--stop-file": "", "--stopped-rc": "", "--exit-barrier-s": "", "--local-ifname": ""}
     i = 0
     while i + 1 < len(args) and args[i] in opts:
         opts[args[i]] = args[i + 1]
@@ -1268,20 +1462,25 @@ def run_trainer_main(args: list[str]) -> int:
         or not opts["--stop-file"]
         or not re.fullmatch(r"[0-9]{1,3}", opts["--stopped-rc"])
         or int(opts["--stopped-rc"]) > 255
+        or not re.fullmatch(r"([0-9]{1,6})?", opts["--exit-barrier-s"])
     ):
         print(
-            "usage: sbatch-gen-node.py run-trainer --stop-file FILE --stopped-rc N -- COMMAND...",
+            "usage: sbatch-gen-node.py run-trainer --stop-file FILE --stopped-rc N [--exit-barrier-s S] "
+            "[--local-ifname NAME] -- COMMAND...",
             file=sys.stderr,
         )
         return 2
-    return run_trainer(opts["--stop-file"], int(opts["--stopped-rc"]), command)
+    barrier = int(opts["--exit-barrier-s"]) if opts["--exit-barrier-s"] else None
+    return run_trainer(
+        opts["--stop-file"], int(opts["--stopped-rc"]), command, barrier, opts["--local-ifname"]
+    )
 
 
 COMMANDS = {
     "preflight": preflight_main,
     "fingerprint": fingerprint_main,
     "run-trainer": run_trainer_main,
-    "torchrun-compat": torchrun_compat_main,
+    "torchrun": torchrun_main,
 }
 
 

@@ -416,7 +416,7 @@ NEWER_TORCHRUN_FLAGS = tuple(TORCHRUN_FLAG_SINCE)
 # Under stop_protocol sbatch-gen these two only keep SIGTERM from torchrun's agent (the stop goes through
 # the stop file) and bound the shutdowns after signals no stop sends: on a torch without them, the node
 # program's run-trainer starts torchrun through its compat shim instead, which keeps SIGTERM from the agent
-# itself, and drops them (sbatch_gen/node_program.py, torchrun_compat).
+# itself, and drops them (sbatch_gen/node_program.py, torchrun_main --keep-sigterm).
 COMPAT_TORCHRUN_FLAGS = ("--signals-to-handle", "--shutdown-timeout")
 
 

@@ -68,9 +68,10 @@ class Preemption(ProfileSection):
         default=60,
         ge=1,
         le=86400,
-        description="Once the first node's training task has exited, how long the others get to exit before "
-        "srun ends them (srun --wait): a node that hangs after the others stopped or finished cannot hold "
-        "the allocation until the time limit.",
+        description="How long a node whose workers have finished waits for the other nodes (torchrun's exit "
+        "barrier, set by the node program; torch's own is 300 s), and once the first node's training task has "
+        "exited, how long the others get before srun ends them (srun --wait): a node that hangs after the "
+        "others stopped or finished holds the allocation at most about twice this, never until the time limit.",
     )
 
     @model_validator(mode="before")

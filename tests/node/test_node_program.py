@@ -83,14 +83,17 @@ def _node(tmp_path: Path, **kw) -> FakeNode:
 
 
 def test_it_imports_the_standard_library_only():
-    """...but torchrun-compat, which runs torchrun in this process: the node's torch is there whenever its
-    torchrun is."""
+    """...but in torchrun's wrapper (torchrun_main, _patch_exit_barrier), which runs torchrun in this process:
+    the node's torch is there whenever its torchrun is."""
     tree = ast.parse(PROGRAM.read_text())
     names = set()
-    shim = next(
-        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "torchrun_compat_main"
-    )
-    in_shim = {id(n) for n in ast.walk(shim)}
+    shims = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef) and n.name in ("torchrun_main", "_patch_exit_barrier")
+    ]
+    assert len(shims) == 2
+    in_shim = {id(n) for shim in shims for n in ast.walk(shim)}
     for n in ast.walk(tree):
         if id(n) in in_shim:
             continue
@@ -149,7 +152,7 @@ def test_an_unknown_setting_or_command_is_refused(tmp_path):
     assert r.returncode == 2 and "unknown setting 'justaword'" in r.stderr
     r = _run_copy(tmp_path, "run-everything")
     assert r.returncode == 2 and r.stderr.startswith(
-        "usage: sbatch-gen-node.py {preflight,fingerprint,run-trainer,torchrun-compat} "
+        "usage: sbatch-gen-node.py {preflight,fingerprint,run-trainer,torchrun} "
     )
 
 

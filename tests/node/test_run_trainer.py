@@ -467,28 +467,76 @@ def test_an_older_torchrun_runs_through_the_compat_shim_and_the_stop_still_check
     ], err
 
 
-def test_a_torchrun_that_has_the_flags_runs_as_given(tmp_path):
-    """This checkout's torch has both flags: the command is not touched."""
-    assert np.torchrun_or_shim(["torchrun", "--shutdown-timeout=300", "x.py"]) == [
-        "torchrun",
+def test_torchs_torchrun_runs_through_the_node_programs_wrapper_and_nothing_else_does(tmp_path, monkeypatch):
+    """torch's own torchrun (its console script on PATH; this torch has both flags) runs through the node
+    program's `torchrun`, its arguments as given but for what a Slurm step adds; a site's torchrun wrapper
+    and any other program run as given."""
+    venv_bin = Path(sys.executable).parent
+    assert b"torch.distributed.run" in (venv_bin / "torchrun").read_bytes()
+    monkeypatch.delenv("SLURM_NODEID", raising=False)
+    monkeypatch.setenv("PATH", f"{venv_bin}:/usr/bin:/bin")
+    wrapped = [sys.executable, str(PROGRAM), "torchrun"]
+    assert np.torchrun_command(["torchrun", "--shutdown-timeout=300", "x.py"]) == [
+        *wrapped,
+        "--",
         "--shutdown-timeout=300",
         "x.py",
     ]
-    assert np.torchrun_or_shim(["python", "--shutdown-timeout=300"]) == ["python", "--shutdown-timeout=300"]
-    tagged = ["env", "SBATCH_GEN_TAG=t1", "torchrun", "--shutdown-timeout=300", "x.py"]  # the SSH launcher's
-    assert np.torchrun_or_shim(tagged) == tagged
+    assert np.torchrun_command(["torchrun", "x.py"], exit_barrier_s=60) == [
+        *wrapped,
+        "--exit-barrier-s",
+        "60",
+        "--",
+        "x.py",
+    ]
+    tagged = ["env", "SBATCH_GEN_TAG=t1", "torchrun", "x.py"]  # the SSH launcher's
+    assert np.torchrun_command(tagged) == ["env", "SBATCH_GEN_TAG=t1", *wrapped, "--", "x.py"]
+    assert np.torchrun_command(["python", "--shutdown-timeout=300"]) == ["python", "--shutdown-timeout=300"]
+    assert np.torchrun_command(["torchrun", "x.py"], 60, "ib0") == [
+        *wrapped,
+        *("--exit-barrier-s", "60", "--local-ifname", "ib0", "--", "x.py"),
+    ]
+    # a site's own torchrun (a wrapper script) is not torch's entry point
+    site = tmp_path / "bin"
+    site.mkdir()
+    (site / "torchrun").write_text('#!/bin/sh\nexec python -m torch.distributed.run "$@"\n')
+    (site / "torchrun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{site}:{venv_bin}:/usr/bin:/bin")
+    assert np.torchrun_command(["torchrun", "x.py"], 60) == ["torchrun", "x.py"]
+
+
+def test_in_a_slurm_step_the_wrapper_names_the_rendezvous(monkeypatch):
+    """Node 0 of the allocation hosts the c10d store (is_host added to --rdzv-conf, either spelling), the
+    interface's address is --local-addr; what the launch gives stays; outside a Slurm step nothing changes."""
+    conf = "--rdzv-conf=join_timeout=900"
+    monkeypatch.delenv("SLURM_NODEID", raising=False)
+    assert np.slurm_rendezvous([conf, "x.py"], "lo") == [conf, "x.py"]
+    monkeypatch.setenv("SLURM_NODEID", "0")
+    assert np.slurm_rendezvous([conf, "x.py"], "lo") == [
+        "--local-addr=127.0.0.1",
+        "--rdzv-conf=join_timeout=900,is_host=1",
+        "x.py",
+    ]
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    assert np.slurm_rendezvous(["--rdzv-conf", "join_timeout=900", "x.py"]) == [
+        "--rdzv-conf=join_timeout=900,is_host=0",
+        "x.py",
+    ]
+    assert np.slurm_rendezvous(["x.py"], "no-such-if0") == ["--rdzv-conf=is_host=0", "x.py"]
+    given = ["--rdzv-conf=join_timeout=9,is_host=1", "--local-addr=10.0.0.1", "x.py"]
+    assert np.slurm_rendezvous(given, "lo") == given
 
 
 def test_the_ssh_launchers_tagged_torchrun_goes_through_the_shim_too(tmp_path):
     python = _old_torch_venv(tmp_path / "venv")
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); import sbatch_gen.node_program as n; "
-        "print(n.torchrun_or_shim(['env', 'SBATCH_GEN_TAG=t1', 'torchrun', '--shutdown-timeout=300', 'x.py']))"
+        "print(n.torchrun_command(['env', 'SBATCH_GEN_TAG=t1', 'torchrun', '--shutdown-timeout=300', 'x.py']))"
     )
     out = subprocess.run([str(python), "-c", code, str(REPO)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == repr(
-        ["env", "SBATCH_GEN_TAG=t1", str(python), str(PROGRAM), "torchrun-compat", "x.py"]
+        ["env", "SBATCH_GEN_TAG=t1", str(python), str(PROGRAM), "torchrun", "--keep-sigterm", "--", "x.py"]
     ), out.stdout
 
 

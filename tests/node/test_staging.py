@@ -128,14 +128,18 @@ def test_the_slurm_training_step_is_the_node_program_itself(tmp_path):
     """srun runs `bash -c 'node_py --exec "$@"' node_py run-trainer ...` (eu.sbatch): the shell becomes the
     node program (Slurm's SIGTERM reaches it, not a shell it would end), which takes the SIGTERM as the stop
     request, waits for torchrun and exits 0 on the ack."""
-    srun_words = """bash -c 'node_py --exec "$@"' node_py run-trainer --stop-file "$STOP_FILE" --stopped-rc 0 -- \\\n"""
+    srun_words = (
+        """bash -c 'node_py --exec "$@"' node_py run-trainer --stop-file "$STOP_FILE" --stopped-rc 0 \\\n"""
+    )
+    srun_words += """      --exit-barrier-s "$EXIT_WAIT_S" --local-ifname "$PINNED_IFNAME" -- \\\n"""
     assert srun_words in EU
     shutil.copy(PROGRAM, tmp_path / "prog.py")
     (tmp_path / "step.py").write_text(STEP)
     code = (
         "export SBATCH_GEN_NODE_PY=prog.py SLURMD_NODENAME=n1 STOP_FILE=stop\n"
         "export -f node_py\n"
-        """bash -c 'node_py --exec "$@"' node_py run-trainer --stop-file "$STOP_FILE" --stopped-rc 0 -- """
+        """bash -c 'node_py --exec "$@"' node_py run-trainer --stop-file "$STOP_FILE" --stopped-rc 0 """
+        "--exit-barrier-s 60 --local-ifname '' -- "
         "python3 step.py &\n"
         "pid=$!\n"
         "while [[ ! -e ready ]]; do sleep 0.05; done\n"
@@ -147,7 +151,10 @@ def test_the_slurm_training_step_is_the_node_program_itself(tmp_path):
         code, tmp_path, path=f"{Path(shutil.which('python3') or '/usr/bin/python3').parent}:/usr/bin:/bin"
     )
     cmdline, status = r.stdout.splitlines()
-    assert " -I prog.py run-trainer --stop-file stop --stopped-rc 0 -- python3 step.py" in cmdline, r.stdout
+    assert (
+        " -I prog.py run-trainer --stop-file stop --stopped-rc 0 --exit-barrier-s 60 --local-ifname  -- python3 step.py"
+        in (cmdline)
+    ), r.stdout
     assert Path(cmdline.split()[0]).name.startswith("python"), cmdline  # the shell is gone: exec
     assert status == "status 0", r.stderr
     assert (tmp_path / "stop").read_text() == "SIGTERM to the training step on n1\n"

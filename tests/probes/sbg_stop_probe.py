@@ -11,6 +11,9 @@ sbg_stop_probe): torchrun runs ``python -m sbg_stop_probe <the rendered trainer 
   and SIGTERM in ``signals.rank-R`` (one line each: attempt and signal name); on the first one it saves
   slowly (sleeps ``--probe-save-s``), writes ``saved.rank-R`` (JSON: attempt, signal, save time) and exits
   0. Started again with ``saved.rank-R`` present, it has resumed: it exits 0 at once (training done).
+- ``--probe-mode end`` (a trainer that has nothing left to do): writes ``done.attempt-A.rank-R`` (the time) and
+  exits 0 at once; on a first attempt the ranks ``--probe-hang-ranks`` name hang instead (until
+  ``--probe-max-s``), as a node stuck after the others finished.
 - ``--probe-mode none`` (a trainer that only checkpoints periodically): no signal handler; every
   ``--probe-step-s`` it takes a step and writes its step to ``ckpt.rank-R`` (atomically). Started again with
   a ``ckpt.rank-R``, it resumes from that step and exits 0 after ``--probe-more-steps`` more.
@@ -43,7 +46,8 @@ def _write(path: Path, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sbg_stop_probe")
     ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--probe-mode", choices=["signal", "none"], required=True)
+    ap.add_argument("--probe-mode", choices=["signal", "none", "end"], required=True)
+    ap.add_argument("--probe-hang-ranks", default="")
     ap.add_argument("--probe-save-s", type=float, default=3.0)
     ap.add_argument("--probe-step-s", type=float, default=0.2)
     ap.add_argument("--probe-more-steps", type=int, default=5)
@@ -81,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"probe rank {rank} attempt {attempt}: {args.probe_mode}, resumed from {resumed}", flush=True)
 
+    if args.probe_mode == "end":
+        if attempt == 0 and str(rank) in args.probe_hang_ranks.split(","):
+            time.sleep(args.probe_max_s)
+            return 3
+        _write(d / f"done.attempt-{attempt}.rank-{rank}", repr(time.time()))
+        return 0
     if args.probe_mode == "signal":
         if resumed is not None:
             return 0

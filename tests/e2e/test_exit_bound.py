@@ -1,0 +1,67 @@
+"""No partial exit holds the allocation, on the real local Slurm (2 nodes, KillWait 5 s): one node's workers
+finish while the other node's hang. The finished node's torchrun waits preemption.exit_wait_s for the other
+(its exit barrier, set by the node program: torch's own is 300 s), then srun's --wait gives the hung node as
+long again: the training step ends within about twice exit_wait_s of the first node's workers, and the run
+goes on (requeued as a failed step, the next attempt completes). No traceback, unfiltered."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+from e2e_lib import local_job
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+EXIT_WAIT_S = 10
+
+
+def test_a_node_that_hangs_after_the_other_finished_ends_the_step_within_the_bound(
+    cluster, e2e_root, train_config, data_dir
+):
+    root = e2e_root / "exit-bound"
+    probe = root / "run" / "probe"
+    job = local_job(
+        cluster,
+        root,
+        "exitbound",
+        {
+            "paths.code_dir": str(Path(__file__).resolve().parents[1] / "probes"),
+            "trainer.module": "sbg_stop_probe",
+            # ranks 2 and 3 (the second node) hang on the first attempt; 0 and 1 end at once
+            "trainer.extra_args": [
+                "--probe-mode",
+                "end",
+                "--probe-hang-ranks",
+                "2,3",
+                "--probe-max-s",
+                "600",
+            ],
+            "preemption.exit_wait_s": EXIT_WAIT_S,
+        },
+        config=train_config,
+        data=data_dir,
+    )
+    job.submit()
+    info = cluster.wait_done(job.job_id, timeout=300)
+    log = job.batch_log()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
+    done = max(float((probe / f"done.attempt-0.rank-{r}").read_text()) for r in (0, 1))
+    assert not list(probe.glob("done.attempt-0.rank-[23]")), "the hung ranks were meant to hang"
+    # when the batch shell saw the step end: its log line's time (UTC, to the second)
+    (stamp,) = re.findall(
+        r"\[sbatch-gen (\S+)\] training step exited with status [1-9]", log.split("attempt 1")[0]
+    )
+    ended = time.mktime(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
+    # twice exit_wait_s, KillWait and the agents' polling; torch's own exit barrier alone is 300 s
+    assert ended - done < 2 * EXIT_WAIT_S + 25, (ended - done, log)
+    node_logs = {
+        p.name: p.read_text(errors="replace") for p in job.log_dir.glob(f"{job.name}-*.attempt-0.*.log")
+    }
+    n1 = next(text for name, text in node_logs.items() if name.endswith(".n1.log"))
+    said = [line for line in n1.splitlines() if "(the exit barrier;" in line]
+    assert len(said) == 1 and f"did not all within {EXIT_WAIT_S} s" in said[0], n1
+    for name, text in {**node_logs, "batch": log}.items():
+        assert "Traceback" not in text, f"{name}:\n{text[-4000:]}"
