@@ -51,7 +51,7 @@ NUMA_BINDING=''  # topology.numa_binding
 LOG_TOPOLOGY=1  # topology.log_topology
 IB_HCA=''  # nccl.ib_hca as NCCL_IB_HCA: the preflight checks these adapters (empty: none)
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
-NODE_PY_SHA256=c595a173f862b4ae0a073b20e8cfdf625de29e90df1c123feca5d13ca81a64f6  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
+NODE_PY_SHA256=8216f4b29bf436b65958724d3ffacab1947a60684f4bcfe77d676e93c1ead4fe  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv  # python_env.kind

@@ -1146,6 +1146,8 @@ COMPAT_FLAGS = ("--signals-to-handle", "--shutdown-timeout")
 # After the exit barrier, how long the agent that hosts the store waits for the others to have left it.
 EXIT_HANDOFF_S = 30.0
 EXIT_LEFT_KEY = "sbatch-gen/left-exit-barrier"
+# After a worker failed, how long its agent gives the other workers between SIGTERM and SIGKILL (torch: 30 s).
+TEARDOWN_S = 10
 
 
 def _is_host(args: list[str]) -> bool | None:
@@ -1222,9 +1224,49 @@ def _patch_exit_barrier(timeout_s: float | None, is_host: bool | None) -> None:
                 pass
         return done
 
-    agent_cls.__init__ = init
-    agent_cls._exit_barrier = exit_barrier
-    DynamicRendezvousHandler.shutdown = shutdown
+    setattr(agent_cls, "__init__", init)  # noqa: B010 - patching torch's class (mypy: method-assign)
+    setattr(agent_cls, "_exit_barrier", exit_barrier)  # noqa: B010
+    setattr(DynamicRendezvousHandler, "shutdown", shutdown)  # noqa: B010
+
+
+def _patch_teardown(teardown_s: float) -> None:
+    """After a worker failed, torch's agent SIGTERMs the others and SIGKILLs them 30 s later, whatever
+    --shutdown-timeout says (the process context closes itself with its default when it finds a failed worker,
+    and the agent's _stop_workers calls _shutdown() with its own; the flag bounds only the shutdowns after a
+    signal the agent handles). Here TEARDOWN_S: a crash frees the node in seconds. A survivor on sbatch-gen's
+    StopRequest exits within TERM_WITHOUT_STOP_S of that SIGTERM anyway; one of a trainer of one's own that
+    takes it for a stop cannot finish a collective save with a dead peer. A torch whose classes are not the
+    ones this knows keeps its own."""
+    try:
+        from torch.distributed.elastic.agent.server.local_elastic_agent import (  # noqa: PLC0415
+            LocalElasticAgent,
+        )
+        from torch.distributed.elastic.multiprocessing.api import PContext  # noqa: PLC0415
+    except ImportError:
+        return
+    real_stop = getattr(LocalElasticAgent, "_stop_workers", None)
+    shutdown = getattr(LocalElasticAgent, "_shutdown", None)
+    real_close = getattr(PContext, "close", None)
+    if real_stop is None or real_close is None or shutdown is None:
+        return
+    if "timeout" not in shutdown.__code__.co_varnames or real_close.__code__.co_varnames[:3] != (
+        "self",
+        "death_sig",
+        "timeout",
+    ):
+        return
+
+    def stop_workers(self, worker_group, *args, **kwargs):
+        if args or kwargs:  # a signature this does not know: torch's own
+            return real_stop(self, worker_group, *args, **kwargs)
+        return self._shutdown(timeout=teardown_s)
+
+    def close(self, death_sig=None, timeout=None):
+        # no timeout given: the context closing itself after a failed worker
+        return real_close(self, death_sig, teardown_s if timeout is None else timeout)
+
+    setattr(LocalElasticAgent, "_stop_workers", stop_workers)  # noqa: B010
+    setattr(PContext, "close", close)  # noqa: B010
 
 
 def torchrun_main(args: list[str]) -> int:
@@ -1233,6 +1275,7 @@ def torchrun_main(args: list[str]) -> int:
     - the exit barrier of :func:`_patch_exit_barrier`: bounded by S (torch's is 300 s, which its command line
       cannot change), without its race (pytorch/pytorch#69520: no traceback after a good job), one line if the
       other nodes do not all finish within it;
+    - after a worker failed, the others SIGKILLed TEARDOWN_S after their SIGTERM (:func:`_patch_teardown`);
     - in a Slurm job step, the rendezvous named (:func:`slurm_rendezvous`, NAME's address as --local-addr);
     - with --keep-sigterm, an agent that never installs a SIGTERM handler: SIGTERM keeps the disposition this
       process inherited (ignored, from run-trainer), as --signals-to-handle without SIGTERM does on a newer
@@ -1273,6 +1316,7 @@ def torchrun_main(args: list[str]) -> int:
     args = slurm_rendezvous(args, opts["--local-ifname"])
     barrier = float(opts["--exit-barrier-s"]) if opts["--exit-barrier-s"] else None
     _patch_exit_barrier(barrier, _is_host(args))
+    _patch_teardown(TEARDOWN_S)
     sys.argv = ["torchrun", *args]
     from torch.distributed.run import main as torchrun_main  # noqa: PLC0415 - torch only here
 

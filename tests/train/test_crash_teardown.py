@@ -28,6 +28,7 @@ import pytest
 from sbatch_gen.contract import ENV_STOP_FILE, TERM_WITHOUT_STOP_S
 from sbatch_gen.launch import SLURM, torchrun_argv
 from sbatch_gen.loader import load_site
+from sbatch_gen.node_program import TEARDOWN_S
 
 from .conftest import REPO, train_env
 
@@ -67,16 +68,20 @@ os.read(os.pipe()[0], 1)  # stuck for good: a handler runs, the read goes on
 """
 
 
-def _torchrun_crash(tmp_path: Path, source: str, env: dict | None = None) -> tuple[str, float, int]:
-    """torchrun with the eu render's stop flags, SIGTERM ignored as run-trainer starts it; rank 1 crashes.
-    Returns (output, seconds from the crash to torchrun's exit, its status)."""
+def _torchrun_crash(
+    tmp_path: Path, source: str, env: dict | None = None, wrapped: bool = False
+) -> tuple[str, float, int]:
+    """torchrun with the eu render's stop flags, SIGTERM ignored as run-trainer starts it (WRAPPED: through the
+    node program's torchrun, as run-trainer starts torch's own); rank 1 crashes. Returns (output, seconds from
+    the crash to torchrun's exit, its status)."""
     flags = _flags("eu")
     assert "--shutdown-timeout=300" in flags, flags  # eu budgets 300 s for a stop checkpoint
     worker = tmp_path / "worker.py"
     worker.write_text(source)
     marker = tmp_path / "rank0.stop"
+    program = [sys.executable, "-I", str(REPO / "sbatch_gen" / "node_program.py"), "torchrun", "--"]
     cmd = [
-        str(Path(sys.executable).parent / "torchrun"),
+        *(program if wrapped else [str(Path(sys.executable).parent / "torchrun")]),
         "--standalone",
         "--nproc-per-node=2",
         "--monitor-interval=0.2",
@@ -107,6 +112,17 @@ def test_a_crash_frees_the_node_in_torchs_30_s_not_after_the_stop_budget(tmp_pat
     assert rc == 1, text
     assert (tmp_path / "rank0.stop").read_text() == "stop requested", text  # got the SIGTERM, hung
     assert 25 < took < 60, f"torchrun freed the node {took:.0f} s after the crash:\n{text}"
+
+
+def test_through_the_node_program_a_crash_frees_the_node_in_its_teardown_bound(tmp_path: Path):
+    """The same survivor (a trainer of one's own that hangs after SIGTERM) under the node program's torchrun,
+    as run-trainer starts torch's: SIGKILLed TEARDOWN_S after the SIGTERM, not torch's 30 s."""
+    text, took, rc = _torchrun_crash(tmp_path, WORKER, wrapped=True)
+    assert rc == 1, text
+    assert (tmp_path / "rank0.stop").read_text() == "stop requested", text
+    assert TEARDOWN_S - 1 < took < TEARDOWN_S + 12, (
+        f"torchrun freed the node {took:.0f} s after the crash:\n{text}"
+    )
 
 
 def test_a_crash_frees_the_node_in_seconds_when_the_survivor_runs_the_library(tmp_path: Path):
