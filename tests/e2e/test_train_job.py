@@ -8,7 +8,7 @@ import re
 from datetime import datetime, timezone
 
 import pytest
-from e2e_lib import STOP_HOLD_S, assert_resumed_losses_match, local_job, report
+from e2e_lib import STOP_HOLD_S, assert_resumed_losses_match, assert_same_final_params, local_job, report
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -49,20 +49,38 @@ def test_preempt_requeue_resume_matches_uninterrupted(
 ):
     """(3) `scancel --signal=USR1 --batch` mid-run: the trainer checkpoints at a step all ranks agree on,
     the batch script requeues, attempt 2 runs with SLURM_RESTART_COUNT=1, resumes from that checkpoint
-    and finishes; its losses match the uninterrupted run's; attempt 1's log is still there."""
+    and finishes; its losses and final weights match the uninterrupted run's; attempt 1's log is still
+    there. The train config lies in the run's code checkout (paths.code_dir, pinned at submission) and is
+    changed and committed while attempt 1 trains, as a `git pull` would: attempt 2 runs the pinned one."""
     ref = reference_run.losses()
     assert sorted(ref) == list(range(1, 41)), reference_run.describe()
+    code = e2e_root / "preempt-code"
+    code.mkdir()
+    config = code / "train.yaml"
+    config.write_text(train_config.read_text())
+    git = ["git", "-C", str(code), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+
+    def commit(msg: str) -> str:
+        cluster.run(*git, "add", "-A")
+        cluster.run(*git, "commit", "-q", "-m", msg)
+        return cluster.run(*git, "rev-parse", "HEAD").stdout.strip()
+
+    cluster.run(*git, "init", "-q")
+    first = commit("as submitted")
     # a stop checkpoint of STOP_HOLD_S, longer than torchrun's own shutdown timeout, within the budget of 40 + 20
     job = local_job(
         cluster,
         e2e_root / "preempt",
         "preempt",
-        {"preemption.checkpoint_s": 40, "preemption.margin_s": 20},
-        config=train_config,
+        {"preemption.checkpoint_s": 40, "preemption.margin_s": 20, "paths.code_dir": str(code)},
+        config=config,
         data=data_dir,
     )
     job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": str(STOP_HOLD_S)})
     job.wait_step(6)  # past the periodic checkpoint at 5: the stop usually lands between two (7..9)
+    assert "seed: 1234" in config.read_text()
+    config.write_text(config.read_text().replace("seed: 1234", "seed: 7"))  # other weights, if it were run
+    pulled = commit("a git pull")
     cluster.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
     info = cluster.wait_done(job.job_id, timeout=300)
     assert info["JobState"] == "COMPLETED", job.describe()
@@ -97,6 +115,11 @@ def test_preempt_requeue_resume_matches_uninterrupted(
     assert summary["resumed_from_step"] == stop_step, summary
     assert summary["last_step"] == 40
     assert_resumed_losses_match(job.losses(), ref, stop_step, 40)
+    assert_same_final_params({"reference": reference_run, "resumed": job})
+    assert (
+        f"running the code pinned when the run was submitted: commit {first} (clean) from "
+        f"{job.run_dir}/code/{job.job_id}; the checkout is at {pulled} now" in log
+    ), log
 
     # downtime: from the batch shell receiving USR1 to attempt 2's first training step
     t_sig = datetime.strptime(
