@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 2f41085bba2fec5809920f9900bbafff64ac3c43944c8bc3cbee0290770ac1b7
+#   inputs sha256: 5e7d0a640da616566c46b8fc678f166c9d44c8f17bfd0f553e14687c89fe4219
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -227,8 +227,9 @@ node_main() {
   mkdir -p -- "$RUN_DIR/stop" || return 1
   rm -f -- "$stop_file" "$stop_file.ack" "$stop_file.fatal" "$stop_file.stopping"
   export SBATCH_GEN_STOP_FILE="$stop_file"
-  # The node program's run-trainer runs torchrun with SIGTERM ignored; 42 after a complete stop checkpoint
-  node_py run-trainer --stop-file "$stop_file" --stopped-rc 42 -- \
+  # The node program's run-trainer runs torchrun with SIGTERM ignored; 42 after a complete stop checkpoint.
+  # A node whose workers are done waits launch.failure_grace_s for the others (torchrun's exit barrier).
+  node_py run-trainer --stop-file "$stop_file" --stopped-rc 42 --exit-barrier-s "$FAILURE_GRACE_S" -- \
     env SBATCH_GEN_TAG="$TAG" torchrun "${torchrun_args[@]}" -m "$TRAINER_MODULE" "${trainer_args[@]}" || rc=$?
   return "$rc"
 }
@@ -399,10 +400,11 @@ launch_all() {
   log "attempt $ATTEMPT: started $NNODES nodes (resume $resume); logs $LOGS/attempt-$ATTEMPT.node-*.log"
 }
 
-# Wait for every node. Once one has failed, the others get FAILURE_GRACE_S to end on their own, then
-# every node is cleaned up; a local ssh client still hanging 15 s after that is killed.
+# Wait for every node. Once one has ended (failed, or finished while another still runs), the others get
+# FAILURE_GRACE_S to end on their own, then every node is cleaned up; a local ssh client still hanging 15 s
+# after that is killed. So no node that hangs holds the launch.
 wait_all() {
-  local r rc running failed_at="" killed_at=""
+  local r rc running failed_at="" ended_at="" killed_at=""
   while true; do
     running=0
     for r in "${!HOSTS[@]}"; do
@@ -413,6 +415,7 @@ wait_all() {
       NODE_PIDS[r]=""
       NODE_RCS[r]=$rc
       printf '%s\t%s\t%s\t%s\n' "$ATTEMPT" "$r" "${HOSTS[r]}" "$rc" >>"$LOGS/exits.tsv"
+      [[ -n $ended_at ]] || ended_at=$SECONDS
       if ((rc == 0)); then
         log "attempt $ATTEMPT: $(node_label "$r") finished"
       else
@@ -424,8 +427,12 @@ wait_all() {
       fi
     done
     ((running > 0)) || return 0
-    if [[ -n $failed_at && -z $killed_at ]] && ((SECONDS - failed_at >= FAILURE_GRACE_S)); then
-      log "attempt $ATTEMPT: killing the remaining nodes"
+    if [[ -n $ended_at && -z $killed_at ]] && ((SECONDS - ${failed_at:-$ended_at} >= FAILURE_GRACE_S)); then
+      if [[ -n $failed_at ]]; then
+        log "attempt $ATTEMPT: killing the remaining nodes"
+      else
+        log "attempt $ATTEMPT: $running node(s) still running ${FAILURE_GRACE_S}s after one finished (launch.failure_grace_s): killing them"
+      fi
       cleanup_all || true
       killed_at=$SECONDS
     elif [[ -n $killed_at ]] && ((SECONDS - killed_at >= 15)); then
@@ -687,7 +694,7 @@ if find_pinned sbatch-gen-node.py "$NODE_PY_SHA256" "$(dirname -- "${BASH_SOURCE
 fi
 # The program a node runs: strict mode, the settings and functions above (declare -p/-f print them
 # as bash code, every value quoted), then "$@".
-NODE_VARS=(LAUNCH_DIR NNODES TAG NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT NUMA_BINDING LOG_TOPOLOGY IB_HCA
+NODE_VARS=(LAUNCH_DIR NNODES TAG NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT NUMA_BINDING LOG_TOPOLOGY IB_HCA FAILURE_GRACE_S
   IB_LINK_LAYER ENV_KIND ENV_PATH ENV_NAME MODULES CODE_DIR ENV_HINT NODE_ENV TRAINER_MODULE TRAIN_CONFIG
   DATA_PATH RUN_DIR SHARED_RUN_DIR NODE_PY_SRC SECRET_ENV BUCKET_CHECK)
 NODE_PROGRAM="set -euo pipefail

@@ -144,7 +144,9 @@ class SshLaunch(ProfileSection):
         default=120,
         ge=0,
         le=86400,
-        description="After one node fails, how long the others may take to end on their own before cleanup kills them.",
+        description="After one node has ended (failed, or finished while others still run), how long the others "
+        "may take to end on their own before cleanup kills them; also how long a node whose workers have "
+        "finished waits for the others (torchrun's exit barrier, set by the node program; torch's own is 300 s).",
     )
     preflight_timeout_s: Int = Field(default=120, ge=5, le=3600, description="Preflight limit per host.")
     shared_run_dir: bool = Field(

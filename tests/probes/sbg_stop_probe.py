@@ -12,8 +12,8 @@ sbg_stop_probe): torchrun runs ``python -m sbg_stop_probe <the rendered trainer 
   slowly (sleeps ``--probe-save-s``), writes ``saved.rank-R`` (JSON: attempt, signal, save time) and exits
   0. Started again with ``saved.rank-R`` present, it has resumed: it exits 0 at once (training done).
 - ``--probe-mode end`` (a trainer that has nothing left to do): writes ``done.attempt-A.rank-R`` (the time) and
-  exits 0 at once; on a first attempt the ranks ``--probe-hang-ranks`` name hang instead (until
-  ``--probe-max-s``), as a node stuck after the others finished.
+  exits 0 at once; the first time, the ranks ``--probe-hang-ranks`` name hang instead (until
+  ``--probe-max-s``; ``hung.rank-R`` notes it), as a node stuck after the others finished.
 - ``--probe-mode none`` (a trainer that only checkpoints periodically): no signal handler; every
   ``--probe-step-s`` it takes a step and writes its step to ``ckpt.rank-R`` (atomically). Started again with
   a ``ckpt.rank-R``, it resumes from that step and exits 0 after ``--probe-more-steps`` more.
@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"probe rank {rank} attempt {attempt}: {args.probe_mode}, resumed from {resumed}", flush=True)
 
     if args.probe_mode == "end":
-        if attempt == 0 and str(rank) in args.probe_hang_ranks.split(","):
+        hung = d / f"hung.rank-{rank}"
+        if str(rank) in args.probe_hang_ranks.split(",") and not hung.exists():
+            hung.write_text(str(attempt))
             time.sleep(args.probe_max_s)
             return 3
         _write(d / f"done.attempt-{attempt}.rank-{rank}", repr(time.time()))

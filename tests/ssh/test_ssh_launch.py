@@ -251,3 +251,35 @@ def test_warns_when_not_started_on_the_first_host(ssh_launch, tmp_path):
     assert launch.wait(timeout=120) == 0, launch.output()
     assert "WARNING: node 0 is hosts[0] = elsewhere.invalid" in launch.output()
     assert (tmp_path / "probe" / "node-1.json").exists()
+
+
+def test_a_host_that_hangs_after_the_other_finished_is_ended_within_the_bound(ssh_launch, repo, tmp_path):
+    """Node 1's worker hangs after node 0's finished (the stop probe, tests/probes): node 0's torchrun waits
+    launch.failure_grace_s for it (the exit barrier, set through the node program: torch's is 300 s), then the
+    launcher gives node 1 that long again and ends it; the next attempt completes. No traceback."""
+    grace = 5
+    launch = ssh_launch(
+        f"paths.code_dir={repo / 'tests' / 'probes'}",
+        "trainer.module=sbg_stop_probe",
+        'trainer.extra_args=["--probe-mode", "end", "--probe-hang-ranks", "1", "--probe-max-s", "300"]',
+        f"launch.failure_grace_s={grace}",
+    )
+    assert launch.wait(timeout=240) == 0, launch.output()
+    out = launch.output()
+    done = float((launch.run_dir / "probe" / "done.attempt-1.rank-0").read_text())
+    assert (launch.run_dir / "probe" / "hung.rank-1").read_text() == "1"
+    # attempt 1: node 0 finished after its exit barrier; node 1 was ended by the launcher
+    assert (
+        f"attempt 1: 1 node(s) still running {grace}s after one finished (launch.failure_grace_s): killing them"
+        in out
+    )
+    ended = [e for e in launch.exits() if e[0] == 1]
+    assert sorted(e[1] for e in ended) == [0, 1] and ended[0][1] == 0 and ended[0][3] == 0, ended
+    node0 = launch.node_log(1, 0)
+    assert f"did not all within {grace} s (the exit barrier" in node0, node0
+    # the launcher saw attempt 1 over within the barrier, its grace, cleanup and polling of the done rank
+    attempt2 = json.loads((launch.run_dir / "probe" / "start.attempt-2.rank-1.json").read_text())
+    assert attempt2["version"] == "as-submitted"
+    assert (launch.run_dir / "probe" / "start.attempt-2.rank-1.json").stat().st_mtime - done < 2 * grace + 40
+    assert "Traceback" not in out and "Traceback" not in node0, out
+    _assert_no_tagged(launch)
