@@ -3,10 +3,8 @@
 
 - a preemption (GraceTime) before the preflight, while the batch shell activates the environment: Slurm
   signals the job steps only, and none runs; the shell reads Slurm's record before it starts one: no step
-  in that attempt, requeued once, every step trained once (the preemption during the preflight:
-  test_preemption.py);
-- a SIGTERM during the requeue itself (after a stop, while `scontrol requeue` runs): not a failure, one
-  requeue, the run completes;
+  in that attempt; then a SIGTERM while it runs `scontrol requeue`: not a failure, requeued once, every
+  step trained once (the preemption during the preflight: test_preemption.py);
 - a user's scancel while training: CANCELLED, one line, no requeue;
 - a run of 4 stops (the time-limit signal, sent exactly with `scancel --signal=USR1 --batch`) with a budget
   of 1 requeue without progress: every attempt checkpointed, so the run completes;
@@ -59,51 +57,9 @@ def _assert_no_traceback(job: LocalJob, *job_ids: int) -> None:
         assert "Traceback" not in without_torch_exit_barrier_race(text), f"{name}:\n{text[-4000:]}"
 
 
-def test_a_preemption_before_the_preflight_stops_before_any_step(cluster, e2e_root, train_config, data_dir):
-    """A preemption with GraceTime while the batch shell activates the environment (a `module load` that
-    takes a while, as on a loaded shared filesystem: the test's own `module`, exported as a bash function,
-    waits for a marker): Slurm signals the job steps, and there are none yet. The batch shell reads Slurm's
-    record before it starts one: no preflight, no training in this attempt, requeued once; the next attempt
-    trains every step once."""
-    root = e2e_root / "preempt-early"
-    root.mkdir()
-    inside, hold = root / "in-module-load", root / "hold"
-    hold.touch()
-    job = local_job(
-        cluster,
-        root,
-        "pearly",
-        {"python_env.modules": ["slow-site-module"], "trainer.max_steps": SHORT_STEPS},
-        config=train_config,
-        data=data_dir,
-    )
-    module = f"() {{ touch {inside}; while [ -e {hold} ]; do sleep 0.2; done; }}"
-    job.submit({"BASH_FUNC_module%%": module})
-    deadline = time.monotonic() + 120
-    while not inside.exists():
-        assert time.monotonic() < deadline, job.describe()
-        time.sleep(0.2)
-    preempt(cluster)
-    deadline = time.monotonic() + 60
-    while not cluster.job(job.job_id).get("PreemptTime", "None")[:1].isdigit():
-        assert time.monotonic() < deadline, job.describe()
-        time.sleep(0.2)
-    hold.unlink()
-    info = cluster.wait_done(job.job_id, timeout=300)
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
-    log = job.batch_log()
-    first = log[: log.index(f"job {job.job_id}, attempt 1")]
-    assert "preflight on" not in first and "training;" not in first, first
-    assert "preempted before training started" in first and "requeueing job" in first, first
-    assert log.count("requeueing job") == 1, log
-    counts = _steps(job)
-    assert sorted(counts) == list(range(1, SHORT_STEPS + 1)) and set(counts.values()) == {1}, counts
-    _assert_no_traceback(job)
-
-
 # A witness in the job's process tree while `scontrol requeue` runs: it takes SIGTERM (which the batch shell and
 # its children ignore from the requeue on), writes "TERM" to the file argv[1] and exits; after 60 s without it,
-# it exits too (the test then fails on the missing file).
+# it exits too (the test then fails on the missing file). It says it waits by creating the file argv[2].
 _WITNESS = (
     "import signal, sys, time\n"
     "def took(*_):\n"
@@ -115,15 +71,26 @@ _WITNESS = (
 )
 
 
-def test_a_sigterm_during_the_requeue_itself_is_no_failure(cluster, e2e_root, train_config, data_dir):
-    """After a stop (USR1 to the batch shell), a SIGTERM to the batch shell and its children (`scancel
-    --signal=TERM --full`) arrives while `scontrol requeue` runs: the test's scontrol on PATH holds the first
-    requeue (a slow slurmctld) until a witness process beside it has taken that SIGTERM, then runs the real
-    one. The requeue takes once, nothing says it failed, and the next attempt completes the run."""
-    root = e2e_root / "requeue-term"
+def test_a_preemption_before_the_preflight_and_a_sigterm_during_its_requeue(
+    cluster, e2e_root, train_config, data_dir
+):
+    """Two phases no step runs in, in one job.
+
+    A preemption with GraceTime while the batch shell activates the environment (a `module load` that takes
+    a while, as on a loaded shared filesystem: the test's own `module`, exported as a bash function, waits
+    for a marker): Slurm signals the job steps, and there are none yet. The batch shell reads Slurm's record
+    before it starts one: no preflight, no training in this attempt; it requeues.
+
+    While it runs `scontrol requeue` (a slow slurmctld: the test's scontrol on the job's PATH holds the
+    first requeue until a witness process beside it has taken the signal, then runs the real one), a
+    SIGTERM to the batch shell and its children (`scancel --signal=TERM --full`): the requeue takes once and
+    nothing says it failed. The next attempt trains every step once."""
+    root = e2e_root / "preempt-early"
     bin_dir = root / "bin"
     bin_dir.mkdir(parents=True)
+    inside, hold = root / "in-module-load", root / "hold"
     waiting, took = root / "witness-waits", root / "witness-took"
+    hold.touch()
     real = shutil.which("scontrol", path=cluster.env["PATH"])
     assert real, cluster.env["PATH"]
     (root / "witness.py").write_text(_WITNESS)
@@ -137,12 +104,26 @@ def test_a_sigterm_during_the_requeue_itself_is_no_failure(cluster, e2e_root, tr
     )
     wrapper.chmod(0o755)
     job = local_job(
-        cluster, root, "rqterm", {"trainer.max_steps": SHORT_STEPS}, config=train_config, data=data_dir
+        cluster,
+        root,
+        "pearly",
+        {"python_env.modules": ["slow-site-module"], "trainer.max_steps": SHORT_STEPS},
+        config=train_config,
+        data=data_dir,
     )
-    job.submit({"PATH": f"{bin_dir}:{cluster.env['PATH']}", "SBATCH_GEN_STEP_SLEEP_S": "0.2"})
-    job.wait_step(3)
-    cluster.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
+    module = f"() {{ touch {inside}; while [ -e {hold} ]; do sleep 0.2; done; }}"
+    job.submit({"BASH_FUNC_module%%": module, "PATH": f"{bin_dir}:{cluster.env['PATH']}"})
     deadline = time.monotonic() + 120
+    while not inside.exists():
+        assert time.monotonic() < deadline, job.describe()
+        time.sleep(0.2)
+    preempt(cluster)
+    deadline = time.monotonic() + 60
+    while not cluster.job(job.job_id).get("PreemptTime", "None")[:1].isdigit():
+        assert time.monotonic() < deadline, job.describe()
+        time.sleep(0.2)
+    hold.unlink()
+    deadline = time.monotonic() + 60
     while not waiting.exists():
         assert time.monotonic() < deadline, job.describe()
         time.sleep(0.1)
@@ -153,7 +134,8 @@ def test_a_sigterm_during_the_requeue_itself_is_no_failure(cluster, e2e_root, tr
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
     log = job.batch_log()
     first = log[: log.index(f"job {job.job_id}, attempt 1")]
-    assert "requeueing job" in first and "requeued: this attempt is over" in first, first
+    assert "preflight on" not in first and "training;" not in first, first
+    assert "preempted before training started" in first and "requeued: this attempt is over" in first, first
     assert "requeue failed" not in log and "ERROR" not in log and "cancelled" not in log, log
     assert log.count("requeueing job") == 1, log
     counts = _steps(job)
