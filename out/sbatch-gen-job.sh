@@ -415,6 +415,19 @@ continue_run() {
   exit 0
 }
 
+# stop_before_training: before a job step starts. A stop request, or Slurm ending this job without a word to
+# this shell (a preemption with GraceTime signals the job steps only: before the first one, or between two,
+# none hears of it, and a step started later never does; or Slurm's own requeue), ends this attempt before
+# the step: the run goes on (continue_run exits). The time limit sends this shell TERM: the trap decides.
+stop_before_training() {
+  local ending
+  [[ -z $STOP_REQUESTED ]] || continue_run "stop requested before training started" "$EXIT_REQUEUE"
+  ending=$(slurm_ending)
+  if [[ $ending == preempted || $ending == requeued ]]; then
+    continue_run "$ending before training started (Slurm's record of the job; its signal reaches job steps only, and none ran)" "$EXIT_REQUEUE"
+  fi
+}
+
 # continue_after_limit WHY: the time limit ended the job before its stop completed, and Slurm does not
 # requeue a TIMEOUT: submit this job's script again, to start once this job has ended, with its partition,
 # account, QOS, time limit and excluded nodes. It resumes from the newest complete checkpoint and says what

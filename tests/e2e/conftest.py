@@ -30,7 +30,8 @@ def slurm() -> Cluster:
     }
     env["SLURM_CONF"] = info["SLURM_CONF"]
     env["PYTHONUNBUFFERED"] = "1"
-    cluster = Cluster(env=env, info=info)
+    # `start` preempts by partition priority; a cluster that was running may have been left otherwise
+    cluster = Cluster(env=env, info=info, preempting_by=None if was_running else "partition")
     try:
         for node in cluster.nodes:  # each node can be looked at in the layout the tests assume (else: raises)
             cluster.node_pids(node)
@@ -41,6 +42,7 @@ def slurm() -> Cluster:
     yield cluster
     if was_running:
         cluster.cancel_all()
+        cluster.preempt_type("partition")  # as `start` leaves it
         return
     p = script("stop")
     assert p.returncode == 0, f"local-slurm.sh stop failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
@@ -55,15 +57,27 @@ def slurm() -> Cluster:
 
 
 @pytest.fixture
-def cluster(slurm: Cluster):
-    """The session cluster, with no job left over from a previous test and none left after this one."""
+def cluster(slurm: Cluster, request):
+    """The session cluster, with no job left over from a previous test and none left after this one,
+    preempting by partition priority unless the test asks for ``qos_preemption``."""
     slurm.cancel_all()
+    if "qos_preemption" not in request.fixturenames:
+        slurm.preempt_type("partition")
     yield slurm
     left = slurm.jobs()
     details = [slurm.run("scontrol", "-o", "show", "job", str(j), check=False).stdout for j, _ in left]
     slurm.cancel_all()
     assert not left, f"the test left jobs behind: {left}\n" + "\n".join(details)
     slurm.wait_no_job_processes()
+
+
+@pytest.fixture
+def qos_preemption(cluster: Cluster) -> str:
+    """PreemptType=preempt/qos for the test (`local-slurm.sh preempt-type qos`): a job of the QOS returned
+    (urgent) preempts the jobs of QOS normal, with normal's GraceTime. The next test that does not ask for it
+    goes back to partition priority, so QOS tests that follow one another restart slurmctld once."""
+    cluster.preempt_type("qos")
+    return cluster.info["SBATCH_GEN_SLURM_PREEMPTOR_QOS"]
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,10 @@ SCRIPT = REPO / "scripts" / "local-slurm.sh"
 # the local cluster's KillWait (5 s), so a stop that Slurm's kill reached would be cut short. (That torchrun's
 # agent never gets the stop, and its own 30 s never matter, the render tests check: test_stop_protocol.py.)
 STOP_HOLD_S = 12
+# trainer.max_steps of the tests whose run only has to go on after what they do (a signal the test sends at
+# once, a stop before the first step): half the train config's 40 steps. A preemption, which lands after
+# Slurm's next scheduling pass, needs the 40 steps' room.
+SHORT_STEPS = 20
 
 # Measurements the tests report (downtimes, ...): printed in the session's terminal summary, so that
 # `make test` shows them without -s.
@@ -63,6 +67,8 @@ class Cluster:
     # jobs this test session submitted: the only ones it waits for, cancels or looks at (someone may be
     # trying a render on the same cluster by hand)
     submitted: set[int] = field(default_factory=set)
+    # the PreemptType that preempt_type last set (None: as the cluster was found)
+    preempting_by: str | None = None
 
     @property
     def nodes(self) -> list[str]:
@@ -97,6 +103,15 @@ class Cluster:
         job_id = int(p.stdout.strip().split(";")[0])
         self.submitted.add(job_id)
         return job_id
+
+    def preempt_type(self, kind: str) -> None:
+        """Who may preempt whom: `local-slurm.sh preempt-type partition|qos`, which restarts slurmctld (some
+        seconds), run only when the cluster is not known to be so already."""
+        if self.preempting_by == kind:
+            return
+        p = run([str(SCRIPT), "preempt-type", kind], env=self.env, check=False)
+        assert p.returncode == 0, p.stdout + p.stderr
+        self.preempting_by = kind
 
     def job(self, job_id: int) -> dict[str, str]:
         """`scontrol -o show job` as a dict (JobState, ExitCode, Restarts, NodeList, ...)."""

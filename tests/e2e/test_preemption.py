@@ -1,16 +1,19 @@
 """Preemption the way shared and SUNK clusters do it, on the real local Slurm (scripts/local-slurm.sh: a job in
 partition "high" preempts the jobs of "debug", GraceTime 120 s, and of "sunk", no GraceTime; KillWait 5 s).
 
-Every stop checkpoint here takes longer than torchrun's own shutdown timeout (30 s): the trainer holds it
-SBATCH_GEN_STOP_SAVE_HOLD_S seconds before marking it complete, as a large checkpoint would.
+Every stop checkpoint here takes longer than KillWait (5 s): the trainer holds it SBATCH_GEN_STOP_SAVE_HOLD_S
+seconds before marking it complete, as a large checkpoint would.
 
 - partition priority with a GraceTime: Slurm sends SIGTERM to the job steps only (torchrun's agent and
   run-trainer), never to the batch shell. torchrun ignores it (run-trainer); the stop file carries it to the
   workers, they checkpoint in their budget, every node says so in one line, and the batch script requeues
   (Slurm would not: the script has exited before the grace ended).
 - the same with SlurmctldParameters=preempt_send_user_signal: the profile's USR1 to the batch shell.
-- QOS preemption (PreemptType=preempt/qos, `local-slurm.sh preempt-type qos`): a job of QOS urgent preempts
-  one of QOS normal in the same partition; normal's GraceTime (120 s) applies, with the same signals.
+- QOS preemption (PreemptType=preempt/qos, the fixture qos_preemption): a job of QOS urgent preempts one of
+  QOS normal in the same partition; normal's GraceTime (120 s) applies, with the same signals. Also while
+  a stop checkpoint that USR1 (the time-limit warning) began is being written: it completes.
+- a preemption (partition, QOS) while the preflight runs: Slurm signals the job steps only; the killed
+  preflight is a stop, not a failed node.
 - `scontrol requeue` by an administrator: TERM to everything, SIGKILL KillWait later; Slurm requeues.
 - SUNK-style, no GraceTime: the stop checkpoint cannot complete within KillWait. The newest periodic
   checkpoint survives, the job resumes from it and the log names the steps that are redone.
@@ -23,12 +26,13 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from e2e_lib import REPO, SCRIPT, STOP_HOLD_S, LocalJob, local_job, preempt, run
+from e2e_lib import REPO, SCRIPT, SHORT_STEPS, STOP_HOLD_S, LocalJob, local_job, preempt, run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -46,7 +50,7 @@ def _job(cluster, root: Path, name: str, train_config, data_dir, sets: dict | No
 @contextmanager
 def _cluster_set(cluster, setting: str, value: str, back: str):
     """`local-slurm.sh SETTING VALUE` on the running cluster for the block, then `SETTING BACK`:
-    preempt-signal on|off, preempt-type qos|partition."""
+    preempt-signal on|off."""
     p = run([str(SCRIPT), setting, value], env=cluster.env, check=False)
     assert p.returncode == 0, p.stderr
     try:
@@ -90,7 +94,7 @@ def _stop_save_s(job: LocalJob, step: int) -> float:
     return float(m.group(1))
 
 
-def _assert_complete_stop(job: LocalJob, why: str) -> int:
+def _assert_complete_stop(job: LocalJob, why: str, steps: int = 40) -> int:
     """Attempt 0 stopped with a complete checkpoint held HOLD_S s, every node said so in one line (in its own
     log and the batch log), attempt 1 resumed from it, every step was trained exactly once. Returns the stop
     step."""
@@ -109,7 +113,7 @@ def _assert_complete_stop(job: LocalJob, why: str) -> int:
         assert said in job.train_log(0, node).read_text(errors="replace")
     assert job.summary()["resumed_from_step"] == step
     counts = _steps(job)
-    assert sorted(counts) == list(range(1, 41)) and set(counts.values()) == {1}, counts
+    assert sorted(counts) == list(range(1, steps + 1)) and set(counts.values()) == {1}, counts
     assert "training finished" in _attempt(log, job, 1), log
     _assert_no_traceback(job)
     return step
@@ -143,46 +147,142 @@ def test_partition_preemption_with_preempt_send_user_signal(cluster, e2e_root, t
     assert "SIGUSR1 received" in first and "requeueing job" in first, first
 
 
-def test_qos_preemption_with_grace_time_checkpoints_and_requeues_once(
+def _preempted_during_the_preflight(cluster, root: Path, name: str, train_config, data_dir, sets: dict, qos):
+    """A job preempted (by partition priority, or with ``qos`` by QOS) while its preflight runs (made slow by
+    its health check until the preemption): Slurm signals the job steps only; the killed preflight is a stop,
+    not a failed node: requeued once, every step trained once."""
+    slow = root / "preflight-slow.marker"
+    root.mkdir(parents=True)
+    slow.touch()
+    job = local_job(
+        cluster,
+        root,
+        name,
+        {"preflight.health_check": f"test ! -e {slow} || sleep 60", "trainer.max_steps": SHORT_STEPS, **sets},
+        config=train_config,
+        data=data_dir,
+    )
+    job.submit()
+    deadline = time.monotonic() + 120
+    while "preflight on 2 nodes" not in job.batch_log():
+        assert time.monotonic() < deadline, job.describe()
+        time.sleep(0.2)
+    time.sleep(1)  # the health check sleeps on both nodes
+    preempt(cluster, qos=qos)
+    slow.unlink()  # the next attempt's preflight is quick
+    info = cluster.wait_done(job.job_id, timeout=300)
+    log = job.batch_log()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
+    first = _attempt(log, job, 0)
+    assert "stopped during the preflight" in first and "requeueing job" in first, first
+    assert "preflight failed" not in log, log
+    # the code it ran: the checkout as submitted (paths.code_dir, pinned), in summary.json
+    head = cluster.run("git", "-C", str(REPO), "rev-parse", "HEAD").stdout.strip()
+    assert job.summary()["code"] in (f"{head} clean", f"{head} dirty"), job.summary()
+    counts = _steps(job)
+    assert sorted(counts) == list(range(1, SHORT_STEPS + 1)) and set(counts.values()) == {1}, counts
+    _assert_no_traceback(job)
+
+
+def test_a_preemption_during_the_preflight_is_a_stop_and_requeues_once(
     cluster, e2e_root, train_config, data_dir
+):
+    _preempted_during_the_preflight(
+        cluster, e2e_root / "preempt-preflight", "ppre", train_config, data_dir, {}, None
+    )
+
+
+def test_a_qos_preemption_during_the_preflight_is_a_stop_and_requeues_once(
+    cluster, qos_preemption, e2e_root, train_config, data_dir
+):
+    _preempted_during_the_preflight(
+        cluster,
+        e2e_root / "qos-preflight",
+        "pqospre",
+        train_config,
+        data_dir,
+        {"slurm.qos": "normal"},
+        qos_preemption,
+    )
+
+
+def test_qos_preemption_with_grace_time_checkpoints_and_requeues_once(
+    cluster, qos_preemption, e2e_root, train_config, data_dir
 ):
     """PreemptType=preempt/qos: QOS urgent preempts QOS normal, whose GraceTime (120 s) gives the stop
     checkpoint its budget. `sbatch-gen doctor` reads that grace from the QOS and says it is enough."""
-    with _cluster_set(cluster, "preempt-type", "qos", back="partition"):
-        job = _job(cluster, e2e_root / "preempt-qos", "pqos", train_config, data_dir, {"slurm.qos": "normal"})
-        doc = subprocess.run(
-            [
-                str(REPO / ".venv" / "bin" / "sbatch-gen"),
-                "doctor",
-                "--site",
-                "local",
-                "--json",
-                "--sites-dir",
-                str(REPO / "sites"),
-            ]
-            + [
-                a
-                for kv in ("slurm.qos=normal", "preemption.checkpoint_s=40", "preemption.margin_s=20")
-                for a in ("--set", kv)
-            ],
-            env=cluster.env,
-            cwd=job.root,
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
-        assert doc.returncode == 0, doc.stdout + doc.stderr
-        rows = {c["check"]: c for c in json.loads(doc.stdout)["checks"]}
-        pre = rows["preemption"]
-        grace = cluster.info["SBATCH_GEN_SLURM_GRACE_S"]
-        assert pre["verdict"] == "ok" and f"(QOS normal), GraceTime={grace} s" in pre["found"], pre
-        job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": str(HOLD_S)})
-        job.wait_step(6)
-        preempt(cluster, qos=cluster.info["SBATCH_GEN_SLURM_PREEMPTOR_QOS"])
-        cluster.wait_done(job.job_id, timeout=400)
+    job = _job(cluster, e2e_root / "preempt-qos", "pqos", train_config, data_dir, {"slurm.qos": "normal"})
+    doc = subprocess.run(
+        [
+            str(REPO / ".venv" / "bin" / "sbatch-gen"),
+            "doctor",
+            "--site",
+            "local",
+            "--json",
+            "--sites-dir",
+            str(REPO / "sites"),
+        ]
+        + [
+            a
+            for kv in ("slurm.qos=normal", "preemption.checkpoint_s=40", "preemption.margin_s=20")
+            for a in ("--set", kv)
+        ],
+        env=cluster.env,
+        cwd=job.root,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert doc.returncode == 0, doc.stdout + doc.stderr
+    rows = {c["check"]: c for c in json.loads(doc.stdout)["checks"]}
+    pre = rows["preemption"]
+    grace = cluster.info["SBATCH_GEN_SLURM_GRACE_S"]
+    assert pre["verdict"] == "ok" and f"(QOS normal), GraceTime={grace} s" in pre["found"], pre
+    job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": str(HOLD_S)})
+    job.wait_step(6)
+    preempt(cluster, qos=qos_preemption)
+    cluster.wait_done(job.job_id, timeout=400)
     _assert_complete_stop(job, "SIGTERM to the training step on")
     first = _attempt(job.batch_log(), job, 0)
     assert "received" not in first and "requeueing job" in first, first
+
+
+def test_a_qos_preemption_during_a_usr1_stop_checkpoint_lets_it_complete(
+    cluster, qos_preemption, e2e_root, train_config, data_dir
+):
+    """The time-limit warning (USR1 to the batch shell, sent as `--signal=B:USR1@...` sends it) began a stop
+    checkpoint, held HOLD_S s; a QOS preemption (GraceTime) comes while it is written. Slurm's SIGTERM to the
+    job steps is a second stop request (every node's run-trainer adds its line to the stop file and hands
+    it on to the workers): the save goes on, completes within the grace, and the job is requeued once."""
+    job = _job(
+        cluster,
+        e2e_root / "qos-usr1",
+        "pqosusr1",
+        train_config,
+        data_dir,
+        {"slurm.qos": "normal", "trainer.max_steps": SHORT_STEPS},
+    )
+    job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": str(HOLD_S)})
+    job.wait_step(6)
+    cluster.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
+    stop = job.run_dir / "stop" / f"{job.job_id}.attempt-0"
+    deadline = time.monotonic() + 120
+    while not Path(f"{stop}.stopping").exists():
+        assert time.monotonic() < deadline, job.describe()
+        time.sleep(0.1)
+    preempt(cluster, qos=qos_preemption)
+    deadline = time.monotonic() + 60
+    while "SIGTERM to the training step" not in stop.read_text():
+        assert time.monotonic() < deadline, job.describe()
+        time.sleep(0.1)
+    assert not Path(f"{stop}.ack").exists(), "the preemption came after the stop checkpoint, not during it"
+    cluster.wait_done(job.job_id, timeout=400)
+    _assert_complete_stop(job, "SIGUSR1 to the batch shell", steps=SHORT_STEPS)
+    said = stop.read_text().splitlines()
+    assert said[0] == "SIGUSR1 to the batch shell", said
+    assert sorted(said[1:]) == [f"SIGTERM to the training step on {n}" for n in NODES], said
+    first = _attempt(job.batch_log(), job, 0)
+    assert "SIGUSR1 received" in first and first.count("requeueing job") == 1, first
 
 
 def test_an_administrators_requeue_checkpoints_within_kill_wait_and_slurm_requeues(

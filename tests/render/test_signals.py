@@ -31,9 +31,16 @@ SCONTROL = scontrol_stub('echo 1 >"$STUB_DIR/restarts"')
 
 # The preflight passes. The training step (the trainer, as far as the batch script can tell): `finish`
 # exits 0; otherwise it waits for the stop file like the trainer, then exits 42 with the .ack written
-# before (ack-now), 1.5 s after it exits (ack-late: a slow filesystem) or never (no-ack).
+# before (ack-now), 1.5 s after it exits (ack-late: a slow filesystem) or never (no-ack). Slurm's record
+# changes as the step starts when the test says so: $STUB_DIR/<fields|restarts>.<preflight|training>
+# become $STUB_DIR/fields and restarts then (a preemption during that step).
 SRUN = r"""#!/bin/bash
-for a in "$@"; do [[ $a == preflight ]] && exit 0; done
+phase=training
+for a in "$@"; do [[ $a == preflight ]] && phase=preflight; done
+for f in fields restarts; do
+  [[ ! -e $STUB_DIR/$f.$phase ]] || mv -f -- "$STUB_DIR/$f.$phase" "$STUB_DIR/$f"
+done
+[[ $phase == training ]] || exit 0
 : >"$STUB_DIR/training"
 [[ $STUB_MODE == finish ]] && exit 0
 for ((i = 0; i < 300; i++)); do [[ -e $SBATCH_GEN_STOP_FILE ]] && break; sleep 0.1; done
@@ -321,7 +328,7 @@ def test_sigterm_of_slurms_own_requeue_is_not_requeued_again(tmp_path):
     """An administrator's `scontrol requeue` (or a preemption without GraceTime): Restarts has grown by the
     time the shell looks; it says so and leaves the requeue to Slurm."""
     proc, work, stub_dir = _start_with(tmp_path, "ack-now", None)
-    (stub_dir / "restarts").write_text("1\n")
+    (stub_dir / "restarts.training").write_text("1\n")
     _signal_when_training(proc, stub_dir, signal.SIGTERM)
     out = _finish(proc)
     assert "SIGTERM to the batch shell: Slurm requeues this job itself; this attempt is over" in out, out
@@ -331,11 +338,35 @@ def test_sigterm_of_slurms_own_requeue_is_not_requeued_again(tmp_path):
 def test_a_stop_that_reached_only_the_step_is_a_preemption_even_when_the_trainer_exits_0(tmp_path):
     """A preemption with GraceTime signals the job steps only; a trainer of one's own saves on its SIGTERM
     and exits 0 without an .ack. Slurm's record says PreemptTime: requeued, not taken for finished."""
-    proc, work, stub_dir = _start_with(tmp_path, "finish", "PreemptTime=2026-12-06T04:45:09 Reason=None")
+    proc, work, stub_dir = _start_with(tmp_path, "finish", None)
+    (stub_dir / "fields.training").write_text("PreemptTime=2026-12-06T04:45:09 Reason=None")
     out = _finish(proc)
     assert "training finished" not in out, out
     assert "exited with status 0 after a stop reached the training step" in out, out
     assert _requeues(stub_dir) == ["requeue 77"] and proc.returncode == 0, out
+
+
+@pytest.mark.parametrize("when", ["start", "preflight"])
+@pytest.mark.parametrize(
+    "record, said, requeues",
+    [
+        ("fields", "preempted before training started", ["requeue 77"]),
+        ("restarts", "requeued before training started (Slurm's record of the job", []),
+    ],
+)
+def test_slurm_ending_the_job_before_training_starts_no_training_step(tmp_path, when, record, said, requeues):
+    """A preemption with GraceTime signals the job steps only: one that comes while no step runs (as the job
+    starts, or during the preflight when it has passed) reaches nobody, and a training step started later
+    would never hear of it. The shell reads Slurm's record before the training step: PreemptTime set, it
+    requeues without starting it; Restarts grown (Slurm's own requeue), it leaves the requeue to Slurm."""
+    proc, work, stub_dir = _start_with(tmp_path, "finish", None)
+    value = "PreemptTime=2026-12-06T04:45:09 Reason=None\n" if record == "fields" else "1\n"
+    (stub_dir / (record if when == "start" else f"{record}.preflight")).write_text(value)
+    out = _finish(proc)
+    assert said in out, out
+    assert not (stub_dir / "training").exists() and _requeues(stub_dir) == requeues, out
+    assert ("preflight ok" in out or "preflight on" in out) == (when == "preflight"), out
+    assert "ERROR" not in out and proc.returncode == 0, out
 
 
 def test_a_trap_that_cannot_write_the_stop_file_does_not_end_the_shell(tmp_path):
