@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 334b4a2d59fa468fb1276282e9a05b269fe380a860aa7b0ba85c1316b55267db
+#   inputs sha256: 9947b176b148f37f3197f6158959d7db0aa29ffdec67646c31d31c58388d7057
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).

@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 2f41085bba2fec5809920f9900bbafff64ac3c43944c8bc3cbee0290770ac1b7
+#   inputs sha256: ffd32ac83941d7e384db7af351fd9646a00a37c351b8883c364f65ed748d4f22
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
