@@ -321,7 +321,9 @@ def check_secrets(d: SlurmDoctor) -> list[Check]:
             return [warn("secrets", expected, f"no {path}", "the optional secrets stay unset")]
         wanted = ", ".join(f"{s.name} ({s.key})" for s in required)
         return [
-            error("secrets", expected, f"no {path}", f"write NAME=value lines for {wanted} into it, chmod 600")
+            error(
+                "secrets", expected, f"no {path}", f"write NAME=value lines for {wanted} into it, chmod 600"
+            )
         ]
     except OSError as e:
         return [error("secrets", expected, f"cannot read {path}: {e.strerror}", "the job reads it as you")]
