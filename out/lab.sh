@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: c24f743f858c1a06cdc850c5366154e397dd8566511970100e3fe88fc7e70ea7
+#   inputs sha256: c1b1a7d830c488a671b1c78fd834630d782615f27fae4334e5d31ef6fb38858e
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).

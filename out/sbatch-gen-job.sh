@@ -199,6 +199,67 @@ debug_env() {
   log "SBATCH_GEN_DEBUG=1: NCCL INFO per rank in $logs/$1.nccl.<host>.<pid>.log; on a collective timeout, each rank's NCCL flight recorder in $traces/$1.rank-<rank>"
 }
 
+# load_secrets: the secrets the profile names (SECRET_ENV: NAME, the field that names it, required 1 or 0), read
+# on this node from $SECRETS_FILE (slurm.secrets_file): NAME=value lines, # comments, a value in
+# matching quotes without them, nothing expanded, only SECRET_ENV's names taken; exported by a builtin for the
+# job steps (no process's argv holds a value) and never printed. The file must belong to this user and be
+# readable by no one else. A value the job's environment held already is dropped first (#SBATCH --export
+# leaves the submitting shell's out: with sbatch --export=ALL Slurm keeps it in the job's record). Sets
+# NODE_ERROR and returns 1 when the file is unsafe or a required variable is not in it.
+load_secrets() {
+  local file=$SECRETS_FILE line n=0 name value i owner mode got=() missing=() dropped=()
+  for ((i = 0; i < ${#SECRET_ENV[@]}; i += 3)); do
+    name=${SECRET_ENV[i]}
+    if [[ -n ${!name+set} ]]; then dropped+=("$name"); unset "$name"; fi
+  done
+  ((${#dropped[@]} == 0)) || log "WARNING: the job's environment held ${dropped[*]} at its start (sbatch --export=ALL? Slurm keeps what a job is submitted with in its record): not used; $SECRETS_FILE is read instead"
+  if [[ ! -e $file ]]; then
+    for ((i = 0; i < ${#SECRET_ENV[@]}; i += 3)); do
+      got+=("${SECRET_ENV[i]}")
+      if [[ ${SECRET_ENV[i + 2]} == 1 ]]; then missing+=("${SECRET_ENV[i]} (${SECRET_ENV[i + 1]})"); fi
+    done
+    if ((${#missing[@]})); then
+      NODE_ERROR="no secrets file $file (slurm.secrets_file) on $(hostname): write NAME=value lines for ${missing[*]} into it, chmod 600"
+      return 1
+    fi
+    log "no secrets file $file (slurm.secrets_file): ${got[*]} not set"
+    return 0
+  fi
+  read -r owner mode < <(stat -L -c '%u %a' -- "$file" 2>/dev/null) || true
+  if [[ $owner != "$(id -u)" ]]; then
+    NODE_ERROR="secrets file $file (slurm.secrets_file) belongs to uid ${owner:-unknown}, not to this job's user (uid $(id -u))"
+    return 1
+  elif [[ ! $mode =~ ^[0-7]+$ ]] || (( 8#$mode & 8#077 )); then
+    NODE_ERROR="secrets file $file (slurm.secrets_file) is mode ${mode:-unknown}: others may read it; chmod 600 $file"
+    return 1
+  fi
+  while IFS= read -r line || [[ -n $line ]]; do
+    n=$((n + 1))
+    [[ ! $line =~ ^[[:space:]]*(#|$) ]] || continue
+    if [[ ! $line =~ ^[[:space:]]*(export[[:space:]]+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$ ]]; then
+      NODE_ERROR="secrets file $file (slurm.secrets_file), line $n: not NAME=value"  # the line itself is never said
+      return 1
+    fi
+    name=${BASH_REMATCH[2]} value=${BASH_REMATCH[3]}
+    case $value in \"*\" | \'*\') value=${value:1:${#value}-2} ;; esac
+    for ((i = 0; i < ${#SECRET_ENV[@]}; i += 3)); do
+      if [[ $name == "${SECRET_ENV[i]}" ]]; then export "$name=$value"; got+=("$name"); fi
+    done
+  done <"$file" || { NODE_ERROR="cannot read secrets file $file (slurm.secrets_file)"; return 1; }
+  for ((i = 0; i < ${#SECRET_ENV[@]}; i += 3)); do
+    name=${SECRET_ENV[i]}
+    if [[ -z ${!name:-} ]]; then
+      unset "$name"
+      if [[ ${SECRET_ENV[i + 2]} == 1 ]]; then missing+=("$name (${SECRET_ENV[i + 1]})"); fi
+    fi
+  done
+  if ((${#missing[@]})); then
+    NODE_ERROR="secrets file $file (slurm.secrets_file) has no value for ${missing[*]}"
+    return 1
+  fi
+  log "secrets from $file (slurm.secrets_file): ${got[*]:-none}"
+}
+
 # pin_code: the code a run runs. A new submission copies $CODE_DIR's files (a git checkout's tracked and
 # untracked, not ignored) to $RUN_DIR/code/<job>/ and records "<commit> <clean|dirty> <code dir>" in
 # $RUN_DIR/code/<job>.pin; its requeues and continuation jobs (RUN_JOB: the submission's job id) run that copy

@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 5e7d0a640da616566c46b8fc678f166c9d44c8f17bfd0f553e14687c89fe4219
+#   inputs sha256: e5749b5e53bb2da9c5b325d27d0bb024804c20f6ed9cd3e192b2bc20ad6c13ec
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).

@@ -14,6 +14,7 @@ environment, ~/.aws, instance role) names nothing to send.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -100,3 +101,31 @@ def bucket_check(xr: CrossRegion, timeout_s: int) -> list[tuple[str, str]]:
         ("s3_timeout_s", timeout_s),
     ]
     return [(name, str(v)) for name, v in settings if v not in (None, "")]
+
+
+# A line of a slurm.secrets_file as the job library's load_secrets reads it: NAME=value, an `export ` before it
+# allowed; blank lines and # comments skipped.
+_SECRETS_LINE = re.compile(r"\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)")
+_SKIPPED_LINE = re.compile(r"\s*(?:#.*)?")
+
+
+def secrets_file_names(text: str) -> tuple[set[str], list[int]]:
+    """What a slurm.secrets_file holds, as load_secrets reads it: (the names with a non-empty value, the
+    numbers of the lines that are not NAME=value). Never a value."""
+    names: set[str] = set()
+    bad: list[int] = []
+    for n, line in enumerate(text.split("\n"), 1):
+        if _SKIPPED_LINE.fullmatch(line):
+            continue
+        m = _SECRETS_LINE.fullmatch(line)
+        if m is None:
+            bad.append(n)
+            continue
+        value = m.group(2)
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        if value:
+            names.add(m.group(1))
+        else:
+            names.discard(m.group(1))
+    return names, bad

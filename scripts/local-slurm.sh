@@ -48,6 +48,7 @@
 # Accounting (SBATCH_GEN_SLURM_ACCOUNTING=1): a MariaDB server of this cluster's own (data in the state dir,
 # listening on 127.0.0.1 only, wiped on every start) behind slurmdbd, with
 # AccountingStorageEnforce=associations,limits,qos: a job must name an account and QOS its user may use.
+# AccountingStoreFlags=job_env: the database keeps what each batch job was submitted with (sacct --env-vars).
 # Accounts sbgen (root's default), lab and llm-xr (the account the committed GPU sites name); QOS normal
 # (GraceTime=SBATCH_GEN_SLURM_GRACE_S) and urgent (may preempt normal, PreemptMode=REQUEUE). Only root has
 # associations: submit as root.
@@ -488,6 +489,8 @@ EOF
       echo "AccountingStorageHost=127.0.0.1"
       echo "AccountingStoragePort=$DBD_PORT"
       echo "AccountingStorageEnforce=associations,limits,qos"
+      echo "# the database keeps each batch job's environment, as many sites do (sacct --env-vars)"
+      echo "AccountingStoreFlags=job_env"
     else
       echo "AccountingStorageType=accounting_storage/none"
     fi

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sbatch_gen import node_program
+from sbatch_gen.credentials import secrets_file_names
 from sbatch_gen.doctor.common import (
     Check,
     CommandMissing,
@@ -299,6 +300,59 @@ def check_torch(d: SlurmDoctor) -> list[Check]:
 
 
 # ---------------------------------------------------------------------------------------------------
+# 10. the secrets file, where this host sees it (the job reads it on its first node)
+
+
+def check_secrets(d: SlurmDoctor) -> list[Check]:
+    named = d.profile.secret_env()
+    if not named:
+        return [skip("secrets", "-", "the profile names no secret")]
+    where = d.profile.slurm.secrets_file
+    expected = f"{', '.join(s.name for s in named)} in slurm.secrets_file, mode 0600, yours"
+    if where is None:  # only optional ones (a required one needs the file to validate)
+        return [skip("secrets", expected, "no slurm.secrets_file: the optional secrets stay unset")]
+    path = Path.home() / where[2:] if where.startswith("~/") else d.cwd / where
+    required = [s for s in named if s.required]
+    try:
+        st = path.stat()
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        if not required:
+            return [warn("secrets", expected, f"no {path}", "the optional secrets stay unset")]
+        wanted = ", ".join(f"{s.name} ({s.key})" for s in required)
+        return [
+            error(
+                "secrets", expected, f"no {path}", f"write NAME=value lines for {wanted} into it, chmod 600"
+            )
+        ]
+    except OSError as e:
+        return [error("secrets", expected, f"cannot read {path}: {e.strerror}", "the job reads it as you")]
+    if st.st_uid != os.getuid():
+        return [
+            error(
+                "secrets",
+                expected,
+                f"{path} belongs to uid {st.st_uid}",
+                "the job refuses a file of another user",
+            )
+        ]
+    if st.st_mode & 0o077:
+        mode = f"{st.st_mode & 0o777:o}"
+        return [error("secrets", expected, f"{path} is mode {mode}", f"others may read it: chmod 600 {path}")]
+    names, bad = secrets_file_names(text)
+    if bad:
+        return [error("secrets", expected, f"{path}: line {bad[0]} is not NAME=value", "the job stops on it")]
+    missing = [s for s in named if s.name not in names]
+    found = f"{path} (mode {st.st_mode & 0o777:o}) has {', '.join(s.name for s in named if s.name in names) or 'none of them'}"
+    if [s for s in missing if s.required]:
+        names_missing = ", ".join(f"{s.name} ({s.key})" for s in missing if s.required)
+        return [error("secrets", expected, found, f"the job stops without {names_missing}: add it to {path}")]
+    if missing:
+        return [warn("secrets", expected, found, f"{', '.join(s.name for s in missing)} unset: optional")]
+    return [ok("secrets", expected, found + " (the job reads it on its first node: the same file there?)")]
+
+
+# ---------------------------------------------------------------------------------------------------
 
 
 def _user() -> str:
@@ -320,6 +374,7 @@ CHECKS: list[tuple[str, Callable[[SlurmDoctor], list[Check]]]] = [
     ("requeue", check_requeue),
     ("pyxis", check_pyxis),
     ("torch", check_torch),
+    ("secrets", check_secrets),
 ]
 
 

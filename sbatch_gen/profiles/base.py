@@ -488,11 +488,12 @@ def _env_names(v: object) -> object:
             raise FieldError((k,), f"{k} is set by sbatch-gen from other profile fields; set it there")
         if k.startswith(("SLURM_", "SBATCH_")):
             raise FieldError((k,), f"{k}: SLURM_*/SBATCH_* variables belong to Slurm")
-        if k in _CREDENTIAL_ENV or _CREDENTIAL_ENV_RE.fullmatch(k):
+        if is_credential_name(k):
             raise FieldError(
                 (k,),
                 f"{k} holds a credential (value <redacted>): it would be written into out/, which "
-                "is committed; leave it in the job's environment (e.g. the submitting shell)",
+                "is committed; a Slurm job reads it on the node instead: name it in slurm.secrets (its value in "
+                "slurm.secrets_file)",
             )
         if k in _SHELL_ENV or k.startswith(_SHELL_ENV_PREFIXES):
             raise FieldError(
@@ -507,6 +508,12 @@ def _env_names(v: object) -> object:
                 "profile (python_env and paths.code_dir choose the code)",
             )
     return v
+
+
+def is_credential_name(name: str) -> bool:
+    """Whether a variable's name says it holds a credential (a well-known one, or one ending in a credential
+    word): extra_env may not set one, slurm.export may not take one from the submitting shell."""
+    return name in _CREDENTIAL_ENV or bool(_CREDENTIAL_ENV_RE.fullmatch(name))
 
 
 def _is_loader_env(name: str) -> bool:

@@ -8,7 +8,7 @@ those plus what the scripts export at run time (:data:`RESERVED_ENV`) and every 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -175,12 +175,17 @@ ACTIVATION_EXPORTS = ("PATH", "VIRTUAL_ENV")
 # kills by, the node rank, the attempt number).
 SSH_LAUNCHER_EXPORTS = ("SBATCH_GEN_TAG", "SBATCH_GEN_NODE_RANK", "SBATCH_GEN_ATTEMPT")
 
+# What the Slurm training script exports for srun: the job steps take its whole environment (sbatch puts
+# the job's --export in SLURM_EXPORT_ENV, which srun would otherwise apply to every step).
+SLURM_STEP_EXPORTS = ("SLURM_EXPORT_ENV",)
+
 # What extra_env may not set: sbatch-gen sets these from other profile fields.
 RESERVED_ENV: frozenset[str] = (
     JOB_ENV_NAMES
     | frozenset(RUNTIME_EXPORTS)
     | frozenset(ACTIVATION_EXPORTS)
     | frozenset(SSH_LAUNCHER_EXPORTS)
+    | frozenset(SLURM_STEP_EXPORTS)
 )
 
 
@@ -214,6 +219,29 @@ def job_environment(p: JobProfile) -> list[EnvBlock]:
     if loader:
         blocks.append(EnvBlock("extra_env, the loader's (extra_env_allow)", loader, forced=True))
     return blocks
+
+
+# What a Slurm job takes from the submitting shell besides Slurm's own SLURM_* variables (#SBATCH --export,
+# submit_exports): PATH, where the job finds srun, scontrol and sbatch as the submitting shell did; and
+# sbatch-gen's switches: a continuation job's SBATCH_GEN_CONTINUES and SBATCH_GEN_RUN_JOB (the job sets them
+# itself when it submits one), and on a GPU site SBATCH_GEN_DEBUG (NCCL INFO per rank, the flight recorder).
+SUBMIT_PATH = ("PATH",)
+SUBMIT_SWITCHES = ("SBATCH_GEN_CONTINUES", contract.ENV_RUN_JOB)
+DEBUG_SWITCH = "SBATCH_GEN_DEBUG"
+
+
+def submit_defaults(p: JobProfile) -> list[str]:
+    """The variables the job sets as defaults (every one but FORCED_ENV_NAMES, cross_region's and the
+    loader's): a value set at submit time wins, so the job takes each from the submitting shell."""
+    return [n for b in job_environment(p) if not b.forced for n, _ in b.vars]
+
+
+def submit_exports(p: JobProfile, more: Sequence[str] = ()) -> list[str]:
+    """#SBATCH --export: everything the job takes from the submitting shell (Slurm adds its SLURM_*): PATH,
+    sbatch-gen's switches, the profile's defaults (submit_defaults), then ``more`` (slurm.export). Nothing
+    else: no stray PYTHONPATH, CUDA_VISIBLE_DEVICES or NCCL_* variable, and no secret (slurm.secrets_file)."""
+    switches = (*SUBMIT_SWITCHES, DEBUG_SWITCH) if p.uses_gpus() else SUBMIT_SWITCHES
+    return list(dict.fromkeys([*SUBMIT_PATH, *switches, *submit_defaults(p), *more]))
 
 
 def container_env_names(p: JobProfile) -> list[str]:

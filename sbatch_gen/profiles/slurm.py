@@ -11,23 +11,39 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
 
-from sbatch_gen.credentials import bucket_check
+from sbatch_gen.credentials import SecretEnv, bucket_check, secret_env
 from sbatch_gen.errors import FieldError
-from sbatch_gen.profiles.base import Paths, ProfileBase
-from sbatch_gen.profiles.environment import container_env_names
+from sbatch_gen.profiles.base import Paths, ProfileBase, is_credential_name
+from sbatch_gen.profiles.environment import FORCED_ENV_NAMES, container_env_names, submit_exports
 from sbatch_gen.profiles.types import (
     SBATCH_CONSTRAINT_CHARS,
     SBATCH_DIRECTIVE_VALUE_CHARS,
+    EnvName,
     Int,
     Name,
     PathStr,
     ProfileSection,
     SlurmTime,
     Text,
+    check_path,
     numeric_to_str,
     pattern_check,
     slurm_time_seconds,
 )
+
+
+def _secrets_path(v: str) -> str:
+    """slurm.secrets_file: a path as written in a profile (check_path), or one under the home directory, ~/..."""
+    if v.startswith("~") and not v.startswith("~/"):
+        raise ValueError(
+            f"path {v!r}: of '~' only ~/ (the home directory on the node) is expanded; write the path out"
+        )
+    check_path(v[2:] if v.startswith("~/") else v)
+    return v
+
+
+# slurm.secrets_file: a secret is the user's own, so its file may be named from the home directory (~/)
+SecretsPath = Annotated[str, AfterValidator(_secrets_path)]
 
 
 class Preemption(ProfileSection):
@@ -414,6 +430,33 @@ class SlurmResources(ProfileSection):
         ]
     ] = Field(default_factory=list, description="More #SBATCH lines, e.g. --mail-type=FAIL.")
     setup_time: SlurmTime = Field(default="01:00:00", description="Time limit of the setup job.")
+    export: list[EnvName] = Field(
+        default_factory=list,
+        description="More variables the job takes from the submitting shell, by name (#SBATCH --export). "
+        "Without them the job takes nothing from it but Slurm's SLURM_* variables, PATH, sbatch-gen's switches "
+        "(SBATCH_GEN_DEBUG on a GPU site; a continuation job's SBATCH_GEN_CONTINUES and SBATCH_GEN_RUN_JOB) "
+        "and every variable the profile sets as a default (nccl, network.socket_ifname, topology.nccl_topo_file, "
+        "OMP_NUM_THREADS, PYTHONUNBUFFERED, extra_env), so that `NCCL_DEBUG=INFO sbatch ...` takes effect and a "
+        "stray PYTHONPATH or CUDA_VISIBLE_DEVICES stays out. Not a secret the profile names: the job reads "
+        "those on the node, from slurm.secrets_file.",
+    )
+    secrets: list[EnvName] = Field(
+        default_factory=list,
+        description="More secrets the job reads from slurm.secrets_file, by name, besides those the profile "
+        "names (cross_region.transport.credentials, metrics.wandb_api_key_env): e.g. HF_TOKEN for a trainer of "
+        "one's own. Each must be in the file.",
+    )
+    secrets_file: SecretsPath | None = Field(
+        default=None,
+        description="The file the job reads the secrets the profile names from, on the first node, at the start "
+        "of every attempt (cross_region.transport.credentials' *_env, metrics.wandb_api_key_env): NAME=value "
+        "lines and # comments; a value in matching quotes loses them, nothing is expanded, and only the named "
+        "variables are taken. It must belong to the job's user and be readable by no one else (mode 0600 or "
+        "0400). ~/ is the user's home directory on the node; a relative path is relative to the submit "
+        "directory. Required when a secret is required (the S3 keys; the W&B key with wandb_mode online). The "
+        "submitting shell's values are never used (#SBATCH --export leaves them out: Slurm would keep them in "
+        "the job's record), and the values are never printed.",
+    )
 
     # The sbatch options sbatch-gen renders itself (or relies on): an extra directive that is, or abbreviates,
     # one of them is refused, with what to set instead.
@@ -441,7 +484,7 @@ class SlurmResources(ProfileSection):
         "signal": "set preemption.signal and preemption.lead_time_s",
         "requeue": _REQUEUE,
         "no-requeue": _REQUEUE,
-        "export": "the job keeps the submitting shell's environment (sbatch's default); add variables with extra_env",
+        "export": "set slurm.export (more variables the job takes from the submitting shell), or extra_env",
         "chdir": _SUBMIT_DIR,
         "workdir": _SUBMIT_DIR,  # an alias of chdir
     }
@@ -540,6 +583,49 @@ class SlurmProfile(ProfileBase):
     def stop_signal(self) -> str:
         return self.preemption.signal
 
+    def secret_env(self) -> list[SecretEnv]:
+        """The secrets the job reads on the node from slurm.secrets_file: those the profile names
+        (credentials.secret_env, as the SSH launcher sends them), then slurm.secrets (required), each once."""
+        named = secret_env(self)
+        have = {s.name for s in named}
+        more = [
+            SecretEnv(n, f"slurm.secrets.{i}", True)
+            for i, n in enumerate(self.slurm.secrets)
+            if n not in have
+        ]
+        return named + list({s.name: s for s in more}.values())
+
+    def _export_policy(self) -> None:
+        """slurm.export names no secret and nothing the job sets anyway; a required secret has a file to be
+        read from on the node (slurm.secrets_file)."""
+        secrets = {s.name: s for s in self.secret_env()}
+        for i, name in enumerate(self.slurm.export):
+            if name in secrets or is_credential_name(name):
+                named = f" ({secrets[name].key} names it)" if name in secrets else ""
+                how = "" if name in secrets else " (name it in slurm.secrets)"
+                raise FieldError(
+                    ("slurm", "export", i),
+                    f"{name} is a secret{named}: the job reads it on the node from slurm.secrets_file{how}, never "
+                    "from the submitting shell: Slurm would keep its value in the job's record; remove it from "
+                    "slurm.export",
+                )
+            if name in FORCED_ENV_NAMES or name in ("ALL", "NONE"):
+                why = (
+                    "--export's own word: the job takes only the names listed"
+                    if name in ("ALL", "NONE")
+                    else "the job sets it whatever the submitting shell holds"
+                )
+                raise FieldError(("slurm", "export", i), f"{name}: {why}; remove it from slurm.export")
+        required = [s for s in secrets.values() if s.required]
+        if required and self.slurm.secrets_file is None:
+            names = ", ".join(f"{s.name} ({s.key})" for s in required)
+            raise FieldError(
+                ("slurm", "secrets_file"),
+                f"the profile names secrets the job needs: {names}; set slurm.secrets_file to a file of NAME=value "
+                "lines (mode 0600) that the job reads them from on the node (e.g. ~/.config/sbatch-gen/secrets.env): "
+                "the job never takes them from the submitting shell",
+            )
+
     def _paths_inside_the_container(self, c: Container) -> None:
         """The job's steps run in the image: every absolute path they read or write must be mounted into it
         (relative ones resolve in container.workdir, the submit directory by default)."""
@@ -586,6 +672,9 @@ class SlurmProfile(ProfileBase):
             "needed_modules": self.needed_modules(),
             # the preflight's check that every node reaches cross_region's bucket (sbatch_gen/credentials.py)
             "bucket_check": bucket_check(self.cross_region, self.preflight.connect_timeout_s),
+            # the export policy: what the job takes from the submitting shell; the secrets, read on the node
+            "submit_exports": submit_exports(self, s.export),
+            "secret_env": self.secret_env(),
         }
 
     def needed_modules(self) -> list[str]:
@@ -616,6 +705,7 @@ class SlurmProfile(ProfileBase):
                 f"SIG{self.preemption.signal} lead_time_s before the time limit, and the job must be requeued after "
                 "their grace and before the limit; lower trainer.stop_grace_s or raise preemption.lead_time_s",
             )
+        self._export_policy()
         if self.container is not None:
             self._paths_inside_the_container(self.container)
         if self.container is not None and self.python_env.kind != "none":

@@ -18,6 +18,8 @@ def write_site(sites_dir: Path, name: str, cross_region: str) -> Path:
     """``<sites_dir>/<name>.yaml``: the repo's local test site plus a ``cross_region`` section (YAML text)."""
     sites_dir.mkdir(parents=True, exist_ok=True)
     text = (REPO / "sites" / "local.yaml").read_text()
+    # where a job would read the S3 keys a cross_region names (slurm.secrets_file); the CLI reads its own shell's
+    text = text.replace("\nslurm:\n", "\nslurm:\n  secrets_file: ~/.config/sbatch-gen/test.env\n", 1)
     path = sites_dir / f"{name}.yaml"
     path.write_text(text + "\ncross_region:\n" + "".join(f"  {line}\n" for line in cross_region.splitlines()))
     return path

@@ -889,3 +889,61 @@ def test_ssh_probe_script_runs_here(tmp_path):
         ["bash", "-c", probe_script(p, str(tmp_path / "gone"))], capture_output=True, text=True
     )
     assert parse_probe(r.stdout) == {"DIR": "missing"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# 10. the secrets file (slurm.secrets_file), where this host sees it
+
+SECRET_SETS = ("slurm.secrets=[SBG_TOKEN]", "metrics.sinks=[wandb]", "metrics.wandb_api_key_env=SBG_WANDB")
+
+
+def _secrets_row(tmp_path: Path, text: str | None, mode: int = 0o600, *sets: str):
+    f = tmp_path / "job.env"
+    if text is not None:
+        f.write_text(text)
+        f.chmod(mode)
+    return row(
+        doctor(FakeSlurm(), "local", *SECRET_SETS, f"slurm.secrets_file={f}", *sets, cwd=tmp_path), "secrets"
+    )
+
+
+def test_secrets_file_read_as_the_job_reads_it_never_showing_a_value(tmp_path):
+    r = _secrets_row(tmp_path, "# keys\nexport SBG_TOKEN='tok-value-1'\n\nSBG_WANDB=\"w-value-2\"\nOTHER=x")
+    assert r.verdict == "ok" and r.found.startswith(
+        f"{tmp_path}/job.env (mode 600) has SBG_WANDB, SBG_TOKEN"
+    ), r
+    assert r.expected == "SBG_WANDB, SBG_TOKEN in slurm.secrets_file, mode 0600, yours"
+    r = _secrets_row(tmp_path, "SBG_TOKEN=tok-value-1\n")  # wandb_mode auto: the W&B key is optional
+    assert r.verdict == "warn" and r.hint == "SBG_WANDB unset: optional", r
+    assert "value" not in json.dumps(r.to_dict())
+
+
+@pytest.mark.parametrize(
+    ("text", "mode", "found", "hint"),
+    [
+        (None, 0o600, "no {f}", "write NAME=value lines for SBG_TOKEN (slurm.secrets.0) into it, chmod 600"),
+        ("SBG_TOKEN=t\n", 0o644, "{f} is mode 644", "others may read it: chmod 600 {f}"),
+        (
+            "SBG_TOKEN=\nSBG_WANDB=w\n",
+            0o600,
+            "{f} (mode 600) has SBG_WANDB",
+            "the job stops without SBG_TOKEN",
+        ),
+        ("SBG_TOKEN=t\nthe-token-itself\n", 0o400, "{f}: line 2 is not NAME=value", "the job stops on it"),
+    ],
+)
+def test_secrets_file_that_would_stop_the_job_is_an_error(tmp_path, text, mode, found, hint):
+    r = _secrets_row(tmp_path, text, mode)
+    f = tmp_path / "job.env"
+    assert r.verdict == "error" and r.found == found.format(f=f), r
+    assert (r.hint or "").startswith(hint.format(f=f)), r
+    assert "the-token-itself" not in json.dumps(r.to_dict())
+
+
+def test_secrets_file_under_the_home_directory_and_none_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "s.env").write_text("SBG_TOKEN=t\nSBG_WANDB=w\n")
+    (tmp_path / "s.env").chmod(0o600)
+    rep = doctor(FakeSlurm(), "local", *SECRET_SETS, "slurm.secrets_file=~/s.env", cwd=REPO)
+    assert row(rep, "secrets").verdict == "ok" and row(rep, "secrets").found.startswith(f"{tmp_path}/s.env ")
+    assert row(doctor(FakeSlurm(), cwd=tmp_path), "secrets").verdict == "skip"  # local names no secret

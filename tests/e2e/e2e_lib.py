@@ -389,6 +389,12 @@ class LocalJob:
 
     def submit(self, env: dict | None = None, *args: str) -> int:
         # Submitted from the checkout, like a user would: relative paths (.venv, configs/) resolve there.
+        # The job takes only the variables its #SBATCH --export line names (slurm.export widens it).
+        taken = set(export_line(self.script))
+        left_out = sorted(n for n in env or {} if n not in taken and not n.startswith("SLURM_"))
+        assert not left_out, (
+            f"the job would not get {left_out}: its #SBATCH --export leaves them out (slurm.export)"
+        )
         self.job_id = self.cluster.sbatch(self.script, *args, cwd=REPO, env=env)
         return self.job_id
 
@@ -469,6 +475,34 @@ def preempt(cluster: Cluster, qos: str | None = None) -> int:
     return job_id
 
 
+def export_line(script: Path) -> list[str]:
+    """The names a rendered job takes from the submitting shell: its #SBATCH --export line."""
+    (line,) = [x for x in script.read_text().splitlines() if x.startswith("#SBATCH --export=")]
+    return line.removeprefix("#SBATCH --export=").split(",")
+
+
+# What the tests hand a job at submit time besides the profile's defaults (slurm.export): the companion
+# trainer's test knobs, and the S3 tests' settings that are no secret (their keys: secrets_file, below).
+E2E_EXPORTS = [
+    "SBATCH_GEN_STEP_SLEEP_S",
+    "SBATCH_GEN_STOP_SAVE_HOLD_S",
+    "SBATCH_GEN_LEASE_PERIOD_S",
+    "AWS_DEFAULT_REGION",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "NO_PROXY",
+    "no_proxy",
+]
+
+
+def secrets_file(path: Path, values: dict[str, str]) -> Path:
+    """A slurm.secrets_file: NAME=value lines, mode 0600, as a user keeps one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
+    return path
+
+
 def local_job(
     cluster: Cluster,
     root: Path,
@@ -490,6 +524,7 @@ def local_job(
         "paths.log_dir": str(root / "logs"),
         "paths.data": str(data),
         "torchrun.rdzv_port": next_port(),
+        "slurm.export": E2E_EXPORTS,
     }
     if config is not None:
         base["trainer.config"] = str(config)
@@ -529,9 +564,10 @@ def moto_server(host: str, log: Path):
         yield s3.endpoint_url
 
 
-# The cross-region tests: two regions, each one job pinned to its own node.
+# The cross-region tests: two regions, each one job pinned to its own node. The secret key is this
+# session's own, so that a search for it finds nothing else.
 REGION_NODES = {"a": "n1", "b": "n2"}
-S3_ACCESS_KEY, S3_SECRET_KEY = "e2e-access", "e2e-secret"
+S3_ACCESS_KEY, S3_SECRET_KEY = "e2e-access", f"e2e-secret-{os.urandom(8).hex()}"
 
 
 def region_jobs(
@@ -606,7 +642,8 @@ def assert_same_final_params(jobs: dict[str, LocalJob]) -> None:
 @contextmanager
 def s3_mailbox(cluster: Cluster, root: Path, bucket: str):
     """A bucket on a real S3-compatible server (moto, with conditional creates) reachable from the nodes.
-    Yields (the cross_region transport, the jobs' extra environment, a boto3 client)."""
+    Yields (the cross_region transport, the jobs' extra environment, a boto3 client). The keys are no part
+    of that environment: a job reads them on the node from a slurm.secrets_file (``s3_secrets``)."""
     import boto3
 
     with moto_server(cluster.host_addr, root / "moto.log") as url:
@@ -619,8 +656,6 @@ def s3_mailbox(cluster: Cluster, root: Path, bucket: str):
         )
         s3.create_bucket(Bucket=bucket)
         env = {
-            "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
-            "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY,
             "AWS_DEFAULT_REGION": "us-east-1",
             "NO_PROXY": cluster.host_addr,
             "no_proxy": cluster.host_addr,
@@ -636,6 +671,32 @@ def s3_mailbox(cluster: Cluster, root: Path, bucket: str):
             env,
             s3,
         )
+
+
+def s3_secrets(root: Path) -> dict:
+    """Render settings for jobs that reach the bucket through boto3's default chain with the keys in their
+    environment: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY named as secrets (slurm.secrets), read on the
+    node from a secrets file of the test's own."""
+    f = secrets_file(
+        root / "s3-keys.env", {"AWS_ACCESS_KEY_ID": S3_ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY}
+    )
+    return {"slurm.secrets": ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"], "slurm.secrets_file": str(f)}
+
+
+def files_holding(root: Path, values: list[str]) -> list[str]:
+    """Every file under ``root`` that holds one of ``values`` (as bytes): 'PATH: value'."""
+    found = []
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            p = Path(dirpath, n)
+            try:
+                if p.is_symlink() or not p.is_file():
+                    continue
+                data = p.read_bytes()
+            except OSError:  # gone meanwhile (a daemon's temporary file)
+                continue
+            found += [f"{p}: {v}" for v in values if v.encode() in data]
+    return found
 
 
 def assert_resumed_losses_match(

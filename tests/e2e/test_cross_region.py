@@ -7,7 +7,17 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from e2e_lib import REGION_NODES, REPO, assert_same_final_params, region_jobs, s3_mailbox
+from e2e_lib import (
+    REGION_NODES,
+    REPO,
+    S3_ACCESS_KEY,
+    S3_SECRET_KEY,
+    assert_same_final_params,
+    files_holding,
+    region_jobs,
+    s3_mailbox,
+    secrets_file,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -30,6 +40,7 @@ def _run_regions(
     transport: dict,
     env: dict | None = None,
     own: dict[str, tuple[dict, dict]] | None = None,
+    sets: dict | None = None,
 ):
     """own[region]: (that region's transport fields, its job's environment instead of ``env``)."""
     data = root / "data"
@@ -49,6 +60,7 @@ def _run_regions(
         },
         config=xr_config,
         data=data,
+        sets=sets,
         transport_of={r: t for r, (t, _) in (own or {}).items()},
     )
     for region, job in jobs.items():
@@ -72,26 +84,50 @@ def _check_identical(jobs):
 
 
 def test_two_regions_diloco_over_s3(cluster, e2e_root, xr_config):
-    """Region a takes the keys from the environment; region b from a shared-credentials file of its own,
-    through an AWS profile, with no key in its job's environment (regions differ in how they reach the
-    bucket: validate lets them)."""
+    """Region a names its keys (cross_region.transport.credentials) and its job reads them on the node from
+    slurm.secrets_file; region b takes them from a shared-credentials file of its own, through an AWS
+    profile, with no key in its job's environment (regions differ in how they reach the bucket: validate
+    lets them). The secret key appears in no file under either job's run dir or log dir, nor anywhere in
+    Slurm's records of the jobs (its state directory, the accounting database, scontrol, sacct)."""
     root = e2e_root / "xr-s3"
     root.mkdir()
     with s3_mailbox(cluster, root, "e2e-mailbox") as (transport, env, s3):
+        keys = secrets_file(
+            root / "keys-a.env", {"E2E_S3_KEY_ID": S3_ACCESS_KEY, "E2E_S3_SECRET": S3_SECRET_KEY}
+        )
+        own_a = (
+            {"credentials": {"access_key_id_env": "E2E_S3_KEY_ID", "secret_access_key_env": "E2E_S3_SECRET"}},
+            env,
+        )
         creds = root / "aws-credentials-b"
         creds.write_text(
-            f"[e2e-b]\naws_access_key_id = {env['AWS_ACCESS_KEY_ID']}\n"
-            f"aws_secret_access_key = {env['AWS_SECRET_ACCESS_KEY']}\n"
+            f"[e2e-b]\naws_access_key_id = {S3_ACCESS_KEY}\naws_secret_access_key = {S3_SECRET_KEY}\n"
         )
         creds.chmod(0o600)
-        env_b = {
-            k: v for k, v in env.items() if not k.startswith("AWS_ACCESS") and not k.startswith("AWS_SECRET")
-        }
-        env_b["AWS_SHARED_CREDENTIALS_FILE"] = str(creds)
+        env_b = {**env, "AWS_SHARED_CREDENTIALS_FILE": str(creds)}
         # b's job has no key but the file's: without the profile, boto3 could not sign a request
         assert not {k for k in cluster.env if k.startswith(("AWS_ACCESS", "AWS_SECRET", "AWS_PROFILE"))}
         own_b = ({"credentials": {"profile": "e2e-b"}}, env_b)
-        jobs = _run_regions(cluster, root, xr_config, transport, env, own={"b": own_b})
-        keys = s3.list_objects_v2(Bucket="e2e-mailbox", Prefix="e2e/").get("KeyCount", 0)
+        jobs = _run_regions(
+            cluster,
+            root,
+            xr_config,
+            transport,
+            own={"a": own_a, "b": own_b},
+            sets={"slurm.secrets_file": str(keys)},
+        )
+        count = s3.list_objects_v2(Bucket="e2e-mailbox", Prefix="e2e/").get("KeyCount", 0)
     _check_identical(jobs)
-    assert keys > 0, "nothing went through the s3 mailbox"
+    assert count > 0, "nothing went through the s3 mailbox"
+    a = jobs["a"]
+    assert f"secrets from {keys} (slurm.secrets_file): E2E_S3_KEY_ID E2E_S3_SECRET" in a.batch_log()
+    assert "s3 bucket e2e-mailbox at " in a.batch_log()  # the preflight checked it with those keys
+    for job in jobs.values():
+        assert files_holding(job.run_dir, [S3_SECRET_KEY]) == []
+        assert files_holding(job.log_dir, [S3_SECRET_KEY]) == []
+        for cmd in (
+            ["scontrol", "show", "job", "-d", str(job.job_id)],
+            ["sacct", "-j", str(job.job_id), "--env-vars"],
+        ):
+            assert S3_SECRET_KEY not in cluster.run(*cmd, check=False).stdout
+    assert files_holding(cluster.state, [S3_SECRET_KEY]) == []  # slurmctld's state, the spool, the database

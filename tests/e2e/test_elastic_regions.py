@@ -18,6 +18,7 @@ from e2e_lib import (
     region_jobs,
     report,
     s3_mailbox,
+    s3_secrets,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -110,6 +111,7 @@ def _run_and_check(cluster, root, elastic_config, transport, env, count):
         },
         config=elastic_config,
         data=data,
+        sets=s3_secrets(root),  # the keys for boto3's default chain, read on the node
     )
     a, b = jobs["a"], jobs["b"]
     env = {**env, "SBATCH_GEN_STEP_SLEEP_S": STEP_SLEEP_S}

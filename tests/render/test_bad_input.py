@@ -188,6 +188,62 @@ CASES = [
         r"--set slurm\.extra_directives=\[--output=x\]: slurm\.extra_directives\[0\]: '--output=x': "
         r"sbatch-gen sets --output itself: .*set paths\.log_dir$",
     ),
+    # --- the export policy (slurm.export) and the secrets read on the node (slurm.secrets_file)
+    (
+        "export: a secret the profile names",
+        None,
+        ("metrics.sinks=[wandb]", "metrics.wandb_api_key_env=SBG_W", "slurm.export=[SBG_W]"),
+        2,
+        r"--set slurm\.export=\[SBG_W\]: slurm\.export\[0\]: SBG_W is a secret \(metrics\.wandb_api_key_env "
+        r"names it\): the job reads it on the node from slurm\.secrets_file, never from the submitting shell: "
+        r"Slurm would keep its value in the job's record; remove it from slurm\.export$",
+    ),
+    (
+        "export: a credential's name",
+        None,
+        ("slurm.export=[PATH, HF_TOKEN]",),
+        2,
+        r"--set slurm\.export=\[PATH, HF_TOKEN\]: slurm\.export\[1\]: HF_TOKEN is a secret: .*slurm\.secrets_file "
+        r"\(name it in slurm\.secrets\)",
+    ),
+    (
+        "export: ALL",
+        None,
+        ("slurm.export=[ALL]",),
+        2,
+        r"--set slurm\.export=\[ALL\]: slurm\.export\[0\]: ALL: --export's own word: the job takes only the names listed; remove it",
+    ),
+    (
+        "export: a name the job always sets",
+        None,
+        ("slurm.export=[TORCH_DISABLE_SHARE_RDZV_TCP_STORE]",),
+        2,
+        r"--set slurm\.export=\[TORCH_DISABLE_SHARE_RDZV_TCP_STORE\]: slurm\.export\[0\]: TORCH_DISABLE_SHARE_RDZV_TCP_STORE: the job sets it whatever the submitting shell "
+        r"holds",
+    ),
+    (
+        "export: as an extra directive",
+        None,
+        ("slurm.extra_directives=[--export=ALL]",),
+        2,
+        r"--set slurm\.extra_directives=\[--export=ALL\]: slurm\.extra_directives\[0\]: '--export=ALL': sbatch-gen sets --export itself: set slurm\.export",
+    ),
+    (
+        "a required secret and no file to read it from",
+        None,
+        ("metrics.sinks=[wandb]", "metrics.wandb_mode=online"),
+        2,
+        rf"{T}:{ln('slurm:')}: slurm\.secrets_file: the profile names secrets the job needs: WANDB_API_KEY "
+        r"\(metrics\.wandb_api_key_env\); set slurm\.secrets_file to a file",
+    ),
+    (
+        "a secrets file under another user's home",
+        None,
+        ("slurm.secrets_file=~root/x",),
+        2,
+        r"--set slurm\.secrets_file=~root/x: slurm\.secrets_file: path '~root/x': of '~' only ~/ \(the home "
+        r"directory on the node\) is expanded",
+    ),
     # --- a number or a boolean where a string is meant: quote it
     (
         "integer in extra_env",

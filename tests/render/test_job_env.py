@@ -7,6 +7,7 @@ bash with stub Slurm commands (batch_sandbox.py)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
@@ -174,3 +175,46 @@ def test_a_slurm_job_step_gets_the_submit_time_value_and_the_jobs_own_runtime_va
     assert step["OMP_NUM_THREADS"] == "3"  # the profile's default (1) yields
     assert step["MASTER_PORT"] == "29500" and step["MASTER_ADDR"] == "n1"  # the job's rendezvous
     assert step["SBATCH_GEN_STOP_FILE"].endswith("/stop/77.attempt-0")  # the job's stop file
+
+
+def _export_line(text: str) -> list[str]:
+    (line,) = [x for x in text.splitlines() if x.startswith("#SBATCH --export=")]
+    return line.removeprefix("#SBATCH --export=").split(",")
+
+
+def test_a_slurm_job_takes_from_the_submitting_shell_only_what_its_export_line_names():
+    """#SBATCH --export (sbatch's default is the whole environment): PATH, sbatch-gen's switches, then every
+    variable the script sets as a default (so a submit-time value wins), and no secret; the job steps take
+    the script's whole environment (SLURM_EXPORT_ENV=ALL: srun reads sbatch's --export from it otherwise)."""
+    p = load_site(REPO / "sites", "eu", []).profile
+    text = render_site(load_site(REPO / "sites", "eu", []))[0].text
+    names = _export_line(text)
+    assert names[:4] == ["PATH", "SBATCH_GEN_CONTINUES", "SBATCH_GEN_RUN_JOB", "SBATCH_GEN_DEBUG"]
+    block = _slurm_block("eu")
+    defaults = re.findall(r'^export (\w+)="\$\{\1-', block, re.M)
+    assert "NCCL_DEBUG" in defaults and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in names  # always set
+    assert names[4:] == [
+        *defaults[: defaults.index("PYTHONUNBUFFERED")],
+        "OMP_NUM_THREADS",
+        "PYTHONUNBUFFERED",
+    ]
+    assert "${SBATCH_GEN_CONTINUES:-}" in text and "${OMP_NUM_THREADS-" in text  # main reads them
+    secrets = [s.name for s in p.secret_env()]
+    assert secrets == ["XR_S3_ACCESS_KEY_ID", "XR_S3_SECRET_ACCESS_KEY", "WANDB_API_KEY"]
+    assert not set(secrets) & set(names)
+    assert "\nexport SLURM_EXPORT_ENV=ALL " in block
+    assert "PYTHONPATH" not in names and "CUDA_VISIBLE_DEVICES" not in names
+
+
+def test_slurm_export_widens_it_and_a_cpu_site_has_no_debug_switch():
+    text = render_site(load_site(REPO / "sites", "local", ["slurm.export=[HF_HOME, WANDB_ENTITY]"]))[0].text
+    assert _export_line(text) == [
+        "PATH",
+        "SBATCH_GEN_CONTINUES",
+        "SBATCH_GEN_RUN_JOB",
+        "OMP_NUM_THREADS",
+        "PYTHONUNBUFFERED",
+        "HF_HOME",
+        "WANDB_ENTITY",
+    ]
+    assert "# slurm.export: all the job takes from the submitting shell" in text

@@ -282,6 +282,7 @@ def test_reserved_env_is_what_the_job_gets_plus_the_runtime_and_activation_expor
     assert RESERVED_ENV - JOB_ENV_NAMES - set(RUNTIME_EXPORTS) - set(SSH_LAUNCHER_EXPORTS) == {
         "PATH",
         "VIRTUAL_ENV",
+        "SLURM_EXPORT_ENV",  # the Slurm job's steps take its whole environment
     }
 
 
