@@ -405,7 +405,8 @@ step_name() { if (( $1 < 0 )); then echo "none"; else echo "step $1"; fi; }
 
 # within_budget: once per attempt, count it: one that completed a checkpoint (periodic or stop) newer than the
 # one it started from (START_STEP) resets the count of requeues in a row without progress ($NO_PROGRESS_FILE),
-# any other adds one. Status 1 once the count is past $MAX_REQUEUES.
+# one that Slurm preempted (its record has PreemptTime) leaves it as it is (the cluster's doing, not a crash
+# loop), any other adds one. Status 1 once the count is past $MAX_REQUEUES.
 within_budget() {
   if (( ! BUDGET_SPENT )); then
     BUDGET_SPENT=1
@@ -414,7 +415,7 @@ within_budget() {
     else
       NO_PROGRESS=$(cat -- "$NO_PROGRESS_FILE" 2>/dev/null || true)
       [[ $NO_PROGRESS =~ ^[0-9]+$ ]] || NO_PROGRESS=0
-      NO_PROGRESS=$((NO_PROGRESS + 1))
+      [[ $(slurm_ending) == preempted ]] || NO_PROGRESS=$((NO_PROGRESS + 1))
     fi
     printf '%s\n' "$NO_PROGRESS" >"$NO_PROGRESS_FILE" || log "WARNING: cannot write $NO_PROGRESS_FILE"
   fi

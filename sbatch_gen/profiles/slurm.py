@@ -67,8 +67,8 @@ class Preemption(ProfileSection):
         le=1000,
         description="Requeues allowed in a row after attempts that saved no newer checkpoint (a crash loop). An "
         "attempt that completed a checkpoint (periodic or stop, in <paths.run_dir>/checkpoints/) newer than "
-        "the one it started from resets the count: a run of many time-limit slices and preemptions is never "
-        "stopped by it. Counted in <paths.run_dir>/stop/<job>.requeues-without-progress across requeues and "
+        "the one it started from resets the count, and one that Slurm preempted leaves it as it is: a run of "
+        "many time-limit slices and preemptions is never stopped by it. Counted in <paths.run_dir>/stop/<job>.requeues-without-progress across requeues and "
         "continuation jobs; a new submission starts at 0.",
     )
     max_excluded_nodes: Int = Field(

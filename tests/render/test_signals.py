@@ -369,6 +369,28 @@ def test_slurm_ending_the_job_before_training_starts_no_training_step(tmp_path, 
     assert "ERROR" not in out and proc.returncode == 0, out
 
 
+def test_a_preemption_before_training_does_not_use_up_the_budget(tmp_path):
+    """The count of requeues in a row without progress stops crash loops: an attempt that Slurm preempted
+    (PreemptTime) before it trained a step leaves it where it was, even at its bound; it is requeued."""
+    job, env, stub_dir = prepare(
+        tmp_path,
+        {"scontrol": SCONTROL, "srun": SRUN, "sinfo": SINFO, "sbatch": SBATCH},
+        "finish",
+        env={"FAKE_SLURM": "22.05.8"},
+    )
+    count = job.parent / "runs" / "local" / "stop" / "77.requeues-without-progress"
+    count.parent.mkdir(parents=True, exist_ok=True)
+    count.write_text("2\n")  # the local profile's preemption.max_requeues_without_progress
+    (stub_dir / "fields").write_text("PreemptTime=2026-12-06T04:45:09 Reason=None\n")
+    env["SLURM_RESTART_COUNT"] = "2"  # a requeued attempt: a new submission starts its count at 0
+    proc = start_job(job, env)
+    out = _finish(proc)
+    assert "preempted before training started" in out, out
+    assert "requeues in a row without progress: 2 of at most 2" in out, out
+    assert _requeues(stub_dir) == ["requeue 77"] and proc.returncode == 0, out
+    assert count.read_text() == "2\n"
+
+
 def test_a_trap_that_cannot_write_the_stop_file_does_not_end_the_shell(tmp_path):
     """The stop directory is gone when USR1 comes: the trap logs it, and the flow goes on to the requeue."""
     proc, work, stub_dir = _start(tmp_path, "no-ack", ack_timeout_s=1)
