@@ -116,12 +116,32 @@ class Launcher:
 
     nnodes: Var  # the node count of this attempt
     run_id: Word  # --rdzv-id: one per attempt
-    is_host: Var | None  # 1 on the node whose torchrun hosts the c10d store (None: torchrun decides)
-    local_addr: Var | None  # this node's address on the pinned interface (None: torchrun's default)
+    is_host: Var | None  # 1 on the node whose torchrun hosts the c10d store (None: the node program names it)
+    local_addr: Var | None  # this node's address on the pinned interface (None: the node program's)
+    rank_logs: Word  # torchrun.rank_logs: torchrun's --log-dir for this attempt
 
 
-# Slurm: the allocation's node count and the job id; torchrun recognises the first node by its hostname.
-SLURM = Launcher(nnodes=Var("SLURM_NNODES"), run_id=Var("SLURM_JOB_ID"), is_host=None, local_addr=None)
+# Slurm: the allocation's node count and the job id; the node program's torchrun names node 0 the store's
+# host and binds to the pinned interface (the batch shell expands these arguments once for every node), and
+# puts each node's rank logs in a folder of its own under the attempt's.
+SLURM = Launcher(
+    nnodes=Var("SLURM_NNODES"),
+    run_id=Var("SLURM_JOB_ID"),
+    is_host=None,
+    local_addr=None,
+    rank_logs=Concat(
+        (
+            Var("LOG_DIR"),
+            "/",
+            Var("SLURM_JOB_NAME"),
+            "-",
+            Var("SLURM_JOB_ID"),
+            ".attempt-",
+            Var("ATTEMPT"),
+            ".ranks",
+        )
+    ),
+)
 # SSH: the endpoint is an IP address, so node 0 is told it hosts the store; every node binds to the
 # pinned interface's address.
 SSH = Launcher(
@@ -129,6 +149,7 @@ SSH = Launcher(
     run_id=Concat((Var("TAG"), ".", Var("ATTEMPT"))),
     is_host=Var("IS_HOST"),
     local_addr=Var("NODE_ADDR"),
+    rank_logs=Concat((Var("LOGS"), "/attempt-", Var("ATTEMPT"), ".node-", Var("rank"), ".ranks")),
 )
 LAUNCHERS: dict[str, Launcher] = {"slurm": SLURM, "ssh": SSH}
 
@@ -159,6 +180,8 @@ class _Torchrun(Protocol):
     def rdzv_timeout_s(self) -> int: ...
     @property
     def max_restarts(self) -> int: ...
+    @property
+    def rank_logs(self) -> bool: ...
 
 
 class _Topology(Protocol):
@@ -384,6 +407,8 @@ def torchrun_argv(p: Profile, launcher: Launcher) -> list[Option]:
     if launcher.local_addr is not None:
         opts.append(Option((_flag("--local-addr", launcher.local_addr),)))
     opts.append(Option(("--max-restarts", str(p.torchrun.max_restarts)), "torchrun.max_restarts"))
+    if p.torchrun.rank_logs:
+        opts.append(Option((_flag("--log-dir", launcher.rank_logs), "--tee=3"), "torchrun.rank_logs"))
     if p.topology.numa_binding is not None:
         opts.append(Option((f"--numa-binding={p.topology.numa_binding}",), "topology.numa_binding"))
     if p.trainer.stop_protocol == "signal":

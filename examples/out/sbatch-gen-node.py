@@ -1077,7 +1077,8 @@ def slurm_rendezvous(args: list[str], local_ifname: str = "") -> list[str]:
     """ARGS (torchrun's), in a Slurm job step, with the rendezvous named as the SSH launcher names it: node 0 of
     the allocation (SLURM_NODEID 0, the node the launch made the endpoint) hosts the c10d store (``is_host`` in
     --rdzv-conf; torchrun would guess from the endpoint's host name), and --local-addr is LOCAL_IFNAME's
-    address (network.socket_ifname; torchrun's default is this host's FQDN). What ARGS give stays."""
+    address (network.socket_ifname; torchrun's default is this host's FQDN). What ARGS give stays, but a
+    --log-dir (torchrun.rank_logs) gets this node's name appended: one folder per node."""
     if os.environ.get("SLURM_NODEID") is None:
         return args
     is_host = f"is_host={1 if os.environ['SLURM_NODEID'] == '0' else 0}"
@@ -1098,6 +1099,13 @@ def slurm_rendezvous(args: list[str], local_ifname: str = "") -> list[str]:
         i += 1
     if not conf_seen:
         out.insert(0, f"--rdzv-conf={is_host}")
+    # torchrun.rank_logs: the batch shell gave every node the attempt's folder; each node writes into its own
+    out = [
+        f"--log-dir={os.path.join(a.split('=', 1)[1], node_name())}"
+        if a.split("=", 1)[0] in ("--log-dir", "--log_dir") and "=" in a
+        else a
+        for a in out
+    ]
     addr = iface_ipv4(local_ifname) if local_ifname else None
     if addr and not any(a.split("=", 1)[0] in ("--local-addr", "--local_addr") for a in args):
         out.insert(0, f"--local-addr={addr}")

@@ -375,6 +375,14 @@ class Torchrun(ProfileSection):
         le=256,
         description="--nproc-per-node for CPU sites; on GPU sites it is the GPU count (leave unset).",
     )
+    rank_logs: bool = Field(
+        default=False,
+        description="One log per rank beside each node's: torchrun --log-dir and --tee=3 write every worker's "
+        "stdout and stderr to <node>/<job id>_*/attempt_<restart>/<local rank>/{stdout,stderr}.log under "
+        "<paths.log_dir>/<job>-<job id>.attempt-<n>.ranks/ (Slurm) or <launch logs>/attempt-<n>.node-<rank>.ranks/ "
+        "(SSH), and prefix each of their lines in the node's log with [default<local rank>]:. For a trainer "
+        "of one's own whose lines name no rank (the companion trainer's name theirs: [rank R/W]).",
+    )
 
 
 class Topology(ProfileSection):

@@ -298,3 +298,21 @@ def test_keyed_options_get_a_line_of_their_own_and_the_others_pack_by_family():
     opts[4] = Option(("--xr-flag-1", "a-much-longer-value-than-before" * 3))
     again = _packed(opts)
     assert [i for i, (x, y) in enumerate(zip(lines, again, strict=True)) if x != y] == [4]
+
+
+def test_rank_logs_give_torchrun_a_log_dir_per_attempt_and_tee_on_both_launchers():
+    """torchrun.rank_logs: --log-dir (Slurm: the attempt's folder beside its node logs, which the node program
+    splits per node; SSH: per node already) and --tee=3; off by default."""
+    for site, launcher, log_dir in (
+        ("local", SLURM, "$LOG_DIR/$SLURM_JOB_NAME-$SLURM_JOB_ID.attempt-$ATTEMPT.ranks"),
+        ("ssh-local", SSH, "$LOGS/attempt-$ATTEMPT.node-$rank.ranks"),
+    ):
+        plain = _shell_words(torchrun_argv(load_site(REPO / "sites", site, []).profile, launcher))
+        assert not [w for w in plain if w.startswith(("--log-dir", "--tee"))], plain
+        profile = load_site(REPO / "sites", site, ["torchrun.rank_logs=true"]).profile
+        words = _shell_words(torchrun_argv(profile, launcher))
+        assert words[words.index("--tee=3") - 1] == f'--log-dir="{log_dir}"', words
+
+
+def _shell_words(options: list[Option]) -> list[str]:
+    return [w if isinstance(w, str) else w.shell() for o in options for w in o.words]

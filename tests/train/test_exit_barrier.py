@@ -140,3 +140,27 @@ def test_the_host_stays_until_every_agent_has_left(monkeypatch):
     t0 = time.monotonic()
     DynamicRendezvousHandler.shutdown(object())
     assert 2.0 <= time.monotonic() - t0 < 5.0
+
+
+def test_rank_logs_one_file_per_rank_in_a_folder_per_node(tmp_path):
+    """torchrun.rank_logs in a Slurm step: the batch shell gives every node the attempt's --log-dir; the node
+    program's torchrun puts this node's under a folder of its own name, torchrun tees each rank's stdout and
+    stderr into it, and labels the rank's lines in the node's log."""
+    (tmp_path / "w.py").write_text('import os\nprint("hello from local rank", os.environ["LOCAL_RANK"])\n')
+    logs = tmp_path / "job-7.attempt-0.ranks"
+    argv = [sys.executable, "-I", str(PROGRAM), "torchrun", "--"]
+    argv += [
+        "--standalone",
+        "--nproc-per-node=2",
+        "--monitor-interval=0.1",
+        f"--log-dir={logs}",
+        "--tee=3",
+        "w.py",
+    ]
+    env = train_env({"SLURM_NODEID": "0", "SLURMD_NODENAME": "n7"})
+    out = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for rank in (0, 1):
+        (log,) = (logs / "n7").glob(f"*/attempt_0/{rank}/stdout.log")
+        assert log.read_text() == f"hello from local rank {rank}\n"
+        assert f"[default{rank}]:hello from local rank {rank}" in out.stdout + out.stderr
