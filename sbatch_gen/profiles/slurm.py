@@ -7,6 +7,7 @@ preemption plan and the preflight switch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
@@ -14,7 +15,15 @@ from pydantic import AfterValidator, BeforeValidator, Field, field_validator, mo
 from sbatch_gen.credentials import SecretEnv, bucket_check, secret_env
 from sbatch_gen.errors import FieldError
 from sbatch_gen.profiles.base import Paths, ProfileBase, is_credential_name
-from sbatch_gen.profiles.environment import FORCED_ENV_NAMES, container_env_names, submit_exports
+from sbatch_gen.profiles.environment import (
+    FORCED_ENV_NAMES,
+    JOB_ENV_NAMES,
+    RESERVED_ENV,
+    RESERVED_ENV_PREFIXES,
+    container_env_names,
+    job_environment,
+    submit_exports,
+)
 from sbatch_gen.profiles.types import (
     SBATCH_CONSTRAINT_CHARS,
     SBATCH_DIRECTIVE_VALUE_CHARS,
@@ -44,6 +53,40 @@ def _secrets_path(v: str) -> str:
 
 # slurm.secrets_file: a secret is the user's own, so its file may be named from the home directory (~/)
 SecretsPath = Annotated[str, AfterValidator(_secrets_path)]
+
+
+def _reserved(name: str) -> str | None:
+    """Why the job, not the submitting shell or a secrets file, decides variable NAME; None if nothing does."""
+    if name in ("ALL", "NONE"):
+        return "--export's own word: the job takes only the names listed"
+    if name.startswith("SLURM_"):
+        return "Slurm's own: Slurm sets the job's SLURM_* variables"
+    if name.startswith(("SRUN_", "TORCHELASTIC_", "PET_")):
+        return "srun or torchrun reads it as an option of every step"
+    for prefix, key in RESERVED_ENV_PREFIXES.items():
+        if name.startswith(prefix):
+            return f"the job sets the {prefix}* variables from {key}"
+    if name.startswith(("LD_", "BASH_")) or name in ("BASH_ENV", "ENV", "SHELLOPTS", "IFS"):
+        return "it changes how every program or bash in the job starts"
+    if name in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+        return "Slurm sets it in every step from the GPUs it allocated"
+    if name in FORCED_ENV_NAMES or (name in RESERVED_ENV and name not in JOB_ENV_NAMES):
+        return "the job sets it whatever the submitting shell holds"
+    return None
+
+
+def _not_exportable(name: str, taken: Sequence[str]) -> str | None:
+    """Why slurm.export may not name NAME (None: it may); TAKEN: what the job takes anyway."""
+    if name in taken:
+        return "the job takes it already (PATH, sbatch-gen's switches and the profile's defaults, which a submit-time value overrides)"
+    return _reserved(name)
+
+
+def _not_a_secret(name: str, profile_sets: Sequence[str]) -> str | None:
+    """Why slurm.secrets may not name NAME (None: it may); PROFILE_SETS: the variables the profile sets."""
+    if name in profile_sets:
+        return "the profile sets it (its environment sections)"
+    return _reserved(name)
 
 
 class Preemption(ProfileSection):
@@ -437,14 +480,15 @@ class SlurmResources(ProfileSection):
         "(SBATCH_GEN_DEBUG on a GPU site; a continuation job's SBATCH_GEN_CONTINUES and SBATCH_GEN_RUN_JOB) "
         "and every variable the profile sets as a default (nccl, network.socket_ifname, topology.nccl_topo_file, "
         "OMP_NUM_THREADS, PYTHONUNBUFFERED, extra_env), so that `NCCL_DEBUG=INFO sbatch ...` takes effect and a "
-        "stray PYTHONPATH or CUDA_VISIBLE_DEVICES stays out. Not a secret the profile names: the job reads "
-        "those on the node, from slurm.secrets_file.",
+        "stray PYTHONPATH or CUDA_VISIBLE_DEVICES stays out. Refused: a secret (the job reads those on the node, "
+        "from slurm.secrets_file), what the job takes anyway, what the job or Slurm sets (PYTHONPATH, MASTER_ADDR, "
+        "SLURM_*, CUDA_VISIBLE_DEVICES, ...), and what changes how programs start (LD_*, BASH_ENV).",
     )
     secrets: list[EnvName] = Field(
         default_factory=list,
         description="More secrets the job reads from slurm.secrets_file, by name, besides those the profile "
         "names (cross_region.transport.credentials, metrics.wandb_api_key_env): e.g. HF_TOKEN for a trainer of "
-        "one's own. Each must be in the file.",
+        "one's own. Each must be in the file; a name the job, Slurm or the profile sets is refused.",
     )
     secrets_file: SecretsPath | None = Field(
         default=None,
@@ -589,7 +633,7 @@ class SlurmProfile(ProfileBase):
         named = secret_env(self)
         have = {s.name for s in named}
         more = [
-            SecretEnv(n, f"slurm.secrets.{i}", True)
+            SecretEnv(n, f"slurm.secrets[{i}]", True)
             for i, n in enumerate(self.slurm.secrets)
             if n not in have
         ]
@@ -599,6 +643,8 @@ class SlurmProfile(ProfileBase):
         """slurm.export names no secret and nothing the job sets anyway; a required secret has a file to be
         read from on the node (slurm.secrets_file)."""
         secrets = {s.name: s for s in self.secret_env()}
+        taken = submit_exports(self)
+        profile_sets = [n for b in job_environment(self) for n, _ in b.vars]
         for i, name in enumerate(self.slurm.export):
             if name in secrets or is_credential_name(name):
                 named = f" ({secrets[name].key} names it)" if name in secrets else ""
@@ -609,13 +655,22 @@ class SlurmProfile(ProfileBase):
                     "from the submitting shell: Slurm would keep its value in the job's record; remove it from "
                     "slurm.export",
                 )
-            if name in FORCED_ENV_NAMES or name in ("ALL", "NONE"):
-                why = (
-                    "--export's own word: the job takes only the names listed"
-                    if name in ("ALL", "NONE")
-                    else "the job sets it whatever the submitting shell holds"
-                )
+            why = _not_exportable(name, taken)
+            if why is not None:
                 raise FieldError(("slurm", "export", i), f"{name}: {why}; remove it from slurm.export")
+        seen: dict[str, int] = {}
+        for i, name in enumerate(self.slurm.secrets):
+            if name in seen:
+                raise FieldError(
+                    ("slurm", "secrets", i), f"{name} is named twice (first at slurm.secrets[{seen[name]}])"
+                )
+            seen[name] = i
+            why = _not_a_secret(name, profile_sets)
+            if why is not None:
+                raise FieldError(
+                    ("slurm", "secrets", i),
+                    f"{name}: {why}; a secret is a variable of its own (e.g. HF_TOKEN)",
+                )
         required = [s for s in secrets.values() if s.required]
         if required and self.slurm.secrets_file is None:
             names = ", ".join(f"{s.name} ({s.key})" for s in required)

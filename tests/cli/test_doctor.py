@@ -921,7 +921,7 @@ def test_secrets_file_read_as_the_job_reads_it_never_showing_a_value(tmp_path):
 @pytest.mark.parametrize(
     ("text", "mode", "found", "hint"),
     [
-        (None, 0o600, "no {f}", "write NAME=value lines for SBG_TOKEN (slurm.secrets.0) into it, chmod 600"),
+        (None, 0o600, "no {f}", "write NAME=value lines for SBG_TOKEN (slurm.secrets[0]) into it, chmod 600"),
         ("SBG_TOKEN=t\n", 0o644, "{f} is mode 644", "others may read it: chmod 600 {f}"),
         (
             "SBG_TOKEN=\nSBG_WANDB=w\n",

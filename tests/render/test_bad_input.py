@@ -201,9 +201,9 @@ CASES = [
     (
         "export: a credential's name",
         None,
-        ("slurm.export=[PATH, HF_TOKEN]",),
+        ("slurm.export=[HF_HOME, HF_TOKEN]",),
         2,
-        r"--set slurm\.export=\[PATH, HF_TOKEN\]: slurm\.export\[1\]: HF_TOKEN is a secret: .*slurm\.secrets_file "
+        r"--set slurm\.export=\[HF_HOME, HF_TOKEN\]: slurm\.export\[1\]: HF_TOKEN is a secret: .*slurm\.secrets_file "
         r"\(name it in slurm\.secrets\)",
     ),
     (
@@ -220,6 +220,55 @@ CASES = [
         2,
         r"--set slurm\.export=\[TORCH_DISABLE_SHARE_RDZV_TCP_STORE\]: slurm\.export\[0\]: TORCH_DISABLE_SHARE_RDZV_TCP_STORE: the job sets it whatever the submitting shell "
         r"holds",
+    ),
+    (
+        "export: a name the job sets at run time",
+        None,
+        ("slurm.export=[PYTHONPATH]",),
+        2,
+        r"--set slurm\.export=\[PYTHONPATH\]: slurm\.export\[0\]: PYTHONPATH: the job sets it whatever the submitting shell holds",
+    ),
+    (
+        "export: the loader's or bash's startup",
+        None,
+        ("slurm.export=[HF_HOME, LD_PRELOAD]",),
+        2,
+        r".*slurm\.export\[1\]: LD_PRELOAD: it changes how every program or bash in the job starts",
+    ),
+    (
+        "export: Slurm's own, and the GPUs Slurm binds",
+        None,
+        ("slurm.export=[CUDA_VISIBLE_DEVICES]",),
+        2,
+        r".*slurm\.export\[0\]: CUDA_VISIBLE_DEVICES: Slurm sets it in every step from the GPUs it allocated",
+    ),
+    (
+        "export: what the job takes anyway",
+        None,
+        ("slurm.export=[PATH]",),
+        2,
+        r".*slurm\.export\[0\]: PATH: the job takes it already",
+    ),
+    (
+        "secrets: a name the job sets",
+        None,
+        ("slurm.secrets=[HF_TOKEN, PATH]", "slurm.secrets_file=/tmp/s.env"),
+        2,
+        r".*slurm\.secrets\[1\]: PATH: the job sets it whatever the submitting shell holds; a secret is a variable of its own",
+    ),
+    (
+        "secrets: one the profile sets as a variable",
+        None,
+        ("slurm.secrets=[OMP_NUM_THREADS]", "slurm.secrets_file=/tmp/s.env"),
+        2,
+        r".*slurm\.secrets\[0\]: OMP_NUM_THREADS: the profile sets it",
+    ),
+    (
+        "secrets: named twice",
+        None,
+        ("slurm.secrets=[HF_TOKEN, HF_TOKEN]", "slurm.secrets_file=/tmp/s.env"),
+        2,
+        r".*slurm\.secrets\[1\]: HF_TOKEN is named twice \(first at slurm\.secrets\[0\]\)",
     ),
     (
         "export: as an extra directive",

@@ -118,13 +118,13 @@ def test_an_optional_secret_may_be_missing(tmp_path):
         pytest.param(
             f"SBG_WANDB={WANDB}\n",
             0o600,
-            "has no value for SBG_TOKEN (slurm.secrets.0)",
+            "has no value for SBG_TOKEN (slurm.secrets[0])",
             id="a-required-one-missing",
         ),
         pytest.param(
             f"SBG_WANDB={WANDB}\nSBG_TOKEN=\n",
             0o400,
-            "has no value for SBG_TOKEN (slurm.secrets.0)",
+            "has no value for SBG_TOKEN (slurm.secrets[0])",
             id="a-required-one-empty",
         ),
         pytest.param(
@@ -152,7 +152,7 @@ def test_an_unsafe_or_incomplete_file_stops_the_job_before_any_step(tmp_path, te
         assert v not in out
     if text is None:
         assert (
-            "write NAME=value lines for SBG_WANDB (metrics.wandb_api_key_env) SBG_TOKEN (slurm.secrets.0)"
+            "write NAME=value lines for SBG_WANDB (metrics.wandb_api_key_env) SBG_TOKEN (slurm.secrets[0])"
             in out
         )
 
