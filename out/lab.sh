@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: bc803dc41a9a2f0d80ba3ad7c4bfa9f4efde0a37c7b1f28b49604eed168f86dc
+#   inputs sha256: 6c0089b85b19449168e9ae761857dce3535212ddebcf61d8f551ccf56e38d6cd
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -534,7 +534,7 @@ cleanup_command() {
 # preflight, the training step's supervision) and node_lines. Every render with the same library sha256
 # carries these same lines: review them once (`sbatch-gen diff --all` shows a change to them once, naming
 # the files).
-# library sha256: e5f2018470afcd915958b7439c1c4990122155bf49f65dab4a432e94ab296ce5
+# library sha256: 886224cbee3437487d05cce59c48e7a894dfe3de3e63c2d0676235cdd1391705
 # log MESSAGE...: one timestamped line on stderr, also appended to $LOG_FILE when that is set. Never fails
 # (the terminal may be gone when a trap logs).
 log() {
@@ -644,10 +644,11 @@ stage_pinned() {
     NODE_ERROR+=" (a script submitted before its checkout was rendered again finds it only in git history: resubmit it as rendered now)"
     return 1
   fi
-  if [[ $PINNED_FOUND != "$staged" ]] \
-    && ! { mkdir -p -- "${staged%/*}" && cp -- "$PINNED_FOUND" "$tmp" && mv -f -- "$tmp" "$staged"; }; then
+  # the copy is hashed again before it is staged: a file that changed since find_pinned read it never runs
+  if [[ $PINNED_FOUND != "$staged" ]] && ! { mkdir -p -- "${staged%/*}" && cp -- "$PINNED_FOUND" "$tmp" \
+    && [[ $(sha256sum <"$tmp") == "$sha "* ]] && mv -f -- "$tmp" "$staged"; }; then
     rm -f -- "$tmp"
-    NODE_ERROR="cannot copy the $name $PINNED_FOUND to $staged"
+    NODE_ERROR="cannot copy the $name $PINNED_FOUND to $staged, or it changed while copied"
     return 1
   fi
 }

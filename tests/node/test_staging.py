@@ -83,6 +83,28 @@ def test_stage_pinned_copies_it_into_the_run_dir_once(tmp_path, name, source, sh
     assert f"out/{name} has sha256 " in r.stdout and not (tmp_path / "runs/y/node").exists()
 
 
+def test_a_file_that_changes_while_it_is_copied_is_never_staged(tmp_path):
+    """find_pinned hashes the file, then stage_pinned copies it: the copy is hashed again before it is staged,
+    so a `git pull` or a new render that rewrites out/ between the two reads stops the job (here a cp that
+    appends to what it copies stands in for the file changing in between)."""
+    (tmp_path / "out").mkdir()
+    shutil.copy(JOB_LIB, tmp_path / "out" / "sbatch-gen-job.sh")
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "cp").write_text('#!/bin/bash\n/bin/cp "$@" && echo "# changed" >>"${@: -1}"\n')
+    (stubs / "cp").chmod(0o755)
+    staged = f"runs/x/node/sbatch-gen-job.{LIB_SHA[:16]}.sh"
+    r = _bash(
+        f'stage_pinned {staged} sbatch-gen-job.sh {LIB_SHA} out/sbatch-gen-job.sh || echo "$NODE_ERROR"',
+        tmp_path,
+        path=f"{stubs}:/usr/bin:/bin",
+    )
+    assert r.stdout == (
+        f"cannot copy the sbatch-gen-job.sh out/sbatch-gen-job.sh to {staged}, or it changed while copied\n"
+    ), r.stderr
+    assert not list((tmp_path / "runs" / "x" / "node").iterdir())  # nothing staged, no temp file left
+
+
 def test_the_preflight_runs_the_staged_program(tmp_path):
     shutil.copy(PROGRAM, tmp_path / "prog.py")
     code = (
