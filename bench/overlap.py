@@ -5,7 +5,7 @@ side by side in one run, over the emulated WAN.
 Two regions of the real trainer (each one process, ``python -m sbatch_gen.train``) train the same steps in
 strict DiLoCo rounds over S3 behind :mod:`bench.wan`'s netns + tbf + delay proxy (the regions run in the
 client namespace), once per variant. The model and the step time (the trainer's injected per-step sleep,
-``SBATCH_GEN_STEP_SLEEP_S``, standing in for a GPU's compute) are chosen so that one bf16 round's transfer
+``SBATCH_GEN_TEST_STEP_SLEEP_S``, standing in for a GPU's compute) are chosen so that one bf16 round's transfer
 is about half of H x step time, as on the production pair; the ratio actually measured (the none variant's
 round time against its inner steps) is reported. From the regions' metrics.jsonl: the seconds training was
 held up at round boundaries (``xr_exposed_s`` of every round record and of the ``xr_final_round`` event)
@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from sbatch_gen.testing.faults import ENV_STEP_SLEEP
 from sbatch_gen.train.data import prepare
-from sbatch_gen.train.loop import ENV_STEP_SLEEP
 from sbatch_gen.train.xr.fragments import round_step
 from sbatch_gen.xr_options import CrossRegion, S3Transport
 

@@ -7,7 +7,7 @@ import os
 import statistics
 from pathlib import Path
 
-from sbatch_gen.train.loop import ENV_STEP_SLEEP
+from sbatch_gen.testing.faults import ENV_STEP_SLEEP
 from sbatch_gen.xr_options import CrossRegion
 
 from .common import Result

@@ -12,11 +12,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sbatch_gen.testing import faults
 from sbatch_gen.testing.s3server import S3Server
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "local-slurm.sh"
-# How long the tests hold a stop checkpoint (SBATCH_GEN_STOP_SAVE_HOLD_S), as a large one takes: longer than
+# The render setting under which a job runs the trainer with the faults its submit environment names
+# (sbatch_gen.testing.faults: a per-step sleep, a held stop checkpoint); the trainer itself reads none of them
+WITH_FAULTS = {"trainer.module": faults.MODULE}
+# How long the tests hold a stop checkpoint (SBATCH_GEN_TEST_STOP_SAVE_HOLD_S), as a large one takes: longer than
 # the local cluster's KillWait (5 s), so a stop that Slurm's kill reached would be cut short. (That torchrun's
 # agent never gets the stop, and its own 30 s never matter, the render tests check: test_stop_protocol.py.)
 STOP_HOLD_S = 12
@@ -374,6 +378,9 @@ class LocalJob:
 
     def submit(self, env: dict | None = None, *args: str) -> int:
         # Submitted from the checkout, like a user would: relative paths (.venv, configs/) resolve there.
+        named = [k for k in faults.FAULT_ENVS if (env or {}).get(k)]
+        if named and faults.MODULE not in self.script.read_text():
+            raise AssertionError(f"{self.name}: {', '.join(named)} set, but not rendered with WITH_FAULTS")
         self.job_id = self.cluster.sbatch(self.script, *args, cwd=REPO, env=env)
         return self.job_id
 
@@ -484,10 +491,12 @@ def local_job(
 
 
 def trainer_workers(
-    cluster: Cluster, node: str, module: str = "sbatch_gen.train", script: str | None = None
+    cluster: Cluster, node: str, module: str | None = None, script: str | None = None
 ) -> list[int]:
     """PIDs of the training worker processes on ``node`` (not torchrun's agent, not srun/slurmstepd):
-    ``python -m MODULE``, or ``python SCRIPT`` when ``script`` is given (as the render names it)."""
+    ``python -m MODULE`` (default: the trainer, or the trainer with faults: WITH_FAULTS), or ``python
+    SCRIPT`` when ``script`` is given (as the render names it)."""
+    modules = (module,) if module is not None else (faults.TRAINER, faults.MODULE)
     pids = []
     for pid in cluster.node_pids(node):
         try:
@@ -499,7 +508,7 @@ def trainer_workers(
         entry = (
             any(a == script or a.endswith("/" + script) for a in args)
             if script is not None
-            else "-m" in args and module in args
+            else "-m" in args and any(m in args for m in modules)
         )
         if entry and not any(a.endswith("torchrun") for a in args):
             pids.append(pid)

@@ -8,7 +8,7 @@ import re
 from datetime import datetime, timezone
 
 import pytest
-from e2e_lib import STOP_HOLD_S, assert_resumed_losses_match, local_job, report
+from e2e_lib import STOP_HOLD_S, WITH_FAULTS, assert_resumed_losses_match, local_job, report
 
 from sbatch_gen.testing.torchlogs import without_torch_exit_barrier_race
 
@@ -59,11 +59,11 @@ def test_preempt_requeue_resume_matches_uninterrupted(
         cluster,
         e2e_root / "preempt",
         "preempt",
-        {"preemption.checkpoint_s": 40, "preemption.margin_s": 20},
+        {"preemption.checkpoint_s": 40, "preemption.margin_s": 20, **WITH_FAULTS},
         config=train_config,
         data=data_dir,
     )
-    job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": str(STOP_HOLD_S)})
+    job.submit({"SBATCH_GEN_TEST_STOP_SAVE_HOLD_S": str(STOP_HOLD_S)})
     job.wait_step(6)  # past the periodic checkpoint at 5: the stop usually lands between two (7..9)
     cluster.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
     info = cluster.wait_done(job.job_id, timeout=300)
