@@ -67,6 +67,7 @@ class V:
 BASE = (V("none", "bf16"), V("eager", "bf16"), V("none", "int8"), V("eager", "int8"))
 GOAL_SHARE = 0.05  # eager: exposed sync time at most 5% of the wall time
 GOAL_STREAMING = 0.02  # streaming: at most 2%, the run's end included
+MERGE_WAIT_S = 0.1  # streaming: a merge that waited longer for its round is listed with its round
 # issue 40's goal: streaming at F=4, tau=2 (bf16) at most 5% of wall time, the run's end included
 GOAL_F4_TAU2 = (V("streaming", "bf16", 4, 2), 0.05)
 
@@ -183,6 +184,8 @@ def _region_figures(name: str, recs: list[dict], sz: Sizes, v: V) -> dict:
         # streaming: what a round's start and its merge held training up for (the final event left out)
         "start_each": [r["xr_exposed_s"] for r in steps if "xr_inflight" in r and "xr_round" not in r],
         "merge_each": [r["xr_exposed_s"] for r in steps if "xr_round" in r],
+        # streaming: per merge (the final event's included), its round and its wait for the round's exchange
+        "merge_waits": [(r["xr_round"], r.get("xr_join_s", 0.0)) for r in rounds if "xr_exposed_s" in r],
         # the snapshots this region uploaded (theta_outer + momentum, fp32; every snapshot_every rounds, by the
         # round's first member, in the background): (round, upload s, the end's wait for it s or None)
         "snapshots": [
@@ -504,6 +507,31 @@ def _report(res: Result, sz: Sizes, vs: list[dict], wan: bool) -> None:
                 for v in stream
             ],
             "streaming",
+        )
+        res.table(
+            f"Streaming: the merges that waited over {MERGE_WAIT_S:g} s for their round's exchange, and the "
+            "snapshots each region uploaded meanwhile (theta_outer + momentum, fp32, every snapshot_every "
+            "rounds, by the round's first member, in the background)",
+            [
+                "variant",
+                "region",
+                "merge waits s, all rounds",
+                f"merges waiting over {MERGE_WAIT_S:g} s (round: wait s)",
+                "snapshots (round: upload s)",
+            ],
+            [
+                [
+                    v["label"],
+                    r,
+                    sum(w for _, w in f["merge_waits"]),
+                    ", ".join(f"{rd}: {w:.2f}" for rd, w in f["merge_waits"] if w > MERGE_WAIT_S) or "-",
+                    ", ".join(f"{rd}: {x:.2f}" for rd, x, _ in f["snapshots"]) or "-",
+                ]
+                for v in stream
+                for r in REGIONS
+                for f in [v["regions"][r]]
+            ],
+            "streaming_waits",
         )
 
     # goals
