@@ -3,7 +3,7 @@
 Names: mailbox, outer, ddp, diloco, elastic, payload, overlap, quality, peer, sinks, render, memory, fsdp,
 roundcost, sparse (default: all,
 in that order). ``--quick`` runs tiny sizes in seconds (for the tests); results of a quick run go to a temporary
-directory unless ``--out`` is given.
+directory unless ``--out`` is given. ``--subset goals`` (overlap, peer): only the full runs their goals judge.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ BENCHES = {
     "roundcost": "fixed cost of a steady DiLoCo round at 80 ms RTT (delay proxy), 2/4/8 regions: fit, requests",
     "sparse": "sparse outer updates (top-k, 2-bit, error feedback) vs dense bf16 DiLoCo: held-out loss, bytes",
 }
+# the benchmarks that run a named subset of their full runs (--subset NAME; each module's SUBSETS)
+SUBSETS = ("overlap", "peer")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         type=lambda v: [int(x) for x in v.split(",")],
         default=None,
         help="mailbox: parameter sizes in MiB, e.g. 16,64 (default: 16,64,256,1024; WAN 16,64,256)",
+    )
+    ap.add_argument(
+        "--subset",
+        default=None,
+        help="overlap, peer: run only the named subset of the full runs (goals: the runs their goals judge)",
     )
     ap.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     a = ap.parse_args(argv)
@@ -71,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== bench {n}{' (quick)' if a.quick else ''}", flush=True)
         mod = importlib.import_module(f"bench.{n}")
         kw = {"server_kind": a.server, "wan": not a.no_wan, "sizes": a.sizes} if n == "mailbox" else {}
+        if a.subset is not None:
+            if n not in SUBSETS:
+                ap.error(f"--subset: {n} has no subsets (only {', '.join(SUBSETS)})")
+            kw["subset"] = a.subset
         try:
             res = mod.run(out, quick=a.quick, **kw)
         except Exception:  # noqa: BLE001 - report it, run the others, exit non-zero

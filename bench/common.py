@@ -99,6 +99,7 @@ class Result:
     # fresh computation reproduces them byte for byte
     analytic: bool = False
     data: dict = field(default_factory=dict)  # raw measurements, written to the JSON file only
+    subset: str | None = None  # the subset of the full runs measured (--subset), in the reproduce line
 
     def table(self, caption: str, headers: list[str], rows: list[list], key: str = "") -> None:
         self.tables.append(Table(caption, headers, rows, key))
@@ -107,7 +108,8 @@ class Result:
         self.goals.append((text, measured, met))
 
     def markdown(self) -> str:
-        again = f"Reproduce: `python -m bench {self.name}{' --quick' if self.quick else ''}`."
+        flags = (" --quick" if self.quick else "") + (f" --subset {self.subset}" if self.subset else "")
+        again = f"Reproduce: `python -m bench {self.name}{flags}`."
         if self.analytic:
             about = f"Analytic figures: computed from the inputs stated below, nothing measured. {again}"
         else:

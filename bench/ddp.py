@@ -3,7 +3,7 @@
 The real trainer under torchrun. (a) 1, 2 and 4 ranks, the same per-rank batch: step time, and the
 span of DDP's bucket all-reduces (from the trainer's comm hook; it overlaps the backward pass) as a
 share of the step. (b) 2 ranks, rank 1 sleeping ``d`` seconds at the end of every step (the trainer's
-``SBATCH_GEN_STEP_SLEEP_S`` hook, set for that rank only by :mod:`bench.straggler`): rank 0's step time
+``SBATCH_GEN_TEST_STEP_SLEEP_S`` hook, set for that rank only by :mod:`bench.straggler`): rank 0's step time
 vs ``d``. Every rank waits for the slowest at the next collective, so the slope should be 1.
 """
 

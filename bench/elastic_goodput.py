@@ -65,7 +65,7 @@ class _Absence:
         self.strict = mode == "strict"
         self.stop = self.root / "b.stop"
         self.presence = self.root / "mailbox" / self.name / "_presence" / "b.json"
-        self.env = {"SBATCH_GEN_STEP_SLEEP_S": repr(sz.g_sleep_s)}
+        self.env = {"SBATCH_GEN_TEST_STEP_SLEEP_S": repr(sz.g_sleep_s)}
         self.watch = Watch(self.root / "a" / "metrics.jsonl")
         self.rounds = self.root / "mailbox" / self.name
         self.attempts = {"a": 1, "b": 1}

@@ -70,7 +70,7 @@ def _goodput_setup(sz: Sizes) -> list[str]:
         f"{DATA_BYTES / 1e6:g} MB); each region trains on its own, nobody on `{HELDOUT}`.",
         f"Parts 1-2 (idle, goodput): {sz.g_steps} steps, H={sz.g_h} ({n_rounds} rounds), a "
         f"{sz.g_model['n_layers']}-layer width-{sz.g_model['d_model']} GPT paced to >= {sz.g_sleep_s:g} s per "
-        f"step (`SBATCH_GEN_STEP_SLEEP_S`, standing in for GPU compute), so a round is ~{g_round_s:g} s of "
+        f"step (`SBATCH_GEN_TEST_STEP_SLEEP_S`, standing in for GPU compute), so a round is ~{g_round_s:g} s of "
         f"steps. grace_s {sz.g_grace_s:g} = {sz.g_grace_s / g_round_s:.0%} of that (the eu/us sites: grace_s 30 "
         f"to ~45 s rounds, 67%, sites/_base/llm-xr-1.yaml); heartbeat_s {sz.g_heartbeat_s:g} = "
         f"{sz.g_heartbeat_s / g_round_s:.0%} of a round (the sites: 5 s, 11%), so a region whose heartbeat "

@@ -2,10 +2,11 @@
 ``cross_region.overlap`` none vs eager vs streaming (F fragments, tau steps of delay), payload bf16 vs int8,
 side by side in one run, over the emulated WAN.
 
-Two regions of the real trainer (each one process, ``python -m sbatch_gen.train``) train the same steps in
+Two regions of the real trainer (each one process, ``python -m sbatch_gen.testing.faults``: the trainer with the
+per-step sleep installed) train the same steps in
 strict DiLoCo rounds over S3 behind :mod:`bench.wan`'s netns + tbf + delay proxy (the regions run in the
 client namespace), once per variant. The model and the step time (the trainer's injected per-step sleep,
-``SBATCH_GEN_STEP_SLEEP_S``, standing in for a GPU's compute) are chosen so that one bf16 round's transfer
+``SBATCH_GEN_TEST_STEP_SLEEP_S``, standing in for a GPU's compute) are chosen so that one bf16 round's transfer
 is about half of H x step time, as on the production pair; the ratio actually measured (the none variant's
 round time against its inner steps) is reported. From the regions' metrics.jsonl: the seconds training was
 held up at round boundaries (``xr_exposed_s`` of every round record and of the ``xr_final_round`` event)
@@ -24,11 +25,11 @@ import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from sbatch_gen.testing.faults import ENV_STEP_SLEEP
 from sbatch_gen.train.data import prepare
-from sbatch_gen.train.loop import ENV_STEP_SLEEP
 from sbatch_gen.train.xr.fragments import round_step
 from sbatch_gen.xr_options import CrossRegion, S3Transport
 
@@ -66,6 +67,9 @@ class V:
 BASE = (V("none", "bf16"), V("eager", "bf16"), V("none", "int8"), V("eager", "int8"))
 GOAL_SHARE = 0.05  # eager: exposed sync time at most 5% of the wall time
 GOAL_STREAMING = 0.02  # streaming: at most 2%, the run's end included
+MERGE_WAIT_S = 0.1  # streaming: a merge that waited longer for its round is listed with its round
+# issue 40's goal: streaming at F=4, tau=2 (bf16) at most 5% of wall time, the run's end included
+GOAL_F4_TAU2 = (V("streaming", "bf16", 4, 2), 0.05)
 
 
 @dataclass(frozen=True)
@@ -80,10 +84,12 @@ class Sizes:
     wan_rtt_ms: float
     wan_window_kb: int
     streaming: tuple[V, ...] = ()
+    base: tuple[V, ...] = BASE
+    subset: str | None = None  # the name of a subset of FULL's variants (SUBSETS)
 
     @property
     def variants(self) -> tuple[V, ...]:
-        return (*BASE, *self.streaming)
+        return (*self.base, *self.streaming)
 
 
 FULL = Sizes(
@@ -116,6 +122,18 @@ QUICK = Sizes(
     wan_window_kb=1024,
     streaming=(V("streaming", "bf16", 2, 0), V("streaming", "bf16", 2, 1)),
 )
+
+
+# --subset NAME: FULL's sizes, fewer variants. goals: the issue's streaming goal (F=4, tau=2, bf16) against
+# none, and eager's goal, bf16 only
+SUBSETS = {
+    "goals": replace(
+        FULL,
+        base=(V("none", "bf16"), V("eager", "bf16")),
+        streaming=(V("streaming", "bf16", 4, 2),),
+        subset="goals",
+    ),
+}
 
 
 def _boundaries(sz: Sizes, v: V) -> set[int]:
@@ -166,6 +184,8 @@ def _region_figures(name: str, recs: list[dict], sz: Sizes, v: V) -> dict:
         # streaming: what a round's start and its merge held training up for (the final event left out)
         "start_each": [r["xr_exposed_s"] for r in steps if "xr_inflight" in r and "xr_round" not in r],
         "merge_each": [r["xr_exposed_s"] for r in steps if "xr_round" in r],
+        # streaming: per merge (the final event's included), its round and its wait for the round's exchange
+        "merge_waits": [(r["xr_round"], r.get("xr_join_s", 0.0)) for r in rounds if "xr_exposed_s" in r],
         # the snapshots this region uploaded (theta_outer + momentum, fp32; every snapshot_every rounds, by the
         # round's first member, in the background): (round, upload s, the end's wait for it s or None)
         "snapshots": [
@@ -280,12 +300,15 @@ def _run_variants(work: Path, data: Path, sz: Sizes, res: Result) -> list[dict]:
     return out
 
 
-def run(out_dir: Path, quick: bool = False) -> Result:
-    sz = QUICK if quick else FULL
+def run(out_dir: Path, quick: bool = False, subset: str | None = None) -> Result:
+    if subset is not None and subset not in SUBSETS:
+        raise ValueError(f"overlap: no subset {subset!r} (known: {', '.join(SUBSETS)})")
+    sz = SUBSETS[subset] if subset is not None and not quick else QUICK if quick else FULL
     res = Result(
         "overlap",
         "Overlapped rounds over the emulated WAN: exposed sync time, overlap none vs eager, bf16 vs int8",
         quick,
+        subset=sz.subset,
     )
     shm = Path("/dev/shm")
     work = Path(tempfile.mkdtemp(prefix="sbgen-bench-overlap-", dir=shm if shm.is_dir() else None))
@@ -309,7 +332,8 @@ def _report(res: Result, sz: Sizes, vs: list[dict], wan: bool) -> None:
     m = sz.model
     numel = next(v["bytes_up"] for v in vs if v["dtype"] == "bf16") / 2
     res.setup += [
-        f"2 regions (a, b), each one process of the real trainer (`python -m sbatch_gen.train`, gloo, CPU, one "
+        f"2 regions (a, b), each one process of the real trainer (`python -m sbatch_gen.testing.faults`: "
+        "`sbatch_gen.train` with the per-step sleep installed from outside; gloo, CPU, one "
         f"thread), a {m['n_layers']}-layer width-{m['d_model']} GPT ({numel / 1e6:.2f}M parameters: bf16's bytes "
         f"per round / 2), batch {sz.batch} x {m['seq_len']} tokens, "
         f"DiLoCo H={sz.h}, {sz.rounds} rounds ({sz.h * sz.rounds} steps), strict rounds (min_regions all), outer "
@@ -335,6 +359,11 @@ def _report(res: Result, sz: Sizes, vs: list[dict], wan: bool) -> None:
         "(the header's `__metadata__` is left out: safetensors writes its keys in an order that differs from "
         "process to process).",
     ]
+    if sz.subset is not None:
+        res.setup.append(
+            f"Subset `{sz.subset}` (`python -m bench overlap --subset {sz.subset}`): only the variants above, of "
+            "the full run's none / eager x bf16 / int8 and its streaming variants."
+        )
     by = {v["label"]: v for v in vs}
     rows = []
     for v in vs:
@@ -479,9 +508,36 @@ def _report(res: Result, sz: Sizes, vs: list[dict], wan: bool) -> None:
             ],
             "streaming",
         )
+        res.table(
+            f"Streaming: the merges that waited over {MERGE_WAIT_S:g} s for their round's exchange, and the "
+            "snapshots each region uploaded meanwhile (theta_outer + momentum, fp32, every snapshot_every "
+            "rounds, by the round's first member, in the background)",
+            [
+                "variant",
+                "region",
+                "merge waits s, all rounds",
+                f"merges waiting over {MERGE_WAIT_S:g} s (round: wait s)",
+                "snapshots (round: upload s)",
+            ],
+            [
+                [
+                    v["label"],
+                    r,
+                    sum(w for _, w in f["merge_waits"]),
+                    ", ".join(f"{rd}: {w:.2f}" for rd, w in f["merge_waits"] if w > MERGE_WAIT_S) or "-",
+                    ", ".join(f"{rd}: {x:.2f}" for rd, x, _ in f["snapshots"]) or "-",
+                ]
+                for v in stream
+                for r in REGIONS
+                for f in [v["regions"][r]]
+            ],
+            "streaming_waits",
+        )
 
     # goals
-    dtypes = list(dict.fromkeys(v.dtype for v in BASE))
+    dtypes = [
+        d for d in dict.fromkeys(v.dtype for v in sz.base) if f"none, {d}" in by and f"eager, {d}" in by
+    ]
     for dtype in dtypes:
         e, n = by[f"eager, {dtype}"], by[f"none, {dtype}"]
         worse = max(REGIONS, key=lambda r: _share(e, r))
@@ -510,6 +566,16 @@ def _report(res: Result, sz: Sizes, vs: list[dict], wan: bool) -> None:
                 + f"; none {max(_share(n, r) for r in REGIONS):.2%}",
                 None if (res.quick or not wan) else share <= GOAL_STREAMING,
             )
+    want, limit = GOAL_F4_TAU2
+    if want.label in by and "none, bf16" in by:
+        v, n = by[want.label], by["none, bf16"]
+        share = max(_share(v, r) for r in REGIONS)
+        res.goal(
+            f"{want.label}: exposed sync time at most {limit:.0%} of wall time, the run's end included (issue 40)",
+            f"{share:.2%} (final join {max(f['exposed_final_s'] / f['wall_s'] for f in v['regions'].values()):.2%}"
+            f", waits and merges the rest); none {max(_share(n, r) for r in REGIONS):.2%}",
+            None if (res.quick or not wan) else share <= limit,
+        )
     res.goal(
         "both regions end with bit-identical model.safetensors tensors, every variant",
         ", ".join(f"{v['label']}: {'yes' if v['same'] else 'NO'}" for v in vs),
@@ -585,6 +651,8 @@ def _report(res: Result, sz: Sizes, vs: list[dict], wan: bool) -> None:
             "here), so the cleanup after a snapshot deletes every round since the previous one: in the same "
             "background job, after the upload."
         )
+    if "none, int8" not in by or "none, bf16" not in by:
+        return
     bf, i8 = by["none, bf16"], by["none, int8"]
     res.notes.append(
         f"int8 sends {i8['bytes_up'] / bf['bytes_up']:.4f} of bf16's bytes per round; its round (none) takes "

@@ -8,7 +8,8 @@ same injected per-step sleep (standing in for a faster device's compute):
   ``Manager`` per rank with a gloo process group across the replicas, ``torchft.local_sgd.DiLoCo``
   (:mod:`bench.peer_torchft`). The replicas exchange pseudo-gradients by allreduce, each rank with the
   same rank of the other replica.
-* **ours**: the real trainer (``python -m sbatch_gen.train`` under torchrun), DiLoCo over the S3 mailbox
+* **ours**: the real trainer (``python -m sbatch_gen.testing.faults``: ``sbatch_gen.train`` with the per-step
+  sleep installed, under torchrun), DiLoCo over the S3 mailbox
   (nanio, the mailbox's test server) or over fs.
 
 Variants: DiLoCo without overlap, and Streaming DiLoCo (F fragments, tau steps of delay; the same split
@@ -44,17 +45,22 @@ from .peer_faults import fault_run
 from .peer_net import Net
 from .peer_report import plot, report, report_faults
 from .peer_runs import one
-from .peer_sizes import FULL, QUICK, SYSTEMS, Sizes
+from .peer_sizes import FULL, QUICK, SUBSETS, SYSTEMS, Sizes
 from .regionruns import DATA_BYTES, HELDOUT, REGIONS, train_config
 from .wan import Star, available_star
 
 __all__ = ["FULL", "QUICK", "run"]
 
 
-def run(out_dir: Path, quick: bool = False) -> Result:
-    sz = QUICK if quick else FULL
+def run(out_dir: Path, quick: bool = False, subset: str | None = None) -> Result:
+    if subset is not None and subset not in SUBSETS:
+        raise ValueError(f"peer: no subset {subset!r} (known: {', '.join(SUBSETS)})")
+    sz = SUBSETS[subset] if subset is not None and not quick else QUICK if quick else FULL
     res = Result(
-        "peer", "Side by side with torchft: the same model, data and WAN, measured in one run", quick
+        "peer",
+        "Side by side with torchft: the same model, data and WAN, measured in one run",
+        quick,
+        subset=sz.subset,
     )
     why = available_star() if sz.links else "--quick"
     shm = Path("/dev/shm")
@@ -126,7 +132,7 @@ def _measure(res: Result, w: _Inputs, why: str | None) -> tuple[list[dict], list
     fault_link = "-"
     # loopback: the systems' own costs, no network; then each emulated link; the faults on the first
     net = Net(None, w.work)
-    for v in sz.variants(wan=False):
+    for v in sz.variants(wan=False) if sz.loopback else ():
         rows.append(one(net, w.work, w.cfg, w.data, sz, v, "loopback"))
     links = sz.links if why is None else ()
     if not links and sz.faults:

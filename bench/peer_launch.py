@@ -6,9 +6,9 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from sbatch_gen.testing.faults import ENV_STEP_SLEEP, MODULE
 from sbatch_gen.testing.regions import RegionRun
 from sbatch_gen.testing.s3server import free_port
-from sbatch_gen.train.loop import ENV_STEP_SLEEP
 from sbatch_gen.xr_options import CrossRegion, FsTransport, to_argv
 
 from .common import PY, REPO, bench_env
@@ -98,7 +98,8 @@ def _ours_cmd(
         "--data-path",
         str(data),
     ]
-    return _torchrun(net.prefix(r), "127.0.0.1", "sbatch_gen.train", [*args, *to_argv(xr)]), env_s3
+    # the trainer with the per-step sleep (ENV_STEP_SLEEP) installed from outside
+    return _torchrun(net.prefix(r), "127.0.0.1", MODULE, [*args, *to_argv(xr)]), env_s3
 
 
 def _torchrun(prefix: list[str], master: str, module: str, args: list[str]) -> list[str]:

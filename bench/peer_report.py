@@ -7,7 +7,7 @@ import os
 import statistics
 from pathlib import Path
 
-from sbatch_gen.train.loop import ENV_STEP_SLEEP
+from sbatch_gen.testing.faults import ENV_STEP_SLEEP
 from sbatch_gen.xr_options import CrossRegion
 
 from .common import Result
@@ -57,7 +57,8 @@ def _setup(res: Result, sz: Sizes, why: str | None) -> None:
         "(synchronous quorum, as its DiLoCo requires), `ProcessGroupGloo` across the replicas: each rank "
         "allreduces the whole fp32 pseudo-gradient with the same rank of the other replica. Its quantized "
         "allreduce (`should_quantize`) needs triton and CUDA: not available on this machine, fp32 only.",
-        "Ours: the real trainer (`python -m sbatch_gen.train`) under torchrun, strict DiLoCo rounds through the "
+        "Ours: the real trainer (`python -m sbatch_gen.testing.faults`: `sbatch_gen.train` with the per-step "
+        "sleep installed from outside) under torchrun, strict DiLoCo rounds through the "
         "S3 mailbox (nanio in the hub) on the WAN, through an fs mailbox on tmpfs on loopback; payload fp32 "
         "(torchft's bytes) and bf16 (our default); elastic runs (the faults) over moto in the hub, which honours "
         "the conditional writes our `min_regions` below all needs (nanio ignores them).",
@@ -72,6 +73,12 @@ def _setup(res: Result, sz: Sizes, why: str | None) -> None:
     ]
     if why is not None and not sz.links:
         res.setup.append("--quick: loopback only (no WAN), ours over fs.")
+    if sz.subset is not None:
+        res.setup.append(
+            f"Subset `{sz.subset}` (`python -m bench peer --subset {sz.subset}`): ours with payload "
+            f"{', '.join(sz.payloads)} only, on {', '.join(f'{r} Mbit/s, {t:g} ms' for r, t in sz.links)}"
+            f"{'' if sz.loopback else ' (not on loopback)'}, faults: {', '.join(sz.faults)}."
+        )
 
 
 def _runs_table(res: Result, rows: list[dict]) -> None:

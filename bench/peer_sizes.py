@@ -3,7 +3,7 @@ both sides share."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 TIMEOUT = 900  # seconds one run may take
 SYSTEMS = ("torchft", "ours")
@@ -57,6 +57,8 @@ class Sizes:
     fault_step: int  # the fault comes when replica a has logged this step
     away_s: float  # a killed replica is started again this long after the kill
     outage_s: float  # the coordinator is down this long
+    loopback: bool = True  # the side-by-side runs on loopback too (beside the links)
+    subset: str | None = None  # the name of a subset of FULL's runs (SUBSETS)
 
     def variants(self, wan: bool) -> list[V]:
         tr = "s3" if wan else "fs"
@@ -105,3 +107,10 @@ QUICK = Sizes(
     away_s=1.0,
     outage_s=2.0,
 )
+# --subset NAME: FULL's sizes, fewer runs. goals: the runs issue 40's goals judge: the first link (400 Mbit/s,
+# 80 ms), torchft against our default payload (bf16), without overlap and streaming, and the one-replica fault
+SUBSETS = {
+    "goals": replace(
+        FULL, payloads=("bf16",), links=FULL.links[:1], faults=("one",), loopback=False, subset="goals"
+    ),
+}

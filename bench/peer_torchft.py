@@ -4,7 +4,7 @@ Run by torchrun, one torchrun per replica (the replica's ranks are one DDP group
 makes the work "the same" comes from our trainer's own code, not a copy: the model (:class:`GPT`, seeded
 the same), the data (this replica's shard, :class:`Sampler`/:class:`Batches` with the trainer's seed, rank
 and world size), the inner AdamW (decay and no-decay groups, betas, eps, foreach), the learning-rate
-schedule (:func:`lr_at`), the gradient clipping and the injected per-step sleep (``SBATCH_GEN_STEP_SLEEP_S``,
+schedule (:func:`lr_at`), the gradient clipping and the injected per-step sleep (``SBATCH_GEN_TEST_STEP_SLEEP_S``,
 the compute a faster device would do). The cross-replica part is torchft's, as its documentation sets it
 up: a lighthouse (``TORCHFT_LIGHTHOUSE``), a :class:`torchft.Manager` per rank with a gloo process group
 across the replicas, and :class:`torchft.local_sgd.DiLoCo` with an outer SGD (Nesterov). Streaming: the
@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from sbatch_gen.testing.faults import ENV_STEP_SLEEP
 from sbatch_gen.train.api import exit_process
 from sbatch_gen.train.config import load_config
 from sbatch_gen.train.data import Batches, Sampler, Shard, shard_path
 from sbatch_gen.train.export import save_model
-from sbatch_gen.train.loop import ENV_STEP_SLEEP
 from sbatch_gen.train.model import GPT
 from sbatch_gen.train.optim import build_optimizer, lr_at
 from sbatch_gen.train.xr.fragments import assign

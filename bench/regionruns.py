@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from sbatch_gen.testing.faults import trainer_module
 from sbatch_gen.testing.regions import RegionRun, clean_env
 from sbatch_gen.xr_options import CrossRegion, FsTransport, to_argv
 
@@ -100,18 +101,19 @@ def launch_region(
     env: dict | None = None,
     extra: list[str] | None = None,
     prefix: list[str] | None = None,
-    module: str = "sbatch_gen.train",
+    module: str | None = None,
 ) -> RegionRun:
     """One region = one trainer process (``python -m sbatch_gen.train``, not under torchrun: a 1-process region
     needs no agent, and leaving it out halves every start-up on 2 cores). Killed by PID (RegionRun.kill).
     ``prefix``: a command that execs the trainer (``ip netns exec NS``: bench/payload.py's WAN regions).
-    ``module``: what runs the trainer (``sbatch_gen.testing.faults``: the trainer with a fault installed)."""
+    ``module``: what runs the trainer (default: :func:`~sbatch_gen.testing.faults.trainer_module` of ``env``,
+    ``sbatch_gen.testing.faults`` when it names a fault or a per-step sleep)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
         *(prefix or []),
         PY,
         "-m",
-        module,
+        module or trainer_module(env),
         "--config",
         str(config),
         "--run-dir",

@@ -2,17 +2,18 @@
 
     BENCH_STRAGGLER_RANK=1 BENCH_STRAGGLER_S=0.1 torchrun ... -m bench.straggler --config ...
 
-The rank whose RANK equals BENCH_STRAGGLER_RANK gets the trainer's own per-step sleep hook
-(``SBATCH_GEN_STEP_SLEEP_S``, applied at the end of every step) set in its environment only; every
-other rank runs the unmodified trainer. So the trainer needs no benchmark-only code.
+The rank whose RANK equals BENCH_STRAGGLER_RANK sleeps BENCH_STRAGGLER_S at the end of every step (the
+per-step sleep of :mod:`sbatch_gen.testing.faults`, installed from outside the trainer, as ``python -m
+sbatch_gen.testing.faults`` installs it); every other rank runs the unmodified trainer. So the trainer
+needs no benchmark-only code.
 """
 
 import os
 
+from sbatch_gen.testing import faults
+
 if os.environ.get("RANK") is not None and os.environ.get("RANK") == os.environ.get("BENCH_STRAGGLER_RANK"):
-    os.environ["SBATCH_GEN_STEP_SLEEP_S"] = os.environ.get("BENCH_STRAGGLER_S", "0")
-else:
-    os.environ.pop("SBATCH_GEN_STEP_SLEEP_S", None)
+    faults.install_from_env({faults.ENV_STEP_SLEEP: os.environ.get("BENCH_STRAGGLER_S", "0")})
 
 from sbatch_gen.train.__main__ import _entry  # noqa: E402
 

@@ -801,6 +801,8 @@ def _format_status(st) -> list[str]:
     rows = []
     for r in st.regions:
         pres = r.presence + (f" (round {r.presence_round})" if r.presence_round is not None else "")
+        if r.presence_why:  # a crash's leave reads apart from a planned stop's
+            pres += f": {r.presence_why}"
         if r.gone:
             pres = f"GONE, was {pres}"
         beat = "-" if r.heartbeat is None else f"{age(r.heartbeat_age_s)} (#{r.heartbeat})"

@@ -53,6 +53,10 @@ class RegionStatus:
     presence_time: float | None
     presence_age_s: float | None
     job: str
+    # why the region wrote its presence record ("" when it gave none): for a leave, a planned stop's reason
+    # ("stop file: ...", "finished", "no quorum") or a crash's ("torchrun exited with status 1", announced
+    # for it by the node program); for "refused", which setting differs from a peer's
+    presence_why: str
     behind: int | None  # rounds behind the newest commit (0: up to date; None: no commit yet)
     in_newest_commit: bool | None  # None: no commit yet
     heartbeat: int | None = None  # the counter of its last heartbeat (None: no heartbeat in the mailbox)
@@ -253,6 +257,7 @@ def _region(region: str, published: int | None, p, hb, commit: CommitInfo | None
         presence_time=p.time if p is not None else None,
         presence_age_s=max(0.0, now - p.time) if p is not None and p.time else None,
         job=p.job if p is not None else "",
+        presence_why=p.why if p is not None else "",
         behind=behind,
         in_newest_commit=(region in commit.members) if commit is not None else None,
         heartbeat=hb.beat if hb is not None else None,

@@ -46,6 +46,7 @@ sys.path.insert(0, str(REPO))
 import yaml  # noqa: E402
 
 from sbatch_gen.jsonl import complete_lines  # noqa: E402
+from sbatch_gen.testing.faults import ENV_STEP_SLEEP, TRAINER, trainer_module  # noqa: E402
 from sbatch_gen.xr_options import CrossRegion, FsTransport, to_argv  # noqa: E402
 
 # The outer step (DiLoCo, Nesterov) must at least read the averaged delta, read and write the momentum and
@@ -86,7 +87,14 @@ class Check:
         return path
 
     def command(
-        self, cfg: Path, run: Path, resume: str, max_steps: int, extra: list[str], nproc: int
+        self,
+        cfg: Path,
+        run: Path,
+        resume: str,
+        max_steps: int,
+        extra: list[str],
+        nproc: int,
+        module: str = TRAINER,
     ) -> list[str]:
         data = (
             self.data.with_name("data-xr") if extra else self.data
@@ -105,9 +113,9 @@ class Check:
             *extra,
         ]
         if self.smoke:
-            return [self.py, "-m", "sbatch_gen.train", *train]
+            return [self.py, "-m", module, *train]
         torchrun = str(Path(self.py).parent / "torchrun")
-        return [torchrun, "--standalone", f"--nproc-per-node={nproc}", "-m", "sbatch_gen.train", *train]
+        return [torchrun, "--standalone", f"--nproc-per-node={nproc}", "-m", module, *train]
 
     def train(
         self,
@@ -125,6 +133,7 @@ class Check:
         """One trainer run (on every GPU, or ``nproc`` of them); ``stop_at``: create the stop file once
         metrics show that step."""
         run = run or self.out / "runs" / name
+        module = trainer_module(env)  # the trainer, or the trainer with the per-step sleep installed
         stop_file = run.parent / f"{run.name}.stop"
         stop_file.unlink(missing_ok=True)
         env = {
@@ -135,7 +144,9 @@ class Check:
             **(env or {}),
         }
         env.setdefault("OMP_NUM_THREADS", "4")
-        cmd = self.command(cfg, run, resume, max_steps or self.steps, extra or [], nproc or self.nproc)
+        cmd = self.command(
+            cfg, run, resume, max_steps or self.steps, extra or [], nproc or self.nproc, module
+        )
         logf = self.out / "logs" / f"{name}.log"
         logf.parent.mkdir(parents=True, exist_ok=True)
         log(f"{name}: {' '.join(cmd)}")
@@ -270,7 +281,7 @@ class Check:
         rc_ref, ref = self.train(f"{name}-ref", cfg, nproc=nproc)
         stop_at = max(2, self.steps // 3)
         # paced (sleep after each step: the math is unchanged) so the stop file lands mid-run, not after it
-        pace = {"SBATCH_GEN_STEP_SLEEP_S": "0.3" if self.smoke else "0.1"}
+        pace = {ENV_STEP_SLEEP: "0.3" if self.smoke else "0.1"}
         rc1, run = self.train(name, cfg, stop_at=stop_at, env=pace, nproc=nproc)
         stopped = summary(run).get("last_step")
         ack = run.parent / f"{run.name}.stop.ack"

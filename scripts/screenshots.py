@@ -130,7 +130,7 @@ def launch(work: Path, config: Path, data: Path, region: str, attempt: int) -> R
         data_path=data,
         nproc=1,
         # offline W&B, whatever this shell holds; steps slowed so that the run outlasts us's restart
-        env={"WANDB_MODE": "offline", "WANDB_API_KEY": "", "SBATCH_GEN_STEP_SLEEP_S": "0.05"},
+        env={"WANDB_MODE": "offline", "WANDB_API_KEY": "", "SBATCH_GEN_TEST_STEP_SLEEP_S": "0.05"},
         log_dir=work / "logs",
         extra_args=["--stop-file", str(work / f"{region}.stop.{attempt}")],
     )

@@ -1,5 +1,5 @@
-"""Faults the tests and benchmarks inject into the cross-region sync, from outside its code: the trainer's
-own modules carry no test hook. Torch-free to import (the sync is imported when a fault is installed).
+"""Faults and paces the tests and benchmarks inject into the trainer, from outside its code: the trainer's
+own modules carry no test hook. Torch-free to import (the trainer is imported when a fault is installed).
 
 - :func:`withholding`: a region publishes nothing in some rounds, as if its payload always arrived after
   the round closed; it trains on and applies the committed update like any late region. In a test:
@@ -7,9 +7,14 @@ own modules carry no test hook. Torch-free to import (the sync is imported when 
 - :func:`starting_together`: regions start their first step together, whichever took longer to start up
   (a fresh run's first region publishes theta0 and trains on at once; under load its peer can still be
   importing torch while it passes the round a benchmark waits for).
+- :func:`sleeping`: every step (or only some ranks' steps: an injected straggler) sleeps after its
+  cross-region round, standing in for a faster device's compute, or giving a test time to act mid-run.
+- :func:`holding_stop_save`: the stop checkpoint waits between writing its files and marking them complete,
+  as a large checkpoint takes (the preemption tests: a stop that Slurm's kill reached would be cut short).
 - ``python -m sbatch_gen.testing.faults ARGS``: the trainer (``python -m sbatch_gen.train ARGS``) with the
-  faults that :data:`ENV_WITHHOLD_ROUNDS` and :data:`ENV_START_TOGETHER` name installed first
-  (``bench/elastic.py``'s regions run so: :func:`~sbatch_gen.testing.regions.launch_region`'s ``module``).
+  faults that the environment names (:data:`FAULT_ENVS`) installed first. :func:`trainer_module` names
+  the module to run for an environment (:func:`~sbatch_gen.testing.regions.launch_region`'s default); the
+  end-to-end tests render their jobs with it as ``trainer.module``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,26 @@ ENV_WITHHOLD_ROUNDS = "SBATCH_GEN_TEST_WITHHOLD_ROUNDS"
 # "<directory>:<processes>": every process waits before its first step until that many have arrived there
 ENV_START_TOGETHER = "SBATCH_GEN_TEST_START_TOGETHER"
 START_TOGETHER_TIMEOUT_S = 300.0
+# seconds every step sleeps after its cross-region round; with ENV_STEP_SLEEP_RANKS ("1,3") only those ranks
+ENV_STEP_SLEEP = "SBATCH_GEN_TEST_STEP_SLEEP_S"
+ENV_STEP_SLEEP_RANKS = "SBATCH_GEN_TEST_STEP_SLEEP_RANKS"
+# seconds the stop checkpoint waits between writing its files and its marker
+ENV_STOP_SAVE_HOLD = "SBATCH_GEN_TEST_STOP_SAVE_HOLD_S"
+FAULT_ENVS = (
+    ENV_WITHHOLD_ROUNDS,
+    ENV_START_TOGETHER,
+    ENV_STEP_SLEEP,
+    ENV_STEP_SLEEP_RANKS,
+    ENV_STOP_SAVE_HOLD,
+)
+MODULE = "sbatch_gen.testing.faults"
+TRAINER = "sbatch_gen.train"
+
+
+def trainer_module(environ: dict[str, str] | None) -> str:
+    """The module to run the trainer as with ``environ``: this one (:data:`MODULE`) when it names a fault,
+    else the trainer itself, which reads none of them."""
+    return MODULE if any((environ or {}).get(name) for name in FAULT_ENVS) else TRAINER
 
 
 def _round(tag: str) -> int | None:
@@ -75,22 +100,90 @@ def starting_together(begin: Callable[..., Any], directory: str, processes: int)
     return begin_together
 
 
+def sleeping(cross_region_round: Callable[..., Any], sleep_s: float, ranks: Iterable[int] | None):
+    """The loop's ``_cross_region_round(t, step)`` (``cross_region_round``, run after every optimizer step,
+    with or without a cross-region sync), followed by a sleep of ``sleep_s`` on the ranks ``ranks`` (None:
+    every rank) unless it ended the loop (None: no quorum)."""
+    only = None if ranks is None else frozenset(ranks)
+
+    def round_then_sleep(t, step):
+        out = cross_region_round(t, step)
+        if out is not None and (only is None or t.info.rank in only):
+            time.sleep(sleep_s)
+        return out
+
+    return round_then_sleep
+
+
+def holding_stop_save(hand_off: Callable[..., Any], hold_s: float) -> Callable[..., Any]:
+    """finish's ``hand_off(t)`` (``hand_off``: the stop's leave and checkpoint), except that its checkpoint
+    waits ``hold_s`` between writing its files and marking them complete. A periodic save still in flight
+    completes first, without the wait."""
+
+    def hand_off_holding(t):
+        ckpt = t.ckpt
+        save = ckpt.save
+
+        def save_holding(*args, **kw):
+            ckpt.wait()
+            mark = ckpt._finish  # writes the marker: the checkpoint is complete once it returns
+
+            def held_mark(*a, **k):
+                time.sleep(hold_s)
+                return mark(*a, **k)
+
+            ckpt._finish = held_mark
+            try:
+                return save(*args, **kw)
+            finally:
+                del ckpt._finish
+
+        ckpt.save = save_holding
+        try:
+            return hand_off(t)
+        finally:
+            del ckpt.save
+
+    return hand_off_holding
+
+
+def _patch(module: Any, name: str, wrap: Callable[[Any], Any]) -> None:
+    """``module.name = wrap(module.name)``; refused when the trainer no longer has ``name`` (a fault that
+    patched nothing would pass silently)."""
+    if not callable(getattr(module, name, None)):
+        raise RuntimeError(
+            f"sbatch_gen.testing.faults: {module.__name__}.{name} is gone; the fault needs a new seam"
+        )
+    setattr(module, name, wrap(getattr(module, name)))
+
+
 def install_from_env(environ: dict[str, str] | None = None) -> None:
-    """Install the faults the environment names (:data:`ENV_WITHHOLD_ROUNDS`, :data:`ENV_START_TOGETHER`)
-    in this process."""
+    """Install the faults the environment names (:data:`FAULT_ENVS`) in this process."""
     env = os.environ if environ is None else environ
     value = env.get(ENV_WITHHOLD_ROUNDS, "")
     if value:
         from sbatch_gen.train.xr.exchange import Exchange
 
         region, rounds = parse_withheld(value)
-        Exchange.upload = withholding(Exchange.upload, region, rounds)  # type: ignore[method-assign]
+        _patch(Exchange, "upload", lambda f: withholding(f, region, rounds))
     value = env.get(ENV_START_TOGETHER, "")
     if value:
         from sbatch_gen.train import trainer
 
         directory, _, n = value.rpartition(":")
-        trainer.begin_loop = starting_together(trainer.begin_loop, directory, int(n))
+        _patch(trainer, "begin_loop", lambda f: starting_together(f, directory, int(n)))
+    sleep_s = float(env.get(ENV_STEP_SLEEP, "") or 0)
+    if sleep_s > 0:
+        from sbatch_gen.train import loop
+
+        listed = env.get(ENV_STEP_SLEEP_RANKS, "").strip()
+        ranks = {int(r) for r in listed.split(",") if r.strip()} if listed else None
+        _patch(loop, "_cross_region_round", lambda f: sleeping(f, sleep_s, ranks))
+    hold_s = float(env.get(ENV_STOP_SAVE_HOLD, "") or 0)
+    if hold_s > 0:
+        from sbatch_gen.train import finish
+
+        _patch(finish, "hand_off", lambda f: holding_stop_save(f, hold_s))
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ from sbatch_gen.contract import ENV_STOP_FILE, EXIT_REQUEUE
 from sbatch_gen.proc import process_state
 from sbatch_gen.xr_options import CrossRegion, to_argv
 
+from .faults import trainer_module
 from .s3server import free_port
 
 _SCRUB = ("SLURM_", "TORCHELASTIC_", "SBATCH_GEN_")
@@ -139,12 +140,13 @@ def launch_region(
     log_dir: str | os.PathLike | None = None,
     extra_args: list[str] | None = None,
     python: str = sys.executable,
-    module: str = "sbatch_gen.train",
+    module: str | None = None,
     stop_file: str | os.PathLike | None = None,
 ) -> RegionRun:
     """Start one region: ``nnodes`` torchrun agents (a multi-node job on one machine) of ``nproc``
     workers each, sharing a fresh c10d rendezvous port. ``module``: what each worker runs with the
-    trainer's arguments (``sbatch_gen.testing.faults``: the trainer with injected faults). ``stop_file``:
+    trainer's arguments (default: :func:`~sbatch_gen.testing.faults.trainer_module` of ``env``,
+    ``sbatch_gen.testing.faults`` when it names a fault or a per-step sleep). ``stop_file``:
     each agent runs under the node program's run-trainer with that stop file (the trainer's
     ``SBATCH_GEN_STOP_FILE``) and the requeue code as its stopped status, node N with
     ``SBATCH_GEN_NODE_RANK=N`` as the SSH launcher runs it: a crash announces the region's leave."""
@@ -152,7 +154,16 @@ def launch_region(
     log_dir = Path(log_dir) if log_dir else run_dir.parent
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    train = ["-m", module, "--config", str(config), "--run-dir", str(run_dir), "--resume", resume]
+    train = [
+        "-m",
+        module or trainer_module(env),
+        "--config",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+        "--resume",
+        resume,
+    ]
     if data_path is not None:
         train += ["--data-path", str(data_path)]
     if max_steps is not None:

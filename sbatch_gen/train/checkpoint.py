@@ -400,10 +400,8 @@ class Checkpointer:
             raise full from e
 
     # -- save / load
-    def save(self, step: int, state: dict, block: bool = False, hold_s: float = 0.0) -> SaveResult | None:
-        """Save ``state`` as step ``step``. Returns the result when the save is complete (sync). ``hold_s``
-        (tests, synchronous saves only): wait that long after the files are written and before the marker
-        makes them a complete checkpoint, as a large checkpoint would take."""
+    def save(self, step: int, state: dict, block: bool = False) -> SaveResult | None:
+        """Save ``state`` as step ``step``. Returns the result when the save is complete (sync)."""
         import torch.distributed.checkpoint as dcp
 
         self.wait()
@@ -432,8 +430,6 @@ class Checkpointer:
             return None
         try:
             dcp.save(state, checkpoint_id=str(path), no_dist=not self.info.is_distributed)
-            if hold_s > 0:
-                time.sleep(hold_s)
             blocking = time.perf_counter() - t0
             return self._finish(step, path, t0, blocking)
         except BaseException as e:  # DCP's CheckpointException is a BaseException

@@ -15,14 +15,6 @@ from .state import train_state
 
 log = logging.getLogger("sbatch_gen.train")
 
-# For tests: the stop checkpoint waits this long between writing its files and marking them complete, as
-# a checkpoint that takes long to save would (tests/e2e/test_preemption.py).
-ENV_STOP_SAVE_HOLD = "SBATCH_GEN_STOP_SAVE_HOLD_S"
-
-
-def _stop_save_hold() -> float:
-    return max(0.0, float(os.environ.get(ENV_STOP_SAVE_HOLD, "0") or 0))
-
 
 def finish(t) -> int:
     """Trainer ``t``'s end: the last step's record (always written), then either the hand-off (stopped, or
@@ -82,7 +74,7 @@ def hand_off(t) -> None:
         said = t.stop.saving(t.step, newest or None)  # <stop file>.stopping for the launcher
         if t.info.is_main:
             log.info("%s", said)
-        res = t.ckpt.save(t.step, train_state(t), block=True, hold_s=_stop_save_hold())
+        res = t.ckpt.save(t.step, train_state(t), block=True)
     reason = "no quorum" if no_quorum is not None else t.stop.reason()
     ack = t.stop.acknowledge(t.step, res.path if res else None, reason)  # each node's first rank
     if ack is not None and t.info.is_main:

@@ -1,6 +1,5 @@
 """The training loop's steps: joining the cross-region run, one step (the optimizer step, the cross-region
-round, the previous step's agreement read and this step's issued, the periodic checkpoint), and the
-per-step sleep the tests and benchmarks inject.
+round, the previous step's agreement read and this step's issued, the periodic checkpoint).
 
 One step, in order: data (prefetched one micro-batch ahead) -> forward/backward (DDP averages gradients
 in-region, no DDP at world size 1; FSDP reduce-scatters them) -> ``sync.before_optimizer_step``
@@ -15,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,20 +30,6 @@ from .state import train_state
 
 log = logging.getLogger("sbatch_gen.train")
 
-# For tests, demos and benchmarks: sleep this long at the end of every step (preemption tests need
-# time to act mid-run), on every rank or only on the ranks listed in ENV_STEP_SLEEP_RANKS (an injected
-# straggler).
-ENV_STEP_SLEEP = "SBATCH_GEN_STEP_SLEEP_S"
-ENV_STEP_SLEEP_RANKS = "SBATCH_GEN_STEP_SLEEP_RANKS"
-
-
-def _step_sleep(rank: int) -> float:
-    s = float(os.environ.get(ENV_STEP_SLEEP, "0") or 0)
-    ranks = os.environ.get(ENV_STEP_SLEEP_RANKS, "").strip()
-    if ranks and rank not in {int(r) for r in ranks.split(",") if r.strip()}:
-        return 0.0
-    return s
-
 
 @dataclass
 class Loop:
@@ -58,7 +42,6 @@ class Loop:
     exit_reason: str | None = None  # None while training; "stopped" or "no_quorum" once it ended early
     no_quorum: XRTimeout | None = None  # what found no cross-region quorum
     step_times: list[float] = field(default_factory=list)
-    sleep_s: float = 0.0  # injected at the end of every step (ENV_STEP_SLEEP)
     pending: tuple[Any, StepDone] | None = None  # the last step's agreement, in flight, and its StepDone
 
 
@@ -85,14 +68,12 @@ def join_run(t) -> None:
 
 
 def begin_loop(t) -> None:
-    """What every step reuses (autocast, the parameter list, the NaN sent for an unclipped grad norm,
-    the injected per-step sleep); the model in train mode; the metric sinks; one line naming the steps
-    to train."""
+    """What every step reuses (autocast, the parameter list, the NaN sent for an unclipped grad norm);
+    the model in train mode; the metric sinks; one line naming the steps to train."""
     import torch
 
     loop = t.loop
     loop.first_step = t.step + 1
-    loop.sleep_s = _step_sleep(t.info.rank)
     t.autocast = autocast(t.device, t.par.amp_dtype)
     t.phase_clock = PhaseClock(t.device)
     t.profiler = StepProfiler.create(t.cfg.train.profile, t.run_dir, t.info.rank, t.device, loop.first_step)
@@ -137,8 +118,6 @@ def train_step(t) -> None:
         return
     xr_timings, xr_final = rounds
     step = t.step
-    if loop.sleep_s:
-        time.sleep(loop.sleep_s)
     data_s = t.batches.take_host_s()
     ta = time.perf_counter()
     # The previous step's agreement (issued one step ago; normally complete by now): its metrics
@@ -176,6 +155,7 @@ def train_step(t) -> None:
         t.profiler.after_step(step)
 
 
+# (sbatch_gen.testing.faults wraps it from outside: the per-step sleep the tests and benchmarks inject)
 def _cross_region_round(t, step: int) -> tuple[dict | None, dict | None] | None:
     """After the optimizer step: the cross-region round when one is due (its timings), and at the end step
     (overlap eager) the round still in flight, finished (its record). A region behind the run fast-forwards

@@ -9,12 +9,15 @@ import time
 from dataclasses import asdict
 
 import pytest
+import yaml
 
+from sbatch_gen.train.xr import leave
 from sbatch_gen.train.xr.commit import Commit, Member, Presence
 from sbatch_gen.train.xr.heartbeat import Heartbeat, HeartbeatWriter
 from sbatch_gen.train.xr.membership import Membership, manifest_digest
 from sbatch_gen.train.xr.protocol import Mailbox, Manifest, ShardInfo, round_tag
 from sbatch_gen.train.xr.store import FsStore, S3Store
+from sbatch_gen.xr_options import CrossRegion, to_argv
 
 from .conftest import KEY_ENV, SECRET_ENV, sg, write_site
 
@@ -223,6 +226,36 @@ def test_status_names_whom_a_round_with_everyone_waited_for(tmp_path, sites):
         "by us (all, waited 12.5 s for the last of eu, ap), 0.0 s after the round before; members: eu, us, ap\n"
         in out
     )
+
+
+def test_status_tells_a_crashs_leave_from_a_planned_stops_by_the_records_why(tmp_path, sites):
+    """us came back and crashed: the node program's leave announcer (the real one, from the trainer's
+    arguments) wrote its leave; ap stopped through its stop file, and its trainer wrote its own. The presence
+    column and the JSON say why each left."""
+    mbx = tmp_path / "mailbox"
+    store = FsStore(mbx)
+    build_mailbox(store)
+    _membership(store, "us").announce("joined", 40, 4000)
+    xr = CrossRegion.model_validate(
+        {**yaml.safe_load(XR), "region": "us", "transport": {"kind": "fs", "root": str(mbx)}}
+    )
+    rc, line = leave.announce(1, ["--config", "c.yaml", "--run-dir", str(tmp_path / "us"), *to_argv(xr)])
+    assert rc == 0 and "announced the leave of region us" in line, line
+    _membership(store, "ap").announce("leaving", 42, 4200, "stop file: SIGTERM to the training step on n7")
+    write_site(sites, "eu", XR + f"transport: {{kind: fs, root: '{mbx}'}}\n")
+    code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites))
+    assert code == 0, err
+    rows = _table(out)
+    assert rows["us"][2] == "leaving (round 40): torchrun exited with status 1", out
+    assert rows["ap"][2] == "leaving (round 42): stop file: SIGTERM to the training step on n7", out
+    assert rows["eu"][2] == "joined (round 38)", out  # a record without a why: as before
+    code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites), "--json")
+    why = {r["region"]: r["presence_why"] for r in json.loads(out)["regions"]}
+    assert why == {
+        "eu": "",
+        "us": "torchrun exited with status 1",
+        "ap": "stop file: SIGTERM to the training step on n7",
+    }
 
 
 def test_empty_or_missing_mailbox_is_not_a_crash(tmp_path, sites):

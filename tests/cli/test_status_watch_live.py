@@ -82,7 +82,7 @@ def test_status_watch_in_tmux_shows_a_region_leave_and_rejoin(tmp_path, repo, da
             run_dir=tmp_path / region,
             data_path=data_dir,
             nproc=1,
-            env={"SBATCH_GEN_STEP_SLEEP_S": "0.05"},
+            env={"SBATCH_GEN_TEST_STEP_SLEEP_S": "0.05"},
             extra_args=["--stop-file", str(tmp_path / f"{region}.stop.{attempt}")],
         )
 

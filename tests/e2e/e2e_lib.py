@@ -12,11 +12,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sbatch_gen.testing import faults
 from sbatch_gen.testing.s3server import S3Server
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "local-slurm.sh"
-# How long the tests hold a stop checkpoint (SBATCH_GEN_STOP_SAVE_HOLD_S), as a large one takes: longer than
+# The render setting under which a job runs the trainer with the faults its submit environment names
+# (sbatch_gen.testing.faults: a per-step sleep, a held stop checkpoint); the trainer itself reads none of them
+WITH_FAULTS = {"trainer.module": faults.MODULE}
+# How long the tests hold a stop checkpoint (SBATCH_GEN_TEST_STOP_SAVE_HOLD_S), as a large one takes: longer than
 # the local cluster's KillWait (5 s), so a stop that Slurm's kill reached would be cut short. (That torchrun's
 # agent never gets the stop, and its own 30 s never matter, the render tests check: test_stop_protocol.py.)
 STOP_HOLD_S = 12
@@ -395,6 +399,9 @@ class LocalJob:
         assert not left_out, (
             f"the job would not get {left_out}: its #SBATCH --export leaves them out (slurm.export)"
         )
+        named = [k for k in faults.FAULT_ENVS if (env or {}).get(k)]
+        if named and faults.MODULE not in self.script.read_text():
+            raise AssertionError(f"{self.name}: {', '.join(named)} set, but not rendered with WITH_FAULTS")
         self.job_id = self.cluster.sbatch(self.script, *args, cwd=REPO, env=env)
         return self.job_id
 
@@ -481,11 +488,11 @@ def export_line(script: Path) -> list[str]:
     return line.removeprefix("#SBATCH --export=").split(",")
 
 
-# What the tests hand a job at submit time besides the profile's defaults (slurm.export): the companion
-# trainer's test knobs, and the S3 tests' settings that are no secret (their keys: secrets_file, below).
+# What the tests hand a job at submit time besides the profile's defaults (slurm.export): the faults the
+# trainer's test module installs (sbatch_gen.testing.faults, WITH_FAULTS), the lease's test period, and the S3
+# tests' settings that are no secret (their keys: secrets_file, below).
 E2E_EXPORTS = [
-    "SBATCH_GEN_STEP_SLEEP_S",
-    "SBATCH_GEN_STOP_SAVE_HOLD_S",
+    *faults.FAULT_ENVS,
     "SBATCH_GEN_LEASE_PERIOD_S",
     "AWS_DEFAULT_REGION",
     "AWS_SHARED_CREDENTIALS_FILE",
@@ -534,10 +541,12 @@ def local_job(
 
 
 def trainer_workers(
-    cluster: Cluster, node: str, module: str = "sbatch_gen.train", script: str | None = None
+    cluster: Cluster, node: str, module: str | None = None, script: str | None = None
 ) -> list[int]:
     """PIDs of the training worker processes on ``node`` (not torchrun's agent, not srun/slurmstepd):
-    ``python -m MODULE``, or ``python SCRIPT`` when ``script`` is given (as the render names it)."""
+    ``python -m MODULE`` (default: the trainer, or the trainer with faults: WITH_FAULTS), or ``python
+    SCRIPT`` when ``script`` is given (as the render names it)."""
+    modules = (module,) if module is not None else (faults.TRAINER, faults.MODULE)
     pids = []
     for pid in cluster.node_pids(node):
         try:
@@ -549,7 +558,7 @@ def trainer_workers(
         entry = (
             any(a == script or a.endswith("/" + script) for a in args)
             if script is not None
-            else "-m" in args and module in args
+            else "-m" in args and any(m in args for m in modules)
         )
         if entry and not any(a.endswith("torchrun") for a in args):
             pids.append(pid)

@@ -12,6 +12,7 @@ import yaml
 from e2e_lib import (
     REPO,
     TERMINAL,
+    WITH_FAULTS,
     assert_regions_completed,
     assert_same_final_params,
     local_job,
@@ -111,10 +112,10 @@ def _run_and_check(cluster, root, elastic_config, transport, env, count):
         },
         config=elastic_config,
         data=data,
-        sets=s3_secrets(root),  # the keys for boto3's default chain, read on the node
+        sets={**s3_secrets(root), **WITH_FAULTS},  # the keys read on the node; the per-step sleep
     )
     a, b = jobs["a"], jobs["b"]
-    env = {**env, "SBATCH_GEN_STEP_SLEEP_S": STEP_SLEEP_S}
+    env = {**env, "SBATCH_GEN_TEST_STEP_SLEEP_S": STEP_SLEEP_S}
     for job in jobs.values():
         job.submit(env)
 

@@ -30,7 +30,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from e2e_lib import REPO, SHORT_STEPS, LocalJob, local_job, preempt, script, trainer_workers
+from e2e_lib import REPO, SHORT_STEPS, WITH_FAULTS, LocalJob, local_job, preempt, script, trainer_workers
 
 from sbatch_gen.proc import pid_alive
 
@@ -143,8 +143,8 @@ def test_a_preemption_before_the_preflight_and_a_sigterm_during_its_requeue(
 
 
 def test_a_users_scancel_ends_the_run_in_one_line(cluster, e2e_root, train_config, data_dir):
-    job = local_job(cluster, e2e_root / "scancel", "scancel", config=train_config, data=data_dir)
-    job.submit({"SBATCH_GEN_STEP_SLEEP_S": "0.3"})
+    job = local_job(cluster, e2e_root / "scancel", "scancel", WITH_FAULTS, config=train_config, data=data_dir)
+    job.submit({"SBATCH_GEN_TEST_STEP_SLEEP_S": "0.3"})
     job.wait_step(6)
     cluster.run("scancel", str(job.job_id))
     info = cluster.wait_done(job.job_id, timeout=120)
@@ -163,11 +163,11 @@ def test_many_stops_that_checkpointed_never_use_up_the_budget(cluster, e2e_root,
         cluster,
         e2e_root / "slices",
         "slices",
-        {"preemption.max_requeues_without_progress": 1},
+        {"preemption.max_requeues_without_progress": 1, **WITH_FAULTS},
         config=train_config,
         data=data_dir,
     )
-    job.submit({"SBATCH_GEN_STEP_SLEEP_S": "0.2"})
+    job.submit({"SBATCH_GEN_TEST_STEP_SLEEP_S": "0.2"})
     for attempt in range(4):
         cluster.wait_state(job.job_id, {"RUNNING"}, timeout=120)
         assert cluster.job(job.job_id)["Restarts"] == str(attempt), job.describe()
@@ -204,11 +204,12 @@ def test_a_stop_that_overruns_the_time_limit_is_continued_by_a_new_job(
             "preemption.checkpoint_s": 20,
             "preemption.margin_s": 5,
             "trainer.max_steps": 30,  # 60 s of steps at least: more than the limit leaves, little to redo
+            **WITH_FAULTS,
         },
         config=train_config,
         data=data_dir,
     )
-    first = job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": "300", "SBATCH_GEN_STEP_SLEEP_S": "2"})
+    first = job.submit({"SBATCH_GEN_TEST_STOP_SAVE_HOLD_S": "300", "SBATCH_GEN_TEST_STEP_SLEEP_S": "2"})
     info = cluster.wait_done(first, timeout=240)
     assert info["JobState"] == "TIMEOUT", job.describe()
     log = job.batch_log()
@@ -316,9 +317,14 @@ def test_a_node_lost_for_real_the_batch_node_included(cluster, e2e_root, train_c
     the old batch shell sees the requeue and neither checks nor requeues; the run completes. Once the node
     is back, nothing of the job is left on it."""
     job = local_job(
-        cluster, e2e_root / "lost", "lost", {"slurm.nodes": 1}, config=train_config, data=data_dir
+        cluster,
+        e2e_root / "lost",
+        "lost",
+        {"slurm.nodes": 1, **WITH_FAULTS},
+        config=train_config,
+        data=data_dir,
     )
-    job.submit({"SBATCH_GEN_STEP_SLEEP_S": "0.3", "SBATCH_GEN_LEASE_PERIOD_S": "1"})
+    job.submit({"SBATCH_GEN_TEST_STEP_SLEEP_S": "0.3", "SBATCH_GEN_LEASE_PERIOD_S": "1"})
     job.wait_step(7)  # past the checkpoint at step 5
     lost = cluster.job(job.job_id)["NodeList"]
     other = ({"n1", "n2"} - {lost}).pop()

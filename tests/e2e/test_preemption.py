@@ -1,7 +1,7 @@
 """Preemption the way shared and SUNK clusters do it, on the real local Slurm (scripts/local-slurm.sh: a job in
 partition "high" preempts the jobs of "debug", GraceTime 120 s, and of "sunk", no GraceTime; KillWait 5 s).
 
-Every stop checkpoint here takes longer than KillWait (5 s): the trainer holds it SBATCH_GEN_STOP_SAVE_HOLD_S
+Every stop checkpoint here takes longer than KillWait (5 s): the trainer holds it SBATCH_GEN_TEST_STOP_SAVE_HOLD_S
 seconds before marking it complete, as a large checkpoint would.
 
 - partition priority with a GraceTime: Slurm sends SIGTERM to the job steps only (torchrun's agent and
@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from e2e_lib import REPO, SCRIPT, SHORT_STEPS, STOP_HOLD_S, LocalJob, local_job, preempt, run
+from e2e_lib import REPO, SCRIPT, SHORT_STEPS, STOP_HOLD_S, WITH_FAULTS, LocalJob, local_job, preempt, run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -42,8 +42,13 @@ NODES = ("n1", "n2")
 
 def _job(cluster, root: Path, name: str, train_config, data_dir, sets: dict | None = None) -> LocalJob:
     """The local site with a stop budget that covers HOLD_S (checkpoint_s 40 + margin_s 20 = 60 s): the
-    cluster's GraceTime (120 s) leaves room for it."""
-    base = {"preemption.checkpoint_s": 40, "preemption.margin_s": 20, "preemption.lead_time_s": 60}
+    cluster's GraceTime (120 s) leaves room for it; the trainer with the faults the test submits (WITH_FAULTS)."""
+    base = {
+        "preemption.checkpoint_s": 40,
+        "preemption.margin_s": 20,
+        "preemption.lead_time_s": 60,
+        **WITH_FAULTS,
+    }
     return local_job(cluster, root, name, {**base, **(sets or {})}, config=train_config, data=data_dir)
 
 
@@ -122,7 +127,7 @@ def _assert_complete_stop(job: LocalJob, why: str, steps: int = 40) -> int:
 def _preempted_with_a_slow_stop(cluster, root: Path, name: str, train_config, data_dir) -> LocalJob:
     """A job whose stop checkpoint takes HOLD_S, preempted by a job of partition high mid-run, to its end."""
     job = _job(cluster, root, name, train_config, data_dir)
-    job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": str(HOLD_S)})
+    job.submit({"SBATCH_GEN_TEST_STOP_SAVE_HOLD_S": str(HOLD_S)})
     job.wait_step(6)
     preempt(cluster)
     cluster.wait_done(job.job_id, timeout=400)
@@ -238,7 +243,7 @@ def test_qos_preemption_with_grace_time_checkpoints_and_requeues_once(
     pre = rows["preemption"]
     grace = cluster.info["SBATCH_GEN_SLURM_GRACE_S"]
     assert pre["verdict"] == "ok" and f"(QOS normal), GraceTime={grace} s" in pre["found"], pre
-    job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": str(HOLD_S)})
+    job.submit({"SBATCH_GEN_TEST_STOP_SAVE_HOLD_S": str(HOLD_S)})
     job.wait_step(6)
     preempt(cluster, qos=qos_preemption)
     cluster.wait_done(job.job_id, timeout=400)
@@ -262,7 +267,7 @@ def test_a_qos_preemption_during_a_usr1_stop_checkpoint_lets_it_complete(
         data_dir,
         {"slurm.qos": "normal", "trainer.max_steps": SHORT_STEPS},
     )
-    job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": str(HOLD_S)})
+    job.submit({"SBATCH_GEN_TEST_STOP_SAVE_HOLD_S": str(HOLD_S)})
     job.wait_step(6)
     cluster.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
     stop = job.run_dir / "stop" / f"{job.job_id}.attempt-0"
@@ -291,7 +296,7 @@ def test_an_administrators_requeue_checkpoints_within_kill_wait_and_slurm_requeu
     """`scontrol requeue`: Slurm TERMs every process of the job and SIGKILLs it KillWait (5 s) later, then
     requeues it itself. The small stop checkpoint fits in those 5 s; the batch script does not requeue too."""
     job = _job(cluster, e2e_root / "admin-requeue", "adminrq", train_config, data_dir)
-    job.submit({"SBATCH_GEN_STEP_SLEEP_S": "0.3"})
+    job.submit({"SBATCH_GEN_TEST_STEP_SLEEP_S": "0.3"})
     job.wait_step(6)
     cluster.run("scontrol", "requeue", str(job.job_id))
     cluster.wait_done(job.job_id, timeout=400)
@@ -320,7 +325,7 @@ def test_sunk_style_preemption_keeps_the_periodic_checkpoint_and_names_the_redon
         data_dir,
         {"slurm.partition": cluster.info["SBATCH_GEN_SLURM_SUNK_PARTITION"]},
     )
-    job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": str(HOLD_S), "SBATCH_GEN_STEP_SLEEP_S": "0.3"})
+    job.submit({"SBATCH_GEN_TEST_STOP_SAVE_HOLD_S": str(HOLD_S), "SBATCH_GEN_TEST_STEP_SLEEP_S": "0.3"})
     job.wait_step(7)
     preempt(cluster)
     cluster.wait_done(job.job_id, timeout=400)

@@ -9,7 +9,7 @@ import re
 import time
 
 import pytest
-from e2e_lib import STOP_HOLD_S, local_job
+from e2e_lib import STOP_HOLD_S, WITH_FAULTS, local_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -18,8 +18,10 @@ def test_a_second_job_on_a_running_jobs_run_dir_refuses_to_start(cluster, e2e_ro
     """Job 1 trains; job 2, rendered with job 1's run dir (a resubmit, a copy-pasted profile), starts while
     it does: job 2's trainer refuses in one line naming job 1, trains nothing, and job 2 fails without a
     requeue, saying so in its batch log; job 1 trains on to the end."""
-    first = local_job(cluster, e2e_root / "lease-first", "lease1", config=train_config, data=data_dir)
-    first.submit({"SBATCH_GEN_STEP_SLEEP_S": "1"})  # 40 steps: time for job 2 to start and be refused
+    first = local_job(
+        cluster, e2e_root / "lease-first", "lease1", WITH_FAULTS, config=train_config, data=data_dir
+    )
+    first.submit({"SBATCH_GEN_TEST_STEP_SLEEP_S": "1"})  # 40 steps: time for job 2 to start and be refused
     first.wait_step(2)
     # the site's requeue budget (2) is left as it is: a refused job must not spend it (every requeue would
     # be refused again, after its queue wait)
@@ -87,7 +89,12 @@ def test_a_requeue_by_the_time_limit_is_not_reported_as_failed(cluster, e2e_root
         cluster,
         e2e_root / "timelimit",
         "timelimit",
-        {"slurm.time": "00:02:00", "preemption.lead_time_s": 90, "preemption.checkpoint_s": 40},
+        {
+            "slurm.time": "00:02:00",
+            "preemption.lead_time_s": 90,
+            "preemption.checkpoint_s": 40,
+            **WITH_FAULTS,
+        },
         config=train_config,
         data=data_dir,
     )
@@ -100,8 +107,8 @@ def test_a_requeue_by_the_time_limit_is_not_reported_as_failed(cluster, e2e_root
     # and a stop checkpoint of STOP_HOLD_S: longer than torchrun's own shutdown timeout, within lead_time_s
     job.submit(
         {
-            "SBATCH_GEN_STEP_SLEEP_S": "2.5",
-            "SBATCH_GEN_STOP_SAVE_HOLD_S": str(STOP_HOLD_S),
+            "SBATCH_GEN_TEST_STEP_SLEEP_S": "2.5",
+            "SBATCH_GEN_TEST_STOP_SAVE_HOLD_S": str(STOP_HOLD_S),
             "PATH": f"{shim}:{cluster.env['PATH']}",
         }
     )

@@ -8,7 +8,14 @@ import re
 from datetime import datetime, timezone
 
 import pytest
-from e2e_lib import STOP_HOLD_S, assert_resumed_losses_match, assert_same_final_params, local_job, report
+from e2e_lib import (
+    STOP_HOLD_S,
+    WITH_FAULTS,
+    assert_resumed_losses_match,
+    assert_same_final_params,
+    local_job,
+    report,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -72,11 +79,16 @@ def test_preempt_requeue_resume_matches_uninterrupted(
         cluster,
         e2e_root / "preempt",
         "preempt",
-        {"preemption.checkpoint_s": 40, "preemption.margin_s": 20, "paths.code_dir": str(code)},
+        {
+            "preemption.checkpoint_s": 40,
+            "preemption.margin_s": 20,
+            "paths.code_dir": str(code),
+            **WITH_FAULTS,
+        },
         config=config,
         data=data_dir,
     )
-    job.submit({"SBATCH_GEN_STOP_SAVE_HOLD_S": str(STOP_HOLD_S)})
+    job.submit({"SBATCH_GEN_TEST_STOP_SAVE_HOLD_S": str(STOP_HOLD_S)})
     job.wait_step(6)  # past the periodic checkpoint at 5: the stop usually lands between two (7..9)
     assert "seed: 1234" in config.read_text()
     config.write_text(config.read_text().replace("seed: 1234", "seed: 7"))  # other weights, if it were run

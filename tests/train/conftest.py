@@ -121,8 +121,16 @@ def train_env(extra: dict | None = None) -> dict:
 
 
 def torchrun_cmd(
-    config: Path, run_dir: Path, data: Path, *extra: str, nproc: int = 2, max_restarts: int = 0
+    config: Path,
+    run_dir: Path,
+    data: Path,
+    *extra: str,
+    nproc: int = 2,
+    max_restarts: int = 0,
+    module: str = "sbatch_gen.train",
 ) -> list[str]:
+    """torchrun of ``module`` (``sbatch_gen.testing.faults``: the trainer with the environment's faults, such
+    as a per-step sleep, installed)."""
     return [
         str(Path(sys.executable).parent / "torchrun"),
         "--standalone",
@@ -133,7 +141,7 @@ def torchrun_cmd(
         "--monitor-interval",
         "0.2",
         "-m",
-        "sbatch_gen.train",
+        module,
         "--config",
         str(config),
         "--run-dir",

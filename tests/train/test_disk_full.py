@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from sbatch_gen.testing.faults import ENV_STEP_SLEEP, ENV_STEP_SLEEP_RANKS
+from sbatch_gen.testing.faults import MODULE as FAULTS
 from sbatch_gen.train.checkpoint import check_complete, list_step_dirs, step_dir
 
 from .conftest import REPO, Launch, torchrun_cmd, train_env, wait_for, write_config
@@ -67,7 +69,7 @@ def test_disk_full_keeps_the_last_checkpoint_and_says_so_in_one_line(small_fs, t
     cmd = [
         sys.executable,
         "-m",
-        "sbatch_gen.train",
+        FAULTS,  # the trainer with the per-step sleep installed
         "--config",
         str(cfg),
         "--run-dir",
@@ -75,9 +77,7 @@ def test_disk_full_keeps_the_last_checkpoint_and_says_so_in_one_line(small_fs, t
         "--data-path",
         str(data_dir),
     ]
-    la = Launch(
-        cmd, tmp_path / "train.log", {"SBATCH_GEN_STEP_SLEEP_S": "0.1", "SBATCH_GEN_LEASE_PERIOD_S": "600"}
-    )
+    la = Launch(cmd, tmp_path / "train.log", {ENV_STEP_SLEEP: "0.1", "SBATCH_GEN_LEASE_PERIOD_S": "600"})
     try:
         wait_for(lambda: check_complete(step_dir(run_dir, 5)) is None, 120, "the step-5 checkpoint", la)
         _fill(small_fs / "filler")
@@ -156,7 +156,7 @@ def test_disk_full_during_an_async_save_keeps_the_last_checkpoint_and_says_so_in
     )
     run_dir = small_fs / "run"
     logs = tmp_path / "worker-logs"
-    cmd = torchrun_cmd(cfg, run_dir, data_dir)
+    cmd = torchrun_cmd(cfg, run_dir, data_dir, module=FAULTS)
     cmd[1:1] = ["--log-dir", str(logs), "--redirects", "3"]  # each worker's output in a file of its own
     # rank 0 is a straggler (it sleeps 0.2 s before it reads each step's agreement): the ranks look at
     # the save at moments far enough apart that one can see it failed while the other does not yet
@@ -164,8 +164,8 @@ def test_disk_full_during_an_async_save_keeps_the_last_checkpoint_and_says_so_in
         cmd,
         tmp_path / "torchrun.log",
         {
-            "SBATCH_GEN_STEP_SLEEP_S": "0.2",
-            "SBATCH_GEN_STEP_SLEEP_RANKS": "0",
+            ENV_STEP_SLEEP: "0.2",
+            ENV_STEP_SLEEP_RANKS: "0",
             "SBATCH_GEN_LEASE_PERIOD_S": "600",
         },
     )

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from sbatch_gen.testing.faults import ENV_STEP_SLEEP
+from sbatch_gen.testing.faults import MODULE as FAULTS
 from sbatch_gen.train.checkpoint import check_complete, step_dir
 
 from .conftest import (
@@ -24,7 +26,7 @@ from .conftest import (
 pytestmark = pytest.mark.slow
 
 STEPS = 12
-SLOW = {"SBATCH_GEN_STEP_SLEEP_S": "0.12"}  # room for the test to act mid-run
+SLOW = {ENV_STEP_SLEEP: "0.12"}  # room for the test to act mid-run (run as FAULTS: the trainer reads none)
 # grad accumulation, activation checkpointing, dropout (tiny's 0.1) and async saves: still bitwise
 SECTIONS = {
     "train": {"steps": STEPS, "log_every": 1, "grad_accum": 2},
@@ -108,7 +110,9 @@ def test_stop_file_then_resume_equals_uninterrupted(cfg, reference, tmp_path, da
     ref_dir, _ = reference
     run_dir, stop, ack_file = tmp_path / "run", tmp_path / "stop", tmp_path / "stop.ack"
     la = launches(
-        torchrun_cmd(cfg, run_dir, data_dir, "--stop-file", str(stop)), tmp_path / "a.log", env=SLOW
+        torchrun_cmd(cfg, run_dir, data_dir, "--stop-file", str(stop), module=FAULTS),
+        tmp_path / "a.log",
+        env=SLOW,
     )
     wait_for(lambda: 2 in read_metrics(run_dir), 120, "step 2's record", la)
     stop.write_text("")

@@ -9,6 +9,8 @@ import threading
 
 import pytest
 
+from sbatch_gen.testing.faults import ENV_STEP_SLEEP
+from sbatch_gen.testing.faults import MODULE as FAULTS
 from sbatch_gen.train.lease import LEASE_FILE, STALE_PERIODS, Lease, LeaseHeld, stale_reason
 
 from .conftest import REPO, torchrun_cmd, train_env, wait_for, write_config
@@ -167,8 +169,10 @@ def test_a_holder_whose_lease_was_taken_over_is_told_at_once(tmp_path):
 def test_a_second_trainer_on_the_same_run_dir_refuses_to_start(tmp_path, data_dir, launches):
     cfg = write_config(tmp_path / "c.yaml", train={"steps": 400}, checkpoint={"every": 1000})
     run_dir = tmp_path / "run"
-    env = {"SBATCH_GEN_STEP_SLEEP_S": "0.05", "SBATCH_GEN_LEASE_PERIOD_S": "0.5"}
-    first = launches(torchrun_cmd(cfg, run_dir, data_dir, nproc=2), tmp_path / "first.log", env)
+    env = {ENV_STEP_SLEEP: "0.05", "SBATCH_GEN_LEASE_PERIOD_S": "0.5"}
+    first = launches(
+        torchrun_cmd(cfg, run_dir, data_dir, nproc=2, module=FAULTS), tmp_path / "first.log", env
+    )
     wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 120, "the first trainer's first step", first)
     holder = json.loads((run_dir / LEASE_FILE).read_text())
     assert holder["pid"] in first.workers().values()
@@ -244,8 +248,10 @@ def test_a_trainer_whose_lease_is_taken_over_stops_at_once(tmp_path, data_dir, l
     over: it exits within a heartbeat, in one line, before it writes again."""
     cfg = write_config(tmp_path / "c.yaml", train={"steps": 400}, checkpoint={"every": 1000})
     run_dir = tmp_path / "run"
-    env = {"SBATCH_GEN_STEP_SLEEP_S": "0.05", "SBATCH_GEN_LEASE_PERIOD_S": "0.5", "SLURM_JOB_ID": "31"}
-    first = launches(torchrun_cmd(cfg, run_dir, data_dir, nproc=2), tmp_path / "first.log", env)
+    env = {ENV_STEP_SLEEP: "0.05", "SBATCH_GEN_LEASE_PERIOD_S": "0.5", "SLURM_JOB_ID": "31"}
+    first = launches(
+        torchrun_cmd(cfg, run_dir, data_dir, nproc=2, module=FAULTS), tmp_path / "first.log", env
+    )
     wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 120, "the first trainer's first step", first)
     Lease(run_dir, period_s=0.5, job_id="31", host="node-b").acquire()  # the same job, requeued elsewhere
     wait_for(lambda: first.proc.poll() is not None, 30, "the first trainer to stop", first)

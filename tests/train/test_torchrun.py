@@ -7,6 +7,8 @@ import signal
 
 import pytest
 
+from sbatch_gen.testing.faults import ENV_STEP_SLEEP, ENV_STEP_SLEEP_RANKS
+from sbatch_gen.testing.faults import MODULE as FAULTS
 from sbatch_gen.train.checkpoint import check_complete, step_dir
 
 from .conftest import losses, read_metrics, same_weights, torchrun_cmd, wait_for, write_config
@@ -14,7 +16,7 @@ from .conftest import losses, read_metrics, same_weights, torchrun_cmd, wait_for
 pytestmark = pytest.mark.slow
 
 STEPS = 20
-SLOW = {"SBATCH_GEN_STEP_SLEEP_S": "0.12"}  # room for the test to act mid-run
+SLOW = {ENV_STEP_SLEEP: "0.12"}  # room for the test to act mid-run (run as FAULTS: the trainer reads none)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +102,7 @@ def test_stop_file_then_sigusr1_then_resume_equals_uninterrupted(
     run_dir, stop, ack_file = tmp_path / "run", tmp_path / "stop", tmp_path / "stop.ack"
 
     la = launches(
-        torchrun_cmd(cfg, run_dir, data_dir, "--stop-file", str(stop), max_restarts=1),
+        torchrun_cmd(cfg, run_dir, data_dir, "--stop-file", str(stop), max_restarts=1, module=FAULTS),
         tmp_path / "a.log",
         env=SLOW,
     )
@@ -129,7 +131,9 @@ def test_stop_file_then_sigusr1_then_resume_equals_uninterrupted(
     half.mkdir()
     (half / "__0_0.distcp").write_bytes(b"\0" * 10)
     lb = launches(
-        torchrun_cmd(cfg, run_dir, data_dir, "--stop-file", str(stop)), tmp_path / "b.log", env=SLOW
+        torchrun_cmd(cfg, run_dir, data_dir, "--stop-file", str(stop), module=FAULTS),
+        tmp_path / "b.log",
+        env=SLOW,
     )
     wait_for(lambda: _max_step(run_dir) >= n1 + 2, 120, f"step {n1 + 2}", lb)
     workers = wait_for(lambda: (w := lb.workers()) and len(w) == 2 and w, 30, "two workers", lb)
@@ -162,9 +166,9 @@ def test_sigkill_one_worker_restarts_from_last_checkpoint(cfg_async, reference, 
     run_dir = tmp_path / "run"
     # Only rank 1 sleeps: an injected straggler that the per-rank step times must show.
     la = launches(
-        torchrun_cmd(cfg_async, run_dir, data_dir, max_restarts=1),
+        torchrun_cmd(cfg_async, run_dir, data_dir, max_restarts=1, module=FAULTS),
         tmp_path / "a.log",
-        env={**SLOW, "SBATCH_GEN_STEP_SLEEP_RANKS": "1"},
+        env={**SLOW, ENV_STEP_SLEEP_RANKS: "1"},
     )
     wait_for(lambda: check_complete(step_dir(run_dir, 8)) is None, 120, "checkpoint step-8", la)
     workers = wait_for(lambda: (w := la.workers()) and len(w) == 2 and w, 30, "two workers", la)

@@ -71,7 +71,7 @@ def test_survivor_finishes_alone_then_the_lost_region_rejoins_from_the_snapshot(
     cfg = write_config(tmp_path, repo, checkpoint={"every": 8, "keep_last": 2}, train={"steps": 40})
     transport = FsTransport(root=str(tmp_path / "mailbox"))
     opts = dict(min_regions=1, grace_s=grace, keep_rounds=1, snapshot_every=2, timeout_s=60)
-    env = {"SBATCH_GEN_STEP_SLEEP_S": "0.1"}
+    env = {"SBATCH_GEN_TEST_STEP_SLEEP_S": "0.1"}
 
     def launch(r):
         return launch_region(
@@ -118,7 +118,7 @@ def test_restarted_region_rejoins_midrun_and_is_bitwise_equal_from_its_first_rou
         **s3server.env(),
         KEY_ENV: s3server.env()["AWS_ACCESS_KEY_ID"],
         SECRET_ENV: s3server.env()["AWS_SECRET_ACCESS_KEY"],
-        "SBATCH_GEN_STEP_SLEEP_S": "0.1",
+        "SBATCH_GEN_TEST_STEP_SLEEP_S": "0.1",
     }
     # 80 steps: eu still has about 10 s to train after round 4 (64 steps of 0.1 s and its rounds), so a
     # restarted us is back before eu ends even when its start (python, torch) is slow on a loaded machine
@@ -186,7 +186,7 @@ def test_planned_leave_through_the_stop_file_closes_the_next_rounds_without_a_gr
     transport = FsTransport(root=str(tmp_path / "mailbox"))
     opts = dict(min_regions=1, grace_s=grace, timeout_s=600)
     stop = tmp_path / "us.stop"
-    env = {"SBATCH_GEN_STEP_SLEEP_S": "0.1"}
+    env = {"SBATCH_GEN_TEST_STEP_SLEEP_S": "0.1"}
     eu = launch_region(
         xr("eu", transport, **opts), config=cfg, run_dir=tmp_path / "eu", data_path=data_dir, env=env
     )

@@ -42,7 +42,8 @@ def _trainers(run) -> list[int]:
             cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
         except OSError:
             continue
-        if b"sbatch_gen.train" in cmdline and b"torch.distributed.run" not in cmdline:
+        trainer = b"sbatch_gen.train" in cmdline or b"sbatch_gen.testing.faults" in cmdline
+        if trainer and b"torch.distributed.run" not in cmdline:
             out.append(pid)
     return out
 
@@ -64,7 +65,7 @@ def test_a_crash_is_announced_and_the_survivor_closes_its_rounds_on_the_leave(tm
     opts = dict(
         min_regions=1, grace_s=GRACE_S, heartbeat_s=None, keep_rounds=20, snapshot_every=12, timeout_s=600
     )
-    env = {"SBATCH_GEN_STEP_SLEEP_S": "0.15"}
+    env = {"SBATCH_GEN_TEST_STEP_SLEEP_S": "0.15"}
 
     def launch(region: str, attempt: int):
         return launch_region(

@@ -242,7 +242,7 @@ def test_streaming_stop_and_resume_mid_cycle_end_on_the_uninterrupted_bits(
             run_dir=tmp_path / "us",
             data_path=data_dir,
             max_steps=12,
-            env={**env, "SBATCH_GEN_STEP_SLEEP_S": "0.2"},
+            env={**env, "SBATCH_GEN_TEST_STEP_SLEEP_S": "0.2"},
             extra_args=extra,
         )
 
@@ -379,7 +379,7 @@ def test_kill_one_region_then_resume(tmp_path, repo, data_dir):
                 config=cfg,
                 run_dir=tmp_path / r,
                 data_path=data_dir,
-                env={"SBATCH_GEN_STEP_SLEEP_S": sleep[r]},
+                env={"SBATCH_GEN_TEST_STEP_SLEEP_S": sleep[r]},
             )
         )
         for r in REGIONS
@@ -620,7 +620,7 @@ def test_sparse_stop_and_resume_ends_on_the_uninterrupted_bits(tmp_path, repo, d
         "us",
         "mailbox",
         tmp_path / "us",
-        env={"SBATCH_GEN_STEP_SLEEP_S": "0.2"},
+        env={"SBATCH_GEN_TEST_STEP_SLEEP_S": "0.2"},
         extra_args=["--stop-file", str(stop)],
     )
     deadline = time.monotonic() + TIMEOUT

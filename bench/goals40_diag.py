@@ -1,0 +1,115 @@
+"""Diagnostics behind issue 40's two missed goals (docs/benchmarks.md), beside the benchmarks, writing no page.
+
+    sudo .venv/bin/python -m bench.goals40_diag streaming   # ~5 min
+    sudo .venv/bin/python -m bench.goals40_diag heartbeat   # ~6 min
+
+``streaming``: ``bench overlap``'s streaming F=4 tau=2 bf16 variant on its WAN, three runs side by side: as the
+page runs it; with both regions starting their first step together (:func:`sbatch_gen.testing.faults.
+starting_together`: no start-up skew); and starting together without outer snapshots (``snapshot_every``
+1000). Per region: exposed share, the final join, the merges' waits (those over 0.1 s with their round) and
+the snapshots it uploaded.
+
+``heartbeat``: ``bench peer``'s one-replica fault (``--subset goals``: 400 Mbit/s, 80 ms), ours only, with
+``heartbeat_s`` 5 (the default, as the page) and 1: the survivor's stall.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from sbatch_gen.testing.faults import ENV_START_TOGETHER
+from sbatch_gen.train.data import prepare
+from sbatch_gen.xr_options import CrossRegion
+
+from . import overlap, peer_launch
+from .common import Result
+from .regionruns import DATA_BYTES, REGIONS
+
+STREAMING_RUNS: tuple[tuple[str, bool, dict], ...] = (
+    ("as shipped", False, {}),
+    ("start together", True, {}),
+    ("start together, snapshot_every 1000", True, {"snapshot_every": 1000}),
+)
+
+
+def streaming(work: Path) -> None:
+    v = overlap.V("streaming", "bf16", 4, 2)
+    sz = replace(overlap.FULL, base=(), streaming=(v,))
+    data = work / "data"
+    prepare(data, REGIONS, "python-stdlib", DATA_BYTES)
+    launch_pair = overlap.launch_pair
+    try:
+        for i, (label, together, xr) in enumerate(STREAMING_RUNS):
+
+            def pair(root, name, *, env=None, together=together, xr=xr, **rest):
+                if together:
+                    env = {**(env or {}), ENV_START_TOGETHER: f"{root / 'together'}:2"}
+                return launch_pair(root, name, env=env, **rest, **xr)
+
+            overlap.launch_pair = pair
+            run = work / f"run{i}"  # its own store's directory
+            run.mkdir()
+            (vs,) = overlap._run_variants(run, data, sz, Result("goals40_diag", label, False))
+            for r in REGIONS:
+                f = vs["regions"][r]
+                waits = [(rd, round(w, 2)) for rd, w in f["merge_waits"] if w > overlap.MERGE_WAIT_S]
+                print(
+                    f"{label}: region {r}: exposed {f['exposed_s']:.2f} s / wall {f['wall_s']:.1f} s = "
+                    f"{f['exposed_s'] / f['wall_s']:.2%}; final join {f['exposed_final_s']:.2f} s; merge waits "
+                    f"{sum(w for _, w in f['merge_waits']):.2f} s, over {overlap.MERGE_WAIT_S:g} s (round, s): "
+                    f"{waits}; snapshots (round, s): {[(rd, round(x, 2)) for rd, x, _ in f['snapshots']]}",
+                    flush=True,
+                )
+    finally:
+        overlap.launch_pair = launch_pair
+
+
+def heartbeat(work: Path) -> None:
+    from .peer import _inputs
+    from .peer_faults import fault_run
+    from .peer_net import Net
+    from .peer_sizes import SUBSETS
+    from .wan import Star
+
+    sz = SUBSETS["goals"]
+    w = _inputs(work, sz)
+    rate, rtt = sz.links[0]
+    options = peer_launch.CrossRegion
+    try:
+        for hb in (5.0, 1.0):
+            peer_launch.CrossRegion = lambda **kw: CrossRegion(**{**kw, "heartbeat_s": hb})  # type: ignore[misc,assignment] # noqa: B023
+            with Star(rate_mbit=rate, rtt_ms=rtt, window_kb=sz.window_kb) as star:
+                net = Net(star, w.work)
+                net.start_s3("moto")
+                try:
+                    out = fault_run(net, w.work, w.fcfg, w.data, w.fsz, "ours", "one")
+                finally:
+                    net.stop()
+            print(
+                f"heartbeat_s {hb:g}: survivor stall {out['stall_s']:.1f} s, exits {out['rcs']}", flush=True
+            )
+    finally:
+        peer_launch.CrossRegion = options  # type: ignore[misc]
+
+
+def main(argv: list[str]) -> int:
+    what = {"streaming": streaming, "heartbeat": heartbeat}
+    if len(argv) != 1 or argv[0] not in what:
+        print("usage: python -m bench.goals40_diag streaming|heartbeat", file=sys.stderr)
+        return 2
+    work = Path(
+        tempfile.mkdtemp(prefix="sbgen-goals40-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    )
+    try:
+        what[argv[0]](work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

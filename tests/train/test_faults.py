@@ -1,0 +1,109 @@
+"""The per-step sleep and the held stop checkpoint live in sbatch_gen.testing.faults, installed from outside the
+trainer: the production trainer reads neither variable (nor their old names); with the faults installed, the
+real trainer sleeps after every step and holds its stop checkpoint between its files and its marker."""
+
+import re
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from sbatch_gen.testing import faults
+from sbatch_gen.train import finish, loop
+from sbatch_gen.train.checkpoint import MARKER, check_complete, step_dir
+from sbatch_gen.train.cli import parse_args
+from sbatch_gen.train.spec import RunSpec
+from sbatch_gen.train.trainer import run
+
+from .conftest import write_config
+
+REPO = Path(__file__).resolve().parents[2]
+SLEEP_S, HOLD_S = 3600.0, 7200.0  # never slept: the recorder below returns at once for them
+OLD_NAMES = ("SBATCH_GEN_STEP_SLEEP_S", "SBATCH_GEN_STEP_SLEEP_RANKS", "SBATCH_GEN_STOP_SAVE_HOLD_S")
+
+
+@pytest.fixture
+def sleeps(monkeypatch):
+    """time.sleep, recording the calls of SLEEP_S and HOLD_S (and returning at once for them) with the state
+    of the stop checkpoint (step 2 of the run dir in ``sleeps.run_dir``) when they came."""
+    real = time.sleep
+    seen: list[tuple[float, str]] = []
+
+    def sleep(s):
+        if s in (SLEEP_S, HOLD_S):
+            path = step_dir(rec.run_dir, 2)
+            state = "absent" if not path.exists() else ("complete" if (path / MARKER).exists() else "files")
+            seen.append((s, state))
+            return
+        real(s)
+
+    rec = SimpleNamespace(calls=seen, run_dir=None)
+    monkeypatch.setattr(time, "sleep", sleep)
+    return rec
+
+
+def _stopped_run(tmp_path, data_dir, sleeps) -> None:
+    """4 steps configured, a stop file there from the start: the trainer stops after step 2, saves a stop
+    checkpoint of step 2 and acks."""
+    cfg = write_config(tmp_path / "c.yaml", train={"steps": 4}, checkpoint={"every": 100})
+    stop = tmp_path / "stop"
+    stop.write_text("a test's stop\n")
+    sleeps.run_dir = tmp_path / "r"
+    argv = ["--config", str(cfg), "--run-dir", str(sleeps.run_dir), "--data-path", str(data_dir)]
+    args = parse_args([*argv, "--stop-file", str(stop)])
+    assert run(RunSpec.from_args(args)) == 0
+    assert check_complete(step_dir(sleeps.run_dir, 2)) is None
+
+
+def test_the_trainer_reads_no_sleep_or_hold_variable(tmp_path, data_dir, clean_env, monkeypatch, sleeps):
+    for name in (faults.ENV_STEP_SLEEP, OLD_NAMES[0]):
+        monkeypatch.setenv(name, repr(SLEEP_S))
+    for name in (faults.ENV_STOP_SAVE_HOLD, OLD_NAMES[2]):
+        monkeypatch.setenv(name, repr(HOLD_S))
+    _stopped_run(tmp_path, data_dir, sleeps)
+    assert sleeps.calls == []
+
+
+def test_the_trainer_with_the_faults_installed_sleeps_every_step_and_holds_the_stop_save(
+    tmp_path, data_dir, clean_env, monkeypatch, sleeps
+):
+    # the seams, restored after the test (install_from_env patches the modules for the process)
+    monkeypatch.setattr(loop, "_cross_region_round", loop._cross_region_round)
+    monkeypatch.setattr(finish, "hand_off", finish.hand_off)
+    faults.install_from_env({faults.ENV_STEP_SLEEP: repr(SLEEP_S), faults.ENV_STOP_SAVE_HOLD: repr(HOLD_S)})
+    _stopped_run(tmp_path, data_dir, sleeps)
+    # one sleep after each of the 2 steps, then the hold: the stop checkpoint's files written, no marker yet
+    assert sleeps.calls == [(SLEEP_S, "absent"), (SLEEP_S, "absent"), (HOLD_S, "files")]
+
+
+def test_a_sleep_for_some_ranks_sleeps_only_there_and_not_after_a_round_without_quorum(monkeypatch):
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    results = iter([(None, None), None])
+    wrapped = faults.sleeping(lambda t, step: next(results), 0.5, {1})
+    on = SimpleNamespace(info=SimpleNamespace(rank=1))
+    off = SimpleNamespace(info=SimpleNamespace(rank=0))
+    assert wrapped(off, 1) == (None, None) and slept == []
+    results = iter([(None, None), None])
+    assert wrapped(on, 1) == (None, None) and slept == [0.5]
+    assert wrapped(on, 2) is None and slept == [0.5]  # no quorum: the loop ends, no sleep
+
+
+def test_the_module_to_run_follows_the_environment_and_a_missing_seam_is_refused():
+    assert faults.trainer_module(None) == faults.trainer_module({"OTHER": "1"}) == "sbatch_gen.train"
+    assert faults.trainer_module({faults.ENV_STEP_SLEEP: "0.1"}) == "sbatch_gen.testing.faults"
+    assert faults.trainer_module({faults.ENV_STOP_SAVE_HOLD: "3"}) == "sbatch_gen.testing.faults"
+    gone = SimpleNamespace(__name__="sbatch_gen.train.loop")
+    with pytest.raises(RuntimeError, match=r"sbatch_gen\.train\.loop\._cross_region_round is gone"):
+        faults._patch(gone, "_cross_region_round", lambda f: f)
+
+
+def test_no_production_module_names_a_test_variable():
+    pattern = re.compile(r"SBATCH_GEN_TEST_|" + "|".join(OLD_NAMES))
+    named = [
+        str(p.relative_to(REPO))
+        for p in (REPO / "sbatch_gen").rglob("*.py")
+        if "testing" not in p.relative_to(REPO / "sbatch_gen").parts and pattern.search(p.read_text())
+    ]
+    assert named == []
