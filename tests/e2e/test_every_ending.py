@@ -30,7 +30,18 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from e2e_lib import REPO, SHORT_STEPS, LocalJob, local_job, preempt, script, trainer_workers
+from e2e_lib import (
+    E2E_EXPORTS,
+    REPO,
+    SHORT_STEPS,
+    LocalJob,
+    cluster_set,
+    local_job,
+    preempt,
+    report,
+    script,
+    trainer_workers,
+)
 
 from sbatch_gen.proc import pid_alive
 
@@ -70,13 +81,24 @@ _WITNESS = (
 )
 
 
+def _slow_module_load(root: Path, inside: Path, hold: Path) -> tuple[dict, dict]:
+    """A `module load` that takes a while, as on a loaded shared filesystem: the profile's settings and the
+    submit environment for it. The test's `module`, a bash function in a file the job's shells read at their
+    start (BASH_ENV, which the job takes from the submitting shell: slurm.export), creates ``inside``, then
+    waits for ``hold`` to go. It runs in the batch shell itself (sleeps of 0.2 s): a signal's trap runs at once."""
+    bash_env = root / "bash-env.sh"
+    bash_env.write_text(f"module() {{ touch {inside}; while [ -e {hold} ]; do sleep 0.2; done; }}\n")
+    sets = {"python_env.modules": ["slow-site-module"], "slurm.export": [*E2E_EXPORTS, "BASH_ENV"]}
+    return sets, {"BASH_ENV": str(bash_env)}
+
+
 def test_a_preemption_before_the_preflight_and_a_sigterm_during_its_requeue(
     cluster, e2e_root, train_config, data_dir
 ):
     """Two phases no step runs in, in one job.
 
     A preemption with GraceTime while the batch shell activates the environment (a `module load` that takes
-    a while, as on a loaded shared filesystem: the test's own `module`, exported as a bash function, waits
+    a while, as on a loaded shared filesystem: the test's own `module`, a bash function read from BASH_ENV, waits
     for a marker): Slurm signals the job steps, and there are none yet. The batch shell reads Slurm's record
     before it starts one: no preflight, no training in this attempt; it requeues.
 
@@ -102,16 +124,16 @@ def test_a_preemption_before_the_preflight_and_a_sigterm_during_its_requeue(
         f'exec {real} "$@"\n'
     )
     wrapper.chmod(0o755)
+    sets, env = _slow_module_load(root, inside, hold)
     job = local_job(
         cluster,
         root,
         "pearly",
-        {"python_env.modules": ["slow-site-module"], "trainer.max_steps": SHORT_STEPS},
+        {**sets, "trainer.max_steps": SHORT_STEPS},
         config=train_config,
         data=data_dir,
     )
-    module = f"() {{ touch {inside}; while [ -e {hold} ]; do sleep 0.2; done; }}"
-    job.submit({"BASH_FUNC_module%%": module, "PATH": f"{bin_dir}:{cluster.env['PATH']}"})
+    job.submit({**env, "PATH": f"{bin_dir}:{cluster.env['PATH']}"})
     deadline = time.monotonic() + 120
     while not inside.exists():
         assert time.monotonic() < deadline, job.describe()
@@ -153,6 +175,109 @@ def test_a_users_scancel_ends_the_run_in_one_line(cluster, e2e_root, train_confi
     said = "SIGTERM to the batch shell: the job was cancelled (scancel); not requeueing"
     assert log.count(said) == 1, log
     assert "requeueing job" not in log and "ERROR" not in log, log
+    _assert_no_traceback(job)
+
+
+# Every way a job ends, while the job cannot train yet: what the batch log says (once), how Slurm's record ends,
+# its Restarts (at most one requeue per stop). usr1: a preemption (GraceTime) with preempt_send_user_signal, the
+# profile's USR1 to the batch shell: the script requeues; sunk: a preemption without GraceTime (partition sunk),
+# TERM to everything: Slurm requeues; requeue: an administrator's `scontrol requeue`, the same; scancel: ended.
+_EARLY_ENDINGS = {
+    "scancel": (
+        "CANCELLED",
+        "0",
+        "SIGTERM to the batch shell: the job was cancelled (scancel); not requeueing",
+    ),
+    "requeue": (
+        "COMPLETED",
+        "1",
+        "SIGTERM to the batch shell: Slurm requeues this job itself; this attempt is over",
+    ),
+    "sunk": (
+        "COMPLETED",
+        "1",
+        "SIGTERM to the batch shell: Slurm requeues this job itself; this attempt is over",
+    ),
+    "usr1": ("COMPLETED", "1", "SIGUSR1 received: asking the trainer to checkpoint and stop"),
+}
+
+
+@pytest.mark.parametrize("way", list(_EARLY_ENDINGS))
+@pytest.mark.parametrize("phase", ["before", "during"])
+def test_every_way_a_job_ends_before_and_during_the_preflight(
+    cluster, e2e_root, train_config, data_dir, phase, way
+):
+    """The job held before the preflight (a slow `module load` while the batch shell activates the
+    environment, the test's exported bash function) or during it (a slow preflight.health_check on both nodes),
+    until the way it ends has reached the batch shell: a user's scancel ends it in one line, no requeue, no
+    step; any other way requeues it exactly once (the script for USR1, Slurm itself for a TERM it sends
+    before requeueing), never as a failed preflight, and the next attempt trains every step once."""
+    root = e2e_root / f"early-{phase}-{way}"
+    root.mkdir(parents=True)
+    hold = root / "hold"
+    hold.touch()
+    sets: dict = {"trainer.max_steps": SHORT_STEPS}
+    env = {}
+    if phase == "before":
+        held = [root / "in-module-load"]
+        more, env = _slow_module_load(root, held[0], hold)
+        sets.update(more)
+    else:
+        held = [root / "in-preflight.0", root / "in-preflight.1"]
+        sets["preflight.health_check"] = (
+            f'touch {root}/in-preflight."$SLURM_NODEID"; while [ -e {hold} ]; do sleep 0.2; done'
+        )
+    if way == "sunk":
+        sets["slurm.partition"] = cluster.info["SBATCH_GEN_SLURM_SUNK_PARTITION"]
+    state, restarts, said = _EARLY_ENDINGS[way]
+    job = local_job(cluster, root, f"e{phase[0]}{way}", sets, config=train_config, data=data_dir)
+    with (
+        cluster_set(cluster, "preempt-signal", "on", back="off")
+        if way == "usr1"
+        else contextlib.nullcontext()
+    ):
+        t0 = time.monotonic()
+        job.submit(env)
+        deadline = time.monotonic() + 120
+        while not all(p.exists() for p in held):
+            assert time.monotonic() < deadline, job.describe()
+            time.sleep(0.2)
+        if way == "scancel":
+            cluster.run("scancel", str(job.job_id))
+        elif way == "requeue":
+            cluster.run("scontrol", "requeue", str(job.job_id))
+        else:
+            preempt(cluster)
+        deadline = time.monotonic() + 60
+        while said not in job.batch_log():  # the batch shell has heard of it, while still held
+            assert time.monotonic() < deadline, job.describe()
+            time.sleep(0.1)
+        hold.unlink()
+        info = cluster.wait_done(job.job_id, timeout=300)
+    report(
+        f"{phase} the preflight, {way}: job {job.job_id} {info['JobState']} in {time.monotonic() - t0:.0f} s"
+    )
+    assert info["JobState"] == state and info["Restarts"] == restarts, job.describe()
+    log = job.batch_log()
+    nxt = log.find(f"job {job.job_id}, attempt 1")
+    first = log[: nxt if nxt >= 0 else len(log)]
+    assert log.count(said) == 1 and said in first, log
+    assert ("preflight on" in first) == (phase == "during") and "training;" not in first, first
+    assert "preflight failed" not in log.lower() and "ERROR" not in log, log
+    if way == "usr1":
+        why = (
+            "stop requested before training started" if phase == "before" else "stopped during the preflight"
+        )
+        assert f"): {why}" in first and log.count("requeueing job") == 1, log
+    else:
+        assert "requeueing job" not in log, log
+    assert ("cancelled" in log) == (way == "scancel"), log
+    counts = _steps(job)
+    if state == "CANCELLED":
+        assert not counts and nxt < 0, (counts, log)
+    else:
+        assert sorted(counts) == list(range(1, SHORT_STEPS + 1)) and set(counts.values()) == {1}, counts
+        assert "training finished" in log[nxt:], log
     _assert_no_traceback(job)
 
 
