@@ -206,13 +206,14 @@ _EARLY_ENDINGS = {
 # KNOWN BUG (issue 39, item 1: "one line saying so"), found by these cells on the local cluster: while the batch
 # shell waits for a program in the foreground (here the test's `module`; in production Lmod's own program under
 # `module load`, pin_code's copy, pin_env's python), its TERM trap waits too (bash runs traps only between
-# commands). Measured: a user's scancel then ends the job with no line at all, even when the program returns
-# within 0.2 s of Slurm's record saying CANCELLED; `scontrol requeue` or a SUNK preemption says its line only if the
-# program returns before KillWait (5 s) ends, else Slurm's SIGKILL comes first and attempt 0 says nothing. A
-# minimal sbatch script with `trap ... TERM` and a foreground `bash -c 'while :; do sleep 0.2; done'`, scancelled,
-# ends with ExitCode 0:9 and no trap output; the same loop in the shell itself traps (143:0). The job still ends
-# as it should (CANCELLED; Slurm requeues it and the run completes); only the line is missing. Until this is
-# fixed these cells check everything else and are reported as xfail when the line is missing.
+# commands), and Slurm's TERM does not reach that program. Measured: a user's scancel then ends the job with no
+# line at all, even when the program returns within 0.2 s of Slurm's record saying CANCELLED; `scontrol requeue`
+# or a SUNK preemption says its line only if the program returns before KillWait (5 s) ends, else Slurm's SIGKILL
+# comes first and attempt 0 says nothing. Minimal sbatch scripts with `trap ... TERM`, scancelled: a foreground
+# `bash -c 'trap "echo child got TERM" TERM; while :; do sleep 0.2; done'` -> ExitCode 0:9, neither trap ran;
+# the same program started with `&` and `wait`ed (as preflight_nodes runs its step) -> the trap ran 7 ms after
+# the scancel, 0:0. The job still ends as it should (CANCELLED; Slurm requeues it and the run completes); only
+# the line is missing. Until fixed these cells check everything else and xfail when the line is missing.
 _KILLED = (
     "a TERM while the batch shell waits for `module load` (a foreground program): the batch shell ends before "
     "its trap says why (no line)"
