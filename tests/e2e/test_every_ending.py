@@ -6,6 +6,8 @@
   in that attempt; then a SIGTERM while it runs `scontrol requeue`: not a failure, requeued once, every
   step trained once (the preemption during the preflight: test_preemption.py);
 - a user's scancel while training: CANCELLED, one line, no requeue;
+- before and during the preflight, each of a user's scancel, `scontrol requeue`, a SUNK preemption (no
+  GraceTime) and a preemption with preempt_send_user_signal (one parametrized test; a known bug xfails there);
 - a run of 4 stops (the time-limit signal, sent exactly with `scancel --signal=USR1 --batch`) with a budget
   of 1 requeue without progress: every attempt checkpointed, so the run completes;
 - a stop checkpoint slower than what is left before the time limit: the job ends TIMEOUT, which Slurm never
