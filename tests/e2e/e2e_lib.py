@@ -460,6 +460,19 @@ class LocalJob:
         return "\n".join(parts)
 
 
+@contextmanager
+def cluster_set(cluster: Cluster, setting: str, value: str, back: str):
+    """`local-slurm.sh SETTING VALUE` on the running cluster for the block, then `SETTING BACK`:
+    preempt-signal on|off."""
+    p = run([str(SCRIPT), setting, value], env=cluster.env, check=False)
+    assert p.returncode == 0, p.stderr
+    try:
+        yield
+    finally:
+        p = run([str(SCRIPT), setting, back], env=cluster.env, check=False)
+        assert p.returncode == 0, p.stderr
+
+
 def preempt(cluster: Cluster, qos: str | None = None) -> int:
     """A job that needs both nodes whole, in the high-priority partition (or, with ``qos``, in the default
     partition with that QOS): Slurm preempts what runs there. Returns its id."""

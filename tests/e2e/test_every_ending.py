@@ -6,6 +6,8 @@
   in that attempt; then a SIGTERM while it runs `scontrol requeue`: not a failure, requeued once, every
   step trained once (the preemption during the preflight: test_preemption.py);
 - a user's scancel while training: CANCELLED, one line, no requeue;
+- before and during the preflight, each of a user's scancel, `scontrol requeue`, a SUNK preemption (no
+  GraceTime) and a preemption with preempt_send_user_signal (one parametrized test; a known bug xfails there);
 - a run of 4 stops (the time-limit signal, sent exactly with `scancel --signal=USR1 --batch`) with a budget
   of 1 requeue without progress: every attempt checkpointed, so the run completes;
 - a stop checkpoint slower than what is left before the time limit: the job ends TIMEOUT, which Slurm never
@@ -30,7 +32,18 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from e2e_lib import REPO, SHORT_STEPS, WITH_FAULTS, LocalJob, local_job, preempt, script, trainer_workers
+from e2e_lib import (
+    REPO,
+    SHORT_STEPS,
+    WITH_FAULTS,
+    LocalJob,
+    cluster_set,
+    local_job,
+    preempt,
+    report,
+    script,
+    trainer_workers,
+)
 
 from sbatch_gen.proc import pid_alive
 
@@ -70,13 +83,26 @@ _WITNESS = (
 )
 
 
+def _slow_module_load(root: Path, inside: Path, hold: Path) -> tuple[dict, Path]:
+    """A `module load` that takes a while, as on a loaded shared filesystem: the profile's settings and the
+    directory to put first on the job's PATH. The test's `module`, a program there, creates ``inside``, then
+    waits for ``hold`` to go. The batch shell waits for it as for Lmod's own program: a signal to the batch
+    shell only (USR1) is trapped once it has exited; one to the job's processes (TERM) ends it too."""
+    bin_dir = root / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    module = bin_dir / "module"
+    module.write_text(f"#!/bin/bash\ntouch {inside}\nwhile [ -e {hold} ]; do sleep 0.2; done\n")
+    module.chmod(0o755)
+    return {"python_env.modules": ["slow-site-module"]}, bin_dir
+
+
 def test_a_preemption_before_the_preflight_and_a_sigterm_during_its_requeue(
     cluster, e2e_root, train_config, data_dir
 ):
     """Two phases no step runs in, in one job.
 
     A preemption with GraceTime while the batch shell activates the environment (a `module load` that takes
-    a while, as on a loaded shared filesystem: the test's own `module`, exported as a bash function, waits
+    a while, as on a loaded shared filesystem: the test's own `module`, a program first on the job's PATH, waits
     for a marker): Slurm signals the job steps, and there are none yet. The batch shell reads Slurm's record
     before it starts one: no preflight, no training in this attempt; it requeues.
 
@@ -102,16 +128,16 @@ def test_a_preemption_before_the_preflight_and_a_sigterm_during_its_requeue(
         f'exec {real} "$@"\n'
     )
     wrapper.chmod(0o755)
+    sets, _ = _slow_module_load(root, inside, hold)
     job = local_job(
         cluster,
         root,
         "pearly",
-        {"python_env.modules": ["slow-site-module"], "trainer.max_steps": SHORT_STEPS},
+        {**sets, "trainer.max_steps": SHORT_STEPS},
         config=train_config,
         data=data_dir,
     )
-    module = f"() {{ touch {inside}; while [ -e {hold} ]; do sleep 0.2; done; }}"
-    job.submit({"BASH_FUNC_module%%": module, "PATH": f"{bin_dir}:{cluster.env['PATH']}"})
+    job.submit({"PATH": f"{bin_dir}:{cluster.env['PATH']}"})
     deadline = time.monotonic() + 120
     while not inside.exists():
         assert time.monotonic() < deadline, job.describe()
@@ -154,6 +180,141 @@ def test_a_users_scancel_ends_the_run_in_one_line(cluster, e2e_root, train_confi
     assert log.count(said) == 1, log
     assert "requeueing job" not in log and "ERROR" not in log, log
     _assert_no_traceback(job)
+
+
+# Every way a job ends, while the job cannot train yet: what the batch log says (once), how Slurm's record ends,
+# its Restarts (at most one requeue per stop). usr1: a preemption (GraceTime) with preempt_send_user_signal, the
+# profile's USR1 to the batch shell: the script requeues; sunk: a preemption without GraceTime (partition sunk),
+# TERM to everything: Slurm requeues; requeue: an administrator's `scontrol requeue`, the same; scancel: ended.
+_EARLY_ENDINGS = {
+    "scancel": (
+        "CANCELLED",
+        "0",
+        "SIGTERM to the batch shell: the job was cancelled (scancel); not requeueing",
+    ),
+    "requeue": (
+        "COMPLETED",
+        "1",
+        "SIGTERM to the batch shell: Slurm requeues this job itself; this attempt is over",
+    ),
+    "sunk": (
+        "COMPLETED",
+        "1",
+        "SIGTERM to the batch shell: Slurm requeues this job itself; this attempt is over",
+    ),
+    "usr1": ("COMPLETED", "1", "SIGUSR1 received: asking the trainer to checkpoint and stop"),
+}
+
+
+# KNOWN BUG (issue 39, item 1: "one line saying so"), found by these cells on the local cluster: while the batch
+# shell waits for a program in the foreground (here the test's `module`; in production Lmod's own program under
+# `module load`, pin_code's copy, pin_env's python), its TERM trap waits too (bash runs traps only between
+# commands), and Slurm's TERM does not reach that program. Measured: a user's scancel then ends the job with no
+# line at all, even when the program returns within 0.2 s of Slurm's record saying CANCELLED; `scontrol requeue`
+# or a SUNK preemption says its line only if the program returns before KillWait (5 s) ends, else Slurm's SIGKILL
+# comes first and attempt 0 says nothing. Minimal sbatch scripts with `trap ... TERM`, scancelled: a foreground
+# `bash -c 'trap "echo child got TERM" TERM; while :; do sleep 0.2; done'` -> ExitCode 0:9, neither trap ran;
+# the same program started with `&` and `wait`ed (as preflight_nodes runs its step) -> the trap ran 7 ms after
+# the scancel, 0:0. The job still ends as it should (CANCELLED; Slurm requeues it and the run completes); only
+# the line is missing. Until fixed these cells check everything else and xfail when the line is missing.
+_KILLED = (
+    "a TERM while the batch shell waits for `module load` (a foreground program): the batch shell ends before "
+    "its trap says why (no line)"
+)
+
+
+@pytest.mark.parametrize("way", list(_EARLY_ENDINGS))
+@pytest.mark.parametrize("phase", ["before", "during"])
+def test_every_way_a_job_ends_before_and_during_the_preflight(
+    cluster, e2e_root, train_config, data_dir, phase, way
+):
+    """The job held before the preflight (a slow `module load` while the batch shell activates the
+    environment, the test's `module` program) or during it (a slow preflight.health_check on both nodes),
+    until the way it ends has reached the batch shell: a user's scancel ends it in one line, no requeue, no
+    step; any other way requeues it exactly once (the script for USR1, Slurm itself for a TERM it sends
+    before requeueing), never as a failed preflight, and the next attempt trains every step once."""
+    root = e2e_root / f"early-{phase}-{way}"
+    root.mkdir(parents=True)
+    hold = root / "hold"
+    hold.touch()
+    sets: dict = {"trainer.max_steps": SHORT_STEPS}
+    env = {}
+    if phase == "before":
+        held = [root / "in-module-load"]
+        more, bin_dir = _slow_module_load(root, held[0], hold)
+        sets.update(more)
+        env["PATH"] = f"{bin_dir}:{cluster.env['PATH']}"
+    else:
+        held = [root / "in-preflight.0", root / "in-preflight.1"]
+        sets["preflight.health_check"] = (
+            f'touch {root}/in-preflight."$SLURM_NODEID"; while [ -e {hold} ]; do sleep 0.2; done'
+        )
+    if way == "sunk":
+        sets["slurm.partition"] = cluster.info["SBATCH_GEN_SLURM_SUNK_PARTITION"]
+    state, restarts, said = _EARLY_ENDINGS[way]
+    job = local_job(cluster, root, f"e{phase[0]}{way}", sets, config=train_config, data=data_dir)
+    with (
+        cluster_set(cluster, "preempt-signal", "on", back="off")
+        if way == "usr1"
+        else contextlib.nullcontext()
+    ):
+        t0 = time.monotonic()
+        job.submit(env)
+        deadline = time.monotonic() + 120
+        while not all(p.exists() for p in held):
+            assert time.monotonic() < deadline, job.describe()
+            time.sleep(0.2)
+        if way == "scancel":
+            cluster.run("scancel", str(job.job_id))
+        elif way == "requeue":
+            cluster.run("scontrol", "requeue", str(job.job_id))
+        else:
+            preempt(cluster)
+        deadline = time.monotonic() + 60
+        if phase == "before" and way == "usr1":  # to the batch shell only: trapped once `module` has exited
+            while not cluster.job(job.job_id).get("PreemptTime", "None")[:1].isdigit():
+                assert time.monotonic() < deadline, job.describe()
+                time.sleep(0.2)
+            time.sleep(1)
+            hold.unlink()
+        if phase == "before" and way != "usr1":  # TERM to the job's processes, `module` too: see _KILLED
+            while (i := cluster.job(job.job_id))["JobState"] != "CANCELLED" and i["Restarts"] == "0":
+                assert time.monotonic() < deadline, job.describe()
+                time.sleep(0.1)
+        while said not in job.batch_log() and not (phase == "before" and way != "usr1"):
+            assert time.monotonic() < deadline, job.describe()  # the batch shell has heard of it, still held
+            time.sleep(0.1)
+        hold.unlink(missing_ok=True)
+        info = cluster.wait_done(job.job_id, timeout=300)
+    report(
+        f"{phase} the preflight, {way}: job {job.job_id} {info['JobState']} in {time.monotonic() - t0:.0f} s"
+    )
+    assert info["JobState"] == state and info["Restarts"] == restarts, job.describe()
+    log = job.batch_log()
+    nxt = log.find(f"job {job.job_id}, attempt 1")
+    first = log[: nxt if nxt >= 0 else len(log)]
+    assert ("preflight on" in first) == (phase == "during") and "training;" not in first, first
+    assert "preflight failed" not in log.lower() and "ERROR" not in log, log
+    if way == "usr1":
+        why = (
+            "stop requested before training started" if phase == "before" else "stopped during the preflight"
+        )
+        assert f"): {why}" in first and log.count("requeueing job") == 1, log
+    else:
+        assert "requeueing job" not in log, log
+    counts = _steps(job)
+    if state == "CANCELLED":
+        assert not counts and nxt < 0, (counts, log)
+    else:
+        assert sorted(counts) == list(range(1, SHORT_STEPS + 1)) and set(counts.values()) == {1}, counts
+        assert "training finished" in log[nxt:], log
+    _assert_no_traceback(job)
+    if phase == "before" and way != "usr1" and said not in log:
+        pytest.xfail(_KILLED)
+    assert log.count(said) == 1 and said in first, log
+    held_at = first.index(f"job {job.job_id}, attempt 0" if phase == "before" else "preflight on")
+    assert first.index(said) > held_at if phase == "during" else first.index(said) < held_at, first
+    assert ("cancelled" in log) == (way == "scancel"), log
 
 
 def test_many_stops_that_checkpointed_never_use_up_the_budget(cluster, e2e_root, train_config, data_dir):

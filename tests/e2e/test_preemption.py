@@ -28,11 +28,19 @@ import re
 import subprocess
 import time
 from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from e2e_lib import REPO, SCRIPT, SHORT_STEPS, STOP_HOLD_S, WITH_FAULTS, LocalJob, local_job, preempt, run
+from e2e_lib import (
+    REPO,
+    SHORT_STEPS,
+    STOP_HOLD_S,
+    WITH_FAULTS,
+    LocalJob,
+    cluster_set,
+    local_job,
+    preempt,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -50,19 +58,6 @@ def _job(cluster, root: Path, name: str, train_config, data_dir, sets: dict | No
         **WITH_FAULTS,
     }
     return local_job(cluster, root, name, {**base, **(sets or {})}, config=train_config, data=data_dir)
-
-
-@contextmanager
-def _cluster_set(cluster, setting: str, value: str, back: str):
-    """`local-slurm.sh SETTING VALUE` on the running cluster for the block, then `SETTING BACK`:
-    preempt-signal on|off."""
-    p = run([str(SCRIPT), setting, value], env=cluster.env, check=False)
-    assert p.returncode == 0, p.stderr
-    try:
-        yield
-    finally:
-        p = run([str(SCRIPT), setting, back], env=cluster.env, check=False)
-        assert p.returncode == 0, p.stderr
 
 
 def _logs(job: LocalJob) -> dict[str, str]:
@@ -145,7 +140,7 @@ def test_partition_preemption_with_grace_time_checkpoints_and_requeues_once(
 
 
 def test_partition_preemption_with_preempt_send_user_signal(cluster, e2e_root, train_config, data_dir):
-    with _cluster_set(cluster, "preempt-signal", "on", back="off"):
+    with cluster_set(cluster, "preempt-signal", "on", back="off"):
         job = _preempted_with_a_slow_stop(cluster, e2e_root / "preempt-usr1", "pusr1", train_config, data_dir)
     _assert_complete_stop(job, "SIGUSR1 to the batch shell")
     first = _attempt(job.batch_log(), job, 0)
