@@ -26,13 +26,13 @@ LIBRARIES = [d / JOB_LIBRARY_FILE for d in OUT_DIRS]
 
 # The job's decisions come early. The training launch (main's first srun: the preflight's is the job
 # library's) follows torchrun's and the trainer's argument lists (the trainer's --xr-* flags several to a
-# line, each family after a comment naming its section), which puts it at line 259 for eu, and the requeue decision a few lines later.
+# line, each family after a comment naming its section), which puts it at line 258 for eu, and the requeue decision a few lines later.
 LAUNCH_BY = 260
 DECISION_BY = 270
 # ...and where the flow ends: main's closing brace, after the requeue decision and all it does (310 in eu;
 # the SSH launcher's main is its attempts loop, 181 in lab.sh).
 MAIN_END_BY = 315
-# A Slurm training script whole: 372 lines for eu (801 before its helpers and node functions became the
+# A Slurm training script whole: 373 lines for eu (801 before its helpers and node functions became the
 # job library and the trainer's --xr-*/--metrics-* flags went three to a line), the bootstrap after main included.
 SLURM_SCRIPT_LINES = 375
 # The bootstrap after a Slurm training script's main: these functions, nothing else.
