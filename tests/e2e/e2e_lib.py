@@ -351,7 +351,7 @@ def leftovers() -> list[str]:
 # Rendered jobs of the `local` site
 
 
-_ports = iter(range(29600, 29900, 7))
+_ports = iter(range(29600, 32600, 7))
 
 
 def next_port() -> int:

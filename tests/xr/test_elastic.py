@@ -372,8 +372,8 @@ def test_a_region_wrongly_seen_gone_costs_one_round_without_it_and_stays_bit_ide
                 time.sleep(0.02)
             s.membership.start_heartbeat()  # beating again (a new incarnation)
             return _rounds(m, s, opt, r, [2, 3])
-        out = _rounds(m, s, opt, r, [2])
-        assert "us" in s.membership.watched_gone()
+        out = _rounds(m, s, opt, r, [2])  # closed "stale" with us seen gone (asserted below; the watch may
+        # see us beating again by the time this returns: us restarts its heartbeat once round 2 is committed)
         deadline = time.monotonic() + 30.0
         while (hb := s.membership.read_heartbeat("us")) == old or hb is None:  # round 3 starts with us alive
             assert time.monotonic() < deadline, "us never beat again"
