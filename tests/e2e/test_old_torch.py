@@ -44,6 +44,7 @@ def old_torch_venv() -> Path:
     return OLD_VENV
 
 
+@pytest.mark.timeout(1800)  # the first run on a machine downloads torch 2.4.1 (3.3 GB) into the venv
 def test_a_torch_without_the_stop_flags_stops_gracefully_and_continues(
     cluster, e2e_root, train_config, data_dir, old_torch_venv
 ):
