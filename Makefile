@@ -59,7 +59,18 @@ format: install  ## rewrite the Python sources in the project's style (ruff form
 test-fast: install  ## the unit tier: no real servers, no subprocess training, no Slurm; under a minute (TEST_WORKERS processes)
 	$(PY) -m pytest -m "not slow and not e2e" -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
-test: install system-deps  ## the whole test suite: unit, multi-process (torchrun/gloo), end to end on local Slurm (TEST_WORKERS processes)
+# torch 2.4.1 (torchrun without --signals-to-handle/--shutdown-timeout) in a venv of its own, once per machine, for
+# tests/e2e/test_old_torch.py; a CUDA build (PyPI has no CPU one for it): 3.3 GB to download, 5 GB on disk
+OLD_TORCH_VENV ?= $(HOME)/.cache/sbatch-gen/venv-torch2.4
+export OLD_TORCH_VENV
+$(OLD_TORCH_VENV)/.installed:
+	$(PYTHON) -m venv --clear $(OLD_TORCH_VENV)
+	$(OLD_TORCH_VENV)/bin/python -m pip install -q --disable-pip-version-check 'torch==2.4.1' 'numpy<2'
+	touch $@
+
+old-torch: $(OLD_TORCH_VENV)/.installed  ## torch 2.4.1 in a venv of its own (~/.cache/sbatch-gen), for the e2e test of an older torch
+
+test: install system-deps old-torch  ## the whole test suite: unit, multi-process (torchrun/gloo), end to end on local Slurm (TEST_WORKERS processes)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 demo: install  ## render the sites, then train two regions with DiLoCo over the fs mailbox and summarise
@@ -76,4 +87,4 @@ bench: install system-deps  ## benchmarks: Markdown table + PNG plots in bench/r
 	command -v aws >/dev/null || $(PYTHON) -m pip install -q awscli
 	$(PY) -m bench
 
-.PHONY: help install system-deps render check lint format test test-fast demo bench screenshots
+.PHONY: help install system-deps old-torch render check lint format test test-fast demo bench screenshots
