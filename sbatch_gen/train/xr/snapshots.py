@@ -12,9 +12,10 @@ from typing import NamedTuple
 
 import torch
 
-from .errors import XRError
+from .errors import StoreError, XRBehind, XRError
 from .exchange import Exchange
 from .overlap import CANCEL_WAIT_S, InFlight
+from .protocol import round_tag
 from .region import held
 from .sync import OuterSync
 
@@ -188,8 +189,11 @@ class SnapshotSync(OuterSync):
         expect = self.ex.expect("snapshot")
         mans = self.group.on_rank(lambda: self.ex.ms().read_snapshot(s, expect))
         tag = ms.snap_tag(s) if ms is not None else ""
-        self.ex.fetch(tag, mans["theta"], self.work, self.ex.fp32_plan)
-        self.ex.fetch(tag, mans["momentum"], self.avg, self.ex.fp32_plan)
+        try:
+            self.ex.fetch(tag, mans["theta"], self.work, self.ex.fp32_plan)
+            self.ex.fetch(tag, mans["momentum"], self.avg, self.ex.fp32_plan)
+        except StoreError as e:  # (every rank: on_each) a newer snapshot pruned this one while it was read
+            raise XRBehind(f"outer snapshot {round_tag(s)}: {e} while fast-forwarding", None) from e
         if self.leader:
             self._mutable()
             held(self.theta_outer, "theta_outer").copy_(held(self.work, "work"))
