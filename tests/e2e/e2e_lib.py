@@ -354,6 +354,20 @@ def leftovers() -> list[str]:
 _ports = iter(range(29600, 32600, 7))
 
 
+def git_checkout(cluster: Cluster, path: Path):
+    """Make ``path`` (holding files already) a git checkout; returns commit(MESSAGE) -> the new commit's id,
+    which commits everything in it (a `git pull` stands in as a commit)."""
+    git = ["git", "-C", str(path), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+
+    def commit(msg: str) -> str:
+        cluster.run(*git, "add", "-A")
+        cluster.run(*git, "commit", "-q", "-m", msg)
+        return cluster.run(*git, "rev-parse", "HEAD").stdout.strip()
+
+    cluster.run(*git, "init", "-q")
+    return commit
+
+
 def next_port() -> int:
     """A rendezvous port no other test of this session uses (jobs may overlap on a node)."""
     return next(_ports)

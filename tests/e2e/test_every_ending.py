@@ -38,6 +38,7 @@ from e2e_lib import (
     WITH_FAULTS,
     LocalJob,
     cluster_set,
+    git_checkout,
     local_job,
     preempt,
     report,
@@ -601,14 +602,7 @@ def test_every_attempt_runs_the_code_the_run_was_submitted_with(cluster, e2e_roo
     code.mkdir()
     probe = code / "sbg_stop_probe.py"
     probe.write_text((Path(__file__).resolve().parents[1] / "probes" / "sbg_stop_probe.py").read_text())
-    git = ["git", "-C", str(code), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
-
-    def commit(msg: str) -> str:
-        cluster.run(*git, "add", "-A")
-        cluster.run(*git, "commit", "-q", "-m", msg)
-        return cluster.run(*git, "rev-parse", "HEAD").stdout.strip()
-
-    cluster.run(*git, "init", "-q")
+    commit = git_checkout(cluster, code)
     first = commit("as submitted")
     job = local_job(
         cluster,

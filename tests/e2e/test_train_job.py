@@ -13,6 +13,7 @@ from e2e_lib import (
     WITH_FAULTS,
     assert_resumed_losses_match,
     assert_same_final_params,
+    git_checkout,
     local_job,
     report,
 )
@@ -65,14 +66,7 @@ def test_preempt_requeue_resume_matches_uninterrupted(
     code.mkdir()
     config = code / "train.yaml"
     config.write_text(train_config.read_text())
-    git = ["git", "-C", str(code), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
-
-    def commit(msg: str) -> str:
-        cluster.run(*git, "add", "-A")
-        cluster.run(*git, "commit", "-q", "-m", msg)
-        return cluster.run(*git, "rev-parse", "HEAD").stdout.strip()
-
-    cluster.run(*git, "init", "-q")
+    commit = git_checkout(cluster, code)
     first = commit("as submitted")
     # a stop checkpoint of STOP_HOLD_S, longer than torchrun's own shutdown timeout, within the budget of 40 + 20
     job = local_job(
