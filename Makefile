@@ -10,7 +10,7 @@ SG := $(VENV)/bin/sbatch-gen
 PYTEST_ARGS ?=
 # pytest-xdist processes for make test-fast and make test (tests/conftest.py groups what must run serially)
 TEST_WORKERS ?= 2
-APT_PACKAGES := shellcheck slurmctld slurmd slurm-client slurmdbd mariadb-server munge openssh-server iproute2 iptables procps psmisc tmux
+APT_PACKAGES := shellcheck lmod slurmctld slurmd slurm-client slurmdbd mariadb-server munge openssh-server iproute2 iptables procps psmisc tmux
 # make screenshots only: a headless browser (and a font) for TensorBoard, tmux for the terminal screens
 SCREENSHOT_APT_PACKAGES := chromium fonts-dejavu-core tmux
 

@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 6c0089b85b19449168e9ae761857dce3535212ddebcf61d8f551ccf56e38d6cd
+#   inputs sha256: febe2e882121ed41b04fb239abd660293f3c3780822836265999b175fb98070e
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -51,7 +51,7 @@ NUMA_BINDING=''  # topology.numa_binding
 LOG_TOPOLOGY=1  # topology.log_topology
 IB_HCA=''  # nccl.ib_hca as NCCL_IB_HCA: the preflight checks these adapters (empty: none)
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
-NODE_PY_SHA256=25e93c093b34487a2019d1c912afaebd86588021977208c39123a0cf259c9788  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
+NODE_PY_SHA256=fa3e4608382958acd5e0447085fae3764e4e43c6b184e29eddfe8fde01be646e  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv  # python_env.kind
@@ -534,7 +534,7 @@ cleanup_command() {
 # preflight, the training step's supervision) and node_lines. Every render with the same library sha256
 # carries these same lines: review them once (`sbatch-gen diff --all` shows a change to them once, naming
 # the files).
-# library sha256: 886224cbee3437487d05cce59c48e7a894dfe3de3e63c2d0676235cdd1391705
+# library sha256: 80e263a69c96950ae0c6963edc871027de137701662a9bcf4d891d825f98afee
 # log MESSAGE...: one timestamped line on stderr, also appended to $LOG_FILE when that is set. Never fails
 # (the terminal may be gone when a trap logs).
 log() {
@@ -546,10 +546,26 @@ log() {
 # die CODE MESSAGE...: log "ERROR: MESSAGE" and exit with CODE.
 die() { local code=$1; shift; log "ERROR: $*"; exit "$code"; }
 
+# run_waited [--out VAR] CMD ARG...: CMD run in the background and waited for, its status (--out: its stdout
+# in VAR). Bash runs a trap only once a foreground program has returned, and a scancel signals the batch shell
+# alone: a slow program in the foreground would keep the job's traps from saying why it ends.
+run_waited() {
+  local pid rc=0 out='' tmp
+  if [[ $1 == --out ]]; then out=$2; shift 2; fi
+  if [[ -n $out ]]; then tmp=$(mktemp) || return 1; "$@" >"$tmp" & else "$@" & fi
+  pid=$!
+  wait "$pid" || rc=$?
+  while kill -0 "$pid" 2>/dev/null; do rc=0; wait "$pid" || rc=$?; done  # a trap ran meanwhile: CMD goes on
+  if [[ -n $out ]]; then printf -v "$out" '%s' "$(<"$tmp")"; rm -f -- "$tmp"; fi
+  return "$rc"
+}
+
 # load_modules: `module load` python_env.modules ($MODULES), after sourcing the module system's shell set-up
-# where `module` is not defined (ssh's non-login shells). Sets NODE_ERROR and returns 1 if that fails.
+# where `module` is not defined (ssh's non-login shells). Lmod's program (and a `module` program) run in the
+# background, waited for (run_waited); Lmod's output is applied here, as its `module` function does; another
+# module system's `module` function runs in the foreground. Sets NODE_ERROR and returns 1 if that fails.
 load_modules() {
-  local f
+  local f ok=1 code
   ((${#MODULES[@]})) || return 0
   if ! type module >/dev/null 2>&1; then
     for f in /etc/profile.d/lmod.sh /etc/profile.d/modules.sh; do
@@ -558,12 +574,18 @@ load_modules() {
     done
   fi
   set +u  # module scripts read unset variables
-  if ! module load "${MODULES[@]}"; then
-    set -u
+  if [[ $(type -t module) == function && -x ${LMOD_CMD-} ]]; then
+    if run_waited --out code "$LMOD_CMD" bash load "${MODULES[@]}"; then eval "$code" || ok=0; else ok=0; fi
+  elif [[ $(type -t module) == file ]]; then
+    run_waited module load "${MODULES[@]}" || ok=0
+  else
+    module load "${MODULES[@]}" || ok=0
+  fi
+  set -u
+  if (( ! ok )); then
     NODE_ERROR="module load ${MODULES[*]} failed (python_env.modules)"
     return 1
   fi
-  set -u
 }
 
 # activate_env: python_env on this node: the modules, then the venv or conda environment ($ENV_KIND,
@@ -619,38 +641,6 @@ find_pinned() {
   done
   NODE_ERROR="the $name this script pins (sha256 $sha) is not there: $said (sbatch-gen render writes it beside the renders: render again and review the diff)"
   return 1
-}
-
-# stage_pinned STAGED NAME SHA256 FILE...: sbatch-gen's NAME with that sha256 at the path STAGED (in the run
-# dir). A copy already there (an earlier attempt of the run) is used even when the checkout has changed since;
-# else the first good FILE is copied there; else the version of a FILE that its checkout's git history holds
-# with that sha256 (a job that waited in the queue while a `git pull` and a new render changed out/). Sets
-# NODE_ERROR and returns 1 if there is none; says where it found it otherwise.
-stage_pinned() {
-  local staged=$1 name=$2 sha=$3 f rev sum tmp="$1.${HOSTNAME:-node}.$$"
-  shift 3
-  if ! find_pinned "$name" "$sha" "$staged" "$@"; then
-    for f in "$@"; do  # the last 100 commits that changed it
-      for rev in $(git -C "${f%/*}" log --format=%H -n 100 -- "${f##*/}" 2>/dev/null || true); do
-        if ! { mkdir -p -- "${staged%/*}" && git -C "${f%/*}" show "$rev:./${f##*/}" >"$tmp"; } 2>/dev/null; then continue; fi
-        sum=$(sha256sum <"$tmp")
-        [[ ${sum%% *} == "$sha" ]] || continue
-        mv -f -- "$tmp" "$staged" || break 2
-        log "the $name this script pins is not in the checkout any more: staged from its git history, commit ${rev:0:12} of $f"
-        return 0
-      done
-    done
-    rm -f -- "$tmp"
-    NODE_ERROR+=" (a script submitted before its checkout was rendered again finds it only in git history: resubmit it as rendered now)"
-    return 1
-  fi
-  # the copy is hashed again before it is staged: a file that changed since find_pinned read it never runs
-  if [[ $PINNED_FOUND != "$staged" ]] && ! { mkdir -p -- "${staged%/*}" && cp -- "$PINNED_FOUND" "$tmp" \
-    && [[ $(sha256sum <"$tmp") == "$sha "* ]] && mv -f -- "$tmp" "$staged"; }; then
-    rm -f -- "$tmp"
-    NODE_ERROR="cannot copy the $name $PINNED_FOUND to $staged, or it changed while copied"
-    return 1
-  fi
 }
 
 # IPv4 address of an interface (ip, else python's SIOCGIFADDR: images without iproute2); returns 1 if it has

@@ -6,10 +6,26 @@
 # the script's settings (RUN_DIR, LOG_DIR, STOP_SIGNAL, ...: the script's "settings from the profile") and
 # main's state (ATTEMPT, STOP_FILE, ...). Review it once: `sbatch-gen diff --all` shows a change to it once.
 
+# run_waited [--out VAR] CMD ARG...: CMD run in the background and waited for, its status (--out: its stdout
+# in VAR). Bash runs a trap only once a foreground program has returned, and a scancel signals the batch shell
+# alone: a slow program in the foreground would keep the job's traps from saying why it ends.
+run_waited() {
+  local pid rc=0 out='' tmp
+  if [[ $1 == --out ]]; then out=$2; shift 2; fi
+  if [[ -n $out ]]; then tmp=$(mktemp) || return 1; "$@" >"$tmp" & else "$@" & fi
+  pid=$!
+  wait "$pid" || rc=$?
+  while kill -0 "$pid" 2>/dev/null; do rc=0; wait "$pid" || rc=$?; done  # a trap ran meanwhile: CMD goes on
+  if [[ -n $out ]]; then printf -v "$out" '%s' "$(<"$tmp")"; rm -f -- "$tmp"; fi
+  return "$rc"
+}
+
 # load_modules: `module load` python_env.modules ($MODULES), after sourcing the module system's shell set-up
-# where `module` is not defined (ssh's non-login shells). Sets NODE_ERROR and returns 1 if that fails.
+# where `module` is not defined (ssh's non-login shells). Lmod's program (and a `module` program) run in the
+# background, waited for (run_waited); Lmod's output is applied here, as its `module` function does; another
+# module system's `module` function runs in the foreground. Sets NODE_ERROR and returns 1 if that fails.
 load_modules() {
-  local f
+  local f ok=1 code
   ((${#MODULES[@]})) || return 0
   if ! type module >/dev/null 2>&1; then
     for f in /etc/profile.d/lmod.sh /etc/profile.d/modules.sh; do
@@ -18,12 +34,18 @@ load_modules() {
     done
   fi
   set +u  # module scripts read unset variables
-  if ! module load "${MODULES[@]}"; then
-    set -u
+  if [[ $(type -t module) == function && -x ${LMOD_CMD-} ]]; then
+    if run_waited --out code "$LMOD_CMD" bash load "${MODULES[@]}"; then eval "$code" || ok=0; else ok=0; fi
+  elif [[ $(type -t module) == file ]]; then
+    run_waited module load "${MODULES[@]}" || ok=0
+  else
+    module load "${MODULES[@]}" || ok=0
+  fi
+  set -u
+  if (( ! ok )); then
     NODE_ERROR="module load ${MODULES[*]} failed (python_env.modules)"
     return 1
   fi
-  set -u
 }
 
 # activate_env: python_env on this node: the modules, then the venv or conda environment ($ENV_KIND,
@@ -133,7 +155,7 @@ say_attempt() {
   log "site $SITE, job $SLURM_JOB_ID, attempt $ATTEMPT${CONTINUES:+ (continues job ${CONTINUES%%.*})}; newest checkpoint: $(step_name "$START_STEP"); requeues in a row without progress: $(cat -- "$NO_PROGRESS_FILE" 2>/dev/null || echo 0) of at most $MAX_REQUEUES"
   log "nodes ($SLURM_NNODES): $SLURM_JOB_NODELIST; rendezvous $MASTER_ADDR:$MASTER_PORT; $NPROC_PER_NODE processes and $EXPECTED_GPUS GPUs per node"
   log "run dir $RUN_DIR; data ${DATA_PATH:-from the train config}; pinned interface ${PINNED_IFNAME:-none}"
-  log "environment: $(env | grep -E '^(NCCL|TORCH|GLOO|OMP)_' | sort | tr '\n' ' ')"
+  log "environment: $(env | grep -E '^(NCCL|TORCH|GLOO|OMP)_' | sort | paste -s -d ' ' -)"
   running=$(sinfo --version 2>/dev/null | awk '{print $2}' || true)
   case $running in
     "$EXPECTED_SLURM" | "$EXPECTED_SLURM".*) ;;
@@ -184,6 +206,50 @@ node_tails() {
     log "last lines of $f:"
     tail -n 20 -- "$f" || true
   done
+}
+
+# use_allocated_cpus: slurm.cpus_per_task is a request: every job step takes the CPUs Slurm allocated on a node
+# (the fewest of any node: CPUS_PER_TASK), each of its processes an even share (OMP_NUM_THREADS, unless set at
+# submit time; OMP_GIVEN says so: a continuation job gets it too, else it computes its own).
+use_allocated_cpus() {
+  CPUS_PER_TASK=$(allocated_cpus "$CPUS_PER_TASK")
+  OMP_GIVEN=${OMP_NUM_THREADS+given}
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS-$(( CPUS_PER_TASK >= NPROC_PER_NODE ? CPUS_PER_TASK / NPROC_PER_NODE : 1 ))}"
+}
+
+# start_attempt: this attempt (ATTEMPT, the run's RUN_JOB), its files and state. STOP_FILE (exported as SBATCH_GEN_STOP_FILE) hands a stop request to
+# the trainer; TRAIN_LOG, the training step's log per node; SBATCH_GEN_DEBUG=1 on a GPU site: debug_env. The run
+# goes on across requeues and continuation jobs; attempts in a row that saved no newer checkpoint are counted in
+# NO_PROGRESS_FILE (a new submission starts afresh). This job's script is kept (JOB_SCRIPT) for a continuation.
+start_attempt() {
+  ATTEMPT=${SLURM_RESTART_COUNT:-0}
+  # A continuation job (a stop overran the time limit) says which attempt it continues, <job>.attempt-<n>, and
+  # the run: the job id of its submission, which names the run's pinned code and its budget count.
+  CONTINUES=${SBATCH_GEN_CONTINUES:-}
+  RUN_JOB=$SLURM_JOB_ID
+  [[ -z $CONTINUES ]] || RUN_JOB=${SBATCH_GEN_RUN_JOB:-$SLURM_JOB_ID}
+  export SBATCH_GEN_RUN_JOB=$RUN_JOB  # the trainer's run-dir lease: a job of the same run may take it over
+  STOP_FILE="$RUN_DIR/stop/$SLURM_JOB_ID.attempt-$ATTEMPT"
+  export SBATCH_GEN_STOP_FILE="$STOP_FILE"
+  rm -f -- "$STOP_FILE" "$STOP_FILE.ack" "$STOP_FILE.fatal" "$STOP_FILE.stopping"
+  TRAIN_LOG="$LOG_DIR/$SLURM_JOB_NAME-$SLURM_JOB_ID.attempt-$ATTEMPT.%N.log"
+  if [[ ${SBATCH_GEN_DEBUG:-} == 1 ]] && (( EXPECTED_GPUS > 0 )); then
+    debug_env "$SLURM_JOB_NAME-$SLURM_JOB_ID.attempt-$ATTEMPT"
+  fi
+  NO_PROGRESS_FILE="$RUN_DIR/stop/$RUN_JOB.requeues-without-progress"
+  JOB_SCRIPT="$RUN_DIR/stop/$SLURM_JOB_ID.sbatch"
+  START_STEP=$(newest_checkpoint)
+  if (( ATTEMPT == 0 )) && [[ -z $CONTINUES ]]; then
+    printf '0\n' >"$NO_PROGRESS_FILE"
+  fi
+  cp -- "$0" "$JOB_SCRIPT" 2>/dev/null || log "WARNING: cannot keep a copy of this script in $JOB_SCRIPT: no continuation job after the time limit"
+  BUDGET_SPENT=0
+  # the stop hand-off's state (request_stop, wait_step, continue_run)
+  STOP_REQUESTED=''
+  GOT_TERM=0  # TERM to this shell: Slurm itself ends the job (and requeues it when it means to)
+  TRAPPED=0
+  REQUEUED=0
+  ENDING_SAID=0
 }
 
 # debug_env NAME (SBATCH_GEN_DEBUG=1): NCCL at INFO, each rank into $LOG_DIR/NAME.nccl.<host>.<pid>.log, and
@@ -266,22 +332,15 @@ load_secrets() {
 # again, whatever the checkout holds by then. CODE_DIR, and trainer.config and trainer.script where they lie
 # in it, then point into the copy.
 pin_code() {
-  local pinned="$RUN_DIR/code/$RUN_JOB.pin" dir="$RUN_DIR/code/$RUN_JOB" commit dirty from now
+  local pinned="$RUN_DIR/code/$RUN_JOB.pin" dir="$RUN_DIR/code/$RUN_JOB" commit dirty from now rc=0
   if (( ATTEMPT == 0 )) && [[ -z $CONTINUES ]]; then
-    mkdir -p -- "$RUN_DIR/code"
-    if ! commit=$(git -C "$CODE_DIR" rev-parse HEAD 2>/dev/null); then
+    run_waited copy_code "$dir" "$pinned" || rc=$?  # waited for: a signal during a long copy is heard at once
+    if (( rc == 3 )); then
       log "WARNING: paths.code_dir $CODE_DIR is not a git checkout: its code is not pinned (paths.pin_code)"
       return 0
     fi
-    dirty=clean
-    [[ -z $(git -C "$CODE_DIR" status --porcelain 2>/dev/null) ]] || dirty=dirty
-    rm -rf -- "$dir" "$dir.tmp"
-    mkdir -p -- "$dir.tmp"
-    (cd -- "$CODE_DIR" && git ls-files -z --cached --others --exclude-standard \
-      | tar --null -T - --ignore-failed-read -cf - 2>/dev/null) | tar -xf - -C "$dir.tmp" \
-      || die 1 "cannot copy paths.code_dir $CODE_DIR to $dir (paths.pin_code)"
-    mv -- "$dir.tmp" "$dir"
-    printf '%s %s %s\n' "$commit" "$dirty" "$(cd -- "$CODE_DIR" && pwd -P)" >"$pinned"
+    (( rc == 0 )) || die 1 "cannot copy paths.code_dir $CODE_DIR to $dir (paths.pin_code)"
+    read -r commit dirty from <"$pinned"
     log "code pinned for the run: $CODE_DIR at commit $commit ($dirty), copied to $dir"
   fi
   [[ -r $pinned ]] || return 0
@@ -304,7 +363,7 @@ pin_code() {
 # under other versions would change the run silently.
 pin_env() {
   local record="$RUN_DIR/code/$RUN_JOB.env" now was
-  now=$(python -I "$SBATCH_GEN_NODE_PY" fingerprint) || die 1 "cannot read the versions of python_env (python -I $SBATCH_GEN_NODE_PY fingerprint failed)"
+  run_waited --out now node_py fingerprint || die 1 "cannot read the versions of python_env (the node program $SBATCH_GEN_NODE_PY: fingerprint failed)"
   if (( ATTEMPT == 0 )) && [[ -z $CONTINUES ]] || [[ ! -e $record ]]; then
     mkdir -p -- "$RUN_DIR/code"
     printf '%s\n' "$now" >"$record" || die 1 "cannot write $record (paths.pin_code)"
@@ -316,6 +375,18 @@ pin_env() {
   ENV_PINNED=$was
   [[ $now == "$was" ]] || die 1 "python_env changed since the run started: it was $was, it is $now; not resuming the run under other versions (paths.pin_code): restore the environment, or submit anew to go on with these versions"
   log "running in the environment the run started with: $now"
+}
+
+# copy_code DIR PIN: $CODE_DIR's files (a git checkout's tracked and untracked, not ignored) copied to DIR, and
+# "<commit> <clean|dirty> <code dir>" written to PIN; status 3 when $CODE_DIR is not a git checkout.
+copy_code() {
+  local commit dirty=clean
+  commit=$(git -C "$CODE_DIR" rev-parse HEAD 2>/dev/null) || return 3
+  [[ -z $(git -C "$CODE_DIR" status --porcelain 2>/dev/null) ]] || dirty=dirty
+  mkdir -p -- "$RUN_DIR/code" && rm -rf -- "$1" "$1.tmp" && mkdir -p -- "$1.tmp" || return 1
+  (cd -- "$CODE_DIR" && git ls-files -z --cached --others --exclude-standard \
+    | tar --null -T - --ignore-failed-read -cf - 2>/dev/null) | tar -xf - -C "$1.tmp" || return 1
+  mv -- "$1.tmp" "$1" && printf '%s %s %s\n' "$commit" "$dirty" "$(cd -- "$CODE_DIR" && pwd -P)" >"$2"
 }
 
 # pin_path VAR FROM COPY: the path in VAR, when it lies in FROM and COPY has it, becomes COPY's.

@@ -608,6 +608,7 @@ def fingerprint_main(args: list[str]) -> int:
 #   script=S          trainer.script: readable; torch importable by this node's python (torchrun on PATH too)
 #   torchrun_flags=L  FLAG=KEY,...: torchrun flags this render uses that older torch releases lack; this
 #                     node's torch must have each (its torch/distributed/run.py names it), KEY the profile field
+#                     (torchrun_flag=FLAG=KEY: one flag, added to the list; repeatable)
 #   config=F          trainer.config: readable
 #   data=P            paths.data: exists
 #   ifname=I          network.socket_ifname: exists and has an IPv4 address (NCCL/Gloo bind to it)
@@ -858,6 +859,8 @@ def preflight_main(args: list[str]) -> int:
     s = dict(PREFLIGHT_SETTINGS)
     for a in args:
         name, eq, value = a.partition("=")
+        if eq and name == "torchrun_flag":  # one flag per setting, as the Slurm render lists them
+            name, value = "torchrun_flags", ",".join(filter(None, (s["torchrun_flags"], value)))
         if not eq or name not in s:
             print(f"preflight: unknown setting '{a}'", file=sys.stderr)
             return 2

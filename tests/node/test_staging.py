@@ -43,10 +43,16 @@ def test_every_render_that_runs_it_pins_the_committed_program():
     assert (REPO / "examples" / "out" / "sbatch-gen-node.py").read_bytes() == PROGRAM.read_bytes()
 
 
+def _lab_find_pinned() -> str:
+    """The SSH launcher's find_pinned (it ships the program it finds; a Slurm job stages it: stage_pinned)."""
+    start = LAB.index("\nfind_pinned() {\n")
+    return LAB[start : LAB.index("\n}\n", start) + 3]
+
+
 def test_find_pinned_takes_the_first_file_with_the_pinned_sha256(tmp_path):
     (tmp_path / "old.py").write_text("print('an older node program')\n")
     shutil.copy(PROGRAM, tmp_path / "good.py")
-    find = 'find_pinned sbatch-gen-node.py "$NODE_PY_SHA256"'
+    find = _lab_find_pinned() + '\nfind_pinned sbatch-gen-node.py "$NODE_PY_SHA256"'
     r = _bash(f'{find} missing.py old.py good.py; echo "$PINNED_FOUND"', tmp_path)
     assert r.returncode == 0 and r.stdout == "good.py\n", r.stderr
     r = _bash(f'{find} missing.py old.py || echo "$NODE_ERROR"', tmp_path)
@@ -84,9 +90,8 @@ def test_stage_pinned_copies_it_into_the_run_dir_once(tmp_path, name, source, sh
 
 
 def test_a_file_that_changes_while_it_is_copied_is_never_staged(tmp_path):
-    """find_pinned hashes the file, then stage_pinned copies it: the copy is hashed again before it is staged,
-    so a `git pull` or a new render that rewrites out/ between the two reads stops the job (here a cp that
-    appends to what it copies stands in for the file changing in between)."""
+    """stage_pinned hashes its copy, not the file: a `git pull` or a new render that rewrites out/ while it
+    is copied stops the job (here a cp that appends to what it copies stands in for the file changing)."""
     (tmp_path / "out").mkdir()
     shutil.copy(JOB_LIB, tmp_path / "out" / "sbatch-gen-job.sh")
     stubs = tmp_path / "bin"
@@ -99,10 +104,13 @@ def test_a_file_that_changes_while_it_is_copied_is_never_staged(tmp_path):
         tmp_path,
         path=f"{stubs}:/usr/bin:/bin",
     )
+    changed = hashlib.sha256(JOB_LIB.read_bytes() + b"# changed\n").hexdigest()
     assert r.stdout == (
-        f"cannot copy the sbatch-gen-job.sh out/sbatch-gen-job.sh to {staged}, or it changed while copied\n"
+        f"the sbatch-gen-job.sh this script pins (sha256 {LIB_SHA}) is not there: out/sbatch-gen-job.sh has "
+        f"sha256 {changed}, nor in their git history (sbatch-gen render writes it beside the renders: render "
+        "again, review the diff and resubmit)\n"
     ), r.stderr
-    assert not list((tmp_path / "runs" / "x" / "node").iterdir())  # nothing staged, no temp file left
+    assert not (tmp_path / "runs" / "x" / "node").exists()  # nothing staged, no temp file left
 
 
 def test_the_preflight_runs_the_staged_program(tmp_path):
@@ -240,6 +248,13 @@ def test_stage_pinned_finds_a_queued_jobs_version_in_git_history(tmp_path):
         f'stage_pinned runs/y/node/j.sh sbatch-gen-job.sh {other} out/sbatch-gen-job.sh || echo "$NODE_ERROR"',
         tmp_path,
     )
-    assert "out/sbatch-gen-job.sh has sha256 " in r.stdout and "resubmit it as rendered now" in r.stdout, (
+    assert "out/sbatch-gen-job.sh has sha256 " in r.stdout and "review the diff and resubmit" in r.stdout, (
         r.stdout
     )
+
+
+def test_the_rendezvous_address_is_named_only_where_the_site_names_an_interface():
+    """network.socket_ifname set (eu: ib0): run-trainer gets --local-ifname, the address torchrun's
+    rendezvous names; unset (a CPU site): no `--local-ifname ''` in the render."""
+    assert '--local-ifname "$PINNED_IFNAME"' in EU
+    assert "--local-ifname" not in (REPO / "out" / "local.sbatch").read_text()

@@ -72,7 +72,8 @@ def test_the_plain_example_script_reads_back_its_profile_from_the_rendered_argum
     text = (REPO / "examples" / "out" / f"{site}.sbatch").read_text()
     assert "TRAINER_SCRIPT=examples/train_plain.py  # trainer.script\n" in text
     assert '  torchrun "${TORCHRUN_ARGS[@]}" "$TRAINER_SCRIPT" "${TRAINER_ARGS[@]}" &\n' in text
-    assert 'export SBATCH_GEN_STOP_FILE="$STOP_FILE"\n' in text  # stop_protocol sbatch-gen
+    assert "  # The stop file hands a stop request to the trainer" in text  # stop_protocol sbatch-gen
+    assert "\n  start_attempt\n" in text  # which exports the stop file (the job library's)
     xr, rest = cross_region_from_args(_trainer_argv(text), environ={})
     assert xr == load_site(REPO / "examples" / "sites", site).profile.cross_region
     assert xr.enabled and xr.region == region and xr.regions == ["eu", "us"]

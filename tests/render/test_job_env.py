@@ -198,7 +198,8 @@ def test_a_slurm_job_takes_from_the_submitting_shell_only_what_its_export_line_n
         "OMP_NUM_THREADS",
         "PYTHONUNBUFFERED",
     ]
-    assert "${SBATCH_GEN_CONTINUES:-}" in text and "${OMP_NUM_THREADS-" in text  # main reads them
+    library = (REPO / "out" / "sbatch-gen-job.sh").read_text()  # main's start_attempt and use_allocated_cpus
+    assert "${SBATCH_GEN_CONTINUES:-}" in library and "${OMP_NUM_THREADS-" in library  # read them
     secrets = [s.name for s in p.secret_env()]
     assert secrets == ["XR_S3_ACCESS_KEY_ID", "XR_S3_SECRET_ACCESS_KEY", "WANDB_API_KEY"]
     assert not set(secrets) & set(names)

@@ -26,17 +26,20 @@ LIBRARIES = [d / JOB_LIBRARY_FILE for d in OUT_DIRS]
 
 # The job's decisions come early. The training launch (main's first srun: the preflight's is the job
 # library's) follows torchrun's and the trainer's argument lists (the trainer's --xr-* flags several to a
-# line, each family after a comment naming its section), which puts it at line 258 for eu, and the requeue decision a few lines later.
-LAUNCH_BY = 260
-DECISION_BY = 270
-# ...and where the flow ends: main's closing brace, after the requeue decision and all it does (310 in eu;
+# line, each family after a comment naming its section), which puts it at line 226 for eu, and the requeue
+# decision a few lines later.
+LAUNCH_BY = 230
+DECISION_BY = 240
+# ...and where the flow ends: main's closing brace, after the requeue decision and all it does (278 in eu;
 # the SSH launcher's main is its attempts loop, 181 in lab.sh).
-MAIN_END_BY = 315
-# A Slurm training script whole: 373 lines for eu (801 before its helpers and node functions became the
-# job library and the trainer's --xr-*/--metrics-* flags went three to a line), the bootstrap after main included.
-SLURM_SCRIPT_LINES = 375
+MAIN_END_BY = 285
+# A Slurm training script whole: 319 lines for eu (801 before its helpers and node functions became the
+# job library and the trainer's --xr-*/--metrics-* flags went three to a line; 373 before this attempt's
+# bookkeeping became the library's start_attempt and one stage_pinned replaced find_pinned's two passes),
+# the bootstrap after main included.
+SLURM_SCRIPT_LINES = 320
 # The bootstrap after a Slurm training script's main: these functions, nothing else.
-BOOTSTRAP = ["log", "die", "find_pinned", "stage_pinned"]
+BOOTSTRAP = ["log", "die", "stage_pinned"]
 
 
 def _ids(paths):
@@ -125,5 +128,5 @@ def test_the_slurm_and_ssh_renders_share_one_node_library():
     eu = (REPO / "out" / "eu.sbatch").read_text()
     for name in ("activate_env", "load_modules", "node_py", "preflight", "node_lines"):
         assert function_text(lab, name) and function_text(lab, name) == function_text(lib, name), name
-    for name in BOOTSTRAP:
+    for name in ("log", "die"):  # the bootstrap's own (stage_pinned is a Slurm job's: SSH ships the program)
         assert function_text(lab, name) and function_text(lab, name) == function_text(eu, name), name

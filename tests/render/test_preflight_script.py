@@ -153,8 +153,13 @@ def test_a_torch_whose_torchrun_lacks_a_flag_the_render_uses_fails_naming_it(tmp
     port = free_port()
     text = _render(tmp_path, "local", script, port)
     functions = node_library(text)
-    flags = "--signals-to-handle=trainer.stop_protocol: signal,--shutdown-timeout=trainer.stop_grace_s"
-    settings = [f"script={script}", f"torchrun_flags={flags}", "gpus=0", f"run_dir={tmp_path / 'run'}"]
+    flags = ["--signals-to-handle=trainer.stop_protocol: signal", "--shutdown-timeout=trainer.stop_grace_s"]
+    settings = [
+        f"script={script}",
+        *(f"torchrun_flag={f}" for f in flags),
+        "gpus=0",
+        f"run_dir={tmp_path / 'run'}",
+    ]
     env = _env()
     env["PYTHONPATH"] = f"{_fake_torch(tmp_path / 'old', '2.4.1', run_py)}:{REPO}"
     cmd = ["bash", "-c", functions + '\npreflight node_id=0 nnodes=1 "$@"', "preflight", *settings]
@@ -180,22 +185,23 @@ def test_the_render_passes_the_flags_to_check_only_when_it_uses_them(tmp_path):
     r = sg("render", "--site", "local", "--out", str(out), "--set", "trainer.stop_protocol=none")
     assert r.code == 0, r.err
     assert not [
-        a for a in preflight_args((out / "local.sbatch").read_text()) if a.startswith("torchrun_flags=")
+        a for a in preflight_args((out / "local.sbatch").read_text()) if a.startswith("torchrun_flag")
     ]
     got = [
         a
         for a in preflight_args(_render(tmp_path, "local", tmp_path / "train.py", free_port()))
-        if "_flags=" in a
+        if a.startswith("torchrun_flag")
     ]
-    assert got == [
-        "torchrun_flags=--signals-to-handle=trainer.stop_protocol: sbatch-gen; torch >= 2.10; compat,"
-        "--shutdown-timeout=preemption.checkpoint_s + preemption.margin_s; torch >= 2.12; compat"
+    assert got == [  # one line per flag in the render
+        "torchrun_flag=--signals-to-handle=trainer.stop_protocol: sbatch-gen; torch >= 2.10; compat",
+        "torchrun_flag=--shutdown-timeout=preemption.checkpoint_s + preemption.margin_s; torch >= 2.12; compat",
     ]
     out = tmp_path / "signal"
     r = sg("render", "--site", "local", "--out", str(out), "--set", "trainer.stop_protocol=signal")
     assert r.code == 0, r.err
-    got = [a for a in preflight_args((out / "local.sbatch").read_text()) if a.startswith("torchrun_flags=")]
+    got = [a for a in preflight_args((out / "local.sbatch").read_text()) if a.startswith("torchrun_flag")]
     assert got == [
-        "torchrun_flags=--signals-to-handle=trainer.stop_protocol: signal; torch >= 2.10,--shutdown-timeout="
-        "preemption.checkpoint_s + preemption.margin_s (trainer.stop_grace_s unset); torch >= 2.12"
+        "torchrun_flag=--signals-to-handle=trainer.stop_protocol: signal; torch >= 2.10",
+        "torchrun_flag=--shutdown-timeout="
+        "preemption.checkpoint_s + preemption.margin_s (trainer.stop_grace_s unset); torch >= 2.12",
     ]
