@@ -406,15 +406,20 @@ def diff(names, all_, against, dirs, out_dir, overrides, sites_dir, templates_di
 
 @cli.command()
 @click.option("--site", "names", multiple=True, metavar="NAME", help="Only these sites (default: all).")
+@_set_option
 @_sites_dir_option
-def validate(names, sites_dir) -> None:
+def validate(names, overrides, sites_dir) -> None:
     """Validate every profile, then check that the sites of each cross-region run agree.
+
+    --set applies to the sites validated, as render's does to the sites it renders (with --site, the other
+    sites of a run are read as they are, for the agreement check).
 
     \b
     sbatch-gen validate
+    sbatch-gen validate --site eu --set slurm.partition=h200-long
     """
     selected = _select(sites_dir, names, False, required=False)
-    loaded = _load_many(sites_dir, selected, cross_region=not names)
+    loaded = _load_many(sites_dir, selected, overrides, cross_region=not names)
     run_sites = loaded
     if names:  # the other sites of the same runs are read too: a run's sites must agree
         run_sites = [*loaded, *_run_partners(sites_dir, loaded)]

@@ -538,3 +538,19 @@ def test_a_dollar_in_extra_env_is_a_warning_at_its_line_and_renders_as_written(w
     assert 'export RUN_TAG="${RUN_TAG-job-\\$SLURM_JOB_ID}"\n' in (work / "o" / "local.sbatch").read_text()
     r = sg("validate", "--site", "lab", "--site", "local")  # a plain value (and the SSH kind): no note
     assert "PLAIN" not in r.err and r.err.count("warning") == 1, r.err
+
+
+def test_validate_takes_set_as_render_does(work):
+    """validate --set applies an override to the sites it validates, as render's --set does: a bad value is
+    refused by both in the same words, a good one passes both; with --site the run's other sites are read
+    as they are."""
+    bad = ("--set", "slurm.partition=bad partition!")
+    v, r = _fails("validate", "--site", "eu", *bad), _fails("render", "--site", "eu", "--out", "o", *bad)
+    assert "slurm.partition" in v and v == r, (v, r)
+    ok = sg("validate", "--site", "eu", "--set", "slurm.partition=h200-long")
+    assert ok.code == 0, ok.err
+    # an override of a field the run's sites must agree on: with --site, us is read as committed
+    err = _fails("validate", "--site", "eu", "--set", "cross_region.inner_steps=1000")
+    assert "cross_region.inner_steps: 500 differs from 1000" in err or "differs from 500" in err, err
+    # without --site every site gets it, and they agree
+    assert sg("validate", "--set", "cross_region.inner_steps=1000").code == 0
