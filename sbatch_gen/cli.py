@@ -651,6 +651,7 @@ def status(name, as_json, watch, interval_s, overrides, sites_dir) -> None:
             f"{site.at('cross_region', 'enabled')}: cross_region.enabled: site {name!r} is not part "
             "of a cross-region run: there is no mailbox to read"
         )
+    _secrets_as_the_job_reads_them(site)
     from sbatch_gen.mailbox_status import HeartbeatWatch, location, read_status  # lazy: only here
     from sbatch_gen.train.xr.errors import XRError
 
@@ -678,6 +679,32 @@ def status(name, as_json, watch, interval_s, overrides, sites_dir) -> None:
         click.echo(json.dumps(st.to_dict(), indent=2))
         return
     click.echo("\n".join(_format_status(st)))
+
+
+def _secrets_as_the_job_reads_them(site: LoadedSite) -> None:
+    """A Slurm site's S3 credentials for `status`, where the job reads them: from slurm.secrets_file (its
+    checks, its values; the shell's own values of those variables are not used), into this process's
+    environment for the store. An SSH site, or one without the file, reads the shell's, as its launcher
+    does."""
+    from sbatch_gen.credentials import CREDENTIALS_KEY, read_secrets_file
+
+    p = site.profile
+    where = getattr(getattr(p, "slurm", None), "secrets_file", None)
+    if where is None:
+        return
+    named = [s for s in p.secret_env() if s.key.startswith(CREDENTIALS_KEY)]
+    if not named:
+        return
+    try:
+        values = read_secrets_file(where, named)
+    except ValueError as e:
+        raise UserError(
+            f"{site.at('slurm', 'secrets_file')}: slurm.secrets_file: {e} (status reads the S3 credentials "
+            "from it, as the job does)"
+        ) from None
+    for s in named:
+        os.environ.pop(s.name, None)
+    os.environ.update(values)
 
 
 def _watch(read, as_json: bool, interval_s: float, where: str, errors: tuple) -> None:

@@ -14,8 +14,11 @@ environment, ~/.aws, instance role) names nothing to send.
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from sbatch_gen.metrics_options import MetricsOptions
@@ -109,10 +112,11 @@ _SECRETS_LINE = re.compile(r"\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)")
 _SKIPPED_LINE = re.compile(r"\s*(?:#.*)?")
 
 
-def secrets_file_names(text: str) -> tuple[set[str], list[int]]:
-    """What a slurm.secrets_file holds, as load_secrets reads it: (the names with a non-empty value, the
-    numbers of the lines that are not NAME=value). Never a value."""
-    names: set[str] = set()
+def parse_secrets_file(text: str) -> tuple[dict[str, str], list[int]]:
+    """A slurm.secrets_file's text as the job library's load_secrets reads it: (NAME -> value, a later line
+    winning, a value in matching quotes without them, nothing expanded; the numbers of the lines that are
+    not NAME=value)."""
+    values: dict[str, str] = {}
     bad: list[int] = []
     for n, line in enumerate(text.split("\n"), 1):
         if _SKIPPED_LINE.fullmatch(line):
@@ -124,8 +128,49 @@ def secrets_file_names(text: str) -> tuple[set[str], list[int]]:
         value = m.group(2)
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]
-        if value:
-            names.add(m.group(1))
-        else:
-            names.discard(m.group(1))
-    return names, bad
+        values[m.group(1)] = value
+    return values, bad
+
+
+def secrets_file_names(text: str) -> tuple[set[str], list[int]]:
+    """What a slurm.secrets_file holds, as load_secrets reads it: (the names with a non-empty value, the
+    numbers of the lines that are not NAME=value). Never a value."""
+    values, bad = parse_secrets_file(text)
+    return {name for name, v in values.items() if v}, bad
+
+
+def secrets_file_path(where: str, cwd: Path) -> Path:
+    """slurm.secrets_file on this host: ``~/`` is the user's home directory, a relative path is from ``cwd``
+    (the directory the job is submitted from)."""
+    return Path.home() / where[2:] if where.startswith("~/") else cwd / where
+
+
+def read_secrets_file(where: str, named: Sequence[SecretEnv], cwd: Path = Path(".")) -> dict[str, str]:
+    """The values of the variables ``named`` from slurm.secrets_file ``where``, read here as the job reads
+    them on its node (load_secrets): the file must belong to this user and be readable by no one else, every
+    line must be NAME=value, and every required variable must have a non-empty value. Raises ValueError with
+    one line (naming the file, never a value) when it cannot be used."""
+    path = secrets_file_path(where, cwd)
+    required = [s for s in named if s.required]
+    try:
+        st = path.stat()
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        if not required:
+            return {}
+        wanted = ", ".join(f"{s.name} ({s.key})" for s in required)
+        raise ValueError(f"no secrets file {path}: write NAME=value lines for {wanted} into it, chmod 600") from None
+    except OSError as e:
+        raise ValueError(f"cannot read secrets file {path}: {e.strerror}") from None
+    if st.st_uid != os.getuid():
+        raise ValueError(f"secrets file {path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()})")
+    if st.st_mode & 0o077:
+        raise ValueError(f"secrets file {path} is mode {st.st_mode & 0o777:o}: others may read it; chmod 600 {path}")
+    values, bad = parse_secrets_file(text)
+    if bad:
+        raise ValueError(f"secrets file {path}, line {bad[0]}: not NAME=value")  # the line itself is never said
+    got = {s.name: values[s.name] for s in named if values.get(s.name)}
+    missing = [f"{s.name} ({s.key})" for s in required if s.name not in got]
+    if missing:
+        raise ValueError(f"secrets file {path} has no value for {', '.join(missing)}")
+    return got
