@@ -686,13 +686,13 @@ def _secrets_as_the_job_reads_them(site: LoadedSite) -> None:
     checks, its values; the shell's own values of those variables are not used), into this process's
     environment for the store. An SSH site, or one without the file, reads the shell's, as its launcher
     does."""
-    from sbatch_gen.credentials import CREDENTIALS_KEY, read_secrets_file
+    from sbatch_gen.credentials import CREDENTIALS_KEY, read_secrets_file, secret_env
 
     p = site.profile
     where = getattr(getattr(p, "slurm", None), "secrets_file", None)
     if where is None:
         return
-    named = [s for s in p.secret_env() if s.key.startswith(CREDENTIALS_KEY)]
+    named = [s for s in secret_env(p) if s.key.startswith(CREDENTIALS_KEY)]
     if not named:
         return
     try:

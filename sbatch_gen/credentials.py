@@ -159,16 +159,21 @@ def read_secrets_file(where: str, named: Sequence[SecretEnv], cwd: Path = Path("
         if not required:
             return {}
         wanted = ", ".join(f"{s.name} ({s.key})" for s in required)
-        raise ValueError(f"no secrets file {path}: write NAME=value lines for {wanted} into it, chmod 600") from None
+        raise ValueError(
+            f"no secrets file {path}: write NAME=value lines for {wanted} into it, chmod 600"
+        ) from None
     except OSError as e:
         raise ValueError(f"cannot read secrets file {path}: {e.strerror}") from None
     if st.st_uid != os.getuid():
         raise ValueError(f"secrets file {path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()})")
     if st.st_mode & 0o077:
-        raise ValueError(f"secrets file {path} is mode {st.st_mode & 0o777:o}: others may read it; chmod 600 {path}")
+        raise ValueError(
+            f"secrets file {path} is mode {st.st_mode & 0o777:o}: others may read it; chmod 600 {path}"
+        )
     values, bad = parse_secrets_file(text)
     if bad:
-        raise ValueError(f"secrets file {path}, line {bad[0]}: not NAME=value")  # the line itself is never said
+        # the line itself is never said
+        raise ValueError(f"secrets file {path}, line {bad[0]}: not NAME=value")
     got = {s.name: values[s.name] for s in named if values.get(s.name)}
     missing = [f"{s.name} ({s.key})" for s in required if s.name not in got]
     if missing:

@@ -295,7 +295,9 @@ def test_unreadable_mailbox_is_one_line_exit_1(tmp_path, sites, monkeypatch):
     monkeypatch.delenv("XR_NOPE_KEY", raising=False)
     ssh = (REPO / "sites" / "ssh-local.yaml").read_text()
     (sites / "s3.yaml").write_text(
-        ssh + "\ncross_region:\n" + "".join(f"  {line}\n" for line in XR.splitlines())
+        ssh
+        + "\ncross_region:\n"
+        + "".join(f"  {line}\n" for line in XR.splitlines())
         + "  transport:\n    kind: s3\n    bucket: some-bucket\n    prefix: team/xr\n"
         "    credentials: {access_key_id_env: XR_NOPE_KEY, secret_access_key_env: XR_NOPE_SECRET}\n"
     )
