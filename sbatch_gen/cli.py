@@ -24,6 +24,7 @@ import yaml
 
 from sbatch_gen import __version__
 from sbatch_gen.consistency import (
+    check_config_secrets,
     check_cross_region,
     check_torch_minimum,
     check_train_configs,
@@ -429,7 +430,12 @@ def validate(names, overrides, sites_dir) -> None:
     errors += check_torch_minimum(loaded)
     if errors:
         raise UserError(errors)
-    for n in [*_profile_notes(loaded), *check_trainer_files(run_sites), *notes]:
+    for n in [
+        *_profile_notes(loaded),
+        *check_trainer_files(run_sites),
+        *check_config_secrets(loaded),
+        *notes,
+    ]:
         click.echo(f"note {n}", err=True)
     runs: dict[str, list[str]] = {}
     for s in run_sites:

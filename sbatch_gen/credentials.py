@@ -34,6 +34,8 @@ class SecretsProfile(Protocol):
     def cross_region(self) -> CrossRegion: ...
     @property
     def metrics(self) -> MetricsOptions | None: ...
+    @property
+    def trainer(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -52,13 +54,52 @@ def s3_transport(xr: CrossRegion) -> S3Transport | None:
     return xr.transport if xr.enabled and isinstance(xr.transport, S3Transport) else None
 
 
-def secret_env(p: SecretsProfile) -> list[SecretEnv]:
+@dataclass(frozen=True)
+class ConfigMetrics:
+    """The train config's ``metrics`` section, where the trainer takes its sinks from it (:func:`config_metrics`)."""
+
+    path: str  # trainer.config, as the profile writes it
+    metrics: (
+        MetricsOptions | None
+    )  # None: not known here (the file is not readable here, or its section is bad)
+
+    @property
+    def key(self) -> str:
+        """The field that names the W&B key's variable, for the messages that name it."""
+        return f"metrics.wandb_api_key_env of trainer.config {self.path}"
+
+
+def config_metrics(p: SecretsProfile, root: Path = Path(".")) -> ConfigMetrics | None:
+    """The train config's ``metrics`` section, where it decides the trainer's sinks: the profile has no
+    ``metrics`` section (whose --metrics-* flags would replace it), ``trainer.args`` is unset (the fixed
+    flags pass ``--config``) and ``trainer.config`` is set; read from ``root`` (relative paths: from the
+    directory the launch starts in, as the job resolves them). None where the profile decides.
+    ``ConfigMetrics.metrics`` is None when the file is not readable here, or its ``metrics`` section is not
+    a valid one (the trainer refuses it at start-up); a config without the section has the defaults (no sink)."""
+    from sbatch_gen.errors import UserError
+    from sbatch_gen.yamlload import read_mapping
+
+    t = p.trainer
+    if p.metrics is not None or t.args is not None or t.config is None:
+        return None
+    path = root / t.config
+    if not path.is_file():
+        return ConfigMetrics(t.config, None)
+    try:
+        data, _ = read_mapping(path, "train config", label=t.config)
+        return ConfigMetrics(t.config, MetricsOptions.model_validate(data.get("metrics") or {}))
+    except (UserError, OSError, ValueError):
+        return ConfigMetrics(t.config, None)
+
+
+def secret_env(p: SecretsProfile, config: ConfigMetrics | None = None) -> list[SecretEnv]:
     """The variables the profile names as secrets, in the order of the profile, each once.
 
     S3 (cross_region enabled with the s3 transport): the access key id and secret access key variables, and
     the session token's when the keys are named (the trainer reads it only with them). W&B (metrics.sinks
-    has wandb): the API key's variable, required with wandb_mode online, sent when set with auto (unset: the
-    trainer writes offline), not at all with offline."""
+    has wandb; the profile's metrics section, else the train config's, ``config``: :func:`config_metrics`):
+    the API key's variable, required with wandb_mode online, sent when set with auto (unset: the trainer
+    writes offline), not at all with offline."""
     out: list[SecretEnv] = []
     t = s3_transport(p.cross_region)
     if t is not None and t.credentials.access_key_id_env is not None:
@@ -67,9 +108,11 @@ def secret_env(p: SecretsProfile) -> list[SecretEnv]:
             name = getattr(c, field)
             if name is not None:
                 out.append(SecretEnv(name, f"{CREDENTIALS_KEY}.{field}", True))
-    m = p.metrics
+    m, key = p.metrics, "metrics.wandb_api_key_env"
+    if m is None and config is not None:
+        m, key = config.metrics, config.key
     if m is not None and "wandb" in m.sinks and m.wandb_mode != "offline":
-        out.append(SecretEnv(m.wandb_api_key_env, "metrics.wandb_api_key_env", m.wandb_mode == "online"))
+        out.append(SecretEnv(m.wandb_api_key_env, key, m.wandb_mode == "online"))
     seen: dict[str, int] = {}
     unique: list[SecretEnv] = []
     for s in out:  # one variable named by two fields: once, required if either requires it

@@ -590,6 +590,9 @@ class ProfileBase(ProfileSection):
     GPU_COUNT_NAME: ClassVar[str] = ""
     # What one machine of this kind is called in `sbatch-gen sites` ("node", "host").
     NODE_WORD: ClassVar[str] = "node"
+    # Whether the render reads the train config's metrics section for the W&B key it sends (the SSH launcher,
+    # credentials.config_metrics; a Slurm job reads its secrets on the node, named by the profile)
+    SECRETS_FROM_CONFIG: ClassVar[bool] = False
 
     def gpus_per_node(self) -> int:
         """GPUs of one machine (0: a CPU site)."""

@@ -15,7 +15,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
-from sbatch_gen.credentials import bucket_check, secret_env
+from sbatch_gen.credentials import bucket_check, config_metrics, secret_env
 from sbatch_gen.errors import FieldError
 from sbatch_gen.profiles.base import ProfileBase
 from sbatch_gen.profiles.types import Int, PathStr, ProfileSection, Text, no_control, pattern_check
@@ -193,6 +193,7 @@ class SshProfile(ProfileBase):
 
     GPUS_FIELD: ClassVar[str] = "node.gpus"
     NODE_WORD: ClassVar[str] = "host"
+    SECRETS_FROM_CONFIG: ClassVar[bool] = True
 
     def gpus_per_node(self) -> int:
         return self.node.gpus
@@ -216,7 +217,9 @@ class SshProfile(ProfileBase):
         # the secrets every node gets over ssh's stdin, and the preflight's bucket check within the ssh
         # connect timeout (sbatch_gen/credentials.py)
         return {
-            "secret_env": secret_env(self),
+            # (the W&B key of the train config's metrics section too, where that decides the sinks: read from
+            # the directory render runs in, the launch directory's checkout)
+            "secret_env": secret_env(self, config_metrics(self)),
             "bucket_check": bucket_check(self.cross_region, self.ssh.connect_timeout_s),
         }
 
