@@ -351,7 +351,6 @@ def test_a_wandb_key_named_only_in_the_train_config_reaches_every_host(
     launching host's value (node 1 over ssh, where sshd starts a fresh environment); with wandb_mode online
     an unset key stops the launch before anything starts, naming the variable, the field and the file."""
     import yaml
-
     from sshkit import tiny_config
 
     config = tiny_config(tmp_path / "wandb.yaml")
