@@ -641,8 +641,9 @@ def status(name, as_json, watch, interval_s, overrides, sites_dir) -> None:
     waited for), newest snapshot, and per region its newest published round, presence (joined / leaving /
     absent), rounds behind, whether it took part in the newest round, and its heartbeat's age.
 
-    Reads the mailbox with the site's transport and credentials (env var names from the profile); an fs
-    mailbox path is relative to the current directory, as for the job. Exit 1 if the mailbox cannot be read
+    Reads the mailbox with the site's transport and credentials (env var names from the profile; a Slurm
+    site's values from its slurm.secrets_file, checked as the job checks it); an fs mailbox path is relative
+    to the current directory, as for the job. Exit 1 if the mailbox cannot be read
     (with --watch: the error is shown and the next read tried; Ctrl-C ends it, exit 0).
 
     \b
