@@ -12,6 +12,7 @@ valid.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -41,17 +42,21 @@ class StrictModel(BaseModel):
         """Every :func:`check` of the model (base classes' first, each in the order it is written), all of
         them whatever the others find; their problems raised together."""
         found: list[FieldError] = []
-        seen: set[str] = set()
-        for cls in reversed(type(self).__mro__):
-            for name, f in vars(cls).items():
-                if not getattr(f, _CHECK, False) or name in seen:
-                    continue
-                seen.add(name)
-                try:
-                    getattr(self, name)()
-                except FieldErrors as e:
-                    found += e.errors
-                except FieldError as e:
-                    found.append(e)
+        for name in _checks(type(self)):
+            try:
+                getattr(self, name)()
+            except FieldErrors as e:
+                found += e.errors
+            except FieldError as e:
+                found.append(e)
         raise_all(found)
         return self
+
+
+@functools.cache
+def _checks(cls: type) -> tuple[str, ...]:
+    """The names of the :func:`check` methods of ``cls``, base classes' first, each in written order."""
+    names: dict[str, None] = {}
+    for c in reversed(cls.__mro__):
+        names.update((n, None) for n, f in vars(c).items() if getattr(f, _CHECK, False))
+    return tuple(names)
