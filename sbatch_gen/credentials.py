@@ -6,7 +6,11 @@ A profile never holds a secret, only the names of the environment variables that
 SSH launcher checks them on the launching host before it starts anything and sends their values to each
 node over ssh's stdin (templates/ssh-launcher.sh.j2: SECRET_ENV), never on a command line or in a file.
 A shared-credentials ``profile`` or no credentials at all (boto3's default chain: the host's own
-environment, ~/.aws, instance role) names nothing to send.
+environment, ~/.aws, instance role) names nothing to send. Where the profile has no ``metrics`` section, the
+train config's decides the sinks: :func:`config_metrics` reads it for the W&B key the SSH launcher sends.
+
+:func:`read_secrets_file` reads a Slurm site's ``slurm.secrets_file`` here as the job reads it on the node
+(``sbatch-gen status`` takes the S3 keys from it).
 
 :func:`bucket_check` is the preflight's check that a node reaches the run's bucket with those credentials
 (the node program's ``s3_*`` settings, sbatch_gen/node_program.py).
@@ -59,9 +63,8 @@ class ConfigMetrics:
     """The train config's ``metrics`` section, where the trainer takes its sinks from it (:func:`config_metrics`)."""
 
     path: str  # trainer.config, as the profile writes it
-    metrics: (
-        MetricsOptions | None
-    )  # None: not known here (the file is not readable here, or its section is bad)
+    # None: not known here (the file is not readable here, or its section is not a valid one)
+    metrics: MetricsOptions | None
 
     @property
     def key(self) -> str:
