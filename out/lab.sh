@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: febe2e882121ed41b04fb239abd660293f3c3780822836265999b175fb98070e
+#   inputs sha256: 2a686e1ea436790631e695305d3708e44de7fb738d66334103ed1d6723344768
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -117,6 +117,15 @@ USER_NAME=$(id -un)
 TAG="sbg-${USER_NAME//[^A-Za-z0-9_.-]/_}-${RDZV_PORT}-$$"
 LOGS="$LOG_DIR/$SITE.$TAG"
 LOG_FILE="$LOGS/launcher.log"  # log() appends its lines here too
+# What node 0 (run here, not over ssh) starts with: what an ssh login gives the other hosts (HOME, USER,
+# LOGNAME, SHELL, PATH, the locale ssh_config's SendEnv sends), not this shell's whole environment. Every
+# node gets besides only what is named: the profile's exports (NODE_ENV: this shell's value of one wins),
+# the settings of NODE_PROGRAM, and the secrets SECRET_ENV names (over stdin).
+LOCAL_ENV=()
+mapfile -t LOCAL_NAMES < <(compgen -e LC_ || true)
+for _name in HOME USER LOGNAME SHELL PATH LANG LANGUAGE "${LOCAL_NAMES[@]}"; do
+  if [[ -n ${!_name+set} ]]; then LOCAL_ENV+=("$_name=${!_name}"); fi
+done
 # SBATCH_GEN_DEBUG=1 bash out/lab.sh: NCCL INFO per rank into files, the NCCL flight recorder dumped on a
 # timeout (node_main)
 DEBUG=${SBATCH_GEN_DEBUG:-0}
@@ -349,14 +358,14 @@ send_secrets() {
 }
 
 # run_on RANK LIMIT FUNCTION ARGS...: run a shipped function on node RANK for at most LIMIT seconds (0: no
-# limit), its stdin a pipe that carries send_secrets' records and then ends. Exit status 255: ssh could
+# limit), its stdin a pipe that carries send_secrets' records and then ends; node 0 in LOCAL_ENV only. Exit status 255: ssh could
 # not reach the host; 124: timed out.
 run_on() {
   local rank=$1 limit=() cmd a
   if (($2 > 0)); then limit=(timeout "$2"); fi
   shift 2
   if ((rank == 0)); then
-    "${limit[@]}" bash -c "$NODE_PROGRAM" sbatch-gen-node "$@" < <(send_secrets "$1")
+    "${limit[@]}" env -i "${LOCAL_ENV[@]}" bash -c "$NODE_PROGRAM" sbatch-gen-node "$@" < <(send_secrets "$1")
   else
     cmd="bash -c $(sq "$NODE_PROGRAM") sbatch-gen-node"
     for a in "$@"; do cmd+=" $(sq "$a")"; done

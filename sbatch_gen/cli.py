@@ -24,6 +24,7 @@ import yaml
 
 from sbatch_gen import __version__
 from sbatch_gen.consistency import (
+    check_config_secrets,
     check_cross_region,
     check_torch_minimum,
     check_train_configs,
@@ -406,15 +407,20 @@ def diff(names, all_, against, dirs, out_dir, overrides, sites_dir, templates_di
 
 @cli.command()
 @click.option("--site", "names", multiple=True, metavar="NAME", help="Only these sites (default: all).")
+@_set_option
 @_sites_dir_option
-def validate(names, sites_dir) -> None:
+def validate(names, overrides, sites_dir) -> None:
     """Validate every profile, then check that the sites of each cross-region run agree.
+
+    --set applies to the sites validated, as render's does to the sites it renders (with --site, the other
+    sites of a run are read as they are, for the agreement check).
 
     \b
     sbatch-gen validate
+    sbatch-gen validate --site eu --set slurm.partition=h200-long
     """
     selected = _select(sites_dir, names, False, required=False)
-    loaded = _load_many(sites_dir, selected, cross_region=not names)
+    loaded = _load_many(sites_dir, selected, overrides, cross_region=not names)
     run_sites = loaded
     if names:  # the other sites of the same runs are read too: a run's sites must agree
         run_sites = [*loaded, *_run_partners(sites_dir, loaded)]
@@ -424,7 +430,12 @@ def validate(names, sites_dir) -> None:
     errors += check_torch_minimum(loaded)
     if errors:
         raise UserError(errors)
-    for n in [*_profile_notes(loaded), *check_trainer_files(run_sites), *notes]:
+    for n in [
+        *_profile_notes(loaded),
+        *check_trainer_files(run_sites),
+        *check_config_secrets(loaded),
+        *notes,
+    ]:
         click.echo(f"note {n}", err=True)
     runs: dict[str, list[str]] = {}
     for s in run_sites:
@@ -630,8 +641,9 @@ def status(name, as_json, watch, interval_s, overrides, sites_dir) -> None:
     waited for), newest snapshot, and per region its newest published round, presence (joined / leaving /
     absent), rounds behind, whether it took part in the newest round, and its heartbeat's age.
 
-    Reads the mailbox with the site's transport and credentials (env var names from the profile); an fs
-    mailbox path is relative to the current directory, as for the job. Exit 1 if the mailbox cannot be read
+    Reads the mailbox with the site's transport and credentials (env var names from the profile; a Slurm
+    site's values from its slurm.secrets_file, checked as the job checks it); an fs mailbox path is relative
+    to the current directory, as for the job. Exit 1 if the mailbox cannot be read
     (with --watch: the error is shown and the next read tried; Ctrl-C ends it, exit 0).
 
     \b
@@ -646,6 +658,7 @@ def status(name, as_json, watch, interval_s, overrides, sites_dir) -> None:
             f"{site.at('cross_region', 'enabled')}: cross_region.enabled: site {name!r} is not part "
             "of a cross-region run: there is no mailbox to read"
         )
+    _secrets_as_the_job_reads_them(site)
     from sbatch_gen.mailbox_status import HeartbeatWatch, location, read_status  # lazy: only here
     from sbatch_gen.train.xr.errors import XRError
 
@@ -673,6 +686,32 @@ def status(name, as_json, watch, interval_s, overrides, sites_dir) -> None:
         click.echo(json.dumps(st.to_dict(), indent=2))
         return
     click.echo("\n".join(_format_status(st)))
+
+
+def _secrets_as_the_job_reads_them(site: LoadedSite) -> None:
+    """A Slurm site's S3 credentials for `status`, where the job reads them: from slurm.secrets_file (its
+    checks, its values; the shell's own values of those variables are not used), into this process's
+    environment for the store. An SSH site, or one without the file, reads the shell's, as its launcher
+    does."""
+    from sbatch_gen.credentials import CREDENTIALS_KEY, read_secrets_file, secret_env
+
+    p = site.profile
+    where = getattr(getattr(p, "slurm", None), "secrets_file", None)
+    if where is None:
+        return
+    named = [s for s in secret_env(p) if s.key.startswith(CREDENTIALS_KEY)]
+    if not named:
+        return
+    try:
+        values = read_secrets_file(where, named)
+    except ValueError as e:
+        raise UserError(
+            f"{site.at('slurm', 'secrets_file')}: slurm.secrets_file: {e} (status reads the S3 credentials "
+            "from it, as the job does)"
+        ) from None
+    for s in named:
+        os.environ.pop(s.name, None)
+    os.environ.update(values)
 
 
 def _watch(read, as_json: bool, interval_s: float, where: str, errors: tuple) -> None:

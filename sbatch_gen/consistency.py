@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
+from sbatch_gen.credentials import config_metrics
 from sbatch_gen.errors import UserError
 from sbatch_gen.loader import LoadedSite
 from sbatch_gen.yamlload import format_path
@@ -175,7 +176,36 @@ def check_trainer_files(sites: Iterable[LoadedSite], root: Path = Path(".")) -> 
             more = ""
             if field == "config" and s.profile.cross_region.enabled and trainer.args is None:
                 more = "; the cross-region settings are not checked against it"
+            if field == "config" and s.profile.SECRETS_FROM_CONFIG and config_metrics(s.profile, root):
+                more += (
+                    "; a W&B key its metrics section names is not sent to the hosts (the render reads the "
+                    "section from it): name the key in the profile's metrics section"
+                )
             notes.append(f"{s.at('trainer', field)}: warning: trainer.{field}: {value!r} {why}{more}")
+    return list(dict.fromkeys(notes))
+
+
+def check_config_secrets(sites: Iterable[LoadedSite], root: Path = Path(".")) -> list[str]:
+    """Warnings for a Slurm site whose train config's metrics section (where it decides the sinks:
+    credentials.config_metrics) names a W&B key the job does not read: a Slurm job reads on the node the
+    secrets the profile names (slurm.secrets_file), and its #SBATCH --export leaves the submitting shell's
+    out. (The SSH launcher sends that key: its render reads the section.)"""
+    notes = []
+    for s in sites:
+        p = s.profile
+        cm = None if p.SECRETS_FROM_CONFIG else config_metrics(p, root)
+        m = cm.metrics if cm is not None else None
+        if cm is None or m is None or "wandb" not in m.sinks or m.wandb_mode == "offline":
+            continue
+        named = {x.name for x in getattr(p, "secret_env", lambda: [])()}
+        if m.wandb_api_key_env in named:
+            continue
+        notes.append(
+            f"{s.at('trainer', 'config')}: warning: trainer.config: {cm.path!r} sends metrics to W&B with the "
+            f"key in {m.wandb_api_key_env} (its metrics.wandb_api_key_env), which the job does not read: it "
+            "reads the secrets the profile names from slurm.secrets_file, and takes none from the submitting "
+            f"shell; name {m.wandb_api_key_env} in slurm.secrets, or move the section into the profile's metrics"
+        )
     return list(dict.fromkeys(notes))
 
 

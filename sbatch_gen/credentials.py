@@ -6,7 +6,11 @@ A profile never holds a secret, only the names of the environment variables that
 SSH launcher checks them on the launching host before it starts anything and sends their values to each
 node over ssh's stdin (templates/ssh-launcher.sh.j2: SECRET_ENV), never on a command line or in a file.
 A shared-credentials ``profile`` or no credentials at all (boto3's default chain: the host's own
-environment, ~/.aws, instance role) names nothing to send.
+environment, ~/.aws, instance role) names nothing to send. Where the profile has no ``metrics`` section, the
+train config's decides the sinks: :func:`config_metrics` reads it for the W&B key the SSH launcher sends.
+
+:func:`read_secrets_file` reads a Slurm site's ``slurm.secrets_file`` here as the job reads it on the node
+(``sbatch-gen status`` takes the S3 keys from it).
 
 :func:`bucket_check` is the preflight's check that a node reaches the run's bucket with those credentials
 (the node program's ``s3_*`` settings, sbatch_gen/node_program.py).
@@ -14,8 +18,11 @@ environment, ~/.aws, instance role) names nothing to send.
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from sbatch_gen.metrics_options import MetricsOptions
@@ -31,6 +38,8 @@ class SecretsProfile(Protocol):
     def cross_region(self) -> CrossRegion: ...
     @property
     def metrics(self) -> MetricsOptions | None: ...
+    @property
+    def trainer(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -49,13 +58,51 @@ def s3_transport(xr: CrossRegion) -> S3Transport | None:
     return xr.transport if xr.enabled and isinstance(xr.transport, S3Transport) else None
 
 
-def secret_env(p: SecretsProfile) -> list[SecretEnv]:
+@dataclass(frozen=True)
+class ConfigMetrics:
+    """The train config's ``metrics`` section, where the trainer takes its sinks from it (:func:`config_metrics`)."""
+
+    path: str  # trainer.config, as the profile writes it
+    # None: not known here (the file is not readable here, or its section is not a valid one)
+    metrics: MetricsOptions | None
+
+    @property
+    def key(self) -> str:
+        """The field that names the W&B key's variable, for the messages that name it."""
+        return f"metrics.wandb_api_key_env of trainer.config {self.path}"
+
+
+def config_metrics(p: SecretsProfile, root: Path = Path(".")) -> ConfigMetrics | None:
+    """The train config's ``metrics`` section, where it decides the trainer's sinks: the profile has no
+    ``metrics`` section (whose --metrics-* flags would replace it), ``trainer.args`` is unset (the fixed
+    flags pass ``--config``) and ``trainer.config`` is set; read from ``root`` (relative paths: from the
+    directory the launch starts in, as the job resolves them). None where the profile decides.
+    ``ConfigMetrics.metrics`` is None when the file is not readable here, or its ``metrics`` section is not
+    a valid one (the trainer refuses it at start-up); a config without the section has the defaults (no sink)."""
+    from sbatch_gen.errors import UserError
+    from sbatch_gen.yamlload import read_mapping
+
+    t = p.trainer
+    if p.metrics is not None or t.args is not None or t.config is None:
+        return None
+    path = root / t.config
+    if not path.is_file():
+        return ConfigMetrics(t.config, None)
+    try:
+        data, _ = read_mapping(path, "train config", label=t.config)
+        return ConfigMetrics(t.config, MetricsOptions.model_validate(data.get("metrics") or {}))
+    except (UserError, OSError, ValueError):
+        return ConfigMetrics(t.config, None)
+
+
+def secret_env(p: SecretsProfile, config: ConfigMetrics | None = None) -> list[SecretEnv]:
     """The variables the profile names as secrets, in the order of the profile, each once.
 
     S3 (cross_region enabled with the s3 transport): the access key id and secret access key variables, and
     the session token's when the keys are named (the trainer reads it only with them). W&B (metrics.sinks
-    has wandb): the API key's variable, required with wandb_mode online, sent when set with auto (unset: the
-    trainer writes offline), not at all with offline."""
+    has wandb; the profile's metrics section, else the train config's, ``config``: :func:`config_metrics`):
+    the API key's variable, required with wandb_mode online, sent when set with auto (unset: the trainer
+    writes offline), not at all with offline."""
     out: list[SecretEnv] = []
     t = s3_transport(p.cross_region)
     if t is not None and t.credentials.access_key_id_env is not None:
@@ -64,9 +111,11 @@ def secret_env(p: SecretsProfile) -> list[SecretEnv]:
             name = getattr(c, field)
             if name is not None:
                 out.append(SecretEnv(name, f"{CREDENTIALS_KEY}.{field}", True))
-    m = p.metrics
+    m, key = p.metrics, "metrics.wandb_api_key_env"
+    if m is None and config is not None:
+        m, key = config.metrics, config.key
     if m is not None and "wandb" in m.sinks and m.wandb_mode != "offline":
-        out.append(SecretEnv(m.wandb_api_key_env, "metrics.wandb_api_key_env", m.wandb_mode == "online"))
+        out.append(SecretEnv(m.wandb_api_key_env, key, m.wandb_mode == "online"))
     seen: dict[str, int] = {}
     unique: list[SecretEnv] = []
     for s in out:  # one variable named by two fields: once, required if either requires it
@@ -109,10 +158,11 @@ _SECRETS_LINE = re.compile(r"\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)")
 _SKIPPED_LINE = re.compile(r"\s*(?:#.*)?")
 
 
-def secrets_file_names(text: str) -> tuple[set[str], list[int]]:
-    """What a slurm.secrets_file holds, as load_secrets reads it: (the names with a non-empty value, the
-    numbers of the lines that are not NAME=value). Never a value."""
-    names: set[str] = set()
+def parse_secrets_file(text: str) -> tuple[dict[str, str], list[int]]:
+    """A slurm.secrets_file's text as the job library's load_secrets reads it: (NAME -> value, a later line
+    winning, a value in matching quotes without them, nothing expanded; the numbers of the lines that are
+    not NAME=value)."""
+    values: dict[str, str] = {}
     bad: list[int] = []
     for n, line in enumerate(text.split("\n"), 1):
         if _SKIPPED_LINE.fullmatch(line):
@@ -124,8 +174,54 @@ def secrets_file_names(text: str) -> tuple[set[str], list[int]]:
         value = m.group(2)
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]
-        if value:
-            names.add(m.group(1))
-        else:
-            names.discard(m.group(1))
-    return names, bad
+        values[m.group(1)] = value
+    return values, bad
+
+
+def secrets_file_names(text: str) -> tuple[set[str], list[int]]:
+    """What a slurm.secrets_file holds, as load_secrets reads it: (the names with a non-empty value, the
+    numbers of the lines that are not NAME=value). Never a value."""
+    values, bad = parse_secrets_file(text)
+    return {name for name, v in values.items() if v}, bad
+
+
+def secrets_file_path(where: str, cwd: Path) -> Path:
+    """slurm.secrets_file on this host: ``~/`` is the user's home directory, a relative path is from ``cwd``
+    (the directory the job is submitted from)."""
+    return Path.home() / where[2:] if where.startswith("~/") else cwd / where
+
+
+def read_secrets_file(where: str, named: Sequence[SecretEnv], cwd: Path = Path(".")) -> dict[str, str]:
+    """The values of the variables ``named`` from slurm.secrets_file ``where``, read here as the job reads
+    them on its node (load_secrets): the file must belong to this user and be readable by no one else, every
+    line must be NAME=value, and every required variable must have a non-empty value. Raises ValueError with
+    one line (naming the file, never a value) when it cannot be used."""
+    path = secrets_file_path(where, cwd)
+    required = [s for s in named if s.required]
+    try:
+        st = path.stat()
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        if not required:
+            return {}
+        wanted = ", ".join(f"{s.name} ({s.key})" for s in required)
+        raise ValueError(
+            f"no secrets file {path}: write NAME=value lines for {wanted} into it, chmod 600"
+        ) from None
+    except OSError as e:
+        raise ValueError(f"cannot read secrets file {path}: {e.strerror}") from None
+    if st.st_uid != os.getuid():
+        raise ValueError(f"secrets file {path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()})")
+    if st.st_mode & 0o077:
+        raise ValueError(
+            f"secrets file {path} is mode {st.st_mode & 0o777:o}: others may read it; chmod 600 {path}"
+        )
+    values, bad = parse_secrets_file(text)
+    if bad:
+        # the line itself is never said
+        raise ValueError(f"secrets file {path}, line {bad[0]}: not NAME=value")
+    got = {s.name: values[s.name] for s in named if values.get(s.name)}
+    missing = [f"{s.name} ({s.key})" for s in required if s.name not in got]
+    if missing:
+        raise ValueError(f"secrets file {path} has no value for {', '.join(missing)}")
+    return got

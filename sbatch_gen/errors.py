@@ -32,6 +32,23 @@ class FieldError(ValueError):
         self.path = path
 
 
+class FieldErrors(ValueError):
+    """Several independent :class:`FieldError` of one model (the items of a list, the model's checks), raised
+    together so that one run reports them all (sbatch_gen/strict.py ``check``, yamlload's formatting)."""
+
+    def __init__(self, errors: list[FieldError]):
+        super().__init__("; ".join(str(e) for e in errors))
+        self.errors = errors
+
+
+def raise_all(errors: list[FieldError]) -> None:
+    """Raise ``errors``: nothing when empty, the one error itself, else :class:`FieldErrors`."""
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise FieldErrors(errors)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Messages: one line, values cut, credentials masked
 

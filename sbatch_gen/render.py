@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import re
 import stat
@@ -22,6 +23,7 @@ import jinja2
 import jinja2.meta
 
 from sbatch_gen import contract
+from sbatch_gen.credentials import config_metrics
 from sbatch_gen.errors import UserError
 from sbatch_gen.fsutil import display_path, write_atomic
 from sbatch_gen.launch import (
@@ -260,6 +262,10 @@ def inputs_sha256(site: LoadedSite, env: jinja2.Environment, templates: list[str
         add("set", o.encode())
     for t in templates:
         add("template", _template_source(env, t).encode())
+    # the train config's metrics section, where the render takes the W&B key's variable from it
+    if site.profile.SECRETS_FROM_CONFIG and (cm := config_metrics(site.profile)) is not None:
+        section = cm.metrics.model_dump(mode="json") if cm.metrics is not None else None
+        add("train-config-metrics", json.dumps(section, sort_keys=True).encode())
     return h.hexdigest()
 
 

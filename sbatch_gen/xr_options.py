@@ -18,10 +18,10 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from sbatch_gen.errors import FieldError
-from sbatch_gen.strict import StrictModel
+from sbatch_gen.strict import StrictModel, check
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 ENV_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
@@ -173,7 +173,7 @@ class S3Credentials(StrictModel):
             raise ValueError(credential_message(what))
         return v
 
-    @model_validator(mode="after")
+    @check
     def _pairs(self) -> S3Credentials:
         if (self.access_key_id_env is None) != (self.secret_access_key_env is None):
             raise ValueError("set both access_key_id_env and secret_access_key_env, or neither")
@@ -459,7 +459,7 @@ class CrossRegion(StrictModel):
             raise ValueError(f"{v} is not a power of two (64, 128, ..., 65536): indices are log2(chunk) bits")
         return v
 
-    @model_validator(mode="after")
+    @check
     def _sparse_payloads(self) -> CrossRegion:
         if self.payload_dtype != "sparse":
             return self
@@ -482,7 +482,7 @@ class CrossRegion(StrictModel):
             )
         return self
 
-    @model_validator(mode="after")
+    @check
     def _scaled_payloads_are_raw(self) -> CrossRegion:
         if self.payload_dtype in ("int8", "fp8", "int4") and self.serialization != "raw":
             raise FieldError(
@@ -491,7 +491,7 @@ class CrossRegion(StrictModel):
             )
         return self
 
-    @model_validator(mode="after")
+    @check
     def _overlap_is_diloco(self) -> CrossRegion:
         if self.overlap != "none" and self.sync != "diloco":
             raise FieldError(
@@ -501,7 +501,7 @@ class CrossRegion(StrictModel):
             )
         return self
 
-    @model_validator(mode="after")
+    @check
     def _streaming_schedule(self) -> CrossRegion:
         if self.overlap != "streaming":
             return self
@@ -522,7 +522,7 @@ class CrossRegion(StrictModel):
             )
         return self
 
-    @model_validator(mode="after")
+    @check
     def _region_in_regions(self) -> CrossRegion:
         if len(set(self.regions)) != len(self.regions):
             raise ValueError(f"regions has duplicates: {self.regions}")

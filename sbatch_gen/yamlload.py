@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from sbatch_gen.errors import FieldError, UserError
+from sbatch_gen.errors import FieldError, FieldErrors, UserError
 from sbatch_gen.fsutil import display_path
 
 DataPath = tuple[str | int, ...]
@@ -354,7 +354,14 @@ def format_validation_error(
 ) -> list[str]:
     """One ``file:line: field.path: message`` line per pydantic error (reusable for other YAML configs)."""
     lines: list[tuple[tuple[str, int], str]] = []
-    for err in exc.errors(include_url=False):
+    errors: list[Any] = []
+    for err in exc.errors(include_url=False):  # several errors raised together: one line each
+        many = (err.get("ctx") or {}).get("error")
+        if isinstance(many, FieldErrors):
+            errors += [{**err, "ctx": {**err["ctx"], "error": e}} for e in many.errors]
+        else:
+            errors.append(err)
+    for err in errors:
         loc = tuple(err["loc"])
         ctx_error = (err.get("ctx") or {}).get("error")
         if isinstance(ctx_error, FieldError):

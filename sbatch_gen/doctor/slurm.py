@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sbatch_gen import node_program
-from sbatch_gen.credentials import secrets_file_names
+from sbatch_gen.credentials import secrets_file_names, secrets_file_path
 from sbatch_gen.doctor.common import (
     Check,
     CommandMissing,
@@ -311,7 +311,7 @@ def check_secrets(d: SlurmDoctor) -> list[Check]:
     expected = f"{', '.join(s.name for s in named)} in slurm.secrets_file, mode 0600, yours"
     if where is None:  # only optional ones (a required one needs the file to validate)
         return [skip("secrets", expected, "no slurm.secrets_file: the optional secrets stay unset")]
-    path = Path.home() / where[2:] if where.startswith("~/") else d.cwd / where
+    path = secrets_file_path(where, d.cwd)
     required = [s for s in named if s.required]
     try:
         st = path.stat()

@@ -14,7 +14,7 @@ from typing import Annotated, ClassVar, Literal, get_args
 
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
-from sbatch_gen.errors import FieldError
+from sbatch_gen.errors import FieldError, raise_all
 from sbatch_gen.launch import PLACEHOLDERS, PlaceholderError, Ref, parse_arg, placeholders_used
 from sbatch_gen.metrics_options import MetricsOptions
 from sbatch_gen.profiles.environment import RESERVED_ENV, RESERVED_ENV_PREFIXES
@@ -33,6 +33,7 @@ from sbatch_gen.profiles.types import (
     not_an_option,
     pattern_check,
 )
+from sbatch_gen.strict import check
 from sbatch_gen.xr_options import CrossRegion
 
 
@@ -111,7 +112,7 @@ class CondaEnv(_EnvCommon):
         default="3.11", description="Setup job: Python version of a new environment."
     )
 
-    @model_validator(mode="after")
+    @check
     def _one_of(self) -> CondaEnv:
         if (self.name is None) == (self.prefix is None):
             raise FieldError(("name",), "set exactly one of name and prefix")
@@ -187,7 +188,7 @@ class Nccl(ProfileSection):
         Field(default=None, description="NCCL_DEBUG_SUBSYS, e.g. INIT,NET.")
     )
 
-    @model_validator(mode="after")
+    @check
     def _link_layer(self) -> Nccl:
         if "ib_link_layer" in self.model_fields_set and (not self.ib_hca or self.ib_disable):
             why = "ib_disable is true" if self.ib_disable else "ib_hca is empty"
@@ -277,7 +278,7 @@ class Trainer(ProfileSection):
         "preemption.lead_time_s.",
     )
 
-    @model_validator(mode="after")
+    @check
     def _stop_grace(self) -> Trainer:
         if self.stop_grace_s is not None and self.stop_protocol != "signal":
             raise FieldError(
@@ -286,7 +287,7 @@ class Trainer(ProfileSection):
             )
         return self
 
-    @model_validator(mode="after")
+    @check
     def _resume(self) -> Trainer:
         if self.resume not in ("auto", "none"):
             try:
@@ -310,7 +311,7 @@ class Trainer(ProfileSection):
             return {**data, "module": None}
         return data
 
-    @model_validator(mode="after")
+    @check
     def _command_line(self) -> Trainer:
         """The entry point, and trainer.args against the fields it replaces or refers to."""
         if self.module is None and self.script is None:
@@ -480,42 +481,44 @@ _CREDENTIAL_ENV_RE = re.compile(
 
 
 def _env_names(v: object) -> object:
-    """extra_env names, checked before the values are validated (so no message can quote a value)."""
+    """extra_env names, checked before the values are validated (so no message can quote a value); every
+    name's problem at once."""
     if not isinstance(v, dict):
         return v
-    for k in v:
-        if not isinstance(k, str):
-            continue
-        prefix = next((x for x in RESERVED_ENV_PREFIXES if k.startswith(x)), None)
-        if prefix is not None:
-            field = RESERVED_ENV_PREFIXES[prefix]
-            raise FieldError(
-                (k,), f"{k}: {prefix}* variables are set by sbatch-gen from {field}; set it there"
-            )
-        if k in RESERVED_ENV:
-            raise FieldError((k,), f"{k} is set by sbatch-gen from other profile fields; set it there")
-        if k.startswith(("SLURM_", "SBATCH_")):
-            raise FieldError((k,), f"{k}: SLURM_*/SBATCH_* variables belong to Slurm")
-        if is_credential_name(k):
-            raise FieldError(
-                (k,),
-                f"{k} holds a credential (value <redacted>): it would be written into out/, which "
-                "is committed; a Slurm job reads it on the node instead: name it in slurm.secrets (its value in "
-                "slurm.secrets_file)",
-            )
-        if k in _SHELL_ENV or k.startswith(_SHELL_ENV_PREFIXES):
-            raise FieldError(
-                (k,),
-                f"{k} changes how bash runs the script (see 'Value rules' in docs/profiles.md); "
-                "it cannot be set from the profile",
-            )
-        if k in _PYTHON_ENV:
-            raise FieldError(
-                (k,),
-                f"{k} changes which code the Python interpreter runs; it cannot be set from the "
-                "profile (python_env and paths.code_dir choose the code)",
-            )
+    raise_all([e for k in v if isinstance(k, str) and (e := _env_name_problem(k)) is not None])
     return v
+
+
+def _env_name_problem(k: str) -> FieldError | None:
+    """Why extra_env may not set ``k`` (None: it may)."""
+    prefix = next((x for x in RESERVED_ENV_PREFIXES if k.startswith(x)), None)
+    if prefix is not None:
+        field = RESERVED_ENV_PREFIXES[prefix]
+        return FieldError((k,), f"{k}: {prefix}* variables are set by sbatch-gen from {field}; set it there")
+    if k in RESERVED_ENV:
+        return FieldError((k,), f"{k} is set by sbatch-gen from other profile fields; set it there")
+    if k.startswith(("SLURM_", "SBATCH_")):
+        return FieldError((k,), f"{k}: SLURM_*/SBATCH_* variables belong to Slurm")
+    if is_credential_name(k):
+        return FieldError(
+            (k,),
+            f"{k} holds a credential (value <redacted>): it would be written into out/, which "
+            "is committed; a Slurm job reads it on the node instead: name it in slurm.secrets (its value in "
+            "slurm.secrets_file)",
+        )
+    if k in _SHELL_ENV or k.startswith(_SHELL_ENV_PREFIXES):
+        return FieldError(
+            (k,),
+            f"{k} changes how bash runs the script (see 'Value rules' in docs/profiles.md); "
+            "it cannot be set from the profile",
+        )
+    if k in _PYTHON_ENV:
+        return FieldError(
+            (k,),
+            f"{k} changes which code the Python interpreter runs; it cannot be set from the "
+            "profile (python_env and paths.code_dir choose the code)",
+        )
+    return None
 
 
 def is_credential_name(name: str) -> bool:
@@ -590,6 +593,9 @@ class ProfileBase(ProfileSection):
     GPU_COUNT_NAME: ClassVar[str] = ""
     # What one machine of this kind is called in `sbatch-gen sites` ("node", "host").
     NODE_WORD: ClassVar[str] = "node"
+    # Whether the render reads the train config's metrics section for the W&B key it sends (the SSH launcher,
+    # credentials.config_metrics; a Slurm job reads its secrets on the node, named by the profile)
+    SECRETS_FROM_CONFIG: ClassVar[bool] = False
 
     def gpus_per_node(self) -> int:
         """GPUs of one machine (0: a CPU site)."""
@@ -660,7 +666,7 @@ class ProfileBase(ProfileSection):
         per_node = f"{self.gpus_per_node()} GPU" if self.uses_gpus() else f"{self.nproc_per_node()} CPU procs"
         return f"{self.node_count()} {self.NODE_WORD}(s) x {per_node}"
 
-    @model_validator(mode="after")
+    @check
     def _trainer_args_against_the_profile(self) -> ProfileBase:
         """trainer.args against the other sections: {data_path} needs paths.data. (An enabled cross_region
         without {xr_args} reaches the trainer as SBATCH_GEN_XR_* variables: environment.xr_in_environment.)"""
@@ -682,7 +688,7 @@ class ProfileBase(ProfileSection):
                 )
         return self
 
-    @model_validator(mode="after")
+    @check
     def _numa_binding_needs_gpus(self) -> ProfileBase:
         if self.topology.numa_binding is not None and not self.uses_gpus():
             raise FieldError(
@@ -692,7 +698,7 @@ class ProfileBase(ProfileSection):
             )
         return self
 
-    @model_validator(mode="after")
+    @check
     def _loader_env(self) -> ProfileBase:
         for k in self.extra_env:
             if _is_loader_env(k) and k not in self.extra_env_allow:
@@ -712,7 +718,7 @@ class ProfileBase(ProfileSection):
                 )
         return self
 
-    @model_validator(mode="after")
+    @check
     def _gpu_checks(self) -> ProfileBase:
         """The checks of every kind that depend on whether the site has GPUs."""
         gpus = self.gpus_per_node()

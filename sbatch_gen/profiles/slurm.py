@@ -13,7 +13,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
 
 from sbatch_gen.credentials import SecretEnv, bucket_check, secret_env
-from sbatch_gen.errors import FieldError
+from sbatch_gen.errors import FieldError, raise_all
 from sbatch_gen.profiles.base import Paths, ProfileBase, is_credential_name
 from sbatch_gen.profiles.environment import (
     FORCED_ENV_NAMES,
@@ -39,6 +39,7 @@ from sbatch_gen.profiles.types import (
     pattern_check,
     slurm_time_seconds,
 )
+from sbatch_gen.strict import check
 
 
 def _secrets_path(v: str) -> str:
@@ -145,7 +146,7 @@ class Preemption(ProfileSection):
             )
         return data
 
-    @model_validator(mode="after")
+    @check
     def _plan(self) -> Preemption:
         need = self.checkpoint_s + self.margin_s
         if self.lead_time_s < need:
@@ -533,7 +534,7 @@ class SlurmResources(ProfileSection):
         "workdir": _SUBMIT_DIR,  # an alias of chdir
     }
 
-    @model_validator(mode="after")
+    @check
     def _directives(self) -> SlurmResources:
         for i, d in enumerate(self.extra_directives):
             name = d[2:].split("=", 1)[0]
@@ -639,47 +640,63 @@ class SlurmProfile(ProfileBase):
         ]
         return named + list({s.name: s for s in more}.values())
 
+    @check
     def _export_policy(self) -> None:
         """slurm.export names no secret and nothing the job sets anyway; a required secret has a file to be
-        read from on the node (slurm.secrets_file)."""
+        read from on the node (slurm.secrets_file). Every item's problem at once."""
         secrets = {s.name: s for s in self.secret_env()}
         taken = submit_exports(self)
         profile_sets = [n for b in job_environment(self) for n, _ in b.vars]
+        found: list[FieldError] = []
         for i, name in enumerate(self.slurm.export):
             if name in secrets or is_credential_name(name):
                 named = f" ({secrets[name].key} names it)" if name in secrets else ""
                 how = "" if name in secrets else " (name it in slurm.secrets)"
-                raise FieldError(
-                    ("slurm", "export", i),
-                    f"{name} is a secret{named}: the job reads it on the node from slurm.secrets_file{how}, never "
-                    "from the submitting shell: Slurm would keep its value in the job's record; remove it from "
-                    "slurm.export",
+                found.append(
+                    FieldError(
+                        ("slurm", "export", i),
+                        f"{name} is a secret{named}: the job reads it on the node from slurm.secrets_file{how}, "
+                        "never from the submitting shell: Slurm would keep its value in the job's record; remove "
+                        "it from slurm.export",
+                    )
                 )
+                continue
             why = _not_exportable(name, taken)
             if why is not None:
-                raise FieldError(("slurm", "export", i), f"{name}: {why}; remove it from slurm.export")
+                found.append(
+                    FieldError(("slurm", "export", i), f"{name}: {why}; remove it from slurm.export")
+                )
         seen: dict[str, int] = {}
         for i, name in enumerate(self.slurm.secrets):
             if name in seen:
-                raise FieldError(
-                    ("slurm", "secrets", i), f"{name} is named twice (first at slurm.secrets[{seen[name]}])"
+                found.append(
+                    FieldError(
+                        ("slurm", "secrets", i),
+                        f"{name} is named twice (first at slurm.secrets[{seen[name]}])",
+                    )
                 )
+                continue
             seen[name] = i
             why = _not_a_secret(name, profile_sets)
             if why is not None:
-                raise FieldError(
-                    ("slurm", "secrets", i),
-                    f"{name}: {why}; a secret is a variable of its own (e.g. HF_TOKEN)",
+                found.append(
+                    FieldError(
+                        ("slurm", "secrets", i),
+                        f"{name}: {why}; a secret is a variable of its own (e.g. HF_TOKEN)",
+                    )
                 )
         required = [s for s in secrets.values() if s.required]
         if required and self.slurm.secrets_file is None:
             names = ", ".join(f"{s.name} ({s.key})" for s in required)
-            raise FieldError(
-                ("slurm", "secrets_file"),
-                f"the profile names secrets the job needs: {names}; set slurm.secrets_file to a file of NAME=value "
-                "lines (mode 0600) that the job reads them from on the node (e.g. ~/.config/sbatch-gen/secrets.env): "
-                "the job never takes them from the submitting shell",
+            found.append(
+                FieldError(
+                    ("slurm", "secrets_file"),
+                    f"the profile names secrets the job needs: {names}; set slurm.secrets_file to a file of "
+                    "NAME=value lines (mode 0600) that the job reads them from on the node (e.g. "
+                    "~/.config/sbatch-gen/secrets.env): the job never takes them from the submitting shell",
+                )
             )
+        raise_all(found)
 
     def _paths_inside_the_container(self, c: Container) -> None:
         """The job's steps run in the image: every absolute path they read or write must be mounted into it
@@ -742,7 +759,7 @@ class SlurmProfile(ProfileBase):
             mods += ["sbatch_gen", "xxhash"] + (["boto3"] if xr.transport.kind == "s3" else [])
         return list(dict.fromkeys(mods))
 
-    @model_validator(mode="after")
+    @check
     def _cross_checks(self) -> SlurmProfile:
         limit = slurm_time_seconds(self.slurm.time)
         if self.preemption.lead_time_s >= limit:
@@ -760,7 +777,10 @@ class SlurmProfile(ProfileBase):
                 f"SIG{self.preemption.signal} lead_time_s before the time limit, and the job must be requeued after "
                 "their grace and before the limit; lower trainer.stop_grace_s or raise preemption.lead_time_s",
             )
-        self._export_policy()
+        return self
+
+    @check
+    def _container_checks(self) -> SlurmProfile:
         if self.container is not None:
             self._paths_inside_the_container(self.container)
         if self.container is not None and self.python_env.kind != "none":

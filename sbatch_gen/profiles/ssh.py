@@ -13,12 +13,13 @@ from __future__ import annotations
 import re
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field
 
-from sbatch_gen.credentials import bucket_check, secret_env
-from sbatch_gen.errors import FieldError
+from sbatch_gen.credentials import bucket_check, config_metrics, secret_env
+from sbatch_gen.errors import FieldError, raise_all
 from sbatch_gen.profiles.base import ProfileBase
 from sbatch_gen.profiles.types import Int, PathStr, ProfileSection, Text, no_control, pattern_check
+from sbatch_gen.strict import check
 
 # An ssh destination as written in the profile: a host name, an alias from ~/.ssh/config or an IPv4
 # address. Never starts with '-' (ssh would read it as an option); user and port go in `ssh:`.
@@ -193,6 +194,7 @@ class SshProfile(ProfileBase):
 
     GPUS_FIELD: ClassVar[str] = "node.gpus"
     NODE_WORD: ClassVar[str] = "host"
+    SECRETS_FROM_CONFIG: ClassVar[bool] = True
 
     def gpus_per_node(self) -> int:
         return self.node.gpus
@@ -216,25 +218,35 @@ class SshProfile(ProfileBase):
         # the secrets every node gets over ssh's stdin, and the preflight's bucket check within the ssh
         # connect timeout (sbatch_gen/credentials.py)
         return {
-            "secret_env": secret_env(self),
+            # (the W&B key of the train config's metrics section too, where that decides the sinks: read from
+            # the directory render runs in, the launch directory's checkout)
+            "secret_env": secret_env(self, config_metrics(self)),
             "bucket_check": bucket_check(self.cross_region, self.ssh.connect_timeout_s),
         }
 
-    @model_validator(mode="after")
+    @check
     def _checks(self) -> SshProfile:
         names = [h.name for h in self.hosts]
-        for i, n in enumerate(names):
-            if n in names[:i]:
-                raise FieldError(("hosts", i, "name"), f"host {n!r} is listed twice")
+        found = [
+            FieldError(("hosts", i, "name"), f"host {n!r} is listed twice")
+            for i, n in enumerate(names)
+            if n in names[:i]
+        ]
         if not self.hosts[0].enabled:
-            raise FieldError(
-                ("hosts", 0, "enabled"),
-                "the first host runs the launcher and node 0, so it cannot be left out: move another host first",
+            found.append(
+                FieldError(
+                    ("hosts", 0, "enabled"),
+                    "the first host runs the launcher and node 0, so it cannot be left out: move another host "
+                    "first",
+                )
             )
         if not self.network.socket_ifname:
-            raise FieldError(
-                ("network", "socket_ifname"),
-                "required for kind ssh: MASTER_ADDR is this interface's IPv4 address on the first host, and NCCL/Gloo "
-                "sockets are pinned to it (e.g. ib0, eth0; lo for a single machine)",
+            found.append(
+                FieldError(
+                    ("network", "socket_ifname"),
+                    "required for kind ssh: MASTER_ADDR is this interface's IPv4 address on the first host, and "
+                    "NCCL/Gloo sockets are pinned to it (e.g. ib0, eth0; lo for a single machine)",
+                )
             )
+        raise_all(found)
         return self

@@ -19,7 +19,7 @@ from sbatch_gen.train.xr.protocol import Mailbox, Manifest, ShardInfo, round_tag
 from sbatch_gen.train.xr.store import FsStore, S3Store
 from sbatch_gen.xr_options import CrossRegion, to_argv
 
-from .conftest import KEY_ENV, SECRET_ENV, sg, write_site
+from .conftest import KEY_ENV, REPO, SECRET_ENV, sg, write_secrets, write_site
 
 RUN, REGIONS = "t-run", ["eu", "us", "ap"]
 XR = """enabled: true
@@ -290,23 +290,26 @@ def test_unreadable_mailbox_is_one_line_exit_1(tmp_path, sites, monkeypatch):
     assert code == 1
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert err.startswith(f"sbatch-gen: mailbox fs:{mbx}: unreadable round commit"), err
-    # S3 credentials named by the profile but not set: one line naming the bucket
+    # S3 credentials named by an SSH profile (its launcher sends the shell's) but not set: one line naming
+    # the bucket
     monkeypatch.delenv("XR_NOPE_KEY", raising=False)
-    write_site(
-        sites,
-        "s3",
-        XR + "transport:\n  kind: s3\n  bucket: some-bucket\n  prefix: team/xr\n"
-        "  credentials: {access_key_id_env: XR_NOPE_KEY, secret_access_key_env: XR_NOPE_SECRET}\n",
+    ssh = (REPO / "sites" / "ssh-local.yaml").read_text()
+    (sites / "s3.yaml").write_text(
+        ssh
+        + "\ncross_region:\n"
+        + "".join(f"  {line}\n" for line in XR.splitlines())
+        + "  transport:\n    kind: s3\n    bucket: some-bucket\n    prefix: team/xr\n"
+        "    credentials: {access_key_id_env: XR_NOPE_KEY, secret_access_key_env: XR_NOPE_SECRET}\n"
     )
     code, out, err = sg("status", "--site", "s3", "--sites-dir", str(sites))
-    assert code == 1
+    assert code == 1, err
     assert err.strip() == (
         "sbatch-gen: mailbox s3://some-bucket/team/xr: S3 credentials: environment variable "
         "XR_NOPE_KEY is not set (named by the site profile)"
     )
 
 
-def test_status_from_an_s3_mailbox(s3server, bucket, sites):
+def test_status_from_an_s3_mailbox(s3server, bucket, sites, monkeypatch):
     store = S3Store(
         bucket,
         "team/xr",
@@ -327,6 +330,13 @@ def test_status_from_an_s3_mailbox(s3server, bucket, sites):
         f"  endpoint_url: {s3server.endpoint_url}\n  addressing_style: path\n  region_name: us-east-1\n"
         f"  credentials: {{access_key_id_env: {KEY_ENV}, secret_access_key_env: {SECRET_ENV}}}\n",
     )
+    # The keys are where the job reads them, slurm.secrets_file, and not in this shell: status reads the file
+    import os
+
+    keys = {KEY_ENV: os.environ[KEY_ENV], SECRET_ENV: os.environ[SECRET_ENV]}
+    monkeypatch.delenv(KEY_ENV)
+    monkeypatch.delenv(SECRET_ENV)
+    write_secrets(sites, keys)
     code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites))
     assert code == 0, err
     assert f"mailbox:   s3://{bucket}/team/xr" in out
@@ -471,3 +481,50 @@ def test_watch_marks_a_joined_region_gone_once_its_heartbeat_stops(tmp_path, sit
     assert rows["ap"][-1].endswith(", unchanged 15 s"), rows["ap"]
     assert rows["us"][2].startswith("leaving"), rows["us"]
     ms.mb.close()
+
+
+def test_status_reads_the_secrets_file_as_the_job_does(s3server, bucket, sites, monkeypatch):
+    """A Slurm site's S3 keys come from slurm.secrets_file, with the job's checks: a file others may read,
+    a line that is not NAME=value, a key missing, or no file is one line (exit 2) naming the file and the
+    profile field, never a value; the shell's values are not used in its stead."""
+    import os
+
+    path = write_site(
+        sites,
+        "eu",
+        XR + f"transport:\n  kind: s3\n  bucket: {bucket}\n  prefix: team/xr\n"
+        f"  endpoint_url: {s3server.endpoint_url}\n  addressing_style: path\n  region_name: us-east-1\n"
+        f"  credentials: {{access_key_id_env: {KEY_ENV}, secret_access_key_env: {SECRET_ENV}}}\n",
+    )
+    line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if "secrets_file:" in t)
+    at = f"{path}:{line}: slurm.secrets_file: "
+    keys = {KEY_ENV: os.environ[KEY_ENV], SECRET_ENV: os.environ[SECRET_ENV]}
+    secrets = sites / "secrets.env"
+
+    def fails() -> str:
+        code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites))
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (code, err)
+        assert not any(v in err for v in keys.values()), err
+        return err.strip()
+
+    # the shell holds the keys, but the job would not take them from there: no file is an error
+    assert fails() == (
+        f"sbatch-gen: {at}no secrets file {secrets}: write NAME=value lines for {KEY_ENV} "
+        f"(cross_region.transport.credentials.access_key_id_env), {SECRET_ENV} "
+        "(cross_region.transport.credentials.secret_access_key_env) into it, chmod 600 (status reads the S3 "
+        "credentials from it, as the job does)"
+    )
+    write_secrets(sites, keys, mode=0o644)
+    assert f"{at}secrets file {secrets} is mode 644: others may read it; chmod 600 {secrets}" in fails()
+    secrets.write_text(f"{KEY_ENV}={keys[KEY_ENV]}\nnot a line\n")
+    secrets.chmod(0o600)
+    assert f"{at}secrets file {secrets}, line 2: not NAME=value" in fails()
+    write_secrets(sites, {KEY_ENV: keys[KEY_ENV], SECRET_ENV: ""})
+    assert f"{at}secrets file {secrets} has no value for {SECRET_ENV} (" in fails()
+    # the file good, the shell's values wrong or gone: the file's are used
+    write_secrets(sites, {KEY_ENV: f"'{keys[KEY_ENV]}'", SECRET_ENV: keys[SECRET_ENV]})
+    monkeypatch.delenv(KEY_ENV)
+    monkeypatch.setenv(SECRET_ENV, "")
+    code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites))
+    assert code == 0, err
+    assert f"mailbox:   s3://{bucket}/team/xr" in out

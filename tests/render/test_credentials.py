@@ -5,6 +5,7 @@ and as the SSH launcher's settings (SECRET_ENV, BUCKET_CHECK) that bash reads ba
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -205,3 +206,67 @@ def test_the_slurm_preflight_runs_the_bucket_check_on_every_node():
         "s3_timeout_s=60",
     ]
     assert not [a for a in preflight_args("local") if a.startswith("s3_")]
+
+
+def _config(path, metrics: dict | None) -> str:
+    """configs/tiny.yaml with ``metrics`` as its metrics section (None: without one), written to ``path``."""
+    import yaml
+
+    cfg = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    cfg.pop("metrics", None)
+    if metrics is not None:
+        cfg["metrics"] = metrics
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return str(path)
+
+
+def test_the_launcher_sends_the_wandb_key_the_train_config_names(tmp_path):
+    """A W&B key named only in the train config's metrics section (the profile has none, so that section
+    decides the sinks) is in SECRET_ENV, named by its field and file; the profile's section wins over it, a
+    trainer.args of its own or wandb_mode offline sends nothing; the section is an input of the render."""
+    cfg = _config(
+        tmp_path / "cfg.yaml", {"sinks": ["wandb"], "wandb_mode": "online", "wandb_api_key_env": "CK"}
+    )
+    text = launcher(f"trainer.config={cfg}")
+    assert bash_array(text, "SECRET_ENV") == ["CK", f"metrics.wandb_api_key_env of trainer.config {cfg}", "1"]
+    auto = _config(tmp_path / "auto.yaml", {"sinks": ["wandb", "tensorboard"]})
+    assert bash_array(launcher(f"trainer.config={auto}"), "SECRET_ENV")[::2] == ["WANDB_API_KEY", "0"]
+    profile = "metrics=" + json.dumps({"sinks": ["wandb"], "wandb_api_key_env": "WK"})
+    assert bash_array(launcher(f"trainer.config={cfg}", profile), "SECRET_ENV")[0] == "WK"
+    for quiet in (
+        _config(tmp_path / "offline.yaml", {"sinks": ["wandb"], "wandb_mode": "offline"}),
+        _config(tmp_path / "none.yaml", None),
+    ):
+        assert "\nSECRET_ENV=()  # none named\n" in launcher(f"trainer.config={quiet}")
+    # the header's inputs sha256 covers the section: another key's name, another sha
+    other = _config(
+        tmp_path / "other.yaml", {"sinks": ["wandb"], "wandb_mode": "online", "wandb_api_key_env": "OK"}
+    )
+    sha = [
+        re.search(r"inputs sha256: (\w+)", t).group(1) for t in (text, launcher(f"trainer.config={other}"))
+    ]
+    assert sha[0] != sha[1]
+
+
+def test_validate_warns_where_the_train_configs_wandb_key_cannot_be_known_or_is_not_read(work, tmp_path):
+    """An SSH site whose train config is not readable where validate (and render) run: its W&B key cannot be
+    known, said in the warning's one line. A Slurm site whose readable config names a W&B key the job does not
+    read (not in slurm.secrets, no profile metrics section): one warning line naming the variable."""
+    from .conftest import sg
+
+    r = sg("validate", "--site", "ssh-local", "--set", "trainer.config=configs/nowhere.yaml")
+    assert r.code == 0, r.err
+    (line,) = [x for x in r.err.splitlines() if "nowhere.yaml" in x]
+    assert "a W&B key its metrics section names is not sent to the hosts" in line, line
+    cfg = _config(
+        work / "wandb.yaml", {"sinks": ["wandb"], "wandb_mode": "online", "wandb_api_key_env": "CK"}
+    )
+    r = sg("validate", "--site", "local", "--set", f"trainer.config={cfg}")
+    assert r.code == 0, r.err
+    (line,) = [x for x in r.err.splitlines() if "W&B" in x]
+    assert line.startswith("note --set trainer.config=") and "warning: trainer.config:" in line, line
+    assert "with the key in CK (its metrics.wandb_api_key_env), which the job does not read" in line, line
+    named = ("--set", "slurm.secrets=[CK]", "--set", "slurm.secrets_file=~/.config/sbatch-gen/t.env")
+    r = sg("validate", "--site", "local", "--set", f"trainer.config={cfg}", *named)
+    assert r.code == 0 and "W&B" not in r.err, r.err
+    assert "W&B" not in sg("validate", "--site", "ssh-local", "--set", f"trainer.config={cfg}").err

@@ -152,3 +152,13 @@ def test_the_commands_table_names_every_command_and_option_of_sbatch_gen():
     assert [n for n in names if not any(row.startswith(f"| `{n}") for row in rows)] == []
     version_row = next(row for row in rows if row.startswith("| `--version`"))
     assert "cross-region.md#which-version-a-region-runs" in version_row
+
+
+def test_the_readme_and_the_quickstart_say_how_to_get_a_local_cluster():
+    """A new user without a cluster learns from the README and the quickstart how to start the local one
+    and point sbatch at it."""
+    for page in (REPO / "README.md", REPO / "docs" / "quickstart.md"):
+        text = page.read_text()
+        assert "scripts/local-slurm.sh start" in text, page
+        assert "scripts/local-slurm.sh env" in text, page
+        assert any(t.split("#")[0].endswith("local-slurm.md") for t in relative_links(page)), page

@@ -538,3 +538,66 @@ def test_a_dollar_in_extra_env_is_a_warning_at_its_line_and_renders_as_written(w
     assert 'export RUN_TAG="${RUN_TAG-job-\\$SLURM_JOB_ID}"\n' in (work / "o" / "local.sbatch").read_text()
     r = sg("validate", "--site", "lab", "--site", "local")  # a plain value (and the SSH kind): no note
     assert "PLAIN" not in r.err and r.err.count("warning") == 1, r.err
+
+
+def test_validate_takes_set_as_render_does(work):
+    """validate --set applies an override to the sites it validates, as render's --set does: a bad value is
+    refused by both in the same words, a good one passes both; with --site the run's other sites are read
+    as they are."""
+    bad = ("--set", "slurm.partition=bad partition!")
+    v, r = _fails("validate", "--site", "eu", *bad), _fails("render", "--site", "eu", "--out", "o", *bad)
+    assert "slurm.partition" in v and v == r, (v, r)
+    ok = sg("validate", "--site", "eu", "--set", "slurm.partition=h200-long")
+    assert ok.code == 0, ok.err
+    # an override of a field the run's sites must agree on: with --site, us is read as committed
+    err = _fails("validate", "--site", "eu", "--set", "cross_region.inner_steps=1000")
+    assert "cross_region.inner_steps: 500 differs from 1000" in err or "differs from 500" in err, err
+    # without --site every site gets it, and they agree
+    assert sg("validate", "--set", "cross_region.inner_steps=1000").code == 0
+
+
+def test_every_independent_problem_of_a_profile_in_one_run(work):
+    """One run reports every independent problem a file has, each `file:line: field: message`: every bad
+    name of a mapping (extra_env), and every check between fields of the profile (every bad item of
+    slurm.secrets and slurm.export, and each rule), not only the first. Pydantic checks between fields only
+    once the fields themselves are valid: a field error comes first, alone with the other field errors."""
+    local = work / "sites" / "local.yaml"
+    original = local.read_text()
+    local.write_text(original + "extra_env:\n  SLURM_A: x\n  MASTER_ADDR: y\n")
+    err = _fails("validate", "--site", "local")
+    assert err.strip().splitlines() == [
+        f"sbatch-gen: sites/local.yaml:{_line_of(local, 'SLURM_A:')}: extra_env.SLURM_A: SLURM_A: SLURM_*/SBATCH_* "
+        "variables belong to Slurm",
+        f"sbatch-gen: sites/local.yaml:{_line_of(local, 'MASTER_ADDR:')}: extra_env.MASTER_ADDR: MASTER_ADDR is set "
+        "by sbatch-gen from other profile fields; set it there",
+    ], err
+    local.write_text(original + "topology:\n  numa_binding: node\nnccl:\n  ib_hca: [mlx5_0]\n")
+    _replace(
+        local,
+        "\nslurm:\n",
+        "\nslurm:\n  secrets: [SLURM_X, BASH_ENV]\n  export: [AWS_SECRET_ACCESS_KEY, ALL]\n",
+    )
+    lines = _fails("validate", "--site", "local").strip().splitlines()
+    want = {
+        "topology.numa_binding: this site has no GPUs": "numa_binding:",
+        "nccl: this site has no GPUs": "nccl:",
+        "slurm.secrets[0]: SLURM_X: Slurm's own": "secrets:",
+        "slurm.secrets[1]: BASH_ENV: ": "secrets:",
+        "slurm.export[0]: AWS_SECRET_ACCESS_KEY is a secret": "export:",
+        "slurm.export[1]: ALL: ": "export:",
+        "slurm.secrets_file: the profile names secrets the job needs": "slurm:",
+    }
+    for text, key in want.items():
+        line = f"sbatch-gen: sites/local.yaml:{_line_of(local, key)}: {text}"
+        assert any(x.startswith(line) for x in lines), (line, lines)
+    assert len(lines) == len(want), lines
+
+
+def test_every_repeated_host_in_one_run(work):
+    lab = work / "sites" / "ssh-local.yaml"
+    err = _fails("validate", "--site", "ssh-local", "--set", "hosts=[a, a, b, b]")
+    assert err.strip().splitlines() == [
+        "sbatch-gen: --set hosts=[a, a, b, b]: hosts[1].name: host 'a' is listed twice",
+        "sbatch-gen: --set hosts=[a, a, b, b]: hosts[3].name: host 'b' is listed twice",
+    ], err
+    assert lab.exists()

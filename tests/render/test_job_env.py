@@ -219,3 +219,21 @@ def test_slurm_export_widens_it_and_a_cpu_site_has_no_debug_switch():
         "WANDB_ENTITY",
     ]
     assert "# slurm.export: all the job takes from the submitting shell" in text
+
+
+@pytest.mark.parametrize(
+    ("site", "overrides"),
+    [("eu", []), ("us", []), ("local", ["slurm.export=[HF_HOME, HTTPS_PROXY]"])],
+)
+def test_the_setup_job_takes_what_the_training_job_takes(site, overrides):
+    """The setup job (out/<site>.setup.sbatch) has the training job's #SBATCH --export line (one policy,
+    submit_exports), not sbatch's default of the submitting shell's whole environment; its job step (the
+    container probe's srun) takes the batch script's environment, as the training job's steps do."""
+    loaded = load_site(REPO / "sites", site, overrides)
+    train, setup = (r.text for r in render_site(loaded)[:2])
+    assert "setup" in render_site(loaded)[1].filename
+    assert _export_line(setup) == _export_line(train)
+    assert "PYTHONPATH" not in _export_line(setup) and "XR_S3_SECRET_ACCESS_KEY" not in _export_line(setup)
+    assert "\nexport SLURM_EXPORT_ENV=ALL " in setup
+    main = setup.index("\nmain() {")
+    assert setup.index("\nexport SLURM_EXPORT_ENV=ALL ") < main  # a setting, before any srun

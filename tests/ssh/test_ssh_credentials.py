@@ -341,3 +341,35 @@ def test_the_real_trainer_trains_through_the_bucket_and_leaves_no_secret(
     assert keys, "nothing in the bucket"
     assert watch.hits == []
     assert files_holding(tmp_path, values) == []
+
+
+def test_a_wandb_key_named_only_in_the_train_config_reaches_every_host(
+    ssh_launch, secret_env, tmp_path, monkeypatch
+):
+    """The profile has no metrics section, so the train config's decides the sinks: the W&B key's variable it
+    names is sent like the profile's (the render reads the section), and both hosts' trainers see the
+    launching host's value (node 1 over ssh, where sshd starts a fresh environment); with wandb_mode online
+    an unset key stops the launch before anything starts, naming the variable, the field and the file."""
+    import yaml
+    from sshkit import tiny_config
+
+    config = tiny_config(tmp_path / "wandb.yaml")
+    cfg = yaml.safe_load(config.read_text())
+    cfg["metrics"] = {"sinks": ["wandb"], "wandb_mode": "online", "wandb_api_key_env": WANDB_VAR}
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    script = tmp_path / "record_env.py"
+    script.write_text(RECORDER.format(names=NAMES))
+    own = (f"trainer.script={script}", "trainer.module=null")
+    with ArgvWatch([secret_env[WANDB_VAR]]) as watch:
+        launch = ssh_launch(*own, config=config)
+        rc = launch.wait(240)
+    assert rc == 0, launch.output()
+    want = hashlib.sha256(secret_env[WANDB_VAR].encode()).hexdigest()
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / "seen" / f"node-{rank}.json").read_text())
+        assert seen[WANDB_VAR] == want, (rank, seen)
+    assert watch.hits == [] and files_holding(tmp_path, [secret_env[WANDB_VAR]]) == []
+    monkeypatch.delenv(WANDB_VAR)
+    launch = ssh_launch(*own, config=config)
+    assert launch.wait(60) == 2, launch.output()
+    assert f"{WANDB_VAR} (metrics.wandb_api_key_env of trainer.config {config})" in launch.output()

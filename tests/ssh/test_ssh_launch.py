@@ -283,3 +283,27 @@ def test_a_host_that_hangs_after_the_other_finished_is_ended_within_the_bound(ss
     assert (launch.run_dir / "probe" / "start.attempt-2.rank-1.json").stat().st_mtime - done < 2 * grace + 40
     assert "Traceback" not in out and "Traceback" not in node0, out
     _assert_no_tagged(launch)
+
+
+def test_every_host_gets_only_what_is_named_not_the_launching_shells_environment(
+    ssh_launch, tmp_path, monkeypatch
+):
+    """Node 0 runs where the launcher runs, yet it starts from what an ssh login gives node 1 (HOME, USER,
+    PATH, ...), not the launching shell's whole environment: a stray variable, PYTHONPATH or
+    CUDA_VISIBLE_DEVICES of that shell reaches no host. What is named reaches both: the profile's exports
+    (the launching shell's value of one wins, on every host) and extra_env."""
+    monkeypatch.setenv("SBG_STRAY", "from-the-launching-shell")
+    given = os.environ.get("PYTHONPATH")  # (the test's own, for the render it runs, stays after the stray)
+    monkeypatch.setenv("PYTHONPATH", "/stray/pythonpath" + (f":{given}" if given else ""))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")  # a profile default: the launcher's value is named, and wins
+    venv = probe_venv(tmp_path / "probe-venv")
+    launch = ssh_launch(f"python_env.path={venv}", "extra_env={SBG_NAMED: named}")
+    records = _probe_records(launch)
+    assert launch.wait(120) == 0, launch.output()
+    for rank, rec in enumerate(records):
+        env = rec["env"]
+        assert "SBG_STRAY" not in env and "CUDA_VISIBLE_DEVICES" not in env, (rank, env)
+        assert "/stray/pythonpath" not in env.get("PYTHONPATH", ""), (rank, env["PYTHONPATH"])
+        assert env["OMP_NUM_THREADS"] == "5" and env["SBG_NAMED"] == "named", (rank, env)
+        assert env["HOME"] == os.environ["HOME"] and env["SBATCH_GEN_NODE_RANK"] == str(rank)

@@ -119,7 +119,9 @@ def test_an_hca_with_the_wrong_link_layer_fails_and_roce_accepts_it(tmp_path):
 def test_preflight_all_names_the_node_and_every_problem(tmp_path):
     lib = _launcher_lib(tmp_path, "hosts=[127.0.0.1]")
     node = _node(tmp_path, allowed="0-3", hcas={"mlx5_0": {1: "InfiniBand"}})
-    r = _bash(lib, node, 'mkdir -p -- "$LOGS"; ATTEMPT=1; preflight_all')
+    # node 0 starts from LOCAL_ENV, not this shell's whole environment: the fake /sys goes there, as a login's
+    code = 'LOCAL_ENV+=("SBATCH_GEN_SYSFS_ROOT=$SBATCH_GEN_SYSFS_ROOT"); mkdir -p -- "$LOGS"; ATTEMPT=1; preflight_all'
+    r = _bash(lib, node, code)
     assert r.returncode != 0
     line = next(x for x in r.stderr.splitlines() if "preflight FAILED on node 0 (127.0.0.1): " in x)
     assert "topology.numa_binding=node: GPU 1 on NUMA node 1" in line, line
