@@ -21,8 +21,9 @@ from .regionruns import HELDOUT, REGIONS
 from .rundir import Watch, read_summary
 
 FAULTS = {
-    "one": "replica b killed (SIGKILL of its torchrun and workers) mid-round, started again {away:g} s later",
-    "both": "both replicas killed mid-round, both started again {away:g} s later",
+    "one": "replica b killed (SIGKILL of its torchrun and workers; ours: run-trainer, the job step's "
+    "supervisor, lives on and announces the leave) mid-round, started again {away:g} s later",
+    "both": "both replicas killed (as above) mid-round, both started again {away:g} s later",
     "coordinator": "the coordinator lost for {outage:g} s (torchft: its lighthouse killed, then started "
     "again on the same address; ours: the S3 store unreachable, its packets dropped in the hub)",
 }
@@ -111,7 +112,9 @@ class _FaultRun:
         self.t_fault = time.time()
         killed = {"one": ["b"], "both": list(REGIONS)}.get(self.fault, [])
         for r in killed:
-            self.runs[r].kill()
+            # the training processes: torchft's bare torchrun and workers; ours the same under run-trainer,
+            # which outlives them as a job step does (RegionRun.kill_trainer)
+            self.runs[r].kill_trainer()
         if self.fault == "coordinator":
             self.coordinator_down = True
             if self.system == "torchft":
