@@ -9,8 +9,10 @@ starting_together`: no start-up skew); and starting together without outer snaps
 1000). Per region: exposed share, the final join, the merges' waits (those over 0.1 s with their round) and
 the snapshots it uploaded.
 
-``heartbeat``: ``bench peer``'s one-replica fault (``--subset goals``: 400 Mbit/s, 80 ms), ours only, with
-``heartbeat_s`` 5 (the default, as the page) and 1: the survivor's stall.
+``heartbeat``: ``bench peer``'s one-replica fault (``--subset goals``: 400 Mbit/s, 80 ms), ours only, the
+whole replica lost (run-trainer killed with torchrun and its workers, as when a node fails: no leave is
+announced, the heartbeat tells), with ``heartbeat_s`` 5 (the default) and 1: the survivor's stall. (bench peer's
+own fault kills the training processes and leaves run-trainer, which announces the leave.)
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def heartbeat(work: Path) -> None:
                 net = Net(star, w.work)
                 net.start_s3("moto")
                 try:
-                    out = fault_run(net, w.work, w.fcfg, w.data, w.fsz, "ours", "one")
+                    out = fault_run(net, w.work, w.fcfg, w.data, w.fsz, "ours", "one", whole_replica=True)
                 finally:
                     net.stop()
             print(

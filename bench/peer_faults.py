@@ -32,12 +32,24 @@ FAULTS = {
 SURVIVORS = {"one": {"a"}, "both": set(), "coordinator": set(REGIONS)}  # who trains on through each fault
 
 
-def fault_run(net: Net, work: Path, cfg: Path, data: Path, sz: Sizes, system: str, fault: str) -> dict:
+def fault_run(
+    net: Net,
+    work: Path,
+    cfg: Path,
+    data: Path,
+    sz: Sizes,
+    system: str,
+    fault: str,
+    *,
+    whole_replica: bool = False,
+) -> dict:
     """One fault run: both replicas train, elastic (torchft: lighthouse ``--min_replicas 1``; ours:
     ``min_regions: 1``, grace and heartbeat at their defaults), without overlap; when a has logged
     ``fault_step`` the fault comes, and the schedule goes on. Nothing here raises for how a replica ended:
-    a crash is a result."""
+    a crash is a result. ``whole_replica``: a kill takes ours' run-trainer too (a node lost: nothing
+    announces the leave, the heartbeat tells; ``bench.goals40_diag heartbeat``)."""
     f = _FaultRun(net, work, cfg, data, sz, system, fault)
+    f.whole_replica = whole_replica
     f.start()
     try:
         f.deadline = time.monotonic() + TIMEOUT
@@ -79,6 +91,7 @@ class _FaultRun:
         self.ended: dict[str, float] = {}  # seconds after the fault each replica's (last) process exited
         self.coordinator_down = False
         self.deadline = 0.0
+        self.whole_replica = False
 
     def start(self) -> None:
         if self.system == "torchft":
@@ -114,7 +127,10 @@ class _FaultRun:
         for r in killed:
             # the training processes: torchft's bare torchrun and workers; ours the same under run-trainer,
             # which outlives them as a job step does (RegionRun.kill_trainer)
-            self.runs[r].kill_trainer()
+            if self.whole_replica:
+                self.runs[r].kill()
+            else:
+                self.runs[r].kill_trainer()
         if self.fault == "coordinator":
             self.coordinator_down = True
             if self.system == "torchft":
