@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python -m bench.goals40_diag streaming   # ~5 min
     sudo .venv/bin/python -m bench.goals40_diag heartbeat   # ~6 min
+    sudo .venv/bin/python -m bench.goals40_diag fault       # ~7 min
 
 ``streaming``: ``bench overlap``'s streaming F=4 tau=2 bf16 variant on its WAN, three runs side by side: as the
 page runs it; with both regions starting their first step together (:func:`sbatch_gen.testing.faults.
@@ -13,6 +14,10 @@ the snapshots it uploaded.
 whole replica lost (run-trainer killed with torchrun and its workers, as when a node fails: no leave is
 announced, the heartbeat tells), with ``heartbeat_s`` 5 (the default) and 1: the survivor's stall. (bench peer's
 own fault kills the training processes and leaves run-trainer, which announces the leave.)
+
+``fault``: ``bench peer``'s one-replica fault as its page runs it (``--subset goals``), torchft then ours, on one
+link: the survivor's stall, the step where it fell (seconds after the fault; ours: that round's close reason,
+absent regions, wait), and ours' rounds closed without a region (a leave, a stale heartbeat, grace).
 """
 
 from __future__ import annotations
@@ -98,10 +103,30 @@ def heartbeat(work: Path) -> None:
         peer_launch.CrossRegion = options  # type: ignore[misc]
 
 
+def fault(work: Path) -> None:
+    from .peer import _inputs
+    from .peer_faults import fault_run
+    from .peer_net import Net
+    from .peer_sizes import SUBSETS, SYSTEMS
+    from .wan import Star
+
+    sz = SUBSETS["goals"]
+    w = _inputs(work, sz)
+    rate, rtt = sz.links[0]
+    with Star(rate_mbit=rate, rtt_ms=rtt, window_kb=sz.window_kb) as star:
+        net = Net(star, w.work)
+        net.start_s3("moto")
+        try:
+            for system in SYSTEMS:
+                fault_run(net, w.work, w.fcfg, w.data, w.fsz, system, "one")
+        finally:
+            net.stop()
+
+
 def main(argv: list[str]) -> int:
-    what = {"streaming": streaming, "heartbeat": heartbeat}
+    what = {"streaming": streaming, "heartbeat": heartbeat, "fault": fault}
     if len(argv) != 1 or argv[0] not in what:
-        print("usage: python -m bench.goals40_diag streaming|heartbeat", file=sys.stderr)
+        print("usage: python -m bench.goals40_diag streaming|heartbeat|fault", file=sys.stderr)
         return 2
     work = Path(
         tempfile.mkdtemp(prefix="sbgen-goals40-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)

@@ -64,8 +64,9 @@ def fault_run(
         f.clean_up()
     out = f.result()
     print(
-        f"  peer fault {fault}: {system}: exits {out['rcs']}, survivor stall {out['stall_s']}, back {out['back_s']}, "
-        f"held-out {out['heldout']} ({out['took_s']:.0f} s)",
+        f"  peer fault {fault}: {system}: exits {out['rcs']}, survivor stall {out['stall_s']} at "
+        f"{out.get('stall_at')}, back {out['back_s']}, rejoined {out['rejoin_s']}, rounds closed without a "
+        f"region {out.get('closed_without', '-')}, held-out {out['heldout']} ({out['took_s']:.0f} s)",
         flush=True,
     )
     return out
@@ -216,6 +217,22 @@ def _last_error(log: str) -> str:
     return hits[-1].strip()[-300:] if hits else "(no error in the log)"
 
 
+def _closed_without(watch: dict, t_fault: float) -> dict[str, dict[str, int]]:
+    """Ours: per region, its rounds that closed without a region, counted by ``<before|after> the fault:
+    <absent regions> <close reason>`` (``leave``: a leave record, announced by run-trainer for a crash;
+    ``stale``: a heartbeat gone stale; ``grace``: grace_s ran out). A round closed without a region before
+    the fault would be a region wrongly seen gone."""
+    out: dict[str, dict[str, int]] = {}
+    for r, w in watch.items():
+        for t, rec in w.records:
+            if rec.get("xr_absent"):
+                when = "after" if t > t_fault else "before"
+                key = f"{when}: {'+'.join(rec['xr_absent'])} {rec.get('xr_close_reason', '?')}"
+                out.setdefault(r, {})
+                out[r][key] = out[r].get(key, 0) + 1
+    return out
+
+
 def _fault_figures(
     watch: dict, sz: Sizes, system: str, fault: str, t_fault: float, t_back: float, resumed: int | None
 ) -> dict:
@@ -229,6 +246,18 @@ def _fault_figures(
         default=None,
     )
     out: dict = {"stall_s": stall, "back_s": None, "rejoin_s": None, "path": "-", "killed_at": None}
+    # where the stall was: the step, when it was logged (seconds after the fault), ours' round record there
+    after = [(rec["step_time_s"], t, rec) for r in survivors for t, rec in watch[r].seen if t > t_fault]
+    if after:
+        _, t, rec = max(after, key=lambda x: x[0])
+        keys = ("xr_round", "xr_close_reason", "xr_absent", "xr_wait_s", "xr_total_s")
+        out["stall_at"] = {
+            "step": rec["step"],
+            "after_fault_s": round(t - t_fault, 2),
+            **{k: rec[k] for k in keys if k in rec},
+        }
+    if system == "ours":
+        out["closed_without"] = _closed_without(watch, t_fault)
     if fault == "coordinator":
         # steps trained while the coordinator was down, and the last step before it came back
         out["steps_during"] = {
