@@ -1,13 +1,14 @@
 """Diagnostics behind issue 40's two missed goals (docs/benchmarks.md), beside the benchmarks, writing no page.
 
-    sudo .venv/bin/python -m bench.goals40_diag streaming   # ~5 min
+    sudo .venv/bin/python -m bench.goals40_diag streaming   # ~8 min
     sudo .venv/bin/python -m bench.goals40_diag heartbeat   # ~6 min
     sudo .venv/bin/python -m bench.goals40_diag fault       # ~7 min
 
-``streaming``: ``bench overlap``'s streaming F=4 tau=2 bf16 variant on its WAN, three runs side by side: as the
-page runs it; with both regions starting their first step together (:func:`sbatch_gen.testing.faults.
-starting_together`: no start-up skew); and starting together without outer snapshots (``snapshot_every``
-1000). Per region: exposed share, the final join, the merges' waits (those over 0.1 s with their round) and
+``streaming``: ``bench overlap``'s streaming F=4 tau=2 bf16 variant on its WAN, four runs side by side: as the
+page runs it (snapshot objects give way to the rounds' transfers); with snapshot objects that never wait
+(``SBATCH_GEN_TEST_SNAPSHOT_GIVE_WAY_S`` 0: as before :mod:`sbatch_gen.train.xr.traffic`); with both regions
+starting their first step together (:func:`sbatch_gen.testing.faults.starting_together`: no start-up skew);
+and starting together without outer snapshots (``snapshot_every`` 1000). Per region: exposed share, the final join, the merges' waits (those over 0.1 s with their round) and
 the snapshots it uploaded.
 
 ``heartbeat``: ``bench peer``'s one-replica fault (``--subset goals``: 400 Mbit/s, 80 ms), ours only, the
@@ -28,7 +29,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from sbatch_gen.testing.faults import ENV_START_TOGETHER
+from sbatch_gen.testing.faults import ENV_SNAPSHOT_GIVE_WAY, ENV_START_TOGETHER
 from sbatch_gen.train.data import prepare
 from sbatch_gen.xr_options import CrossRegion
 
@@ -36,10 +37,11 @@ from . import overlap, peer_launch
 from .common import Result
 from .regionruns import DATA_BYTES, REGIONS
 
-STREAMING_RUNS: tuple[tuple[str, bool, dict], ...] = (
-    ("as shipped", False, {}),
-    ("start together", True, {}),
-    ("start together, snapshot_every 1000", True, {"snapshot_every": 1000}),
+STREAMING_RUNS: tuple[tuple[str, bool, dict, dict], ...] = (
+    ("as shipped (snapshots give way to the rounds)", False, {}, {}),
+    ("snapshots not giving way (as before)", False, {}, {ENV_SNAPSHOT_GIVE_WAY: "0"}),
+    ("start together", True, {}, {}),
+    ("start together, snapshot_every 1000", True, {"snapshot_every": 1000}, {}),
 )
 
 
@@ -50,11 +52,12 @@ def streaming(work: Path) -> None:
     prepare(data, REGIONS, "python-stdlib", DATA_BYTES)
     launch_pair = overlap.launch_pair
     try:
-        for i, (label, together, xr) in enumerate(STREAMING_RUNS):
+        for i, (label, together, xr, extra) in enumerate(STREAMING_RUNS):
 
-            def pair(root, name, *, env=None, together=together, xr=xr, **rest):
+            def pair(root, name, *, env=None, together=together, xr=xr, extra=extra, **rest):
+                env = {**(env or {}), **extra}
                 if together:
-                    env = {**(env or {}), ENV_START_TOGETHER: f"{root / 'together'}:2"}
+                    env[ENV_START_TOGETHER] = f"{root / 'together'}:2"
                 return launch_pair(root, name, env=env, **rest, **xr)
 
             overlap.launch_pair = pair

@@ -11,6 +11,9 @@ own modules carry no test hook. Torch-free to import (the trainer is imported wh
   cross-region round, standing in for a faster device's compute, or giving a test time to act mid-run.
 - ``SBATCH_GEN_TEST_LEASE_PERIOD_S``: the run-dir lease's heartbeat period (:mod:`sbatch_gen.train.lease`,
   30 s) shortened, so that a test sees a lease go stale, or a takeover stop its holder, in seconds.
+- ``SBATCH_GEN_TEST_SNAPSHOT_GIVE_WAY_S``: how long an outer snapshot's object waits for the rounds' transfers
+  in flight (:mod:`sbatch_gen.train.xr.traffic`, 10 s); 0: it never waits, as before the rounds went first
+  (``bench.goals40_diag streaming`` runs both side by side).
 - :func:`holding_stop_save`: the stop checkpoint waits between writing its files and marking them complete,
   as a large checkpoint takes (the preemption tests: a stop that Slurm's kill reached would be cut short).
 - ``python -m sbatch_gen.testing.faults ARGS``: the trainer (``python -m sbatch_gen.train ARGS``) with the
@@ -42,6 +45,8 @@ ENV_STEP_SLEEP_RANKS = "SBATCH_GEN_TEST_STEP_SLEEP_RANKS"
 ENV_STOP_SAVE_HOLD = "SBATCH_GEN_TEST_STOP_SAVE_HOLD_S"
 # seconds between the run-dir lease's heartbeats (sbatch_gen.train.lease.DEFAULT_PERIOD_S otherwise)
 ENV_LEASE_PERIOD = "SBATCH_GEN_TEST_LEASE_PERIOD_S"
+# seconds a snapshot object gives way to the rounds (sbatch_gen.train.xr.traffic.GIVE_WAY_MAX_S otherwise)
+ENV_SNAPSHOT_GIVE_WAY = "SBATCH_GEN_TEST_SNAPSHOT_GIVE_WAY_S"
 FAULT_ENVS = (
     ENV_WITHHOLD_ROUNDS,
     ENV_START_TOGETHER,
@@ -49,6 +54,7 @@ FAULT_ENVS = (
     ENV_STEP_SLEEP_RANKS,
     ENV_STOP_SAVE_HOLD,
     ENV_LEASE_PERIOD,
+    ENV_SNAPSHOT_GIVE_WAY,
 )
 MODULE = "sbatch_gen.testing.faults"
 TRAINER = "sbatch_gen.train"
@@ -194,6 +200,15 @@ def install_from_env(environ: dict[str, str] | None = None) -> None:
         from sbatch_gen.train import lease
 
         _patch(lease, "default_period", lambda f: lambda: period_s)
+    value = env.get(ENV_SNAPSHOT_GIVE_WAY, "").strip()
+    if value:
+        from sbatch_gen.train.xr import traffic
+
+        if not isinstance(getattr(traffic, "GIVE_WAY_MAX_S", None), float):
+            raise RuntimeError(
+                "sbatch_gen.testing.faults: traffic.GIVE_WAY_MAX_S is gone; the fault needs a new seam"
+            )
+        traffic.GIVE_WAY_MAX_S = float(value)
 
 
 def main() -> None:

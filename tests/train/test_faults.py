@@ -130,6 +130,7 @@ def test_the_module_to_run_follows_the_environment_and_a_missing_seam_is_refused
     assert faults.trainer_module({faults.ENV_STEP_SLEEP: "0.1"}) == "sbatch_gen.testing.faults"
     assert faults.trainer_module({faults.ENV_STOP_SAVE_HOLD: "3"}) == "sbatch_gen.testing.faults"
     assert faults.trainer_module({faults.ENV_LEASE_PERIOD: "0.5"}) == "sbatch_gen.testing.faults"
+    assert faults.trainer_module({faults.ENV_SNAPSHOT_GIVE_WAY: "0"}) == "sbatch_gen.testing.faults"
     gone = SimpleNamespace(__name__="sbatch_gen.train.loop")
     with pytest.raises(RuntimeError, match=r"sbatch_gen\.train\.loop\._cross_region_round is gone"):
         faults._patch(gone, "_cross_region_round", lambda f: f)
@@ -143,3 +144,13 @@ def test_no_production_module_names_a_test_variable():
         if "testing" not in p.relative_to(REPO / "sbatch_gen").parts and pattern.search(p.read_text())
     ]
     assert named == []
+
+
+def test_the_snapshot_give_way_bound_is_installed_from_outside(monkeypatch):
+    from sbatch_gen.train.xr import traffic
+
+    monkeypatch.setattr(traffic, "GIVE_WAY_MAX_S", traffic.GIVE_WAY_MAX_S)
+    faults.install_from_env({faults.ENV_SNAPSHOT_GIVE_WAY: "0"})
+    t = traffic.Traffic()
+    with t.foreground():
+        assert t.give_way() == 0.0 and t.gave_way == 0  # 0: never waits, as before the rounds went first

@@ -48,11 +48,13 @@ class Traffic:
     def busy(self) -> bool:
         return self._active > 0
 
-    def give_way(self, max_wait_s: float = GIVE_WAY_MAX_S) -> float:
+    def give_way(self, max_wait_s: float | None = None) -> float:
         """A background transfer about to start: wait until no round transfer is in flight, at most
-        ``max_wait_s``. Returns the seconds waited."""
+        ``max_wait_s`` (:data:`GIVE_WAY_MAX_S`). Returns the seconds waited."""
+        if max_wait_s is None:
+            max_wait_s = GIVE_WAY_MAX_S
         with self._cv:
-            if self._active == 0:
+            if self._active == 0 or max_wait_s <= 0:
                 return 0.0
             t0 = time.monotonic()
             self._cv.wait_for(lambda: self._active == 0, timeout=max_wait_s)
