@@ -16,6 +16,9 @@ whole replica lost (run-trainer killed with torchrun and its workers, as when a 
 announced, the heartbeat tells), with ``heartbeat_s`` 5 (the default) and 1: the survivor's stall. (bench peer's
 own fault kills the training processes and leaves run-trainer, which announces the leave.)
 
+``cleanup``: the streaming variant, both regions starting together, with and without the mailbox cleanup behind
+the rounds (``SBATCH_GEN_TEST_NO_CLEANUP``; snapshots uploaded in both), side by side.
+
 ``fault``: ``bench peer``'s one-replica fault as its page runs it (``--subset goals``), torchft then ours, on one
 link: the survivor's stall, the step where it fell (seconds after the fault; ours: that round's close reason,
 absent regions, wait), and ours' rounds closed without a region (a leave, a stale heartbeat, grace).
@@ -29,7 +32,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from sbatch_gen.testing.faults import ENV_SNAPSHOT_GIVE_WAY, ENV_START_TOGETHER
+from sbatch_gen.testing.faults import ENV_NO_CLEANUP, ENV_SNAPSHOT_GIVE_WAY, ENV_START_TOGETHER
 from sbatch_gen.train.data import prepare
 from sbatch_gen.xr_options import CrossRegion
 
@@ -45,14 +48,24 @@ STREAMING_RUNS: tuple[tuple[str, bool, dict, dict], ...] = (
 )
 
 
-def streaming(work: Path) -> None:
+CLEANUP_RUNS: tuple[tuple[str, bool, dict, dict], ...] = (
+    ("start together", True, {}, {}),
+    ("start together, no cleanup", True, {}, {ENV_NO_CLEANUP: "1"}),
+)
+
+
+def cleanup(work: Path) -> None:
+    streaming(work, CLEANUP_RUNS)
+
+
+def streaming(work: Path, runs: tuple[tuple[str, bool, dict, dict], ...] = STREAMING_RUNS) -> None:
     v = overlap.V("streaming", "bf16", 4, 2)
     sz = replace(overlap.FULL, base=(), streaming=(v,))
     data = work / "data"
     prepare(data, REGIONS, "python-stdlib", DATA_BYTES)
     launch_pair = overlap.launch_pair
     try:
-        for i, (label, together, xr, extra) in enumerate(STREAMING_RUNS):
+        for i, (label, together, xr, extra) in enumerate(runs):
 
             def pair(root, name, *, env=None, together=together, xr=xr, extra=extra, **rest):
                 env = {**(env or {}), **extra}
@@ -127,9 +140,9 @@ def fault(work: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    what = {"streaming": streaming, "heartbeat": heartbeat, "fault": fault}
+    what = {"streaming": streaming, "heartbeat": heartbeat, "fault": fault, "cleanup": cleanup}
     if len(argv) != 1 or argv[0] not in what:
-        print("usage: python -m bench.goals40_diag streaming|heartbeat|fault", file=sys.stderr)
+        print("usage: python -m bench.goals40_diag streaming|heartbeat|fault|cleanup", file=sys.stderr)
         return 2
     work = Path(
         tempfile.mkdtemp(prefix="sbgen-goals40-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)

@@ -14,6 +14,8 @@ own modules carry no test hook. Torch-free to import (the trainer is imported wh
 - ``SBATCH_GEN_TEST_SNAPSHOT_GIVE_WAY_S``: how long an outer snapshot's object waits for the rounds' transfers
   in flight (:mod:`sbatch_gen.train.xr.traffic`, 10 s); 0: it never waits, as before the rounds went first
   (``bench.goals40_diag streaming`` runs both side by side).
+- ``SBATCH_GEN_TEST_NO_CLEANUP``: no mailbox cleanup behind the rounds (snapshots are still uploaded), for
+  ``bench.goals40_diag cleanup``: what the per-round cleanup costs a streaming run.
 - :func:`holding_stop_save`: the stop checkpoint waits between writing its files and marking them complete,
   as a large checkpoint takes (the preemption tests: a stop that Slurm's kill reached would be cut short).
 - ``python -m sbatch_gen.testing.faults ARGS``: the trainer (``python -m sbatch_gen.train ARGS``) with the
@@ -47,6 +49,8 @@ ENV_STOP_SAVE_HOLD = "SBATCH_GEN_TEST_STOP_SAVE_HOLD_S"
 ENV_LEASE_PERIOD = "SBATCH_GEN_TEST_LEASE_PERIOD_S"
 # seconds a snapshot object gives way to the rounds (sbatch_gen.train.xr.traffic.GIVE_WAY_MAX_S otherwise)
 ENV_SNAPSHOT_GIVE_WAY = "SBATCH_GEN_TEST_SNAPSHOT_GIVE_WAY_S"
+# "1": the outer sync deletes nothing behind its rounds (OuterSync._cleanup_now does nothing)
+ENV_NO_CLEANUP = "SBATCH_GEN_TEST_NO_CLEANUP"
 FAULT_ENVS = (
     ENV_WITHHOLD_ROUNDS,
     ENV_START_TOGETHER,
@@ -55,6 +59,7 @@ FAULT_ENVS = (
     ENV_STOP_SAVE_HOLD,
     ENV_LEASE_PERIOD,
     ENV_SNAPSHOT_GIVE_WAY,
+    ENV_NO_CLEANUP,
 )
 MODULE = "sbatch_gen.testing.faults"
 TRAINER = "sbatch_gen.train"
@@ -209,6 +214,10 @@ def install_from_env(environ: dict[str, str] | None = None) -> None:
                 "sbatch_gen.testing.faults: traffic.GIVE_WAY_MAX_S is gone; the fault needs a new seam"
             )
         traffic.GIVE_WAY_MAX_S = float(value)
+    if env.get(ENV_NO_CLEANUP, "").strip() == "1":
+        from sbatch_gen.train.xr.sync import OuterSync
+
+        _patch(OuterSync, "_cleanup_now", lambda f: lambda self, ex, r, need_snapshot: None)
 
 
 def main() -> None:
