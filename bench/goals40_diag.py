@@ -1,16 +1,27 @@
 """Diagnostics behind issue 40's two missed goals (docs/benchmarks.md), beside the benchmarks, writing no page.
 
-    sudo .venv/bin/python -m bench.goals40_diag streaming   # ~5 min
+    sudo .venv/bin/python -m bench.goals40_diag streaming   # ~8 min
     sudo .venv/bin/python -m bench.goals40_diag heartbeat   # ~6 min
+    sudo .venv/bin/python -m bench.goals40_diag fault       # ~7 min
 
-``streaming``: ``bench overlap``'s streaming F=4 tau=2 bf16 variant on its WAN, three runs side by side: as the
-page runs it; with both regions starting their first step together (:func:`sbatch_gen.testing.faults.
-starting_together`: no start-up skew); and starting together without outer snapshots (``snapshot_every``
-1000). Per region: exposed share, the final join, the merges' waits (those over 0.1 s with their round) and
+``streaming``: ``bench overlap``'s streaming F=4 tau=2 bf16 variant on its WAN, four runs side by side: as the
+page runs it (snapshot objects give way to the rounds' transfers); with snapshot objects that never wait
+(``SBATCH_GEN_TEST_SNAPSHOT_GIVE_WAY_S`` 0: as before :mod:`sbatch_gen.train.xr.traffic`); with both regions
+starting their first step together (:func:`sbatch_gen.testing.faults.starting_together`: no start-up skew);
+and starting together without outer snapshots (``snapshot_every`` 1000). Per region: exposed share, the final join, the merges' waits (those over 0.1 s with their round) and
 the snapshots it uploaded.
 
-``heartbeat``: ``bench peer``'s one-replica fault (``--subset goals``: 400 Mbit/s, 80 ms), ours only, with
-``heartbeat_s`` 5 (the default, as the page) and 1: the survivor's stall.
+``heartbeat``: ``bench peer``'s one-replica fault (``--subset goals``: 400 Mbit/s, 80 ms), ours only, the
+whole replica lost (run-trainer killed with torchrun and its workers, as when a node fails: no leave is
+announced, the heartbeat tells), with ``heartbeat_s`` 5 (the default) and 1: the survivor's stall. (bench peer's
+own fault kills the training processes and leaves run-trainer, which announces the leave.)
+
+``cleanup``: the streaming variant, both regions starting together, with and without the mailbox cleanup behind
+the rounds (``SBATCH_GEN_TEST_NO_CLEANUP``; snapshots uploaded in both), side by side.
+
+``fault``: ``bench peer``'s one-replica fault as its page runs it (``--subset goals``), torchft then ours, on one
+link: the survivor's stall, the step where it fell (seconds after the fault; ours: that round's close reason,
+absent regions, wait), and ours' rounds closed without a region (a leave, a stale heartbeat, grace).
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from sbatch_gen.testing.faults import ENV_START_TOGETHER
+from sbatch_gen.testing.faults import ENV_NO_CLEANUP, ENV_SNAPSHOT_GIVE_WAY, ENV_START_TOGETHER
 from sbatch_gen.train.data import prepare
 from sbatch_gen.xr_options import CrossRegion
 
@@ -29,25 +40,37 @@ from . import overlap, peer_launch
 from .common import Result
 from .regionruns import DATA_BYTES, REGIONS
 
-STREAMING_RUNS: tuple[tuple[str, bool, dict], ...] = (
-    ("as shipped", False, {}),
-    ("start together", True, {}),
-    ("start together, snapshot_every 1000", True, {"snapshot_every": 1000}),
+STREAMING_RUNS: tuple[tuple[str, bool, dict, dict], ...] = (
+    ("as shipped (snapshots give way to the rounds)", False, {}, {}),
+    ("snapshots not giving way (as before)", False, {}, {ENV_SNAPSHOT_GIVE_WAY: "0"}),
+    ("start together", True, {}, {}),
+    ("start together, snapshot_every 1000", True, {"snapshot_every": 1000}, {}),
 )
 
 
-def streaming(work: Path) -> None:
+CLEANUP_RUNS: tuple[tuple[str, bool, dict, dict], ...] = (
+    ("start together", True, {}, {}),
+    ("start together, no cleanup", True, {}, {ENV_NO_CLEANUP: "1"}),
+)
+
+
+def cleanup(work: Path) -> None:
+    streaming(work, CLEANUP_RUNS)
+
+
+def streaming(work: Path, runs: tuple[tuple[str, bool, dict, dict], ...] = STREAMING_RUNS) -> None:
     v = overlap.V("streaming", "bf16", 4, 2)
     sz = replace(overlap.FULL, base=(), streaming=(v,))
     data = work / "data"
     prepare(data, REGIONS, "python-stdlib", DATA_BYTES)
     launch_pair = overlap.launch_pair
     try:
-        for i, (label, together, xr) in enumerate(STREAMING_RUNS):
+        for i, (label, together, xr, extra) in enumerate(runs):
 
-            def pair(root, name, *, env=None, together=together, xr=xr, **rest):
+            def pair(root, name, *, env=None, together=together, xr=xr, extra=extra, **rest):
+                env = {**(env or {}), **extra}
                 if together:
-                    env = {**(env or {}), ENV_START_TOGETHER: f"{root / 'together'}:2"}
+                    env[ENV_START_TOGETHER] = f"{root / 'together'}:2"
                 return launch_pair(root, name, env=env, **rest, **xr)
 
             overlap.launch_pair = pair
@@ -86,7 +109,7 @@ def heartbeat(work: Path) -> None:
                 net = Net(star, w.work)
                 net.start_s3("moto")
                 try:
-                    out = fault_run(net, w.work, w.fcfg, w.data, w.fsz, "ours", "one")
+                    out = fault_run(net, w.work, w.fcfg, w.data, w.fsz, "ours", "one", whole_replica=True)
                 finally:
                     net.stop()
             print(
@@ -96,10 +119,30 @@ def heartbeat(work: Path) -> None:
         peer_launch.CrossRegion = options  # type: ignore[misc]
 
 
+def fault(work: Path) -> None:
+    from .peer import _inputs
+    from .peer_faults import fault_run
+    from .peer_net import Net
+    from .peer_sizes import SUBSETS, SYSTEMS
+    from .wan import Star
+
+    sz = SUBSETS["goals"]
+    w = _inputs(work, sz)
+    rate, rtt = sz.links[0]
+    with Star(rate_mbit=rate, rtt_ms=rtt, window_kb=sz.window_kb) as star:
+        net = Net(star, w.work)
+        net.start_s3("moto")
+        try:
+            for system in SYSTEMS:
+                fault_run(net, w.work, w.fcfg, w.data, w.fsz, system, "one")
+        finally:
+            net.stop()
+
+
 def main(argv: list[str]) -> int:
-    what = {"streaming": streaming, "heartbeat": heartbeat}
+    what = {"streaming": streaming, "heartbeat": heartbeat, "fault": fault, "cleanup": cleanup}
     if len(argv) != 1 or argv[0] not in what:
-        print("usage: python -m bench.goals40_diag streaming|heartbeat", file=sys.stderr)
+        print("usage: python -m bench.goals40_diag streaming|heartbeat|fault|cleanup", file=sys.stderr)
         return 2
     work = Path(
         tempfile.mkdtemp(prefix="sbgen-goals40-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)

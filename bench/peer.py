@@ -9,8 +9,8 @@ same injected per-step sleep (standing in for a faster device's compute):
   (:mod:`bench.peer_torchft`). The replicas exchange pseudo-gradients by allreduce, each rank with the
   same rank of the other replica.
 * **ours**: the real trainer (``python -m sbatch_gen.testing.faults``: ``sbatch_gen.train`` with the per-step
-  sleep installed, under torchrun), DiLoCo over the S3 mailbox
-  (nanio, the mailbox's test server) or over fs.
+  sleep installed, under torchrun, torchrun under the node program's run-trainer as the Slurm and SSH renders
+  run it), DiLoCo over the S3 mailbox (nanio, the mailbox's test server) or over fs.
 
 Variants: DiLoCo without overlap, and Streaming DiLoCo (F fragments, tau steps of delay; the same split
 of the parameters and the same ``alpha`` on both sides). Ours with an fp32 payload (torchft's) and its

@@ -21,8 +21,9 @@ from .regionruns import HELDOUT, REGIONS
 from .rundir import Watch, read_summary
 
 FAULTS = {
-    "one": "replica b killed (SIGKILL of its torchrun and workers) mid-round, started again {away:g} s later",
-    "both": "both replicas killed mid-round, both started again {away:g} s later",
+    "one": "replica b killed (SIGKILL of its torchrun and workers; ours: run-trainer, the job step's "
+    "supervisor, lives on and announces the leave) mid-round, started again {away:g} s later",
+    "both": "both replicas killed (as above) mid-round, both started again {away:g} s later",
     "coordinator": "the coordinator lost for {outage:g} s (torchft: its lighthouse killed, then started "
     "again on the same address; ours: the S3 store unreachable, its packets dropped in the hub)",
 }
@@ -31,12 +32,24 @@ FAULTS = {
 SURVIVORS = {"one": {"a"}, "both": set(), "coordinator": set(REGIONS)}  # who trains on through each fault
 
 
-def fault_run(net: Net, work: Path, cfg: Path, data: Path, sz: Sizes, system: str, fault: str) -> dict:
+def fault_run(
+    net: Net,
+    work: Path,
+    cfg: Path,
+    data: Path,
+    sz: Sizes,
+    system: str,
+    fault: str,
+    *,
+    whole_replica: bool = False,
+) -> dict:
     """One fault run: both replicas train, elastic (torchft: lighthouse ``--min_replicas 1``; ours:
     ``min_regions: 1``, grace and heartbeat at their defaults), without overlap; when a has logged
     ``fault_step`` the fault comes, and the schedule goes on. Nothing here raises for how a replica ended:
-    a crash is a result."""
+    a crash is a result. ``whole_replica``: a kill takes ours' run-trainer too (a node lost: nothing
+    announces the leave, the heartbeat tells; ``bench.goals40_diag heartbeat``)."""
     f = _FaultRun(net, work, cfg, data, sz, system, fault)
+    f.whole_replica = whole_replica
     f.start()
     try:
         f.deadline = time.monotonic() + TIMEOUT
@@ -51,8 +64,9 @@ def fault_run(net: Net, work: Path, cfg: Path, data: Path, sz: Sizes, system: st
         f.clean_up()
     out = f.result()
     print(
-        f"  peer fault {fault}: {system}: exits {out['rcs']}, survivor stall {out['stall_s']}, back {out['back_s']}, "
-        f"held-out {out['heldout']} ({out['took_s']:.0f} s)",
+        f"  peer fault {fault}: {system}: exits {out['rcs']}, survivor stall {out['stall_s']} at "
+        f"{out.get('stall_at')}, back {out['back_s']}, rejoined {out['rejoin_s']}, rounds closed without a "
+        f"region {out.get('closed_without', '-')}, held-out {out['heldout']} ({out['took_s']:.0f} s)",
         flush=True,
     )
     return out
@@ -78,6 +92,7 @@ class _FaultRun:
         self.ended: dict[str, float] = {}  # seconds after the fault each replica's (last) process exited
         self.coordinator_down = False
         self.deadline = 0.0
+        self.whole_replica = False
 
     def start(self) -> None:
         if self.system == "torchft":
@@ -111,7 +126,12 @@ class _FaultRun:
         self.t_fault = time.time()
         killed = {"one": ["b"], "both": list(REGIONS)}.get(self.fault, [])
         for r in killed:
-            self.runs[r].kill()
+            # the training processes: torchft's bare torchrun and workers; ours the same under run-trainer,
+            # which outlives them as a job step does (RegionRun.kill_trainer)
+            if self.whole_replica:
+                self.runs[r].kill()
+            else:
+                self.runs[r].kill_trainer()
         if self.fault == "coordinator":
             self.coordinator_down = True
             if self.system == "torchft":
@@ -197,6 +217,22 @@ def _last_error(log: str) -> str:
     return hits[-1].strip()[-300:] if hits else "(no error in the log)"
 
 
+def _closed_without(watch: dict, t_fault: float) -> dict[str, dict[str, int]]:
+    """Ours: per region, its rounds that closed without a region, counted by ``<before|after> the fault:
+    <absent regions> <close reason>`` (``leave``: a leave record, announced by run-trainer for a crash;
+    ``stale``: a heartbeat gone stale; ``grace``: grace_s ran out). A round closed without a region before
+    the fault would be a region wrongly seen gone."""
+    out: dict[str, dict[str, int]] = {}
+    for r, w in watch.items():
+        for t, rec in w.records:
+            if rec.get("xr_absent"):
+                when = "after" if t > t_fault else "before"
+                key = f"{when}: {'+'.join(rec['xr_absent'])} {rec.get('xr_close_reason', '?')}"
+                out.setdefault(r, {})
+                out[r][key] = out[r].get(key, 0) + 1
+    return out
+
+
 def _fault_figures(
     watch: dict, sz: Sizes, system: str, fault: str, t_fault: float, t_back: float, resumed: int | None
 ) -> dict:
@@ -210,6 +246,18 @@ def _fault_figures(
         default=None,
     )
     out: dict = {"stall_s": stall, "back_s": None, "rejoin_s": None, "path": "-", "killed_at": None}
+    # where the stall was: the step, when it was logged (seconds after the fault), ours' round record there
+    after = [(rec["step_time_s"], t, rec) for r in survivors for t, rec in watch[r].seen if t > t_fault]
+    if after:
+        _, t, rec = max(after, key=lambda x: x[0])
+        keys = ("xr_round", "xr_close_reason", "xr_absent", "xr_wait_s", "xr_total_s")
+        out["stall_at"] = {
+            "step": rec["step"],
+            "after_fault_s": round(t - t_fault, 2),
+            **{k: rec[k] for k in keys if k in rec},
+        }
+    if system == "ours":
+        out["closed_without"] = _closed_without(watch, t_fault)
     if fault == "coordinator":
         # steps trained while the coordinator was down, and the last step before it came back
         out["steps_during"] = {

@@ -1,11 +1,16 @@
 """``bench peer``: one replica of a run, a torchrun of :data:`.peer_sizes.NPROC` processes, torchft's
-(:mod:`bench.peer_torchft`) or our trainer, in its own namespace (the WAN) or on this host."""
+(:mod:`bench.peer_torchft`) or our trainer, in its own namespace (the WAN) or on this host. Ours runs as a
+user's job runs it (the Slurm and SSH renders): torchrun under the node program's run-trainer, which
+announces the replica's leave in the mailbox when torchrun exits non-zero; torchft's is a bare torchrun, as
+torchft's own examples start it."""
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
+from sbatch_gen import node_program
+from sbatch_gen.contract import ENV_STOP_FILE, EXIT_REQUEUE
 from sbatch_gen.testing.faults import ENV_STEP_SLEEP, MODULE
 from sbatch_gen.testing.regions import RegionRun
 from sbatch_gen.testing.s3server import free_port
@@ -98,8 +103,15 @@ def _ours_cmd(
         "--data-path",
         str(data),
     ]
-    # the trainer with the per-step sleep (ENV_STEP_SLEEP) installed from outside
-    return _torchrun(net.prefix(r), "127.0.0.1", MODULE, [*args, *to_argv(xr)]), env_s3
+    # the trainer with the per-step sleep (ENV_STEP_SLEEP) installed from outside, its torchrun under
+    # run-trainer as a job's node 0 runs it: the stop file, and a crash's leave announced
+    stop = root / "stop" / r
+    stop.parent.mkdir(parents=True, exist_ok=True)
+    env_s3.update({ENV_STOP_FILE: str(stop), "SBATCH_GEN_NODE_RANK": "0"})
+    supervise = [PY, "-I", str(Path(node_program.__file__)), "run-trainer", "--stop-file", str(stop)]
+    supervise += ["--stopped-rc", str(EXIT_REQUEUE), "--"]
+    cmd = _torchrun([], "127.0.0.1", MODULE, [*args, *to_argv(xr)])
+    return [*net.prefix(r), *supervise, *cmd], env_s3
 
 
 def _torchrun(prefix: list[str], master: str, module: str, args: list[str]) -> list[str]:

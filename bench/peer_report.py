@@ -207,6 +207,11 @@ def _faults_table(res: Result, faults: list[dict]) -> None:
                 f["rejoin_s"],
                 f["killed_at"] if f["killed_at"] is not None else "-",
                 f["path"],
+                "; ".join(
+                    f"{r}: " + ", ".join(f"{k} x{n}" for k, n in sorted(c.items()))
+                    for r, c in sorted(f.get("closed_without", {}).items())
+                )
+                or "-",
                 ", ".join(f"{r}: {n}" for r, n in f.get("steps_during", {}).items()) or "-",
                 ", ".join(f"{r}: {x:.4f}" for r, x in f["heldout"].items()) or "-",
                 "-" if f["same"] is None else ("identical" if f["same"] else "differ"),
@@ -224,6 +229,7 @@ def _faults_table(res: Result, faults: list[dict]) -> None:
             "rejoined s",
             "b's last step before the kill",
             "catch-up",
+            "ours: rounds closed without a region (absent, close reason)",
             "steps while the coordinator was down",
             "held-out loss",
             "a == b",

@@ -9,6 +9,13 @@ own modules carry no test hook. Torch-free to import (the trainer is imported wh
   importing torch while it passes the round a benchmark waits for).
 - :func:`sleeping`: every step (or only some ranks' steps: an injected straggler) sleeps after its
   cross-region round, standing in for a faster device's compute, or giving a test time to act mid-run.
+- ``SBATCH_GEN_TEST_LEASE_PERIOD_S``: the run-dir lease's heartbeat period (:mod:`sbatch_gen.train.lease`,
+  30 s) shortened, so that a test sees a lease go stale, or a takeover stop its holder, in seconds.
+- ``SBATCH_GEN_TEST_SNAPSHOT_GIVE_WAY_S``: how long an outer snapshot's object waits for the rounds' transfers
+  in flight (:mod:`sbatch_gen.train.xr.traffic`, 10 s); 0: it never waits, as before the rounds went first
+  (``bench.goals40_diag streaming`` runs both side by side).
+- ``SBATCH_GEN_TEST_NO_CLEANUP``: no mailbox cleanup behind the rounds (snapshots are still uploaded), for
+  ``bench.goals40_diag cleanup``: what the per-round cleanup costs a streaming run.
 - :func:`holding_stop_save`: the stop checkpoint waits between writing its files and marking them complete,
   as a large checkpoint takes (the preemption tests: a stop that Slurm's kill reached would be cut short).
 - ``python -m sbatch_gen.testing.faults ARGS``: the trainer (``python -m sbatch_gen.train ARGS``) with the
@@ -38,12 +45,21 @@ ENV_STEP_SLEEP = "SBATCH_GEN_TEST_STEP_SLEEP_S"
 ENV_STEP_SLEEP_RANKS = "SBATCH_GEN_TEST_STEP_SLEEP_RANKS"
 # seconds the stop checkpoint waits between writing its files and its marker
 ENV_STOP_SAVE_HOLD = "SBATCH_GEN_TEST_STOP_SAVE_HOLD_S"
+# seconds between the run-dir lease's heartbeats (sbatch_gen.train.lease.DEFAULT_PERIOD_S otherwise)
+ENV_LEASE_PERIOD = "SBATCH_GEN_TEST_LEASE_PERIOD_S"
+# seconds a snapshot object gives way to the rounds (sbatch_gen.train.xr.traffic.GIVE_WAY_MAX_S otherwise)
+ENV_SNAPSHOT_GIVE_WAY = "SBATCH_GEN_TEST_SNAPSHOT_GIVE_WAY_S"
+# "1": the outer sync deletes nothing behind its rounds (OuterSync._cleanup_now does nothing)
+ENV_NO_CLEANUP = "SBATCH_GEN_TEST_NO_CLEANUP"
 FAULT_ENVS = (
     ENV_WITHHOLD_ROUNDS,
     ENV_START_TOGETHER,
     ENV_STEP_SLEEP,
     ENV_STEP_SLEEP_RANKS,
     ENV_STOP_SAVE_HOLD,
+    ENV_LEASE_PERIOD,
+    ENV_SNAPSHOT_GIVE_WAY,
+    ENV_NO_CLEANUP,
 )
 MODULE = "sbatch_gen.testing.faults"
 TRAINER = "sbatch_gen.train"
@@ -184,6 +200,24 @@ def install_from_env(environ: dict[str, str] | None = None) -> None:
         from sbatch_gen.train import finish
 
         _patch(finish, "hand_off", lambda f: holding_stop_save(f, hold_s))
+    period_s = float(env.get(ENV_LEASE_PERIOD, "") or 0)
+    if period_s > 0:
+        from sbatch_gen.train import lease
+
+        _patch(lease, "default_period", lambda f: lambda: period_s)
+    value = env.get(ENV_SNAPSHOT_GIVE_WAY, "").strip()
+    if value:
+        from sbatch_gen.train.xr import traffic
+
+        if not isinstance(getattr(traffic, "GIVE_WAY_MAX_S", None), float):
+            raise RuntimeError(
+                "sbatch_gen.testing.faults: traffic.GIVE_WAY_MAX_S is gone; the fault needs a new seam"
+            )
+        traffic.GIVE_WAY_MAX_S = float(value)
+    if env.get(ENV_NO_CLEANUP, "").strip() == "1":
+        from sbatch_gen.train.xr.sync import OuterSync
+
+        _patch(OuterSync, "_cleanup_now", lambda f: lambda self, ex, r, need_snapshot: None)
 
 
 def main() -> None:

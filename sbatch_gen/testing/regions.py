@@ -68,6 +68,16 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def _is_run_trainer(pid: int) -> bool:
+    """Whether ``pid`` runs the node program's run-trainer (its command line, from /proc)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return b"run-trainer" in argv and any(a.endswith(b"node_program.py") for a in argv)
+
+
 @dataclass
 class RegionRun:
     region: str
@@ -111,6 +121,29 @@ class RegionRun:
             p.wait(timeout=30)
         deadline = time.monotonic() + 30
         while any(process_state(w) not in ("Z", "X") for w in workers):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+
+    def kill_trainer(self) -> None:
+        """SIGKILL what run-trainer runs (torchrun's agents and their workers) and leave run-trainer itself: the
+        training processes crash, the job's step lives on, as when a worker dies on a node (an error, the OOM
+        killer), and run-trainer announces the region's leave. A region started without run-trainer (no
+        ``stop_file``) has nothing that outlives its trainer: :meth:`kill`."""
+        tree = [p.pid for p in self.procs if p.poll() is None]
+        tree += [d for pid in tree for d in descendants(pid)]
+        supervisors = [pid for pid in tree if _is_run_trainer(pid)]
+        if not supervisors:
+            self.kill()
+            return
+        victims = [d for s in supervisors for d in descendants(s)]
+        for v in victims:
+            try:
+                os.kill(v, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 30
+        while any(process_state(v) not in ("Z", "X") for v in victims):
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)

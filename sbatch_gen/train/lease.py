@@ -43,8 +43,7 @@ log = logging.getLogger("sbatch_gen.train")
 
 LEASE_FILE = "lease.json"
 LOCK_FILE = ".lease.lock"
-ENV_PERIOD = "SBATCH_GEN_LEASE_PERIOD_S"  # heartbeat period (tests shorten it)
-DEFAULT_PERIOD_S = 30.0
+DEFAULT_PERIOD_S = 30.0  # heartbeat period (tests shorten it from outside: sbatch_gen.testing.faults)
 STALE_PERIODS = 4  # a heartbeat older than this many periods: the holder is gone
 
 
@@ -53,8 +52,9 @@ class LeaseHeld(Exception):
 
 
 def default_period() -> float:
-    v = os.environ.get(ENV_PERIOD, "").strip()
-    return float(v) if v else DEFAULT_PERIOD_S
+    """The heartbeat period of a lease taken without one: :data:`DEFAULT_PERIOD_S` (the tests install a
+    shorter one from outside: :mod:`sbatch_gen.testing.faults`)."""
+    return DEFAULT_PERIOD_S
 
 
 def current_job_id(pid: int | None = None, host: str | None = None) -> str:

@@ -516,11 +516,10 @@ def export_line(script: Path) -> list[str]:
 
 
 # What the tests hand a job at submit time besides the profile's defaults (slurm.export): the faults the
-# trainer's test module installs (sbatch_gen.testing.faults, WITH_FAULTS), the lease's test period, and the S3
-# tests' settings that are no secret (their keys: secrets_file, below).
+# trainer's test module installs (sbatch_gen.testing.faults, WITH_FAULTS; the lease's test period among them),
+# and the S3 tests' settings that are no secret (their keys: secrets_file, below).
 E2E_EXPORTS = [
     *faults.FAULT_ENVS,
-    "SBATCH_GEN_LEASE_PERIOD_S",
     "AWS_DEFAULT_REGION",
     "AWS_SHARED_CREDENTIALS_FILE",
     "NO_PROXY",

@@ -472,7 +472,7 @@ def test_a_node_lost_for_real_the_batch_node_included(cluster, e2e_root, train_c
         config=train_config,
         data=data_dir,
     )
-    job.submit({"SBATCH_GEN_TEST_STEP_SLEEP_S": "0.3", "SBATCH_GEN_LEASE_PERIOD_S": "1"})
+    job.submit({"SBATCH_GEN_TEST_STEP_SLEEP_S": "0.3", "SBATCH_GEN_TEST_LEASE_PERIOD_S": "1"})
     job.wait_step(7)  # past the checkpoint at step 5
     lost = cluster.job(job.job_id)["NodeList"]
     other = ({"n1", "n2"} - {lost}).pop()

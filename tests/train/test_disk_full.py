@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sbatch_gen.testing.faults import ENV_STEP_SLEEP, ENV_STEP_SLEEP_RANKS
+from sbatch_gen.testing.faults import ENV_LEASE_PERIOD, ENV_STEP_SLEEP, ENV_STEP_SLEEP_RANKS
 from sbatch_gen.testing.faults import MODULE as FAULTS
 from sbatch_gen.train.checkpoint import check_complete, list_step_dirs, step_dir
 
@@ -77,7 +77,7 @@ def test_disk_full_keeps_the_last_checkpoint_and_says_so_in_one_line(small_fs, t
         "--data-path",
         str(data_dir),
     ]
-    la = Launch(cmd, tmp_path / "train.log", {ENV_STEP_SLEEP: "0.1", "SBATCH_GEN_LEASE_PERIOD_S": "600"})
+    la = Launch(cmd, tmp_path / "train.log", {ENV_STEP_SLEEP: "0.1", ENV_LEASE_PERIOD: "600"})
     try:
         wait_for(lambda: check_complete(step_dir(run_dir, 5)) is None, 120, "the step-5 checkpoint", la)
         _fill(small_fs / "filler")
@@ -166,7 +166,7 @@ def test_disk_full_during_an_async_save_keeps_the_last_checkpoint_and_says_so_in
         {
             ENV_STEP_SLEEP: "0.2",
             ENV_STEP_SLEEP_RANKS: "0",
-            "SBATCH_GEN_LEASE_PERIOD_S": "600",
+            ENV_LEASE_PERIOD: "600",
         },
     )
     wait_for(lambda: check_complete(step_dir(run_dir, 5)) is None, 180, "the step-5 checkpoint", la)

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from sbatch_gen.testing.faults import ENV_STEP_SLEEP
+from sbatch_gen.testing.faults import ENV_LEASE_PERIOD, ENV_STEP_SLEEP
 from sbatch_gen.testing.faults import MODULE as FAULTS
 from sbatch_gen.train.lease import LEASE_FILE, STALE_PERIODS, Lease, LeaseHeld, stale_reason
 
@@ -169,7 +169,7 @@ def test_a_holder_whose_lease_was_taken_over_is_told_at_once(tmp_path):
 def test_a_second_trainer_on_the_same_run_dir_refuses_to_start(tmp_path, data_dir, launches):
     cfg = write_config(tmp_path / "c.yaml", train={"steps": 400}, checkpoint={"every": 1000})
     run_dir = tmp_path / "run"
-    env = {ENV_STEP_SLEEP: "0.05", "SBATCH_GEN_LEASE_PERIOD_S": "0.5"}
+    env = {ENV_STEP_SLEEP: "0.05", ENV_LEASE_PERIOD: "0.5"}
     first = launches(
         torchrun_cmd(cfg, run_dir, data_dir, nproc=2, module=FAULTS), tmp_path / "first.log", env
     )
@@ -248,7 +248,7 @@ def test_a_trainer_whose_lease_is_taken_over_stops_at_once(tmp_path, data_dir, l
     over: it exits within a heartbeat, in one line, before it writes again."""
     cfg = write_config(tmp_path / "c.yaml", train={"steps": 400}, checkpoint={"every": 1000})
     run_dir = tmp_path / "run"
-    env = {ENV_STEP_SLEEP: "0.05", "SBATCH_GEN_LEASE_PERIOD_S": "0.5", "SLURM_JOB_ID": "31"}
+    env = {ENV_STEP_SLEEP: "0.05", ENV_LEASE_PERIOD: "0.5", "SLURM_JOB_ID": "31"}
     first = launches(
         torchrun_cmd(cfg, run_dir, data_dir, nproc=2, module=FAULTS), tmp_path / "first.log", env
     )

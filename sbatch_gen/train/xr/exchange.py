@@ -128,13 +128,13 @@ class Exchange:
     def for_snapshots(self, group: Region, streams: int) -> Exchange:
         """This exchange for the thread that uploads outer snapshots while training and rounds go on:
         collectives on ``group`` (another :meth:`Region.background`), a pool of its own of ``streams``
-        uploads (the rounds keep the rest of the link), no buffer shared with the rounds (it uploads fp32
-        from host memory, which needs none)."""
+        uploads, each of which first gives way to the rounds' transfers in flight (:mod:`.traffic`), no
+        buffer shared with the rounds (it uploads fp32 from host memory, which needs none)."""
         ex = self.in_background(group)
         ex._stage, ex._rx, ex._q_out, ex._q_dec, ex._asm = {}, {}, {}, {}, {}
         ex._tmp = ex._q_scratch = None
         if self.mailbox is not None:
-            ex.mailbox = self.mailbox.with_threads(streams, "xr-snapshot-io")
+            ex.mailbox = self.mailbox.with_threads(streams, "xr-snapshot-io", background=True)
         return ex
 
     def for_fragment(

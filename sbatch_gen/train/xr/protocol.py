@@ -33,11 +33,13 @@ import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 from .errors import XRChecksumError, XRLayoutError, XRMissingRound, XRTimeout
 from .store import Store
+from .traffic import Traffic
 
 # 2: per-shard checksums are XXH3-128 ("digest"), named by the manifest's "checksum"; 3: a region's shards
 # are any contiguous tiling of the flat payload (a sharded region cuts it where its ranks' parameter shards
@@ -477,6 +479,14 @@ class Mailbox:
         self.read_attempts = max(1, read_attempts)
         self.chunk_bytes = chunk_bytes  # what this region's manifests give as ``chunk``
         self._clock = clock
+        # the rounds' transfers in flight, which a background copy's (an outer snapshot's) give way to
+        self.traffic = Traffic()
+        self.background = False
+
+    def transfers(self) -> AbstractContextManager[None]:
+        """Around a round's transfers (this mailbox's objects up or down): counted in :attr:`traffic` as the
+        foreground; a background copy's (:meth:`with_threads`) are not."""
+        return nullcontext() if self.background else self.traffic.foreground()
 
     # -- keys --------------------------------------------------------------------------------------
     def shard_key(self, tag: str, region: str, index: int) -> str:
@@ -506,17 +516,20 @@ class Mailbox:
             sums = [
                 chunks[0] if whole and (lo, hi) == (0, len(view)) else digest(view[lo:hi]) for lo, hi in spans
             ]
+            if self.background:  # an outer snapshot's object: after the round's in flight, if any
+                self.traffic.give_way()
             self.store.put(self.shard_key(tag, name, idx), buf)
             return idx, Stored(len(view), chunks, sums)
 
         futures = []
-        try:
-            for idx, buf, spans in objects:
-                futures.append(self.pool.submit(one, idx, buf, spans))
-        except BaseException:  # the caller's encoder failed: let the uploads in flight finish first
-            wait(futures)
-            raise
-        return dict(f.result() for f in futures)
+        with self.transfers():
+            try:
+                for idx, buf, spans in objects:
+                    futures.append(self.pool.submit(one, idx, buf, spans))
+            except BaseException:  # the caller's encoder failed: let the uploads in flight finish first
+                wait(futures)
+                raise
+            return dict(f.result() for f in futures)
 
     def upload_shards(
         self, tag: str, shards: Mapping[int, Buffer] | Iterable[tuple[int, Buffer]], region: str | None = None
@@ -664,7 +677,8 @@ class Mailbox:
                 lambda buf: digest(buf) == info.digest,
             )
 
-        return dict(self.pool.map(one, list(wants)))
+        with self.transfers():
+            return dict(self.pool.map(one, list(wants)))
 
     def read_whole(self, key: str, nbytes: int, reuse: dict | None, slot: tuple) -> Buffer:
         """Object ``key`` of ``nbytes``: mapped (fs), or read into the buffer ``reuse`` keeps for ``slot``."""
@@ -694,11 +708,13 @@ class Mailbox:
             f"({self.store.describe(key)})"
         )
 
-    def with_threads(self, threads: int, name: str) -> Mailbox:
+    def with_threads(self, threads: int, name: str, background: bool = False) -> Mailbox:
         """This mailbox (the same store and client) with a thread pool of its own: at most ``threads``
-        transfers at a time, beside the ones of this mailbox's pool."""
+        transfers at a time, beside the ones of this mailbox's pool. ``background`` (outer snapshots): each
+        object it uploads first gives way to this mailbox's round transfers in flight (:mod:`.traffic`)."""
         mb = copy.copy(self)
         mb.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+        mb.background = background
         return mb
 
     def close(self, wait: bool = True) -> None:

@@ -125,8 +125,9 @@ def read_objects(
         return (region, k), (lo, _read_run(mb, tag, region, m, k, lo, hi, reuse))
 
     got: dict[tuple[str, int], list[tuple[int, Buffer]]] = {}
-    for key, run in mb.pool.map(one, tasks):
-        got.setdefault(key, []).append(run)
+    with mb.transfers():  # a round's reads: a snapshot's upload gives way to them (.traffic)
+        for key, run in mb.pool.map(one, tasks):
+            got.setdefault(key, []).append(run)
     return {key: ObjectBytes(runs) for key, runs in got.items()}
 
 
