@@ -217,10 +217,11 @@ use_allocated_cpus() {
   export OMP_NUM_THREADS="${OMP_NUM_THREADS-$(( CPUS_PER_TASK >= NPROC_PER_NODE ? CPUS_PER_TASK / NPROC_PER_NODE : 1 ))}"
 }
 
-# start_attempt: this attempt (ATTEMPT, the run's RUN_JOB), its files and state. STOP_FILE (exported as SBATCH_GEN_STOP_FILE) hands a stop request to
-# the trainer; TRAIN_LOG, the training step's log per node; SBATCH_GEN_DEBUG=1 on a GPU site: debug_env. The run
-# goes on across requeues and continuation jobs; attempts in a row that saved no newer checkpoint are counted in
-# NO_PROGRESS_FILE (a new submission starts afresh). This job's script is kept (JOB_SCRIPT) for a continuation.
+# start_attempt: this attempt (ATTEMPT; RUN_JOB, the run's first job), its files and state. STOP_FILE (exported
+# as SBATCH_GEN_STOP_FILE) hands a stop request to the trainer; TRAIN_LOG, the training step's log per node;
+# SBATCH_GEN_DEBUG=1 on a GPU site: debug_env. The run goes on across requeues and continuation jobs; attempts
+# in a row that saved no newer checkpoint are counted in NO_PROGRESS_FILE (a new submission starts afresh).
+# This job's script is kept (JOB_SCRIPT) for a continuation.
 start_attempt() {
   ATTEMPT=${SLURM_RESTART_COUNT:-0}
   # A continuation job (a stop overran the time limit) says which attempt it continues, <job>.attempt-<n>, and
