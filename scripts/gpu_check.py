@@ -223,6 +223,7 @@ class Check:
         s = steady(run)
         said = log_lines(self.out / "logs" / "compiled.log", "train.compile: ")
         s["compile"] = said[0] if said else None
+        s["first_step_s"] = rnd(summary(run).get("first_step_s"), 2)  # the compilation's step
         base = (getattr(self, "ac_off", None) or {}).get("tokens_per_s")
         s["vs_ac_off"] = rnd(s["tokens_per_s"] / base, 3) if base and s.get("tokens_per_s") else None
         problems = []

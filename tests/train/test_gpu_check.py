@@ -43,6 +43,7 @@ def test_smoke_runs_every_phase_and_prints_one_table(repo, tmp_path, clean_env):
     assert by["stop"]["max_abs_diff"] == 0.0 and 0 < by["stop"]["resumed_from"] < 6
     assert by["async-dcp"]["complete"] == by["async-dcp"]["saves"] >= 3
     assert "compiled in place" in by["compiled"]["compile"] and by["compiled"]["vs_ac_off"] > 0
+    assert by["compiled"]["first_step_s"] > by["compiled"]["step_p50_s"]  # the first step compiled
     assert by["diloco"]["rounds"] >= 2 and by["diloco"]["outer_device"] == "cpu"
     assert by["streaming"]["fragments_seen"] == 4 and by["streaming"]["outer_device"] == "cpu"
     assert by["fsdp"]["stop_max_abs_diff"] == 0.0 and 0 < by["fsdp"]["stop_resumed_from"] < 6
