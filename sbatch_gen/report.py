@@ -637,10 +637,23 @@ def build(runs: list[Run]) -> tuple[str, dict]:
                 _fmt(s.get("world_size", run.steps[-1].get("world_size"))),
                 _fmt(s.get("device")),
                 _fmt(s.get("parallelism")),
+                _fmt(s.get("compile")),
+                _fmt(s.get("optimizer")),
                 _fmt(s.get("exit")),
             ]
         )
-    head = ["region", "run dir", "steps logged", "processes", "world size", "device", "parallelism", "exit"]
+    head = [
+        "region",
+        "run dir",
+        "steps logged",
+        "processes",
+        "world size",
+        "device",
+        "parallelism",
+        "compile",
+        "optimizer",
+        "exit",
+    ]
     lines += [
         _md_table(head, rows),
         "",

@@ -6,6 +6,8 @@ of this node, NCCL, bf16 autocast) on the ~125M config (configs/gpt-125m.yaml) u
   hbm        device-to-device copy bandwidth of this GPU (the yardstick for the outer step)
   ac-off     steady-state tokens/s, MFU, HFU and memory, activation checkpointing off
   ac-on      the same with activation checkpointing on (HFU counts the recomputed forward)
+             (ac-off, ac-on and fsdp each record a few early steps with train.profile, ahead of the steady
+             half their figures come from: the trace, and the device's time per step by kind of kernel)
   compiled   ac-off's run with train.compile (every block compiled in place): tokens/s and MFU against
              ac-off's, and the compile's own log line (the first steps include the compilation)
   async-dcp  asynchronous DCP saves every few steps: save time, steps slowed, every checkpoint complete
@@ -193,7 +195,8 @@ class Check:
 
     def throughput(self, ac: bool) -> None:
         name = "ac-on" if ac else "ac-off"
-        rc, run = self.train(name, self.config(name, model__activation_checkpointing=ac))
+        cfg = self.config(name, model__activation_checkpointing=ac, train__profile=self.profile_window())
+        rc, run = self.train(name, cfg)
         s = steady(run)
         peak = summary(run).get("peak_flops")
         s["peak_TFLOPs"] = rnd(peak / 1e12, 1) if peak else None
@@ -209,6 +212,7 @@ class Check:
         want_ddp = "off" if self.nproc == 1 else "on"
         if not (s["ddp"] or "").startswith(want_ddp):
             problems.append(f"expected 'DDP: {want_ddp}' in the log")
+        s.update(self.profiled(name, run, problems))
         self.row(name, not problems, s, "; ".join(problems))
         if not ac:
             self.ac_off = s
@@ -219,6 +223,7 @@ class Check:
         s = steady(run)
         said = log_lines(self.out / "logs" / "compiled.log", "train.compile: ")
         s["compile"] = said[0] if said else None
+        s["first_step_s"] = rnd(summary(run).get("first_step_s"), 2)  # the compilation's step
         base = (getattr(self, "ac_off", None) or {}).get("tokens_per_s")
         s["vs_ac_off"] = rnd(s["tokens_per_s"] / base, 3) if base and s.get("tokens_per_s") else None
         problems = []
@@ -305,7 +310,10 @@ class Check:
         problems: list[str] = []
         for off in (False, True):
             name = "fsdp-offload" if off else "fsdp"
-            cfg = self.config(name, parallelism__kind="fsdp", parallelism__cpu_offload=off)
+            prof = None if off else self.profile_window()
+            cfg = self.config(
+                name, parallelism__kind="fsdp", parallelism__cpu_offload=off, train__profile=prof
+            )
             steps = max(4, self.steps // 2) if off else self.steps
             rc, run = self.train(name, cfg, max_steps=steps, nproc=1)
             s = steady(run)
@@ -323,6 +331,8 @@ class Check:
             pre = "offload_" if off else ""
             for k in ("tokens_per_s", "mfu", "max_allocated_GiB", "max_rss_GiB"):
                 fig[pre + k] = s.get(k)
+            if not off:
+                fig.update(self.profiled(name, run, problems))
         dev, dev_off = fig.get("max_allocated_GiB"), fig.get("offload_max_allocated_GiB")
         if not self.smoke and not (dev and dev_off and dev_off < dev):
             problems.append("the CPU offload did not lower the device's peak allocated memory")
@@ -343,6 +353,30 @@ class Check:
             "stop -> resume bitwise" if self.smoke else "offload lowers device memory; stop -> resume bitwise"
         ) + "; the collective timer reads a timed copy"
         self.row("fsdp", not problems, fig, "; ".join(problems) or checked)
+
+    def profile_window(self) -> dict:
+        """train.profile's steps for a profiled phase: a few steps past the warm-up and before the second
+        half of the run, which the steady figures come from (profiled steps run slower)."""
+        return {"start_step": max(2, self.steps // 4), "steps": min(3, max(1, self.steps // 6))}
+
+    def profiled(self, name: str, run: Path, problems: list[str]) -> dict:
+        """The figures of the run's profiler trace (rank 0's): its path under OUT, and on a GPU the
+        device's time per profiled step by kind of kernel (:func:`trace_breakdown`)."""
+        traces = sorted((run / "profile").glob("rank0.steps-*.json"))
+        if not traces:
+            problems.append(f"{name}: no profiler trace in {run / 'profile'}")
+            return {"profile": None}
+        fig: dict = {"profile": str(traces[0].relative_to(self.out))}
+        try:
+            fig.update(trace_breakdown(traces[0]))
+        except (OSError, ValueError, KeyError) as e:
+            problems.append(f"{name}: profiler trace unreadable: {type(e).__name__}: {e}")
+            return fig
+        if fig.get("prof_steps", 0) < 1:
+            problems.append(f"{name}: no 'step N' range in the profiler trace")
+        if not self.smoke and not fig.get("prof_device_ms"):
+            problems.append(f"{name}: no CUDA kernel in the profiler trace")
+        return fig
 
     def solo_region(self, run_id: str, h: int, mailbox: str, **kw) -> CrossRegion:
         """DiLoCo with one region over a fresh fs mailbox ``OUT/mailbox``, outer state where ``auto`` puts
@@ -526,6 +560,91 @@ def max_abs_diff(a: Path, b: Path) -> float | None:
     if x.keys() != y.keys():
         return float("inf")
     return max((float((x[k].double() - y[k].double()).abs().max()) for k in x), default=0.0)
+
+
+# Kernel kinds of a CUDA trace, by name (the first that matches; NCCL first: its kernels are not math).
+KERNEL_KINDS = (
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn_generated_fort_native_sdpa")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_", "ampere_", "hopper_")),
+)
+
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    for kind, needles in KERNEL_KINDS:
+        if any(n in low for n in needles):
+            return kind
+    return "other"
+
+
+def _union_s(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of [start, end) intervals (device streams overlap)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _step_ranges(events: list[dict], cat: str) -> list[dict]:
+    """The trace's ``step N`` ranges of category ``cat`` (``user_annotation``: the host's;
+    ``gpu_user_annotation``: the device's, from the range's first kernel to its last), in time order."""
+    return sorted(
+        (
+            e
+            for e in events
+            if e.get("ph") == "X" and e.get("cat") == cat and str(e.get("name", "")).startswith("step ")
+        ),
+        key=lambda e: float(e["ts"]),
+    )
+
+
+def trace_breakdown(path: Path) -> dict:
+    """What a Chrome trace of train.profile's steps says, per profiled step (milliseconds), the first
+    profiled step left out when there are more (it holds the profiler's own start): the host's step
+    (``step N`` ranges); and where device events exist (a CUDA trace), over the device's ``step N`` ranges
+    (from the first of them to the end of the last: the device's time for those steps), the device's busy
+    time (the union of kernels, copies and sets over every stream), its share of that window, and the
+    kernels' time by kind: ``matmul`` (GEMM kernels), ``attention`` (flash/fused attention), ``nccl``
+    (collectives), ``copy`` (memcpy/memset), ``other`` (elementwise, norms, the optimizer...). The kinds
+    sum the kernels' own times, so overlapping streams can make them sum past the busy time."""
+    events = json.loads(path.read_text()).get("traceEvents", [])
+    host = _step_ranges(events, "user_annotation")
+    fig: dict = {"prof_steps": len(host)}
+    if not host:
+        return fig
+    host = host[1:] if len(host) > 1 else host
+    fig["prof_step_ms"] = rnd(sum(float(e["dur"]) for e in host) / len(host) / 1e3, 3)
+    dev = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not dev:
+        return fig  # a CPU trace: no device events
+    steps = _step_ranges(events, "gpu_user_annotation")
+    steps = steps[1:] if len(steps) > 1 else steps
+    if steps:
+        lo = float(steps[0]["ts"])
+        hi = max(float(e["ts"]) + float(e["dur"]) for e in steps)
+    else:  # no device ranges: every device event, over the host's steps
+        lo, hi = float("-inf"), float("inf")
+    kinds = {"matmul": 0.0, "attention": 0.0, "nccl": 0.0, "copy": 0.0, "other": 0.0}
+    spans: list[tuple[float, float]] = []
+    for e in dev:
+        a = max(lo, float(e["ts"]))
+        z = min(hi, float(e["ts"]) + float(e.get("dur", 0)))
+        if z <= a:
+            continue
+        spans.append((a, z))
+        kinds["copy" if e["cat"] != "kernel" else _kind(str(e.get("name", "")))] += z - a
+    n = len(steps) or len(host)
+    window = hi - lo if steps else sum(float(e["dur"]) for e in host)
+    busy_us = _union_s(spans)
+    fig["prof_device_ms"] = rnd(busy_us / n / 1e3, 3)
+    fig["prof_device_busy"] = rnd(busy_us / window, 3) if window > 0 else None
+    for k, us in kinds.items():
+        fig[f"prof_{k}_ms"] = rnd(us / n / 1e3, 3)
+    return fig
 
 
 def timer_check(smoke: bool) -> tuple[float, float]:

@@ -36,10 +36,10 @@ def compile_blocker(device) -> str | None:
     return None
 
 
-def compile_blocks(model, device, deterministic: bool) -> bool:
-    """Compile every block of ``model`` in place; returns whether it did (else one warning said why).
-    ``deterministic``: compiled random ops (dropout) draw as eager ones do, so a compiled run's losses
-    match an eager run's and stay bitwise across a resume."""
+def compile_blocks(model, device, deterministic: bool, mode: str = "default") -> bool:
+    """Compile every block of ``model`` in place with torch.compile's ``mode``; returns whether it did
+    (else one warning said why). ``deterministic``: compiled random ops (dropout) draw as eager ones do, so
+    a compiled run's losses match an eager run's and stay bitwise across a resume."""
     why = compile_blocker(device)
     if why is not None:
         log.warning("train.compile: off: %s", why)
@@ -49,8 +49,10 @@ def compile_blocks(model, device, deterministic: bool) -> bool:
     if deterministic:
         torch._inductor.config.fallback_random = True
     for block in model.blocks:
-        block.compile(fullgraph=True)
+        block.compile(fullgraph=True, mode=mode)
     log.info(
-        "train.compile: %d blocks compiled in place (one graph, built at the first step)", len(model.blocks)
+        "train.compile: %d blocks compiled in place, mode %s (one graph, built at the first step)",
+        len(model.blocks),
+        mode,
     )
     return True

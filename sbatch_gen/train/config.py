@@ -70,6 +70,30 @@ class ProfileConfig(StrictModel):
     steps: int = Field(default=3, ge=1, le=1000, description="How many steps, from start_step on.")
 
 
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+class CompileConfig(StrictModel):
+    """``train.compile``: torch.compile per transformer block (``true``/``false`` is short for
+    ``{enabled: true/false}``)."""
+
+    enabled: bool = Field(
+        default=False,
+        description="torch.compile each transformer block in place (one graph for all: the first step "
+        "compiles it), before DDP/FSDP wrap the model; parameter names and checkpoints stay the eager "
+        "model's. Off, with one line, where the backend cannot compile (no C++ compiler on the CPU, no "
+        "Triton on CUDA).",
+    )
+    mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
+        default="default",
+        description="torch.compile's mode: default, or max-autotune-no-cudagraphs (inductor benchmarks "
+        "matmul and Triton configurations while it compiles: a longer first step, maybe faster ones "
+        "after). The CUDA-graph modes (reduce-overhead, max-autotune) are not offered: a graph replays "
+        "into buffers its next replay overwrites, and per-block graphs under activation checkpointing, "
+        "DDP or FSDP2 would need every block's outputs copied out or kept apart.",
+    )
+
+
 class TrainSection(StrictModel):
     steps: int = Field(
         ge=1, le=100_000_000, description="Total optimizer steps (the LR schedule spans these)."
@@ -84,12 +108,10 @@ class TrainSection(StrictModel):
     deterministic: Literal["auto", "on", "off"] = Field(
         default="auto", description="torch.use_deterministic_algorithms; auto: on for CPU only."
     )
-    compile: bool = Field(
-        default=False,
-        description="torch.compile each transformer block in place (one graph for all: the first step "
-        "compiles it), before DDP/FSDP wrap the model; parameter names and checkpoints stay the eager "
-        "model's. Off, with one line, where the backend cannot compile (no C++ compiler on the CPU, no "
-        "Triton on CUDA).",
+    compile: CompileConfig = Field(
+        default_factory=CompileConfig,
+        description="torch.compile each transformer block in place: {enabled, mode}, or true/false for "
+        "enabled alone (see CompileConfig).",
     )
     profile: ProfileConfig | None = Field(
         default=None,
@@ -105,6 +127,18 @@ class TrainSection(StrictModel):
         description="Dense BF16 peak per device (TFLOP/s) for MFU/HFU. Unset: taken from "
         "the GPU's name (metrics.PEAK_BF16_FLOPS), none on CPU; set it for a GPU the table does not know.",
     )
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_shorthand(cls, v):
+        if isinstance(v, bool):
+            return {"enabled": v}
+        if v is None or not isinstance(v, dict):
+            raise ValueError(
+                f"must be true, false or a mapping {{enabled, mode}} (got {v!r}); modes: "
+                + ", ".join(COMPILE_MODES)
+            )
+        return v
 
 
 class OptimConfig(StrictModel):

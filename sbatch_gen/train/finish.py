@@ -109,6 +109,10 @@ def write_summary(t) -> None:
         "hardware_flops_per_token": t.flops_hw,
         "device": str(t.device),
         "parallelism": t.par.kind + (" + cpu offload" if t.cfg.parallelism.cpu_offload else ""),
+        "optimizer": getattr(t, "optimizer_impl", None),
+        "compile": getattr(t, "compile_state", None),
+        # the process's first step, left out of step_time_s: warm-up, and with compile the compilation
+        "first_step_s": loop.step_times[0] if loop.step_times else None,
         "region": t.xr.region,
         "stop_reason": t.stop.reason() if exit_reason == "stopped" else None,
         # the code the launcher pinned for the run: "<commit> <clean|dirty>" (paths.pin_code)

@@ -293,6 +293,8 @@ def format_summary(s: dict) -> str:
         f"  step time mean {st['mean']:.4f}s p50 {st['p50']:.4f}s p99 {st['p99']:.4f}s; "
         f"{s['tokens_per_s']:.0f} tokens/s",
     ]
+    if s.get("optimizer") or s.get("compile"):
+        lines.append(f"  optimizer {s.get('optimizer')}; compile {s.get('compile')}")
     if s.get("mfu") is not None:
         lines.append(f"  MFU {s['mfu']:.3f} HFU {s['hfu']:.3f} (peak {s['peak_flops'] / 1e12:.0f} TFLOP/s)")
     mem = s.get("memory") or {}

@@ -17,6 +17,12 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+def adamw_implementation(device) -> str:
+    """Which AdamW kernel ``device`` gets: ``fused`` (one kernel for every parameter) on CUDA, ``foreach``
+    (batched per-op kernels over the parameter list) elsewhere."""
+    return "fused" if device.type == "cuda" else "foreach"
+
+
 def build_optimizer(model, cfg: TrainConfig, device):
     """AdamW for ``model``: weight decay on the parameters of 2 dimensions or more, none on the others
     (biases, norms); fused on CUDA, foreach elsewhere; the LR of step 1."""
@@ -32,5 +38,5 @@ def build_optimizer(model, cfg: TrainConfig, device):
         lr=lr_at(cfg, 1),
         betas=(o.beta1, o.beta2),
         eps=o.eps,
-        **({"fused": True} if device.type == "cuda" else {"foreach": True}),
+        **{adamw_implementation(device): True},
     )

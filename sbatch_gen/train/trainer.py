@@ -179,7 +179,7 @@ class Trainer:
         import torch
 
         from .model import GPT, flops_per_token
-        from .optim import build_optimizer
+        from .optim import adamw_implementation, build_optimizer
 
         cfg, info, device, t = self.cfg, self.info, self.device, self.cfg.train
         torch.manual_seed(t.seed)
@@ -192,10 +192,16 @@ class Trainer:
         np.random.seed((t.seed + 1 + info.rank) % 2**32)
         self._set_peak()
         self.compiled = False
-        if t.compile:
+        if t.compile.enabled:
             from .compiling import compile_blocks
 
-            self.compiled = compile_blocks(self.model, device, self.deterministic)
+            self.compiled = compile_blocks(self.model, device, self.deterministic, t.compile.mode)
+        # summary.json's "compile": what this run did (a backend that cannot compile said why at start)
+        self.compile_state = (
+            f"{len(self.model.blocks)} blocks, mode {t.compile.mode}"
+            if self.compiled
+            else ("off (the backend cannot compile here)" if t.compile.enabled else "off")
+        )
         log.info(
             "model: %d layers, d_model %d, %d heads, seq %d: %.2fM parameters, %.3g FLOP/token",
             cfg.model.n_layers,
@@ -214,6 +220,8 @@ class Trainer:
 
             self.par = replicate(self.model.to(device), info, device, self.amp_dtype)
         self.optimizer = build_optimizer(self.model, cfg, self.par.param_device)
+        self.optimizer_impl = f"AdamW {adamw_implementation(self.par.param_device)}"
+        log.info("optimizer: %s; compile: %s", self.optimizer_impl, self.compile_state)
 
     def _set_peak(self) -> None:
         """The device's peak FLOP/s for MFU: train.peak_tflops, else the known BF16 peak of a CUDA device."""

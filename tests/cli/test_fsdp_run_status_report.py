@@ -71,8 +71,8 @@ def test_report_reads_the_runs_of_sharded_regions(fsdp_run, tmp_path):
     md = (out / "report.md").read_text()
     assert "## Cross-region sync" in md and "| upload |" in md and "| outer step |" in md
     # the regions' parallelism, and FSDP's in-region comm: its collectives, timed on gloo
-    assert "| eu | " in md and " | 2 | cpu | fsdp + cpu offload | completed |" in md
-    assert " | 1 | cpu | fsdp | completed |" in md
+    assert "| eu | " in md and " | 2 | cpu | fsdp + cpu offload | off | AdamW foreach | completed |" in md
+    assert " | 1 | cpu | fsdp | off | AdamW foreach | completed |" in md
     assert "did not time" not in md
     base = json.loads((out / "slo.json").read_text())
     assert set(base) == set(REGIONS)

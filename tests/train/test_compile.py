@@ -6,6 +6,7 @@ about a minute; inductor's cache makes the others take seconds."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -54,6 +55,18 @@ def test_a_compiled_run_trains_to_the_eager_losses_and_resumes_bitwise(
     assert "train.compile: 2 blocks compiled in place" in capfd.readouterr().err
     whole = losses(tmp_path / "whole")
     assert _close(whole, losses(tmp_path / "eager")), (whole, losses(tmp_path / "eager"))
+    # the summary says what ran: the blocks compiled and the mode, AdamW's kernel (foreach off CUDA), and
+    # the first step's time (the compilation's, left out of step_time_s)
+    done = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert (done["compile"], done["optimizer"]) == ("2 blocks, mode default", "AdamW foreach")
+    eager_done = json.loads((tmp_path / "eager" / "summary.json").read_text())
+    assert eager_done["compile"] == "off" and eager_done["optimizer"] == "AdamW foreach"
+    assert done["first_step_s"] > done["step_time_s"]["max"]
+    print(
+        f"compiled vs eager: largest relative loss difference "
+        f"{max(abs(whole[s] - losses(tmp_path / 'eager')[s]) / abs(whole[s]) for s in whole):.3g}; "
+        f"first step {done['first_step_s']:.1f} s compiled, {eager_done['first_step_s']:.2f} s eager"
+    )
     # stopped after step 4, resumed: bitwise the uninterrupted compiled run
     part = tmp_path / "part"
     assert _train(compiled, part, data_dir, "--max-steps", "4") == 0
@@ -100,3 +113,27 @@ def test_where_the_backend_cannot_compile_it_says_so_in_one_line_and_trains_eage
     assert said == [
         "train.compile: off: inductor needs a C++ compiler on the CPU and no-such-compiler is not on PATH (set CXX)"
     ]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["compile"] == (
+        "off (the backend cannot compile here)"
+    )
+
+
+def test_the_mode_reaches_torch_compile_for_every_block(monkeypatch, caplog):
+    """``train.compile.mode`` is torch.compile's, per block (stand-in blocks: nothing is compiled here)."""
+    import torch
+
+    from sbatch_gen.train import compiling
+
+    calls = []
+
+    class Block(torch.nn.Module):
+        def compile(self, **kw):
+            calls.append(kw)
+
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([Block(), Block(), Block()])
+    monkeypatch.setattr(compiling, "compile_blocker", lambda device: None)
+    with caplog.at_level("INFO", logger="sbatch_gen.train"):
+        assert compiling.compile_blocks(model, torch.device("cpu"), False, "max-autotune-no-cudagraphs")
+    assert calls == [{"fullgraph": True, "mode": "max-autotune-no-cudagraphs"}] * 3
+    assert "3 blocks compiled in place, mode max-autotune-no-cudagraphs" in caplog.text

@@ -386,3 +386,42 @@ def test_fsdp_with_cross_region_sync_validates_like_ddp_in_every_mode(tmp_path):
         fsdp, ddp = (xr_problems(c, _xr(snapshot_every=1, **opts), config_name="c.yaml") for c in cfgs)
         assert fsdp[0] == ddp[0] == [], opts
         assert [str(w) for w in fsdp[1]] == [str(w) for w in ddp[1]], opts
+
+
+def test_compile_is_a_bool_or_enabled_and_mode(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(GOOD.replace("  batch_size: 2\n", "  batch_size: 2\n  compile: true\n"))
+    assert load_config(p).train.compile.model_dump() == {"enabled": True, "mode": "default"}
+    p.write_text(
+        GOOD.replace(
+            "  batch_size: 2\n",
+            "  batch_size: 2\n  compile: {enabled: true, mode: max-autotune-no-cudagraphs}\n",
+        )
+    )
+    assert load_config(p).train.compile.mode == "max-autotune-no-cudagraphs"
+    assert load_config(REPO / "configs" / "tiny.yaml").train.compile.enabled is False  # the default
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (
+            "{enabled: true, mode: reduce-overhead}",
+            ":9: train.compile.mode: Input should be 'default' or 'max-autotune-no-cudagraphs' "
+            "(got 'reduce-overhead')",
+        ),
+        (
+            "{enable: true}",
+            ":9: train.compile.enable: unknown key 'enable' (valid keys: enabled, mode); did you mean 'enabled'?",
+        ),
+        (
+            "fast",
+            ":9: train.compile: must be true, false or a mapping {enabled, mode} (got 'fast'); "
+            "modes: default, max-autotune-no-cudagraphs",
+        ),
+        ("{enabled: maybe}", ":9: train.compile.enabled: "),
+    ],
+)
+def test_bad_compile_values_name_file_line_and_field(tmp_path, value, expected):
+    msg = _err(tmp_path, GOOD.replace("  batch_size: 2\n", f"  batch_size: 2\n  compile: {value}\n"))
+    assert msg.startswith(f"{tmp_path / 'c.yaml'}{expected}") and "\n" not in msg, msg

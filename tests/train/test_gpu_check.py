@@ -43,10 +43,17 @@ def test_smoke_runs_every_phase_and_prints_one_table(repo, tmp_path, clean_env):
     assert by["stop"]["max_abs_diff"] == 0.0 and 0 < by["stop"]["resumed_from"] < 6
     assert by["async-dcp"]["complete"] == by["async-dcp"]["saves"] >= 3
     assert "compiled in place" in by["compiled"]["compile"] and by["compiled"]["vs_ac_off"] > 0
+    assert by["compiled"]["first_step_s"] > by["compiled"]["step_p50_s"]  # the first step compiled
     assert by["diloco"]["rounds"] >= 2 and by["diloco"]["outer_device"] == "cpu"
     assert by["streaming"]["fragments_seen"] == 4 and by["streaming"]["outer_device"] == "cpu"
     assert by["fsdp"]["stop_max_abs_diff"] == 0.0 and 0 < by["fsdp"]["stop_resumed_from"] < 6
     assert by["fsdp"]["tokens_per_s"] > 0 and by["fsdp"]["offload_tokens_per_s"] > 0
+    # ac-off, ac-on and fsdp (offload off) each profiled ahead of their steady half: a trace with its steps
+    for phase in ("ac-off", "ac-on", "fsdp"):
+        assert by[phase]["prof_steps"] >= 1 and by[phase]["prof_step_ms"] > 0, by[phase]
+        assert (out / by[phase]["profile"]).is_file()
+        assert "prof_device_ms" not in by[phase]  # a CPU trace has no device events
+    assert "profile" not in by["compiled"] and "profile" not in by["async-dcp"]
     assert by["ac-off"]["steps"] == 6  # only this run's records: the stale file was removed, not appended to
     assert json.loads((out / "runs" / "ac-off" / "metrics.jsonl").read_text().splitlines()[0])["step"] != 999
     table = p.stdout[p.stdout.index("| phase |") :]
@@ -71,3 +78,48 @@ def test_refuses_to_empty_what_it_did_not_make(repo, tmp_path, out):
     p = _run(repo, "--smoke", "--out", out, env={**os.environ}, timeout=60)
     assert p.returncode == 2 and "refusing to empty it" in p.stderr
     assert out != str(tmp_path) or (tmp_path / "precious").read_text() == "x"
+
+
+def test_trace_breakdown_of_a_cuda_trace(repo, tmp_path):
+    """The device's time per profiled step by kind of kernel, from a Chrome trace shaped as torch's (host
+    'step N' ranges; kernels, copies on two streams that overlap), without a GPU."""
+    import sys
+
+    sys.path.insert(0, str(repo / "scripts"))
+    try:
+        from gpu_check import trace_breakdown
+    finally:
+        sys.path.remove(str(repo / "scripts"))
+
+    def x(cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        x("user_annotation", "step 4", -5000, 5000),  # the first profiled step: left out
+        x("gpu_user_annotation", "step 4", -4000, 3000),
+        x("kernel", "sm90_xmma_gemm_bf16bf16_bf16f32", -4000, 3000),
+        x("user_annotation", "step 5", 0, 1000),
+        x("user_annotation", "step 6", 1000, 1000),
+        x("user_annotation", "forward_backward", 0, 800),  # not a step
+        x("gpu_user_annotation", "step 5", 100, 650),
+        x("gpu_user_annotation", "step 6", 1100, 500),  # the window: 100-1600 us
+        x("kernel", "sm90_xmma_gemm_bf16bf16_bf16f32", 50, 450),  # clipped to the window: 400 us
+        x("kernel", "pytorch_flash::flash_fwd_kernel", 500, 100),
+        x("kernel", "ncclDevKernel_AllGather_RING_LL", 550, 200),  # another stream: overlaps 550-600
+        x("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 1100, 100),
+        x("kernel", "void at::native::vectorized_elementwise_kernel<4>", 1200, 300),
+        x("cpu_op", "aten::mm", 100, 50),  # host op: not the device's time
+    ]
+    path = tmp_path / "rank0.steps-5-6.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert trace_breakdown(path) == {
+        "prof_steps": 3,
+        "prof_step_ms": 1.0,  # steps 5 and 6
+        "prof_device_ms": 0.525,  # union: 100-750 (650 us) + 1100-1500 (400 us) = 1050 us over 2 steps
+        "prof_device_busy": 0.7,  # 1050 us of the window's 1500
+        "prof_matmul_ms": 0.2,
+        "prof_attention_ms": 0.05,
+        "prof_nccl_ms": 0.1,
+        "prof_copy_ms": 0.05,
+        "prof_other_ms": 0.15,
+    }

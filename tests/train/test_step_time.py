@@ -39,6 +39,8 @@ def test_cpu_records_carry_the_time_shares_and_the_report_shows_them(tmp_path, d
         assert rec["optimizer_time_s"] == pytest.approx(rec["time_share_optimizer"] * rec["step_time_s"])
         assert rec["time_share_data"] == pytest.approx(rec["data_time_s"] / rec["step_time_s"])
     md, _ = build([load_run(tmp_path / "r")])
+    assert "| parallelism | compile | optimizer | exit |" in md  # the run table: what the summary says
+    assert "| none | off | AdamW foreach | completed |" in md
     assert "## Where the time goes" in md
     table = md.split("## Where the time goes", 1)[1].split("\n## ", 1)[0]
     for label in ("forward + backward", "optimizer step", "data", "in-region communication"):

@@ -643,3 +643,26 @@ def test_sparse_stop_and_resume_ends_on_the_uninterrupted_bits(tmp_path, repo, d
     assert "xr_error_feedback_reset" not in events
     rounds = [x for x in metrics(tmp_path / "us") if "xr_round" in x]
     assert all(x["xr_sparse_density"] == 123 / 4096 for x in rounds)
+
+
+def test_a_compiled_region_and_an_eager_one_end_on_the_same_bits(tmp_path, repo, data_dir):
+    """DiLoCo between a region whose blocks are compiled (train.compile) and an eager one (one process
+    each): the compiled model keeps the eager parameter names, so the two exchange the same flat vector, and
+    after the last round both hold the same outer parameters, bit for bit."""
+    transport = FsTransport(root=str(tmp_path / "mailbox"))
+    runs = []
+    for r in REGIONS:
+        train = {"compile": r == "eu"}
+        cfg = write_config(tmp_path, repo, name=f"{r}.yaml", train=train)
+        runs.append(
+            launch_region(
+                xr(r, transport), config=cfg, run_dir=tmp_path / r, data_path=data_dir, max_steps=8, nproc=1
+            )
+        )
+    run_both(runs)
+    assert "train.compile: 2 blocks compiled in place" in runs[0].tail(100_000)
+    summaries = {r: json.loads((tmp_path / r / "summary.json").read_text())["compile"] for r in REGIONS}
+    assert summaries == {"eu": "2 blocks, mode default", "us": "off"}
+    for r in REGIONS:
+        assert len([m for m in metrics(tmp_path / r) if "xr_round" in m and "loss" in m]) == 2  # H 4, 8 steps
+    assert_same_params(tmp_path / "eu", tmp_path / "us")
