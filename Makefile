@@ -8,8 +8,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SG := $(VENV)/bin/sbatch-gen
 PYTEST_ARGS ?=
-# pytest-xdist processes for make test-fast and make test (tests/conftest.py groups what must run serially)
-TEST_WORKERS ?= 2
+# pytest-xdist processes for make test-fast and make test (tests/conftest.py groups what must run serially):
+# make test gives two of them the end-to-end groups, one local Slurm cluster each, which mostly wait on Slurm;
+# the third runs everything else from the start
+TEST_WORKERS ?= 3
 APT_PACKAGES := shellcheck lmod slurmctld slurmd slurm-client slurmdbd mariadb-server munge openssh-server iproute2 iptables procps psmisc tmux
 # make screenshots only: a headless browser (and a font) for TensorBoard, tmux for the terminal screens
 SCREENSHOT_APT_PACKAGES := chromium fonts-dejavu-core tmux

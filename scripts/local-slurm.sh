@@ -26,6 +26,15 @@
 #
 # Both start and stop are idempotent. Run as root.
 #
+# Instances (SBATCH_GEN_SLURM_INSTANCE=NAME, a lowercase letter and up to 4 more letters or digits): a
+# second cluster beside the default one, which it never touches: its own state dir
+# (/tmp/sbatch-gen-slurm-NAME), node names (NAME-n1, NAME-n2, NAME-g1, ...; controller slurmctl-NAME),
+# network namespaces, bridge (br-sbgen-NAME) and veths, subnet, ports, /etc/hosts lines and munged (its socket
+# in the state dir). The subnet and ports come from the instance's slot, 1-50 (a checksum of NAME, or
+# SBATCH_GEN_SLURM_SLOT): subnet 10.200.SLOT, slurmctld 7000+10*SLOT, slurmdbd +1, MariaDB +2 (each
+# setting below still overrides its own). `env` prints the slot. Every command acts on the instance its
+# environment names; unset, the default cluster.
+#
 # Layout (SBATCH_GEN_SLURM_LAYOUT):
 #   netns     (default) every node is its own network namespace with its own address and hostname on a
 #             bridge that exists only inside this machine: n1=10.200.0.11, n2=10.200.0.12, the
@@ -73,39 +82,67 @@
 
 set -euo pipefail
 
-STATE=${SBATCH_GEN_SLURM_STATE:-/tmp/sbatch-gen-slurm}
+log() { printf 'local-slurm%s: %s\n' "${INSTANCE:+ ($INSTANCE)}" "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+INSTANCE=${SBATCH_GEN_SLURM_INSTANCE:-}
+if [[ -n $INSTANCE ]]; then
+  [[ $INSTANCE =~ ^[a-z][a-z0-9]{0,4}$ ]] ||
+    die "SBATCH_GEN_SLURM_INSTANCE must be a lowercase letter and up to 4 more letters or digits, not '$INSTANCE'"
+  SLOT=${SBATCH_GEN_SLURM_SLOT:-$(($(printf %s "$INSTANCE" | cksum | cut -d' ' -f1) % 50 + 1))}
+  if ! [[ $SLOT =~ ^[0-9]+$ ]] || ((SLOT < 1 || SLOT > 50)); then die "SBATCH_GEN_SLURM_SLOT must be 1-50, not '$SLOT'"; fi
+  # everything that names or addresses the cluster, distinct from the default one and from other slots
+  NAME_PREFIX=$INSTANCE-
+  DEFAULT_STATE=/tmp/sbatch-gen-slurm-$INSTANCE
+  DEFAULT_SUBNET=10.200.$SLOT
+  DEFAULT_CTLD_PORT=$((7000 + 10 * SLOT))
+  DEFAULT_DBD_PORT=$((7001 + 10 * SLOT))
+  DEFAULT_DB_PORT=$((7002 + 10 * SLOT))
+  LOOPBACK_PORT0=$((17000 + 10 * SLOT))
+else
+  SLOT=0
+  NAME_PREFIX=
+  DEFAULT_STATE=/tmp/sbatch-gen-slurm
+  DEFAULT_SUBNET=10.200.0
+  DEFAULT_CTLD_PORT=6817
+  DEFAULT_DBD_PORT=6819
+  DEFAULT_DB_PORT=6833
+  LOOPBACK_PORT0=17000
+fi
+
+STATE=${SBATCH_GEN_SLURM_STATE:-$DEFAULT_STATE}
 PROCTRACK=${SBATCH_GEN_SLURM_PROCTRACK:-cgroup}
 LAYOUT=${SBATCH_GEN_SLURM_LAYOUT:-netns}
-SUBNET=${SBATCH_GEN_SLURM_SUBNET:-10.200.0}
-CTLD_PORT=${SBATCH_GEN_SLURM_PORT:-6817}
+SUBNET=${SBATCH_GEN_SLURM_SUBNET:-$DEFAULT_SUBNET}
+CTLD_PORT=${SBATCH_GEN_SLURM_PORT:-$DEFAULT_CTLD_PORT}
 NODE_CPUS=${SBATCH_GEN_SLURM_CPUS:-8}
 NODE_MEM_MB=${SBATCH_GEN_SLURM_MEM_MB:-16000}
 GRACE_S=${SBATCH_GEN_SLURM_GRACE_S:-120}
 KILLWAIT_S=${SBATCH_GEN_SLURM_KILLWAIT_S:-5}
 ACCOUNTING=${SBATCH_GEN_SLURM_ACCOUNTING:-1}
-DB_PORT=${SBATCH_GEN_SLURM_DB_PORT:-6833}
-DBD_PORT=${SBATCH_GEN_SLURM_DBD_PORT:-6819}
+DB_PORT=${SBATCH_GEN_SLURM_DB_PORT:-$DEFAULT_DB_PORT}
+DBD_PORT=${SBATCH_GEN_SLURM_DBD_PORT:-$DEFAULT_DBD_PORT}
 SHORT_MAXTIME=00:10:00
 
 # Compute nodes that run jobs: small, CPU only, partition "debug" (the default).
-CPU_NODES=(n1 n2)
+CPU_NODES=("${NAME_PREFIX}n1" "${NAME_PREFIX}n2")
 # Nodes shaped like the production sites, in partition "gpu", so that `sbatch --test-only` can check
 # every #SBATCH line of their renders (GPU gres with types, constraints, --mem=0, --exclusive) with only
 # the partition overridden. Their GPUs are character devices cloned from /dev/null. Jobs can run there
 # too, but nothing here needs that. SBATCH_GEN_SLURM_GPU_SHAPES=0 leaves them out.
 #   g1, g2  like the EU site: 2 nodes x 8 H200, 224 CPUs, InfiniBand (feature ib), x86_64
 #   gh1     like the US site: 1 GH200, 72 CPUs, aarch64
-SHAPE_NODES=(g1 g2 gh1)
+SHAPE_NODES=("${NAME_PREFIX}g1" "${NAME_PREFIX}g2" "${NAME_PREFIX}gh1")
 declare -A SHAPE_SPEC=(
-  [g1]="CPUs=224 RealMemory=2000000 Gres=gpu:h200:8 Features=ib,x86_64,h200"
-  [g2]="CPUs=224 RealMemory=2000000 Gres=gpu:h200:8 Features=ib,x86_64,h200"
-  [gh1]="CPUs=72 RealMemory=480000 Gres=gpu:gh200:1 Features=aarch64,gh200"
+  ["${NAME_PREFIX}g1"]="CPUs=224 RealMemory=2000000 Gres=gpu:h200:8 Features=ib,x86_64,h200"
+  ["${NAME_PREFIX}g2"]="CPUs=224 RealMemory=2000000 Gres=gpu:h200:8 Features=ib,x86_64,h200"
+  ["${NAME_PREFIX}gh1"]="CPUs=72 RealMemory=480000 Gres=gpu:gh200:1 Features=aarch64,gh200"
 )
-declare -A SHAPE_GPUS=([g1]="h200 8" [g2]="h200 8" [gh1]="gh200 1")
+declare -A SHAPE_GPUS=(["${NAME_PREFIX}g1"]="h200 8" ["${NAME_PREFIX}g2"]="h200 8" ["${NAME_PREFIX}gh1"]="gh200 1")
 GPU_PARTITION=gpu
 NODES=("${CPU_NODES[@]}")
 [[ ${SBATCH_GEN_SLURM_GPU_SHAPES:-1} == 0 ]] || NODES+=("${SHAPE_NODES[@]}")
-CTLD_HOST=slurmctl
+CTLD_HOST=slurmctl${INSTANCE:+-$INSTANCE}
 PARTITION=debug
 PREEMPTOR_PARTITION=high
 SUNK_PARTITION=sunk
@@ -114,10 +151,12 @@ SHORT_PARTITION=short
 # accounting: root's default account first; llm-xr is what sites/eu.yaml and sites/us.yaml name
 ACCOUNTS=(sbgen lab llm-xr)
 PREEMPTOR_QOS=urgent
-BRIDGE=br-sbgen
-NS_PREFIX=sbgen-
-VETH_PREFIX=sbgen-v
-HOSTS_MARK="# sbatch-gen local-slurm"
+BRIDGE=br-sbgen${INSTANCE:+-$INSTANCE}
+NS_PREFIX=sbgen-  # + the node name, which carries the instance
+VETH_PREFIX=sbgen${INSTANCE}-v
+# ends each /etc/hosts line this cluster adds (an instance's mark is the default's plus ":NAME", so lines
+# are told apart by their end, never by a substring)
+HOSTS_MARK="# sbatch-gen local-slurm${INSTANCE:+:$INSTANCE}"
 PACKAGES=(slurmctld slurmd slurm-client munge)
 
 CONF=$STATE/etc/slurm.conf
@@ -126,9 +165,10 @@ OURS=$STATE/started   # one line per daemon this script started: "<name> <pid>"
 # what preempt-signal and preempt-type set on the running cluster (write_conf reads it); reset by start
 RUNTIME=$STATE/preempt.env
 DB_DIR=$STATE/db
-
-log() { printf 'local-slurm: %s\n' "$*" >&2; }
-die() { log "error: $*"; exit 1; }
+# munged: the machine's (/run/munge) for the default cluster; an instance runs its own, socket in its state
+# dir, so that neither cluster's stop takes the other's munged away
+if [[ -n $INSTANCE ]]; then MUNGE_DIR=$STATE/munge; MUNGE_SOCKET=$MUNGE_DIR/munge.socket.2
+else MUNGE_DIR=/run/munge; MUNGE_SOCKET=/run/munge/munge.socket.2; fi
 
 case $LAYOUT in
   netns | loopback) ;;
@@ -210,7 +250,7 @@ ensure_packages() {
   done
 }
 
-munge_works() { munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; }
+munge_works() { munge -S "$MUNGE_SOCKET" -n </dev/null 2>/dev/null | unmunge -S "$MUNGE_SOCKET" >/dev/null 2>&1; }
 
 start_munge() {
   if munge_works; then return 0; fi
@@ -221,16 +261,25 @@ start_munge() {
     chown munge:munge /etc/munge/munge.key
     chmod 400 /etc/munge/munge.key
   }
-  mkdir -p /run/munge /var/log/munge /var/lib/munge
-  chown munge:munge /run/munge /var/log/munge /var/lib/munge
-  # a pid file left by a munged that died would make the new one refuse to start
-  if [[ -e /run/munge/munged.pid ]] && ! pid_from_file /run/munge/munged.pid munged >/dev/null; then
-    rm -f /run/munge/munged.pid
+  local -a args=()
+  if [[ -n $INSTANCE ]]; then
+    mkdir -p "$MUNGE_DIR"
+    chown munge:munge "$MUNGE_DIR"
+    chmod 755 "$MUNGE_DIR"
+    args=(--socket="$MUNGE_SOCKET" --pid-file="$MUNGE_DIR/munged.pid" --log-file="$MUNGE_DIR/munged.log"
+      --seed-file="$MUNGE_DIR/munged.seed")
+  else
+    mkdir -p /run/munge /var/log/munge /var/lib/munge
+    chown munge:munge /run/munge /var/log/munge /var/lib/munge
   fi
-  runuser -u munge -- /usr/sbin/munged 9>&-
-  wait_for 10 "munged" munge_works || die "munged did not come up (see /var/log/munge/munged.log)"
+  # a pid file left by a munged that died would make the new one refuse to start
+  if [[ -e $MUNGE_DIR/munged.pid ]] && ! pid_from_file "$MUNGE_DIR/munged.pid" munged >/dev/null; then
+    rm -f "$MUNGE_DIR/munged.pid"
+  fi
+  runuser -u munge -- /usr/sbin/munged "${args[@]}" 9>&-
+  wait_for 10 "munged" munge_works || die "munged did not come up (see ${args:+$MUNGE_DIR/}munged.log)"
   local pid
-  pid=$(pid_from_file /run/munge/munged.pid munged) || die "munged runs but /run/munge/munged.pid names no munged"
+  pid=$(pid_from_file "$MUNGE_DIR/munged.pid" munged) || die "munged runs but $MUNGE_DIR/munged.pid names no munged"
   echo "munged $pid" >>"$OURS"
 }
 
@@ -248,11 +297,13 @@ dbd_up() { slurm sacctmgr -n -P show cluster format=cluster >/dev/null 2>&1; }
 
 start_db() {
   port_free "$DB_PORT" || die "port $DB_PORT is in use on this machine: stop what listens there or set SBATCH_GEN_SLURM_DB_PORT"
-  rm -rf "$DB_DIR" "$STATE/mariadb.sock" "$STATE/mariadbd.pid"
-  mariadb-install-db --no-defaults --datadir="$DB_DIR" --user=root --auth-root-authentication-method=socket \
+  rm -rf "$DB_DIR" "$STATE/mariadb.sock" "$STATE/mariadbd.pid" "$STATE/tmp"
+  # a temporary directory of its own: two clusters' databases may be set up at the same time
+  mkdir -p "$STATE/tmp"
+  mariadb-install-db --no-defaults --datadir="$DB_DIR" --tmpdir="$STATE/tmp" --user=root --auth-root-authentication-method=socket \
     --skip-test-db >"$LOG/mariadb-install.log" 2>&1 || { tail -n 20 "$LOG/mariadb-install.log" >&2; die "mariadb-install-db failed"; }
   # a database for this cluster only: no other option file, TCP on 127.0.0.1 for slurmdbd, the socket for root
-  /usr/sbin/mariadbd --no-defaults --datadir="$DB_DIR" --user=root --socket="$STATE/mariadb.sock" \
+  /usr/sbin/mariadbd --no-defaults --datadir="$DB_DIR" --tmpdir="$STATE/tmp" --user=root --socket="$STATE/mariadb.sock" \
     --bind-address=127.0.0.1 --port="$DB_PORT" --pid-file="$STATE/mariadbd.pid" --log-error="$LOG/mariadb.log" \
     --skip-name-resolve --innodb-buffer-pool-size=128M --innodb-lock-wait-timeout=900 9>&- >/dev/null 2>&1 &
   wait_for 30 "MariaDB" db_up || { tail -n 20 "$LOG/mariadb.log" >&2 || true; die "MariaDB did not come up"; }
@@ -271,6 +322,7 @@ write_dbd_conf() {
     cat >"$f.tmp" <<EOF
 # Written by scripts/local-slurm.sh. Regenerated on every start.
 AuthType=auth/munge
+AuthInfo=socket=$MUNGE_SOCKET
 DbdAddr=127.0.0.1
 DbdHost=localhost
 DbdPort=$DBD_PORT
@@ -363,11 +415,17 @@ net_down() {
 }
 
 # /etc/hosts may be a bind mount (containers): rewrite it in place, never replace the file.
+# Our lines are those that end with " $HOSTS_MARK" (another instance's end otherwise).
+hosts_ours() {  # exit 0 if /etc/hosts has a line of this cluster's
+  awk -v m=" $HOSTS_MARK" 'length($0) >= length(m) && substr($0, length($0) - length(m) + 1) == m { f = 1 }
+    END { exit !f }' /etc/hosts 2>/dev/null
+}
+
 hosts_remove() {
-  grep -qF "$HOSTS_MARK" /etc/hosts 2>/dev/null || return 0
+  hosts_ours || return 0
   local tmp
   tmp=$(mktemp)
-  grep -vF "$HOSTS_MARK" /etc/hosts >"$tmp" || true
+  awk -v m=" $HOSTS_MARK" '!(length($0) >= length(m) && substr($0, length($0) - length(m) + 1) == m)' /etc/hosts >"$tmp"
   cat "$tmp" >/etc/hosts
   rm -f "$tmp"
 }
@@ -445,7 +503,7 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 # short credential life and a fast scheduler: requeue-to-running in seconds instead of minutes
-AuthInfo=cred_expire=5
+AuthInfo=cred_expire=5,socket=$MUNGE_SOCKET
 SchedulerType=sched/backfill
 SchedulerParameters=bf_interval=1,sched_interval=2
 MpiDefault=none
@@ -489,6 +547,8 @@ EOF
       echo "AccountingStorageHost=127.0.0.1"
       echo "AccountingStoragePort=$DBD_PORT"
       echo "AccountingStorageEnforce=associations,limits,qos"
+      echo "# the munged socket of the connections to slurmdbd (AuthInfo's socket does not reach them)"
+      echo "AccountingStoragePass=$MUNGE_SOCKET"
       echo "# the database keeps each batch job's environment, as many sites do (sacct --env-vars)"
       echo "AccountingStoreFlags=job_env"
     else
@@ -515,7 +575,7 @@ EOF
       if [[ $LAYOUT == netns ]]; then
         echo "NodeName=${NODES[$i]} NodeHostname=${NODES[$i]} NodeAddr=$(node_addr $((i + 1))) $spec State=UNKNOWN"
       else
-        echo "NodeName=${NODES[$i]} NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((17001 + i)) $spec State=UNKNOWN"
+        echo "NodeName=${NODES[$i]} NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((LOOPBACK_PORT0 + 1 + i)) $spec State=UNKNOWN"
       fi
     done
     local cpus
@@ -596,7 +656,7 @@ status_code() {  # 0 up, 3 stopped, 1 partial
     for n in "${NODES[@]}"; do [[ -e /run/netns/$(ns_of "$n") ]] && any=1; done
     ip link show "$BRIDGE" >/dev/null 2>&1 && any=1
   fi
-  grep -qF "$HOSTS_MARK" /etc/hosts 2>/dev/null && any=1
+  hosts_ours && any=1
   if ((all)) && ctld_up && nodes_idle; then return 0; fi
   if ((any)); then return 1; fi
   return 3
@@ -619,6 +679,8 @@ cmd_status() {
 cmd_env() {
   echo "SLURM_CONF=$CONF"
   echo "SBATCH_GEN_SLURM_STATE=$STATE"
+  echo "SBATCH_GEN_SLURM_INSTANCE=$INSTANCE"
+  echo "SBATCH_GEN_SLURM_SLOT=$SLOT"
   echo "SBATCH_GEN_SLURM_LAYOUT=$LAYOUT"
   echo "SBATCH_GEN_SLURM_HOST_ADDR=$(ctld_addr)"
   echo "SBATCH_GEN_SLURM_NODES=$(IFS=,; echo "${CPU_NODES[*]}")"
@@ -717,7 +779,7 @@ do_stop() {
   net_down
   hosts_remove
   rm -f "$OURS" "$STATE/slurmctld.pid" "$STATE"/slurmd-*.pid
-  rm -rf "$STATE/state" "$STATE/spool" "$DB_DIR" "$STATE/mariadb.sock" "$STATE/mariadbd.pid" "$STATE/slurmdbd.pid" "$RUNTIME"
+  rm -rf "$STATE/state" "$STATE/spool" "$DB_DIR" "$STATE/tmp" "$STATE/mariadb.sock" "$STATE/mariadbd.pid" "$STATE/slurmdbd.pid" "$RUNTIME"
 }
 
 cmd_stop() {

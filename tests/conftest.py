@@ -48,22 +48,32 @@ def clean_env(monkeypatch):
 
 # `make test` runs the suite in TEST_WORKERS pytest-xdist processes with `--dist loadscope`, where each test
 # belongs to one group (below) and a group runs in one process, in order:
-# - "slurm": tests/e2e. There is one local Slurm cluster and its tests assume they own it (its partitions,
-#   its nodes' processes, preemption between jobs); they run one after another, first, since they are the
-#   longest chain and mostly wait on Slurm.
+# - "slurm" and "slurm-b": tests/e2e, split in two by file (SLURM_B_FILES; the two about equally long).
+#   Each group has a local Slurm cluster of its own (scripts/local-slurm.sh: "slurm" the default one,
+#   "slurm-b" instance b; SLURM_INSTANCES), and its tests assume they own it (its partitions, its nodes'
+#   processes, preemption between jobs); they run one after another, first, since they are the longest
+#   chains and mostly wait on Slurm. Both go out first, one to each of two workers (--no-loadscope-reorder).
 # - "netns": tests/bench. The WAN emulations create network namespaces with fixed names.
 # - every other test file is its own group, so its module fixtures (a reference run, a clone) are built once.
 # (xdist's own `loadgroup` marks do not group under pytest 9.2, which no longer reads Item._nodeid: the
 # groups are made by the scheduler below, through xdist's public hook.)
 _SERIAL_GROUPS = {"tests/e2e/": "slurm", "tests/bench/": "netns"}
+SLURM_B_FILES = {  # 2026-12-06, 3 workers under load 10-19: slurm 31 min, slurm-b 36 with these two files more
+    "tests/e2e/test_every_ending.py",
+    "tests/e2e/test_run_dir_guards.py",
+}
+SLURM_INSTANCES = {"slurm": "", "slurm-b": "b"}
 
 
 def suite_group(nodeid: str) -> str:
     """The xdist group of a test, from its node id (relative to the repository root)."""
+    path = nodeid.split("::", 1)[0]
+    if path in SLURM_B_FILES:
+        return "slurm-b"
     for prefix, name in _SERIAL_GROUPS.items():
         if nodeid.startswith(prefix):
             return name
-    return nodeid.split("::", 1)[0]
+    return path
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -82,7 +92,26 @@ def pytest_collection_modifyitems(config, items):
     # in an xdist worker: the Slurm group first (make test passes --no-loadscope-reorder, so the groups go
     # out in collection order); a plain run keeps pytest's order
     if hasattr(config, "workerinput"):
-        items.sort(key=lambda item: suite_group(item.nodeid) != "slurm")
+        items.sort(key=lambda item: suite_group(item.nodeid) not in SLURM_INSTANCES)
+
+
+_SLURM_INSTANCE = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # in an xdist worker, the first e2e test names the cluster of every e2e test of the process: a worker runs
+    # one Slurm group (both go out first, one to each of two workers)
+    group = suite_group(item.nodeid)
+    if hasattr(item.config, "workerinput") and group in SLURM_INSTANCES:
+        item.config.stash.setdefault(_SLURM_INSTANCE, SLURM_INSTANCES[group])
+
+
+@pytest.fixture(scope="session")
+def slurm_instance(pytestconfig) -> str:
+    """The local-slurm.sh instance the e2e tests of this process use: under xdist that of their group
+    (SLURM_INSTANCES), else SBATCH_GEN_SLURM_INSTANCE, else the default cluster ("")."""
+    return pytestconfig.stash.get(_SLURM_INSTANCE, os.environ.get("SBATCH_GEN_SLURM_INSTANCE", ""))
 
 
 @pytest.fixture

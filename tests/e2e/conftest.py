@@ -2,7 +2,9 @@
 
 The session fixture ``slurm`` starts the cluster once and stops it at the end of the session (unless it
 was already running before, e.g. started by hand: then it is left running). Stopping is checked: no
-daemon, namespace, bridge or /etc/hosts line may be left behind.
+daemon, namespace, bridge or /etc/hosts line of that cluster may be left behind. Which cluster: the
+local-slurm.sh instance that ``slurm_instance`` names (tests/conftest.py: under `make test`, that of this
+process's e2e group, so that two groups run side by side on two clusters).
 """
 
 from __future__ import annotations
@@ -12,12 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_lib import MEASUREMENTS, REPO, Cluster, LocalJob, leftovers, local_job, script
+from e2e_lib import MEASUREMENTS, REPO, Cluster, LocalJob, leftovers, local_job
+from e2e_lib import script as _script
 
 
 @pytest.fixture(scope="session")
-def slurm() -> Cluster:
+def slurm(slurm_instance: str) -> Cluster:
     assert os.geteuid() == 0, "the end-to-end tests start Slurm daemons and need root"
+
+    def script(action: str):
+        return _script(action, instance=slurm_instance)
+
     was_running = script("status").returncode == 0
     p = script("start")
     assert p.returncode == 0, f"local-slurm.sh start failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
@@ -29,6 +36,7 @@ def slurm() -> Cluster:
         and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
     env["SLURM_CONF"] = info["SLURM_CONF"]
+    env["SBATCH_GEN_SLURM_INSTANCE"] = slurm_instance  # local-slurm.sh run with this environment acts on it
     env["PYTHONUNBUFFERED"] = "1"
     # `start` preempts by partition priority; a cluster that was running may have been left otherwise
     cluster = Cluster(env=env, info=info, preempting_by=None if was_running else "partition")
@@ -50,9 +58,9 @@ def slurm() -> Cluster:
     p = script("stop")
     assert p.returncode == 0, f"second local-slurm.sh stop failed:\n{p.stderr}"
     deadline = time.monotonic() + 10
-    while leftovers() and time.monotonic() < deadline:
+    while leftovers(info) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not leftovers(), f"left behind after stop: {leftovers()}"
+    assert not leftovers(info), f"left behind after stop: {leftovers(info)}"
     assert script("status").returncode == 3
 
 

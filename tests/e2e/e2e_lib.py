@@ -79,6 +79,20 @@ class Cluster:
         return self.info["SBATCH_GEN_SLURM_NODES"].split(",")
 
     @property
+    def instance(self) -> str:
+        """The local-slurm.sh instance (SBATCH_GEN_SLURM_INSTANCE; "" for the default cluster)."""
+        return self.info["SBATCH_GEN_SLURM_INSTANCE"]
+
+    @property
+    def node_prefix(self) -> str:
+        """What the instance puts before every node name ("b-" for b-n1, b-g1, ...; "" by default)."""
+        return f"{self.instance}-" if self.instance else ""
+
+    def script(self, action: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        """`local-slurm.sh ACTION ARGS...` on this cluster."""
+        return script(action, *args, timeout=timeout, instance=self.instance)
+
+    @property
     def partition(self) -> str:
         return self.info["SBATCH_GEN_SLURM_PARTITION"]
 
@@ -311,16 +325,29 @@ def _open_files(pid: int) -> list[str]:
     return out
 
 
-def script(action: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def script(action: str, *args: str, timeout: float = 300, instance: str = "") -> subprocess.CompletedProcess:
+    """`local-slurm.sh ACTION ARGS...` on the cluster ``instance`` (SBATCH_GEN_SLURM_INSTANCE; "": the default
+    one)."""
     # The netns layout unless SBATCH_GEN_SLURM_LAYOUT says otherwise (loopback: every node on this host's
     # network; Cluster.node_pids then tells the nodes' processes apart by their environment).
-    env = {**os.environ}
+    env = {**os.environ, "SBATCH_GEN_SLURM_INSTANCE": instance}
     env.setdefault("SBATCH_GEN_SLURM_LAYOUT", "netns")
     return run(["bash", str(SCRIPT), action, *args], env=env, timeout=timeout, check=False)
 
 
-def leftovers() -> list[str]:
-    """Everything local-slurm.sh may create, if it is still there."""
+def leftovers(info: dict[str, str]) -> list[str]:
+    """Everything local-slurm.sh may have created for the cluster that ``info`` (`local-slurm.sh env`)
+    describes, if it is still there; that cluster's only, as another instance may run beside it. Its
+    processes are those whose command line, environment or open files name its state directory (the
+    daemons' config and pid files, mariadbd's data, munged's socket, a slurmstepd's slurmd log)."""
+    state = info["SBATCH_GEN_SLURM_STATE"].rstrip("/") + "/"
+    instance = info["SBATCH_GEN_SLURM_INSTANCE"]
+    nodes = [
+        n
+        for key in ("SBATCH_GEN_SLURM_NODES", "SBATCH_GEN_SLURM_GPU_NODES")
+        for n in info.get(key, "").split(",")
+        if n
+    ]
     left = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -328,21 +355,26 @@ def leftovers() -> list[str]:
         try:
             comm = Path(f"/proc/{pid}/comm").read_text().strip()
             stat = Path(f"/proc/{pid}/stat").read_text()
+            if comm not in ("slurmctld", "slurmd", "slurmstepd", "slurmdbd", "mariadbd", "munged"):
+                continue
+            if stat.rsplit(")", 1)[1].split()[0] in "ZX":
+                continue
+            named = Path(f"/proc/{pid}/cmdline").read_bytes() + Path(f"/proc/{pid}/environ").read_bytes()
+            files = _open_files(int(pid))
         except OSError:
             continue
-        if (
-            comm in ("slurmctld", "slurmd", "slurmstepd", "slurmdbd", "mariadbd")
-            and stat.rsplit(")", 1)[1].split()[0] not in "ZX"
-        ):
+        if state.encode() in named or any(f.startswith(state) for f in files):
             left.append(f"process {pid} {comm}")
-    ns = run(["ip", "netns", "list"], check=False).stdout
-    left += [f"netns {line.split()[0]}" for line in ns.splitlines() if line.startswith("sbgen-")]
+    ns = run(["ip", "netns", "list"], check=False).stdout.split()
+    left += [f"netns sbgen-{n}" for n in nodes if f"sbgen-{n}" in ns]
     links = run(["ip", "-o", "link", "show"], check=False).stdout
-    left += [f"link {m}" for m in re.findall(r"^\d+: (br-sbgen|sbgen-v\d+)", links, re.M)]
+    bridge, veth = (f"br-sbgen-{instance}", f"sbgen{instance}-v") if instance else ("br-sbgen", "sbgen-v")
     left += [
-        f"/etc/hosts: {line}"
-        for line in Path("/etc/hosts").read_text().splitlines()
-        if "sbatch-gen local-slurm" in line
+        f"link {m}" for m in re.findall(rf"^\d+: ({re.escape(bridge)}|{re.escape(veth)}\d+)[@:]", links, re.M)
+    ]
+    mark = " # sbatch-gen local-slurm" + (f":{instance}" if instance else "")
+    left += [
+        f"/etc/hosts: {line}" for line in Path("/etc/hosts").read_text().splitlines() if line.endswith(mark)
     ]
     return left
 
@@ -599,10 +631,15 @@ def moto_server(host: str, log: Path):
         yield s3.endpoint_url
 
 
-# The cross-region tests: two regions, each one job pinned to its own node. The secret key is this
-# session's own, so that a search for it finds nothing else.
-REGION_NODES = {"a": "n1", "b": "n2"}
+# The cross-region tests: two regions, each one job pinned to its own node (region_nodes). The secret key is
+# this session's own, so that a search for it finds nothing else.
 S3_ACCESS_KEY, S3_SECRET_KEY = "e2e-access", f"e2e-secret-{os.urandom(8).hex()}"
+
+
+def region_nodes(cluster: Cluster) -> dict[str, str]:
+    """Region -> the node its job is pinned to: a on the cluster's first node, b on its second."""
+    first, second = cluster.nodes[:2]
+    return {"a": first, "b": second}
 
 
 def region_jobs(
@@ -618,13 +655,14 @@ def region_jobs(
     sites_dir: Path | None = None,
     transport_of: dict[str, dict] | None = None,
 ) -> dict[str, LocalJob]:
-    """One `local` job (or ``site`` of ``sites_dir`` with ``sets``) per region of REGION_NODES
+    """One `local` job (or ``site`` of ``sites_dir`` with ``sets``) per region of region_nodes
     (``<prefix>-<region>``, one node, pinned to the region's node), with ``cross_region`` (its ``region``
     and ``regions`` filled in; ``transport_of[region]``: that region's own transport fields, e.g. its
     credentials), not yet submitted."""
     jobs = {}
-    for region, node in REGION_NODES.items():
-        xr = {**cross_region, "enabled": True, "region": region, "regions": sorted(REGION_NODES)}
+    nodes = region_nodes(cluster)
+    for region, node in nodes.items():
+        xr = {**cross_region, "enabled": True, "region": region, "regions": sorted(nodes)}
         if transport_of and region in transport_of:
             xr["transport"] = {**xr["transport"], **transport_of[region]}
         job_sets = {
@@ -649,12 +687,12 @@ def region_jobs(
 def assert_regions_completed(
     jobs: dict[str, LocalJob], infos: dict[str, dict[str, str]], restarts: dict[str, int]
 ) -> None:
-    """Every region's job COMPLETED on its own node (REGION_NODES), requeued ``restarts[region]`` times (by its
+    """Every region's job COMPLETED on its own node (region_nodes), requeued ``restarts[region]`` times (by its
     batch script)."""
     for region, job in jobs.items():
         info = infos[region]
         assert info["JobState"] == "COMPLETED", job.describe()
-        assert info["NodeList"] == REGION_NODES[region], info
+        assert info["NodeList"] == region_nodes(job.cluster)[region], info
         assert info["Restarts"] == str(restarts[region]), job.describe()
 
 

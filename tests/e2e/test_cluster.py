@@ -5,14 +5,11 @@ other e2e modules."""
 from __future__ import annotations
 
 import json
-import subprocess
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "local-slurm.sh"
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -27,11 +24,11 @@ def _daemon_pids(cluster) -> dict[str, str]:
 
 def test_start_twice_is_harmless(cluster):
     before = _daemon_pids(cluster)
-    p = subprocess.run(["bash", str(SCRIPT), "start"], capture_output=True, text=True, timeout=120)
+    p = cluster.script("start", timeout=120)
     assert p.returncode == 0, p.stderr
     assert "already running" in p.stderr
     assert _daemon_pids(cluster) == before
-    st = subprocess.run(["bash", str(SCRIPT), "status"], capture_output=True, text=True, timeout=60)
+    st = cluster.script("status", timeout=60)
     assert st.returncode == 0, st.stdout + st.stderr
     sinfo = cluster.run("sinfo", "-h", "-N", "-p", cluster.partition, "-o", "%N %t").stdout.split("\n")
     assert sorted(line for line in sinfo if line) == [f"{n} idle" for n in cluster.nodes]

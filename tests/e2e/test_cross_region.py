@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import yaml
 from e2e_lib import (
-    REGION_NODES,
     REPO,
     S3_ACCESS_KEY,
     S3_SECRET_KEY,
     assert_same_final_params,
     files_holding,
     region_jobs,
+    region_nodes,
     s3_mailbox,
     secrets_file,
 )
@@ -68,7 +68,7 @@ def _run_regions(
     for region, job in jobs.items():
         info = cluster.wait_done(job.job_id, timeout=300)
         assert info["JobState"] == "COMPLETED", job.describe()
-        assert info["NodeList"] == REGION_NODES[region]
+        assert info["NodeList"] == region_nodes(cluster)[region]
     return jobs
 
 

@@ -91,7 +91,7 @@ def test_gpu_type_the_gpu_nodes_lack(cluster, tmp_path):
     # first the right type: the GPU rows pass on the fake H200 nodes
     code, rows, doc = doctor(cluster, tmp_path, "eu", f"slurm.partition={gpu}")
     assert rows["gpus"]["verdict"] == rows["nodes"]["verdict"] == rows["constraint"]["verdict"] == "ok", doc
-    assert "g1, g2" in rows["gpus"]["found"]
+    assert f"{cluster.node_prefix}g1, {cluster.node_prefix}g2" in rows["gpus"]["found"]
     assert rows["test-only eu.sbatch"]["verdict"] == "ok"
     code, rows, _ = doctor(cluster, tmp_path, "eu", f"slurm.partition={gpu}", "slurm.gpu_type=a100")
     assert code == 1

@@ -218,7 +218,7 @@ def test_no_quorum_checkpoints_and_the_batch_script_requeues_it(cluster, e2e_roo
     data.mkdir(parents=True)
     sets = {
         "slurm.nodes": 1,
-        "slurm.extra_directives": ["--nodelist=n1"],
+        "slurm.extra_directives": [f"--nodelist={cluster.nodes[0]}"],
         "preemption.max_requeues_without_progress": 0,
         "cross_region": {
             "enabled": True,
@@ -247,7 +247,7 @@ def test_no_quorum_checkpoints_and_the_batch_script_requeues_it(cluster, e2e_roo
         in log
     ), log
     for attempt in (0, 1):
-        train = job.train_log(attempt, "n1").read_text(errors="replace")
+        train = job.train_log(attempt, cluster.nodes[0]).read_text(errors="replace")
         line = [ln for ln in train.splitlines() if "no cross-region quorum" in ln]
         assert line and "missing: b" in line[0] and "checkpointed at step 5" in line[0], train[-3000:]
         assert 'File "' not in train.split("no cross-region quorum")[0], train[

@@ -43,7 +43,6 @@ from e2e_lib import (
     local_job,
     preempt,
     report,
-    script,
     trainer_workers,
 )
 
@@ -410,7 +409,7 @@ def test_a_node_that_fails_its_preflight_is_left_behind(cluster, e2e_root, train
     job.submit()
     info = cluster.wait_done(job.job_id, timeout=300)
     bad = (root / "first-node").read_text().strip()
-    good = ({"n1", "n2"} - {bad}).pop()
+    good = (set(cluster.nodes) - {bad}).pop()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
     assert info["NodeList"] == good and info["ExcNodeList"] == bad, info
     log = job.batch_log()
@@ -443,7 +442,7 @@ def test_a_node_that_breaks_during_the_step_is_left_behind(cluster, e2e_root, tr
     for pid in victims:
         os.kill(pid, signal.SIGKILL)
     info = cluster.wait_done(job.job_id, timeout=300)
-    other = ({"n1", "n2"} - {node}).pop()
+    other = (set(cluster.nodes) - {node}).pop()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
     assert info["NodeList"] == other and info["ExcNodeList"] == node, info
     log = job.batch_log()
@@ -475,7 +474,7 @@ def test_a_node_lost_for_real_the_batch_node_included(cluster, e2e_root, train_c
     job.submit({"SBATCH_GEN_TEST_STEP_SLEEP_S": "0.3", "SBATCH_GEN_TEST_LEASE_PERIOD_S": "1"})
     job.wait_step(7)  # past the checkpoint at step 5
     lost = cluster.job(job.job_id)["NodeList"]
-    other = ({"n1", "n2"} - {lost}).pop()
+    other = (set(cluster.nodes) - {lost}).pop()
     # the old attempt's workers make no progress until the new attempt holds the run dir (a node cut off
     # for a while), so that they cannot finish the run first however long the requeue takes
     zombies = trainer_workers(cluster, lost)
@@ -485,7 +484,7 @@ def test_a_node_lost_for_real_the_batch_node_included(cluster, e2e_root, train_c
         os.kill(pid, signal.SIGSTOP)
     old_token = json.loads(lease.read_text())["token"]
     try:
-        r = script("node-fail", lost)
+        r = cluster.script("node-fail", lost)
         assert r.returncode == 0, r.stdout + r.stderr
         deadline = time.monotonic() + 180
         while not lease.exists() or json.loads(lease.read_text() or "{}").get("token") == old_token:
@@ -499,7 +498,7 @@ def test_a_node_lost_for_real_the_batch_node_included(cluster, e2e_root, train_c
         for pid in zombies:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-        back = script("node-back", lost)
+        back = cluster.script("node-back", lost)
     assert back.returncode == 0, back.stdout + back.stderr
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
     assert info["NodeList"] == other, info

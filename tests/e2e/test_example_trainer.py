@@ -12,10 +12,10 @@ import time
 
 import pytest
 from e2e_lib import (
-    REGION_NODES,
     REPO,
     assert_regions_completed,
     region_jobs,
+    region_nodes,
     report,
 )
 
@@ -100,20 +100,22 @@ def test_the_example_trains_two_regions_and_resumes_after_a_preemption(cluster, 
         < attempt1
     ), log
     assert "training finished" in log[attempt1:], log
-    first = b.train_log(0, REGION_NODES["b"]).read_text(errors="replace")
+    first = b.train_log(0, region_nodes(cluster)["b"]).read_text(errors="replace")
     assert f"checkpointed at step {stopped}, exiting 0" in first, first[-3000:]
     assert "Traceback" not in first, first[-3000:]  # nor torchrun's: a planned stop is one line per node
     assert (
-        f"node {REGION_NODES['b']}: stopped after step {stopped} (stop file: SIGUSR1 to the batch shell)"
+        f"node {region_nodes(cluster)['b']}: stopped after step {stopped} (stop file: SIGUSR1 to the batch shell)"
         in first
     )
     assert 'train_plain.py", line' not in first, first[-3000:]  # no traceback through the script
-    second = b.train_log(1, REGION_NODES["b"]).read_text(errors="replace")
+    second = b.train_log(1, region_nodes(cluster)["b"]).read_text(errors="replace")
     assert f"resumed from {ckpt}" in second and f"steps {stopped + 1}..{STEPS}" in second, second[-3000:]
 
     # both regions went through every outer round together and hold the same weights
     for job, attempt in ((a, 0), (b, 1)):
-        text = job.train_log(attempt, REGION_NODES["a" if job is a else "b"]).read_text(errors="replace")
+        text = job.train_log(attempt, region_nodes(cluster)["a" if job is a else "b"]).read_text(
+            errors="replace"
+        )
         assert f"done at step {STEPS} after {STEPS // H} outer rounds" in text, text[-3000:]
     assert (a.run_dir / "final.pt").read_bytes() == (b.run_dir / "final.pt").read_bytes(), (
         "final.pt differs between the regions"

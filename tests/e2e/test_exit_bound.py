@@ -60,7 +60,7 @@ def test_a_node_that_hangs_after_the_other_finished_ends_the_step_within_the_bou
     node_logs = {
         p.name: p.read_text(errors="replace") for p in job.log_dir.glob(f"{job.name}-*.attempt-0.*.log")
     }
-    n1 = next(text for name, text in node_logs.items() if name.endswith(".n1.log"))
+    n1 = next(text for name, text in node_logs.items() if name.endswith(f".{cluster.nodes[0]}.log"))
     said = [line for line in n1.splitlines() if "(the exit barrier;" in line]
     assert len(said) == 1 and f"did not all within {EXIT_WAIT_S} s" in said[0], n1
     for name, text in {**node_logs, "batch": log}.items():

@@ -22,7 +22,7 @@ def test_node_failure_recovers_from_last_checkpoint(cluster, reference_run, e2e_
     job = local_job(cluster, e2e_root / "nodefail", "nodefail", config=train_config, data=data_dir)
     job.submit()
     job.wait_step(7)  # past the checkpoint at step 5
-    victims = trainer_workers(cluster, "n2")
+    victims = trainer_workers(cluster, cluster.nodes[1])
     assert len(victims) == 2, f"expected 2 workers on n2, found {victims}\n{job.describe()}"
     step_at_kill = job.last_step()
     t_kill = time.monotonic()
@@ -92,11 +92,11 @@ def test_node_failure_torchrun_restart_recovers(cluster, reference_run, e2e_root
     )
     job.submit()
     job.wait_step(7)
-    old = {n: trainer_workers(cluster, n) for n in ("n1", "n2")}
+    old = {n: trainer_workers(cluster, n) for n in cluster.nodes}
     assert all(len(p) == 2 for p in old.values()), f"workers: {old}\n{job.describe()}"
     step_at_kill = job.last_step()
     t_kill = time.monotonic()
-    for pid in old["n2"]:
+    for pid in old[cluster.nodes[1]]:
         os.kill(pid, signal.SIGKILL)
 
     # a new generation of workers on both nodes, and nothing of the old one left on either
@@ -170,7 +170,7 @@ def test_preflight_fails_fast_with_clear_message(
     # each node that got to report names itself and the cause (--kill-on-bad-exit ends the other node's
     # preflight as soon as one fails, so that one may not get to say it)
     failed = re.findall(r"^preflight FAILED on (\S+): (.*)$", log, re.M)
-    assert failed and all(n in ("n1", "n2") and re.match(message, m) for n, m in failed), log
+    assert failed and all(n in cluster.nodes and re.match(message, m) for n, m in failed), log
     assert "preflight failed" in log and "not requeueing" in log
     assert "training; per-node logs" not in log  # torchrun never started
     start, end = (time.mktime(time.strptime(info[k], "%Y-%m-%dT%H:%M:%S")) for k in ("StartTime", "EndTime"))
@@ -217,5 +217,5 @@ def test_requeue_budget_stops_a_job_that_keeps_failing(cluster, e2e_root, train_
         in log
     )
     # the cause is in the per-node log
-    assert "RuntimeError: a bug in the trainer" in job.train_log(0, "n1").read_text()
+    assert "RuntimeError: a bug in the trainer" in job.train_log(0, cluster.nodes[0]).read_text()
     assert "cannot run" not in log, log

@@ -80,7 +80,7 @@ def test_a_torch_without_the_stop_flags_stops_gracefully_and_continues(
     assert "a preemption, not the end of training" in first and "requeueing job" in first, first
     assert "training finished" in log[len(first) :], log
     shim = "this torch's torchrun has no --signals-to-handle, --shutdown-timeout: it runs through the node program's compat shim"
-    for node in ("n1", "n2"):
+    for node in cluster.nodes:
         text = job.train_log(0, node).read_text()
         assert text.count(shim) == 1, text
         assert "Traceback" not in text + job.train_log(1, node).read_text(), text

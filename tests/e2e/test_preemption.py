@@ -45,7 +45,6 @@ from e2e_lib import (
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 HOLD_S = STOP_HOLD_S
-NODES = ("n1", "n2")
 
 
 def _job(cluster, root: Path, name: str, train_config, data_dir, sets: dict | None = None) -> LocalJob:
@@ -86,9 +85,7 @@ def _steps(job: LocalJob) -> Counter:
 
 def _stop_save_s(job: LocalJob, step: int) -> float:
     """How long the trainer took for the stop checkpoint of ``step`` (its log line)."""
-    text = job.train_log(0, "n1").read_text(errors="replace") + job.train_log(0, "n2").read_text(
-        errors="replace"
-    )
+    text = "".join(job.train_log(0, node).read_text(errors="replace") for node in job.cluster.nodes)
     m = re.search(rf"checkpoint step {step} saved to \S+ in ([0-9.]+)s", text)
     assert m, text[-3000:]
     return float(m.group(1))
@@ -107,7 +104,7 @@ def _assert_complete_stop(job: LocalJob, why: str, steps: int = 40) -> int:
     assert _stop_save_s(job, step) >= HOLD_S, "the stop checkpoint was not held"
     log = job.batch_log()
     first = _attempt(log, job, 0)
-    for node in NODES:
+    for node in job.cluster.nodes:
         said = f"node {node}: stopped after step {step} ("
         assert first.count(said) == 1, first
         assert said in job.train_log(0, node).read_text(errors="replace")
@@ -280,7 +277,7 @@ def test_a_qos_preemption_during_a_usr1_stop_checkpoint_lets_it_complete(
     _assert_complete_stop(job, "SIGUSR1 to the batch shell", steps=SHORT_STEPS)
     said = stop.read_text().splitlines()
     assert said[0] == "SIGUSR1 to the batch shell", said
-    assert sorted(said[1:]) == [f"SIGTERM to the training step on {n}" for n in NODES], said
+    assert sorted(said[1:]) == [f"SIGTERM to the training step on {n}" for n in cluster.nodes], said
     first = _attempt(job.batch_log(), job, 0)
     assert "SIGUSR1 received" in first and first.count("requeueing job") == 1, first
 

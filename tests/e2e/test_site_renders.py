@@ -16,7 +16,7 @@ from e2e_lib import REPO, render
 
 pytestmark = [pytest.mark.e2e]
 
-EXPECT_NODES = {"eu": "g[1-2]", "us": "gh1"}
+EXPECT_NODES = {"eu": "g[1-2]", "us": "gh1"}  # after the cluster's node prefix
 
 
 def _changed_lines(a: str, b: str) -> list[str]:
@@ -50,7 +50,7 @@ def test_site_render_accepted_by_slurm(cluster, tmp_path, site):
         )
         assert m, p.stderr
         if name == f"{site}.sbatch":
-            assert m.group(2) == EXPECT_NODES[site], p.stderr
+            assert m.group(2) == cluster.node_prefix + EXPECT_NODES[site], p.stderr
         assert m.group(3) == partition
 
 

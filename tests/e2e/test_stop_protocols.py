@@ -96,7 +96,7 @@ def test_signal_protocol_torchrun_survives_usr1_while_the_workers_save_then_the_
     assert first.index("training step exited with status") < first.index("requeueing job"), log
     assert "training finished" in log[a1:], log
     assert not (job.run_dir / "stop" / f"{job.job_id}.attempt-0").exists(), "no stop file with signal"
-    for node in ("n1", "n2"):
+    for node in cluster.nodes:
         text = job.train_log(0, node).read_text(errors="replace")
         # torchrun's agent handled it (torch logs the number) and sent it on to both workers
         assert re.search(

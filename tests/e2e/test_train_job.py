@@ -28,11 +28,11 @@ def test_rendered_job_trains_two_nodes_to_completion(cluster, reference_run, tra
     info = cluster.job(job.job_id)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job.describe()
     assert info["Restarts"] == "0"
-    assert info["NodeList"] == "n[1-2]"
+    assert info["NodeList"] == f"{cluster.node_prefix}n[1-2]"
     log = job.batch_log()
     # the preflight step ran on every node, before the training step started
     ok = re.findall(r"^preflight ok on (\S+):", log, re.M)
-    assert sorted(ok) == ["n1", "n2"], log
+    assert sorted(ok) == sorted(cluster.nodes), log
     assert log.index("preflight ok on") < log.index("training; per-node logs")
     assert "training finished" in log
     # torchrun's ranks: 4 of them, 2 per node, every step's loss seen from all 4
@@ -40,7 +40,7 @@ def test_rendered_job_trains_two_nodes_to_completion(cluster, reference_run, tra
     assert [r["step"] for r in metrics] == list(range(1, 41))
     assert {r["world_size"] for r in metrics} == {4}
     assert all(len(r["rank_losses"]) == 4 for r in metrics)
-    for node in ("n1", "n2"):
+    for node in cluster.nodes:
         text = job.train_log(0, node).read_text()
         ranks = sorted(set(re.findall(r"rank (\d)/4 local_rank (\d)/2 node (\d)/2 .* host (\S+)", text)))
         assert len(ranks) == 2 and {r[3] for r in ranks} == {node}, text[:2000]
@@ -107,7 +107,7 @@ def test_preempt_requeue_resume_matches_uninterrupted(
     a1 = log.index(f"job {job.job_id}, attempt 1")
     assert a0 < log.index("SIGUSR1 received") < req < a1, log
     assert "trainer checkpointed" in log[:a1] and "training finished" in log[a1:], log
-    for node in ("n1", "n2"):
+    for node in cluster.nodes:
         assert job.train_log(0, node).exists() and job.train_log(1, node).exists()
         # one line per node says what the stop left, in its log and in the batch log; no traceback anywhere
         said = f"node {node}: stopped after step {stop_step} (stop file: SIGUSR1 to the batch shell): checkpoint "
@@ -132,7 +132,9 @@ def test_preempt_requeue_resume_matches_uninterrupted(
         re.search(r"^\[sbatch-gen (\S+)\] SIGUSR1 received", log, re.M).group(1), "%Y-%m-%dT%H:%M:%SZ"
     ).replace(tzinfo=timezone.utc)
     first = re.search(
-        r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) .* step \d+ loss", job.train_log(1, "n1").read_text(), re.M
+        r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) .* step \d+ loss",
+        job.train_log(1, cluster.nodes[0]).read_text(),
+        re.M,
     )
     t_first = datetime.strptime(first.group(1), "%Y-%m-%d %H:%M:%S,%f")  # the trainer logs local time
     report(
