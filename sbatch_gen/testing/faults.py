@@ -16,6 +16,9 @@ own modules carry no test hook. Torch-free to import (the trainer is imported wh
   (``bench.goals40_diag streaming`` runs both side by side).
 - ``SBATCH_GEN_TEST_NO_CLEANUP``: no mailbox cleanup behind the rounds (snapshots are still uploaded), for
   ``bench.goals40_diag cleanup``: what the per-round cleanup costs a streaming run.
+- ``SBATCH_GEN_TEST_STEP_GATE``: a path; every step waits after its cross-region round while that file
+  exists (:func:`gated`), so that a test holds a region at a step boundary until another has done something
+  (a restarted region's rejoin) whatever the machine's load.
 - :func:`holding_stop_save`: the stop checkpoint waits between writing its files and marking them complete,
   as a large checkpoint takes (the preemption tests: a stop that Slurm's kill reached would be cut short).
 - ``python -m sbatch_gen.testing.faults ARGS``: the trainer (``python -m sbatch_gen.train ARGS``) with the
@@ -43,6 +46,8 @@ START_TOGETHER_TIMEOUT_S = 300.0
 # seconds every step sleeps after its cross-region round; with ENV_STEP_SLEEP_RANKS ("1,3") only those ranks
 ENV_STEP_SLEEP = "SBATCH_GEN_TEST_STEP_SLEEP_S"
 ENV_STEP_SLEEP_RANKS = "SBATCH_GEN_TEST_STEP_SLEEP_RANKS"
+# a path: every step waits after its cross-region round while that file exists
+ENV_STEP_GATE = "SBATCH_GEN_TEST_STEP_GATE"
 # seconds the stop checkpoint waits between writing its files and its marker
 ENV_STOP_SAVE_HOLD = "SBATCH_GEN_TEST_STOP_SAVE_HOLD_S"
 # seconds between the run-dir lease's heartbeats (sbatch_gen.train.lease.DEFAULT_PERIOD_S otherwise)
@@ -56,6 +61,7 @@ FAULT_ENVS = (
     ENV_START_TOGETHER,
     ENV_STEP_SLEEP,
     ENV_STEP_SLEEP_RANKS,
+    ENV_STEP_GATE,
     ENV_STOP_SAVE_HOLD,
     ENV_LEASE_PERIOD,
     ENV_SNAPSHOT_GIVE_WAY,
@@ -131,6 +137,18 @@ def sleeping(cross_region_round: Callable[..., Any], sleep_s: float, ranks: Iter
     return round_then_sleep
 
 
+def gated(cross_region_round: Callable[..., Any], gate: str) -> Callable[..., Any]:
+    """The loop's ``_cross_region_round(t, step)``, then a wait while the file ``gate`` exists."""
+
+    def round_then_gate(t, step):
+        out = cross_region_round(t, step)
+        while os.path.exists(gate):
+            time.sleep(0.05)
+        return out
+
+    return round_then_gate
+
+
 def holding_stop_save(hand_off: Callable[..., Any], hold_s: float) -> Callable[..., Any]:
     """finish's ``hand_off(t)`` (``hand_off``: the stop's leave and checkpoint), except that its checkpoint
     waits ``hold_s`` between writing its files and marking them complete. A periodic save still in flight
@@ -195,6 +213,11 @@ def install_from_env(environ: dict[str, str] | None = None) -> None:
         listed = env.get(ENV_STEP_SLEEP_RANKS, "").strip()
         ranks = {int(r) for r in listed.split(",") if r.strip()} if listed else None
         _patch(loop, "_cross_region_round", lambda f: sleeping(f, sleep_s, ranks))
+    gate = env.get(ENV_STEP_GATE, "")
+    if gate:
+        from sbatch_gen.train import loop
+
+        _patch(loop, "_cross_region_round", lambda f: gated(f, gate))
     hold_s = float(env.get(ENV_STOP_SAVE_HOLD, "") or 0)
     if hold_s > 0:
         from sbatch_gen.train import finish

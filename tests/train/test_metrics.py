@@ -171,7 +171,7 @@ def test_report_shows_absent_in_region_comm_as_na_and_the_gpu_memory(tmp_path):
     s = slo(run)
     assert math.isnan(s["in_region_comm_fraction"]) and math.isnan(s["comm_fraction"])
     md, _ = build([run])
-    assert "| n/a | fsdp + cpu offload | completed |" in md
+    assert "| n/a | fsdp + cpu offload | n/a | n/a | completed |" in md  # no compile or optimizer recorded
     assert (
         "| comm fraction: in-region (DDP all-reduce or FSDP collectives, + per-step collective) | n/a |" in md
     )

@@ -20,6 +20,7 @@ from .test_multiproc import (
     TIMEOUT,
     assert_same_params,
     metrics,
+    metrics_or_none,
     run_both,
     s3_transport,
     write_config,
@@ -120,15 +121,21 @@ def test_restarted_region_rejoins_midrun_and_is_bitwise_equal_from_its_first_rou
         SECRET_ENV: s3server.env()["AWS_SECRET_ACCESS_KEY"],
         "SBATCH_GEN_TEST_STEP_SLEEP_S": "0.1",
     }
-    # 80 steps: eu still has about 10 s to train after round 4 (64 steps of 0.1 s and its rounds), so a
-    # restarted us is back before eu ends even when its start (python, torch) is slow on a loaded machine
-    # (with 48 steps, about 5 s, a run beside two other test processes came back after eu had ended)
+    # eu waits at a step boundary (SBATCH_GEN_TEST_STEP_GATE) from round 4 until the restarted us has
+    # rejoined, so us is back before eu ends however slow its start (python, torch) is on a loaded machine
+    # (without the gate, runs beside other test processes came back after eu had ended, 48 and 80 steps)
+    gate = tmp_path / "eu-waits-for-us"
     cfg = write_config(tmp_path, repo, checkpoint={"every": 8, "keep_last": 2}, train={"steps": 80})
     opts = dict(min_regions=1, grace_s=grace, keep_rounds=20, snapshot_every=100, timeout_s=60)
 
     def launch(r):
+        more = {"SBATCH_GEN_TEST_STEP_GATE": str(gate)} if r == "eu" else {}
         return launch_region(
-            xr(r, transport, **opts), config=cfg, run_dir=tmp_path / r, data_path=data_dir, env=env
+            xr(r, transport, **opts),
+            config=cfg,
+            run_dir=tmp_path / r,
+            data_path=data_dir,
+            env={**env, **more},
         )
 
     client = s3server.client()
@@ -152,7 +159,14 @@ def test_restarted_region_rejoins_midrun_and_is_bitwise_equal_from_its_first_rou
     )
     us.kill()
     wait_round(4, [eu])  # us misses at least rounds 3 and 4
+    gate.touch()  # eu waits at its next step boundary until us is back
     us2 = launch("us")
+    deadline = time.monotonic() + TIMEOUT
+    while not any(x.get("event") == "xr_rejoin" for x in metrics_or_none(tmp_path / "us")):
+        assert eu.poll()[0] is None and us2.poll()[0] is None, (eu.tail(), us2.tail())
+        assert time.monotonic() < deadline, us2.tail()
+        time.sleep(0.1)
+    gate.unlink()
     run_both([eu, us2])
     assert_same_params(tmp_path / "eu", tmp_path / "us")
     _assert_bounded_waits(tmp_path / "eu", grace, "us")
