@@ -5,7 +5,8 @@ A profile never holds a secret, only the names of the environment variables that
 ``metrics.wandb_api_key_env`` (the W&B API key). :func:`secret_env` lists them, once, from the model; the
 SSH launcher checks them on the launching host before it starts anything and sends their values to each
 node over ssh's stdin (templates/ssh-launcher.sh.j2: SECRET_ENV), never on a command line or in a file.
-A shared-credentials ``profile`` or no credentials at all (boto3's default chain: the host's own
+A profile's own list of secrets by name (``slurm.secrets``, ``launch.secrets``) is added by the kind's
+``secret_env`` method (:func:`with_listed`). A shared-credentials ``profile`` or no credentials at all (boto3's default chain: the host's own
 environment, ~/.aws, instance role) names nothing to send. Where the profile has no ``metrics`` section, the
 train config's decides the sinks: :func:`config_metrics` reads it for the W&B key the SSH launcher sends.
 
@@ -128,6 +129,14 @@ def secret_env(p: SecretsProfile, config: ConfigMetrics | None = None) -> list[S
         seen[s.name] = len(unique)
         unique.append(s)
     return unique
+
+
+def with_listed(named: list[SecretEnv], names: Sequence[str], field: str) -> list[SecretEnv]:
+    """``named`` (:func:`secret_env`), then the secrets a profile lists by name (``field``: slurm.secrets,
+    launch.secrets), each required, keyed ``field[i]``; a name already there, or listed twice, once."""
+    have = {s.name for s in named}
+    more = [SecretEnv(n, f"{field}[{i}]", True) for i, n in enumerate(names) if n not in have]
+    return named + list({s.name: s for s in more}.values())
 
 
 def bucket_check(xr: CrossRegion, timeout_s: int) -> list[tuple[str, str]]:
