@@ -5,12 +5,14 @@ A profile never holds a secret, only the names of the environment variables that
 ``metrics.wandb_api_key_env`` (the W&B API key). :func:`secret_env` lists them, once, from the model; the
 SSH launcher checks them on the launching host before it starts anything and sends their values to each
 node over ssh's stdin (templates/ssh-launcher.sh.j2: SECRET_ENV), never on a command line or in a file.
-A shared-credentials ``profile`` or no credentials at all (boto3's default chain: the host's own
+A profile's own list of secrets by name (``slurm.secrets``, ``launch.secrets``) is added by the kind's
+``secret_env`` method (:func:`with_listed`). A shared-credentials ``profile`` or no credentials at all (boto3's default chain: the host's own
 environment, ~/.aws, instance role) names nothing to send. Where the profile has no ``metrics`` section, the
 train config's decides the sinks: :func:`config_metrics` reads it for the W&B key the SSH launcher sends.
 
-:func:`read_secrets_file` reads a Slurm site's ``slurm.secrets_file`` here as the job reads it on the node
-(``sbatch-gen status`` takes the S3 keys from it).
+:func:`inspect_secrets_file` reads a Slurm site's ``slurm.secrets_file`` here as the job reads it on the node
+(``sbatch-gen doctor``'s secrets row); :func:`read_secrets_file` takes the values from it (``sbatch-gen status``
+takes the S3 keys from it).
 
 :func:`bucket_check` is the preflight's check that a node reaches the run's bucket with those credentials
 (the node program's ``s3_*`` settings, sbatch_gen/node_program.py).
@@ -21,7 +23,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -129,6 +131,14 @@ def secret_env(p: SecretsProfile, config: ConfigMetrics | None = None) -> list[S
     return unique
 
 
+def with_listed(named: list[SecretEnv], names: Sequence[str], field: str) -> list[SecretEnv]:
+    """``named`` (:func:`secret_env`), then the secrets a profile lists by name (``field``: slurm.secrets,
+    launch.secrets), each required, keyed ``field[i]``; a name already there, or listed twice, once."""
+    have = {s.name for s in named}
+    more = [SecretEnv(n, f"{field}[{i}]", True) for i, n in enumerate(names) if n not in have]
+    return named + list({s.name: s for s in more}.values())
+
+
 def bucket_check(xr: CrossRegion, timeout_s: int) -> list[tuple[str, str]]:
     """The preflight's bucket check as node-program settings (NAME, VALUE): a LIST of at most one key under
     the run's prefix, by the trainer's python and boto3, with the credentials the trainer will use, within
@@ -178,50 +188,69 @@ def parse_secrets_file(text: str) -> tuple[dict[str, str], list[int]]:
     return values, bad
 
 
-def secrets_file_names(text: str) -> tuple[set[str], list[int]]:
-    """What a slurm.secrets_file holds, as load_secrets reads it: (the names with a non-empty value, the
-    numbers of the lines that are not NAME=value). Never a value."""
-    values, bad = parse_secrets_file(text)
-    return {name for name, v in values.items() if v}, bad
-
-
 def secrets_file_path(where: str, cwd: Path) -> Path:
     """slurm.secrets_file on this host: ``~/`` is the user's home directory, a relative path is from ``cwd``
     (the directory the job is submitted from)."""
     return Path.home() / where[2:] if where.startswith("~/") else cwd / where
 
 
-def read_secrets_file(where: str, named: Sequence[SecretEnv], cwd: Path = Path(".")) -> dict[str, str]:
-    """The values of the variables ``named`` from slurm.secrets_file ``where``, read here as the job reads
-    them on its node (load_secrets): the file must belong to this user and be readable by no one else, every
-    line must be NAME=value, and every required variable must have a non-empty value. Raises ValueError with
-    one line (naming the file, never a value) when it cannot be used."""
+@dataclass(frozen=True)
+class SecretsFile:
+    """A slurm.secrets_file as this host sees it, checked as the job's load_secrets checks it on the node.
+    ``refused``: why the job would stop on the file itself ("missing", "unreadable", "owner", "mode",
+    "line"; None: it reads it), ``detail`` says more (the error, the owner's uid, the number of the line that
+    is not NAME=value); ``values``: the named variables it gives a non-empty value. Never printed whole."""
+
+    path: Path
+    refused: str | None = None
+    detail: str = ""
+    mode: int = 0
+    values: dict[str, str] = field(default_factory=dict, repr=False)
+
+
+def inspect_secrets_file(where: str, named: Sequence[SecretEnv], cwd: Path = Path(".")) -> SecretsFile:
+    """slurm.secrets_file ``where`` read here as the job reads it on its node (load_secrets): it must belong to
+    this user and be readable by no one else, and every line must be NAME=value (``export`` allowed)."""
     path = secrets_file_path(where, cwd)
-    required = [s for s in named if s.required]
     try:
         st = path.stat()
         text = path.read_text(errors="replace")
     except FileNotFoundError:
+        return SecretsFile(path, "missing")
+    except OSError as e:
+        return SecretsFile(path, "unreadable", e.strerror or str(e))
+    mode = st.st_mode & 0o777
+    if st.st_uid != os.getuid():
+        return SecretsFile(path, "owner", str(st.st_uid), mode)
+    if mode & 0o077:
+        return SecretsFile(path, "mode", "", mode)
+    values, bad = parse_secrets_file(text)
+    if bad:
+        return SecretsFile(path, "line", str(bad[0]), mode)  # the line itself is never said
+    return SecretsFile(path, None, "", mode, {s.name: values[s.name] for s in named if values.get(s.name)})
+
+
+def read_secrets_file(where: str, named: Sequence[SecretEnv], cwd: Path = Path(".")) -> dict[str, str]:
+    """The values of the variables ``named`` from slurm.secrets_file ``where`` (:func:`inspect_secrets_file`),
+    every required one with a non-empty value. Raises ValueError with one line (naming the file, never a
+    value) when it cannot be used."""
+    f = inspect_secrets_file(where, named, cwd)
+    path = f.path
+    required = [s for s in named if s.required]
+    if f.refused == "missing":
         if not required:
             return {}
         wanted = ", ".join(f"{s.name} ({s.key})" for s in required)
-        raise ValueError(
-            f"no secrets file {path}: write NAME=value lines for {wanted} into it, chmod 600"
-        ) from None
-    except OSError as e:
-        raise ValueError(f"cannot read secrets file {path}: {e.strerror}") from None
-    if st.st_uid != os.getuid():
-        raise ValueError(f"secrets file {path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()})")
-    if st.st_mode & 0o077:
-        raise ValueError(
-            f"secrets file {path} is mode {st.st_mode & 0o777:o}: others may read it; chmod 600 {path}"
-        )
-    values, bad = parse_secrets_file(text)
-    if bad:
-        # the line itself is never said
-        raise ValueError(f"secrets file {path}, line {bad[0]}: not NAME=value")
-    got = {s.name: values[s.name] for s in named if values.get(s.name)}
-    missing = [f"{s.name} ({s.key})" for s in required if s.name not in got]
+        raise ValueError(f"no secrets file {path}: write NAME=value lines for {wanted} into it, chmod 600")
+    if f.refused == "unreadable":
+        raise ValueError(f"cannot read secrets file {path}: {f.detail}")
+    if f.refused == "owner":
+        raise ValueError(f"secrets file {path} belongs to uid {f.detail}, not to you (uid {os.getuid()})")
+    if f.refused == "mode":
+        raise ValueError(f"secrets file {path} is mode {f.mode:o}: others may read it; chmod 600 {path}")
+    if f.refused == "line":
+        raise ValueError(f"secrets file {path}, line {f.detail}: not NAME=value")
+    missing = [f"{s.name} ({s.key})" for s in required if s.name not in f.values]
     if missing:
         raise ValueError(f"secrets file {path} has no value for {', '.join(missing)}")
-    return got
+    return f.values

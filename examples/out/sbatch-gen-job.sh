@@ -246,6 +246,7 @@ start_attempt() {
   cp -- "$0" "$JOB_SCRIPT" 2>/dev/null || log "WARNING: cannot keep a copy of this script in $JOB_SCRIPT: no continuation job after the time limit"
   BUDGET_SPENT=0
   # the stop hand-off's state (request_stop, wait_step, continue_run)
+  SRUN_PID=''  # the training step, once launched
   STOP_REQUESTED=''
   GOT_TERM=0  # TERM to this shell: Slurm itself ends the job (and requeues it when it means to)
   TRAPPED=0
@@ -399,7 +400,7 @@ pin_path() {
 }
 
 # request_stop SIGNAL: the traps' handler (run as `request_stop ... || log`: a failure in it is logged, never
-# ends this shell).
+# ends this shell). A TERM before the training step ends the attempt once it is said (exit 143).
 # shellcheck disable=SC2317,SC2329  # called by main's traps
 request_stop() {
   TRAPPED=1
@@ -410,6 +411,9 @@ request_stop() {
   fi
   if [[ $1 == TERM ]]; then
     slurm_ends "SIGTERM to the batch shell"
+    # before the training step there is nothing to checkpoint, and the attempt is over: end it now, not
+    # after the slow steps before the launch (Slurm's SIGKILL would end it there without a word)
+    if [[ -z $SRUN_PID ]]; then exit 143; fi
   fi
   if [[ -z $STOP_REQUESTED ]]; then
     STOP_REQUESTED=$1

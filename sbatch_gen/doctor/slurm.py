@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sbatch_gen import node_program
-from sbatch_gen.credentials import secrets_file_names, secrets_file_path
+from sbatch_gen.credentials import inspect_secrets_file
 from sbatch_gen.doctor.common import (
     Check,
     CommandMissing,
@@ -311,12 +311,10 @@ def check_secrets(d: SlurmDoctor) -> list[Check]:
     expected = f"{', '.join(s.name for s in named)} in slurm.secrets_file, mode 0600, yours"
     if where is None:  # only optional ones (a required one needs the file to validate)
         return [skip("secrets", expected, "no slurm.secrets_file: the optional secrets stay unset")]
-    path = secrets_file_path(where, d.cwd)
+    f = inspect_secrets_file(where, named, d.cwd)
+    path = f.path
     required = [s for s in named if s.required]
-    try:
-        st = path.stat()
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
+    if f.refused == "missing":
         if not required:
             return [warn("secrets", expected, f"no {path}", "the optional secrets stay unset")]
         wanted = ", ".join(f"{s.name} ({s.key})" for s in required)
@@ -325,25 +323,17 @@ def check_secrets(d: SlurmDoctor) -> list[Check]:
                 "secrets", expected, f"no {path}", f"write NAME=value lines for {wanted} into it, chmod 600"
             )
         ]
-    except OSError as e:
-        return [error("secrets", expected, f"cannot read {path}: {e.strerror}", "the job reads it as you")]
-    if st.st_uid != os.getuid():
-        return [
-            error(
-                "secrets",
-                expected,
-                f"{path} belongs to uid {st.st_uid}",
-                "the job refuses a file of another user",
-            )
-        ]
-    if st.st_mode & 0o077:
-        mode = f"{st.st_mode & 0o777:o}"
-        return [error("secrets", expected, f"{path} is mode {mode}", f"others may read it: chmod 600 {path}")]
-    names, bad = secrets_file_names(text)
-    if bad:
-        return [error("secrets", expected, f"{path}: line {bad[0]} is not NAME=value", "the job stops on it")]
+    refused = {
+        "unreadable": (f"cannot read {path}: {f.detail}", "the job reads it as you"),
+        "owner": (f"{path} belongs to uid {f.detail}", "the job refuses a file of another user"),
+        "mode": (f"{path} is mode {f.mode:o}", f"others may read it: chmod 600 {path}"),
+        "line": (f"{path}: line {f.detail} is not NAME=value", "the job stops on it"),
+    }
+    if f.refused is not None:
+        return [error("secrets", expected, *refused[f.refused])]
+    names = f.values
     missing = [s for s in named if s.name not in names]
-    found = f"{path} (mode {st.st_mode & 0o777:o}) has {', '.join(s.name for s in named if s.name in names) or 'none of them'}"
+    found = f"{path} (mode {f.mode:o}) has {', '.join(s.name for s in named if s.name in names) or 'none of them'}"
     if [s for s in missing if s.required]:
         names_missing = ", ".join(f"{s.name} ({s.key})" for s in missing if s.required)
         return [error("secrets", expected, found, f"the job stops without {names_missing}: add it to {path}")]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, ClassVar, Literal, get_args
 
-from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from sbatch_gen.errors import FieldError, raise_all
 from sbatch_gen.launch import PLACEHOLDERS, PlaceholderError, Ref, parse_arg, placeholders_used
@@ -480,16 +480,16 @@ _CREDENTIAL_ENV_RE = re.compile(
 )
 
 
-def _env_names(v: object) -> object:
+def _env_names(v: object, secret_how: str) -> object:
     """extra_env names, checked before the values are validated (so no message can quote a value); every
-    name's problem at once."""
+    name's problem at once. ``secret_how``: where the profile's kind takes a secret instead (SECRET_HOW)."""
     if not isinstance(v, dict):
         return v
-    raise_all([e for k in v if isinstance(k, str) and (e := _env_name_problem(k)) is not None])
+    raise_all([e for k in v if isinstance(k, str) and (e := _env_name_problem(k, secret_how)) is not None])
     return v
 
 
-def _env_name_problem(k: str) -> FieldError | None:
+def _env_name_problem(k: str, secret_how: str) -> FieldError | None:
     """Why extra_env may not set ``k`` (None: it may)."""
     prefix = next((x for x in RESERVED_ENV_PREFIXES if k.startswith(x)), None)
     if prefix is not None:
@@ -503,8 +503,7 @@ def _env_name_problem(k: str) -> FieldError | None:
         return FieldError(
             (k,),
             f"{k} holds a credential (value <redacted>): it would be written into out/, which "
-            "is committed; a Slurm job reads it on the node instead: name it in slurm.secrets (its value in "
-            "slurm.secrets_file)",
+            f"is committed; {secret_how}",
         )
     if k in _SHELL_ENV or k.startswith(_SHELL_ENV_PREFIXES):
         return FieldError(
@@ -549,7 +548,7 @@ class ProfileBase(ProfileSection):
         default_factory=Nccl,
         description="NCCL and torch.distributed settings exported to every job step (GPU sites only).",
     )
-    extra_env: Annotated[dict[EnvName, Text], BeforeValidator(_env_names)] = Field(
+    extra_env: dict[EnvName, Text] = Field(
         default_factory=dict,
         description="More environment variables exported to every job step. Not: "
         "credentials, variables of the shell (BASH_*, IFS, ENV, SHELLOPTS, PS4, ...), the dynamic loader (LD_*) "
@@ -596,6 +595,13 @@ class ProfileBase(ProfileSection):
     # Whether the render reads the train config's metrics section for the W&B key it sends (the SSH launcher,
     # credentials.config_metrics; a Slurm job reads its secrets on the node, named by the profile)
     SECRETS_FROM_CONFIG: ClassVar[bool] = False
+    # How this kind takes a secret that extra_env refuses, for that refusal's message (its own secrets key).
+    SECRET_HOW: ClassVar[str] = "name it as a secret of the profile's kind instead"
+
+    @field_validator("extra_env", mode="before")
+    @classmethod
+    def _extra_env_names(cls, v: object) -> object:
+        return _env_names(v, cls.SECRET_HOW)
 
     def gpus_per_node(self) -> int:
         """GPUs of one machine (0: a CPU site)."""

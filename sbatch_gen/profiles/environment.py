@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sbatch_gen import contract, xr_options
+from sbatch_gen.errors import FieldError
 
 
 class JobProfile(Protocol):
@@ -248,3 +249,50 @@ def container_env_names(p: JobProfile) -> list[str]:
     """The variables pyxis passes into the container (--container-env)."""
     names = [n for b in job_environment(p) for n, _ in b.vars]
     return sorted(set(names) | set(RUNTIME_EXPORTS))
+
+
+def reserved_reason(name: str) -> str | None:
+    """Why the job, not the submitting shell or a secret, decides variable NAME; None if nothing does
+    (slurm.export, and the secrets of either kind: secret_name_problems)."""
+    if name in ("ALL", "NONE"):
+        return "--export's own word: the job takes only the names listed"
+    if name.startswith("SLURM_"):
+        return "Slurm's own: Slurm sets the job's SLURM_* variables"
+    if name.startswith(("SRUN_", "TORCHELASTIC_", "PET_")):
+        return "srun or torchrun reads it as an option of every step"
+    for prefix, key in RESERVED_ENV_PREFIXES.items():
+        if name.startswith(prefix):
+            return f"the job sets the {prefix}* variables from {key}"
+    if name.startswith(("LD_", "BASH_")) or name in ("BASH_ENV", "ENV", "SHELLOPTS", "IFS"):
+        return "it changes how every program or bash in the job starts"
+    if name in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+        return "Slurm sets it in every step from the GPUs it allocated"
+    if name in FORCED_ENV_NAMES or (name in RESERVED_ENV and name not in JOB_ENV_NAMES):
+        return "the job sets it whatever the submitting shell holds"
+    return None
+
+
+def secret_name_problems(
+    field: tuple[str, ...], names: Sequence[str], profile_sets: Sequence[str]
+) -> list[FieldError]:
+    """The problems of a profile's list of secrets by name (slurm.secrets, launch.secrets), at ``field``: a
+    name listed twice, one the profile sets (``profile_sets``: its environment sections), one the job, Slurm
+    or the launcher sets (reserved_reason). Every item's problem at once."""
+    key = ".".join(field)
+    found: list[FieldError] = []
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in seen:
+            found.append(FieldError((*field, i), f"{name} is named twice (first at {key}[{seen[name]}])"))
+            continue
+        seen[name] = i
+        why = (
+            "the profile sets it (its environment sections)"
+            if name in profile_sets
+            else reserved_reason(name)
+        )
+        if why is not None:
+            found.append(
+                FieldError((*field, i), f"{name}: {why}; a secret is a variable of its own (e.g. HF_TOKEN)")
+            )
+    return found

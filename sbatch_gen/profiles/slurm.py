@@ -12,16 +12,14 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
 
-from sbatch_gen.credentials import SecretEnv, bucket_check, secret_env
+from sbatch_gen.credentials import SecretEnv, bucket_check, secret_env, with_listed
 from sbatch_gen.errors import FieldError, raise_all
 from sbatch_gen.profiles.base import Paths, ProfileBase, is_credential_name
 from sbatch_gen.profiles.environment import (
-    FORCED_ENV_NAMES,
-    JOB_ENV_NAMES,
-    RESERVED_ENV,
-    RESERVED_ENV_PREFIXES,
     container_env_names,
     job_environment,
+    reserved_reason,
+    secret_name_problems,
     submit_exports,
 )
 from sbatch_gen.profiles.types import (
@@ -56,38 +54,11 @@ def _secrets_path(v: str) -> str:
 SecretsPath = Annotated[str, AfterValidator(_secrets_path)]
 
 
-def _reserved(name: str) -> str | None:
-    """Why the job, not the submitting shell or a secrets file, decides variable NAME; None if nothing does."""
-    if name in ("ALL", "NONE"):
-        return "--export's own word: the job takes only the names listed"
-    if name.startswith("SLURM_"):
-        return "Slurm's own: Slurm sets the job's SLURM_* variables"
-    if name.startswith(("SRUN_", "TORCHELASTIC_", "PET_")):
-        return "srun or torchrun reads it as an option of every step"
-    for prefix, key in RESERVED_ENV_PREFIXES.items():
-        if name.startswith(prefix):
-            return f"the job sets the {prefix}* variables from {key}"
-    if name.startswith(("LD_", "BASH_")) or name in ("BASH_ENV", "ENV", "SHELLOPTS", "IFS"):
-        return "it changes how every program or bash in the job starts"
-    if name in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
-        return "Slurm sets it in every step from the GPUs it allocated"
-    if name in FORCED_ENV_NAMES or (name in RESERVED_ENV and name not in JOB_ENV_NAMES):
-        return "the job sets it whatever the submitting shell holds"
-    return None
-
-
 def _not_exportable(name: str, taken: Sequence[str]) -> str | None:
     """Why slurm.export may not name NAME (None: it may); TAKEN: what the job takes anyway."""
     if name in taken:
         return "the job takes it already (PATH, sbatch-gen's switches and the profile's defaults, which a submit-time value overrides)"
-    return _reserved(name)
-
-
-def _not_a_secret(name: str, profile_sets: Sequence[str]) -> str | None:
-    """Why slurm.secrets may not name NAME (None: it may); PROFILE_SETS: the variables the profile sets."""
-    if name in profile_sets:
-        return "the profile sets it (its environment sections)"
-    return _reserved(name)
+    return reserved_reason(name)
 
 
 class Preemption(ProfileSection):
@@ -598,6 +569,10 @@ class SlurmProfile(ProfileBase):
         description="The checks every node runs before training (on by default), and a site's own health check.",
     )
 
+    SECRET_HOW: ClassVar[str] = (
+        "a Slurm job reads it on the node instead: name it in slurm.secrets (its value in slurm.secrets_file)"
+    )
+
     OUTPUTS: ClassVar[tuple[tuple[str, str], ...]] = (
         ("slurm.sbatch.j2", "{site}.sbatch"),
         ("slurm-setup.sbatch.j2", "{site}.setup.sbatch"),
@@ -632,13 +607,7 @@ class SlurmProfile(ProfileBase):
         """The secrets the job reads on the node from slurm.secrets_file: those the profile names
         (credentials.secret_env, as the SSH launcher sends them), then slurm.secrets (required), each once."""
         named = secret_env(self)
-        have = {s.name for s in named}
-        more = [
-            SecretEnv(n, f"slurm.secrets[{i}]", True)
-            for i, n in enumerate(self.slurm.secrets)
-            if n not in have
-        ]
-        return named + list({s.name: s for s in more}.values())
+        return with_listed(named, self.slurm.secrets, "slurm.secrets")
 
     @check
     def _export_policy(self) -> None:
@@ -666,25 +635,7 @@ class SlurmProfile(ProfileBase):
                 found.append(
                     FieldError(("slurm", "export", i), f"{name}: {why}; remove it from slurm.export")
                 )
-        seen: dict[str, int] = {}
-        for i, name in enumerate(self.slurm.secrets):
-            if name in seen:
-                found.append(
-                    FieldError(
-                        ("slurm", "secrets", i),
-                        f"{name} is named twice (first at slurm.secrets[{seen[name]}])",
-                    )
-                )
-                continue
-            seen[name] = i
-            why = _not_a_secret(name, profile_sets)
-            if why is not None:
-                found.append(
-                    FieldError(
-                        ("slurm", "secrets", i),
-                        f"{name}: {why}; a secret is a variable of its own (e.g. HF_TOKEN)",
-                    )
-                )
+        found += secret_name_problems(("slurm", "secrets"), self.slurm.secrets, profile_sets)
         required = [s for s in secrets.values() if s.required]
         if required and self.slurm.secrets_file is None:
             names = ", ".join(f"{s.name} ({s.key})" for s in required)

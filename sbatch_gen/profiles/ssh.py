@@ -15,10 +15,11 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field
 
-from sbatch_gen.credentials import bucket_check, config_metrics, secret_env
+from sbatch_gen.credentials import SecretEnv, bucket_check, config_metrics, secret_env, with_listed
 from sbatch_gen.errors import FieldError, raise_all
 from sbatch_gen.profiles.base import ProfileBase
-from sbatch_gen.profiles.types import Int, PathStr, ProfileSection, Text, no_control, pattern_check
+from sbatch_gen.profiles.environment import job_environment, secret_name_problems
+from sbatch_gen.profiles.types import EnvName, Int, PathStr, ProfileSection, Text, no_control, pattern_check
 from sbatch_gen.strict import check
 
 # An ssh destination as written in the profile: a host name, an alias from ~/.ssh/config or an IPv4
@@ -154,6 +155,15 @@ class SshLaunch(ProfileSection):
         default=True,
         description="Preflight checks that every host sees node 0's paths.run_dir (sharded checkpoints need it).",
     )
+    secrets: list[EnvName] = Field(
+        default_factory=list,
+        description="More secrets the launcher sends to every host, by name, besides those the profile names "
+        "(cross_region.transport.credentials, metrics.wandb_api_key_env): e.g. HF_TOKEN for a trainer of one's "
+        "own. Each is required: its value is taken from the launching shell's environment (unset or empty: the "
+        "launch exits 2 before anything starts) and reaches torchrun and the trainer on every host over ssh's "
+        "stdin, never on a command line, in a file or in a log. A name the launcher or the profile sets is "
+        "refused. Default: none.",
+    )
 
 
 class SshNode(ProfileSection):
@@ -195,6 +205,10 @@ class SshProfile(ProfileBase):
     GPUS_FIELD: ClassVar[str] = "node.gpus"
     NODE_WORD: ClassVar[str] = "host"
     SECRETS_FROM_CONFIG: ClassVar[bool] = True
+    SECRET_HOW: ClassVar[str] = (
+        "the SSH launcher sends it to every host over ssh's stdin instead: name it in launch.secrets (its value "
+        "in the launching shell's environment)"
+    )
 
     def gpus_per_node(self) -> int:
         return self.node.gpus
@@ -214,13 +228,19 @@ class SshProfile(ProfileBase):
     def enabled_hosts(self) -> list[str]:
         return [h.name for h in self.hosts if h.enabled]
 
+    def secret_env(self) -> list[SecretEnv]:
+        """The secrets the launcher sends to every host over ssh's stdin: those the profile names
+        (credentials.secret_env; the W&B key of the train config's metrics section too, where that decides the
+        sinks: read from the directory render runs in, the launch directory's checkout), then launch.secrets
+        (required), each once."""
+        named = secret_env(self, config_metrics(self))
+        return with_listed(named, self.launch.secrets, "launch.secrets")
+
     def template_context(self, site_name: str) -> dict[str, object]:
         # the secrets every node gets over ssh's stdin, and the preflight's bucket check within the ssh
         # connect timeout (sbatch_gen/credentials.py)
         return {
-            # (the W&B key of the train config's metrics section too, where that decides the sinks: read from
-            # the directory render runs in, the launch directory's checkout)
-            "secret_env": secret_env(self, config_metrics(self)),
+            "secret_env": self.secret_env(),
             "bucket_check": bucket_check(self.cross_region, self.ssh.connect_timeout_s),
         }
 
@@ -248,5 +268,7 @@ class SshProfile(ProfileBase):
                     "NCCL/Gloo sockets are pinned to it (e.g. ib0, eth0; lo for a single machine)",
                 )
             )
+        profile_sets = [n for b in job_environment(self) for n, _ in b.vars]
+        found += secret_name_problems(("launch", "secrets"), self.launch.secrets, profile_sets)
         raise_all(found)
         return self

@@ -264,6 +264,15 @@ CASES = [
         r".*slurm\.secrets\[0\]: OMP_NUM_THREADS: the profile sets it",
     ),
     (
+        "extra_env: a credential, pointing to slurm.secrets",
+        None,
+        ("extra_env={HF_TOKEN: x}",),
+        2,
+        r"--set extra_env=\{HF_TOKEN: x\}: extra_env\.HF_TOKEN: HF_TOKEN holds a credential \(value <redacted>\): "
+        r"it would be written into out/, which is committed; a Slurm job reads it on the node instead: name it in "
+        r"slurm\.secrets \(its value in slurm\.secrets_file\)$",
+    ),
+    (
         "secrets: named twice",
         None,
         ("slurm.secrets=[HF_TOKEN, HF_TOKEN]", "slurm.secrets_file=/tmp/s.env"),

@@ -270,3 +270,26 @@ def test_validate_warns_where_the_train_configs_wandb_key_cannot_be_known_or_is_
     r = sg("validate", "--site", "local", "--set", f"trainer.config={cfg}", *named)
     assert r.code == 0 and "W&B" not in r.err, r.err
     assert "W&B" not in sg("validate", "--site", "ssh-local", "--set", f"trainer.config={cfg}").err
+
+
+def test_launch_secrets_are_sent_required_after_the_ones_the_profile_names():
+    """launch.secrets (a trainer of one's own's HF_TOKEN): in SECRET_ENV after the S3 keys and the W&B key,
+    each required (1) and named by its field; a name the profile names already is sent once, as that field's."""
+    xr = {"enabled": True, "transport": {"kind": "s3", "bucket": "bkt", "credentials": KEYS}}
+    text = launcher(
+        "cross_region=" + json.dumps(xr),
+        "metrics=" + json.dumps({"sinks": ["wandb"], "wandb_api_key_env": "WK"}),
+        "launch.secrets=[HF_TOKEN, K, SBG_OWN]",
+    )
+    assert bash_array(text, "SECRET_ENV") == [
+        "K", f"{CREDS}.access_key_id_env", "1",
+        "S", f"{CREDS}.secret_access_key_env", "1",
+        "WK", "metrics.wandb_api_key_env", "0",
+        "HF_TOKEN", "launch.secrets[0]", "1",
+        "SBG_OWN", "launch.secrets[2]", "1",
+    ]  # fmt: skip
+    assert bash_array(launcher("launch.secrets=[HF_TOKEN]"), "SECRET_ENV") == [
+        "HF_TOKEN", "launch.secrets[0]", "1",
+    ]  # fmt: skip
+    profile = load_site(REPO / "sites", "ssh-local", ["launch.secrets=[HF_TOKEN]"]).profile
+    assert profile.secret_env() == [SecretEnv("HF_TOKEN", "launch.secrets[0]", True)]

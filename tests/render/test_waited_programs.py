@@ -63,8 +63,8 @@ def _wait_for(path: Path, proc, timeout: float = 30) -> None:
 
 def _cancel_while_held(job: Path, env: dict[str, str], inside: Path, hold: Path) -> str:
     """Run the job; once ``inside`` exists, a TERM to the batch shell alone (as a scancel sends it). The
-    cancellation's line must come within 10 s while ``hold`` still holds the slow program; then the hold
-    goes and the job ends. Its whole output."""
+    cancellation's line must come within 10 s while ``hold`` still holds the slow program, and the job ends
+    there (status 143), its last line that one: nothing runs on after the cancel. Its whole output."""
     proc = start_job(job, env)
     _wait_for(inside, proc)
     lines: list[str] = []
@@ -77,11 +77,13 @@ def _cancel_while_held(job: Path, env: dict[str, str], inside: Path, hold: Path)
         while not any(CANCELLED in line for line in lines):
             assert time.monotonic() < deadline, "no line within 10 s of the TERM:\n" + "".join(lines)
             time.sleep(0.05)
-        assert proc.poll() is None, "".join(lines)  # said while the slow program still runs
+        assert proc.wait(timeout=10) == 143, "".join(lines)  # ended while the slow program still held
     finally:
         hold.unlink(missing_ok=True)
         proc.wait(timeout=60)
         reader.join(timeout=10)
+    said = [line for line in lines if line.startswith("[sbatch-gen ")]
+    assert CANCELLED in said[-1], "".join(lines)
     return "".join(lines)
 
 

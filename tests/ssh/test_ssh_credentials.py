@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow  # a real sshd, a real S3 server, torchrun on two 
 
 BUCKET = "llm-xr-mailbox"
 KEY_VAR, SECRET_VAR, TOKEN_VAR, WANDB_VAR = "SBG_T_KEY_ID", "SBG_T_SECRET", "SBG_T_TOKEN", "SBG_T_WANDB"
-NAMES = (KEY_VAR, SECRET_VAR, TOKEN_VAR, WANDB_VAR)
+OWN_VAR = "SBG_T_HF_TOKEN"  # a secret of the trainer's own (launch.secrets), like HF_TOKEN
+NAMES = (KEY_VAR, SECRET_VAR, TOKEN_VAR, WANDB_VAR, OWN_VAR)
 
 # The trainer: records, per node, whether each variable is set and the sha256 of its value (never the value),
 # then stays a moment so that the test sees its processes run.
@@ -38,12 +39,14 @@ time.sleep(3)
 
 @pytest.fixture(scope="module")
 def keys() -> dict[str, str]:
-    """Fresh values for this module's secrets: the S3 pair nanio accepts, a session token, a W&B key."""
+    """Fresh values for this module's secrets: the S3 pair nanio accepts, a session token, a W&B key, a
+    secret of the trainer's own."""
     return {
         KEY_VAR: "AKSBG" + secrets.token_hex(8).upper(),
         SECRET_VAR: "sbgsecret-" + secrets.token_hex(16),
         TOKEN_VAR: "sbgtoken-" + secrets.token_hex(16),
         WANDB_VAR: "sbgwandb-" + secrets.token_hex(16),
+        OWN_VAR: "hf_sbg" + secrets.token_hex(16),
     }
 
 
@@ -150,12 +153,13 @@ def files_holding(root: Path, values: list[str]) -> list[str]:
 
 
 def test_secrets_reach_every_host_and_no_argv_or_file(ssh_launch, s3, secret_env, tmp_path):
-    """Both hosts' trainers (node 1 over ssh, where sshd starts a fresh environment) see every secret with
-    the launcher's value; the preflight listed the bucket on both; no process's argv and no file under the
-    launch directory (run dir, log dir, renders) holds a value."""
+    """Both hosts' trainers (node 0 under env -i, node 1 over ssh, where sshd starts a fresh environment)
+    see every secret with the launcher's value, launch.secrets' own one included; the preflight listed the
+    bucket on both; no process's argv and no file under the launch directory (run dir, log dir, renders)
+    holds a value."""
     values = list(secret_env.values())
     with ArgvWatch(values) as watch:
-        launch = ssh_launch(*xr_overrides(s3, tmp_path))
+        launch = ssh_launch(*xr_overrides(s3, tmp_path), f"launch.secrets=[{OWN_VAR}]")
         rc = launch.wait(240)
     out = launch.output()
     assert rc == 0, out
@@ -177,13 +181,15 @@ def test_missing_secret_stops_before_anything_starts(ssh_launch, s3, secret_env,
     """A required variable unset (or empty) on the launching host: exit 2 naming it and the profile field,
     before the logs, the preflight or any host."""
     monkeypatch.delenv(SECRET_VAR)
+    monkeypatch.delenv(OWN_VAR)
     monkeypatch.setenv(TOKEN_VAR, "")
-    launch = ssh_launch(*xr_overrides(s3, tmp_path))
+    launch = ssh_launch(*xr_overrides(s3, tmp_path), f"launch.secrets=[{OWN_VAR}]")
     rc = launch.wait(60)
     out = launch.output()
     assert rc == 2, out
     assert f"{SECRET_VAR} (cross_region.transport.credentials.secret_access_key_env)" in out, out
     assert f"{TOKEN_VAR} (cross_region.transport.credentials.session_token_env)" in out, out
+    assert f"{OWN_VAR} (launch.secrets[0])" in out, out
     assert KEY_VAR not in out.split("ERROR:", 1)[1]  # the one that is set is not named
     assert not launch.logs.exists()
     assert not (tmp_path / "seen").exists()

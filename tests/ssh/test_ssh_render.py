@@ -181,6 +181,30 @@ torchrun: {procs_per_node: 1}
             BASE.replace("torchrun: {procs_per_node: 1}\n", ""),
             "sites/bad.yaml:1: torchrun.procs_per_node: required on a CPU site",
         ),
+        # launch.secrets: slurm.secrets' name rules, by the same validator
+        (
+            BASE + "launch:\n  secrets: [HF_TOKEN, 1HF]\n",
+            "sites/bad.yaml:9: launch.secrets[1]: invalid environment variable name '1HF'",
+        ),
+        (
+            BASE + "launch:\n  secrets: [HF_TOKEN, SBATCH_GEN_TAG]\n",
+            "sites/bad.yaml:9: launch.secrets[1]: SBATCH_GEN_TAG: the job sets it",
+        ),
+        (
+            BASE + "launch:\n  secrets: [OMP_NUM_THREADS]\n",
+            "sites/bad.yaml:9: launch.secrets[0]: OMP_NUM_THREADS: the profile sets it",
+        ),
+        (
+            BASE + "launch:\n  secrets: [HF_TOKEN, HF_TOKEN]\n",
+            "sites/bad.yaml:9: launch.secrets[1]: HF_TOKEN is named twice (first at launch.secrets[0])",
+        ),
+        # extra_env refuses a credential, pointing to this kind's own key
+        (
+            BASE + "extra_env:\n  HF_TOKEN: x\n",
+            "sites/bad.yaml:9: extra_env.HF_TOKEN: HF_TOKEN holds a credential (value <redacted>): it would be "
+            "written into out/, which is committed; the SSH launcher sends it to every host over ssh's stdin "
+            "instead: name it in launch.secrets (its value in the launching shell's environment)",
+        ),
     ],
 )
 def test_bad_profiles_name_file_line_and_field(tmp_path, body, expected):
