@@ -54,6 +54,18 @@ def _slow_module(tmp_path: Path) -> tuple[Path, Path, Path]:
     return mods, inside, hold
 
 
+def _modules_job(tmp_path: Path, module: str, modulepath: Path):
+    """The local site's job with python_env.modules [module], Lmod finding it in ``modulepath``, and the
+    stub Slurm commands: (the job script, its environment, the stubs' note directory)."""
+    return prepare(
+        tmp_path,
+        {"scontrol": SCONTROL, "srun": SRUN, "sinfo": SINFO},
+        "-",
+        script=render_local(f"python_env.modules=[{module}]"),
+        env={"MODULEPATH": str(modulepath)},
+    )
+
+
 def _wait_for(path: Path, proc, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -95,13 +107,7 @@ def test_lmod_is_real_here():
 def test_lmods_module_load_is_applied_to_the_job(tmp_path):
     """Lmod's program, run in the background: what it loads is in the job steps' environment."""
     mods, _, hold = _slow_module(tmp_path)
-    job, env, stub_dir = prepare(
-        tmp_path,
-        {"scontrol": SCONTROL, "srun": SRUN, "sinfo": SINFO},
-        "-",
-        script=render_local("python_env.modules=[slow]"),
-        env={"MODULEPATH": str(mods)},
-    )
+    job, env, stub_dir = _modules_job(tmp_path, "slow", mods)
     proc = start_job(job, env)
     out, _ = proc.communicate(timeout=60)
     assert not hold.exists()
@@ -111,13 +117,7 @@ def test_lmods_module_load_is_applied_to_the_job(tmp_path):
 
 
 def test_a_module_lmod_does_not_know_fails_in_one_line(tmp_path):
-    job, env, stub_dir = prepare(
-        tmp_path,
-        {"scontrol": SCONTROL, "srun": SRUN, "sinfo": SINFO},
-        "-",
-        script=render_local("python_env.modules=[no-such-module]"),
-        env={"MODULEPATH": str(tmp_path)},
-    )
+    job, env, stub_dir = _modules_job(tmp_path, "no-such-module", tmp_path)
     proc = start_job(job, env)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1, out
@@ -130,13 +130,7 @@ def test_a_scancel_during_a_slow_module_load_is_said_at_once(tmp_path):
     module load still runs, then starts no step."""
     mods, inside, hold = _slow_module(tmp_path)
     hold.touch()
-    job, env, stub_dir = prepare(
-        tmp_path,
-        {"scontrol": SCONTROL, "srun": SRUN, "sinfo": SINFO},
-        "-",
-        script=render_local("python_env.modules=[slow]"),
-        env={"MODULEPATH": str(mods)},
-    )
+    job, env, stub_dir = _modules_job(tmp_path, "slow", mods)
     out = _cancel_while_held(job, env, inside, hold)
     assert out.count(CANCELLED) == 1 and "Traceback" not in out, out
     assert not (stub_dir / "calls").exists(), out  # no preflight, no training step
