@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 2a686e1ea436790631e695305d3708e44de7fb738d66334103ed1d6723344768
+#   inputs sha256: 9608f39532919d54b9e40de35d9147561536c26656f03b5f5f128496374fc47c
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).

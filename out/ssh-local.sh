@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 22ca2d8de61f38460986ee24bda42283828b9a7b3b70c9aa4291384934c6c3fe
+#   inputs sha256: 0772209171fa8b659f9fedadddc1397f81a35228291815095620f144ca031f3c
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).

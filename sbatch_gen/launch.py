@@ -481,14 +481,20 @@ def torch_release(version: str) -> tuple[int, int] | None:
     return (int(parts[0]), int(minor)) if minor else None
 
 
-def torchrun_flags_to_check(p: Profile, launcher: Launcher) -> str:
-    """The preflight's ``torchrun_flags`` setting: ``FLAG=KEY`` for each flag of :func:`newer_torchrun_flags`,
+def torchrun_flag_settings(p: Profile, launcher: Launcher) -> list[str]:
+    """The preflight's ``torchrun_flag`` settings, one per flag of :func:`newer_torchrun_flags`: ``FLAG=KEY``,
     KEY the profile fields behind it, the first torch that has the flag, and ``compat`` when an older torch
-    runs through the compat shim; comma-separated (empty: nothing to check)."""
-    return ",".join(
+    runs through the compat shim."""
+    return [
         f"{name}={key.replace(',', ';')}; torch >= {since[0]}.{since[1]}" + ("; compat" if compat else "")
         for name, key, since, compat in newer_torchrun_flags(p, launcher)
-    )
+    ]
+
+
+def torchrun_flags_to_check(p: Profile, launcher: Launcher) -> str:
+    """The preflight's ``torchrun_flags`` setting: :func:`torchrun_flag_settings` comma-separated (empty:
+    nothing to check)."""
+    return ",".join(torchrun_flag_settings(p, launcher))
 
 
 def container_argv(c: Container, env_names: str) -> list[Option]:
