@@ -30,12 +30,12 @@ def test_a_node_that_hangs_after_the_other_finished_ends_the_step_within_the_bou
         {
             "paths.code_dir": str(Path(__file__).resolve().parents[1] / "probes"),
             "trainer.module": "sbg_stop_probe",
-            # ranks 2 and 3 (the second node) hang on the first attempt; 0 and 1 end at once
+            # the second node's two ranks hang on the first attempt; the first node's end at once
             "trainer.extra_args": [
                 "--probe-mode",
                 "end",
-                "--probe-hang-ranks",
-                "2,3",
+                "--probe-hang-nodes",
+                "1",
                 "--probe-max-s",
                 "600",
             ],
@@ -48,8 +48,10 @@ def test_a_node_that_hangs_after_the_other_finished_ends_the_step_within_the_bou
     info = cluster.wait_done(job.job_id, timeout=300)
     log = job.batch_log()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
-    done = max(float((probe / f"done.attempt-0.rank-{r}").read_text()) for r in (0, 1))
-    assert not list(probe.glob("done.attempt-0.rank-[23]")), "the hung ranks were meant to hang"
+    # (the rendezvous, not SLURM_NODEID, orders the ranks: the second node's may be 0 and 1)
+    finished = list(probe.glob("done.attempt-0.rank-*"))
+    assert len(finished) == 2 and len(list(probe.glob("hung.rank-*"))) == 2, "one node was meant to hang"
+    done = max(float(p.read_text()) for p in finished)
     # when the batch shell saw the step end: its log line's time (UTC, to the second)
     (stamp,) = re.findall(
         r"\[sbatch-gen (\S+)\] training step exited with status [1-9]", log.split("attempt 1")[0]

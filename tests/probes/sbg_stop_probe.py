@@ -12,8 +12,10 @@ sbg_stop_probe): torchrun runs ``python -m sbg_stop_probe <the rendered trainer 
   slowly (sleeps ``--probe-save-s``), writes ``saved.rank-R`` (JSON: attempt, signal, save time) and exits
   0. Started again with ``saved.rank-R`` present, it has resumed: it exits 0 at once (training done).
 - ``--probe-mode end`` (a trainer that has nothing left to do): writes ``done.attempt-A.rank-R`` (the time) and
-  exits 0 at once; the first time, the ranks ``--probe-hang-ranks`` name hang instead (until
-  ``--probe-max-s``; ``hung.rank-R`` notes it), as a node stuck after the others finished.
+  exits 0 at once; the first time, the ranks of the nodes ``--probe-hang-nodes`` name hang instead (until
+  ``--probe-max-s``; ``hung.rank-R`` notes it), as a node stuck after the others finished. A node is named by
+  its index in the launch (``SBATCH_GEN_NODE_RANK`` or ``SLURM_NODEID``), not by its ranks: torch's c10d
+  rendezvous orders the agents by address and pid, so which node gets ranks 0.. is not the launch's order.
 - ``--probe-mode none`` (a trainer that only checkpoints periodically): no signal handler; every
   ``--probe-step-s`` it takes a step and writes its step to ``ckpt.rank-R`` (atomically). Started again with
   a ``ckpt.rank-R``, it resumes from that step and exits 0 after ``--probe-more-steps`` more.
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sbg_stop_probe")
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--probe-mode", choices=["signal", "none", "end"], required=True)
-    ap.add_argument("--probe-hang-ranks", default="")
+    ap.add_argument("--probe-hang-nodes", default="")
     ap.add_argument("--probe-save-s", type=float, default=3.0)
     ap.add_argument("--probe-step-s", type=float, default=0.2)
     ap.add_argument("--probe-more-steps", type=int, default=5)
@@ -55,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args, _ = ap.parse_known_args(argv)  # the rest of the rendered trainer argv: --config, --resume, ...
 
     rank = int(os.environ.get("RANK", "0"))
+    node = os.environ.get("SBATCH_GEN_NODE_RANK") or os.environ.get("SLURM_NODEID") or "0"
     attempt = int(os.environ.get("SLURM_RESTART_COUNT") or os.environ.get("SBATCH_GEN_ATTEMPT") or 0)
     d = Path(args.run_dir) / "probe"
     d.mkdir(parents=True, exist_ok=True)
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.probe_mode == "end":
         hung = d / f"hung.rank-{rank}"
-        if str(rank) in args.probe_hang_ranks.split(",") and not hung.exists():
+        if node in args.probe_hang_nodes.split(",") and not hung.exists():
             hung.write_text(str(attempt))
             time.sleep(args.probe_max_s)
             return 3

@@ -28,13 +28,15 @@ pytestmark = pytest.mark.slow  # two torchrun agents
 
 PROGRAM = REPO / "sbatch_gen" / "node_program.py"
 
-# rank 1 (the second node) hangs when asked to, after writing that it runs; every other rank ends at once
+# the second node's worker hangs when asked to, after writing that it runs; the other ends at once. A node is
+# told by SBG_TEST_NODE, not RANK: the c10d rendezvous orders the agents by address and pid, and pids wrap.
 WORKER = """
 import os, sys, time
-open(os.path.join(sys.argv[1], "rank-%s.started" % os.environ["RANK"]), "w").close()
-if sys.argv[2] == "hang" and os.environ["RANK"] == "1":
+node = os.environ["SBG_TEST_NODE"]
+open(os.path.join(sys.argv[1], "node-%s.started" % node), "w").close()
+if sys.argv[2] == "hang" and node == "1":
     time.sleep(600)
-open(os.path.join(sys.argv[1], "rank-%s.done" % os.environ["RANK"]), "w").write(repr(time.time()))
+open(os.path.join(sys.argv[1], "node-%s.done" % node), "w").write(repr(time.time()))
 """
 
 
@@ -54,7 +56,12 @@ def _agent(tmp_path: Path, port: int, node: int, mode: str, barrier_s: int) -> s
     argv = [sys.executable, "-I", str(PROGRAM), "torchrun", "--exit-barrier-s", str(barrier_s), "--", *args]
     err = open(tmp_path / f"node-{node}.log", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(
-        argv, env=train_env(), cwd=tmp_path, stdout=err, stderr=subprocess.STDOUT, text=True
+        argv,
+        env={**train_env(), "SBG_TEST_NODE": str(node)},
+        cwd=tmp_path,
+        stdout=err,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -69,8 +76,8 @@ def test_a_node_done_waits_for_a_hung_one_at_most_the_exit_barrier_then_one_line
     try:
         host.wait(timeout=120)
         left = time.time()
-        done = float((tmp_path / "rank-0.done").read_text())
-        assert (tmp_path / "rank-1.started").exists() and other.poll() is None
+        done = float((tmp_path / "node-0.done").read_text())
+        assert (tmp_path / "node-1.started").exists() and other.poll() is None
     finally:
         other.kill()
         other.wait()
