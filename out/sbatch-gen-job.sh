@@ -332,8 +332,9 @@ load_secrets() {
 # untracked, not ignored) to $RUN_DIR/code/<job>/ and records "<commit> <clean|dirty> <code dir>" in
 # $RUN_DIR/code/<job>.pin; its requeues and continuation jobs (RUN_JOB: the submission's job id) run that copy
 # again, whatever the checkout holds by then. CODE_DIR, and trainer.config and trainer.script where they lie
-# in it, then point into the copy.
+# in it, then point into the copy. KEEP: how many submissions' copies the run dir keeps (prune_code).
 pin_code() {
+  local keep=$1
   local pinned="$RUN_DIR/code/$RUN_JOB.pin" dir="$RUN_DIR/code/$RUN_JOB" commit dirty from now rc=0
   if (( ATTEMPT == 0 )) && [[ -z $CONTINUES ]]; then
     run_waited copy_code "$dir" "$pinned" || rc=$?  # waited for: a signal during a long copy is heard at once
@@ -344,6 +345,7 @@ pin_code() {
     (( rc == 0 )) || die 1 "cannot copy paths.code_dir $CODE_DIR to $dir (paths.pin_code)"
     read -r commit dirty from <"$pinned"
     log "code pinned for the run: $CODE_DIR at commit $commit ($dirty), copied to $dir"
+    prune_code "$keep"
   fi
   [[ -r $pinned ]] || return 0
   read -r commit dirty from <"$pinned"
@@ -389,6 +391,21 @@ copy_code() {
   (cd -- "$CODE_DIR" && git ls-files -z --cached --others --exclude-standard \
     | tar --null -T - --ignore-failed-read -cf - 2>/dev/null) | tar -xf - -C "$1.tmp" || return 1
   mv -- "$1.tmp" "$1" && printf '%s %s %s\n' "$commit" "$dirty" "$(cd -- "$CODE_DIR" && pwd -P)" >"$2"
+}
+
+# prune_code KEEP: of the submissions that pinned their code in $RUN_DIR/code/ (<job>.pin, <job>.env), newest
+# first, all but KEEP lose their copy and records, one line each (paths.pin_code_keep). Never fails.
+prune_code() {
+  local n=0 when record job
+  while read -r when record; do
+    job=${record%.*}
+    (( ++n > $1 )) || continue
+    if rm -rf -- "$job" "$job.pin" "$job.env" "$job.tmp" 2>/dev/null; then
+      log "removed the pinned code of submission ${job##*/} (paths.pin_code_keep: the newest $1 are kept)"
+    else
+      log "WARNING: cannot remove $job (paths.pin_code_keep)"
+    fi
+  done < <(find "$RUN_DIR/code" -maxdepth 1 -name '*.pin' -printf '%T@ %p\n' 2>/dev/null | sort -rn || true)
 }
 
 # pin_path VAR FROM COPY: the path in VAR, when it lies in FROM and COPY has it, becomes COPY's.

@@ -142,6 +142,16 @@ class SlurmPaths(Paths):
         "they lie in code_dir), whatever the checkout holds by then. A code_dir that is not a git checkout is "
         "not pinned (a WARNING says so).",
     )
+    pin_code_keep: Int = Field(
+        default=3,
+        ge=1,
+        le=1000,
+        description="How many submissions' pinned code the run dir keeps (paths.pin_code), the new one included: "
+        "when a new submission has pinned its code, the copies and records under <run_dir>/code/ of the older "
+        "submissions beyond these are removed, one line each in the batch log. A requeue or continuation "
+        "job of a removed submission would end in one line (resubmit); only one job runs on a run dir at a "
+        "time, so that takes a submission whose continuation still waits in the queue.",
+    )
 
 
 class Preflight(ProfileSection):

@@ -257,6 +257,58 @@ def test_every_attempt_runs_in_the_environment_the_run_started_with(tmp_path):
     assert (stub_dir / "calls").read_text().splitlines() == ["train", "train"]  # nothing ran the third time
 
 
+def test_a_new_submission_keeps_the_newest_pinned_code_copies_and_removes_the_rest(tmp_path):
+    """paths.pin_code_keep (default 3): a new submission that pinned its code removes
+    the copies and records of the submissions beyond the newest 3, one line each; its requeues remove
+    nothing; a submission's copy is never removed by its own attempts."""
+    job, env, stub_dir = prepare(tmp_path, {"scontrol": SCONTROL, "srun": SRUN_OK, "sinfo": SINFO}, "-")
+
+    def submit(job_id: str, restarts: int = 0) -> subprocess.CompletedProcess:
+        r = subprocess.run(
+            ["bash", str(job)],
+            cwd=job.parent,
+            env={**env, "SLURM_JOB_ID": job_id, "SLURM_RESTART_COUNT": str(restarts)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 0, r.stderr
+        return r
+
+    submit("77")
+    (code,) = {p.parent for p in job.parent.glob("**/code/77.pin")}
+    # three earlier submissions, older than 77: 10 oldest (one of them had only its environment recorded)
+    for age, old in ((300, "10"), (200, "20"), (100, "30")):
+        (code / old).mkdir()
+        (code / old / "train.py").write_text("old code\n")
+        for suffix in (".pin", ".env"):
+            (code / f"{old}{suffix}").write_text("x\n")
+            os.utime(code / f"{old}{suffix}", (time.time() - age, time.time() - age))
+    (code / "10.tmp").mkdir()  # a copy that an earlier submission never finished
+    r = submit("78")
+    assert sorted(p.name for p in code.iterdir()) == [
+        "30",
+        "30.env",
+        "30.pin",
+        "77",
+        "77.env",
+        "77.pin",
+        "78",
+        "78.env",
+        "78.pin",
+    ], r.stderr
+    removed = [ln for ln in r.stderr.splitlines() if "removed the pinned code" in ln]
+    assert [ln.split("] ", 1)[1] for ln in removed] == [
+        "removed the pinned code of submission 20 (paths.pin_code_keep: the newest 3 are kept)",
+        "removed the pinned code of submission 10 (paths.pin_code_keep: the newest 3 are kept)",
+    ], r.stderr
+    # a requeue of 78 (and a continuation) pins nothing anew and removes nothing
+    r = submit("78", restarts=1)
+    assert "removed the pinned code" not in r.stderr and (code / "30").is_dir(), r.stderr
+    r = submit("79")
+    assert sorted(p.name for p in code.iterdir() if p.is_dir()) == ["77", "78", "79"], r.stderr
+
+
 # stub: pip notes its arguments (and `freeze` lists two packages); anything else is this test's interpreter
 PYTHON_PIP_NOTES = rf"""#!/bin/bash
 if [[ $1 == -m && $2 == pip ]]; then
