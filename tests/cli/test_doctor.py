@@ -659,14 +659,30 @@ def test_torch_not_visible_from_the_login_node_is_a_skip(tmp_path):
 # Failing commands
 
 
-def test_an_unreachable_controller_is_one_row_not_one_per_check():
-    """A login node whose slurmctld cannot be reached (a DNS failure): every check would fail the same way;
-    one row says so, and what to do."""
+def test_an_unreachable_controller_is_one_row_not_one_per_check(tmp_path):
+    """A login node whose slurmctld cannot be reached (a DNS failure): every check that asks it would fail the
+    same way; one row says so, and what to do. What this host shows alone is still checked: python_env's
+    torch and the secrets file."""
     err = Result(1, "", "scontrol: error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host\n")
-    rep = doctor(FakeSlurm(fail={"scontrol show config": err, "scontrol -o show": err, "sbatch": err}))
-    assert [(r.check, r.verdict) for r in rep.checks] == [("controller", "error")], rep.checks
-    assert "Unknown host" in rep.checks[0].found and "nothing else was checked" in (rep.checks[0].hint or "")
+    rep = doctor(
+        FakeSlurm(fail={"scontrol show config": err, "scontrol -o show": err, "sbatch": err}), cwd=tmp_path
+    )
+    assert [(r.check, r.verdict) for r in rep.checks] == [
+        ("controller", "error"),
+        ("torch", "skip"),  # no .venv here
+        ("secrets", "skip"),  # the local profile names none
+    ], rep.checks
+    hint = rep.checks[0].hint or ""
+    assert (
+        "Unknown host" in rep.checks[0].found
+        and "only what this host shows was checked (torch, secrets)" in hint
+    )
     assert not rep.ok
+    # a secrets file the job would stop on is still said
+    fake = FakeSlurm(fail={"scontrol show config": err, "scontrol -o show": err, "sbatch": err})
+    rep = doctor(fake, "local", *SECRET_SETS, f"slurm.secrets_file={tmp_path / 'none.env'}", cwd=tmp_path)
+    r = row(rep, "secrets")
+    assert r.verdict == "error" and r.found == f"no {tmp_path / 'none.env'}", r
 
 
 def test_controller_down_is_an_error_row_not_a_traceback():
