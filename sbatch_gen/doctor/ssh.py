@@ -10,11 +10,13 @@ writable (or can be created). It writes nothing but a temporary file in an exist
 
 from __future__ import annotations
 
+import os
 import shlex
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sbatch_gen.doctor.common import Check, CommandMissing, Result, Runner, cut, error, ok, skip
+from sbatch_gen.doctor.common import Check, CommandMissing, Result, Runner, cut, error, ok, skip, warn
 from sbatch_gen.errors import UserError
 from sbatch_gen.loader import LoadedSite
 from sbatch_gen.profiles.ssh import SshProfile
@@ -209,7 +211,33 @@ def _probe(p: SshProfile, runner: Runner, rank: int, host: str, script: str) -> 
     return runner(argv), how
 
 
-def run_checks(site: LoadedSite, runner: Runner, cwd: Path) -> list[Check]:
+def secrets_row(p: SshProfile, env: Mapping[str, str]) -> Check:
+    """The secrets the launcher sends to every host (:meth:`SshProfile.secret_env`), as the launching shell
+    (this one: the doctor runs where the launcher runs) has them; never a value."""
+    named = p.secret_env()
+    if not named:
+        return skip("secrets", "-", "the profile names no secret")
+    expected = f"{', '.join(s.name for s in named)} set in the launching shell"
+    unset = [s for s in named if not env.get(s.name)]
+    missing = [s for s in unset if s.required]
+    if missing:
+        names = ", ".join(f"{s.name} ({s.key})" for s in missing)
+        return error(
+            "secrets",
+            expected,
+            f"unset here: {', '.join(s.name for s in missing)}",
+            f"the launch exits 2 before anything starts without {names}: export it in the shell that runs "
+            "the launcher (its value reaches every host over ssh's stdin, never a command line or a file)",
+        )
+    found = "set here; the launcher sends them to every host over ssh's stdin"
+    if unset:
+        return warn("secrets", expected, found, f"{', '.join(s.name for s in unset)} unset: optional")
+    return ok("secrets", expected, found)
+
+
+def run_checks(
+    site: LoadedSite, runner: Runner, cwd: Path, env: Mapping[str, str] | None = None
+) -> list[Check]:
     p = site.profile
     assert isinstance(p, SshProfile)
     script = probe_script(p, str(cwd))
@@ -230,4 +258,4 @@ def run_checks(site: LoadedSite, runner: Runner, cwd: Path) -> list[Check]:
             rows.append(
                 skip(f"host {h.name}", "-", "left out (enabled: false)" + (f": {h.note}" if h.note else ""))
             )
-    return rows
+    return [*rows, secrets_row(p, os.environ if env is None else env)]

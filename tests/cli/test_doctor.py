@@ -834,6 +834,24 @@ def test_ssh_hosts_ok_and_failing():
     assert ["-o", "BatchMode=yes"] == ssh[1:3] and "-p" in ssh and ssh[ssh.index("-p") + 1] == "2222"
 
 
+def test_ssh_secrets_are_checked_in_the_launching_shell_never_shown(monkeypatch):
+    """The secrets the SSH launcher sends to every host (launch.secrets, the profile's credentials) come from
+    the shell that runs it, where the doctor runs: a required one unset is an error (the launch would exit 2),
+    an optional one a warning; set, ok; no value is ever shown."""
+    hosts = FakeHosts({"local": Result(0, GOOD), "localhost": Result(0, GOOD)})
+    site = load_site(SITES, "ssh-local", ["launch.secrets=[SBG_TOKEN]"])
+    monkeypatch.delenv("SBG_TOKEN", raising=False)
+    r = row(run_doctor(site, hosts), "secrets")
+    assert r.verdict == "error" and r.found == "unset here: SBG_TOKEN", r
+    assert r.expected == "SBG_TOKEN set in the launching shell" and "launch.secrets[0]" in (r.hint or ""), r
+    monkeypatch.setenv("SBG_TOKEN", "tok-value-1")
+    rep = run_doctor(site, hosts)
+    r = row(rep, "secrets")
+    assert r.verdict == "ok" and "over ssh's stdin" in r.found, r
+    assert "tok-value-1" not in format_report(rep)
+    assert row(run_doctor(load_site(SITES, "ssh-local"), hosts), "secrets").verdict == "skip"
+
+
 def test_ssh_no_answer_and_a_probe_that_does_not_run():
     hosts = FakeHosts(
         {"local": Result(0, GOOD), "localhost": Result(124, "", "ssh did not answer within 60 s")}
