@@ -251,33 +251,44 @@ def container_env_names(p: JobProfile) -> list[str]:
     return sorted(set(names) | set(RUNTIME_EXPORTS))
 
 
-def reserved_reason(name: str) -> str | None:
-    """Why the job, not the submitting shell or a secret, decides variable NAME; None if nothing does
-    (slurm.export, and the secrets of either kind: secret_name_problems)."""
-    if name in ("ALL", "NONE"):
+def reserved_reason(name: str, launcher: str = "slurm") -> str | None:
+    """Why the job (LAUNCHER "slurm") or the SSH launcher ("ssh"), not the shell it starts from or a secret,
+    decides variable NAME; None if nothing does (slurm.export, and the secrets of either kind:
+    secret_name_problems)."""
+    ssh = launcher == "ssh"
+    who, shell = ("the launcher", "the launching shell") if ssh else ("the job", "the submitting shell")
+    if name in ("ALL", "NONE") and not ssh:
         return "--export's own word: the job takes only the names listed"
     if name.startswith("SLURM_"):
+        if ssh:
+            return "a Slurm variable: on a host that had one, the node program and the trainer would take the launch for a Slurm job step"
         return "Slurm's own: Slurm sets the job's SLURM_* variables"
     if name.startswith(("SRUN_", "TORCHELASTIC_", "PET_")):
-        return "srun or torchrun reads it as an option of every step"
+        return (
+            "torchrun reads it as an option"
+            if ssh
+            else "srun or torchrun reads it as an option of every step"
+        )
     for prefix, key in RESERVED_ENV_PREFIXES.items():
         if name.startswith(prefix):
-            return f"the job sets the {prefix}* variables from {key}"
+            return f"{who} sets the {prefix}* variables from {key}"
     if name.startswith(("LD_", "BASH_")) or name in ("BASH_ENV", "ENV", "SHELLOPTS", "IFS"):
-        return "it changes how every program or bash in the job starts"
+        return f"it changes how every program or bash {'on the hosts' if ssh else 'in the job'} starts"
     if name in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+        if ssh:
+            return "it decides which GPUs the workers of every host see (node.gpus: all of them)"
         return "Slurm sets it in every step from the GPUs it allocated"
     if name in FORCED_ENV_NAMES or (name in RESERVED_ENV and name not in JOB_ENV_NAMES):
-        return "the job sets it whatever the submitting shell holds"
+        return f"{who} sets it whatever {shell} holds"
     return None
 
 
 def secret_name_problems(
-    field: tuple[str, ...], names: Sequence[str], profile_sets: Sequence[str]
+    field: tuple[str, ...], names: Sequence[str], profile_sets: Sequence[str], launcher: str = "slurm"
 ) -> list[FieldError]:
     """The problems of a profile's list of secrets by name (slurm.secrets, launch.secrets), at ``field``: a
     name listed twice, one the profile sets (``profile_sets``: its environment sections), one the job, Slurm
-    or the launcher sets (reserved_reason). Every item's problem at once."""
+    or the launcher sets (reserved_reason, in LAUNCHER's words). Every item's problem at once."""
     key = ".".join(field)
     found: list[FieldError] = []
     seen: dict[str, int] = {}
@@ -289,7 +300,7 @@ def secret_name_problems(
         why = (
             "the profile sets it (its environment sections)"
             if name in profile_sets
-            else reserved_reason(name)
+            else reserved_reason(name, launcher)
         )
         if why is not None:
             found.append(

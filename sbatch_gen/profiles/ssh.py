@@ -269,6 +269,6 @@ class SshProfile(ProfileBase):
                 )
             )
         profile_sets = [n for b in job_environment(self) for n, _ in b.vars]
-        found += secret_name_problems(("launch", "secrets"), self.launch.secrets, profile_sets)
+        found += secret_name_problems(("launch", "secrets"), self.launch.secrets, profile_sets, "ssh")
         raise_all(found)
         return self

@@ -257,6 +257,20 @@ CASES = [
         r".*slurm\.secrets\[1\]: PATH: the job sets it whatever the submitting shell holds; a secret is a variable of its own",
     ),
     (
+        "secrets over SSH: a name the launcher sets, in the launcher's words",
+        lambda sites: "ssh-local",
+        ("launch.secrets=[HF_TOKEN, MASTER_ADDR]",),
+        2,
+        r".*launch\.secrets\[1\]: MASTER_ADDR: the launcher sets it whatever the launching shell holds; a secret is",
+    ),
+    (
+        "secrets over SSH: a Slurm variable",
+        lambda sites: "ssh-local",
+        ("launch.secrets=[SLURM_NODEID]",),
+        2,
+        r".*launch\.secrets\[0\]: SLURM_NODEID: a Slurm variable: on a host that had one, the node program",
+    ),
+    (
         "secrets: one the profile sets as a variable",
         None,
         ("slurm.secrets=[OMP_NUM_THREADS]", "slurm.secrets_file=/tmp/s.env"),
