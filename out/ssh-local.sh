@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 0772209171fa8b659f9fedadddc1397f81a35228291815095620f144ca031f3c
+#   inputs sha256: d3093c484ed9e1b05ba931f11aa4a4fa5c427bb9318ce2e592e46828717dcbbe
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -52,10 +52,10 @@ NODE_PY_SHA256=fa3e4608382958acd5e0447085fae3764e4e43c6b184e29eddfe8fde01be646e 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv  # python_env.kind
 ENV_PATH=.venv  # python_env.path
-ENV_NAME=''
+ENV_NAME=''  # (a conda env's)
 MODULES=()  # python_env.modules
 CODE_DIR=.  # paths.code_dir: first on PYTHONPATH
-ENV_HINT='create it on every host'
+ENV_HINT='create it on every host'  # what an error about python_env adds
 
 # ---- environment exported on every node before torchrun ------------------------------------------
 # The profile's values are defaults: the launcher's value wins on every node (NCCL_DEBUG=INFO bash ...); "always": set anyway
