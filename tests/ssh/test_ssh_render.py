@@ -188,7 +188,7 @@ torchrun: {procs_per_node: 1}
         ),
         (
             BASE + "launch:\n  secrets: [HF_TOKEN, SBATCH_GEN_TAG]\n",
-            "sites/bad.yaml:9: launch.secrets[1]: SBATCH_GEN_TAG: the job sets it",
+            "sites/bad.yaml:9: launch.secrets[1]: SBATCH_GEN_TAG: the launcher sets it",
         ),
         (
             BASE + "launch:\n  secrets: [OMP_NUM_THREADS]\n",
