@@ -37,6 +37,7 @@ from sbatch_gen.launch import (
 )
 from sbatch_gen.loader import LoadedSite
 from sbatch_gen.profiles import job_environment, preflight_ib_hca
+from sbatch_gen.profiles.environment import SLURM_RUN_TIME_ENV, set_at_run_time
 from sbatch_gen.profiles.types import SBATCH_LINE_RE
 
 # Left unquoted by `shq`; everything else is single-quoted. ',' and '=' are quoted too, so shellcheck
@@ -282,6 +283,7 @@ def context(site: LoadedSite, sha: str) -> dict:
         "nproc_per_node": p.nproc_per_node(),
         "uses_gpus": p.uses_gpus(),
         "env_blocks": job_environment(p),
+        "slurm_env_blocks": set_at_run_time(job_environment(p), SLURM_RUN_TIME_ENV),
         # the command line on every node, built once for every kind (sbatch_gen/launch.py)
         "trainer_argv": {name: trainer_argv(p, launcher, site.name) for name, launcher in LAUNCHERS.items()},
         "torchrun_argv": {name: torchrun_argv(p, launcher) for name, launcher in LAUNCHERS.items()},

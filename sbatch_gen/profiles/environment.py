@@ -9,7 +9,7 @@ those plus what the scripts export at run time (:data:`RESERVED_ENV`) and every 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from sbatch_gen import contract, xr_options
@@ -48,6 +48,24 @@ class EnvBlock:
     # `NCCL_DEBUG=INFO sbatch out/eu.sbatch`) wins. True: the value is set whatever the environment holds
     # (the policy: FORCED_ENV_NAMES, below).
     forced: bool = False
+    # variables of this block the script sets later, at run time (NAME, where and from what), not here
+    later: tuple[tuple[str, str], ...] = ()
+
+
+# The variables a Slurm job sets at run time, not from the profile's value (main's use_allocated_cpus).
+SLURM_RUN_TIME_ENV = {"OMP_NUM_THREADS": "set in main, from the CPUs Slurm allocated"}
+
+
+def set_at_run_time(blocks: Sequence[EnvBlock], names: Mapping[str, str]) -> list[EnvBlock]:
+    """BLOCKS with the variables NAMES lists moved to their block's ``later`` (with NAMES' words)."""
+    return [
+        replace(
+            b,
+            vars=tuple((n, v) for n, v in b.vars if n not in names),
+            later=b.later + tuple((n, names[n]) for n, _ in b.vars if n in names),
+        )
+        for b in blocks
+    ]
 
 
 def nccl_ib_hca(p: JobProfile) -> str:
