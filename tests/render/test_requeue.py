@@ -308,7 +308,11 @@ def test_a_stop_before_the_preflight_requeues_without_a_step(tmp_path):
     request: no preflight, no training step, one requeue. Before, it killed the batch shell (USR1's default
     action), and the job ended FAILED."""
     git = shutil.which("git")
-    slow_git = f'#!/bin/bash\n: >"$STUB_DIR/git-slow"\nsleep 2\nexec {git} "$@"\n'
+    # the first git call is slow (the signal comes during it), the others as fast as git
+    slow_git = (
+        f'#!/bin/bash\nif [[ ! -e $STUB_DIR/git-slow ]]; then : >"$STUB_DIR/git-slow"; sleep 2; fi\n'
+        f'exec {git} "$@"\n'
+    )
     srun = '#!/bin/bash\necho "srun $*" >>"$STUB_DIR/calls"\nexit 0\n'
     job, env, stub_dir = prepare(
         tmp_path, {"scontrol": SCONTROL_NOTES, "srun": srun, "sinfo": SINFO, "git": slow_git}, "-"
