@@ -36,6 +36,7 @@ from e2e_lib import (
     E2E_EXPORTS,
     REPO,
     SHORT_STEPS,
+    TERMINAL,
     WITH_FAULTS,
     LocalJob,
     cluster_set,
@@ -341,23 +342,44 @@ def test_a_stop_that_overruns_the_time_limit_is_continued_by_a_new_job(
 ):
     """slurm.time 1 minute, lead_time_s 30: USR1 comes at most 30 s before the limit and the stop checkpoint
     takes 300 s. The limit ends the job (TIMEOUT); the batch shell has submitted a continuation job
-    (afterany), which resumes from the newest periodic checkpoint and names the steps it redoes."""
+    (afterany), which resumes from the newest periodic checkpoint and names the steps it redoes.
+    The trainer waits at a step boundary (SBATCH_GEN_TEST_STEP_GATE) until USR1 has come, whenever Slurm
+    sends it; the continuation finds the gate gone and trains on at its pace."""
+    root = e2e_root / "overrun"
     job = local_job(
         cluster,
-        e2e_root / "overrun",
+        root,
         "overrun",
         {
             "slurm.time": "00:01:00",
             "preemption.lead_time_s": 30,
             "preemption.checkpoint_s": 20,
             "preemption.margin_s": 5,
-            "trainer.max_steps": 30,  # 60 s of steps at least: more than the limit leaves, little to redo
             **WITH_FAULTS,
         },
         config=train_config,
         data=data_dir,
     )
-    first = job.submit({"SBATCH_GEN_TEST_STOP_SAVE_HOLD_S": "300", "SBATCH_GEN_TEST_STEP_SLEEP_S": "2"})
+    gate = root / "gate"
+    env = {"SBATCH_GEN_TEST_STOP_SAVE_HOLD_S": "300", "SBATCH_GEN_TEST_STEP_SLEEP_S": "0.3"}
+    first = job.submit({**env, "SBATCH_GEN_TEST_STEP_GATE": str(gate)})
+    # Slurm sends USR1 at its first limit check (every 30 s) with lead_time_s + 30 s or less left: 0-30 s
+    # in. The gate closes past the periodic checkpoint of step 5 (34 steps, 10 s at least, before the end),
+    # or when USR1 came first (then the stop redoes every step it trained)
+    cluster.wait_state(first, {"RUNNING"}, timeout=120)
+    deadline = time.monotonic() + 180
+
+    def wait(until):
+        while not until():
+            assert time.monotonic() < deadline and cluster.job(first)["JobState"] not in TERMINAL, (
+                job.describe()
+            )
+            time.sleep(0.1)
+
+    wait(lambda: job.last_step() >= 6 or "SIGUSR1 received" in job.batch_log())
+    gate.touch()
+    wait(lambda: "SIGUSR1 received" in job.batch_log())
+    gate.unlink()  # the stop: its checkpoint is held past the limit
     info = cluster.wait_done(first, timeout=240)
     assert info["JobState"] == "TIMEOUT", job.describe()
     log = job.batch_log()
@@ -378,7 +400,7 @@ def test_a_stop_that_overruns_the_time_limit_is_continued_by_a_new_job(
     )
     assert redone, log2
     counts = _steps(job)
-    assert sorted(counts) == list(range(1, 31)), counts
+    assert sorted(counts) == list(range(1, 41)), counts
     again = {s for s, n in counts.items() if n > 1}
     assert again == set(range(int(redone.group(1)), int(redone.group(2)) + 1)), (again, redone.group(0))
     _assert_no_traceback(job, first, second)
