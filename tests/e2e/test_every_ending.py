@@ -8,7 +8,7 @@
 - a user's scancel while training: CANCELLED, one line, no requeue;
 - before and during the preflight, each of a user's scancel, `scontrol requeue`, a SUNK preemption (no
   GraceTime) and a preemption with preempt_send_user_signal (one parametrized test: each says its line while the slow program still runs);
-- a run of 4 stops (the time-limit signal, sent exactly with `scancel --signal=USR1 --batch`) with a budget
+- a run of 2 stops (the time-limit signal, sent exactly with `scancel --signal=USR1 --batch`) with a budget
   of 1 requeue without progress: every attempt checkpointed, so the run completes;
 - a stop checkpoint slower than what is left before the time limit: the job ends TIMEOUT, which Slurm never
   requeues; its continuation job resumes from the newest complete checkpoint, naming the redone steps;
@@ -36,6 +36,7 @@ from e2e_lib import (
     E2E_EXPORTS,
     REPO,
     SHORT_STEPS,
+    TERMINAL,
     WITH_FAULTS,
     LocalJob,
     cluster_set,
@@ -304,8 +305,9 @@ def test_every_way_a_job_ends_before_and_during_the_preflight(
 
 
 def test_many_stops_that_checkpointed_never_use_up_the_budget(cluster, e2e_root, train_config, data_dir):
-    """4 time-limit stops (USR1 to the batch shell, as `--signal=B:USR1@...` sends it) with a budget of 1
-    requeue without progress: each attempt saved a stop checkpoint, so the run completes."""
+    """2 time-limit stops (USR1 to the batch shell, as `--signal=B:USR1@...` sends it) with a budget of 1
+    requeue without progress: each attempt saved a stop checkpoint, so the run completes (were a stop counted
+    as no progress, the second would exceed the budget)."""
     job = local_job(
         cluster,
         e2e_root / "slices",
@@ -315,7 +317,7 @@ def test_many_stops_that_checkpointed_never_use_up_the_budget(cluster, e2e_root,
         data=data_dir,
     )
     job.submit({"SBATCH_GEN_TEST_STEP_SLEEP_S": "0.2"})
-    for attempt in range(4):
+    for attempt in range(2):
         cluster.wait_state(job.job_id, {"RUNNING"}, timeout=120)
         assert cluster.job(job.job_id)["Restarts"] == str(attempt), job.describe()
         job.wait_step(job.last_step() + 3)
@@ -325,9 +327,9 @@ def test_many_stops_that_checkpointed_never_use_up_the_budget(cluster, e2e_root,
             assert time.monotonic() < deadline, job.describe()
             time.sleep(0.3)
     info = cluster.wait_done(job.job_id, timeout=300)
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "4", job.describe()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", job.describe()
     log = job.batch_log()
-    assert log.count("requeues in a row without progress: 0 of at most 1): stop requested by SIGUSR1") == 4, (
+    assert log.count("requeues in a row without progress: 0 of at most 1): stop requested by SIGUSR1") == 2, (
         log
     )
     counts = _steps(job)
@@ -340,23 +342,44 @@ def test_a_stop_that_overruns_the_time_limit_is_continued_by_a_new_job(
 ):
     """slurm.time 1 minute, lead_time_s 30: USR1 comes at most 30 s before the limit and the stop checkpoint
     takes 300 s. The limit ends the job (TIMEOUT); the batch shell has submitted a continuation job
-    (afterany), which resumes from the newest periodic checkpoint and names the steps it redoes."""
+    (afterany), which resumes from the newest periodic checkpoint and names the steps it redoes.
+    The trainer waits at a step boundary (SBATCH_GEN_TEST_STEP_GATE) until USR1 has come, whenever Slurm
+    sends it; the continuation finds the gate gone and trains on at its pace."""
+    root = e2e_root / "overrun"
     job = local_job(
         cluster,
-        e2e_root / "overrun",
+        root,
         "overrun",
         {
             "slurm.time": "00:01:00",
             "preemption.lead_time_s": 30,
             "preemption.checkpoint_s": 20,
             "preemption.margin_s": 5,
-            "trainer.max_steps": 30,  # 60 s of steps at least: more than the limit leaves, little to redo
             **WITH_FAULTS,
         },
         config=train_config,
         data=data_dir,
     )
-    first = job.submit({"SBATCH_GEN_TEST_STOP_SAVE_HOLD_S": "300", "SBATCH_GEN_TEST_STEP_SLEEP_S": "2"})
+    gate = root / "gate"
+    env = {"SBATCH_GEN_TEST_STOP_SAVE_HOLD_S": "300", "SBATCH_GEN_TEST_STEP_SLEEP_S": "0.3"}
+    first = job.submit({**env, "SBATCH_GEN_TEST_STEP_GATE": str(gate)})
+    # Slurm sends USR1 at its first limit check (every 30 s) with lead_time_s + 30 s or less left: 0-30 s
+    # in. The gate closes past the periodic checkpoint of step 5 (34 steps, 10 s at least, before the end),
+    # or when USR1 came first (then the stop redoes every step it trained)
+    cluster.wait_state(first, {"RUNNING"}, timeout=120)
+    deadline = time.monotonic() + 180
+
+    def wait(until):
+        while not until():
+            assert time.monotonic() < deadline and cluster.job(first)["JobState"] not in TERMINAL, (
+                job.describe()
+            )
+            time.sleep(0.1)
+
+    wait(lambda: job.last_step() >= 6 or "SIGUSR1 received" in job.batch_log())
+    gate.touch()
+    wait(lambda: "SIGUSR1 received" in job.batch_log())
+    gate.unlink()  # the stop: its checkpoint is held past the limit
     info = cluster.wait_done(first, timeout=240)
     assert info["JobState"] == "TIMEOUT", job.describe()
     log = job.batch_log()
@@ -377,7 +400,7 @@ def test_a_stop_that_overruns_the_time_limit_is_continued_by_a_new_job(
     )
     assert redone, log2
     counts = _steps(job)
-    assert sorted(counts) == list(range(1, 31)), counts
+    assert sorted(counts) == list(range(1, 41)), counts
     again = {s for s, n in counts.items() if n > 1}
     assert again == set(range(int(redone.group(1)), int(redone.group(2)) + 1)), (again, redone.group(0))
     _assert_no_traceback(job, first, second)

@@ -17,12 +17,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 def test_a_second_job_on_a_running_jobs_run_dir_refuses_to_start(cluster, e2e_root, train_config, data_dir):
     """Job 1 trains; job 2, rendered with job 1's run dir (a resubmit, a copy-pasted profile), starts while
     it does: job 2's trainer refuses in one line naming job 1, trains nothing, and job 2 fails without a
-    requeue, saying so in its batch log; job 1 trains on to the end."""
+    requeue, saying so in its batch log; job 1 trains on to the end. Job 1 waits at a step boundary
+    (SBATCH_GEN_TEST_STEP_GATE; its lease's heartbeat goes on) until job 2 has ended, however long that takes."""
     first = local_job(
         cluster, e2e_root / "lease-first", "lease1", WITH_FAULTS, config=train_config, data=data_dir
     )
-    first.submit({"SBATCH_GEN_TEST_STEP_SLEEP_S": "1"})  # 40 steps: time for job 2 to start and be refused
+    gate = first.root / "gate"
+    first.submit({"SBATCH_GEN_TEST_STEP_SLEEP_S": "0.3", "SBATCH_GEN_TEST_STEP_GATE": str(gate)})
     first.wait_step(2)
+    gate.touch()  # 38 steps (11 s at least) before the end
     # the site's requeue budget (2) is left as it is: a refused job must not spend it (every requeue would
     # be refused again, after its queue wait)
     second = local_job(
@@ -59,6 +62,7 @@ def test_a_second_job_on_a_running_jobs_run_dir_refuses_to_start(cluster, e2e_ro
     assert "training steps" not in logs, second.describe()  # no rank of job 2 got to train
     assert json.loads((first.run_dir / "lease.json").read_text())["job_id"] == str(first.job_id)
 
+    gate.unlink()
     info = cluster.wait_done(first.job_id, timeout=300)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", first.describe()
     summary = first.summary()

@@ -360,7 +360,12 @@ def test_a_stop_before_the_preflight_requeues_without_a_step(tmp_path):
     request: no preflight, no training step, one requeue. Before, it killed the batch shell (USR1's default
     action), and the job ended FAILED."""
     git = shutil.which("git")
-    slow_git = f'#!/bin/bash\n: >"$STUB_DIR/git-slow"\nsleep 2\nexec {git} "$@"\n'
+    # the first git call lasts until the test has sent the signal (30 s at most), the others as long as git
+    slow_git = (
+        '#!/bin/bash\nif [[ ! -e $STUB_DIR/git-slow ]]; then\n  : >"$STUB_DIR/git-slow"\n'
+        "  for ((i = 0; i < 300; i++)); do [[ -e $STUB_DIR/signalled ]] && break; sleep 0.1; done\n"
+        f'fi\nexec {git} "$@"\n'
+    )
     srun = '#!/bin/bash\necho "srun $*" >>"$STUB_DIR/calls"\nexit 0\n'
     job, env, stub_dir = prepare(
         tmp_path, {"scontrol": SCONTROL_NOTES, "srun": srun, "sinfo": SINFO, "git": slow_git}, "-"
@@ -371,6 +376,7 @@ def test_a_stop_before_the_preflight_requeues_without_a_step(tmp_path):
         assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.stdout else ""
         time.sleep(0.05)
     proc.send_signal(signal.SIGUSR1)
+    (stub_dir / "signalled").touch()
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert (stub_dir / "calls").read_text().splitlines() == ["scontrol requeue 77"], out

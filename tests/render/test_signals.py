@@ -31,7 +31,8 @@ SCONTROL = scontrol_stub('echo 1 >"$STUB_DIR/restarts"')
 
 # The preflight passes. The training step (the trainer, as far as the batch script can tell): `finish`
 # exits 0; otherwise it waits for the stop file like the trainer, then exits 42 with the .ack written
-# before (ack-now), 1.5 s after it exits (ack-late: a slow filesystem) or never (no-ack). Slurm's record
+# before (ack-now), 1.5 s after it exits (ack-late: a slow filesystem) or never (no-ack); without a stop
+# file it exits 3 after 30 s, or once the test creates $STUB_DIR/end (as Slurm's TERM ends it). Slurm's record
 # changes as the step starts when the test says so: $STUB_DIR/<fields|restarts>.<preflight|training>
 # become $STUB_DIR/fields and restarts then (a preemption during that step).
 SRUN = r"""#!/bin/bash
@@ -43,7 +44,7 @@ done
 [[ $phase == training ]] || exit 0
 : >"$STUB_DIR/training"
 [[ $STUB_MODE == finish ]] && exit 0
-for ((i = 0; i < 300; i++)); do [[ -e $SBATCH_GEN_STOP_FILE ]] && break; sleep 0.1; done
+for ((i = 0; i < 300; i++)); do [[ -e $SBATCH_GEN_STOP_FILE || -e $STUB_DIR/end ]] && break; sleep 0.1; done
 [[ -e $SBATCH_GEN_STOP_FILE ]] || exit 3
 case $STUB_MODE in
   ack-now) echo "step 7" >"$SBATCH_GEN_STOP_FILE.ack" ;;
@@ -401,7 +402,19 @@ def test_a_trap_that_cannot_write_the_stop_file_does_not_end_the_shell(tmp_path)
     time.sleep(0.2)
     (work / "runs/local/stop").rename(work / "runs/local/stop-gone")
     proc.send_signal(signal.SIGUSR1)
-    out = _finish(proc)
+    lines = []
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:  # until the shell exits: the step ends on its own at the latest 30 s in
+            lines.append(line)
+            if f"WARNING: cannot write {STOP_FILE}" in line:
+                (stub_dir / "end").touch()  # the trap has run: the step ends without a stop file, as before
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = "".join(lines)
     assert f"WARNING: cannot write {STOP_FILE}" in out, out
     assert _requeues(stub_dir) == ["requeue 77"] and proc.returncode == 0, out
 
