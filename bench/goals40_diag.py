@@ -1,6 +1,7 @@
 """Diagnostics behind issue 40's two missed goals (docs/benchmarks.md), beside the benchmarks, writing no page.
 
     sudo .venv/bin/python -m bench.goals40_diag streaming   # ~8 min
+    sudo .venv/bin/python -m bench.goals40_diag trace       # ~5 min
     sudo .venv/bin/python -m bench.goals40_diag heartbeat   # ~6 min
     sudo .venv/bin/python -m bench.goals40_diag fault       # ~7 min
 
@@ -10,6 +11,12 @@ page runs it (snapshot objects give way to the rounds' transfers); with snapshot
 starting their first step together (:func:`sbatch_gen.testing.faults.starting_together`: no start-up skew);
 and starting together without outer snapshots (``snapshot_every`` 1000). Per region: exposed share, the final join, the merges' waits (those over 0.1 s with their round) and
 the snapshots it uploaded.
+
+``trace``: the streaming variant starting together, with and without snapshots (:data:`TRACE_RUNS`), each
+region's trainer run as :mod:`bench.goals40_trace` (every step, round phase, snapshot, cleanup and store request
+timestamped on the machine's monotonic clock, with the process's CPU seconds at each step); the records are kept
+(the folder is printed) for a look at the two regions side by side, step by step (docs/benchmarks.md: how the
+snapshotting region's steps got faster).
 
 ``heartbeat``: ``bench peer``'s one-replica fault (``--subset goals``: 400 Mbit/s, 80 ms), ours only, the
 whole replica lost (run-trainer killed with torchrun and its workers, as when a node fails: no leave is
