@@ -1,6 +1,7 @@
 """Diagnostics behind issue 40's two missed goals (docs/benchmarks.md), beside the benchmarks, writing no page.
 
     sudo .venv/bin/python -m bench.goals40_diag streaming   # ~8 min
+    sudo .venv/bin/python -m bench.goals40_diag trace       # ~5 min
     sudo .venv/bin/python -m bench.goals40_diag heartbeat   # ~6 min
     sudo .venv/bin/python -m bench.goals40_diag fault       # ~7 min
 
@@ -10,6 +11,12 @@ page runs it (snapshot objects give way to the rounds' transfers); with snapshot
 starting their first step together (:func:`sbatch_gen.testing.faults.starting_together`: no start-up skew);
 and starting together without outer snapshots (``snapshot_every`` 1000). Per region: exposed share, the final join, the merges' waits (those over 0.1 s with their round) and
 the snapshots it uploaded.
+
+``trace``: the streaming variant starting together, with and without snapshots (:data:`TRACE_RUNS`), each
+region's trainer run as :mod:`bench.goals40_trace` (every step, round phase, snapshot, cleanup and store request
+timestamped on the machine's monotonic clock, with the process's CPU seconds at each step); the records are kept
+(the folder is printed) for a look at the two regions side by side, step by step (docs/benchmarks.md: how the
+snapshotting region's steps got faster).
 
 ``heartbeat``: ``bench peer``'s one-replica fault (``--subset goals``: 400 Mbit/s, 80 ms), ours only, the
 whole replica lost (run-trainer killed with torchrun and its workers, as when a node fails: no leave is
@@ -36,13 +43,19 @@ from sbatch_gen.testing.faults import ENV_NO_CLEANUP, ENV_SNAPSHOT_GIVE_WAY, ENV
 from sbatch_gen.train.data import prepare
 from sbatch_gen.xr_options import CrossRegion
 
-from . import overlap, peer_launch
+from . import goals40_trace, overlap, peer_launch
 from .common import Result
 from .regionruns import DATA_BYTES, REGIONS
 
 STREAMING_RUNS: tuple[tuple[str, bool, dict, dict], ...] = (
     ("as shipped (snapshots give way to the rounds)", False, {}, {}),
     ("snapshots not giving way (as before)", False, {}, {ENV_SNAPSHOT_GIVE_WAY: "0"}),
+    ("start together", True, {}, {}),
+    ("start together, snapshot_every 1000", True, {"snapshot_every": 1000}, {}),
+)
+
+
+TRACE_RUNS: tuple[tuple[str, bool, dict, dict], ...] = (
     ("start together", True, {}, {}),
     ("start together, snapshot_every 1000", True, {"snapshot_every": 1000}, {}),
 )
@@ -58,9 +71,42 @@ def cleanup(work: Path) -> None:
     streaming(work, CLEANUP_RUNS)
 
 
+def trace(
+    work: Path, keep: Path | None = None, runs: tuple[tuple[str, bool, dict, dict], ...] = TRACE_RUNS
+) -> None:
+    """The streaming runs ``runs`` (default :data:`TRACE_RUNS`), each region's trainer run as :mod:`bench.goals40_trace`
+    (timestamps of its steps, rounds, snapshots, cleanups and store requests), its metrics.jsonl and trace
+    kept in ``keep`` (default a new folder under /tmp), named ``<run>-<region>.*``."""
+    from . import regionruns
+
+    keep = keep or Path(tempfile.mkdtemp(prefix="goals40-trace-"))
+    keep.mkdir(parents=True, exist_ok=True)
+    print(f"trace: keeping records in {keep}", flush=True)
+    launch_region, read_records = regionruns.launch_region, overlap.read_records
+    at = {"run": 0}
+
+    def traced(xr, *, env=None, **kw):
+        env = {**(env or {}), goals40_trace.ENV_TRACE: str(keep / f"run{at['run']}-{xr.region}.trace.jsonl")}
+        return launch_region(xr, env=env, module="bench.goals40_trace", **kw)
+
+    def kept(run_dir: Path) -> list[dict]:
+        shutil.copy(run_dir / "metrics.jsonl", keep / f"run{at['run']}-{run_dir.name}.metrics.jsonl")
+        return read_records(run_dir)
+
+    regionruns.launch_region, overlap.read_records = traced, kept
+    try:
+        for i, run in enumerate(runs):
+            at["run"] = i
+            (keep / f"run{i}.label").write_text(run[0])
+            streaming(work / f"t{i}", (run,))
+    finally:
+        regionruns.launch_region, overlap.read_records = launch_region, read_records
+
+
 def streaming(work: Path, runs: tuple[tuple[str, bool, dict, dict], ...] = STREAMING_RUNS) -> None:
     v = overlap.V("streaming", "bf16", 4, 2)
     sz = replace(overlap.FULL, base=(), streaming=(v,))
+    work.mkdir(parents=True, exist_ok=True)
     data = work / "data"
     prepare(data, REGIONS, "python-stdlib", DATA_BYTES)
     launch_pair = overlap.launch_pair
@@ -140,9 +186,15 @@ def fault(work: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    what = {"streaming": streaming, "heartbeat": heartbeat, "fault": fault, "cleanup": cleanup}
+    what = {
+        "trace": trace,
+        "streaming": streaming,
+        "heartbeat": heartbeat,
+        "fault": fault,
+        "cleanup": cleanup,
+    }
     if len(argv) != 1 or argv[0] not in what:
-        print("usage: python -m bench.goals40_diag streaming|heartbeat|fault|cleanup", file=sys.stderr)
+        print("usage: python -m bench.goals40_diag streaming|trace|heartbeat|fault|cleanup", file=sys.stderr)
         return 2
     work = Path(
         tempfile.mkdtemp(prefix="sbgen-goals40-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)

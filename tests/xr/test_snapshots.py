@@ -4,8 +4,12 @@ region that stops leaves it behind, half-written and in no manifest."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,3 +118,62 @@ def test_a_stopping_region_leaves_its_snapshot_upload_behind(tmp_path, monkeypat
     assert gone == [{"event": "xr_snapshot_abandoned", "round": 2, "reason": "the region stops"}]
     assert not (tmp_path / "t" / "_snap" / "r000002" / "_complete.json").exists()
     assert not [e for e in events if e.get("event") == "xr_snapshot"]
+
+
+# In a fresh interpreter: is a block of N bytes mapped (above glibc's mmap threshold) when malloc'd now? Once
+# before a snapshot's copy of the outer state (7.2M parameters: 28.8 MB per copy, as bench overlap's), once
+# after it was dropped. glibc's free() of a mapped block up to 32 MiB raises the threshold to its size, for
+# good (snapshots.host_copy says what that did to a region's steps).
+_THRESHOLD_PROBE = r"""
+import ctypes, sys
+from types import SimpleNamespace
+import torch
+from sbatch_gen.train.xr.snapshots import SnapshotSync
+
+libc = ctypes.CDLL("libc.so.6")
+if not hasattr(libc, "mallinfo2"):
+    print("no mallinfo2"); sys.exit(0)
+
+class Info(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_size_t) for f in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+
+def mapped(nbytes):
+    before = libc.mallinfo2().hblks
+    p = libc.malloc(nbytes)
+    got = libc.mallinfo2().hblks - before
+    libc.free(p)
+    return got == 1
+
+n = 7_200_000
+theta, mom = torch.randn(n), torch.randn(n)
+ex = SimpleNamespace(fp32_plan=None, owned=lambda plan: [0], at=lambda plan, s: (0, n))
+fake = SimpleNamespace(theta_outer=theta, momentum=mom, local_numel=n, ex=ex)
+first = mapped(20 << 20)
+state = SnapshotSync._copy_outer(fake)
+same = torch.equal(state[0], theta) and torch.equal(state[1], mom)
+del state
+print(first, same, mapped(24 << 20))
+"""
+
+
+def test_a_snapshots_host_copy_leaves_the_allocators_thresholds_alone():
+    if sys.platform != "linux":
+        pytest.skip("glibc's allocator")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    for k in [k for k in env if k.startswith("MALLOC_")] + ["GLIBC_TUNABLES"]:
+        env.pop(k, None)  # the thresholds dynamic, as by default
+    out = subprocess.run(
+        [sys.executable, "-c", _THRESHOLD_PROBE], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    if out.stdout.strip() == "no mallinfo2":
+        pytest.skip("not glibc >= 2.33")
+    first, same, after = out.stdout.split()
+    assert (first, same) == ("True", "True")  # 20 MiB mapped before: the threshold was below it
+    assert after == "True", "the snapshot's copy raised glibc's mmap threshold above 24 MiB"
