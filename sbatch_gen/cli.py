@@ -447,14 +447,25 @@ def validate(names, overrides, sites_dir) -> None:
         click.echo(f"ok  cross-region run {run_id!r}: {', '.join(members)} agree")
 
 
-def _slurm_version_here() -> str | None:
-    """MAJOR.MINOR of this host's Slurm (``scontrol --version``), or None."""
+def _slurm_version_here() -> tuple[str | None, str]:
+    """MAJOR.MINOR of this host's Slurm (``scontrol --version``), or None and why: scontrol is missing, or it
+    failed (its last line: without a configuration, as on a host outside the cluster, even --version fails)."""
     try:
-        out = subprocess.run(["scontrol", "--version"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    parts = out.split()
-    return ".".join(parts[-1].split(".")[:2]) if len(parts) == 2 and parts[0] == "slurm" else None
+        r = subprocess.run(["scontrol", "--version"], capture_output=True, text=True, timeout=10)
+    except FileNotFoundError:
+        return None, "no scontrol on PATH here"
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"scontrol --version did not run: {e}"
+    parts = r.stdout.split()
+    if r.returncode == 0 and len(parts) == 2 and parts[0] == "slurm":
+        return ".".join(parts[-1].split(".")[:2]), ""
+    said = (r.stderr.strip() or r.stdout.strip()).splitlines()
+    return (
+        None,
+        f"scontrol --version gave none here: {said[-1][:200]}"
+        if said
+        else "scontrol --version gave none here",
+    )
 
 
 @cli.command()
@@ -489,8 +500,9 @@ def init(name, kind, sites_dir, hosts, **given) -> None:
     from sbatch_gen import init_profile
 
     answers = init_profile.Answers(kind=kind, hosts=tuple(hosts), **given)
+    no_version = ""
     if kind == "slurm" and not given["slurm_version"]:
-        answers.slurm_version = _slurm_version_here()
+        answers.slurm_version, no_version = _slurm_version_here()
         answers.origin["slurm_version"] = "scontrol"
     lacking = init_profile.missing(answers)
     if lacking and sys.stdin.isatty():
@@ -505,9 +517,7 @@ def init(name, kind, sites_dir, hosts, **given) -> None:
             answers.origin[field] = "question"
         lacking = init_profile.missing(answers)
     if lacking:
-        why = {
-            "--slurm-version": " (scontrol --version gave none here: run init on the login node, or give it)"
-        }
+        why = {"--slurm-version": f" ({no_version}; run init on the login node, or give it)"}
         raise UserError([f"init --kind {kind}: {flag} is required{why.get(flag, '')}" for _, flag in lacking])
     path = init_profile.write(sites_dir, name, answers)
     click.echo(

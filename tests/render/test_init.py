@@ -170,6 +170,26 @@ def test_a_bad_slurm_version_from_scontrol_says_so(tmp_path, monkeypatch):
     assert not (tmp_path / "sites").exists()
 
 
+def test_a_scontrol_that_fails_says_why_there_is_no_version(tmp_path, monkeypatch):
+    """scontrol --version fails without a configuration (a host outside the cluster, a configless cluster
+    without SLURM_CONF): its last line is said, not "gave none" alone."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "scontrol").write_text(
+        '#!/bin/sh\necho "scontrol: error: fetch_config: DNS SRV lookup failed" >&2\n'
+        'echo "scontrol: fatal: Could not establish a configuration source" >&2\nexit 1\n'
+    )
+    (tmp_path / "bin" / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    r = sg("init", "--site", "mine", *SLURM[: SLURM.index("--slurm-version")])
+    assert r.code == 2
+    assert r.err == (
+        "sbatch-gen: init --kind slurm: --slurm-version is required (scontrol --version gave none here: "
+        "scontrol: fatal: Could not establish a configuration source; run init on the login node, or give it)\n"
+    )
+    assert not (tmp_path / "sites").exists()
+
+
 @pytest.mark.parametrize(
     "flag, value, said",
     [
