@@ -155,39 +155,39 @@ def test_a_bad_value_names_its_flag_and_value_and_nothing_is_written(
     assert not (tmp_path / "sites").exists()
 
 
-def test_a_bad_slurm_version_from_scontrol_says_so(tmp_path, monkeypatch):
+def _init_with_scontrol(tmp_path, monkeypatch, script: str):
+    """init without --slurm-version, in TMP_PATH, where `scontrol` is SCRIPT (sh): its result; nothing written."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "scontrol").write_text('#!/bin/sh\necho "slurm 24"\n')
+    (tmp_path / "bin" / "scontrol").write_text("#!/bin/sh\n" + script)
     (tmp_path / "bin" / "scontrol").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     r = sg("init", "--site", "mine", *SLURM[: SLURM.index("--slurm-version")])
-    assert r.code == 2
+    assert r.code == 2 and not (tmp_path / "sites").exists()
+    return r
+
+
+def test_a_bad_slurm_version_from_scontrol_says_so(tmp_path, monkeypatch):
+    r = _init_with_scontrol(tmp_path, monkeypatch, 'echo "slurm 24"\n')
     assert r.err == (
         "sbatch-gen: init --slurm-version '24' (from scontrol --version here; give --slurm-version): "
         "slurm.version: invalid Slurm version '24' (e.g. 23.11)\n"
     )
-    assert not (tmp_path / "sites").exists()
 
 
 def test_a_scontrol_that_fails_says_why_there_is_no_version(tmp_path, monkeypatch):
     """scontrol --version fails without a configuration (a host outside the cluster, a configless cluster
     without SLURM_CONF): its last line is said, not "gave none" alone."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "scontrol").write_text(
-        '#!/bin/sh\necho "scontrol: error: fetch_config: DNS SRV lookup failed" >&2\n'
-        'echo "scontrol: fatal: Could not establish a configuration source" >&2\nexit 1\n'
+    r = _init_with_scontrol(
+        tmp_path,
+        monkeypatch,
+        'echo "scontrol: error: fetch_config: DNS SRV lookup failed" >&2\n'
+        'echo "scontrol: fatal: Could not establish a configuration source" >&2\nexit 1\n',
     )
-    (tmp_path / "bin" / "scontrol").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
-    r = sg("init", "--site", "mine", *SLURM[: SLURM.index("--slurm-version")])
-    assert r.code == 2
     assert r.err == (
         "sbatch-gen: init --kind slurm: --slurm-version is required (scontrol --version gave none here: "
         "scontrol: fatal: Could not establish a configuration source; run init on the login node, or give it)\n"
     )
-    assert not (tmp_path / "sites").exists()
 
 
 @pytest.mark.parametrize(
