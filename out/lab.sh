@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 682567bdcaa4b4c90373d70749bf1d84d9eb84af39a1d1bc218f5414efb0c4b4
+#   inputs sha256: 2633e2980f15f1d9da7e6b76fb7fd832f7b9ed9665aaf1f06f25dfcfd9a9cee7
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -56,7 +56,7 @@ NODE_PY_SHA256=fa3e4608382958acd5e0447085fae3764e4e43c6b184e29eddfe8fde01be646e 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv  # python_env.kind
 ENV_PATH=/shared/envs/lab-gpt  # python_env.path
-ENV_NAME=''  # (a conda env's)
+ENV_NAME=''  # python_env.name (a conda env's)
 MODULES=()  # python_env.modules
 CODE_DIR=.  # paths.code_dir: first on PYTHONPATH
 ENV_HINT='create it on every host'  # what an error about python_env adds

@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: d3093c484ed9e1b05ba931f11aa4a4fa5c427bb9318ce2e592e46828717dcbbe
+#   inputs sha256: f37437701c0e1198d5d998db3fd0772422c20815dc342fb59888f67790680f3d
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -52,7 +52,7 @@ NODE_PY_SHA256=fa3e4608382958acd5e0447085fae3764e4e43c6b184e29eddfe8fde01be646e 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv  # python_env.kind
 ENV_PATH=.venv  # python_env.path
-ENV_NAME=''  # (a conda env's)
+ENV_NAME=''  # python_env.name (a conda env's)
 MODULES=()  # python_env.modules
 CODE_DIR=.  # paths.code_dir: first on PYTHONPATH
 ENV_HINT='create it on every host'  # what an error about python_env adds

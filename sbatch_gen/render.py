@@ -273,6 +273,7 @@ def inputs_sha256(site: LoadedSite, env: jinja2.Environment, templates: list[str
 def context(site: LoadedSite, sha: str) -> dict:
     p = site.profile
     chain = site.header_files  # sites-relative: renders do not depend on the checkout location
+    env_blocks = job_environment(p)
     ctx = {
         "site": site.name,
         "p": p,
@@ -282,8 +283,8 @@ def context(site: LoadedSite, sha: str) -> dict:
         "inputs_sha256": sha,
         "nproc_per_node": p.nproc_per_node(),
         "uses_gpus": p.uses_gpus(),
-        "env_blocks": job_environment(p),
-        "slurm_env_blocks": set_at_run_time(job_environment(p), SLURM_RUN_TIME_ENV),
+        "env_blocks": env_blocks,
+        "slurm_env_blocks": set_at_run_time(env_blocks, SLURM_RUN_TIME_ENV),
         # the command line on every node, built once for every kind (sbatch_gen/launch.py)
         "trainer_argv": {name: trainer_argv(p, launcher, site.name) for name, launcher in LAUNCHERS.items()},
         "torchrun_argv": {name: torchrun_argv(p, launcher) for name, launcher in LAUNCHERS.items()},

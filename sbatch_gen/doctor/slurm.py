@@ -387,7 +387,13 @@ def run_checks(site: LoadedSite, renders: list[Rendered], runner: Runner, cwd: P
                 cut(e.result.message(), 120),
                 f"{e.what} failed: {e.result.message()}; only what this host shows was checked "
                 f"({', '.join(LOCAL_CHECKS)}), not what the controller knows: {LOGIN_NODE_HINT}, and check "
-                "that it reaches slurmctld (scontrol ping)",
+                "that it reaches slurmctld (scontrol ping)"
+                + (
+                    "; where no configuration is found, set SLURM_CONF to the cluster's slurm.conf (a "
+                    "configless cluster's hosts find their controller by DNS SRV)"
+                    if "configuration source" in e.result.message()
+                    else ""
+                ),
             )
         )
         checks = [(name, fn) for name, fn in CHECKS if name in LOCAL_CHECKS]

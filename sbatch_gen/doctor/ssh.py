@@ -222,22 +222,25 @@ def secrets_row(p: SshProfile, env: Mapping[str, str]) -> Check:
     missing = [s for s in unset if s.required]
     if missing:
         names = ", ".join(f"{s.name} ({s.key})" for s in missing)
+        it, its = ("it", "its value") if len(missing) == 1 else ("them", "their values")
         return error(
             "secrets",
             expected,
-            f"unset here: {', '.join(s.name for s in missing)}",
-            f"the launch exits 2 before anything starts without {names}: export it in the shell that runs "
-            "the launcher (its value reaches every host over ssh's stdin, never a command line or a file)",
+            f"unset or empty here: {', '.join(s.name for s in missing)}",
+            f"the launch exits 2 before anything starts without {names}: export {it} in the shell that runs "
+            f"the launcher ({its} reach every host over ssh's stdin, never a command line or a file)",
         )
-    found = "set here; the launcher sends them to every host over ssh's stdin"
+    found = (
+        f"set here; the launcher sends {'it' if len(named) == 1 else 'them'} to every host over ssh's stdin"
+    )
     if unset:
-        return warn("secrets", expected, found, f"{', '.join(s.name for s in unset)} unset: optional")
+        return warn(
+            "secrets", expected, found, f"{', '.join(s.name for s in unset)} unset or empty: optional"
+        )
     return ok("secrets", expected, found)
 
 
-def run_checks(
-    site: LoadedSite, runner: Runner, cwd: Path, env: Mapping[str, str] | None = None
-) -> list[Check]:
+def run_checks(site: LoadedSite, runner: Runner, cwd: Path) -> list[Check]:
     p = site.profile
     assert isinstance(p, SshProfile)
     script = probe_script(p, str(cwd))
@@ -258,4 +261,4 @@ def run_checks(
             rows.append(
                 skip(f"host {h.name}", "-", "left out (enabled: false)" + (f": {h.note}" if h.note else ""))
             )
-    return [*rows, secrets_row(p, os.environ if env is None else env)]
+    return [*rows, secrets_row(p, os.environ)]

@@ -149,8 +149,8 @@ class SlurmPaths(Paths):
         description="How many submissions' pinned code the run dir keeps (paths.pin_code), the new one included: "
         "when a new submission has pinned its code, the copies and records under <run_dir>/code/ of the older "
         "submissions beyond these are removed, one line each in the batch log. A requeue or continuation "
-        "job of a removed submission would end in one line (resubmit); only one job runs on a run dir at a "
-        "time, so that takes a submission whose continuation still waits in the queue.",
+        "job of a removed submission would end in one line (resubmit): as only one job runs on a run dir at a "
+        "time, that can only befall a submission whose continuation job still waits in the queue.",
     )
 
 

@@ -842,7 +842,8 @@ def test_ssh_secrets_are_checked_in_the_launching_shell_never_shown(monkeypatch)
     site = load_site(SITES, "ssh-local", ["launch.secrets=[SBG_TOKEN]"])
     monkeypatch.delenv("SBG_TOKEN", raising=False)
     r = row(run_doctor(site, hosts), "secrets")
-    assert r.verdict == "error" and r.found == "unset here: SBG_TOKEN", r
+    assert r.verdict == "error" and r.found == "unset or empty here: SBG_TOKEN", r
+    assert "export it in the shell" in (r.hint or ""), r
     assert r.expected == "SBG_TOKEN set in the launching shell" and "launch.secrets[0]" in (r.hint or ""), r
     monkeypatch.setenv("SBG_TOKEN", "tok-value-1")
     rep = run_doctor(site, hosts)
