@@ -24,7 +24,6 @@ from sbatch_gen.doctor.common import (
     Check,
     CommandMissing,
     Runner,
-    cut,
     error,
     leading_int,
     limit_seconds,
@@ -69,13 +68,13 @@ def check_test_only(d: SlurmDoctor) -> list[Check]:
                 found = f"would start {m.group(2)} on {m.group(4)} ({m.group(3)} CPUs)"
                 rows.append(ok(name, expected, found))
             elif res.rc == 0:
-                rows.append(ok(name, expected, cut(res.message(), 120)))
+                rows.append(ok(name, expected, res.message()))
             else:
                 rows.append(
                     error(
                         name,
                         expected,
-                        cut(res.message(), 120),
+                        res.message(),
                         f"Slurm refuses {r.filename}: {res.message()} (the other rows may say which field)",
                     )
                 )
@@ -269,7 +268,7 @@ def check_torch(d: SlurmDoctor) -> list[Check]:
     except ValueError:
         probe = None
     if not isinstance(probe, dict):
-        return [error("torch", expected, cut(r.message(), 120), f"{python} did not run: {r.message()}")]
+        return [error("torch", expected, r.message(), f"{python} did not run: {r.message()}")]
     version = probe.get("version")
     if not version:
         return [
@@ -384,7 +383,7 @@ def run_checks(site: LoadedSite, renders: list[Rendered], runner: Runner, cwd: P
             error(
                 "controller",
                 "scontrol reaches slurmctld",
-                cut(e.result.message(), 120),
+                e.result.message(),
                 f"{e.what} failed: {e.result.message()}; only what this host shows was checked "
                 f"({', '.join(LOCAL_CHECKS)}), not what the controller knows: {LOGIN_NODE_HINT}, and check "
                 "that it reaches slurmctld (scontrol ping)"
@@ -405,5 +404,5 @@ def run_checks(site: LoadedSite, renders: list[Rendered], runner: Runner, cwd: P
                 raise UserError(f"{e.name} not found: {LOGIN_NODE_HINT}") from None
             rows.append(error(name, "-", f"{e.name} not found", LOGIN_NODE_HINT))
         except QueryFailed as e:
-            rows.append(error(name, "-", cut(str(e), 120), f"{e.what} failed: {e.result.message()}"))
+            rows.append(error(name, "-", str(e), f"{e.what} failed: {e.result.message()}"))
     return rows

@@ -12,7 +12,6 @@ from __future__ import annotations
 from sbatch_gen.doctor.common import (
     Check,
     CommandMissing,
-    cut,
     error,
     grace_seconds,
     leading_int,
@@ -118,7 +117,7 @@ def check_associations(d: SlurmDoctor) -> list[Check]:
     except CommandMissing:
         return [warn("associations", expected, "sacctmgr not found", "install the Slurm client tools here")]
     if r.rc != 0:
-        return [warn("associations", expected, cut(r.message(), 120), f"sacctmgr failed: {r.message()}")]
+        return [warn("associations", expected, r.message(), f"sacctmgr failed: {r.message()}")]
     assocs: dict[str, set[str]] = {}
     for line in r.out.splitlines():
         cols = line.strip().split("|")

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sbatch_gen.doctor.common import Check, CommandMissing, Result, Runner, cut, error, ok, skip, warn
+from sbatch_gen.doctor.common import Check, CommandMissing, Result, Runner, error, ok, skip, warn
 from sbatch_gen.errors import UserError
 from sbatch_gen.loader import LoadedSite
 from sbatch_gen.profiles.ssh import SshProfile
@@ -104,7 +104,7 @@ def host_rows(p: SshProfile, rank: int, host: str, res: Result, how: str) -> lis
             error(
                 f"ssh {host}",
                 expected_ssh,
-                f"ssh failed (exit {res.rc}): {cut(res.message(), 100)}",
+                f"ssh failed (exit {res.rc}): {res.message()}",
                 f"ssh cannot log in to {host} without a prompt: check ssh.user, ssh.port, ssh.identity_file "
                 f"and known_hosts; try `{how}`",
             )
@@ -119,7 +119,7 @@ def host_rows(p: SshProfile, rank: int, host: str, res: Result, how: str) -> lis
             error(
                 f"probe {host}",
                 "the doctor's probe runs (bash)",
-                f"exit {res.rc}: {cut(res.message(), 100)}",
+                f"exit {res.rc}: {res.message()}",
                 f"the probe did not run on {host}: {res.message()}",
             )
         )
@@ -152,7 +152,7 @@ def host_rows(p: SshProfile, rank: int, host: str, res: Result, how: str) -> lis
             error(
                 f"torch {host}",
                 exp_torch,
-                cut(why, 100),
+                why,
                 f"python_env on {host} cannot import torch ({why}): create the environment there (python_env) "
                 "and install torch into it",
             )
