@@ -645,8 +645,11 @@ class SlurmProfile(ProfileBase):
                 found.append(
                     FieldError(("slurm", "export", i), f"{name}: {why}; remove it from slurm.export")
                 )
-        found += secret_name_problems(("slurm", "secrets"), self.slurm.secrets, profile_sets)
-        required = [s for s in secrets.values() if s.required]
+        refused = secret_name_problems(("slurm", "secrets"), self.slurm.secrets, profile_sets)
+        found += refused
+        # (a name refused above needs no secrets file: its one error is the refusal)
+        refused_keys = {f"slurm.secrets[{e.path[-1]}]" for e in refused}
+        required = [s for s in secrets.values() if s.required and s.key not in refused_keys]
         if required and self.slurm.secrets_file is None:
             names = ", ".join(f"{s.name} ({s.key})" for s in required)
             found.append(

@@ -271,6 +271,13 @@ CASES = [
         r".*launch\.secrets\[0\]: SLURM_NODEID: a Slurm variable: on a host that had one, the node program",
     ),
     (
+        "secrets: a refused name is its one error (no secrets file asked for it)",
+        None,
+        ("slurm.secrets=[SLURM_JOB_ID]",),
+        2,
+        r".*slurm\.secrets\[0\]: SLURM_JOB_ID: Slurm's own: Slurm sets the job's SLURM_\* variables; a secret is",
+    ),
+    (
         "secrets: one the profile sets as a variable",
         None,
         ("slurm.secrets=[OMP_NUM_THREADS]", "slurm.secrets_file=/tmp/s.env"),

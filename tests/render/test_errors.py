@@ -575,7 +575,7 @@ def test_every_independent_problem_of_a_profile_in_one_run(work):
     _replace(
         local,
         "\nslurm:\n",
-        "\nslurm:\n  secrets: [SLURM_X, BASH_ENV]\n  export: [AWS_SECRET_ACCESS_KEY, ALL]\n",
+        "\nslurm:\n  secrets: [SLURM_X, BASH_ENV, HF_TOKEN]\n  export: [AWS_SECRET_ACCESS_KEY, ALL]\n",
     )
     lines = _fails("validate", "--site", "local").strip().splitlines()
     want = {
@@ -585,7 +585,8 @@ def test_every_independent_problem_of_a_profile_in_one_run(work):
         "slurm.secrets[1]: BASH_ENV: ": "secrets:",
         "slurm.export[0]: AWS_SECRET_ACCESS_KEY is a secret": "export:",
         "slurm.export[1]: ALL: ": "export:",
-        "slurm.secrets_file: the profile names secrets the job needs": "slurm:",
+        # (only for the name it does not refuse)
+        "slurm.secrets_file: the profile names secrets the job needs: HF_TOKEN (slurm.secrets[2]);": "slurm:",
     }
     for text, key in want.items():
         line = f"sbatch-gen: sites/local.yaml:{_line_of(local, key)}: {text}"
