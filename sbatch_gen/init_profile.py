@@ -259,6 +259,8 @@ def question(answer: str) -> str:
     """What a terminal is asked for an answer (an Answers field) no flag gave."""
     if answer == "hosts":
         return "hosts, in node-rank order (space-separated)"
+    if answer == "slurm_version":
+        return "slurm version (MAJOR.MINOR, e.g. 24.05: the cluster's `scontrol --version`)"
     return FLAGS[answer].lstrip("-").replace("-", " ")
 
 

@@ -230,8 +230,10 @@ def test_an_existing_profile_is_never_overwritten(tmp_path, monkeypatch):
     assert (tmp_path / "sites" / "mine.yaml").read_text() == "# mine, by hand\n"
 
 
-def _on_a_terminal(tmp_path, cmd: str, answers: str) -> subprocess.CompletedProcess:
-    """``sbatch-gen CMD`` under a pseudo-terminal (script(1)), ``answers`` typed in."""
+def _on_a_terminal(
+    tmp_path, cmd: str, answers: str, path: str = "/usr/bin:/bin"
+) -> subprocess.CompletedProcess:
+    """``sbatch-gen CMD`` under a pseudo-terminal (script(1)), ``answers`` typed in, with PATH ``path``."""
     return subprocess.run(
         ["script", "-qec", f"{sys.executable} -m sbatch_gen.cli {cmd}", "/dev/null"],
         input=answers,
@@ -239,7 +241,7 @@ def _on_a_terminal(tmp_path, cmd: str, answers: str) -> subprocess.CompletedProc
         capture_output=True,
         text=True,
         timeout=60,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(tmp_path)},
+        env={"PATH": path, "PYTHONPATH": str(REPO), "HOME": str(tmp_path)},
     )
 
 
@@ -250,6 +252,23 @@ def test_on_a_terminal_it_asks_for_what_is_missing(tmp_path):
     data = yaml.safe_load((tmp_path / "sites" / "asked.yaml").read_text())
     assert data["slurm"]["partition"] == "gpu" and data["slurm"]["time"] == "00:30:00"
     assert data["slurm"]["nodes"] == 2 and data["slurm"]["cpus_per_task"] == 4
+
+
+def test_on_a_terminal_the_slurm_version_question_says_its_form(tmp_path):
+    """Where scontrol gives no version (a stand-in that fails as it does without a configuration), the
+    question says what to answer and where it comes from."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "scontrol").write_text(
+        "#!/bin/sh\necho 'scontrol: fatal: Could not establish a configuration source' >&2\nexit 1\n"
+    )
+    (bindir / "scontrol").chmod(0o755)
+    p = _on_a_terminal(
+        tmp_path, "init --site asked", "gpu\n24.05\n2\n0\n4\n00:30:00\n", f"{bindir}:/usr/bin:/bin"
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "slurm version (MAJOR.MINOR, e.g. 24.05: the cluster's `scontrol --version`)" in p.stdout, p.stdout
+    assert yaml.safe_load((tmp_path / "sites" / "asked.yaml").read_text())["slurm"]["version"] == "24.05"
 
 
 def test_on_a_terminal_a_bad_number_is_asked_again_and_a_bad_answer_named(tmp_path):
