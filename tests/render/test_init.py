@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -155,13 +156,19 @@ def test_a_bad_value_names_its_flag_and_value_and_nothing_is_written(
     assert not (tmp_path / "sites").exists()
 
 
+def _scontrol_stand_in(tmp_path, script: str) -> Path:
+    """A folder holding a `scontrol` that runs SCRIPT (sh), to put first on PATH."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "scontrol").write_text("#!/bin/sh\n" + script)
+    (bindir / "scontrol").chmod(0o755)
+    return bindir
+
+
 def _init_with_scontrol(tmp_path, monkeypatch, script: str):
     """init without --slurm-version, in TMP_PATH, where `scontrol` is SCRIPT (sh): its result; nothing written."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "scontrol").write_text("#!/bin/sh\n" + script)
-    (tmp_path / "bin" / "scontrol").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setenv("PATH", f"{_scontrol_stand_in(tmp_path, script)}:{os.environ['PATH']}")
     r = sg("init", "--site", "mine", *SLURM[: SLURM.index("--slurm-version")])
     assert r.code == 2 and not (tmp_path / "sites").exists()
     return r
@@ -257,12 +264,9 @@ def test_on_a_terminal_it_asks_for_what_is_missing(tmp_path):
 def test_on_a_terminal_the_slurm_version_question_says_its_form(tmp_path):
     """Where scontrol gives no version (a stand-in that fails as it does without a configuration), the
     question says what to answer and where it comes from."""
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "scontrol").write_text(
-        "#!/bin/sh\necho 'scontrol: fatal: Could not establish a configuration source' >&2\nexit 1\n"
+    bindir = _scontrol_stand_in(
+        tmp_path, "echo 'scontrol: fatal: Could not establish a configuration source' >&2\nexit 1\n"
     )
-    (bindir / "scontrol").chmod(0o755)
     p = _on_a_terminal(
         tmp_path, "init --site asked", "gpu\n24.05\n2\n0\n4\n00:30:00\n", f"{bindir}:/usr/bin:/bin"
     )
