@@ -23,9 +23,11 @@ own event writer). The process:
   appended to) is skipped with a warning;
 - watches the trainer, in a thread, from its first moment: its stdin is a pipe whose other end only the
   trainer holds, so EOF comes when the trainer closes it (its normal end, a stop) or dies (SIGKILL
-  included); a changed parent pid says the same. Then it reads the file to where it was at that moment
-  (what follows is a requeued attempt's, whose own sinks' process feeds it), closes the sinks (W&B's
-  finish) and exits. From the trainer's end on it has ``deadline_s`` seconds, whatever it is doing (waiting
+  included); a changed parent pid says the same. Then it leaves the low priority where the system allows
+  it (:func:`leave_low_priority`: its own threads and W&B's service; there is no trainer left to yield to,
+  and on a busy machine the idle class could starve the last records past the deadline), reads the file to
+  where it was at that moment (what follows is a requeued attempt's, whose own sinks' process feeds it),
+  closes the sinks (W&B's finish) and exits. From the trainer's end on it has ``deadline_s`` seconds, whatever it is doing (waiting
   for the lock, W&B still starting, W&B's finish): past them it says in one line what it was still doing
   and exits. So it never outlives its trainer by more than that, and a requeued attempt starts a fresh one;
 - logs to the trainer's stderr in the trainer's format: its warnings (a sink not started, a sink failed and
@@ -158,21 +160,32 @@ class Tail:
 class Watch:
     """The trainer, watched by a thread from this process's start: :attr:`ended` is set once it closed
     the pipe on stdin (``fd``) or died (EOF), or the parent changed; ``deadline_s`` later the process
-    exits, saying what it was still doing (:attr:`doing`, kept by the main thread)."""
+    exits, saying what it was still doing (:attr:`doing`, kept by the main thread). With ``nice`` (the
+    trainer's niceness) it leaves the low priority at the trainer's end."""
 
-    def __init__(self, metrics: Path, parent: int, deadline_s: float, poll_s: float, fd: int = 0) -> None:
+    def __init__(
+        self,
+        metrics: Path,
+        parent: int,
+        deadline_s: float,
+        poll_s: float,
+        fd: int = 0,
+        nice: int | None = None,
+    ) -> None:
         self.ended = threading.Event()
         self.end: int | None = None  # metrics.jsonl's size when the trainer ended: what it wrote
         self.doing = "starting"
-        self._args = (metrics, parent, deadline_s, poll_s, fd)
+        self._args = (metrics, parent, deadline_s, poll_s, fd, nice)
         threading.Thread(target=self._run, name="trainer-watch", daemon=True).start()
 
     def _run(self) -> None:
-        metrics, parent, deadline_s, poll_s, fd = self._args
+        metrics, parent, deadline_s, poll_s, fd, nice = self._args
         while os.getppid() == parent:
             ready, _, _ = select.select([fd], [], [], poll_s)
             if ready and not os.read(fd, 4096):
                 break
+        if nice is not None:
+            leave_low_priority(os.getpid(), nice)
         # what follows is a later attempt's (requeued while this process still writes): its own sinks'
         # process feeds it
         with contextlib.suppress(OSError):
@@ -254,6 +267,48 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process below it (W&B's service, its helpers), from /proc."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:  # the field after the command, which may itself hold ") "
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def leave_low_priority(root: int, nice: int) -> bool:
+    """Every thread of ``root``'s process tree back in the normal class (from ``SCHED_IDLE``) at niceness
+    ``nice`` (the trainer's). Linux lets a process raise its priority only with ``CAP_SYS_NICE`` (root) or a
+    ``RLIMIT_NICE`` that allows that niceness: elsewhere it stays low and False is returned."""
+    done = True
+    for pid in process_tree(root):
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:  # both are per thread on Linux
+            try:
+                if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                if os.getpriority(os.PRIO_PROCESS, tid) > nice:
+                    os.setpriority(os.PRIO_PROCESS, tid, nice)
+            except ProcessLookupError:
+                continue
+            except (AttributeError, OSError):
+                done = False
+    return done
+
+
 def _setup() -> None:
     for sig in BLOCKED:
         signal.signal(sig, signal.SIG_IGN)
@@ -275,8 +330,9 @@ def _setup() -> None:
 def main(argv: list[str] | None = None) -> int:
     a = _parse(argv)
     parent = os.getppid()
+    nice = os.getpriority(os.PRIO_PROCESS, 0)  # the trainer's, inherited
     _setup()
-    watch = Watch(a.metrics, parent, a.deadline_s, a.poll_s)
+    watch = Watch(a.metrics, parent, a.deadline_s, a.poll_s, nice=nice)
     opts = MetricsOptions.model_validate_json(a.options)
     watch.doing = "waiting for an earlier attempt's sinks"
     with run_dir_lock(a.metrics.parent, a.lock_wait_s) as locked:

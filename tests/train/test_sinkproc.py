@@ -191,3 +191,47 @@ def test_the_sinks_process_reads_what_its_trainer_wrote_before_it_ended(tmp_path
     _append(tmp_path, 3)  # a requeued attempt
     assert [rec["step"] for rec in tail.read(watch.end)] == [1, 2]
     os.close(r)
+
+
+def _privileged_nice(nice: int) -> bool:
+    """Whether Linux lets this user raise a process to niceness ``nice`` (and out of SCHED_IDLE)."""
+    import resource
+
+    return os.geteuid() == 0 or 20 - nice <= resource.getrlimit(resource.RLIMIT_NICE)[0]
+
+
+def test_the_sinks_process_leaves_the_idle_class_once_its_trainer_ended(tmp_path):
+    """At the trainer's end nothing is left to yield to: the sinks' process and the processes it started
+    (W&B's service) go back to the normal class and the trainer's niceness, where Linux allows it: on a busy
+    machine the idle class could starve the last records past the deadline."""
+    import subprocess
+
+    from sbatch_gen.train.sinkproc import NICE, leave_low_priority
+
+    def low() -> None:
+        os.nice(NICE)
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    # a process (standing for the sinks' one) with a child (W&B's service), both idle and niced
+    proc = subprocess.Popen(["bash", "-c", "sleep 60 & wait"], preexec_fn=low)
+    try:
+        wait_for(lambda: len(_tree(proc.pid)) == 2, 30, "bash started its child")
+        tids = [int(t) for pid in _tree(proc.pid) for t in os.listdir(f"/proc/{pid}/task")]
+        assert {(os.sched_getscheduler(t), os.getpriority(os.PRIO_PROCESS, t)) for t in tids} == {
+            (os.SCHED_IDLE, base + NICE)
+        }
+        allowed = _privileged_nice(base)
+        assert leave_low_priority(proc.pid, base) is allowed
+        want = (os.SCHED_OTHER, base) if allowed else (os.SCHED_IDLE, base + NICE)
+        assert {(os.sched_getscheduler(t), os.getpriority(os.PRIO_PROCESS, t)) for t in tids} == {want}
+    finally:
+        for pid in reversed(_tree(proc.pid)):  # the child first: orphaned, it would outlive the test
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _tree(pid: int) -> list[int]:
+    from sbatch_gen.train.sinkproc import process_tree
+
+    return process_tree(pid)
