@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 2633e2980f15f1d9da7e6b76fb7fd832f7b9ed9665aaf1f06f25dfcfd9a9cee7
+#   inputs sha256: 1c3f6fb66db8910691db14ff2ba714e2ddb3670cc5cd4b0cbc1346ee639df262
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -310,7 +310,7 @@ cleanup_main() {
   if ((${#pids[@]} == 0)); then printf 'host %s: no process tagged %s\n' "$HOSTNAME" "$tag"; return 0; fi
   printf 'host %s: SIGTERM to %s processes tagged %s: %s\n' "$HOSTNAME" "${#pids[@]}" "$tag" "${pids[*]}"
   kill -TERM "${pids[@]}" 2>/dev/null || true
-  deadline=$((SECONDS + grace))
+  deadline=$((SECONDS + grace + 1))  # SECONDS counts whole seconds: +1 makes it the full grace
   while ((SECONDS < deadline)); do
     sleep 0.5
     mapfile -t pids < <(tagged)
@@ -465,7 +465,7 @@ wait_all() {
       fi
     done
     ((running > 0)) || return 0
-    if [[ -n $ended_at && -z $killed_at ]] && ((SECONDS - ${failed_at:-$ended_at} >= FAILURE_GRACE_S)); then
+    if [[ -n $ended_at && -z $killed_at ]] && ((SECONDS - ${failed_at:-$ended_at} > FAILURE_GRACE_S)); then
       if [[ -n $failed_at ]]; then
         log "attempt $ATTEMPT: killing the remaining nodes"
       else
@@ -473,7 +473,7 @@ wait_all() {
       fi
       cleanup_all || true
       killed_at=$SECONDS
-    elif [[ -n $killed_at ]] && ((SECONDS - killed_at >= 15)); then
+    elif [[ -n $killed_at ]] && ((SECONDS - killed_at > 15)); then
       for r in "${!HOSTS[@]}"; do
         if [[ -n ${NODE_PIDS[r]} ]]; then kill -KILL "${NODE_PIDS[r]}" 2>/dev/null || true; fi
       done

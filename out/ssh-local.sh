@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: f37437701c0e1198d5d998db3fd0772422c20815dc342fb59888f67790680f3d
+#   inputs sha256: c70683a3926494f58a040e10583209878fdb143ca8c6a128e6b40a1ed3107083
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -281,7 +281,7 @@ cleanup_main() {
   if ((${#pids[@]} == 0)); then printf 'host %s: no process tagged %s\n' "$HOSTNAME" "$tag"; return 0; fi
   printf 'host %s: SIGTERM to %s processes tagged %s: %s\n' "$HOSTNAME" "${#pids[@]}" "$tag" "${pids[*]}"
   kill -TERM "${pids[@]}" 2>/dev/null || true
-  deadline=$((SECONDS + grace))
+  deadline=$((SECONDS + grace + 1))  # SECONDS counts whole seconds: +1 makes it the full grace
   while ((SECONDS < deadline)); do
     sleep 0.5
     mapfile -t pids < <(tagged)
@@ -436,7 +436,7 @@ wait_all() {
       fi
     done
     ((running > 0)) || return 0
-    if [[ -n $ended_at && -z $killed_at ]] && ((SECONDS - ${failed_at:-$ended_at} >= FAILURE_GRACE_S)); then
+    if [[ -n $ended_at && -z $killed_at ]] && ((SECONDS - ${failed_at:-$ended_at} > FAILURE_GRACE_S)); then
       if [[ -n $failed_at ]]; then
         log "attempt $ATTEMPT: killing the remaining nodes"
       else
@@ -444,7 +444,7 @@ wait_all() {
       fi
       cleanup_all || true
       killed_at=$SECONDS
-    elif [[ -n $killed_at ]] && ((SECONDS - killed_at >= 15)); then
+    elif [[ -n $killed_at ]] && ((SECONDS - killed_at > 15)); then
       for r in "${!HOSTS[@]}"; do
         if [[ -n ${NODE_PIDS[r]} ]]; then kill -KILL "${NODE_PIDS[r]}" 2>/dev/null || true; fi
       done
