@@ -209,12 +209,17 @@ node_tails() {
 }
 
 # use_allocated_cpus: slurm.cpus_per_task is a request: every job step takes the CPUs Slurm allocated on a node
-# (the fewest of any node: CPUS_PER_TASK), each of its processes an even share (OMP_NUM_THREADS, unless set at
-# submit time; OMP_GIVEN says so: a continuation job gets it too, else it computes its own).
+# (the fewest of any node: CPUS_PER_TASK), each of its processes an even share of their physical cores
+# (OMP_NUM_THREADS: the node program's omp-threads reads this node's SMT; without a python here, of the CPUs),
+# unless OMP_NUM_THREADS was set at submit time (OMP_GIVEN says so: a continuation job gets it too, else it
+# computes its own).
 use_allocated_cpus() {
   CPUS_PER_TASK=$(allocated_cpus "$CPUS_PER_TASK")
   OMP_GIVEN=${OMP_NUM_THREADS+given}
-  export OMP_NUM_THREADS="${OMP_NUM_THREADS-$(( CPUS_PER_TASK >= NPROC_PER_NODE ? CPUS_PER_TASK / NPROC_PER_NODE : 1 ))}"
+  [[ -z $OMP_GIVEN ]] || return 0
+  OMP_NUM_THREADS=$(node_py omp-threads "$CPUS_PER_TASK" "$NPROC_PER_NODE" 2>/dev/null) \
+    || OMP_NUM_THREADS=$(( CPUS_PER_TASK >= NPROC_PER_NODE ? CPUS_PER_TASK / NPROC_PER_NODE : 1 ))
+  export OMP_NUM_THREADS
 }
 
 # start_attempt: this attempt (ATTEMPT; RUN_JOB, the run's first job), its files and state. STOP_FILE (exported

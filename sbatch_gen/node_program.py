@@ -12,6 +12,7 @@ program it already sends over ssh. A change to this file is one file in review, 
     python3 sbatch-gen-node.py preflight NAME=VALUE...
     python3 sbatch-gen-node.py fingerprint
     python3 sbatch-gen-node.py run-trainer --stop-file FILE --stopped-rc N -- COMMAND...
+    python3 sbatch-gen-node.py omp-threads CPUS PROCS
 
 ``preflight`` prints one line, ``preflight ok on NODE: ...`` on stdout (status 0) or ``preflight FAILED on
 NODE: problem; problem...`` on stderr (status 1), where NODE is $SLURMD_NODENAME, else the host name (the
@@ -594,6 +595,38 @@ def fingerprint_main(args: list[str]) -> int:
         print("usage: sbatch-gen-node.py fingerprint", file=sys.stderr)
         return 2
     print(env_fingerprint())
+    return 0
+
+
+# ---- the CPU threads per process ----------------------------------------------------------------------
+
+
+def cores_per_cpu(cpus: list[int]) -> float:
+    """The physical cores among these logical CPUs, per CPU: 1.0 without SMT, 0.5 with two hardware threads
+    per core. A CPU counts once per (package, die, core) of its sysfs topology; 1.0 when that cannot be read."""
+    cores = set()
+    for c in cpus:
+        top = f"{sysfs_root()}/sys/devices/system/cpu/cpu{c}/topology"
+        pkg, core = read_line(f"{top}/physical_package_id"), read_line(f"{top}/core_id")
+        if pkg is None or core is None:
+            return 1.0
+        cores.add((pkg, read_line(f"{top}/die_id"), core))
+    return len(cores) / len(cpus) if cpus else 1.0
+
+
+def omp_threads(cpus: int, procs: int, affinity: list[int]) -> int:
+    """OMP_NUM_THREADS for each of ``procs`` processes sharing ``cpus`` allocated CPUs: an even share of the
+    physical cores among them (Slurm counts hardware threads as CPUs; torch's intra-op threads gain nothing
+    from a core's second thread), as the CPUs this process may run on (``affinity``) are made; at least 1."""
+    return max(1, int(cpus * cores_per_cpu(affinity) + 0.5) // max(1, procs))
+
+
+def omp_threads_main(args: list[str]) -> int:
+    """omp-threads CPUS PROCS: prints :func:`omp_threads` for the CPUs this process may run on."""
+    if len(args) != 2 or not all(a.isdigit() for a in args):
+        print("usage: sbatch-gen-node.py omp-threads CPUS PROCS", file=sys.stderr)
+        return 2
+    print(omp_threads(int(args[0]), int(args[1]), sorted(os.sched_getaffinity(0))))
     return 0
 
 
@@ -1536,6 +1569,7 @@ COMMANDS = {
     "fingerprint": fingerprint_main,
     "run-trainer": run_trainer_main,
     "torchrun": torchrun_main,
+    "omp-threads": omp_threads_main,
 }
 
 

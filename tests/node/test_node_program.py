@@ -664,3 +664,37 @@ def test_preflight_a_node_whose_environment_is_not_the_runs(tmp_path, node_env, 
         "python_env is not the one the run started with: it is torch 2.13.0, Python 3.11.7 on x86_64, 9 "
         "packages (b), the run's is torch 2.12.1, Python 3.11.7 on x86_64, 9 packages (a) (paths.pin_code)"
     ]
+
+
+def _cpu_topology(root: Path, cores: dict[int, tuple[str, str]]) -> None:
+    """A fake /sys/devices/system/cpu: CPU -> (package, core)."""
+    for cpu, (pkg, core) in cores.items():
+        top = root / "sys" / "devices" / "system" / "cpu" / f"cpu{cpu}" / "topology"
+        top.mkdir(parents=True)
+        (top / "physical_package_id").write_text(f"{pkg}\n")
+        (top / "core_id").write_text(f"{core}\n")
+
+
+@pytest.mark.parametrize(
+    ("cores", "cpus", "procs", "want"),
+    [
+        ({c: ("0", str(c)) for c in range(8)}, 112, 8, 14),  # no SMT: CPUs / processes
+        ({c: ("0", str(c % 4)) for c in range(8)}, 112, 8, 7),  # two threads per core (0,4 share core 0)
+        ({c: (str(c // 4), str(c % 2)) for c in range(8)}, 8, 2, 2),  # core ids repeat across packages
+        ({0: ("0", "0"), 1: ("0", "0")}, 2, 8, 1),  # fewer cores than processes: 1
+    ],
+)
+def test_omp_threads_is_an_even_share_of_the_physical_cores(tmp_path, monkeypatch, cores, cpus, procs, want):
+    """Slurm counts hardware threads as CPUs: OMP_NUM_THREADS counts the cores behind them."""
+    monkeypatch.setenv("SBATCH_GEN_SYSFS_ROOT", str(tmp_path))
+    _cpu_topology(tmp_path, cores)
+    assert np.omp_threads(cpus, procs, sorted(cores)) == want
+
+
+def test_omp_threads_without_a_topology_counts_every_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("SBATCH_GEN_SYSFS_ROOT", str(tmp_path))  # nothing under it
+    assert np.omp_threads(112, 8, [0, 1]) == 14
+    r = subprocess.run(
+        [sys.executable, "-I", str(PROGRAM), "omp-threads", "8", "x"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and "usage: sbatch-gen-node.py omp-threads CPUS PROCS" in r.stderr

@@ -8,6 +8,7 @@ bash with stub Slurm commands (batch_sandbox.py)."""
 from __future__ import annotations
 
 import re
+import os
 import subprocess
 
 import pytest
@@ -127,6 +128,34 @@ def test_the_job_steps_take_the_cpus_slurm_allocated(tmp_path, allocated, given,
     assert step["OMP_NUM_THREADS"] == omp
 
 
+def test_omp_threads_count_the_physical_cores_of_an_smt_node(tmp_path):
+    """A node with two hardware threads per core (Slurm counts both as CPUs): each of the 2 processes gets
+    half the cores, not half the CPUs; --cpus-per-task stays what Slurm allocated."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    assert len(cpus) == 2, "this test needs two CPUs"
+    sysfs = tmp_path / "sysfs"
+    for cpu in cpus:  # both threads of core 0
+        top = sysfs / "sys" / "devices" / "system" / "cpu" / f"cpu{cpu}" / "topology"
+        top.mkdir(parents=True)
+        (top / "physical_package_id").write_text("0\n")
+        (top / "core_id").write_text("0\n")
+    env = {"SLURM_JOB_CPUS_PER_NODE": "8(x2)", "SBATCH_GEN_SYSFS_ROOT": str(sysfs)}
+    job, full, stub_dir = prepare(tmp_path, ARGV_AND_ENV_STUBS, "ok", env=env)
+    r = subprocess.run(
+        ["bash", str(job)],
+        cwd=job.parent,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: os.sched_setaffinity(0, cpus),
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "--cpus-per-task=8" in (stub_dir / "step.argv").read_text().splitlines()
+    step = dict(x.split("=", 1) for x in (stub_dir / "step.env").read_bytes().decode().split("\0") if x)
+    assert step["OMP_NUM_THREADS"] == "2"  # 8 CPUs, 4 cores, 2 processes
+
+
 def test_eu_renders_its_defaults_as_a_reviewer_reads_them():
     block = _slurm_block("eu")
     assert '\nexport NCCL_DEBUG="${NCCL_DEBUG-WARN}"\n' in block
@@ -199,7 +228,7 @@ def test_a_slurm_job_takes_from_the_submitting_shell_only_what_its_export_line_n
         "PYTHONUNBUFFERED",
     ]
     library = (REPO / "out" / "sbatch-gen-job.sh").read_text()  # main's start_attempt and use_allocated_cpus
-    assert "${SBATCH_GEN_CONTINUES:-}" in library and "${OMP_NUM_THREADS-" in library  # read them
+    assert "${SBATCH_GEN_CONTINUES:-}" in library and "${OMP_NUM_THREADS+given}" in library  # read them
     secrets = [s.name for s in p.secret_env()]
     assert secrets == ["XR_S3_ACCESS_KEY_ID", "XR_S3_SECRET_ACCESS_KEY", "WANDB_API_KEY"]
     assert not set(secrets) & set(names)
