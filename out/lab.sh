@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 1c3f6fb66db8910691db14ff2ba714e2ddb3670cc5cd4b0cbc1346ee639df262
+#   inputs sha256: 6bd25cf7080506c1ed43a06fd08ff9f9a5338e590a57f6146acda2c244962a3f
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).

@@ -399,9 +399,11 @@ copy_code() {
 }
 
 # prune_code KEEP: of the submissions that pinned their code in $RUN_DIR/code/ (<job>.pin, <job>.env), newest
-# first, all but KEEP lose their copy and records, one line each (paths.pin_code_keep). Never fails.
+# first, all but KEEP lose their copy and records, one line each (paths.pin_code_keep); of sbatch-gen's files
+# staged in $RUN_DIR/node/, all but the KEEP most recently used of each kind (a job whose copy is gone stages it
+# again from the checkout's git history). Never fails.
 prune_code() {
-  local n=0 when record job
+  local n=0 when record job kind
   while read -r when record; do
     job=${record%.*}
     (( ++n > $1 )) || continue
@@ -411,6 +413,16 @@ prune_code() {
       log "WARNING: cannot remove $job (paths.pin_code_keep)"
     fi
   done < <(find "$RUN_DIR/code" -maxdepth 1 -name '*.pin' -printf '%T@ %p\n' 2>/dev/null | sort -rn || true)
+  for kind in "${JOB_LIB##*/}" "${SBATCH_GEN_NODE_PY##*/}"; do
+    n=0
+    while read -r when record; do
+      [[ $record != "$JOB_LIB" && $record != "$SBATCH_GEN_NODE_PY" ]] || continue  # this job's
+      (( ++n >= $1 )) || continue
+      if rm -f -- "$record" 2>/dev/null; then
+        log "removed ${record##*/}, staged by an earlier submission (paths.pin_code_keep: the $1 most recently used are kept)"
+      fi
+    done < <(find "$RUN_DIR/node" -maxdepth 1 -name "${kind%%.*}.*.${kind##*.}" -printf '%T@ %p\n' 2>/dev/null | sort -rn || true)
+  done
 }
 
 # pin_path VAR FROM COPY: the path in VAR, when it lies in FROM and COPY has it, becomes COPY's.

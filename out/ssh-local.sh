@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: c70683a3926494f58a040e10583209878fdb143ca8c6a128e6b40a1ed3107083
+#   inputs sha256: 2b895cbddfff349a145a9be44c32f3ecd787704c3e2c55d21a03db38da56f000
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).

@@ -148,7 +148,8 @@ class SlurmPaths(Paths):
         le=1000,
         description="How many submissions' pinned code the run dir keeps (paths.pin_code), the new one included: "
         "when a new submission has pinned its code, the copies and records under <run_dir>/code/ of the older "
-        "submissions beyond these are removed, one line each in the batch log. A requeue or continuation "
+        "submissions beyond these are removed, one line each in the batch log, and of sbatch-gen's files staged in "
+        "<run_dir>/node/ all but this many most recently used of each kind. A requeue or continuation "
         "job of a removed submission would end in one line (resubmit): as only one job runs on a run dir at a "
         "time, that can only befall a submission whose continuation job still waits in the queue.",
     )

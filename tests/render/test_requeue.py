@@ -285,6 +285,14 @@ def test_a_new_submission_keeps_the_newest_pinned_code_copies_and_removes_the_re
             (code / f"{old}{suffix}").write_text("x\n")
             os.utime(code / f"{old}{suffix}", (time.time() - age, time.time() - age))
     (code / "10.tmp").mkdir()  # a copy that an earlier submission never finished
+    # sbatch-gen's files staged by earlier submissions' renders (other sha256s), least recently used first
+    node = code.parent / "node"
+    current = sorted(p.name for p in node.iterdir())
+    assert [n.split(".")[0] for n in current] == ["sbatch-gen-job", "sbatch-gen-node"]
+    for age, sha in ((300, "aaaa"), (200, "bbbb"), (100, "cccc")):
+        for name in (f"sbatch-gen-job.{sha}.sh", f"sbatch-gen-node.{sha}.py"):
+            (node / name).write_text("old\n")
+            os.utime(node / name, (time.time() - age, time.time() - age))
     r = submit("78")
     assert sorted(p.name for p in code.iterdir()) == [
         "30",
@@ -301,6 +309,16 @@ def test_a_new_submission_keeps_the_newest_pinned_code_copies_and_removes_the_re
     assert [ln.split("] ", 1)[1] for ln in removed] == [
         "removed the pinned code of submission 20 (paths.pin_code_keep: the newest 3 are kept)",
         "removed the pinned code of submission 10 (paths.pin_code_keep: the newest 3 are kept)",
+    ], r.stderr
+    # of each kind this job's and the 2 most recently used others are kept
+    assert sorted(p.name for p in node.iterdir()) == sorted(
+        [*current, *(f"sbatch-gen-{k}.{sha}.{ext}" for sha in ("bbbb", "cccc") for k, ext in (("job", "sh"), ("node", "py")))]
+    ), r.stderr
+    removed = [ln.split("] ", 1)[1] for ln in r.stderr.splitlines() if "staged by an earlier" in ln]
+    assert removed == [
+        f"removed sbatch-gen-{k}.aaaa.{ext}, staged by an earlier submission (paths.pin_code_keep: the 3 most "
+        "recently used are kept)"
+        for k, ext in (("job", "sh"), ("node", "py"))
     ], r.stderr
     # a requeue of 78 (and a continuation) pins nothing anew and removes nothing
     r = submit("78", restarts=1)
