@@ -695,6 +695,9 @@ def test_omp_threads_without_a_topology_counts_every_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("SBATCH_GEN_SYSFS_ROOT", str(tmp_path))  # nothing under it
     assert np.omp_threads(112, 8, [0, 1]) == 14
     r = subprocess.run(
-        [sys.executable, "-I", str(PROGRAM), "omp-threads", "8", "x"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-I", str(PROGRAM), "omp-threads", "8", "x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert r.returncode == 2 and "usage: sbatch-gen-node.py omp-threads CPUS PROCS" in r.stderr

@@ -7,8 +7,8 @@ bash with stub Slurm commands (batch_sandbox.py)."""
 
 from __future__ import annotations
 
-import re
 import os
+import re
 import subprocess
 
 import pytest

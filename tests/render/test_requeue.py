@@ -312,7 +312,14 @@ def test_a_new_submission_keeps_the_newest_pinned_code_copies_and_removes_the_re
     ], r.stderr
     # of each kind this job's and the 2 most recently used others are kept
     assert sorted(p.name for p in node.iterdir()) == sorted(
-        [*current, *(f"sbatch-gen-{k}.{sha}.{ext}" for sha in ("bbbb", "cccc") for k, ext in (("job", "sh"), ("node", "py")))]
+        [
+            *current,
+            *(
+                f"sbatch-gen-{k}.{sha}.{ext}"
+                for sha in ("bbbb", "cccc")
+                for k, ext in (("job", "sh"), ("node", "py"))
+            ),
+        ]
     ), r.stderr
     removed = [ln.split("] ", 1)[1] for ln in r.stderr.splitlines() if "staged by an earlier" in ln]
     assert removed == [
