@@ -75,6 +75,9 @@ old-torch: $(OLD_TORCH_VENV)/.installed  ## torch 2.4.1 in a venv of its own (~/
 test: install system-deps old-torch  ## the whole test suite: unit, multi-process (torchrun/gloo), end to end on local Slurm (TEST_WORKERS processes)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
+soak: install system-deps  ## SOAK_RUNS (20) multi-node jobs in a row on the local Slurm, every other one stopped on purpose: not one Traceback in any log, unfiltered (~20 min; not part of make test)
+	$(PY) -m pytest tests/e2e/soak_no_traceback.py -s -q $(PYTEST_ARGS)
+
 demo: install  ## render the sites, then train two regions with DiLoCo over the fs mailbox and summarise
 	$(SG) render --all
 	$(PY) -m sbatch_gen.demo
@@ -89,4 +92,4 @@ bench: install system-deps  ## benchmarks: Markdown table + PNG plots in bench/r
 	command -v aws >/dev/null || $(PYTHON) -m pip install -q awscli
 	$(PY) -m bench
 
-.PHONY: help install system-deps old-torch render check lint format test test-fast demo bench screenshots
+.PHONY: help install system-deps old-torch render check lint format test test-fast soak demo bench screenshots
