@@ -154,6 +154,16 @@ class SlurmPaths(Paths):
         "time, that can only befall a submission whose continuation job still waits in the queue.",
     )
 
+    @check
+    def _keep_needs_pin(self) -> SlurmPaths:
+        if "pin_code_keep" in self.model_fields_set and not self.pin_code:
+            raise FieldError(
+                ("pin_code_keep",),
+                "pin_code_keep is set but pin_code is false, so nothing is pinned or removed: remove it (or "
+                "set pin_code: true)",
+            )
+        return self
+
 
 class Preflight(ProfileSection):
     enabled: bool = Field(default=True, description="Check every node before training starts.")

@@ -278,6 +278,13 @@ CASES = [
         r".*slurm\.secrets\[0\]: SLURM_JOB_ID: Slurm's own: Slurm sets the job's SLURM_\* variables; a secret is",
     ),
     (
+        "paths.pin_code_keep without pin_code: nothing to keep",
+        None,
+        ("paths.pin_code=false", "paths.pin_code_keep=5"),
+        2,
+        r".*paths\.pin_code_keep: pin_code_keep is set but pin_code is false, so nothing is pinned or removed",
+    ),
+    (
         "secrets: one the profile sets as a variable",
         None,
         ("slurm.secrets=[OMP_NUM_THREADS]", "slurm.secrets_file=/tmp/s.env"),
