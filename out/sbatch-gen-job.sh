@@ -152,7 +152,7 @@ node_lines() {
 # previous attempt began a stop checkpoint that did not complete (Slurm ended the job within its grace).
 say_attempt() {
   local running previous
-  log "site $SITE, job $SLURM_JOB_ID, attempt $ATTEMPT${CONTINUES:+ (continues job ${CONTINUES%%.*})}; newest checkpoint: $(step_name "$START_STEP"); requeues in a row without progress: $(cat -- "$NO_PROGRESS_FILE" 2>/dev/null || echo 0) of at most $MAX_REQUEUES"
+  log "site $SITE, job $SLURM_JOB_ID, attempt $ATTEMPT${CONTINUES:+ (continues job ${CONTINUES%%.*})}; newest checkpoint: $(step_name "$START_STEP"); requeues in a row without progress: $(cat -- "$NO_PROGRESS_FILE" 2>/dev/null || echo 0) of at most $MAX_NO_PROGRESS"
   log "nodes ($SLURM_NNODES): $SLURM_JOB_NODELIST; rendezvous $MASTER_ADDR:$MASTER_PORT; $NPROC_PER_NODE processes and $EXPECTED_GPUS GPUs per node"
   log "run dir $RUN_DIR; data ${DATA_PATH:-from the train config}; pinned interface ${PINNED_IFNAME:-none}"
   log "environment: $(env | grep -E '^(NCCL|TORCH|GLOO|OMP)_' | sort | paste -s -d ' ' -)"
@@ -516,7 +516,7 @@ step_name() { if (( $1 < 0 )); then echo "none"; else echo "step $1"; fi; }
 # within_budget: once per attempt, count it: one that completed a checkpoint (periodic or stop) newer than the
 # one it started from (START_STEP) resets the count of requeues in a row without progress ($NO_PROGRESS_FILE),
 # one that Slurm preempted (its record has PreemptTime) leaves it as it is (the cluster's doing, not a crash
-# loop), any other adds one. Status 1 once the count is past $MAX_REQUEUES.
+# loop), any other adds one. Status 1 once the count is past $MAX_NO_PROGRESS.
 within_budget() {
   if (( ! BUDGET_SPENT )); then
     BUDGET_SPENT=1
@@ -529,7 +529,7 @@ within_budget() {
     fi
     printf '%s\n' "$NO_PROGRESS" >"$NO_PROGRESS_FILE" || log "WARNING: cannot write $NO_PROGRESS_FILE"
   fi
-  (( NO_PROGRESS <= MAX_REQUEUES ))
+  (( NO_PROGRESS <= MAX_NO_PROGRESS ))
 }
 
 # slurm_ends WHY: after a SIGTERM to this shell, what Slurm does with the job, said once and acted on in the
@@ -544,7 +544,7 @@ slurm_ends() {
       if within_budget; then
         continue_after_limit "$1"
       else
-        log "$1: the time limit ended this job; no continuation: $NO_PROGRESS attempt(s) in a row saved no newer checkpoint, more than preemption.max_requeues_without_progress ($MAX_REQUEUES)"
+        log "$1: the time limit ended this job; no continuation: $NO_PROGRESS attempt(s) in a row saved no newer checkpoint, more than preemption.max_requeues_without_progress ($MAX_NO_PROGRESS)"
       fi
       ;;
     cancelled)
@@ -556,7 +556,7 @@ slurm_ends() {
 
 # continue_run WHY CODE: this attempt is over; the run goes on (exits). After a SIGTERM to this shell Slurm
 # decides (slurm_ends); Slurm's own requeue (a node failure) starts the next attempt by itself; anything else
-# is requeued from here, unless more than $MAX_REQUEUES attempts in a row saved no newer checkpoint: then the
+# is requeued from here, unless more than $MAX_NO_PROGRESS attempts in a row saved no newer checkpoint: then the
 # job exits with CODE.
 continue_run() {
   local rc
@@ -568,10 +568,10 @@ continue_run() {
     log "$1: Slurm requeues this job itself; this attempt is over"
     exit 0
   elif ! within_budget; then
-    log "not requeueing: $NO_PROGRESS attempt(s) in a row saved no newer checkpoint, more than preemption.max_requeues_without_progress ($MAX_REQUEUES): $1"
+    log "not requeueing: $NO_PROGRESS attempt(s) in a row saved no newer checkpoint, more than preemption.max_requeues_without_progress ($MAX_NO_PROGRESS): $1"
     exit "$2"
   fi
-  log "requeueing job $SLURM_JOB_ID (requeues in a row without progress: $NO_PROGRESS of at most $MAX_REQUEUES): $1"
+  log "requeueing job $SLURM_JOB_ID (requeues in a row without progress: $NO_PROGRESS of at most $MAX_NO_PROGRESS): $1"
   REQUEUED=1
   # Once the requeue takes, Slurm sends TERM to every process of the job, scontrol included: ignored
   # from here on (children inherit it), so a requeue that worked is never reported as failed.
@@ -668,7 +668,7 @@ leave_behind() {
   elif (( left < NNODES )); then
     die 1 "preflight failed on $failed: without $all partition $SLURM_JOB_PARTITION has $left nodes, the job needs $NNODES; not requeueing"
   elif ! within_budget; then
-    die 1 "preflight failed on $failed; not requeueing: $NO_PROGRESS attempt(s) in a row saved no newer checkpoint, more than preemption.max_requeues_without_progress ($MAX_REQUEUES)"
+    die 1 "preflight failed on $failed; not requeueing: $NO_PROGRESS attempt(s) in a row saved no newer checkpoint, more than preemption.max_requeues_without_progress ($MAX_NO_PROGRESS)"
   fi
   log "leaving $failed behind ($why): the next attempt excludes $all (preemption.max_excluded_nodes $MAX_EXCLUDED)"
   REQUEUED=1

@@ -67,7 +67,7 @@ def _changed_lines(before: str, after: str) -> tuple[list[str], list[str]]:
             "local",
             "preemption.max_requeues_without_progress",
             7,
-            ["MAX_REQUEUES=7  # preemption.max_requeues_without_progress"],
+            ["MAX_NO_PROGRESS=7  # preemption.max_requeues_without_progress"],
         ),
         ("local", "slurm.time", "01:00:00", ["#SBATCH --time=01:00:00"]),
     ],
