@@ -153,7 +153,7 @@ def test_an_unknown_setting_or_command_is_refused(tmp_path):
     assert r.returncode == 2 and "unknown setting 'justaword'" in r.stderr
     r = _run_copy(tmp_path, "run-everything")
     assert r.returncode == 2 and r.stderr.startswith(
-        "usage: sbatch-gen-node.py {preflight,fingerprint,run-trainer,torchrun} "
+        "usage: sbatch-gen-node.py {preflight,fingerprint,run-trainer,torchrun,omp-threads} "
     )
 
 
