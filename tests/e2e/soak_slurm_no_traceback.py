@@ -1,4 +1,4 @@
-"""A soak, run by `make soak` (not by `make test`: it takes ~20 minutes): SOAK_RUNS (default 20) multi-node
+"""The Slurm half of the soak, run by `make soak` (not by `make test`: it takes minutes): SOAK_RUNS (default 20) multi-node
 jobs of the `local` site in a row on the local Slurm cluster, every other one stopped on purpose, and not one
 Traceback in any of their logs, read unfiltered.
 
@@ -12,28 +12,16 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import pytest
 from e2e_lib import MEASUREMENTS, Cluster, local_job
+
+from sbatch_gen.testing.logscan import tracebacks
 
 pytestmark = pytest.mark.e2e
 
 RUNS = int(os.environ.get("SOAK_RUNS", "20"))
 STEPS = 12
-
-
-def _tracebacks(root: Path) -> list[str]:
-    """Every Traceback in the text files under ``root``: the file and the lines around it."""
-    found = []
-    for p in sorted(root.rglob("*")):
-        if not p.is_file() or p.suffix not in (".log", ".out", ".err", ".txt", ""):
-            continue
-        lines = p.read_text(errors="replace").splitlines()
-        for i, line in enumerate(lines):
-            if "Traceback" in line:
-                found.append(f"{p}:{i + 1}:\n" + "\n".join(lines[max(0, i - 3) : i + 12]))
-    return found
 
 
 @pytest.mark.timeout(240 * RUNS)
@@ -59,7 +47,7 @@ def test_multi_node_jobs_end_without_a_traceback(cluster: Cluster, e2e_root, tra
         assert job.last_step() == STEPS, job.describe()
         if stop:
             assert info["Restarts"] == "1" and "trainer checkpointed" in job.batch_log(), job.describe()
-        found = _tracebacks(job.root / "logs") + _tracebacks(job.run_dir / "logs")
+        found = tracebacks(job.root / "logs", job.run_dir / "logs")
         kind = "planned stop, requeued" if stop else "to the end"
         rows.append(
             f"run {i + 1:2d}  job {job.job_id}  {kind:22s} {time.monotonic() - t0:5.0f} s  tracebacks {len(found)}"
