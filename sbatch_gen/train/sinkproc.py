@@ -27,9 +27,9 @@ own event writer). The process:
   it (:func:`leave_low_priority`: its own threads and W&B's service; there is no trainer left to yield to,
   and on a busy machine the idle class could starve the last records past the deadline), reads the file to
   where it was at that moment (what follows is a requeued attempt's, whose own sinks' process feeds it),
-  closes the sinks (W&B's finish) and exits. From the trainer's end on it has ``deadline_s`` seconds, whatever it is doing (waiting
-  for the lock, W&B still starting, W&B's finish): past them it says in one line what it was still doing
-  and exits. So it never outlives its trainer by more than that, and a requeued attempt starts a fresh one;
+  closes the sinks (W&B's finish) and exits. From the trainer's end on it has ``deadline_s`` seconds,
+  whatever it is doing (waiting for the lock, W&B still starting, W&B's finish): past them it says in one
+  line what it was still doing and exits. So it never outlives its trainer by more than that, and a requeued attempt starts a fresh one;
 - logs to the trainer's stderr in the trainer's format: its warnings (a sink not started, a sink failed and
   dropped) are lines of the trainer's log.
 
