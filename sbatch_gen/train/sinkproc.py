@@ -29,7 +29,8 @@ own event writer). The process:
   where it was at that moment (what follows is a requeued attempt's, whose own sinks' process feeds it),
   closes the sinks (W&B's finish) and exits. From the trainer's end on it has ``deadline_s`` seconds,
   whatever it is doing (waiting for the lock, W&B still starting, W&B's finish): past them it says in one
-  line what it was still doing and exits. So it never outlives its trainer by more than that, and a requeued attempt starts a fresh one;
+  line what it was still doing and exits. So it never outlives its trainer by more than that, and a
+  requeued attempt starts a fresh one;
 - logs to the trainer's stderr in the trainer's format: its warnings (a sink not started, a sink failed and
   dropped) are lines of the trainer's log.
 
