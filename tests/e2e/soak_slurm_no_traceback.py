@@ -1,12 +1,12 @@
-"""The Slurm half of the soak, run by `make soak` (not by `make test`: it takes minutes): SOAK_RUNS (default 20) multi-node
-jobs of the `local` site in a row on the local Slurm cluster, every other one stopped on purpose, and not one
-Traceback in any of their logs, read unfiltered.
+"""The Slurm half of the soak, run by `make soak` (not by `make test`: it takes minutes): SOAK_RUNS
+(default 20) multi-node jobs of the `local` site in a row on the local Slurm cluster, every other one stopped
+on purpose, and not one Traceback in any of their logs, read unfiltered.
 
 Even runs train to the end (2 nodes x 2 processes; torchrun's exit barrier, the c10d store's host leaving
 last); odd runs get `scancel --signal=USR1 --batch` once training is under way: the planned stop, its
 checkpoint, the requeue and the resumed attempt to the end. After each job every file of its log dir and its
 run dir's logs is read whole; a run with "Traceback" in any of them fails the soak, with the file and the
-lines around it. The table at the end says, per run, its job, kind, attempts and seconds."""
+lines around it. The table at the end says, per run, its job, kind and seconds."""
 
 from __future__ import annotations
 
