@@ -8,13 +8,22 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from sbatch_gen.metrics_options import MetricsOptions
-from sbatch_gen.train.sinkproc import LOCK_FILE, SinkProcess, Tail, Watch
+from sbatch_gen.train.sinkproc import (
+    LOCK_FILE,
+    NICE,
+    SinkProcess,
+    Tail,
+    Watch,
+    leave_low_priority,
+    process_tree,
+)
 
 from .conftest import wait_for
 from .readback import prometheus_samples, tensorboard_scalars
@@ -204,9 +213,6 @@ def test_the_sinks_process_leaves_the_idle_class_once_its_trainer_ended(tmp_path
     """At the trainer's end nothing is left to yield to: the sinks' process and the processes it started
     (W&B's service) go back to the normal class and the trainer's niceness, where Linux allows it: on a busy
     machine the idle class could starve the last records past the deadline."""
-    import subprocess
-
-    from sbatch_gen.train.sinkproc import NICE, leave_low_priority
 
     def low() -> None:
         os.nice(NICE)
@@ -216,8 +222,8 @@ def test_the_sinks_process_leaves_the_idle_class_once_its_trainer_ended(tmp_path
     # a process (standing for the sinks' one) with a child (W&B's service), both idle and niced
     proc = subprocess.Popen(["bash", "-c", "sleep 60 & wait"], preexec_fn=low)
     try:
-        wait_for(lambda: len(_tree(proc.pid)) == 2, 30, "bash started its child")
-        tids = [int(t) for pid in _tree(proc.pid) for t in os.listdir(f"/proc/{pid}/task")]
+        wait_for(lambda: len(process_tree(proc.pid)) == 2, 30, "bash started its child")
+        tids = [int(t) for pid in process_tree(proc.pid) for t in os.listdir(f"/proc/{pid}/task")]
         assert {(os.sched_getscheduler(t), os.getpriority(os.PRIO_PROCESS, t)) for t in tids} == {
             (os.SCHED_IDLE, base + NICE)
         }
@@ -226,12 +232,6 @@ def test_the_sinks_process_leaves_the_idle_class_once_its_trainer_ended(tmp_path
         want = (os.SCHED_OTHER, base) if allowed else (os.SCHED_IDLE, base + NICE)
         assert {(os.sched_getscheduler(t), os.getpriority(os.PRIO_PROCESS, t)) for t in tids} == {want}
     finally:
-        for pid in reversed(_tree(proc.pid)):  # the child first: orphaned, it would outlive the test
+        for pid in reversed(process_tree(proc.pid)):  # the child first: orphaned, it would outlive the test
             os.kill(pid, signal.SIGKILL)
         proc.wait()
-
-
-def _tree(pid: int) -> list[int]:
-    from sbatch_gen.train.sinkproc import process_tree
-
-    return process_tree(pid)
