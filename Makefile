@@ -75,7 +75,7 @@ old-torch: $(OLD_TORCH_VENV)/.installed  ## torch 2.4.1 in a venv of its own (~/
 test: install system-deps old-torch  ## the whole test suite: unit, multi-process (torchrun/gloo), end to end on local Slurm (TEST_WORKERS processes)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
-soak: install system-deps  ## SOAK_RUNS (20) multi-node jobs in a row on the local Slurm and as many two-host SSH launches, every other one stopped on purpose: not one Traceback in any log, unfiltered (not part of make test)
+soak: install system-deps  ## SOAK_RUNS (20) multi-node jobs in a row on the local Slurm and as many two-host SSH launches, every other one stopped on purpose: not one Traceback in any log, unfiltered (root; about 10 min; starts the local Slurm cluster make test uses; not part of make test)
 	$(PY) -m pytest tests/e2e/soak_slurm_no_traceback.py tests/ssh/soak_ssh_no_traceback.py -s -q $(PYTEST_ARGS)
 
 demo: install  ## render the sites, then train two regions with DiLoCo over the fs mailbox and summarise

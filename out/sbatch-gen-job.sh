@@ -210,7 +210,8 @@ node_tails() {
 
 # use_allocated_cpus: slurm.cpus_per_task is a request: every job step takes the CPUs Slurm allocated on a node
 # (the fewest of any node: CPUS_PER_TASK), each of its processes an even share of their physical cores
-# (OMP_NUM_THREADS: the node program's omp-threads reads this node's SMT; without a python here, of the CPUs),
+# (OMP_NUM_THREADS: the node program's omp-threads reads the batch node's SMT, the nodes taken to be alike;
+# without a python here, of the CPUs),
 # unless OMP_NUM_THREADS was set at submit time (OMP_GIVEN says so: a continuation job gets it too, else it
 # computes its own).
 use_allocated_cpus() {

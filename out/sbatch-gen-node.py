@@ -648,7 +648,7 @@ def omp_threads_main(args: list[str]) -> int:
 #   gpus=N gpus_key=K N GPUs per node, as the profile field K says. Exactly N must be visible
 #                     (CUDA_VISIBLE_DEVICES, else what nvidia-smi lists): torchrun starts N processes and local
 #                     rank i takes GPU i, so a missing GPU fails the job later, and an extra one idles, unnoticed,
-#                     because the profile is wrong for this node (OMP_NUM_THREADS is cpus / N as well).
+#                     because the profile is wrong for this node (OMP_NUM_THREADS is the cores / N as well).
 #   log_topology=1    log `nvidia-smi topo -m` (GPU sites)
 #   numa=MODE         topology.numa_binding: check_numa_binding
 #   hcas=H link_layer=L   nccl.ib_hca as NCCL_IB_HCA and nccl.ib_link_layer: check_ib_hcas

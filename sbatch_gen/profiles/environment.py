@@ -53,7 +53,7 @@ class EnvBlock:
 
 
 # The variables a Slurm job sets at run time, not from the profile's value (main's use_allocated_cpus).
-SLURM_RUN_TIME_ENV = {"OMP_NUM_THREADS": "set in main, from the CPUs Slurm allocated"}
+SLURM_RUN_TIME_ENV = {"OMP_NUM_THREADS": "set in main, from the physical cores Slurm allocated"}
 
 
 def set_at_run_time(blocks: Sequence[EnvBlock], names: Mapping[str, str]) -> list[EnvBlock]:

@@ -159,8 +159,8 @@ class SlurmPaths(Paths):
         if "pin_code_keep" in self.model_fields_set and not self.pin_code:
             raise FieldError(
                 ("pin_code_keep",),
-                "pin_code_keep is set but pin_code is false, so nothing is pinned or removed: remove it (or "
-                "set pin_code: true)",
+                "pin_code_keep is set but pin_code is false: no submission's code is pinned, so it keeps and "
+                "removes nothing: remove it (or set pin_code: true)",
             )
         return self
 

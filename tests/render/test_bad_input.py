@@ -282,7 +282,7 @@ CASES = [
         None,
         ("paths.pin_code=false", "paths.pin_code_keep=5"),
         2,
-        r".*paths\.pin_code_keep: pin_code_keep is set but pin_code is false, so nothing is pinned or removed",
+        r".*paths\.pin_code_keep: pin_code_keep is set but pin_code is false: no submission's code is pinned, so it keeps and removes nothing",
     ),
     (
         "secrets: one the profile sets as a variable",
