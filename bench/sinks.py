@@ -37,7 +37,7 @@ from pathlib import Path
 import yaml
 
 from sbatch_gen.metrics_options import MetricsOptions
-from sbatch_gen.testing.regions import descendants
+from sbatch_gen.proc import descendants
 from sbatch_gen.train.data import prepare
 from sbatch_gen.train.sinks import last_logged_step
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from sbatch_gen import node_program
 from sbatch_gen.contract import ENV_STOP_FILE, EXIT_REQUEUE
-from sbatch_gen.proc import process_state
+from sbatch_gen.proc import children, descendants, process_state
 from sbatch_gen.xr_options import CrossRegion, to_argv
 
 from .faults import trainer_module
@@ -45,27 +45,6 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(x) for x in f.read().split()]
-    except OSError:
-        pass
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children, grandchildren, ...), from /proc's children lists."""
-    out, todo = [], [pid]
-    while todo:
-        found = _children(todo.pop())
-        out += found
-        todo += found
-    return out
 
 
 def _is_run_trainer(pid: int) -> bool:
@@ -103,7 +82,7 @@ class RegionRun:
         return rcs
 
     def worker_pids(self) -> list[int]:
-        return [c for p in self.procs if p.poll() is None for c in _children(p.pid)]
+        return [c for p in self.procs if p.poll() is None for c in children(p.pid)]
 
     def kill(self) -> None:
         """SIGKILL the agents and their workers, and run-trainer around them (a crash, as far as the other

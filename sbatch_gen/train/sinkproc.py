@@ -57,6 +57,7 @@ from pathlib import Path
 
 from ..jsonl import complete_lines
 from ..metrics_options import MetricsOptions
+from ..proc import descendants
 from .logsetup import setup_logging
 from .signals import STOP_SIGNALS
 from .sinks import last_logged_step, open_sinks
@@ -268,31 +269,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def process_tree(root: int) -> list[int]:
-    """``root`` and every process below it (W&B's service, its helpers), from /proc."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:  # the field after the command, which may itself hold ") "
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile
-        children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
-
-
 def leave_low_priority(root: int, nice: int) -> bool:
     """Every thread of ``root``'s process tree back in the normal class (from ``SCHED_IDLE``) at niceness
     ``nice`` (the trainer's). Linux lets a process raise its priority only with ``CAP_SYS_NICE`` (root) or a
     ``RLIMIT_NICE`` that allows that niceness: elsewhere it stays low and False is returned."""
     done = True
-    for pid in process_tree(root):
+    for pid in [root, *descendants(root)]:
         try:
             tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
         except OSError:

@@ -507,7 +507,7 @@ def test_queue_waits_are_per_step_and_apart_for_running_and_stopped_turns():
 
 
 def _descendants_threads(pid: int) -> list[int]:
-    from sbatch_gen.testing.regions import descendants
+    from sbatch_gen.proc import descendants
 
     out = []
     for child in descendants(pid):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from sbatch_gen.metrics_options import MetricsOptions
+from sbatch_gen.proc import descendants
 from sbatch_gen.train.sinkproc import (
     LOCK_FILE,
     NICE,
@@ -22,7 +23,6 @@ from sbatch_gen.train.sinkproc import (
     Tail,
     Watch,
     leave_low_priority,
-    process_tree,
 )
 
 from .conftest import wait_for
@@ -222,8 +222,8 @@ def test_the_sinks_process_leaves_the_idle_class_once_its_trainer_ended(tmp_path
     # a process (standing for the sinks' one) with a child (W&B's service), both idle and niced
     proc = subprocess.Popen(["bash", "-c", "sleep 60 & wait"], preexec_fn=low)
     try:
-        wait_for(lambda: len(process_tree(proc.pid)) == 2, 30, "bash started its child")
-        tids = [int(t) for pid in process_tree(proc.pid) for t in os.listdir(f"/proc/{pid}/task")]
+        wait_for(lambda: len(descendants(proc.pid)) == 1, 30, "bash started its child")
+        tids = [int(t) for pid in [proc.pid, *descendants(proc.pid)] for t in os.listdir(f"/proc/{pid}/task")]
         assert {(os.sched_getscheduler(t), os.getpriority(os.PRIO_PROCESS, t)) for t in tids} == {
             (os.SCHED_IDLE, base + NICE)
         }
@@ -232,6 +232,33 @@ def test_the_sinks_process_leaves_the_idle_class_once_its_trainer_ended(tmp_path
         want = (os.SCHED_OTHER, base) if allowed else (os.SCHED_IDLE, base + NICE)
         assert {(os.sched_getscheduler(t), os.getpriority(os.PRIO_PROCESS, t)) for t in tids} == {want}
     finally:
-        for pid in reversed(process_tree(proc.pid)):  # the child first: orphaned, it would outlive the test
+        for pid in reversed(
+            [proc.pid, *descendants(proc.pid)]
+        ):  # the child first: orphaned, it would outlive the test
             os.kill(pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_a_process_tree_is_walked_with_and_without_the_kernels_children_lists(monkeypatch):
+    """sbatch_gen.proc.descendants, which the sinks' process raises back from the idle class: from
+    /proc/PID/task/*/children, and on a kernel without them (CONFIG_PROC_CHILDREN) from every /proc/N/stat."""
+    import builtins
+
+    from sbatch_gen import proc as procmod
+
+    p = subprocess.Popen(["bash", "-c", "sleep 60 & sleep 60 & wait"])
+    try:
+        wait_for(lambda: len(descendants(p.pid)) == 2, 30, "bash started its children")
+        kids = sorted(descendants(p.pid))
+
+        def no_children_lists(path, *a, **kw):
+            if str(path).endswith("/children"):
+                raise FileNotFoundError(path)
+            return builtins.open(path, *a, **kw)
+
+        monkeypatch.setattr(procmod, "open", no_children_lists, raising=False)
+        assert sorted(descendants(p.pid)) == kids
+    finally:
+        for pid in [*descendants(p.pid), p.pid]:
+            os.kill(pid, signal.SIGKILL)
+        p.wait()

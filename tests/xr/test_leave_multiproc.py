@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from sbatch_gen.testing.regions import descendants, launch_region
+from sbatch_gen.proc import descendants
+from sbatch_gen.testing.regions import launch_region
 from sbatch_gen.xr_options import FsTransport
 
 from .test_multiproc import TIMEOUT, assert_same_params, metrics, write_config, xr
