@@ -51,7 +51,7 @@ NUMA_BINDING=''  # topology.numa_binding
 LOG_TOPOLOGY=1  # topology.log_topology
 IB_HCA=''  # nccl.ib_hca as NCCL_IB_HCA: the preflight checks these adapters (empty: none)
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
-NODE_PY_SHA256=eeab2956c4e9c7447494c528e62721e81a758825de09c6736a24fce1ec282cfa  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
+NODE_PY_SHA256=1ef971405c64c6ba8808b2c5fdc4f2fc383bd0f781349abf50808c4c2eb2b091  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv  # python_env.kind

@@ -76,6 +76,18 @@ def cpulist_cpus(cpulist: str) -> list[int]:
     return cpus
 
 
+def siblings_path(cpu: int) -> str:
+    """Where sysfs lists the hardware threads of logical CPU ``cpu``'s core."""
+    return f"{sysfs_root()}/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
+
+
+def physical_core(cpu: int) -> int | None:
+    """The physical core of logical CPU ``cpu``, named by its first hardware thread (the first CPU of its
+    thread_siblings_list), as torch names it; None when that cannot be read."""
+    first = re.split(r"[,-]", read_line(siblings_path(cpu)) or "", maxsplit=1)[0]
+    return int(first) if re.fullmatch(r"\d+", first) else None
+
+
 def sorted_dirs(path: str) -> list[str]:
     """The names of the directories in ``path``, sorted (none if it cannot be listed)."""
     try:
@@ -220,12 +232,11 @@ def check_numa_binding(mode: str) -> tuple[bool, list[str]]:
         cores: set[int] = set()
         unreadable = ""
         for c in usable if mode == "exclusive" else []:
-            path = f"{root}/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list"
-            first = re.split(r"[,-]", read_line(path) or "", maxsplit=1)[0]
-            if not re.fullmatch(r"\d+", first):
-                unreadable = f"{field}: cannot read the physical core of CPU {c} from {path} (torch's exclusive mode reads it)"
+            core = physical_core(c)
+            if core is None:
+                unreadable = f"{field}: cannot read the physical core of CPU {c} from {siblings_path(c)} (torch's exclusive mode reads it)"
                 break
-            cores.add(int(first))  # a core is named by its first logical CPU, as in torch
+            cores.add(core)
         if unreadable:
             problems.append(unreadable)
             continue
@@ -603,14 +614,13 @@ def fingerprint_main(args: list[str]) -> int:
 
 def cores_per_cpu(cpus: list[int]) -> float:
     """The physical cores among these logical CPUs, per CPU: 1.0 without SMT, 0.5 with two hardware threads
-    per core. A CPU counts once per (package, die, core) of its sysfs topology; 1.0 when that cannot be read."""
+    per core (:func:`physical_core`); 1.0 when a CPU's core cannot be read."""
     cores = set()
     for c in cpus:
-        top = f"{sysfs_root()}/sys/devices/system/cpu/cpu{c}/topology"
-        pkg, core = read_line(f"{top}/physical_package_id"), read_line(f"{top}/core_id")
-        if pkg is None or core is None:
+        core = physical_core(c)
+        if core is None:
             return 1.0
-        cores.add((pkg, read_line(f"{top}/die_id"), core))
+        cores.add(core)
     return len(cores) / len(cpus) if cpus else 1.0
 
 

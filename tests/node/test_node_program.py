@@ -666,29 +666,30 @@ def test_preflight_a_node_whose_environment_is_not_the_runs(tmp_path, node_env, 
     ]
 
 
-def _cpu_topology(root: Path, cores: dict[int, tuple[str, str]]) -> None:
-    """A fake /sys/devices/system/cpu: CPU -> (package, core)."""
-    for cpu, (pkg, core) in cores.items():
+def _cpu_topology(root: Path, siblings: dict[int, str]) -> None:
+    """A fake /sys/devices/system/cpu: CPU -> its core's thread_siblings_list."""
+    for cpu, threads in siblings.items():
         top = root / "sys" / "devices" / "system" / "cpu" / f"cpu{cpu}" / "topology"
         top.mkdir(parents=True)
-        (top / "physical_package_id").write_text(f"{pkg}\n")
-        (top / "core_id").write_text(f"{core}\n")
+        (top / "thread_siblings_list").write_text(f"{threads}\n")
 
 
 @pytest.mark.parametrize(
-    ("cores", "cpus", "procs", "want"),
+    ("siblings", "cpus", "procs", "want"),
     [
-        ({c: ("0", str(c)) for c in range(8)}, 112, 8, 14),  # no SMT: CPUs / processes
-        ({c: ("0", str(c % 4)) for c in range(8)}, 112, 8, 7),  # two threads per core (0,4 share core 0)
-        ({c: (str(c // 4), str(c % 2)) for c in range(8)}, 8, 2, 2),  # core ids repeat across packages
-        ({0: ("0", "0"), 1: ("0", "0")}, 2, 8, 1),  # fewer cores than processes: 1
+        ({c: str(c) for c in range(8)}, 112, 8, 14),  # no SMT: CPUs / processes
+        ({c: f"{c % 4},{c % 4 + 4}" for c in range(8)}, 112, 8, 7),  # two threads per core (0,4 share core 0)
+        ({c: f"{c - c % 2}-{c - c % 2 + 1}" for c in range(8)}, 8, 2, 2),  # the siblings as a range
+        ({0: "0-1", 1: "0-1"}, 2, 8, 1),  # fewer cores than processes: 1
     ],
 )
-def test_omp_threads_is_an_even_share_of_the_physical_cores(tmp_path, monkeypatch, cores, cpus, procs, want):
+def test_omp_threads_is_an_even_share_of_the_physical_cores(
+    tmp_path, monkeypatch, siblings, cpus, procs, want
+):
     """Slurm counts hardware threads as CPUs: OMP_NUM_THREADS counts the cores behind them."""
     monkeypatch.setenv("SBATCH_GEN_SYSFS_ROOT", str(tmp_path))
-    _cpu_topology(tmp_path, cores)
-    assert np.omp_threads(cpus, procs, sorted(cores)) == want
+    _cpu_topology(tmp_path, siblings)
+    assert np.omp_threads(cpus, procs, sorted(siblings)) == want
 
 
 def test_omp_threads_without_a_topology_counts_every_cpu(tmp_path, monkeypatch):

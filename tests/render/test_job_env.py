@@ -137,8 +137,7 @@ def test_omp_threads_count_the_physical_cores_of_an_smt_node(tmp_path):
     for cpu in cpus:  # both threads of core 0
         top = sysfs / "sys" / "devices" / "system" / "cpu" / f"cpu{cpu}" / "topology"
         top.mkdir(parents=True)
-        (top / "physical_package_id").write_text("0\n")
-        (top / "core_id").write_text("0\n")
+        (top / "thread_siblings_list").write_text(f"{cpus[0]},{cpus[1]}\n")
     env = {"SLURM_JOB_CPUS_PER_NODE": "8(x2)", "SBATCH_GEN_SYSFS_ROOT": str(sysfs)}
     job, full, stub_dir = prepare(tmp_path, ARGV_AND_ENV_STUBS, "ok", env=env)
     r = subprocess.run(
