@@ -181,6 +181,12 @@ def test_elastic_a_region_away_costs_no_stall_and_rejoins_on_the_shared_state(tm
         first = run("us", root, 6, stop_at=H + 1, **kw)
         assert first["state"]["outer"]["inflight"] == 1
         assert eu_far.wait(60)
+        # eu's round 4 closes in the background while eu trains on (eager): us comes back after its commit,
+        # else (a loaded machine) it would find round 3 the newest and adopt a step of round 4's phase
+        commit4, deadline = root / "t" / round_tag(4) / "_commit.json", time.monotonic() + 60
+        while not commit4.exists():
+            assert time.monotonic() < deadline, "eu's round 4 never closed"
+            time.sleep(0.01)
         return run("us", root, 6, state=first["state"], gate=gate, **kw)
 
     res = in_threads(lambda r: us_away_then_back() if r == "us" else run(r, root, 6, gate=gate, **kw))
