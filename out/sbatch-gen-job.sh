@@ -476,6 +476,80 @@ wait_step() {
   done
 }
 
+# end_attempt: the training step SRUN_PID has exited with status rc (wait_step), or a stop request returned
+# early from wait_step (trainer.stop_protocol signal or none): how the attempt ended decides what comes next.
+# Exits: 0 when training finished; else through continue_run (a requeue, a continuation job or the end), die
+# or leave_behind. In order:
+# - a stop by $STOP_SIGNAL: signal: forwarded to torchrun through srun, STOP_GRACE_S s for the trainer to save;
+#   none: at once; sbatch-gen: up to ACK_TIMEOUT_S s for the stop checkpoint (wait_for_ack). Then requeued.
+# - a SIGTERM to this shell: Slurm decides (slurm_ends): its own requeue, a continuation after the time limit,
+#   the end after a scancel.
+# - the trainer's complete checkpoint ("$STOP_FILE.ack") without this shell signalled: the stop reached the job steps
+#   only (a preemption with GraceTime: once this script has exited Slurm does not requeue), or the trainer
+#   stopped on its own (no cross-region quorum within cross_region.timeout_s): requeued.
+# - a stop that reached the job steps only (Slurm's record, or the stop file) and a trainer that exited without
+#   an ack (one's own that saves on SIGTERM and exits 0): a preemption, not the end: requeued. (A stop file
+#   after a failure says less: srun's --kill-on-bad-exit sends SIGTERM to the other nodes' tasks as well.)
+# - status 0: training finished. The trainer's "$STOP_FILE.fatal" (a bad config or flag, the run dir in use by
+#   another job): every further attempt would fail the same way after its queue wait: the job ends.
+# - a failure: a node that broke during the step (a GPU, an HCA, the health check) would fail the next attempt
+#   too: with PREFLIGHT=1 every node is checked again and those that fail are left behind (not once Slurm
+#   ends or has requeued the job: the allocation is no longer this attempt's); then requeued, within the
+#   budget of attempts without progress.
+end_attempt() {
+  local deadline
+  if [[ $STOP_REQUESTED == "$STOP_SIGNAL" && $STOP_PROTOCOL == signal ]]; then
+    log "SIG$STOP_SIGNAL to torchrun on every node (through srun); waiting up to $STOP_GRACE_S s for the trainer to save and exit"
+    kill -s "$STOP_SIGNAL" "$SRUN_PID" 2>/dev/null || true
+    deadline=$((SECONDS + STOP_GRACE_S + 1))  # SECONDS counts whole seconds: +1 makes it the full grace
+    while kill -0 "$SRUN_PID" 2>/dev/null && (( SECONDS < deadline )); do
+      sleep 1
+    done
+    if kill -0 "$SRUN_PID" 2>/dev/null; then
+      log "WARNING: the training step still runs after $STOP_GRACE_S s; the requeue kills it"
+    else
+      rc=0
+      wait "$SRUN_PID" || rc=$?
+      log "training step exited with status $rc"
+    fi
+    continue_run "stop requested by SIG$STOP_SIGNAL" "$EXIT_REQUEUE"
+  elif [[ $STOP_REQUESTED == "$STOP_SIGNAL" && $STOP_PROTOCOL == none ]]; then
+    continue_run "SIG$STOP_SIGNAL: no graceful stop (trainer.stop_protocol none): the trainer resumes from its own last checkpoint" "$EXIT_REQUEUE"
+  fi
+  log "training step exited with status $rc"
+  if [[ $STOP_PROTOCOL == sbatch-gen ]]; then
+    node_lines "$LOG_DIR/$SLURM_JOB_NAME-$SLURM_JOB_ID.attempt-$ATTEMPT".*.log  # what each node said, one line each
+    if [[ $STOP_REQUESTED == "$STOP_SIGNAL" ]]; then
+      wait_for_ack
+      continue_run "stop requested by SIG$STOP_REQUESTED" "$EXIT_REQUEUE"
+    fi
+  fi
+  if (( GOT_TERM )); then
+    if [[ -e $STOP_FILE.ack ]]; then
+      log "trainer checkpointed: $(cat -- "$STOP_FILE.ack")"
+    fi
+    continue_run "SIGTERM to the batch shell" 143
+  elif [[ -e $STOP_FILE.ack ]]; then
+    log "trainer checkpointed and asked for a requeue: $(cat -- "$STOP_FILE.ack")"
+    continue_run "the trainer stopped after a complete checkpoint" "$EXIT_REQUEUE"
+  elif [[ -n $(slurm_ending) ]] || { (( rc == 0 )) && [[ -e $STOP_FILE ]]; }; then
+    log "the trainer exited with status $rc after a stop reached the training step, without $STOP_FILE.ack: a preemption, not the end of training"
+    continue_run "preempted" "$EXIT_REQUEUE"
+  elif (( rc == 0 )); then
+    log "training finished"
+    exit 0
+  elif [[ -e $STOP_FILE.fatal ]]; then
+    die "$rc" "the trainer cannot run: $(head -n 1 -- "$STOP_FILE.fatal" | cut -c 1-2000); not requeueing (fix it, then resubmit)"
+  fi
+  node_tails "$LOG_DIR/$SLURM_JOB_NAME-$SLURM_JOB_ID.attempt-$ATTEMPT".*.log
+  STEP_RC=$rc
+  if (( PREFLIGHT )) && [[ -z $(slurm_ending) ]]; then
+    log "training step failed with status $STEP_RC: checking the nodes again (preflight)"
+    preflight_nodes || leave_behind "its preflight failed after the training step failed with status $STEP_RC"
+  fi
+  continue_run "training step failed with status $STEP_RC (node failure or trainer error)" "$STEP_RC"
+}
+
 # slurm_ending: why Slurm is ending this job, from its record (scontrol): "requeued" (Restarts grew: an
 # administrator's requeue, a preemption without GraceTime or at its end, a node failure; Slurm starts the
 # next attempt itself), "preempted" (PreemptTime set: a preemption whose GraceTime runs; Slurm signalled the

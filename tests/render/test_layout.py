@@ -26,18 +26,19 @@ LIBRARIES = [d / JOB_LIBRARY_FILE for d in OUT_DIRS]
 
 # The job's decisions come early. The training launch (main's first srun: the preflight's is the job
 # library's) follows torchrun's and the trainer's argument lists (the trainer's --xr-* flags several to a
-# line, each family after a comment naming its section), which puts it at line 226 for eu, and the requeue
+# line, each family after a comment naming its section), which puts it at line 227 for eu, and the requeue
 # decision a few lines later.
 LAUNCH_BY = 230
 DECISION_BY = 240
-# ...and where the flow ends: main's closing brace, after the requeue decision and all it does (278 in eu;
-# the SSH launcher's main is its attempts loop, 181 in lab.sh).
-MAIN_END_BY = 285
-# A Slurm training script whole: 319 lines for eu (801 before its helpers and node functions became the
+# ...and where the flow ends: main's closing brace, after the requeue decision (240 in eu: the job library's
+# end_attempt does it; the SSH launcher's main is its attempts loop, 190 in lab.sh).
+MAIN_END_BY = 245
+# A Slurm training script whole: 281 lines for eu (319 before the decision after the training step became the
+# job library's end_attempt; 801 before its helpers and node functions became the
 # job library and the trainer's --xr-*/--metrics-* flags went three to a line; 373 before this attempt's
 # bookkeeping became the library's start_attempt and one stage_pinned replaced find_pinned's two passes),
 # the bootstrap after main included.
-SLURM_SCRIPT_LINES = 320
+SLURM_SCRIPT_LINES = 285
 # The bootstrap after a Slurm training script's main: these functions, nothing else.
 BOOTSTRAP = ["log", "die", "stage_pinned"]
 
