@@ -35,12 +35,12 @@ from sbatch_gen.fsutil import display_path
 from sbatch_gen.loader import LoadedSite, list_sites, load_site
 from sbatch_gen.profiles import PROFILE_KINDS
 from sbatch_gen.render import (
-    JOB_LIBRARY_FILE,
+    LIBRARIES,
     NODE_PROGRAM_FILE,
     OutputError,
     Rendered,
     check_out_dir,
-    job_library,
+    library,
     node_program,
     other_templates_note,
     render_site,
@@ -231,16 +231,17 @@ def _render_all(loaded: list[LoadedSite], templates_dir: Path | None) -> list[tu
     users = [s for s, r in pairs if r.uses_node_program]
     if users:
         pairs.append((users[0], node_program()))
-    users = [s for s, r in pairs if r.uses_job_library]
-    if users:
-        pairs.append((users[0], job_library(templates_dir)))
+    for name in LIBRARIES:
+        users = [s for s, r in pairs if name in r.libraries]
+        if users:
+            pairs.append((users[0], library(name, templates_dir)))
     return pairs
 
 
 def _output_suffixes() -> list[str]:
     """The endings of the files render writes (what check and diff --against look at)."""
     kinds = {pat.replace("{site}", "") for cls in PROFILE_KINDS.values() for _, pat in cls.OUTPUTS}
-    return sorted(kinds | {NODE_PROGRAM_FILE, JOB_LIBRARY_FILE})
+    return sorted(kinds | {NODE_PROGRAM_FILE, *LIBRARIES})
 
 
 def _read_output(path: Path) -> str | None:

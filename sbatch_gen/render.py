@@ -322,7 +322,7 @@ class Rendered:
     text: str
     template: str
     uses_node_program: bool = False  # the script runs the node program (NODE_PROGRAM_FILE, its sha256 pinned)
-    uses_job_library: bool = False  # the script sources the job library (JOB_LIBRARY_FILE, its sha256 pinned)
+    libraries: tuple[str, ...] = ()  # the LIBRARIES the script sources (their sha256 pinned)
 
 
 # The node program (sbatch_gen/node_program.py): `render` writes it beside the renders under this name, once
@@ -340,41 +340,56 @@ def node_program() -> Rendered:
     return Rendered(NODE_PROGRAM_FILE, node_program_text(), "")
 
 
-# The Slurm training scripts' job library (templates/slurm-job.sh.j2: main's helpers and the node functions):
-# `render` writes it beside the renders under this name, once for all of them; a script that sources it pins
-# its sha256. It depends on no site's settings.
+# The libraries of the launchers' functions, the same for every site: the Slurm training scripts' job library
+# (templates/slurm-job.sh.j2: main's helpers and the node functions) and the SSH launchers' library
+# (templates/ssh-lib.sh.j2: the launcher's functions and the nodes'). `render` writes each beside the renders
+# under its name, once for all of them; a script that sources one pins its sha256 (in the variable named here).
+# They depend on no site's settings: only the contract's names, and the node program's file name.
 JOB_LIBRARY_FILE = "sbatch-gen-job.sh"
-JOB_LIBRARY_TEMPLATE = "slurm-job.sh.j2"
+SSH_LIBRARY_FILE = "sbatch-gen-ssh.sh"
+LIBRARIES = {  # file -> (template, the context key and the variable a script pins its sha256 in)
+    JOB_LIBRARY_FILE: ("slurm-job.sh.j2", "job_lib", "JOB_LIB_SHA256"),
+    SSH_LIBRARY_FILE: ("ssh-lib.sh.j2", "ssh_lib", "SSH_LIB_SHA256"),
+}
 
 
-def job_library(templates_dir: Path | None = None) -> Rendered:
-    """The job library as a file of the render directory, beside the scripts that source it."""
+def library(name: str, templates_dir: Path | None = None) -> Rendered:
+    """One of the LIBRARIES as a file of the render directory, beside the scripts that source it."""
+    template = LIBRARIES[name][0]
     tdir = templates_dir or default_templates_dir()
     env = _cached_env(str(Path(tdir).resolve()))
     try:
-        text = env.get_template(JOB_LIBRARY_TEMPLATE).render(CONTRACT_CONTEXT)
+        text = env.get_template(template).render({**CONTRACT_CONTEXT, "node_py": {"name": NODE_PROGRAM_FILE}})
     except jinja2.TemplateNotFound as e:
         raise UserError(f"{display_path(tdir)}: template {e.name!r} not found") from None
     except jinja2.TemplateError as e:
-        raise UserError(f"{display_path(tdir)}/{JOB_LIBRARY_TEMPLATE}: cannot render: {e}") from None
-    return Rendered(JOB_LIBRARY_FILE, text.rstrip("\n") + "\n", JOB_LIBRARY_TEMPLATE)
+        raise UserError(f"{display_path(tdir)}/{template}: cannot render: {e}") from None
+    return Rendered(name, text.rstrip("\n") + "\n", template)
+
+
+def job_library(templates_dir: Path | None = None) -> Rendered:
+    """The Slurm training scripts' job library (:func:`library`)."""
+    return library(JOB_LIBRARY_FILE, templates_dir)
 
 
 def render_site(site: LoadedSite, templates_dir: Path | None = None) -> list[Rendered]:
-    """The site's files (those that run the node program or source the job library say so: node_program() and
-    job_library() go beside them)."""
+    """The site's files (those that run the node program or source a library say so: node_program() and
+    library() go beside them)."""
     tdir = templates_dir or default_templates_dir()
     env = _cached_env(str(Path(tdir).resolve()))
     out = []
-    # the job library a Slurm training script pins: the same text for every template of the site
-    job_lib = {"name": JOB_LIBRARY_FILE, "sha256": _sha256(job_library(tdir).text)}
+    # the libraries a script pins: the same text for every template of the site
+    libs = {
+        key: {"name": name, "sha256": _sha256(library(name, tdir).text)}
+        for name, (_, key, _) in LIBRARIES.items()
+    }
     for template, pattern in type(site.profile).OUTPUTS:
         state = RenderState()
         try:
             names = _template_closure(env, template)
             sha = inputs_sha256(site, env, names)
             ctx = context(site, sha)
-            ctx["job_lib"] = job_lib
+            ctx.update(libs)
             text = env.get_template(template).render({**ctx, RENDER_STATE: state})
         except jinja2.TemplateNotFound as e:
             raise UserError(f"{display_path(tdir)}: template {e.name!r} not found") from None
@@ -390,8 +405,10 @@ def render_site(site: LoadedSite, templates_dir: Path | None = None) -> list[Ren
             shebang, rest = text.split("\n", 1)
             text = f"{shebang}\n{_SC2016}{rest}"
         uses = f"NODE_PY_SHA256={ctx['node_py']['sha256']}" in text
-        lib = f"JOB_LIB_SHA256={ctx['job_lib']['sha256']}" in text
-        out.append(Rendered(pattern.format(site=site.name), text.rstrip("\n") + "\n", template, uses, lib))
+        pins = tuple(
+            name for name, (_, key, var) in LIBRARIES.items() if f"{var}={libs[key]['sha256']}" in text
+        )
+        out.append(Rendered(pattern.format(site=site.name), text.rstrip("\n") + "\n", template, uses, pins))
     return out
 
 

@@ -1,5 +1,5 @@
 """How the renders get sbatch-gen's files to the nodes, run under bash from the committed renders: find_pinned
-(the sha256 each render pins), stage_pinned (the Slurm job's copies of the node program and of the job
+(the sha256 each render pins), pinned_library (the SSH launcher's library), stage_pinned (the Slurm job's copies of the node program and of the job
 library in the run dir, kept across a checkout that changes) and preflight, the shell call of the program's
 preflight (a node without any python still answers in one line)."""
 
@@ -21,6 +21,8 @@ SHA = hashlib.sha256(PROGRAM.read_bytes()).hexdigest()
 
 JOB_LIB = REPO / "out" / "sbatch-gen-job.sh"
 LIB_SHA = hashlib.sha256(JOB_LIB.read_bytes()).hexdigest()
+SSH_LIB = REPO / "out" / "sbatch-gen-ssh.sh"
+SSH_LIB_SHA = hashlib.sha256(SSH_LIB.read_bytes()).hexdigest()
 
 
 def _functions() -> str:
@@ -43,10 +45,40 @@ def test_every_render_that_runs_it_pins_the_committed_program():
     assert (REPO / "examples" / "out" / "sbatch-gen-node.py").read_bytes() == PROGRAM.read_bytes()
 
 
+def _function(text: str, name: str) -> str:
+    start = text.index(f"\n{name}() {{\n")
+    return text[start : text.index("\n}\n", start) + 3]
+
+
 def _lab_find_pinned() -> str:
-    """The SSH launcher's find_pinned (it ships the program it finds; a Slurm job stages it: stage_pinned)."""
-    start = LAB.index("\nfind_pinned() {\n")
-    return LAB[start : LAB.index("\n}\n", start) + 3]
+    """The SSH library's find_pinned (the launcher ships the program it finds; a Slurm job stages it:
+    stage_pinned)."""
+    return _function(SSH_LIB.read_text(), "find_pinned")
+
+
+def test_an_ssh_launcher_sources_only_the_library_it_pins(tmp_path):
+    """pinned_library DIR: the library beside the launcher (DIR), else in out/, only with the sha256 the
+    launcher pins; else one line naming what it found where, and status 1 (main exits 2)."""
+    assert f"\nSSH_LIB_SHA256={SSH_LIB_SHA}  # " in LAB
+    find = f"SSH_LIB_SHA256={SSH_LIB_SHA}\n{_function(LAB, 'pinned_library')}\npinned_library here"
+    (tmp_path / "here").mkdir()
+    (tmp_path / "out").mkdir()
+    shutil.copy(SSH_LIB, tmp_path / "out" / SSH_LIB.name)
+    r = _bash(find, tmp_path)
+    assert r.returncode == 0 and r.stdout == f"out/{SSH_LIB.name}\n", r.stderr
+    (tmp_path / "here" / SSH_LIB.name).write_text(SSH_LIB.read_text())
+    r = _bash(find, tmp_path)
+    assert r.returncode == 0 and r.stdout == f"here/{SSH_LIB.name}\n", r.stderr
+    (tmp_path / "here" / SSH_LIB.name).write_text("# another version\n")
+    (tmp_path / "out" / SSH_LIB.name).unlink()
+    r = _bash(find, tmp_path)
+    other = hashlib.sha256(b"# another version\n").hexdigest()
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr == (
+        f"[sbatch-gen] ERROR: the {SSH_LIB.name} this script pins (sha256 {SSH_LIB_SHA}) is not there: "
+        f"here/{SSH_LIB.name} has sha256 {other}; no out/{SSH_LIB.name} (sbatch-gen render writes it beside "
+        "the renders: render again)\n"
+    )
 
 
 def test_find_pinned_takes_the_first_file_with_the_pinned_sha256(tmp_path):

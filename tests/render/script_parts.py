@@ -1,9 +1,11 @@
 """The parts of a rendered script, for tests that run or compare one part of it.
 
-A render reads top-down: the settings, then ``main() { ... }`` with the job's flow, then (the SSH launcher)
-its helpers and the node library between its fences, or (a Slurm training script) its bootstrap, then
+A render reads top-down: the settings, then ``main() { ... }`` with the job's flow, then (a setup script)
+its helpers and the node library between its fences, or (a training script) its bootstrap, then
 ``main "$@"`` (templates/slurm.sbatch.j2, ssh-launcher.sh.j2). A Slurm training script's helpers and node
-functions are the job library it sources (templates/slurm-job.sh.j2, out/sbatch-gen-job.sh)."""
+functions are the job library it sources (templates/slurm-job.sh.j2, out/sbatch-gen-job.sh), an SSH
+launcher's the SSH library (templates/ssh-lib.sh.j2, out/sbatch-gen-ssh.sh;
+sbatch_gen.testing.ssh_launcher.ssh_launcher_functions sources it as the launcher does)."""
 
 from __future__ import annotations
 

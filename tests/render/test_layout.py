@@ -2,8 +2,10 @@
 usage), the settings, then main() with the job's flow in order, the launch and the requeue (relaunch)
 decision within its first lines, and where the flow ends. After main: in a Slurm training script only its
 bootstrap (log/die and how main finds its pinned files: the job library it sources and the node program);
-in the SSH launcher and the setup scripts the helpers, then the node library between its fences, with its
-own sha256. `main "$@"` is the last line. The job library (out/sbatch-gen-job.sh) defines functions only."""
+in an SSH launcher the two functions that hold its site's settings and how main finds the SSH library it
+sources; in the setup scripts the helpers, then the node library between its fences, with its own sha256.
+`main "$@"` is the last line. The libraries (out/sbatch-gen-job.sh, out/sbatch-gen-ssh.sh) define functions
+only."""
 
 from __future__ import annotations
 
@@ -11,18 +13,19 @@ import re
 
 import pytest
 
-from sbatch_gen.render import JOB_LIBRARY_FILE
+from sbatch_gen.render import JOB_LIBRARY_FILE, LIBRARIES, SSH_LIBRARY_FILE
 
 from .conftest import REPO
 from .script_parts import LIBRARY_END, LIBRARY_START, function_text, library_lines, library_sha_ok
 
 OUT_DIRS = (REPO / "out", REPO / "examples" / "out")
 RENDERS = sorted(
-    p for d in OUT_DIRS for p in d.iterdir() if p.suffix in (".sbatch", ".sh") and p.name != JOB_LIBRARY_FILE
+    p for d in OUT_DIRS for p in d.iterdir() if p.suffix in (".sbatch", ".sh") and p.name not in LIBRARIES
 )
 TRAINING = [p for p in RENDERS if not p.name.endswith(".setup.sbatch")]
 SLURM_TRAINING = [p for p in TRAINING if p.suffix == ".sbatch"]
-LIBRARIES = [d / JOB_LIBRARY_FILE for d in OUT_DIRS]
+SSH_LAUNCHERS = [p for p in TRAINING if p.suffix == ".sh"]
+LIBRARY_FILES = [d / name for d in OUT_DIRS for name in LIBRARIES if (d / name).exists()]
 
 # The job's decisions come early. The training launch (main's first srun: the preflight's is the job
 # library's) follows torchrun's and the trainer's argument lists (the trainer's --xr-* flags several to a
@@ -41,6 +44,10 @@ MAIN_END_BY = 245
 SLURM_SCRIPT_LINES = 285
 # The bootstrap after a Slurm training script's main: these functions, nothing else.
 BOOTSTRAP = ["log", "die", "stage_pinned"]
+# After an SSH launcher's main: the functions that hold its site's settings, then its bootstrap.
+SSH_AFTER_MAIN = ["preflight_main", "node_main", "pinned_library"]
+# An SSH launcher whole: 277 lines for lab.sh (734 before its functions but those two became the SSH library).
+SSH_LAUNCHER_LINES = 280
 
 
 def _ids(paths):
@@ -64,8 +71,8 @@ def test_main_comes_first_then_its_helpers_then_the_call(path):
     assert lines[-1] == 'main "$@"'
     # nothing runs before main but assignments: no function is defined before main
     assert not [x for x in lines[: main - 1] if x.endswith("() {")]
-    if path in SLURM_TRAINING:
-        assert _functions(lines[main_end:]) == BOOTSTRAP
+    if path in SLURM_TRAINING or path in SSH_LAUNCHERS:
+        assert _functions(lines[main_end:]) == (BOOTSTRAP if path in SLURM_TRAINING else SSH_AFTER_MAIN)
         assert LIBRARY_START not in path.read_text()
         return
     library = _line(lines, lambda x: x.startswith(LIBRARY_START))
@@ -100,12 +107,23 @@ def test_a_slurm_training_script_is_read_whole(path):
     assert '  source "$JOB_LIB"\n' in text
 
 
-@pytest.mark.parametrize("path", LIBRARIES, ids=_ids(LIBRARIES))
-def test_the_job_library_defines_functions_and_reads_no_site_setting(path):
-    """Sourced by every Slurm training script: function definitions only (nothing runs when it is sourced),
-    the same bytes in every render directory, and the sha256 every training script there pins."""
+@pytest.mark.parametrize("path", SSH_LAUNCHERS, ids=_ids(SSH_LAUNCHERS))
+def test_an_ssh_launcher_is_read_whole(path):
+    """Its settings, its flow and the two functions with its site's settings: the rest is the SSH library's,
+    pinned by sha256."""
     text = path.read_text()
-    assert text == (REPO / "out" / JOB_LIBRARY_FILE).read_text()
+    assert len(text.splitlines()) <= SSH_LAUNCHER_LINES
+    assert re.search(r"^SSH_LIB_SHA256=[0-9a-f]{64}  # ", text, re.M)
+    assert '  source "$SSH_LIB"\n' in text
+
+
+@pytest.mark.parametrize("path", LIBRARY_FILES, ids=_ids(LIBRARY_FILES))
+def test_a_library_defines_functions_and_reads_no_site_setting(path):
+    """Sourced by every Slurm training script (the job library) or SSH launcher (the SSH library): function
+    definitions only (nothing runs when it is sourced), the same bytes in every render directory, and the
+    sha256 every script there that sources it pins."""
+    text = path.read_text()
+    assert text == (REPO / "out" / path.name).read_text()
     depth = 0
     for x in text.splitlines():  # at the top level: comments, blank lines, function definitions
         if depth == 0:
@@ -114,17 +132,30 @@ def test_the_job_library_defines_functions_and_reads_no_site_setting(path):
     import hashlib
 
     sha = hashlib.sha256(text.encode()).hexdigest()
-    for script in path.parent.glob("*.sbatch"):
-        if not script.name.endswith(".setup.sbatch"):
-            assert f"JOB_LIB_SHA256={sha}  #" in script.read_text(), script
-    for word in ("eu", "us", "h200", "llm-xr", "ib0"):  # no site, partition, run or interface
+    users = [
+        p
+        for p in (SLURM_TRAINING if path.name == JOB_LIBRARY_FILE else SSH_LAUNCHERS)
+        if p.parent == path.parent
+    ]
+    assert users
+    for script in users:
+        assert f"{LIBRARIES[path.name][2]}={sha}  #" in script.read_text(), script
+    for word in (
+        "eu",
+        "us",
+        "h200",
+        "llm-xr",
+        "ib0",
+        "lab-gpu01",
+        "ssh-local",
+    ):  # no site, partition, run or interface
         assert word not in text.split(), word
 
 
 def test_the_slurm_and_ssh_renders_share_one_node_library():
     """The node functions are written once (templates/_node.j2): the Slurm job library carries the SSH
-    launcher's byte for byte, so a change to them is one hunk, the same in every file."""
-    lab = library_lines((REPO / "out" / "lab.sh").read_text())[1]
+    library's byte for byte, so a change to them is one hunk, the same in every file."""
+    lab = library_lines((REPO / "out" / SSH_LIBRARY_FILE).read_text())[1]
     lib = (REPO / "out" / JOB_LIBRARY_FILE).read_text()
     eu = (REPO / "out" / "eu.sbatch").read_text()
     for name in ("activate_env", "load_modules", "node_py", "preflight", "node_lines"):

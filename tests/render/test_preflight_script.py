@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from sbatch_gen.testing.s3server import free_port
+from sbatch_gen.testing.ssh_launcher import ssh_launcher_functions
 
 from .conftest import REPO, python_without_torch, sg
 from .script_parts import flat, node_library
@@ -113,9 +114,11 @@ def test_the_ssh_launchers_node_program_checks_the_script(tmp_path):
     (NODE_VARS, which must carry TRAINER_SCRIPT: the node program runs with set -u)."""
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
-    text = _render(tmp_path, "ssh-local", script, free_port())
-    head = text[: text.rindex('\nmain "$@"')]
-    run = head + '\nbash -c "$NODE_PROGRAM" sbatch-gen-node preflight_main 0\n'
+    _render(tmp_path, "ssh-local", script, free_port())
+    run = (
+        ssh_launcher_functions(tmp_path / "out" / "ssh-local.sh")
+        + 'bash -c "$NODE_PROGRAM" sbatch-gen-node preflight_main 0\n'
+    )
     env = _env()
     env["HOSTNAME"] = "node0"
     r = subprocess.run(["bash", "-c", run], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -30,7 +30,7 @@ from sbatch_gen.profiles.environment import (
     RUNTIME_EXPORTS,
     SSH_LAUNCHER_EXPORTS,
 )
-from sbatch_gen.render import JOB_LIBRARY_FILE
+from sbatch_gen.render import LIBRARIES
 from sbatch_gen.strict import StrictModel
 
 from .conftest import REPO, sg
@@ -300,7 +300,7 @@ _EXPORT = re.compile(
 def test_every_variable_a_rendered_script_exports_is_reserved(script):
     """A script that exports a variable the profile's extra_env could also set would silently win or lose:
     every `export NAME` in the committed renders must be a reserved name (or come from extra_env)."""
-    if script == JOB_LIBRARY_FILE:  # no site's: the Slurm training scripts' job library
+    if script in LIBRARIES:  # no site's: the Slurm training scripts' job library, the SSH launchers' library
         allowed = set(RESERVED_ENV)
     else:
         allowed = RESERVED_ENV | set(load_site(REPO / "sites", script.split(".")[0]).profile.extra_env)

@@ -14,13 +14,16 @@ in tests/ssh/test_ssh_stop_protocols.py and tests/e2e/test_stop_protocols.py."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
 
 import pytest
 
 from sbatch_gen.launch import SLURM, SSH, TORCHRUN_DEFAULT_SIGNALS, torchrun_argv
 from sbatch_gen.loader import load_site
-from sbatch_gen.render import render_site
+from sbatch_gen.render import SSH_LIBRARY_FILE, render_site
 
 from .conftest import REPO, sg
 
@@ -101,11 +104,30 @@ def test_ssh_launcher_waits_the_same_grace_before_sigkill(sets, grace_line):
     assert f"    --shutdown-timeout={grace}  #" in text  # torchrun's own grace is the launcher's
 
 
-def test_ssh_none_protocol_sigkills_at_once():
-    text = render_site(load_site(REPO / "sites", "ssh-local", ["trainer.stop_protocol=none"]))[0].text
-    assert "\nKILL_GRACE_S=0\n" in text
-    body = text[text.index("cleanup_main() {") : text.index("\n}\n", text.index("cleanup_main() {"))]
-    assert "kill -TERM" not in body and "kill -KILL" in body
+@pytest.mark.parametrize("protocol", ["none", "sbatch-gen"])
+def test_ssh_none_protocol_sigkills_at_once(tmp_path, protocol):
+    """The launcher says none (no grace); the SSH library's cleanup_main, run as a node runs it, sends a
+    tagged process that would save on SIGTERM a SIGKILL at once with none, a SIGTERM first with sbatch-gen."""
+    text = render_site(load_site(REPO / "sites", "ssh-local", [f"trainer.stop_protocol={protocol}"]))[0].text
+    assert f"\nSTOP_PROTOCOL={protocol}  # trainer.stop_protocol" in text
+    assert ("\nKILL_GRACE_S=0\n" in text) == (protocol == "none")
+    tag, saved = f"sbg-test-{os.getpid()}", tmp_path / "saved"
+    victim = subprocess.Popen(
+        ["bash", "-c", f"trap 'touch {saved}; exit 0' TERM; while :; do sleep 0.1; done"],
+        env={**os.environ, "SBATCH_GEN_TAG": tag},
+    )
+    try:
+        r = subprocess.run(
+            ["bash", "-c", f'source {REPO / "out" / SSH_LIBRARY_FILE}\nSTOP_PROTOCOL={protocol}\ncleanup_main "$@"',
+             "node", tag, "5", "0"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert victim.wait(10) == (-signal.SIGKILL if protocol == "none" else 0), r.stdout
+        assert saved.exists() == (protocol == "sbatch-gen"), r.stdout
+        assert ("SIGTERM to" in r.stdout) == (protocol == "sbatch-gen"), r.stdout
+    finally:
+        victim.kill()
 
 
 def test_slurm_signal_render_names_the_grace_and_drops_the_ack_timeout():

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from sbatch_gen.render import LIBRARIES
+
 from .conftest import REPO, sg
 from .script_parts import SCRIPT_SUFFIXES
 
@@ -37,11 +39,12 @@ def test_stop_protocol_renders_are_lint_clean(tmp_path, monkeypatch, protocol):
         "lab.sh",
         "local.sbatch",
         "sbatch-gen-job.sh",
+        "sbatch-gen-ssh.sh",
         "ssh-local.sh",
     ]
     assert len(SHELLCHECKS) == 2 and all(Path(c).exists() for c in SHELLCHECKS), SHELLCHECKS
     for path in scripts:
-        assert f"trainer.stop_protocol {protocol}" in path.read_text() or path.name == "sbatch-gen-job.sh"
+        assert f"trainer.stop_protocol {protocol}" in path.read_text() or path.name in LIBRARIES
         p = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
         assert p.returncode == 0, f"bash -n {path}:\n{p.stderr}"
         for sc in SHELLCHECKS:

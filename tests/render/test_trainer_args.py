@@ -354,7 +354,7 @@ def test_a_script_entry_point_in_both_kinds_renders(work):
     assert "TRAINER_SCRIPT=bin/train.py  # trainer.script (the preflight checks it is readable)\n" in sh
     assert ' torchrun "${torchrun_args[@]}" "$TRAINER_SCRIPT" "${trainer_args[@]}" || rc=$?\n' in sh
     assert ' script="$TRAINER_SCRIPT" \\\n' in sh
-    assert re.search(r"NODE_VARS=\([^)]* TRAINER_SCRIPT TRAIN_CONFIG\n", sh), "the nodes get TRAINER_SCRIPT"
+    assert re.search(r"NODE_VARS=\([^)]* TRAINER_SCRIPT TRAIN_CONFIG\s", sh), "the nodes get TRAINER_SCRIPT"
     assert "TRAINER_MODULE" not in sh
 
 

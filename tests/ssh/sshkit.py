@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sbatch_gen.testing.s3server import free_port
+from sbatch_gen.testing.ssh_launcher import ssh_launcher_functions
 
 SSHD = "/usr/sbin/sshd"
 
@@ -405,10 +406,8 @@ def launcher_lib(tmp_path: Path, port: int, *overrides: str) -> Path:
             *overrides,
         ],
     )
-    text = script.read_text()
-    assert text.endswith('\nmain "$@"\n')
     lib = tmp_path / "launcher-lib.sh"
-    lib.write_text(text[: -len('main "$@"\n')])
+    lib.write_text(ssh_launcher_functions(script))
     return lib
 
 
