@@ -1,7 +1,7 @@
 """``python -m bench [NAME ...] [--quick] [--out DIR]``: run benchmarks, write Markdown/JSON/PNG results.
 
 Names: mailbox, outer, ddp, diloco, elastic, payload, overlap, quality, peer, sinks, render, memory, fsdp,
-roundcost, sparse (default: all,
+roundcost, sparse, sparse_scale (default: all,
 in that order). ``--quick`` runs tiny sizes in seconds (for the tests); results of a quick run go to a temporary
 directory unless ``--out`` is given. ``--subset goals`` (overlap, peer): only the full runs their goals judge.
 """
@@ -37,6 +37,7 @@ BENCHES = {
     "fsdp": "DiLoCo regions FSDP x2 vs DDP x2 (CPU): outer state and peak RSS per rank, round time by phase",
     "roundcost": "fixed cost of a steady DiLoCo round at 80 ms RTT (delay proxy), 2/4/8 regions: fit, requests",
     "sparse": "sparse outer updates (top-k, 2-bit, error feedback) vs dense bf16 DiLoCo: held-out loss, bytes",
+    "sparse_scale": "sparse vs bf16: the bytes of one round at the eu/us run's model size (~128M parameters)",
 }
 # the benchmarks that run a named subset of their full runs (--subset NAME; each module's SUBSETS)
 SUBSETS = ("overlap", "peer")

@@ -553,3 +553,23 @@ def test_sparse_quick(tmp_path):
     sparse = next(r for label, r in by.items() if "sparse 3.0%" in label)
     assert sparse["objects vs bf16"].startswith("1/") and int(sparse["objects vs bf16"][2:]) > 20
     assert all(g["met"] is None for g in d["goals"])
+
+
+def test_sparse_scale_quick(tmp_path):
+    """One round per payload through the real exchange: bf16 puts 2 bytes per parameter on the wire, sparse
+    exactly its format's bytes (whole chunks of 4096, each header + indices + codes), each plus a manifest."""
+    import math
+
+    from sbatch_gen.train.xr.protocol import sparse_chunk_nbytes
+    from sbatch_gen.train.xr.sparse import kept
+
+    d = _bench("sparse_scale", tmp_path, timeout=300)
+    rows = {r["label"]: r for r in d["data"]["rows"]}
+    assert list(rows) == ["bf16", "sparse 1%", "sparse 3%"]
+    numel = rows["bf16"]["numel"]
+    assert rows["bf16"]["count"] == 1 and rows["bf16"]["objects"] == 2 * numel  # one shard below 16 MiB
+    for label, density in (("sparse 1%", 0.01), ("sparse 3%", 0.03)):
+        r = rows[label]
+        assert r["objects"] == math.ceil(numel / 4096) * sparse_chunk_nbytes(4096, kept(4096, density)), label
+        assert 0 < r["manifest"] < 2000 and r["vs_bf16"] < 0.05
+    assert all(g["met"] is None for g in d["goals"])
