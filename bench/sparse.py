@@ -157,11 +157,13 @@ def _report(res: Result, p: Plan, got: list[dict]) -> None:
                 f"{gap * 100:+.2f}%",
                 None if res.quick else gap <= 0.01,  # (--quick judges nothing)
             )
-            res.goal(
-                f"H={h}, density {d:.0%}: bytes per round <= 1/100 of bf16's, manifest included",
-                f"{ratio:.4f} (1/{1 / ratio:.0f}; the objects alone 1/{1 / objects:.0f})",
-                None if res.quick else ratio <= 0.01,
-            )
+            if d <= 0.01:  # (3%: its kept entries alone are 1/38 of bf16's: the table says its bytes)
+                res.goal(
+                    f"H={h}, density {d:.0%}: bytes per round <= 1/100 of bf16's, manifest included, on this "
+                    "small model (at the run's size: bench sparse_scale)",
+                    f"{ratio:.4f} (1/{1 / ratio:.0f}; the objects alone 1/{1 / objects:.0f})",
+                    None if res.quick else ratio <= 0.01,
+                )
     res.table(
         "Held-out loss and bytes per round (region a), against the best dense bf16 of the same H",
         [

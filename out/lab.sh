@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 6cd57fac7a2d81ab6a644c7d8d97ca84b9090ed2ba01ca75ea9a24f78d29faa5
+#   inputs sha256: 76e3d5cf8c59d0fb8faa66ade03ef8502cc233cffdbb2237bd4024e5d6381707
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -13,8 +13,8 @@
 #   touch STOP
 #       stop after the current attempt: the file is checked between attempts, never mid-attempt
 # Exit codes: 0 trained to completion; 1 failed after launch.max_attempts; 2 cannot start (stop file
-# present, no IPv4 address on the interface here, the node program missing or not the one this script
-# pins, or the SSH library, bad arguments); 3 preflight failed on a host before
+# present, no IPv4 address on the interface here, sbatch-gen's SSH library or node program missing or not
+# the one this script pins, bad arguments); 3 preflight failed on a host before
 # the first attempt (before a relaunch it counts as a failed attempt); 4 stopped by the stop file
 # after a failed attempt; 128+N interrupted by signal N.
 # shellcheck disable=SC2034,SC2153  # settings that the SSH library's functions read; what its launch_setup sets
@@ -52,7 +52,7 @@ NUMA_BINDING=''  # topology.numa_binding
 LOG_TOPOLOGY=1  # topology.log_topology
 IB_HCA=''  # nccl.ib_hca as NCCL_IB_HCA: the preflight checks these adapters (empty: none)
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
-SSH_LIB_SHA256=2c7d7f8f68961c773d1947cc5eddba7b9a63a7883e58193799e8a29de632889a  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
+SSH_LIB_SHA256=ef90a6c0c364a57803a85c933591e7e0c5b5c04b3527041c99304b64ba85ec5a  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
 NODE_PY_SHA256=1ef971405c64c6ba8808b2c5fdc4f2fc383bd0f781349abf50808c4c2eb2b091  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
@@ -108,7 +108,8 @@ PREFLIGHT_TIMEOUT_S=120  # launch.preflight_timeout_s
 SHARED_RUN_DIR=1  # launch.shared_run_dir
 STOP_PROTOCOL=sbatch-gen  # trainer.stop_protocol: how a stop reaches the trainer (cleanup_main)
 SITE=lab
-# The settings every node gets besides the launch's own (launch_setup): declare -p prints them as bash code
+# The settings every node gets besides the launch's own (launch_setup, which also sets LOGS): declare -p
+# prints them as bash code
 NODE_VARS=(NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT NUMA_BINDING LOG_TOPOLOGY IB_HCA FAILURE_GRACE_S IB_LINK_LAYER
   ENV_KIND ENV_PATH ENV_NAME MODULES CODE_DIR ENV_HINT NODE_ENV TRAINER_MODULE TRAIN_CONFIG DATA_PATH RUN_DIR
   SHARED_RUN_DIR SECRET_ENV BUCKET_CHECK LOGS DEBUG)
@@ -131,6 +132,7 @@ main() {
   case ${1-} in
     "") ;;
     cleanup) shift; cleanup_command "$@" ;;
+    -h | --help) usage 0 ;;
     *) usage ;;
   esac
   if [[ -e $STOP_FILE ]]; then die 2 "stop file $STOP_FILE exists: remove it to launch"; fi
@@ -139,6 +141,9 @@ main() {
   mkdir -p -- "$LOGS"
   ln -sfn -- "$SITE.$TAG" "$LOG_DIR/$SITE.latest"
   MASTER_ADDR=$(iface_ipv4 "$IFNAME") || die 2 "interface $IFNAME has no IPv4 address on this host (node 0)"
+  # Ctrl-C (SIGINT), SIGTERM, SIGHUP: every node stops (on_signal): SIGTERM to every process tagged $TAG, which
+  # the trainer takes as a stop request (it checkpoints and exits), SIGKILL after launch.kill_grace_s; a
+  # second signal: SIGKILL at once. Each node then says in one line what the stop left.
   trap 'on_signal INT 130' INT
   trap 'on_signal TERM 143' TERM
   trap 'on_signal HUP 129' HUP
@@ -196,6 +201,8 @@ preflight_main() {
   fi
   # the bucket check lists the bucket with the credentials torchrun will get
   if ((${#BUCKET_CHECK[@]})); then export_secrets; fi
+  # torchrun_flags: the flags older torch releases lack, each FLAG=its profile key; the first torch that has it;
+  # compat: an older torch runs without it (run-trainer's shim). Each node's torch must have the others.
   preflight setup_error="$problem" node_id="$rank" nnodes="$NNODES" module="$TRAINER_MODULE" \
     config="$TRAIN_CONFIG" data="$DATA_PATH" ifname="$IFNAME" gpus="$GPUS_PER_NODE" gpus_key=node.gpus \
     log_topology="$LOG_TOPOLOGY" numa="$NUMA_BINDING" hcas="$IB_HCA" link_layer="$IB_LINK_LAYER" \
@@ -270,8 +277,8 @@ pinned_library() {
     if [[ ${sum%% *} == "$SSH_LIB_SHA256" ]]; then printf '%s\n' "$f"; return 0; fi
     said+="; $f has sha256 ${sum%% *}"
   done
-  printf '[sbatch-gen] ERROR: the sbatch-gen-ssh.sh this script pins (sha256 %s) is not there%s (sbatch-gen render writes it beside the renders: render again)\n' \
-    "$SSH_LIB_SHA256" "${said/#;/:}" >&2
+  printf '[sbatch-gen %s] ERROR: the sbatch-gen-ssh.sh this script pins (sha256 %s) is not there%s, in %s (sbatch-gen render writes it beside the renders, with sbatch-gen-node.py: render again, or copy both beside this script)\n' \
+    "$(date -u +%FT%TZ)" "$SSH_LIB_SHA256" "${said/#;/:}" "$PWD" >&2
   return 1
 }
 

@@ -484,9 +484,10 @@ wait_step() {
 #   none: at once; sbatch-gen: up to ACK_TIMEOUT_S s for the stop checkpoint (wait_for_ack). Then requeued.
 # - a SIGTERM to this shell: Slurm decides (slurm_ends): its own requeue, a continuation after the time limit,
 #   the end after a scancel.
-# - the trainer's complete checkpoint ("$STOP_FILE.ack") without this shell signalled: the stop reached the job steps
-#   only (a preemption with GraceTime: once this script has exited Slurm does not requeue), or the trainer
-#   stopped on its own (no cross-region quorum within cross_region.timeout_s): requeued.
+# - the trainer's complete checkpoint ("$STOP_FILE.ack") without this shell signalled: the stop
+#   reached the job steps only (a preemption with GraceTime: once this script has exited Slurm does not
+#   requeue), or the trainer stopped on its own (no cross-region quorum within cross_region.timeout_s):
+#   requeued.
 # - a stop that reached the job steps only (Slurm's record, or the stop file) and a trainer that exited without
 #   an ack (one's own that saves on SIGTERM and exits 0): a preemption, not the end: requeued. (A stop file
 #   after a failure says less: srun's --kill-on-bad-exit sends SIGTERM to the other nodes' tasks as well.)

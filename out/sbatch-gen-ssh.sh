@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# shellcheck disable=SC2034,SC2317,SC2329  # sourced by the SSH launchers: they call these functions and read what they set
+# shellcheck disable=SC2034,SC2120,SC2317,SC2329  # sourced by the SSH launchers: they call these functions (with their arguments) and read what they set
 # sbatch-gen's SSH library: the functions of every SSH launcher (out/<site>.sh), the same for every site,
 # rendered by sbatch-gen from templates/ssh-lib.sh.j2. Do not edit by hand. A launcher sources it once it has
 # checked its sha256 (SSH_LIB_SHA256), then calls launch_setup; its settings (HOSTS, SSH_OPTS, the launch
@@ -313,9 +313,12 @@ check_launcher_host() {
   log "WARNING: node 0 is hosts[0] = $h, but this host is $HOSTNAME and $h is none of its addresses: run the launcher on $h"
 }
 
+# usage [0]: how to run the launcher; an error (exit 2), or with 0 (--help) on stdout and exit 0.
 usage() {
-  die 2 "usage: $0                launch (run it on ${HOSTS[0]}, from the launch directory)
+  local text="usage: $0                launch (run it on ${HOSTS[0]}, from the launch directory)
        $0 cleanup TAG    kill what an earlier launch left behind (its tag is in its log lines)"
+  if [[ ${1-} == 0 ]]; then printf '%s\n' "$text"; exit 0; fi
+  die 2 "$text"
 }
 
 # `cleanup TAG`: for a launch that could not clean up itself (the launcher was SIGKILLed, the launch

@@ -6,6 +6,7 @@ preflight (a node without any python still answers in one line)."""
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -74,11 +75,13 @@ def test_an_ssh_launcher_sources_only_the_library_it_pins(tmp_path):
     r = _bash(find, tmp_path)
     other = hashlib.sha256(b"# another version\n").hexdigest()
     assert r.returncode == 1 and r.stdout == ""
-    assert r.stderr == (
-        f"[sbatch-gen] ERROR: the {SSH_LIB.name} this script pins (sha256 {SSH_LIB_SHA}) is not there: "
-        f"here/{SSH_LIB.name} has sha256 {other}; no out/{SSH_LIB.name} (sbatch-gen render writes it beside "
-        "the renders: render again)\n"
-    )
+    assert re.fullmatch(
+        rf"\[sbatch-gen [0-9T:-]+Z\] ERROR: the {SSH_LIB.name} this script pins \(sha256 {SSH_LIB_SHA}\) is not "
+        rf"there: here/{SSH_LIB.name} has sha256 {other}; no out/{SSH_LIB.name}, in {tmp_path} \(sbatch-gen "
+        r"render writes it beside the renders, with sbatch-gen-node.py: render again, or copy both beside this "
+        r"script\)\n",
+        r.stderr,
+    ), r.stderr
 
 
 def test_find_pinned_takes_the_first_file_with_the_pinned_sha256(tmp_path):

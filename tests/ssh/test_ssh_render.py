@@ -317,3 +317,21 @@ def test_hostile_values_reach_torchrun_on_every_host_exactly(sshd, tmp_path, cle
         assert env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO.resolve())
         assert env["PATH"].split(os.pathsep)[0] == str(venv.resolve() / "bin")
     assert "--xr-root" in xr and "/mnt/x r/mail box `y`" in xr
+
+
+def test_help_and_bad_arguments(tmp_path):
+    """--help: the usage on stdout, status 0; an unknown argument: the usage as an error, status 2. Both from a
+    directory without out/: the launcher finds its library beside itself."""
+    for args, code in ((["--help"], 0), (["-h"], 0), (["bogus"], 2), (["cleanup", "not-a-tag"], 2)):
+        r = subprocess.run(
+            ["bash", str(REPO / "out" / "ssh-local.sh"), *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == code, (args, r.stderr)
+        usage = r.stdout if code == 0 else r.stderr
+        assert "usage: " in usage and " cleanup TAG " in usage, (args, r.stdout, r.stderr)
+        assert ("ERROR" in r.stderr) == (code != 0), (args, r.stderr)
+    assert not (tmp_path / "runs").exists()  # nothing was started, nor a log written
