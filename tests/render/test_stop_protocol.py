@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -104,6 +105,7 @@ def test_ssh_launcher_waits_the_same_grace_before_sigkill(sets, grace_line):
     assert f"    --shutdown-timeout={grace}  #" in text  # torchrun's own grace is the launcher's
 
 
+@pytest.mark.slow  # real processes and signals, a second's wait
 @pytest.mark.parametrize("protocol", ["none", "sbatch-gen"])
 def test_ssh_none_protocol_sigkills_at_once(tmp_path, protocol):
     """The launcher says none (no grace); the SSH library's cleanup_main, run as a node runs it, sends a
@@ -111,16 +113,21 @@ def test_ssh_none_protocol_sigkills_at_once(tmp_path, protocol):
     text = render_site(load_site(REPO / "sites", "ssh-local", [f"trainer.stop_protocol={protocol}"]))[0].text
     assert f"\nSTOP_PROTOCOL={protocol}  # trainer.stop_protocol" in text
     assert ("\nKILL_GRACE_S=0\n" in text) == (protocol == "none")
-    tag, saved = f"sbg-test-{os.getpid()}", tmp_path / "saved"
+    tag, saved, ready = f"sbg-test-{os.getpid()}", tmp_path / "saved", tmp_path / "ready"
     victim = subprocess.Popen(
-        ["bash", "-c", f"trap 'touch {saved}; exit 0' TERM; while :; do sleep 0.1; done"],
+        ["bash", "-c", f"trap 'touch {saved}; exit 0' TERM; touch {ready}; while :; do sleep 0.1; done"],
         env={**os.environ, "SBATCH_GEN_TAG": tag},
     )
+    deadline = time.monotonic() + 30
+    while not ready.exists():  # its trap is set
+        assert time.monotonic() < deadline and victim.poll() is None
+        time.sleep(0.02)
+    grace = "0" if protocol == "none" else "30"  # as the launcher's KILL_GRACE_S: none has no grace
     try:
         r = subprocess.run(
             ["bash", "-c", f'source {REPO / "out" / SSH_LIBRARY_FILE}\nSTOP_PROTOCOL={protocol}\ncleanup_main "$@"',
-             "node", tag, "5", "0"],
-            capture_output=True, text=True, timeout=60,
+             "node", tag, grace, "0"],
+            capture_output=True, text=True, timeout=90,
         )  # fmt: skip
         assert r.returncode == 0, r.stderr
         assert victim.wait(10) == (-signal.SIGKILL if protocol == "none" else 0), r.stdout
