@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 76e3d5cf8c59d0fb8faa66ade03ef8502cc233cffdbb2237bd4024e5d6381707
+#   inputs sha256: 1739a930180e589651fada23ae3ce06a073fce26c1f673a730444497b703c8bd
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).

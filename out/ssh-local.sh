@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 1efa892e5f289e080fab515c9ff0251ae277ee60339cb03a4caac8d5d1129c12
+#   inputs sha256: 19113e63c5c7416b6a146752d55aaa1aeb3907780b775944e8cd2829141cbc74
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
