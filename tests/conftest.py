@@ -9,6 +9,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# pytest caches each test module it rewrote (its asserts) in __pycache__, unless Python may not write
+# bytecode: with PYTHONDONTWRITEBYTECODE set (as in some containers) every pytest process rewrites every
+# test module again, about 7 s of each xdist worker's collection on 2 cores. This process only (the
+# subprocesses the tests start keep the environment as it is); __pycache__ is ignored by git.
+sys.dont_write_bytecode = False
+
 # A suite started in the background (`make test &`, nohup, a CI runner without job control) inherits SIGINT
 # and SIGQUIT ignored, and every launcher and torchrun the tests start would inherit that too (bash cannot
 # trap a signal that was ignored when it started): Ctrl-C on a launcher would do nothing. The tests press

@@ -8,7 +8,9 @@ own modules carry no test hook. Torch-free to import (the trainer is imported wh
   (a fresh run's first region publishes theta0 and trains on at once; under load its peer can still be
   importing torch while it passes the round a benchmark waits for).
 - :func:`sleeping`: every step (or only some ranks' steps: an injected straggler) sleeps after its
-  cross-region round, standing in for a faster device's compute, or giving a test time to act mid-run.
+  cross-region round, standing in for a faster device's compute, or giving a test time to act mid-run;
+  with ``SBATCH_GEN_TEST_STEP_SLEEP_WHILE`` (a path) only while that file exists, so that a test stops the
+  pace once what it had to do mid-run is done (a requeued attempt, a continuation job, inherit the variables).
 - ``SBATCH_GEN_TEST_LEASE_PERIOD_S``: the run-dir lease's heartbeat period (:mod:`sbatch_gen.train.lease`,
   30 s) shortened, so that a test sees a lease go stale, or a takeover stop its holder, in seconds.
 - ``SBATCH_GEN_TEST_SNAPSHOT_GIVE_WAY_S``: how long an outer snapshot's object waits for the rounds' transfers
@@ -46,6 +48,8 @@ START_TOGETHER_TIMEOUT_S = 300.0
 # seconds every step sleeps after its cross-region round; with ENV_STEP_SLEEP_RANKS ("1,3") only those ranks
 ENV_STEP_SLEEP = "SBATCH_GEN_TEST_STEP_SLEEP_S"
 ENV_STEP_SLEEP_RANKS = "SBATCH_GEN_TEST_STEP_SLEEP_RANKS"
+# a path: with ENV_STEP_SLEEP, a step sleeps only while that file exists
+ENV_STEP_SLEEP_WHILE = "SBATCH_GEN_TEST_STEP_SLEEP_WHILE"
 # a path: every step waits after its cross-region round while that file exists
 ENV_STEP_GATE = "SBATCH_GEN_TEST_STEP_GATE"
 # seconds the stop checkpoint waits between writing its files and its marker
@@ -61,6 +65,7 @@ FAULT_ENVS = (
     ENV_START_TOGETHER,
     ENV_STEP_SLEEP,
     ENV_STEP_SLEEP_RANKS,
+    ENV_STEP_SLEEP_WHILE,
     ENV_STEP_GATE,
     ENV_STOP_SAVE_HOLD,
     ENV_LEASE_PERIOD,
@@ -122,15 +127,24 @@ def starting_together(begin: Callable[..., Any], directory: str, processes: int)
     return begin_together
 
 
-def sleeping(cross_region_round: Callable[..., Any], sleep_s: float, ranks: Iterable[int] | None):
+def sleeping(
+    cross_region_round: Callable[..., Any],
+    sleep_s: float,
+    ranks: Iterable[int] | None,
+    while_path: str | None = None,
+):
     """The loop's ``_cross_region_round(t, step)`` (``cross_region_round``, run after every optimizer step,
     with or without a cross-region sync), followed by a sleep of ``sleep_s`` on the ranks ``ranks`` (None:
-    every rank) unless it ended the loop (None: no quorum)."""
+    every rank) unless it ended the loop (None: no quorum); with ``while_path``, only while that file exists."""
     only = None if ranks is None else frozenset(ranks)
 
     def round_then_sleep(t, step):
         out = cross_region_round(t, step)
-        if out is not None and (only is None or t.info.rank in only):
+        if (
+            out is not None
+            and (only is None or t.info.rank in only)
+            and (not while_path or os.path.exists(while_path))
+        ):
             time.sleep(sleep_s)
         return out
 
@@ -212,7 +226,8 @@ def install_from_env(environ: dict[str, str] | None = None) -> None:
 
         listed = env.get(ENV_STEP_SLEEP_RANKS, "").strip()
         ranks = {int(r) for r in listed.split(",") if r.strip()} if listed else None
-        _patch(loop, "_cross_region_round", lambda f: sleeping(f, sleep_s, ranks))
+        while_path = env.get(ENV_STEP_SLEEP_WHILE, "").strip() or None
+        _patch(loop, "_cross_region_round", lambda f: sleeping(f, sleep_s, ranks, while_path))
     gate = env.get(ENV_STEP_GATE, "")
     if gate:
         from sbatch_gen.train import loop

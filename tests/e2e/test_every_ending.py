@@ -316,7 +316,10 @@ def test_many_stops_that_checkpointed_never_use_up_the_budget(cluster, e2e_root,
         config=train_config,
         data=data_dir,
     )
-    job.submit({"SBATCH_GEN_TEST_STEP_SLEEP_S": "0.2"})
+    # paced while the stops land; the last attempt, which only has to finish, trains at its own pace
+    pace = e2e_root / "slices-pace"
+    pace.touch()
+    job.submit({"SBATCH_GEN_TEST_STEP_SLEEP_S": "0.2", "SBATCH_GEN_TEST_STEP_SLEEP_WHILE": str(pace)})
     for attempt in range(2):
         cluster.wait_state(job.job_id, {"RUNNING"}, timeout=120)
         assert cluster.job(job.job_id)["Restarts"] == str(attempt), job.describe()
@@ -326,6 +329,7 @@ def test_many_stops_that_checkpointed_never_use_up_the_budget(cluster, e2e_root,
         while cluster.job(job.job_id)["Restarts"] == str(attempt):
             assert time.monotonic() < deadline, job.describe()
             time.sleep(0.3)
+    pace.unlink()  # both stops done: attempt 1 is over, attempt 2 has not started
     info = cluster.wait_done(job.job_id, timeout=300)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", job.describe()
     log = job.batch_log()
@@ -360,8 +364,13 @@ def test_a_stop_that_overruns_the_time_limit_is_continued_by_a_new_job(
         config=train_config,
         data=data_dir,
     )
-    gate = root / "gate"
-    env = {"SBATCH_GEN_TEST_STOP_SAVE_HOLD_S": "300", "SBATCH_GEN_TEST_STEP_SLEEP_S": "0.3"}
+    gate, pace = root / "gate", root / "pace"
+    pace.touch()  # removed once job 1 has ended: the continuation trains at its own pace
+    env = {
+        "SBATCH_GEN_TEST_STOP_SAVE_HOLD_S": "300",
+        "SBATCH_GEN_TEST_STEP_SLEEP_S": "0.3",
+        "SBATCH_GEN_TEST_STEP_SLEEP_WHILE": str(pace),
+    }
     first = job.submit({**env, "SBATCH_GEN_TEST_STEP_GATE": str(gate)})
     # Slurm sends USR1 at its first limit check (every 30 s) with lead_time_s + 30 s or less left: 0-30 s
     # in. The gate closes past the periodic checkpoint of step 5 (34 steps, 10 s at least, before the end),
@@ -382,6 +391,7 @@ def test_a_stop_that_overruns_the_time_limit_is_continued_by_a_new_job(
     gate.unlink()  # the stop: its checkpoint is held past the limit
     info = cluster.wait_done(first, timeout=240)
     assert info["JobState"] == "TIMEOUT", job.describe()
+    pace.unlink()  # (not before: a USR1 before training started requeues job 1, whose next attempt is paced)
     log = job.batch_log()
     m = re.search(r"continuation job (\d+) submitted", log)
     assert m, log

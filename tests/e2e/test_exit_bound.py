@@ -15,7 +15,7 @@ from e2e_lib import local_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-EXIT_WAIT_S = 10
+EXIT_WAIT_S = 6
 
 
 def test_a_node_that_hangs_after_the_other_finished_ends_the_step_within_the_bound(

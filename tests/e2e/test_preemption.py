@@ -282,15 +282,28 @@ def test_a_qos_preemption_during_a_usr1_stop_checkpoint_lets_it_complete(
     assert "SIGUSR1 received" in first and first.count("requeueing job") == 1, first
 
 
+def _unpace_once_requeued(cluster, job: LocalJob, pace: Path) -> None:
+    """Once Slurm has requeued the job (attempt 0 is over), its next attempt, which only has to finish,
+    trains at its own pace: the per-step sleep (SBATCH_GEN_TEST_STEP_SLEEP_WHILE) ends with ``pace``."""
+    deadline = time.monotonic() + 120
+    while cluster.job(job.job_id)["Restarts"] == "0":
+        assert time.monotonic() < deadline, job.describe()
+        time.sleep(0.3)
+    pace.unlink()
+
+
 def test_an_administrators_requeue_checkpoints_within_kill_wait_and_slurm_requeues(
     cluster, e2e_root, train_config, data_dir
 ):
     """`scontrol requeue`: Slurm TERMs every process of the job and SIGKILLs it KillWait (5 s) later, then
     requeues it itself. The small stop checkpoint fits in those 5 s; the batch script does not requeue too."""
     job = _job(cluster, e2e_root / "admin-requeue", "adminrq", train_config, data_dir)
-    job.submit({"SBATCH_GEN_TEST_STEP_SLEEP_S": "0.3"})
+    pace = job.root / "pace"
+    pace.touch()
+    job.submit({"SBATCH_GEN_TEST_STEP_SLEEP_S": "0.3", "SBATCH_GEN_TEST_STEP_SLEEP_WHILE": str(pace)})
     job.wait_step(6)
     cluster.run("scontrol", "requeue", str(job.job_id))
+    _unpace_once_requeued(cluster, job, pace)
     cluster.wait_done(job.job_id, timeout=400)
     info = cluster.job(job.job_id)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
@@ -317,9 +330,18 @@ def test_sunk_style_preemption_keeps_the_periodic_checkpoint_and_names_the_redon
         data_dir,
         {"slurm.partition": cluster.info["SBATCH_GEN_SLURM_SUNK_PARTITION"]},
     )
-    job.submit({"SBATCH_GEN_TEST_STOP_SAVE_HOLD_S": str(HOLD_S), "SBATCH_GEN_TEST_STEP_SLEEP_S": "0.3"})
+    pace = job.root / "pace"
+    pace.touch()
+    job.submit(
+        {
+            "SBATCH_GEN_TEST_STOP_SAVE_HOLD_S": str(HOLD_S),
+            "SBATCH_GEN_TEST_STEP_SLEEP_S": "0.3",
+            "SBATCH_GEN_TEST_STEP_SLEEP_WHILE": str(pace),
+        }
+    )
     job.wait_step(7)
     preempt(cluster)
+    _unpace_once_requeued(cluster, job, pace)
     cluster.wait_done(job.job_id, timeout=400)
     info = cluster.job(job.job_id)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()

@@ -22,8 +22,15 @@ def test_a_second_job_on_a_running_jobs_run_dir_refuses_to_start(cluster, e2e_ro
     first = local_job(
         cluster, e2e_root / "lease-first", "lease1", WITH_FAULTS, config=train_config, data=data_dir
     )
-    gate = first.root / "gate"
-    first.submit({"SBATCH_GEN_TEST_STEP_SLEEP_S": "0.3", "SBATCH_GEN_TEST_STEP_GATE": str(gate)})
+    gate, pace = first.root / "gate", first.root / "pace"
+    pace.touch()  # paced until job 2 has ended; then job 1 trains its last steps at its own pace
+    first.submit(
+        {
+            "SBATCH_GEN_TEST_STEP_SLEEP_S": "0.3",
+            "SBATCH_GEN_TEST_STEP_SLEEP_WHILE": str(pace),
+            "SBATCH_GEN_TEST_STEP_GATE": str(gate),
+        }
+    )
     first.wait_step(2)
     gate.touch()  # 38 steps (11 s at least) before the end
     # the site's requeue budget (2) is left as it is: a refused job must not spend it (every requeue would
@@ -62,6 +69,7 @@ def test_a_second_job_on_a_running_jobs_run_dir_refuses_to_start(cluster, e2e_ro
     assert "training steps" not in logs, second.describe()  # no rank of job 2 got to train
     assert json.loads((first.run_dir / "lease.json").read_text())["job_id"] == str(first.job_id)
 
+    pace.unlink()
     gate.unlink()
     info = cluster.wait_done(first.job_id, timeout=300)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", first.describe()

@@ -3,6 +3,8 @@ the enroot `#` form of an image checked, and every absolute path the job uses in
 
 from __future__ import annotations
 
+import pytest
+
 from .conftest import edit_site, sg
 
 BASE = {
@@ -83,6 +85,7 @@ def _probe(work, site: str) -> tuple[str, str]:
     return probe, needed.split("=", 1)[1].split("  #")[0].strip("'")
 
 
+@pytest.mark.slow  # the probe in two real python processes, each importing torch
 def test_the_setup_jobs_probe_names_what_the_image_lacks_for_cross_region(work):
     """A container (or any environment) without the library: the setup job says so, and how to add it."""
     import subprocess

@@ -345,6 +345,7 @@ exec {sys.executable} "$@"
 """
 
 
+@pytest.mark.slow  # the setup job runs its probe twice with the real python: two imports of torch
 def test_the_setup_job_installs_the_shared_lock_and_writes_it_when_there_is_none(tmp_path):
     """python_env.lock_dir: the first set-up of an architecture installs the newest versions allowed and
     writes them to locks/<arch>.txt (for the user to commit); every later one installs exactly those."""

@@ -25,7 +25,7 @@ OWN_VAR = "SBG_T_HF_TOKEN"  # a secret of the trainer's own (launch.secrets), li
 NAMES = (KEY_VAR, SECRET_VAR, TOKEN_VAR, WANDB_VAR, OWN_VAR)
 
 # The trainer: records, per node, whether each variable is set and the sha256 of its value (never the value),
-# then stays a moment so that the test sees its processes run.
+# then stays a moment so that the test sees its processes run (the ArgvWatch scans /proc every 0.05 s).
 RECORDER = """import hashlib, json, os, time
 rank = os.environ["SBATCH_GEN_NODE_RANK"]
 seen = {{n: hashlib.sha256(os.environ[n].encode()).hexdigest() if n in os.environ else None for n in {names!r}}}
@@ -33,7 +33,7 @@ os.makedirs("seen", exist_ok=True)
 with open(f"seen/node-{{rank}}.json.tmp", "w") as f:
     json.dump(seen, f)
 os.replace(f"seen/node-{{rank}}.json.tmp", f"seen/node-{{rank}}.json")
-time.sleep(3)
+time.sleep(1)
 """
 
 

@@ -125,6 +125,18 @@ def test_a_sleep_for_some_ranks_sleeps_only_there_and_not_after_a_round_without_
     assert wrapped(on, 2) is None and slept == [0.5]  # no quorum: the loop ends, no sleep
 
 
+def test_a_sleep_while_a_file_exists_stops_once_it_is_gone(monkeypatch, tmp_path):
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    pace = tmp_path / "pace"
+    pace.touch()
+    wrapped = faults.sleeping(lambda t, step: (None, None), 0.3, None, str(pace))
+    t = SimpleNamespace(info=SimpleNamespace(rank=0))
+    assert wrapped(t, 1) == (None, None) and slept == [0.3]
+    pace.unlink()
+    assert wrapped(t, 2) == (None, None) and slept == [0.3]  # gone: no more sleep
+
+
 def test_the_module_to_run_follows_the_environment_and_a_missing_seam_is_refused():
     assert faults.trainer_module(None) == faults.trainer_module({"OTHER": "1"}) == "sbatch_gen.train"
     assert faults.trainer_module({faults.ENV_STEP_SLEEP: "0.1"}) == "sbatch_gen.testing.faults"

@@ -123,9 +123,10 @@ def test_restarted_region_rejoins_midrun_and_is_bitwise_equal_from_its_first_rou
     }
     # eu waits at a step boundary (SBATCH_GEN_TEST_STEP_GATE) from round 4 until the restarted us has
     # rejoined, so us is back before eu ends however slow its start (python, torch) is on a loaded machine
-    # (without the gate, runs beside other test processes came back after eu had ended, 48 and 80 steps)
+    # (without the gate, runs beside other test processes came back after eu had ended, 48 and 80 steps;
+    # with it the run's length no longer matters: 48 steps, 12 rounds, leave rounds after the rejoin)
     gate = tmp_path / "eu-waits-for-us"
-    cfg = write_config(tmp_path, repo, checkpoint={"every": 8, "keep_last": 2}, train={"steps": 80})
+    cfg = write_config(tmp_path, repo, checkpoint={"every": 8, "keep_last": 2}, train={"steps": 48})
     opts = dict(min_regions=1, grace_s=grace, keep_rounds=20, snapshot_every=100, timeout_s=60)
 
     def launch(r):
