@@ -107,9 +107,8 @@ def measure(work: Path, case: Case, overrides: dict | None) -> dict:
         region, e = errors[0]
         raise RuntimeError(f"region {region}, {case.label}: {e}") from e
     objects, manifest, count = _bytes(root)
-    numel = sum(p.numel() for p in _model(overrides).parameters())
     shutil.rmtree(root, ignore_errors=True)
-    return {"label": case.label, "objects": objects, "manifest": manifest, "count": count, "numel": numel}
+    return {"label": case.label, "objects": objects, "manifest": manifest, "count": count}
 
 
 def run(out_dir: Path, quick: bool = False) -> Result:
@@ -118,7 +117,9 @@ def run(out_dir: Path, quick: bool = False) -> Result:
     res = Result("sparse_scale", f"Bytes of one round at {size}: sparse vs bf16", quick)
     with tempfile.TemporaryDirectory(prefix="sbgen-bench-sparse-scale-", dir="/dev/shm") as tmp:
         got = [measure(Path(tmp), c, cfg["model"]) for c in CASES]
-    numel = got[0]["numel"]
+    numel = sum(p.numel() for p in _model(cfg["model"]).parameters())  # once: every case has this model
+    for r in got:
+        r["numel"] = numel
     shape = ", ".join(f"{k} {v}" for k, v in cfg["model"].items()) if quick else ""
     res.setup = [
         f"The model of configs/gpt-125m.yaml{f' with {shape} (--quick)' if quick else ''}: {numel:,} parameters, "
