@@ -3,11 +3,34 @@
 # sbatch-gen's SSH library: the functions of every SSH launcher (out/<site>.sh), the same for every site,
 # rendered by sbatch-gen from templates/ssh-lib.sh.j2. Do not edit by hand. A launcher sources it once it has
 # checked its sha256 (SSH_LIB_SHA256), then calls launch_setup; its settings (HOSTS, SSH_OPTS, the launch
-# settings, STOP_PROTOCOL: trainer.stop_protocol, NODE_VARS) and its preflight_main and node_main are its own.
+# settings, STOP_PROTOCOL: trainer.stop_protocol, NODE_VARS) and its node_main are its own.
 # Functions only: nothing runs when it is sourced.
 #
-# ---- shipped to every node with the launcher's preflight_main and node_main (node 0 runs them locally, the
-# others over ssh) -------------------------------------------------------------------------------------------
+# ---- shipped to every node with the launcher's node_main (node 0 runs them locally, the others over ssh) ------
+
+# preflight_main RANK: the preflight on this node (templates/_node.j2: preflight, which runs the node program)
+# with the launcher's settings, after the cd to the launch directory and the python_env activation (what fails
+# there is the first problem): one line, "preflight ok on HOST: ..." or "preflight FAILED on HOST: ...", and
+# status 1 if a check failed. Starts nothing.
+preflight_main() {
+  local rank=$1 marker='' problem=''
+  receive_secrets
+  if ((SHARED_RUN_DIR)); then marker="$RUN_DIR/.sbatch-gen-shared.$TAG"; fi
+  # The environment torchrun gets (a CUDA_VISIBLE_DEVICES in extra_env counts)
+  if ((${#NODE_ENV[@]})); then export "${NODE_ENV[@]}"; fi
+  if ! cd -- "$LAUNCH_DIR" 2>/dev/null; then
+    problem="launch directory $LAUNCH_DIR does not exist"
+  elif ! activate_env; then
+    problem=$NODE_ERROR
+  fi
+  # the bucket check lists the bucket with the credentials torchrun will get
+  if ((${#BUCKET_CHECK[@]})); then export_secrets; fi
+  preflight setup_error="$problem" node_id="$rank" nnodes="$NNODES" \
+    ${TRAINER_MODULE:+"module=$TRAINER_MODULE"} ${TRAINER_SCRIPT:+"script=$TRAINER_SCRIPT"} config="$TRAIN_CONFIG" \
+    data="$DATA_PATH" ifname="$IFNAME" gpus="$GPUS_PER_NODE" gpus_key=node.gpus log_topology="$LOG_TOPOLOGY" \
+    numa="$NUMA_BINDING" hcas="$IB_HCA" link_layer="$IB_LINK_LAYER" run_dir="$RUN_DIR" shared_marker="$marker" \
+    rdzv_port="$RDZV_PORT" torchrun_flags="$TORCHRUN_FLAGS" "${BUCKET_CHECK[@]}"
+}
 
 # receive_secrets: the launcher's NAME=VALUE records (send_secrets), read from stdin to its end, those of
 # SECRET_ENV's names kept in SECRET_VALUES; nothing is exported here (export_secrets). A terminal on stdin (a

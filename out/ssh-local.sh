@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 19113e63c5c7416b6a146752d55aaa1aeb3907780b775944e8cd2829141cbc74
+#   inputs sha256: f9017e110594f1d59efe0ba916a6f66e5de847c9af677d2cc658dd83e901fd01
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -48,8 +48,11 @@ NUMA_BINDING=''  # topology.numa_binding
 LOG_TOPOLOGY=0  # topology.log_topology
 IB_HCA=''  # nccl.ib_hca as NCCL_IB_HCA: the preflight checks these adapters (empty: none)
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
-SSH_LIB_SHA256=ef90a6c0c364a57803a85c933591e7e0c5b5c04b3527041c99304b64ba85ec5a  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
-NODE_PY_SHA256=1ef971405c64c6ba8808b2c5fdc4f2fc383bd0f781349abf50808c4c2eb2b091  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
+# torchrun's flags that older torch releases lack, for the preflight: FLAG=its profile key; the first torch that has
+# it; compat: an older torch runs without it (run-trainer's shim). Each node's torch must have the others.
+TORCHRUN_FLAGS=--signals-to-handle='trainer.stop_protocol: sbatch-gen; torch >= 2.10; compat,--shutdown-timeout=launch.kill_grace_s; torch >= 2.12; compat'
+SSH_LIB_SHA256=5d40ada28528385c1d7af52190f8b78d9b93633b159bba0fa1130f3481cc3ad6  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
+NODE_PY_SHA256=b9e8e6189c9edbc02722504a63a32e289687697b1629c09fe7762e33872fd3e2  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv  # python_env.kind
@@ -99,7 +102,7 @@ STOP_PROTOCOL=sbatch-gen  # trainer.stop_protocol: how a stop reaches the traine
 SITE=ssh-local
 # The settings every node gets besides the launch's own (launch_setup, which also sets LOGS): declare -p
 # prints them as bash code
-NODE_VARS=(NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT NUMA_BINDING LOG_TOPOLOGY IB_HCA FAILURE_GRACE_S IB_LINK_LAYER
+NODE_VARS=(NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT NUMA_BINDING LOG_TOPOLOGY IB_HCA FAILURE_GRACE_S IB_LINK_LAYER TORCHRUN_FLAGS
   ENV_KIND ENV_PATH ENV_NAME MODULES CODE_DIR ENV_HINT NODE_ENV TRAINER_MODULE TRAIN_CONFIG DATA_PATH RUN_DIR
   SHARED_RUN_DIR SECRET_ENV BUCKET_CHECK)
 
@@ -108,7 +111,7 @@ NODE_VARS=(NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT NUMA_BINDING LOG_TOPOLO
 # node, torchrun there), wait for every node (wait_all) and clean up; then the relaunch decision (at most
 # launch.max_attempts attempts, launch.cooldown_s apart, none once launch.stop_file exists). The functions
 # it calls are sbatch-gen's SSH library's (the same for every site, pinned by sha256: review it once), but
-# preflight_main and node_main, below, which hold this site's settings. The nodes get them over ssh.
+# node_main, below, which holds this site's settings. The nodes get it over ssh, with the settings above.
 main() {
   local r ok resume=$FIRST_RESUME waited
   SSH_LIB=$(pinned_library "$(dirname -- "${BASH_SOURCE[0]}")") || exit 2
@@ -166,33 +169,7 @@ main() {
   done
 }
 
-# ---- the functions that hold this site's settings, shipped to every node with the library's --------------
-# Preflight on one node (templates/_node.j2: preflight, which runs the node program) with this launcher's
-# settings, after the cd to the launch directory and the python_env activation (what fails there is the
-# first problem): one line, "preflight ok on HOST: ..." or "preflight FAILED on HOST: ...", and status 1 if
-# a check failed. Starts nothing.
-preflight_main() {
-  local rank=$1 marker='' problem=''
-  receive_secrets
-  if ((SHARED_RUN_DIR)); then marker="$RUN_DIR/.sbatch-gen-shared.$TAG"; fi
-  # The environment torchrun gets (a CUDA_VISIBLE_DEVICES in extra_env counts)
-  if ((${#NODE_ENV[@]})); then export "${NODE_ENV[@]}"; fi
-  if ! cd -- "$LAUNCH_DIR" 2>/dev/null; then
-    problem="launch directory $LAUNCH_DIR does not exist"
-  elif ! activate_env; then
-    problem=$NODE_ERROR
-  fi
-  # the bucket check lists the bucket with the credentials torchrun will get
-  if ((${#BUCKET_CHECK[@]})); then export_secrets; fi
-  # torchrun_flags: the flags older torch releases lack, each FLAG=its profile key; the first torch that has it;
-  # compat: an older torch runs without it (run-trainer's shim). Each node's torch must have the others.
-  preflight setup_error="$problem" node_id="$rank" nnodes="$NNODES" module="$TRAINER_MODULE" \
-    config="$TRAIN_CONFIG" data="$DATA_PATH" ifname="$IFNAME" gpus="$GPUS_PER_NODE" gpus_key=node.gpus \
-    log_topology="$LOG_TOPOLOGY" numa="$NUMA_BINDING" hcas="$IB_HCA" link_layer="$IB_LINK_LAYER" \
-    run_dir="$RUN_DIR" shared_marker="$marker" rdzv_port="$RDZV_PORT" \
-    torchrun_flags=--signals-to-handle='trainer.stop_protocol: sbatch-gen; torch >= 2.10; compat,--shutdown-timeout=launch.kill_grace_s; torch >= 2.12; compat' "${BUCKET_CHECK[@]}"
-}
-
+# ---- the function that holds this site's settings, shipped to every node with the library's ---------------
 # Start torchrun on one node and return its exit status (128+N when signal N killed it). Only torchrun and
 # what it starts carry the tag (`env` puts it in torchrun's environment): not this shell, nor the node
 # program that supervises torchrun (trainer.stop_protocol sbatch-gen); cleanup_main signals exactly those.

@@ -643,7 +643,8 @@ def omp_threads_main(args: list[str]) -> int:
 # ---- the preflight ----------------------------------------------------------------------------------
 
 # The preflight's settings and their defaults (empty or 0: not checked). The launchers pass them as
-# NAME=VALUE words (templates/slurm.sbatch.j2: PREFLIGHT_ARGS; templates/ssh-launcher.sh.j2: preflight_main).
+# NAME=VALUE words (templates/slurm-job.sh.j2: preflight_nodes, with the training script's PREFLIGHT_ARGS;
+# templates/ssh-lib.sh.j2: preflight_main, from the launcher's settings).
 #   setup_error=E     what went wrong before this program could run (the SSH launcher's cd to the launch
 #                     directory, the python_env activation): reported first; nothing that needs the
 #                     environment's python is checked then

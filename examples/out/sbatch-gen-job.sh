@@ -147,6 +147,14 @@ node_lines() {
   done
 }
 
+# rendezvous: MASTER_ADDR, the first node of the allocation (node 0 of every job step: it hosts torchrun's
+# rendezvous store on MASTER_PORT, torchrun.rdzv_port), exported with MASTER_PORT for the job steps.
+rendezvous() {
+  MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1 || true)
+  [[ -n $MASTER_ADDR ]] || die 1 "cannot resolve the first node of SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"
+  export MASTER_ADDR MASTER_PORT
+}
+
 # say_attempt: what this attempt starts from and with, one line each: the job, the nodes, the run dir, the
 # environment; a warning when the cluster's Slurm or the node count differs from the profile's, or when the
 # previous attempt began a stop checkpoint that did not complete (Slurm ended the job within its grace).
@@ -707,20 +715,31 @@ continue_after_limit() {
 # failed on a node, with those nodes in BAD_NODES (words) and those whose preflight.health_check failed in
 # SICK_NODES. In the background and `wait`ed, so the traps run; a stop request ends it at once, and a stop
 # (a preemption, a scancel: they kill the preflight step too) is no failed node: the run goes on (exits).
+# Its settings (sbatch_gen/node_program.py): the script's PREFLIGHT_ARGS after those of the script's settings
+# and main's state that every site has (TRAINER_MODULE or TRAINER_SCRIPT, TRAIN_CONFIG, DATA_PATH,
+# PINNED_IFNAME, EXPECTED_GPUS, RUN_DIR, MASTER_ADDR:MASTER_PORT, ENV_PINNED when pin_env set it); each node
+# adds its rank and the node count. This shell writes the marker file: a node that does not see it has
+# another filesystem at the run dir.
 preflight_nodes() {
-  local out err
-  : >"$PREFLIGHT_MARKER"
+  local out err marker="$RUN_DIR/.sbatch-gen-shared.$SLURM_JOB_ID.$ATTEMPT"
+  local -a settings=(
+    ${TRAINER_MODULE:+"module=$TRAINER_MODULE"} ${TRAINER_SCRIPT:+"script=$TRAINER_SCRIPT"} config="${TRAIN_CONFIG-}"
+    data="$DATA_PATH" ifname="$PINNED_IFNAME" gpus="$EXPECTED_GPUS" gpus_key=slurm.gpus_per_node run_dir="$RUN_DIR"
+    shared_marker="$marker" rdzv_host="$MASTER_ADDR" rdzv_port="$MASTER_PORT" ${ENV_PINNED:+"env_fingerprint=$ENV_PINNED"}
+    "${PREFLIGHT_ARGS[@]}"
+  )
+  : >"$marker"
   out=$(mktemp)
   err=$(mktemp)
   # shellcheck disable=SC2016  # $SLURM_NODEID and $SLURM_NNODES: expanded on each node, by its task's shell
   srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --cpus-per-task="$CPUS_PER_TASK" ${CONTAINER_ARGS[@]+"${CONTAINER_ARGS[@]}"} \
-    bash -c 'preflight node_id="$SLURM_NODEID" nnodes="$SLURM_NNODES" "$@"' preflight "${PREFLIGHT_ARGS[@]}" >"$out" 2>"$err" &
+    bash -c 'preflight node_id="$SLURM_NODEID" nnodes="$SLURM_NNODES" "$@"' preflight "${settings[@]}" >"$out" 2>"$err" &
   wait_step $! kill
   cat -- "$out" || true
   cat -- "$err" >&2 || true
   BAD_NODES=$(sed -n 's/^preflight FAILED on \([^:]*\):.*/\1/p' -- "$err" | sort -u | paste -sd ' ' - || true)
   SICK_NODES=$(sed -n 's/^preflight FAILED on \([^:]*\):.*(preflight\.health_check).*/\1/p' -- "$err" || true)
-  rm -f -- "$PREFLIGHT_MARKER" "$out" "$err"
+  rm -f -- "$marker" "$out" "$err"
   (( rc != 0 )) || return 0
   [[ -z $STOP_REQUESTED && -z $(slurm_ending) ]] || continue_run "stopped during the preflight" "$EXIT_REQUEUE"
   return 1

@@ -29,25 +29,28 @@ LIBRARY_FILES = [d / name for d in OUT_DIRS for name in LIBRARIES if (d / name).
 
 # The job's decisions come early. The training launch (main's first srun: the preflight's is the job
 # library's) follows torchrun's and the trainer's argument lists (the trainer's --xr-* flags several to a
-# line, each family after a comment naming its section), which puts it at line 227 for eu, and the requeue
+# line, each family after a comment naming its section), which puts it at line 213 for eu, and the requeue
 # decision a few lines later.
-LAUNCH_BY = 230
-DECISION_BY = 240
-# ...and where the flow ends: main's closing brace, after the requeue decision (240 in eu: the job library's
-# end_attempt does it; the SSH launcher's main is its attempts loop, 190 in lab.sh).
-MAIN_END_BY = 245
-# A Slurm training script whole: 281 lines for eu (319 before the decision after the training step became the
-# job library's end_attempt; 801 before its helpers and node functions became the
-# job library and the trainer's --xr-*/--metrics-* flags went three to a line; 373 before this attempt's
-# bookkeeping became the library's start_attempt and one stage_pinned replaced find_pinned's two passes),
-# the bootstrap after main included.
-SLURM_SCRIPT_LINES = 285
+LAUNCH_BY = 215
+DECISION_BY = 225
+# ...and where the flow ends: main's closing brace, after the requeue decision (226 in eu: the job library's
+# end_attempt does it; the SSH launcher's main is its attempts loop, 187 in lab.sh).
+MAIN_END_BY = 230
+# A Slurm training script whole: 267 lines for eu (281 before the preflight's settings that every site has
+# became the job library's preflight_nodes and the rendezvous host its rendezvous; 319 before the decision
+# after the training step became the job library's end_attempt; 801 before its helpers and node functions
+# became the job library and the trainer's --xr-*/--metrics-* flags went three to a line; 373 before this
+# attempt's bookkeeping became the library's start_attempt and one stage_pinned replaced find_pinned's two
+# passes), the bootstrap after main included.
+SLURM_SCRIPT_LINES = 270
 # The bootstrap after a Slurm training script's main: these functions, nothing else.
 BOOTSTRAP = ["log", "die", "stage_pinned"]
-# After an SSH launcher's main: the functions that hold its site's settings, then its bootstrap.
-SSH_AFTER_MAIN = ["preflight_main", "node_main", "pinned_library"]
-# An SSH launcher whole: 285 lines for lab.sh (734 before its functions but those two became the SSH library).
-SSH_LAUNCHER_LINES = 290
+# After an SSH launcher's main: the function that holds its site's settings (torchrun's and the trainer's
+# flags), then its bootstrap.
+SSH_AFTER_MAIN = ["node_main", "pinned_library"]
+# An SSH launcher whole: 262 lines for lab.sh (285 before its preflight_main became the SSH library's; 734
+# before its functions but node_main and preflight_main became the SSH library).
+SSH_LAUNCHER_LINES = 265
 
 
 def _ids(paths):

@@ -57,7 +57,6 @@ def _slurm_preflight(tmp_path: Path, script: Path, path_first: Path | None = Non
     """The rendered Slurm preflight on one node, with the settings the batch script gives it."""
     port = free_port()
     text = _render(tmp_path, "local", script, port)
-    assert '  script="$TRAINER_SCRIPT" config="$TRAIN_CONFIG" ' in text
     functions = node_library(text)
     settings = [
         f"script={script}",
@@ -208,3 +207,77 @@ def test_the_render_passes_the_flags_to_check_only_when_it_uses_them(tmp_path):
         "torchrun_flag=--shutdown-timeout="
         "preemption.checkpoint_s + preemption.margin_s (trainer.stop_grace_s unset); torch >= 2.12",
     ]
+
+
+# srun's stand-in for the preflight step: the settings each node's preflight gets (after bash -c's $0,
+# "preflight"), NUL-separated, and whether the run dir's marker file was there while it ran
+RECORD_SRUN = """#!/bin/bash
+for ((i = 1; i <= $#; i++)); do [[ ${!i} == preflight ]] && break; done
+printf '%s\\0' "${@:i+1}" >"$RECORDED"
+for a in "${@:i+1}"; do [[ $a != shared_marker=* || -e ${a#shared_marker=} ]] || echo missing >"$RECORDED.marker"; done
+"""
+
+
+@pytest.mark.parametrize("entry", ["module", "script"])
+@pytest.mark.parametrize("pinned", [True, False], ids=["env pinned", "no pin"])
+def test_the_job_library_gives_every_node_the_settings_every_site_has(tmp_path, entry, pinned):
+    """preflight_nodes (the job library) hands each node's preflight the settings every site has, from the
+    script's settings and main's state, then the render's own PREFLIGHT_ARGS: the trainer's module or
+    script, its config and data, the interface, the GPUs, the run dir with a marker file this shell wrote,
+    the rendezvous, and the environment's fingerprint where pin_env set one. A value with spaces or quotes
+    stays one setting."""
+    from sbatch_gen.render import job_library
+
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "srun").write_text(RECORD_SRUN)
+    (stubs / "srun").chmod(0o755)
+    run_dir = tmp_path / "run dir"
+    run_dir.mkdir()
+    recorded = tmp_path / "recorded"
+    entry_value = "pkg.train" if entry == "module" else "bin/my train's.py"
+    state = {
+        "TRAINER_MODULE" if entry == "module" else "TRAINER_SCRIPT": entry_value,
+        "TRAIN_CONFIG": "configs/a b.yaml",
+        "DATA_PATH": "/data/x",
+        "PINNED_IFNAME": "ib0",
+        "EXPECTED_GPUS": "8",
+        "RUN_DIR": str(run_dir),
+        "SLURM_JOB_ID": "77",
+        "ATTEMPT": "2",
+        "MASTER_ADDR": "n1",
+        "MASTER_PORT": "29500",
+        "SLURM_NNODES": "2",
+        "CPUS_PER_TASK": "4",
+        **({"ENV_PINNED": "torch 2.13.0, Python 3.11.7 on x86_64, 9 packages (abc)"} if pinned else {}),
+    }
+    prog = (
+        job_library().text
+        + "\nlog() { :; }\nSTOP_REQUESTED=''\nrc=0\n"
+        + "".join(f"{k}={shlex.quote(v)}\n" for k, v in state.items())
+        + "PREFLIGHT_ARGS=(log_topology=1 connect_timeout_s=60)\n"
+        + "preflight_nodes && echo ok\n"
+    )
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "RECORDED": str(recorded)}
+    r = subprocess.run(
+        ["bash", "-c", prog], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30
+    )
+    assert r.returncode == 0 and r.stdout == "ok\n", r.stderr
+    marker = f"{run_dir}/.sbatch-gen-shared.77.2"
+    assert recorded.read_text().split("\0")[:-1] == [
+        f"{entry}={entry_value}",
+        "config=configs/a b.yaml",
+        "data=/data/x",
+        "ifname=ib0",
+        "gpus=8",
+        "gpus_key=slurm.gpus_per_node",
+        f"run_dir={run_dir}",
+        f"shared_marker={marker}",
+        "rdzv_host=n1",
+        "rdzv_port=29500",
+        *([f"env_fingerprint={state['ENV_PINNED']}"] if pinned else []),
+        "log_topology=1",
+        "connect_timeout_s=60",
+    ]
+    assert not (tmp_path / "recorded.marker").exists()  # the marker was there while the preflight ran
+    assert not Path(marker).exists()  # and is removed after it

@@ -345,7 +345,6 @@ def test_a_script_entry_point_in_both_kinds_renders(work):
     sb = (work / "o" / "local.sbatch").read_text()
     assert "TRAINER_SCRIPT=bin/train.py  # trainer.script\n" in sb
     assert '  torchrun "${TORCHRUN_ARGS[@]}" "$TRAINER_SCRIPT" "${TRAINER_ARGS[@]}" &\n' in sb
-    assert '  script="$TRAINER_SCRIPT" config="$TRAIN_CONFIG" ' in sb
     assert "TRAINER_MODULE" not in sb and "[module]" not in sb
     setup = (work / "o" / "local.setup.sbatch").read_text()
     assert 'print("trainer script", script, "readable:", os.access(script, os.R_OK))' in setup
@@ -353,7 +352,6 @@ def test_a_script_entry_point_in_both_kinds_renders(work):
     sh = (work / "o" / "ssh-local.sh").read_text()
     assert "TRAINER_SCRIPT=bin/train.py  # trainer.script (the preflight checks it is readable)\n" in sh
     assert ' torchrun "${torchrun_args[@]}" "$TRAINER_SCRIPT" "${trainer_args[@]}" || rc=$?\n' in sh
-    assert ' script="$TRAINER_SCRIPT" \\\n' in sh
     assert re.search(r"NODE_VARS=\([^)]* TRAINER_SCRIPT TRAIN_CONFIG\s", sh), "the nodes get TRAINER_SCRIPT"
     assert "TRAINER_MODULE" not in sh
 
