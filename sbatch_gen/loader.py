@@ -278,7 +278,9 @@ def _forgotten_kind(data: dict, default: Where) -> UserError | None:
     return None
 
 
-def validate_profile(data: dict, where: dict[DataPath, Where], default: Where) -> ProfileBase:
+def validate_profile(
+    data: dict, where: dict[DataPath, Where], default: Where, overrides: Iterable[str] = ()
+) -> ProfileBase:
     forgotten = _forgotten_kind(data, default)
     if forgotten is not None:
         raise forgotten
@@ -290,8 +292,11 @@ def validate_profile(data: dict, where: dict[DataPath, Where], default: Where) -
     try:
         return cls.model_validate(data)
     except ValidationError as e:
+        kinds_set = [
+            (tuple(p), override_label(o)) for o in overrides if (p := parse_override(o)[0])[-1] == "kind"
+        ]
         raise UserError(
-            format_validation_error(e, cls, where, default, top_level_extra=["extends"])
+            format_validation_error(e, cls, where, default, top_level_extra=["extends"], kinds_set=kinds_set)
         ) from None
 
 
@@ -307,7 +312,7 @@ def load_site(sites_dir: Path, name: str, overrides: Iterable[str] = ()) -> Load
     data, where, files = _load_chain(sites_dir, path.name, ())
     overrides = list(overrides)
     apply_overrides(data, where, overrides)
-    profile = validate_profile(data, where, Where(display_path(path), 1))
+    profile = validate_profile(data, where, Where(display_path(path), 1), overrides)
     return LoadedSite(
         name=name,
         path=path,

@@ -556,6 +556,30 @@ def test_validate_takes_set_as_render_does(work):
     assert sg("validate", "--set", "cross_region.inner_steps=1000").code == 0
 
 
+def test_keys_a_set_kind_makes_unknown_name_the_override_beside_their_line(work):
+    """--set cross_region.transport.kind=fs: the base profile's s3 keys are unknown to the fs transport, and
+    its root missing. Each line names where the key is written and the override that changed the kind
+    beside it, so the file's lines are not taken for the mistake; an error elsewhere says nothing of it."""
+    base = REPO / "sites" / "_base" / "llm-xr-1.yaml"
+    err = _fails(
+        "validate", "--site", "eu", "--set", "cross_region.transport.kind=fs", "--set", "slurm.nodes=0"
+    )
+    after = " (after --set cross_region.transport.kind=fs)"
+    lines = err.splitlines()
+    bucket = _line_of(base, "    bucket: llm-xr-mailbox")
+    assert (
+        f"sbatch-gen: sites/_base/llm-xr-1.yaml:{bucket}: cross_region.transport.bucket: unknown key 'bucket' "
+        f"(valid keys: kind, root){after}"
+    ) in lines, err
+    assert any(x.endswith(f"cross_region.transport.root: required field is missing{after}") for x in lines), (
+        err
+    )
+    assert [x for x in lines if "slurm.nodes" in x] == [
+        "sbatch-gen: --set slurm.nodes=0: slurm.nodes: Input should be greater than or equal to 1 (got 0)"
+    ], err
+    assert all(x.endswith(after) for x in lines if "cross_region.transport" in x), err
+
+
 def test_every_independent_problem_of_a_profile_in_one_run(work):
     """One run reports every independent problem a file has, each `file:line: field: message`: every bad
     name of a mapping (extra_env), and every check between fields of the profile (every bad item of
