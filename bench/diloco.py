@@ -1,7 +1,7 @@
 """Benchmark 4: DiLoCo (H = 10, 50, 100) vs per-step gradient averaging, 2 regions, the same tokens.
 
-Each variant: two regions, each its own torchrun (1 process) of the real trainer, meeting only in an fs
-mailbox, the same config and the same number of steps (so the same tokens). From the regions'
+Each variant: two regions, each its own torchrun (1 process) of the real trainer (``--quick``: one plain
+trainer process, no torchrun agent: half the processes to start), meeting only in an fs mailbox, the same config and the same number of steps (so the same tokens). From the regions'
 metrics.jsonl: loss per step, bytes each region uploads/downloads per round, and the time each round
 spends in cross-region sync (``xr_total_s``).
 """
@@ -15,13 +15,14 @@ from pathlib import Path
 from sbatch_gen.testing.regions import launch_region
 from sbatch_gen.xr_options import CrossRegion, FsTransport
 
+from . import regionruns
 from .common import Result
 from .trainruns import read_metrics, write_config
 
 REGIONS = ["a", "b"]
 
 
-def _run_variant(work: Path, cfg: Path, name: str, sync: str, h: int, timeout: float) -> dict:
+def _run_variant(work: Path, cfg: Path, name: str, sync: str, h: int, timeout: float, quick: bool) -> dict:
     runs = []
     for region in REGIONS:
         xr = CrossRegion(
@@ -34,6 +35,18 @@ def _run_variant(work: Path, cfg: Path, name: str, sync: str, h: int, timeout: f
             transport=FsTransport(root=str(work / f"mailbox-{name}")),
             timeout_s=600,
         )
+        if quick:  # the tests: the same trainer, one plain process per region (no torchrun agent to start)
+            runs.append(
+                regionruns.launch_region(
+                    xr,
+                    config=cfg,
+                    run_dir=work / name / region,
+                    data=work / "data",
+                    resume="none",
+                    log_dir=work / name / "logs",
+                )
+            )
+            continue
         runs.append(
             launch_region(
                 xr,
@@ -103,7 +116,7 @@ def run(out_dir: Path, quick: bool = False) -> Result:
         for name, sync, h in plan:
             print(f"  diloco: {name}", flush=True)
             key = name.split(" ")[0] + (f"-{h}" if sync == "diloco" else "")
-            v = _run_variant(work, cfg, key.replace("=", ""), sync, h, timeout=1200)
+            v = _run_variant(work, cfg, key.replace("=", ""), sync, h, timeout=1200, quick=quick)
             v["label"] = name
             variants.append(v)
     finally:
@@ -142,7 +155,8 @@ def run(out_dir: Path, quick: bool = False) -> Result:
     )
     tok = variants[0]["tokens"][-1]
     res.setup += [
-        f"2 regions x 1 process (torchrun, gloo, CPU), each its own data shard; a 2-layer width-128 GPT, "
+        f"2 regions x 1 process ({'one plain trainer process' if quick else 'torchrun, gloo'}, CPU), each "
+        "its own data shard; a 2-layer width-128 GPT, "
         f"batch 8 x 64 tokens, {steps} steps per region = {tok} tokens in all, for every variant.",
         "Transport: fs mailbox (local directory), bf16 payloads, CrossRegion defaults otherwise; outer lr 0.7, "
         "momentum 0.9 (Nesterov).",

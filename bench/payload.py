@@ -91,11 +91,13 @@ FULL = Sizes(
     q_seeds=(1234, 99),
     q_eval_windows=1024,
 )
+# --quick (the tests): the round part's fs runs are the quality part's runs too (one run per dtype, not two):
+# the same model, batch, H and number of rounds (q_steps // q_h), with the quality config of q_seeds[0]
 QUICK = Sizes(
     r_model={"n_layers": 1, "d_model": 32, "n_heads": 2, "seq_len": 16},
     r_batch=2,
     r_h=2,
-    r_rounds=2,
+    r_rounds=4,
     r_warmup=1,
     wan_mbit=400,
     wan_rtt_ms=20.0,
@@ -133,7 +135,10 @@ def _round_variant(
     shard_mb: float = SHARD_MB,
     prefix: list[str] | None = None,
     env: dict | None = None,
+    quality: tuple[Sizes, int] | None = None,
 ) -> dict:
+    """One run of the round part. ``quality``: (sizes, seed) when the run is also the quality part's run of
+    ``dtype`` and that seed (--quick): its quality figures under ``"quality"``, taken before its files go."""
     name = f"r-{where}-{dtype}-{shard_mb:g}"
     root = work / name
     runs = launch_pair(
@@ -163,6 +168,7 @@ def _round_variant(
         # total also holds its wait for this one's compute)
         later = min((rounds[region][i] for region in REGIONS), key=lambda r: r["xr_total_s"])
         per_round.append(later)
+    qual = None if quality is None else _quality_figures(root, data, quality[0], dtype, quality[1])
     shutil.rmtree(root, ignore_errors=True)  # the 25M model's checkpoints live on tmpfs
     ups = {r["xr_bytes_up"] for region in REGIONS for r in rounds[region]}
     if len(ups) != 1:
@@ -181,6 +187,7 @@ def _round_variant(
         "round_s": median([r["xr_total_s"] for r in per_round]),
         "rounds_s": [r["xr_total_s"] for r in per_round],
         "split": {k: mid[f"xr_{k}_s"] for k in ("upload", "wait", "download", "reduce", "outer_step")},
+        "quality": qual,
     }
 
 
@@ -227,6 +234,8 @@ def _codec_times(numel: int, reps: int) -> dict[str, tuple[float, float]]:
 
 
 def _rounds(work: Path, data: Path, sz: Sizes, quick: bool, res: Result) -> dict[str, list[dict]]:
+    """Part 1's runs: over the WAN (where it runs), then on fs; --quick: the fs runs with part 2's config of
+    its one seed, each also that dtype's quality run (:func:`_quality` then takes their figures)."""
     cfg = train_config(
         work / "round.yaml",
         steps=sz.r_h * sz.r_rounds,
@@ -256,9 +265,18 @@ def _rounds(work: Path, data: Path, sz: Sizes, quick: bool, res: Result) -> dict
     else:
         res.notes.append(f"WAN part skipped: {why}")
 
+    fs_cfg, quality = cfg, None
+    if quick:
+        (seed,) = sz.q_seeds
+        assert sz.r_h * sz.r_rounds == sz.q_steps and sz.r_h == sz.q_h and sz.r_model == sz.q_model
+        assert sz.r_batch == sz.q_batch
+        fs_cfg, quality = _quality_config(work, data, sz, seed), (sz, seed)
+
     def fs(dtype: str) -> dict:
         t0 = time.monotonic()
-        v = _round_variant(work, data, cfg, sz, "fs", FsTransport(root=str(work / "mailbox")), dtype)
+        transport = FsTransport(root=str(work / "mailbox"))
+        q = quality if dtype in Q_DTYPES else None
+        v = _round_variant(work, data, fs_cfg, sz, "fs", transport, dtype, quality=q)
         print(
             f"  payload: fs {dtype}: round {v['round_s']:.3f} s ({time.monotonic() - t0:.0f} s)", flush=True
         )
@@ -272,6 +290,19 @@ def _rounds(work: Path, data: Path, sz: Sizes, quick: bool, res: Result) -> dict
 
 # ---------------------------------------------------------------------------------------------------
 # Part 2: quality
+
+
+def _quality_config(work: Path, data: Path, sz: Sizes, seed: int) -> Path:
+    return train_config(
+        work / f"quality-{seed}.yaml",
+        steps=sz.q_steps,
+        model=sz.q_model,
+        batch=sz.q_batch,
+        data_dir=data,
+        ckpt_every=10 * sz.q_steps,
+        warmup=20,
+        seed=seed,
+    )
 
 
 def _quality_variant(work: Path, data: Path, cfg: Path, sz: Sizes, dtype: str, seed: int) -> dict:
@@ -288,6 +319,12 @@ def _quality_variant(work: Path, data: Path, cfg: Path, sz: Sizes, dtype: str, s
         payload_dtype=dtype,
     )
     finish(runs, name)
+    return _quality_figures(root, data, sz, dtype, seed)
+
+
+def _quality_figures(root: Path, data: Path, sz: Sizes, dtype: str, seed: int) -> dict:
+    """A finished two-region run's quality figures: a's rounds and bytes up, the held-out loss of a's final
+    model, and whether b's is bit-identical."""
     rounds = [r for r in step_records(read_records(root / "a")) if "xr_round" in r]
     model = root / "a" / "model.safetensors"
     loss = heldout_loss(model, {**sz.q_model, "dropout": 0.0}, data / f"{HELDOUT}.bin", sz.q_eval_windows)
@@ -301,19 +338,13 @@ def _quality_variant(work: Path, data: Path, cfg: Path, sz: Sizes, dtype: str, s
     }
 
 
-def _quality(work: Path, data: Path, sz: Sizes, quick: bool) -> list[dict]:
+def _quality(work: Path, data: Path, sz: Sizes, quick: bool, fs_rounds: list[dict]) -> list[dict]:
+    if quick:  # part 1's fs runs were these runs (:func:`_rounds`)
+        by = {v["dtype"]: v["quality"] for v in fs_rounds}
+        return [by[dtype] for dtype in Q_DTYPES]
     tasks = []
     for seed in sz.q_seeds:
-        cfg = train_config(
-            work / f"quality-{seed}.yaml",
-            steps=sz.q_steps,
-            model=sz.q_model,
-            batch=sz.q_batch,
-            data_dir=data,
-            ckpt_every=10 * sz.q_steps,
-            warmup=20,
-            seed=seed,
-        )
+        cfg = _quality_config(work, data, sz, seed)
         tasks += [(cfg, dtype, seed) for dtype in Q_DTYPES]
 
     def one(t: tuple[Path, str, int]) -> dict:
@@ -348,7 +379,7 @@ def run(out_dir: Path, quick: bool = False) -> Result:
         rounds = _rounds(work, data, sz, quick, res)
         numel = rounds["fs"][0]["numel"]
         codec = _codec_times(numel, 2 if quick else 3)
-        qual = _quality(work, data, sz, quick)
+        qual = _quality(work, data, sz, quick, rounds["fs"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _report(res, sz, rounds, codec, qual, numel)
@@ -392,6 +423,11 @@ def _report(
         f"mean next-byte cross-entropy over {sz.q_eval_windows} fixed windows spread over the `{HELDOUT}` shard "
         f"(the stdlib source cut into a, b, {HELDOUT}; {DATA_BYTES / 1e6:g} MB).",
     ]
+    if res.quick:
+        res.setup.append(
+            "--quick: one run per dtype on fs serves both parts (Part 2's config, and its one seed; the same "
+            f"model, batch and H as Part 1's, {sz.r_rounds} rounds), so Part 1's fs figures come from those runs."
+        )
     by = {(v["where"], v["label"]): v for vs in rounds.values() for v in vs}
     bf = by[("fs", "bf16")]["bytes_up"]
     others = [w for w in rounds if w != "fs"]
