@@ -38,7 +38,7 @@ from .elastic_quality import quality_variant
 from .elastic_report import label, qlabel, report
 from .elastic_sizes import FULL, QUICK, Sizes
 from .finalmodel import heldout_loss
-from .regionruns import DATA_BYTES, HELDOUT, REGIONS, train_config
+from .regionruns import DATA_BYTES, HELDOUT, REGIONS, quality_config, train_config
 
 __all__ = ["FULL", "QUICK", "run"]
 
@@ -79,19 +79,7 @@ def _measure(work: Path, sz: Sizes, quick: bool) -> tuple[list[dict], list[dict]
         ckpt_every=sz.g_ckpt_every,
         warmup=10,
     )
-    q_cfgs = {
-        seed: train_config(
-            work / f"quality-{seed}.yaml",
-            steps=sz.q_steps,
-            model=sz.q_model,
-            batch=sz.q_batch,
-            data_dir=data,
-            ckpt_every=10 * sz.q_steps,
-            warmup=20,
-            seed=seed,
-        )
-        for seed in sz.q_seeds
-    }
+    q_cfgs = {seed: quality_config(work, data, sz, seed) for seed in sz.q_seeds}
     plan = _goodput_plan(sz)
     tasks = [lambda m=m, g=g, h=h: _goodput(work, data, g_cfg, sz, m, g, h) for m, g, h in plan]
     tasks += _quality_tasks(work, data, q_cfgs, sz)

@@ -37,6 +37,7 @@ from .regionruns import (
     REGIONS,
     finish,
     launch_pair,
+    quality_config,
     train_config,
 )
 from .rundir import read_records, step_records
@@ -270,7 +271,7 @@ def _rounds(work: Path, data: Path, sz: Sizes, quick: bool, res: Result) -> dict
         (seed,) = sz.q_seeds
         assert sz.r_h * sz.r_rounds == sz.q_steps and sz.r_h == sz.q_h and sz.r_model == sz.q_model
         assert sz.r_batch == sz.q_batch
-        fs_cfg, quality = _quality_config(work, data, sz, seed), (sz, seed)
+        fs_cfg, quality = quality_config(work, data, sz, seed), (sz, seed)
 
     def fs(dtype: str) -> dict:
         t0 = time.monotonic()
@@ -290,19 +291,6 @@ def _rounds(work: Path, data: Path, sz: Sizes, quick: bool, res: Result) -> dict
 
 # ---------------------------------------------------------------------------------------------------
 # Part 2: quality
-
-
-def _quality_config(work: Path, data: Path, sz: Sizes, seed: int) -> Path:
-    return train_config(
-        work / f"quality-{seed}.yaml",
-        steps=sz.q_steps,
-        model=sz.q_model,
-        batch=sz.q_batch,
-        data_dir=data,
-        ckpt_every=10 * sz.q_steps,
-        warmup=20,
-        seed=seed,
-    )
 
 
 def _quality_variant(work: Path, data: Path, cfg: Path, sz: Sizes, dtype: str, seed: int) -> dict:
@@ -344,7 +332,7 @@ def _quality(work: Path, data: Path, sz: Sizes, quick: bool, fs_rounds: list[dic
         return [by[dtype] for dtype in Q_DTYPES]
     tasks = []
     for seed in sz.q_seeds:
-        cfg = _quality_config(work, data, sz, seed)
+        cfg = quality_config(work, data, sz, seed)
         tasks += [(cfg, dtype, seed) for dtype in Q_DTYPES]
 
     def one(t: tuple[Path, str, int]) -> dict:

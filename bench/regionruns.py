@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import Protocol
 
 import yaml
 
@@ -50,6 +51,29 @@ def train_config(
     }
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+class QualitySizes(Protocol):
+    """What a quality run's config takes from a benchmark's sizes (bench payload's, bench elastic's)."""
+
+    q_steps: int
+    q_model: dict
+    q_batch: int
+
+
+def quality_config(work: Path, data: Path, sz: QualitySizes, seed: int) -> Path:
+    """The train config of a quality run of ``seed`` (bench payload, elastic): checkpoints only at the end,
+    20 warmup steps; written to ``work``/quality-SEED.yaml."""
+    return train_config(
+        work / f"quality-{seed}.yaml",
+        steps=sz.q_steps,
+        model=sz.q_model,
+        batch=sz.q_batch,
+        data_dir=data,
+        ckpt_every=10 * sz.q_steps,
+        warmup=20,
+        seed=seed,
+    )
 
 
 def launch_pair(
