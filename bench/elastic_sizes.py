@@ -91,7 +91,9 @@ QUICK = Sizes(
     g_h=4,
     g_sleep_s=0.05,
     g_leave_round=2,
-    g_away_s=2.0,
+    # under the floor of a's training after b leaves (about 30 steps of g_sleep_s: 1.5 s), so that b is always
+    # restarted before a finishes (2.0 s was not: a unloaded machine finished a first)
+    g_away_s=1.0,
     g_grace_s=0.5,
     g_heartbeat_s=0.1,
     g_no_heartbeat=False,
