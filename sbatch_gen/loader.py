@@ -135,7 +135,14 @@ def parse_override(text: str) -> tuple[list[str | int], Any]:
         if not _KEY_SEGMENT_RE.fullmatch(part):
             raise UserError(f"{src}: invalid key segment {part!r} (letters, digits, _ and -)")
         parts.append(int(part) if part.isdigit() else part)
+    if "\n" in raw or "\r" in raw:
+        raise UserError(f"{src}: the value spans lines: a --set value is one line")
     value, _ = parse_yaml(raw, src, lines=False) if raw.strip() else ("", {})
+    if re.search(r"(^|\s)#", raw) and "#" not in repr(value):  # YAML read the rest as a comment
+        raise UserError(
+            f"{src}: YAML reads ' #' as the start of a comment, which would leave {value!r}: quote the value "
+            f"(--set '{key}=\"...\"') to keep it whole"
+        )
     return parts, value
 
 

@@ -387,6 +387,10 @@ def format_validation_error(
                 msg += f"; did you mean {close[0]!r}?"
         elif typ == "missing":
             msg = "required field is missing"
+        elif typ == "union_tag_invalid":  # a discriminated section's kind: named at its own line
+            ctx = err.get("ctx") or {}
+            path = (*path, str(ctx.get("discriminator", "kind")).strip("'"))
+            msg = f"unknown {path[-1]} {ctx.get('tag')!r} (valid: {ctx.get('expected_tags')})"
         elif ctx_error is not None and typ in ("value_error", "assertion_error"):
             msg = str(ctx_error)
         elif typ == "string_type" and isinstance(err.get("input"), int | float):

@@ -531,7 +531,7 @@ CASES = [
         None,
         ("extra_env.DB_PASSWORD=hunter2\n",),
         2,
-        r"(?!.*hunter2)--set extra_env\.DB_PASSWORD=<redacted>: extra_env\.DB_PASSWORD: ",
+        r"(?!.*hunter2)--set extra_env\.DB_PASSWORD=<redacted>: the value spans lines: a --set value is one line$",
     ),
     # --- 5. extends: and symlinks stay inside the sites directory
     (

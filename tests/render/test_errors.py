@@ -241,6 +241,22 @@ def test_override_values_are_yaml(work):
     assert "- --mail-type=FAIL\n  - --comment=x" in r.out
 
 
+def test_an_override_is_one_line_and_never_cut_at_a_yaml_comment(work):
+    """VALUE is YAML: a newline in it, or a ` #` that YAML would read as a comment, is refused in one line
+    naming the override (the value used would not be the one typed); a quoted # is kept."""
+    err = _fails("validate", "--site", "eu", "--set", "paths.log_dir=logs\n#SBATCH --wrap=id")
+    assert err == (
+        "sbatch-gen: --set paths.log_dir=logs\\n#SBATCH --wrap=id: the value spans lines: a --set value is one line\n"
+    ), err
+    err = _fails("validate", "--site", "eu", "--set", "slurm.account=llm #x")
+    assert err == (
+        "sbatch-gen: --set slurm.account=llm #x: YAML reads ' #' as the start of a comment, which would leave "
+        "'llm': quote the value (--set 'slurm.account=\"...\"') to keep it whole\n"
+    ), err
+    r = sg("show", "--site", "local", "--set", 'description="run #3"')
+    assert r.code == 0 and "run #3" in r.out, r.err
+
+
 def _with_configs(work):
     import shutil
 
@@ -578,6 +594,24 @@ def test_keys_a_set_kind_makes_unknown_name_the_override_beside_their_line(work)
         "sbatch-gen: --set slurm.nodes=0: slurm.nodes: Input should be greater than or equal to 1 (got 0)"
     ], err
     assert all(x.endswith(after) for x in lines if "cross_region.transport" in x), err
+
+
+def test_an_unknown_kind_of_a_section_is_named_at_its_kind_line(work):
+    """A section's kind that is none of its kinds: one line at the `kind:` line (not the section's), naming the
+    kinds there are; set by --set, the line names the override."""
+    base = work / "sites" / "_base" / "llm-xr-1.yaml"
+    _replace(base, "    kind: s3", "    kind: ftp")
+    err = _fails("validate", "--site", "eu")
+    line = _line_of(base, "    kind: ftp")
+    assert err == (
+        f"sbatch-gen: sites/_base/llm-xr-1.yaml:{line}: cross_region.transport.kind: unknown kind 'ftp' "
+        "(valid: 'fs', 's3')\n"
+    ), err
+    err = _fails("validate", "--site", "us", "--set", "cross_region.transport.kind=gcs")
+    assert (
+        "sbatch-gen: --set cross_region.transport.kind=gcs: cross_region.transport.kind: unknown kind 'gcs' "
+        "(valid: 'fs', 's3')"
+    ) in err.splitlines(), err
 
 
 def test_every_independent_problem_of_a_profile_in_one_run(work):
