@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: e0553a2c91a9a6c137c849db54cf270f03e34b278a110ab6feaf29a4a3235d01
+#   inputs sha256: a9bfb7898e251759d48624e8ebbb560f68119f007fe1e5f55006e4a973f55f61
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -30,7 +30,7 @@ HOSTS=(
 )
 # hosts[5] left out (enabled: false): lab-gpu06 -- GPU 5 drops off the bus under load (Xid 79); out until the board is replaced
 NPROC_PER_NODE=8  # node.gpus
-GPUS_PER_NODE=8  # node.gpus (the preflight counts nvidia-smi's GPUs)
+GPUS_PER_NODE=8  # node.gpus (the preflight counts the GPUs a node shows: CUDA_VISIBLE_DEVICES, else nvidia-smi's)
 IFNAME=bond0  # network.socket_ifname: MASTER_ADDR and NCCL/Gloo sockets
 
 # ---- ssh: options for every connection to the other hosts ----------------------------------------

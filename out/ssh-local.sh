@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: f9017e110594f1d59efe0ba916a6f66e5de847c9af677d2cc658dd83e901fd01
+#   inputs sha256: 226dd93ffe7742fc34dac5f9c4c6090ef9ed50b53121c881da15b61ff3e3277b
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -26,7 +26,7 @@ HOSTS=(
   localhost  # node 1
 )
 NPROC_PER_NODE=1  # torchrun.procs_per_node
-GPUS_PER_NODE=0  # node.gpus (the preflight counts nvidia-smi's GPUs)
+GPUS_PER_NODE=0  # node.gpus (the preflight counts the GPUs a node shows: CUDA_VISIBLE_DEVICES, else nvidia-smi's)
 IFNAME=lo  # network.socket_ifname: MASTER_ADDR and NCCL/Gloo sockets
 
 # ---- ssh: options for every connection to the other hosts ----------------------------------------
