@@ -285,9 +285,7 @@ def _forgotten_kind(data: dict, default: Where) -> UserError | None:
     return None
 
 
-def validate_profile(
-    data: dict, where: dict[DataPath, Where], default: Where, overrides: Iterable[str] = ()
-) -> ProfileBase:
+def validate_profile(data: dict, where: dict[DataPath, Where], default: Where) -> ProfileBase:
     forgotten = _forgotten_kind(data, default)
     if forgotten is not None:
         raise forgotten
@@ -299,11 +297,8 @@ def validate_profile(
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        kinds_set = [
-            (tuple(p), override_label(o)) for o in overrides if (p := parse_override(o)[0])[-1] == "kind"
-        ]
         raise UserError(
-            format_validation_error(e, cls, where, default, top_level_extra=["extends"], kinds_set=kinds_set)
+            format_validation_error(e, cls, where, default, top_level_extra=["extends"])
         ) from None
 
 
@@ -319,7 +314,7 @@ def load_site(sites_dir: Path, name: str, overrides: Iterable[str] = ()) -> Load
     data, where, files = _load_chain(sites_dir, path.name, ())
     overrides = list(overrides)
     apply_overrides(data, where, overrides)
-    profile = validate_profile(data, where, Where(display_path(path), 1), overrides)
+    profile = validate_profile(data, where, Where(display_path(path), 1))
     return LoadedSite(
         name=name,
         path=path,

@@ -351,12 +351,11 @@ def format_validation_error(
     where: dict[DataPath, Where],
     default: Where,
     top_level_extra: Iterable[str] = (),
-    kinds_set: Iterable[tuple[DataPath, str]] = (),
 ) -> list[str]:
-    """One ``file:line: field.path: message`` line per pydantic error (reusable for other YAML configs).
-    ``kinds_set``: (path, label) of each override that set a section's ``kind``; an error the file holds in
-    that section (a key of the kind the override replaced) says it comes after that override."""
-    kinds_set = [(p[:-1], label) for p, label in kinds_set]
+    """One ``file:line: field.path: message`` line per pydantic error (reusable for other YAML configs). An
+    error in a section whose ``kind`` a command-line override set, from any other source, says so: the keys
+    there were written for another kind."""
+    kinds = {p[:-1]: w for p, w in where.items() if p and p[-1] == "kind" and w.line is None}
     lines: list[tuple[tuple[str, int], str]] = []
     errors: list[Any] = []
     for err in exc.errors(include_url=False):  # several errors raised together: one line each
@@ -401,9 +400,9 @@ def format_validation_error(
             if isinstance(inp, str | int | float | bool) or inp is None:
                 msg += f" (got {inp!r})"
         w = lookup_where(where, path, default)
-        after = [label for section, label in kinds_set if path[: len(section)] == section and w.file != label]
-        if after:
-            msg += f" (after {after[-1]})"
+        kind = next((kinds[path[:n]] for n in range(len(path), -1, -1) if path[:n] in kinds), None)
+        if kind is not None and kind.file != w.file:
+            msg += f" (after {kind})"
         lines.append(((w.file, w.line or 0), f"{w}: {format_path(path)}: {msg}"))
     # In file order; the same message once.
     return list(dict.fromkeys(text for _, text in sorted(lines, key=lambda x: x[0])))
