@@ -521,16 +521,16 @@ end_attempt() {
       wait "$SRUN_PID" || rc=$?
       log "training step exited with status $rc"
     fi
-    continue_run "stop requested by SIG$STOP_SIGNAL" "$EXIT_REQUEUE"
+    continue_run "stop requested by SIG$STOP_SIGNAL" 42
   elif [[ $STOP_REQUESTED == "$STOP_SIGNAL" && $STOP_PROTOCOL == none ]]; then
-    continue_run "SIG$STOP_SIGNAL: no graceful stop (trainer.stop_protocol none): the trainer resumes from its own last checkpoint" "$EXIT_REQUEUE"
+    continue_run "SIG$STOP_SIGNAL: no graceful stop (trainer.stop_protocol none): the trainer resumes from its own last checkpoint" 42
   fi
   log "training step exited with status $rc"
   if [[ $STOP_PROTOCOL == sbatch-gen ]]; then
     node_lines "$LOG_DIR/$SLURM_JOB_NAME-$SLURM_JOB_ID.attempt-$ATTEMPT".*.log  # what each node said, one line each
     if [[ $STOP_REQUESTED == "$STOP_SIGNAL" ]]; then
       wait_for_ack
-      continue_run "stop requested by SIG$STOP_REQUESTED" "$EXIT_REQUEUE"
+      continue_run "stop requested by SIG$STOP_REQUESTED" 42
     fi
   fi
   if (( GOT_TERM )); then
@@ -540,10 +540,10 @@ end_attempt() {
     continue_run "SIGTERM to the batch shell" 143
   elif [[ -e $STOP_FILE.ack ]]; then
     log "trainer checkpointed and asked for a requeue: $(cat -- "$STOP_FILE.ack")"
-    continue_run "the trainer stopped after a complete checkpoint" "$EXIT_REQUEUE"
+    continue_run "the trainer stopped after a complete checkpoint" 42
   elif [[ -n $(slurm_ending) ]] || { (( rc == 0 )) && [[ -e $STOP_FILE ]]; }; then
     log "the trainer exited with status $rc after a stop reached the training step, without $STOP_FILE.ack: a preemption, not the end of training"
-    continue_run "preempted" "$EXIT_REQUEUE"
+    continue_run "preempted" 42
   elif (( rc == 0 )); then
     log "training finished"
     exit 0
@@ -641,7 +641,7 @@ slurm_ends() {
 # continue_run WHY CODE: this attempt is over; the run goes on (exits). After a SIGTERM to this shell Slurm
 # decides (slurm_ends); Slurm's own requeue (a node failure) starts the next attempt by itself; anything else
 # is requeued from here, unless more than $MAX_NO_PROGRESS attempts in a row saved no newer checkpoint: then the
-# job exits with CODE.
+# job exits with CODE (42 after a stop: the trainer's "checkpointed, requeue me" exit code).
 continue_run() {
   local rc
   if (( GOT_TERM )); then
@@ -677,10 +677,10 @@ continue_run() {
 # the step: the run goes on (continue_run exits). The time limit sends this shell TERM: the trap decides.
 stop_before_training() {
   local ending
-  [[ -z $STOP_REQUESTED ]] || continue_run "stop requested before training started" "$EXIT_REQUEUE"
+  [[ -z $STOP_REQUESTED ]] || continue_run "stop requested before training started" 42
   ending=$(slurm_ending)
   if [[ $ending == preempted || $ending == requeued ]]; then
-    continue_run "$ending before training started (Slurm's record of the job; its signal reaches job steps only, and none ran)" "$EXIT_REQUEUE"
+    continue_run "$ending before training started (Slurm's record of the job; its signal reaches job steps only, and none ran)" 42
   fi
 }
 
@@ -728,6 +728,7 @@ preflight_nodes() {
     shared_marker="$marker" rdzv_host="$MASTER_ADDR" rdzv_port="$MASTER_PORT" ${ENV_PINNED:+"env_fingerprint=$ENV_PINNED"}
     "${PREFLIGHT_ARGS[@]}"
   )
+  export -f node_py preflight  # srun's bash gets them (the training step's too) from the environment
   : >"$marker"
   out=$(mktemp)
   err=$(mktemp)
@@ -741,7 +742,7 @@ preflight_nodes() {
   SICK_NODES=$(sed -n 's/^preflight FAILED on \([^:]*\):.*(preflight\.health_check).*/\1/p' -- "$err" || true)
   rm -f -- "$marker" "$out" "$err"
   (( rc != 0 )) || return 0
-  [[ -z $STOP_REQUESTED && -z $(slurm_ending) ]] || continue_run "stopped during the preflight" "$EXIT_REQUEUE"
+  [[ -z $STOP_REQUESTED && -z $(slurm_ending) ]] || continue_run "stopped during the preflight" 42
   return 1
 }
 

@@ -363,9 +363,8 @@ cleanup_command() {
 # preflight, the training step's supervision) and node_lines. Every render with the same library sha256
 # carries these same lines: review them once (`sbatch-gen diff --all` shows a change to them once, naming
 # the files).
-# library sha256: 80e263a69c96950ae0c6963edc871027de137701662a9bcf4d891d825f98afee
-# log MESSAGE...: one timestamped line on stderr, also appended to $LOG_FILE when that is set. Never fails
-# (the terminal may be gone when a trap logs).
+# library sha256: 9f553c337c5f26b188cccce26f5e83d6010d56af4e8a2dfbb139cd51d79aafab
+# log MESSAGE...: one timestamped line on stderr, and in $LOG_FILE when set. Never fails (a trap's terminal may be gone).
 log() {
   local line
   printf -v line '[sbatch-gen %s] %s' "$(date -u +%FT%TZ)" "$*"

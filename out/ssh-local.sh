@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 226dd93ffe7742fc34dac5f9c4c6090ef9ed50b53121c881da15b61ff3e3277b
+#   inputs sha256: eb0d07ac8e14a1f05ef4ec410daaa86aa1a00ece6d6bc3bfa448cbdaa2bde862
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -48,10 +48,9 @@ NUMA_BINDING=''  # topology.numa_binding
 LOG_TOPOLOGY=0  # topology.log_topology
 IB_HCA=''  # nccl.ib_hca as NCCL_IB_HCA: the preflight checks these adapters (empty: none)
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
-# torchrun's flags that older torch releases lack, for the preflight: FLAG=its profile key; the first torch that has
-# it; compat: an older torch runs without it (run-trainer's shim). Each node's torch must have the others.
+# torchrun flags older torch lacks, for the preflight: FLAG=its profile key; the first torch with it; compat: run-trainer's shim does without
 TORCHRUN_FLAGS=--signals-to-handle='trainer.stop_protocol: sbatch-gen; torch >= 2.10; compat,--shutdown-timeout=launch.kill_grace_s; torch >= 2.12; compat'
-SSH_LIB_SHA256=5d40ada28528385c1d7af52190f8b78d9b93633b159bba0fa1130f3481cc3ad6  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
+SSH_LIB_SHA256=0bad9ee411b6189049a1940be4cbb6700522fab0758f2aaeb438297fdeac658d  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
 NODE_PY_SHA256=b9e8e6189c9edbc02722504a63a32e289687697b1629c09fe7762e33872fd3e2  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------

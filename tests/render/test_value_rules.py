@@ -161,7 +161,10 @@ def test_loader_variables_need_an_explicit_opt_in(work):
     _accepted(
         work, "local", extra_env={"LD_LIBRARY_PATH": "/opt/nccl/lib"}, extra_env_allow=["LD_LIBRARY_PATH"]
     )
-    assert "export LD_LIBRARY_PATH=/opt/nccl/lib\n" in (work / "o" / "local.sbatch").read_text()  # always set
+    assert (
+        "\nexport LD_LIBRARY_PATH=/opt/nccl/lib  # extra_env, the loader's (extra_env_allow) (always)\n"
+        in ((work / "o" / "local.sbatch").read_text())
+    )  # always set
 
 
 def test_an_opt_in_for_an_unset_variable_is_refused(work):
