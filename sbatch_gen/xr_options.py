@@ -474,12 +474,6 @@ class CrossRegion(StrictModel):
                 "payload_dtype sparse needs sync: diloco (its error-feedback buffer carries what a round did "
                 "not send to later rounds; grad mode applies every step's gradient at once)",
             )
-        if self.overlap == "streaming":
-            raise FieldError(
-                ("payload_dtype",),
-                "payload_dtype sparse needs overlap: none or eager (streaming with sparse payloads is not "
-                "built yet)",
-            )
         return self
 
     @check
