@@ -359,6 +359,16 @@ def test_validate_warns_about_what_the_benchmark_measured_worse():
     assert not outer_step_warnings(
         CrossRegion(**base, payload_dtype="sparse", inner_steps=200)
     )  # not measured
+    # streaming: its best outer setting (momentum 0.9) was measured with dense payloads only, not advised here;
+    # the sparse measurement, without overlap, is said to be that
+    stream = dict(base, overlap="streaming", fragments=4, fragment_delay_steps=1, inner_steps=50)
+    assert [f for f, _ in outer_step_warnings(CrossRegion(**stream))] == ["outer_momentum"]
+    warned = dict(outer_step_warnings(CrossRegion(**stream, payload_dtype="sparse")))
+    assert (
+        list(warned) == ["payload_dtype"] and "with overlap streaming not measured" in warned["payload_dtype"]
+    )
+    plain = dict(outer_step_warnings(CrossRegion(**base, payload_dtype="sparse", inner_steps=50)))
+    assert "not measured" not in plain["payload_dtype"]
 
 
 def test_a_region_back_without_its_checkpoint_starts_its_buffer_at_zero_logged_once(tmp_path):
