@@ -661,3 +661,39 @@ def test_streaming_a_late_region_keeps_its_payload_and_the_regions_end_identical
     merged = _streaming_reference(res, 4, 1, 1.0, 0.0, tokens)  # (the late round: e = p, checked there)
     assert 3 in merged and 7 in merged  # fragment 2's next round sent from what round 3 kept
     assert torch.equal(eu["params"], us["params"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("us", [("ddp", 2), ("fsdp", 1)], ids=["fsdp2-ddp2", "fsdp2-fsdp1"])
+def test_streaming_sharded_region_beside_another_shape(tmp_path, us):
+    """Streaming with sparse payloads across regions of different shapes, one torchrun each: eu FSDP2 over 2
+    ranks (each rank sparsifies and keeps the error of its own shards of each fragment; rank 1 holds no row
+    of the last layer), us DDP over 2 ranks (its one leader holds the outer state) or FSDP2 on 1. F = 2,
+    H = 4, tau = 1, 8 steps: after every round both regions hold the same theta_outer and momentum bits, a
+    merge changes its own fragment only, and both end on the shared state (the worker checks); eu's rank 0
+    holds 6 buffers of its 27 elements (own and e on top of DiLoCo's 4)."""
+    from .test_fsdp import REGIONS as FREGIONS
+    from .test_fsdp import _launch
+    from .workers import wait
+
+    out, mb = tmp_path / "out", tmp_path / "mailbox"
+    shapes = {"eu": ("fsdp", 2), "us": us}
+    extra = ("--overlap", "streaming", "--inner-steps", "4", "--steps", "8", "--fragments", "2", "--tau", "1")
+    wait([(_launch(r, kind, n, out, mb, "sparse", *extra), r) for r, (kind, n) in shapes.items()])
+    res = {r: torch.load(out / f"{r}.pt", weights_only=False) for r in FREGIONS}
+    eu, other = res["eu"]["rounds"], res["us"]["rounds"]
+    assert [e[0] for e in eu] == [e[0] for e in other]
+    bounds = res["eu"]["fragment_bounds"]
+    merges = 0
+    for (step, t, m, *_), (_, t_us, m_us, *_) in zip(eu, other, strict=True):
+        assert torch.equal(t, t_us) and torch.equal(m, m_us), f"the regions differ after step {step}"
+    for (_, t0, m0, *_), (step, t1, m1, *_) in zip(eu, eu[1:], strict=False):
+        if torch.equal(t1, t0):
+            continue  # a round started: nothing merged yet
+        merges += 1
+        p = fragment_of(merges, 2)
+        rest = torch.ones(t0.numel(), dtype=torch.bool)
+        rest[bounds[p] : bounds[p + 1]] = False
+        assert torch.equal(t1[rest], t0[rest]) and torch.equal(m1[rest], m0[rest]), step
+    assert merges == 4
+    assert (res["eu"]["local"], res["eu"]["bytes"]) == (27, 6 * 4 * 27)
