@@ -697,3 +697,30 @@ def test_streaming_sharded_region_beside_another_shape(tmp_path, us):
         assert torch.equal(t1[rest], t0[rest]) and torch.equal(m1[rest], m0[rest]), step
     assert merges == 4
     assert (res["eu"]["local"], res["eu"]["bytes"]) == (27, 6 * 4 * 27)
+
+
+def test_streaming_without_delay_a_round_without_quorum_leaves_the_error_buffer_as_it_was(tmp_path):
+    """overlap streaming, tau = 0: eu's first fragment round finds no quorum (us never comes): the error
+    buffer, the shared state and the model are as before the round, and the round is pending, to run again
+    from the same e after a requeue."""
+    from sbatch_gen.train.xr.errors import XRNoQuorum
+
+    kw = dict(SP, overlap="streaming", inner_steps=SH, fragments=4, fragment_delay_steps=0, timeout_s=0.3)
+    m, s = make("eu", tmp_path, regions=["eu", "us"], **kw)
+    try:
+        s.align(0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        at = round_step(1, SH, 4)
+        for step in range(1, at + 1):
+            inner_steps(m, opt, "eu", [step])
+            if step < at:
+                assert s.after_optimizer_step(step, 32) is None
+        local, theta, mom = flat(m), s.theta_outer.clone(), s.momentum.clone()
+        with pytest.raises(XRNoQuorum, match="no quorum"):
+            s.after_optimizer_step(at, 32)
+        assert not s.error.any() and s.pending == 1
+        assert (
+            torch.equal(flat(m), local) and torch.equal(s.theta_outer, theta) and torch.equal(s.momentum, mom)
+        )
+    finally:
+        s.close()
