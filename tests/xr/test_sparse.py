@@ -1,7 +1,8 @@
 """Sparse outer updates (payload_dtype sparse): the wire format (sbatch_gen.train.xr.sparse) against a
 reference encoder written here, hostile bytes refused, and DiLoCo with error feedback between regions as
 threads over an fs mailbox: bit-identical shared state, equal to a reference of the update rule, the error
-buffer of a late region, stop and resume bitwise, a lost checkpoint's buffer at zero (logged once)."""
+buffer of a late region, stop and resume bitwise, a lost checkpoint's buffer at zero (logged once); the same
+with overlap eager and, fragment by fragment, with overlap streaming."""
 
 from __future__ import annotations
 
