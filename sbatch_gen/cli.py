@@ -831,11 +831,12 @@ def _format_status(st) -> list[str]:
     if st.payload is not None:
         pl = st.payload
         sent = ", ".join(f"{r} {n:,} B" for r, n in pl.bytes.items())
-        of = (
-            f" ({max(pl.bytes.values()) / pl.bf16_bytes:.3g} of bf16's {pl.bf16_bytes:,} B)"
-            if sent and pl.bf16_bytes
-            else ""
-        )
+        ratios = [n / pl.bf16[r] for r, n in pl.bytes.items() if pl.bf16.get(r)]
+        of = ""
+        if ratios and len(set(pl.bf16.values())) == 1:
+            of = f" ({max(ratios):.3g} of bf16's {pl.bf16_bytes:,} B)"
+        elif ratios:  # (overlap streaming: the regions' newest rounds carried different fragments)
+            of = f" (at most {max(ratios):.3g} of bf16's, each against its own round's fragment in bf16)"
         lines.append(
             f"payload:   {pl.dtype} ({pl.density:.2%} of each chunk); newest round: {sent or '-'}{of}"
         )

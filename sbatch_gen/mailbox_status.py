@@ -77,7 +77,10 @@ class PayloadInfo:
     dtype: str  # the wire dtype the run's options give (sparse-c<chunk>-k<k>)
     density: float  # k / chunk: the share of each chunk sent
     bytes: dict[str, int]  # per region, the bytes of its newest round's objects (its manifest's shards)
-    bf16_bytes: int  # the same payload in bf16 (2 B per element), for comparison
+    bf16_bytes: int  # the newest of those rounds' payload in bf16 (2 B per element), for comparison
+    # per region, its newest round's payload in bf16: with overlap streaming a round carries one fragment,
+    # and regions whose newest rounds differ may have sent different fragments
+    bf16: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -191,7 +194,7 @@ def _payload(mb, xr: CrossRegion, latest: dict[str, int]) -> PayloadInfo:
     from sbatch_gen.train.xr.protocol import round_tag
 
     got: dict[str, int] = {}
-    numel = 0
+    bf16: dict[str, int] = {}
     for r in xr.regions:
         if latest.get(r) is None:
             continue
@@ -201,8 +204,11 @@ def _payload(mb, xr: CrossRegion, latest: dict[str, int]) -> PayloadInfo:
             m = None
         if m is not None:
             got[r] = sum(s.nbytes for s in m.shards)
-            numel = m.numel
-    return PayloadInfo(xr.wire_dtype, xr.sparse_kept / xr.sparse_chunk, got, 2 * numel)
+            bf16[r] = 2 * m.numel
+    newest = max(bf16, key=lambda r: latest[r], default=None)
+    return PayloadInfo(
+        xr.wire_dtype, xr.sparse_kept / xr.sparse_chunk, got, bf16[newest] if newest else 0, bf16
+    )
 
 
 class HeartbeatWatch:

@@ -32,11 +32,11 @@ timeout_s: 600
 """
 
 
-def _publish(store, region: str, r: int) -> Manifest:
+def _publish(store, region: str, r: int, numel: int = 2, nbytes: int = 8) -> Manifest:
     mb = Mailbox(store, RUN, region, REGIONS, threads=1)
     try:
         tag = round_tag(r)
-        ((nbytes, dig),) = mb.upload_shards(tag, {0: b"\0" * 8}).values()
+        ((nbytes, dig),) = mb.upload_shards(tag, {0: b"\0" * nbytes}).values()
         m = Manifest(
             RUN,
             region,
@@ -44,11 +44,11 @@ def _publish(store, region: str, r: int) -> Manifest:
             "delta",
             r * 100,
             "fp32",
-            2,
+            numel,
             "layout",
             "raw",
             1000,
-            [ShardInfo(0, 0, 2, nbytes, dig)],
+            [ShardInfo(0, 0, numel, nbytes, dig)],
         )
         store.put(mb.manifest_key(tag, region), m.to_json())
         return m
@@ -157,6 +157,23 @@ def test_status_shows_a_sparse_runs_density_and_bytes(tmp_path, sites):
     code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites), "--json")
     pl = json.loads(out)["payload"]
     assert pl["bytes"] == {"eu": 8, "us": 8, "ap": 8} and pl["dtype"] == "sparse-c4096-k123"
+
+
+def test_status_compares_each_regions_sparse_bytes_with_its_own_fragment_under_streaming(tmp_path, sites):
+    """overlap streaming: eu has published round 43 (another fragment: 6 elements, 40 bytes) while us and
+    ap are at rounds 40 and 42 (2 elements, 8 bytes): each region's bytes against its own round's payload
+    in bf16 (eu 40 / 12, the others 8 / 4), not against one region's fragment."""
+    mbx = tmp_path / "mailbox"
+    build_mailbox(FsStore(mbx))
+    _publish(FsStore(mbx), "eu", 43, numel=6, nbytes=40)
+    xr = XR + "inner_steps: 100\noverlap: streaming\nfragments: 4\npayload_dtype: sparse\n"
+    write_site(sites, "eu", xr + f"transport: {{kind: fs, root: '{mbx}'}}\n")
+    code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites))
+    assert code == 0, err
+    assert "newest round: eu 40 B, us 8 B, ap 8 B (at most 3.33 of bf16's, each against its own" in out, out
+    code, out, err = sg("status", "--site", "eu", "--sites-dir", str(sites), "--json")
+    pl = json.loads(out)["payload"]
+    assert pl["bf16"] == {"eu": 12, "us": 4, "ap": 4} and pl["bf16_bytes"] == 12
 
 
 def test_status_names_the_fragment_of_the_newest_round_under_streaming(tmp_path, sites):

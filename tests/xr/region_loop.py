@@ -92,6 +92,7 @@ def run_region(
                 momentum=s.momentum.clone(),
                 own=s.own.clone() if s.own is not None else None,  # (overlap none: no own)
                 early=getattr(s, "early", 0.0),
+                error=s.error.clone() if s.error is not None else None,  # (payload_dtype sparse only)
             )
         if step == stop_at:  # a stop: the checkpoint a trainer would write, then the process ends
             s.leave(step, "stopped")

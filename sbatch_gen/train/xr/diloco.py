@@ -136,42 +136,67 @@ class DiLoCo(SnapshotSync):
     # 2-bit (.sparse); e = p - (what was sent, as every region decodes it) once the round committed this
     # region's payload, else (late: its payload not in the commit) e = p: nothing of it was applied. A failed
     # round (no quorum, behind) leaves e as it was: the round runs again from the same e, or the region
-    # fast-forwards past it.
-    def _sparse_payload(self, delta: torch.Tensor | None) -> dict:
-        """Collective: ``delta`` (the work buffer) becomes ``beta * e + delta`` on the leaders, elementwise with
-        separate multiply and add; returns this rank's encoded shards of it (:meth:`.exchange.Exchange.encode`)."""
-        if self.leader:
-            d, e = held(delta, "delta"), held(self.error, "error")
-            tmp = self.ex.scratch(min(self.local_numel, self.ex.block))
-            for lo, hi in blocks(self.local_numel, self.outer_device, self.ex.block):
-                t = torch.mul(e[lo:hi], self.xr.sparse_beta, out=tmp[: hi - lo])
-                d[lo:hi].add_(t)
-        return self.ex.encode("delta", delta)
+    # fast-forwards past it. Each helper takes a flat range (lo, hi) of the buffers, None for all of them:
+    # overlap streaming passes a fragment's, whose rounds run on that fragment's exchange.
+    def _error_part(self, part: tuple[int, int] | None) -> torch.Tensor:
+        """Leaders: the error-feedback buffer's range ``part`` (all of it for None)."""
+        e = held(self.error, "error")
+        return e if part is None else e[part[0] : part[1]]
 
-    def _keep_residual(self, pre: dict, payload: torch.Tensor | None, sent: bool) -> None:
-        """Collective, after a round that returned: ``e`` = what of ``payload`` the others did not apply."""
+    def _add_error(self, payload: torch.Tensor | None, part: tuple[int, int] | None = None) -> None:
+        """Leaders: ``payload`` (the buffers' range ``part``, as a slice) ``+= beta * e`` over that range,
+        elementwise with a separate multiply and add, block by block."""
+        if not self.leader:
+            return
+        d, e = held(payload, "payload"), self._error_part(part)
+        tmp = self.ex.scratch(min(d.numel(), self.ex.block))
+        for lo, hi in blocks(d.numel(), self.outer_device, self.ex.block):
+            t = torch.mul(e[lo:hi], self.xr.sparse_beta, out=tmp[: hi - lo])
+            d[lo:hi].add_(t)
+
+    def _sparse_payload(
+        self, delta: torch.Tensor | None, ex: Exchange | None = None, part: tuple[int, int] | None = None
+    ) -> dict:
+        """Collective: ``delta`` (the work buffer; a fragment's range ``part`` of ``own``, with its exchange
+        ``ex``) becomes ``beta * e + delta`` on the leaders; returns this rank's encoded shards of it
+        (:meth:`.exchange.Exchange.encode`)."""
+        self._add_error(delta, part)
+        return (ex or self.ex).encode("delta", delta)
+
+    def _keep_residual(
+        self,
+        pre: dict,
+        payload: torch.Tensor | None,
+        sent: bool,
+        ex: Exchange | None = None,
+        part: tuple[int, int] | None = None,
+    ) -> None:
+        """Collective, after a round that returned: ``e`` = what of ``payload`` the others did not apply
+        (``part``, ``ex``: as for :meth:`_sparse_payload`)."""
         if sent:
-            self.ex.residual_into("delta", pre, payload)
+            (ex or self.ex).residual_into("delta", pre, payload)
         if self.leader:
-            held(self.error, "error").copy_(held(payload, "payload"))
+            self._error_part(part).copy_(held(payload, "payload"))
 
     # overlap eager: at a boundary p = own + beta * e is published from own; e holds p (not yet resolved) while
     # the round is in flight, so a region resumed with the round in flight publishes the same bytes again;
     # at the join e = p - own (own: the round's wire values) if the commit has this region's payload.
-    def _eager_payload(self) -> None:
-        """Leaders: ``own`` (this phase's fresh delta) becomes ``p = own + beta * e``, and ``e`` holds p."""
+    # overlap streaming does the same per fragment round, over the fragment's range of own and e.
+    def _inflight_payload(self, part: tuple[int, int] | None = None) -> None:
+        """Leaders: ``own`` (the fresh delta; ``part``: a fragment's range of it) becomes ``p = own + beta *
+        e``, and ``e`` holds p."""
         if self.leader:
-            d, e = held(self.own, "own"), held(self.error, "error")
-            tmp = self.ex.scratch(min(self.local_numel, self.ex.block))
-            for lo, hi in blocks(self.local_numel, self.outer_device, self.ex.block):
-                t = torch.mul(e[lo:hi], self.xr.sparse_beta, out=tmp[: hi - lo])
-                d[lo:hi].add_(t)
-            e.copy_(d)
+            own = held(self.own, "own")
+            d = own if part is None else own[part[0] : part[1]]
+            self._add_error(d, part)
+            self._error_part(part).copy_(d)
 
-    def _resolve_error(self, late: bool) -> None:
-        """Leaders, at the join of the round in flight: ``e = p - own`` unless this region was late."""
+    def _resolve_error(self, late: bool, part: tuple[int, int] | None = None) -> None:
+        """Leaders, at the join of the round in flight: ``e = p - own`` (over ``part``) unless this region
+        was late."""
         if self.leader and not late:
-            held(self.error, "error").sub_(held(self.own, "own"))
+            own = held(self.own, "own")
+            self._error_part(part).sub_(own if part is None else own[part[0] : part[1]])
 
     def _error_reset(self, why: str) -> None:
         """Log, once, that this region's error-feedback buffer starts at zero in a run under way."""
@@ -295,7 +320,7 @@ class DiLoCo(SnapshotSync):
             snap_s = self._housekeeping(self.round, res.members, step)
         t2 = self._now()
         if self.sparse:
-            self._eager_payload()
+            self._inflight_payload()
         pre = self.ex.encode("delta", self.own)
         self.ex.decode_into("delta", pre, self.own)  # own = the wire values every region will average
         others = self.others if self.others >= 0 else tokens * (len(self.xr.regions) - 1)

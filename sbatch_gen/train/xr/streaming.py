@@ -21,6 +21,13 @@ replays each committed round on its fragment. At most one round is in flight (ta
 the last step, :meth:`StreamingDiLoCo.finish` joins the round in flight and gives the model
 ``theta_outer`` for every fragment, so every region ends on the same parameters (the local steps each
 fragment took since its last round are dropped there).
+
+Sparse payloads (``payload_dtype: sparse``) take DiLoCo's error feedback fragment by fragment: round k
+publishes the fragment's ``p = delta_p + beta * e_p`` (its shards cut into chunks as for every payload), and
+``e_p`` becomes ``p - q`` (q: the wire values) when the round is merged with this region's payload in the
+commit, ``p`` when it was late, and stays as it was when the round fails. While the round is in flight
+``e_p`` holds ``p`` and ``own`` the wire values, as with overlap eager, so a region resumed with the round
+in flight publishes the same bytes again; the other fragments' ranges of ``e`` wait for their own rounds.
 """
 
 from __future__ import annotations
@@ -42,7 +49,10 @@ class StreamingDiLoCo(DiLoCo):
     STREAMING_BUFFERS = {"own": (True, True)}
 
     def buffers(self) -> dict[str, tuple[bool, bool]]:
-        return {**self.BUFFERS, **self.STREAMING_BUFFERS}
+        out = {**self.BUFFERS, **self.STREAMING_BUFFERS}
+        if self.xr.payload_dtype == "sparse":
+            out.update(self.SPARSE_BUFFERS)
+        return out
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
@@ -70,9 +80,11 @@ class StreamingDiLoCo(DiLoCo):
         return self.xr.inner_steps // self.nfrag
 
     def _in_background(self, b: int) -> tuple[Exchange | None, torch.Tensor | None, torch.Tensor | None]:
+        """(sparse: the fragment's payload p, which its range of ``error`` holds while the round is in
+        flight; ``own`` holds its wire values there)."""
         p = fragment_of(b, self.nfrag)
         ex = self.bg_frag_ex[p] if self.bg_frag_ex is not None else None
-        return ex, self._part(self.own, p), self._part(self.avg, p)
+        return ex, self._part(self.error if self.sparse else self.own, p), self._part(self.avg, p)
 
     def _in_foreground(self, b: int) -> tuple[Exchange, torch.Tensor | None]:
         p = fragment_of(b, self.nfrag)
@@ -106,27 +118,37 @@ class StreamingDiLoCo(DiLoCo):
 
     def _start(self, k: int, step: int) -> dict:
         """Round ``k`` at its step: the fragment's delta published; with tau = 0 the round is waited for and
-        merged at once, else it runs in the background until :meth:`_merge_inflight`."""
+        merged at once, else it runs in the background until :meth:`_merge_inflight`. Sparse payloads: the
+        fragment's p = delta + beta * e is published instead; with tau = 0 its e is resolved as without
+        overlap, else it holds p while the round is in flight and ``own`` the wire values (as eager's)."""
         p = fragment_of(k, self.nfrag)
+        part = self.flat.fragment(p)
         t0 = self._now()
         own = self._part(self.own, p)
         if self.leader:
-            lo, hi = self.flat.fragment(p)
-            self.flat.delta_part_into(held(self.theta_outer, "theta_outer"), held(self.own, "own"), lo, hi)
+            self.flat.delta_part_into(held(self.theta_outer, "theta_outer"), held(self.own, "own"), *part)
         tokens = self.frag_tokens[p]
+        ex = self.frag_ex[p]
         if self.tau == 0:
+            pre = self._sparse_payload(own, ex, part) if self.sparse else None
             try:
                 res = run_round(
-                    self.frag_ex[p], round_tag(k), "delta", step, own, self._part(self.avg, p), tokens
+                    ex, round_tag(k), "delta", step, own, self._part(self.avg, p), tokens, pre=pre
                 )
             except XRBehind:
                 return self._fast_forward(step, "behind") or {}
             except XRNoQuorum:
                 self.pending = k
                 raise
+            if pre is not None:
+                self._keep_residual(pre, own, sent=not res.late, ex=ex, part=part)
             self.frag_tokens[p] = 0
             return self._merge(k, step, res, t0, res.times["t_end"])
-        pre = self.frag_ex[p].encode("delta", own)  # nothing crosses the WAN while training waits
+        if self.sparse:
+            self._inflight_payload(part)
+        pre = ex.encode("delta", own)  # nothing crosses the WAN while training waits
+        if self.sparse:
+            ex.decode_into("delta", pre, own)  # own = the wire values every region will average
         self.frag_tokens[p] = 0
         self._launch(k, step, tokens, pre)
         self.launch_s = self._now() - t0
@@ -145,6 +167,8 @@ class StreamingDiLoCo(DiLoCo):
             self.pending = k
             raise
         t1 = self._now()
+        if self.sparse:  # (own holds the round's wire values at the fragment's offsets)
+            self._resolve_error(res.late, self.flat.fragment(fragment_of(k, self.nfrag)))
         rec = self._merge(k, step, res, t0, t1)
         rec.update(xr_join_s=t1 - t0, xr_launch_s=self.launch_s)
         return rec
