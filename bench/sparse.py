@@ -185,10 +185,12 @@ def _report(res: Result, p: Plan, got: list[dict]) -> None:
     }
 
 
-def codec_times(n: int = 1 << 22, reps: int = 7) -> list[list]:
-    """Encode and decode seconds per million elements of one fp32 shard of ``n`` random values, median of
-    ``reps`` interleaved repetitions each, with reused buffers as the exchange has them: int8 and int4 (the
-    scaled payloads) against sparse at 1% and 3% (chunk 4096). Rows: dtype, encode, decode, both."""
+def codec_times(n: int = 1 << 22, reps: int = 7, device: str = "cpu") -> list[list]:
+    """Encode and decode seconds per million elements of one fp32 shard of ``n`` random values on ``device``
+    (the wire bytes in host memory, as the exchange has them: a GPU's times include the copies), median of
+    ``reps`` interleaved repetitions each, with reused buffers: int8 and int4 (the scaled payloads) against
+    sparse at 1% and 3% (chunk 4096). Rows: dtype, encode, decode, both (ms per million), wire bytes per
+    element."""
     import statistics
 
     import torch
@@ -196,12 +198,13 @@ def codec_times(n: int = 1 << 22, reps: int = 7) -> list[list]:
     from sbatch_gen.train.xr import scaled, sparse
     from sbatch_gen.train.xr.protocol import wire_nbytes
 
-    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
-    scratch, out = torch.empty(n + 4096), torch.empty(n + 4096)
+    dev = torch.device(device)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(dev)
+    scratch, out = torch.empty(n + 4096, device=dev), torch.empty(n + 4096, device=dev)
     cases = {
         w: (
             lambda w=w: scaled.encode(x, w, scratch=scratch),
-            lambda b, w=w: scaled.decode(b, n, w, out=out),
+            lambda b, w=w: scaled.decode(b, n, w, dev, out=out),
         )
         for w in ("int8", "int4")
     }
@@ -209,15 +212,22 @@ def codec_times(n: int = 1 << 22, reps: int = 7) -> list[list]:
         k = sparse.kept(4096, d)
         cases[f"sparse {d:.0%}"] = (
             lambda k=k: sparse.encode(x, 4096, k, scratch=scratch),
-            lambda b, k=k: sparse.decode(b, n, 4096, k, out=out),
+            lambda b, k=k: sparse.decode(b, n, 4096, k, dev, out=out),
         )
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
     times: dict[str, list[tuple[float, float]]] = {c: [] for c in cases}
     for _ in range(reps):
         for c, (enc, dec) in cases.items():
+            sync()
             t0 = time.perf_counter()
             b = bytearray(enc())
             t1 = time.perf_counter()
             dec(b)
+            sync()
             times[c].append((t1 - t0, time.perf_counter() - t1))
     rows = []
     per = n / 1e6
@@ -226,6 +236,22 @@ def codec_times(n: int = 1 << 22, reps: int = 7) -> list[list]:
         wire = c if not c.startswith("sparse") else f"sparse-c4096-k{sparse.kept(4096, float(c[7:-1]) / 100)}"
         rows.append([c, f"{e * 1e3:.2f}", f"{d * 1e3:.2f}", f"{(e + d) * 1e3:.2f}", wire_nbytes(wire, n) / n])
     return rows
+
+
+def same_bytes_as_cpu(n: int, device: str) -> bool:
+    """Whether the sparse encoder writes the same bytes from the same values on ``device`` as on the CPU (1%,
+    chunk 4096; random values: no ties), and each decodes them to the same bits: a region may encode on its
+    GPU and another decode on its CPU."""
+    import torch
+
+    from sbatch_gen.train.xr import sparse
+
+    x = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    k = sparse.kept(4096, 0.01)
+    here, there = bytes(sparse.encode(x, 4096, k)), bytes(sparse.encode(x.to(device), 4096, k))
+    a = sparse.decode(bytearray(here), n, 4096, k, "cpu")
+    b = sparse.decode(bytearray(there), n, 4096, k, device).cpu()
+    return here == there and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 if __name__ == "__main__":  # python -m bench.sparse: the codec times alone (seconds; one process)

@@ -6,8 +6,9 @@
 # saves every few steps; stop file -> checkpoint -> resume, compared bitwise with one uninterrupted run;
 # DiLoCo with one region over the fs mailbox, outer step on the GPU against the measured bandwidth;
 # Streaming DiLoCo (4 fragments, the exchange behind 1-2 steps) likewise; FSDP2 on one GPU with the CPU
-# offload off and on (tokens/s, MFU, memory), and its stop -> resume compared bitwise. ac-off, ac-on and
-# fsdp each profile 3 early steps (train.profile): the trace, and the device's time per step by kernel kind.
+# offload off and on (tokens/s, MFU, memory), and its stop -> resume compared bitwise; the wire formats'
+# encode and decode on the GPU (int8, int4, sparse). ac-off, ac-on and fsdp each profile 3 early steps
+# (train.profile): the trace, and the device's time per step by kernel kind.
 #
 #   scripts/gpu-check.sh [--out DIR] [--steps N] [--phase NAME]...   (default: runs/gpu-check, 60 steps)
 #   scripts/gpu-check.sh --smoke                                      (CPU, tiny: tests the script itself)

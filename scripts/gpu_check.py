@@ -21,6 +21,9 @@ of this node, NCCL, bf16 autocast) on the ~125M config (configs/gpt-125m.yaml) u
   fsdp       FSDP2 (parallelism.kind fsdp) on one GPU, bf16: tokens/s, MFU and memory with the CPU offload
              off and on (offload must lower the device's peak), and stop -> resume bitwise as in phase stop;
              the FSDP collective timer's CUDA clock against a device copy (one GPU issues no collective)
+  codec      the wire formats' encode and decode on the GPU (bench/sparse.py codec_times: 16 Mi fp32
+             elements, the bytes in host memory): int8, int4 and sparse 1% and 3% in ms per million
+             elements, and whether the sparse encoder writes the CPU's bytes and both decode to the same bits
 
 ``--smoke`` runs the same phases on the CPU with the tiny config in one process (gloo): the script's own
 logic, tested by ``make test`` (tests/train/test_gpu_check.py). Its figures mean nothing.
@@ -457,6 +460,25 @@ class Check:
             "streaming", ok, fig, f"every one of {frags} fragments merged; the last round joined at the end"
         )
 
+    def codec(self) -> None:
+        from bench.sparse import codec_times, same_bytes_as_cpu
+
+        dev = "cpu" if self.smoke else "cuda"
+        n = 1 << (16 if self.smoke else 24)
+        rows = codec_times(n, reps=3 if self.smoke else 7, device=dev)
+        same = same_bytes_as_cpu(1 << (16 if self.smoke else 22), dev)
+        both = {r[0]: float(r[3]) for r in rows}
+        fig = {f"{c.replace(' ', '_').replace('%', 'pct')}_ms_per_M": v for c, v in both.items()}
+        fig["sparse_1pct_vs_int8"] = round(both["sparse 1%"] / both["int8"], 2)
+        fig["sparse_same_bytes_as_cpu"] = same
+        self.row(
+            "codec",
+            same and all(v > 0 for v in both.values()),
+            fig,
+            f"encode + decode of {n:,} fp32 elements on {dev}, median of the repeats; sparse_1pct_vs_int8: the "
+            "issue-43 goal is <= 1 (on the CPU)",
+        )
+
     def run(self, only: list[str]) -> int:
         phases = {
             "hbm": self.hbm,
@@ -468,6 +490,7 @@ class Check:
             "diloco": self.diloco,
             "streaming": self.streaming,
             "fsdp": self.fsdp,
+            "codec": self.codec,
         }
         for name, fn in phases.items():
             if not only or name in only:

@@ -9,7 +9,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # the GPU check script in subprocesses
 
-PHASES = ["hbm", "ac-off", "ac-on", "compiled", "async-dcp", "stop", "diloco", "streaming", "fsdp"]
+PHASES = ["hbm", "ac-off", "ac-on", "compiled", "async-dcp", "stop", "diloco", "streaming", "fsdp", "codec"]
 
 
 def _run(repo, *args, env=None, timeout=600):
@@ -48,6 +48,8 @@ def test_smoke_runs_every_phase_and_prints_one_table(repo, tmp_path, clean_env):
     assert by["streaming"]["fragments_seen"] == 4 and by["streaming"]["outer_device"] == "cpu"
     assert by["fsdp"]["stop_max_abs_diff"] == 0.0 and 0 < by["fsdp"]["stop_resumed_from"] < 6
     assert by["fsdp"]["tokens_per_s"] > 0 and by["fsdp"]["offload_tokens_per_s"] > 0
+    assert by["codec"]["sparse_same_bytes_as_cpu"] is True and by["codec"]["sparse_1pct_vs_int8"] > 0
+    assert by["codec"]["int8_ms_per_M"] > 0 and by["codec"]["sparse_3pct_ms_per_M"] > 0
     # ac-off, ac-on and fsdp (offload off) each profiled ahead of their steady half: a trace with its steps
     for phase in ("ac-off", "ac-on", "fsdp"):
         assert by[phase]["prof_steps"] >= 1 and by[phase]["prof_step_ms"] > 0, by[phase]
