@@ -260,7 +260,7 @@ def test_an_override_is_one_line_and_never_cut_at_a_yaml_comment(work):
 def test_overrides_apply_in_order_the_later_wins(work):
     """--set in order: a key set again takes the later value (a wrapper's defaults, then the user's own)."""
     r = sg("show", "--site", "local", "--set", "slurm.partition=first", "--set", "slurm.partition=second")
-    assert r.code == 0 and "partition: second" in r.out and "first" not in r.out, r.err
+    assert r.code == 0 and "\n  partition: second\n" in r.out and "partition: first" not in r.out, r.err
 
 
 def _with_configs(work):
