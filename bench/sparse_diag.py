@@ -13,7 +13,9 @@ outer rule per variant, so the parts of the sparse rule can be swapped one at a 
 - ``pertensor``: the trainer's codec applied to each parameter tensor on its own (chunks restart at every
   tensor: for the width-64 matrices a chunk of 4096 is a 64 x 64 tile): what the flat layout costs;
 - ``flush``: ``sparse``, but the last round sends p whole (dense, exact): how much of the gap is progress
-  still waiting in the error buffers at the end, rather than a worse direction.
+  still waiting in the error buffers at the end, rather than a worse direction;
+- ``densefirst``: ``sparse``, but the first ``DENSE_FIRST`` rounds send p whole: whether the early rounds,
+  where the model moves most, are where sparse falls behind.
 
 Per variant: held-out loss of the final outer model (the windows of bench quality); per round the
 projection of the applied update on the round's mean delta, the error buffers' norm against the deltas',
@@ -44,11 +46,12 @@ from .quality import FULL
 from .regionruns import DATA_BYTES, HELDOUT, REGIONS
 
 CHUNK = 4096
+DENSE_FIRST = 4  # densefirst: this many rounds dense at the start
 
 
 @dataclass(frozen=True)
 class D:
-    rule: str  # dense | sparse | topk | pertensor | flush
+    rule: str  # dense | sparse | topk | pertensor | flush | densefirst
     h: int
     density: float = 0.01
     lr: float = 1.0
@@ -78,7 +81,7 @@ def _topk(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _compress(rule: str, p: torch.Tensor, k: int, sizes: list[int]) -> torch.Tensor:
-    if rule in ("sparse", "flush"):
+    if rule in ("sparse", "flush", "densefirst"):
         return _codec(p, k)
     if rule == "topk":
         return _topk(p, k)
@@ -149,7 +152,8 @@ def run_one(v: D, cfg: TrainConfig, data: Path, eval_windows: int) -> dict:
             for i, d in enumerate(deltas):
                 p = d + v.beta * err[i]
                 last = step == cfg.train.steps
-                q = p.clone() if v.rule == "flush" and last else _compress(v.rule, p, k, sizes)
+                whole = (v.rule == "flush" and last) or (v.rule == "densefirst" and len(rounds) < DENSE_FIRST)
+                q = p.clone() if whole else _compress(v.rule, p, k, sizes)
                 err[i] = p - q
                 qs.append(q)
             g = sum(qs) / len(qs)
@@ -211,6 +215,10 @@ def main(argv: list[str]) -> None:
         D("flush", 50, lr=2.0),
         D("sparse", 50, density=0.05, lr=2.0),  # the bytes per step of H=10 at 1%
         D("sparse", 100, density=0.1, lr=2.0),  # ... and of H=100
+        D("densefirst", 50, lr=2.0),
+        D("densefirst", 50, lr=1.0),
+        D("sparse", 100, lr=4.0),  # past bench sparse's grid edge at H=100 (lr 2 was its best)
+        D("sparse", 100, density=0.03, lr=4.0),
     ]
     if len(argv) > 1:
         plan = [plan[int(i)] for i in argv[1].split(",")]
