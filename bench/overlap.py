@@ -1,6 +1,7 @@
 """Benchmark: exposed sync time with overlapped rounds (issue 16, item 4; issue 26, item 4):
-``cross_region.overlap`` none vs eager vs streaming (F fragments, tau steps of delay), payload bf16 vs int8,
-side by side in one run, over the emulated WAN.
+``cross_region.overlap`` none vs eager vs streaming (F fragments, tau steps of delay), payload bf16 vs int8
+vs sparse 1% (issue 43: its round time and exposed share against bf16's), side by side in one run, over the
+emulated WAN.
 
 Two regions of the real trainer (each one process, ``python -m sbatch_gen.testing.faults``: the trainer with the
 per-step sleep installed) train the same steps in
@@ -38,6 +39,8 @@ from .regionruns import DATA_BYTES, OUTER_LR, OUTER_MOMENTUM, REGIONS, finish, l
 from .rundir import read_records, step_records
 from .wan import Wan, available, s3_behind
 
+SPARSE_DENSITY = 0.01  # payload sparse: 1% of each chunk
+
 
 @dataclass(frozen=True)
 class V:
@@ -47,16 +50,23 @@ class V:
     dtype: str
     frags: int = 1
     tau: int = 0
+    density: float = SPARSE_DENSITY  # payload sparse: sparse_density (sparse_beta and sparse_chunk: defaults)
+
+    @property
+    def payload(self) -> str:
+        """The payload as the tables name it: the dtype, with its density for sparse (``sparse 1%``)."""
+        return f"sparse {self.density * 100:g}%" if self.dtype == "sparse" else self.dtype
 
     @property
     def label(self) -> str:
         stream = f" F={self.frags} tau={self.tau}" if self.overlap == "streaming" else ""
-        return f"{self.overlap}{stream}, {self.dtype}"
+        return f"{self.overlap}{stream}, {self.payload}"
 
     @property
     def name(self) -> str:
         stream = f"-f{self.frags}-t{self.tau}" if self.overlap == "streaming" else ""
-        return f"o-{self.overlap}{stream}-{self.dtype}"
+        sp = f"-d{self.density:g}" if self.dtype == "sparse" else ""
+        return f"o-{self.overlap}{stream}-{self.dtype}{sp}"
 
     @property
     def final_join(self) -> bool:
@@ -64,7 +74,8 @@ class V:
         return self.overlap == "eager" or (self.overlap == "streaming" and self.tau > 0)
 
 
-BASE = (V("none", "bf16"), V("eager", "bf16"), V("none", "int8"), V("eager", "int8"))
+SPARSE = (V("none", "sparse"), V("eager", "sparse"))  # sparse 1% (issue 43): round time and exposed vs bf16
+BASE = (V("none", "bf16"), V("eager", "bf16"), V("none", "int8"), V("eager", "int8"), *SPARSE)
 GOAL_SHARE = 0.05  # eager: exposed sync time at most 5% of the wall time
 GOAL_STREAMING = 0.02  # streaming: at most 2%, the run's end included
 MERGE_WAIT_S = 0.1  # streaming: a merge that waited longer for its round is listed with its round
@@ -125,11 +136,11 @@ QUICK = Sizes(
 
 
 # --subset NAME: FULL's sizes, fewer variants. goals: the issue's streaming goal (F=4, tau=2, bf16) against
-# none, and eager's goal, bf16 only
+# none, and eager's goal, bf16; sparse 1% with none and eager beside bf16 (issue 43)
 SUBSETS = {
     "goals": replace(
         FULL,
-        base=(V("none", "bf16"), V("eager", "bf16")),
+        base=(V("none", "bf16"), V("eager", "bf16"), *SPARSE),
         streaming=(V("streaming", "bf16", 4, 2),),
         subset="goals",
     ),
@@ -224,6 +235,7 @@ def _variant(
         overlap=v.overlap,
         payload_dtype=v.dtype,
         keep_rounds=1,
+        **({"sparse_density": v.density} if v.dtype == "sparse" else {}),
         **({"fragments": v.frags, "fragment_delay_steps": v.tau} if v.overlap == "streaming" else {}),
         **({"transport": transport} if transport is not None else {}),
     )
@@ -306,7 +318,7 @@ def run(out_dir: Path, quick: bool = False, subset: str | None = None) -> Result
     sz = SUBSETS[subset] if subset is not None and not quick else QUICK if quick else FULL
     res = Result(
         "overlap",
-        "Overlapped rounds over the emulated WAN: exposed sync time, overlap none vs eager, bf16 vs int8",
+        "Overlapped rounds over the emulated WAN: exposed sync time, overlap none vs eager, bf16 vs int8 vs sparse",
         quick,
         subset=sz.subset,
     )
@@ -362,7 +374,16 @@ def _report(res: Result, sz: Sizes, vs: list[dict], wan: bool) -> None:
     if sz.subset is not None:
         res.setup.append(
             f"Subset `{sz.subset}` (`python -m bench overlap --subset {sz.subset}`): only the variants above, of "
-            "the full run's none / eager x bf16 / int8 and its streaming variants."
+            "the full run's none / eager x bf16 / int8 / sparse 1% and its streaming variants."
+        )
+    if any(v.dtype == "sparse" for v in sz.variants):
+        res.setup.append(
+            f"Sparse (issue 43): `payload_dtype: sparse`, `sparse_density` {SPARSE_DENSITY:g} (1% of each chunk), "
+            f"`sparse_chunk` {CrossRegion.model_fields['sparse_chunk'].default} and `sparse_beta` "
+            f"{CrossRegion.model_fields['sparse_beta'].default:g} (the defaults), outer lr {OUTER_LR:g} and "
+            f"momentum {OUTER_MOMENTUM:g} as the others: the same rounds with 1/70 or so of bf16's bytes, against "
+            "bf16 at the same overlap (round time, exposed share, bytes, the regions' agreement; its held-out loss "
+            "is bench sparse's)."
         )
     by = {v["label"]: v for v in vs}
     rows = []
@@ -372,7 +393,7 @@ def _report(res: Result, sz: Sizes, vs: list[dict], wan: bool) -> None:
         rows.append(
             [
                 v["overlap"],
-                v["dtype"],
+                v["variant"].payload,
                 f"{_share(v, 'a'):.2%}",
                 f"{_share(v, 'b'):.2%}",
                 statistics.mean([a["exposed_s"], b["exposed_s"]]),
@@ -406,6 +427,7 @@ def _report(res: Result, sz: Sizes, vs: list[dict], wan: bool) -> None:
         rows,
         "variants",
     )
+    _sparse_table(res, by)
     res.table(
         "Exposed seconds per round boundary, in order (eager: the last is the xr_final_round event)",
         [
@@ -536,7 +558,7 @@ def _report(res: Result, sz: Sizes, vs: list[dict], wan: bool) -> None:
 
     # goals
     dtypes = [
-        d for d in dict.fromkeys(v.dtype for v in sz.base) if f"none, {d}" in by and f"eager, {d}" in by
+        d for d in dict.fromkeys(v.payload for v in sz.base) if f"none, {d}" in by and f"eager, {d}" in by
     ]
     for dtype in dtypes:
         e, n = by[f"eager, {dtype}"], by[f"none, {dtype}"]
@@ -552,7 +574,7 @@ def _report(res: Result, sz: Sizes, vs: list[dict], wan: bool) -> None:
             f"{ns:.2%}; transfer / (H x step) {n['transfer_s'] / _hstep(n, sz):.2f}",
             None if (res.quick or not wan) else es <= GOAL_SHARE,
         )
-        mine = [v for v in stream if v["dtype"] == dtype]
+        mine = [v for v in stream if v["variant"].payload == dtype]
         if mine:
             n = by[f"none, {dtype}"]
             top = min(mine, key=lambda v: max(_share(v, r) for r in REGIONS))
@@ -662,6 +684,51 @@ def _report(res: Result, sz: Sizes, vs: list[dict], wan: bool) -> None:
         "(H x step column) varies between them by that load; exposed time is compared as a share of each "
         "variant's own wall time."
     )
+
+
+def _sparse_table(res: Result, by: dict[str, dict]) -> None:
+    """Sparse against bf16 at the same overlap: round time, transfer, exposed share (the worse region), bytes,
+    the regions' agreement; and the ratios to the headline."""
+    rows = []
+    for overlap in ("none", "eager"):
+        bf = by.get(f"{overlap}, bf16")
+        sp = [v for label, v in by.items() if label.startswith(f"{overlap}, sparse")]
+        if bf is None:
+            continue
+        for v in sp:
+            shares = [max(_share(x, r) for r in REGIONS) for x in (v, bf)]
+            rounds = [
+                statistics.mean(x["regions"]["a"]["round_s"] + x["regions"]["b"]["round_s"]) for x in (v, bf)
+            ]
+            rows.append(
+                [
+                    v["label"],
+                    f"{v['bytes_up']} / {bf['bytes_up']} (1/{bf['bytes_up'] / v['bytes_up']:.0f})",
+                    f"{rounds[0]:.3f} / {rounds[1]:.3f} ({rounds[0] / rounds[1]:.2f})",
+                    f"{v['transfer_s']:.3f} / {bf['transfer_s']:.3f} ({v['transfer_s'] / bf['transfer_s']:.2f})",
+                    f"{shares[0]:.2%} / {shares[1]:.2%} ({shares[0] / shares[1]:.2f})",
+                    f"{_steady(v):.2%} / {_steady(bf):.2%}",
+                    "yes" if v["same"] else "NO",
+                ]
+            )
+            res.headline[f"{v['label']} vs {overlap}, bf16: transfer, exposed share"] = (
+                f"{v['transfer_s']:.2f} s vs {bf['transfer_s']:.2f} s; {shares[0]:.2%} vs {shares[1]:.2%}"
+            )
+    if rows:
+        res.table(
+            "Sparse against bf16 at the same overlap (sparse / bf16 (ratio); exposed share: the worse region)",
+            [
+                "variant",
+                "bytes up per round",
+                "round s (mean xr_total_s)",
+                "transfer s",
+                "exposed / wall, end included",
+                "exposed / wall without the final join",
+                "a == b tensors (bitwise)",
+            ],
+            rows,
+            "sparse",
+        )
 
 
 def _parts(f: dict, eager: bool) -> dict[str, float]:

@@ -619,14 +619,15 @@ def outer_step_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
 
 
 def _sparse_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
-    """payload_dtype sparse, from bench/results/sparse.md (H 10 and 50; density 1% and 3%; outer lr 1, 2, 4;
-    sparse_beta 0.95 and 1; all without overlap: with eager or streaming they are the only evidence there
-    is, and the message says so)."""
+    """payload_dtype sparse, from bench/results/sparse.md (2026-12-07: H 10, 50 and 100; density 0.5%, 1% and
+    3%; outer lr 1 and 2, sparse_beta 0.95) and the run before it (2026-12-06: H 10 and 50; density 1% and
+    3%; outer lr 1, 2, 4; sparse_beta 0.95 and 1); all without overlap: with eager or streaming they are the
+    only evidence there is, and the message says so."""
     if (
         not xr.enabled
         or xr.sync != "diloco"
         or xr.payload_dtype != "sparse"
-        or not 10 <= xr.inner_steps <= 50
+        or not 10 <= xr.inner_steps <= 100
     ):
         return []
     out = [
@@ -634,19 +635,22 @@ def _sparse_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
             "payload_dtype",
             f"cross_region.payload_dtype sparse ({xr.sparse_density:.3g} of each chunk) with inner_steps "
             f"{xr.inner_steps}: bench/results/sparse.md measured held-out loss above dense bf16 DiLoCo at every "
-            "point, each at its best outer lr: +1.3% (1%) and +3.3% (3%) at H=10, +16% (1%) and +4.9% (3%) at "
-            "H=50 (a tiny model from scratch, 2000 steps"
+            "point, each at its best outer setting: at H=10 +5.8% (0.5%), +1.3% (1%), +3.3% (3%); at H=50 "
+            "+24% (0.5%), +16% (1%), +4.9% (3%); at H=100 +54% (0.5%), +32% (1%), +18.5% (3%) (a tiny model from "
+            "scratch, 2000 steps"
             + ("" if xr.overlap == "none" else f"; without overlap: with overlap {xr.overlap} not measured")
-            + "). It saves bytes at a cost in the model: measure it on yours before relying on it.",
+            + "): the fewer the rounds and the lower the density, the worse. It saves bytes at a cost in the "
+            "model: measure it on yours before relying on it.",
         )
     ]
     if xr.sparse_beta > 0.95:
         out.append(
             (
                 "sparse_beta",
-                f"cross_region.sparse_beta {xr.sparse_beta:g}: above 0.95, bench/results/sparse.md measured "
-                "worse held-out loss at 11 of 12 points of density x outer lr x H (sparse_beta 1: 1.1-14.6 "
-                "points above 0.95; the exception -0.5). Use 0.95 unless you measured otherwise.",
+                f"cross_region.sparse_beta {xr.sparse_beta:g}: above 0.95, bench sparse's 2026-12-06 run "
+                "measured worse held-out loss at 11 of 12 points of density x outer lr x H (H 10 and 50; "
+                "sparse_beta 1: 1.1-14.6 points above 0.95; the exception -0.5). Use 0.95 unless you measured "
+                "otherwise.",
             )
         )
     if xr.outer_lr > 2:
@@ -654,8 +658,8 @@ def _sparse_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
             (
                 "outer_lr",
                 f"cross_region.outer_lr {xr.outer_lr:g} with sparse payloads: outer lr 4 measured worse than the "
-                "better of 1 and 2 at every density and H in bench/results/sparse.md (+13% to +26% held-out over "
-                "dense bf16 at sparse_beta 0.95). Use 1 or 2.",
+                "better of 1 and 2 at every density and H of bench sparse's 2026-12-06 run (H 10 and 50; +13% to "
+                "+26% held-out over dense bf16 at sparse_beta 0.95). Use 1 or 2.",
             )
         )
     return out

@@ -544,12 +544,15 @@ def test_fsdp_quick(tmp_path):
 
 
 def test_sparse_quick(tmp_path):
-    """Dense bf16 and sparse DiLoCo side by side: both regions end on the same model in every variant, and a
-    sparse round uploads a small share of bf16's bytes (never timings; --quick judges nothing)."""
+    """Grad mode, dense bf16 and sparse DiLoCo side by side: both regions end on the same model in every
+    variant, and a sparse round uploads a small share of bf16's bytes (never timings; --quick judges nothing)."""
     d = _bench("sparse", tmp_path, timeout=600)
-    ((headers, rows),) = [(t["headers"], t["rows"]) for t in d["tables"].values()]
+    headers, rows = _table(d, "variants")
     by = {r[0]: dict(zip(headers, r, strict=True)) for r in rows}
-    assert len(by) == 2 and all(r["a, b identical"] == "yes" for r in by.values())
+    assert len(by) == 3 and all(r["a, b identical"] == "yes" for r in by.values())
+    assert by["grad (every step)"]["vs grad"] == "+0.00%"
+    ((h, *side),) = _table(d, "side")[1]
+    assert h.startswith("4 (") and len(side) == 3  # grad, best dense bf16, sparse 3%
     sparse = next(r for label, r in by.items() if "sparse 3.0%" in label)
     assert sparse["objects vs bf16"].startswith("1/") and int(sparse["objects vs bf16"][2:]) > 20
     assert all(g["met"] is None for g in d["goals"])

@@ -357,6 +357,8 @@ def test_validate_warns_about_what_the_benchmark_measured_worse():
     warned = dict(outer_step_warnings(risky))
     assert {"payload_dtype", "sparse_beta", "outer_lr"} <= set(warned)
     assert "+16% (1%)" in warned["payload_dtype"] and "\n" not in warned["payload_dtype"]
+    h100 = dict(outer_step_warnings(CrossRegion(**base, payload_dtype="sparse", inner_steps=100)))
+    assert "+32% (1%)" in h100["payload_dtype"]  # measured since 2026-12-07
     assert not outer_step_warnings(
         CrossRegion(**base, payload_dtype="sparse", inner_steps=200)
     )  # not measured
