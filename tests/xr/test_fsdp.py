@@ -99,17 +99,22 @@ def test_regions_of_different_shapes_hold_the_same_outer_state(us, payload, tmp_
         # rank 1: the other 6 blocks (scales 24..48: chunk 0; values 1584..3120: chunks 6-12). eu's two
         # objects hold 4 bytes more than us's: b1, cut in two there, has one more scale
         ("int8", 3229, [1792 + 157, 256 + 1693], 3233),
+        # sparse (chunks of 64 elements, 6 kept: 15 bytes each, per shard): W1 at 0..720 (48 chunks), b1
+        # ..735, W2 ..750, b2 ..765 (one padded chunk each), integrity chunks of 64 bytes. Rank 0 needs W1's
+        # chunks 0-23 (0..360: integrity chunks 0-5) and b1, W2, b2 (720..765: chunk 11); rank 1 W1's chunks
+        # 24-47 (360..720: chunks 5-11) and b1 (in chunk 11): 445 bytes each. eu's objects: 405 + 375 bytes
+        ("sparse", 765, [384 + 61, 445], 780),
     ],
 )
 def test_an_fsdp_rank_reads_its_part_of_a_peer_and_writes_one_object_a_round(
     payload, size, part, whole, tmp_path
 ):
     """eu: FSDP2 over 2 ranks; us: FSDP2 over 1. A model of 3169 elements, shard_mb large enough for a
-    rank's part, chunks of 256 bytes. Every rank writes ONE object a round; an eu rank reads only the chunks
+    rank's part, integrity chunks of 256 bytes (sparse, whose object is a few hundred bytes: 64). Every rank writes ONE object a round; an eu rank reads only the chunks
     of us's object that hold its rows (about half of the payload: its rows' bytes rounded out to whole
     chunks), us reads both of eu's objects whole; both regions end each round on the same bits."""
     out = tmp_path / "out"
-    extra = ("--dims", "64,48,1", "--shard-mb", "1", "--chunk-bytes", "256")
+    extra = ("--dims", "64,48,1", "--shard-mb", "1", "--chunk-bytes", "64" if payload == "sparse" else "256")
     runs = [
         (_launch(r, "fsdp", n, out, tmp_path / "mailbox", payload, *extra), r)
         for r, n in (("eu", 2), ("us", 1))
