@@ -445,6 +445,57 @@ def test_eager_shared_state_is_identical_and_the_model_is_it_minus_the_own_spars
     assert torch.equal(eu["params"], us["params"]) and torch.equal(eu["params"], eu["theta_end"])
 
 
+def _s3(s3server, bucket, prefix):
+    from .conftest import KEY_ENV, SECRET_ENV
+
+    return S3Transport(
+        bucket=bucket,
+        prefix=prefix,
+        endpoint_url=s3server.endpoint_url,
+        addressing_style="path",
+        region_name="us-east-1",
+        credentials=S3Credentials(access_key_id_env=KEY_ENV, secret_access_key_env=SECRET_ENV),
+    )
+
+
+@pytest.mark.parametrize("over", ["fs", "s3"])
+def test_eager_follows_the_update_rule_of_a_float64_reference(tmp_path, over, request):
+    """overlap eager with sparse payloads, 4 rounds of H=3 over an fs mailbox and a bucket on the local S3
+    server, against the rule computed here: at boundary b each region publishes p = fresh + beta * e (fp32, as
+    the regions compute it; e = p - q of its last round, joined at this boundary), its wire values q = the
+    reference sparsifier of p are its own, and e holds p while the round is in flight; the shared state
+    advances by the token-weighted average of the q's the round before (float64 Nesterov)."""
+    from .test_overlap import nesterov64, run
+
+    kw = dict(SP, tokens={"eu": 30, "us": 90}, outer_lr=0.6, outer_momentum=0.5)
+    if over == "s3":
+        kw["transport"] = _s3(request.getfixturevalue("s3server"), request.getfixturevalue("bucket"), "eager")
+    res = in_threads(lambda r: run(r, tmp_path, 4, **kw), ["eu", "us"])
+    w = {"eu": 30 / 120, "us": 90 / 120}
+    bounds = sorted(res["eu"]["rounds"])
+    assert bounds == [3, 6, 9, 12]
+    theta = res["eu"]["rounds"][3]["theta"].double()
+    mom = torch.zeros_like(theta)
+    err = {r: torch.zeros(97) for r in ("eu", "us")}
+    for i, b in enumerate(bounds):
+        E, U = res["eu"]["rounds"][b], res["us"]["rounds"][b]
+        assert torch.equal(E["theta"], U["theta"]) and torch.equal(E["momentum"], U["momentum"]), b
+        if i > 0:
+            g = sum(w[r] * res[r]["rounds"][bounds[i - 1]]["own"].double() for r in w)
+            theta, mom = nesterov64(theta, mom, g, 0.6, 0.5)
+            torch.testing.assert_close(E["theta"].double(), theta, rtol=0, atol=1e-6)
+            assert E["rec"]["xr_members"] == ["eu", "us"]
+        for r in w:
+            X = res[r]["rounds"][b]
+            start = res[r]["rounds"][bounds[i - 1]]["model"] if i > 0 else X["theta"]
+            p = (start - X["local"]) + err[r] * SP["sparse_beta"]
+            q = _ref_encode(p, 64, 6)
+            assert torch.equal(X["own"], q) and torch.equal(X["error"], p), (r, b)
+            err[r] = p - q  # joined (with this region's payload) at the next boundary
+    eu, us = res["eu"], res["us"]
+    assert torch.equal(eu["params"], us["params"]) and torch.equal(eu["params"], eu["theta_end"])
+
+
 @pytest.mark.parametrize("case", ["in-flight", "manifest-lost"])
 def test_eager_stop_with_a_round_in_flight_resumes_to_the_uninterrupted_bits(tmp_path, case):
     """eu stops mid-phase with round 2 in flight (its error buffer holds that round's payload p, not yet
@@ -566,17 +617,7 @@ def test_streaming_shared_state_is_identical_and_follows_the_update_rule(tmp_pat
 
 def test_streaming_over_s3(tmp_path, s3server, bucket):
     """The same through a bucket on the local S3 server (ranged reads of whole chunks)."""
-    from .conftest import KEY_ENV, SECRET_ENV
-
-    transport = S3Transport(
-        bucket=bucket,
-        prefix="sparse-streaming",
-        endpoint_url=s3server.endpoint_url,
-        addressing_style="path",
-        region_name="us-east-1",
-        credentials=S3Credentials(access_key_id_env=KEY_ENV, secret_access_key_env=SECRET_ENV),
-    )
-    check_streaming(tmp_path, 2, 1, transport=transport)
+    check_streaming(tmp_path, 2, 1, transport=_s3(s3server, bucket, "sparse-streaming"))
 
 
 def check_streaming(tmp_path, frags, tau, **extra):
