@@ -234,12 +234,20 @@ def _batch(region: str, step: int):
     return x, x.sum(dim=1, keepdim=True) * (1.0 if region == "eu" else -0.5)
 
 
-def _train(region: str, root: Path, steps: int, state: dict | None = None, stop_at: int | None = None):
-    """A user's loop around the wrapper: plain model, plain AdamW, the wrapper's calls only."""
+def _train(
+    region: str,
+    root: Path,
+    steps: int,
+    state: dict | None = None,
+    stop_at: int | None = None,
+    xr: dict | None = None,
+):
+    """A user's loop around the wrapper: plain model, plain AdamW, the wrapper's calls only (``xr``: more
+    --xr-* flags)."""
     model = _model(seed=REGIONS.index(region) + 1)  # different inits: start() aligns them to eu's theta0
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     step, records = 0, []
-    with DiLoCo(model, _xr(region, root)) as diloco:
+    with DiLoCo(model, _xr(region, root, **(xr or {}))) as diloco:
         if state is not None:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optim"])
@@ -289,19 +297,28 @@ def _flat(m: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
 
 
-def test_diloco_around_a_plain_model_ends_bitwise_equal_in_every_region(tmp_path):
-    out = _in_threads(lambda r: _train(r, tmp_path, steps=9))
+# the payloads a user's trainer gets as the companion trainer does: dense bf16 (the default) and sparse (its
+# error-feedback buffer travels in the wrapper's state_dict)
+PAYLOADS = {"bf16": {}, "sparse": {"payload_dtype": "sparse", "sparse_chunk": 64, "sparse_density": 0.1}}
+
+
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_diloco_around_a_plain_model_ends_bitwise_equal_in_every_region(tmp_path, payload):
+    out = _in_threads(lambda r: _train(r, tmp_path, steps=9, xr=PAYLOADS[payload]))
     eu, us = out["eu"][0], out["us"][0]
     assert torch.equal(_flat(eu), _flat(us))
     assert [rec["xr_round"] for rec in out["eu"][1]] == [1, 2, 3] and out["us"][2] == 3
     assert out["eu"][1][0]["xr_members"] == REGIONS
+    assert out["eu"][1][0].get("xr_sparse_density") == (6 / 64 if payload == "sparse" else None)
 
 
-def test_a_resume_from_the_users_checkpoint_ends_like_the_uninterrupted_run(tmp_path):
-    whole = _in_threads(lambda r: _train(r, tmp_path / "whole", steps=9))
-    first = _in_threads(lambda r: _train(r, tmp_path / "split", steps=9, stop_at=6))
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_a_resume_from_the_users_checkpoint_ends_like_the_uninterrupted_run(tmp_path, payload):
+    xr = PAYLOADS[payload]
+    whole = _in_threads(lambda r: _train(r, tmp_path / "whole", steps=9, xr=xr))
+    first = _in_threads(lambda r: _train(r, tmp_path / "split", steps=9, stop_at=6, xr=xr))
     assert all(round_ == 2 for _, _, round_ in first.values())
-    second = _in_threads(lambda r: _train(r, tmp_path / "split", steps=9, state=first[r][0]))
+    second = _in_threads(lambda r: _train(r, tmp_path / "split", steps=9, state=first[r][0], xr=xr))
     for r in REGIONS:
         assert torch.equal(_flat(second[r][0]), _flat(whole[r][0])), r
         assert [rec["xr_round"] for rec in second[r][1]] == [3]
