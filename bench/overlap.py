@@ -381,7 +381,7 @@ def _report(res: Result, sz: Sizes, vs: list[dict], wan: bool) -> None:
             f"Sparse (issue 43): `payload_dtype: sparse`, `sparse_density` {SPARSE_DENSITY:g} (1% of each chunk), "
             f"`sparse_chunk` {CrossRegion.model_fields['sparse_chunk'].default} and `sparse_beta` "
             f"{CrossRegion.model_fields['sparse_beta'].default:g} (the defaults), outer lr {OUTER_LR:g} and "
-            f"momentum {OUTER_MOMENTUM:g} as the others: the same rounds with 1/70 or so of bf16's bytes, against "
+            f"momentum {OUTER_MOMENTUM:g} as the others: the same rounds with about 1/100 of bf16's bytes, against "
             "bf16 at the same overlap (round time, exposed share, bytes, the regions' agreement; its held-out loss "
             "is bench sparse's)."
         )

@@ -174,6 +174,21 @@ def _load_many(
     return loaded
 
 
+def _site_checks(loaded: list[LoadedSite], run_sites: list[LoadedSite], files: bool = True) -> list[str]:
+    """What ``validate`` checks beyond each profile (``render`` checks the same for the sites it renders):
+    each cross-region site against its train config, the sites of a run (``run_sites``: ``loaded`` and, for
+    validate --site, the other sites of their runs) against each other's models, the torch a render needs;
+    raises :class:`UserError` with every error. Returns the notes (warnings), in the order they are printed;
+    ``files``: with validate's notes on the trainer's files as this directory holds them (render, which may
+    run elsewhere than the jobs are submitted from, leaves those to validate)."""
+    errors, notes = check_train_configs(run_sites)
+    errors += check_torch_minimum(loaded)
+    if errors:
+        raise UserError(errors)
+    here = [*check_trainer_files(run_sites), *check_config_secrets(loaded)] if files else []
+    return [*_profile_notes(loaded), *here, *notes]
+
+
 def _profile_notes(loaded: Iterable[LoadedSite]) -> list[str]:
     """The profiles' warnings (:meth:`ProfileBase.warnings`), each at its field's line; a line that several
     sites share (a base) once."""
@@ -313,6 +328,10 @@ def _git_renders(rev: str, dirs: tuple[Path, ...]) -> list[FileChange]:
 def render(names, all_, out_dir, overrides, sites_dir, templates_dir) -> None:
     """Validate profiles and write out/<site>.sbatch and out/<site>.setup.sbatch (atomically, mode 0755).
 
+    The profiles are checked as `validate` checks them (their train configs and the torch they need; with
+    --all, the sites of each run against each other): an error writes nothing, a warning is printed (the
+    trainer's files as this directory holds them: `validate` only).
+
     Beside them, once, out/sbatch-gen-node.py: the node program the renders' preflight runs, and
     out/sbatch-gen-job.sh: the Slurm training scripts' job library, which they source (they pin both by
     sha256).
@@ -327,8 +346,11 @@ def render(names, all_, out_dir, overrides, sites_dir, templates_dir) -> None:
     """
     selected = _select(sites_dir, names, all_)
     loaded = _load_many(sites_dir, selected, overrides, cross_region=all_)
+    notes = _site_checks(
+        loaded, loaded, files=False
+    )  # validate's checks of these sites: an error writes nothing
     pairs = _render_all(loaded, templates_dir)
-    for n in _profile_notes(loaded):
+    for n in notes:
         click.echo(f"note {n}", err=True)
     written = write_outputs(out_dir, [(r.filename, r.text) for _, r in pairs])
     for path, unchanged in written:
@@ -427,16 +449,7 @@ def validate(names, overrides, sites_dir) -> None:
         run_sites = [*loaded, *_run_partners(sites_dir, loaded)]
         if problems := check_cross_region(run_sites):
             raise UserError(problems)
-    errors, notes = check_train_configs(run_sites)
-    errors += check_torch_minimum(loaded)
-    if errors:
-        raise UserError(errors)
-    for n in [
-        *_profile_notes(loaded),
-        *check_trainer_files(run_sites),
-        *check_config_secrets(loaded),
-        *notes,
-    ]:
+    for n in _site_checks(loaded, run_sites):
         click.echo(f"note {n}", err=True)
     runs: dict[str, list[str]] = {}
     for s in run_sites:

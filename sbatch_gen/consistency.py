@@ -224,7 +224,7 @@ def check_train_configs(sites: Iterable[LoadedSite]) -> tuple[list[str], list[st
 
     from sbatch_gen.train.config import load_config, xr_problems  # torch-free
     from sbatch_gen.train.shapes import parameter_shapes  # torch-free
-    from sbatch_gen.xr_options import outer_step_warnings
+    from sbatch_gen.xr_options import ignored_field_warnings, outer_step_warnings
 
     errors: list[str] = []
     notes: list[str] = []
@@ -236,6 +236,7 @@ def check_train_configs(sites: Iterable[LoadedSite]) -> tuple[list[str], list[st
         trainer = s.profile.trainer
         # (with a train config read below, xr_problems repeats these: reported once)
         notes += [f"{s.at('cross_region', f)}: warning: {m}" for f, m in outer_step_warnings(xr)]
+        notes += [f"{s.at('cross_region', f)}: warning: {m}" for f, m in ignored_field_warnings(xr)]
         if trainer.args is not None or trainer.config is None:
             # a command line of its own (trainer.args): its config need not be this trainer's
             notes.append(

@@ -9,7 +9,7 @@ per region, how long ``eu`` waited per round while ``us`` was away, the rejoin, 
 the bytes exchanged against per-step gradient averaging, and whether the final weights are identical.
 
     python -m sbatch_gen.demo [--config configs/demo.yaml] [--steps N] [--inner-steps H] [--out runs/demo-xr]
-                              [--away-rounds A] [--no-stop]
+                              [--away-rounds A] [--no-stop] [--payload-dtype DTYPE] [--overlap OVERLAP]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import shutil
 import statistics
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 
 from sbatch_gen.testing.regions import launch_region
@@ -30,6 +31,8 @@ PARTS = ("upload", "wait", "download", "reduce", "broadcast", "outer_step", "cle
 
 
 def _mib(n: float) -> str:
+    if n < 2**20:
+        return f"{n / 2**10:,.1f} KiB"
     return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
 
 
@@ -85,14 +88,21 @@ def _away_lines(out: Path, regions: list[str], grace_s: float) -> list[str]:
     return lines
 
 
-def summarize(out: Path, regions: list[str], wall_s: float, steps: int, grace_s: float = 0.0) -> str:
+def _numel(model: Path) -> int:
+    from safetensors.numpy import load_file
+
+    return sum(int(a.size) for a in load_file(model).values())
+
+
+def summarize(
+    out: Path, regions: list[str], wall_s: float, steps: int, grace_s: float = 0.0, payload: str = "bf16"
+) -> str:
     lines = [
         f"cross-region demo: {len(regions)} regions x 2 processes, DiLoCo over fs:{out / 'mailbox'}",
         f"wall time {wall_s:.1f} s for {steps} steps",
         "",
     ]
     up_total = 0
-    numel = None
     rounds_all = {}
     for r in regions:
         m = _read_metrics(out / r)
@@ -100,8 +110,6 @@ def summarize(out: Path, regions: list[str], wall_s: float, steps: int, grace_s:
         rounds = [x for x in m if "xr_total_s" in x]  # the rounds this region ran (not a fast-forward)
         rounds_all[r] = rounds
         up_total += sum(x["xr_bytes_up"] for x in rounds)
-        if rounds and numel is None:
-            numel = rounds[0]["xr_bytes_up"] // 2  # bf16 payloads
         first, last = losses[0], losses[-1]
         best = min(v for _, v in losses)
         lines.append(
@@ -123,22 +131,27 @@ def summarize(out: Path, regions: list[str], wall_s: float, steps: int, grace_s:
             f"sync {r}: per round median {statistics.median(tot) * 1e3:.1f} ms, max {max(tot) * 1e3:.1f} ms "
             f"(median ms: {split}); {sum(tot):.2f} s in sync = {100 * sum(tot) / wall_s:.1f}% of wall"
         )
-    if numel:
-        H = rounds_all[regions[0]][0]["xr_step"]
+    a, b = out / regions[0] / "model.safetensors", out / regions[1] / "model.safetensors"
+    rounds0 = rounds_all[regions[0]]
+    if rounds0 and a.exists():
+        steps_at = [x["xr_step"] for x in rounds0]
+        gap = statistics.median(b - a for a, b in pairwise(steps_at)) if len(steps_at) > 1 else steps_at[0]
+        numel = _numel(a)
         down_total = sum(x["xr_bytes_down"] for r in regions for x in rounds_all[r])
-        ours = up_total + down_total
+        per_round = statistics.median(x["xr_bytes_up"] for x in rounds0)
         # Per-step gradient averaging across regions, same mailbox, fp32: every region sends its gradient
-        # (P*4 bytes) and receives the other regions' ((R-1)*P*4) every step; a DiLoCo round moves bf16
-        # deltas (P*2, (R-1)*P*2) once per H steps. (For 2 regions that is also what a ring all-reduce
-        # moves per process.)
+        # (P*4 bytes) and receives the other regions' ((R-1)*P*4) every step; a DiLoCo round moves its
+        # payload (bf16: P*2) once per H steps. (For 2 regions that is also what a ring all-reduce moves per
+        # process.)
         lines += [
             "",
-            f"parameters: {numel:,}; H = {H} inner steps; payloads bf16",
-            f"exchanged across regions: {_mib(up_total)} up + {_mib(down_total)} down = {_mib(ours)}",
-            f"per round a region sends {_mib(numel * 2)} and receives {_mib(numel * 2 * (len(regions) - 1))}; "
-            f"per-step gradient averaging (fp32) would move {2 * H}x that over the same {H} steps",
+            f"parameters: {numel:,}; a round every {gap:g} steps; payloads {payload}",
+            f"exchanged across regions: {_mib(up_total)} up + {_mib(down_total)} down = "
+            f"{_mib(up_total + down_total)}",
+            f"per round a region sends {_mib(per_round)} ({per_round / (numel * 2):.3g} of bf16's) and receives "
+            f"as much from each other region; per-step gradient averaging (fp32) would send "
+            f"{numel * 4 * gap / per_round:,.0f}x that over the same {gap:g} steps",
         ]
-    a, b = out / regions[0] / "model.safetensors", out / regions[1] / "model.safetensors"
     if a.exists() and b.exists():
         lines.append(f"final parameters identical across regions: {'yes' if _same_params(a, b) else 'NO'}")
     lines.append(f"metrics: {', '.join(str(out / r / 'metrics.jsonl') for r in regions)}")
@@ -155,6 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900, help="seconds before the demo gives up")
     ap.add_argument("--away-rounds", type=int, default=3, help="rounds region us misses midway")
     ap.add_argument("--no-stop", action="store_true", help="do not stop and restart region us midway")
+    ap.add_argument(
+        "--payload-dtype",
+        default="bf16",
+        choices=["bf16", "fp32", "int8", "fp8", "int4", "sparse"],
+        help="cross_region.payload_dtype (sparse: the defaults' 1%% of each chunk of 4096)",
+    )
+    ap.add_argument(
+        "--overlap", default="none", choices=["none", "eager", "streaming"], help="cross_region.overlap"
+    )
     args = ap.parse_args(argv)
 
     from sbatch_gen.train.config import load_config
@@ -188,13 +210,18 @@ def main(argv: list[str] | None = None) -> int:
             grace_s=grace_s,
             snapshot_every=2,
             keep_rounds=2,
+            payload_dtype=args.payload_dtype,
+            overlap=args.overlap,
+            fragments=2,  # overlap streaming only: 2 fragments, each exchange behind 1 step
+            fragment_delay_steps=1,
         )
         for r in REGIONS
     }
     stop = (out / "us.stop").absolute()
     print(
         f"training {len(REGIONS)} regions ({', '.join(REGIONS)}), each torchrun x 2 processes, {steps} steps, "
-        f"DiLoCo H={args.inner_steps}, min_regions 1, grace_s {grace_s:g}, mailbox {transport.root}; "
+        f"DiLoCo H={args.inner_steps}, overlap {args.overlap}, payloads {args.payload_dtype}, min_regions 1, "
+        f"grace_s {grace_s:g}, mailbox {transport.root}; "
         f"logs in {out}/<region>.log",
         flush=True,
     )
@@ -251,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         for run, rcs in failed:
             print(f"region {run.region} failed (exit {rcs}):\n{run.tail(40)}", file=sys.stderr)
         return 1
-    print(summarize(out, REGIONS, wall, steps, grace_s), flush=True)
+    print(summarize(out, REGIONS, wall, steps, grace_s, args.payload_dtype), flush=True)
     return 0
 
 

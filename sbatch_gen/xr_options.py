@@ -584,7 +584,7 @@ class CrossRegion(StrictModel):
         refuses a peer's that says otherwise (the trainer's one-line check of what ``validate`` checks on
         one checkout, :meth:`shared_view`). In the order a difference is reported: the averaging order
         (``regions``), the sync mode, the quorum (``min_regions`` resolved: a strict region writes its
-        claims over any tombstone an elastic one would write), the wire, then with DiLoCo the rounds' steps
+        claims over any tombstone an elastic one would write), the wire (sparse: its chunk and density), then with DiLoCo the rounds' steps
         (H, and the fragments: 1 without streaming; they set the rounds' steps, order and contents) and the
         outer step. Left out, since regions may differ in them without harm: what is local to a region
         (its shape, threads, shards, the outer state's device), how long it waits (``timeout_s``,
@@ -600,6 +600,8 @@ class CrossRegion(StrictModel):
             "payload_dtype": self.payload_dtype,
             "serialization": self.serialization,
         }
+        if self.payload_dtype == "sparse":  # the wire's chunks and entries (sparse_beta is a region's own)
+            out.update(sparse_chunk=self.sparse_chunk, sparse_density=self.sparse_density)
         if self.sync == "diloco":
             out.update(
                 inner_steps=self.inner_steps,
@@ -613,9 +615,38 @@ class CrossRegion(StrictModel):
 def outer_step_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
     """(field, message) for outer lr / momentum / H combinations (and, with overlap streaming, delays) that
     measured worse in bench/results/quality.md: H 10, 50 and 100 without overlap, H 50 and 100 with
-    streaming; and sparse payloads as bench/results/sparse.md measured them (H 10 and 50). Nothing outside
-    those ranges: no evidence either way."""
+    streaming; and sparse payloads as bench/results/sparse.md measured them (H 10, 50 and 100). Nothing
+    outside those ranges: no evidence either way."""
     return _outer_step_warnings(xr) + _sparse_warnings(xr)
+
+
+# Fields that only one payload dtype or overlap reads: set in a profile where the other holds, they are ignored
+# (a typo in payload_dtype or overlap, or a leftover from an earlier setting)
+_ONLY_WITH = {
+    "sparse_density": ("payload_dtype", "sparse"),
+    "sparse_chunk": ("payload_dtype", "sparse"),
+    "sparse_beta": ("payload_dtype", "sparse"),
+    "fragments": ("overlap", "streaming"),
+    "fragment_delay_steps": ("overlap", "streaming"),
+    "fragment_alpha": ("overlap", "streaming"),
+}
+
+
+def ignored_field_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
+    """(field, message) for a payload or streaming setting written in the profile where it is ignored
+    (sparse_* without payload_dtype sparse, fragment_* without overlap streaming). The profile's only: the
+    renders spell every flag out, so a trainer's options would always show them set."""
+    if not xr.enabled:
+        return []
+    return [
+        (
+            name,
+            f"cross_region.{name} is set, but {field} is {getattr(xr, field)}: it is read only with {field} "
+            f"{value}, and ignored here",
+        )
+        for name, (field, value) in _ONLY_WITH.items()
+        if name in xr.model_fields_set and getattr(xr, field) != value
+    ]
 
 
 def _sparse_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
@@ -623,14 +654,21 @@ def _sparse_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
     3%; outer lr 1 and 2, sparse_beta 0.95) and the run before it (2026-12-06: H 10 and 50; density 1% and
     3%; outer lr 1, 2, 4; sparse_beta 0.95 and 1); all without overlap: with eager or streaming they are the
     only evidence there is, and the message says so."""
-    if (
-        not xr.enabled
-        or xr.sync != "diloco"
-        or xr.payload_dtype != "sparse"
-        or not 10 <= xr.inner_steps <= 100
-    ):
+    if not xr.enabled or xr.sync != "diloco" or xr.payload_dtype != "sparse":
         return []
-    out = [
+    out = []
+    if xr.outer_momentum > 0:
+        out.append(
+            (
+                "outer_momentum",
+                f"cross_region.outer_momentum {xr.outer_momentum:g} with sparse payloads: not measured (bench "
+                "sparse ran outer_momentum 0, as SparseLoCo does: the error feedback replaces the momentum). "
+                "Use 0 unless you measured otherwise.",
+            )
+        )
+    if not 10 <= xr.inner_steps <= 100:
+        return out
+    out += [
         (
             "payload_dtype",
             f"cross_region.payload_dtype sparse ({xr.sparse_density:.3g} of each chunk) with inner_steps "
@@ -639,8 +677,9 @@ def _sparse_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
             "+24% (0.5%), +16% (1%), +4.9% (3%); at H=100 +54% (0.5%), +32% (1%), +18.5% (3%) (a tiny model from "
             "scratch, 2000 steps"
             + ("" if xr.overlap == "none" else f"; without overlap: with overlap {xr.overlap} not measured")
-            + "): the fewer the rounds and the lower the density, the worse. It saves bytes at a cost in the "
-            "model: measure it on yours before relying on it.",
+            + "): the fewer the rounds, the worse; 0.5% was worse than 1% at every H. Its best outer_lr was 2 "
+            "at 8 of the 9 points (1 at H=10, 3%). It saves bytes at a cost in the model: measure it on yours "
+            "before relying on it.",
         )
     ]
     if xr.sparse_beta > 0.95:
@@ -670,6 +709,8 @@ def _outer_step_warnings(xr: CrossRegion) -> list[tuple[str, str]]:
         return []
     if xr.overlap == "streaming":
         return _streaming_warnings(xr)
+    if xr.payload_dtype == "sparse":  # measured with dense payloads: _sparse_warnings has sparse's own
+        return []
     if xr.inner_steps > 100:
         return []
     h, lr, mu = xr.inner_steps, xr.outer_lr, xr.outer_momentum

@@ -257,6 +257,20 @@ def test_an_override_is_one_line_and_never_cut_at_a_yaml_comment(work):
     assert r.code == 0 and "run #3" in r.out, r.err
 
 
+def test_render_says_the_warnings_validate_says_of_the_sites_it_renders(work):
+    """render prints validate's warnings of a site and writes: here sparse payloads' measured loss at H=50,
+    and the streaming settings the base profile gives, which overlap none ignores."""
+    _with_configs(work)
+    sets = ["cross_region.payload_dtype=sparse", "cross_region.overlap=none", "cross_region.outer_momentum=0"]
+    sets.append("cross_region.inner_steps=50")
+    r = sg("render", "--site", "eu", "--out", "o", *[w for x in sets for w in ("--set", x)])
+    assert r.code == 0 and (work / "o" / "eu.sbatch").exists(), r.err
+    assert "warning: cross_region.payload_dtype sparse (0.01 of each chunk) with inner_steps 50" in r.err, (
+        r.err
+    )
+    assert "warning: cross_region.fragments is set, but overlap is none" in r.err, r.err
+
+
 def test_overrides_apply_in_order_the_later_wins(work):
     """--set in order: a key set again takes the later value (a wrapper's defaults, then the user's own)."""
     r = sg("show", "--site", "local", "--set", "slurm.partition=first", "--set", "slurm.partition=second")
@@ -357,6 +371,9 @@ def test_snapshot_every_must_fit_in_the_runs_rounds(work):
     )
     assert msg in err and err.count(msg) == 1
     assert "Set snapshot_every to at most 160." in err
+    # render checks the sites it renders as validate does: the same error, and nothing written
+    err = _fails("render", "--site", "eu", "--out", "o")
+    assert msg in err and not (work / "o").exists(), err
     _replace(base, "snapshot_every: 161", "snapshot_every: 41")
     _replace(base, "overlap: streaming", "overlap: none")
     err = _fails("validate")

@@ -86,6 +86,16 @@ BASE = dict(timeout_s=60, payload_dtype="fp32")
         ),
         ("outer_momentum", {}, {"outer_momentum": 0.5}),
         ("payload_dtype", {}, {"payload_dtype": "bf16"}),
+        (  # sparse payloads: the wire's chunks and entries (sparse_beta, a region's own, may differ)
+            "sparse_density",
+            {"payload_dtype": "sparse", "sparse_chunk": 64, "sparse_density": 0.1, "sparse_beta": 0.9},
+            {"payload_dtype": "sparse", "sparse_chunk": 64, "sparse_density": 0.2},
+        ),
+        (
+            "sparse_chunk",
+            {"payload_dtype": "sparse", "sparse_chunk": 64},
+            {"payload_dtype": "sparse", "sparse_chunk": 128},
+        ),
         ("min_regions", {}, {"min_regions": 1, "grace_s": 30}),
         ("fragments", {}, {"overlap": "streaming", "fragments": 2, "fragment_delay_steps": 0}),
         (

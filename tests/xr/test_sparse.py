@@ -372,6 +372,27 @@ def test_validate_warns_about_what_the_benchmark_measured_worse():
     )
     plain = dict(outer_step_warnings(CrossRegion(**base, payload_dtype="sparse", inner_steps=50)))
     assert "not measured" not in plain["payload_dtype"]
+    # an outer momentum with sparse payloads: not measured (the dense advice, measured with bf16, is not given)
+    mom = dict(
+        outer_step_warnings(CrossRegion(**base, payload_dtype="sparse", inner_steps=200, outer_momentum=0.9))
+    )
+    assert list(mom) == ["outer_momentum"] and "not measured" in mom["outer_momentum"], mom
+    assert "quality.md" not in mom["outer_momentum"]
+    # sparse_* (and fragment_*) given where the payload (the overlap) does not read them: said, not silent
+    from sbatch_gen.xr_options import ignored_field_warnings
+
+    ignored = dict(
+        ignored_field_warnings(CrossRegion(**base, payload_dtype="int8", sparse_density=0.03, fragments=2))
+    )
+    assert ignored == {
+        "sparse_density": "cross_region.sparse_density is set, but payload_dtype is int8: it is read only with "
+        "payload_dtype sparse, and ignored here",
+        "fragments": "cross_region.fragments is set, but overlap is none: it is read only with overlap streaming, "
+        "and ignored here",
+    }
+    assert not ignored_field_warnings(CrossRegion(**base, payload_dtype="int8"))  # the defaults say nothing
+    # (the trainer's warnings leave them out: a render spells every flag, so they are always set there)
+    assert not outer_step_warnings(CrossRegion(**base, payload_dtype="int8", fragments=2))
 
 
 def test_a_region_back_without_its_checkpoint_starts_its_buffer_at_zero_logged_once(tmp_path):
