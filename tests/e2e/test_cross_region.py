@@ -53,6 +53,7 @@ def _run_regions(
             "run_id": f"e2e-{transport['kind']}",
             "sync": "diloco",
             "inner_steps": 5,
+            "snapshot_every": 4,  # within the run's rounds (validate's check, which render makes too)
             "outer_lr": 0.7,
             "outer_momentum": 0.9,
             "timeout_s": 240,

@@ -316,6 +316,7 @@ def test_the_real_trainer_trains_through_the_bucket_and_leaves_no_secret(
         "enabled": True,
         "run_id": "secrets",
         "inner_steps": 4,
+        "snapshot_every": 2,  # within the run's 2 rounds (validate's check, which render makes too)
         "timeout_s": 120,
         "transport": {
             "kind": "s3",

@@ -4,11 +4,33 @@ something, and the stops, checkpoints and crashes a trainer would see."""
 
 from __future__ import annotations
 
+import threading
+import time
+from pathlib import Path
+
 import torch
 
 from sbatch_gen.train.xr.errors import XRNoQuorum
+from sbatch_gen.train.xr.protocol import round_tag
 
 from .test_sync import batch, make
+
+
+def while_away(root: Path, k: int, case: str, go_on: threading.Event, region: str = "eu") -> None:
+    """What became of round ``k``, in flight when ``region`` stopped, before it resumes (mailbox ``root/t``):
+    "manifest-lost" (its manifest deleted; the round still open), "committed-while-away" (``go_on`` lets the
+    other region go on, and it closes the round) or "in-flight" (still open)."""
+    commit = root / "t" / round_tag(k) / "_commit.json"
+    if case == "manifest-lost":
+        (root / "t" / round_tag(k) / f"{region}.done").unlink()
+    if case == "committed-while-away":
+        go_on.set()
+        deadline = time.monotonic() + 60
+        while not commit.exists():
+            assert time.monotonic() < deadline, "the other region never closed the round"
+            time.sleep(0.01)
+    else:
+        assert not commit.exists()
 
 
 def step_once(m, opt, region, step):

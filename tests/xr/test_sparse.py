@@ -29,7 +29,7 @@ from sbatch_gen.train.xr.reading import shard_bytes
 from sbatch_gen.xr_options import CrossRegion, FsTransport, S3Credentials, S3Transport
 
 from .concurrent import in_threads
-from .region_loop import run_region
+from .region_loop import run_region, while_away
 from .test_sync import flat, inner_steps, make
 
 H = 4
@@ -664,9 +664,6 @@ def test_streaming_stop_with_a_fragment_in_flight_resumes_to_the_uninterrupted_b
     every step after the resume included. committed-while-away: us closed the round meanwhile, with eu's
     payload; manifest-lost: the stop came before eu's upload finished, eu encodes the saved p again."""
     import threading
-    import time
-
-    from sbatch_gen.train.xr.protocol import round_tag
 
     kw = dict(fragments=4, fragment_delay_steps=2)
     ref = in_threads(lambda r: _run_streaming(r, tmp_path / "ref", 2, **kw), ["eu", "us"])
@@ -687,17 +684,7 @@ def test_streaming_stop_with_a_fragment_in_flight_resumes_to_the_uninterrupted_b
         assert saved["inflight"] == 4 and torch.equal(
             saved["error"][lo:hi], first["steps"][at]["error"][lo:hi]
         )
-        commit = root / "t" / round_tag(4) / "_commit.json"
-        if case == "manifest-lost":
-            (root / "t" / round_tag(4) / "eu.done").unlink()
-        if case == "committed-while-away":
-            go_on.set()
-            deadline = time.monotonic() + 60
-            while not commit.exists():
-                assert time.monotonic() < deadline, "us never closed the round"
-                time.sleep(0.01)
-        else:
-            assert not commit.exists()
+        while_away(root, 4, case, go_on)
         return _run_streaming("eu", root, 2, state=first["state"], gate=gate, **kw)
 
     res = in_threads(

@@ -7,7 +7,6 @@ committed averages only and is the same bits in every region; the merge gives a 
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -15,12 +14,11 @@ import torch
 from sbatch_gen.train.xr import scaled
 from sbatch_gen.train.xr.errors import XRLayoutError
 from sbatch_gen.train.xr.fragments import fragment_of, round_step
-from sbatch_gen.train.xr.protocol import round_tag
 from sbatch_gen.train.xr.sync import ROUND_PARTS
 from sbatch_gen.xr_options import S3Credentials, S3Transport
 
 from .conftest import KEY_ENV, SECRET_ENV
-from .region_loop import run_region
+from .region_loop import run_region, while_away
 from .test_overlap import nesterov64
 from .test_sync import REGIONS, in_threads, make
 
@@ -169,17 +167,7 @@ def test_a_stop_mid_cycle_resumes_to_the_uninterrupted_bits(tmp_path, case):
     def eu_then_resume():
         first = run("eu", root, 2, stop_at=at + 1, **kw)
         assert first["state"]["outer"]["inflight"] == k_stop
-        commit = root / "t" / round_tag(k_stop) / "_commit.json"
-        if case == "manifest-lost":
-            (root / "t" / round_tag(k_stop) / "eu.done").unlink()
-        if case == "committed-while-away":
-            go_on.set()
-            deadline = time.monotonic() + 60
-            while not commit.exists():
-                assert time.monotonic() < deadline, "us never closed the round"
-                time.sleep(0.01)
-        else:
-            assert not commit.exists()
+        while_away(root, k_stop, case, go_on)
         return run("eu", root, 2, state=first["state"], gate=gate, **kw)
 
     res = in_threads(lambda r: eu_then_resume() if r == "eu" else run(r, root, 2, gate=gate, **kw))
