@@ -346,9 +346,8 @@ def render(names, all_, out_dir, overrides, sites_dir, templates_dir) -> None:
     """
     selected = _select(sites_dir, names, all_)
     loaded = _load_many(sites_dir, selected, overrides, cross_region=all_)
-    notes = _site_checks(
-        loaded, loaded, files=False
-    )  # validate's checks of these sites: an error writes nothing
+    # validate's checks of these sites: an error writes nothing
+    notes = _site_checks(loaded, loaded, files=False)
     pairs = _render_all(loaded, templates_dir)
     for n in notes:
         click.echo(f"note {n}", err=True)
