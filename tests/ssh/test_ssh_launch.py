@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -110,11 +111,15 @@ def test_sigint_through_the_launcher_makes_the_trainer_write_its_stop_checkpoint
     assert check_complete(ckpt) is None and read_marker(ckpt)["step"] == stop_step
     assert [st for st, _ in list_step_dirs(launch.run_dir)] == [stop_step]
     assert max(launch.metrics_steps()) == stop_step
-    for rank in (
+    ranks = []
+    for node in (
         0,
         1,
-    ):  # each host's trainer took the stop request (SIGTERM), saved, and exited 0 after its ack: not killed
-        node_log = launch.node_log(1, rank)
+    ):  # each host's trainer took the stop request (SIGTERM), saved, and exited 0: not killed
+        node_log = launch.node_log(1, node)
+        # its trainer's rank: c10d's rendezvous numbers the nodes in the order they join, not node 0 first
+        rank = int(re.findall(r"\[rank (\d)/2\]", node_log)[0])
+        ranks.append(rank)
         assert (
             f"[rank {rank}/2] stop requested (SIGTERM): all ranks stop after step {stop_step}" in node_log
         ), node_log
@@ -124,6 +129,7 @@ def test_sigint_through_the_launcher_makes_the_trainer_write_its_stop_checkpoint
         assert f": stopped after step {stop_step} (SIGTERM): checkpoint " in node_log, node_log
         assert f"/checkpoints/step-{stop_step} complete" in node_log, node_log
         assert f"stopped after step {stop_step} (SIGTERM)" in out, out  # and the launcher's log repeats it
+    assert sorted(ranks) == [0, 1], ranks
     assert "SIGKILL to" not in (launch.logs / "cleanup.log").read_text()
     _assert_no_tagged(launch)
 
