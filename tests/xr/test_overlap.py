@@ -15,7 +15,7 @@ from sbatch_gen.train.xr.errors import XRLayoutError
 from sbatch_gen.train.xr.protocol import round_tag
 from sbatch_gen.train.xr.sync import ROUND_PARTS
 
-from .region_loop import run_region
+from .region_loop import run_region, while_away
 from .test_sync import REGIONS, in_threads, make
 
 pytestmark = pytest.mark.slow  # real mailbox, background threads
@@ -128,17 +128,7 @@ def test_a_stop_with_a_round_in_flight_resumes_to_the_uninterrupted_bits(tmp_pat
 
     def eu_then_resume():
         first = run("eu", root, 4, stop_at=2 * H + 1)
-        commit = root / "t" / round_tag(2) / "_commit.json"
-        if case == "manifest-lost":
-            (root / "t" / round_tag(2) / "eu.done").unlink()
-        if case == "committed-while-away":
-            go_on.set()
-            deadline = time.monotonic() + 60
-            while not commit.exists():
-                assert time.monotonic() < deadline, "us never closed round 2"
-                time.sleep(0.01)
-        else:
-            assert not commit.exists()
+        while_away(root, 2, case, go_on)
         return run("eu", root, 4, state=first["state"], gate=gate)
 
     res = in_threads(lambda r: eu_then_resume() if r == "eu" else run(r, root, 4, gate=gate))
