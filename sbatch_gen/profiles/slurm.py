@@ -67,7 +67,14 @@ class Preemption(ProfileSection):
     saved no newer checkpoint count against it."""
 
     signal: Literal["USR1", "USR2"] = Field(default="USR1", description="Signal sent to the batch shell.")
-    lead_time_s: Int = Field(default=600, ge=30, le=65535, description="Seconds before the time limit.")
+    lead_time_s: Int = Field(
+        default=600,
+        ge=30,
+        le=65535,
+        description="Seconds before the time limit. Slurm sends the signal at its periodic check (every 30 s) "
+        "once the job is within lead_time_s + 30 s of its limit: between lead_time_s + 30 and lead_time_s "
+        "before it.",
+    )
     checkpoint_s: Int = Field(default=120, ge=1, description="Expected time of one checkpoint save.")
     margin_s: Int = Field(default=60, ge=0, description="Slack on top of checkpoint_s.")
     ack_timeout_s: Int = Field(
@@ -244,6 +251,10 @@ class Container(ProfileSection):
 
 # sbatch's long options (Slurm 23.02-24.11, with aliases). sbatch (getopt_long) takes any unique prefix of a
 # long option, so `--outp=x` is `--output=x`: extra_directives are matched against this list by prefix.
+# Slurm checks the time limits every 30 s (PERIODIC_TIMEOUT) and sends --signal's signal at the first check
+# within its lead time + 30 s of the limit
+SLURM_SIGNAL_CHECK_S = 30
+
 SBATCH_LONG_OPTIONS = frozenset(
     {
         "account",
@@ -733,6 +744,23 @@ class SlurmProfile(ProfileBase):
         if xr.enabled:
             mods += ["sbatch_gen", "xxhash"] + (["boto3"] if xr.transport.kind == "s3" else [])
         return list(dict.fromkeys(mods))
+
+    def warnings(self) -> list[tuple[tuple[str | int, ...], str]]:
+        out = super().warnings()
+        limit = slurm_time_seconds(self.slurm.time)
+        lead = self.preemption.lead_time_s
+        if lead < limit <= lead + SLURM_SIGNAL_CHECK_S:
+            out.append(
+                (
+                    ("preemption", "lead_time_s"),
+                    f"preemption.lead_time_s {lead} s is within {SLURM_SIGNAL_CHECK_S} s of slurm.time "
+                    f"({self.slurm.time} = {limit} s), and Slurm sends the signal at its periodic check, up to "
+                    f"{SLURM_SIGNAL_CHECK_S} s before lead_time_s: every attempt may be asked to stop seconds "
+                    "after it starts, before it trains a step, and attempts without progress end the run "
+                    "(preemption.max_requeues_without_progress); raise slurm.time or lower lead_time_s",
+                )
+            )
+        return out
 
     @check
     def _cross_checks(self) -> SlurmProfile:

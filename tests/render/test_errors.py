@@ -683,3 +683,27 @@ def test_every_repeated_host_in_one_run(work):
         "sbatch-gen: --set hosts=[a, a, b, b]: hosts[3].name: host 'b' is listed twice",
     ], err
     assert lab.exists()
+
+
+def test_a_lead_time_within_slurms_check_of_the_limit_is_a_warning(work):
+    """Slurm sends --signal's signal at its periodic check (every 30 s) once the job is within lead_time_s + 30 s
+    of its limit: with slurm.time 2:00 and lead_time_s 90 that is the first check, seconds after the start
+    (an attempt in CI was signalled in its first second). validate and render say so at lead_time_s's line
+    and exit 0; 30 s more of slurm.time and the note is gone."""
+    _with_configs(work)
+    local = work / "sites" / "local.yaml"
+    _replace(local, 'time: "00:30:00"', 'time: "00:02:00"')
+    _replace(local, "lead_time_s: 60", "lead_time_s: 90")
+    line = _line_of(local, "lead_time_s")
+    note = (
+        f"note sites/local.yaml:{line}: warning: preemption.lead_time_s 90 s is within 30 s of slurm.time "
+        "(00:02:00 = 120 s), and Slurm sends the signal at its periodic check, up to 30 s before lead_time_s: "
+        "every attempt may be asked to stop seconds after it starts"
+    )
+    for args in (("validate", "--site", "local"), ("render", "--site", "local", "--out", "o")):
+        r = sg(*args)
+        assert r.code == 0, r.err
+        assert r.err.count(note) == 1 and len(r.err.splitlines()) == 1, r.err
+    _replace(local, 'time: "00:02:00"', 'time: "00:02:01"')
+    r = sg("validate", "--site", "local")
+    assert r.code == 0 and "lead_time_s" not in r.err, r.err
