@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 3ce86442ad7021cf1e535b6f6651bba5983da2975b81d04a125e49b031b4262b
+#   inputs sha256: 332e1fb004ae5940844dc4c525e99a26012f4c663b89409e0d880b98158d0156
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -54,7 +54,7 @@ IB_HCA=''  # nccl.ib_hca as NCCL_IB_HCA: the preflight checks these adapters (em
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
 # torchrun flags older torch lacks, for the preflight: FLAG=its profile key; the first torch with it; compat: run-trainer's shim does without
 TORCHRUN_FLAGS=--signals-to-handle='trainer.stop_protocol: sbatch-gen; torch >= 2.10; compat,--shutdown-timeout=launch.kill_grace_s; torch >= 2.12; compat'
-SSH_LIB_SHA256=0bad9ee411b6189049a1940be4cbb6700522fab0758f2aaeb438297fdeac658d  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
+SSH_LIB_SHA256=5f63fa89d7f27de78ee025dcf3445977f59034fe4fc7dddf0cba452013f068fb  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
 NODE_PY_SHA256=b9e8e6189c9edbc02722504a63a32e289687697b1629c09fe7762e33872fd3e2  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------

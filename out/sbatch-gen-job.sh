@@ -86,23 +86,6 @@ activate_env() {
   export PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}"
 }
 
-# IPv4 address of an interface (ip, else python's SIOCGIFADDR: images without iproute2); returns 1 if it has
-# none.
-# shellcheck disable=SC2317,SC2329  # run on the nodes (shipped with the preflight)
-iface_ipv4() {
-  local addr='' py
-  if command -v ip >/dev/null; then
-    addr=$(ip -4 -o addr show dev "$1" 2>/dev/null | awk '{ split($4, a, "/"); print a[1]; exit }') || true
-  elif py=$(command -v python3 || command -v python); then
-    addr=$("$py" -c 'import fcntl, socket, struct, sys
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-print(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", sys.argv[1][:15].encode()))[20:24]))' \
-      "$1" 2>/dev/null) || true
-  fi
-  [[ -n $addr ]] || return 1
-  printf '%s\n' "$addr"
-}
-
 # node_py [--exec] COMMAND ARG...: the node program's COMMAND (preflight, run-trainer), run by this node's
 # python: python_env's, else python3 (an image may have no `python`), isolated (-I: no PYTHONPATH, no user
 # site; it needs the standard library only). The program is the file $SBATCH_GEN_NODE_PY, or the text

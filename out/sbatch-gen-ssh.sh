@@ -357,13 +357,30 @@ cleanup_command() {
   exit 1
 }
 
+# IPv4 address of an interface (ip, else python's SIOCGIFADDR: images without iproute2); returns 1 if it has
+# none.
+# shellcheck disable=SC2317,SC2329  # run on the nodes (declare -f)
+iface_ipv4() {
+  local addr='' py
+  if command -v ip >/dev/null; then
+    addr=$(ip -4 -o addr show dev "$1" 2>/dev/null | awk '{ split($4, a, "/"); print a[1]; exit }') || true
+  elif py=$(command -v python3 || command -v python); then
+    addr=$("$py" -c 'import fcntl, socket, struct, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+print(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", sys.argv[1][:15].encode()))[20:24]))' \
+      "$1" 2>/dev/null) || true
+  fi
+  [[ -n $addr ]] || return 1
+  printf '%s\n' "$addr"
+}
+
 # ==== node library =================================================================================
 # sbatch-gen's node functions (templates/_node.j2), no site settings: log/die, the python_env activation,
 # and, when this render uses them, those that find, stage and run the node program (sbatch-gen-node.py: the
 # preflight, the training step's supervision) and node_lines. Every render with the same library sha256
 # carries these same lines: review them once (`sbatch-gen diff --all` shows a change to them once, naming
 # the files).
-# library sha256: 9f553c337c5f26b188cccce26f5e83d6010d56af4e8a2dfbb139cd51d79aafab
+# library sha256: d2a1a741335f3ea55bb961327f3128807da1452f953f9ea302b60787b40f42d2
 # log MESSAGE...: one timestamped line on stderr, and in $LOG_FILE when set. Never fails (a trap's terminal may be gone).
 log() {
   local line
@@ -469,23 +486,6 @@ find_pinned() {
   done
   NODE_ERROR="the $name this script pins (sha256 $sha) is not there: $said (sbatch-gen render writes it beside the renders: render again and review the diff)"
   return 1
-}
-
-# IPv4 address of an interface (ip, else python's SIOCGIFADDR: images without iproute2); returns 1 if it has
-# none.
-# shellcheck disable=SC2317,SC2329  # run on the nodes (shipped with the preflight)
-iface_ipv4() {
-  local addr='' py
-  if command -v ip >/dev/null; then
-    addr=$(ip -4 -o addr show dev "$1" 2>/dev/null | awk '{ split($4, a, "/"); print a[1]; exit }') || true
-  elif py=$(command -v python3 || command -v python); then
-    addr=$("$py" -c 'import fcntl, socket, struct, sys
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-print(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", sys.argv[1][:15].encode()))[20:24]))' \
-      "$1" 2>/dev/null) || true
-  fi
-  [[ -n $addr ]] || return 1
-  printf '%s\n' "$addr"
 }
 
 # node_py [--exec] COMMAND ARG...: the node program's COMMAND (preflight, run-trainer), run by this node's
