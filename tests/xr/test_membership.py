@@ -5,6 +5,7 @@ In-process, torch-free (regions as threads; a crashed region is a real process k
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -518,6 +519,47 @@ def test_a_live_region_whose_uploads_hang_is_never_seen_gone_by_the_watch(transp
         release.set()
         eu.stop_heartbeat()
         us.stop_heartbeat()
+
+
+@pytest.mark.parametrize("how", ["leave", "silence"])
+def test_the_watch_warns_of_a_region_gone_silent_never_of_a_planned_leave(transport, caplog, how):
+    """us beats, then stops: after a planned leave (its presence record says so) eu's watch logs an info line
+    naming the step and round it left at, and no warning; gone silent without a word (a crash, here its
+    heartbeat thread stopped) it warns."""
+    hb = 0.5  # (not HB: a loaded machine can delay a live region's beats past 3 x 0.2 s)
+    ms = members(transport, quorum=1, heartbeat_s=hb)
+    eu, us = ms["eu"], ms["us"]
+    eu.start_heartbeat()
+    us.start_heartbeat()
+    try:
+        _beats(eu, "us", 2)
+        while "us" in eu._peers.gone_at:  # (seen gone while beating, and not yet again)
+            time.sleep(0.02)
+        with caplog.at_level(logging.INFO, logger="sbatch_gen"):
+            caplog.clear()
+            if how == "leave":
+                us.announce("leaving", 3, 30)  # stops its heartbeat
+            else:
+                us.stop_heartbeat()
+            deadline = time.monotonic() + STALE_BEATS * hb + 5.0
+            while "us" not in eu._peers.gone_at:
+                assert time.monotonic() < deadline, "the watch never noted us gone"
+                time.sleep(0.02)
+    finally:
+        eu.stop_heartbeat()
+        us.stop_heartbeat()
+    # (on a loaded machine a beat still in flight when us stopped can land after the watch saw it gone: then
+    # "beats again" and, once more, gone)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "region us" in r.getMessage()]
+    assert said, caplog.text
+    if how == "leave":
+        assert said[0] == (
+            logging.INFO,
+            "cross-region: region us beats no more: it left at step 30 (round 3)",
+        )
+        assert all(level == logging.INFO for level, _ in said), said
+    else:
+        assert said[0][0] == logging.WARNING and "region us looks gone" in said[0][1], said
 
 
 def test_a_region_that_never_beat_is_stale_once_watched_long_enough(transport):

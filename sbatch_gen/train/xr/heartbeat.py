@@ -11,9 +11,13 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .records import Record
 from .store import Store
+
+if TYPE_CHECKING:
+    from .commit import Presence
 
 STALE_BEATS = 3  # heartbeat intervals old (store's clock) or unchanged (reader's clock): the region is gone
 log = logging.getLogger("sbatch_gen.train")
@@ -95,6 +99,19 @@ class HeartbeatWriter:
             log.info("cross-region heartbeat: written again after %d failed writes", self.failures)
             self.failures = 0
 
+    def _left(self, region: str) -> str | None:
+        """How ``region`` said it stopped (its presence record: a planned leave, or a refusal), else None."""
+        if self.said is None:
+            return None
+        try:
+            p = self.said(region)
+        except Exception:  # noqa: BLE001 - then it is judged by its heartbeat alone, as without a record
+            return None
+        if p is None or p.state not in ("leaving", "refused"):
+            return None
+        what = "left" if p.state == "leaving" else "refused to take part"
+        return f"{what} at step {p.step} (round {p.round}){': ' + p.why if p.why else ''}"
+
     def _run(self) -> None:
         next_at = time.monotonic()
         while not self._stop.is_set():
@@ -133,8 +150,10 @@ class PeerWatch:
         interval_s: float,
         clock: Callable[[], float] = time.monotonic,
         name: str = "xr-peer-watch",
+        said: Callable[[str], Presence | None] | None = None,
     ) -> None:
         self.regions, self.judge, self.interval_s, self.clock = list(regions), judge, interval_s, clock
+        self.said = said  # a region's presence record, read once it looks gone: a planned leave is no warning
         self.due: dict[str, float] = {}  # region -> when its heartbeat turns (turned) stale, self.clock
         self.gone_at: dict[str, float] = {}  # region -> when this watch first saw it gone, self.clock
         self.looks = 0
@@ -170,17 +189,34 @@ class PeerWatch:
             now = self.clock()
             self.due[r] = due
             if due <= now and r not in self.gone_at:
-                self.gone_at[r] = now
-                log.warning(
-                    "cross-region: region %s looks gone (no heartbeat for %d intervals): rounds close "
-                    "without waiting for it once min_regions have published",
-                    r,
-                    STALE_BEATS,
-                )
+                left = self._left(r)
+                if left is not None:
+                    log.info("cross-region: region %s beats no more: it %s", r, left)
+                else:
+                    log.warning(
+                        "cross-region: region %s looks gone (no heartbeat for %d intervals): rounds close "
+                        "without waiting for it once min_regions have published",
+                        r,
+                        STALE_BEATS,
+                    )
+                self.gone_at[r] = now  # (once said)
             elif due > now and r in self.gone_at:
                 del self.gone_at[r]
                 log.info("cross-region: region %s beats again", r)
         self.looks += 1
+
+    def _left(self, region: str) -> str | None:
+        """How ``region`` said it stopped (its presence record: a planned leave, or a refusal), else None."""
+        if self.said is None:
+            return None
+        try:
+            p = self.said(region)
+        except Exception:  # noqa: BLE001 - then it is judged by its heartbeat alone, as without a record
+            return None
+        if p is None or p.state not in ("leaving", "refused"):
+            return None
+        what = "left" if p.state == "leaving" else "refused to take part"
+        return f"{what} at step {p.step} (round {p.round}){': ' + p.why if p.why else ''}"
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -385,9 +385,10 @@ class Membership:
         return self._read_records(Heartbeat, ALIVE_DIR, self.alive_key, keys)
 
     # -- per-region records (presence, heartbeat): <run>/<dir>/<region>.json, written by that region only --
-    def _read_record(self, cls, key: str, region: str):
-        raw = self.store.get(key)
-        rec = cls.from_json(raw, self.store.describe(key)) if raw is not None else None
+    def _read_record(self, cls, key: str, region: str, store: Store | None = None):
+        store = store or self.store
+        raw = store.get(key)
+        rec = cls.from_json(raw, store.describe(key)) if raw is not None else None
         return rec if rec is not None and rec.region == region else None
 
     def _read_records(self, cls, folder: str, key_of: Callable[[str], str], keys: list[str] | None) -> dict:
@@ -417,7 +418,11 @@ class Membership:
         if others:  # and the others' heartbeats, watched from now on (another client of its own)
             store = self._peer_store = self.store.clone()
             self._peers = PeerWatch(
-                others, lambda r: self._judge_heartbeat(r, store), self.heartbeat_s / 2, self._clock
+                others,
+                lambda r: self._judge_heartbeat(r, store),
+                self.heartbeat_s / 2,
+                self._clock,
+                said=lambda r: self.read_presence(r, store),
             )
             self._peers.start()
 
@@ -461,13 +466,15 @@ class Membership:
 
     # -- presence --------------------------------------------------------------------------------------
     def announce(self, state: str, r: int, step: int, why: str = "") -> None:
-        if state in ("leaving", "refused"):
-            self.stop_heartbeat()  # a region that left beats no more (its leave is what the others read)
         p = Presence(self.region, state, r, step, time.time(), self.job, why)
         self.store.put(self.presence_key(self.region), p.to_json())
+        if state in ("leaving", "refused"):
+            # a region that left beats no more: its leave, written first, is what the others read (a watch
+            # that finds its heartbeat stale finds the leave too, and takes it for no crash)
+            self.stop_heartbeat()
 
-    def read_presence(self, region: str) -> Presence | None:
-        return self._read_record(Presence, self.presence_key(region), region)
+    def read_presence(self, region: str, store: Store | None = None) -> Presence | None:
+        return self._read_record(Presence, self.presence_key(region), region, store)
 
     def presences(self, keys: list[str] | None = None) -> dict[str, Presence]:
         """Every region's presence record (one listing, or ``keys`` of :meth:`run_keys`); a record under
