@@ -305,7 +305,16 @@ def xr_problems(
     else:
         errors += _diloco_problems(cfg, xr, in_cfg)
     warnings += [XRProblem(f, m) for f, m in outer_step_warnings(xr)]
-    if xr.sync == "diloco" and cfg.train.steps % h:
+    if xr.sync == "diloco" and cfg.train.steps < h:
+        warnings.append(
+            XRProblem(
+                "inner_steps",
+                f"train.steps ({cfg.train.steps}{in_cfg}) is fewer than cross_region.inner_steps ({h}): the run "
+                "ends before its first round, and the regions never synchronise. Lower inner_steps, or raise "
+                "train.steps.",
+            )
+        )
+    elif xr.sync == "diloco" and cfg.train.steps % h:
         warnings.append(
             XRProblem(
                 "inner_steps",

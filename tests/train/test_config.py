@@ -266,13 +266,13 @@ def test_diloco_snapshot_every_beyond_the_runs_rounds_is_an_error():
         cfg, _xr(inner_steps=5, snapshot_every=7, min_regions=1), config_name="configs/tiny.yaml"
     )
     assert elastic == (errs, [])
-    # a run shorter than one round has no rounds to clean up: only the warning that it stays local
+    # a run shorter than one round has no rounds to clean up: only the warning that it never synchronises
     errs, warns = xr_problems(cfg, _xr(inner_steps=40, snapshot_every=10))
     assert errs == [] and warns == [
-        "train.steps (30) is not a multiple of cross_region.inner_steps (40): the "
-        "last 30 steps stay local to each region. Make train.steps a multiple of "
-        "inner_steps to end on a synchronised model."
+        "train.steps (30) is fewer than cross_region.inner_steps (40): the run ends before its first "
+        "round, and the regions never synchronise. Lower inner_steps, or raise train.steps."
     ]
+    assert [w.field for w in warns] == ["inner_steps"]
 
 
 def test_diloco_steps_not_a_multiple_of_inner_steps_warns():
