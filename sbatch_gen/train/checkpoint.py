@@ -17,8 +17,10 @@ import os
 import re
 import shutil
 import time
+import warnings
 import zlib
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +40,18 @@ _STEP_RE = re.compile(r"^step-(\d+)$")
 
 class CheckpointError(Exception):
     pass
+
+
+@contextmanager
+def _single_process(single: bool):
+    """Around a DCP save or load of a single-process run (no_dist): without torch's UserWarning that it
+    assumes one process, which it prints on every save and load however no_dist was chosen."""
+    if not single:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -420,16 +434,18 @@ class Checkpointer:
             path.mkdir(parents=True)
         self._barrier()
         if self.async_save and not block:
-            fut = dcp.async_save(
-                state, checkpoint_id=str(path), process_group=self._pg, async_stager=self.stager()
-            )
+            with _single_process(not self.info.is_distributed):
+                fut = dcp.async_save(
+                    state, checkpoint_id=str(path), process_group=self._pg, async_stager=self.stager()
+                )
             # An AsyncSaveResponse comes back only with asynchronous staging, which stager() turns off.
             assert isinstance(fut, Future), f"async_save returned {type(fut).__name__}, not the upload future"
             self._drop_spent_stager()
             self._pending = (fut, step, path, t0, time.perf_counter() - t0)
             return None
         try:
-            dcp.save(state, checkpoint_id=str(path), no_dist=not self.info.is_distributed)
+            with _single_process(not self.info.is_distributed):
+                dcp.save(state, checkpoint_id=str(path), no_dist=not self.info.is_distributed)
             blocking = time.perf_counter() - t0
             return self._finish(step, path, t0, blocking)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
@@ -471,7 +487,8 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         dropped = drop_unsaved(state, checkpoint_keys(path), optional) if optional else []
-        dcp.load(state, checkpoint_id=str(path), no_dist=not self.info.is_distributed)
+        with _single_process(not self.info.is_distributed):
+            dcp.load(state, checkpoint_id=str(path), no_dist=not self.info.is_distributed)
         self.known.add(marker_step(path))
         return dropped
 
