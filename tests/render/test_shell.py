@@ -390,7 +390,7 @@ def test_preflight_rendezvous_between_two_nodes(tmp_path):
 # ---- the node-side logic is written once (templates/_node.j2) --------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["log", "die", "load_modules", "activate_env", "iface_ipv4", "preflight"])
+@pytest.mark.parametrize("name", ["log", "die", "load_modules", "activate_env", "preflight"])
 def test_every_launcher_renders_the_same_node_function(name):
     found = {p.name: function_text(p.read_text(), name) for p in OUT_FILES}
     found = {k: v for k, v in found.items() if v is not None}
