@@ -43,6 +43,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 
 # ---- small readers --------------------------------------------------------------------------------
 
@@ -276,6 +277,24 @@ def check_numa_binding(mode: str) -> tuple[bool, list[str]]:
 
 
 # ---- nccl.ib_hca / nccl.ib_link_layer -------------------------------------------------------------
+
+
+def ib_hca_in_use(profile_spec: str, env: Mapping[str, str]) -> tuple[str | None, str]:
+    """What NCCL will read on this node, ENV being the environment the training step gets (the profile's
+    exports are defaults: a value given at submit time, or in the SSH launcher's environment, wins):
+    (the NCCL_IB_HCA to check, "" or how to name it when it is not the profile's) or (None, why nothing is
+    checked). Not checked: NCCL_IB_DISABLE=1, an empty NCCL_IB_HCA (NCCL picks the adapters) and a '^' list
+    (the adapters it leaves out)."""
+    if env.get("NCCL_IB_DISABLE") == "1":
+        return None, "NCCL_IB_DISABLE=1 in the environment: HCAs not checked"
+    value = env.get("NCCL_IB_HCA", profile_spec)
+    if value == profile_spec:
+        return value, ""
+    if not value:
+        return None, "NCCL_IB_HCA empty in the environment (NCCL picks the adapters): HCAs not checked"
+    if value.startswith("^"):
+        return None, f"NCCL_IB_HCA={value} in the environment (adapters left out): HCAs not checked"
+    return value, f"NCCL_IB_HCA={value} from the environment, not nccl.ib_hca's {profile_spec}"
 
 
 def check_ib_hcas(spec: str, want: str) -> tuple[bool, list[str]]:
@@ -662,7 +681,8 @@ def omp_threads_main(args: list[str]) -> int:
 #                     because the profile is wrong for this node (OMP_NUM_THREADS is the cores / N as well).
 #   log_topology=1    log `nvidia-smi topo -m` (GPU sites)
 #   numa=MODE         topology.numa_binding: check_numa_binding
-#   hcas=H link_layer=L   nccl.ib_hca as NCCL_IB_HCA and nccl.ib_link_layer: check_ib_hcas
+#   hcas=H link_layer=L   nccl.ib_hca as NCCL_IB_HCA and nccl.ib_link_layer: check_ib_hcas, of the
+#                     NCCL_IB_HCA the training step gets (ib_hca_in_use: a value given at submit time wins)
 #   run_dir=R         paths.run_dir: created if missing, writable
 #   shared_marker=F   a file node 0's launcher wrote into the run dir: every other node must see it, or the
 #                     run dir is not one filesystem all nodes share (checkpoints and stop files need one)
@@ -840,11 +860,17 @@ def preflight(s: dict[str, str]) -> tuple[list[str], list[str]]:
         else:
             bad += lines
     if s["hcas"]:
-        passed, lines = check_ib_hcas(s["hcas"], s["link_layer"])
-        if passed:
-            ok.append(f"HCAs {lines[0]}")
+        spec, said = ib_hca_in_use(s["hcas"], os.environ)
+        if spec is None:
+            ok.append(said)
         else:
-            bad += lines
+            passed, lines = check_ib_hcas(spec, s["link_layer"])
+            if said:  # (a value of the environment's: named as such)
+                lines = [line.replace("nccl.ib_hca:", f"{said}:", 1) for line in lines]
+            if passed:
+                ok.append(f"HCAs {lines[0]}{f' ({said})' if said else ''}")
+            else:
+                bad += lines
     if s["run_dir"]:
         probe_file = f"{s['run_dir']}/.preflight.{node}.{os.getpid()}"
         try:

@@ -271,6 +271,42 @@ def test_a_port_that_is_not_active_fails(tmp_path):
     assert _preflight(tmp_path, node, hcas=hcas).returncode == 0
 
 
+def test_the_hcas_checked_are_those_the_training_step_gets(tmp_path):
+    """The profile's NCCL_IB_HCA is a default: a value given at submit time (NCCL_IB_HCA=... sbatch, here in the
+    preflight's environment as srun passes it on) is what NCCL reads, so it is what the preflight checks, and
+    its messages say so. A user leaving a port that is down out of the list is not failed by the profile's
+    list; NCCL_IB_DISABLE=1, an empty value and a '^' list check nothing."""
+    node = _node(tmp_path, port_state={"mlx5_3:1": "1: DOWN"})
+    assert _preflight(tmp_path, node).returncode != 0  # the profile's list: mlx5_3 is down
+    without = "=" + ",".join(h for h in IB8 if h != "mlx5_3")
+    r = _preflight(tmp_path, node, env_extra={"NCCL_IB_HCA": without})
+    assert r.returncode == 0, r.stderr
+    assert f"(NCCL_IB_HCA={without} from the environment, not nccl.ib_hca's {EU_HCAS})" in r.stdout, r.stdout
+    r = _preflight(tmp_path, node, env_extra={"NCCL_IB_HCA": "=mlx5_3"})
+    assert r.returncode != 0
+    assert (
+        FAILED
+        + f"NCCL_IB_HCA==mlx5_3 from the environment, not nccl.ib_hca's {EU_HCAS}: mlx5_3 port 1 is not "
+        "active (state: 1: DOWN)"
+    ) in r.stderr, r.stderr
+    for env, said in (
+        ({"NCCL_IB_DISABLE": "1"}, "NCCL_IB_DISABLE=1 in the environment: HCAs not checked"),
+        (
+            {"NCCL_IB_HCA": ""},
+            "NCCL_IB_HCA empty in the environment (NCCL picks the adapters): HCAs not checked",
+        ),
+        (
+            {"NCCL_IB_HCA": "^mlx5_3"},
+            "NCCL_IB_HCA=^mlx5_3 in the environment (adapters left out): HCAs not checked",
+        ),
+    ):
+        r = _preflight(tmp_path, node, env_extra=env)
+        assert r.returncode == 0 and said in r.stdout, (env, r.stdout, r.stderr)
+    # the profile's own value, set in the environment as the render exports it: named as nccl.ib_hca's
+    r = _preflight(tmp_path, node, env_extra={"NCCL_IB_HCA": EU_HCAS})
+    assert r.returncode != 0 and FAILED + "nccl.ib_hca: mlx5_3 port 1 is not active" in r.stderr, r.stderr
+
+
 def test_a_named_port_is_the_only_one_checked(tmp_path):
     node = _node(tmp_path, hcas={"mlx5_0": {1: "InfiniBand", 2: "Ethernet"}})
     r = _preflight(tmp_path, node, hcas="=mlx5_0")
