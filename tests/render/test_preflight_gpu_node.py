@@ -99,7 +99,10 @@ FAILED = "preflight FAILED on gpu-n7: "
 def test_the_committed_eu_render_checks_numa_binding_and_its_hcas():
     lines = flat(EU).splitlines()
     assert "  numa=node  # topology.numa_binding" in lines
-    assert f"  hcas='{EU_HCAS}'  # nccl.ib_hca as NCCL_IB_HCA" in lines
+    assert (
+        f"  hcas='{EU_HCAS}'  # nccl.ib_hca: the NCCL_IB_HCA checked unless one was given at submit time"
+        in lines
+    )
     assert "  link_layer=InfiniBand  # nccl.ib_link_layer" in lines
 
 
