@@ -99,19 +99,6 @@ class HeartbeatWriter:
             log.info("cross-region heartbeat: written again after %d failed writes", self.failures)
             self.failures = 0
 
-    def _left(self, region: str) -> str | None:
-        """How ``region`` said it stopped (its presence record: a planned leave, or a refusal), else None."""
-        if self.said is None:
-            return None
-        try:
-            p = self.said(region)
-        except Exception:  # noqa: BLE001 - then it is judged by its heartbeat alone, as without a record
-            return None
-        if p is None or p.state not in ("leaving", "refused"):
-            return None
-        what = "left" if p.state == "leaving" else "refused to take part"
-        return f"{what} at step {p.step} (round {p.round}){': ' + p.why if p.why else ''}"
-
     def _run(self) -> None:
         next_at = time.monotonic()
         while not self._stop.is_set():
