@@ -249,12 +249,12 @@ class Container(ProfileSection):
         return out
 
 
-# sbatch's long options (Slurm 23.02-24.11, with aliases). sbatch (getopt_long) takes any unique prefix of a
-# long option, so `--outp=x` is `--output=x`: extra_directives are matched against this list by prefix.
 # Slurm checks the time limits every 30 s (PERIODIC_TIMEOUT) and sends --signal's signal at the first check
 # within its lead time + 30 s of the limit
 SLURM_SIGNAL_CHECK_S = 30
 
+# sbatch's long options (Slurm 23.02-24.11, with aliases). sbatch (getopt_long) takes any unique prefix of a
+# long option, so `--outp=x` is `--output=x`: extra_directives are matched against this list by prefix.
 SBATCH_LONG_OPTIONS = frozenset(
     {
         "account",
