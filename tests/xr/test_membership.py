@@ -534,7 +534,9 @@ def test_the_watch_warns_of_a_region_gone_silent_never_of_a_planned_leave(transp
     us.start_heartbeat()
     try:
         _beats(eu, "us", 2)
+        deadline = time.monotonic() + 20.0
         while "us" in eu._peers.gone_at:  # (seen gone while beating, and not yet again)
+            assert time.monotonic() < deadline, "us, beating, stays seen gone"
             time.sleep(0.02)
         with caplog.at_level(logging.INFO, logger="sbatch_gen"):
             caplog.clear()
