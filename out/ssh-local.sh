@@ -51,7 +51,7 @@ IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
 # torchrun flags older torch lacks, for the preflight: FLAG=its profile key; the first torch with it; compat: run-trainer's shim does without
 TORCHRUN_FLAGS=--signals-to-handle='trainer.stop_protocol: sbatch-gen; torch >= 2.10; compat,--shutdown-timeout=launch.kill_grace_s; torch >= 2.12; compat'
 SSH_LIB_SHA256=5f63fa89d7f27de78ee025dcf3445977f59034fe4fc7dddf0cba452013f068fb  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
-NODE_PY_SHA256=d83b1e02432df665cea4af3fc4ae6030ecd0d127124a6acbe4301be400ff4c04  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
+NODE_PY_SHA256=e4a6cc8204087364422f4dd536b053dfbeb5b6b48b3687187d88fd917cf43649  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv  # python_env.kind

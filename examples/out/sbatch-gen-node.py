@@ -297,8 +297,9 @@ def ib_hca_in_use(profile_spec: str, env: Mapping[str, str]) -> tuple[str | None
     return value, f"NCCL_IB_HCA={value} from the environment, not nccl.ib_hca's {profile_spec}"
 
 
-def check_ib_hcas(spec: str, want: str) -> tuple[bool, list[str]]:
-    """nccl.ib_hca (SPEC, as NCCL_IB_HCA) and nccl.ib_link_layer (WANT): (passed, [summary] or problems).
+def check_ib_hcas(spec: str, want: str, source: str = "nccl.ib_hca") -> tuple[bool, list[str]]:
+    """nccl.ib_hca (SPEC, as NCCL_IB_HCA) and nccl.ib_link_layer (WANT): (passed, [summary] or problems),
+    each problem opening with SOURCE, where SPEC comes from.
 
     SPEC is NCCL_IB_HCA as NCCL reads it: '=' first for exact names, else each name is a prefix and NCCL uses
     every adapter starting with it; name:port selects one port, a bare name every port of the adapter. NCCL
@@ -333,22 +334,22 @@ def check_ib_hcas(spec: str, want: str) -> tuple[bool, list[str]]:
                 f"adapter {name}" if exact else f"adapter starting with {name} (nccl.ib_hca_exact is false)"
             )
             problems.append(
-                f"nccl.ib_hca: no {what} on this node; have: {', '.join(have) or 'none (no RDMA driver loaded?)'}"
+                f"{source}: no {what} on this node; have: {', '.join(have) or 'none (no RDMA driver loaded?)'}"
             )
             continue
         for dev in devs:
             ports = [port] if port else sorted_dirs(f"{base}/{dev}/ports")
             if not ports:
-                problems.append(f"nccl.ib_hca: adapter {dev} has no ports in {base}/{dev}/ports")
+                problems.append(f"{source}: adapter {dev} has no ports in {base}/{dev}/ports")
             for p in ports:
                 ll = read_line(f"{base}/{dev}/ports/{p}/link_layer")
                 if ll is None:
                     problems.append(
-                        f"nccl.ib_hca: adapter {dev} has no port {p} ({base}/{dev}/ports/{p}/link_layer cannot be read)"
+                        f"{source}: adapter {dev} has no port {p} ({base}/{dev}/ports/{p}/link_layer cannot be read)"
                     )
                 elif ll != want:
                     problems.append(
-                        f"nccl.ib_hca: {dev} port {p} has link layer {ll}, but nccl.ib_link_layer is {want}: NCCL"
+                        f"{source}: {dev} port {p} has link layer {ll}, but nccl.ib_link_layer is {want}: NCCL"
                         f" would send training traffic over it (take it out of nccl.ib_hca, name the right port"
                         f" as {dev}:N, or set nccl.ib_link_layer)"
                     )
@@ -358,7 +359,7 @@ def check_ib_hcas(spec: str, want: str) -> tuple[bool, list[str]]:
                         checked.append(f"{dev}:{p}")
                     else:
                         problems.append(
-                            f"nccl.ib_hca: {dev} port {p} is not active (state: {state or 'unreadable'}): NCCL"
+                            f"{source}: {dev} port {p} is not active (state: {state or 'unreadable'}): NCCL"
                             " leaves out a port that is not ACTIVE, so this node would train on fewer links than"
                             " the others (bring the link up or drain the node)"
                         )
@@ -864,9 +865,7 @@ def preflight(s: dict[str, str]) -> tuple[list[str], list[str]]:
         if spec is None:
             ok.append(said)
         else:
-            passed, lines = check_ib_hcas(spec, s["link_layer"])
-            if said:  # (a value of the environment's: named as such)
-                lines = [line.replace("nccl.ib_hca:", f"{said}:", 1) for line in lines]
+            passed, lines = check_ib_hcas(spec, s["link_layer"], said or "nccl.ib_hca")
             if passed:
                 ok.append(f"HCAs {lines[0]}{f' ({said})' if said else ''}")
             else:
