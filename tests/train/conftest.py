@@ -94,7 +94,9 @@ def example_data(tmp_path_factory) -> Path:
     return d
 
 
-def train_env(extra: dict | None = None) -> dict:
+def train_env(extra: dict | None = None, restarts: bool = False) -> dict:
+    """The environment of a trainer or torchrun the tests start: this one's, less a launcher's variables.
+    ``restarts``: torchrun may restart its workers (see below)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -114,8 +116,12 @@ def train_env(extra: dict | None = None) -> dict:
     env["PYTHONUNBUFFERED"] = "1"
     env["OMP_NUM_THREADS"] = "1"
     # torchrun's shared rendezvous store keeps the previous attempt's keys: restarted workers can read
-    # a dead peer's address (pytorch#135712). A fresh store per attempt avoids it, as in the rendered scripts.
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # a dead peer's address (pytorch#135712). A fresh store per attempt avoids it, as in the rendered scripts,
+    # and, as there, only where torchrun may restart: a fresh store is rank 0's own, on a port the agent found
+    # free and closed again, which another process can take meanwhile (a make test run lost a launch to
+    # EADDRINUSE so); the shared one is the agent's, already bound.
+    if restarts:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env.update(extra or {})
     return env
 
@@ -152,6 +158,16 @@ def torchrun_cmd(
     ]
 
 
+def max_restarts(cmd: list[str]) -> int:
+    """torchrun's --max-restarts in ``cmd`` (0 when not given)."""
+    for i, word in enumerate(cmd):
+        if word == "--max-restarts" and i + 1 < len(cmd):
+            return int(cmd[i + 1])
+        if word.startswith("--max-restarts="):
+            return int(word.split("=", 1)[1])
+    return 0
+
+
 class Launch:
     """A torchrun process group (own session, so the test can clean it up) logging to a file."""
 
@@ -163,7 +179,7 @@ class Launch:
             stdout=self._fh,
             stderr=subprocess.STDOUT,
             cwd=REPO,
-            env=train_env(env),
+            env=train_env(env, restarts=max_restarts(cmd) > 0),
             start_new_session=True,
         )
 
