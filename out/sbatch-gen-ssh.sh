@@ -380,13 +380,11 @@ print(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", sys.a
 # preflight, the training step's supervision) and node_lines. Every render with the same library sha256
 # carries these same lines: review them once (`sbatch-gen diff --all` shows a change to them once, naming
 # the files).
-# library sha256: d2a1a741335f3ea55bb961327f3128807da1452f953f9ea302b60787b40f42d2
+# library sha256: d3745ef80c5c7ddf54689eb93b4ee4835e879b41d1b8a8f32a2a6869cf0514e9
 # log MESSAGE...: one timestamped line on stderr, and in $LOG_FILE when set. Never fails (a trap's terminal may be gone).
 log() {
-  local line
-  printf -v line '[sbatch-gen %s] %s' "$(date -u +%FT%TZ)" "$*"
-  { printf '%s\n' "$line" >&3; if [[ -n ${LOG_FILE:-} ]]; then printf '%s\n' "$line" >>"$LOG_FILE"; fi; } 3>&2 2>/dev/null \
-    || true
+  local line; printf -v line '[sbatch-gen %s] %s' "$(date -u +%FT%TZ)" "$*"
+  { printf '%s\n' "$line" >&3; [[ -z ${LOG_FILE:-} ]] || printf '%s\n' "$line" >>"$LOG_FILE"; } 3>&2 2>/dev/null || true
 }
 # die CODE MESSAGE...: log "ERROR: MESSAGE" and exit with CODE.
 die() { local code=$1; shift; log "ERROR: $*"; exit "$code"; }

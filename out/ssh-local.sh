@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 3fc89c5a0c82eddd2f6380166f1f6be7fe3982874fd99f4a42fc8807a910c3ed
+#   inputs sha256: 2a39d01187735da917155a8d8116023ba9e23872ea29a1faa9bc33257f34d2fd
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -50,7 +50,7 @@ IB_HCA=''  # nccl.ib_hca: the NCCL_IB_HCA the preflight checks unless the launch
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
 # torchrun flags older torch lacks, for the preflight: FLAG=its profile key; the first torch with it; compat: run-trainer's shim does without
 TORCHRUN_FLAGS=--signals-to-handle='trainer.stop_protocol: sbatch-gen; torch >= 2.10; compat,--shutdown-timeout=launch.kill_grace_s; torch >= 2.12; compat'
-SSH_LIB_SHA256=5f63fa89d7f27de78ee025dcf3445977f59034fe4fc7dddf0cba452013f068fb  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
+SSH_LIB_SHA256=7b1b67a0d38c3a0f7ea3ff130cf28ede319b528cbf3af6aa863909d63673f2d3  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
 NODE_PY_SHA256=e4a6cc8204087364422f4dd536b053dfbeb5b6b48b3687187d88fd917cf43649  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
@@ -187,20 +187,15 @@ node_main() {
   export_secrets  # for torchrun and the trainer, after everything this node prints
   # torchrun's and the trainer's arguments: built once for every launcher (sbatch_gen/launch.py)
   local -a torchrun_args=(
-    --nnodes "$NNODES"
-    --nproc-per-node "$NPROC_PER_NODE"
-    --rdzv-backend=c10d
-    --rdzv-id="$TAG.$ATTEMPT"
-    --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
+    --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --rdzv-backend=c10d
+    --rdzv-id="$TAG.$ATTEMPT" --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
     --rdzv-conf="join_timeout=120,is_host=$IS_HOST"  # torchrun.rdzv_timeout_s
     --local-addr="$NODE_ADDR"
     --max-restarts 0  # torchrun.max_restarts
     --signals-to-handle='SIGINT,SIGHUP,SIGQUIT'  # trainer.stop_protocol: sbatch-gen
     --shutdown-timeout=10  # launch.kill_grace_s
   ) trainer_args=(
-    --config "$TRAIN_CONFIG"
-    --run-dir "$RUN_DIR"
-    --resume "$RESUME"
+    --config "$TRAIN_CONFIG" --run-dir "$RUN_DIR" --resume "$RESUME"
   )
   # The trainer's stop file of this attempt: it writes the ack (and .stopping, .fatal) next to it
   local stop_file="$RUN_DIR/stop/$TAG.attempt-$ATTEMPT"

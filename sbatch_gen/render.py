@@ -166,8 +166,9 @@ def env_default(value: object, name: str) -> str:
     return "${" + name + "-" + word + "}"
 
 
-# How many options of a flag family packed_options writes to a line. A fixed count, not a width:
-# a changed value changes its own line only, never the wrapping of the ones after it.
+# How many options packed_options writes to a line (those of a flag family, and those with no profile key of
+# their own). A fixed count, not a width: a changed value changes its own line only, never the wrapping of the
+# ones after it.
 PACKED_PER_LINE = 3
 # The trainer's flag families (--xr-<field>, --metrics-<field>) and the profile section they come from, named
 # in a comment line before them.
@@ -176,9 +177,10 @@ FLAG_FAMILIES = {"xr": "cross_region", "metrics": "metrics"}
 
 @jinja2.pass_context
 def packed_options(ctx: jinja2.runtime.Context, options) -> list[str]:
-    """The lines of an argument list (launch.py's Options, each ``words`` and ``key``): one option to a line
-    (its key, if any, in a comment after it), but for the trainer's flag families (--xr-*, --metrics-*):
-    PACKED_PER_LINE to a line, each option's words together, after a comment naming the profile section."""
+    """The lines of an argument list (launch.py's Options, each ``words`` and ``key``): an option with a key
+    on a line of its own, the key in a comment after it; the others PACKED_PER_LINE to a line, each option's
+    words together, a run of them broken by a keyed option or a change of flag family, each of the trainer's
+    flag families (--xr-*, --metrics-*) after a comment naming its profile section."""
     lines: list[str] = []
     run: list[str] = []
     family = None
@@ -186,7 +188,7 @@ def packed_options(ctx: jinja2.runtime.Context, options) -> list[str]:
         words = " ".join(_shq(ctx, w) for w in o.words)
         first = str(o.words[0])
         this = next((f for f in FLAG_FAMILIES if first.startswith(f"--{f}-")), "")
-        if run and (o.key or not this or this != family or len(run) == PACKED_PER_LINE):
+        if run and (o.key or this != family or len(run) == PACKED_PER_LINE):
             lines.append(" ".join(run))
             run = []
         if this and this != family:
@@ -202,6 +204,18 @@ def packed_options(ctx: jinja2.runtime.Context, options) -> list[str]:
 def _sha256(text: str) -> str:
     """The hex sha256 of a rendered block (the node library's fence names its own)."""
     return hashlib.sha256(str(text).encode()).hexdigest()
+
+
+def git_blob(text: str) -> str:
+    """The id git gives a file with this text (`git hash-object`, in a SHA-1 repository): a job finds a
+    pinned file in git's objects by it (`git cat-file blob`) when the checkout holds another version by then."""
+    data = str(text).encode()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
+
+
+def pinned(text: str) -> dict[str, str]:
+    """How a script pins a file of the render directory: its sha256, and its git blob id to find it by."""
+    return {"sha256": _sha256(text), "git": git_blob(text)}
 
 
 def make_env(templates_dir: Path) -> jinja2.Environment:
@@ -292,7 +306,7 @@ def context(site: LoadedSite, sha: str) -> dict:
         "container_argv": container_argv,
         "preflight_ib_hca": preflight_ib_hca(p),
         # the node program: its file name (render writes it beside the renders) and the sha256 it must have
-        "node_py": {"name": NODE_PROGRAM_FILE, "sha256": _sha256(node_program_text())},
+        "node_py": {"name": NODE_PROGRAM_FILE, **pinned(node_program_text())},
         **CONTRACT_CONTEXT,
     }
     ctx.update(p.template_context(site.name))
@@ -359,7 +373,8 @@ def library(name: str, templates_dir: Path | None = None) -> Rendered:
     tdir = templates_dir or default_templates_dir()
     env = _cached_env(str(Path(tdir).resolve()))
     try:
-        text = env.get_template(template).render({**CONTRACT_CONTEXT, "node_py": {"name": NODE_PROGRAM_FILE}})
+        node_py = {"name": NODE_PROGRAM_FILE, **pinned(node_program_text())}
+        text = env.get_template(template).render({**CONTRACT_CONTEXT, "node_py": node_py})
     except jinja2.TemplateNotFound as e:
         raise UserError(f"{display_path(tdir)}: template {e.name!r} not found") from None
     except jinja2.TemplateError as e:
@@ -380,8 +395,7 @@ def render_site(site: LoadedSite, templates_dir: Path | None = None) -> list[Ren
     out = []
     # the libraries a script pins: the same text for every template of the site
     libs = {
-        key: {"name": name, "sha256": _sha256(library(name, tdir).text)}
-        for name, (_, key, _) in LIBRARIES.items()
+        key: {"name": name, **pinned(library(name, tdir).text)} for name, (_, key, _) in LIBRARIES.items()
     }
     for template, pattern in type(site.profile).OUTPUTS:
         state = RenderState()
@@ -404,10 +418,11 @@ def render_site(site: LoadedSite, templates_dir: Path | None = None) -> list[Ren
         if state.literal_dollar and text.startswith("#!"):
             shebang, rest = text.split("\n", 1)
             text = f"{shebang}\n{_SC2016}{rest}"
-        uses = f"NODE_PY_SHA256={ctx['node_py']['sha256']}" in text
         pins = tuple(
             name for name, (_, key, var) in LIBRARIES.items() if f"{var}={libs[key]['sha256']}" in text
         )
+        # the job library pins the node program: a script that sources it runs that program
+        uses = f"NODE_PY_SHA256={ctx['node_py']['sha256']}" in text or JOB_LIBRARY_FILE in pins
         out.append(Rendered(pattern.format(site=site.name), text.rstrip("\n") + "\n", template, uses, pins))
     return out
 

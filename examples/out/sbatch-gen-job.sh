@@ -130,6 +130,13 @@ node_lines() {
   done
 }
 
+# stage_node_program: the node program (sbatch-gen-node.py, which node_py runs on every node), pinned by this library,
+# staged in the run dir as the script stages this library (stage_pinned), in SBATCH_GEN_NODE_PY for every job step.
+stage_node_program() {
+  stage_pinned SBATCH_GEN_NODE_PY sbatch-gen-node.py e4a6cc8204087364422f4dd536b053dfbeb5b6b48b3687187d88fd917cf43649 3218fb9942408fa0c9b7bddadacab3eba6a7e437 || return 1
+  export SBATCH_GEN_NODE_PY
+}
+
 # rendezvous: MASTER_ADDR, the first node of the allocation (node 0 of every job step: it hosts torchrun's
 # rendezvous store on MASTER_PORT, torchrun.rdzv_port), exported with MASTER_PORT for the job steps.
 rendezvous() {
@@ -220,6 +227,7 @@ use_allocated_cpus() {
 # in a row that saved no newer checkpoint are counted in NO_PROGRESS_FILE (a new submission starts afresh).
 # This job's script is kept (JOB_SCRIPT) for a continuation.
 start_attempt() {
+  mkdir -p -- "$RUN_DIR/stop" "$LOG_DIR" || die 1 "cannot create $RUN_DIR/stop or $LOG_DIR (paths.run_dir, paths.log_dir)"
   ATTEMPT=${SLURM_RESTART_COUNT:-0}
   # A continuation job (a stop overran the time limit) says which attempt it continues, <job>.attempt-<n>, and
   # the run: the job id of its submission, which names the run's pinned code and its budget count.
@@ -393,7 +401,7 @@ copy_code() {
 # prune_code KEEP: of the submissions that pinned their code in $RUN_DIR/code/ (<job>.pin, <job>.env), newest
 # first, all but KEEP lose their copy and records, one line each (paths.pin_code_keep); of sbatch-gen's files
 # staged in $RUN_DIR/node/, all but the KEEP most recently used of each kind (a job whose copy is gone stages it
-# again from the checkout's git history). Never fails.
+# again from git's objects). Never fails.
 prune_code() {
   local n=0 when record job kind
   while read -r when record; do
@@ -705,6 +713,7 @@ continue_after_limit() {
 # another filesystem at the run dir.
 preflight_nodes() {
   local out err marker="$RUN_DIR/.sbatch-gen-shared.$SLURM_JOB_ID.$ATTEMPT"
+  log "preflight on $SLURM_NNODES nodes (preflight.enabled)"
   local -a settings=(
     ${TRAINER_MODULE:+"module=$TRAINER_MODULE"} ${TRAINER_SCRIPT:+"script=$TRAINER_SCRIPT"} config="${TRAIN_CONFIG-}"
     data="$DATA_PATH" ifname="$PINNED_IFNAME" gpus="$EXPECTED_GPUS" gpus_key=slurm.gpus_per_node run_dir="$RUN_DIR"

@@ -1,7 +1,8 @@
 """How the renders get sbatch-gen's files to the nodes, run under bash from the committed renders: find_pinned
-(the sha256 each render pins), pinned_library (the SSH launcher's library), stage_pinned (the Slurm job's copies of the node program and of the job
-library in the run dir, kept across a checkout that changes) and preflight, the shell call of the program's
-preflight (a node without any python still answers in one line)."""
+(the sha256 each render pins), pinned_library (the SSH launcher's library), stage_pinned (the Slurm job's copies
+of the job library, which the script pins, and of the node program, which the job library pins, in the run dir,
+kept across a checkout that changes) and preflight, the shell call of the program's preflight (a node without any
+python still answers in one line)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from sbatch_gen.render import git_blob
+
 REPO = Path(__file__).resolve().parents[2]
 EU = (REPO / "out" / "eu.sbatch").read_text()
 LAB = (REPO / "out" / "lab.sh").read_text()
@@ -22,6 +25,7 @@ SHA = hashlib.sha256(PROGRAM.read_bytes()).hexdigest()
 
 JOB_LIB = REPO / "out" / "sbatch-gen-job.sh"
 LIB_SHA = hashlib.sha256(JOB_LIB.read_bytes()).hexdigest()
+LIB_GIT = git_blob(JOB_LIB.read_text())
 SSH_LIB = REPO / "out" / "sbatch-gen-ssh.sh"
 SSH_LIB_SHA = hashlib.sha256(SSH_LIB.read_bytes()).hexdigest()
 
@@ -33,15 +37,26 @@ def _functions() -> str:
 
 
 def _bash(code: str, cwd: Path, path: str = "/usr/bin:/bin") -> subprocess.CompletedProcess:
-    prog = f"set -euo pipefail\nNODE_PY_SHA256={SHA}\n{_functions()}\n{code}"
+    """CODE after the bootstrap's and the job library's functions, as in a job (SLURM_JOB_ID; no scontrol on
+    PATH: the script's directory is taken to be the working directory) of run dir runs/x."""
+    prog = f"set -euo pipefail\nNODE_PY_SHA256={SHA}\nRUN_DIR=runs/x SLURM_JOB_ID=7\n{_functions()}\n{code}"
     return subprocess.run(
         ["bash", "-c", prog], cwd=cwd, env={"PATH": path}, capture_output=True, text=True, timeout=30
     )
 
 
 def test_every_render_that_runs_it_pins_the_committed_program():
-    for text in (EU, LAB):
-        assert f"\nNODE_PY_SHA256={SHA}  # " in text
+    """The SSH launcher in its settings; a Slurm script through the job library it pins, which pins the
+    program (sha256 and git blob id)."""
+    assert f"\nNODE_PY_SHA256={SHA}  # " in LAB
+    assert f"\nJOB_LIB_SHA256={LIB_SHA}  # " in EU and f"\nJOB_LIB_GIT={LIB_GIT}  # " in EU
+    assert "NODE_PY_SHA256" not in EU
+    blob = git_blob(PROGRAM.read_text())
+    assert f"stage_pinned SBATCH_GEN_NODE_PY sbatch-gen-node.py {SHA} {blob} " in JOB_LIB.read_text()
+    if shutil.which("git"):
+        assert subprocess.run(
+            ["git", "hash-object", str(PROGRAM)], capture_output=True, text=True
+        ).stdout == (f"{blob}\n")
     assert PROGRAM.read_bytes() == (REPO / "sbatch_gen" / "node_program.py").read_bytes()
     assert (REPO / "examples" / "out" / "sbatch-gen-node.py").read_bytes() == PROGRAM.read_bytes()
 
@@ -99,6 +114,13 @@ def test_find_pinned_takes_the_first_file_with_the_pinned_sha256(tmp_path):
     )
 
 
+# How a job stages each: the script the job library, the job library the node program.
+STAGE = {
+    "sbatch-gen-job.sh": f'stage_pinned JOB_LIB sbatch-gen-job.sh {LIB_SHA} {LIB_GIT}; echo "$JOB_LIB"',
+    "sbatch-gen-node.py": 'stage_node_program; echo "$SBATCH_GEN_NODE_PY"',
+}
+
+
 @pytest.mark.parametrize(
     "name, source, sha",
     [("sbatch-gen-node.py", PROGRAM, SHA), ("sbatch-gen-job.sh", JOB_LIB, LIB_SHA)],
@@ -109,43 +131,43 @@ def test_stage_pinned_copies_it_into_the_run_dir_once(tmp_path, name, source, sh
     shutil.copy(source, tmp_path / "out" / name)
     stem, ext = name.rsplit(".", 1)
     staged = f"runs/x/node/{stem}.{sha[:16]}.{ext}"
-    stage = f"stage_pinned {staged} {name} {sha} nowhere/{name} out/{name}; echo staged"
-    r = _bash(stage, tmp_path)
-    assert r.returncode == 0 and r.stdout == "staged\n", r.stderr
+    r = _bash(STAGE[name], tmp_path)
+    assert r.returncode == 0 and r.stdout == f"{staged}\n", r.stderr
     assert (tmp_path / staged).read_bytes() == source.read_bytes()
     # a requeue after `git pull` changed out/: the run keeps the file it started with
     (tmp_path / "out" / name).write_text("changed\n")
-    r = _bash(stage, tmp_path)
-    assert r.returncode == 0 and r.stdout == "staged\n", r.stderr
+    r = _bash(STAGE[name], tmp_path)
+    assert r.returncode == 0 and r.stdout == f"{staged}\n", r.stderr
     assert (tmp_path / staged).read_bytes() == source.read_bytes()
-    # a new run dir with the changed checkout: the job stops before any step, naming the file
-    other = staged.replace("runs/x", "runs/y")
-    r = _bash(f'stage_pinned {other} {name} {sha} out/{name} || echo "$NODE_ERROR"', tmp_path)
-    assert f"out/{name} has sha256 " in r.stdout and not (tmp_path / "runs/y/node").exists()
+    # a new run dir with the changed checkout (no git): the job stops before any step, naming the file
+    r = _bash(f'RUN_DIR=runs/y; {STAGE[name].split(";")[0]} || echo "$NODE_ERROR"', tmp_path)
+    changed = hashlib.sha256(b"changed\n").hexdigest()
+    assert r.stdout == (
+        f"the {name} this script pins (sha256 {sha}) is not beside it (.), in out/ or in git's objects "
+        f"(out/{name} has sha256 {changed}) (sbatch-gen render writes it "
+        "beside the renders: render again, review the diff and resubmit)\n"
+    ), r.stdout
+    assert not list((tmp_path / "runs/y/node").iterdir())
 
 
 def test_a_file_that_changes_while_it_is_copied_is_never_staged(tmp_path):
     """stage_pinned hashes its copy, not the file: a `git pull` or a new render that rewrites out/ while it
-    is copied stops the job (here a cp that appends to what it copies stands in for the file changing)."""
+    is copied stops the job (here a cat that adds to what it copies stands in for the file changing)."""
     (tmp_path / "out").mkdir()
     shutil.copy(JOB_LIB, tmp_path / "out" / "sbatch-gen-job.sh")
     stubs = tmp_path / "bin"
     stubs.mkdir()
-    (stubs / "cp").write_text('#!/bin/bash\n/bin/cp "$@" && echo "# changed" >>"${@: -1}"\n')
-    (stubs / "cp").chmod(0o755)
-    staged = f"runs/x/node/sbatch-gen-job.{LIB_SHA[:16]}.sh"
+    (stubs / "cat").write_text('#!/bin/bash\n/bin/cat "$@" && echo "# changed"\n')
+    (stubs / "cat").chmod(0o755)
     r = _bash(
-        f'stage_pinned {staged} sbatch-gen-job.sh {LIB_SHA} out/sbatch-gen-job.sh || echo "$NODE_ERROR"',
+        f'stage_pinned JOB_LIB sbatch-gen-job.sh {LIB_SHA} {LIB_GIT} || echo "$NODE_ERROR"',
         tmp_path,
         path=f"{stubs}:/usr/bin:/bin",
     )
-    changed = hashlib.sha256(JOB_LIB.read_bytes() + b"# changed\n").hexdigest()
-    assert r.stdout == (
-        f"the sbatch-gen-job.sh this script pins (sha256 {LIB_SHA}) is not there: out/sbatch-gen-job.sh has "
-        f"sha256 {changed}, nor in their git history (sbatch-gen render writes it beside the renders: render "
-        "again, review the diff and resubmit)\n"
-    ), r.stderr
-    assert not (tmp_path / "runs" / "x" / "node").exists()  # nothing staged, no temp file left
+    assert r.stdout.startswith(
+        f"the sbatch-gen-job.sh this script pins (sha256 {LIB_SHA}) is not beside it"
+    ), r.stdout
+    assert not list((tmp_path / "runs/x/node").iterdir())  # nothing staged, no temp file left
 
 
 def test_the_preflight_runs_the_staged_program(tmp_path):
@@ -253,10 +275,10 @@ def test_node_py_runs_the_shipped_text_and_says_when_there_is_no_python(tmp_path
     )
 
 
-def test_stage_pinned_finds_a_queued_jobs_version_in_git_history(tmp_path):
+def test_stage_pinned_finds_a_queued_jobs_version_in_gits_objects(tmp_path):
     """A job submitted, then the checkout pulled and rendered again before it started: out/ holds a newer
-    library, git history the one the job pins. It is staged from there, the log names the commit; a hash git
-    never saw still stops the job, saying to resubmit."""
+    library, git's objects the one the job pins (by its blob id). It is staged from there, and the log says
+    so; a file git never saw still stops the job, saying to resubmit."""
     git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
     subprocess.run([*git, "init", "-q"], check=True)
     (tmp_path / "out").mkdir()
@@ -264,25 +286,17 @@ def test_stage_pinned_finds_a_queued_jobs_version_in_git_history(tmp_path):
     lib.write_bytes(JOB_LIB.read_bytes())
     subprocess.run([*git, "add", "out"], check=True)
     subprocess.run([*git, "commit", "-q", "-m", "the render the job was submitted with"], check=True)
-    pinned = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     lib.write_text("# rendered again after a git pull\n")
     subprocess.run([*git, "commit", "-q", "-am", "a newer render"], check=True)
+    r = _bash(STAGE["sbatch-gen-job.sh"], tmp_path)
     staged = f"runs/x/node/sbatch-gen-job.{LIB_SHA[:16]}.sh"
-    r = _bash(
-        f"stage_pinned {staged} sbatch-gen-job.sh {LIB_SHA} nowhere/sbatch-gen-job.sh out/sbatch-gen-job.sh",
-        tmp_path,
-    )
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 and r.stdout == f"{staged}\n", r.stderr
     assert (tmp_path / staged).read_bytes() == JOB_LIB.read_bytes()
-    assert f"staged from its git history, commit {pinned[:12]} of out/sbatch-gen-job.sh" in r.stderr, r.stderr
+    assert f"not in the checkout any more: staged from git's objects (blob {LIB_GIT})" in r.stderr, r.stderr
     assert [p.name for p in (tmp_path / "runs/x/node").iterdir()] == [
         staged.rsplit("/", 1)[1]
     ]  # no temp file
-    other = "0" * 64
-    r = _bash(
-        f'stage_pinned runs/y/node/j.sh sbatch-gen-job.sh {other} out/sbatch-gen-job.sh || echo "$NODE_ERROR"',
-        tmp_path,
-    )
+    r = _bash(f'stage_pinned J sbatch-gen-job.sh {"0" * 64} {"0" * 40} || echo "$NODE_ERROR"', tmp_path)
     assert "out/sbatch-gen-job.sh has sha256 " in r.stdout and "review the diff and resubmit" in r.stdout, (
         r.stdout
     )

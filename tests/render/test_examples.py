@@ -39,12 +39,8 @@ def test_the_torchtitan_style_profile_starts_its_script_with_its_own_flags():
     start = text.index("\nTRAINER_ARGS=(\n")
     assert text[start : text.index("\n)\n", start) + 3] == (
         "\nTRAINER_ARGS=(\n"
-        '  --job.config_file "$TRAIN_CONFIG"\n'
-        '  --job.dump_folder "$RUN_DIR"\n'
-        '  "--training.dataset_path=$DATA_PATH"\n'
-        "  --training.steps 20000\n"
-        "  --checkpoint.enable_checkpoint\n"
-        "  --checkpoint.interval 500\n"
+        '  --job.config_file "$TRAIN_CONFIG" --job.dump_folder "$RUN_DIR" "--training.dataset_path=$DATA_PATH"\n'
+        "  --training.steps 20000 --checkpoint.enable_checkpoint --checkpoint.interval 500\n"
         '  "--job.description=titan: llama3 8B on $SLURM_NNODES nodes x $NPROC_PER_NODE GPUs"\n'
         ")\n"
     )
@@ -72,7 +68,7 @@ def test_the_plain_example_script_reads_back_its_profile_from_the_rendered_argum
     assert "TRAINER_SCRIPT=examples/train_plain.py  # trainer.script\n" in text
     assert '  torchrun "${TORCHRUN_ARGS[@]}" "$TRAINER_SCRIPT" "${TRAINER_ARGS[@]}" &\n' in text
     # stop_protocol sbatch-gen; start_attempt exports the stop file (the job library's)
-    assert "\n  start_attempt  # the stop file hands a stop request to the trainer" in text
+    assert "\n  start_attempt  # this attempt: its stop file (it hands a stop request to the trainer" in text
     xr, rest = cross_region_from_args(_trainer_argv(text), environ={})
     assert xr == load_site(REPO / "examples" / "sites", site).profile.cross_region
     assert xr.enabled and xr.region == region and xr.regions == ["eu", "us"]

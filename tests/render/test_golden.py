@@ -119,14 +119,18 @@ def test_the_node_program_is_written_once_beside_the_renders_and_checked_like_th
     node.unlink()
     r = sg("check")
     assert r.code == 1 and "out/sbatch-gen-node.py" in r.out, r.out
-    # a render that does not run it (no preflight, no pinned environment, no run-trainer: another
-    # trainer.stop_protocol) does not write it; one that pins the environment (its fingerprint is the node
-    # program's) does, and so does one whose training step run-trainer supervises (stop_protocol sbatch-gen)
+    # every Slurm render writes it, pinned by the job library its script sources; a script stages it when it
+    # runs it: the preflight, a pinned environment (its fingerprint is the node program's), a training step
+    # that run-trainer supervises (stop_protocol sbatch-gen); one that does none of these does not
     sg("render", "--all")
     alone = ["--site", "local", "--set", "preflight.enabled=false", "--set", "paths.pin_code=false"]
-    r = sg("render", *alone, "--set", "trainer.stop_protocol=signal", "--out", "alone")
-    assert r.code == 0 and not (work / "alone" / "sbatch-gen-node.py").exists(), r.out
-    r = sg("render", *alone, "--out", "supervised")
-    assert r.code == 0 and (work / "supervised" / "sbatch-gen-node.py").exists(), r.out
-    r = sg("render", "--site", "local", "--set", "preflight.enabled=false", "--out", "pinned")
-    assert r.code == 0 and (work / "pinned" / "sbatch-gen-node.py").exists(), r.out
+    for out, more in (
+        ("alone", ["--set", "trainer.stop_protocol=signal"]),
+        ("supervised", []),
+        ("pinned", None),
+    ):
+        args = ["--site", "local", "--set", "preflight.enabled=false"] if more is None else [*alone, *more]
+        r = sg("render", *args, "--out", out)
+        assert r.code == 0 and (work / out / "sbatch-gen-node.py").exists(), r.out
+        stages = "\n  stage_node_program || die 1 " in (work / out / "local.sbatch").read_text()
+        assert stages == (out != "alone"), out

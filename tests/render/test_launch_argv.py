@@ -280,10 +280,10 @@ def test_keyed_options_get_a_line_of_their_own_and_the_others_pack_by_family():
         Option(("--xr-late", "$(rm -rf /)")),
     ]
     lines = _packed(opts)
-    assert lines[0] == "--config 'a b'" and lines[1] == "--run-dir r"  # one to a line outside a family
-    assert lines[2] == "--max-restarts 1  # torchrun.max_restarts"
+    assert lines[0] == "--config 'a b' --run-dir r"  # packed outside a family too, up to a keyed option
+    assert lines[1] == "--max-restarts 1  # torchrun.max_restarts"
     assert (
-        lines[3] == "# cross_region: the trainer's --xr-* flags, from its fields"
+        lines[2] == "# cross_region: the trainer's --xr-* flags, from its fields"
     )  # the family's profile section
     xr = [x for x in lines if x.startswith("--xr-flag-")]
     assert [len(x.split()) for x in xr] == [6, 6, 6, 6]  # three options to a line, whatever their width
@@ -297,7 +297,7 @@ def test_keyed_options_get_a_line_of_their_own_and_the_others_pack_by_family():
     # a longer value changes its own line only
     opts[4] = Option(("--xr-flag-1", "a-much-longer-value-than-before" * 3))
     again = _packed(opts)
-    assert [i for i, (x, y) in enumerate(zip(lines, again, strict=True)) if x != y] == [4]
+    assert [i for i, (x, y) in enumerate(zip(lines, again, strict=True)) if x != y] == [3]
 
 
 def test_rank_logs_give_torchrun_a_log_dir_per_attempt_and_tee_on_both_launchers():

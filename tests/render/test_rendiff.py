@@ -68,9 +68,10 @@ def test_no_difference_no_output():
 
 
 def test_check_shows_a_template_change_once_and_diff_all_too(work):
-    """A one-line change in the node functions (templates/_node.j2) is one hunk in check's output, naming
-    the 7 files that carry it (the Slurm scripts' bootstraps, the setup scripts, the SSH library); one in the
-    job library (templates/slurm-job.sh.j2) is one hunk of
+    """A one-line change in the node functions (templates/_node.j2) is one hunk in check's output for each
+    group of files that carry it alike: the Slurm scripts' bootstraps, the setup scripts' fenced libraries (with
+    their sha256 line, a few lines up), the SSH library; one in the job library (templates/slurm-job.sh.j2) is
+    one hunk of
     out/sbatch-gen-job.sh, and the Slurm training scripts' pinned sha256 one line; a one-field profile change
     is then that site's own lines."""
     shutil.copytree(REPO / "out", work / "out")
@@ -88,14 +89,15 @@ def test_check_shows_a_template_change_once_and_diff_all_too(work):
     assert r.code == 1, r.err
     trainers = ["out/eu.sbatch", "out/lab.sh", "out/local.sbatch", "out/ssh-local.sh", "out/us.sbatch"]
     setups = ["out/eu.setup.sbatch", "out/local.setup.sbatch", "out/us.setup.sbatch"]
-    assert r.out.count("+" + old + " (reviewed once)\n") == 1
-    seven = r.out[r.out.index("the same lines in 7 files\n") :]
-    carriers = ["out/eu.sbatch", "out/local.sbatch", "out/sbatch-gen-ssh.sh", "out/us.sbatch"]
-    for name in carriers + setups:  # each names the place in each file
-        assert f"#   {name} (line " in seven.split("\n---", 1)[0]
-    # the setup jobs' fenced libraries' sha256 lines, and the SSH launchers' pin of the SSH library: one hunk
-    # each (the SSH library's own fence line is its own change)
-    assert "the same lines in 3 files" in r.out and "the same lines in 2 files" in r.out
+    assert r.out.count("+" + old + " (reviewed once)\n") == 3
+    carriers = ["out/eu.sbatch", "out/local.sbatch", "out/us.sbatch"]
+    hunks = [h for h in r.out.split("# shared change ")[1:] if "+" + old + " (reviewed once)\n" in h]
+    for group in (carriers, setups):  # one hunk each, naming the place in each file
+        shared = [h.split("\n---", 1)[0] for h in hunks if f"#   {group[0]} (line " in h]
+        assert len(shared) == 1 and all(f"#   {name} (line " in shared[0] for name in group), hunks
+    assert "# out/sbatch-gen-ssh.sh: its own changes\n" in r.out
+    # and the SSH launchers' pin of the SSH library: one hunk
+    assert r.out.count("the same lines in 3 files") == 2 and "the same lines in 2 files" in r.out
     assert r.out.count("\n+SSH_LIB_SHA256=") == 1
     # the job library: its own hunk, once; the training scripts name its new sha256
     assert r.out.count("+" + tails + " (reviewed once)\n") == 1
