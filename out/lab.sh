@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 98b414c403c7db42321ddb4e3f17f86fc1e76ab53cf6e49fe2e1619df15feeaf
+#   inputs sha256: 2f27f9b069d4c2d0e6a5fbebfcdc040fee8ff02a009236f8dd658c69767c76ed
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -54,7 +54,7 @@ IB_HCA=''  # nccl.ib_hca: the NCCL_IB_HCA the preflight checks unless the launch
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
 # torchrun flags older torch lacks, for the preflight: FLAG=its profile key; the first torch with it; compat: run-trainer's shim does without
 TORCHRUN_FLAGS=--signals-to-handle='trainer.stop_protocol: sbatch-gen; torch >= 2.10; compat,--shutdown-timeout=launch.kill_grace_s; torch >= 2.12; compat'
-SSH_LIB_SHA256=7b1b67a0d38c3a0f7ea3ff130cf28ede319b528cbf3af6aa863909d63673f2d3  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
+SSH_LIB_SHA256=80f5f9675db324d84249de5d65b3963b56158154a0e7e5ac5178ea5d39ae9e48  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
 NODE_PY_SHA256=e4a6cc8204087364422f4dd536b053dfbeb5b6b48b3687187d88fd917cf43649  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
@@ -83,10 +83,8 @@ NODE_ENV=(
 )
 
 # ---- secrets: the variables the profile names, never their values (sbatch_gen/credentials.py) -----
-# The launch refuses to start when a required one is unset or empty here; each node gets the values over
-# ssh's stdin (node 0 through a pipe too), exported there for the preflight's bucket check and torchrun only:
-# never on a command line, in a file or in a log. A shared-credentials profile or instance role: nothing to
-# send (each host's own ~/.aws or role). Per variable: NAME, the field that names it, required (1) or sent when set (0)
+# A required one unset or empty here: the launch does not start. Each node gets the values over ssh's stdin, for the
+# preflight and torchrun only: never on a command line, in a file or a log. NAME, its field, required (1) or sent when set (0)
 SECRET_ENV=()  # none named
 # The preflight's check that every node reaches cross_region's bucket with them (s3 transport only; node
 # program settings: a LIST of at most one key, ssh.connect_timeout_s to connect and to read)
@@ -197,17 +195,8 @@ node_main() {
   activate_env || { echo "$NODE_ERROR"; return 1; }
   NODE_ADDR=$(iface_ipv4 "$IFNAME") || { echo "interface $IFNAME has no IPv4 address"; return 1; }
   if ((rank == 0)); then IS_HOST=1; fi
-  # SBATCH_GEN_DEBUG=1: NCCL at INFO, each rank into a file beside this node's log, and torch's NCCL flight
-  # recorder (the TORCH_NCCL_* names: torch 2.13 reads them as its TORCH_FR_* ones) dumped on a timeout
-  if [[ $DEBUG == 1 ]]; then
-    local logs=$LOGS traces=$RUN_DIR/debug
-    [[ $logs == /* ]] || logs=$PWD/$logs
-    [[ $traces == /* ]] || traces=$PWD/$traces
-    mkdir -p -- "$logs" "$traces" || return 1
-    export NCCL_DEBUG=INFO NCCL_DEBUG_FILE="$logs/attempt-$ATTEMPT.node-$rank.nccl.%h.%p.log" \
-      TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 \
-      TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$traces/$TAG.attempt-$ATTEMPT.rank-"
-  fi
+  # SBATCH_GEN_DEBUG=1: NCCL at INFO, each rank into a file beside this node's log; the flight recorder on a timeout
+  if [[ $DEBUG == 1 ]]; then debug_env "$LOGS" "attempt-$ATTEMPT.node-$rank" "$TAG.attempt-$ATTEMPT" || return 1; fi
   export SBATCH_GEN_NODE_RANK="$rank" SBATCH_GEN_ATTEMPT="$ATTEMPT"
   printf 'node %s host %s addr %s rendezvous %s:%s attempt %s resume %s tag %s\n' \
     "$rank" "$HOSTNAME" "$NODE_ADDR" "$MASTER_ADDR" "$MASTER_PORT" "$ATTEMPT" "$RESUME" "$TAG"

@@ -240,7 +240,8 @@ start_attempt() {
   rm -f -- "$STOP_FILE" "$STOP_FILE.ack" "$STOP_FILE.fatal" "$STOP_FILE.stopping"
   TRAIN_LOG="$LOG_DIR/$SLURM_JOB_NAME-$SLURM_JOB_ID.attempt-$ATTEMPT.%N.log"
   if [[ ${SBATCH_GEN_DEBUG:-} == 1 ]] && (( EXPECTED_GPUS > 0 )); then
-    debug_env "$SLURM_JOB_NAME-$SLURM_JOB_ID.attempt-$ATTEMPT"
+    debug_env "$LOG_DIR" "$SLURM_JOB_NAME-$SLURM_JOB_ID.attempt-$ATTEMPT" "$SLURM_JOB_NAME-$SLURM_JOB_ID.attempt-$ATTEMPT"
+    log "SBATCH_GEN_DEBUG=1: NCCL INFO per rank in ${NCCL_DEBUG_FILE%.nccl.*}.nccl.<host>.<pid>.log; on a collective timeout, each rank's NCCL flight recorder in ${TORCH_NCCL_DEBUG_INFO_TEMP_FILE}<rank>"
   fi
   NO_PROGRESS_FILE="$RUN_DIR/stop/$RUN_JOB.requeues-without-progress"
   JOB_SCRIPT="$RUN_DIR/stop/$SLURM_JOB_ID.sbatch"
@@ -259,17 +260,17 @@ start_attempt() {
   ENDING_SAID=0
 }
 
-# debug_env NAME (SBATCH_GEN_DEBUG=1): NCCL at INFO, each rank into $LOG_DIR/NAME.nccl.<host>.<pid>.log, and
-# torch's NCCL flight recorder (the TORCH_NCCL_* names: torch 2.13 reads them as its TORCH_FR_* ones), each
-# rank's records dumped on a collective timeout into $RUN_DIR/debug/NAME.rank-<rank>.
+# debug_env LOGS NAME TRACES (SBATCH_GEN_DEBUG=1): NCCL at INFO, each rank into LOGS/NAME.nccl.<host>.<pid>.log,
+# and torch's NCCL flight recorder (the TORCH_NCCL_* names: torch 2.13 reads them as its TORCH_FR_* ones), each
+# rank's records dumped on a collective timeout into $RUN_DIR/debug/TRACES.rank-<rank>; paths made absolute.
+# shellcheck disable=SC2317,SC2329  # run on the nodes (declare -f) by the SSH launcher
 debug_env() {
-  local logs=$LOG_DIR traces=$RUN_DIR/debug
+  local logs=$1 traces=$RUN_DIR/debug
   [[ $logs == /* ]] || logs=$PWD/$logs
   [[ $traces == /* ]] || traces=$PWD/$traces
-  mkdir -p -- "$traces"
-  export NCCL_DEBUG=INFO NCCL_DEBUG_FILE="$logs/$1.nccl.%h.%p.log" TORCH_NCCL_TRACE_BUFFER_SIZE=2000 \
-    TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$traces/$1.rank-"
-  log "SBATCH_GEN_DEBUG=1: NCCL INFO per rank in $logs/$1.nccl.<host>.<pid>.log; on a collective timeout, each rank's NCCL flight recorder in $traces/$1.rank-<rank>"
+  mkdir -p -- "$logs" "$traces" || return 1
+  export NCCL_DEBUG=INFO NCCL_DEBUG_FILE="$logs/$2.nccl.%h.%p.log" TORCH_NCCL_TRACE_BUFFER_SIZE=2000 \
+    TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$traces/$3.rank-"
 }
 
 # load_secrets: the secrets the profile names (SECRET_ENV: NAME, the field that names it, required 1 or 0), read

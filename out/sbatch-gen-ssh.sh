@@ -140,7 +140,7 @@ launch_setup() {
   fi
   NODE_PROGRAM="set -euo pipefail
 $(declare -p LAUNCH_DIR NNODES TAG NODE_PY_SRC STOP_PROTOCOL "${NODE_VARS[@]}")
-$(declare -f preflight_main node_main cleanup_main receive_secrets export_secrets env_without_secrets iface_ipv4 \
+$(declare -f preflight_main node_main cleanup_main receive_secrets export_secrets env_without_secrets iface_ipv4 debug_env \
   load_modules activate_env node_py preflight)
 \"\$@\""
 }
@@ -372,6 +372,19 @@ print(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", sys.a
   fi
   [[ -n $addr ]] || return 1
   printf '%s\n' "$addr"
+}
+
+# debug_env LOGS NAME TRACES (SBATCH_GEN_DEBUG=1): NCCL at INFO, each rank into LOGS/NAME.nccl.<host>.<pid>.log,
+# and torch's NCCL flight recorder (the TORCH_NCCL_* names: torch 2.13 reads them as its TORCH_FR_* ones), each
+# rank's records dumped on a collective timeout into $RUN_DIR/debug/TRACES.rank-<rank>; paths made absolute.
+# shellcheck disable=SC2317,SC2329  # run on the nodes (declare -f) by the SSH launcher
+debug_env() {
+  local logs=$1 traces=$RUN_DIR/debug
+  [[ $logs == /* ]] || logs=$PWD/$logs
+  [[ $traces == /* ]] || traces=$PWD/$traces
+  mkdir -p -- "$logs" "$traces" || return 1
+  export NCCL_DEBUG=INFO NCCL_DEBUG_FILE="$logs/$2.nccl.%h.%p.log" TORCH_NCCL_TRACE_BUFFER_SIZE=2000 \
+    TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$traces/$3.rank-"
 }
 
 # ==== node library =================================================================================

@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 2a39d01187735da917155a8d8116023ba9e23872ea29a1faa9bc33257f34d2fd
+#   inputs sha256: 109cf98b197cdc92833a084bdb723aee270af375a998a7d9a49b9e2bd94ef94e
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -50,7 +50,7 @@ IB_HCA=''  # nccl.ib_hca: the NCCL_IB_HCA the preflight checks unless the launch
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
 # torchrun flags older torch lacks, for the preflight: FLAG=its profile key; the first torch with it; compat: run-trainer's shim does without
 TORCHRUN_FLAGS=--signals-to-handle='trainer.stop_protocol: sbatch-gen; torch >= 2.10; compat,--shutdown-timeout=launch.kill_grace_s; torch >= 2.12; compat'
-SSH_LIB_SHA256=7b1b67a0d38c3a0f7ea3ff130cf28ede319b528cbf3af6aa863909d63673f2d3  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
+SSH_LIB_SHA256=80f5f9675db324d84249de5d65b3963b56158154a0e7e5ac5178ea5d39ae9e48  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
 NODE_PY_SHA256=e4a6cc8204087364422f4dd536b053dfbeb5b6b48b3687187d88fd917cf43649  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
@@ -72,10 +72,8 @@ NODE_ENV=(
 )
 
 # ---- secrets: the variables the profile names, never their values (sbatch_gen/credentials.py) -----
-# The launch refuses to start when a required one is unset or empty here; each node gets the values over
-# ssh's stdin (node 0 through a pipe too), exported there for the preflight's bucket check and torchrun only:
-# never on a command line, in a file or in a log. A shared-credentials profile or instance role: nothing to
-# send (each host's own ~/.aws or role). Per variable: NAME, the field that names it, required (1) or sent when set (0)
+# A required one unset or empty here: the launch does not start. Each node gets the values over ssh's stdin, for the
+# preflight and torchrun only: never on a command line, in a file or a log. NAME, its field, required (1) or sent when set (0)
 SECRET_ENV=()  # none named
 # The preflight's check that every node reaches cross_region's bucket with them (s3 transport only; node
 # program settings: a LIST of at most one key, ssh.connect_timeout_s to connect and to read)

@@ -79,20 +79,22 @@ def test_cpu_sites_render_no_switch():
         assert "SBATCH_GEN_DEBUG" not in text and "TORCH_NCCL_DUMP_ON_TIMEOUT" not in text
 
 
-def _ssh_debug_block() -> str:
+def _ssh_debug_code() -> tuple[str, str]:
+    """debug_env, the SSH library's (shipped to the nodes), and node_main's line that calls it."""
     text = (REPO / "out" / "lab.sh").read_text()
     body = text[text.index("\nnode_main() {\n") :]
-    start = body.index("\n  if [[ $DEBUG == 1 ]]; then\n")
-    return body[start : body.index("\n  fi\n", start) + 6]
+    start = body.index("\n  if [[ $DEBUG == 1 ]]; then ")
+    lib = (REPO / "out" / "sbatch-gen-ssh.sh").read_text()
+    at = lib.index("\ndebug_env() {\n")
+    return lib[at : lib.index("\n}\n", at) + 3], body[start : body.index("\n", start + 1)]
 
 
 @pytest.mark.parametrize("debug", ["1", "0"])
 def test_the_ssh_launchers_node_main_exports_them_only_with_the_switch(tmp_path, debug):
     # as node_main runs on a node: in the launch directory, with the launcher's settings (NODE_VARS)
-    code = (
-        f"DEBUG={debug} LOGS=logs/lab.sbg-t RUN_DIR=runs/lab TAG=sbg-t ATTEMPT=2 rank=1\n"
-        f"f() {{\n{_ssh_debug_block()}\n}}\nf\nenv -0"
-    )
+    debug_env, switch = _ssh_debug_code()
+    settings = f"DEBUG={debug} LOGS=logs/lab.sbg-t RUN_DIR=runs/lab TAG=sbg-t ATTEMPT=2 rank=1"
+    code = f"{settings}\n{debug_env}\nf() {{{switch}\n}}\nf\nenv -0"
     r = subprocess.run(
         ["env", "-i", "PATH=/usr/bin:/bin", "bash", "-c", "set -eu\n" + code],
         cwd=tmp_path,
