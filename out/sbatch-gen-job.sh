@@ -49,7 +49,7 @@ load_modules() {
 }
 
 # activate_env: python_env on this node: the modules, then the venv or conda environment ($ENV_KIND,
-# $ENV_PATH, $ENV_NAME), then $CODE_DIR first on PYTHONPATH. Sets NODE_ERROR and returns 1 when something
+# $ENV_PATH, and a conda env's $ENV_NAME), then $CODE_DIR first on PYTHONPATH. Sets NODE_ERROR and returns 1 when something
 # is missing.
 activate_env() {
   local dir

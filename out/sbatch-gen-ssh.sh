@@ -393,7 +393,7 @@ debug_env() {
 # preflight, the training step's supervision) and node_lines. Every render with the same library sha256
 # carries these same lines: review them once (`sbatch-gen diff --all` shows a change to them once, naming
 # the files).
-# library sha256: d3745ef80c5c7ddf54689eb93b4ee4835e879b41d1b8a8f32a2a6869cf0514e9
+# library sha256: f570325cea93d511fc68baad26e2bda42f4dfa0c138d1076b08b9e57c4e2c320
 # log MESSAGE...: one timestamped line on stderr, and in $LOG_FILE when set. Never fails (a trap's terminal may be gone).
 log() {
   local line; printf -v line '[sbatch-gen %s] %s' "$(date -u +%FT%TZ)" "$*"
@@ -445,7 +445,7 @@ load_modules() {
 }
 
 # activate_env: python_env on this node: the modules, then the venv or conda environment ($ENV_KIND,
-# $ENV_PATH, $ENV_NAME), then $CODE_DIR first on PYTHONPATH. Sets NODE_ERROR and returns 1 when something
+# $ENV_PATH, and a conda env's $ENV_NAME), then $CODE_DIR first on PYTHONPATH. Sets NODE_ERROR and returns 1 when something
 # is missing.
 activate_env() {
   local dir

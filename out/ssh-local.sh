@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 109cf98b197cdc92833a084bdb723aee270af375a998a7d9a49b9e2bd94ef94e
+#   inputs sha256: ef0efca1d5aeffb4fcaf27898a2ab6597b15cef4c43ddf7b007fbbfdb0256d67
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -50,13 +50,12 @@ IB_HCA=''  # nccl.ib_hca: the NCCL_IB_HCA the preflight checks unless the launch
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
 # torchrun flags older torch lacks, for the preflight: FLAG=its profile key; the first torch with it; compat: run-trainer's shim does without
 TORCHRUN_FLAGS=--signals-to-handle='trainer.stop_protocol: sbatch-gen; torch >= 2.10; compat,--shutdown-timeout=launch.kill_grace_s; torch >= 2.12; compat'
-SSH_LIB_SHA256=80f5f9675db324d84249de5d65b3963b56158154a0e7e5ac5178ea5d39ae9e48  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
+SSH_LIB_SHA256=be978203e5a1b77f0300d37d4d81156629ae7b03dc0a5220daa9e2c1885e6e5a  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
 NODE_PY_SHA256=e4a6cc8204087364422f4dd536b053dfbeb5b6b48b3687187d88fd917cf43649  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv  # python_env.kind
 ENV_PATH=.venv  # python_env.path
-ENV_NAME=''  # python_env.name (a conda env's)
 MODULES=()  # python_env.modules
 CODE_DIR=.  # paths.code_dir: first on PYTHONPATH
 ENV_HINT='create it on every host'  # what an error about python_env adds
@@ -100,7 +99,7 @@ SITE=ssh-local
 # The settings every node gets besides the launch's own (launch_setup, which also sets LOGS): declare -p
 # prints them as bash code
 NODE_VARS=(NPROC_PER_NODE GPUS_PER_NODE IFNAME RDZV_PORT NUMA_BINDING LOG_TOPOLOGY IB_HCA FAILURE_GRACE_S IB_LINK_LAYER TORCHRUN_FLAGS
-  ENV_KIND ENV_PATH ENV_NAME MODULES CODE_DIR ENV_HINT NODE_ENV TRAINER_MODULE TRAIN_CONFIG DATA_PATH RUN_DIR
+  ENV_KIND ENV_PATH MODULES CODE_DIR ENV_HINT NODE_ENV TRAINER_MODULE TRAIN_CONFIG DATA_PATH RUN_DIR
   SHARED_RUN_DIR SECRET_ENV BUCKET_CHECK)
 
 # ---- main: what a launch does, in order ------------------------------------------------------------
