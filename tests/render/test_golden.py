@@ -119,18 +119,14 @@ def test_the_node_program_is_written_once_beside_the_renders_and_checked_like_th
     node.unlink()
     r = sg("check")
     assert r.code == 1 and "out/sbatch-gen-node.py" in r.out, r.out
-    # every Slurm render writes it, pinned by the job library its script sources; a script stages it when it
-    # runs it: the preflight, a pinned environment (its fingerprint is the node program's), a training step
-    # that run-trainer supervises (stop_protocol sbatch-gen); one that does none of these does not
+    # every Slurm render writes it, pinned by the job library its script sources, and stages it: the batch
+    # shell's OMP_NUM_THREADS is its (use_allocated_cpus), whatever else the render runs it for (the preflight,
+    # a pinned environment, a training step that run-trainer supervises). A run that pins its code with none of
+    # those (python_env none) prunes the staged copies of older submissions too.
     sg("render", "--all")
-    alone = ["--site", "local", "--set", "preflight.enabled=false", "--set", "paths.pin_code=false"]
-    for out, more in (
-        ("alone", ["--set", "trainer.stop_protocol=signal"]),
-        ("supervised", []),
-        ("pinned", None),
-    ):
-        args = ["--site", "local", "--set", "preflight.enabled=false"] if more is None else [*alone, *more]
-        r = sg("render", *args, "--out", out)
-        assert r.code == 0 and (work / out / "sbatch-gen-node.py").exists(), r.out
-        stages = "\n  stage_node_program || die 1 " in (work / out / "local.sbatch").read_text()
-        assert stages == (out != "alone"), out
+    alone = ["--site", "local", "--set", "preflight.enabled=false", "--set", "python_env={kind: none}"]
+    r = sg("render", *alone, "--set", "trainer.stop_protocol=signal", "--out", "alone")
+    assert r.code == 0 and (work / "alone" / "sbatch-gen-node.py").exists(), r.out
+    text = (work / "alone" / "local.sbatch").read_text()
+    assert '\n  stage_node_program || die 1 "$NODE_ERROR"  # sbatch-gen-node.py: OMP_NUM_THREADS\n' in text
+    assert "\n  pin_code " in text and "node_py --exec" not in text  # the training step runs torchrun itself
