@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 8c36b119b26351132a86d4e012916cdee320743ddcb0c227e7144c316b0c11d9
+#   inputs sha256: 618f31855b3bec7cc71ab425367531f7aefc77e5f4260e14ee048b6eb369492c
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -52,10 +52,9 @@ NUMA_BINDING=''  # topology.numa_binding
 LOG_TOPOLOGY=1  # topology.log_topology
 IB_HCA=''  # nccl.ib_hca: the NCCL_IB_HCA the preflight checks unless the launcher has its own (empty: none)
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
-# torchrun flags older torch lacks, for the preflight: FLAG=its profile key; the first torch with it; compat: run-trainer's shim does without
-TORCHRUN_FLAGS=--signals-to-handle='trainer.stop_protocol: sbatch-gen; torch >= 2.10; compat,--shutdown-timeout=launch.kill_grace_s; torch >= 2.12; compat'
-SSH_LIB_SHA256=be978203e5a1b77f0300d37d4d81156629ae7b03dc0a5220daa9e2c1885e6e5a  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
-NODE_PY_SHA256=e4a6cc8204087364422f4dd536b053dfbeb5b6b48b3687187d88fd917cf43649  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
+TORCHRUN_FLAGS='--signals-to-handle,--shutdown-timeout'  # node_main's torchrun flags that older torch lacks: the preflight checks each node's has them
+SSH_LIB_SHA256=2a8f02ac457cc5efe9cdf706f784450977e629f6d210095d7829de961d2f956f  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
+NODE_PY_SHA256=04d58079b941ee457e86bb0099b7c8861574b34e072ea9975b1d95c07fb15b1f  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv  # python_env.kind
@@ -76,9 +75,8 @@ NODE_ENV=(
   "TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING-1}"
   "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=${TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC-300}"
   "NCCL_DEBUG=${NCCL_DEBUG-WARN}"
-  # derived: CPUs per node / processes per node; unbuffered output for the logs
-  "OMP_NUM_THREADS=${OMP_NUM_THREADS-16}"
-  "PYTHONUNBUFFERED=${PYTHONUNBUFFERED-1}"
+  "OMP_NUM_THREADS=${OMP_NUM_THREADS-16}"  # derived: the CPUs per process
+  "PYTHONUNBUFFERED=${PYTHONUNBUFFERED-1}"  # unbuffered output for the logs
 )
 
 # ---- secrets: the variables the profile names, never their values (sbatch_gen/credentials.py) -----

@@ -133,7 +133,7 @@ node_lines() {
 # stage_node_program: the node program (sbatch-gen-node.py, which node_py runs on every node), pinned by this library,
 # staged in the run dir as the script stages this library (stage_pinned), in SBATCH_GEN_NODE_PY for every job step.
 stage_node_program() {
-  stage_pinned SBATCH_GEN_NODE_PY sbatch-gen-node.py e4a6cc8204087364422f4dd536b053dfbeb5b6b48b3687187d88fd917cf43649 3218fb9942408fa0c9b7bddadacab3eba6a7e437 || return 1
+  stage_pinned SBATCH_GEN_NODE_PY sbatch-gen-node.py 04d58079b941ee457e86bb0099b7c8861574b34e072ea9975b1d95c07fb15b1f 4cd87941711e8411c8c2be6322dc3297e1c2afc9 || return 1
   export SBATCH_GEN_NODE_PY
 }
 
@@ -709,9 +709,10 @@ continue_after_limit() {
 # (a preemption, a scancel: they kill the preflight step too) is no failed node: the run goes on (exits).
 # Its settings (sbatch_gen/node_program.py): the script's PREFLIGHT_ARGS after those of the script's settings
 # and main's state that every site has (TRAINER_MODULE or TRAINER_SCRIPT, TRAIN_CONFIG, DATA_PATH,
-# PINNED_IFNAME, EXPECTED_GPUS, RUN_DIR, MASTER_ADDR:MASTER_PORT, ENV_PINNED when pin_env set it); each node
-# adds its rank and the node count. This shell writes the marker file: a node that does not see it has
-# another filesystem at the run dir.
+# PINNED_IFNAME, EXPECTED_GPUS, RUN_DIR, MASTER_ADDR:MASTER_PORT, ENV_PINNED when pin_env set it,
+# STOP_PROTOCOL), then `--` and TORCHRUN_ARGS: the torchrun flags and the NUMA binding it checks are those the
+# training step gets. Each node adds its rank and the node count. This shell writes the marker file: a node
+# that does not see it has another filesystem at the run dir.
 preflight_nodes() {
   local out err marker="$RUN_DIR/.sbatch-gen-shared.$SLURM_JOB_ID.$ATTEMPT"
   log "preflight on $SLURM_NNODES nodes (preflight.enabled)"
@@ -719,7 +720,7 @@ preflight_nodes() {
     ${TRAINER_MODULE:+"module=$TRAINER_MODULE"} ${TRAINER_SCRIPT:+"script=$TRAINER_SCRIPT"} config="${TRAIN_CONFIG-}"
     data="$DATA_PATH" ifname="$PINNED_IFNAME" gpus="$EXPECTED_GPUS" gpus_key=slurm.gpus_per_node run_dir="$RUN_DIR"
     shared_marker="$marker" rdzv_host="$MASTER_ADDR" rdzv_port="$MASTER_PORT" ${ENV_PINNED:+"env_fingerprint=$ENV_PINNED"}
-    "${PREFLIGHT_ARGS[@]}"
+    stop_protocol="$STOP_PROTOCOL" "${PREFLIGHT_ARGS[@]}" -- "${TORCHRUN_ARGS[@]}"
   )
   export -f node_py preflight  # srun's bash gets them (the training step's too) from the environment
   : >"$marker"

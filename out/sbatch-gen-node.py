@@ -567,38 +567,68 @@ def _has_flag(run_py: str, flag: str) -> bool:
     return flag in run_py or flag[:2] + flag[2:].replace("-", "_") in run_py
 
 
-def _flag_settings(flags: str) -> list[tuple[str, str, str, bool]]:
-    """torchrun_flags (``FLAG=KEY[; torch >= X.Y][; compat]``, comma-separated): (flag, key, since, compat)."""
+# torchrun flags a render may use that older torch releases lack: the first torch release whose
+# torch/distributed/run.py has each (read from the released wheels: 2.8.0 has none of them, 2.9.0
+# --numa-binding, 2.10.0 --signals-to-handle too, 2.12.0 --shutdown-timeout too), and the profile field that
+# puts it on torchrun's command line. validate and doctor say it before submission (sbatch_gen/launch.py), the
+# preflight checks every node's torch before torchrun would refuse them.
+TORCHRUN_FLAG_SINCE = {
+    "--numa-binding": (2, 9),
+    "--signals-to-handle": (2, 10),
+    "--shutdown-timeout": (2, 12),
+}
+TORCHRUN_FLAG_KEY = {
+    "--numa-binding": "topology.numa_binding",
+    "--signals-to-handle": "trainer.stop_protocol",
+    "--shutdown-timeout": "trainer.stop_protocol",
+}
+# Under stop_protocol sbatch-gen these two only keep SIGTERM from torchrun's agent (the stop goes through the
+# stop file) and bound the shutdowns after signals no stop sends: on a torch without them, run-trainer starts
+# torchrun through its compat shim instead, which keeps SIGTERM from the agent itself, and drops them
+# (torchrun_command, torchrun_main --keep-sigterm).
+COMPAT_FLAGS = ("--signals-to-handle", "--shutdown-timeout")
+
+
+def newer_flags(argv: list[str]) -> list[str]:
+    """The flags of TORCHRUN_FLAG_SINCE that torchrun's arguments ARGV give, in their order."""
+    names = [a.split("=", 1)[0] for a in argv]
+    return [f for f in dict.fromkeys(names) if f in TORCHRUN_FLAG_SINCE]
+
+
+def _flag_settings(flags: str, stop_protocol: str) -> list[tuple[str, str, str, bool]]:
+    """torchrun_flags (names, comma-separated) under STOP_PROTOCOL: (flag, its profile field, the first torch
+    with it, whether run-trainer's compat shim does without it)."""
     out = []
-    for pair in filter(None, flags.split(",")):
-        flag, _, rest = pair.partition("=")
-        compat = rest.endswith("; compat")
-        rest = rest[: -len("; compat")] if compat else rest
-        key, _, since = rest.partition("; torch >= ")
-        out.append((flag, key, since, compat))
+    for flag in filter(None, flags.split(",")):
+        key = TORCHRUN_FLAG_KEY.get(flag, flag)
+        if key == "trainer.stop_protocol":
+            key += f": {stop_protocol}"
+        since = ".".join(map(str, TORCHRUN_FLAG_SINCE[flag])) if flag in TORCHRUN_FLAG_SINCE else ""
+        out.append((flag, key, since, stop_protocol == "sbatch-gen" and flag in COMPAT_FLAGS))
     return out
 
 
-def missing_torchrun_flags(flags: str, probe: dict | None) -> list[str]:
+def missing_torchrun_flags(flags: str, probe: dict | None, stop_protocol: str = "sbatch-gen") -> list[str]:
     """The problems of torchrun_flags: flags this render uses that this node's torchrun lacks (its
     torch/distributed/run.py does not name them) and that torchrun cannot do without (not ``compat``:
     :func:`shimmed_torchrun_flags`). No torch at all is the torch check's to report."""
     if not probe or probe.get("run_py") is None or probe.get("version") is None:
         return []
     problems = []
-    for flag, key, since, compat in _flag_settings(flags):
+    for flag, key, since, compat in _flag_settings(flags, stop_protocol):
         if not compat and not _has_flag(probe["run_py"], flag):
             need = f"torch >= {since}" if since else "a newer torch"
             problems.append(f"torchrun of torch {probe['version']} has no {flag} ({key}): use {need}")
     return problems
 
 
-def shimmed_torchrun_flags(flags: str, probe: dict | None) -> list[str]:
+def shimmed_torchrun_flags(flags: str, probe: dict | None, stop_protocol: str = "sbatch-gen") -> list[str]:
     """The ``compat`` flags of torchrun_flags this node's torchrun lacks: run-trainer starts it through the
     compat shim (:func:`torchrun_main`) without them."""
     if not probe or probe.get("run_py") is None:
         return []
-    return [f for f, _, _, compat in _flag_settings(flags) if compat and not _has_flag(probe["run_py"], f)]
+    settings = _flag_settings(flags, stop_protocol)
+    return [f for f, _, _, compat in settings if compat and not _has_flag(probe["run_py"], f)]
 
 
 # ---- the environment's fingerprint ------------------------------------------------------------------
@@ -664,15 +694,18 @@ def omp_threads_main(args: list[str]) -> int:
 
 # The preflight's settings and their defaults (empty or 0: not checked). The launchers pass them as
 # NAME=VALUE words (templates/slurm-job.sh.j2: preflight_nodes, with the training script's PREFLIGHT_ARGS;
-# templates/ssh-lib.sh.j2: preflight_main, from the launcher's settings).
+# templates/ssh-lib.sh.j2: preflight_main, from the launcher's settings), then, after `--`, torchrun's
+# arguments where the launcher has them (the Slurm job's TORCHRUN_ARGS): the torchrun flags (torchrun_flags)
+# and the NUMA binding (numa) checked are those it gives.
 #   setup_error=E     what went wrong before this program could run (the SSH launcher's cd to the launch
 #                     directory, the python_env activation): reported first; nothing that needs the
 #                     environment's python is checked then
 #   module=M          trainer.module: importable, with torch, by this node's python (torchrun on PATH too)
 #   script=S          trainer.script: readable; torch importable by this node's python (torchrun on PATH too)
-#   torchrun_flags=L  FLAG=KEY,...: torchrun flags this render uses that older torch releases lack; this
-#                     node's torch must have each (its torch/distributed/run.py names it), KEY the profile field
-#                     (torchrun_flag=FLAG=KEY: one flag, added to the list; repeatable)
+#   torchrun_flags=L  FLAG,...: torchrun flags this render uses that older torch releases lack; this node's
+#                     torch must have each (its torch/distributed/run.py names it; TORCHRUN_FLAG_SINCE), but
+#                     those run-trainer's compat shim does without (COMPAT_FLAGS, under stop_protocol sbatch-gen)
+#   stop_protocol=P   trainer.stop_protocol
 #   config=F          trainer.config: readable
 #   data=P            paths.data: exists
 #   ifname=I          network.socket_ifname: exists and has an IPv4 address (NCCL/Gloo bind to it)
@@ -704,6 +737,7 @@ PREFLIGHT_SETTINGS = {
     "module": "",
     "script": "",
     "torchrun_flags": "",
+    "stop_protocol": "sbatch-gen",
     "config": "",
     "data": "",
     "ifname": "",
@@ -787,8 +821,8 @@ def preflight(s: dict[str, str]) -> tuple[list[str], list[str]]:
     if python and (entry or s["torchrun_flags"]):
         probe = probe_python(python, [s["module"], "torch"] if s["module"] else ["torch"])
     if python and s["torchrun_flags"]:
-        bad += missing_torchrun_flags(s["torchrun_flags"], probe)
-        shimmed = shimmed_torchrun_flags(s["torchrun_flags"], probe)
+        bad += missing_torchrun_flags(s["torchrun_flags"], probe, s["stop_protocol"])
+        shimmed = shimmed_torchrun_flags(s["torchrun_flags"], probe, s["stop_protocol"])
         if shimmed and probe:
             ok.append(
                 f"torch {probe['version']}: torchrun without {', '.join(shimmed)}, through run-trainer's compat shim"
@@ -924,16 +958,22 @@ def preflight(s: dict[str, str]) -> tuple[list[str], list[str]]:
 
 
 def preflight_main(args: list[str]) -> int:
-    """`preflight NAME=VALUE...`: check this node and say so in one line (see the module's docstring)."""
+    """`preflight NAME=VALUE... [-- TORCHRUN_ARG...]`: check this node and say so in one line (see the
+    module's docstring and PREFLIGHT_SETTINGS)."""
     s = dict(PREFLIGHT_SETTINGS)
-    for a in args:
+    cut = args.index("--") if "--" in args else len(args)
+    argv = args[cut + 1 :]
+    for a in args[:cut]:
         name, eq, value = a.partition("=")
-        if eq and name == "torchrun_flag":  # one flag per setting, as the Slurm render lists them
-            name, value = "torchrun_flags", ",".join(filter(None, (s["torchrun_flags"], value)))
         if not eq or name not in s:
             print(f"preflight: unknown setting '{a}'", file=sys.stderr)
             return 2
         s[name] = value
+    # torchrun's own arguments: the flags it is given, and its NUMA binding
+    s["torchrun_flags"] = ",".join(filter(None, (s["torchrun_flags"], *newer_flags(argv))))
+    for i, a in enumerate(argv):
+        if a.startswith("--numa-binding=") or (a == "--numa-binding" and i + 1 < len(argv)):
+            s["numa"] = a.split("=", 1)[1] if "=" in a else argv[i + 1]
     # the node's one line is the contract: a bug in a check is one problem in it, not a traceback
     try:
         ok, bad = preflight(s)
@@ -1222,7 +1262,6 @@ def torchrun_command(
     return [*head, sys.executable, *this_program(), "torchrun", *wrapper, "--", *args]
 
 
-COMPAT_FLAGS = ("--signals-to-handle", "--shutdown-timeout")
 # After the exit barrier, how long the agent that hosts the store waits for the others to have left it.
 EXIT_HANDOFF_S = 30.0
 EXIT_LEFT_KEY = "sbatch-gen/left-exit-barrier"

@@ -29,7 +29,7 @@ preflight_main() {
     ${TRAINER_MODULE:+"module=$TRAINER_MODULE"} ${TRAINER_SCRIPT:+"script=$TRAINER_SCRIPT"} config="$TRAIN_CONFIG" \
     data="$DATA_PATH" ifname="$IFNAME" gpus="$GPUS_PER_NODE" gpus_key=node.gpus log_topology="$LOG_TOPOLOGY" \
     numa="$NUMA_BINDING" hcas="$IB_HCA" link_layer="$IB_LINK_LAYER" run_dir="$RUN_DIR" shared_marker="$marker" \
-    rdzv_port="$RDZV_PORT" torchrun_flags="$TORCHRUN_FLAGS" "${BUCKET_CHECK[@]}"
+    rdzv_port="$RDZV_PORT" torchrun_flags="$TORCHRUN_FLAGS" stop_protocol="$STOP_PROTOCOL" "${BUCKET_CHECK[@]}"
 }
 
 # receive_secrets: the launcher's NAME=VALUE records (send_secrets), read from stdin to its end, those of

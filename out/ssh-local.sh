@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: ef0efca1d5aeffb4fcaf27898a2ab6597b15cef4c43ddf7b007fbbfdb0256d67
+#   inputs sha256: 633f382a456c36a6ec698e339faffff38adf39dc307cc4626ad53b51a3ac7a3b
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -48,10 +48,9 @@ NUMA_BINDING=''  # topology.numa_binding
 LOG_TOPOLOGY=0  # topology.log_topology
 IB_HCA=''  # nccl.ib_hca: the NCCL_IB_HCA the preflight checks unless the launcher has its own (empty: none)
 IB_LINK_LAYER=InfiniBand  # nccl.ib_link_layer: what their ports must be
-# torchrun flags older torch lacks, for the preflight: FLAG=its profile key; the first torch with it; compat: run-trainer's shim does without
-TORCHRUN_FLAGS=--signals-to-handle='trainer.stop_protocol: sbatch-gen; torch >= 2.10; compat,--shutdown-timeout=launch.kill_grace_s; torch >= 2.12; compat'
-SSH_LIB_SHA256=be978203e5a1b77f0300d37d4d81156629ae7b03dc0a5220daa9e2c1885e6e5a  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
-NODE_PY_SHA256=e4a6cc8204087364422f4dd536b053dfbeb5b6b48b3687187d88fd917cf43649  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
+TORCHRUN_FLAGS='--signals-to-handle,--shutdown-timeout'  # node_main's torchrun flags that older torch lacks: the preflight checks each node's has them
+SSH_LIB_SHA256=2a8f02ac457cc5efe9cdf706f784450977e629f6d210095d7829de961d2f956f  # the launcher's and the nodes' functions: sbatch-gen-ssh.sh (render writes it), only with this sha256
+NODE_PY_SHA256=04d58079b941ee457e86bb0099b7c8861574b34e072ea9975b1d95c07fb15b1f  # the preflight's checks, the training step's supervision: sbatch-gen-node.py (render writes it), sent to every host
 
 # ---- python_env: activated on every node ---------------------------------------------------------
 ENV_KIND=venv  # python_env.kind
@@ -63,11 +62,9 @@ ENV_HINT='create it on every host'  # what an error about python_env adds
 # ---- environment exported on every node before torchrun ------------------------------------------
 # The profile's values are defaults: the launcher's value wins on every node (NCCL_DEBUG=INFO bash ...); "always": set anyway
 NODE_ENV=(
-  # network.socket_ifname
-  "GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME-lo}"
-  # derived: CPUs per node / processes per node; unbuffered output for the logs
-  "OMP_NUM_THREADS=${OMP_NUM_THREADS-2}"
-  "PYTHONUNBUFFERED=${PYTHONUNBUFFERED-1}"
+  "GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME-lo}"  # network.socket_ifname
+  "OMP_NUM_THREADS=${OMP_NUM_THREADS-2}"  # derived: the CPUs per process
+  "PYTHONUNBUFFERED=${PYTHONUNBUFFERED-1}"  # unbuffered output for the logs
 )
 
 # ---- secrets: the variables the profile names, never their values (sbatch_gen/credentials.py) -----

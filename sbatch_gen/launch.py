@@ -24,6 +24,7 @@ from typing import Protocol
 
 from sbatch_gen.metrics_options import MetricsOptions
 from sbatch_gen.metrics_options import to_argv as metrics_argv
+from sbatch_gen.node_program import COMPAT_FLAGS, TORCHRUN_FLAG_SINCE
 from sbatch_gen.xr_options import CrossRegion, to_argv
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -427,37 +428,20 @@ def torchrun_argv(p: Profile, launcher: Launcher) -> list[Option]:
     return opts
 
 
-# torchrun flags a render may use that older torch releases lack, with the first torch release whose
-# torch/distributed/run.py has each (read from the released wheels: 2.8.0 has none of them, 2.9.0
-# --numa-binding, 2.10.0 --signals-to-handle too, 2.12.0 --shutdown-timeout too). validate and doctor say
-# it before submission, where a lock or the environment tells the torch; the preflight checks every node's
-# torch (the names in its run.py) before torchrun would refuse them.
-TORCHRUN_FLAG_SINCE = {
-    "--numa-binding": (2, 9),
-    "--signals-to-handle": (2, 10),
-    "--shutdown-timeout": (2, 12),
-}
-NEWER_TORCHRUN_FLAGS = tuple(TORCHRUN_FLAG_SINCE)
-# Under stop_protocol sbatch-gen these two only keep SIGTERM from torchrun's agent (the stop goes through
-# the stop file) and bound the shutdowns after signals no stop sends: on a torch without them, the node
-# program's run-trainer starts torchrun through its compat shim instead, which keeps SIGTERM from the agent
-# itself, and drops them (sbatch_gen/node_program.py, torchrun_main --keep-sigterm).
-COMPAT_TORCHRUN_FLAGS = ("--signals-to-handle", "--shutdown-timeout")
-
-
+# torchrun flags a render may use that older torch releases lack, the first torch release that has each, and
+# those run-trainer's compat shim does without under stop_protocol sbatch-gen: the node program's
+# (sbatch_gen/node_program.py), whose preflight checks every node's torch against them.
 def newer_torchrun_flags(p: Profile, launcher: Launcher) -> list[tuple[str, str, tuple[int, int], bool]]:
     """The flags of :data:`TORCHRUN_FLAG_SINCE` this render gives torchrun: (flag, the profile fields behind
     it, the first torch release that has it, whether an older torch runs without it through the compat shim:
-    :data:`COMPAT_TORCHRUN_FLAGS` under stop_protocol sbatch-gen)."""
+    :data:`COMPAT_FLAGS` under stop_protocol sbatch-gen)."""
     shim = p.trainer.stop_protocol == "sbatch-gen"
     found = []
     for o in torchrun_argv(p, launcher):
         word = o.words[0]
         name = word.split("=", 1)[0] if isinstance(word, str) else ""
         if name in TORCHRUN_FLAG_SINCE:
-            found.append(
-                (name, o.key or name, TORCHRUN_FLAG_SINCE[name], shim and name in COMPAT_TORCHRUN_FLAGS)
-            )
+            found.append((name, o.key or name, TORCHRUN_FLAG_SINCE[name], shim and name in COMPAT_FLAGS))
     return found
 
 
@@ -481,20 +465,10 @@ def torch_release(version: str) -> tuple[int, int] | None:
     return (int(parts[0]), int(minor)) if minor else None
 
 
-def torchrun_flag_settings(p: Profile, launcher: Launcher) -> list[str]:
-    """The preflight's ``torchrun_flag`` settings, one per flag of :func:`newer_torchrun_flags`: ``FLAG=KEY``,
-    KEY the profile fields behind it, the first torch that has the flag, and ``compat`` when an older torch
-    runs through the compat shim."""
-    return [
-        f"{name}={key.replace(',', ';')}; torch >= {since[0]}.{since[1]}" + ("; compat" if compat else "")
-        for name, key, since, compat in newer_torchrun_flags(p, launcher)
-    ]
-
-
 def torchrun_flags_to_check(p: Profile, launcher: Launcher) -> str:
-    """The preflight's ``torchrun_flags`` setting: :func:`torchrun_flag_settings` comma-separated (empty:
-    nothing to check)."""
-    return ",".join(torchrun_flag_settings(p, launcher))
+    """The preflight's ``torchrun_flags`` setting: the flags of :func:`newer_torchrun_flags`, comma-separated
+    (empty: nothing to check); the node program knows the first torch with each."""
+    return ",".join(name for name, _, _, _ in newer_torchrun_flags(p, launcher))
 
 
 def container_argv(c: Container, env_names: str) -> list[Option]:

@@ -32,7 +32,7 @@ from sbatch_gen.launch import (
     Var,
     container_argv,
     torchrun_argv,
-    torchrun_flag_settings,
+    torchrun_flags_to_check,
     trainer_argv,
 )
 from sbatch_gen.loader import LoadedSite
@@ -302,7 +302,9 @@ def context(site: LoadedSite, sha: str) -> dict:
         # the command line on every node, built once for every kind (sbatch_gen/launch.py)
         "trainer_argv": {name: trainer_argv(p, launcher, site.name) for name, launcher in LAUNCHERS.items()},
         "torchrun_argv": {name: torchrun_argv(p, launcher) for name, launcher in LAUNCHERS.items()},
-        "torchrun_flags": {name: torchrun_flag_settings(p, launcher) for name, launcher in LAUNCHERS.items()},
+        "torchrun_flags": {
+            name: torchrun_flags_to_check(p, launcher) for name, launcher in LAUNCHERS.items()
+        },
         "container_argv": container_argv,
         "preflight_ib_hca": preflight_ib_hca(p),
         # the node program: its file name (render writes it beside the renders) and the sha256 it must have

@@ -280,9 +280,10 @@ def check_torch(d: SlurmDoctor) -> list[Check]:
             )
         ]
     flags = torchrun_flags_to_check(d.profile, SLURM)
-    lacks = node_program.missing_torchrun_flags(flags, probe)
+    protocol = d.profile.trainer.stop_protocol
+    lacks = node_program.missing_torchrun_flags(flags, probe, protocol)
     found = f"torch {version} ({python})"
-    shimmed = node_program.shimmed_torchrun_flags(flags, probe)
+    shimmed = node_program.shimmed_torchrun_flags(flags, probe, protocol)
     if shimmed:
         found += f"; without {', '.join(shimmed)}: torchrun through the compat shim"
     if lacks:

@@ -53,7 +53,9 @@ class EnvBlock:
 
 
 # The variables a Slurm job sets at run time, not from the profile's value (main's use_allocated_cpus).
-SLURM_RUN_TIME_ENV = {"OMP_NUM_THREADS": "set in main, from the physical cores Slurm allocated"}
+SLURM_RUN_TIME_ENV = {
+    "OMP_NUM_THREADS": "main's use_allocated_cpus sets it, from the physical cores Slurm allocated"
+}
 
 
 def set_at_run_time(blocks: Sequence[EnvBlock], names: Mapping[str, str]) -> list[EnvBlock]:
@@ -142,14 +144,8 @@ _ENV_TABLE: tuple[_Block, ...] = (
         lambda p: p.uses_gpus() and p.topology.nccl_topo_file is not None,
         (("NCCL_TOPO_FILE", lambda p: p.topology.nccl_topo_file),),
     ),
-    _Block(
-        "derived: CPUs per node / processes per node; unbuffered output for the logs",
-        lambda p: True,
-        (
-            ("OMP_NUM_THREADS", _omp_threads),
-            ("PYTHONUNBUFFERED", lambda p: "1"),
-        ),
-    ),
+    _Block("derived: the CPUs per process", lambda p: True, (("OMP_NUM_THREADS", _omp_threads),)),
+    _Block("unbuffered output for the logs", lambda p: True, (("PYTHONUNBUFFERED", lambda p: "1"),)),
     # torchrun otherwise reuses its rendezvous TCP store across worker restarts, and restarted workers can
     # read the dead attempt's peer addresses (pytorch/pytorch#135712).
     _Block(

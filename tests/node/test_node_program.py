@@ -493,22 +493,39 @@ def _fake_torch(root: Path, version: str, run_py: str) -> Path:
 def test_preflight_torchrun_flags_the_nodes_torch_lacks(tmp_path, env_python, monkeypatch):
     old = _fake_torch(tmp_path / "old", "2.4.1", 'p.add_argument("--shutdown_timeout")\n')
     monkeypatch.setenv("PYTHONPATH", str(old))
-    flags = "--signals-to-handle=trainer.stop_protocol: signal,--shutdown-timeout=trainer.stop_grace_s"
-    ok, bad = np.preflight(_settings(torchrun_flags=flags))
-    assert bad == [
-        "torchrun of torch 2.4.1 has no --signals-to-handle (trainer.stop_protocol: signal): use a newer torch"
-    ]
-    # the render names the first torch that has each flag (sbatch_gen.launch.TORCHRUN_FLAG_SINCE)
-    flags = (
-        "--signals-to-handle=trainer.stop_protocol: signal; torch >= 2.10,--shutdown-timeout=x; torch >= 2.12"
-    )
-    assert np.preflight(_settings(torchrun_flags=flags))[1] == [
+    flags = "--signals-to-handle,--shutdown-timeout"
+    # the first torch that has each flag, and the field that puts it there (TORCHRUN_FLAG_SINCE, _KEY)
+    assert np.preflight(_settings(torchrun_flags=flags, stop_protocol="signal"))[1] == [
         "torchrun of torch 2.4.1 has no --signals-to-handle (trainer.stop_protocol: signal): use torch >= 2.10"
+    ]
+    # stop_protocol sbatch-gen: run-trainer's compat shim does without them, and the preflight says so
+    ok, bad = np.preflight(_settings(torchrun_flags=flags, stop_protocol="sbatch-gen"))
+    assert bad == [] and any("through run-trainer's compat shim" in x for x in ok), ok
+    # a flag the node program has no table entry for: named, a newer torch asked for
+    assert np.preflight(_settings(torchrun_flags="--future-flag", stop_protocol="signal"))[1] == [
+        "torchrun of torch 2.4.1 has no --future-flag (--future-flag): use a newer torch"
     ]
     # no torch at all: the torch check says so, not the flag check
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "nothing"))
     env_python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -S "$@"\n')
-    assert np.preflight(_settings(torchrun_flags=flags))[1] == []
+    assert np.preflight(_settings(torchrun_flags=flags, stop_protocol="signal"))[1] == []
+
+
+def test_preflight_takes_the_flags_and_the_numa_binding_from_torchruns_arguments(monkeypatch):
+    """preflight_main: the settings, then `--` and torchrun's arguments (the Slurm job's TORCHRUN_ARGS): the
+    flags checked (those of TORCHRUN_FLAG_SINCE it gives) and the NUMA binding are torchrun's own."""
+    seen = {}
+    monkeypatch.setattr(np, "preflight", lambda s: (seen.update(s), ([], []))[1])
+    monkeypatch.setattr(np, "node_name", lambda: "n1")
+    argv = ["--nnodes", "2", "--numa-binding=node", "--signals-to-handle=SIGINT", "--rdzv-conf=a=b"]
+    assert np.preflight_main(["gpus=8", "stop_protocol=signal", "--", *argv]) == 0
+    assert seen["torchrun_flags"] == "--numa-binding,--signals-to-handle" and seen["numa"] == "node"
+    assert seen["gpus"] == "8" and seen["stop_protocol"] == "signal"
+    seen.clear()  # the two-word form, and no torchrun arguments at all: nothing derived
+    assert np.preflight_main(["--", "--numa-binding", "socket"]) == 0 and seen["numa"] == "socket"
+    seen.clear()
+    assert np.preflight_main(["numa=node"]) == 0 and seen["torchrun_flags"] == "" and seen["numa"] == "node"
+    assert np.preflight_main(["torchrun_flag=--x"]) == 2  # a setting it does not know
 
 
 def test_preflight_an_interface_that_is_missing_or_has_no_address(tmp_path, node_env, monkeypatch):

@@ -143,7 +143,7 @@ def test_stage_pinned_copies_it_into_the_run_dir_once(tmp_path, name, source, sh
     r = _bash(f'RUN_DIR=runs/y; {STAGE[name].split(";")[0]} || echo "$NODE_ERROR"', tmp_path)
     changed = hashlib.sha256(b"changed\n").hexdigest()
     assert r.stdout == (
-        f"the {name} this script pins (sha256 {sha}) is not beside it (.), in out/ or in git's objects "
+        f"the {name} this job pins (sha256 {sha}) is not beside its script (.), in out/ or in git's objects "
         f"(out/{name} has sha256 {changed}) (sbatch-gen render writes it "
         "beside the renders: render again, review the diff and resubmit)\n"
     ), r.stdout
@@ -165,7 +165,7 @@ def test_a_file_that_changes_while_it_is_copied_is_never_staged(tmp_path):
         path=f"{stubs}:/usr/bin:/bin",
     )
     assert r.stdout.startswith(
-        f"the sbatch-gen-job.sh this script pins (sha256 {LIB_SHA}) is not beside it"
+        f"the sbatch-gen-job.sh this job pins (sha256 {LIB_SHA}) is not beside its script"
     ), r.stdout
     assert not list((tmp_path / "runs/x/node").iterdir())  # nothing staged, no temp file left
 
@@ -307,3 +307,22 @@ def test_the_rendezvous_address_is_named_only_where_the_site_names_an_interface(
     rendezvous names; unset (a CPU site): no `--local-ifname ''` in the render."""
     assert '--local-ifname "$PINNED_IFNAME"' in EU
     assert "--local-ifname" not in (REPO / "out" / "local.sbatch").read_text()
+
+
+def test_a_script_submitted_from_out_names_each_file_it_found_once(tmp_path):
+    """`sbatch out/eu.sbatch` from the checkout: Slurm's record of the job (Command=) puts the script in out/,
+    so beside it and out/ are one place, looked at and named once."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "sbatch-gen-job.sh").write_text("changed\n")
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "scontrol").write_text(f"#!/bin/sh\necho 'JobId=7 Command={tmp_path}/out/eu.sbatch Foo=1'\n")
+    (stubs / "scontrol").chmod(0o755)
+    r = _bash(
+        f'stage_pinned J sbatch-gen-job.sh {LIB_SHA} {LIB_GIT} || echo "$NODE_ERROR"',
+        tmp_path,
+        path=f"{stubs}:/usr/bin:/bin",
+    )
+    changed = hashlib.sha256(b"changed\n").hexdigest()
+    assert f"is not beside its script ({tmp_path}/out), in out/ or in git's objects (" in r.stdout, r.stdout
+    assert r.stdout.count(" has sha256 ") == 1 and f"out/sbatch-gen-job.sh has sha256 {changed})" in r.stdout

@@ -29,32 +29,32 @@ LIBRARY_FILES = [d / name for d in OUT_DIRS for name in LIBRARIES if (d / name).
 
 # The job's decisions come early. The training launch (main's first srun: the preflight's is the job
 # library's) follows torchrun's and the trainer's argument lists (the trainer's --xr-* flags several to a
-# line, each family after a comment naming its section), which puts it at line 174 for eu, and the requeue
+# line, each family after a comment naming its section), which puts it at line 169 for eu, and the requeue
 # decision a few lines later.
-LAUNCH_BY = 180
-DECISION_BY = 190
-# ...and where the flow ends: main's closing brace, after the requeue decision (188 in eu: the job library's
-# end_attempt does it; the SSH launcher's main is its attempts loop, 183 in lab.sh).
-MAIN_END_BY = 195
-# A Slurm training script whole: 222 lines for eu (250 before the job library pinned the node program, its git
+LAUNCH_BY = 175
+DECISION_BY = 185
+# ...and where the flow ends: main's closing brace, after the requeue decision (183 in eu: the job library's
+# end_attempt does it; the SSH launcher's main is its attempts loop, 181 in lab.sh).
+MAIN_END_BY = 190
+# A Slurm training script whole: 218 lines for eu (250 before the job library pinned the node program, its git
 # blob id replaced the bootstrap's walk of git history, options without a profile key went three to a line and
-# comments were condensed; 267 before the summary of main's steps became the comment
+# comments were condensed, and the preflight took the torchrun flags it checks from TORCHRUN_ARGS; 267 before the summary of main's steps became the comment
 # on the decision, the preflight's export -f preflight_nodes' own and EXIT_REQUEUE the job library's; 281 before the preflight's settings that every site has
 # became the job library's preflight_nodes and the rendezvous host its rendezvous; 319 before the decision
 # after the training step became the job library's end_attempt; 801 before its helpers and node functions
 # became the job library and the trainer's --xr-*/--metrics-* flags went three to a line; 373 before this
 # attempt's bookkeeping became the library's start_attempt and one stage_pinned replaced find_pinned's two
 # passes), the bootstrap after main included.
-SLURM_SCRIPT_LINES = 222
+SLURM_SCRIPT_LINES = 218
 # The bootstrap after a Slurm training script's main: these functions, nothing else.
 BOOTSTRAP = ["log", "die", "stage_pinned"]
 # After an SSH launcher's main: the function that holds its site's settings (torchrun's and the trainer's
 # flags), then its bootstrap.
 SSH_AFTER_MAIN = ["node_main", "pinned_library"]
-# An SSH launcher whole: 244 lines for lab.sh (261 before debug_env became a node function both launchers share
-# and options without a profile key went three to a line; 285 before its preflight_main became the SSH library's; 734
+# An SSH launcher whole: 242 lines for lab.sh (261 before debug_env became a node function both launchers share
+# and options without a profile key went three to a line, and TORCHRUN_FLAGS became the flags' names; 285 before its preflight_main became the SSH library's; 734
 # before its functions but node_main and preflight_main became the SSH library).
-SSH_LAUNCHER_LINES = 244
+SSH_LAUNCHER_LINES = 242
 
 
 def _ids(paths):

@@ -17,7 +17,7 @@ from sbatch_gen.testing.s3server import free_port
 from sbatch_gen.testing.ssh_launcher import ssh_launcher_functions
 
 from .conftest import REPO, python_without_torch, sg
-from .script_parts import flat, node_library
+from .script_parts import node_library
 
 CONFIG = REPO / "configs" / "tiny.yaml"
 
@@ -149,18 +149,24 @@ def _fake_torch(root: Path, version: str, run_py: str) -> Path:
 )
 def test_a_torch_whose_torchrun_lacks_a_flag_the_render_uses_fails_naming_it(tmp_path, run_py, missing):
     """trainer.stop_protocol signal renders --signals-to-handle and --shutdown-timeout: a node whose torch
-    predates them fails its preflight, naming the flag, the torch version and the profile field."""
+    predates them fails its preflight, naming the flag, the torch version that has it and the profile field.
+    The flags checked are those of torchrun's arguments, after the settings (as preflight_nodes passes the
+    script's TORCHRUN_ARGS)."""
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
     port = free_port()
     text = _render(tmp_path, "local", script, port)
     functions = node_library(text)
-    flags = ["--signals-to-handle=trainer.stop_protocol: signal", "--shutdown-timeout=trainer.stop_grace_s"]
     settings = [
         f"script={script}",
-        *(f"torchrun_flag={f}" for f in flags),
+        "stop_protocol=signal",
         "gpus=0",
         f"run_dir={tmp_path / 'run'}",
+        "--",
+        "--nnodes",
+        "1",
+        "--signals-to-handle=SIGTERM,SIGUSR1",
+        "--shutdown-timeout=300",
     ]
     env = _env()
     env["PYTHONPATH"] = f"{_fake_torch(tmp_path / 'old', '2.4.1', run_py)}:{REPO}"
@@ -170,43 +176,12 @@ def test_a_torch_whose_torchrun_lacks_a_flag_the_render_uses_fails_naming_it(tmp
         _ok_line(r)
         return
     assert r.returncode == 1, r.stdout
-    keys = {
-        "--signals-to-handle": "trainer.stop_protocol: signal",
-        "--shutdown-timeout": "trainer.stop_grace_s",
-    }
-    want = "; ".join(f"torchrun of torch 2.4.1 has no {f} ({keys[f]}): use a newer torch" for f in missing)
+    since = {"--signals-to-handle": "2.10", "--shutdown-timeout": "2.12"}
+    want = "; ".join(
+        f"torchrun of torch 2.4.1 has no {f} (trainer.stop_protocol: signal): use torch >= {since[f]}"
+        for f in missing
+    )
     assert r.stderr == f"preflight FAILED on node0: {want}\n", r.stderr
-
-
-def test_the_render_passes_the_flags_to_check_only_when_it_uses_them(tmp_path):
-    def preflight_args(text: str) -> list[str]:
-        block = flat(text).split("\nPREFLIGHT_ARGS=(\n", 1)[1].split("\n)\n", 1)[0]
-        return shlex.split(block, comments=True)
-
-    out = tmp_path / "none"
-    r = sg("render", "--site", "local", "--out", str(out), "--set", "trainer.stop_protocol=none")
-    assert r.code == 0, r.err
-    assert not [
-        a for a in preflight_args((out / "local.sbatch").read_text()) if a.startswith("torchrun_flag")
-    ]
-    got = [
-        a
-        for a in preflight_args(_render(tmp_path, "local", tmp_path / "train.py", free_port()))
-        if a.startswith("torchrun_flag")
-    ]
-    assert got == [  # one line per flag in the render
-        "torchrun_flag=--signals-to-handle=trainer.stop_protocol: sbatch-gen; torch >= 2.10; compat",
-        "torchrun_flag=--shutdown-timeout=preemption.checkpoint_s + preemption.margin_s; torch >= 2.12; compat",
-    ]
-    out = tmp_path / "signal"
-    r = sg("render", "--site", "local", "--out", str(out), "--set", "trainer.stop_protocol=signal")
-    assert r.code == 0, r.err
-    got = [a for a in preflight_args((out / "local.sbatch").read_text()) if a.startswith("torchrun_flag")]
-    assert got == [
-        "torchrun_flag=--signals-to-handle=trainer.stop_protocol: signal; torch >= 2.10",
-        "torchrun_flag=--shutdown-timeout="
-        "preemption.checkpoint_s + preemption.margin_s (trainer.stop_grace_s unset); torch >= 2.12",
-    ]
 
 
 # srun's stand-in for the preflight step: the settings each node's preflight gets (after bash -c's $0,
@@ -222,7 +197,8 @@ for a in "${@:i+1}"; do [[ $a != shared_marker=* || -e ${a#shared_marker=} ]] ||
 @pytest.mark.parametrize("pinned", [True, False], ids=["env pinned", "no pin"])
 def test_the_job_library_gives_every_node_the_settings_every_site_has(tmp_path, entry, pinned):
     """preflight_nodes (the job library) hands each node's preflight the settings every site has, from the
-    script's settings and main's state, then the render's own PREFLIGHT_ARGS: the trainer's module or
+    script's settings and main's state, then the render's own PREFLIGHT_ARGS, then `--` and torchrun's
+    arguments (TORCHRUN_ARGS): the trainer's module or
     script, its config and data, the interface, the GPUs, the run dir with a marker file this shell wrote,
     the rendezvous, and the environment's fingerprint where pin_env set one. A value with spaces or quotes
     stays one setting."""
@@ -255,7 +231,9 @@ def test_the_job_library_gives_every_node_the_settings_every_site_has(tmp_path, 
         job_library().text
         + "\nlog() { :; }\nSTOP_REQUESTED=''\nrc=0\n"
         + "".join(f"{k}={shlex.quote(v)}\n" for k, v in state.items())
+        + "STOP_PROTOCOL=sbatch-gen\n"
         + "PREFLIGHT_ARGS=(log_topology=1 connect_timeout_s=60)\n"
+        + "TORCHRUN_ARGS=(--nnodes 2 --numa-binding=node '--rdzv-conf=join_timeout=900')\n"
         + "preflight_nodes && echo ok\n"
     )
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "RECORDED": str(recorded)}
@@ -276,8 +254,14 @@ def test_the_job_library_gives_every_node_the_settings_every_site_has(tmp_path, 
         "rdzv_host=n1",
         "rdzv_port=29500",
         *([f"env_fingerprint={state['ENV_PINNED']}"] if pinned else []),
+        "stop_protocol=sbatch-gen",
         "log_topology=1",
         "connect_timeout_s=60",
+        "--",  # then torchrun's own arguments: the preflight checks the flags and NUMA binding they give
+        "--nnodes",
+        "2",
+        "--numa-binding=node",
+        "--rdzv-conf=join_timeout=900",
     ]
     assert not (tmp_path / "recorded.marker").exists()  # the marker was there while the preflight ran
     assert not Path(marker).exists()  # and is removed after it
