@@ -98,7 +98,11 @@ FAILED = "preflight FAILED on gpu-n7: "
 
 def test_the_committed_eu_render_checks_numa_binding_and_its_hcas():
     lines = flat(EU).splitlines()
-    assert "  numa=node  # topology.numa_binding" in lines
+    # the NUMA binding checked is torchrun's own: preflight_nodes passes TORCHRUN_ARGS after the settings
+    assert "  --numa-binding=node  # topology.numa_binding" in lines
+    assert (
+        '"${PREFLIGHT_ARGS[@]}" -- "${TORCHRUN_ARGS[@]}"' in (REPO / "out" / "sbatch-gen-job.sh").read_text()
+    )
     assert (
         f"  hcas='{EU_HCAS}'  # nccl.ib_hca: the NCCL_IB_HCA checked unless one was given at submit time"
         in lines
@@ -451,7 +455,7 @@ def test_eu_job_stops_before_training_naming_node_and_field(tmp_path, sets, node
 def test_eu_job_without_the_pinned_node_program_stops_before_any_step(tmp_path):
     r, stub_dir = _eu_job(tmp_path, _node(tmp_path), node_program="print('another node program')\n")
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "ERROR: the sbatch-gen-node.py this script pins (sha256 " in r.stderr, r.stderr
+    assert "ERROR: the sbatch-gen-node.py this job pins (sha256 " in r.stderr, r.stderr
     assert "out/sbatch-gen-node.py has sha256 " in r.stderr and "preflight" not in r.stdout
     assert not (stub_dir / "calls").exists()
 
