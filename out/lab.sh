@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: 618f31855b3bec7cc71ab425367531f7aefc77e5f4260e14ee048b6eb369492c
+#   inputs sha256: d9d100cf26571352991ef33987fc40fe76015129b439b658e6d53d1f3d14d1f2
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).

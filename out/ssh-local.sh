@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 633f382a456c36a6ec698e339faffff38adf39dc307cc4626ad53b51a3ac7a3b
+#   inputs sha256: e23caf7107685a91634e54d3f87c2dc2d4badfd1202dbc25082fd8bf1b843960
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).

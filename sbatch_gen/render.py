@@ -28,6 +28,7 @@ from sbatch_gen.errors import UserError
 from sbatch_gen.fsutil import display_path, write_atomic
 from sbatch_gen.launch import (
     LAUNCHERS,
+    SSH,
     Concat,
     Var,
     container_argv,
@@ -302,9 +303,8 @@ def context(site: LoadedSite, sha: str) -> dict:
         # the command line on every node, built once for every kind (sbatch_gen/launch.py)
         "trainer_argv": {name: trainer_argv(p, launcher, site.name) for name, launcher in LAUNCHERS.items()},
         "torchrun_argv": {name: torchrun_argv(p, launcher) for name, launcher in LAUNCHERS.items()},
-        "torchrun_flags": {
-            name: torchrun_flags_to_check(p, launcher) for name, launcher in LAUNCHERS.items()
-        },
+        # the SSH launcher's preflight setting (a Slurm job's preflight takes them from TORCHRUN_ARGS)
+        "ssh_torchrun_flags": torchrun_flags_to_check(p, SSH),
         "container_argv": container_argv,
         "preflight_ib_hca": preflight_ib_hca(p),
         # the node program: its file name (render writes it beside the renders) and the sha256 it must have
