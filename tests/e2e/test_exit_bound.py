@@ -50,7 +50,9 @@ def test_a_node_that_hangs_after_the_other_finished_ends_the_step_within_the_bou
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
     # (the rendezvous, not SLURM_NODEID, orders the ranks: the second node's may be 0 and 1)
     finished = list(probe.glob("done.attempt-0.rank-*"))
-    assert len(finished) == 2 and len(list(probe.glob("hung.rank-*"))) == 2, "one node was meant to hang"
+    assert len(finished) == 2 and len(list(probe.glob("hung.node-1.local-*"))) == 2, (
+        "one node was meant to hang"
+    )
     done = max(float(p.read_text()) for p in finished)
     # when the batch shell saw the step end: its log line's time (UTC, to the second)
     (stamp,) = re.findall(

@@ -13,9 +13,12 @@ sbg_stop_probe): torchrun runs ``python -m sbg_stop_probe <the rendered trainer 
   0. Started again with ``saved.rank-R`` present, it has resumed: it exits 0 at once (training done).
 - ``--probe-mode end`` (a trainer that has nothing left to do): writes ``done.attempt-A.rank-R`` (the time) and
   exits 0 at once; the first time, the ranks of the nodes ``--probe-hang-nodes`` name hang instead (until
-  ``--probe-max-s``; ``hung.rank-R`` notes it), as a node stuck after the others finished. A node is named by
-  its index in the launch (``SBATCH_GEN_NODE_RANK`` or ``SLURM_NODEID``), not by its ranks: torch's c10d
-  rendezvous orders the agents by address and pid, so which node gets ranks 0.. is not the launch's order.
+  ``--probe-max-s``; ``hung.node-N.local-L`` notes it: JSON attempt and rank), as a node stuck after the others
+  finished. A node is named by its index in the launch (``SBATCH_GEN_NODE_RANK`` or ``SLURM_NODEID``), not by
+  its ranks: torch's c10d rendezvous orders the agents by address and pid, so which node gets ranks 0.. is not
+  the launch's order, and may differ from one attempt to the next. So "the first time" is the node's (and
+  local rank's) first time, never the rank's: a node that got other ranks in the next attempt must not hang
+  again.
 - ``--probe-mode none`` (a trainer that only checkpoints periodically): no signal handler; every
   ``--probe-step-s`` it takes a step and writes its step to ``ckpt.rank-R`` (atomically). Started again with
   a ``ckpt.rank-R``, it resumes from that step and exits 0 after ``--probe-more-steps`` more.
@@ -89,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"probe rank {rank} attempt {attempt}: {args.probe_mode}, resumed from {resumed}", flush=True)
 
     if args.probe_mode == "end":
-        hung = d / f"hung.rank-{rank}"
+        hung = d / f"hung.node-{node}.local-{os.environ.get('LOCAL_RANK', '0')}"
         if node in args.probe_hang_nodes.split(",") and not hung.exists():
-            hung.write_text(str(attempt))
+            _write(hung, json.dumps({"attempt": attempt, "rank": rank}))
             time.sleep(args.probe_max_s)
             return 3
         _write(d / f"done.attempt-{attempt}.rank-{rank}", repr(time.time()))
