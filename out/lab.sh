@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: d9d100cf26571352991ef33987fc40fe76015129b439b658e6d53d1f3d14d1f2
+#   inputs sha256: e559349e0ce2ef9b1d3e885cf4b4ea7d1c13bacbf9b5829fdb28a7f71f96906f
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -83,9 +83,7 @@ NODE_ENV=(
 # A required one unset or empty here: the launch does not start. Each node gets the values over ssh's stdin, for the
 # preflight and torchrun only: never on a command line, in a file or a log. NAME, its field, required (1) or sent when set (0)
 SECRET_ENV=()  # none named
-# The preflight's check that every node reaches cross_region's bucket with them (s3 transport only; node
-# program settings: a LIST of at most one key, ssh.connect_timeout_s to connect and to read)
-BUCKET_CHECK=()  # cross_region with the s3 transport only
+BUCKET_CHECK=()  # the preflight's check of cross_region's bucket: s3 transport only
 
 # ---- trainer: its flags are the Slurm scripts' (node_main) ---------------------------------------
 TRAINER_MODULE=sbatch_gen.train  # trainer.module

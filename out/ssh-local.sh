@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: e23caf7107685a91634e54d3f87c2dc2d4badfd1202dbc25082fd8bf1b843960
+#   inputs sha256: 16c37ef9e5942b0d4f467ca48f3417af9478751811da8cc4f54c2bf0c20421b2
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -71,9 +71,7 @@ NODE_ENV=(
 # A required one unset or empty here: the launch does not start. Each node gets the values over ssh's stdin, for the
 # preflight and torchrun only: never on a command line, in a file or a log. NAME, its field, required (1) or sent when set (0)
 SECRET_ENV=()  # none named
-# The preflight's check that every node reaches cross_region's bucket with them (s3 transport only; node
-# program settings: a LIST of at most one key, ssh.connect_timeout_s to connect and to read)
-BUCKET_CHECK=()  # cross_region with the s3 transport only
+BUCKET_CHECK=()  # the preflight's check of cross_region's bucket: s3 transport only
 
 # ---- trainer: its flags are the Slurm scripts' (node_main) ---------------------------------------
 TRAINER_MODULE=sbatch_gen.train  # trainer.module

@@ -34,7 +34,7 @@ LIBRARY_FILES = [d / name for d in OUT_DIRS for name in LIBRARIES if (d / name).
 LAUNCH_BY = 175
 DECISION_BY = 185
 # ...and where the flow ends: main's closing brace, after the requeue decision (183 in eu: the job library's
-# end_attempt does it; the SSH launcher's main is its attempts loop, 181 in lab.sh).
+# end_attempt does it; the SSH launcher's main is its attempts loop, 179 in lab.sh).
 MAIN_END_BY = 190
 # A Slurm training script whole: 218 lines for eu (250 before the job library pinned the node program, its git
 # blob id replaced the bootstrap's walk of git history, options without a profile key went three to a line and
@@ -51,10 +51,10 @@ BOOTSTRAP = ["log", "die", "stage_pinned"]
 # After an SSH launcher's main: the function that holds its site's settings (torchrun's and the trainer's
 # flags), then its bootstrap.
 SSH_AFTER_MAIN = ["node_main", "pinned_library"]
-# An SSH launcher whole: 242 lines for lab.sh (261 before debug_env became a node function both launchers share
+# An SSH launcher whole: 240 lines for lab.sh (242 before the bucket check's comment went with the check; 261 before debug_env became a node function both launchers share
 # and options without a profile key went three to a line, and TORCHRUN_FLAGS became the flags' names; 285 before its preflight_main became the SSH library's; 734
 # before its functions but node_main and preflight_main became the SSH library).
-SSH_LAUNCHER_LINES = 242
+SSH_LAUNCHER_LINES = 240
 
 
 def _ids(paths):
