@@ -73,13 +73,18 @@ def _away_lines(out: Path, regions: list[str], grace_s: float) -> list[str]:
             if e.get("event") == "xr_leave":
                 lines.append(f"{r}: left after step {e['step']} (round {e['round']}): {e['reason']}")
             if e.get("event") == "xr_rejoin":
-                into = e.get("steps_into_round", 0)
+                # the run's step: where the adopted round ended, plus how far the run was into the next
+                into, at, to = e.get("steps_into_round", 0), e["adopted_step"], e["to_round"]
+                where = (
+                    f"round {to} ended at step {at - into}; the run was {into} step(s) into the next by the "
+                    "store's clock"
+                    if into
+                    else f"the end of round {to}"
+                )
                 lines.append(
-                    f"{r}: rejoined: fast-forwarded from round {e['from_round']} to {e['to_round']} "
+                    f"{r}: rejoined: fast-forwarded from round {e['from_round']} to {to} "
                     f"({e['replayed']} round(s) replayed, via {', '.join(e['via'])}) in {e['seconds']:.2f} s; "
-                    f"continued at the run's step {e['adopted_step']} (round {e['to_round']} ended at step "
-                    f"{e['adopted_step'] - into}, and the run was {into} step(s) into the next by the store's "
-                    f"clock), its data from where it left off"
+                    f"continued after the run's step {at} ({where}), its data from where it left off"
                 )
                 back = [x for x in rounds if x["xr_round"] == e["to_round"] + 1]
                 if back:
