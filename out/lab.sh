@@ -2,7 +2,7 @@
 # SSH launcher for site 'lab', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site lab`, review the diff and commit it.
 #   profile: sites/lab.yaml
-#   inputs sha256: e559349e0ce2ef9b1d3e885cf4b4ea7d1c13bacbf9b5829fdb28a7f71f96906f
+#   inputs sha256: ca0c894c6a653dd0f04ad0960cf0b6025fa978a840e4a0f279521458c2ab01f6
 #
 # Run it on lab-gpu01 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -83,7 +83,7 @@ NODE_ENV=(
 # A required one unset or empty here: the launch does not start. Each node gets the values over ssh's stdin, for the
 # preflight and torchrun only: never on a command line, in a file or a log. NAME, its field, required (1) or sent when set (0)
 SECRET_ENV=()  # none named
-BUCKET_CHECK=()  # the preflight's check of cross_region's bucket: s3 transport only
+BUCKET_CHECK=()  # none: the preflight checks cross_region's bucket with the s3 transport only
 
 # ---- trainer: its flags are the Slurm scripts' (node_main) ---------------------------------------
 TRAINER_MODULE=sbatch_gen.train  # trainer.module

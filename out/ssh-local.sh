@@ -2,7 +2,7 @@
 # SSH launcher for site 'ssh-local', rendered by sbatch-gen. Do not edit by hand: change the profile
 # (or templates/), run `sbatch-gen render --site ssh-local`, review the diff and commit it.
 #   profile: sites/ssh-local.yaml
-#   inputs sha256: 16c37ef9e5942b0d4f467ca48f3417af9478751811da8cc4f54c2bf0c20421b2
+#   inputs sha256: 64db3239ae51b17c2a2b76bbc54b41c7624011435118c8e995835814b11ee2f8
 #
 # Run it on 127.0.0.1 (node 0) from the directory the profile's relative paths refer to;
 # every host must have that directory at the same path (shared filesystem or identical checkout).
@@ -71,7 +71,7 @@ NODE_ENV=(
 # A required one unset or empty here: the launch does not start. Each node gets the values over ssh's stdin, for the
 # preflight and torchrun only: never on a command line, in a file or a log. NAME, its field, required (1) or sent when set (0)
 SECRET_ENV=()  # none named
-BUCKET_CHECK=()  # the preflight's check of cross_region's bucket: s3 transport only
+BUCKET_CHECK=()  # none: the preflight checks cross_region's bucket with the s3 transport only
 
 # ---- trainer: its flags are the Slurm scripts' (node_main) ---------------------------------------
 TRAINER_MODULE=sbatch_gen.train  # trainer.module

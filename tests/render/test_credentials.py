@@ -185,7 +185,10 @@ def test_the_launcher_names_the_secrets_and_the_bucket_check():
 def test_a_site_without_secrets_renders_empty_settings():
     text = launcher()
     assert "\nSECRET_ENV=()  # none named\n" in text
-    assert "\nBUCKET_CHECK=()  # the preflight's check of cross_region's bucket: s3 transport only\n" in text
+    assert (
+        "\nBUCKET_CHECK=()  # none: the preflight checks cross_region's bucket with the s3 transport only\n"
+        in text
+    )
 
 
 def test_the_slurm_preflight_runs_the_bucket_check_on_every_node():
