@@ -307,8 +307,8 @@ def context(site: LoadedSite, sha: str) -> dict:
         "ssh_torchrun_flags": torchrun_flags_to_check(p, SSH),
         "container_argv": container_argv,
         "preflight_ib_hca": preflight_ib_hca(p),
-        # the node program: its file name (render writes it beside the renders) and the sha256 it must have
-        "node_py": {"name": NODE_PROGRAM_FILE, **pinned(node_program_text())},
+        # the node program: its file name (render writes it beside the renders), the sha256 it must have, its git blob id
+        "node_py": node_py_pin(),
         **CONTRACT_CONTEXT,
     }
     ctx.update(p.template_context(site.name))
@@ -356,6 +356,11 @@ def node_program() -> Rendered:
     return Rendered(NODE_PROGRAM_FILE, node_program_text(), "")
 
 
+def node_py_pin() -> dict[str, str]:
+    """The node program as the templates pin it (``node_py``): its file name, sha256 and git blob id."""
+    return {"name": NODE_PROGRAM_FILE, **pinned(node_program_text())}
+
+
 # The libraries of the launchers' functions, the same for every site: the Slurm training scripts' job library
 # (templates/slurm-job.sh.j2: main's helpers and the node functions) and the SSH launchers' library
 # (templates/ssh-lib.sh.j2: the launcher's functions and the nodes'). `render` writes each beside the renders
@@ -375,8 +380,7 @@ def library(name: str, templates_dir: Path | None = None) -> Rendered:
     tdir = templates_dir or default_templates_dir()
     env = _cached_env(str(Path(tdir).resolve()))
     try:
-        node_py = {"name": NODE_PROGRAM_FILE, **pinned(node_program_text())}
-        text = env.get_template(template).render({**CONTRACT_CONTEXT, "node_py": node_py})
+        text = env.get_template(template).render({**CONTRACT_CONTEXT, "node_py": node_py_pin()})
     except jinja2.TemplateNotFound as e:
         raise UserError(f"{display_path(tdir)}: template {e.name!r} not found") from None
     except jinja2.TemplateError as e:
